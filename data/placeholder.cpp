@@ -1,0 +1,1 @@
+namespace keel { int keel_data_placeholder = 0; }

@@ -1,0 +1,144 @@
+// The op set every backend implements. CpuBackend (kernels/cpu) is the reference: fp32
+// arithmetic, storage in the dtype of each output tensor (bf16/fp16 rounded to nearest even),
+// deterministic (every reduction in a fixed order that does not depend on the thread count).
+// Other backends are tested against it.
+//
+// Conventions
+// - All tensors are row-major. "N" is the number of token rows (batch * sequence).
+// - Inputs may be any float dtype; they are read as fp32. Outputs are rounded to their dtype.
+// - Parameter gradients (dweight, dbias, dtok_embed, ...) are fp32 and ACCUMULATED (+=), so
+//   micro-batches sum into them. Activation gradients are written unless stated otherwise.
+// - Statistics saved for backward (mean, rstd, lse) are fp32.
+// - Shapes are checked; a mismatch throws std::invalid_argument naming the op and the shapes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kernels/tensor.h"
+
+namespace keel {
+
+// Shape of one causal self-attention call. Query head h reads key/value head
+// h / (n_heads / n_kv_heads) (grouped-query attention; n_kv_heads == n_heads is plain MHA).
+struct AttnShape {
+  int B = 0, T = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  int64_t qkv_cols() const { return static_cast<int64_t>(n_heads + 2 * n_kv_heads) * head_dim; }
+};
+
+// One AdamW update (PyTorch's torch.optim.AdamW semantics, decoupled weight decay):
+//   g = grad * grad_scale                       (grad_scale folds loss-scale removal and clipping)
+//   p -= lr * weight_decay * p
+//   m = beta1 m + (1 - beta1) g ;  v = beta2 v + (1 - beta2) g^2
+//   p -= (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+struct AdamWParams {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+  int64_t step = 1;  // 1-based Adam step count (bias correction)
+  float grad_scale = 1;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;
+
+  // ---- memory ----
+  virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned
+  virtual void release(void* p) = 0;
+  virtual void copy_to_host(void* dst, const Tensor& src) = 0;      // raw bytes, src.bytes()
+  virtual void copy_from_host(const Tensor& dst, const void* src) = 0;
+  virtual void synchronize() {}
+
+  // ---- elementwise ----
+  virtual void convert(const Tensor& dst, const Tensor& src) = 0;  // equal numel; float dtypes
+  virtual void fill(const Tensor& dst, float value) = 0;
+  virtual void add(const Tensor& out, const Tensor& a, const Tensor& b) = 0;  // out = a + b
+  virtual void scale(const Tensor& x, float s) = 0;                            // x *= s
+
+  // ---- matmul ----
+  // out[M,N] = op(a)[M,K] @ op(b)[K,N] (+ bias[N]), op(x) = x^T when trans_x (x stored [K,M]).
+  // accumulate: out += (op(a) @ op(b)); the product is summed in fp32 before being added.
+  // A linear layer y = x W^T + b with W stored [out, in] is matmul(y, x, W, false, true, false, &b);
+  // its backward is matmul(dx, dy, W, false, false) and matmul(dW, dy, x, true, false, true).
+  virtual void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                      bool accumulate = false, const Tensor* bias = nullptr) = 0;
+  virtual void bias_backward(const Tensor& dbias, const Tensor& dout) = 0;  // dbias[N] += sum_rows dout
+
+  // ---- embedding ----
+  // out[n,:] = tok_embed[tokens[n] - vocab_start, :] when that row is local (vocab-parallel
+  // shard [vocab_start, vocab_start + V_local)), else 0; plus pos_embed[n % T, :] if given.
+  virtual void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed,
+                                 const Tensor& pos_embed, int T, int64_t vocab_start) = 0;
+  virtual void embedding_backward(const Tensor& dtok_embed, const Tensor& dpos_embed, const Tensor& dout,
+                                  const Tensor& tokens, int T, int64_t vocab_start) = 0;
+
+  // ---- norms (over the last dimension) ----
+  // LayerNorm: out = (x - mean) * rstd * weight + bias, rstd = 1/sqrt(var + eps) (biased var).
+  virtual void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
+                                 const Tensor& weight, const Tensor& bias, float eps) = 0;
+  // din is written, or added to when accumulate_din (the residual stream's gradient).
+  virtual void layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias,
+                                  const Tensor& dout, const Tensor& in, const Tensor& weight,
+                                  const Tensor& mean, const Tensor& rstd, bool accumulate_din) = 0;
+  // RMSNorm: out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
+  virtual void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
+                               float eps) = 0;
+  virtual void rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
+                                const Tensor& weight, const Tensor& rstd, bool accumulate_din) = 0;
+
+  // ---- activations ----
+  // GELU, tanh approximation (GPT-2's "gelu_new"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+  virtual void gelu_forward(const Tensor& out, const Tensor& in) = 0;
+  virtual void gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) = 0;
+  // SwiGLU on a packed [N, 2F] input (gate columns first, then up): out = silu(gate) * up.
+  virtual void swiglu_forward(const Tensor& out, const Tensor& in) = 0;
+  virtual void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) = 0;
+
+  // ---- attention ----
+  // qkv is [B*T, (n_heads + 2 n_kv_heads) * head_dim]: per row all query heads, then key heads,
+  // then value heads, each head_dim wide. Position of row n is n % T.
+  // RoPE, Hugging Face "rotate_half" convention: within a head, element i < hd/2 pairs with
+  // i + hd/2, rotated by angle pos * theta^(-2i/hd). Applied in place to q and k; backward
+  // applies the inverse rotation in place to dq and dk.
+  virtual void rope_forward(const Tensor& qkv, const AttnShape& s, float theta) = 0;
+  virtual void rope_backward(const Tensor& dqkv, const AttnShape& s, float theta) = 0;
+  // out[B*T, n_heads*hd] = causal softmax(q k^T / sqrt(hd)) v, per head; lse[B, n_heads, T] is the
+  // log-sum-exp of each score row (all backward needs; no T x T matrix is kept).
+  virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) = 0;
+  // dqkv (written) from dout, the forward's qkv (after RoPE), out and lse.
+  virtual void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                  const Tensor& lse, const AttnShape& s) = 0;
+
+  // ---- softmax cross-entropy (vocab-parallel ready) ----
+  // logits [N, V_local] hold vocab columns [vocab_start, vocab_start + V_local).
+  // Per row: row_max = max_j logits, sumexp = sum_j exp(logits - row_max),
+  // target_logit = logits[target - vocab_start] if the target is local, else 0.
+  // Rows with target < 0 are ignored (masked out of the loss); their stats are still computed.
+  virtual void xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit,
+                          const Tensor& logits, const Tensor& targets, int64_t vocab_start) = 0;
+  // lse = row_max + log(sumexp); losses[n] = lse - target_logit, or 0 for ignored rows.
+  // (Under tensor parallelism the stats are first combined across the vocab shards.)
+  virtual void xent_loss(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sumexp,
+                         const Tensor& target_logit, const Tensor& targets) = 0;
+  // In place: logits[n,j] <- (exp(logits[n,j] - lse[n]) - [j + vocab_start == target[n]]) * dloss,
+  // and 0 for ignored rows. dloss is d(total loss)/d(row loss), e.g. loss_scale / n_valid_tokens.
+  virtual void xent_backward(const Tensor& logits, const Tensor& lse, const Tensor& targets, float dloss,
+                             int64_t vocab_start) = 0;
+
+  // ---- optimizer and reductions ----
+  // master (fp32) may be empty: then the working tensor itself is updated (the unsafe
+  // "parameters only in bf16" mode). If working aliases master it is not written twice.
+  virtual void adamw(const Tensor& master, const Tensor& working, const Tensor& grad, const Tensor& m,
+                     const Tensor& v, const AdamWParams& p) = 0;
+  virtual double sum(const Tensor& x) = 0;
+  virtual double sum_squares(const Tensor& x) = 0;
+  virtual float max_abs(const Tensor& x) = 0;  // inf/nan propagate
+  virtual int64_t count_nonfinite(const Tensor& x) = 0;
+  virtual int64_t count_zeros(const Tensor& x) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace keel

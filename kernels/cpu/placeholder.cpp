@@ -1,0 +1,1 @@
+namespace keel { int keel_kernels_placeholder = 0; }

@@ -1,0 +1,23 @@
+// Device discovery. A machine without a GPU (or without a driver) simply has zero devices.
+#include <cuda_runtime.h>
+
+#include <string>
+
+namespace keel::cuda {
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver / no device" error
+    return 0;
+  }
+  return n;
+}
+
+std::string device_name(int index) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess) return "";
+  return prop.name;
+}
+
+}  // namespace keel::cuda

@@ -1,0 +1,22 @@
+#include "kernels/device.h"
+
+#ifdef KEEL_HAVE_CUDA
+namespace keel::cuda {
+int device_count();
+std::string device_name(int index);
+}  // namespace keel::cuda
+#endif
+
+namespace keel {
+
+#ifdef KEEL_HAVE_CUDA
+bool cuda_built() { return true; }
+int cuda_device_count() { return cuda::device_count(); }
+std::string cuda_device_name(int index) { return cuda::device_name(index); }
+#else
+bool cuda_built() { return false; }
+int cuda_device_count() { return 0; }
+std::string cuda_device_name(int) { return ""; }
+#endif
+
+}  // namespace keel
