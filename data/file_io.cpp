@@ -1,0 +1,121 @@
+#include "data/file_io.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "data/token_file.h"
+
+namespace keel::data::detail {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+MappedFile MappedFile::open(const std::string& path, const std::string& kind) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int err = errno;
+    if (err == ENOENT) throw DataError(kind + " '" + path + "' does not exist");
+    throw DataError("cannot open " + kind + " '" + path + "': " + errno_text(err));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw DataError("cannot stat " + kind + " '" + path + "': " + errno_text(err));
+  }
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    throw DataError(kind + " '" + path + "' is a directory, not a file");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw DataError(kind + " '" + path + "' is not a regular file");
+  }
+  if (st.st_size == 0) {
+    ::close(fd);
+    throw DataError(kind + " '" + path + "' is empty (0 bytes)");
+  }
+  void* base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+  int err = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  if (base == MAP_FAILED) {
+    throw DataError("cannot memory-map " + kind + " '" + path + "' (" + std::to_string(st.st_size) +
+                    " bytes): " + errno_text(err));
+  }
+  MappedFile file;
+  file.path_ = path;
+  file.base_ = base;
+  file.size_ = st.st_size;
+  return file;
+}
+
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : path_(std::move(other.path_)), base_(other.base_), size_(other.size_) {
+  other.base_ = nullptr;
+  other.size_ = 0;
+}
+
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+  if (this != &other) {
+    reset();
+    path_ = std::move(other.path_);
+    base_ = other.base_;
+    size_ = other.size_;
+    other.base_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+MappedFile::~MappedFile() { reset(); }
+
+void MappedFile::reset() noexcept {
+  if (base_ != nullptr) munmap(base_, static_cast<size_t>(size_));
+  base_ = nullptr;
+  size_ = 0;
+}
+
+FileWriter::FileWriter(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw DataError("cannot create '" + path + "': " + errno_text(errno));
+}
+
+FileWriter::~FileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void FileWriter::write(const void* data, size_t bytes) {
+  if (fd_ < 0) throw DataError("write to '" + path_ + "' after it was closed");
+  const char* p = static_cast<const char*>(data);
+  // write(2) moves at most ~2 GiB per call and may move less; loop until done.
+  constexpr size_t max_chunk = size_t{1} << 30;
+  while (bytes > 0) {
+    ssize_t n = ::write(fd_, p, std::min(bytes, max_chunk));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw DataError("cannot write '" + path_ + "': " + errno_text(errno));
+    }
+    if (n == 0) throw DataError("cannot write '" + path_ + "': write made no progress");
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void FileWriter::close() {
+  if (fd_ < 0) return;
+  int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) throw DataError("cannot finish writing '" + path_ + "': " + errno_text(errno));
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+}  // namespace keel::data::detail

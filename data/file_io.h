@@ -1,0 +1,58 @@
+// POSIX file plumbing shared by the readers and writers of data/ (internal to keel_data):
+// a read-only whole-file mapping and a writer whose errors name the path.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace keel::data::detail {
+
+// strerror(err) as a std::string ("No space left on device").
+std::string errno_text(int err);
+
+// A read-only mapping of a whole regular file. Missing, unreadable, non-regular and empty
+// files throw DataError naming the path; `kind` says what the file should be ("token file").
+class MappedFile {
+ public:
+  static MappedFile open(const std::string& path, const std::string& kind);
+
+  MappedFile() = default;
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile();
+
+  const std::string& path() const { return path_; }
+  const unsigned char* data() const { return static_cast<const unsigned char*>(base_); }
+  int64_t size() const { return size_; }
+
+ private:
+  void reset() noexcept;
+  std::string path_;
+  void* base_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// Creates/truncates `path` and writes to it; every failure (EACCES at open, ENOSPC at write or
+// close, ...) throws DataError naming the path. The destructor closes quietly: call close() to
+// learn about errors that only show up then (NFS, quotas).
+class FileWriter {
+ public:
+  explicit FileWriter(const std::string& path);
+  FileWriter(const FileWriter&) = delete;
+  FileWriter& operator=(const FileWriter&) = delete;
+  ~FileWriter();
+
+  void write(const void* data, size_t bytes);
+  void close();
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+bool file_exists(const std::string& path);  // any kind of file, following links
+
+}  // namespace keel::data::detail

@@ -1,1 +1,0 @@
-namespace keel { int keel_data_placeholder = 0; }

@@ -1,0 +1,155 @@
+#include "data/sampler.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+namespace keel::data {
+
+namespace {
+
+// splitmix64's finalizer: a bijective 64-bit mix whose every output bit depends on every input
+// bit, enough to serve as a Feistel round function and for key derivation.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+constexpr int kFeistelRounds = 6;  // 4 already give a strong permutation; 2 more mix small domains
+
+}  // namespace
+
+// ---- TokenDataset ------------------------------------------------------------------------
+
+TokenDataset::TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t vocab_size)
+    : files_(std::move(files)), seq_len_(seq_len), vocab_size_(vocab_size) {
+  if (seq_len < 1) throw DataError("sequence length must be at least 1, got " + std::to_string(seq_len));
+  if (vocab_size < 1) throw DataError("vocab size must be at least 1");
+  if (files_.empty()) throw DataError("no token files given");
+  window_offsets_.reserve(files_.size() + 1);
+  window_offsets_.push_back(0);
+  const TokenFile* largest = &files_.front();
+  for (const TokenFile& f : files_) {
+    // A window needs seq_len + 1 tokens; consecutive windows share no tokens, so the last
+    // target of one window is not the first input of the next.
+    window_offsets_.push_back(window_offsets_.back() + (f.num_tokens() - 1) / seq_len);
+    num_tokens_ += f.num_tokens();
+    if (f.num_tokens() > largest->num_tokens()) largest = &f;
+  }
+  if (num_windows() == 0) {
+    throw DataError("no training windows: a window needs seq_len + 1 = " + std::to_string(seq_len + 1) +
+                    " tokens, but the largest of the " + std::to_string(files_.size()) + " token file(s), '" +
+                    largest->path() + "', has only " + std::to_string(largest->num_tokens()));
+  }
+}
+
+TokenDataset TokenDataset::open(const std::vector<std::string>& paths, int seq_len, uint32_t vocab_size) {
+  std::vector<TokenFile> files;
+  files.reserve(paths.size());
+  for (const std::string& p : paths) files.push_back(TokenFile::open(p));
+  return TokenDataset(std::move(files), seq_len, vocab_size);
+}
+
+TokenDataset::WindowLocation TokenDataset::locate(int64_t window) const {
+  if (window < 0 || window >= num_windows()) {
+    throw DataError("window " + std::to_string(window) + " is outside [0, " + std::to_string(num_windows()) + ")");
+  }
+  // The file whose range [off[f], off[f+1]) holds the window; files with no windows have an
+  // empty range and are skipped by upper_bound.
+  auto it = std::upper_bound(window_offsets_.begin(), window_offsets_.end(), window);
+  size_t f = static_cast<size_t>(it - window_offsets_.begin()) - 1;
+  return {f, (window - window_offsets_[f]) * seq_len_};
+}
+
+bool TokenDataset::check_vocab(int64_t max_tokens) const {
+  if (num_tokens_ > max_tokens) return false;
+  for (const TokenFile& f : files_) {
+    const int64_t at = f.find_token_at_least(vocab_size_, 0, f.num_tokens());
+    if (at >= 0)
+      throw DataError("'" + f.path() + "': token " + std::to_string(f.token(at)) + " at position " + std::to_string(at) +
+                      " is outside the vocabulary (vocab size " + std::to_string(vocab_size_) +
+                      "); was the data tokenized for another model?");
+  }
+  return true;
+}
+
+void TokenDataset::read_window(int64_t window, int32_t* inputs, int32_t* targets) const {
+  const WindowLocation loc = locate(window);
+  const TokenFile& f = files_[loc.file];
+  const size_t n = static_cast<size_t>(seq_len_);
+  f.read(loc.start, seq_len_, inputs);
+  std::memcpy(targets, inputs + 1, (n - 1) * sizeof(int32_t));
+  targets[n - 1] = static_cast<int32_t>(f.token(loc.start + seq_len_));
+
+  // Checked here, on every read, because an out-of-vocab id would index past the embedding
+  // table; the loop is cheap next to the step that consumes these tokens.
+  auto check = [&](int32_t value, int64_t position) {
+    uint32_t token = static_cast<uint32_t>(value);
+    if (token >= vocab_size_) {
+      throw DataError("'" + f.path() + "': token " + std::to_string(token) + " at position " +
+                      std::to_string(position) + " is outside the vocabulary (vocab size " +
+                      std::to_string(vocab_size_) + "); was the data tokenized for another model?");
+    }
+  };
+  for (size_t k = 0; k < n; ++k) check(inputs[k], loc.start + static_cast<int64_t>(k));
+  check(targets[n - 1], loc.start + seq_len_);
+}
+
+// ---- Sampler -----------------------------------------------------------------------------
+
+Sampler::Sampler(TokenDataset dataset, uint64_t seed, bool shuffle)
+    : dataset_(std::move(dataset)), seed_(seed), shuffle_(shuffle) {
+  // Smallest even bit count 2h with 4^h >= W: the walk below then takes < 4 steps on average.
+  const uint64_t W = static_cast<uint64_t>(num_windows());
+  const int bits = W <= 1 ? 1 : std::bit_width(W - 1);
+  half_bits_ = std::max(1, (bits + 1) / 2);
+}
+
+int64_t Sampler::epoch_of(int64_t sample) const {
+  if (sample < 0) throw DataError("sample index must be >= 0, got " + std::to_string(sample));
+  return sample / num_windows();
+}
+
+// window = perm_{seed,epoch}(sample % W). perm is a balanced Feistel network over 2*half_bits_
+// bits keyed by (seed, epoch), restricted to [0, W) by cycle-walking: re-encrypting a value
+// that lands outside [0, W) until it lands inside keeps the map a bijection of [0, W). No
+// table, O(1) memory, and a pure function of (seed, sample), which resuming relies on: any
+// change here changes the data order of existing runs.
+int64_t Sampler::window_of(int64_t sample) const {
+  const int64_t epoch = epoch_of(sample);
+  const int64_t W = num_windows();
+  const uint64_t j = static_cast<uint64_t>(sample % W);
+  if (!shuffle_) return static_cast<int64_t>(j);
+
+  const uint64_t epoch_key = mix64(mix64(seed_) ^ static_cast<uint64_t>(epoch));
+  uint64_t round_keys[kFeistelRounds];
+  for (int r = 0; r < kFeistelRounds; ++r) round_keys[r] = mix64(epoch_key + static_cast<uint64_t>(r));
+
+  const int h = half_bits_;
+  const uint64_t mask = (uint64_t{1} << h) - 1;
+  uint64_t x = j;
+  do {
+    uint64_t left = x >> h;
+    uint64_t right = x & mask;
+    for (int r = 0; r < kFeistelRounds; ++r) {
+      uint64_t next_right = left ^ (mix64(right ^ round_keys[r]) & mask);
+      left = right;
+      right = next_right;
+    }
+    x = (left << h) | right;
+  } while (x >= static_cast<uint64_t>(W));
+  return static_cast<int64_t>(x);
+}
+
+void Sampler::fill(int64_t first_sample, int count, int32_t* inputs, int32_t* targets) const {
+  if (count < 0) throw DataError("sample count must be >= 0, got " + std::to_string(count));
+  const size_t n = static_cast<size_t>(seq_len());
+  for (int s = 0; s < count; ++s) {
+    const size_t at = static_cast<size_t>(s) * n;
+    dataset_.read_window(window_of(first_sample + s), inputs + at, targets + at);
+  }
+}
+
+}  // namespace keel::data

@@ -1,0 +1,81 @@
+// Training samples: windows of seq_len + 1 consecutive tokens, addressed by a global sample
+// index (the count of samples consumed so far), shuffled by a pure function of (seed, index).
+//
+// Because the sample -> window map needs no state, a run resumed at consumed sample c reads
+// exactly what the uninterrupted run read from c on, on any number of DP ranks: DP rank r of a
+// global batch of G samples starting at c takes samples c + r*G/dp ... c + (r+1)*G/dp - 1.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/token_file.h"
+
+namespace keel::data {
+
+// The windows of a list of token files. File f contributes floor((n_f - 1) / seq_len)
+// non-overlapping windows starting at token 0, seq_len, 2*seq_len, ...; windows never cross
+// files. Every token read is checked against the vocab size.
+class TokenDataset {
+ public:
+  TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t vocab_size);
+  // Opens each path with TokenFile::open.
+  static TokenDataset open(const std::vector<std::string>& paths, int seq_len, uint32_t vocab_size);
+
+  int seq_len() const { return seq_len_; }
+  uint32_t vocab_size() const { return vocab_size_; }
+  int64_t num_windows() const { return window_offsets_.back(); }
+  int64_t num_tokens() const { return num_tokens_; }  // in all files, windows or not
+  size_t num_files() const { return files_.size(); }
+  const TokenFile& file(size_t f) const { return files_.at(f); }
+
+  // When the dataset holds at most `max_tokens` tokens, scans all of them for ids >= vocab_size
+  // and throws the same DataError as read_window would: bad data fails at start-up, before a
+  // run writes anything. Larger datasets rely on the per-window check. Returns whether it scanned.
+  bool check_vocab(int64_t max_tokens) const;
+
+  struct WindowLocation {
+    size_t file;
+    int64_t start;  // token offset of the window's first token in that file
+  };
+  WindowLocation locate(int64_t window) const;
+
+  // Writes the window's first seq_len tokens to inputs and the next-token shift to targets
+  // (targets[k] = inputs[k + 1], the last one being token seq_len of the window). A token
+  // >= vocab_size throws DataError naming the file, the position and the value.
+  void read_window(int64_t window, int32_t* inputs, int32_t* targets) const;
+
+ private:
+  std::vector<TokenFile> files_;
+  std::vector<int64_t> window_offsets_;  // prefix sums: file f holds windows [off[f], off[f+1])
+  int seq_len_;
+  uint32_t vocab_size_;
+  int64_t num_tokens_ = 0;
+};
+
+// Maps sample indices to windows. Epoch e = sample / W, and the window is perm_{seed,e}(sample
+// % W), a pseudo-random bijection of [0, W) evaluated in O(1) memory (see window_of). Without
+// shuffle, sample i reads window i % W (the validation order).
+class Sampler {
+ public:
+  Sampler(TokenDataset dataset, uint64_t seed, bool shuffle);
+
+  const TokenDataset& dataset() const { return dataset_; }
+  int seq_len() const { return dataset_.seq_len(); }
+  int64_t num_windows() const { return dataset_.num_windows(); }
+  int64_t epoch_of(int64_t sample) const;
+  int64_t window_of(int64_t sample) const;
+
+  // Samples first_sample .. first_sample + count - 1 into inputs and targets, count * seq_len
+  // int32 each (sample k at offset k * seq_len).
+  void fill(int64_t first_sample, int count, int32_t* inputs, int32_t* targets) const;
+
+ private:
+  TokenDataset dataset_;
+  uint64_t seed_;
+  bool shuffle_;
+  int half_bits_ = 0;  // the Feistel network permutes [0, 4^half_bits_) ⊇ [0, W)
+};
+
+}  // namespace keel::data

@@ -1,0 +1,119 @@
+// Token (+ learned position) embedding, vocab-parallel: this rank holds token rows
+// [vocab_start, vocab_start + V_local); tokens outside that range contribute zero here.
+#include <vector>
+
+#include "kernels/cpu/cpu_backend.h"
+
+namespace keel {
+
+using cpu::Named;
+
+namespace {
+
+// Checks shared by forward and backward; returns (N tokens, C columns).
+std::pair<int64_t, int64_t> check_embedding(const char* op, Named rows_out, const Tensor& tokens, Named table,
+                                            const Tensor& pos, const char* pos_name, int T) {
+  cpu::check_dtype(op, {"tokens", tokens}, DType::I32);
+  const int64_t N = tokens.numel(), C = table.t.cols();
+  if (rows_out.t.rows() != N || rows_out.t.cols() != C)
+    cpu::fail(op, std::string(rows_out.name) + " must be [tokens, " + table.name + ".cols()]",
+              {rows_out, {"tokens", tokens}, table});
+  if (!pos.empty()) {
+    if (T <= 0) cpu::fail(op, "T must be positive, got " + std::to_string(T), {{pos_name, pos}});
+    if (pos.cols() != C || pos.rows() < T)
+      cpu::fail(op, std::string(pos_name) + " must be [>= T, C] with T=" + std::to_string(T), {{pos_name, pos}, table});
+  }
+  return {N, C};
+}
+
+}  // namespace
+
+void CpuBackend::embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed,
+                                   const Tensor& pos_embed, int T, int64_t vocab_start) {
+  const char* op = "embedding_forward";
+  cpu::check_float(op, {"out", out});
+  cpu::check_float(op, {"tok_embed", tok_embed});
+  if (!pos_embed.empty()) cpu::check_float(op, {"pos_embed", pos_embed});
+  auto [N, C] = check_embedding(op, {"out", out}, tokens, {"tok_embed", tok_embed}, pos_embed, "pos_embed", T);
+  const int64_t V = tok_embed.rows();
+  const int32_t* tok = tokens.as<const int32_t>();
+#pragma omp parallel
+  {
+    std::vector<float> row(static_cast<size_t>(C)), pos(static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t v = static_cast<int64_t>(tok[n]) - vocab_start;
+      if (v >= 0 && v < V)
+        cpu::load_f32(tok_embed, v * C, C, row.data());
+      else
+        std::fill(row.begin(), row.end(), 0.0f);
+      if (!pos_embed.empty()) {
+        cpu::load_f32(pos_embed, (n % T) * C, C, pos.data());
+        for (int64_t c = 0; c < C; ++c) row[c] += pos[c];
+      }
+      cpu::store_f32(out, n * C, C, row.data());
+    }
+  }
+}
+
+// dtok_embed[v] += sum over tokens n == v (in order of n) of dout[n];
+// dpos_embed[t] += sum over n with n % T == t (in order of n) of dout[n].
+// Tokens are bucketed by local row with a stable counting sort, so each row is summed by one
+// thread in a fixed order (no atomics).
+void CpuBackend::embedding_backward(const Tensor& dtok_embed, const Tensor& dpos_embed, const Tensor& dout,
+                                    const Tensor& tokens, int T, int64_t vocab_start) {
+  const char* op = "embedding_backward";
+  cpu::check_dtype(op, {"dtok_embed", dtok_embed}, DType::F32);
+  if (!dpos_embed.empty()) cpu::check_dtype(op, {"dpos_embed", dpos_embed}, DType::F32);
+  cpu::check_float(op, {"dout", dout});
+  auto [N, C] = check_embedding(op, {"dout", dout}, tokens, {"dtok_embed", dtok_embed}, dpos_embed, "dpos_embed", T);
+  const int64_t V = dtok_embed.rows();
+  const int32_t* tok = tokens.as<const int32_t>();
+
+  // bucket start offsets per local vocab row, then token indices in increasing n
+  std::vector<int64_t> start(static_cast<size_t>(V + 1), 0);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t v = static_cast<int64_t>(tok[n]) - vocab_start;
+    if (v >= 0 && v < V) ++start[v + 1];
+  }
+  for (int64_t v = 0; v < V; ++v) start[v + 1] += start[v];
+  std::vector<int64_t> order(static_cast<size_t>(start[V]));
+  {
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t v = static_cast<int64_t>(tok[n]) - vocab_start;
+      if (v >= 0 && v < V) order[next[v]++] = n;
+    }
+  }
+
+  float* dtok = dtok_embed.as<float>();
+  float* dpos = dpos_embed.empty() ? nullptr : dpos_embed.as<float>();
+#pragma omp parallel
+  {
+    std::vector<float> acc(static_cast<size_t>(C)), buf(static_cast<size_t>(C));
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t v = 0; v < V; ++v) {
+      if (start[v] == start[v + 1]) continue;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t i = start[v]; i < start[v + 1]; ++i) {
+        const float* g = cpu::read_f32(dout, order[i] * C, C, buf.data());
+        for (int64_t c = 0; c < C; ++c) acc[c] += g[c];
+      }
+      for (int64_t c = 0; c < C; ++c) dtok[v * C + c] += acc[c];
+    }
+    if (dpos) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        if (t >= N) continue;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t n = t; n < N; n += T) {
+          const float* g = cpu::read_f32(dout, n * C, C, buf.data());
+          for (int64_t c = 0; c < C; ++c) acc[c] += g[c];
+        }
+        for (int64_t c = 0; c < C; ++c) dpos[t * C + c] += acc[c];
+      }
+    }
+  }
+}
+
+}  // namespace keel

@@ -1,1 +1,0 @@
-namespace keel { int keel_kernels_placeholder = 0; }

@@ -1,0 +1,40 @@
+// What the network is. One struct describes both families:
+//   gpt2:  learned positions, LayerNorm (with bias), GELU MLP, biases everywhere, tied head.
+//   llama: RoPE, RMSNorm, SwiGLU MLP, no biases, grouped-query attention, head tied or not.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace keel {
+
+enum class Family { GPT2, Llama };
+
+struct ModelConfig {
+  Family family = Family::Llama;
+  int64_t vocab_size = 0;        // tokenizer vocabulary: every token id is below this
+  int64_t pad_vocab_multiple = 1; // pad embedding rows to a multiple of this * tp (Megatron's
+                                   // make-vocab-size-divisible-by); padding rows are never targets
+  int64_t padded_vocab_size = 0;  // resulting rows of the embedding and head; 0 = vocab_size
+  int d_model = 0;
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;   // == n_heads for plain multi-head attention
+  int ffn_hidden = 0;   // MLP inner width (per projection for SwiGLU)
+  float norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  int max_seq_len = 0;
+  bool tied_embeddings = false;
+  float init_std = 0.02f;
+
+  bool is_gpt2() const { return family == Family::GPT2; }
+  bool is_llama() const { return family == Family::Llama; }
+  int64_t embed_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
+  int head_dim() const { return d_model / n_heads; }
+  int q_dim() const { return n_heads * head_dim(); }
+  int kv_dim() const { return n_kv_heads * head_dim(); }
+};
+
+std::string family_name(Family f);
+
+}  // namespace keel

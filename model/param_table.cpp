@@ -1,0 +1,173 @@
+#include "model/param_table.h"
+
+#include <cmath>
+#include <numbers>
+#include <stdexcept>
+
+namespace keel {
+
+std::string family_name(Family f) { return f == Family::GPT2 ? "gpt2" : "llama"; }
+
+std::string role_name(Role r) {
+  switch (r) {
+    case Role::Matrix: return "matrix";
+    case Role::Embedding: return "embedding";
+    case Role::Norm: return "norm";
+    case Role::Bias: return "bias";
+  }
+  return "?";
+}
+
+std::string split_name(TpSplit s) {
+  switch (s) {
+    case TpSplit::None: return "replicated";
+    case TpSplit::Rows: return "rows";
+    case TpSplit::Cols: return "cols";
+  }
+  return "?";
+}
+
+int64_t ParamSpec::logical_numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+ParamTable::ParamTable(const ModelConfig& cfg, const ModelShard& shard_in) : cfg_(cfg), shard_(shard_in) {
+  if (shard_.end_layer < 0) shard_.end_layer = cfg.n_layers;
+  const bool gpt2 = cfg.is_gpt2();
+  const int64_t d = cfg.d_model, V = cfg.embed_rows(), F = cfg.ffn_hidden;
+  const int64_t q = cfg.q_dim(), kv = cfg.kv_dim();
+  const float std = cfg.init_std;
+  // GPT-2's scaled init: projections that write into the residual stream get std / sqrt(2 L),
+  // so the stream's variance does not grow with depth.
+  const float resid_std = std / std::sqrt(2.0f * static_cast<float>(cfg.n_layers));
+
+  if (shard_.has_embedding) {
+    add("tok_embed", {V, d}, Role::Embedding, TpSplit::Rows, -1, std);
+    if (gpt2) add("pos_embed", {cfg.max_seq_len, d}, Role::Embedding, TpSplit::None, -1, std);
+  }
+  for (int i = shard_.first_layer; i < shard_.end_layer; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    add(p + "attn_norm.weight", {d}, Role::Norm, TpSplit::None, i, 0, 1.0f);
+    if (gpt2) add(p + "attn_norm.bias", {d}, Role::Bias, TpSplit::None, i, 0);
+    add(p + "attn.wq", {q, d}, Role::Matrix, TpSplit::Rows, i, std);
+    add(p + "attn.wk", {kv, d}, Role::Matrix, TpSplit::Rows, i, std);
+    add(p + "attn.wv", {kv, d}, Role::Matrix, TpSplit::Rows, i, std);
+    if (gpt2) {
+      add(p + "attn.bq", {q}, Role::Bias, TpSplit::Rows, i, 0);
+      add(p + "attn.bk", {kv}, Role::Bias, TpSplit::Rows, i, 0);
+      add(p + "attn.bv", {kv}, Role::Bias, TpSplit::Rows, i, 0);
+    }
+    add(p + "attn.wo", {d, q}, Role::Matrix, TpSplit::Cols, i, resid_std);
+    if (gpt2) add(p + "attn.bo", {d}, Role::Bias, TpSplit::None, i, 0);
+    add(p + "mlp_norm.weight", {d}, Role::Norm, TpSplit::None, i, 0, 1.0f);
+    if (gpt2) {
+      add(p + "mlp_norm.bias", {d}, Role::Bias, TpSplit::None, i, 0);
+      add(p + "mlp.w_fc", {F, d}, Role::Matrix, TpSplit::Rows, i, std);
+      add(p + "mlp.b_fc", {F}, Role::Bias, TpSplit::Rows, i, 0);
+      add(p + "mlp.w_proj", {d, F}, Role::Matrix, TpSplit::Cols, i, resid_std);
+      add(p + "mlp.b_proj", {d}, Role::Bias, TpSplit::None, i, 0);
+    } else {
+      add(p + "mlp.w_gate", {F, d}, Role::Matrix, TpSplit::Rows, i, std);
+      add(p + "mlp.w_up", {F, d}, Role::Matrix, TpSplit::Rows, i, std);
+      add(p + "mlp.w_down", {d, F}, Role::Matrix, TpSplit::Cols, i, resid_std);
+    }
+  }
+  if (shard_.has_head) {
+    add("final_norm.weight", {d}, Role::Norm, TpSplit::None, -1, 0, 1.0f);
+    if (gpt2) add("final_norm.bias", {d}, Role::Bias, TpSplit::None, -1, 0);
+    // A tied head reads tok_embed; on a stage without the embedding it would hold a tied copy
+    // (pipeline parallelism). Untied heads have their own matrix.
+    if (!cfg.tied_embeddings) add("lm_head", {V, d}, Role::Matrix, TpSplit::Rows, -1, std);
+  }
+}
+
+void ParamTable::add(std::string name, std::vector<int64_t> shape, Role role, TpSplit split, int layer,
+                     float init_std, float init_value) {
+  ParamSpec p;
+  p.name = std::move(name);
+  p.shape = std::move(shape);
+  p.role = role;
+  p.split = split;
+  p.layer = layer;
+  p.decay = role_decays(role);
+  p.init_std = init_std;
+  p.init_value = init_value;
+  p.local_shape = p.shape;
+  if (split != TpSplit::None && shard_.tp_size > 1) {
+    const size_t dim = split == TpSplit::Rows ? 0 : 1;
+    if (p.shape[dim] % shard_.tp_size != 0)
+      throw std::invalid_argument("parameter " + p.name + ": dimension " + std::to_string(dim) + " (" +
+                                  std::to_string(p.shape[dim]) + ") is not divisible by tp=" +
+                                  std::to_string(shard_.tp_size));
+    p.local_shape[dim] = p.shape[dim] / shard_.tp_size;
+    p.shard_begin = p.local_shape[dim] * shard_.tp_rank;
+  }
+  p.numel = 1;
+  for (int64_t s : p.local_shape) p.numel *= s;
+  p.offset = local_numel_;
+  local_numel_ += p.numel;
+  index_[p.name] = params_.size();
+  params_.push_back(std::move(p));
+}
+
+const ParamSpec& ParamTable::at(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) throw std::out_of_range("no parameter named '" + name + "' in this model");
+  return params_[it->second];
+}
+
+int64_t ParamTable::logical_numel() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.logical_numel();
+  return n;
+}
+
+namespace {
+
+// splitmix64: a bijective 64-bit mixer; good enough statistically for weight init and cheap.
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+inline uint64_t hash_name(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+// Uniform in (0, 1), never exactly 0 (log below).
+inline double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53; }
+
+}  // namespace
+
+void init_param(const ParamSpec& p, uint64_t seed, float* out) {
+  if (p.init_std <= 0) {
+    for (int64_t i = 0; i < p.numel; ++i) out[i] = p.init_value;
+    return;
+  }
+  const uint64_t key = mix64(seed ^ mix64(hash_name(p.name)));
+  const int64_t local_rows = p.local_shape.size() == 2 ? p.local_shape[0] : 1;
+  const int64_t local_cols = p.local_shape.back();
+  const int64_t full_cols = p.shape.back();
+  for (int64_t r = 0; r < local_rows; ++r) {
+    for (int64_t c = 0; c < local_cols; ++c) {
+      // Position of this element in the logical tensor (what makes init layout-independent).
+      int64_t lr = r, lc = c;
+      if (p.split == TpSplit::Rows) (p.shape.size() == 2 ? lr : lc) += p.shard_begin;
+      if (p.split == TpSplit::Cols) lc += p.shard_begin;
+      const uint64_t idx = static_cast<uint64_t>(lr * full_cols + lc);
+      // Box-Muller on two counter-derived uniforms.
+      const double u1 = uniform01(mix64(key + 2 * idx));
+      const double u2 = uniform01(mix64(key + 2 * idx + 1));
+      const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+      out[r * local_cols + c] = static_cast<float>(z * p.init_std);
+    }
+  }
+}
+
+}  // namespace keel

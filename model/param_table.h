@@ -1,0 +1,94 @@
+// The parameter table: one row per logical tensor, generated from the ModelConfig (and, once
+// parallelism lands, the rank's place in the grid). Everything that must treat parameters
+// differently reads it from here: weight decay (derived from the role, never from a class
+// check), tensor-parallel split, tied groups, init, and where the local shard lives in the
+// rank's flat buffers (one buffer per dtype: working weights, fp32 grads, masters, moments).
+//
+// Names are Hugging-Face-like and stable (checkpoints and conversions key on them):
+//   tok_embed [V, d]                      pos_embed [max_seq, d] (gpt2)
+//   layers.{i}.attn_norm.weight/.bias      layers.{i}.attn.wq/wk/wv [heads*hd, d], .bq/.bk/.bv (gpt2)
+//   layers.{i}.attn.wo [d, n_heads*hd]     layers.{i}.attn.bo (gpt2)
+//   layers.{i}.mlp_norm.weight/.bias       llama: layers.{i}.mlp.w_gate/w_up [ffn, d], w_down [d, ffn]
+//                                          gpt2:  layers.{i}.mlp.w_fc [ffn, d], b_fc, w_proj [d, ffn], b_proj
+//   final_norm.weight/.bias                lm_head [V, d] (untied only)
+// Linear weights are [out, in]. wq|wk|wv, bq|bk|bv and w_gate|w_up are laid out back to back
+// so each group is one matmul operand (also for a TP rank's local shards).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "model/model_config.h"
+
+namespace keel {
+
+enum class Role { Matrix, Embedding, Norm, Bias };
+// How tensor parallelism splits a tensor: Rows = dim 0 (column-parallel outputs, vocab rows),
+// Cols = dim 1 (row-parallel inputs), None = replicated on every TP rank.
+enum class TpSplit { None, Rows, Cols };
+
+std::string role_name(Role r);
+std::string split_name(TpSplit s);
+// Weight decay by role: matrices and embeddings decay; norms and biases never do.
+constexpr bool role_decays(Role r) { return r == Role::Matrix || r == Role::Embedding; }
+
+// Which part of the model this rank holds (all of it until tensor/pipeline parallelism).
+struct ModelShard {
+  int tp_rank = 0, tp_size = 1;
+  int first_layer = 0, end_layer = -1;  // [first, end); -1 = n_layers
+  bool has_embedding = true;            // tok_embed (+ pos_embed)
+  bool has_head = true;                 // final norm + head (tok_embed copy when tied)
+};
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;   // logical (full) shape
+  Role role = Role::Matrix;
+  TpSplit split = TpSplit::None;
+  int layer = -1;               // -1: not inside a transformer block
+  bool decay = false;           // == role_decays(role)
+  float init_std = 0;           // > 0: N(0, init_std); else constant init_value
+  float init_value = 0;
+
+  // This rank's shard: local_shape is shape with the split dimension divided by tp_size,
+  // starting at shard_begin along that dimension; it lives at [offset, offset + numel) of the
+  // rank's flat buffers.
+  std::vector<int64_t> local_shape;
+  int64_t shard_begin = 0;
+  int64_t offset = 0;
+  int64_t numel = 0;
+
+  int64_t logical_numel() const;
+};
+
+class ParamTable {
+ public:
+  ParamTable() = default;
+  ParamTable(const ModelConfig& cfg, const ModelShard& shard = {});
+
+  const std::vector<ParamSpec>& params() const { return params_; }
+  const ParamSpec& at(const std::string& name) const;  // throws naming the missing tensor
+  bool contains(const std::string& name) const { return index_.count(name) != 0; }
+  int64_t local_numel() const { return local_numel_; }   // elements in this rank's flat buffers
+  int64_t logical_numel() const;                          // exact model size (each tensor once)
+  const ModelConfig& config() const { return cfg_; }
+  const ModelShard& shard() const { return shard_; }
+
+ private:
+  void add(std::string name, std::vector<int64_t> shape, Role role, TpSplit split, int layer, float init_std,
+           float init_value = 0);
+  ModelConfig cfg_;
+  ModelShard shard_;
+  std::vector<ParamSpec> params_;
+  std::unordered_map<std::string, size_t> index_;
+  int64_t local_numel_ = 0;
+};
+
+// Deterministic initialisation of a tensor's local shard into `out` (fp32, local numel):
+// element value = N(0, init_std) drawn from a counter-based generator keyed by (seed, tensor
+// name, logical element index), so every TP/PP layout initialises the same model.
+void init_param(const ParamSpec& p, uint64_t seed, float* out);
+
+}  // namespace keel

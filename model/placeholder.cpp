@@ -1,2 +1,0 @@
-// placeholder so the library has a source until the model lands
-namespace keel { int keel_model_placeholder = 0; }

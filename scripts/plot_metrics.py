@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Plot keel training curves from one or more metrics.jsonl files.
+
+  python3 scripts/plot_metrics.py RUN1/metrics.jsonl [RUN2/metrics.jsonl ...] -o curves.png
+
+keel writes one JSON object per line. Training records carry "step" and "loss" (and usually
+"lr", "grad_norm", "consumed_tokens", "loss_scale", "tokens_per_s", ...); validation records
+carry "step" and "val_loss" and no "loss". Three panels: loss (train solid, validation dashed
+with markers, one colour per file), gradient norm (log y) and learning rate. Missing fields,
+blank or broken lines and non-finite values are skipped; each file is labelled by its parent
+directory's name (or --labels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _num(v):
+    """A finite float, or None."""
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def load_metrics(path: str) -> dict:
+    series = {"train": [], "val": [], "grad_norm": [], "lr": [], "bad_lines": 0, "nonfinite": 0}
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                series["bad_lines"] += 1  # e.g. a line cut short by a crash
+                continue
+            if not isinstance(rec, dict):
+                series["bad_lines"] += 1
+                continue
+            step = _num(rec.get("step"))
+            if step is None:
+                continue
+            if "loss" in rec:
+                loss = _num(rec["loss"])
+                if loss is None:
+                    series["nonfinite"] += 1
+                else:
+                    series["train"].append((step, loss))
+                gn = _num(rec.get("grad_norm"))
+                if gn is not None and gn > 0:
+                    series["grad_norm"].append((step, gn))
+                lr = _num(rec.get("lr"))
+                if lr is not None:
+                    series["lr"].append((step, lr))
+            if "val_loss" in rec:
+                vl = _num(rec["val_loss"])
+                if vl is not None:
+                    series["val"].append((step, vl))
+    for k in ("train", "val", "grad_norm", "lr"):
+        series[k].sort(key=lambda p: p[0])
+    return series
+
+
+def default_label(path: str) -> str:
+    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return parent or os.path.basename(path)
+
+
+def unique_labels(labels: list) -> list:
+    seen, out = {}, []
+    for lab in labels:
+        n = seen.get(lab, 0)
+        seen[lab] = n + 1
+        out.append(lab if n == 0 else f"{lab} ({n + 1})")
+    return out
+
+
+def plot(runs: list, out: str, title: str | None = None, smooth: int = 1) -> None:
+    fig, (ax_loss, ax_gn, ax_lr) = plt.subplots(
+        3, 1, figsize=(10, 10), sharex=True, gridspec_kw={"height_ratios": [2, 1, 1]})
+    colours = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    gn_any = False
+    for i, (label, s) in enumerate(runs):
+        c = colours[i % len(colours)]
+        if s["train"]:
+            x, y = zip(*s["train"])
+            if smooth > 1:
+                y = moving_average(y, smooth)
+            ax_loss.plot(x, y, "-", color=c, lw=1.2, label=f"{label} train")
+        if s["val"]:
+            x, y = zip(*s["val"])
+            ax_loss.plot(x, y, "--o", color=c, lw=1.2, ms=4, label=f"{label} val")
+        if s["grad_norm"]:
+            x, y = zip(*s["grad_norm"])
+            ax_gn.plot(x, y, "-", color=c, lw=1.0, label=label)
+            gn_any = True
+        if s["lr"]:
+            x, y = zip(*s["lr"])
+            ax_lr.plot(x, y, "-", color=c, lw=1.2, label=label)
+
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title(title or "keel training curves")
+    ax_gn.set_ylabel("grad norm")
+    if gn_any:
+        ax_gn.set_yscale("log")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    for ax in (ax_loss, ax_gn, ax_lr):
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="best")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes,
+                    color="grey")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def moving_average(y, k: int):
+    out, acc = [], 0.0
+    window = []
+    for v in y:
+        window.append(v)
+        acc += v
+        if len(window) > k:
+            acc -= window.pop(0)
+        out.append(acc / len(window))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("metrics", nargs="+", help="metrics.jsonl files")
+    ap.add_argument("-o", "--out", default="curves.png", help="output image (default curves.png)")
+    ap.add_argument("--labels", nargs="+", help="one label per file (default: parent dir names)")
+    ap.add_argument("--title", help="figure title")
+    ap.add_argument("--smooth", type=int, default=1, help="moving-average window for the train loss")
+    args = ap.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.metrics):
+        ap.error("--labels needs one label per metrics file")
+
+    labels = unique_labels(args.labels or [default_label(p) for p in args.metrics])
+    runs = []
+    for path, label in zip(args.metrics, labels):
+        if not os.path.exists(path):
+            print(f"warning: {path} not found, skipped", file=sys.stderr)
+            continue
+        s = load_metrics(path)
+        note = []
+        if s["bad_lines"]:
+            note.append(f"{s['bad_lines']} unreadable lines")
+        if s["nonfinite"]:
+            note.append(f"{s['nonfinite']} non-finite losses")
+        last = f", last loss {s['train'][-1][1]:.4f} at step {s['train'][-1][0]:g}" if s["train"] else ""
+        lastv = f", last val_loss {s['val'][-1][1]:.4f}" if s["val"] else ""
+        print(f"{label}: {len(s['train'])} train / {len(s['val'])} val records{last}{lastv}"
+              + (f" ({'; '.join(note)})" if note else ""))
+        runs.append((label, s))
+    if not runs:
+        print("no metrics files could be read", file=sys.stderr)
+        return 1
+    plot(runs, args.out, args.title, max(1, args.smooth))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

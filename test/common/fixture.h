@@ -1,0 +1,87 @@
+// Oracle fixtures made by scripts/make_fixtures.py (PyTorch + HF transformers, float64):
+// test/fixtures/<name>.json (model shape, batch, AdamW settings) and <name>.safetensors
+// (param.*, grad.*, final.*, tokens, targets, logits, loss, step_losses, step_grad_norms).
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/safetensors.h"
+#include "model/param_table.h"
+
+namespace keel::test {
+
+struct Fixture {
+  nlohmann::json meta;
+  ModelConfig model;
+  int B = 0, T = 0;
+  data::SafetensorsReader st;
+
+  explicit Fixture(const std::string& name)
+      : st(data::SafetensorsReader::open(std::string(KEEL_FIXTURE_DIR) + "/" + name + ".safetensors")) {
+    std::ifstream in(std::string(KEEL_FIXTURE_DIR) + "/" + name + ".json");
+    meta = nlohmann::json::parse(in);
+    const auto& m = meta["model"];
+    model.family = m["family"] == "gpt2" ? Family::GPT2 : Family::Llama;
+    model.vocab_size = m["vocab_size"];
+    model.d_model = m["d_model"];
+    model.n_layers = m["n_layers"];
+    model.n_heads = m["n_heads"];
+    model.n_kv_heads = m["n_kv_heads"];
+    model.ffn_hidden = m["ffn_hidden"];
+    model.norm_eps = m["norm_eps"];
+    model.rope_theta = m["rope_theta"];
+    model.max_seq_len = m["max_seq_len"];
+    model.tied_embeddings = m["tied_embeddings"];
+    B = meta["batch"]["B"];
+    T = meta["batch"]["T"];
+  }
+
+  template <class T>
+  std::vector<T> read(const std::string& name) const {
+    auto bytes = st.bytes(name);
+    std::vector<T> out(bytes.size() / sizeof(T));
+    std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
+    return out;
+  }
+
+  // A per-parameter fixture family ("param", "grad", "final") laid out as the table's flat buffer.
+  std::vector<float> flat(const ParamTable& table, const std::string& prefix) const {
+    std::vector<float> out(static_cast<size_t>(table.local_numel()));
+    for (const ParamSpec& p : table.params()) {
+      const auto& info = st.tensor(prefix + "." + p.name);
+      if (info.shape != p.shape)
+        throw std::runtime_error("fixture tensor " + prefix + "." + p.name + " has another shape than keel's");
+      auto v = read<float>(prefix + "." + p.name);
+      std::memcpy(out.data() + p.offset, v.data(), v.size() * sizeof(float));
+    }
+    return out;
+  }
+
+  // inputs = tokens[:, :T]; targets as stored (with the ignored -1 entries).
+  std::vector<int32_t> inputs() const {
+    auto tok = read<int32_t>("tokens");
+    std::vector<int32_t> in;
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t) in.push_back(tok[static_cast<size_t>(b * (T + 1) + t)]);
+    return in;
+  }
+  std::vector<int32_t> targets() const { return read<int32_t>("targets"); }
+};
+
+// ||a - b|| / ||b|| over a range, in double (||a - b|| when b is all zero).
+inline double rel_error(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+}  // namespace keel::test

@@ -1,0 +1,124 @@
+// Run configs: every shipped config validates; errors name the field, the value and what is
+// allowed; unknown fields are errors; overrides work; schedules follow their formulas.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <numbers>
+
+#include "common/run_config.h"
+#include "model/param_table.h"
+#include "train/schedule.h"
+
+using namespace keel;
+
+TEST_CASE("every shipped config validates and round-trips through to_json", "[config]") {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(KEEL_SOURCE_DIR) + "/configs")) {
+    if (e.path().extension() != ".json") continue;
+    INFO(e.path());
+    RunConfig c = load_config(e.path().string());
+    RunConfig again = parse_config(to_json(c), "again");
+    CHECK(to_json(again) == to_json(c));
+    ++n;
+  }
+  CHECK(n >= 6);
+}
+
+TEST_CASE("shipped shapes have the sizes their names promise", "[config]") {
+  auto params = [](const char* name) {
+    return ParamTable(load_config(std::string(KEEL_SOURCE_DIR) + "/configs/" + name).model).logical_numel();
+  };
+  CHECK(params("gpt2-124m.json") == 124475904);  // llm.c's 124M with the vocab padded to 50304
+  CHECK(params("llama2-7b.json") == 6738415616);  // Llama-2-7B
+  CHECK(std::llround(params("bloom-104b.json") / 1e9) == 104);
+  CHECK(std::llround(params("bloom-200b.json") / 1e9) == 203);
+}
+
+TEST_CASE("config errors name the field, the bad value and the allowed values", "[config]") {
+  auto base = test::tiny_run_json();
+  auto fails_with = [&](const nlohmann::json& patch, const std::string& needle) {
+    INFO(patch.dump() << " should fail mentioning " << needle);
+    CHECK_THROWS_WITH(test::make_config(base, patch), Catch::Contains(needle));
+  };
+  fails_with({{"model", {{"family", "bert"}}}}, "model.family: \"bert\" is not allowed (allowed: gpt2, llama)");
+  fails_with({{"model", {{"d_model", "big"}}}}, "model.d_model: expected an integer, got \"big\"");
+  fails_with({{"model", {{"n_layers", 0}}}}, "model.n_layers: 0 is out of range");
+  fails_with({{"model", {{"n_kv_heads", 3}}}}, "model.n_kv_heads: 3 does not divide model.n_heads (4)");
+  fails_with({{"optimizer", {{"beta2", 1.5}}}}, "optimizer.beta2");
+  fails_with({{"optimizer", {{"lr", -1}}}}, "optimizer.lr");
+  fails_with({{"optimizer", {{"weight_decy", 0.1}}}}, "did you mean 'weight_decay'");
+  fails_with({{"trian", {{"steps", 1}}}}, "trian: unknown field (did you mean 'train'?)");
+  fails_with({{"train", {{"global_batch", 6}}}}, "train.global_batch: 6 is not a multiple of train.micro_batch");
+  fails_with({{"train", {{"seq_len", 64}}}}, "train.seq_len: 64 exceeds model.max_seq_len (32)");
+  fails_with({{"parallel", {{"tp", 8}}}}, "parallel.tp: 8 does not divide model.n_heads (4)");
+  fails_with({{"parallel", {{"pp", 4}}}}, "parallel.pp: 4 stages for 2 layers");
+  fails_with({{"precision", {{"mode", "fp8"}}}}, "allowed: bf16, fp32, fp16, bf16-unsafe-no-master");
+  fails_with({{"schedule", {{"decay", "exp"}}}}, "schedule.decay");
+  fails_with({{"schedule", {{"rampup_batch_size", {2, 2, 100}}}}}, "multiples of micro_batch * dp (4)");
+  fails_with({{"data", {{"train", 5}}}}, "data.train: expected a path or a list of paths");
+  fails_with({{"device", "tpu"}}, "device: \"tpu\" is not allowed (allowed: auto, cpu, cuda)");
+  // Several problems are all reported at once.
+  try {
+    test::make_config(base, {{"model", {{"n_layers", 0}}}, {"optimizer", {{"eps", 0}}}});
+    FAIL("expected a ConfigError");
+  } catch (const ConfigError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("model.n_layers") && Catch::Contains("optimizer.eps"));
+  }
+}
+
+TEST_CASE("--set overrides any field, typed as JSON, bare words as strings", "[config]") {
+  nlohmann::json doc = test::tiny_run_json();
+  apply_override(doc, "optimizer.lr=3e-4");
+  apply_override(doc, "optimizer.min_lr=3e-5");
+  apply_override(doc, "precision.mode=fp16");
+  apply_override(doc, "schedule.rampup_batch_size=[4,4,64]");
+  RunConfig c = parse_config(doc, "x.json");
+  CHECK(c.optimizer.lr == 3e-4);
+  CHECK(c.precision.mode == PrecisionMode::FP16);
+  REQUIRE(c.schedule.rampup);
+  CHECK(c.schedule.rampup->increment == 4);
+  CHECK_THROWS_WITH(apply_override(doc, "no-equals-sign"), Catch::Contains("key.path=value"));
+}
+
+TEST_CASE("vocab padding: Megatron's make-vocab-size-divisible-by times tp", "[config]") {
+  auto c = test::make_config(test::tiny_run_json(), {{"model", {{"vocab_size", 50}, {"pad_vocab_to_multiple_of", 16}}},
+                                                      {"parallel", {{"tp", 2}}}});
+  CHECK(c.model.vocab_size == 50);
+  CHECK(c.model.embed_rows() == 64);
+  CHECK_THROWS_WITH(test::make_config(test::tiny_run_json(), {{"model", {{"vocab_size", 63}}}, {"parallel", {{"tp", 2}}}}),
+                    Catch::Contains("pad_vocab_to_multiple_of"));
+}
+
+TEST_CASE("learning-rate schedule: linear warmup, then cosine / linear / constant decay", "[schedule]") {
+  auto c = test::make_config(test::tiny_run_json(), {{"optimizer", {{"lr", 1.0}, {"min_lr", 0.1}}},
+                                                      {"schedule", {{"warmup_steps", 10}, {"decay", "cosine"}}},
+                                                      {"train", {{"steps", 110}}}});
+  CHECK(learning_rate(c, 1) == Approx(0.1));
+  CHECK(learning_rate(c, 5) == Approx(0.5));
+  CHECK(learning_rate(c, 10) == Approx(1.0));
+  CHECK(learning_rate(c, 60) == Approx(0.1 + 0.9 * 0.5 * (1 + std::cos(std::numbers::pi * 0.5))));
+  CHECK(learning_rate(c, 110) == Approx(0.1));
+  CHECK(learning_rate(c, 500) == Approx(0.1));  // past the end: stays at min_lr
+  c.schedule.decay = DecayStyle::Linear;
+  CHECK(learning_rate(c, 60) == Approx(1.0 - 0.9 * 0.5));
+  c.schedule.decay = DecayStyle::Constant;
+  CHECK(learning_rate(c, 60) == Approx(1.0));
+  c.schedule.decay = DecayStyle::Linear;
+  c.schedule.decay_steps = 50;
+  CHECK(learning_rate(c, 35) == Approx(1.0 - 0.9 * 0.5));
+}
+
+TEST_CASE("batch-size ramp-up follows Megatron's --rampup-batch-size start incr samples", "[schedule]") {
+  // 4 -> 16 in steps of 4 over 120 samples: 3 increments, one every 40 samples.
+  auto c = test::make_config(test::tiny_run_json(),
+                             {{"train", {{"global_batch", 16}}}, {"schedule", {{"rampup_batch_size", {4, 4, 120}}}}});
+  CHECK(global_batch_size(c, 0) == 4);
+  CHECK(global_batch_size(c, 39) == 4);
+  CHECK(global_batch_size(c, 40) == 8);
+  CHECK(global_batch_size(c, 80) == 12);
+  CHECK(global_batch_size(c, 120) == 16);
+  CHECK(global_batch_size(c, 100000) == 16);
+  c.schedule.rampup.reset();
+  CHECK(global_batch_size(c, 0) == 16);
+}

@@ -1,0 +1,520 @@
+#include "train/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace keel {
+
+using json = nlohmann::json;
+
+std::string precision_name(PrecisionMode m) {
+  switch (m) {
+    case PrecisionMode::FP32: return "fp32";
+    case PrecisionMode::BF16: return "bf16";
+    case PrecisionMode::FP16: return "fp16";
+    case PrecisionMode::BF16UnsafeNoMaster: return "bf16-unsafe-no-master";
+  }
+  return "?";
+}
+
+namespace {
+
+// Levenshtein distance, for "did you mean" hints on unknown fields.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string show(const json& v) {
+  std::string s = v.dump();
+  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+}
+
+// Reads the fields of one JSON object, recording every problem with its full path; finish()
+// reports fields nobody asked for.
+class Fields {
+ public:
+  Fields(const json* obj, std::string path, std::vector<std::string>& errors)
+      : obj_(obj), path_(std::move(path)), errors_(errors) {
+    if (obj_ && !obj_->is_object()) {
+      error(path_, "expected an object {...}, got " + show(*obj_));
+      obj_ = nullptr;
+    }
+  }
+
+  std::string path(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+  void error(const std::string& where, const std::string& msg) { errors_.push_back(where + ": " + msg); }
+  bool has(const std::string& key) {
+    known_.insert(key);
+    return obj_ && obj_->contains(key) && !(*obj_)[key].is_null();
+  }
+  const json* raw(const std::string& key) {
+    known_.insert(key);
+    return obj_ && obj_->contains(key) ? &(*obj_)[key] : nullptr;
+  }
+
+  // Integer in [lo, hi]; `required` fields have no default.
+  int64_t integer(const std::string& key, std::optional<int64_t> def, int64_t lo,
+                  int64_t hi = std::numeric_limits<int64_t>::max()) {
+    if (!has(key)) {
+      if (!def) error(path(key), "missing (required: an integer >= " + std::to_string(lo) + ")");
+      return def.value_or(lo);
+    }
+    const json& v = (*obj_)[key];
+    int64_t x = 0;
+    if (v.is_number_integer()) {
+      x = v.get<int64_t>();
+    } else if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
+               std::fabs(v.get<double>()) < 9e18) {
+      x = static_cast<int64_t>(v.get<double>());  // 1e6 written as a float is still an integer
+    } else {
+      error(path(key), "expected an integer, got " + show(v));
+      return def.value_or(lo);
+    }
+    if (x < lo || x > hi) {
+      std::string range = hi == std::numeric_limits<int64_t>::max()
+                              ? ">= " + std::to_string(lo)
+                              : "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+      error(path(key), std::to_string(x) + " is out of range (allowed: " + range + ")");
+    }
+    return x;
+  }
+
+  // Number in [lo, hi] (lo excluded when lo_open).
+  double number(const std::string& key, std::optional<double> def, double lo, double hi, bool lo_open = false) {
+    if (!has(key)) {
+      if (!def) error(path(key), "missing (required: a number)");
+      return def.value_or(lo);
+    }
+    const json& v = (*obj_)[key];
+    if (!v.is_number()) {
+      error(path(key), "expected a number, got " + show(v));
+      return def.value_or(lo);
+    }
+    double x = v.get<double>();
+    if (!std::isfinite(x) || (lo_open ? x <= lo : x < lo) || x > hi) {
+      std::ostringstream r;
+      r << (lo_open ? "(" : "[") << lo << ", " << hi << "]";
+      error(path(key), show(v) + " is out of range (allowed: " + r.str() + ")");
+    }
+    return x;
+  }
+
+  bool boolean(const std::string& key, bool def) {
+    if (!has(key)) return def;
+    const json& v = (*obj_)[key];
+    if (!v.is_boolean()) {
+      error(path(key), "expected true or false, got " + show(v));
+      return def;
+    }
+    return v.get<bool>();
+  }
+
+  std::string string(const std::string& key, const std::string& def) {
+    if (!has(key)) return def;
+    const json& v = (*obj_)[key];
+    if (!v.is_string()) {
+      error(path(key), "expected a string, got " + show(v));
+      return def;
+    }
+    return v.get<std::string>();
+  }
+
+  std::string choice(const std::string& key, std::optional<std::string> def, const std::vector<std::string>& allowed) {
+    std::string list;
+    for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+    if (!has(key)) {
+      if (!def) error(path(key), "missing (required: one of " + list + ")");
+      return def.value_or(allowed.front());
+    }
+    const json& v = (*obj_)[key];
+    if (!v.is_string() || std::find(allowed.begin(), allowed.end(), v.get<std::string>()) == allowed.end()) {
+      error(path(key), show(v) + " is not allowed (allowed: " + list + ")");
+      return def.value_or(allowed.front());
+    }
+    return v.get<std::string>();
+  }
+
+  // A string or a list of strings.
+  std::vector<std::string> strings(const std::string& key) {
+    std::vector<std::string> out;
+    if (!has(key)) return out;
+    const json& v = (*obj_)[key];
+    if (v.is_string()) return {v.get<std::string>()};
+    if (v.is_array() && std::all_of(v.begin(), v.end(), [](const json& e) { return e.is_string(); })) {
+      for (const auto& e : v) out.push_back(e.get<std::string>());
+      return out;
+    }
+    error(path(key), "expected a path or a list of paths, got " + show(v));
+    return out;
+  }
+
+  void finish() {
+    if (!obj_) return;
+    for (const auto& [key, value] : obj_->items()) {
+      if (known_.count(key)) continue;
+      std::string best;
+      size_t best_d = 3;  // only suggest close names
+      for (const auto& k : known_) {
+        size_t dd = edit_distance(key, k);
+        if (dd < best_d) best_d = dd, best = k;
+      }
+      std::string known;
+      for (const auto& k : known_) known += (known.empty() ? "" : ", ") + k;
+      error(path(key), "unknown field" + (best.empty() ? "" : " (did you mean '" + best + "'?)") +
+                           "; known fields here: " + known);
+    }
+  }
+
+ private:
+  const json* obj_;
+  std::string path_;
+  std::vector<std::string>& errors_;
+  std::set<std::string> known_;
+};
+
+const json* child(const json& doc, const char* key) {
+  return doc.is_object() && doc.contains(key) && !doc[key].is_null() ? &doc[key] : nullptr;
+}
+
+}  // namespace
+
+RunConfig parse_config(const json& doc, const std::string& source) {
+  std::vector<std::string> errors;
+  RunConfig c;
+  c.source = source;
+  c.name = std::filesystem::path(source).stem().string();
+  Fields top(&doc, "", errors);
+
+  // ---- model ----
+  {
+    top.raw("model");
+    Fields f(child(doc, "model"), "model", errors);
+    if (!child(doc, "model")) errors.push_back("model: missing (required: the network's shape)");
+    ModelConfig& m = c.model;
+    m.family = f.choice("family", std::nullopt, {"gpt2", "llama"}) == "gpt2" ? Family::GPT2 : Family::Llama;
+    m.vocab_size = f.integer("vocab_size", std::nullopt, 1, 1ll << 31);
+    m.pad_vocab_multiple = f.integer("pad_vocab_to_multiple_of", 1, 1, 1 << 20);
+    m.d_model = static_cast<int>(f.integer("d_model", std::nullopt, 1, 1 << 20));
+    m.n_layers = static_cast<int>(f.integer("n_layers", std::nullopt, 1, 10000));
+    m.n_heads = static_cast<int>(f.integer("n_heads", std::nullopt, 1, 1 << 16));
+    m.n_kv_heads = static_cast<int>(f.integer("n_kv_heads", m.n_heads, 1, 1 << 16));
+    // Defaults: GPT-2 uses 4d; Llama uses 2/3 of 4d rounded up to a multiple of 256.
+    int64_t ffn_default = m.is_gpt2() ? 4ll * m.d_model : ((8ll * m.d_model / 3 + 255) / 256) * 256;
+    m.ffn_hidden = static_cast<int>(f.integer("ffn_hidden", ffn_default, 1, 1 << 24));
+    m.norm_eps = static_cast<float>(f.number("norm_eps", 1e-5, 0, 1, true));
+    m.rope_theta = static_cast<float>(f.number("rope_theta", 10000.0, 0, 1e12, true));
+    m.max_seq_len = static_cast<int>(f.integer("max_seq_len", std::nullopt, 1, 1 << 22));
+    m.tied_embeddings = f.boolean("tied_embeddings", m.is_gpt2());
+    m.init_std = static_cast<float>(f.number("init_std", 0.02, 0, 10, true));
+    f.finish();
+    if (m.d_model > 0 && m.n_heads > 0 && m.d_model % m.n_heads != 0)
+      errors.push_back("model.n_heads: " + std::to_string(m.n_heads) + " does not divide model.d_model (" +
+                       std::to_string(m.d_model) + ")");
+    if (m.n_kv_heads > 0 && m.n_heads % m.n_kv_heads != 0)
+      errors.push_back("model.n_kv_heads: " + std::to_string(m.n_kv_heads) + " does not divide model.n_heads (" +
+                       std::to_string(m.n_heads) + ")");
+    if (m.is_gpt2() && m.n_kv_heads != m.n_heads)
+      errors.push_back("model.n_kv_heads: gpt2 has no grouped-query attention (must equal n_heads = " +
+                       std::to_string(m.n_heads) + ")");
+    if (m.is_gpt2() && !m.tied_embeddings)
+      errors.push_back("model.tied_embeddings: gpt2 ties its head to the token embedding (must be true)");
+    if (m.is_llama() && m.n_heads > 0 && m.d_model % m.n_heads == 0 && m.head_dim() % 2 != 0)
+      errors.push_back("model.d_model / model.n_heads: RoPE needs an even head dimension, got " +
+                       std::to_string(m.head_dim()));
+  }
+
+  // ---- precision ----
+  {
+    top.raw("precision");
+    Fields f(child(doc, "precision"), "precision", errors);
+    std::string mode = f.choice("mode", "bf16", {"bf16", "fp32", "fp16", "bf16-unsafe-no-master"});
+    c.precision.mode = mode == "fp32"   ? PrecisionMode::FP32
+                       : mode == "fp16" ? PrecisionMode::FP16
+                       : mode == "bf16" ? PrecisionMode::BF16
+                                        : PrecisionMode::BF16UnsafeNoMaster;
+    f.raw("loss_scale");
+    const json* ls_doc = child(doc, "precision") ? child(*child(doc, "precision"), "loss_scale") : nullptr;
+    Fields ls(ls_doc, "precision.loss_scale", errors);
+    LossScaleConfig& s = c.precision.loss_scale;
+    s.initial = ls.number("initial", s.initial, 0, 1e38, true);
+    s.growth_interval = ls.integer("growth_interval", s.growth_interval, 1);
+    s.hysteresis = ls.integer("hysteresis", s.hysteresis, 1);
+    s.min = ls.number("min", s.min, 0, 1e38, true);
+    s.growth_factor = ls.number("growth_factor", s.growth_factor, 1, 1e6, true);
+    s.backoff_factor = ls.number("backoff_factor", s.backoff_factor, 0, 1, true);
+    ls.finish();
+    f.finish();
+    if (s.min > s.initial)
+      errors.push_back("precision.loss_scale.min: " + std::to_string(s.min) + " is above the initial scale " +
+                       std::to_string(s.initial));
+    if (s.backoff_factor >= 1) errors.push_back("precision.loss_scale.backoff_factor: must be < 1");
+  }
+
+  // ---- optimizer ----
+  {
+    top.raw("optimizer");
+    Fields f(child(doc, "optimizer"), "optimizer", errors);
+    OptimizerConfig& o = c.optimizer;
+    f.choice("type", "adamw", {"adamw"});
+    o.lr = f.number("lr", o.lr, 0, 10, true);
+    o.min_lr = f.number("min_lr", o.lr / 10, 0, 10);
+    o.beta1 = f.number("beta1", o.beta1, 0, 0.999999);
+    o.beta2 = f.number("beta2", o.beta2, 0, 0.999999999);
+    o.eps = f.number("eps", o.eps, 0, 1, true);
+    o.weight_decay = f.number("weight_decay", o.weight_decay, 0, 10);
+    o.grad_clip = f.number("grad_clip", o.grad_clip, 0, 1e12);
+    f.finish();
+    if (o.min_lr > o.lr)
+      errors.push_back("optimizer.min_lr: " + std::to_string(o.min_lr) + " is above optimizer.lr (" +
+                       std::to_string(o.lr) + ")");
+  }
+
+  // ---- train ----
+  {
+    top.raw("train");
+    Fields f(child(doc, "train"), "train", errors);
+    if (!child(doc, "train")) errors.push_back("train: missing (required: steps, global_batch, micro_batch, seq_len)");
+    TrainConfig& t = c.train;
+    t.steps = f.integer("steps", std::nullopt, 1);
+    t.global_batch = f.integer("global_batch", std::nullopt, 1);
+    t.micro_batch = f.integer("micro_batch", std::nullopt, 1);
+    t.seq_len = f.integer("seq_len", c.model.max_seq_len, 1);
+    t.seed = static_cast<uint64_t>(f.integer("seed", 1234, 0));
+    t.eval_interval = f.integer("eval_interval", 0, 0);
+    t.eval_batches = f.integer("eval_batches", 8, 0);
+    f.finish();
+    if (c.model.max_seq_len > 0 && t.seq_len > c.model.max_seq_len)
+      errors.push_back("train.seq_len: " + std::to_string(t.seq_len) + " exceeds model.max_seq_len (" +
+                       std::to_string(c.model.max_seq_len) + ")");
+  }
+
+  // ---- parallel ----
+  {
+    top.raw("parallel");
+    Fields f(child(doc, "parallel"), "parallel", errors);
+    ParallelConfig& p = c.parallel;
+    p.tp = f.integer("tp", 1, 1, 1 << 16);
+    p.pp = f.integer("pp", 1, 1, 1 << 16);
+    p.dp = f.integer("dp", 1, 1, 1 << 20);
+    f.finish();
+    const ModelConfig& m = c.model;
+    auto divides = [&](int64_t by, int64_t what, const std::string& by_name, const std::string& what_name) {
+      if (by > 0 && what > 0 && what % by != 0)
+        errors.push_back(by_name + ": " + std::to_string(by) + " does not divide " + what_name + " (" +
+                         std::to_string(what) + ")");
+    };
+    divides(p.tp, m.n_heads, "parallel.tp", "model.n_heads");
+    divides(p.tp, m.n_kv_heads, "parallel.tp", "model.n_kv_heads");
+    // Embedding rows: vocab padded up to a multiple of pad_vocab_to_multiple_of * tp (Megatron's
+    // make-vocab-size-divisible-by); the padding rows are never a target.
+    if (m.pad_vocab_multiple > 1) {
+      const int64_t unit = m.pad_vocab_multiple * p.tp;
+      c.model.padded_vocab_size = (m.vocab_size + unit - 1) / unit * unit;
+    } else if (m.vocab_size % p.tp != 0) {
+      errors.push_back("parallel.tp: " + std::to_string(p.tp) + " does not divide model.vocab_size (" +
+                       std::to_string(m.vocab_size) + "); set model.pad_vocab_to_multiple_of (e.g. 128) to pad it");
+    }
+    divides(p.tp, m.ffn_hidden, "parallel.tp", "model.ffn_hidden");
+    if (m.n_layers > 0 && p.pp > m.n_layers)
+      errors.push_back("parallel.pp: " + std::to_string(p.pp) + " stages for " + std::to_string(m.n_layers) +
+                       " layers (each stage needs at least one layer)");
+    const TrainConfig& t = c.train;
+    if (t.micro_batch > 0 && t.global_batch > 0 && t.global_batch % (t.micro_batch * p.dp) != 0)
+      errors.push_back("train.global_batch: " + std::to_string(t.global_batch) +
+                       " is not a multiple of train.micro_batch * parallel.dp (" + std::to_string(t.micro_batch) +
+                       " * " + std::to_string(p.dp) + ")");
+  }
+
+  // ---- schedule ----
+  {
+    top.raw("schedule");
+    Fields f(child(doc, "schedule"), "schedule", errors);
+    ScheduleConfig& s = c.schedule;
+    s.warmup_steps = f.integer("warmup_steps", 0, 0);
+    std::string decay = f.choice("decay", "cosine", {"cosine", "linear", "constant"});
+    s.decay = decay == "cosine" ? DecayStyle::Cosine : decay == "linear" ? DecayStyle::Linear : DecayStyle::Constant;
+    s.decay_steps = f.integer("decay_steps", 0, 0);
+    if (const json* r = f.raw("rampup_batch_size"); r && !r->is_null()) {
+      // [start, increment, samples], as Megatron's --rampup-batch-size
+      if (!r->is_array() || r->size() != 3 ||
+          !std::all_of(r->begin(), r->end(), [](const json& e) { return e.is_number_integer() && e.get<int64_t>() > 0; })) {
+        errors.push_back("schedule.rampup_batch_size: " + show(*r) +
+                         " is not allowed (allowed: null or [start, increment, samples], positive integers)");
+      } else {
+        RampupConfig rc{(*r)[0].get<int64_t>(), (*r)[1].get<int64_t>(), (*r)[2].get<int64_t>()};
+        const int64_t unit = c.train.micro_batch * c.parallel.dp;
+        if (rc.start >= c.train.global_batch)
+          errors.push_back("schedule.rampup_batch_size: start " + std::to_string(rc.start) +
+                           " must be below train.global_batch (" + std::to_string(c.train.global_batch) + ")");
+        else if ((c.train.global_batch - rc.start) % rc.increment != 0)
+          errors.push_back("schedule.rampup_batch_size: train.global_batch - start (" +
+                           std::to_string(c.train.global_batch - rc.start) + ") is not a multiple of the increment " +
+                           std::to_string(rc.increment));
+        if (unit > 0 && (rc.start % unit != 0 || rc.increment % unit != 0))
+          errors.push_back("schedule.rampup_batch_size: start (" + std::to_string(rc.start) + ") and increment (" +
+                           std::to_string(rc.increment) + ") must be multiples of micro_batch * dp (" +
+                           std::to_string(unit) + ")");
+        s.rampup = rc;
+      }
+    }
+    f.finish();
+    if (c.train.steps > 0 && s.warmup_steps > c.train.steps)
+      errors.push_back("schedule.warmup_steps: " + std::to_string(s.warmup_steps) + " exceeds train.steps (" +
+                       std::to_string(c.train.steps) + ")");
+  }
+
+  // ---- data ----
+  {
+    top.raw("data");
+    Fields f(child(doc, "data"), "data", errors);
+    c.data.train = f.strings("train");
+    c.data.val = f.strings("val");
+    c.data.shuffle = f.boolean("shuffle", true);
+    f.finish();
+    if (c.data.train.empty()) errors.push_back("data.train: missing (required: token files or glob patterns)");
+  }
+
+  // ---- log, checkpoint ----
+  {
+    top.raw("log");
+    Fields f(child(doc, "log"), "log", errors);
+    c.log.interval = f.integer("interval", 1, 1);
+    f.finish();
+  }
+  {
+    top.raw("checkpoint");
+    Fields f(child(doc, "checkpoint"), "checkpoint", errors);
+    c.checkpoint.interval = f.integer("interval", 0, 0);
+    c.checkpoint.keep_last = f.integer("keep_last", 3, 1);
+    c.checkpoint.keep_every = f.integer("keep_every", 0, 0);
+    f.finish();
+  }
+
+  c.device = top.choice("device", "auto", {"auto", "cpu", "cuda"});
+  c.out = top.string("out", "out/" + c.name);
+  c.description = top.string("description", "");
+  top.finish();
+
+  if (!errors.empty()) {
+    std::string msg = "invalid config " + source + ":";
+    for (const auto& e : errors) msg += "\n  " + e;
+    throw ConfigError(msg);
+  }
+  return c;
+}
+
+void apply_override(json& doc, const std::string& assignment) {
+  auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError("--set " + assignment + ": expected key.path=value, e.g. --set optimizer.lr=3e-4");
+  std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
+  json value;
+  try {
+    value = json::parse(text);
+  } catch (const json::exception&) {
+    value = text;  // bare strings: --set precision.mode=fp32
+  }
+  json* node = &doc;
+  size_t start = 0;
+  while (true) {
+    size_t dot = key.find('.', start);
+    std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (part.empty()) throw ConfigError("--set " + assignment + ": empty name in '" + key + "'");
+    if (!node->is_object()) {
+      if (!node->is_null()) throw ConfigError("--set " + assignment + ": '" + key.substr(0, start ? start - 1 : 0) + "' is not an object");
+      *node = json::object();
+    }
+    if (dot == std::string::npos) {
+      (*node)[part] = value;
+      return;
+    }
+    node = &(*node)[part];
+    start = dot + 1;
+  }
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) {
+    throw ConfigError("cannot read config file " + path + ": " +
+                      (std::filesystem::exists(path) ? "permission denied or not a file" : "no such file"));
+  }
+  json doc;
+  try {
+    doc = json::parse(in, nullptr, true, /*ignore_comments=*/true);
+  } catch (const json::parse_error& e) {
+    throw ConfigError("config file " + path + " is not valid JSON: " + e.what());
+  }
+  for (const auto& o : overrides) apply_override(doc, o);
+  return parse_config(doc, path);
+}
+
+json to_json(const RunConfig& c) {
+  const ModelConfig& m = c.model;
+  json j;
+  j["model"] = {{"family", family_name(m.family)},
+                {"vocab_size", m.vocab_size},
+                {"pad_vocab_to_multiple_of", m.pad_vocab_multiple},
+                {"d_model", m.d_model},
+                {"n_layers", m.n_layers},
+                {"n_heads", m.n_heads},
+                {"n_kv_heads", m.n_kv_heads},
+                {"ffn_hidden", m.ffn_hidden},
+                {"norm_eps", m.norm_eps},
+                {"rope_theta", m.rope_theta},
+                {"max_seq_len", m.max_seq_len},
+                {"tied_embeddings", m.tied_embeddings},
+                {"init_std", m.init_std}};
+  const LossScaleConfig& s = c.precision.loss_scale;
+  j["precision"] = {{"mode", precision_name(c.precision.mode)},
+                    {"loss_scale",
+                     {{"initial", s.initial},
+                      {"growth_interval", s.growth_interval},
+                      {"hysteresis", s.hysteresis},
+                      {"min", s.min},
+                      {"growth_factor", s.growth_factor},
+                      {"backoff_factor", s.backoff_factor}}}};
+  const OptimizerConfig& o = c.optimizer;
+  j["optimizer"] = {{"type", "adamw"},      {"lr", o.lr},   {"min_lr", o.min_lr},
+                    {"beta1", o.beta1},     {"beta2", o.beta2}, {"eps", o.eps},
+                    {"weight_decay", o.weight_decay}, {"grad_clip", o.grad_clip}};
+  const char* decay = c.schedule.decay == DecayStyle::Cosine ? "cosine"
+                      : c.schedule.decay == DecayStyle::Linear ? "linear"
+                                                               : "constant";
+  j["schedule"] = {{"warmup_steps", c.schedule.warmup_steps},
+                   {"decay", decay},
+                   {"decay_steps", c.schedule.decay_steps},
+                   {"rampup_batch_size", c.schedule.rampup
+                                             ? json::array({c.schedule.rampup->start, c.schedule.rampup->increment,
+                                                            c.schedule.rampup->samples})
+                                             : json(nullptr)}};
+  const TrainConfig& t = c.train;
+  j["train"] = {{"steps", t.steps},         {"global_batch", t.global_batch}, {"micro_batch", t.micro_batch},
+                {"seq_len", t.seq_len},     {"seed", t.seed},                 {"eval_interval", t.eval_interval},
+                {"eval_batches", t.eval_batches}};
+  j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
+  j["log"] = {{"interval", c.log.interval}};
+  j["checkpoint"] = {{"interval", c.checkpoint.interval},
+                     {"keep_last", c.checkpoint.keep_last},
+                     {"keep_every", c.checkpoint.keep_every}};
+  j["parallel"] = {{"tp", c.parallel.tp}, {"pp", c.parallel.pp}, {"dp", c.parallel.dp}};
+  j["device"] = c.device;
+  j["out"] = c.out;
+  if (!c.description.empty()) j["description"] = c.description;
+  return j;
+}
+
+}  // namespace keel

@@ -1,0 +1,127 @@
+// Run configuration: a JSON file (configs/*.json), then --set key=value overrides, then flags.
+// Every field is validated; an error names the field, the bad value and what is allowed, and
+// unknown fields are errors (a typo must never silently fall back to a default).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/model_config.h"
+
+namespace keel {
+
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// fp32: everything fp32. bf16 (default): bf16 weights/activations, fp32 masters, grads, moments.
+// fp16: like bf16 but fp16 storage and dynamic loss scaling. bf16-unsafe-no-master: parameters
+// exist only in bf16 (no fp32 master): small updates round away. Kept so the failure can be
+// reproduced and detected; never use it to train.
+enum class PrecisionMode { FP32, BF16, FP16, BF16UnsafeNoMaster };
+std::string precision_name(PrecisionMode m);
+
+struct LossScaleConfig {
+  double initial = 65536.0;     // 2^16
+  int64_t growth_interval = 1000;  // good steps before the scale doubles
+  int64_t hysteresis = 2;          // overflowing steps tolerated before the scale is cut
+  double min = 1.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+};
+
+struct PrecisionConfig {
+  PrecisionMode mode = PrecisionMode::BF16;
+  LossScaleConfig loss_scale;
+};
+
+struct OptimizerConfig {
+  double lr = 3e-4;
+  double min_lr = 3e-5;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;  // max global grad norm; 0 disables clipping
+};
+
+enum class DecayStyle { Cosine, Linear, Constant };
+
+struct RampupConfig {  // Megatron's --rampup-batch-size <start> <increment> <samples>
+  int64_t start = 0, increment = 0, samples = 0;
+};
+
+struct ScheduleConfig {
+  int64_t warmup_steps = 0;
+  DecayStyle decay = DecayStyle::Cosine;
+  int64_t decay_steps = 0;  // steps after warmup over which lr goes to min_lr (0: until the end)
+  std::optional<RampupConfig> rampup;
+};
+
+struct TrainConfig {
+  int64_t steps = 0;
+  int64_t global_batch = 0;  // samples per optimizer step (after ramp-up)
+  int64_t micro_batch = 0;   // samples per forward/backward on one rank
+  int64_t seq_len = 0;
+  uint64_t seed = 1234;
+  int64_t eval_interval = 0;  // 0: validate only at the end (if a validation set is given)
+  int64_t eval_batches = 8;   // micro-batches per validation
+};
+
+struct DataConfig {
+  std::vector<std::string> train;  // files or glob patterns
+  std::vector<std::string> val;
+  bool shuffle = true;
+};
+
+struct LogConfig {
+  int64_t interval = 1;  // steps between log lines
+};
+
+struct CheckpointConfig {
+  int64_t interval = 0;  // steps between saves (0: only at the end / on signal)
+  int64_t keep_last = 3;
+  int64_t keep_every = 0;  // additionally keep every K-th step's checkpoint (0: none)
+};
+
+struct ParallelConfig {
+  int64_t tp = 1, pp = 1, dp = 1;
+  int64_t world() const { return tp * pp * dp; }
+};
+
+struct RunConfig {
+  std::string source;  // where it came from (file path), for messages
+  std::string name;    // config file stem
+  ModelConfig model;
+  PrecisionConfig precision;
+  OptimizerConfig optimizer;
+  ScheduleConfig schedule;
+  TrainConfig train;
+  DataConfig data;
+  LogConfig log;
+  CheckpointConfig checkpoint;
+  ParallelConfig parallel;
+  std::string device = "auto";  // auto | cpu | cuda
+  std::string out;              // run directory: logs, metrics, checkpoints
+  std::string description;
+
+  int64_t grad_accum_steps(int64_t global_batch) const {
+    return global_batch / (train.micro_batch * parallel.dp);
+  }
+};
+
+// Read a config file, apply "key.path=value" overrides (value parsed as JSON when it parses,
+// else taken as a string), validate. Throws ConfigError listing every problem.
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// Validate an already-parsed JSON document.
+RunConfig parse_config(const nlohmann::json& doc, const std::string& source);
+// Apply one "a.b.c=value" override to a JSON document.
+void apply_override(nlohmann::json& doc, const std::string& assignment);
+// The fully resolved config (defaults filled in) as JSON: what the run really used.
+nlohmann::json to_json(const RunConfig& cfg);
+
+}  // namespace keel

@@ -1,0 +1,43 @@
+// What a run reports: one human line per step (Megatron's layout) and one JSON object per
+// step in OUT/metrics.jsonl for machines (scripts/plot_metrics.py).
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "train/trainer.h"
+
+namespace keel {
+
+struct StepReport {
+  StepStats stats;
+  int64_t total_steps = 0;
+  int64_t consumed_samples = 0;  // after this step
+  int64_t consumed_tokens = 0;
+  double ms_per_step = 0;
+  double tokens_per_s = 0;
+  double tflops = 0;             // model TFLOP/s achieved per rank
+  int64_t skipped_total = 0;     // skipped iterations so far (overflow / non-finite)
+  int64_t nan_total = 0;         // iterations whose loss or gradient was non-finite
+};
+
+std::string format_step_line(const StepReport& r);
+nlohmann::json step_record(const StepReport& r);
+
+// Appends JSON lines, flushed every line so a crash loses nothing already reported.
+class MetricsWriter {
+ public:
+  MetricsWriter() = default;
+  explicit MetricsWriter(const std::string& path);
+  void write(const nlohmann::json& record);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+}  // namespace keel

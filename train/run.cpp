@@ -1,0 +1,206 @@
+#include "train/run.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "data/sampler.h"
+#include "kernels/device.h"
+#include "train/metrics.h"
+#include "train/schedule.h"
+#include "train/trainer.h"
+
+namespace keel {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::unique_ptr<Backend> select_backend(const RunConfig& cfg) {
+  if (cfg.device == "cuda") {
+    if (!cuda_built())
+      throw ConfigError("device: \"cuda\" requested but this keel was built without the CUDA backend "
+                        "(rebuild with -DKEEL_CUDA=ON where nvcc is available), or use \"cpu\"");
+    if (cuda_device_count() == 0)
+      throw ConfigError("device: \"cuda\" requested but no GPU is visible to this process (check "
+                        "CUDA_VISIBLE_DEVICES / nvidia-smi), or use \"cpu\"");
+    throw ConfigError("device: \"cuda\": the CUDA training backend is not available in this build yet; use \"cpu\"");
+  }
+  return make_cpu_backend();
+}
+
+// Micro-batches of DP rank `dp_rank` for the global batch that starts at consumed sample
+// `first`: rank r reads samples first + r*G/dp + m*micro_batch + b.
+std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first, int64_t global_batch,
+                                     int64_t micro_batch, int64_t dp, int64_t dp_rank) {
+  const int64_t per_rank = global_batch / dp;
+  const int T = sampler.seq_len();
+  std::vector<MicroBatch> out(static_cast<size_t>(per_rank / micro_batch));
+  for (size_t m = 0; m < out.size(); ++m) {
+    out[m].inputs.resize(static_cast<size_t>(micro_batch * T));
+    out[m].targets.resize(out[m].inputs.size());
+    sampler.fill(first + dp_rank * per_rank + static_cast<int64_t>(m) * micro_batch, static_cast<int>(micro_batch),
+                 out[m].inputs.data(), out[m].targets.data());
+  }
+  return out;
+}
+
+std::string human_count(double n) {
+  char buf[32];
+  if (n >= 1e9) std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
+  else if (n >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
+  else if (n >= 1e3) std::snprintf(buf, sizeof buf, "%.1fK", n / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", n);
+  return buf;
+}
+
+// Start-up summary: the model, the precision policy and the optimizer's weight-decay groups,
+// so a norm or bias filed in the wrong group is visible on day one.
+void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler& train, const data::Sampler* val,
+                   const Backend& be) {
+  const ModelConfig& m = cfg.model;
+  const ParamTable& t = tr.table();
+  std::printf("keel: %s model, %s parameters (%d layers, d_model %d, %d heads / %d kv heads, ffn %d, vocab %lld%s)\n",
+              family_name(m.family).c_str(), human_count(static_cast<double>(t.logical_numel())).c_str(), m.n_layers,
+              m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, static_cast<long long>(m.vocab_size),
+              m.tied_embeddings ? ", tied head" : "");
+  std::printf("keel: backend %s (%d threads), precision %s: working weights %s, activations %s, grads f32, %s\n",
+              be.name().c_str(), omp_get_max_threads(), precision_name(cfg.precision.mode).c_str(),
+              std::string(dtype_name(working_dtype(cfg.precision.mode))).c_str(),
+              std::string(dtype_name(activation_dtype(cfg.precision.mode))).c_str(),
+              cfg.precision.mode == PrecisionMode::BF16UnsafeNoMaster ? "NO fp32 master weights"
+                                                                      : "fp32 master weights and Adam moments");
+  if (cfg.precision.mode == PrecisionMode::BF16UnsafeNoMaster) {
+    std::printf(
+        "keel: WARNING *** precision.mode = bf16-unsafe-no-master: parameters are stored ONLY in bf16. ***\n"
+        "keel: WARNING *** bf16's spacing at 1.0 is 2^-7 = 0.0078, so AdamW updates of 1e-5..1e-4 to weights ***\n"
+        "keel: WARNING *** near 1.0 (norm gains) round away and those weights never train. Use \"bf16\". ***\n");
+  }
+  int64_t n_decay = 0, n_no_decay = 0, t_decay = 0, t_no_decay = 0;
+  for (const ParamSpec& p : t.params()) {
+    (p.decay ? n_decay : n_no_decay) += p.logical_numel();
+    (p.decay ? t_decay : t_no_decay) += 1;
+  }
+  std::printf("keel: optimizer AdamW lr %.3g (min %.3g), betas (%.3g, %.3g), eps %.1e, grad clip %.3g\n",
+              cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
+              cfg.optimizer.grad_clip);
+  std::printf("keel:   weight decay %.3g: %lld tensors, %s parameters (matrices, embeddings)\n",
+              cfg.optimizer.weight_decay, static_cast<long long>(t_decay), human_count(static_cast<double>(n_decay)).c_str());
+  std::printf("keel:   weight decay 0:     %lld tensors, %s parameters (norms, biases)\n",
+              static_cast<long long>(t_no_decay), human_count(static_cast<double>(n_no_decay)).c_str());
+  std::printf("keel: data: %lld training windows of %d+1 tokens from %zu file(s), %s tokens",
+              static_cast<long long>(train.num_windows()), train.seq_len(), train.dataset().num_files(),
+              human_count(static_cast<double>(train.dataset().num_tokens())).c_str());
+  if (val) std::printf("; validation %lld windows", static_cast<long long>(val->num_windows()));
+  std::printf("\n");
+  std::printf("keel: batch: global %lld samples = micro-batch %lld x %lld accumulation steps x dp %lld; seq_len %lld\n",
+              static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
+              static_cast<long long>(cfg.grad_accum_steps(cfg.train.global_batch)),
+              static_cast<long long>(cfg.parallel.dp), static_cast<long long>(cfg.train.seq_len));
+  std::fflush(stdout);
+}
+
+double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg) {
+  const int64_t mbs = cfg.train.micro_batch;
+  std::vector<MicroBatch> batches;
+  for (int64_t b = 0; b < cfg.train.eval_batches; ++b) {
+    auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0);
+    batches.push_back(std::move(one[0]));
+  }
+  return tr.evaluate(batches);
+}
+
+}  // namespace
+
+int run_training(const RunConfig& cfg, const RunOptions& opts) {
+  if (cfg.parallel.world() != 1)
+    throw ConfigError("parallel: tp*pp*dp = " + std::to_string(cfg.parallel.world()) +
+                      " but this process is a world of 1 (multi-rank runs arrive with the parallel backend)");
+  auto backend = select_backend(cfg);
+
+  // ---- everything that can fail on user input is checked before the run directory is touched ----
+  const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
+  const int T = static_cast<int>(cfg.train.seq_len);
+  data::Sampler train(data::TokenDataset::open(data::expand_paths(cfg.data.train, "data.train"), T, vocab),
+                      cfg.train.seed, cfg.data.shuffle);
+  if (train.num_windows() == 0)
+    throw data::DataError("data.train: the files hold " + std::to_string(train.dataset().num_tokens()) +
+                          " tokens, not enough for one sample of seq_len + 1 = " + std::to_string(T + 1));
+  // Token ids beyond the vocabulary (data tokenized for another model) fail here for datasets
+  // up to 4G tokens (a scan at memory speed); bigger ones are checked batch by batch.
+  constexpr int64_t kVocabScanLimit = int64_t{1} << 32;
+  train.dataset().check_vocab(kVocabScanLimit);
+  std::optional<data::Sampler> val;
+  if (!cfg.data.val.empty()) {
+    val.emplace(data::TokenDataset::open(data::expand_paths(cfg.data.val, "data.val"), T, vocab), cfg.train.seed, false);
+    val->dataset().check_vocab(kVocabScanLimit);
+    if (val->num_windows() == 0)
+      throw data::DataError("data.val: the files hold " + std::to_string(val->dataset().num_tokens()) +
+                            " tokens, not enough for one sample of seq_len + 1 = " + std::to_string(T + 1));
+  }
+  Trainer tr(cfg, *backend);
+  tr.init_weights();
+
+  // ---- run directory ----
+  std::error_code ec;
+  fs::create_directories(cfg.out, ec);
+  if (ec) throw std::runtime_error("cannot create run directory " + cfg.out + ": " + ec.message());
+  {
+    std::ofstream c(fs::path(cfg.out) / "config.json");
+    c << to_json(cfg).dump(2) << '\n';
+  }
+  MetricsWriter metrics((fs::path(cfg.out) / "metrics.jsonl").string());
+  print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
+  std::printf("keel: run directory %s (metrics: %s)\n", cfg.out.c_str(), metrics.path().c_str());
+
+  const double flops_per_token = tr.model().flops_per_token();
+  int64_t consumed_samples = 0, consumed_tokens = 0, skipped_total = 0, nan_total = 0;
+  double last_val = std::nan("");
+  for (int64_t it = 1; it <= cfg.train.steps; ++it) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t gbs = global_batch_size(cfg, consumed_samples);
+    auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, 0);
+    StepStats st = tr.step(batches, it);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    consumed_samples += gbs;
+    consumed_tokens += gbs * T;
+    skipped_total += st.skipped;
+    nan_total += st.nonfinite;
+    StepReport r{st, cfg.train.steps, consumed_samples, consumed_tokens, secs * 1e3,
+                 static_cast<double>(gbs * T) / secs, flops_per_token * static_cast<double>(gbs * T) / secs / 1e12,
+                 skipped_total, nan_total};
+    metrics.write(step_record(r));
+    if (!opts.quiet && (it % cfg.log.interval == 0 || it == 1 || it == cfg.train.steps)) {
+      std::printf("%s\n", format_step_line(r).c_str());
+      std::fflush(stdout);
+    }
+    if (st.nonfinite) {
+      std::printf("keel: WARNING step %lld: %s (update skipped%s)\n", static_cast<long long>(it),
+                  std::isfinite(st.loss) ? "non-finite gradient" : "non-finite loss",
+                  tr.scaler().enabled() ? ", fp16 loss scale backs off" : "");
+    }
+
+    const bool eval_now = val && cfg.train.eval_batches > 0 &&
+                          ((cfg.train.eval_interval > 0 && it % cfg.train.eval_interval == 0) || it == cfg.train.steps);
+    if (eval_now) {
+      last_val = validate(tr, *val, cfg);
+      metrics.write({{"step", it}, {"val_loss", last_val}, {"consumed_tokens", consumed_tokens}});
+      if (!opts.quiet) std::printf(" validation at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
+                                   static_cast<long long>(it), last_val, std::exp(last_val));
+    }
+  }
+  std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
+              static_cast<long long>(consumed_tokens),
+              std::isnan(last_val) ? "" : (", final validation loss " + std::to_string(last_val)).c_str());
+  return kExitOk;
+}
+
+}  // namespace keel

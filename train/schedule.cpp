@@ -1,0 +1,30 @@
+#include "train/schedule.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+namespace keel {
+
+double learning_rate(const RunConfig& cfg, int64_t step) {
+  const ScheduleConfig& s = cfg.schedule;
+  const double max_lr = cfg.optimizer.lr, min_lr = cfg.optimizer.min_lr;
+  if (s.warmup_steps > 0 && step <= s.warmup_steps) return max_lr * static_cast<double>(step) / s.warmup_steps;
+  if (s.decay == DecayStyle::Constant) return max_lr;
+  const int64_t decay_steps = s.decay_steps > 0 ? s.decay_steps : std::max<int64_t>(1, cfg.train.steps - s.warmup_steps);
+  const double p = std::min(1.0, static_cast<double>(step - s.warmup_steps) / decay_steps);
+  if (s.decay == DecayStyle::Linear) return max_lr - (max_lr - min_lr) * p;
+  return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * p));
+}
+
+int64_t global_batch_size(const RunConfig& cfg, int64_t consumed_samples) {
+  const int64_t full = cfg.train.global_batch;
+  if (!cfg.schedule.rampup) return full;
+  const RampupConfig& r = *cfg.schedule.rampup;
+  const int64_t increments = (full - r.start) / r.increment;
+  const int64_t samples_per_increment = std::max<int64_t>(1, r.samples / increments);
+  const int64_t done = consumed_samples / samples_per_increment;
+  return std::min(full, r.start + done * r.increment);
+}
+
+}  // namespace keel
