@@ -71,8 +71,8 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
               family_name(m.family).c_str(), human_count(static_cast<double>(t.logical_numel())).c_str(), m.n_layers,
               m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, static_cast<long long>(m.vocab_size),
               m.tied_embeddings ? ", tied head" : "");
-  std::printf("keel: backend %s (%d threads), precision %s: working weights %s, activations %s, grads f32, %s\n",
-              be.name().c_str(), omp_get_max_threads(), precision_name(cfg.precision.mode).c_str(),
+  std::printf("keel: backend %s, precision %s: working weights %s, activations %s, grads f32, %s\n",
+              be.name().c_str(), precision_name(cfg.precision.mode).c_str(),
               std::string(dtype_name(working_dtype(cfg.precision.mode))).c_str(),
               std::string(dtype_name(activation_dtype(cfg.precision.mode))).c_str(),
               cfg.precision.mode == PrecisionMode::BF16UnsafeNoMaster ? "NO fp32 master weights"

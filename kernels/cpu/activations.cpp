@@ -38,9 +38,9 @@ void check_same(const char* op, Named a, Named b) {
 std::pair<int64_t, int64_t> check_swiglu(const char* op, Named packed, Named half) {
   cpu::check_float(op, packed);
   cpu::check_float(op, half);
-  if (packed.t.rows() != half.t.rows() || packed.t.cols() != 2 * half.t.cols())
+  if (cpu::rows(packed.t) != cpu::rows(half.t) || packed.t.cols() != 2 * half.t.cols())
     cpu::fail(op, std::string(packed.name) + " must be [N, 2F] for " + half.name + " [N, F]", {packed, half});
-  return {half.t.rows(), half.t.cols()};
+  return {cpu::rows(half.t), half.t.cols()};
 }
 
 }  // namespace

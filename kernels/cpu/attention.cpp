@@ -32,7 +32,7 @@ void check_attn(const char* op, const AttnShape& s, Named qkv) {
     fail(op, "invalid attention shape " + attn_str(s) + " (all positive, head_dim even, n_heads % n_kv_heads == 0)",
          {qkv});
   check_float(op, qkv);
-  if (qkv.t.rows() != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())
+  if (cpu::rows(qkv.t) != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())
     fail(op, std::string(qkv.name) + " must be [B*T, (n_heads + 2 n_kv_heads) * head_dim] for " + attn_str(s), {qkv});
 }
 
@@ -87,7 +87,7 @@ void CpuBackend::attention_forward(const Tensor& out, const Tensor& lse, const T
   cpu::check_float(op, {"out", out});
   cpu::check_dtype(op, {"lse", lse}, DType::F32);
   const int64_t B = s.B, T = s.T, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
-  if (out.rows() != B * T || out.cols() != nh * hd)
+  if (cpu::rows(out) != B * T || out.cols() != nh * hd)
     cpu::fail(op, "out must be [B*T, n_heads*head_dim] for " + cpu::attn_str(s), {{"out", out}, {"qkv", qkv}});
   if (lse.numel() != B * nh * T)
     cpu::fail(op, "lse must be [B, n_heads, T] for " + cpu::attn_str(s), {{"lse", lse}});
@@ -134,7 +134,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
   cpu::check_dtype(op, {"lse", lse}, DType::F32);
   const int64_t B = s.B, T = s.T, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
   for (Named t : {Named{"dout", dout}, Named{"out", out}})
-    if (t.t.rows() != B * T || t.t.cols() != nh * hd)
+    if (cpu::rows(t.t) != B * T || t.t.cols() != nh * hd)
       cpu::fail(op, std::string(t.name) + " must be [B*T, n_heads*head_dim] for " + cpu::attn_str(s), {t});
   if (lse.numel() != B * nh * T)
     cpu::fail(op, "lse must be [B, n_heads, T] for " + cpu::attn_str(s), {{"lse", lse}});

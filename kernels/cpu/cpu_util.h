@@ -32,6 +32,14 @@ inline void require(bool ok, const char* op, const char* what, std::initializer_
   if (!ok) fail(op, what, ts);
 }
 
+// Product of all but the last dimension. (Tensor::rows() divides numel by cols, which is a
+// division by zero when the last dimension is 0.)
+inline int64_t rows(const Tensor& t) {
+  int64_t r = 1;
+  for (int i = 0; i + 1 < t.ndim; ++i) r *= t.shape[i];
+  return r;
+}
+
 inline bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
 
 // A present CPU tensor of a float dtype (data may be null only when it has no elements).

@@ -15,12 +15,12 @@ std::pair<int64_t, int64_t> check_embedding(const char* op, Named rows_out, cons
                                             const Tensor& pos, const char* pos_name, int T) {
   cpu::check_dtype(op, {"tokens", tokens}, DType::I32);
   const int64_t N = tokens.numel(), C = table.t.cols();
-  if (rows_out.t.rows() != N || rows_out.t.cols() != C)
+  if (cpu::rows(rows_out.t) != N || rows_out.t.cols() != C)
     cpu::fail(op, std::string(rows_out.name) + " must be [tokens, " + table.name + ".cols()]",
               {rows_out, {"tokens", tokens}, table});
   if (!pos.empty()) {
     if (T <= 0) cpu::fail(op, "T must be positive, got " + std::to_string(T), {{pos_name, pos}});
-    if (pos.cols() != C || pos.rows() < T)
+    if (pos.cols() != C || cpu::rows(pos) < T)
       cpu::fail(op, std::string(pos_name) + " must be [>= T, C] with T=" + std::to_string(T), {{pos_name, pos}, table});
   }
   return {N, C};
@@ -35,7 +35,7 @@ void CpuBackend::embedding_forward(const Tensor& out, const Tensor& tokens, cons
   cpu::check_float(op, {"tok_embed", tok_embed});
   if (!pos_embed.empty()) cpu::check_float(op, {"pos_embed", pos_embed});
   auto [N, C] = check_embedding(op, {"out", out}, tokens, {"tok_embed", tok_embed}, pos_embed, "pos_embed", T);
-  const int64_t V = tok_embed.rows();
+  const int64_t V = cpu::rows(tok_embed);
   const int32_t* tok = tokens.as<const int32_t>();
 #pragma omp parallel
   {
@@ -67,7 +67,7 @@ void CpuBackend::embedding_backward(const Tensor& dtok_embed, const Tensor& dpos
   if (!dpos_embed.empty()) cpu::check_dtype(op, {"dpos_embed", dpos_embed}, DType::F32);
   cpu::check_float(op, {"dout", dout});
   auto [N, C] = check_embedding(op, {"dout", dout}, tokens, {"dtok_embed", dtok_embed}, dpos_embed, "dpos_embed", T);
-  const int64_t V = dtok_embed.rows();
+  const int64_t V = cpu::rows(dtok_embed);
   const int32_t* tok = tokens.as<const int32_t>();
 
   // bucket start offsets per local vocab row, then token indices in increasing n

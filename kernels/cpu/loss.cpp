@@ -29,7 +29,7 @@ void CpuBackend::xent_stats(const Tensor& row_max, const Tensor& sumexp, const T
   for (Named t : {Named{"row_max", row_max}, Named{"sumexp", sumexp}, Named{"target_logit", target_logit}})
     cpu::check_dtype(op, t, DType::F32);
   const int64_t N = check_rows(op, targets, {{"row_max", row_max}, {"sumexp", sumexp}, {"target_logit", target_logit}});
-  if (logits.rows() != N) cpu::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
+  if (cpu::rows(logits) != N) cpu::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
   const int64_t V = logits.cols();
   const int32_t* tgt = targets.as<const int32_t>();
 #pragma omp parallel
@@ -81,7 +81,7 @@ void CpuBackend::xent_backward(const Tensor& logits, const Tensor& lse, const Te
   cpu::check_float(op, {"logits", logits});
   cpu::check_dtype(op, {"lse", lse}, DType::F32);
   const int64_t N = check_rows(op, targets, {{"lse", lse}});
-  if (logits.rows() != N) cpu::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
+  if (cpu::rows(logits) != N) cpu::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
   const int64_t V = logits.cols();
   const int32_t* tgt = targets.as<const int32_t>();
 #pragma omp parallel

@@ -112,15 +112,15 @@ void CpuBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, boo
   cpu::check_float(op, {"a", a});
   cpu::check_float(op, {"b", b});
   // Every tensor is seen as (rows, cols): leading dimensions fold into rows.
-  const int64_t M = trans_a ? a.cols() : a.rows();
-  const int64_t K = trans_a ? a.rows() : a.cols();
-  const int64_t Kb = trans_b ? b.cols() : b.rows();
-  const int64_t N = trans_b ? b.rows() : b.cols();
+  const int64_t M = trans_a ? a.cols() : cpu::rows(a);
+  const int64_t K = trans_a ? cpu::rows(a) : a.cols();
+  const int64_t Kb = trans_b ? b.cols() : cpu::rows(b);
+  const int64_t N = trans_b ? cpu::rows(b) : b.cols();
   auto shapes = [&]() {
     return std::string(" (trans_a=") + (trans_a ? "1" : "0") + ", trans_b=" + (trans_b ? "1" : "0") + ")";
   };
   if (K != Kb) cpu::fail(op, "inner dimensions differ" + shapes(), {{"out", out}, {"a", a}, {"b", b}});
-  if (out.rows() != M || out.cols() != N)
+  if (cpu::rows(out) != M || out.cols() != N)
     cpu::fail(op, "out must be [" + std::to_string(M) + ", " + std::to_string(N) + "]" + shapes(),
               {{"out", out}, {"a", a}, {"b", b}});
   std::vector<float> bias_f32;
@@ -182,7 +182,7 @@ void CpuBackend::bias_backward(const Tensor& dbias, const Tensor& dout) {
   const char* op = "bias_backward";
   cpu::check_dtype(op, {"dbias", dbias}, DType::F32);
   cpu::check_float(op, {"dout", dout});
-  const int64_t rows = dout.rows(), N = dout.cols();
+  const int64_t rows = cpu::rows(dout), N = dout.cols();
   if (dbias.numel() != N) cpu::fail(op, "dbias must have dout.cols() elements", {{"dbias", dbias}, {"dout", dout}});
   const int64_t nblocks = ceil_div(rows, cpu::kRowBlock);
   std::vector<float> partial(static_cast<size_t>(nblocks * N), 0.0f);

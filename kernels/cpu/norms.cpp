@@ -28,10 +28,10 @@ struct NormDims {
 NormDims check_norm(const char* op, const Tensor& x, std::initializer_list<Named> rowwise,
                     std::initializer_list<Named> stats, std::initializer_list<Named> per_col) {
   cpu::check_float(op, {"in", x});
-  const int64_t N = x.rows(), C = x.cols();
+  const int64_t N = cpu::rows(x), C = x.cols();
   for (const Named& t : rowwise) {
     cpu::check_float(op, t);
-    if (t.t.rows() != N || t.t.cols() != C) cpu::fail(op, std::string(t.name) + " must match in's shape", {t, {"in", x}});
+    if (cpu::rows(t.t) != N || t.t.cols() != C) cpu::fail(op, std::string(t.name) + " must match in's shape", {t, {"in", x}});
   }
   for (const Named& t : stats) {
     cpu::check_dtype(op, t, DType::F32);

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what keel needs on Debian/Ubuntu. Safe to run again (only installs what is missing).
+#   scripts/setup.sh          build and test dependencies (compiler, CMake, json, CLI11, Catch2, MPI)
+#   scripts/setup.sh --demo   also the demo corpus (Debian's fortunes) and a Python venv (.venv)
+#                             with the HF `tokenizers` package for scripts/prepare_data.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+demo=0
+[[ "${1:-}" == "--demo" ]] && demo=1
+
+packages=(build-essential cmake nlohmann-json3-dev libcli11-dev catch2 libopenmpi-dev openmpi-bin)
+((demo)) && packages+=(fortunes python3 python3-venv)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [[ $(id -u) -ne 0 ]] && sudo="sudo"
+  echo "setup: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ((demo)); then
+  if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c "import tokenizers, matplotlib" 2>/dev/null; then
+    echo "setup: creating .venv with tokenizers and matplotlib"
+    python3 -m venv .venv
+    .venv/bin/pip install -q --disable-pip-version-check tokenizers matplotlib
+  fi
+fi
+echo "setup: ok"

@@ -1,0 +1,135 @@
+// AdamW: PyTorch's formula step by step, the fp32-master mode and the unsafe bf16-only mode.
+#include "kernel_test_util.h"
+
+// The hand computation below must round every product and sum to fp32 on its own, as PyTorch's
+// elementwise kernels do (the backend's adamw.cpp does the same).
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+using namespace keel;
+using namespace keel::test;
+
+namespace {
+
+// One torch.optim.AdamW step (single-tensor path) on fp32 values:
+//   param.mul_(1 - lr * wd); exp_avg = b1 m + (1 - b1) g; exp_avg_sq = b2 v + (1 - b2) g g
+//   denom = (exp_avg_sq.sqrt() / sqrt(bias_correction2)).add_(eps)
+//   param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+// Python-float scalars are formed in double, then used as fp32 in the tensor ops.
+void hand_adamw(std::vector<float>& p, const std::vector<float>& grad, std::vector<float>& m, std::vector<float>& v,
+                const AdamWParams& hp) {
+  const float decay = static_cast<float>(1.0 - static_cast<double>(hp.lr) * hp.weight_decay);
+  const double bc1 = 1.0 - std::pow(static_cast<double>(hp.beta1), static_cast<double>(hp.step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(hp.step));
+  const float step_size = static_cast<float>(hp.lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float one_minus_b1 = static_cast<float>(1.0 - static_cast<double>(hp.beta1));
+  const float one_minus_b2 = static_cast<float>(1.0 - static_cast<double>(hp.beta2));
+  for (size_t i = 0; i < p.size(); ++i) {
+    const float g = grad[i] * hp.grad_scale;
+    p[i] = p[i] * decay;
+    m[i] = hp.beta1 * m[i] + one_minus_b1 * g;
+    v[i] = hp.beta2 * v[i] + one_minus_b2 * g * g;
+    const float denom = std::sqrt(v[i]) / bc2_sqrt + hp.eps;
+    p[i] = p[i] - (step_size * m[i]) / denom;
+  }
+}
+
+}  // namespace
+
+// Bit-exact: both sides perform the same fp32 operations in the same order.
+TEST_CASE("adamw matches a hand computation of PyTorch's AdamW step", "[adamw]") {
+  auto be = make_cpu_backend();
+  const int64_t n = 1000;
+  const std::vector<float> p0 = randn(n, 1, 0.1f);
+  AdamWParams hp;
+  hp.lr = 3e-3f;
+  hp.beta1 = 0.9f;
+  hp.beta2 = 0.95f;
+  hp.eps = 1e-8f;
+  hp.weight_decay = 0.1f;
+  hp.grad_scale = 0.5f;
+
+  std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f);
+  HostTensor master = make(DType::F32, {n}, p0), working = make(DType::BF16, {n}, p0);
+  HostTensor alias = make(DType::F32, {n}, p0);                               // working == master
+  HostTensor unsafe32 = make(DType::F32, {n}, p0);                            // empty master, fp32
+  HostTensor mt(DType::F32, {n}), vt(DType::F32, {n}), ma(DType::F32, {n}), va(DType::F32, {n});
+  HostTensor mu(DType::F32, {n}), vu(DType::F32, {n});
+  for (int64_t step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    hp.step = step;
+    const std::vector<float> g = randn(n, 10 + static_cast<uint32_t>(step));
+    HostTensor grad = make(DType::F32, {n}, g);
+    hand_adamw(p, g, m, v, hp);
+    be->adamw(master.t, working.t, grad.t, mt.t, vt.t, hp);
+    be->adamw(alias.t, alias.t, grad.t, ma.t, va.t, hp);
+    be->adamw(Tensor(), unsafe32.t, grad.t, mu.t, vu.t, hp);
+    CHECK(master.values() == p);
+    CHECK(mt.values() == m);
+    CHECK(vt.values() == v);
+    CHECK(alias.values() == p);
+    CHECK(unsafe32.values() == p);
+    int not_rounded = 0;
+    for (int64_t i = 0; i < n; ++i) not_rounded += working.at(i) != round_to(DType::BF16, p[i]);
+    CHECK(not_rounded == 0);
+  }
+  // and the formula itself, in double: relative 1e-6 (three steps of a few fp32 roundings each)
+  std::vector<double> pd(p0.begin(), p0.end()), md(n, 0.0), vd(n, 0.0);
+  for (int64_t step = 1; step <= 3; ++step) {
+    const std::vector<float> g = randn(n, 10 + static_cast<uint32_t>(step));
+    for (int64_t i = 0; i < n; ++i) {
+      const double gi = static_cast<double>(g[i]) * hp.grad_scale;
+      pd[i] *= 1.0 - static_cast<double>(hp.lr) * hp.weight_decay;
+      md[i] = hp.beta1 * md[i] + (1.0 - hp.beta1) * gi;
+      vd[i] = hp.beta2 * vd[i] + (1.0 - hp.beta2) * gi * gi;
+      const double mhat = md[i] / (1.0 - std::pow(static_cast<double>(hp.beta1), step));
+      const double vhat = vd[i] / (1.0 - std::pow(static_cast<double>(hp.beta2), step));
+      pd[i] -= hp.lr * mhat / (std::sqrt(vhat) + hp.eps);
+    }
+  }
+  CHECK(rel_error(master.values(), pd) < 1e-6);
+}
+
+// A norm gain at 1.0 taking updates of ~1e-4 (lr = 1e-4, constant gradient, so m_hat/sqrt(v_hat)
+// = 1): in bf16 only (empty master) every update rounds away and the value stays exactly 1.0;
+// with an fp32 master the master moves by ~1e-4 per step and the bf16 copy follows as soon as
+// the master is below 1 - 2^-9 (half the bf16 spacing below 1.0, which is 2^-8).
+TEST_CASE("adamw: bf16-only parameters freeze, fp32 masters move", "[adamw]") {
+  auto be = make_cpu_backend();
+  const int64_t n = 8;
+  AdamWParams hp;
+  hp.lr = 1e-4f;
+  HostTensor grad = make(DType::F32, {n}, std::vector<float>(n, 0.01f));
+  HostTensor unsafe = make(DType::BF16, {n}, std::vector<float>(n, 1.0f));
+  HostTensor master = make(DType::F32, {n}, std::vector<float>(n, 1.0f));
+  HostTensor working = make(DType::BF16, {n}, std::vector<float>(n, 1.0f));
+  HostTensor m1(DType::F32, {n}), v1(DType::F32, {n}), m2(DType::F32, {n}), v2(DType::F32, {n});
+  bool moved = false;
+  for (int64_t step = 1; step <= 40; ++step) {
+    CAPTURE(step);
+    hp.step = step;
+    be->adamw(Tensor(), unsafe.t, grad.t, m1.t, v1.t, hp);
+    be->adamw(master.t, working.t, grad.t, m2.t, v2.t, hp);
+    for (int64_t i = 0; i < n; ++i) {
+      CHECK(unsafe.at(i) == 1.0f);
+      CHECK(master.at(i) == Approx(1.0 - step * 1e-4).epsilon(1e-5));
+      const float expect = master.at(i) < 1.0f - std::ldexp(1.0f, -9) ? 1.0f - std::ldexp(1.0f, -8) : 1.0f;
+      CHECK(working.at(i) == expect);
+    }
+    moved |= working.at(0) != 1.0f;
+  }
+  CHECK(moved);
+}
+
+TEST_CASE("adamw rejects mismatched tensors", "[adamw][errors]") {
+  auto be = make_cpu_backend();
+  HostTensor p(DType::F32, {4}), g(DType::F32, {5}), m(DType::F32, {4}), v(DType::F32, {4});
+  AdamWParams hp;
+  REQUIRE_THROWS_AS(be->adamw(Tensor(), p.t, g.t, m.t, v.t, hp), std::invalid_argument);
+  HostTensor m16(DType::BF16, {4});
+  REQUIRE_THROWS_WITH(be->adamw(Tensor(), p.t, m.t, m16.t, v.t, hp), Catch::Contains("adamw") && Catch::Contains("bf16"));
+}

@@ -1,0 +1,18 @@
+// Subcommands of the `keel` binary. Each lives in its own train/cmd_<name>.cpp and registers
+// itself on the CLI11 app; main() parses and runs the one the user picked.
+#pragma once
+
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace keel {
+
+struct Command {
+  CLI::App* app = nullptr;
+  std::function<int()> run;  // returns the process exit code; may throw (main maps errors)
+};
+
+Command add_train_command(CLI::App& app);
+
+}  // namespace keel
