@@ -103,7 +103,22 @@ void FileWriter::write(const void* data, size_t bytes) {
     if (n == 0) throw DataError("cannot write '" + path_ + "': write made no progress");
     p += n;
     bytes -= static_cast<size_t>(n);
+    written_ += n;
   }
+}
+
+void FileWriter::sync() {
+  if (fd_ < 0) throw DataError("fsync of '" + path_ + "' after it was closed");
+  if (::fsync(fd_) != 0) throw DataError("cannot flush '" + path_ + "' to disk: " + errno_text(errno));
+}
+
+void sync_directory(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw DataError("cannot open directory '" + path + "' to flush it: " + errno_text(errno));
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  if (rc != 0 && err != EINVAL) throw DataError("cannot flush directory '" + path + "' to disk: " + errno_text(err));
 }
 
 void FileWriter::close() {

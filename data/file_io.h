@@ -46,12 +46,19 @@ class FileWriter {
   ~FileWriter();
 
   void write(const void* data, size_t bytes);
+  // fsync(2): the bytes written so far are on disk (a crash after this cannot lose them).
+  void sync();
   void close();
+  int64_t bytes_written() const { return written_; }
 
  private:
   std::string path_;
   int fd_ = -1;
+  int64_t written_ = 0;
 };
+
+// fsync a directory, so a rename or a new entry in it survives a crash.
+void sync_directory(const std::string& path);
 
 bool file_exists(const std::string& path);  // any kind of file, following links
 

@@ -1,5 +1,7 @@
 #include "data/safetensors.h"
 
+#include "data/checksum.h"
+
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -229,8 +231,14 @@ std::span<const std::byte> SafetensorsReader::bytes(const SafetensorsTensorInfo&
 
 // ---- writer ------------------------------------------------------------------------------
 
-void write_safetensors(const std::string& path, const std::vector<SafetensorsTensorToWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+struct SafetensorsWriter::Impl {
+  detail::FileWriter out;
+  explicit Impl(const std::string& path) : out(path) {}
+};
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Entry> entries,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(path), entries_(std::move(entries)), impl_(nullptr) {
   const std::string who = "cannot write safetensors file '" + path + "'";
   // ordered_json keeps __metadata__ first and the tensors in buffer order, which is what a
   // person reading the header expects.
@@ -241,9 +249,8 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsTen
     header["__metadata__"] = std::move(meta);
   }
   std::set<std::string_view> names;
-  std::vector<int64_t> sizes;
   int64_t offset = 0;
-  for (const SafetensorsTensorToWrite& t : tensors) {
+  for (const Entry& t : entries_) {
     if (t.name == "__metadata__") throw DataError(who + ": '__metadata__' is reserved, not a tensor name");
     if (!names.insert(t.name).second) throw DataError(who + ": tensor name '" + t.name + "' appears twice");
     for (int64_t d : t.shape) {
@@ -252,27 +259,72 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsTen
     const int64_t elements = checked_elements(t.shape);
     if (elements < 0) throw DataError(who + ": tensor '" + t.name + "' is too large");
     const int64_t bytes = elements * static_cast<int64_t>(safetensors_dtype_size(t.dtype));
-    if (bytes > 0 && t.data == nullptr) throw DataError(who + ": tensor '" + t.name + "' has no data");
     nlohmann::ordered_json entry = nlohmann::ordered_json::object();
     entry["dtype"] = std::string(safetensors_dtype_name(t.dtype));
     entry["shape"] = t.shape;
     entry["data_offsets"] = {offset, offset + bytes};
     header[t.name] = std::move(entry);
-    sizes.push_back(bytes);
+    sizes_.push_back(bytes);
     offset += bytes;
   }
+  tensor_crc_.assign(entries_.size(), 0);
   std::string text = header.dump();
   // Spaces are valid trailing JSON; padding to 8 puts the data buffer at an 8-aligned offset.
   text.append((8 - text.size() % 8) % 8, ' ');
   const uint64_t header_len = text.size();
 
-  detail::FileWriter out(path);
-  out.write(&header_len, 8);
-  out.write(text.data(), text.size());
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    if (sizes[k] > 0) out.write(tensors[k].data, static_cast<size_t>(sizes[k]));
+  impl_ = new Impl(path);
+  impl_->out.write(&header_len, 8);
+  impl_->out.write(text.data(), text.size());
+  file_crc_ = crc32c(crc32c(0, &header_len, 8), text.data(), text.size());
+  while (current_ < sizes_.size() && sizes_[current_] == 0) ++current_;
+}
+
+SafetensorsWriter::~SafetensorsWriter() { delete impl_; }
+
+void SafetensorsWriter::write(const void* data, size_t bytes) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    if (current_ >= sizes_.size())
+      throw DataError("cannot write safetensors file '" + path_ + "': more bytes than its tensors hold");
+    const size_t n = std::min<size_t>(bytes, static_cast<size_t>(sizes_[current_] - current_done_));
+    impl_->out.write(p, n);
+    tensor_crc_[current_] = crc32c(tensor_crc_[current_], p, n);
+    file_crc_ = crc32c(file_crc_, p, n);
+    p += n;
+    bytes -= n;
+    current_done_ += static_cast<int64_t>(n);
+    if (current_done_ == sizes_[current_]) {
+      current_done_ = 0;
+      do ++current_;
+      while (current_ < sizes_.size() && sizes_[current_] == 0);
+    }
   }
-  out.close();
+}
+
+void SafetensorsWriter::finish(bool sync) {
+  if (current_ < sizes_.size())
+    throw DataError("cannot finish safetensors file '" + path_ + "': tensor '" + entries_[current_].name +
+                    "' is incomplete");
+  if (sync) impl_->out.sync();
+  impl_->out.close();
+}
+
+int64_t SafetensorsWriter::file_bytes() const { return impl_->out.bytes_written(); }
+
+void write_safetensors(const std::string& path, const std::vector<SafetensorsTensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsWriter::Entry> entries;
+  for (const auto& t : tensors) entries.push_back({t.name, t.dtype, t.shape});
+  SafetensorsWriter w(path, std::move(entries), metadata);
+  for (const auto& t : tensors) {
+    const int64_t elements = checked_elements(t.shape);
+    const size_t bytes = static_cast<size_t>(elements) * safetensors_dtype_size(t.dtype);
+    if (bytes > 0 && t.data == nullptr)
+      throw DataError("cannot write safetensors file '" + path + "': tensor '" + t.name + "' has no data");
+    if (bytes > 0) w.write(t.data, bytes);
+  }
+  w.finish(false);
 }
 
 }  // namespace keel::data

@@ -70,6 +70,46 @@ struct SafetensorsTensorToWrite {
   const void* data;  // num_elements * dtype size bytes, row-major
 };
 
+// Streams a safetensors file tensor by tensor: the header (every name, dtype and shape) first,
+// then each tensor's bytes in the order given, so no tensor needs to be in memory with the
+// others (checkpoints of large models are written from a small staging buffer). Tracks the
+// CRC-32C of each tensor's bytes and of the whole file. Errors throw DataError naming the path.
+class SafetensorsWriter {
+ public:
+  struct Entry {
+    std::string name;
+    SafetensorsDtype dtype;
+    std::vector<int64_t> shape;
+  };
+  SafetensorsWriter(const std::string& path, std::vector<Entry> entries,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  // Appends bytes to the tensor being written; a call may span several tensors.
+  void write(const void* data, size_t bytes);
+  // All bytes written: optionally fsync, then close. Throws if tensors are incomplete.
+  void finish(bool sync);
+
+  const std::string& path() const { return path_; }
+  const std::vector<Entry>& entries() const { return entries_; }
+  uint32_t tensor_crc(size_t index) const { return tensor_crc_.at(index); }
+  uint32_t file_crc() const { return file_crc_; }
+  int64_t file_bytes() const;
+
+ private:
+  std::string path_;
+  std::vector<Entry> entries_;
+  std::vector<int64_t> sizes_;
+  std::vector<uint32_t> tensor_crc_;
+  size_t current_ = 0;       // tensor being written
+  int64_t current_done_ = 0;  // its bytes written so far
+  uint32_t file_crc_ = 0;
+  struct Impl;
+  Impl* impl_;
+};
+
 // Writes the tensors back to back in the order given, the header padded with spaces to a
 // multiple of 8 bytes so the data buffer starts at an 8-aligned file offset. Throws
 // DataError naming the path on bad input (duplicate or reserved names, negative dims) and on

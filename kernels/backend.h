@@ -118,6 +118,9 @@ class Backend {
   // Rows with target < 0 are ignored (masked out of the loss); their stats are still computed.
   virtual void xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit,
                           const Tensor& logits, const Tensor& targets, int64_t vocab_start) = 0;
+  // Vocab-parallel combination: sumexp *= exp(local_max - global_max), so each rank's sum is
+  // relative to the max over all vocab shards before the sums are added across them.
+  virtual void xent_rescale(const Tensor& sumexp, const Tensor& local_max, const Tensor& global_max) = 0;
   // lse = row_max + log(sumexp); losses[n] = lse - target_logit, or 0 for ignored rows.
   // (Under tensor parallelism the stats are first combined across the vocab shards.)
   virtual void xent_loss(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sumexp,

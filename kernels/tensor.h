@@ -41,7 +41,11 @@ struct Tensor {
   int64_t dim(int i) const { return shape[i < 0 ? ndim + i : i]; }
   // Size of the last dimension and the product of all others: how row-wise ops see a tensor.
   int64_t cols() const { return ndim == 0 ? 1 : shape[ndim - 1]; }
-  int64_t rows() const { return ndim == 0 ? 1 : numel() / shape[ndim - 1]; }
+  int64_t rows() const {
+    int64_t n = 1;
+    for (int i = 0; i + 1 < ndim; ++i) n *= shape[i];
+    return n;
+  }
 
   template <class T>
   T* as() const { return static_cast<T*>(data); }

@@ -1,5 +1,6 @@
 #include "model/param_table.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <stdexcept>
@@ -79,8 +80,38 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ModelShard& shard_in) : cfg
     if (gpt2) add("final_norm.bias", {d}, Role::Bias, TpSplit::None, -1, 0);
     // A tied head reads tok_embed; on a stage without the embedding it would hold a tied copy
     // (pipeline parallelism). Untied heads have their own matrix.
-    if (!cfg.tied_embeddings) add("lm_head", {V, d}, Role::Matrix, TpSplit::Rows, -1, std);
+    if (!cfg.tied_embeddings) {
+      add("lm_head", {V, d}, Role::Matrix, TpSplit::Rows, -1, std);
+    } else if (!shard_.has_embedding) {
+      add("tok_embed", {V, d}, Role::Embedding, TpSplit::Rows, -1, std);
+      params_.back().tied_copy = true;
+    }
   }
+}
+
+ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, bool embedding_slots) {
+  ModelShard s;
+  const int L = cfg.n_layers;
+  s.has_embedding = stage == 0;
+  s.has_head = stage == pp - 1;
+  if (!embedding_slots) {
+    const int base = L / pp, extra = L % pp;
+    s.first_layer = stage * base + std::min(stage, extra);
+    s.end_layer = s.first_layer + base + (stage < extra ? 1 : 0);
+  } else {
+    // Units 0 (embedding), 1..L (layers), L+1 (head); stage s holds units [u_s, u_{s+1}).
+    const int units = L + 2;
+    auto boundary = [&](int k) { return static_cast<int>((static_cast<int64_t>(k) * units) / pp); };
+    const int u0 = boundary(stage), u1 = boundary(stage + 1);
+    s.first_layer = std::max(u0, 1) - 1;
+    s.end_layer = std::min(u1, L + 1) - 1;
+    if (s.end_layer < s.first_layer) s.end_layer = s.first_layer;
+  }
+  if (s.end_layer == s.first_layer && !s.has_embedding && !s.has_head)
+    throw std::invalid_argument("pipeline stage " + std::to_string(stage) + " of " + std::to_string(pp) +
+                                " would hold no layer (" + std::to_string(L) + " layers" +
+                                (embedding_slots ? " + embedding and head slots" : "") + ")");
+  return s;
 }
 
 void ParamTable::add(std::string name, std::vector<int64_t> shape, Role role, TpSplit split, int layer,

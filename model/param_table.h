@@ -49,6 +49,9 @@ struct ParamSpec {
   TpSplit split = TpSplit::None;
   int layer = -1;               // -1: not inside a transformer block
   bool decay = false;           // == role_decays(role)
+  // The last pipeline stage's copy of a tied tok_embed: same name and values as the first
+  // stage's, kept identical by summing both copies' gradients (never saved or counted twice).
+  bool tied_copy = false;
   float init_std = 0;           // > 0: N(0, init_std); else constant init_value
   float init_value = 0;
 
@@ -75,6 +78,11 @@ class ParamTable {
   int64_t logical_numel() const;                          // exact model size (each tensor once)
   const ModelConfig& config() const { return cfg_; }
   const ModelShard& shard() const { return shard_; }
+  // Whether this rank holds the copy of `p` that counts: replicated tensors are counted (grad
+  // norm) and saved (checkpoints) by TP rank 0 only, tied copies by the first stage only.
+  bool is_primary(const ParamSpec& p) const {
+    return !p.tied_copy && (p.split != TpSplit::None || shard_.tp_rank == 0);
+  }
 
  private:
   void add(std::string name, std::vector<int64_t> shape, Role role, TpSplit split, int layer, float init_std,
@@ -85,6 +93,13 @@ class ParamTable {
   std::unordered_map<std::string, size_t> index_;
   int64_t local_numel_ = 0;
 };
+
+// Layers [first, end) of pipeline stage `stage` of `pp`. Without embedding slots the layers are
+// spread evenly (the first n_layers % pp stages get one more). With embedding slots the
+// embedding and the head count as one layer each (the BLOOM team's balancing of a large
+// vocabulary): n_layers + 2 units are spread over the stages, so the first and last stage get
+// fewer transformer layers. Throws when a stage would get nothing at all.
+ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, bool embedding_slots);
 
 // Deterministic initialisation of a tensor's local shard into `out` (fp32, local numel):
 // element value = N(0, init_std) drawn from a counter-based generator keyed by (seed, tensor

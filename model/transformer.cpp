@@ -2,57 +2,78 @@
 
 #include <stdexcept>
 
+#include "train/parallel/comm.h"
+
 namespace keel {
 
-Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len)
-    : table_(table), cfg_(table_.config()), be_(backend), act_(act_dtype), B_(micro_batch), T_(seq_len) {
+Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len,
+                         int slots, parallel::Comm* tp)
+    : table_(table), cfg_(table_.config()), be_(backend), act_(act_dtype), B_(micro_batch), T_(seq_len), tp_(tp) {
   if (seq_len > cfg_.max_seq_len)
     throw std::invalid_argument("sequence length " + std::to_string(seq_len) + " exceeds the model's max_seq_len " +
                                 std::to_string(cfg_.max_seq_len));
+  const ModelShard& sh = table_.shard();
+  const int tp_size = sh.tp_size;
+  if (tp_size > 1 && (!tp_ || tp_->size() != tp_size))
+    throw std::invalid_argument("Transformer: the parameter table is split over " + std::to_string(tp_size) +
+                                " TP ranks but no TP communicator of that size was given");
+  tensor_parallel_ = tp_size > 1;
   N_ = static_cast<int64_t>(B_) * T_;
-  const int64_t d = cfg_.d_model, F = cfg_.ffn_hidden, V = cfg_.embed_rows();
-  attn_shape_ = {B_, T_, cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim()};
-  const int64_t qkv_cols = attn_shape_.qkv_cols(), q = cfg_.q_dim();
-  const int64_t fc_cols = cfg_.is_llama() ? 2 * F : F;
+  const int64_t d = cfg_.d_model;
+  const int hd = cfg_.head_dim();
+  q_ = cfg_.q_dim() / tp_size;
+  kv_ = cfg_.kv_dim() / tp_size;
+  ffn_ = cfg_.ffn_hidden / tp_size;
+  vocab_local_ = cfg_.embed_rows() / tp_size;
+  vocab_start_ = vocab_local_ * sh.tp_rank;
+  attn_shape_ = {B_, T_, cfg_.n_heads / tp_size, cfg_.n_kv_heads / tp_size, hd};
+  const int64_t qkv_cols = attn_shape_.qkv_cols();
+  const int64_t fc_cols = cfg_.is_llama() ? 2 * ffn_ : ffn_;
   const bool ln = cfg_.is_gpt2();
 
-  tokens_ = alloc(DType::I32, {N_});
-  targets_ = alloc(DType::I32, {N_});
-  const ModelShard& sh = table_.shard();
-  layers_.resize(sh.end_layer - sh.first_layer);
-  for (auto& a : layers_) {
-    a.res_in = alloc(act_, {N_, d});
-    a.norm1 = alloc(act_, {N_, d});
-    if (ln) a.mean1 = alloc(DType::F32, {N_});
-    a.rstd1 = alloc(DType::F32, {N_});
-    a.qkv = alloc(act_, {N_, qkv_cols});
-    a.attn = alloc(act_, {N_, q});
-    a.lse = alloc(DType::F32, {B_, cfg_.n_heads, T_});
-    a.res_mid = alloc(act_, {N_, d});
-    a.norm2 = alloc(act_, {N_, d});
-    if (ln) a.mean2 = alloc(DType::F32, {N_});
-    a.rstd2 = alloc(DType::F32, {N_});
-    a.fc = alloc(act_, {N_, fc_cols});
-    a.act = alloc(act_, {N_, F});
+  slots_.resize(static_cast<size_t>(std::max(1, slots)));
+  for (Slot& s : slots_) {
+    if (sh.has_embedding) s.tokens = alloc(DType::I32, {N_});
+    if (sh.has_head) s.targets = alloc(DType::I32, {N_});
+    s.layers.resize(static_cast<size_t>(sh.end_layer - sh.first_layer));
+    for (auto& a : s.layers) {
+      a.res_in = alloc(act_, {N_, d});
+      a.norm1 = alloc(act_, {N_, d});
+      if (ln) a.mean1 = alloc(DType::F32, {N_});
+      a.rstd1 = alloc(DType::F32, {N_});
+      a.qkv = alloc(act_, {N_, qkv_cols});
+      a.attn = alloc(act_, {N_, q_});
+      a.lse = alloc(DType::F32, {B_, attn_shape_.n_heads, T_});
+      a.res_mid = alloc(act_, {N_, d});
+      a.norm2 = alloc(act_, {N_, d});
+      if (ln) a.mean2 = alloc(DType::F32, {N_});
+      a.rstd2 = alloc(DType::F32, {N_});
+      a.fc = alloc(act_, {N_, fc_cols});
+      a.act = alloc(act_, {N_, ffn_});
+    }
+    s.res_final = alloc(act_, {N_, d});
+    if (sh.has_head) {
+      s.normf = alloc(act_, {N_, d});
+      if (ln) s.meanf = alloc(DType::F32, {N_});
+      s.rstdf = alloc(DType::F32, {N_});
+      s.logits = alloc(act_, {N_, vocab_local_});
+      s.row_max = alloc(DType::F32, {N_});
+      if (tensor_parallel_) s.local_max = alloc(DType::F32, {N_});
+      s.sumexp = alloc(DType::F32, {N_});
+      s.target_logit = alloc(DType::F32, {N_});
+      s.lse_rows = alloc(DType::F32, {N_});
+      s.row_loss = alloc(DType::F32, {N_});
+    }
   }
-  res_final_ = alloc(act_, {N_, d});
-  normf_ = alloc(act_, {N_, d});
-  if (ln) meanf_ = alloc(DType::F32, {N_});
-  rstdf_ = alloc(DType::F32, {N_});
-  logits_ = alloc(act_, {N_, V});
-  row_max_ = alloc(DType::F32, {N_});
-  sumexp_ = alloc(DType::F32, {N_});
-  target_logit_ = alloc(DType::F32, {N_});
-  lse_rows_ = alloc(DType::F32, {N_});
-  row_loss_ = alloc(DType::F32, {N_});
-
   dres_ = alloc(act_, {N_, d});
   dnorm_ = alloc(act_, {N_, d});
-  dqkv_ = alloc(act_, {N_, qkv_cols});
-  dattn_ = alloc(act_, {N_, q});
-  dfc_ = alloc(act_, {N_, fc_cols});
-  dact_ = alloc(act_, {N_, F});
-  proj_out_ = alloc(act_, {N_, d});
+  if (sh.end_layer > sh.first_layer) {
+    dqkv_ = alloc(act_, {N_, qkv_cols});
+    dattn_ = alloc(act_, {N_, q_});
+    dfc_ = alloc(act_, {N_, fc_cols});
+    dact_ = alloc(act_, {N_, ffn_});
+    proj_out_ = alloc(act_, {N_, d});
+  }
 }
 
 Transformer::~Transformer() {
@@ -67,7 +88,7 @@ Tensor Transformer::alloc(DType t, std::initializer_list<int64_t> dims) {
 }
 
 void Transformer::bind(const Tensor& weights, const Tensor& grads) {
-  if (weights.numel() != table_.local_numel() || grads.numel() != table_.local_numel())
+  if (weights.numel() < table_.local_numel() || grads.numel() < table_.local_numel())
     throw std::invalid_argument("Transformer::bind: flat buffers have " + std::to_string(weights.numel()) + " / " +
                                 std::to_string(grads.numel()) + " elements, the parameter table needs " +
                                 std::to_string(table_.local_numel()));
@@ -100,6 +121,17 @@ Tensor Transformer::head_weight(const Tensor& flat) const {
   return view(flat, cfg_.tied_embeddings ? "tok_embed" : "lm_head");
 }
 
+Tensor Transformer::stage_input(int slot) const {
+  const Slot& s = slots_.at(static_cast<size_t>(slot));
+  return s.layers.empty() ? s.res_final : s.layers[0].res_in;
+}
+
+Tensor Transformer::stage_output(int slot) const { return slots_.at(static_cast<size_t>(slot)).res_final; }
+
+void Transformer::tp_sum(const Tensor& t) {
+  if (tensor_parallel_) tp_->all_reduce(t);
+}
+
 void Transformer::norm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
                                const std::string& prefix) {
   if (cfg_.is_gpt2())
@@ -118,32 +150,57 @@ void Transformer::norm_backward(const Tensor& din, const Tensor& dout, const Ten
     be_.rmsnorm_backward(din, grad(prefix + ".weight"), dout, in, weight(prefix + ".weight"), rstd, true);
 }
 
-Transformer::LossSum Transformer::forward(const int32_t* tokens, const int32_t* targets) {
+// Vocab-parallel cross-entropy: each TP rank holds the logits of its vocab slice. The row max
+// and the softmax denominator are combined over TP (max, then the local sums rescaled to the
+// global max and added), and the target's logit comes from the rank that owns it.
+void Transformer::loss_forward(Slot& s) {
+  if (!tensor_parallel_) {
+    be_.xent_stats(s.row_max, s.sumexp, s.target_logit, s.logits, s.targets, 0);
+  } else {
+    be_.xent_stats(s.local_max, s.sumexp, s.target_logit, s.logits, s.targets, vocab_start_);
+    be_.convert(s.row_max, s.local_max);
+    tp_->all_reduce(s.row_max, parallel::ReduceOp::Max);
+    be_.xent_rescale(s.sumexp, s.local_max, s.row_max);
+    tp_->all_reduce(s.sumexp);
+    tp_->all_reduce(s.target_logit);
+  }
+  be_.xent_loss(s.row_loss, s.lse_rows, s.row_max, s.sumexp, s.target_logit, s.targets);
+}
+
+Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens, const int32_t* targets) {
   if (weights_.empty()) throw std::logic_error("Transformer::forward before bind()");
-  be_.copy_from_host(tokens_, tokens);
-  be_.copy_from_host(targets_, targets);
+  Slot& s = slots_.at(static_cast<size_t>(slot_index));
+  const ModelShard& sh = table_.shard();
   const bool gpt2 = cfg_.is_gpt2();
-  const int64_t d = cfg_.d_model, q = cfg_.q_dim(), kv = cfg_.kv_dim(), F = cfg_.ffn_hidden;
-  const int first = table_.shard().first_layer;
-
+  const int64_t d = cfg_.d_model;
   Tensor none;
-  be_.embedding_forward(layers_.empty() ? res_final_ : layers_[0].res_in, tokens_, weight("tok_embed"),
-                        gpt2 ? weight("pos_embed") : none, T_, 0);
 
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    LayerActs& a = layers_[l];
-    const std::string p = "layers." + std::to_string(first + static_cast<int>(l)) + ".";
-    const Tensor& next = l + 1 < layers_.size() ? layers_[l + 1].res_in : res_final_;
+  if (sh.has_embedding) {
+    if (!tokens) throw std::invalid_argument("Transformer::forward: the embedding stage needs tokens");
+    be_.copy_from_host(s.tokens, tokens);
+    // Vocab-parallel: each rank embeds the tokens of its slice (others give 0), the sum over TP
+    // is the embedding. Positions are added once, by TP rank 0.
+    be_.embedding_forward(stage_input(slot_index), s.tokens, weight("tok_embed"),
+                          gpt2 && tp_lead() ? weight("pos_embed") : none, T_, vocab_start_);
+    tp_sum(stage_input(slot_index));
+  }
+
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    LayerActs& a = s.layers[l];
+    const std::string p = "layers." + std::to_string(sh.first_layer + static_cast<int>(l)) + ".";
+    const Tensor& next = l + 1 < s.layers.size() ? s.layers[l + 1].res_in : s.res_final;
 
     // attention block: res_mid = res_in + wo(attn(rope(qkv(norm(res_in)))))
     norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, p + "attn_norm");
-    Tensor bqkv = gpt2 ? fused(weights_, p + "attn.bq", q + 2 * kv, 0) : none;
-    be_.matmul(a.qkv, a.norm1, fused(weights_, p + "attn.wq", q + 2 * kv, d), false, true, false,
+    Tensor bqkv = gpt2 ? fused(weights_, p + "attn.bq", q_ + 2 * kv_, 0) : none;
+    be_.matmul(a.qkv, a.norm1, fused(weights_, p + "attn.wq", q_ + 2 * kv_, d), false, true, false,
                gpt2 ? &bqkv : nullptr);
     if (cfg_.is_llama()) be_.rope_forward(a.qkv, attn_shape_, cfg_.rope_theta);
     be_.attention_forward(a.attn, a.lse, a.qkv, attn_shape_);
+    // Row-parallel output: partial sums over TP; the replicated bias is added once (TP rank 0).
     Tensor bo = gpt2 ? weight(p + "attn.bo") : none;
-    be_.matmul(proj_out_, a.attn, weight(p + "attn.wo"), false, true, false, gpt2 ? &bo : nullptr);
+    be_.matmul(proj_out_, a.attn, weight(p + "attn.wo"), false, true, false, gpt2 && tp_lead() ? &bo : nullptr);
+    tp_sum(proj_out_);
     be_.add(a.res_mid, a.res_in, proj_out_);
 
     // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
@@ -152,43 +209,50 @@ Transformer::LossSum Transformer::forward(const int32_t* tokens, const int32_t* 
       Tensor b_fc = weight(p + "mlp.b_fc"), b_proj = weight(p + "mlp.b_proj");
       be_.matmul(a.fc, a.norm2, weight(p + "mlp.w_fc"), false, true, false, &b_fc);
       be_.gelu_forward(a.act, a.fc);
-      be_.matmul(proj_out_, a.act, weight(p + "mlp.w_proj"), false, true, false, &b_proj);
+      be_.matmul(proj_out_, a.act, weight(p + "mlp.w_proj"), false, true, false, tp_lead() ? &b_proj : nullptr);
     } else {
-      be_.matmul(a.fc, a.norm2, fused(weights_, p + "mlp.w_gate", 2 * F, d), false, true);
+      be_.matmul(a.fc, a.norm2, fused(weights_, p + "mlp.w_gate", 2 * ffn_, d), false, true);
       be_.swiglu_forward(a.act, a.fc);
       be_.matmul(proj_out_, a.act, weight(p + "mlp.w_down"), false, true);
     }
+    tp_sum(proj_out_);
     be_.add(next, a.res_mid, proj_out_);
   }
 
-  norm_forward(normf_, meanf_, rstdf_, res_final_, "final_norm");
-  be_.matmul(logits_, normf_, head_weight(weights_), false, true);
-  be_.xent_stats(row_max_, sumexp_, target_logit_, logits_, targets_, 0);
-  be_.xent_loss(row_loss_, lse_rows_, row_max_, sumexp_, target_logit_, targets_);
-
   LossSum r;
+  if (!sh.has_head) return r;
+  if (!targets) throw std::invalid_argument("Transformer::forward: the head stage needs targets");
+  be_.copy_from_host(s.targets, targets);
+  norm_forward(s.normf, s.meanf, s.rstdf, s.res_final, "final_norm");
+  be_.matmul(s.logits, s.normf, head_weight(weights_), false, true);
+  loss_forward(s);
   for (int64_t i = 0; i < N_; ++i) r.n_valid += targets[i] >= 0;
-  r.loss_sum = be_.sum(row_loss_);
+  r.loss_sum = be_.sum(s.row_loss);
   return r;
 }
 
-void Transformer::backward(float dloss) {
+void Transformer::backward(int slot_index, float dloss) {
+  Slot& s = slots_.at(static_cast<size_t>(slot_index));
+  const ModelShard& sh = table_.shard();
   const bool gpt2 = cfg_.is_gpt2();
-  const int64_t d = cfg_.d_model, q = cfg_.q_dim(), kv = cfg_.kv_dim(), F = cfg_.ffn_hidden;
-  const int first = table_.shard().first_layer;
+  const int64_t d = cfg_.d_model;
 
-  // loss -> logits (in place) -> head and final norm
-  be_.xent_backward(logits_, lse_rows_, targets_, dloss, 0);
-  const Tensor& dlogits = logits_;
-  be_.matmul(dnorm_, dlogits, head_weight(weights_), false, false);
-  be_.matmul(head_weight(grads_), dlogits, normf_, true, false, true);
-  be_.fill(dres_, 0.0f);
-  norm_backward(dres_, dnorm_, res_final_, meanf_, rstdf_, "final_norm");
+  if (sh.has_head) {
+    // loss -> logits (in place) -> head and final norm
+    be_.xent_backward(s.logits, s.lse_rows, s.targets, dloss, vocab_start_);
+    const Tensor& dlogits = s.logits;
+    be_.matmul(dnorm_, dlogits, head_weight(weights_), false, false);
+    tp_sum(dnorm_);  // each rank saw only its vocab slice
+    be_.matmul(head_weight(grads_), dlogits, s.normf, true, false, true);
+    be_.fill(dres_, 0.0f);
+    norm_backward(dres_, dnorm_, s.res_final, s.meanf, s.rstdf, "final_norm");
+  }
+  // else: the caller has put d(loss)/d(stage output) into dres_ (grad_output()).
 
   // dres_ carries d(loss)/d(residual stream) down through the layers.
-  for (size_t li = layers_.size(); li-- > 0;) {
-    LayerActs& a = layers_[li];
-    const std::string p = "layers." + std::to_string(first + static_cast<int>(li)) + ".";
+  for (size_t li = s.layers.size(); li-- > 0;) {
+    LayerActs& a = s.layers[li];
+    const std::string p = "layers." + std::to_string(sh.first_layer + static_cast<int>(li)) + ".";
 
     // MLP block
     if (gpt2) {
@@ -203,9 +267,10 @@ void Transformer::backward(float dloss) {
       be_.matmul(dact_, dres_, weight(p + "mlp.w_down"), false, false);
       be_.matmul(grad(p + "mlp.w_down"), dres_, a.act, true, false, true);
       be_.swiglu_backward(dfc_, dact_, a.fc);
-      be_.matmul(dnorm_, dfc_, fused(weights_, p + "mlp.w_gate", 2 * F, d), false, false);
-      be_.matmul(fused(grads_, p + "mlp.w_gate", 2 * F, d), dfc_, a.norm2, true, false, true);
+      be_.matmul(dnorm_, dfc_, fused(weights_, p + "mlp.w_gate", 2 * ffn_, d), false, false);
+      be_.matmul(fused(grads_, p + "mlp.w_gate", 2 * ffn_, d), dfc_, a.norm2, true, false, true);
     }
+    tp_sum(dnorm_);  // column-parallel input gradient: partial over TP
     norm_backward(dres_, dnorm_, a.res_mid, a.mean2, a.rstd2, p + "mlp_norm");
 
     // attention block
@@ -214,17 +279,23 @@ void Transformer::backward(float dloss) {
     if (gpt2) be_.bias_backward(grad(p + "attn.bo"), dres_);
     be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, attn_shape_);
     if (cfg_.is_llama()) be_.rope_backward(dqkv_, attn_shape_, cfg_.rope_theta);
-    be_.matmul(dnorm_, dqkv_, fused(weights_, p + "attn.wq", q + 2 * kv, d), false, false);
-    be_.matmul(fused(grads_, p + "attn.wq", q + 2 * kv, d), dqkv_, a.norm1, true, false, true);
-    if (gpt2) be_.bias_backward(fused(grads_, p + "attn.bq", q + 2 * kv, 0), dqkv_);
+    be_.matmul(dnorm_, dqkv_, fused(weights_, p + "attn.wq", q_ + 2 * kv_, d), false, false);
+    be_.matmul(fused(grads_, p + "attn.wq", q_ + 2 * kv_, d), dqkv_, a.norm1, true, false, true);
+    if (gpt2) be_.bias_backward(fused(grads_, p + "attn.bq", q_ + 2 * kv_, 0), dqkv_);
+    tp_sum(dnorm_);
     norm_backward(dres_, dnorm_, a.res_in, a.mean1, a.rstd1, p + "attn_norm");
   }
 
-  Tensor none;
-  be_.embedding_backward(grad("tok_embed"), gpt2 ? grad("pos_embed") : none, dres_, tokens_, T_, 0);
+  if (sh.has_embedding) {
+    Tensor none;
+    // Every TP rank accumulates the rows of its vocab slice, and the (replicated) position
+    // gradient in full, so all replicas of pos_embed see the same gradient.
+    be_.embedding_backward(grad("tok_embed"), gpt2 ? grad("pos_embed") : none, dres_, s.tokens, T_, vocab_start_);
+  }
+  // else: dres_ (grad_input()) now holds d(loss)/d(stage input) for the previous stage.
 }
 
-// Training FLOPs per token, the PaLM / llm.c convention used for MFU:
+// Training FLOPs per token of the whole model, the PaLM / llm.c convention used for MFU:
 //   6 * (parameters that enter a matmul, incl. the head; not the embedding lookups)
 //   + 12 * n_layers * seq_len * (n_heads * head_dim)   (QK^T and PV, forward + backward,
 //                                                       counted without the causal halving)

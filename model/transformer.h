@@ -1,8 +1,20 @@
-// Forward and backward of the network (a stage of it, once pipeline parallelism lands) for one
-// micro-batch, written once for both families against the Backend op set.
+// Forward and backward of one pipeline stage of the network (the whole network when there is
+// one stage) for a micro-batch, written once for both families against the Backend op set.
+//
+// Tensor parallelism (Megatron style): given a TP communicator, attention runs on this rank's
+// heads (q and kv heads split alike, so GQA groups stay whole), the MLP is column- then
+// row-parallel, and the embedding and the loss are vocab-parallel; the row-parallel outputs
+// and the inputs' gradients of column-parallel layers are all-reduced over TP. The full logits
+// never exist on one rank.
+//
+// Pipeline parallelism: a stage without the embedding reads its input from stage_input(slot)
+// (the trainer receives it there); a stage without the head leaves its output in
+// stage_output(slot), takes the output's gradient in grad_output() and leaves the gradient of
+// its input in grad_input(). Activations are kept per slot so that a 1F1B schedule can hold
+// several micro-batches in flight.
 //
 // Memory: parameters and fp32 gradients live in flat buffers the caller owns (bind());
-// activations are allocated once here for (micro_batch, seq_len), so a step allocates nothing.
+// activations are allocated once here, so a step allocates nothing.
 #pragma once
 
 #include <cstdint>
@@ -13,47 +25,73 @@
 
 namespace keel {
 
+namespace parallel {
+class Comm;
+}
+
 class Transformer {
  public:
   // act_dtype: storage of activations and activation gradients (f32, bf16 or f16).
-  Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len);
+  // slots: micro-batches whose activations are kept at once. tp: the tensor-parallel group
+  // (nullptr: no tensor parallelism; the table must then be unsharded).
+  Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len, int slots = 1,
+              parallel::Comm* tp = nullptr);
   ~Transformer();
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
 
   // Flat buffers laid out by the ParamTable: working weights (any float dtype) and fp32 grads.
+  // They may be longer than the table (padding); only the table's range is used.
   void bind(const Tensor& weights, const Tensor& grads);
 
   struct LossSum {
     double loss_sum = 0;  // sum of per-token losses over the valid (target >= 0) rows
     int64_t n_valid = 0;  // number of valid rows
   };
-  // tokens/targets: host arrays of micro_batch * seq_len. Keeps what backward needs.
-  LossSum forward(const int32_t* tokens, const int32_t* targets);
-  // Accumulates into the grads: d(dloss * sum of row losses)/d(params). dloss folds the loss
-  // averaging (1 / valid tokens in the global batch) and the fp16 loss scale.
-  void backward(float dloss);
+  // tokens: host array of micro_batch * seq_len, needed by the stage holding the embedding;
+  // targets: likewise, needed by the stage holding the head (the only one that returns a loss).
+  LossSum forward(int slot, const int32_t* tokens, const int32_t* targets);
+  // Accumulates into the grads. On the stage with the head, from the loss: dloss folds the
+  // averaging (1 / valid tokens in the global batch) and the fp16 loss scale. On other
+  // stages, from grad_output(), which the caller fills first.
+  void backward(int slot, float dloss);
 
-  Tensor logits() const { return logits_; }  // [B*T, V] after forward, before backward
+  LossSum forward(const int32_t* tokens, const int32_t* targets) { return forward(0, tokens, targets); }
+  void backward(float dloss) { backward(0, dloss); }
+
+  Tensor stage_input(int slot) const;   // [B*T, d]: where a received activation goes
+  Tensor stage_output(int slot) const;  // [B*T, d]: what to send to the next stage
+  Tensor grad_output() const { return dres_; }  // d(loss)/d(stage output), before backward
+  Tensor grad_input() const { return dres_; }   // d(loss)/d(stage input), after backward
+
+  Tensor logits(int slot = 0) const { return slots_[slot].logits; }  // [B*T, V_local], before backward
   Tensor weight(const std::string& name) const;
   Tensor grad(const std::string& name) const;
   const ParamTable& table() const { return table_; }
   int micro_batch() const { return B_; }
   int seq_len() const { return T_; }
+  int slots() const { return static_cast<int>(slots_.size()); }
   DType act_dtype() const { return act_; }
-  // Training FLOPs per token (forward + backward), see the definition in transformer.cpp.
+  // Training FLOPs per token of the whole model (forward + backward), see transformer.cpp.
   double flops_per_token() const;
 
  private:
   struct LayerActs {
     Tensor res_in;              // residual stream entering the layer [N, d]
     Tensor norm1, mean1, rstd1; // attention-norm output and its saved stats
-    Tensor qkv;                 // [N, (nh + 2 nkv) hd], after RoPE
+    Tensor qkv;                 // [N, (nh + 2 nkv) hd] (local heads), after RoPE
     Tensor attn, lse;           // attention output [N, nh hd], log-sum-exp [B, nh, T]
     Tensor res_mid;             // residual after the attention block
     Tensor norm2, mean2, rstd2;
     Tensor fc;                  // MLP input projection: [N, ffn] (gpt2) or [N, 2 ffn] gate|up (llama)
     Tensor act;                 // [N, ffn]
+  };
+  struct Slot {
+    Tensor tokens, targets;
+    std::vector<LayerActs> layers;
+    Tensor res_final;           // residual after the last layer: the stage's output
+    Tensor normf, meanf, rstdf, logits;
+    Tensor local_max, row_max, sumexp, target_logit, lse_rows, row_loss;
   };
 
   Tensor alloc(DType t, std::initializer_list<int64_t> dims);
@@ -65,6 +103,9 @@ class Transformer {
   void norm_backward(const Tensor& din, const Tensor& dout, const Tensor& in, const Tensor& mean,
                      const Tensor& rstd, const std::string& prefix);
   Tensor head_weight(const Tensor& flat) const;
+  void tp_sum(const Tensor& t);  // all-reduce over the TP group (no-op without TP)
+  bool tp_lead() const { return table_.shard().tp_rank == 0; }
+  void loss_forward(Slot& s);
 
   const ParamTable table_;
   const ModelConfig& cfg_;
@@ -72,15 +113,15 @@ class Transformer {
   DType act_;
   int B_, T_;
   int64_t N_;
+  parallel::Comm* tp_;
+  bool tensor_parallel_;
+  // This rank's sizes (TP-local).
+  int64_t q_, kv_, ffn_, vocab_local_, vocab_start_ = 0;
   AttnShape attn_shape_;
   Tensor weights_, grads_;
   std::vector<void*> allocations_;
-
-  Tensor tokens_, targets_;
-  std::vector<LayerActs> layers_;
-  Tensor res_final_, normf_, meanf_, rstdf_, logits_;
-  Tensor row_max_, sumexp_, target_logit_, lse_rows_, row_loss_;
-  // backward scratch, reused by every layer
+  std::vector<Slot> slots_;
+  // backward scratch, shared by every slot and layer
   Tensor dres_, dnorm_, dqkv_, dattn_, dfc_, dact_, proj_out_;
 };
 

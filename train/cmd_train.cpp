@@ -21,6 +21,10 @@ struct TrainArgs {
   int threads = 0;
   bool print_config = false;
   bool quiet = false;
+  std::string resume;
+  std::string init_from;
+  int64_t stop_at = 0;
+  double time_limit_min = 0;
 };
 
 int cmd_train(const TrainArgs& a) {
@@ -38,6 +42,10 @@ int cmd_train(const TrainArgs& a) {
   if (a.threads > 0) omp_set_num_threads(a.threads);
   RunOptions opts;
   opts.quiet = a.quiet;
+  opts.resume = a.resume;
+  opts.init_from = a.init_from;
+  opts.stop_at = a.stop_at;
+  opts.time_limit_s = a.time_limit_min * 60;
   return run_training(cfg, opts);
 }
 
@@ -60,6 +68,17 @@ Command add_train_command(CLI::App& app) {
   train->add_option("--device", ta.device, "auto, cpu or cuda (device)");
   train->add_option("--threads", ta.threads, "CPU threads (default: OMP_NUM_THREADS or all cores)")
       ->check(CLI::PositiveNumber);
+  train->add_option("--resume", ta.resume,
+                    "Resume from this checkpoint (a step_* directory or a checkpoints directory). Default: the "
+                    "latest checkpoint in checkpoint.dir (<out>/checkpoints), if there is one");
+  train->add_option("--init-from", ta.init_from,
+                    "Start a new run from a checkpoint's weights only (finetuning): fp32 masters from the weights, "
+                    "Adam moments zero, step 0. Ignored when the run resumes");
+  train->add_option("--stop-at", ta.stop_at, "Save a checkpoint after this iteration and stop (exit code 4)")
+      ->check(CLI::PositiveNumber);
+  train->add_option("--time-limit", ta.time_limit_min,
+                    "Minutes of wall time this job may use: save and stop (exit code 4) before they run out")
+      ->check(CLI::PositiveNumber);
   train->add_flag("--print-config", ta.print_config, "Validate the config, print it fully resolved, and exit");
   train->add_flag("-q,--quiet", ta.quiet, "No per-step log lines (metrics.jsonl is still written)");
   train->footer(
@@ -67,7 +86,11 @@ Command add_train_command(CLI::App& app) {
       "iteration, learning rate, global batch size, lm loss, loss scale, grad norm, num zeros,\n"
       "skipped and nan iterations, tokens per second and model TFLOP/s. The same numbers go to\n"
       "<out>/metrics.jsonl (plot with scripts/plot_metrics.py).\n"
-      "Exit codes: 0 done, 1 training failed, 2 bad config or arguments, 3 bad data.");
+      "Checkpoints go to <out>/checkpoints every checkpoint.interval steps and at the end; SIGTERM,\n"
+      "SIGUSR1 (SLURM's warning before the time limit) and Ctrl-C save one at the next step boundary\n"
+      "and stop. Running the same command again resumes from the latest checkpoint.\n"
+      "Exit codes: 0 done, 1 training failed, 2 bad config or arguments, 3 bad data,\n"
+      "4 stopped by a signal after saving (run again to resume), 5 checkpoint unreadable or unwritable.");
   return {train, [args] { return cmd_train(*args); }};
 }
 

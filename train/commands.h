@@ -14,5 +14,7 @@ struct Command {
 };
 
 Command add_train_command(CLI::App& app);
+Command add_ckpt_command(CLI::App& app);
+Command add_plan_command(CLI::App& app);  // train/cmd_plan.cpp
 
 }  // namespace keel

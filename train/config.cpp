@@ -400,11 +400,14 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     c.checkpoint.interval = f.integer("interval", 0, 0);
     c.checkpoint.keep_last = f.integer("keep_last", 3, 1);
     c.checkpoint.keep_every = f.integer("keep_every", 0, 0);
+    c.checkpoint.save_at_end = f.boolean("save_at_end", true);
+    c.checkpoint.dir = f.string("dir", "");
     f.finish();
   }
 
   c.device = top.choice("device", "auto", {"auto", "cpu", "cuda"});
   c.out = top.string("out", "out/" + c.name);
+  if (c.checkpoint.dir.empty()) c.checkpoint.dir = (std::filesystem::path(c.out) / "checkpoints").string();
   c.description = top.string("description", "");
   top.finish();
 
@@ -509,7 +512,9 @@ json to_json(const RunConfig& c) {
   j["log"] = {{"interval", c.log.interval}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},
                      {"keep_last", c.checkpoint.keep_last},
-                     {"keep_every", c.checkpoint.keep_every}};
+                     {"keep_every", c.checkpoint.keep_every},
+                     {"save_at_end", c.checkpoint.save_at_end},
+                     {"dir", c.checkpoint.dir}};
   j["parallel"] = {{"tp", c.parallel.tp}, {"pp", c.parallel.pp}, {"dp", c.parallel.dp}};
   j["device"] = c.device;
   j["out"] = c.out;

@@ -86,6 +86,8 @@ struct CheckpointConfig {
   int64_t interval = 0;  // steps between saves (0: only at the end / on signal)
   int64_t keep_last = 3;
   int64_t keep_every = 0;  // additionally keep every K-th step's checkpoint (0: none)
+  bool save_at_end = true;
+  std::string dir;         // default <out>/checkpoints
 };
 
 struct ParallelConfig {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "data/token_file.h"
+#include "train/checkpoint.h"
 #include "train/commands.h"
 #include "train/config.h"
 #include "train/run.h"
@@ -22,7 +23,8 @@ int main(int argc, char** argv) {
       "  keel train --config configs/gpt2-124m.json --set optimizer.lr=6e-4 --steps 5000 --out runs/a\n"
       "Run `keel <subcommand> --help` for the options of each subcommand.");
 
-  std::vector<keel::Command> commands = {keel::add_train_command(app)};
+  std::vector<keel::Command> commands = {keel::add_train_command(app), keel::add_plan_command(app),
+                                         keel::add_ckpt_command(app)};
 
   try {
     app.parse(argc, argv);
@@ -37,6 +39,9 @@ int main(int argc, char** argv) {
   } catch (const keel::ConfigError& e) {
     std::fprintf(stderr, "keel: error: %s\n", e.what());
     return keel::kExitConfigError;
+  } catch (const keel::CheckpointError& e) {
+    std::fprintf(stderr, "keel: checkpoint error: %s\n", e.what());
+    return keel::kExitCheckpointError;
   } catch (const keel::data::DataError& e) {
     std::fprintf(stderr, "keel: data error: %s\n", e.what());
     return keel::kExitDataError;

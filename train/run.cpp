@@ -11,8 +11,11 @@
 #include <memory>
 #include <optional>
 
+#include <csignal>
+
 #include "data/sampler.h"
 #include "kernels/device.h"
+#include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
@@ -117,6 +120,29 @@ double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg) {
   return tr.evaluate(batches);
 }
 
+// SLURM sends SIGUSR1 (with --signal) or SIGTERM before the time limit; Ctrl-C is SIGINT.
+// The handler only records the signal: the loop saves at the next step boundary and exits.
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) {
+  g_stop_signal = sig;
+  std::signal(sig, SIG_DFL);  // a second signal of the same kind ends the process at once
+}
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGTERM: return "SIGTERM";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGINT: return "SIGINT";
+  }
+  return "a signal";
+}
+
+void print_save(const SaveResult& r) {
+  std::printf("keel: saved checkpoint %s (%.1f MB in %.2f s, %.0f MB/s)\n", r.path.c_str(), r.bytes / 1e6, r.seconds,
+              r.seconds > 0 ? r.bytes / 1e6 / r.seconds : 0.0);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int run_training(const RunConfig& cfg, const RunOptions& opts) {
@@ -146,7 +172,46 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
                             " tokens, not enough for one sample of seq_len + 1 = " + std::to_string(T + 1));
   }
   Trainer tr(cfg, *backend);
-  tr.init_weights();
+  RankPlace place;  // one process: the whole model, all of the optimizer state
+
+  // Resume if a checkpoint exists (explicit --resume, or the latest in the checkpoint
+  // directory); else --init-from weights; else a fresh init. All reads, no writes yet.
+  TrainProgress progress;
+  std::vector<std::string> notes;
+  std::string resume_path = opts.resume;
+  if (resume_path.empty()) {
+    if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir)) resume_path = *latest;
+  }
+  if (!resume_path.empty()) {
+    Checkpoint ck = Checkpoint::open(resume_path);
+    if (auto problems = ck.verify(); !problems.empty()) {
+      std::string msg = "refusing to resume from a damaged checkpoint " + ck.path() + ":";
+      for (const auto& p : problems) msg += "\n  " + p;
+      throw CheckpointError(msg + "\n(other checkpoints in " + cfg.checkpoint.dir +
+                            " are untouched; pass one of them with --resume)");
+    }
+    progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
+    notes.insert(notes.begin(), "resuming from " + ck.path() + " at iteration " + std::to_string(progress.iteration) +
+                                    ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
+                                    std::to_string(tr.state().adam_step));
+    if (!opts.init_from.empty())
+      notes.push_back("--init-from " + opts.init_from + " is ignored: it only initialises a fresh run, and this run resumes");
+  } else if (!opts.init_from.empty()) {
+    Checkpoint ck = Checkpoint::open(opts.init_from);
+    if (auto problems = ck.verify(); !problems.empty()) {
+      std::string msg = "refusing to initialise from a damaged checkpoint " + ck.path() + ":";
+      for (const auto& p : problems) msg += "\n  " + p;
+      throw CheckpointError(msg);
+    }
+    notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place));
+  } else {
+    tr.init_weights();
+  }
+  if (progress.iteration >= cfg.train.steps) {
+    std::printf("keel: the checkpoint is at iteration %lld and train.steps is %lld: nothing to do\n",
+                static_cast<long long>(progress.iteration), static_cast<long long>(cfg.train.steps));
+    return kExitOk;
+  }
 
   // ---- run directory ----
   std::error_code ec;
@@ -158,12 +223,33 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   }
   MetricsWriter metrics((fs::path(cfg.out) / "metrics.jsonl").string());
   print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
-  std::printf("keel: run directory %s (metrics: %s)\n", cfg.out.c_str(), metrics.path().c_str());
+  std::printf("keel: run directory %s (metrics: %s, checkpoints: %s)\n", cfg.out.c_str(), metrics.path().c_str(),
+              cfg.checkpoint.dir.c_str());
+  for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
+  CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
+  if (int n = checkpoints.clean_incomplete(); n > 0)
+    std::printf("keel: removed %d incomplete save(s) left by an interrupted run\n", n);
+  if (progress.iteration > 0)
+    metrics.write({{"event", "resume"}, {"step", progress.iteration}, {"checkpoint", resume_path}});
+  std::fflush(stdout);
 
+  g_stop_signal = 0;
+  // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
+  std::signal(SIGXFSZ, SIG_IGN);
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
+
+  const auto run_start = std::chrono::steady_clock::now();
   const double flops_per_token = tr.model().flops_per_token();
-  int64_t consumed_samples = 0, consumed_tokens = 0, skipped_total = 0, nan_total = 0;
+  int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;
+  int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
   double last_val = std::nan("");
-  for (int64_t it = 1; it <= cfg.train.steps; ++it) {
+  auto save = [&](int64_t it) {
+    TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
+    print_save(checkpoints.save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place));
+  };
+  for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t gbs = global_batch_size(cfg, consumed_samples);
     auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, 0);
@@ -196,6 +282,25 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
       if (!opts.quiet) std::printf(" validation at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
                                    static_cast<long long>(it), last_val, std::exp(last_val));
     }
+
+    const bool last = it == cfg.train.steps;
+    const bool scheduled = cfg.checkpoint.interval > 0 && it % cfg.checkpoint.interval == 0;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    std::string stop_reason;
+    if (g_stop_signal) stop_reason = std::string(signal_name(g_stop_signal)) + " received";
+    else if (!last && opts.stop_at > 0 && it >= opts.stop_at) stop_reason = "--stop-at " + std::to_string(opts.stop_at) + " reached";
+    // Leave room for one more step and a save before the limit (the last step's time, twice).
+    else if (!last && opts.time_limit_s > 0 && elapsed + 2 * secs >= opts.time_limit_s)
+      stop_reason = "time limit of " + std::to_string(static_cast<int64_t>(opts.time_limit_s)) + " s is near";
+    if (!stop_reason.empty()) {
+      std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
+                  static_cast<long long>(it));
+      save(it);
+      std::printf("keel: stopped at iteration %lld of %lld; run the same command again to resume (exit code %d)\n",
+                  static_cast<long long>(it), static_cast<long long>(cfg.train.steps), kExitStopped);
+      return kExitStopped;
+    }
+    if (scheduled || (last && cfg.checkpoint.save_at_end)) save(it);
   }
   std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
               static_cast<long long>(consumed_tokens),

@@ -14,10 +14,16 @@ enum ExitCode : int {
   kExitFailure = 1,      // training failed (non-finite loss with no way out, I/O error, ...)
   kExitConfigError = 2,  // bad config or command line
   kExitDataError = 3,    // missing, corrupt or mismatching data files
+  kExitStopped = 4,      // stopped before the end (signal, --stop-at, --time-limit) after saving: run again to resume
+  kExitCheckpointError = 5,  // a checkpoint could not be read or written (nothing was lost)
 };
 
 struct RunOptions {
-  bool quiet = false;  // no per-step lines on stdout (metrics are still written)
+  bool quiet = false;       // no per-step lines on stdout (metrics are still written)
+  std::string resume;       // checkpoint to resume (default: the latest in checkpoint.dir, if any)
+  std::string init_from;    // weights-only initialisation for a fresh run (finetuning)
+  int64_t stop_at = 0;      // save and stop after this iteration (0: run to train.steps)
+  double time_limit_s = 0;  // save and stop once this much wall time has passed (0: none)
 };
 
 int run_training(const RunConfig& cfg, const RunOptions& opts = {});

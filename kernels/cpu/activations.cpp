@@ -70,7 +70,7 @@ void CpuBackend::gelu_backward(const Tensor& din, const Tensor& dout, const Tens
 // out = silu(gate) * up, silu(g) = g / (1 + exp(-g))
 void CpuBackend::swiglu_forward(const Tensor& out, const Tensor& in) {
   auto [N, F] = check_swiglu("swiglu_forward", {"in", in}, {"out", out});
-#pragma omp parallel
+#pragma omp parallel if (N * F >= cpu::kMinParallelWork)
   {
     std::vector<float> buf(static_cast<size_t>(2 * F)), y(static_cast<size_t>(F));
 #pragma omp for schedule(static)
@@ -89,7 +89,7 @@ void CpuBackend::swiglu_forward(const Tensor& out, const Tensor& in) {
 void CpuBackend::swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) {
   auto [N, F] = check_swiglu("swiglu_backward", {"in", in}, {"dout", dout});
   check_swiglu("swiglu_backward", {"din", din}, {"dout", dout});
-#pragma omp parallel
+#pragma omp parallel if (N * F >= cpu::kMinParallelWork)
   {
     std::vector<float> buf(static_cast<size_t>(2 * F)), dybuf(static_cast<size_t>(F)), dx(static_cast<size_t>(2 * F));
 #pragma omp for schedule(static)

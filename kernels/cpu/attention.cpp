@@ -52,7 +52,7 @@ Heads unpack_heads(const Tensor& qkv, const AttnShape& s) {
   h.q.resize(static_cast<size_t>(s.B) * s.n_heads * T * hd);
   h.k.resize(static_cast<size_t>(s.B) * s.n_kv_heads * T * hd);
   h.v.resize(h.k.size());
-#pragma omp parallel
+#pragma omp parallel if (s.B * T * cols >= cpu::kMinParallelWork)
   {
     std::vector<float> row(static_cast<size_t>(cols));
 #pragma omp for schedule(static)
@@ -95,7 +95,8 @@ void CpuBackend::attention_forward(const Tensor& out, const Tensor& lse, const T
   const int64_t group = nh / nkv;
   const float scale = softmax_scale(s.head_dim);
   float* lse_out = lse.as<float>();
-#pragma omp parallel
+  const int64_t work = B * nh * T * (T + 1) / 2 * hd;  // multiply-adds of q.k (and p.v)
+#pragma omp parallel if (work >= cpu::kMinParallelWork)
   {
     std::vector<float> p(static_cast<size_t>(T)), o(static_cast<size_t>(hd));
     // one (b, h, i) query row per iteration; rows get longer with i, hence dynamic
@@ -147,7 +148,8 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
 
   // dO head-major [B][nh][T][hd] and D = rowsum(dO * O) per (b, h, i)
   std::vector<float> dO(static_cast<size_t>(B * nh * T * hd)), D(static_cast<size_t>(B * nh * T));
-#pragma omp parallel
+  const int64_t work = B * nh * T * (T + 1) / 2 * hd;  // multiply-adds of one score pass
+#pragma omp parallel if (B * T * nh * hd >= cpu::kMinParallelWork)
   {
     std::vector<float> dy_buf(static_cast<size_t>(nh * hd)), o_buf(static_cast<size_t>(nh * hd));
 #pragma omp for schedule(static)
@@ -163,7 +165,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
     }
   }
 
-#pragma omp parallel
+#pragma omp parallel if (work >= cpu::kMinParallelWork)
   {
     std::vector<float> acc(static_cast<size_t>(hd)), acc2(static_cast<size_t>(hd));
     // pass 1: dq_i, one (b, h, i) query row per iteration

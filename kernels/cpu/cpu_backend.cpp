@@ -208,7 +208,7 @@ std::vector<T> map_blocks(const Tensor& x, Fn&& fn) {
   int64_t n = x.numel();
   int64_t nblocks = (n + kReduceBlock - 1) / kReduceBlock;
   std::vector<T> partial(static_cast<size_t>(nblocks));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= cpu::kMinParallelWork)
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     int64_t begin = blk * kReduceBlock;
     int64_t len = std::min(kReduceBlock, n - begin);

@@ -56,6 +56,7 @@ class CpuBackend final : public Backend {
 
   void xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit, const Tensor& logits,
                   const Tensor& targets, int64_t vocab_start) override;
+  void xent_rescale(const Tensor& sumexp, const Tensor& local_max, const Tensor& global_max) override;
   void xent_loss(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sumexp,
                  const Tensor& target_logit, const Tensor& targets) override;
   void xent_backward(const Tensor& logits, const Tensor& lse, const Tensor& targets, float dloss,

@@ -12,6 +12,10 @@
 
 namespace keel::cpu {
 
+// Below this much work (elements, or multiply-adds) an op runs on the calling thread: forking
+// costs more than it saves. Results do not depend on it (nor on the thread count).
+constexpr int64_t kMinParallelWork = int64_t{1} << 15;
+
 // Rows per block in row reductions (parameter gradients): partial sums are formed per block of
 // this many rows and then added in block order, so the result never depends on the thread count.
 constexpr int64_t kRowBlock = 64;
@@ -120,7 +124,7 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_
 // fn(begin, len) over [0, n) cut into fixed chunks of `chunk` elements, in parallel.
 template <class Fn>
 void for_chunks(int64_t n, int64_t chunk, Fn&& fn) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kMinParallelWork)
   for (int64_t c = 0; c < (n + chunk - 1) / chunk; ++c) {
     int64_t begin = c * chunk;
     fn(begin, n - begin < chunk ? n - begin : chunk);
@@ -129,7 +133,7 @@ void for_chunks(int64_t n, int64_t chunk, Fn&& fn) {
 
 // dst[c] += sum over b in order of partial[b][c] (partial is [nblocks, n]); parallel over c.
 inline void add_block_partials(float* dst, const float* partial, int64_t nblocks, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (nblocks * n >= kMinParallelWork)
   for (int64_t c = 0; c < n; ++c) {
     float s = 0;
     for (int64_t b = 0; b < nblocks; ++b) s += partial[b * n + c];

@@ -37,7 +37,7 @@ void CpuBackend::embedding_forward(const Tensor& out, const Tensor& tokens, cons
   auto [N, C] = check_embedding(op, {"out", out}, tokens, {"tok_embed", tok_embed}, pos_embed, "pos_embed", T);
   const int64_t V = cpu::rows(tok_embed);
   const int32_t* tok = tokens.as<const int32_t>();
-#pragma omp parallel
+#pragma omp parallel if (N * C >= cpu::kMinParallelWork)
   {
     std::vector<float> row(static_cast<size_t>(C)), pos(static_cast<size_t>(C));
 #pragma omp for schedule(static)
@@ -88,7 +88,7 @@ void CpuBackend::embedding_backward(const Tensor& dtok_embed, const Tensor& dpos
 
   float* dtok = dtok_embed.as<float>();
   float* dpos = dpos_embed.empty() ? nullptr : dpos_embed.as<float>();
-#pragma omp parallel
+#pragma omp parallel if (N * C >= cpu::kMinParallelWork)
   {
     std::vector<float> acc(static_cast<size_t>(C)), buf(static_cast<size_t>(C));
 #pragma omp for schedule(dynamic, 16)

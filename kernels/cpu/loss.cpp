@@ -32,7 +32,7 @@ void CpuBackend::xent_stats(const Tensor& row_max, const Tensor& sumexp, const T
   if (cpu::rows(logits) != N) cpu::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
   const int64_t V = logits.cols();
   const int32_t* tgt = targets.as<const int32_t>();
-#pragma omp parallel
+#pragma omp parallel if (N * V >= cpu::kMinParallelWork)
   {
     std::vector<float> buf(static_cast<size_t>(V));
 #pragma omp for schedule(static)
@@ -55,6 +55,20 @@ void CpuBackend::xent_stats(const Tensor& row_max, const Tensor& sumexp, const T
   }
 }
 
+void CpuBackend::xent_rescale(const Tensor& sumexp, const Tensor& local_max, const Tensor& global_max) {
+  const char* op = "xent_rescale";
+  for (Named t : {Named{"sumexp", sumexp}, Named{"local_max", local_max}, Named{"global_max", global_max}})
+    cpu::check_dtype(op, t, DType::F32);
+  const int64_t N = sumexp.numel();
+  if (local_max.numel() != N || global_max.numel() != N)
+    cpu::fail(op, "all three need one value per row",
+              {{"sumexp", sumexp}, {"local_max", local_max}, {"global_max", global_max}});
+  float* s = sumexp.as<float>();
+  const float* lm = local_max.as<const float>();
+  const float* gm = global_max.as<const float>();
+  for (int64_t n = 0; n < N; ++n) s[n] *= std::exp(lm[n] - gm[n]);
+}
+
 void CpuBackend::xent_loss(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sumexp,
                            const Tensor& target_logit, const Tensor& targets) {
   const char* op = "xent_loss";
@@ -66,7 +80,7 @@ void CpuBackend::xent_loss(const Tensor& losses, const Tensor& lse, const Tensor
                                              {"sumexp", sumexp}, {"target_logit", target_logit}});
   const int32_t* tgt = targets.as<const int32_t>();
   std::vector<float> loss(static_cast<size_t>(N));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N >= cpu::kMinParallelWork)
   for (int64_t n = 0; n < N; ++n) {
     const float l = row_max.as<const float>()[n] + std::log(sumexp.as<const float>()[n]);
     lse.as<float>()[n] = l;
@@ -84,7 +98,7 @@ void CpuBackend::xent_backward(const Tensor& logits, const Tensor& lse, const Te
   if (cpu::rows(logits) != N) cpu::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
   const int64_t V = logits.cols();
   const int32_t* tgt = targets.as<const int32_t>();
-#pragma omp parallel
+#pragma omp parallel if (N * V >= cpu::kMinParallelWork)
   {
     std::vector<float> buf(static_cast<size_t>(V));
 #pragma omp for schedule(static)

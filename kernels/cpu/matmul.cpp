@@ -69,9 +69,10 @@ inline void micro_kernel(int64_t kc, const float* __restrict ap, const float* __
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Both packers are worksharing loops without a barrier, called inside the matmul's parallel region.
 template <class Src>
 void pack_a(Src a, bool trans, int64_t M, int64_t K, float* packed) {
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
   for (int64_t p = 0; p < ceil_div(M, kMR); ++p) {
     float* dst = packed + p * K * kMR;
     int64_t i0 = p * kMR;
@@ -88,7 +89,7 @@ void pack_a(Src a, bool trans, int64_t M, int64_t K, float* packed) {
 
 template <class Src>
 void pack_b(Src b, bool trans, int64_t K, int64_t N, float* packed) {
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
   for (int64_t q = 0; q < ceil_div(N, kNR); ++q) {
     float* dst = packed + q * K * kNR;
     int64_t j0 = q * kNR;
@@ -135,12 +136,13 @@ void CpuBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, boo
   const int64_t m_panels = ceil_div(M, kMR), n_panels = ceil_div(N, kNR);
   float* ap = packed_a_.get(std::max<int64_t>(1, m_panels * kMR * K));
   float* bp = packed_b_.get(std::max<int64_t>(1, n_panels * kNR * K));
-  cpu::with_source(a, [&](auto src) { pack_a(src, trans_a, M, K, ap); });
-  cpu::with_source(b, [&](auto src) { pack_b(src, trans_b, K, N, bp); });
 
   const int64_t m_tasks = ceil_div(M, kMC), n_tasks = ceil_div(N, kNC);
-#pragma omp parallel
+#pragma omp parallel if (M * N * std::max<int64_t>(K, 1) >= 32 * cpu::kMinParallelWork)
   {
+    cpu::with_source(a, [&](auto src) { pack_a(src, trans_a, M, K, ap); });
+    cpu::with_source(b, [&](auto src) { pack_b(src, trans_b, K, N, bp); });
+#pragma omp barrier
     std::vector<float> tile(static_cast<size_t>(kMC * kNC));
     std::vector<float> row(static_cast<size_t>(kNC));
 #pragma omp for schedule(dynamic, 1)
@@ -186,7 +188,7 @@ void CpuBackend::bias_backward(const Tensor& dbias, const Tensor& dout) {
   if (dbias.numel() != N) cpu::fail(op, "dbias must have dout.cols() elements", {{"dbias", dbias}, {"dout", dout}});
   const int64_t nblocks = ceil_div(rows, cpu::kRowBlock);
   std::vector<float> partial(static_cast<size_t>(nblocks * N), 0.0f);
-#pragma omp parallel
+#pragma omp parallel if (rows * N >= cpu::kMinParallelWork)
   {
     std::vector<float> buf(static_cast<size_t>(N));
 #pragma omp for schedule(static)

@@ -63,7 +63,7 @@ void CpuBackend::layernorm_forward(const Tensor& out, const Tensor& mean, const 
                            {{"weight", weight}, {"bias", bias}});
   if (weight.numel() != C) cpu::fail(op, "weight must have in.cols() elements", {{"weight", weight}, {"in", in}});
   const std::vector<float> w = load_all(weight), b = bias.empty() ? std::vector<float>() : load_all(bias);
-#pragma omp parallel
+#pragma omp parallel if (N * C >= cpu::kMinParallelWork)
   {
     std::vector<float> buf(static_cast<size_t>(C)), d(static_cast<size_t>(C));
 #pragma omp for schedule(static)
@@ -95,7 +95,7 @@ void CpuBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, co
   const std::vector<float> w = load_all(weight);
   const int64_t nblocks = num_blocks(N);
   std::vector<float> dw_part(static_cast<size_t>(nblocks * C), 0.0f), db_part(static_cast<size_t>(nblocks * C), 0.0f);
-#pragma omp parallel
+#pragma omp parallel if (N * C >= cpu::kMinParallelWork)
   {
     std::vector<float> xbuf(C), dybuf(C), xhat(C), g(C), dx(C);
 #pragma omp for schedule(static)
@@ -134,7 +134,7 @@ void CpuBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Te
   auto [N, C] = check_norm(op, in, {{"out", out}}, {{"rstd", rstd}}, {{"weight", weight}});
   if (weight.numel() != C) cpu::fail(op, "weight must have in.cols() elements", {{"weight", weight}, {"in", in}});
   const std::vector<float> w = load_all(weight);
-#pragma omp parallel
+#pragma omp parallel if (N * C >= cpu::kMinParallelWork)
   {
     std::vector<float> buf(static_cast<size_t>(C));
 #pragma omp for schedule(static)
@@ -160,7 +160,7 @@ void CpuBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, cons
   const std::vector<float> w = load_all(weight);
   const int64_t nblocks = num_blocks(N);
   std::vector<float> dw_part(static_cast<size_t>(nblocks * C), 0.0f);
-#pragma omp parallel
+#pragma omp parallel if (N * C >= cpu::kMinParallelWork)
   {
     std::vector<float> xbuf(C), dybuf(C), xhat(C), g(C), dx(C);
 #pragma omp for schedule(static)

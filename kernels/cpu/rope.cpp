@@ -37,7 +37,7 @@ std::vector<float> rope_table(int T, int hd, float theta) {
     inv_freq[i] = 1.0f / power;
   }
   std::vector<float> table(static_cast<size_t>(T) * half * 2);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (static_cast<int64_t>(T) * half >= cpu::kMinParallelWork)
   for (int pos = 0; pos < T; ++pos)
     for (int i = 0; i < half; ++i) {
       const float angle = static_cast<float>(pos) * inv_freq[i];
@@ -54,7 +54,7 @@ void rotate(const Tensor& qkv, const AttnShape& s, float theta, bool inverse) {
   const int64_t rows = static_cast<int64_t>(s.B) * s.T;
   const int64_t cols = s.qkv_cols();
   const int64_t rotated = static_cast<int64_t>(s.n_heads + s.n_kv_heads) * hd;  // q and k, not v
-#pragma omp parallel
+#pragma omp parallel if (rows * rotated >= cpu::kMinParallelWork)
   {
     std::vector<float> buf(static_cast<size_t>(rotated));
 #pragma omp for schedule(static)

@@ -1,6 +1,14 @@
 // RoPE and causal GQA attention.
 #include "kernel_test_util.h"
 
+// The Hugging Face recipe below rounds each product and sum to fp32 (PyTorch's elementwise
+// kernels do not fuse multiply-adds), so this file must not contract them either.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 using namespace keel;
 using namespace keel::test;
 

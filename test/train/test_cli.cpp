@@ -1,76 +1,21 @@
 // End to end: the real `keel` binary on synthetic token shards.
 #include <catch2/catch.hpp>
 
-#include <sys/wait.h>
-
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <random>
-#include <sstream>
 
-#include "common/run_config.h"
-#include "common/temp_dir.h"
-#include "data/token_file.h"
+#include "common/process.h"
+#include "common/workspace.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-Result run_keel(const std::string& args) {
-  const std::string cmd = std::string(KEEL_BINARY) + " " + args + " 2>&1";
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
-// A learnable token stream: next = 3 * token + 1 (mod 64), with 1 in 8 tokens random.
-std::vector<uint32_t> synthetic_tokens(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<uint32_t> out;
-  uint32_t tok = 0;
-  for (size_t i = 0; i < n; ++i) {
-    out.push_back(tok);
-    tok = rng() % 8 == 0 ? rng() % 64 : (3 * tok + 1) % 64;
-  }
-  return out;
-}
-
-struct Workspace {
-  test::TempDir dir{"cli"};
-  std::string config;
-  explicit Workspace(const nlohmann::json& patch = nlohmann::json::object()) {
-    data::write_llmc_shard(dir / "train.bin", synthetic_tokens(20000, 1), false);
-    data::write_llmc_shard(dir / "val.bin", synthetic_tokens(4000, 2), false);
-    nlohmann::json j = test::tiny_run_json();
-    j["data"] = {{"train", dir / "train.bin"}, {"val", dir / "val.bin"}};
-    j["train"]["eval_interval"] = 10;
-    j["train"]["eval_batches"] = 2;
-    j.merge_patch(patch);
-    config = dir / "run.json";
-    std::ofstream(config) << j.dump(2);
-  }
-};
-
-std::vector<nlohmann::json> read_metrics(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> out;
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+using test::read_metrics;
+using test::run_keel;
+using test::Workspace;
+using Result = test::ProcessResult;
 
 std::vector<double> train_losses(const std::vector<nlohmann::json>& records) {
   std::vector<double> out;

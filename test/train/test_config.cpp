@@ -67,7 +67,7 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   }
 }
 
-TEST_CASE("--set overrides any field, typed as JSON, bare words as strings", "[config]") {
+TEST_CASE("config overrides (--set) set any field, typed as JSON, bare words as strings", "[config]") {
   nlohmann::json doc = test::tiny_run_json();
   apply_override(doc, "optimizer.lr=3e-4");
   apply_override(doc, "optimizer.min_lr=3e-5");

@@ -1,0 +1,263 @@
+// Checkpoints end to end with the real binary: stop and resume is invisible in the loss curve,
+// kill -9 at any moment (including mid-save) loses nothing but the steps since the last save,
+// damaged checkpoints are refused by name, and I/O errors leave earlier checkpoints intact.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "common/process.h"
+#include "common/workspace.h"
+#include "data/safetensors.h"
+
+using namespace keel;
+namespace fs = std::filesystem;
+using test::run_keel;
+
+namespace {
+
+const nlohmann::json kRun = {{"precision", {{"mode", "bf16"}}},
+                             {"train", {{"steps", 40}, {"eval_interval", 0}, {"eval_batches", 0}}},
+                             {"checkpoint", {{"interval", 4}, {"keep_last", 2}}}};
+
+std::string train_args(const test::Workspace& ws, const std::string& out, const std::string& extra = "") {
+  return "train --config " + ws.config + " --out " + out + " -q " + extra;
+}
+
+// Flips one byte in the middle of a tensor's data inside a safetensors file.
+void flip_byte_in(const std::string& file, const std::string& tensor) {
+  int64_t at = 0;
+  {
+    auto r = data::SafetensorsReader::open(file);
+    const auto& info = r.tensor(tensor);
+    const auto bytes = r.bytes(info);
+    at = static_cast<int64_t>(reinterpret_cast<const char*>(bytes.data()) -
+                              reinterpret_cast<const char*>(r.bytes(r.tensors().front()).data())) +
+         static_cast<int64_t>(fs::file_size(file)) -
+         static_cast<int64_t>([&] {
+           int64_t total = 0;
+           for (const auto& t : r.tensors()) total += t.num_bytes();
+           return total;
+         }()) +
+         info.num_bytes() / 2;
+  }
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at);
+  char c;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x40);
+  f.seekp(at);
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+TEST_CASE("stop at N/2, resume, N/2 more: the same losses bit for bit and bitwise-equal checkpoints",
+          "[ckpt][cli][resume]") {
+  test::Workspace ws(kRun);
+  auto straight = run_keel(train_args(ws, ws.dir / "straight"));
+  REQUIRE(straight.code == 0);
+
+  auto first = run_keel(train_args(ws, ws.dir / "split", "--stop-at 20"));
+  INFO(first.output);
+  REQUIRE(first.code == 4);
+  CHECK_THAT(first.output, Catch::Contains("--stop-at 20 reached"));
+  auto second = run_keel(train_args(ws, ws.dir / "split"));
+  INFO(second.output);
+  REQUIRE(second.code == 0);
+  CHECK_THAT(second.output, Catch::Contains("resuming from") && Catch::Contains("step_00000020"));
+
+  auto a = test::losses_by_step(test::read_metrics(ws.dir / "straight/metrics.jsonl"));
+  auto b = test::losses_by_step(test::read_metrics(ws.dir / "split/metrics.jsonl"));
+  REQUIRE(a.size() == 40);
+  CHECK(a == b);  // exact double equality at every step
+
+  auto diff = run_keel("ckpt diff " + (ws.dir / "straight/checkpoints") + " " + (ws.dir / "split/checkpoints"));
+  INFO(diff.output);
+  CHECK(diff.code == 0);
+  CHECK_THAT(diff.output, Catch::Contains("bitwise equal"));
+  // Rotation kept the newest two.
+  CHECK(fs::exists(ws.dir / "split/checkpoints/step_00000040"));
+  CHECK(fs::exists(ws.dir / "split/checkpoints/step_00000036"));
+  CHECK_FALSE(fs::exists(ws.dir / "split/checkpoints/step_00000032"));
+}
+
+TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4", "[ckpt][cli][signal]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 100000}, {"eval_interval", 0}, {"eval_batches", 0}}},
+                                    {"checkpoint", {{"interval", 0}}}});
+  for (int sig : {SIGTERM, SIGUSR1}) {
+    const std::string out = ws.dir / ("sig" + std::to_string(sig));
+    pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q"}, out + ".log");
+    // Wait until training is under way, then signal.
+    for (int i = 0; i < 400 && !fs::exists(out + "/metrics.jsonl"); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    kill(pid, sig);
+    const int code = test::wait_for(pid);
+    std::ifstream log(out + ".log");
+    std::string text((std::istreambuf_iterator<char>(log)), {});
+    INFO(text);
+    CHECK(code == 4);
+    CHECK_THAT(text, Catch::Contains(sig == SIGTERM ? "SIGTERM received" : "SIGUSR1 received"));
+    auto verify = run_keel("ckpt verify " + out + "/checkpoints");
+    CHECK(verify.code == 0);
+  }
+}
+
+TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: every resume is exact",
+          "[ckpt][cli][crash]") {
+  test::Workspace ws(kRun);
+  // Saves every step, so random kills often land inside a save.
+  const std::string every_step = "--set checkpoint.interval=1";
+  REQUIRE(run_keel(train_args(ws, ws.dir / "ref", every_step)).code == 0);
+  const auto reference = test::losses_by_step(test::read_metrics(ws.dir / "ref/metrics.jsonl"));
+  REQUIRE(reference.size() == 40);
+
+  SECTION("deterministic crashes at each phase of the first save") {
+    for (const char* phase : {"files", "meta", "rename", "latest"}) {
+      INFO("crash during save phase " << phase);
+      const std::string out = ws.dir / (std::string("phase-") + phase);
+      auto crashed = run_keel(train_args(ws, out, every_step), std::string("KEEL_CRASH_DURING_SAVE=") + phase);
+      CHECK(crashed.code == 137);
+      auto resumed = run_keel(train_args(ws, out, every_step));
+      INFO(resumed.output);
+      REQUIRE(resumed.code == 0);
+      CHECK(test::losses_by_step(test::read_metrics(out + "/metrics.jsonl")) == reference);
+      CHECK(run_keel("ckpt diff " + (ws.dir / "ref/checkpoints") + " " + out + "/checkpoints").code == 0);
+      for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
+        CHECK(e.path().filename().string().rfind(".tmp-", 0) != 0);  // leftovers cleaned up
+    }
+  }
+
+  SECTION("kill -9 at random times, again and again, until the run completes") {
+    const std::string out = ws.dir / "killed";
+    const std::string metrics = out + "/metrics.jsonl";
+    auto steps_done = [&] {
+      std::ifstream in(metrics);
+      return static_cast<int>(std::count(std::istreambuf_iterator<char>(in), {}, '\n'));
+    };
+    std::mt19937 rng(12345);
+    int kills = 0;
+    for (int attempt = 0; attempt < 12; ++attempt) {
+      // Kill once the run has made a random amount of further progress, plus a random 0-4 ms
+      // (a step and a save take a few ms here): the moment is random, and never after the end.
+      const int target = steps_done() + 1 + static_cast<int>(rng() % 6);
+      pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q", "--set", "checkpoint.interval=1"},
+                                   out + ".log");
+      bool exited = false;
+      for (int i = 0; i < 20000 && steps_done() < target; ++i) {
+        if (waitpid(pid, nullptr, WNOHANG) == pid) {
+          exited = true;
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+      }
+      if (exited) break;  // finished before reaching the target
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % 4000));
+      kill(pid, SIGKILL);
+      if (test::wait_for(pid) == 0) break;
+      ++kills;
+      // Whatever the moment, the directory holds a sound latest checkpoint (or none yet).
+      if (fs::exists(out + "/checkpoints/latest")) {
+        auto v = run_keel("ckpt verify " + out + "/checkpoints");
+        INFO(v.output);
+        REQUIRE(v.code == 0);
+      }
+    }
+    auto last = run_keel(train_args(ws, out, every_step));  // finish (a no-op if already done)
+    INFO(last.output);
+    REQUIRE(last.code == 0);
+    WARN("killed the run " << kills << " times");
+    CHECK(kills >= 2);
+    CHECK(test::losses_by_step(test::read_metrics(out + "/metrics.jsonl")) == reference);
+    CHECK(run_keel("ckpt diff " + (ws.dir / "ref/checkpoints") + " " + out + "/checkpoints").code == 0);
+  }
+}
+
+TEST_CASE("damaged checkpoints are refused by name; the run's other checkpoints are untouched", "[ckpt][cli][corrupt]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 8")).code == 4);  // saves step 4 and step 8
+  const std::string good = out + "/checkpoints/step_00000004", bad = out + "/checkpoints/step_00000008";
+  REQUIRE(fs::exists(good));
+
+  SECTION("a flipped byte names the file and the tensor") {
+    flip_byte_in(bad + "/optim-tp00-pp00-dp00.safetensors", "adam_m/layers.0.attn.wq");
+    auto v = run_keel("ckpt verify " + bad);
+    CHECK(v.code == 5);
+    CHECK_THAT(v.output, Catch::Contains("optim-tp00-pp00-dp00.safetensors") &&
+                             Catch::Contains("adam_m/layers.0.attn.wq is corrupt"));
+    auto r = run_keel(train_args(ws, out));
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains("refusing to resume") && Catch::Contains("adam_m/layers.0.attn.wq"));
+  }
+  SECTION("a truncated file names the file") {
+    fs::resize_file(bad + "/model-tp00-pp00.safetensors", fs::file_size(bad + "/model-tp00-pp00.safetensors") - 64);
+    auto v = run_keel("ckpt verify " + bad);
+    CHECK(v.code == 5);
+    CHECK_THAT(v.output, Catch::Contains("model-tp00-pp00.safetensors") && Catch::Contains("truncated"));
+    CHECK(run_keel(train_args(ws, out)).code == 5);
+  }
+  SECTION("a missing file names the file") {
+    fs::remove(bad + "/optim-tp00-pp00-dp00.safetensors");
+    auto v = run_keel("ckpt verify " + bad);
+    CHECK(v.code == 5);
+    CHECK_THAT(v.output, Catch::Contains("optim-tp00-pp00-dp00.safetensors is missing"));
+    auto r = run_keel(train_args(ws, out, "--resume " + bad));
+    CHECK(r.code == 5);
+  }
+  // The older checkpoint is intact and still resumes.
+  CHECK(run_keel("ckpt verify " + good).code == 0);
+  auto r = run_keel(train_args(ws, ws.dir / "from-good", "--resume " + good));
+  INFO(r.output);
+  CHECK(r.code == 0);
+}
+
+TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  // Make it a weights-only checkpoint, as a converted model would be.
+  const std::string ck = out + "/checkpoints/step_00000004";
+  fs::remove(ck + "/optim-tp00-pp00-dp00.safetensors");
+  nlohmann::json meta = nlohmann::json::parse(std::ifstream(ck + "/meta.json"));
+  meta["files"].erase("optim-tp00-pp00-dp00.safetensors");
+  meta["states"] = {"weight"};
+  std::ofstream(ck + "/meta.json") << meta.dump(2);
+
+  auto r = run_keel(train_args(ws, ws.dir / "resume", "--resume " + ck));
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("optimizer state is missing") && Catch::Contains("--init-from " + ck));
+  auto f = run_keel(train_args(ws, ws.dir / "finetune", "--init-from " + ck));
+  INFO(f.output);
+  CHECK(f.code == 0);
+  CHECK_THAT(f.output, Catch::Contains("initialised from") && Catch::Contains("Adam moments zero"));
+}
+
+TEST_CASE("a save that hits a write error reports it, removes its partial files and keeps older checkpoints",
+          "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  // A file-size limit below one optimizer file (~390 KB): writing the next save fails with EFBIG.
+  const std::string cmd = "bash -c 'ulimit -f 200; exec " + std::string(KEEL_BINARY) + " " + train_args(ws, out) + "' 2>&1";
+  std::string output;
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) output.append(buf, n);
+  const int status = pclose(p);
+  INFO(output);
+  CHECK(WEXITSTATUS(status) == 5);
+  CHECK_THAT(output, Catch::Contains("saving checkpoint step_00000008") && Catch::Contains("File too large") &&
+                         Catch::Contains("previous checkpoints are untouched"));
+  CHECK(run_keel("ckpt verify " + out + "/checkpoints/step_00000004").code == 0);
+  CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000008"));
+  CHECK_FALSE(fs::exists(out + "/checkpoints/.tmp-step_00000008"));
+  CHECK(std::string(std::istreambuf_iterator<char>(*new std::ifstream(out + "/checkpoints/latest")), {}) ==
+        "step_00000004\n");
+}

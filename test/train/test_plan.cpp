@@ -1,0 +1,800 @@
+// keel plan (train/plan.h): the seed's own arithmetic (../shared/seeds/001), exact parameter
+// counts against the ParamTable, activation bytes against what the Transformer allocates, and
+// the BLOOM 200B benchmark tables (measured memory, OOMs, seconds per iteration) against the
+// planner's memory verdicts and ranking.
+#include <catch2/catch.hpp>
+
+#include <malloc.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+
+#include "common/run_config.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "model/transformer.h"
+#include "train/plan.h"
+
+using namespace keel;
+using namespace keel::plan;
+
+namespace {
+
+std::string grouped_for_test(int64_t n) {  // 1234567 -> "1,234,567"
+  std::string s = std::to_string(n), out;
+  for (size_t i = 0; i < s.size(); ++i) out += (i > 0 && (s.size() - i) % 3 == 0 ? "," : "") + s.substr(i, 1);
+  return out;
+}
+
+RunConfig shipped(const std::string& name) { return load_config(std::string(KEEL_SOURCE_DIR) + "/configs/" + name); }
+
+// A GPT-style model as the seed benchmarked it: vocab 250680 (BLOOM's tokenizer) padded to a
+// multiple of 128*tp (Megatron's make-vocab-size-divisible-by 128 -> 250880 at tp 2..8),
+// seq 2048, tied head, no batch ramp-up (the benchmark tables ignored it).
+RunConfig seed_model(int h, int layers, int heads, int64_t gbs) {
+  nlohmann::json j = {
+      {"model",
+       {{"family", "gpt2"},
+        {"vocab_size", 250680},
+        {"pad_vocab_to_multiple_of", 128},
+        {"d_model", h},
+        {"n_layers", layers},
+        {"n_heads", heads},
+        {"ffn_hidden", 4 * h},
+        {"max_seq_len", 2048},
+        {"tied_embeddings", true}}},
+      {"precision", {{"mode", "bf16"}}},
+      {"train", {{"steps", 10}, {"global_batch", gbs}, {"micro_batch", 1}, {"seq_len", 2048}}},
+      {"data", {{"train", "unused.bin"}}},
+  };
+  return parse_config(j, "seed.json");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// the seed's arithmetic
+
+TEST_CASE("plan: memory sizes parse with binary and decimal units", "[plan]") {
+  CHECK(parse_memory_size("80GiB") == 80ll << 30);
+  CHECK(parse_memory_size("80GB") == 80'000'000'000ll);
+  CHECK(parse_memory_size("40G") == 40ll << 30);          // bare G: powers of 2 (nvidia-smi, Slurm)
+  CHECK(parse_memory_size("81920MiB") == 80ll << 30);
+  CHECK(parse_memory_size("81920mib") == 80ll << 30);
+  CHECK(parse_memory_size("1.5 GiB") == 3ll << 29);
+  CHECK(parse_memory_size("512M") == 512ll << 20);
+  CHECK(parse_memory_size("2TB") == 2'000'000'000'000ll);
+  CHECK(parse_memory_size("1048576") == 1048576);
+  CHECK_THROWS_AS(parse_memory_size("80 GiBs"), ConfigError);
+  CHECK_THROWS_AS(parse_memory_size("GiB"), ConfigError);
+  CHECK_THROWS_AS(parse_memory_size("-4G"), ConfigError);
+  CHECK_THROWS_AS(parse_memory_size("0"), ConfigError);
+}
+
+TEST_CASE("plan: the seed's model-size formula", "[plan]") {
+  using seed_formula::model_params;
+  // "Model size: 104B / 146B / 199B / 206B" (seed 001, Size and Possible 200B models)
+  CHECK(std::lround(model_params(64, 11600, 2048, 50257) / 1e9) == 104);
+  CHECK(std::lround(model_params(80, 12288, 2048, 50257) / 1e9) == 146);
+  CHECK(std::lround(model_params(80, 14336, 2048, 150257) / 1e9) == 199);
+  CHECK(std::lround(model_params(96, 13312, 2048, 150257) / 1e9) == 206);
+  CHECK(std::lround(model_params(96, 16384, 2048, 50257) / 1e9) == 310);
+  // "one layer size: 12*h**2 + 13*h: 1_614_870_800" and "2_126_685_184"
+  CHECK(seed_formula::layer_params(11600) == 1'614'870'800.0);
+  CHECK(seed_formula::layer_params(13312) == 2'126'685'184.0);
+}
+
+TEST_CASE("plan: per-GPU embedding and block sizes of the 145B and 310B examples", "[plan]") {
+  // seed: "emb size: 617.56M ... per gpu 77.19M; blk size: 1812.10M ... per gpu 226.51M" (h=12288, TP=8)
+  //       "emb size: 823.41M ... per gpu 102.93M; blk size: 3221.44M ... per gpu 402.68M" (h=16384, TP=8)
+  auto millions = [](double x) { return std::round(x / 1e4) / 100; };  // the seed's {:.2f}M
+  ModelConfig m;
+  m.family = Family::GPT2;
+  m.vocab_size = 50257;
+  m.n_layers = 80;
+  m.d_model = 12288;
+  SeedAccounting a = seed_accounting(m, Layout{8, 8, 1, 1});
+  CHECK(millions(a.embedding_per_gpu * 8) == Approx(617.56));
+  CHECK(millions(a.embedding_per_gpu) == Approx(77.19));
+  CHECK(millions(a.layer_per_gpu * 8) == Approx(1812.10));
+  CHECK(millions(a.layer_per_gpu) == Approx(226.51));
+  CHECK(a.layers_per_stage == 10);  // "80/8=10 PP stages per gpu"
+  m.d_model = 16384;
+  m.n_layers = 96;
+  a = seed_accounting(m, Layout{8, 16, 1, 1});
+  CHECK(millions(a.embedding_per_gpu * 8) == Approx(823.41));
+  CHECK(millions(a.embedding_per_gpu) == Approx(102.93));
+  CHECK(millions(a.layer_per_gpu * 8) == Approx(3221.44));
+  CHECK(millions(a.layer_per_gpu) == Approx(402.68));
+  CHECK(a.layers_per_stage == 6);  // "96/16=6 PP stages per gpu"
+}
+
+TEST_CASE("plan: 104B at TP=4 PP=32, seed accounting and keel's exact count", "[plan]") {
+  const RunConfig cfg = shipped("bloom-104b.json");  // 64 x 11600, vocab 50257 padded by 128*tp
+  const ModelConfig& m = cfg.model;
+  const Layout l{4, 32, 1, 1};
+
+  // The seed: "gpu w/ emb: 2*403_717_700 + 145_745_300 = 953_180_700 params * 18 bytes =
+  // 17_157_252_600 bytes"; "gpu w/o emb: 2*403_717_700 = 807_435_400 params * 18 bytes = 14_533_837_200".
+  const SeedAccounting sa = seed_accounting(m, l);
+  CHECK(sa.layer_per_gpu == 403'717'700.0);
+  CHECK(sa.embedding_per_gpu == 145'745'300.0);
+  CHECK(sa.with_embedding == 953'180'700.0);
+  CHECK(sa.without_embedding == 807'435'400.0);
+  CHECK(sa.with_embedding * 18 == 17'157'252'600.0);
+  CHECK(sa.without_embedding * 18 == 14'533'837'200.0);
+  CHECK(std::round(sa.with_embedding * 18 / 1e7) / 100 == Approx(17.16));
+  CHECK(std::round(sa.without_embedding * 18 / 1e7) / 100 == Approx(14.53));
+  // keel keeps 2 (bf16 weights) + 4 (fp32 grads) + 4 (fp32 master) + 8 (Adam m, v) = 18 B/param
+  // unsharded: the seed's 18.
+  const MemoryModel keel_mem = keel_memory_model(PrecisionMode::BF16);
+  CHECK(keel_mem.state.per_param(1) == 18);
+  CHECK(keel_mem.state.per_param(4) == 6 + 12.0 / 4);  // ZeRO-1 shards master + moments
+
+  // keel's exact count differs from the seed's by named terms only.
+  PlanOptions opt;
+  opt.memory = keel_mem;
+  REQUIRE(layout_problem(cfg, l, opt).empty());
+  const LayoutPlan p = plan_layout(cfg, l, opt);
+  REQUIRE(p.stages.size() == 32);
+  const int64_t h = m.d_model, t = l.tp;
+  const int64_t padded = model_for_tp(m, t).embed_rows();
+  CHECK(padded == 50688);  // 50257 up to a multiple of 128*4
+  const int64_t padding_rows = (padded - m.vocab_size) * h / t;  // 1,249,900
+  const int64_t positions = int64_t{m.max_seq_len} * h;            // pos_embed, replicated over TP
+  // Per layer the seed divides all of 12h^2+13h by tp; keel replicates attn_norm/mlp_norm
+  // (weight+bias: 4h) and the bo/b_proj biases (2h) on every TP rank.
+  const int64_t replicated_per_layer = 6 * h - 6 * h / t;  // 52,200
+  const int64_t final_norm = 2 * h;
+  CHECK(p.stages[0].params == 953'180'700 + padding_rows + positions + 2 * replicated_per_layer);
+  CHECK(p.stages[0].params == 978'291'800);
+  CHECK(p.stages[15].params == 807'435'400 + 2 * replicated_per_layer);
+  // The last stage holds the tied embedding copy for its head, and the final norm.
+  CHECK(p.stages[31].tied_copy == padded * h / t);
+  CHECK(p.stages[31].params == 953'180'700 + padding_rows + final_norm + 2 * replicated_per_layer);
+  // Bytes at 18 B/param (dp=1): keel's first stage needs 17.61 GB where the seed counted 17.16.
+  CHECK(p.stages[0].state() == Approx(978'291'800.0 * 18));
+  CHECK(std::round(p.stages[0].state() / 1e7) / 100 == Approx(17.61));
+}
+
+TEST_CASE("plan: the exact count is the ParamTable's for every shipped config", "[plan]") {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(KEEL_SOURCE_DIR) + "/configs")) {
+    if (e.path().extension() != ".json") continue;
+    INFO(e.path());
+    const RunConfig cfg = load_config(e.path().string());
+    const ModelCount c = count_model(cfg);
+    CHECK(c.exact == ParamTable(cfg.model).logical_numel());
+    CHECK(c.embedding + c.layers + c.head == c.exact);
+    if (cfg.model.is_gpt2()) {
+      // The closed form l(12h^2+13h) + v h + s h + 2h is exact but for the vocab padding.
+      REQUIRE(c.gpt_formula);
+      CHECK(double(c.exact) - *c.gpt_formula == double(c.padded_vocab - cfg.model.vocab_size) * cfg.model.d_model);
+    }
+    ++n;
+  }
+  CHECK(n >= 6);
+}
+
+TEST_CASE("plan: per-rank parameters over all ranks add up to the model", "[plan]") {
+  // Every TP rank of every stage, replicas counted once: split tensors contribute each rank's
+  // shard, replicated ones (norms, some biases, positions) rank 0 only, and the last stage's tied
+  // embedding copy not at all.
+  struct Case {
+    const char* config;
+    Layout layout;
+    bool own_slot;
+  };
+  const Case cases[] = {{"bloom-104b.json", {4, 32, 1, 1}, false}, {"bloom-104b.json", {4, 2, 1, 1}, false},
+                        {"bloom-200b.json", {8, 10, 4, 1}, false}, {"bloom-200b.json", {4, 41, 1, 1}, true},
+                        {"llama2-7b.json", {2, 4, 1, 1}, false},   {"llama2-7b.json", {4, 2, 1, 1}, true},
+                        {"gpt2-124m.json", {4, 3, 2, 1}, false},   {"gpt2-124m.json", {2, 7, 1, 1}, true}};
+  for (const Case& c : cases) {
+    INFO(c.config << " " << c.layout.str() << (c.own_slot ? " own slot" : ""));
+    const RunConfig cfg = shipped(c.config);
+    PlanOptions opt;
+    opt.embedding_own_slot = c.own_slot;
+    opt.hw.gpus_per_node = 8;
+    Layout l = c.layout;
+    l.mbs = 1;
+    const ModelConfig m = model_for_tp(cfg.model, l.tp);
+    const auto spans = stage_spans(m.n_layers, l.pp, c.own_slot);
+    REQUIRE(spans.size() == size_t(l.pp));
+    int64_t sum = 0, layers_seen = 0;
+    for (const StageSpan& sp : spans) {
+      layers_seen += sp.layers();
+      for (int r = 0; r < l.tp; ++r) {
+        const ParamTable shard(m, ModelShard{r, int(l.tp), sp.first_layer, sp.end_layer, sp.has_embedding, sp.has_head});
+        for (const ParamSpec& p : shard.params())
+          if (shard.is_primary(p)) sum += p.numel;
+      }
+    }
+    CHECK(layers_seen == m.n_layers);
+    CHECK(sum == ParamTable(m).logical_numel());
+    // And the planner's per-stage counts are those shards (plus the tied copy on the last stage).
+    RunConfig pinned = cfg;
+    pinned.train.global_batch = l.dp * 8;
+    pinned.schedule.rampup.reset();
+    REQUIRE(layout_problem(pinned, l, opt).empty());
+    const LayoutPlan p = plan_layout(pinned, l, opt);
+    int64_t planner_sum = 0;
+    for (const StageMemory& s : p.stages) {
+      const int64_t replicated = [&] {
+        const ParamTable shard(
+            m, ModelShard{0, int(l.tp), s.span.first_layer, s.span.end_layer, s.span.has_embedding, s.span.has_head});
+        int64_t n = 0;
+        for (const ParamSpec& q : shard.params())
+          if (q.split == TpSplit::None && !q.tied_copy) n += q.numel;
+        return n;
+      }();
+      planner_sum += (s.params - s.tied_copy - replicated) * l.tp + replicated;
+      CHECK(s.embedding_params + s.layer_params + s.head_params == s.params);
+    }
+    CHECK(planner_sum == ParamTable(m).logical_numel());
+  }
+}
+
+TEST_CASE("plan: stage spans, with and without embedding slots", "[plan]") {
+  auto spans = stage_spans(80, 10, false);
+  REQUIRE(spans.size() == 10);
+  CHECK(spans[0].first_layer == 0);
+  CHECK(spans[0].end_layer == 8);
+  CHECK(spans[0].has_embedding);
+  CHECK(spans[9].has_head);
+  CHECK(stage_spans(80, 12, false).empty());
+  // The seed's 'type:transformer|embedding': 94 layers + 2 slots over PP=24 -> 4 slots each,
+  // the first and last stage hold 3 blocks next to the embedding / head.
+  spans = stage_spans(94, 24, true);
+  REQUIRE(spans.size() == 24);
+  CHECK(spans[0].layers() == 3);
+  CHECK(spans[1].layers() == 4);
+  CHECK(spans[23].layers() == 3);
+  CHECK(spans[23].end_layer == 94);
+  CHECK(stage_spans(96, 24, true).empty());
+  // TP=1, PP=96 from the seed ("emb | transf | ... | transf | emb") with 94 blocks.
+  spans = stage_spans(94, 96, true);
+  REQUIRE(spans.size() == 96);
+  CHECK(spans[0].layers() == 0);
+  CHECK(spans[95].layers() == 0);
+}
+
+TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]") {
+  // Heap growth while constructing a Transformer on the CPU backend (tp=1, one stage, no
+  // recomputation) against the planner's list. glibc's mallinfo2 also counts the ParamTable copy
+  // the Transformer makes and per-block headers: a 1% tolerance. Allocations stay on the heap
+  // (no mmap page rounding) under a high mmap threshold.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  for (const char* family : {"gpt2", "llama"}) {
+    INFO(family);
+    nlohmann::json j = test::tiny_run_json(family);
+    j["model"]["d_model"] = 128;
+    j["model"]["n_heads"] = 4;
+    j["model"]["n_kv_heads"] = std::string(family) == "llama" ? 2 : 4;
+    j["model"]["ffn_hidden"] = std::string(family) == "llama" ? 256 : 512;
+    j["model"]["vocab_size"] = 512;
+    j["model"]["max_seq_len"] = 64;
+    j["train"]["seq_len"] = 64;
+    j["train"]["micro_batch"] = 8;
+    j["precision"]["mode"] = "bf16";
+    const RunConfig cfg = test::make_config(j);
+    const ParamTable table(cfg.model);
+    CpuBackend be;
+    const size_t before = mallinfo2().uordblks + mallinfo2().hblkhd;
+    auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64);
+    const size_t after = mallinfo2().uordblks + mallinfo2().hblkhd;
+    const double allocated = double(after - before);
+    PlanOptions opt;
+    const LayoutPlan p = plan_layout(cfg, Layout{1, 1, 1, 8}, opt);
+    CHECK(p.stages[0].act_full == Approx(allocated).epsilon(0.01));
+  }
+}
+
+TEST_CASE("plan: activation memory follows 1F1B and recomputation", "[plan]") {
+  const RunConfig cfg = shipped("bloom-200b.json");
+  PlanOptions opt;
+  const LayoutPlan p = plan_layout(cfg, Layout{8, 10, 4, 1}, opt);
+  // Stage s holds pp - s micro-batches: the first stage the most, the last one.
+  for (const auto& s : p.stages) CHECK(s.in_flight == 10 - s.stage);
+  CHECK(p.stages[0].act_stored_recompute == Approx(10 * 8 * 2048.0 * 14400 * 2));  // layer inputs, bf16
+  CHECK(p.stages[9].act_stored_recompute == Approx(1 * 8 * 2048.0 * 14400 * 2));
+  for (const auto& s : p.stages) CHECK(s.act_recompute < s.act_full);
+  // Doubling the micro-batch doubles every activation (all are per token here).
+  const LayoutPlan p2 = plan_layout(cfg, Layout{8, 10, 4, 2}, opt);
+  CHECK(p2.stages[0].act_full == Approx(2 * p.stages[0].act_full));
+  // ZeRO-1: the sharded part of the state shrinks with dp, the rest does not.
+  const LayoutPlan p8 = plan_layout(cfg, Layout{8, 10, 8, 1}, opt);
+  CHECK(p8.stages[0].weights == p.stages[0].weights);
+  CHECK(p8.stages[0].grads == p.stages[0].grads);
+  CHECK(p8.stages[0].master == Approx(p.stages[0].master / 2));
+  CHECK(p8.stages[0].moments == Approx(p.stages[0].moments / 2));
+  CHECK(p.bubble == Approx(9.0 / (512 + 9)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// the BLOOM 200B benchmark tables (seed 001, "A100 experiments", Feb 2022, 8 x A100 80GB nodes)
+
+namespace {
+
+enum class Era {
+  Fp16,       // up to 02-27: Megatron-DeepSpeed, half-precision gradients, ZeRO-1
+  Bf16Optim,  // 02-28: the new BF16 optimizer (fp32 gradient accumulation, unsharded) and
+              // --pp-partition-method 'type:transformer|embedding' (embedding in its own slot)
+};
+
+struct SeedRun {
+  const char* table;  // where in seed 001 the row is
+  int h, layers, heads;
+  int64_t dp, tp, pp, mbs, gbs;
+  const char* mem;  // the Mem column as written: "47GB" (nvidia-smi, read as thousands of MiB), "OOM", "" none
+  double sec_it;    // 0: not measured
+  Era era = Era::Fp16;
+  bool own_slot = false;
+  bool zero1 = true;
+};
+
+// Layers are the seed's where given; for the 02-20 table (NHIDDEN=14400, sizes only) they are
+// inferred from the size column and PP: 200B = 80, 194B = 78, 191B = 77, 205B = 81, 195B = 77,
+// 183B = 72 (l*(12h^2+13h) + 250880 h; 194B/191B are not exact: the first stage holds 13 / 11
+// blocks either way). Heads: 96 for the 14400/13824 runs of 02-17..02-20 (the 200B script of
+// 02-17), 64 from 02-21 on ("all NHEADS=64 (above too)") unless the row says otherwise.
+// Rows whose layers do not divide PP (78 layers over PP=12, 02-26) are left out: keel does
+// not split layers unevenly.
+const SeedRun kSeedRuns[] = {
+    // "Best TFLOPs", fp16, 02-17
+    {"02-17 best TFLOPs fp16", 14400, 8, 32, 1, 8, 1, 1, 2048, "67GB", 769.99},
+    {"02-17 best TFLOPs fp16", 14400, 80, 96, 1, 8, 10, 1, 2048, "73GB", 844.81},
+    {"02-17 best TFLOPs fp16", 14400, 80, 96, 2, 8, 10, 1, 2048, "51GB", 430.21},
+    // "Choosing the fastest 3D Topology", 02-20
+    {"02-20 choosing 3D topology", 14400, 80, 96, 12, 8, 4, 1, 2040, "47GB", 189.06},
+    {"02-20 choosing 3D topology", 14400, 80, 96, 9, 8, 5, 1, 2043, "44GB", 208.40},
+    {"02-20 choosing 3D topology", 14400, 78, 96, 8, 8, 6, 1, 2048, "39GB", 183.64},
+    {"02-20 choosing 3D topology", 14400, 77, 96, 6, 8, 7, 1, 2046, "39GB", 202.99},
+    {"02-20 choosing 3D topology", 14400, 80, 96, 6, 8, 8, 1, 2046, "36GB", 185.75},
+    {"02-20 choosing 3D topology", 14400, 81, 96, 5, 8, 9, 1, 2045, "37GB", 199.14},
+    {"02-20 choosing 3D topology", 14400, 80, 96, 4, 8, 10, 1, 2048, "35GB", 221.21},
+    {"02-20 choosing 3D topology", 14400, 77, 96, 4, 8, 11, 1, 2048, "32GB", 197.15},
+    {"02-20 choosing 3D topology", 14400, 72, 96, 4, 8, 12, 1, 2048, "30GB", 172.40},
+    // same section, the MBS tables
+    {"02-20 MBS, PP=6", 14400, 78, 96, 8, 8, 6, 2, 2048, "45GB", 172.36},
+    {"02-20 MBS, PP=6", 14400, 78, 96, 8, 8, 6, 4, 2048, "56GB", 173.92},
+    {"02-20 MBS, PP=6", 14400, 78, 96, 8, 8, 6, 8, 2048, "75GB", 192.42},
+    {"02-20 MBS, PP=10", 14400, 80, 96, 4, 8, 10, 2, 2048, "43GB", 207.92},
+    {"02-20 MBS, PP=10", 14400, 80, 96, 4, 8, 10, 4, 2048, "55GB", 208.18},
+    {"02-20 MBS, PP=10 (too close to OOM)", 14400, 80, 96, 4, 8, 10, 8, 2048, "76GB", 229.69},
+    {"02-20 MBS, PP=11", 14400, 77, 96, 4, 8, 11, 2, 2048, "41GB", 186.65},
+    {"02-20 MBS, PP=11", 14400, 77, 96, 4, 8, 11, 4, 2048, "53GB", 185.79},
+    {"02-20 MBS, PP=11", 14400, 77, 96, 4, 8, 11, 8, 2048, "75GB", 206.62},
+    {"02-20 MBS, PP=12", 14400, 72, 96, 4, 8, 12, 2, 2048, "39GB", 161.96},
+    {"02-20 MBS, PP=12", 14400, 72, 96, 4, 8, 12, 4, 2048, "50GB", 163.32},
+    // "tile and wave quantization", 02-20
+    {"02-20 tile/wave 13824", 13824, 80, 96, 4, 8, 10, 1, 2048, "33GB", 160.29},
+    {"02-20 tile/wave 13824", 13824, 80, 96, 4, 8, 10, 2, 2048, "39GB", 151.07},
+    {"02-20 tile/wave 13824", 13824, 80, 96, 4, 8, 10, 4, 2048, "53GB", 147.43},
+    {"02-20 tile/wave 13824", 13824, 80, 96, 4, 8, 10, 8, 2048, "73GB", 152.51},
+    // "48 node contenders", 02-21, NHIDDEN=14336 / NLAYERS=72
+    {"02-21 48 node contenders", 14336, 72, 64, 4, 8, 12, 1, 2048, "29GB", 143.31},
+    {"02-21 48 node contenders", 14336, 72, 64, 4, 8, 12, 2, 2048, "37GB", 134.02},
+    {"02-21 48 node contenders", 14336, 72, 64, 4, 8, 12, 4, 2048, "49GB", 123.69},
+    {"02-21 48 node contenders", 14336, 72, 64, 4, 8, 12, 8, 2048, "69GB", 129.26},
+    {"02-21 48 node contenders", 14336, 72, 64, 8, 8, 6, 1, 2048, "38GB", 139.82},
+    {"02-21 48 node contenders", 14336, 72, 64, 8, 8, 6, 2, 2048, "44GB", 131.02},
+    {"02-21 48 node contenders", 14336, 72, 64, 8, 8, 6, 4, 2048, "56GB", 121.48},
+    // same section, NHIDDEN=13824 / NLAYERS=84 (the PP=6 MBS=2 row reads 65GB, above its MBS=4 56GB)
+    {"02-21 contenders 13824x84", 13824, 84, 64, 4, 8, 12, 2, 2048, "39GB", 143.89},
+    {"02-21 contenders 13824x84", 13824, 84, 64, 4, 8, 12, 4, 2048, "52GB", 133.12},
+    {"02-21 contenders 13824x84", 13824, 84, 64, 8, 8, 6, 2, 2048, "65GB", 141.41},
+    {"02-21 contenders 13824x84", 13824, 84, 64, 8, 8, 6, 4, 2048, "56GB", 130.31},
+    // same section, one node ("Max possible TFLOPs check", 18B)
+    {"02-21 max TFLOPs 1 node", 14336, 6, 64, 1, 8, 1, 2, 512, "54GB", 130.43},
+    {"02-21 max TFLOPs 1 node", 14336, 10, 64, 1, 8, 1, 1, 512, "80GB", 205.52},
+    // same section, "Trying with ZeRO_STAGE=0/1"
+    {"02-21 ZeRO stage 1", 14336, 72, 64, 4, 8, 12, 2, 2048, "37GB", 120.29},
+    {"02-21 ZeRO stage 0", 14336, 72, 64, 4, 8, 12, 2, 2048, "72GB", 137.34, Era::Fp16, false, false},
+    // "GBS Variations" and "some more configs with lower PP", 02-25, 14336 x 72
+    {"02-25 GBS variations", 14336, 72, 64, 8, 8, 6, 4, 1568, "56GB", 113.01},
+    {"02-25 GBS variations", 14336, 72, 64, 8, 8, 6, 4, 2048, "55GB", 114.11},
+    {"02-25 GBS variations", 14336, 72, 64, 8, 8, 6, 6, 2016, "66GB", 123.57},
+    {"02-25 GBS variations", 14336, 72, 64, 4, 8, 12, 4, 1568, "", 92.75},
+    {"02-25 GBS variations", 14336, 72, 64, 4, 8, 12, 4, 2048, "49GB", 117.07},
+    {"02-25 GBS variations", 14336, 72, 64, 4, 8, 12, 2, 1568, "", 99.93},
+    {"02-25 GBS variations", 14336, 72, 64, 4, 8, 12, 2, 2048, "", 128.82},
+    {"02-25 lower PP", 14336, 72, 64, 6, 8, 8, 4, 2016, "52GB", 113.16},
+    {"02-25 lower PP", 14336, 72, 64, 12, 8, 4, 2, 2016, "53GB", 125.52},
+    {"02-25 lower PP", 14336, 72, 64, 12, 8, 4, 4, 2016, "59GB", 114.81},
+    {"02-25 lower PP", 14336, 72, 64, 24, 8, 2, 1, 2016, "65GB", 145.45},
+    {"02-25 lower PP", 14336, 72, 64, 24, 8, 2, 2, 2016, "76GB", 136.13},
+    {"02-25 lower PP", 14336, 72, 64, 48, 8, 1, 1, 2016, "OOM", 0},
+    // "Tweaking TP for the first time", 02-25 (the tp=4 pp=12 mbs=2 layout is listed twice)
+    {"02-25 tweaking TP", 14336, 72, 64, 8, 4, 12, 4, 2048, "60GB", 111.89},
+    {"02-25 tweaking TP", 14336, 72, 64, 8, 4, 12, 2, 2048, "44GB", 110.48},
+    {"02-25 tweaking TP", 14336, 72, 64, 8, 4, 12, 2, 2048, "38GB", 113.54},
+    {"02-25 tweaking TP", 14336, 72, 64, 16, 4, 6, 4, 2048, "75GB", 117.11},
+    {"02-25 tweaking TP", 14336, 72, 64, 16, 4, 6, 2, 2048, "57GB", 111.71},
+    {"02-25 tweaking TP", 14336, 72, 64, 16, 2, 12, 2, 2048, "63GB", 112.50},
+    {"02-25 tweaking TP", 14336, 72, 64, 32, 2, 6, 2, 2048, "OOM", 0},
+    {"02-25 tweaking TP", 14336, 72, 64, 32, 2, 6, 1, 2048, "OOM", 0},
+    {"02-25 tweaking TP", 14336, 72, 64, 8, 2, 24, 1, 2048, "44GB", 119.53},
+    {"02-25 tweaking TP", 14336, 72, 64, 8, 2, 24, 2, 2048, "53GB", 122.75},
+    {"02-25 tweaking TP", 14336, 72, 64, 4, 4, 24, 1, 2048, "", 130.60},
+    {"02-25 TP=1 12288x96", 12288, 96, 64, 8, 1, 48, 1, 2048, "58GB", 142.17},
+    // "Re-do", 02-27
+    {"02-27 re-do 13824x78", 13824, 78, 96, 8, 8, 6, 4, 2048, "59GB", 118.24},
+    {"02-27 re-do 13824x78", 13824, 78, 96, 16, 4, 6, 4, 2048, "75GB", 115.55},
+    {"02-27 12288x106 emb slots", 12288, 106, 96, 8, 4, 12, 2, 2048, "44GB", 112.69, Era::Fp16, true},
+    // "Rebalancing layers", 02-28: BF16 optimizer and embedding slots
+    {"02-28 12288x106", 12288, 106, 64, 8, 4, 12, 2, 2048, "67GB", 116.54, Era::Bf16Optim, true},
+    {"02-28 12288x106", 12288, 106, 96, 8, 4, 12, 2, 2048, "65GB", 118.79, Era::Bf16Optim, true},
+    {"02-28 12288x106", 12288, 106, 128, 8, 4, 12, 2, 2048, "67GB", 121.42, Era::Bf16Optim, true},
+    {"02-28 12288x106", 12288, 106, 96, 8, 4, 12, 4, 2048, "79GB", 120.34, Era::Bf16Optim, true},
+    {"02-28 12288x100", 12288, 100, 64, 16, 4, 6, 2, 2048, "OOM", 0, Era::Bf16Optim, true},
+    {"02-28 12288x100", 12288, 100, 64, 16, 4, 6, 1, 2048, "OOM", 0, Era::Bf16Optim, true},
+    {"02-28 12288x100", 12288, 100, 64, 8, 8, 6, 2, 2048, "61GB", 139.72, Era::Bf16Optim, true},
+    {"02-28 12288x100", 12288, 100, 64, 8, 8, 6, 4, 2048, "72GB", 120.96, Era::Bf16Optim, true},
+    {"02-28 13312x82", 13312, 82, 64, 4, 8, 12, 4, 2048, "52GB", 111.79, Era::Bf16Optim, true},
+    {"02-28 13312x82", 13312, 82, 64, 8, 4, 12, 2, 2048, "63GB", 104.45, Era::Bf16Optim, true},
+    {"02-28 13312x82", 13312, 82, 104, 8, 4, 12, 2, 2048, "62GB", 123.71, Era::Bf16Optim, true},
+    {"02-28 13312x82", 13312, 82, 128, 8, 4, 12, 2, 2048, "60GB", 108.78, Era::Bf16Optim, true},
+    {"02-28 13312x82", 13312, 82, 64, 8, 4, 12, 4, 2048, "74GB", 104.82, Era::Bf16Optim, true},
+    {"02-28 13312x94", 13312, 94, 128, 8, 4, 12, 2, 2048, "67GB", 124.10, Era::Bf16Optim, true},
+    {"02-28 14336x70", 14336, 70, 64, 4, 8, 12, 2, 2048, "40GB", 121.63, Era::Bf16Optim, true},
+    {"02-28 14336x70", 14336, 70, 64, 8, 4, 12, 2, 2048, "59GB", 102.03, Era::Bf16Optim, true},
+    {"02-28 14336x70", 14336, 70, 112, 8, 4, 12, 2, 2048, "59GB", 104.50, Era::Bf16Optim, true},
+    {"02-28 14336x70", 14336, 70, 128, 8, 4, 12, 2, 2048, "60GB", 105.89, Era::Bf16Optim, true},
+    {"02-28 14336x70", 14336, 70, 64, 8, 4, 12, 4, 2048, "73GB", 102.27, Era::Bf16Optim, true},
+    {"02-28 14336x82", 14336, 82, 128, 8, 4, 12, 2, 2048, "OOM", 0, Era::Bf16Optim, true},
+};
+
+// The seed's Mem column: nvidia-smi's MiB read as GB ("47GB" ~ 47,000 MiB), in GiB.
+double seed_mem_gib(const SeedRun& r) { return std::atof(r.mem) * 1000.0 / 1024.0; }
+bool seed_oom(const SeedRun& r) { return std::string(r.mem) == "OOM"; }
+bool seed_has_mem(const SeedRun& r) { return std::atof(r.mem) > 0; }
+
+// The planner set up as the seed's runs were: Megatron-DeepSpeed's memory model for the era,
+// full activation recomputation (Megatron-DeepSpeed's --checkpoint-activations; the seed does not
+// say so, the measured memory does: without it a 14336-wide layer keeps ~0.46 GiB per micro-batch
+// at TP=8 and the first of 12 stages would need ~55 GiB in all at MBS=1, against 28 GiB measured),
+// A100 80GB nodes of 8 GPUs.
+PlanOptions seed_options(const SeedRun& r) {
+  PlanOptions o;
+  o.memory = megatron_deepspeed_memory_model(r.era == Era::Bf16Optim);
+  o.memory.state.zero1 = r.zero1;
+  o.recompute = Recompute::Always;
+  o.embedding_own_slot = r.own_slot;
+  o.hw.gpus_per_node = 8;
+  o.hw.gpu_mem_bytes = 80 * kGiB;
+  return o;
+}
+
+struct SeedComparison {
+  const SeedRun* run;
+  LayoutPlan plan;
+};
+
+std::vector<SeedComparison> compare_seed_runs() {
+  std::vector<SeedComparison> out;
+  for (const SeedRun& r : kSeedRuns) {
+    const RunConfig cfg = seed_model(r.h, r.layers, r.heads, r.gbs);
+    const Layout l{r.tp, r.pp, r.dp, r.mbs};
+    const PlanOptions o = seed_options(r);
+    INFO(r.table << " " << l.str());
+    REQUIRE(layout_problem(cfg, l, o).empty());
+    out.push_back({&r, plan_layout(cfg, l, o)});
+  }
+  return out;
+}
+
+// Rows are comparable for speed when they ran the same model on the same day with the same
+// global batch (and heads): one group. The ZeRO rows ran on another branch ("need to retest the
+// above on the same branch") and are left out of every group.
+std::string rank_group(const SeedRun& r) {
+  if (r.sec_it <= 0 || std::string(r.table).find("ZeRO") != std::string::npos) return "";
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.5s %dx%d h%d gbs%lld", r.table, r.h, r.layers, r.heads, (long long)r.gbs);
+  return buf;
+}
+
+// 1-based rank of each value (ties share the mean rank).
+std::vector<double> ranks_of(const std::vector<double>& v) {
+  std::vector<double> r(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    double less = 0, equal = 0;
+    for (double x : v) less += x < v[i], equal += x == v[i];
+    r[i] = less + (equal + 1) / 2;
+  }
+  return r;
+}
+
+double spearman(const std::vector<double>& a, const std::vector<double>& b) {
+  const auto ra = ranks_of(a), rb = ranks_of(b);
+  double ma = 0, mb = 0;
+  for (size_t i = 0; i < ra.size(); ++i) ma += ra[i] / ra.size(), mb += rb[i] / rb.size();
+  double ab = 0, aa = 0, bb = 0;
+  for (size_t i = 0; i < ra.size(); ++i)
+    ab += (ra[i] - ma) * (rb[i] - mb), aa += (ra[i] - ma) * (ra[i] - ma), bb += (rb[i] - mb) * (rb[i] - mb);
+  return aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : 0;
+}
+
+struct GroupRanks {
+  std::map<const SeedRun*, std::pair<double, double>> rank;  // measured, planned (within the group)
+  std::map<std::string, double> rho;                         // Spearman per group
+  std::map<std::string, size_t> size;
+};
+
+GroupRanks group_ranks(const std::vector<SeedComparison>& rows) {
+  std::map<std::string, std::vector<const SeedComparison*>> groups;
+  for (const auto& c : rows)
+    if (std::string g = rank_group(*c.run); !g.empty()) groups[g].push_back(&c);
+  GroupRanks out;
+  for (const auto& [g, list] : groups) {
+    if (list.size() < 2) continue;
+    std::vector<double> measured, planned;
+    for (const auto* c : list) measured.push_back(c->run->sec_it), planned.push_back(c->plan.time.step_s);
+    const auto rm = ranks_of(measured), rp = ranks_of(planned);
+    for (size_t i = 0; i < list.size(); ++i) out.rank[list[i]->run] = {rm[i], rp[i]};
+    out.rho[g] = spearman(measured, planned);
+    out.size[g] = list.size();
+  }
+  return out;
+}
+
+std::string seed_table_markdown(const std::vector<SeedComparison>& rows) {
+  const GroupRanks gr = group_ranks(rows);
+  std::string s =
+      "| seed table (date) | h x layers | heads | DP | TP | PP | MBS | GBS | seed Mem | planner peak | verdict | "
+      "seed s/it | planner s/it | rank seed / planner |\n"
+      "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|\n";
+  char buf[512];
+  for (const auto& c : rows) {
+    const SeedRun& r = *c.run;
+    std::string mem = *r.mem ? r.mem : "-";
+    if (seed_has_mem(r)) mem += (std::snprintf(buf, sizeof buf, " (%.1f GiB)", seed_mem_gib(r)), std::string(buf));
+    std::string sec = r.sec_it > 0 ? (std::snprintf(buf, sizeof buf, "%.2f", r.sec_it), std::string(buf)) : "-";
+    std::string rank = "-";
+    if (auto it = gr.rank.find(&r); it != gr.rank.end())
+      rank = (std::snprintf(buf, sizeof buf, "%g / %g", it->second.first, it->second.second), std::string(buf));
+    std::snprintf(buf, sizeof buf, "| %s | %dx%d | %d | %lld | %lld | %lld | %lld | %lld | %s | %.1f GiB | %s | %s | %.1f | %s |\n",
+                  r.table, r.h, r.layers, r.heads, (long long)r.dp, (long long)r.tp, (long long)r.pp, (long long)r.mbs,
+                  (long long)r.gbs, mem.c_str(), c.plan.peak_bytes / kGiB, c.plan.fits ? "fits" : "OOM", sec.c_str(),
+                  c.plan.time.step_s, rank.c_str());
+    s += buf;
+  }
+  s += "\nSpearman rank correlation of seconds per iteration, measured vs planned, per group:\n";
+  for (const auto& [g, rho] : gr.rho) {
+    std::snprintf(buf, sizeof buf, "  %-34s %2zu rows  %+.2f\n", g.c_str(), gr.size.at(g), rho);
+    s += buf;
+  }
+  return s;
+}
+
+const SeedRun* find_run(const char* table, int h, int layers, int heads, int64_t dp, int64_t tp, int64_t pp,
+                        int64_t mbs, int64_t gbs) {
+  for (const SeedRun& r : kSeedRuns)
+    if (std::string(r.table).rfind(table, 0) == 0 && r.h == h && r.layers == layers && r.heads == heads &&
+        r.dp == dp && r.tp == tp && r.pp == pp && r.mbs == mbs && r.gbs == gbs)
+      return &r;
+  return nullptr;
+}
+
+}  // namespace
+
+// Prints the comparison for the notes: test_train "[plan-seed-table]"
+TEST_CASE("plan: seed 200B benchmark rows against the planner (printed)", "[.][plan-seed-table]") {
+  std::printf("%s", seed_table_markdown(compare_seed_runs()).c_str());
+}
+
+TEST_CASE("plan: seed 200B runs, memory: verdicts and size", "[plan]") {
+  const auto rows = compare_seed_runs();
+  int fits_checked = 0, oom_checked = 0;
+  for (const auto& c : rows) {
+    const SeedRun& r = *c.run;
+    INFO(r.table << " " << r.h << "x" << r.layers << " heads " << r.heads << " " << c.plan.layout.str() << ": seed "
+                 << r.mem << ", planner " << c.plan.peak_bytes / kGiB << " GiB");
+    if (seed_oom(r)) {
+      // Known disagreement: 14336 x 82 (02-28) ran out of memory where 13312 x 94 with 128 heads
+      // ran at 67GB on the same layout; its first stage holds 1% more parameters and 7% wider
+      // activations, which no monotone model turns into 13+ GB. The planner says it fits.
+      if (r.h == 14336 && r.layers == 82) {
+        CHECK(c.plan.fits);
+        continue;
+      }
+      CHECK_FALSE(c.plan.fits);
+      ++oom_checked;
+    } else if (seed_has_mem(r)) {
+      CHECK(c.plan.fits);  // every run that reported its memory ran: it fit in 80GB
+      ++fits_checked;
+      // The planner counts live tensors; nvidia-smi shows PyTorch's caching-allocator pool and
+      // NCCL's buffers on top: measured / planned stays within 0.9..1.25, except the 13824 x 84
+      // PP=6 MBS=2 row, which reads 65GB against 56GB for MBS=4 of the same layout.
+      const double ratio = seed_mem_gib(r) / (c.plan.peak_bytes / kGiB);
+      if (r.h == 13824 && r.layers == 84 && r.pp == 6 && r.mbs == 2) CHECK(ratio > 1.5);
+      else CHECK((ratio >= 0.9 && ratio <= 1.25));
+    }
+  }
+  CHECK(fits_checked >= 60);
+  CHECK(oom_checked == 5);
+
+  // Memory grows with the micro-batch exactly where the seed saw it grow: every layout measured
+  // at several MBS, same model and day.
+  for (const auto& a : rows)
+    for (const auto& b : rows) {
+      const SeedRun &ra = *a.run, &rb = *b.run;
+      if (&ra == &rb || ra.h != rb.h || ra.layers != rb.layers || ra.heads != rb.heads || ra.dp != rb.dp ||
+          ra.tp != rb.tp || ra.pp != rb.pp || ra.era != rb.era || ra.zero1 != rb.zero1 || ra.mbs >= rb.mbs)
+        continue;
+      INFO(ra.table << " " << a.plan.layout.str() << " vs mbs=" << rb.mbs);
+      CHECK(a.plan.peak_bytes < b.plan.peak_bytes);
+    }
+  // ZeRO-1 over DP: the seed's DP=1 -> DP=2 (02-17: 73GB -> 51GB) and ZeRO stage 0 -> 1 (02-21:
+  // 72GB -> 37GB) savings, within 25%.
+  auto peak_of = [&](const SeedRun* r) {
+    for (const auto& c : rows)
+      if (c.run == r) return c.plan.peak_bytes / kGiB;
+    FAIL("row not found");
+    return 0.0;
+  };
+  const SeedRun* dp1 = find_run("02-17", 14400, 80, 96, 1, 8, 10, 1, 2048);
+  const SeedRun* dp2 = find_run("02-17", 14400, 80, 96, 2, 8, 10, 1, 2048);
+  const SeedRun* zs0 = find_run("02-21 ZeRO stage 0", 14336, 72, 64, 4, 8, 12, 2, 2048);
+  const SeedRun* zs1 = find_run("02-21 ZeRO stage 1", 14336, 72, 64, 4, 8, 12, 2, 2048);
+  REQUIRE((dp1 && dp2 && zs0 && zs1));
+  CHECK(peak_of(dp1) - peak_of(dp2) == Approx(seed_mem_gib(*dp1) - seed_mem_gib(*dp2)).epsilon(0.25));
+  CHECK(peak_of(zs0) - peak_of(zs1) == Approx(seed_mem_gib(*zs0) - seed_mem_gib(*zs1)).epsilon(0.25));
+}
+
+TEST_CASE("plan: seed 200B runs, speed: what the cost model reproduces", "[plan]") {
+  const auto rows = compare_seed_runs();
+  const GroupRanks gr = group_ranks(rows);
+  // 02-20, one layout at MBS 1, 2, 4, 8 (four tables): the cost model orders them as measured
+  // (MBS 2-4 fastest, 8 slowest: tile/wave efficiency against the 1F1B bubble).
+  for (const char* g : {"02-20 14400x78 h96 gbs2048", "02-20 14400x80 h96 gbs2048", "02-20 14400x77 h96 gbs2048",
+                        "02-20 14400x72 h96 gbs2048"}) {
+    INFO(g);
+    REQUIRE(gr.rho.count(g));
+    CHECK(gr.rho.at(g) >= 0.8);
+  }
+  // 02-25, the 181B model on 48 nodes, GBS 2048, thirteen layouts over TP 2/4/8, PP 6/12/24 and
+  // MBS 1/2/4: the ranking tracks the measurement (TP=4 and PP<=12 fast, PP=24 and TP=8 with
+  // DP=4 slow), though not row by row: measured differences of 1-3% are within the seed's
+  // repeat-to-repeat spread (the same layout ran 110.48 s and 113.54 s).
+  REQUIRE(gr.rho.count("02-25 14336x72 h64 gbs2048"));
+  CHECK(gr.rho.at("02-25 14336x72 h64 gbs2048") >= 0.5);
+  // 02-28: TP=4 / DP=8 beats TP=8 / DP=4 on both models (measured 7-16%).
+  auto step = [&](const SeedRun* r) {
+    REQUIRE(r);
+    for (const auto& c : rows)
+      if (c.run == r) return c.plan.time.step_s;
+    return 0.0;
+  };
+  CHECK(step(find_run("02-28", 13312, 82, 64, 8, 4, 12, 2, 2048)) < step(find_run("02-28", 13312, 82, 64, 4, 8, 12, 4, 2048)));
+  CHECK(step(find_run("02-28", 14336, 70, 64, 8, 4, 12, 2, 2048)) < step(find_run("02-28", 14336, 70, 64, 4, 8, 12, 2, 2048)));
+  // 02-20, "tile and wave quantization": 13824 instead of 14400 hidden (96 heads) made the same
+  // layout 1.38x faster. The planner gets 1.4x, but for another reason than the seed guessed:
+  // head_dim 14400/96 = 150 is not a multiple of 8, so attention misses the tensor cores (the
+  // seed's 13824 with 128 heads, head_dim 108, was 34% slower than with 64 heads).
+  const double measured = 221.21 / 160.29;
+  const double planned = step(find_run("02-20 choosing", 14400, 80, 96, 4, 8, 10, 1, 2048)) /
+                         step(find_run("02-20 tile/wave", 13824, 80, 96, 4, 8, 10, 1, 2048));
+  CHECK(planned == Approx(measured).epsilon(0.15));
+  // Not reproduced (documented, not asserted): before the 02-25 PCIe/NUMA fix, MBS=4 beat MBS=2
+  // by 5-8% (02-21 contenders, 02-20 13824 x 80); the cost model has MBS 2 and 4 within 2% and
+  // puts MBS=2 first. After the fix the seed's own MBS 2 vs 4 difference is gone (02-25, 02-28).
+}
+
+TEST_CASE("plan: the layouts fastest in the seed rank near the top of the planner's search", "[plan]") {
+  // Every layout of the 181B model (14336 x 72, 64 heads) on 48 nodes at GBS 2048, planned as
+  // the seed ran it (Megatron-DeepSpeed fp16, ZeRO-1, full recomputation) on default hardware.
+  const RunConfig cfg = seed_model(14336, 72, 64, 2048);
+  SeedRun as_run{"02-25", 14336, 72, 64, 8, 4, 12, 2, 2048, "", 0};
+  PlanOptions o = seed_options(as_run);
+  o.gpus = 384;
+  const PlanResult res = plan_all(cfg, o);
+  REQUIRE(res.ranked.size() >= 20);
+  auto rank_of = [&](int64_t tp, int64_t pp, int64_t dp, int64_t mbs) {
+    for (size_t i = 0; i < res.ranked.size(); ++i) {
+      const Layout& l = res.ranked[i].layout;
+      if (l.tp == tp && l.pp == pp && l.dp == dp && l.mbs == mbs) return int(i) + 1;
+    }
+    return 1000;
+  };
+  const int n = int(res.ranked.size());
+  // Measured on 02-25 (s/it): tp4 pp12 dp8 mbs2 110.48, tp4 pp6 dp16 mbs2 111.71, tp4 pp12 dp8
+  // mbs4 111.89, tp2 pp12 dp16 mbs2 112.50 ... tp8 pp12 dp4 mbs2 128.82, tp4 pp24 dp4 mbs1 130.60.
+  const int fastest[] = {rank_of(4, 12, 8, 2), rank_of(4, 6, 16, 2), rank_of(4, 12, 8, 4), rank_of(2, 12, 16, 2)};
+  INFO("ranks of the measured four fastest: " << fastest[0] << ", " << fastest[1] << ", " << fastest[2] << ", "
+                                              << fastest[3] << " of " << n);
+  CHECK(fastest[0] <= n / 3);
+  CHECK(fastest[1] <= n / 3);
+  for (int r : fastest) CHECK(r <= n / 2);
+  CHECK(rank_of(8, 12, 4, 2) > fastest[0]);
+  CHECK(rank_of(4, 24, 4, 1) > fastest[0]);
+  // The seed's out-of-memory layout in this search (tp2 pp6 dp32, MBS 1 and 2) is rejected for
+  // memory (tp8 pp1 dp48, the other OOM, ran at GBS 2016 and is not a divisor layout here).
+  int oom = 0;
+  for (const auto& x : res.rejected)
+    if (x.layout.tp == 2 && x.layout.pp == 6 && x.layout.dp == 32 && x.layout.mbs <= 2) {
+      CHECK(x.peak_bytes > 80 * kGiB * 0.95);
+      ++oom;
+    }
+  CHECK(oom == 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// the trainer's start-up breakdown and the CLI
+
+TEST_CASE("plan: the trainer's memory breakdown for its own layout", "[plan]") {
+  const RunConfig tiny = test::make_config(test::tiny_run_json());
+  const std::string t = memory_breakdown_text(tiny);
+  CHECK(t.find("tp=1 pp=1 dp=1 mbs=4") != std::string::npos);
+  CHECK(t.find("parameters (exact)") != std::string::npos);
+  CHECK(t.find(grouped_for_test(ParamTable(tiny.model).logical_numel())) != std::string::npos);
+  CHECK(t.find("verdict") == std::string::npos);  // no GPU given: nothing to compare against
+  const std::string big = memory_breakdown_text(shipped("bloom-200b.json"), 80 * kGiB);
+  CHECK(big.find("tp=8 pp=10 dp=4 mbs=1") != std::string::npos);
+  CHECK(big.find("first stage") != std::string::npos);
+  CHECK(big.find("last stage") != std::string::npos);
+  CHECK(big.find("verdict: fits with no recompute") != std::string::npos);
+}
+
+namespace {
+
+struct Ran {
+  int code = -1;
+  std::string out;
+};
+
+Ran keel_cli(const std::string& args) {
+  Ran r;
+  FILE* p = popen((std::string(KEEL_BINARY) + " " + args + " 2>&1").c_str(), "r");
+  REQUIRE(p);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("plan: keel plan on the command line", "[plan]") {
+  const std::string cfg = std::string(KEEL_SOURCE_DIR) + "/configs/bloom-200b.json";
+  SECTION("a table of layouts, best first") {
+    const Ran r = keel_cli("plan --config " + cfg + " --gpus 320");
+    INFO(r.out);
+    CHECK(r.code == 0);
+    CHECK(r.out.find("parameters (exact, the trainer's ParamTable): 202,722,768,000") != std::string::npos);
+    CHECK(r.out.find("feasible layouts, fastest first") != std::string::npos);
+    CHECK(r.out.find("rejected") != std::string::npos);
+  }
+  SECTION("--json, pinned sizes") {
+    const Ran r = keel_cli("plan --config " + cfg + " --gpus 320 --tp 8 --pp 10 --json");
+    INFO(r.out);
+    REQUIRE(r.code == 0);
+    const auto j = nlohmann::json::parse(r.out);
+    CHECK(j["parameters"]["exact"] == 202722768000ll);
+    REQUIRE(!j["ranked"].empty());
+    for (const auto& p : j["ranked"]) {
+      CHECK(p["layout"]["tp"] == 8);
+      CHECK(p["layout"]["pp"] == 10);
+      CHECK(p["layout"]["dp"] == 4);
+      CHECK(p["stages"].size() == 10);
+    }
+    CHECK(j["memory_model"]["bytes_per_param"]["unsharded_total"] == 18);
+  }
+  SECTION("384 GPUs: no divisor layout for 80 layers and GBS 2048; closest changes") {
+    const Ran r = keel_cli("plan --config " + cfg + " --gpus 384");
+    INFO(r.out);
+    CHECK(r.code == 1);
+    CHECK(r.out.find("no layout fits 384 GPUs") != std::string::npos);
+    CHECK(r.out.find("320 GPUs (40 nodes)") != std::string::npos);
+    CHECK(r.out.find("n_layers 78") != std::string::npos);
+  }
+  SECTION("bad arguments") {
+    CHECK(keel_cli("plan --config " + cfg + " --gpu-mem 80XB").code == 2);
+    CHECK(keel_cli("plan --config " + cfg + " --gpus 320 --tp 8 --pp 10 --dp 8").code == 2);
+  }
+}

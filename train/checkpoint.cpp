@@ -1,0 +1,753 @@
+#include "train/checkpoint.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "data/checksum.h"
+#include "data/file_io.h"
+
+namespace keel {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr const char* kFormat = "keel-checkpoint";
+const std::vector<std::string> kOptimStates = {"master", "adam_m", "adam_v"};
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+data::SafetensorsDtype to_st(DType t) {
+  switch (t) {
+    case DType::F32: return data::SafetensorsDtype::F32;
+    case DType::BF16: return data::SafetensorsDtype::BF16;
+    case DType::F16: return data::SafetensorsDtype::F16;
+    case DType::I32: return data::SafetensorsDtype::I32;
+  }
+  return data::SafetensorsDtype::F32;
+}
+
+std::optional<DType> from_st(data::SafetensorsDtype t) {
+  switch (t) {
+    case data::SafetensorsDtype::F32: return DType::F32;
+    case data::SafetensorsDtype::BF16: return DType::BF16;
+    case data::SafetensorsDtype::F16: return DType::F16;
+    default: return std::nullopt;
+  }
+}
+
+float load_float(const void* p, DType t) {
+  switch (t) {
+    case DType::BF16: { uint16_t h; std::memcpy(&h, p, 2); return bf16_to_f32(h); }
+    case DType::F16: { uint16_t h; std::memcpy(&h, p, 2); return f16_to_f32(h); }
+    default: { float f; std::memcpy(&f, p, 4); return f; }
+  }
+}
+
+void store_float(void* p, DType t, float v) {
+  switch (t) {
+    case DType::BF16: { uint16_t h = f32_to_bf16(v); std::memcpy(p, &h, 2); return; }
+    case DType::F16: { uint16_t h = f32_to_f16(v); std::memcpy(p, &h, 2); return; }
+    default: std::memcpy(p, &v, 4);
+  }
+}
+
+// n elements from src (dtype s) to dst (dtype d): a byte copy when the dtypes agree, else
+// through fp32 with round-to-nearest-even.
+void convert_elements(const void* src, DType s, void* dst, DType d, int64_t n) {
+  if (s == d) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(s));
+    return;
+  }
+  const auto* in = static_cast<const char*>(src);
+  auto* out = static_cast<char*>(dst);
+  for (int64_t i = 0; i < n; ++i) store_float(out + i * dtype_size(d), d, load_float(in + i * dtype_size(s), s));
+}
+
+// A flat slice of a rank buffer as a Tensor view.
+Tensor flat_slice(const Tensor& flat, int64_t begin, int64_t n) {
+  Tensor t = flat;
+  t.data = static_cast<char*>(flat.data) + begin * dtype_size(flat.dtype);
+  t.ndim = 1;
+  t.shape = {n, 0, 0, 0};
+  return t;
+}
+
+// Fault injection for the crash-safety tests: KEEL_CRASH_DURING_SAVE=<phase> ends the process
+// the way kill -9 would (no cleanup, no flush) when a save reaches that phase.
+void maybe_crash(const char* phase) {
+  static const char* want = std::getenv("KEEL_CRASH_DURING_SAVE");
+  if (want && std::strcmp(want, phase) == 0) _exit(137);
+}
+
+void write_text_file_synced(const std::string& path, const std::string& text) {
+  data::detail::FileWriter w(path);
+  w.write(text.data(), text.size());
+  w.sync();
+  w.close();
+}
+
+json progress_json(const TrainProgress& p) {
+  return {{"iteration", p.iteration},
+          {"consumed_samples", p.consumed_samples},
+          {"consumed_tokens", p.consumed_tokens},
+          {"skipped_total", p.skipped_total},
+          {"nan_total", p.nan_total}};
+}
+
+std::string utc_now() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+bool is_complete_checkpoint(const fs::path& p) { return fs::is_directory(p) && fs::exists(p / "meta.json"); }
+
+int64_t step_of(const std::string& name) {
+  if (name.rfind("step_", 0) != 0) return -1;
+  try {
+    return std::stoll(name.substr(5));
+  } catch (...) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+int64_t TensorRegion::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, int64_t end) {
+  std::vector<TensorRegion> out;
+  const int64_t a = std::max(begin, p.offset) - p.offset;
+  const int64_t b = std::min(end, p.offset + p.numel) - p.offset;
+  if (a >= b) return out;
+  // Local shard coordinates -> full tensor coordinates.
+  auto full_offset = [&](int64_t row, int64_t col) -> std::vector<int64_t> {
+    if (p.local_shape.size() == 1) return {col + (p.split == TpSplit::Rows ? p.shard_begin : 0)};
+    return {row + (p.split == TpSplit::Rows ? p.shard_begin : 0), col + (p.split == TpSplit::Cols ? p.shard_begin : 0)};
+  };
+  if (p.local_shape.size() == 1) {
+    out.push_back({full_offset(0, a), {b - a}, p.offset + a});
+    return out;
+  }
+  const int64_t C = p.local_shape[1];
+  int64_t ra = a / C, ca = a % C;
+  const int64_t rb = b / C, cb = b % C;
+  if (ra == rb) {  // inside one row
+    out.push_back({full_offset(ra, ca), {1, cb - ca}, p.offset + a});
+    return out;
+  }
+  if (ca > 0) {
+    out.push_back({full_offset(ra, ca), {1, C - ca}, p.offset + a});
+    ++ra;
+  }
+  if (ra < rb) out.push_back({full_offset(ra, 0), {rb - ra, C}, p.offset + ra * C});
+  if (cb > 0) out.push_back({full_offset(rb, 0), {1, cb}, p.offset + rb * C});
+  return out;
+}
+
+// ======================================================================================
+// Reading
+// ======================================================================================
+
+std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoints_dir) {
+  const fs::path dir(checkpoints_dir);
+  if (!fs::is_directory(dir)) return std::nullopt;
+  std::ifstream in(dir / "latest");
+  std::string name;
+  if (in && std::getline(in, name) && !name.empty() && is_complete_checkpoint(dir / name)) return (dir / name).string();
+  // No (valid) pointer: the newest complete step directory, if any.
+  int64_t best = -1;
+  std::string best_path;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const int64_t s = step_of(e.path().filename().string());
+    if (s > best && is_complete_checkpoint(e.path())) best = s, best_path = e.path().string();
+  }
+  if (best < 0) return std::nullopt;
+  return best_path;
+}
+
+Checkpoint Checkpoint::open(const std::string& path_in) {
+  std::string path = path_in;
+  if (!fs::exists(path)) throw CheckpointError("no checkpoint at " + path + ": no such file or directory");
+  if (!fs::exists(fs::path(path) / "meta.json")) {
+    if (fs::exists(fs::path(path) / "latest") || !fs::exists(fs::path(path) / "model-tp00-pp00.safetensors")) {
+      auto latest = find_latest(path);
+      if (!latest)
+        throw CheckpointError("no checkpoint at " + path +
+                              ": not a checkpoint (no meta.json) and no complete step_* checkpoint inside");
+      path = *latest;
+    } else {
+      throw CheckpointError(path + " is not a complete checkpoint (no meta.json): it was interrupted while saving");
+    }
+  }
+  Checkpoint ck;
+  ck.path_ = path;
+  const std::string meta_path = (fs::path(path) / "meta.json").string();
+  {
+    std::ifstream in(meta_path);
+    if (!in) throw CheckpointError("cannot read " + meta_path);
+    try {
+      ck.meta_ = json::parse(in);
+    } catch (const json::exception& e) {
+      throw CheckpointError(meta_path + " is corrupt (not valid JSON): " + e.what());
+    }
+  }
+  if (ck.meta_.value("format", std::string()) != kFormat)
+    throw CheckpointError(meta_path + " is not a keel checkpoint (format is not \"" + std::string(kFormat) + "\")");
+  const int version = ck.meta_.value("format_version", 0);
+  if (version < 1 || version > kCheckpointFormatVersion)
+    throw CheckpointError(meta_path + ": format version " + std::to_string(version) +
+                          " is not supported by this keel (it reads versions 1.." +
+                          std::to_string(kCheckpointFormatVersion) + ")");
+  if (!ck.meta_.contains("files") || !ck.meta_["files"].is_object() || ck.meta_["files"].empty())
+    throw CheckpointError(meta_path + " lists no tensor files");
+
+  for (const auto& [name, info] : ck.meta_["files"].items()) {
+    const std::string file = (fs::path(path) / name).string();
+    if (!fs::exists(file)) throw CheckpointError("checkpoint " + path + " is incomplete: file " + name + " is missing");
+    const auto expected = info.value("bytes", int64_t{-1});
+    const auto actual = static_cast<int64_t>(fs::file_size(file));
+    if (expected != actual)
+      throw CheckpointError("checkpoint file " + file + " has " + std::to_string(actual) + " bytes, meta.json says " +
+                            std::to_string(expected) + (actual < expected ? " (truncated)" : ""));
+    std::shared_ptr<data::SafetensorsReader> reader;
+    try {
+      reader = std::make_shared<data::SafetensorsReader>(data::SafetensorsReader::open(file));
+    } catch (const data::DataError& e) {
+      throw CheckpointError(std::string("checkpoint file is corrupt: ") + e.what());
+    }
+    json chunks;
+    try {
+      chunks = json::parse(reader->metadata().at("keel")).at("chunks");
+    } catch (const std::exception&) {
+      throw CheckpointError("checkpoint file " + file + " has no keel chunk table in its safetensors metadata");
+    }
+    const size_t fi = ck.files_.size();
+    ck.file_names_.push_back(name);
+    ck.files_.push_back(reader);
+    for (const auto& [entry, c] : chunks.items()) {
+      const data::SafetensorsTensorInfo* t = reader->find(entry);
+      if (!t) throw CheckpointError("checkpoint file " + file + ": chunk table names '" + entry + "', which is not in the file");
+      Chunk ch{fi, t, c.at("shape").get<std::vector<int64_t>>(), c.at("offset").get<std::vector<int64_t>>()};
+      ck.chunks_[c.at("state").get<std::string>() + "/" + c.at("tensor").get<std::string>()].push_back(std::move(ch));
+    }
+  }
+  return ck;
+}
+
+TrainProgress Checkpoint::progress() const {
+  const json& p = meta_.at("progress");
+  return {p.at("iteration"), p.at("consumed_samples"), p.at("consumed_tokens"), p.value("skipped_total", int64_t{0}),
+          p.value("nan_total", int64_t{0})};
+}
+
+std::vector<std::string> Checkpoint::states() const {
+  std::set<std::string> s;
+  for (const auto& [key, _] : chunks_) s.insert(key.substr(0, key.find('/')));
+  return {s.begin(), s.end()};
+}
+
+bool Checkpoint::has(const std::string& state, const std::string& tensor) const {
+  return chunks_.count(state + "/" + tensor) != 0;
+}
+
+std::map<std::string, std::vector<int64_t>> Checkpoint::tensors(const std::string& state) const {
+  std::map<std::string, std::vector<int64_t>> out;
+  const std::string prefix = state + "/";
+  for (const auto& [key, chunks] : chunks_)
+    if (key.rfind(prefix, 0) == 0) out[key.substr(prefix.size())] = chunks.front().full_shape;
+  return out;
+}
+
+DType Checkpoint::stored_dtype(const std::string& state, const std::string& tensor) const {
+  auto it = chunks_.find(state + "/" + tensor);
+  if (it == chunks_.end()) throw CheckpointError("checkpoint " + path_ + " has no " + state + " for tensor " + tensor);
+  auto d = from_st(it->second.front().info->dtype);
+  if (!d) throw CheckpointError("checkpoint " + path_ + ": " + state + " of " + tensor + " has an unsupported dtype");
+  return *d;
+}
+
+void Checkpoint::read(const std::string& state, const std::string& tensor, const TensorRegion& region, DType out_type,
+                      void* out) const {
+  auto it = chunks_.find(state + "/" + tensor);
+  if (it == chunks_.end()) throw CheckpointError("checkpoint " + path_ + " has no " + state + " for tensor " + tensor);
+  const size_t dims = region.shape.size();
+  int64_t covered = 0;
+  for (const Chunk& c : it->second) {
+    if (c.offset.size() != dims || c.info->shape.size() != dims)
+      throw CheckpointError("checkpoint " + path_ + ": " + state + " of " + tensor + " is stored with " +
+                            std::to_string(c.info->shape.size()) + " dimensions, the model expects " +
+                            std::to_string(dims));
+    std::vector<int64_t> lo(dims), hi(dims);
+    bool empty = false;
+    for (size_t d = 0; d < dims; ++d) {
+      lo[d] = std::max(region.offset[d], c.offset[d]);
+      hi[d] = std::min(region.offset[d] + region.shape[d], c.offset[d] + c.info->shape[d]);
+      empty |= lo[d] >= hi[d];
+    }
+    if (empty) continue;
+    const DType src_type = *from_st(c.info->dtype);
+    const auto bytes = files_[c.file]->bytes(*c.info);
+    const char* src = reinterpret_cast<const char*>(bytes.data());
+    char* dst = static_cast<char*>(out);
+    // Copy row segments of the intersection (a 1-D tensor is a single row).
+    const int64_t src_cols = dims == 2 ? c.info->shape[1] : c.info->shape[0];
+    const int64_t dst_cols = dims == 2 ? region.shape[1] : region.shape[0];
+    const int64_t row_lo = dims == 2 ? lo[0] : 0, row_hi = dims == 2 ? hi[0] : 1;
+    const int64_t col_lo = lo[dims - 1], col_hi = hi[dims - 1];
+    for (int64_t r = row_lo; r < row_hi; ++r) {
+      const int64_t s_index = (dims == 2 ? (r - c.offset[0]) * src_cols : 0) + (col_lo - c.offset[dims - 1]);
+      const int64_t d_index = (dims == 2 ? (r - region.offset[0]) * dst_cols : 0) + (col_lo - region.offset[dims - 1]);
+      convert_elements(src + s_index * dtype_size(src_type), src_type, dst + d_index * dtype_size(out_type), out_type,
+                       col_hi - col_lo);
+    }
+    int64_t n = 1;
+    for (size_t d = 0; d < dims; ++d) n *= hi[d] - lo[d];
+    covered += n;
+  }
+  // Chunks of one tensor never overlap, so covering exactly numel elements means covering all.
+  if (covered != region.numel())
+    throw CheckpointError("checkpoint " + path_ + ": " + state + " of tensor " + tensor + " covers " +
+                          std::to_string(covered) + " of the " + std::to_string(region.numel()) +
+                          " elements needed (region at " + shape_str(region.offset) + " of shape " +
+                          shape_str(region.shape) + ")");
+}
+
+std::vector<float> Checkpoint::read_full(const std::string& state, const std::string& tensor) const {
+  auto it = chunks_.find(state + "/" + tensor);
+  if (it == chunks_.end()) throw CheckpointError("checkpoint " + path_ + " has no " + state + " for tensor " + tensor);
+  TensorRegion r;
+  r.shape = it->second.front().full_shape;
+  r.offset.assign(r.shape.size(), 0);
+  std::vector<float> out(static_cast<size_t>(r.numel()));
+  read(state, tensor, r, DType::F32, out.data());
+  return out;
+}
+
+std::vector<std::string> Checkpoint::verify() const {
+  std::vector<std::string> problems;
+  for (size_t f = 0; f < files_.size(); ++f) {
+    const std::string& name = file_names_[f];
+    const std::string file = (fs::path(path_) / name).string();
+    const json& info = meta_["files"][name];
+    const data::SafetensorsReader& r = *files_[f];
+    const json& crcs = info.value("tensors", json::object());
+    for (const auto& t : r.tensors()) {
+      auto b = r.bytes(t);
+      const std::string got = data::crc32c_hex(data::crc32c(0, b.data(), b.size()));
+      if (!crcs.contains(t.name))
+        problems.push_back(file + ": tensor " + t.name + " has no checksum in meta.json");
+      else if (crcs[t.name].get<std::string>() != got)
+        problems.push_back(file + ": tensor " + t.name + " is corrupt (checksum " + got + ", meta.json says " +
+                           crcs[t.name].get<std::string>() + ")");
+    }
+    // The whole file, header included (a damaged header that still parses is caught here).
+    std::ifstream in(file, std::ios::binary);
+    std::vector<char> buf(1 << 20);
+    uint32_t crc = 0;
+    while (in) {
+      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+      crc = data::crc32c(crc, buf.data(), static_cast<size_t>(in.gcount()));
+    }
+    const std::string got = data::crc32c_hex(crc);
+    if (got != info.value("crc32c", std::string()))
+      problems.push_back(file + ": file checksum " + got + " does not match meta.json (" +
+                         info.value("crc32c", std::string()) + ")");
+  }
+  // Completeness: every tensor of the saved model, every state the checkpoint claims, fully covered.
+  try {
+    RunConfig cfg = parse_config(meta_.at("config"), path_ + "/meta.json");
+    ParamTable full(cfg.model);
+    for (const std::string& state : meta_.value("states", std::vector<std::string>{})) {
+      for (const ParamSpec& p : full.params()) {
+        if (!has(state, p.name)) {
+          problems.push_back("checkpoint " + path_ + ": " + state + " of tensor " + p.name + " is missing");
+          continue;
+        }
+        int64_t covered = 0;
+        for (const Chunk& c : chunks_.at(state + "/" + p.name)) covered += c.info->num_elements();
+        if (covered != p.logical_numel())
+          problems.push_back("checkpoint " + path_ + ": " + state + " of tensor " + p.name + " holds " +
+                             std::to_string(covered) + " of its " + std::to_string(p.logical_numel()) + " elements");
+      }
+    }
+  } catch (const std::exception& e) {
+    problems.push_back("checkpoint " + path_ + ": cannot check completeness: " + e.what());
+  }
+  return problems;
+}
+
+void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table) {
+  ParamTable full(table.config());
+  auto stored = ck.tensors(state);
+  std::vector<std::string> problems;
+  std::set<std::string> expected;
+  for (const ParamSpec& p : full.params()) {
+    expected.insert(p.name);
+    auto it = stored.find(p.name);
+    if (it == stored.end())
+      problems.push_back("tensor " + p.name + " " + shape_str(p.shape) + " is missing from the checkpoint");
+    else if (it->second != p.shape)
+      problems.push_back("tensor " + p.name + ": checkpoint has shape " + shape_str(it->second) +
+                         ", the model expects " + shape_str(p.shape));
+  }
+  for (const auto& [name, shape] : stored)
+    if (!expected.count(name)) problems.push_back("tensor " + name + " " + shape_str(shape) + " is not part of this model");
+  if (!problems.empty()) {
+    std::string msg = "checkpoint " + ck.path() + " (" + state + ") does not match the model:";
+    for (size_t i = 0; i < problems.size() && i < 20; ++i) msg += "\n  " + problems[i];
+    if (problems.size() > 20) msg += "\n  ... and " + std::to_string(problems.size() - 20) + " more";
+    throw CheckpointError(msg);
+  }
+}
+
+// ======================================================================================
+// Writing
+// ======================================================================================
+
+CheckpointManager::CheckpointManager(std::string checkpoints_dir, CheckpointConfig cfg)
+    : dir_(std::move(checkpoints_dir)), cfg_(cfg) {}
+
+std::string CheckpointManager::step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+namespace {
+
+struct FilePlan {
+  std::string name;
+  std::vector<data::SafetensorsWriter::Entry> entries;
+  struct Source {
+    Tensor flat;  // rank buffer (working / master / m / v)
+    int64_t flat_begin, numel;
+  };
+  std::vector<Source> sources;
+  json chunks = json::object();
+};
+
+void add_chunks(FilePlan& plan, const std::string& state, const ParamSpec& p, const Tensor& flat, int64_t begin,
+                int64_t end, const RankPlace& place) {
+  // A tensor replicated over TP ranks (norms, GPT-2's output biases) is saved once, by TP rank 0.
+  if (p.split == TpSplit::None && place.tp_rank != 0) return;
+  const auto regions = flat_range_regions(p, begin, end);
+  for (size_t k = 0; k < regions.size(); ++k) {
+    const TensorRegion& r = regions[k];
+    std::string entry = state + "/" + p.name;
+    if (regions.size() > 1 || r.numel() != p.logical_numel()) entry += "#" + std::to_string(r.flat_begin);
+    plan.entries.push_back({entry, to_st(flat.dtype), r.shape});
+    plan.sources.push_back({flat, r.flat_begin, r.numel()});
+    plan.chunks[entry] = {{"tensor", p.name}, {"state", state}, {"shape", p.shape}, {"offset", r.offset}};
+  }
+}
+
+// Writes one planned file, staging each chunk through host memory; returns its manifest.
+json write_file(const fs::path& dir, const FilePlan& plan, Backend& be) {
+  json meta = {{"format", kFormat}, {"format_version", kCheckpointFormatVersion}, {"chunks", plan.chunks}};
+  data::SafetensorsWriter w((dir / plan.name).string(), plan.entries, {{"keel", meta.dump()}});
+  std::vector<char> staging;
+  for (const auto& s : plan.sources) {
+    Tensor view = flat_slice(s.flat, s.flat_begin, s.numel);
+    staging.resize(view.bytes());
+    be.copy_to_host(staging.data(), view);
+    w.write(staging.data(), staging.size());
+  }
+  w.finish(/*sync=*/true);
+  json tensors = json::object();
+  for (size_t i = 0; i < plan.entries.size(); ++i) tensors[plan.entries[i].name] = data::crc32c_hex(w.tensor_crc(i));
+  return {{"bytes", w.file_bytes()}, {"crc32c", data::crc32c_hex(w.file_crc())}, {"tensors", tensors}};
+}
+
+}  // namespace
+
+SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
+                                   const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
+                                   const std::function<void()>& barrier) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string name = step_name(progress.iteration);
+  const fs::path dir(dir_), tmp = dir / (".tmp-" + name), final_path = dir / name;
+  const bool coordinator = place.world_rank == 0;
+  try {
+    if (coordinator) {
+      fs::create_directories(dir);
+      fs::remove_all(tmp);
+      fs::create_directory(tmp);
+    }
+    barrier();
+
+    char tp_pp[32], dp[16];
+    std::snprintf(tp_pp, sizeof tp_pp, "tp%02d-pp%02d", place.tp_rank, place.pp_rank);
+    std::snprintf(dp, sizeof dp, "dp%02d", place.dp_rank);
+    const int64_t n = table.local_numel();
+    const int64_t ob = place.optim_begin, oe = place.optim_end < 0 ? n : place.optim_end;
+    std::vector<FilePlan> plans;
+    if (place.writes_weights) {
+      FilePlan model{std::string("model-") + tp_pp + ".safetensors"};
+      for (const ParamSpec& p : table.params()) add_chunks(model, "weight", p, state.working, 0, n, place);
+      plans.push_back(std::move(model));
+    }
+    FilePlan optim{std::string("optim-") + tp_pp + "-" + dp + ".safetensors"};
+    const bool separate_master = state.has_master() && state.master.data != state.working.data;
+    for (const ParamSpec& p : table.params()) {
+      if (separate_master) add_chunks(optim, "master", p, state.master, ob, oe, place);
+      add_chunks(optim, "adam_m", p, state.m, ob, oe, place);
+      add_chunks(optim, "adam_v", p, state.v, ob, oe, place);
+    }
+    plans.push_back(std::move(optim));
+
+    json manifest = json::object();
+    int64_t bytes = 0;
+    for (const FilePlan& plan : plans) {
+      manifest[plan.name] = write_file(tmp, plan, backend);
+      bytes += manifest[plan.name]["bytes"].get<int64_t>();
+    }
+    maybe_crash("files");
+    write_text_file_synced((tmp / ("manifest-rank" + std::to_string(place.world_rank) + ".json")).string(),
+                           manifest.dump());
+    barrier();
+
+    if (coordinator) {
+      // Merge every rank's manifest into meta.json, the file that makes the save complete.
+      json files = json::object();
+      for (const auto& e : fs::directory_iterator(tmp)) {
+        const std::string fname = e.path().filename().string();
+        if (fname.rfind("manifest-rank", 0) != 0) continue;
+        std::ifstream in(e.path());
+        const json part = json::parse(in);
+        for (const auto& [k, v] : part.items()) files[k] = v;
+        fs::remove(e.path());
+      }
+      std::vector<std::string> states = {"weight", "adam_m", "adam_v"};
+      if (separate_master) states.insert(states.begin() + 1, "master");
+      json meta = {
+          {"format", kFormat},
+          {"format_version", kCheckpointFormatVersion},
+          {"keel_version", "0.1"},
+          {"saved_at", utc_now()},
+          {"progress", progress_json(progress)},
+          {"adam_step", state.adam_step},
+          {"loss_scaler",
+           {{"scale", scaler.scale_value()},
+            {"growth_tracker", scaler.growth_tracker()},
+            {"hysteresis_tracker", scaler.hysteresis_tracker()}}},
+          // The sampler is a pure function of (seed, consumed samples): this is the data position.
+          {"data", {{"consumed_samples", progress.consumed_samples}, {"seed", cfg.train.seed}, {"train", cfg.data.train}}},
+          {"topology", {{"tp", cfg.parallel.tp}, {"pp", cfg.parallel.pp}, {"dp", cfg.parallel.dp}}},
+          {"precision", precision_name(cfg.precision.mode)},
+          {"weight_dtype", std::string(dtype_name(state.working.dtype))},
+          {"states", states},
+          {"master_is_weight", !separate_master && state.has_master()},
+          {"config", to_json(cfg)},
+          {"files", files}};
+      maybe_crash("meta");
+      write_text_file_synced((tmp / "meta.json").string(), meta.dump(2));
+      data::detail::sync_directory(tmp.string());
+
+      // Publish: rename into place (an existing save of the same step, e.g. from a replayed
+      // stretch of training, is moved aside first and removed once the new one is in).
+      fs::path old;
+      if (fs::exists(final_path)) {
+        old = dir / (".old-" + name + "-" + std::to_string(::getpid()));
+        fs::rename(final_path, old);
+      }
+      maybe_crash("rename");
+      fs::rename(tmp, final_path);
+      data::detail::sync_directory(dir.string());
+      if (!old.empty()) fs::remove_all(old);
+      maybe_crash("latest");
+      write_text_file_synced((dir / ".latest.tmp").string(), name + "\n");
+      fs::rename(dir / ".latest.tmp", dir / "latest");
+      data::detail::sync_directory(dir.string());
+      rotate();
+    }
+    barrier();
+    SaveResult r;
+    r.path = final_path.string();
+    r.bytes = bytes;
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    if (coordinator) fs::remove_all(tmp, ec);
+    throw CheckpointError("saving checkpoint " + name + " in " + dir_ + " failed: " + e.what() +
+                          "; the previous checkpoints are untouched");
+  }
+}
+
+void CheckpointManager::rotate() {
+  const fs::path dir(dir_);
+  std::vector<std::pair<int64_t, fs::path>> saves;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const int64_t s = step_of(e.path().filename().string());
+    if (s >= 0 && is_complete_checkpoint(e.path())) saves.emplace_back(s, e.path());
+  }
+  std::sort(saves.begin(), saves.end());
+  std::string latest;
+  std::ifstream in(dir / "latest");
+  std::getline(in, latest);
+  for (size_t i = 0; i < saves.size(); ++i) {
+    const bool recent = i + static_cast<size_t>(cfg_.keep_last) >= saves.size();
+    const bool milestone = cfg_.keep_every > 0 && saves[i].first % cfg_.keep_every == 0;
+    if (recent || milestone || saves[i].second.filename() == latest) continue;
+    std::error_code ec;
+    fs::remove_all(saves[i].second, ec);
+  }
+}
+
+int CheckpointManager::clean_incomplete() {
+  const fs::path dir(dir_);
+  if (!fs::is_directory(dir)) return 0;
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0 || name == ".latest.tmp") {
+      std::error_code ec;
+      fs::remove_all(e.path(), ec);
+      ++n;
+    }
+  }
+  return n;
+}
+
+// ======================================================================================
+// Restoring
+// ======================================================================================
+
+namespace {
+
+// Reads (state, tensor) over a flat range of the rank's buffer `flat`.
+void read_into(const Checkpoint& ck, const std::string& state, const ParamSpec& p, const Tensor& flat, int64_t begin,
+               int64_t end, Backend& be) {
+  std::vector<char> staging;
+  for (const TensorRegion& r : flat_range_regions(p, begin, end)) {
+    staging.resize(static_cast<size_t>(r.numel()) * dtype_size(flat.dtype));
+    ck.read(state, p.name, r, flat.dtype, staging.data());
+    be.copy_from_host(flat_slice(flat, r.flat_begin, r.numel()), staging.data());
+  }
+}
+
+// Which saved state holds fp32 master values: "master", or "weight" when the run was fp32.
+std::optional<std::string> master_source(const Checkpoint& ck, const ParamTable& table) {
+  auto covers = [&](const std::string& state) {
+    for (const ParamSpec& p : table.params())
+      if (!ck.has(state, p.name)) return false;
+    return true;
+  };
+  if (covers("master")) return "master";
+  bool f32_weights = covers("weight");
+  for (const ParamSpec& p : table.params())
+    if (f32_weights && ck.stored_dtype("weight", p.name) != DType::F32) f32_weights = false;
+  if (f32_weights) return "weight";
+  return std::nullopt;
+}
+
+}  // namespace
+
+TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, const ParamTable& table,
+                                 ParamState& state, Backend& backend, LossScaler& scaler, const RankPlace& place,
+                                 std::vector<std::string>* warnings) {
+  // The model must be the same network.
+  const json saved = ck.meta().at("config");
+  const json now = to_json(cfg);
+  std::vector<std::string> diffs;
+  for (const auto& [k, v] : now["model"].items())
+    if (!saved["model"].contains(k) || saved["model"][k] != v)
+      diffs.push_back("model." + k + ": checkpoint " + (saved["model"].contains(k) ? saved["model"][k].dump() : "-") +
+                      ", config " + v.dump());
+  if (!diffs.empty()) {
+    std::string msg = "checkpoint " + ck.path() + " was saved for another model, it cannot be resumed with this config:";
+    for (const auto& d : diffs) msg += "\n  " + d;
+    throw CheckpointError(msg);
+  }
+  check_tensors_match(ck, "weight", table);
+
+  // Optimizer state: all of it, for every tensor, or the resume is refused.
+  const bool needs_master = state.has_master() && state.master.data != state.working.data;
+  std::vector<std::string> missing;
+  for (const ParamSpec& p : table.params())
+    for (const char* s : {"adam_m", "adam_v"})
+      if (!ck.has(s, p.name)) missing.push_back(std::string(s) + " of " + p.name);
+  const auto master_from = master_source(ck, table);
+  if ((needs_master || cfg.precision.mode == PrecisionMode::FP32) && !master_from)
+    missing.push_back("fp32 master weights (no \"master\" state and the weights are not fp32)");
+  if (!missing.empty()) {
+    std::string msg = "checkpoint " + ck.path() + " cannot be resumed: its optimizer state is missing or partial (" +
+                      std::to_string(missing.size()) + " pieces missing, e.g. " + missing.front() + ").";
+    msg += "\nA resume needs the fp32 master weights and both Adam moments of every tensor. To start a new run from"
+           "\nthis checkpoint's weights (fresh optimizer, step 0), use --init-from " + ck.path();
+    throw CheckpointError(msg);
+  }
+
+  const int64_t n = table.local_numel();
+  const int64_t ob = place.optim_begin, oe = place.optim_end < 0 ? n : place.optim_end;
+  for (const ParamSpec& p : table.params()) {
+    read_into(ck, "adam_m", p, state.m, ob, oe, backend);
+    read_into(ck, "adam_v", p, state.v, ob, oe, backend);
+    if (needs_master) read_into(ck, *master_from, p, state.master, ob, oe, backend);
+    // Working weights: the stored ones when their dtype matches (bit-exact), else the masters'.
+    const std::string wsrc =
+        ck.stored_dtype("weight", p.name) == state.working.dtype || !master_from ? "weight" : *master_from;
+    read_into(ck, wsrc, p, state.working, 0, n, backend);
+  }
+  state.adam_step = ck.adam_step();
+  const json& ls = ck.meta().at("loss_scaler");
+  if (scaler.enabled()) {
+    if (ck.precision() == "fp16")
+      scaler.restore(ls.at("scale"), ls.at("growth_tracker"), ls.at("hysteresis_tracker"));
+    else if (warnings)
+      warnings->push_back("the checkpoint was not saved in fp16: the loss scaler starts fresh");
+  }
+
+  if (warnings) {
+    if (ck.precision() != precision_name(cfg.precision.mode))
+      warnings->push_back("precision changes from " + ck.precision() + " to " + precision_name(cfg.precision.mode) +
+                          ": the run continues from the same fp32 state but will not be bit-identical");
+    for (const char* section : {"optimizer", "schedule", "train", "data", "parallel"})
+      if (saved.contains(section) && saved[section] != now[section])
+        warnings->push_back(std::string(section) + " settings differ from the checkpoint's (" + saved[section].dump() +
+                            " -> " + now[section].dump() + ")");
+  }
+  return ck.progress();
+}
+
+std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, ParamState& state, Backend& backend,
+                              const RankPlace& place) {
+  auto from = master_source(ck, table);
+  const std::string source = from ? *from : "weight";
+  check_tensors_match(ck, source, table);
+  const int64_t n = table.local_numel();
+  std::vector<float> values(static_cast<size_t>(n));
+  for (const ParamSpec& p : table.params())
+    for (const TensorRegion& r : flat_range_regions(p, 0, n)) ck.read(source, p.name, r, DType::F32, values.data() + r.flat_begin);
+  state.load_fp32(values.data());  // masters exact, working = rounding, moments 0, Adam step 0
+  std::string dtype = std::string(dtype_name(ck.stored_dtype(source, table.params().front().name)));
+  std::string what = source == "master" ? "the fp32 master weights" : dtype + " weights";
+  return "initialised from " + ck.path() + ": " + std::to_string(table.params().size()) + " tensors, " + what +
+         "; fp32 masters = their exact values, working weights rounded to " +
+         std::string(dtype_name(state.working.dtype)) +
+         "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules; the checkpoint's optimizer "
+         "state (if any) is not used";
+}
+
+}  // namespace keel

@@ -1,0 +1,174 @@
+// Checkpoints: exact resume, crash safety, resharding, weights-only loads.
+//
+// Layout of one save (a directory, named step_XXXXXXXX once complete):
+//   meta.json                          written last: format, step, consumed samples/tokens, Adam
+//                                      step, loss scaler, data position, topology at save, the
+//                                      resolved config, and per-file and per-tensor CRC-32C
+//   model-tpTT-ppPP.safetensors        working weights ("weight/<name>"), one file per TP x PP
+//                                      shard, written by DP rank 0
+//   optim-tpTT-ppPP-dpDD.safetensors   fp32 master and Adam moments ("master/", "adam_m/",
+//                                      "adam_v/<name>"), the part of the flat buffer the rank owns
+// Every safetensors entry is a rectangular chunk of a logical tensor; its __metadata__["keel"]
+// says which tensor, which state, the full shape and the chunk's offset in it. A loader
+// assembles any region it needs (another TP/PP/DP layout) by intersecting chunks, and any
+// safetensors reader can open the files.
+//
+// Crash safety: a save is written into checkpoints/.tmp-step_XXXXXXXX, every file fsynced,
+// meta.json last, then the directory is renamed and `latest` (a one-line file) replaced by
+// rename. A kill at any moment leaves the previous checkpoint loadable and never a directory
+// named step_* that is incomplete.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/safetensors.h"
+#include "kernels/backend.h"
+#include "model/param_table.h"
+#include "train/config.h"
+#include "train/optimizer.h"
+
+namespace keel {
+
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// Where the run is: everything besides tensors that shapes the next step.
+struct TrainProgress {
+  int64_t iteration = 0;  // optimizer steps taken (including skipped ones)
+  int64_t consumed_samples = 0;
+  int64_t consumed_tokens = 0;
+  int64_t skipped_total = 0;
+  int64_t nan_total = 0;
+};
+
+// This rank's place in the grid and the part of the flat parameter buffers it saves.
+struct RankPlace {
+  int tp_rank = 0, pp_rank = 0, dp_rank = 0;
+  int world_rank = 0;
+  // Flat element range [begin, end) of master/m/v this rank owns (ZeRO-1); end < 0 = all.
+  int64_t optim_begin = 0, optim_end = -1;
+  bool writes_weights = true;  // DP rank 0 of each TP x PP shard writes the working weights
+};
+
+// A rectangle of a logical tensor: offset and shape per dimension, plus where its elements sit
+// in the rank's flat buffer (rectangles from flat ranges are contiguous there).
+struct TensorRegion {
+  std::vector<int64_t> offset, shape;
+  int64_t flat_begin = 0;
+  int64_t numel() const;
+};
+
+// The rectangles of logical tensor `p` (in full-tensor coordinates) covered by the flat range
+// [begin, end) of this rank's buffers: at most a partial row, full rows, a partial row.
+std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, int64_t end);
+
+// ---- reading ---------------------------------------------------------------------------
+
+class Checkpoint {
+ public:
+  // `path` is a checkpoint directory (step_*), or a checkpoints directory holding `latest`.
+  static Checkpoint open(const std::string& path);
+  // Resolves a checkpoints directory's `latest` (nullopt when there is none).
+  static std::optional<std::string> find_latest(const std::string& checkpoints_dir);
+
+  const std::string& path() const { return path_; }
+  const nlohmann::json& meta() const { return meta_; }
+  TrainProgress progress() const;
+  int64_t adam_step() const { return meta_.value("adam_step", int64_t{0}); }
+  std::string precision() const { return meta_.value("precision", std::string()); }
+  // State names present for at least one tensor: "weight", "master", "adam_m", "adam_v".
+  std::vector<std::string> states() const;
+  bool has(const std::string& state, const std::string& tensor) const;
+  // Logical tensors (by name) with their full shape and the dtype of the given state.
+  std::map<std::string, std::vector<int64_t>> tensors(const std::string& state) const;
+  DType stored_dtype(const std::string& state, const std::string& tensor) const;
+
+  // Reads one region of (state, tensor) into out (region.numel() values of dtype out_type,
+  // converted with round-to-nearest-even when narrowing). Throws CheckpointError naming the
+  // tensor when the chunks do not cover the region.
+  void read(const std::string& state, const std::string& tensor, const TensorRegion& region, DType out_type,
+            void* out) const;
+  // Whole logical tensor as fp32.
+  std::vector<float> read_full(const std::string& state, const std::string& tensor) const;
+
+  // Checksums and completeness: returns the problems found (empty = sound). Each names the
+  // file and, where it applies, the tensor.
+  std::vector<std::string> verify() const;
+
+ private:
+  struct Chunk {
+    size_t file;
+    const data::SafetensorsTensorInfo* info;
+    std::vector<int64_t> full_shape, offset;
+  };
+  std::string path_;
+  nlohmann::json meta_;
+  std::vector<std::string> file_names_;
+  std::vector<std::shared_ptr<data::SafetensorsReader>> files_;
+  std::map<std::string, std::vector<Chunk>> chunks_;  // "state/tensor" -> chunks
+};
+
+// ---- writing ---------------------------------------------------------------------------
+
+struct SaveResult {
+  std::string path;
+  int64_t bytes = 0;
+  double seconds = 0;
+};
+
+class CheckpointManager {
+ public:
+  CheckpointManager(std::string checkpoints_dir, CheckpointConfig cfg);
+
+  const std::string& dir() const { return dir_; }
+  // Writes a checkpoint of `state` at `progress.iteration`. With several ranks every rank calls
+  // it; `barrier` synchronises them (no-op for one rank). Throws CheckpointError on any I/O
+  // problem, after removing the partial save; earlier checkpoints are never touched.
+  SaveResult save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
+                  const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
+                  const std::function<void()>& barrier = [] {});
+  // Keeps the newest keep_last checkpoints, plus every step divisible by keep_every; never
+  // the one `latest` names.
+  void rotate();
+  // Removes .tmp-* directories left by saves that were killed.
+  int clean_incomplete();
+  static std::string step_name(int64_t step);  // "step_00000100"
+
+ private:
+  std::string dir_;
+  CheckpointConfig cfg_;
+};
+
+// ---- restoring -------------------------------------------------------------------------
+
+// Resume: every state the next step depends on comes back bit for bit (weights, masters, Adam
+// moments and step, scaler, progress). Missing or partial optimizer state is an error naming
+// what is missing and pointing at --init-from. Returns the progress to continue from.
+TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, const ParamTable& table,
+                                 ParamState& state, Backend& backend, LossScaler& scaler,
+                                 const RankPlace& place, std::vector<std::string>* warnings = nullptr);
+
+// Weights-only initialisation (finetuning): weights from the checkpoint (the fp32 masters when
+// it has them, else the stored working weights), masters = their exact fp32 values, working
+// weights = masters rounded to the working dtype, Adam moments zero, Adam step 0. Returns a
+// description of what was loaded for the log.
+std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, ParamState& state, Backend& backend,
+                              const RankPlace& place);
+
+// Names and shapes of the logical tensors a checkpoint must hold for a model; mismatches name
+// the tensor and both shapes.
+void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table);
+
+}  // namespace keel

@@ -1,0 +1,181 @@
+// `keel ckpt inspect|diff|verify`: what is in a checkpoint, where two differ, whether one is sound.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+
+#include "train/checkpoint.h"
+#include "train/commands.h"
+#include "train/run.h"
+
+namespace keel {
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+int cmd_inspect(const std::string& path, const std::string& stats_state) {
+  Checkpoint ck = Checkpoint::open(path);
+  const auto& m = ck.meta();
+  const TrainProgress p = ck.progress();
+  std::printf("checkpoint %s\n", ck.path().c_str());
+  std::printf("  format %s v%d, keel %s, saved %s\n", m.value("format", std::string("?")).c_str(),
+              m.value("format_version", 0), m.value("keel_version", std::string("?")).c_str(),
+              m.value("saved_at", std::string("?")).c_str());
+  std::printf("  iteration %lld, consumed samples %lld, consumed tokens %lld, Adam step %lld, skipped %lld, nan %lld\n",
+              static_cast<long long>(p.iteration), static_cast<long long>(p.consumed_samples),
+              static_cast<long long>(p.consumed_tokens), static_cast<long long>(ck.adam_step()),
+              static_cast<long long>(p.skipped_total), static_cast<long long>(p.nan_total));
+  const auto& topo = m.at("topology");
+  std::printf("  precision %s (working weights %s), loss scale %g, saved under tp=%d pp=%d dp=%d\n", ck.precision().c_str(),
+              m.value("weight_dtype", std::string("?")).c_str(), m.at("loss_scaler").value("scale", 1.0),
+              topo.value("tp", 1), topo.value("pp", 1), topo.value("dp", 1));
+  std::string states;
+  for (const auto& s : ck.states()) states += (states.empty() ? "" : ", ") + s;
+  std::printf("  states present: %s%s\n", states.c_str(),
+              m.value("master_is_weight", false) ? " (fp32 run: the weights are the masters)" : "");
+  for (const auto& [name, info] : m.at("files").items())
+    std::printf("  file %-40s %12lld bytes  crc32c %s  %zu chunks\n", name.c_str(),
+                static_cast<long long>(info.value("bytes", int64_t{0})), info.value("crc32c", std::string()).c_str(),
+                info.value("tensors", nlohmann::json::object()).size());
+
+  const auto tensors = ck.tensors(stats_state);
+  if (tensors.empty()) {
+    std::printf("  (no %s state to summarise)\n", stats_state.c_str());
+    return kExitOk;
+  }
+  std::printf("\n  %-34s %-16s %-6s %-3s %-3s %-3s  %12s %12s %12s\n", "tensor", "shape", stats_state.c_str(), "mst",
+              "m", "v", "norm", "min", "max");
+  int64_t total = 0;
+  for (const auto& [name, shape] : tensors) {
+    auto v = ck.read_full(stats_state, name);
+    double sq = 0;
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    for (float x : v) sq += static_cast<double>(x) * x, lo = std::min(lo, x), hi = std::max(hi, x);
+    total += static_cast<int64_t>(v.size());
+    auto mark = [&](const char* s) { return ck.has(s, name) ? "yes" : "-"; };
+    std::printf("  %-34s %-16s %-6s %-3s %-3s %-3s  %12.5g %12.5g %12.5g\n", name.c_str(), shape_text(shape).c_str(),
+                std::string(dtype_name(ck.stored_dtype(stats_state, name))).c_str(), mark("master"), mark("adam_m"),
+                mark("adam_v"), std::sqrt(sq), lo, hi);
+  }
+  std::printf("  %zu tensors, %lld parameters\n", tensors.size(), static_cast<long long>(total));
+  return kExitOk;
+}
+
+int cmd_diff(const std::string& a_path, const std::string& b_path, int max_report) {
+  Checkpoint a = Checkpoint::open(a_path), b = Checkpoint::open(b_path);
+  std::printf("diff %s\n     %s\n", a.path().c_str(), b.path().c_str());
+  int64_t compared = 0, differing = 0;
+  std::vector<std::string> notes;
+  for (const std::string& state : a.states()) {
+    const auto ta = a.tensors(state), tb = b.tensors(state);
+    if (tb.empty()) {
+      notes.push_back("state " + state + " is only in the first checkpoint");
+      continue;
+    }
+    for (const auto& [name, shape] : ta) {
+      auto it = tb.find(name);
+      if (it == tb.end()) {
+        notes.push_back(state + "/" + name + " is only in the first checkpoint");
+        continue;
+      }
+      if (it->second != shape) {
+        notes.push_back(state + "/" + name + ": shapes differ, " + shape_text(shape) + " vs " + shape_text(it->second));
+        ++differing;
+        continue;
+      }
+      ++compared;
+      // Bitwise comparison in the stored dtype when both agree on it, else through fp32.
+      const DType da = a.stored_dtype(state, name), db = b.stored_dtype(state, name);
+      TensorRegion r;
+      r.shape = shape;
+      r.offset.assign(shape.size(), 0);
+      bool equal = false;
+      if (da == db) {
+        std::vector<char> ba(static_cast<size_t>(r.numel()) * dtype_size(da)), bb(ba.size());
+        a.read(state, name, r, da, ba.data());
+        b.read(state, name, r, db, bb.data());
+        equal = std::memcmp(ba.data(), bb.data(), ba.size()) == 0;
+      }
+      if (equal) continue;
+      auto va = a.read_full(state, name), vb = b.read_full(state, name);
+      double max_abs = 0, max_rel = 0;
+      int64_t n_diff = 0;
+      for (size_t i = 0; i < va.size(); ++i) {
+        if (va[i] == vb[i] || (std::isnan(va[i]) && std::isnan(vb[i]))) continue;
+        ++n_diff;
+        const double d = std::fabs(static_cast<double>(va[i]) - vb[i]);
+        max_abs = std::max(max_abs, d);
+        max_rel = std::max(max_rel, d / std::max(1e-30, std::fabs(static_cast<double>(vb[i]))));
+      }
+      if (++differing <= max_report)
+        std::printf("  %-8s %-34s differs in %lld of %zu elements: max abs %.3e, max rel %.3e%s\n", state.c_str(),
+                    name.c_str(), static_cast<long long>(n_diff), va.size(), max_abs, max_rel,
+                    da != db ? " (stored dtypes differ)" : "");
+    }
+  }
+  for (const std::string& state : b.states())
+    if (a.tensors(state).empty()) notes.push_back("state " + state + " is only in the second checkpoint");
+  for (const auto& n : notes) std::printf("  note: %s\n", n.c_str());
+  const auto pa = a.progress(), pb = b.progress();
+  if (pa.iteration != pb.iteration || pa.consumed_samples != pb.consumed_samples || a.adam_step() != b.adam_step())
+    std::printf("  progress differs: iteration %lld vs %lld, consumed samples %lld vs %lld, Adam step %lld vs %lld\n",
+                static_cast<long long>(pa.iteration), static_cast<long long>(pb.iteration),
+                static_cast<long long>(pa.consumed_samples), static_cast<long long>(pb.consumed_samples),
+                static_cast<long long>(a.adam_step()), static_cast<long long>(b.adam_step()));
+  if (differing == 0 && notes.empty()) {
+    std::printf("bitwise equal: %lld tensors compared across %zu states\n", static_cast<long long>(compared),
+                a.states().size());
+    return kExitOk;
+  }
+  std::printf("%lld of %lld tensors differ%s\n", static_cast<long long>(differing), static_cast<long long>(compared),
+              differing > max_report ? " (first ones shown)" : "");
+  return kExitFailure;
+}
+
+int cmd_verify(const std::string& path) {
+  Checkpoint ck = Checkpoint::open(path);
+  auto problems = ck.verify();
+  if (problems.empty()) {
+    std::printf("ok: %s is complete and every checksum matches (%zu files)\n", ck.path().c_str(),
+                ck.meta().at("files").size());
+    return kExitOk;
+  }
+  std::printf("DAMAGED: %s\n", ck.path().c_str());
+  for (const auto& p : problems) std::printf("  %s\n", p.c_str());
+  return kExitCheckpointError;
+}
+
+struct CkptArgs {
+  std::string path, other, state = "weight";
+  int max_report = 20;
+};
+
+}  // namespace
+
+Command add_ckpt_command(CLI::App& app) {
+  auto args = std::make_shared<CkptArgs>();
+  CLI::App* ckpt = app.add_subcommand("ckpt", "Inspect, compare and verify checkpoints");
+  ckpt->require_subcommand(1);
+  CLI::App* inspect = ckpt->add_subcommand("inspect", "Step, topology, states and per-tensor norm/min/max");
+  inspect->add_option("path", args->path, "Checkpoint (step_* directory or a checkpoints directory)")->required();
+  inspect->add_option("--state", args->state, "State to summarise: weight, master, adam_m or adam_v");
+  CLI::App* diff = ckpt->add_subcommand("diff", "Per-tensor differences between two checkpoints (exit 1 if any)");
+  diff->add_option("a", args->path, "First checkpoint")->required();
+  diff->add_option("b", args->other, "Second checkpoint")->required();
+  diff->add_option("--max", args->max_report, "Differing tensors to list");
+  CLI::App* verify = ckpt->add_subcommand("verify", "Checksums and completeness (exit 5 if damaged)");
+  verify->add_option("path", args->path, "Checkpoint")->required();
+  return {ckpt, [args, inspect, diff, verify]() -> int {
+            if (inspect->parsed()) return cmd_inspect(args->path, args->state);
+            if (diff->parsed()) return cmd_diff(args->path, args->other, args->max_report);
+            if (verify->parsed()) return cmd_verify(args->path);
+            return kExitConfigError;
+          }};
+}
+
+}  // namespace keel

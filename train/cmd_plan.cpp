@@ -1,0 +1,145 @@
+// `keel plan`: TP/PP/DP/micro-batch layouts for a config on a GPU count, with memory per rank,
+// why the others do not work, and a cost-model step time (train/plan.h).
+#include <iostream>
+#include <optional>
+
+#include "train/commands.h"
+#include "train/config.h"
+#include "train/plan.h"
+#include "train/run.h"
+
+namespace keel {
+
+namespace {
+
+struct PlanArgs {
+  std::string config;
+  std::vector<std::string> sets;
+  int64_t gpus = 0, gpus_per_node = 8;
+  std::string gpu_mem = "80GiB", cuda_context, framework = "keel", recompute = "auto";
+  std::optional<int64_t> tp, pp, dp, mbs;
+  int64_t max_mbs = 16;
+  bool embedding_slot = false, json = false, all = false;
+  int top = 20;
+  double tflops = 150, intra_gbps = 150, inter_gbps = 12.5, hbm_gbps = 1500, headroom = -1, mb_overhead_ms = 0;
+  int sm_count = 108;
+};
+
+int cmd_plan(const PlanArgs& a) {
+  RunConfig cfg = load_config(a.config, a.sets);
+  plan::PlanOptions opt;
+  opt.hw.gpus_per_node = a.gpus_per_node;
+  opt.hw.gpu_mem_bytes = static_cast<double>(plan::parse_memory_size(a.gpu_mem));
+  opt.hw.sm_count = a.sm_count;
+  opt.hw.achievable_tflops = a.tflops;
+  opt.hw.intra_node_gbps = a.intra_gbps;
+  opt.hw.inter_node_gbps = a.inter_gbps;
+  opt.hw.hbm_gbps = a.hbm_gbps;
+  opt.hw.microbatch_overhead_s = a.mb_overhead_ms / 1e3;
+  if (a.framework == "keel") opt.memory = plan::keel_memory_model(cfg.precision.mode);
+  else opt.memory = plan::megatron_deepspeed_memory_model(a.framework == "mds-bf16");
+  if (!a.cuda_context.empty()) opt.memory.cuda_context_bytes = static_cast<double>(plan::parse_memory_size(a.cuda_context));
+  if (a.headroom >= 0) opt.memory.headroom = a.headroom;
+  opt.recompute = a.recompute == "always" ? plan::Recompute::Always
+                  : a.recompute == "never" ? plan::Recompute::Never
+                                           : plan::Recompute::Auto;
+  opt.embedding_own_slot = a.embedding_slot;
+  opt.tp = a.tp, opt.pp = a.pp, opt.dp = a.dp, opt.mbs = a.mbs;
+  opt.max_mbs = a.max_mbs;
+  opt.gpus = a.gpus;
+  if (opt.gpus == 0 && a.tp && a.pp && a.dp) opt.gpus = *a.tp * *a.pp * *a.dp;
+  if (opt.gpus == 0) opt.gpus = cfg.parallel.world();
+  if (a.tp && a.pp && a.dp && *a.tp * *a.pp * *a.dp != opt.gpus)
+    throw ConfigError("--tp * --pp * --dp = " + std::to_string(*a.tp * *a.pp * *a.dp) + " but --gpus is " +
+                      std::to_string(opt.gpus));
+
+  plan::PlanResult r = plan::plan_all(cfg, opt);
+  std::vector<plan::Alternative> alts;
+  if (r.ranked.empty()) alts = plan::alternatives(cfg, opt);
+  if (a.json) {
+    nlohmann::json j = plan::plan_json(cfg, r, opt);
+    j["alternatives"] = nlohmann::json::array();
+    for (const auto& alt : alts)
+      j["alternatives"].push_back({{"change", alt.change}, {"gpus", alt.gpus}, {"n_layers", alt.n_layers},
+                                   {"best", plan::layout_json(alt.best)}});
+    std::cout << j.dump(2) << '\n';
+  } else {
+    std::cout << plan::plan_text(cfg, r, opt, a.top, a.all);
+    if (!alts.empty()) std::cout << "\n" << plan::alternatives_text(alts);
+    // A fully pinned layout that does not fit: still show its breakdown, it is what was asked.
+    if (r.ranked.empty() && a.tp && a.pp && a.dp && a.mbs) {
+      const plan::Layout l{*a.tp, *a.pp, *a.dp, *a.mbs};
+      if (plan::layout_problem(cfg, l, opt).empty())
+        std::cout << "\n" << plan::layout_text(cfg, plan::plan_layout(cfg, l, opt), opt);
+    }
+  }
+  return r.ranked.empty() ? kExitFailure : kExitOk;
+}
+
+}  // namespace
+
+Command add_plan_command(CLI::App& app) {
+  auto args = std::make_shared<PlanArgs>();
+  PlanArgs& pa = *args;
+  CLI::App* c = app.add_subcommand("plan", "TP/PP/DP/micro-batch layouts, memory per GPU and a step-time estimate");
+  c->add_option("-c,--config", pa.config, "JSON run config (see configs/)")->required()->check(CLI::ExistingFile);
+  c->add_option("--set", pa.sets, "Override a config field, as for `keel train` (repeatable)")
+      ->type_name("KEY=VALUE")
+      ->take_all();
+  c->add_option("--gpus", pa.gpus, "GPUs to plan for (default: the config's tp*pp*dp)")->check(CLI::PositiveNumber);
+  c->add_option("--gpus-per-node", pa.gpus_per_node, "GPUs per node; TP stays inside a node")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--gpu-mem", pa.gpu_mem,
+                "Memory per GPU: 80GiB, 81920MiB, 40G (K/M/G/T and KiB/MiB/GiB/TiB are powers of 2), "
+                "80GB (KB/MB/GB/TB are powers of 10)")
+      ->capture_default_str();
+  c->add_option("--tp", pa.tp, "Pin the tensor-parallel size")->check(CLI::PositiveNumber);
+  c->add_option("--pp", pa.pp, "Pin the pipeline-parallel size")->check(CLI::PositiveNumber);
+  c->add_option("--dp", pa.dp, "Pin the data-parallel size")->check(CLI::PositiveNumber);
+  c->add_option("--mbs", pa.mbs, "Pin the micro-batch size")->check(CLI::PositiveNumber);
+  c->add_option("--max-mbs", pa.max_mbs, "Largest micro-batch size tried")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_flag("--embedding-slot", pa.embedding_slot,
+              "Give the embedding and the head their own pipeline slot each (layers+2 slots over pp)");
+  c->add_option("--recompute", pa.recompute, "Activation policy: auto (recompute only when needed), always, never")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "always", "never"}));
+  c->add_option("--framework", pa.framework,
+                "Memory model: keel (from precision.mode), mds-fp16 / mds-bf16 (Megatron-DeepSpeed as in the "
+                "BLOOM 200B benchmarks, seed 001)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"keel", "mds-fp16", "mds-bf16"}));
+  c->add_option("--cuda-context", pa.cuda_context, "CUDA context + workspace per GPU (default 1.5GiB)");
+  c->add_option("--headroom", pa.headroom, "Fraction of GPU memory kept free (default 0.05)")->check(CLI::Range(0.0, 0.9));
+  c->add_option("--tflops", pa.tflops, "Achievable dense bf16 TFLOP/s per GPU on well-shaped matmuls")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--sm-count", pa.sm_count, "Streaming multiprocessors (wave quantization; A100: 108, H100: 132)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--intra-gbps", pa.intra_gbps, "GB/s per GPU inside a node (NVLink)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--inter-gbps", pa.inter_gbps, "GB/s per GPU between nodes")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--hbm-gbps", pa.hbm_gbps, "Achievable GB/s of GPU memory (element-wise ops)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--mb-overhead-ms", pa.mb_overhead_ms, "Fixed cost per micro-batch per pipeline stage (ms)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  c->add_option("--top", pa.top, "Feasible layouts listed")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_flag("--all", pa.all, "List every rejected layout");
+  c->add_flag("--json", pa.json, "Machine-readable output");
+  c->footer(
+      "Memory per GPU = parameters of the rank (exact, from the trainer's parameter table) x bytes per\n"
+      "parameter (keel bf16: 2 weights + 4 grads + (4 master + 8 Adam)/dp with ZeRO-1) + activations of\n"
+      "the micro-batches 1F1B keeps in flight (pp - s on stage s) + CUDA context. Step time = slowest\n"
+      "pipeline stage x (m + pp - 1) micro-batches + DP reduce-scatter/all-gather, with matmuls at\n"
+      "--tflops times their tile/wave efficiency and communication at the given bandwidths.\n"
+      "Exit codes: 0 a layout fits, 1 none fits, 2 bad config or arguments.");
+  return {c, [args] { return cmd_plan(*args); }};
+}
+
+}  // namespace keel

@@ -1,0 +1,101 @@
+// MPI for host buffers: the runtime (init/finalize) and a communicator per grid group.
+//
+// keel runs as a plain process when no launcher started it: MpiRuntime then never touches MPI
+// and make_host_comms hands out LocalComms. Under mpirun/srun it initializes MPI and each group
+// of the Grid gets an MpiComm over its own MPI_Comm_split communicator.
+//
+// Reductions are keel's own (the byte movement is MPI's): every output element is reduced by
+// one rank, in group-rank order, in fp32, then sent to the others as bytes. So all ranks hold
+// bitwise-identical results, and a rerun with the same group size reproduces them exactly,
+// whatever algorithm MPI picks.
+//
+// Watchdog: every operation polls its non-blocking MPI request, and one that has not completed
+// after timeout() seconds (KEEL_COMM_TIMEOUT, default 600, 0 = never) asks the other ranks of
+// the group what they are doing over a side communicator, prints who is stuck where and who has
+// not arrived to stderr, and throws CommTimeout. Ranks answer those questions whenever they are
+// themselves waiting in any keel collective; a rank busy outside them is reported as silent.
+#pragma once
+
+#include <memory>
+
+#include "train/parallel/comm.h"
+#include "train/parallel/grid.h"
+
+namespace keel::parallel {
+
+bool mpi_built();  // was keel compiled with MPI (KEEL_HAVE_MPI)?
+
+// Seconds before a stuck collective is reported: KEEL_COMM_TIMEOUT from the environment (a
+// number of seconds, 0 disables), else 600. Throws on a malformed value.
+double default_comm_timeout();
+
+class MpiRuntime {
+ public:
+  // Initializes MPI when a launcher started this process (LaunchInfo::launched()), else does
+  // nothing. Throws when MPI's world disagrees with the launcher's environment, or when the
+  // launcher asks for several ranks and keel was built without MPI. One per process.
+  explicit MpiRuntime(int* argc = nullptr, char*** argv = nullptr);
+  // MPI_Finalize; or MPI_Abort when a communicator timed out or an exception is unwinding
+  // through it, so the other ranks are taken down instead of hanging in finalize.
+  ~MpiRuntime();
+  MpiRuntime(const MpiRuntime&) = delete;
+  MpiRuntime& operator=(const MpiRuntime&) = delete;
+
+  bool active() const { return active_; }  // MPI is initialized and usable
+  // World rank/size from MPI when active, local rank and host from the environment.
+  const LaunchInfo& launch() const { return launch_; }
+  int world_rank() const { return launch_.world_rank; }
+  int world_size() const { return launch_.world_size; }
+
+  // Flushes stdout/stderr and ends the whole job (MPI_Abort), or the process without MPI.
+  [[noreturn]] static void abort(int code);
+
+ private:
+  bool active_ = false;
+  bool owns_mpi_ = false;  // we called MPI_Init, so we finalize
+  LaunchInfo launch_;
+};
+
+class MpiComm final : public Comm {
+ public:
+  // Collective over MPI_COMM_WORLD: every rank constructs the same kinds in the same order.
+  // grid.world_size()/rank() must be MPI's.
+  MpiComm(const Grid& grid, GroupKind kind);
+  ~MpiComm() override;
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
+
+  int rank() const override;
+  int size() const override;
+  std::string_view name() const override;
+  Device device() const override { return Device::CPU; }
+
+  void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::Sum) override;
+  void reduce_scatter(const Tensor& out, const Tensor& in) override;
+  void all_gather(const Tensor& out, const Tensor& in) override;
+  void broadcast(const Tensor& t, int root) override;
+  void send(const Tensor& t, int peer) override;
+  void recv(const Tensor& t, int peer) override;
+  void sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) override;
+  void barrier() override;
+
+  // Seconds one operation may wait before the watchdog reports it; 0 waits forever.
+  void set_timeout(double seconds);
+  double timeout() const;
+  // Elements reduced per round (bounds the scratch memory, ~this many elements plus as many
+  // floats). Small values make tests exercise the chunked path. Default 4M.
+  void set_chunk_elements(int64_t n);
+  int64_t collective_calls() const;  // collectives started on this group so far
+  const std::vector<int>& members() const;  // world ranks, in group-rank order
+
+  struct Impl;  // MPI state; public so the watchdog's process-wide registry can name it
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// One communicator per group of `grid`: MpiComms when MPI is active, LocalComms for a world of
+// one without MPI. Collective over the world when MPI is active.
+CommGroups make_host_comms(const Grid& grid, const MpiRuntime& runtime);
+
+}  // namespace keel::parallel

@@ -1,0 +1,266 @@
+#include "train/parallel/nccl_comm.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "train/parallel/mpi_comm.h"
+
+#ifdef KEEL_HAVE_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace keel::parallel {
+
+#ifdef KEEL_HAVE_NCCL
+
+bool nccl_built() { return true; }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::F32: return ncclFloat32;
+    case DType::BF16: return ncclBfloat16;
+    case DType::F16: return ncclFloat16;
+    case DType::I32: return ncclInt32;
+  }
+  return ncclFloat32;
+}
+
+}  // namespace
+
+struct NcclComm::Impl {
+  std::string name;
+  int rank = 0, size = 1, world_rank = 0;
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  float* barrier_word = nullptr;  // device scratch for barrier()'s all-reduce
+  double timeout = 600;
+  int64_t calls = 0;
+  bool aborted = false;
+  // The last operation enqueued: what the watchdog names when the stream does not drain.
+  std::string last_op = "nothing";
+
+  std::string where() const {
+    return name + " (nccl rank " + std::to_string(rank) + " of " + std::to_string(size) + ", world rank " +
+           std::to_string(world_rank) + ")";
+  }
+  void note(const char* op, const Tensor& t, int peer = -1) {
+    ++calls;
+    last_op = std::string(op) + " #" + std::to_string(calls) + " (" + std::to_string(t.numel()) + " x " +
+              std::string(dtype_name(t.dtype)) + (peer >= 0 ? ", peer " + std::to_string(peer) : "") + ")";
+    if (aborted) throw std::runtime_error("nccl " + where() + ": " + last_op + " after the communicator was aborted");
+  }
+  void check(ncclResult_t r, const char* call) const {
+    if (r == ncclSuccess) return;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
+    const char* detail = comm ? ncclGetLastError(comm) : nullptr;
+#else
+    const char* detail = nullptr;
+#endif
+    throw std::runtime_error(std::string(call) + " failed on group " + where() + " in " + last_op + ": " +
+                             ncclGetErrorString(r) + (detail && *detail ? std::string(" (") + detail + ")" : ""));
+  }
+  void check(cudaError_t e, const char* call) const {
+    if (e == cudaSuccess) return;
+    throw std::runtime_error(std::string(call) + " failed on group " + where() + " in " + last_op + ": " +
+                             cudaGetErrorString(e));
+  }
+};
+
+NcclComm::NcclComm(Comm& bootstrap, CUstream_st* stream) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.name = std::string(bootstrap.name());
+  m.rank = bootstrap.rank();
+  m.size = bootstrap.size();
+  m.world_rank = LaunchInfo::from_environment().world_rank;
+  m.stream = stream;
+  m.timeout = default_comm_timeout();
+
+  // The id travels over the host communicator: 128 bytes seen as 32 int32.
+  static_assert(sizeof(ncclUniqueId) % 4 == 0, "ncclUniqueId is moved as int32 words");
+  ncclUniqueId id{};
+  if (m.rank == 0) m.check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  if (bootstrap.device() != Device::CPU)
+    throw std::invalid_argument("NcclComm(" + m.name + "): the bootstrap communicator must move host memory");
+  bootstrap.broadcast(Tensor(&id, DType::I32, {static_cast<int64_t>(sizeof(id) / 4)}), 0);
+  m.last_op = "ncclCommInitRank";
+  m.check(ncclCommInitRank(&m.comm, m.size, id, m.rank), "ncclCommInitRank");
+  m.check(cudaMalloc(&m.barrier_word, sizeof(float)), "cudaMalloc");
+  m.last_op = "nothing";
+}
+
+NcclComm::~NcclComm() {
+  Impl& m = *impl_;
+  if (m.barrier_word) cudaFree(m.barrier_word);
+  if (m.comm && !m.aborted) ncclCommDestroy(m.comm);
+}
+
+int NcclComm::rank() const { return impl_->rank; }
+int NcclComm::size() const { return impl_->size; }
+std::string_view NcclComm::name() const { return impl_->name; }
+CUstream_st* NcclComm::stream() const { return impl_->stream; }
+void NcclComm::set_stream(CUstream_st* stream) { impl_->stream = stream; }
+void NcclComm::set_timeout(double seconds) {
+  if (!(seconds >= 0)) throw std::invalid_argument("NcclComm::set_timeout: seconds must be >= 0 (0 disables)");
+  impl_->timeout = seconds;
+}
+double NcclComm::timeout() const { return impl_->timeout; }
+int64_t NcclComm::calls() const { return impl_->calls; }
+
+void NcclComm::all_reduce(const Tensor& t, ReduceOp op) {
+  check::reduction(*this, "all_reduce", t);
+  Impl& m = *impl_;
+  m.note("all_reduce", t);
+  if (t.numel() == 0) return;
+  m.check(ncclAllReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
+                        op == ReduceOp::Sum ? ncclSum : ncclMax, m.comm, m.stream),
+          "ncclAllReduce");
+}
+
+void NcclComm::reduce_scatter(const Tensor& out, const Tensor& in) {
+  check::reduce_scatter(*this, out, in);
+  Impl& m = *impl_;
+  m.note("reduce_scatter", in);
+  if (out.numel() == 0) return;
+  m.check(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), nccl_type(in.dtype), ncclSum, m.comm,
+                            m.stream),
+          "ncclReduceScatter");
+}
+
+void NcclComm::all_gather(const Tensor& out, const Tensor& in) {
+  check::all_gather(*this, out, in);
+  Impl& m = *impl_;
+  m.note("all_gather", out);
+  if (in.numel() == 0) return;
+  // In place when in is this rank's block of out: NCCL detects that from the pointers.
+  m.check(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), m.comm, m.stream),
+          "ncclAllGather");
+}
+
+void NcclComm::broadcast(const Tensor& t, int root) {
+  check::broadcast(*this, t, root);
+  Impl& m = *impl_;
+  m.note("broadcast", t);
+  if (t.numel() == 0) return;
+  m.check(ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), root, m.comm, m.stream),
+          "ncclBroadcast");
+}
+
+void NcclComm::send(const Tensor& t, int peer) {
+  check::point_to_point(*this, "send", t, peer);
+  Impl& m = *impl_;
+  m.note("send", t, peer);
+  m.check(ncclSend(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.stream), "ncclSend");
+}
+
+void NcclComm::recv(const Tensor& t, int peer) {
+  check::point_to_point(*this, "recv", t, peer);
+  Impl& m = *impl_;
+  m.note("recv", t, peer);
+  m.check(ncclRecv(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.stream), "ncclRecv");
+}
+
+void NcclComm::sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) {
+  check::point_to_point(*this, "send", send_t, send_peer);
+  check::point_to_point(*this, "recv", recv_t, recv_peer);
+  Impl& m = *impl_;
+  m.note("sendrecv", send_t, send_peer);
+  // One group: NCCL posts both before either waits, so two stages exchanging cannot deadlock.
+  m.check(ncclGroupStart(), "ncclGroupStart");
+  ncclResult_t rs = ncclSend(send_t.data, static_cast<size_t>(send_t.numel()), nccl_type(send_t.dtype), send_peer,
+                             m.comm, m.stream);
+  ncclResult_t rr = ncclRecv(recv_t.data, static_cast<size_t>(recv_t.numel()), nccl_type(recv_t.dtype), recv_peer,
+                             m.comm, m.stream);
+  ncclResult_t re = ncclGroupEnd();
+  m.check(rs, "ncclSend");
+  m.check(rr, "ncclRecv");
+  m.check(re, "ncclGroupEnd");
+}
+
+void NcclComm::barrier() {
+  Impl& m = *impl_;
+  Tensor word(m.barrier_word, DType::F32, {1}, Device::CUDA);
+  m.note("barrier", word);
+  m.check(ncclAllReduce(m.barrier_word, m.barrier_word, 1, ncclFloat32, ncclSum, m.comm, m.stream), "ncclAllReduce");
+  synchronize();
+}
+
+void NcclComm::synchronize() {
+  Impl& m = *impl_;
+  const Clock::time_point start = Clock::now();
+  for (;;) {
+    cudaError_t e = cudaStreamQuery(m.stream);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) m.check(e, "cudaStreamQuery");
+    ncclResult_t async_err = ncclSuccess;
+    m.check(ncclCommGetAsyncError(m.comm, &async_err), "ncclCommGetAsyncError");
+    m.check(async_err, "NCCL (asynchronous error)");
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    if (m.timeout > 0 && waited > m.timeout) {
+      char head[96];
+      std::snprintf(head, sizeof(head), "timed out after %.1f s", waited);
+      const std::string msg = "keel comm watchdog (nccl): world rank " + std::to_string(m.world_rank) + " " + head +
+                              " waiting for group " + m.where() + "; last operation enqueued: " + m.last_op +
+                              ". Some rank of the group has not enqueued the matching operation (or is stuck "
+                              "before it); the NCCL communicator is aborted. (timeout: KEEL_COMM_TIMEOUT)";
+      std::fprintf(stderr, "%s\n", msg.c_str());
+      std::fflush(stderr);
+      m.aborted = true;
+      mark_comm_timed_out();
+      ncclCommAbort(m.comm);
+      throw CommTimeout(msg);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(waited > 0.01 ? 200 : 10));
+  }
+}
+
+CommGroups make_nccl_comms(const CommGroups& host, CUstream_st* stream) {
+  CommGroups g;
+  g.world = std::make_unique<NcclComm>(*host.world, stream);
+  g.tp = std::make_unique<NcclComm>(*host.tp, stream);
+  g.pp = std::make_unique<NcclComm>(*host.pp, stream);
+  g.dp = std::make_unique<NcclComm>(*host.dp, stream);
+  g.embedding = std::make_unique<NcclComm>(*host.embedding, stream);
+  return g;
+}
+
+#else  // ---- built without NCCL ------------------------------------------------------------------
+
+bool nccl_built() { return false; }
+
+struct NcclComm::Impl {};
+
+[[noreturn]] static void no_nccl() {
+  throw std::logic_error("NcclComm: keel was built without NCCL (needs KEEL_CUDA=ON and NCCL; set NCCL_HOME)");
+}
+NcclComm::NcclComm(Comm&, CUstream_st*) { no_nccl(); }
+NcclComm::~NcclComm() = default;
+int NcclComm::rank() const { return 0; }
+int NcclComm::size() const { return 1; }
+std::string_view NcclComm::name() const { return "none"; }
+void NcclComm::all_reduce(const Tensor&, ReduceOp) { no_nccl(); }
+void NcclComm::reduce_scatter(const Tensor&, const Tensor&) { no_nccl(); }
+void NcclComm::all_gather(const Tensor&, const Tensor&) { no_nccl(); }
+void NcclComm::broadcast(const Tensor&, int) { no_nccl(); }
+void NcclComm::send(const Tensor&, int) { no_nccl(); }
+void NcclComm::recv(const Tensor&, int) { no_nccl(); }
+void NcclComm::sendrecv(const Tensor&, int, const Tensor&, int) { no_nccl(); }
+void NcclComm::barrier() { no_nccl(); }
+CUstream_st* NcclComm::stream() const { return nullptr; }
+void NcclComm::set_stream(CUstream_st*) {}
+void NcclComm::synchronize() {}
+void NcclComm::set_timeout(double) {}
+double NcclComm::timeout() const { return 0; }
+int64_t NcclComm::calls() const { return 0; }
+CommGroups make_nccl_comms(const CommGroups&, CUstream_st*) { no_nccl(); }
+
+#endif
+
+}  // namespace keel::parallel

@@ -1,0 +1,65 @@
+// NCCL for device buffers: the same Comm interface, enqueued on a CUDA stream.
+//
+// Differences from MpiComm a caller must know:
+// - Asynchronous: each call enqueues the NCCL operation on stream() and returns; the result is
+//   ready for later work on that stream (or after synchronize()). barrier() does synchronize.
+// - Reduction arithmetic is NCCL's: its own order (ring/tree), BF16/F16 rounded at each step
+//   of the reduction rather than once; deterministic for a fixed topology and NCCL version, but
+//   not bitwise equal to MpiComm. Reduce fp32 buffers (keel's gradients are fp32) when that matters.
+// - The watchdog lives in synchronize(): with a timeout (KEEL_COMM_TIMEOUT, default 600 s) a
+//   stream that does not drain prints this rank, the group and the last operation enqueued on
+//   it, aborts the NCCL communicator and throws CommTimeout.
+// Built when KEEL_CUDA is on and NCCL is found (KEEL_HAVE_NCCL); otherwise the constructor throws.
+#pragma once
+
+#include <memory>
+
+#include "train/parallel/comm.h"
+
+namespace keel::parallel {
+
+bool nccl_built();  // was keel compiled with NCCL?
+
+class NcclComm final : public Comm {
+ public:
+  // Collective over the ranks of `bootstrap` (a host communicator of the same group, e.g. the
+  // MpiComm of it; a LocalComm for a group of one): its rank 0 creates the NCCL id and
+  // broadcasts it. Uses the CUDA device current on this thread: select it first (local rank).
+  NcclComm(Comm& bootstrap, CUstream_st* stream);
+  ~NcclComm() override;
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int rank() const override;
+  int size() const override;
+  std::string_view name() const override;
+  Device device() const override { return Device::CUDA; }
+
+  void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::Sum) override;
+  void reduce_scatter(const Tensor& out, const Tensor& in) override;
+  void all_gather(const Tensor& out, const Tensor& in) override;
+  void broadcast(const Tensor& t, int root) override;
+  void send(const Tensor& t, int peer) override;
+  void recv(const Tensor& t, int peer) override;
+  void sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) override;
+  void barrier() override;  // a 1-element all-reduce, then synchronize()
+
+  CUstream_st* stream() const;
+  void set_stream(CUstream_st* stream);
+  // Waits until the work enqueued on stream() is done, under the watchdog.
+  void synchronize();
+  void set_timeout(double seconds);  // 0 waits forever
+  double timeout() const;
+  int64_t calls() const;  // operations enqueued so far
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// NcclComms for every group of `host` (made by make_host_comms), all on `stream`.
+// Collective over the world.
+CommGroups make_nccl_comms(const CommGroups& host, CUstream_st* stream);
+
+}  // namespace keel::parallel

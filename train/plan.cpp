@@ -1,0 +1,1011 @@
+#include "train/plan.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <regex>
+#include <sstream>
+
+namespace keel::plan {
+
+namespace {
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+// 1234567 -> "1,234,567"
+std::string grouped(int64_t n) {
+  std::string s = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i > 0 && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
+
+std::string human(double n) {  // 202.70B, 617.56M
+  if (n >= 1e9) return fmt("%.2fB", n / 1e9);
+  if (n >= 1e6) return fmt("%.2fM", n / 1e6);
+  if (n >= 1e3) return fmt("%.1fK", n / 1e3);
+  return fmt("%.0f", n);
+}
+
+std::string gb_dec(double bytes) { return fmt("%.2f GB", bytes / 1e9); }
+
+// Right-aligned text table; the first column is left-aligned.
+class Table {
+ public:
+  void row(std::vector<std::string> cells) { rows_.push_back(std::move(cells)); }
+  std::string str(const std::string& indent = "  ") const {
+    std::vector<size_t> w;
+    for (const auto& r : rows_)
+      for (size_t i = 0; i < r.size(); ++i) {
+        if (w.size() <= i) w.push_back(0);
+        w[i] = std::max(w[i], r[i].size());
+      }
+    std::string out;
+    for (const auto& r : rows_) {
+      std::string line = indent;
+      for (size_t i = 0; i < r.size(); ++i) {
+        const std::string pad(w[i] - r[i].size(), ' ');
+        line += i == 0 ? r[i] + pad : "  " + pad + r[i];
+      }
+      while (!line.empty() && line.back() == ' ') line.pop_back();
+      out += line + "\n";
+    }
+    return out;
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> d;
+  for (int64_t i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+// Fraction of the GPU a [rows x cols] GEMM output keeps busy: tiles of tile_rows x tile_cols
+// are scheduled in waves of sm_count; partly empty tiles (tile quantization) and a partly empty
+// last wave (wave quantization) are paid for in full.
+double wave_efficiency(double rows, double cols, const Hardware& hw) {
+  const double tiles = std::ceil(rows / hw.tile_rows) * std::ceil(cols / hw.tile_cols);
+  const double waves = std::ceil(tiles / hw.sm_count);
+  return rows * cols / (waves * hw.sm_count * hw.tile_rows * hw.tile_cols);
+}
+
+// Ring all-reduce: each rank sends 2 (n-1)/n of the buffer; reduce-scatter or all-gather: (n-1)/n.
+double ring_allreduce_sent(double bytes, int64_t n) { return n > 1 ? 2.0 * (n - 1) / n * bytes : 0; }
+double ring_half_sent(double bytes, int64_t n) { return n > 1 ? double(n - 1) / n * bytes : 0; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// sizes
+
+int64_t parse_memory_size(const std::string& text) {
+  static const std::regex re(R"(^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$)");
+  std::smatch mt;
+  if (!std::regex_match(text, mt, re))
+    throw ConfigError("memory size '" + text + "' is not a number with an optional unit (e.g. 80GiB, 80GB, 40G, 81920MiB)");
+  std::string unit = mt[2].str();
+  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return std::tolower(c); });
+  // Binary (powers of 2) unless the unit is spelled as a decimal one (KB MB GB TB).
+  static const std::map<std::string, double> units = {
+      {"", 1},          {"b", 1},
+      {"k", 0x1p10},    {"kib", 0x1p10}, {"kb", 1e3},
+      {"m", 0x1p20},    {"mib", 0x1p20}, {"mb", 1e6},
+      {"g", 0x1p30},    {"gib", 0x1p30}, {"gb", 1e9},
+      {"t", 0x1p40},    {"tib", 0x1p40}, {"tb", 1e12},
+  };
+  auto it = units.find(unit);
+  if (it == units.end())
+    throw ConfigError("memory size '" + text + "': unknown unit '" + mt[2].str() +
+                      "' (allowed: KiB MiB GiB TiB or K M G T = powers of 2; KB MB GB TB = powers of 10)");
+  const double bytes = std::stod(mt[1].str()) * it->second;
+  if (!(bytes >= 1)) throw ConfigError("memory size '" + text + "' must be at least one byte");
+  return static_cast<int64_t>(std::llround(bytes));
+}
+
+std::string format_bytes(double bytes) {
+  if (bytes >= kGiB) return fmt("%.2f GiB", bytes / kGiB);
+  if (bytes >= 1 << 20) return fmt("%.1f MiB", bytes / (1 << 20));
+  return fmt("%.1f KiB", bytes / 1024);
+}
+
+std::string Layout::str() const {
+  return "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " dp=" + std::to_string(dp) +
+         " mbs=" + std::to_string(mbs);
+}
+
+// ---------------------------------------------------------------------------------------------
+// memory models
+
+MemoryModel keel_memory_model(PrecisionMode mode) {
+  MemoryModel m;
+  StateBytes& s = m.state;
+  switch (mode) {
+    case PrecisionMode::FP32:
+      m.name = "keel fp32";
+      s.weights = 4;  // the working copy is the master: nothing extra to shard
+      s.master = 0;
+      m.act_bytes = 4;
+      s.dp_weight_comm = 4;
+      break;
+    case PrecisionMode::BF16UnsafeNoMaster:
+      m.name = "keel bf16-unsafe-no-master";
+      s.master = 0;
+      break;
+    case PrecisionMode::FP16: m.name = "keel fp16"; break;
+    case PrecisionMode::BF16: m.name = "keel bf16"; break;
+  }
+  return m;
+}
+
+MemoryModel megatron_deepspeed_memory_model(bool fp32_grad_accum) {
+  MemoryModel m;
+  m.name = fp32_grad_accum ? "Megatron-DeepSpeed 2022, bf16 optimizer (fp32 grad accumulation)"
+                           : "Megatron-DeepSpeed 2022, fp16";
+  StateBytes& s = m.state;
+  s.weights = 2;
+  s.grads = fp32_grad_accum ? 2 + 4 : 2;  // half-precision param.grad (+ fp32 accumulation buffer)
+  s.master = 4;
+  s.moments = 8;
+  s.grad_shard = 4;  // ZeRO's fp32 copy of its gradient partition, made at the optimizer step
+  s.dp_grad_comm = 2;
+  s.dp_weight_comm = 2;
+  m.attn_score_bytes = 5;      // QK^T (2) + softmax probabilities (2) + dropout mask (1)
+  m.logit_extra_bytes = 4;     // vocab-parallel cross entropy works on an fp32 copy
+  m.comm_buffer_bytes = 2 * 5e8 * 2;  // reduce_bucket_size + allgather_bucket_size, fp16
+  m.keeps_stage_output = true;
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// the model
+
+ModelConfig model_for_tp(const ModelConfig& m_in, int64_t tp) {
+  ModelConfig m = m_in;
+  if (m.pad_vocab_multiple > 1) {
+    const int64_t unit = m.pad_vocab_multiple * tp;
+    m.padded_vocab_size = (m.vocab_size + unit - 1) / unit * unit;
+  } else {
+    if (m.vocab_size % tp != 0)
+      throw ConfigError("vocab " + std::to_string(m.vocab_size) + " not divisible by tp=" + std::to_string(tp) +
+                        " (no pad_vocab_to_multiple_of)");
+    m.padded_vocab_size = 0;
+  }
+  return m;
+}
+
+namespace seed_formula {
+double layer_params(double h) { return 12 * h * h + 13 * h; }
+double model_params(double l, double h, double s, double v) { return l * layer_params(h) + v * h + s * h + 2 * h; }
+}  // namespace seed_formula
+
+ModelCount count_model(const RunConfig& cfg) {
+  const ModelConfig& m = cfg.model;
+  ParamTable table(m);
+  ModelCount c;
+  c.exact = table.logical_numel();
+  c.padded_vocab = m.embed_rows();
+  for (const ParamSpec& p : table.params()) {
+    if (p.layer >= 0) c.layers += p.logical_numel();
+    else if (p.name == "tok_embed" || p.name == "pos_embed") c.embedding += p.logical_numel();
+    else c.head += p.logical_numel();
+  }
+  c.per_layer = m.n_layers > 0 ? c.layers / m.n_layers : 0;
+  if (m.is_gpt2() && m.ffn_hidden == 4 * m.d_model)
+    c.gpt_formula = seed_formula::model_params(m.n_layers, m.d_model, m.max_seq_len, static_cast<double>(m.vocab_size));
+  return c;
+}
+
+SeedAccounting seed_accounting(const ModelConfig& m, const Layout& l) {
+  SeedAccounting s;
+  s.layers_per_stage = (m.n_layers + l.pp - 1) / l.pp;
+  s.embedding_per_gpu = static_cast<double>(m.vocab_size) * m.d_model / l.tp;
+  s.layer_per_gpu = seed_formula::layer_params(m.d_model) / l.tp;
+  s.without_embedding = s.layers_per_stage * s.layer_per_gpu;
+  s.with_embedding = s.without_embedding + s.embedding_per_gpu;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// one layout
+
+std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot) {
+  std::vector<StageSpan> out;
+  if (pp < 1) return out;
+  if (pp == 1) return {StageSpan{0, n_layers, true, true}};
+  const int64_t slots = own_slot ? n_layers + 2 : n_layers;
+  if (slots % pp != 0 || slots < pp) return out;
+  const int k = static_cast<int>(slots / pp);  // slots per stage
+  int next = 0;
+  for (int64_t s = 0; s < pp; ++s) {
+    StageSpan sp;
+    sp.has_embedding = s == 0;
+    sp.has_head = s == pp - 1;
+    int n = k;
+    if (own_slot) n -= (sp.has_embedding ? 1 : 0) + (sp.has_head ? 1 : 0);
+    sp.first_layer = next;
+    sp.end_layer = next + n;
+    next += n;
+    out.push_back(sp);
+  }
+  return out;
+}
+
+// The activation list mirrors model/transformer.cpp: LayerActs (per layer), the final norm, logits
+// and loss rows (head), tokens/targets, and the backward scratch shared by all layers. Tensors
+// over heads or the MLP width are split by TP (Megatron column/row parallel); the residual
+// stream and the norms' outputs are whole on every TP rank (no sequence parallelism).
+Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq) {
+  const double N = static_cast<double>(mbs) * seq;  // token rows
+  const double a = mem.act_bytes, t = static_cast<double>(tp);
+  const double d = m.d_model, q = m.q_dim(), F = m.ffn_hidden, nh = m.n_heads;
+  const double qkv = static_cast<double>(m.n_heads + 2 * m.n_kv_heads) * m.head_dim();
+  const double fc = m.is_llama() ? 2 * F : F;  // gate|up for SwiGLU
+  const double stats = m.is_gpt2() ? 2 : 1;    // LayerNorm keeps mean and rstd, RMSNorm rstd
+  const double V = static_cast<double>(m.embed_rows());
+  Activations r;
+  // res_in, norm1, res_mid, norm2 [N, d]; mean/rstd x2 [N] f32; qkv, attn, fc, act split; lse [B, nh/tp, T] f32
+  r.per_layer_full = N * (a * 4 * d + 4 * 2 * stats + a * (qkv + q + fc + F) / t + 4 * nh / t);
+  r.per_layer_input = N * a * d;
+  r.attn_scores = mem.attn_score_bytes * mbs * (nh / t) * double(seq) * double(seq);
+  // normf [N, d], meanf/rstdf, logits [N, V/tp] (+ fp32 copy), row_max/sumexp/target_logit/lse/row_loss
+  r.head = N * (a * d + 4 * stats + (a + mem.logit_extra_bytes) * V / t + 5 * 4);
+  r.io = N * (4 + 4 + a * d);  // tokens, targets (i32), res_final: the stage's output / final-norm input
+  // dres, dnorm, proj_out [N, d]; dqkv, dattn, dfc, dact split
+  r.backward_scratch = N * a * (3 * d + (qkv + q + fc + F) / t);
+  return r;
+}
+
+std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOptions& opt) {
+  const ModelConfig& m = cfg.model;
+  const auto need = [](int64_t what, int64_t by, const std::string& what_name, const std::string& by_name) {
+    return what % by == 0 ? std::string()
+                          : what_name + " " + std::to_string(what) + " not divisible by " + by_name + "=" +
+                                std::to_string(by);
+  };
+  if (l.tp < 1 || l.pp < 1 || l.dp < 1 || l.mbs < 1) return "sizes must be positive";
+  if (l.tp > opt.hw.gpus_per_node || opt.hw.gpus_per_node % l.tp != 0)
+    return "tp=" + std::to_string(l.tp) + " does not divide the " + std::to_string(opt.hw.gpus_per_node) +
+           " GPUs of a node (a TP group stays inside a node)";
+  for (std::string p : {need(m.n_heads, l.tp, "heads", "tp"), need(m.n_kv_heads, l.tp, "kv heads", "tp"),
+                        need(m.ffn_hidden, l.tp, "ffn", "tp")})
+    if (!p.empty()) return p;
+  if (m.pad_vocab_multiple <= 1 && m.vocab_size % l.tp != 0)
+    return need(m.vocab_size, l.tp, "vocab", "tp") + " (no vocab padding configured)";
+  if (l.pp > 1 && stage_spans(m.n_layers, l.pp, opt.embedding_own_slot).empty()) {
+    if (opt.embedding_own_slot)
+      return "layers+2 (" + std::to_string(m.n_layers + 2) + " slots with embedding and head) not divisible by pp=" +
+             std::to_string(l.pp);
+    return need(m.n_layers, l.pp, "layers", "pp");
+  }
+  const int64_t unit = l.mbs * l.dp;
+  if (cfg.train.global_batch % unit != 0)
+    return "global batch " + std::to_string(cfg.train.global_batch) + " not divisible by mbs*dp=" +
+           std::to_string(unit);
+  if (const auto& r = cfg.schedule.rampup; r && (r->start % unit != 0 || r->increment % unit != 0))
+    return "batch rampup " + std::to_string(r->start) + "+" + std::to_string(r->increment) +
+           " not divisible by mbs*dp=" + std::to_string(unit);
+  return {};
+}
+
+namespace {
+
+struct StageParams {
+  int64_t total = 0, tied_copy = 0, embedding = 0, layers = 0, head = 0;
+};
+
+// Exact parameters of TP rank 0 of a stage: the trainer's ParamTable for that shard (every TP
+// rank holds the same count: split tensors divide evenly, replicated ones are whole), which
+// includes the copy of a tied embedding the last stage keeps for its head.
+StageParams stage_params(const ModelConfig& m, int64_t tp, const StageSpan& sp) {
+  ModelShard sh;
+  sh.tp_rank = 0;
+  sh.tp_size = static_cast<int>(tp);
+  sh.first_layer = sp.first_layer;
+  sh.end_layer = sp.end_layer;
+  sh.has_embedding = sp.has_embedding;
+  sh.has_head = sp.has_head;
+  ParamTable table(m, sh);
+  StageParams r;
+  for (const ParamSpec& p : table.params()) {
+    if (p.tied_copy) r.tied_copy += p.numel, r.head += p.numel;
+    else if (p.layer >= 0) r.layers += p.numel;
+    else if (p.name == "tok_embed" || p.name == "pos_embed") r.embedding += p.numel;
+    else r.head += p.numel;
+  }
+  r.total = table.local_numel();
+  return r;
+}
+
+// The linear layers of one block on one TP rank, as (output features, input features).
+std::vector<std::pair<double, double>> layer_linears(const ModelConfig& m, int64_t tp) {
+  const double t = static_cast<double>(tp), d = m.d_model, q = m.q_dim(), F = m.ffn_hidden;
+  const double qkv = static_cast<double>(m.n_heads + 2 * m.n_kv_heads) * m.head_dim();
+  const double fc = m.is_llama() ? 2 * F : F;
+  return {{qkv / t, d}, {d, q / t}, {fc / t, d}, {d, F / t}};
+}
+
+struct Cost {
+  double seconds = 0, flops = 0;
+};
+
+// Forward, data-gradient and weight-gradient GEMMs of a linear layer over M tokens, each at
+// achievable_tflops times its tile/wave efficiency. (A width that is not a multiple of 8 gets a
+// warning, not a time penalty: cuBLAS 11+ keeps such GEMMs on the tensor cores, less efficiently,
+// by an amount the seed does not measure.)
+Cost linear_cost(double M, double out, double in, const Hardware& hw, bool forward, bool backward) {
+  const double rate = hw.achievable_tflops * 1e12, f = 2 * M * out * in;
+  Cost c;
+  if (forward) c.seconds += f / (rate * wave_efficiency(M, out, hw)), c.flops += f;
+  if (backward) {
+    c.seconds += f / (rate * wave_efficiency(M, in, hw)) + f / (rate * wave_efficiency(out, in, hw));
+    c.flops += 2 * f;
+  }
+  return c;
+}
+
+// keel's model FLOPs per token (Transformer::flops_per_token): 6 x matmul parameters (head
+// included) + 12 x layers x seq x q, forward + backward, no recomputation counted.
+double model_flops_per_token(const ModelConfig& m, int64_t seq) {
+  const double d = m.d_model, q = m.q_dim(), kv = m.kv_dim(), F = m.ffn_hidden;
+  const double mlp = m.is_llama() ? 3 * d * F : 2 * d * F;
+  const double per_layer = d * (q + 2 * kv) + q * d + mlp;
+  return 6 * (m.n_layers * per_layer + static_cast<double>(m.embed_rows()) * d) + 12.0 * m.n_layers * seq * q;
+}
+
+}  // namespace
+
+std::vector<std::string> quantization_warnings(const ModelConfig& m, const Layout& l, const Hardware& hw, int64_t seq) {
+  std::vector<std::string> w;
+  const int64_t d = m.d_model;
+  if (d % 128 != 0)
+    w.push_back("d_model " + std::to_string(d) + " is not a multiple of 128: matmul tiles run partly empty (tile "
+                "quantization); nearest multiples " + std::to_string(d / 128 * 128) + " / " +
+                std::to_string((d / 128 + 1) * 128));
+  if (d % l.tp != 0 || (d / l.tp) % 8 != 0)
+    w.push_back("d_model/tp = " + fmt("%g", double(d) / l.tp) + " is not a multiple of 8 (16-byte rows for bf16 "
+                "tensor cores)");
+  for (auto [what, width] : {std::pair<const char*, int64_t>{"heads*head_dim/tp", m.q_dim() / l.tp},
+                             {"ffn/tp", m.ffn_hidden / l.tp}})
+    if (width % 128 != 0)
+      w.push_back(std::string(what) + " = " + std::to_string(width) + " per rank is not a multiple of 128 (tile "
+                  "quantization of the split matmuls)");
+  if (m.head_dim() % 8 != 0)
+    w.push_back("head_dim " + std::to_string(m.head_dim()) + " is not a multiple of 8: attention matmuls miss the "
+                "tensor cores (the seed's 13824/128 = 108 ran 34% slower than 13824/64)");
+  if ((m.n_heads / l.tp) * l.mbs % 4 != 0)
+    w.push_back("(heads/tp)*mbs = " + std::to_string(m.n_heads / l.tp * l.mbs) + " is not a multiple of 4: "
+                "Megatron's fused softmax would fall back (seed); not a keel constraint");
+  // Wave quantization measured on the block's matmuls for this layout (flops-weighted).
+  const double M = static_cast<double>(l.mbs) * seq;
+  double ideal = 0, actual = 0;
+  for (auto [out, in] : layer_linears(m, l.tp)) {
+    const Cost c = linear_cost(M, out, in, hw, true, true);
+    ideal += c.flops / (hw.achievable_tflops * 1e12);
+    actual += c.seconds;
+  }
+  const double eff = actual > 0 ? ideal / actual : 1;
+  if (eff < 0.9)
+    w.push_back("block matmuls fill " + fmt("%.0f%%", 100 * eff) + " of their " + std::to_string(hw.tile_rows) + "x" +
+                std::to_string(hw.tile_cols) + " tiles x " + std::to_string(hw.sm_count) +
+                "-SM waves at this tp/mbs (wave quantization; the seed's rule of thumb: d_model a multiple of "
+                "SMs*tp = " + std::to_string(hw.sm_count * l.tp) + ")");
+  return w;
+}
+
+LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions& opt) {
+  const MemoryModel mem = opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory;
+  const Hardware& hw = opt.hw;
+  const ModelConfig m = model_for_tp(cfg.model, l.tp);
+  const int64_t seq = cfg.train.seq_len;
+  const bool own_slot = opt.embedding_own_slot && l.pp > 1;
+  const std::vector<StageSpan> spans = stage_spans(m.n_layers, l.pp, own_slot);
+  if (spans.empty()) throw ConfigError("plan_layout: " + l.str() + " cannot split the layers evenly");
+
+  LayoutPlan p;
+  p.layout = l;
+  p.embedding_own_slot = own_slot;
+  p.micro_batches = cfg.train.global_batch / (l.mbs * l.dp);
+  const int64_t mb = std::max<int64_t>(p.micro_batches, 1);
+  const Activations act = activation_bytes(m, mem, l.tp, l.mbs, seq);
+  const double shard = mem.state.zero1 ? static_cast<double>(l.dp) : 1.0;
+
+  // ---- memory of every stage ----
+  std::map<std::tuple<int, int, bool, bool>, StageParams> cache;
+  for (int64_t s = 0; s < l.pp; ++s) {
+    const StageSpan& sp = spans[s];
+    auto key = std::make_tuple(sp.first_layer, sp.end_layer, sp.has_embedding, sp.has_head);
+    if (!cache.count(key)) cache[key] = stage_params(m, l.tp, sp);
+    const StageParams& sprm = cache[key];
+    StageMemory st;
+    st.stage = static_cast<int>(s);
+    st.span = sp;
+    st.params = sprm.total;
+    st.tied_copy = sprm.tied_copy;
+    st.embedding_params = sprm.embedding;
+    st.layer_params = sprm.layers;
+    st.head_params = sprm.head;
+    const double P = static_cast<double>(st.params);
+    st.weights = P * mem.state.weights;
+    st.grads = P * mem.state.grads;
+    st.master = P * mem.state.master / shard;
+    st.moments = P * mem.state.moments / shard;
+    st.grad_shard = P * mem.state.grad_shard / shard;
+    // 1F1B: stage s runs pp - s forwards before its first backward, so it holds that many
+    // micro-batches' activations (never more than the step has).
+    st.in_flight = std::min<int64_t>(l.pp - s, mb);
+    const double L = sp.layers(), n = static_cast<double>(st.in_flight);
+    const double once = act.io + act.backward_scratch + (sp.has_head ? act.head : 0);
+    st.act_full = n * L * (act.per_layer_full + act.attn_scores) + once;
+    st.act_stored_recompute = n * L * act.per_layer_input;
+    if (mem.keeps_stage_output && l.pp > 1) {
+      st.act_full += n * act.per_layer_input;
+      st.act_stored_recompute += n * act.per_layer_input;
+    }
+    st.act_working_recompute = (L > 0 ? act.per_layer_full + act.attn_scores : 0) + once;
+    st.act_recompute = st.act_stored_recompute + st.act_working_recompute;
+    st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes;
+    p.stages.push_back(st);
+  }
+  p.usable_bytes = hw.gpu_mem_bytes * (1 - mem.headroom);
+  auto peak = [&](bool rc, int* at) {
+    double best = -1;
+    for (const auto& st : p.stages)
+      if (st.total(rc) > best) best = st.total(rc), *at = st.stage;
+    return best;
+  };
+  int at_full = 0, at_rc = 0;
+  const double peak_full = peak(false, &at_full), peak_rc = peak(true, &at_rc);
+  p.recompute = opt.recompute == Recompute::Always ||
+                (opt.recompute == Recompute::Auto && peak_full > p.usable_bytes);
+  p.peak_bytes = p.recompute ? peak_rc : peak_full;
+  p.peak_stage = p.recompute ? at_rc : at_full;
+  p.fits = p.peak_bytes <= p.usable_bytes;
+  p.bubble = double(l.pp - 1) / double(mb + l.pp - 1);
+
+  // ---- time of one micro-batch on each stage ----
+  // compute: every block matmul forward + data grad + weight grad (+ a forward again when
+  //   recomputing), attention 4*seq*q/tp flops per token forward and twice that backward (keel's
+  //   count, no causal halving), element-wise ops at HBM bandwidth, the head's matmuls on the
+  //   last stage;
+  // TP: two all-reduces of [tokens, d] per block forward and two backward (+2 when recomputing),
+  //   one for the vocab-parallel embedding and one for the head's input gradient;
+  // PP: one [tokens, d] send forward and one backward per stage boundary.
+  // Nothing overlaps with compute.
+  const double M = static_cast<double>(l.mbs) * seq;
+  const double rate = hw.achievable_tflops * 1e12;
+  const double bw_intra = hw.intra_node_gbps * 1e9, bw_inter = hw.inter_node_gbps * 1e9;
+  const double bw_pp = l.tp * l.dp * l.pp <= hw.gpus_per_node ? bw_intra : bw_inter;
+  const double bw_dp = l.tp * l.dp <= hw.gpus_per_node ? bw_intra : bw_inter;
+  Cost layer_fwd, layer_bwd;
+  for (auto [out, in] : layer_linears(m, l.tp)) {
+    Cost f = linear_cost(M, out, in, hw, true, false), b = linear_cost(M, out, in, hw, false, true);
+    layer_fwd.seconds += f.seconds, layer_fwd.flops += f.flops;
+    layer_bwd.seconds += b.seconds, layer_bwd.flops += b.flops;
+  }
+  // QK^T and PV contract over / produce head_dim: off the tensor cores unless it is a multiple of
+  // 8 (the seed: head_dim 150 and 108 ran 35-38% slower than 144 and 216, which attention at
+  // 1/16 of the rate on 2-3% of the flops reproduces).
+  const double attn_fwd_flops = 4 * M * seq * m.q_dim() / double(l.tp);
+  const double attn_rate = rate * (m.head_dim() % 8 == 0 ? 1 : hw.no_tensor_core_ratio);
+  const double ideal = (layer_fwd.flops + layer_bwd.flops) / rate;
+  p.time.gemm_efficiency = ideal / (layer_fwd.seconds + layer_bwd.seconds);
+  layer_fwd.seconds += attn_fwd_flops / attn_rate;
+  layer_bwd.seconds += 2 * attn_fwd_flops / attn_rate;
+  // Element-wise work (norms, activation function, residual adds, softmax, RoPE, casts) is bound
+  // by memory bandwidth: forward writes every tensor the layer keeps and reads it once more;
+  // backward moves about twice that.
+  const double elementwise_fwd = 2 * (act.per_layer_full + act.attn_scores) / (hw.hbm_gbps * 1e9);
+  layer_fwd.seconds += elementwise_fwd;
+  layer_bwd.seconds += 2 * elementwise_fwd;
+  const double layer_s = layer_fwd.seconds + layer_bwd.seconds + (p.recompute ? layer_fwd.seconds : 0);
+  const double head_s = linear_cost(M, static_cast<double>(m.embed_rows()) / l.tp, m.d_model, hw, true, true).seconds;
+  const double act_msg = M * m.d_model * mem.act_bytes;  // one [tokens, d] activation
+  const double ar_sent = ring_allreduce_sent(act_msg, l.tp);
+
+  struct StageTime {
+    double compute = 0, tp = 0, pp = 0, total = 0, tp_bytes = 0, pp_bytes = 0;
+  };
+  std::vector<StageTime> times;
+  for (const auto& st : p.stages) {
+    StageTime t;
+    const double L = st.span.layers();
+    t.compute = L * layer_s + (st.span.has_head ? head_s : 0);
+    const double n_ar = L * (4 + (p.recompute ? 2 : 0)) + (st.span.has_embedding ? 1 : 0) + (st.span.has_head ? 1 : 0);
+    t.tp_bytes = n_ar * ar_sent;
+    t.tp = t.tp_bytes / bw_intra;
+    const double sends = (st.stage < l.pp - 1 ? 1 : 0) + (st.stage > 0 ? 1 : 0);
+    t.pp_bytes = l.pp > 1 ? sends * act_msg : 0;
+    t.pp = t.pp_bytes / bw_pp;
+    t.total = t.compute + t.tp + t.pp + hw.microbatch_overhead_s;
+    times.push_back(t);
+  }
+  // 1F1B with m micro-batches: every stage runs each micro-batch once, and the pipeline as a
+  // whole advances at the pace of its slowest stage: sum_s t_s + (m - 1) max_s t_s, which is
+  // (m + pp - 1) t for equal stages, i.e. a bubble of (pp - 1) / (m + pp - 1).
+  size_t slow = 0;
+  for (size_t s = 0; s < times.size(); ++s)
+    if (times[s].total > times[slow].total) slow = s;
+  double pipe = 0;
+  for (const auto& t : times) {
+    pipe += t.total;
+    p.time.compute_s += t.compute;
+    p.time.tp_comm_s += t.tp;
+    p.time.pp_comm_s += t.pp;
+  }
+  pipe += (mb - 1) * times[slow].total;
+  p.time.compute_s += (mb - 1) * times[slow].compute;
+  p.time.tp_comm_s += (mb - 1) * times[slow].tp;
+  p.time.pp_comm_s += (mb - 1) * times[slow].pp;
+  for (const auto& t : times) {
+    p.comm.tp = std::max(p.comm.tp, mb * t.tp_bytes);
+    p.comm.pp = std::max(p.comm.pp, mb * t.pp_bytes);
+  }
+  // Tied embedding: the first and last stage sum their copies' gradients once per step.
+  double tied_s = 0;
+  if (l.pp > 1 && m.tied_embeddings) {
+    const double bytes = static_cast<double>(m.embed_rows()) / l.tp * m.d_model * mem.state.dp_grad_comm;
+    p.comm.pp += bytes;
+    tied_s = bytes / bw_inter;
+    p.time.pp_comm_s += tied_s;
+  }
+  // DP (ZeRO-1): reduce-scatter the gradients, all-gather the updated working weights, after the
+  // last backward (not overlapped). The rank with the most parameters sets the pace.
+  double max_params = 0;
+  for (const auto& st : p.stages) max_params = std::max(max_params, static_cast<double>(st.params));
+  p.comm.dp = ring_half_sent(max_params * mem.state.dp_grad_comm, l.dp) +
+              ring_half_sent(max_params * mem.state.dp_weight_comm, l.dp);
+  p.time.dp_comm_s = p.comm.dp / bw_dp;
+  p.time.step_s = pipe + tied_s + p.time.dp_comm_s;
+  const double tokens = static_cast<double>(cfg.train.global_batch) * seq;
+  p.time.model_tflops = model_flops_per_token(m, seq) * tokens / (double(l.gpus()) * p.time.step_s) / 1e12;
+
+  p.warnings = quantization_warnings(m, l, hw, seq);
+  if (p.micro_batches < l.pp)
+    p.warnings.push_back(std::to_string(p.micro_batches) + " micro-batches per step for " + std::to_string(l.pp) +
+                         " pipeline stages: the pipeline never fills");
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// every layout
+
+PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
+  PlanResult r;
+  r.count = count_model(cfg);
+  r.memory = opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory;
+  r.gpus = opt.gpus > 0 ? opt.gpus : cfg.parallel.world();
+  PlanOptions o = opt;
+  o.memory = r.memory;
+  const int64_t G = r.gpus;
+  for (int64_t tp : divisors(G)) {
+    if (opt.tp && *opt.tp != tp) continue;
+    for (int64_t pp : divisors(G / tp)) {
+      if (opt.pp && *opt.pp != pp) continue;
+      const int64_t dp = G / (tp * pp);
+      if (opt.dp && *opt.dp != dp) continue;
+      // Rules that do not depend on the micro-batch size are reported once, with mbs 0 ("any").
+      Layout base{tp, pp, dp, 0};
+      {
+        Layout probe = base;
+        probe.mbs = 1;
+        std::string why = layout_problem(cfg, probe, o);
+        if (!why.empty() && why.find("mbs*dp") == std::string::npos) {
+          r.rejected.push_back({base, why, 0});
+          continue;
+        }
+      }
+      std::vector<int64_t> sizes;
+      if (opt.mbs) sizes = {*opt.mbs};
+      else if (cfg.train.global_batch % dp != 0) {
+        r.rejected.push_back({base, "global batch " + std::to_string(cfg.train.global_batch) +
+                                        " not divisible by dp=" + std::to_string(dp), 0});
+        continue;
+      } else {
+        for (int64_t b : divisors(cfg.train.global_batch / dp))
+          if (b <= opt.max_mbs) sizes.push_back(b);
+      }
+      for (int64_t mbs : sizes) {
+        Layout l{tp, pp, dp, mbs};
+        if (std::string why = layout_problem(cfg, l, o); !why.empty()) {
+          r.rejected.push_back({l, why, 0});
+          continue;
+        }
+        LayoutPlan lp = plan_layout(cfg, l, o);
+        if (!lp.fits) {
+          r.rejected.push_back({l, "out of memory: " + format_bytes(lp.peak_bytes) + " on stage " +
+                                       std::to_string(lp.peak_stage) + (lp.recompute ? " even with recomputation" : "") +
+                                       " > " + format_bytes(lp.usable_bytes) + " usable", lp.peak_bytes});
+          continue;
+        }
+        r.ranked.push_back(std::move(lp));
+      }
+    }
+  }
+  std::stable_sort(r.ranked.begin(), r.ranked.end(), [](const LayoutPlan& a, const LayoutPlan& b) {
+    if (a.time.step_s != b.time.step_s) return a.time.step_s < b.time.step_s;
+    return a.peak_bytes < b.peak_bytes;
+  });
+  return r;
+}
+
+std::vector<Alternative> alternatives(const RunConfig& cfg, const PlanOptions& opt, int max_count) {
+  std::vector<Alternative> out;
+  const int64_t G = opt.gpus > 0 ? opt.gpus : cfg.parallel.world();
+  const int64_t node = opt.hw.gpus_per_node;
+  int found = 0;
+  for (int64_t g = (G - 1) / node * node; g >= std::max<int64_t>(node, G / 2) && found < 2; g -= node) {
+    PlanOptions o = opt;
+    o.gpus = g;
+    PlanResult r = plan_all(cfg, o);
+    if (r.ranked.empty()) continue;
+    out.push_back({std::to_string(g) + " GPUs (" + std::to_string(g / node) + " nodes)", g, cfg.model.n_layers,
+                   r.ranked.front()});
+    ++found;
+  }
+  const int L = cfg.model.n_layers;
+  for (int delta = 1; delta <= std::max(8, L / 10) && int(out.size()) < max_count; ++delta)
+    for (int sign : {-1, 1}) {
+      const int layers = L + sign * delta;
+      if (layers < 1 || int(out.size()) >= max_count) continue;
+      RunConfig c = cfg;
+      c.model.n_layers = layers;
+      PlanOptions o = opt;
+      o.gpus = G;
+      PlanResult r = plan_all(c, o);
+      if (r.ranked.empty()) continue;
+      out.push_back({"n_layers " + std::to_string(layers) + " (" + human(double(ParamTable(c.model).logical_numel())) +
+                         " parameters)",
+                     G, layers, r.ranked.front()});
+    }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// output
+
+namespace {
+
+std::string state_formula(const MemoryModel& mem, int64_t dp) {
+  const StateBytes& s = mem.state;
+  std::string f = fmt("%g", s.weights) + " (weights) + " + fmt("%g", s.grads) + " (grads)";
+  if (s.shardable() > 0) {
+    std::string parts;
+    if (s.master > 0) parts += fmt("%g", s.master) + " master";
+    if (s.moments > 0) parts += (parts.empty() ? "" : " + ") + fmt("%g", s.moments) + " Adam m,v";
+    if (s.grad_shard > 0) parts += (parts.empty() ? "" : " + ") + fmt("%g", s.grad_shard) + " fp32 grad partition";
+    f += " + (" + parts + ")";
+    if (s.zero1) f += "/dp";
+  }
+  f += " = " + fmt("%g", s.unsharded() + s.shardable()) + " B/param unsharded";
+  if (s.zero1 && dp > 1) f += ", " + fmt("%.2f", s.per_param(dp)) + " at dp=" + std::to_string(dp);
+  return f;
+}
+
+std::string span_text(const StageSpan& sp) {
+  std::string s = sp.layers() > 0 ? std::to_string(sp.first_layer) + "-" + std::to_string(sp.end_layer - 1) : "none";
+  if (sp.has_embedding) s = "emb + " + s;
+  if (sp.has_head) s += " + head";
+  return s;
+}
+
+std::string recompute_name(bool rc) { return rc ? "full recompute" : "no recompute"; }
+
+}  // namespace
+
+std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt, bool with_cost) {
+  const MemoryModel mem = opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory;
+  const Layout& l = p.layout;
+  std::ostringstream o;
+  const int64_t nodes = (l.gpus() + opt.hw.gpus_per_node - 1) / opt.hw.gpus_per_node;
+  o << "layout " << l.str() << ": " << l.gpus() << (l.gpus() > 1 ? " GPUs (" : " GPU (") << nodes << " node" << (nodes > 1 ? "s" : "") << " of "
+    << opt.hw.gpus_per_node << "), " << p.micro_batches << " micro-batches of " << l.mbs << " per DP rank per step"
+    << (p.embedding_own_slot ? ", embedding and head in their own pipeline slots" : "") << "\n";
+  // first, a middle and the last stage
+  std::vector<int> shown = {0};
+  if (l.pp > 2) shown.push_back(static_cast<int>(l.pp / 2));
+  if (l.pp > 1) shown.push_back(static_cast<int>(l.pp - 1));
+  Table t;
+  std::vector<std::string> head = {"per rank"};
+  for (int s : shown) head.push_back(s == 0 ? "first stage" : s == l.pp - 1 ? "last stage" : "stage " + std::to_string(s));
+  if (l.pp == 1) head[1] = "the only stage";
+  t.row(head);
+  auto add = [&](const std::string& name, auto value) {
+    std::vector<std::string> r = {name};
+    for (int s : shown) r.push_back(value(p.stages[s]));
+    t.row(r);
+  };
+  const double shard = mem.state.zero1 ? double(l.dp) : 1.0;
+  add("layers", [](const StageMemory& s) { return span_text(s.span); });
+  add("parameters (exact)", [](const StageMemory& s) { return grouped(s.params); });
+  add("  of which embedding / head", [](const StageMemory& s) {
+    return grouped(s.embedding_params) + " / " + grouped(s.head_params);
+  });
+  auto gib = [](double b) { return format_bytes(b); };  // adaptive units
+  add("weights (" + fmt("%g", mem.state.weights) + " B/param)", [&](const StageMemory& s) { return gib(s.weights); });
+  add("grads (" + fmt("%g", mem.state.grads) + " B/param)", [&](const StageMemory& s) { return gib(s.grads); });
+  if (mem.state.master > 0)
+    add("fp32 master (" + fmt("%g", mem.state.master) + "/" + fmt("%g", shard) + " B/param)",
+        [&](const StageMemory& s) { return gib(s.master); });
+  add("Adam m, v (" + fmt("%g", mem.state.moments) + "/" + fmt("%g", shard) + " B/param)",
+      [&](const StageMemory& s) { return gib(s.moments); });
+  if (mem.state.grad_shard > 0)
+    add("fp32 grad partition (" + fmt("%g", mem.state.grad_shard) + "/" + fmt("%g", shard) + ")",
+        [&](const StageMemory& s) { return gib(s.grad_shard); });
+  add("micro-batches in flight (1F1B)", [](const StageMemory& s) { return std::to_string(s.in_flight); });
+  add("activations, no recompute", [&](const StageMemory& s) { return gib(s.act_full); });
+  add("activations, full recompute", [&](const StageMemory& s) { return gib(s.act_recompute); });
+  add("  stored layer inputs", [&](const StageMemory& s) { return gib(s.act_stored_recompute); });
+  add("  one layer rebuilt + head + scratch", [&](const StageMemory& s) { return gib(s.act_working_recompute); });
+  if (p.stages[0].overhead > 0)
+    add("CUDA context + comm buffers", [&](const StageMemory& s) { return gib(s.overhead); });
+  add("total, no recompute", [&](const StageMemory& s) { return gib(s.total(false)); });
+  add("total, full recompute", [&](const StageMemory& s) { return gib(s.total(true)); });
+  o << t.str();
+  o << "  state: " << state_formula(mem, l.dp) << "\n";
+  const Activations a = activation_bytes(model_for_tp(cfg.model, l.tp), mem, l.tp, l.mbs, cfg.train.seq_len);
+  o << "  activations per micro-batch (" << l.mbs << " x " << cfg.train.seq_len << " tokens): "
+    << format_bytes(a.per_layer_full + a.attn_scores) << " per layer kept for backward, "
+    << format_bytes(a.per_layer_input) << " per layer with full recomputation (its input)";
+  if (mem.attn_score_bytes > 0) o << ", of which attention scores " << format_bytes(a.attn_scores);
+  o << "\n";
+  if (cfg.model.is_gpt2()) {
+    const SeedAccounting sa = seed_accounting(cfg.model, l);
+    o << "  seed accounting (12h^2+13h per layer, v*h embedding, no positions, norms or padding): "
+      << grouped(std::llround(sa.with_embedding)) << " params with the embedding ("
+      << gb_dec(sa.with_embedding * 18) << " at 18 B), " << grouped(std::llround(sa.without_embedding))
+      << " without (" << gb_dec(sa.without_embedding * 18) << ")\n";
+  }
+  if (p.usable_bytes > 0) {
+    o << "  verdict: " << (p.fits ? "fits" : "DOES NOT FIT") << " with " << recompute_name(p.recompute) << ": peak "
+      << format_bytes(p.peak_bytes) << " on stage " << p.peak_stage << " of " << format_bytes(opt.hw.gpu_mem_bytes)
+      << " (" << format_bytes(p.usable_bytes) << " usable, " << fmt("%g", mem.headroom * 100) << "% headroom)\n";
+  }
+  if (!with_cost) return o.str();
+  o << "  pipeline bubble " << fmt("%.1f%%", 100 * p.bubble) << "; per rank per step: TP " << gb_dec(p.comm.tp)
+    << ", PP " << gb_dec(p.comm.pp) << ", DP " << gb_dec(p.comm.dp) << " sent\n";
+  o << "  estimated step " << fmt("%.2f s", p.time.step_s) << " (compute " << fmt("%.2f", p.time.compute_s)
+    << ", TP " << fmt("%.2f", p.time.tp_comm_s) << ", PP " << fmt("%.2f", p.time.pp_comm_s) << ", DP "
+    << fmt("%.2f", p.time.dp_comm_s) << "), block matmul efficiency " << fmt("%.0f%%", 100 * p.time.gemm_efficiency)
+    << ", " << fmt("%.1f", p.time.model_tflops) << " model TFLOP/s per GPU\n";
+  for (const auto& w : p.warnings) o << "  warning: " << w << "\n";
+  return o.str();
+}
+
+std::string plan_text(const RunConfig& cfg, const PlanResult& r, const PlanOptions& opt, int top, bool all_rejections) {
+  const ModelConfig& m = cfg.model;
+  const ModelCount& c = r.count;
+  std::ostringstream o;
+  o << "keel plan: " << cfg.name << " (" << cfg.source << ")\n";
+  o << "model: " << family_name(m.family) << ", " << m.n_layers << " layers x d_model " << m.d_model << ", "
+    << m.n_heads << " heads (" << m.n_kv_heads << " kv), head_dim " << m.head_dim() << ", ffn " << m.ffn_hidden
+    << ", vocab " << m.vocab_size;
+  if (c.padded_vocab != m.vocab_size) o << " (padded to " << c.padded_vocab << " at tp=" << cfg.parallel.tp << ")";
+  o << ", seq " << cfg.train.seq_len << (m.tied_embeddings ? ", tied head" : "") << "\n";
+  o << "parameters (exact, the trainer's ParamTable): " << grouped(c.exact) << " (" << human(double(c.exact))
+    << ") = embedding " << grouped(c.embedding) << " + " << m.n_layers << " x " << grouped(c.per_layer)
+    << " per layer + head " << grouped(c.head) << "\n";
+  if (c.gpt_formula) {
+    o << "  seed formula l*(12h^2+13h) + v*h + s*h + 2h = " << grouped(std::llround(*c.gpt_formula)) << " ("
+      << human(*c.gpt_formula) << ")";
+    const double diff = double(c.exact) - *c.gpt_formula;
+    if (diff != 0)
+      o << "; keel has " << grouped(std::llround(diff)) << " more: " << (c.padded_vocab - m.vocab_size)
+        << " padding rows x " << m.d_model;
+    o << "\n";
+  }
+  if (m.d_model % opt.hw.sm_count != 0)
+    o << "  note: d_model % " << opt.hw.sm_count << " = " << m.d_model % opt.hw.sm_count
+      << " (the seed's wave-quantization rule of thumb: d_model a multiple of the SM count x tp)\n";
+  o << "memory model: " << r.memory.name << ": " << state_formula(r.memory, 1) << "; ZeRO-1 over DP"
+    << (r.memory.state.zero1 ? "" : " off") << "; activations " << r.memory.act_bytes << " B; CUDA context "
+    << format_bytes(r.memory.cuda_context_bytes);
+  if (r.memory.comm_buffer_bytes > 0) o << ", comm buffers " << format_bytes(r.memory.comm_buffer_bytes);
+  o << "; " << fmt("%g", r.memory.headroom * 100) << "% headroom\n";
+  const Hardware& hw = opt.hw;
+  o << "cluster: " << r.gpus << " GPUs, " << hw.gpus_per_node << " per node, " << format_bytes(hw.gpu_mem_bytes)
+    << " each; cost model: " << fmt("%g", hw.achievable_tflops) << " TFLOP/s achievable, " << hw.tile_rows << "x"
+    << hw.tile_cols << " tiles on " << hw.sm_count << " SMs, NVLink " << fmt("%g", hw.intra_node_gbps)
+    << " GB/s, inter-node " << fmt("%g", hw.inter_node_gbps) << " GB/s per GPU\n";
+  o << "batch: global " << cfg.train.global_batch;
+  if (cfg.schedule.rampup)
+    o << ", ramp-up from " << cfg.schedule.rampup->start << " by " << cfg.schedule.rampup->increment;
+  o << "; activation policy: "
+    << (opt.recompute == Recompute::Auto ? "recompute only when needed"
+                                         : opt.recompute == Recompute::Always ? "always full recompute"
+                                                                              : "never recompute")
+    << "\n\n";
+
+  if (!r.ranked.empty()) {
+    o << "best: " << layout_text(cfg, r.ranked.front(), opt) << "\n";
+    o << r.ranked.size() << " feasible layout" << (r.ranked.size() > 1 ? "s" : "") << ", fastest first";
+    if (static_cast<int>(r.ranked.size()) > top) o << " (top " << top << ", --top N for more)";
+    o << ":\n";
+    Table t;
+    t.row({"#", "tp", "pp", "dp", "mbs", "m", "activations", "peak GiB", "@stage", "bubble", "TP GB", "PP GB", "DP GB",
+           "step s", "TFLOP/s", "warnings"});
+    int rank = 0;
+    for (const auto& p : r.ranked) {
+      if (++rank > top) break;
+      const Layout& l = p.layout;
+      t.row({std::to_string(rank), std::to_string(l.tp), std::to_string(l.pp), std::to_string(l.dp),
+             std::to_string(l.mbs), std::to_string(p.micro_batches), p.recompute ? "recompute" : "kept",
+             fmt("%.1f", p.peak_bytes / kGiB), std::to_string(p.peak_stage), fmt("%.1f%%", 100 * p.bubble),
+             fmt("%.1f", p.comm.tp / 1e9), fmt("%.2f", p.comm.pp / 1e9), fmt("%.1f", p.comm.dp / 1e9),
+             fmt("%.1f", p.time.step_s), fmt("%.1f", p.time.model_tflops), std::to_string(p.warnings.size())});
+    }
+    o << t.str();
+    o << "  (m: micro-batches per DP rank per step; comm: GB one rank sends per step; step time and TFLOP/s are "
+         "cost-model estimates)\n";
+    // Where the config's own layout landed, when it is one of the candidates.
+    const Layout own{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};
+    if (own.gpus() == r.gpus) {
+      std::string where;
+      for (size_t i = 0; i < r.ranked.size() && where.empty(); ++i)
+        if (const Layout& l = r.ranked[i].layout; l.tp == own.tp && l.pp == own.pp && l.dp == own.dp && l.mbs == own.mbs)
+          where = "rank " + std::to_string(i + 1) + fmt(", %.1f s per step", r.ranked[i].time.step_s);
+      for (const auto& x : r.rejected)
+        if (where.empty() && x.layout.tp == own.tp && x.layout.pp == own.pp && x.layout.dp == own.dp &&
+            (x.layout.mbs == own.mbs || x.layout.mbs == 0))
+          where = "rejected: " + x.reason;
+      if (where.empty()) where = "not searched (pinned sizes or --max-mbs)";
+      o << "  the config's own layout " << own.str() << ": " << where << "\n";
+    }
+  } else {
+    o << "no layout fits " << r.gpus << " GPUs.\n";
+  }
+  if (!r.rejected.empty()) {
+    o << "\n" << r.rejected.size() << " rejected:\n";
+    // Group by the reason's kind so the list stays readable; --all prints each.
+    std::map<std::string, std::vector<const Rejection*>> by_kind;
+    for (const auto& x : r.rejected) {
+      std::string kind = x.reason.substr(0, x.reason.find_first_of("0123456789"));
+      by_kind[kind].push_back(&x);
+    }
+    for (const auto& [kind, list] : by_kind) {
+      const size_t show = all_rejections ? list.size() : std::min<size_t>(list.size(), 4);
+      for (size_t i = 0; i < show; ++i) {
+        const Layout& l = list[i]->layout;
+        o << "  tp=" << l.tp << " pp=" << l.pp << " dp=" << l.dp << " mbs=" << (l.mbs ? std::to_string(l.mbs) : "*")
+          << ": " << list[i]->reason << "\n";
+      }
+      if (show < list.size()) o << "  ... and " << list.size() - show << " more like that (--all)\n";
+    }
+  }
+  return o.str();
+}
+
+std::string alternatives_text(const std::vector<Alternative>& alts) {
+  if (alts.empty()) return "";
+  std::string s = "closest changes that fit:\n";
+  Table t;
+  t.row({"change", "best layout", "peak GiB", "bubble", "step s", "TFLOP/s"});
+  for (const auto& a : alts)
+    t.row({a.change, a.best.layout.str() + (a.best.recompute ? " (recompute)" : ""), fmt("%.1f", a.best.peak_bytes / kGiB),
+           fmt("%.1f%%", 100 * a.best.bubble), fmt("%.1f", a.best.time.step_s), fmt("%.1f", a.best.time.model_tflops)});
+  return s + t.str();
+}
+
+nlohmann::json layout_json(const LayoutPlan& p) {
+  nlohmann::json j;
+  const Layout& l = p.layout;
+  j["layout"] = {{"tp", l.tp}, {"pp", l.pp}, {"dp", l.dp}, {"mbs", l.mbs}, {"gpus", l.gpus()}};
+  j["embedding_own_slot"] = p.embedding_own_slot;
+  j["micro_batches"] = p.micro_batches;
+  j["recompute"] = p.recompute;
+  j["fits"] = p.fits;
+  j["peak_bytes"] = p.peak_bytes;
+  j["peak_stage"] = p.peak_stage;
+  j["usable_bytes"] = p.usable_bytes;
+  j["bubble"] = p.bubble;
+  j["comm_bytes_per_rank_per_step"] = {{"tp", p.comm.tp}, {"pp", p.comm.pp}, {"dp", p.comm.dp}};
+  j["time"] = {{"step_s", p.time.step_s},       {"compute_s", p.time.compute_s},
+               {"tp_comm_s", p.time.tp_comm_s}, {"pp_comm_s", p.time.pp_comm_s},
+               {"dp_comm_s", p.time.dp_comm_s}, {"gemm_efficiency", p.time.gemm_efficiency},
+               {"model_tflops_per_gpu", p.time.model_tflops}};
+  nlohmann::json stages = nlohmann::json::array();
+  for (const auto& s : p.stages)
+    stages.push_back({{"stage", s.stage},
+                      {"first_layer", s.span.first_layer},
+                      {"end_layer", s.span.end_layer},
+                      {"embedding", s.span.has_embedding},
+                      {"head", s.span.has_head},
+                      {"params", s.params},
+                      {"embedding_params", s.embedding_params},
+                      {"layer_params", s.layer_params},
+                      {"head_params", s.head_params},
+                      {"tied_copy_params", s.tied_copy},
+                      {"bytes",
+                       {{"weights", s.weights},
+                        {"grads", s.grads},
+                        {"master", s.master},
+                        {"moments", s.moments},
+                        {"grad_partition", s.grad_shard},
+                        {"activations_no_recompute", s.act_full},
+                        {"activations_recompute", s.act_recompute},
+                        {"overhead", s.overhead},
+                        {"total_no_recompute", s.total(false)},
+                        {"total_recompute", s.total(true)}}},
+                      {"in_flight", s.in_flight}});
+  j["stages"] = stages;
+  j["warnings"] = p.warnings;
+  return j;
+}
+
+nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOptions& opt) {
+  nlohmann::json j;
+  const ModelConfig& m = cfg.model;
+  j["config"] = cfg.source;
+  j["model"] = {{"family", family_name(m.family)}, {"layers", m.n_layers},     {"d_model", m.d_model},
+                {"heads", m.n_heads},              {"kv_heads", m.n_kv_heads}, {"ffn", m.ffn_hidden},
+                {"vocab", m.vocab_size},           {"padded_vocab", r.count.padded_vocab},
+                {"seq_len", cfg.train.seq_len}};
+  j["parameters"] = {{"exact", r.count.exact},
+                     {"embedding", r.count.embedding},
+                     {"layers", r.count.layers},
+                     {"per_layer", r.count.per_layer},
+                     {"head", r.count.head},
+                     {"seed_formula", r.count.gpt_formula ? nlohmann::json(*r.count.gpt_formula) : nlohmann::json()}};
+  const StateBytes& s = r.memory.state;
+  j["memory_model"] = {{"name", r.memory.name},
+                       {"bytes_per_param",
+                        {{"weights", s.weights},
+                         {"grads", s.grads},
+                         {"master", s.master},
+                         {"moments", s.moments},
+                         {"grad_partition", s.grad_shard},
+                         {"unsharded_total", s.unsharded() + s.shardable()}}},
+                       {"zero1", s.zero1},
+                       {"activation_bytes", r.memory.act_bytes},
+                       {"attention_score_bytes", r.memory.attn_score_bytes},
+                       {"cuda_context_bytes", r.memory.cuda_context_bytes},
+                       {"comm_buffer_bytes", r.memory.comm_buffer_bytes},
+                       {"headroom", r.memory.headroom}};
+  const Hardware& hw = opt.hw;
+  j["hardware"] = {{"gpus", r.gpus},
+                   {"gpus_per_node", hw.gpus_per_node},
+                   {"gpu_mem_bytes", hw.gpu_mem_bytes},
+                   {"sm_count", hw.sm_count},
+                   {"tile", {hw.tile_rows, hw.tile_cols}},
+                   {"achievable_tflops", hw.achievable_tflops},
+                   {"intra_node_gbps", hw.intra_node_gbps},
+                   {"inter_node_gbps", hw.inter_node_gbps},
+                   {"microbatch_overhead_s", hw.microbatch_overhead_s}};
+  j["ranked"] = nlohmann::json::array();
+  for (const auto& p : r.ranked) j["ranked"].push_back(layout_json(p));
+  j["rejected"] = nlohmann::json::array();
+  for (const auto& x : r.rejected)
+    j["rejected"].push_back({{"tp", x.layout.tp},
+                             {"pp", x.layout.pp},
+                             {"dp", x.layout.dp},
+                             {"mbs", x.layout.mbs ? nlohmann::json(x.layout.mbs) : nlohmann::json("any")},
+                             {"reason", x.reason},
+                             {"peak_bytes", x.peak_bytes > 0 ? nlohmann::json(x.peak_bytes) : nlohmann::json()}});
+  return j;
+}
+
+std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes, Recompute recompute) {
+  PlanOptions opt;
+  opt.memory = keel_memory_model(cfg.precision.mode);
+  opt.recompute = recompute;
+  if (gpu_mem_bytes > 0) opt.hw.gpu_mem_bytes = gpu_mem_bytes;
+  else opt.memory.cuda_context_bytes = 0;  // a CPU run has no CUDA context
+  const Layout l{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};
+  if (std::string why = layout_problem(cfg, l, opt); !why.empty()) return "memory plan: " + why + "\n";
+  LayoutPlan p = plan_layout(cfg, l, opt);
+  if (gpu_mem_bytes <= 0) p.usable_bytes = 0;  // nothing to compare against: no verdict line
+  return layout_text(cfg, p, opt, false);
+}
+
+}  // namespace keel::plan
