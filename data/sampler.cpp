@@ -28,6 +28,7 @@ TokenDataset::TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t v
   if (seq_len < 1) throw DataError("sequence length must be at least 1, got " + std::to_string(seq_len));
   if (vocab_size < 1) throw DataError("vocab size must be at least 1");
   if (files_.empty()) throw DataError("no token files given");
+  for (const TokenFile& f : files_) masks_.push_back(LossMask::open_for(f));
   window_offsets_.reserve(files_.size() + 1);
   window_offsets_.push_back(0);
   const TokenFile* largest = &files_.front();
@@ -63,6 +64,12 @@ TokenDataset::WindowLocation TokenDataset::locate(int64_t window) const {
   return {f, (window - window_offsets_[f]) * seq_len_};
 }
 
+size_t TokenDataset::num_masked_files() const {
+  size_t n = 0;
+  for (const auto& m : masks_) n += m.has_value();
+  return n;
+}
+
 bool TokenDataset::check_vocab(int64_t max_tokens) const {
   if (num_tokens_ > max_tokens) return false;
   for (const TokenFile& f : files_) {
@@ -95,6 +102,11 @@ void TokenDataset::read_window(int64_t window, int32_t* inputs, int32_t* targets
   };
   for (size_t k = 0; k < n; ++k) check(inputs[k], loc.start + static_cast<int64_t>(k));
   check(targets[n - 1], loc.start + seq_len_);
+
+  // Target k is token start + 1 + k of the file; the mask says whether it is learned.
+  if (const auto& mask = masks_[loc.file])
+    for (size_t k = 0; k < n; ++k)
+      if (!mask->in_loss(loc.start + 1 + static_cast<int64_t>(k))) targets[k] = -1;
 }
 
 // ---- Sampler -----------------------------------------------------------------------------

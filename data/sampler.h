@@ -10,13 +10,15 @@
 #include <string>
 #include <vector>
 
+#include "data/loss_mask.h"
 #include "data/token_file.h"
 
 namespace keel::data {
 
 // The windows of a list of token files. File f contributes floor((n_f - 1) / seq_len)
 // non-overlapping windows starting at token 0, seq_len, 2*seq_len, ...; windows never cross
-// files. Every token read is checked against the vocab size.
+// files. Every token read is checked against the vocab size. A token file with a loss-mask
+// sidecar (data/loss_mask.h, picked up automatically) turns the targets it masks into -1.
 class TokenDataset {
  public:
   TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t vocab_size);
@@ -29,6 +31,9 @@ class TokenDataset {
   int64_t num_tokens() const { return num_tokens_; }  // in all files, windows or not
   size_t num_files() const { return files_.size(); }
   const TokenFile& file(size_t f) const { return files_.at(f); }
+  // The loss-mask sidecar of file f, if it has one.
+  const LossMask* loss_mask(size_t f) const { return masks_.at(f) ? &*masks_.at(f) : nullptr; }
+  size_t num_masked_files() const;
 
   // When the dataset holds at most `max_tokens` tokens, scans all of them for ids >= vocab_size
   // and throws the same DataError as read_window would: bad data fails at start-up, before a
@@ -42,12 +47,14 @@ class TokenDataset {
   WindowLocation locate(int64_t window) const;
 
   // Writes the window's first seq_len tokens to inputs and the next-token shift to targets
-  // (targets[k] = inputs[k + 1], the last one being token seq_len of the window). A token
-  // >= vocab_size throws DataError naming the file, the position and the value.
+  // (targets[k] = inputs[k + 1], the last one being token seq_len of the window), with -1 for
+  // targets the file's loss mask leaves out. A token >= vocab_size throws DataError naming the
+  // file, the position and the value.
   void read_window(int64_t window, int32_t* inputs, int32_t* targets) const;
 
  private:
   std::vector<TokenFile> files_;
+  std::vector<std::optional<LossMask>> masks_;  // per file; nullopt = every target counts
   std::vector<int64_t> window_offsets_;  // prefix sums: file f holds windows [off[f], off[f+1])
   int seq_len_;
   uint32_t vocab_size_;

@@ -111,6 +111,20 @@ class Backend {
   virtual void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                   const Tensor& lse, const AttnShape& s) = 0;
 
+  // ---- inference: attention over a KV cache (generation) ----
+  // n new rows of one sequence at positions pos .. pos+n-1, the keys and values of positions
+  // 0 .. pos-1 already in the cache. qkv [n, (n_heads + 2 n_kv_heads) * head_dim] holds the new
+  // rows' projections before RoPE (s.B = 1, s.T = n). In order, the op
+  //   1. applies RoPE in place to their q and k at the absolute positions (rope_forward's
+  //      convention; rope_theta <= 0: no rotation, as for GPT-2's learned positions),
+  //   2. writes their k and v into rows pos .. pos+n-1 of k_cache and v_cache
+  //      ([max_len, n_kv_heads * head_dim] each, any float dtype),
+  //   3. out[n, n_heads * head_dim] = softmax(q k^T / sqrt(hd)) v per head, new row i attending
+  //      to cache rows 0 .. pos+i.
+  // Row for row this equals rope_forward + attention_forward over the whole sequence.
+  virtual void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
+                                const AttnShape& s, int64_t pos, float rope_theta) = 0;
+
   // ---- softmax cross-entropy (vocab-parallel ready) ----
   // logits [N, V_local] hold vocab columns [vocab_start, vocab_start + V_local).
   // Per row: row_max = max_j logits, sumexp = sum_j exp(logits - row_max),

@@ -14,16 +14,30 @@ Sources (pick one; the default is --fortunes):
                      to the overstruck character unless --keep-overstrike.
   --text FILE...     plain text; one document per file, or per blank-line separated
                      paragraph / per line with --doc-split.
-  --jsonl FILE...    one JSON object per line; the document is obj[--text-key].
+  --jsonl FILE...    one JSON object per line; the document is obj[--text-key], or with
+                     --loss-mask prompt the pair obj[--prompt-key], obj[--response-key].
 
 Tokenizer: --tokenizer PATH/tokenizer.json uses an existing HF `tokenizers` file; otherwise a
 byte-level BPE (--vocab-size, default 2048) is trained on the training documents and saved to
-OUT/tokenizer.json. An end-of-text token (<|endoftext|>) follows every document. Without the
-`tokenizers` package (or with --bytes) the tokens are raw UTF-8 bytes, id 256 = end of text.
+OUT/tokenizer.json. An end-of-text token follows every document (--eot-token; by default
+<|endoftext|>, or the first of </s>, <|end_of_text|>, <|eot_id|> the tokenizer has). With
+--add-special-tokens each document (or prompt) is encoded with the tokenizer's post-processor,
+e.g. Llama's <s> / <|begin_of_text|> in front. Without the `tokenizers` package (or with --bytes)
+the tokens are raw UTF-8 bytes, id 256 = end of text.
+
+Instruction data (--loss-mask prompt): each JSONL record holds a prompt and a response; the
+document is prompt tokens + response tokens + end of text (prompt and response encoded
+separately, so the boundary is clean), and a loss-mask sidecar beside each shard says which
+tokens count in the loss: the response and the end of text, not the prompt. Sidecar format
+(data/loss_mask.h; keel's sampler picks it up and turns masked targets into -1):
+  OUT/train_000.mask: 256 x int32 header ([0] magic 20240917, [1] version 1, [2] number of
+  tokens, the shard's), then one uint8 per token: 1 = token i, as a target, is in the loss.
+(Not train_000.mask.bin: a glob like train_*.bin would pick the masks up as token shards.)
 
 Documents are shuffled with --seed and --val-fraction of them held out. Outputs:
   OUT/train_000.bin [train_001.bin ...]  (at most --shard-tokens tokens each)
   OUT/val_000.bin
+  OUT/train_000.mask ...                  (--loss-mask prompt: one sidecar per shard)
   OUT/meta.json                           vocab size, token counts, tokenizer, source
   OUT/tokenizer.json                      (BPE only)
 The same inputs and arguments give byte-identical outputs.
@@ -32,6 +46,8 @@ Examples:
   python3 scripts/prepare_data.py                        # fortunes -> data/fortunes
   python3 scripts/prepare_data.py --text book.txt --doc-split paragraph --out data/book
   python3 scripts/prepare_data.py --jsonl a.jsonl b.jsonl --tokenizer data/fortunes/tokenizer.json --out data/mix
+  python3 scripts/prepare_data.py --jsonl sft.jsonl --loss-mask prompt --tokenizer llama/tokenizer.json \
+      --add-special-tokens --out data/sft
 """
 
 from __future__ import annotations
@@ -61,6 +77,8 @@ EOT_TOKEN = "<|endoftext|>"
 HEADER_INTS = 256
 MAGIC_U16, VERSION_U16 = 20240520, 1
 MAGIC_U32, VERSION_U32 = 20240801, 7
+MASK_MAGIC, MASK_VERSION = 20240917, 1
+EOT_FALLBACKS = ["</s>", "<|end_of_text|>", "<|eot_id|>"]
 
 
 # ----------------------------------------------------------------------------
@@ -173,18 +191,26 @@ def read_jsonl(paths: list, key: str, stats: dict) -> list:
     return docs
 
 
-# ----------------------------------------------------------------------------
-# Loss-mask hooks (prompt/response finetuning data), not implemented yet.
-#
-# Plan: with --loss-mask prompt, each JSONL record carries --prompt-key and
-# --response-key; the document is prompt + response + <eot> and a parallel
-# uint8 file (train_000.mask, same header layout, one byte per token) marks
-# the tokens whose *target* counts in the loss (response and the final eot).
-# keel would turn unmasked targets into -1 (ignore_index).
-# ----------------------------------------------------------------------------
-
-def build_loss_mask(*_args, **_kwargs):
-    raise NotImplementedError("prompt/response loss masks are not implemented yet")
+def read_jsonl_pairs(paths: list, prompt_key: str, response_key: str, stats: dict) -> list:
+    """(prompt, response) pairs for --loss-mask prompt; records without both strings are skipped."""
+    pairs = []
+    for path in paths:
+        with open(path, "r", encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{path}:{lineno}: invalid JSON ({e})")
+                p = obj.get(prompt_key) if isinstance(obj, dict) else None
+                r = obj.get(response_key) if isinstance(obj, dict) else None
+                if not isinstance(p, str) or not isinstance(r, str) or not r.strip():
+                    stats["jsonl_skipped"] = stats.get("jsonl_skipped", 0) + 1
+                    continue
+                pairs.append((p, r))
+    return pairs
 
 
 # ----------------------------------------------------------------------------
@@ -200,7 +226,7 @@ class ByteTokenizer:
         self.vocab_size = 257
         self.eot_id = 256
 
-    def encode_docs(self, docs):
+    def encode_docs(self, docs, add_special_tokens: bool = False):
         return [np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for d in docs]
 
     def decode(self, ids):
@@ -208,18 +234,25 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    def __init__(self, tok, kind: str, eot_token: str):
+    def __init__(self, tok, kind: str, eot_token: str, eot_explicit: bool = True):
         self.tok = tok
         self.kind = kind
+        self.eot_token = eot_token
         self.eot_id = tok.token_to_id(eot_token)
+        if self.eot_id is None and not eot_explicit:
+            # Llama 2 ends documents with </s>, Llama 3 with <|end_of_text|>.
+            for alt in EOT_FALLBACKS:
+                if tok.token_to_id(alt) is not None:
+                    self.eot_token, self.eot_id = alt, tok.token_to_id(alt)
+                    break
         if self.eot_id is None:
             raise SystemExit(f"tokenizer has no {eot_token!r} token; pass --eot-token")
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
-    def encode_docs(self, docs, batch: int = 2048):
+    def encode_docs(self, docs, add_special_tokens: bool = False, batch: int = 2048):
         out = []
         for i in range(0, len(docs), batch):
-            encs = self.tok.encode_batch(docs[i:i + batch], add_special_tokens=False)
+            encs = self.tok.encode_batch(docs[i:i + batch], add_special_tokens=add_special_tokens)
             out += [np.asarray(e.ids, dtype=np.uint32) for e in encs]
         return out
 
@@ -272,6 +305,23 @@ def write_shard(path: str, tokens: np.ndarray, vocab_size: int) -> dict:
     return {"file": os.path.basename(path), "tokens": int(len(tokens)), "sha256": h.hexdigest()}
 
 
+def mask_path_of(shard_path: str) -> str:
+    """train_000.bin -> train_000.mask (data/loss_mask.h)."""
+    return shard_path[:-4] + ".mask" if shard_path.endswith(".bin") else shard_path + ".mask"
+
+
+def write_mask(path: str, mask: np.ndarray) -> dict:
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = MASK_MAGIC, MASK_VERSION, len(mask)
+    body = mask.astype(np.uint8, copy=False)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(body.tobytes())
+    os.replace(tmp, path)
+    return {"file": os.path.basename(path), "tokens": int(len(mask)), "in_loss": int(body.sum())}
+
+
 def read_shard_header(path: str):
     with open(path, "rb") as f:
         header = np.frombuffer(f.read(HEADER_INTS * 4), dtype="<i4")
@@ -279,15 +329,20 @@ def read_shard_header(path: str):
 
 
 class ShardWriter:
-    """Concatenates token arrays and cuts them into shards of at most shard_tokens."""
+    """Concatenates token arrays and cuts them into shards of at most shard_tokens; with
+    with_mask, a loss mask travels with the tokens and each shard gets its sidecar."""
 
-    def __init__(self, out_dir: str, prefix: str, shard_tokens: int, vocab_size: int):
+    def __init__(self, out_dir: str, prefix: str, shard_tokens: int, vocab_size: int, with_mask: bool = False):
         self.out_dir, self.prefix = out_dir, prefix
         self.shard_tokens, self.vocab_size = shard_tokens, vocab_size
-        self.pending, self.n_pending = [], 0
+        self.with_mask = with_mask
+        self.pending, self.pending_mask, self.n_pending = [], [], 0
         self.shards = []
 
-    def add(self, arr: np.ndarray) -> None:
+    def add(self, arr: np.ndarray, mask: np.ndarray = None) -> None:
+        if self.with_mask:
+            assert mask is not None and len(mask) == len(arr)
+            self.pending_mask.append(mask)
         self.pending.append(arr)
         self.n_pending += len(arr)
         while self.n_pending >= self.shard_tokens:
@@ -297,7 +352,12 @@ class ShardWriter:
         buf = np.concatenate(self.pending) if self.pending else np.zeros(0, np.uint32)
         head, rest = buf[:n], buf[n:]
         path = os.path.join(self.out_dir, f"{self.prefix}_{len(self.shards):03d}.bin")
-        self.shards.append(write_shard(path, head, self.vocab_size))
+        info = write_shard(path, head, self.vocab_size)
+        if self.with_mask:
+            mbuf = np.concatenate(self.pending_mask) if self.pending_mask else np.zeros(0, np.uint8)
+            info["mask"] = write_mask(mask_path_of(path), mbuf[:n])
+            self.pending_mask = [mbuf[n:]] if len(rest) else []
+        self.shards.append(info)
         self.pending = [rest] if len(rest) else []
         self.n_pending = len(rest)
 
@@ -325,13 +385,16 @@ def parse_args(argv=None):
     ap.add_argument("--tokenizer", metavar="PATH", help="existing tokenizer.json (HF tokenizers)")
     ap.add_argument("--vocab-size", type=int, default=2048, help="BPE vocab size to train (default 2048)")
     ap.add_argument("--bytes", action="store_true", help="use raw UTF-8 bytes (vocab 257) instead of BPE")
-    ap.add_argument("--eot-token", default=EOT_TOKEN, help=f"end-of-text token (default {EOT_TOKEN})")
+    ap.add_argument("--eot-token", default=None,
+                    help=f"end-of-text token (default {EOT_TOKEN}, else {', '.join(EOT_FALLBACKS)})")
     ap.add_argument("--seed", type=int, default=1337, help="document shuffle seed (default 1337)")
     ap.add_argument("--val-fraction", type=float, default=0.05, help="documents held out (default 0.05)")
     ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
-    # Hooks for prompt/response finetuning data (not implemented yet).
+    ap.add_argument("--add-special-tokens", action="store_true",
+                    help="encode each document (prompt) with the tokenizer's post-processor (e.g. Llama's BOS)")
     ap.add_argument("--loss-mask", choices=["none", "prompt"], default="none",
-                    help="'prompt': mask prompt tokens out of the loss (NOT IMPLEMENTED YET)")
+                    help="'prompt': --jsonl records are prompt/response pairs; only the response (and the "
+                         "end of text) count in the loss, recorded in a .mask sidecar per shard")
     ap.add_argument("--prompt-key", default="prompt", help="JSONL prompt field for --loss-mask prompt")
     ap.add_argument("--response-key", default="response", help="JSONL response field for --loss-mask prompt")
     args = ap.parse_args(argv)
@@ -341,8 +404,11 @@ def parse_args(argv=None):
         ap.error("--val-fraction must be in [0, 1)")
     if args.shard_tokens < 1:
         ap.error("--shard-tokens must be positive")
-    if args.loss_mask != "none":
-        ap.error("--loss-mask prompt is not implemented yet (the arguments are reserved)")
+    if args.loss_mask == "prompt" and not args.jsonl:
+        ap.error("--loss-mask prompt needs --jsonl (records with --prompt-key and --response-key)")
+    args.eot_explicit = args.eot_token is not None
+    if args.eot_token is None:
+        args.eot_token = EOT_TOKEN
     if args.tokenizer and args.bytes:
         ap.error("--tokenizer and --bytes exclude each other")
     return args
@@ -362,13 +428,20 @@ def main(argv=None) -> int:
     elif args.text:
         docs = read_text(args.text, args.doc_split, stats)
         source = {"kind": "text", "files": args.text, "doc_split": args.doc_split}
+    elif args.loss_mask == "prompt":
+        # documents are (prompt, response) pairs
+        docs = read_jsonl_pairs(args.jsonl, args.prompt_key, args.response_key, stats)
+        source = {"kind": "jsonl prompt/response pairs", "files": args.jsonl, "prompt_key": args.prompt_key,
+                  "response_key": args.response_key}
     else:
         docs = read_jsonl(args.jsonl, args.text_key, stats)
         source = {"kind": "jsonl", "files": args.jsonl, "text_key": args.text_key}
     source.update({k: v for k, v in stats.items()})
     if not docs:
-        raise SystemExit("no documents found")
-    n_chars = sum(len(d) for d in docs)
+        raise SystemExit("no documents found" + (f" (records need string fields {args.prompt_key!r} and "
+                                                 f"{args.response_key!r})" if args.loss_mask == "prompt" else ""))
+    masked = args.loss_mask == "prompt"
+    n_chars = sum(len(d[0]) + len(d[1]) if masked else len(d) for d in docs)
     print(f"read {len(docs)} documents ({n_chars} characters) from {source['kind']} "
           f"in {time.time() - t0:.2f}s")
 
@@ -396,14 +469,14 @@ def main(argv=None) -> int:
     elif args.tokenizer:
         if not HAVE_TOKENIZERS:
             raise SystemExit("--tokenizer needs the `tokenizers` package (pip install tokenizers)")
-        tok = HFTokenizer(Tokenizer.from_file(args.tokenizer), "file", args.eot_token)
+        tok = HFTokenizer(Tokenizer.from_file(args.tokenizer), "file", args.eot_token, args.eot_explicit)
         dst = os.path.join(args.out, "tokenizer.json")
         if os.path.abspath(args.tokenizer) != os.path.abspath(dst):
             shutil.copyfile(args.tokenizer, dst)
         tok_meta = {"kind": "file", "source": os.path.abspath(args.tokenizer), "path": "tokenizer.json",
-                    "eot_token": args.eot_token}
+                    "eot_token": tok.eot_token}
     else:
-        bpe = train_bpe(train_docs, args.vocab_size, args.eot_token)
+        bpe = train_bpe([d[0] + d[1] for d in train_docs] if masked else train_docs, args.vocab_size, args.eot_token)
         bpe.save(os.path.join(args.out, "tokenizer.json"))
         tok = HFTokenizer(bpe, "bpe", args.eot_token)
         tok_meta = {"kind": "byte-level BPE trained on the train split", "path": "tokenizer.json",
@@ -415,7 +488,7 @@ def main(argv=None) -> int:
 
     # 4. encode + shard (remove stale shards of an earlier run first)
     for name in sorted(os.listdir(args.out)):
-        if re.fullmatch(r"(train|val)_\d{3,}\.bin", name):
+        if re.fullmatch(r"(train|val)_\d{3,}\.(bin|mask)", name):
             os.remove(os.path.join(args.out, name))
     t2 = time.time()
     eot = np.array([tok.eot_id], dtype=np.uint32)
@@ -424,13 +497,23 @@ def main(argv=None) -> int:
         if not split_docs:
             splits[split] = {"documents": 0, "tokens": 0, "shards": []}
             continue
-        writer = ShardWriter(args.out, split, args.shard_tokens, tok.vocab_size)
+        writer = ShardWriter(args.out, split, args.shard_tokens, tok.vocab_size, with_mask=masked)
         total = 0
         for i in range(0, len(split_docs), 8192):
-            for ids in tok.encode_docs(split_docs[i:i + 8192]):
-                writer.add(ids)
-                writer.add(eot)
-                total += len(ids) + 1
+            chunk = split_docs[i:i + 8192]
+            if masked:
+                # prompt tokens are context (mask 0); response and end of text are learned (1)
+                prompts = tok.encode_docs([p for p, _ in chunk], add_special_tokens=args.add_special_tokens)
+                responses = tok.encode_docs([r for _, r in chunk])
+                for p_ids, r_ids in zip(prompts, responses):
+                    ids = np.concatenate([p_ids, r_ids, eot])
+                    mask = np.concatenate([np.zeros(len(p_ids), np.uint8), np.ones(len(r_ids) + 1, np.uint8)])
+                    writer.add(ids, mask)
+                    total += len(ids)
+            else:
+                for ids in tok.encode_docs(chunk, add_special_tokens=args.add_special_tokens):
+                    writer.add(np.concatenate([ids, eot]))
+                    total += len(ids) + 1
         shards = writer.close()
         assert sum(s["tokens"] for s in shards) == total
         splits[split] = {"documents": len(split_docs), "tokens": total, "shards": shards}
@@ -444,7 +527,12 @@ def main(argv=None) -> int:
             m, v, n = read_shard_header(path)
             assert (m, v, n) == (magic, version, s["tokens"]), (path, m, v, n)
             assert os.path.getsize(path) == HEADER_INTS * 4 + n * dtype.itemsize, path
-    probe = train_docs[:50]
+            if masked:
+                mpath = os.path.join(args.out, s["mask"]["file"])
+                m, v, n = read_shard_header(mpath)
+                assert (m, v, n) == (MASK_MAGIC, MASK_VERSION, s["tokens"]), (mpath, m, v, n)
+                assert os.path.getsize(mpath) == HEADER_INTS * 4 + n, mpath
+    probe = [d[1] for d in train_docs[:50]] if masked else train_docs[:50]
     for d, ids in zip(probe, tok.encode_docs(probe)):
         back = tok.decode(ids)
         if back != d:
@@ -468,7 +556,14 @@ def main(argv=None) -> int:
         "val": splits["val"],
         "train_tokens": splits["train"]["tokens"],
         "val_tokens": splits["val"]["tokens"],
-        "loss_mask": None,
+        "loss_mask": None if not masked else {
+            "kind": "prompt: prompt tokens are out of the loss, response and end of text in",
+            "format": "sidecar <shard>.mask: 256 x int32 header (magic 20240917, version 1, n_tokens), "
+                      "then one uint8 per token (1 = in the loss as a target)",
+            "train_in_loss": sum(s["mask"]["in_loss"] for s in splits["train"]["shards"]),
+            "val_in_loss": sum(s["mask"]["in_loss"] for s in splits["val"]["shards"]),
+        },
+        "add_special_tokens": args.add_special_tokens,
         "generated_by": "scripts/prepare_data.py"
                         + (f" with tokenizers {tokenizers.__version__}" if HAVE_TOKENIZERS else "")
                         + f", numpy {np.__version__}",

@@ -78,15 +78,6 @@ void convert_elements(const void* src, DType s, void* dst, DType d, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store_float(out + i * dtype_size(d), d, load_float(in + i * dtype_size(s), s));
 }
 
-// A flat slice of a rank buffer as a Tensor view.
-Tensor flat_slice(const Tensor& flat, int64_t begin, int64_t n) {
-  Tensor t = flat;
-  t.data = static_cast<char*>(flat.data) + begin * dtype_size(flat.dtype);
-  t.ndim = 1;
-  t.shape = {n, 0, 0, 0};
-  return t;
-}
-
 // Fault injection for the crash-safety tests: KEEL_CRASH_DURING_SAVE=<phase> ends the process
 // the way kill -9 would (no cleanup, no flush) when a save reaches that phase.
 void maybe_crash(const char* phase) {
@@ -440,24 +431,24 @@ struct FilePlan {
   std::string name;
   std::vector<data::SafetensorsWriter::Entry> entries;
   struct Source {
-    Tensor flat;  // rank buffer (working / master / m / v)
-    int64_t flat_begin, numel;
+    Tensor view;  // the chunk's elements in a rank buffer (working / master / m / v)
   };
   std::vector<Source> sources;
   json chunks = json::object();
 };
 
-void add_chunks(FilePlan& plan, const std::string& state, const ParamSpec& p, const Tensor& flat, int64_t begin,
-                int64_t end, const RankPlace& place) {
-  // A tensor replicated over TP ranks (norms, GPT-2's output biases) is saved once, by TP rank 0.
-  if (p.split == TpSplit::None && place.tp_rank != 0) return;
+void add_chunks(FilePlan& plan, const std::string& state, const ParamTable& table, const ParamState& ps,
+                const ParamSpec& p, const Tensor& buffer, int64_t begin, int64_t end) {
+  // A tensor replicated over TP ranks (norms, GPT-2's output biases) is saved once, by TP
+  // rank 0; the last stage's tied copy of tok_embed not at all (the first stage saves it).
+  if (!table.is_primary(p)) return;
   const auto regions = flat_range_regions(p, begin, end);
   for (size_t k = 0; k < regions.size(); ++k) {
     const TensorRegion& r = regions[k];
     std::string entry = state + "/" + p.name;
     if (regions.size() > 1 || r.numel() != p.logical_numel()) entry += "#" + std::to_string(r.flat_begin);
-    plan.entries.push_back({entry, to_st(flat.dtype), r.shape});
-    plan.sources.push_back({flat, r.flat_begin, r.numel()});
+    plan.entries.push_back({entry, to_st(buffer.dtype), r.shape});
+    plan.sources.push_back({ps.flat_view(buffer, r.flat_begin, r.numel())});
     plan.chunks[entry] = {{"tensor", p.name}, {"state", state}, {"shape", p.shape}, {"offset", r.offset}};
   }
 }
@@ -468,9 +459,8 @@ json write_file(const fs::path& dir, const FilePlan& plan, Backend& be) {
   data::SafetensorsWriter w((dir / plan.name).string(), plan.entries, {{"keel", meta.dump()}});
   std::vector<char> staging;
   for (const auto& s : plan.sources) {
-    Tensor view = flat_slice(s.flat, s.flat_begin, s.numel);
-    staging.resize(view.bytes());
-    be.copy_to_host(staging.data(), view);
+    staging.resize(s.view.bytes());
+    be.copy_to_host(staging.data(), s.view);
     w.write(staging.data(), staging.size());
   }
   w.finish(/*sync=*/true);
@@ -483,52 +473,71 @@ json write_file(const fs::path& dir, const FilePlan& plan, Backend& be) {
 
 SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
                                    const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
-                                   const std::function<void()>& barrier) {
+                                   const AgreeFn& agree) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string name = step_name(progress.iteration);
   const fs::path dir(dir_), tmp = dir / (".tmp-" + name), final_path = dir / name;
   const bool coordinator = place.world_rank == 0;
-  try {
-    if (coordinator) {
+  std::string error;  // this rank's failure, if any
+  auto fail = [&](const std::string& why) {
+    std::error_code ec;
+    if (coordinator) fs::remove_all(tmp, ec);
+    throw CheckpointError("saving checkpoint " + name + " in " + dir_ + " failed: " + why +
+                          "; the previous checkpoints are untouched");
+  };
+  auto guarded = [&](auto&& body) {
+    try {
+      body();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  };
+
+  // Phase 1: the coordinator makes the temporary directory.
+  if (coordinator) guarded([&] {
       fs::create_directories(dir);
       fs::remove_all(tmp);
       fs::create_directory(tmp);
-    }
-    barrier();
+    });
+  if (!agree(error.empty())) fail(error.empty() ? "another rank could not start the save" : error);
 
+  // Phase 2: every rank writes its files and a manifest of their checksums.
+  int64_t bytes = 0;
+  const bool separate_master = state.has_master() && !state.master_is_working();
+  guarded([&] {
     char tp_pp[32], dp[16];
     std::snprintf(tp_pp, sizeof tp_pp, "tp%02d-pp%02d", place.tp_rank, place.pp_rank);
     std::snprintf(dp, sizeof dp, "dp%02d", place.dp_rank);
     const int64_t n = table.local_numel();
-    const int64_t ob = place.optim_begin, oe = place.optim_end < 0 ? n : place.optim_end;
+    const int64_t ob = state.optim_begin(), oe = std::min(state.optim_end(), n);
     std::vector<FilePlan> plans;
     if (place.writes_weights) {
       FilePlan model{std::string("model-") + tp_pp + ".safetensors"};
-      for (const ParamSpec& p : table.params()) add_chunks(model, "weight", p, state.working, 0, n, place);
+      for (const ParamSpec& p : table.params()) add_chunks(model, "weight", table, state, p, state.working, 0, n);
       plans.push_back(std::move(model));
     }
     FilePlan optim{std::string("optim-") + tp_pp + "-" + dp + ".safetensors"};
-    const bool separate_master = state.has_master() && state.master.data != state.working.data;
     for (const ParamSpec& p : table.params()) {
-      if (separate_master) add_chunks(optim, "master", p, state.master, ob, oe, place);
-      add_chunks(optim, "adam_m", p, state.m, ob, oe, place);
-      add_chunks(optim, "adam_v", p, state.v, ob, oe, place);
+      if (separate_master) add_chunks(optim, "master", table, state, p, state.master, ob, oe);
+      add_chunks(optim, "adam_m", table, state, p, state.m, ob, oe);
+      add_chunks(optim, "adam_v", table, state, p, state.v, ob, oe);
     }
     plans.push_back(std::move(optim));
-
     json manifest = json::object();
-    int64_t bytes = 0;
     for (const FilePlan& plan : plans) {
+      if (plan.entries.empty()) continue;  // e.g. a TP rank > 0 whose shard holds only replicas
       manifest[plan.name] = write_file(tmp, plan, backend);
       bytes += manifest[plan.name]["bytes"].get<int64_t>();
     }
     maybe_crash("files");
     write_text_file_synced((tmp / ("manifest-rank" + std::to_string(place.world_rank) + ".json")).string(),
                            manifest.dump());
-    barrier();
+  });
+  if (!agree(error.empty())) fail(error.empty() ? "another rank could not write its part" : error);
 
-    if (coordinator) {
-      // Merge every rank's manifest into meta.json, the file that makes the save complete.
+  // Phase 3: the coordinator merges the manifests into meta.json (the file that makes a save
+  // complete), renames the directory into place and points `latest` at it.
+  if (coordinator) guarded([&] {
       json files = json::object();
       for (const auto& e : fs::directory_iterator(tmp)) {
         const std::string fname = e.path().filename().string();
@@ -557,15 +566,15 @@ SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table
           {"precision", precision_name(cfg.precision.mode)},
           {"weight_dtype", std::string(dtype_name(state.working.dtype))},
           {"states", states},
-          {"master_is_weight", !separate_master && state.has_master()},
+          {"master_is_weight", state.master_is_working()},
           {"config", to_json(cfg)},
           {"files", files}};
       maybe_crash("meta");
       write_text_file_synced((tmp / "meta.json").string(), meta.dump(2));
       data::detail::sync_directory(tmp.string());
 
-      // Publish: rename into place (an existing save of the same step, e.g. from a replayed
-      // stretch of training, is moved aside first and removed once the new one is in).
+      // An existing save of the same step (from a replayed stretch of training) is moved
+      // aside first and removed once the new one is in place.
       fs::path old;
       if (fs::exists(final_path)) {
         old = dir / (".old-" + name + "-" + std::to_string(::getpid()));
@@ -580,19 +589,14 @@ SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table
       fs::rename(dir / ".latest.tmp", dir / "latest");
       data::detail::sync_directory(dir.string());
       rotate();
-    }
-    barrier();
-    SaveResult r;
-    r.path = final_path.string();
-    r.bytes = bytes;
-    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return r;
-  } catch (const std::exception& e) {
-    std::error_code ec;
-    if (coordinator) fs::remove_all(tmp, ec);
-    throw CheckpointError("saving checkpoint " + name + " in " + dir_ + " failed: " + e.what() +
-                          "; the previous checkpoints are untouched");
-  }
+    });
+  if (!agree(error.empty())) fail(error.empty() ? "the coordinating rank could not publish it" : error);
+
+  SaveResult r;
+  r.path = final_path.string();
+  r.bytes = bytes;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
 }
 
 void CheckpointManager::rotate() {
@@ -636,14 +640,14 @@ int CheckpointManager::clean_incomplete() {
 
 namespace {
 
-// Reads (state, tensor) over a flat range of the rank's buffer `flat`.
-void read_into(const Checkpoint& ck, const std::string& state, const ParamSpec& p, const Tensor& flat, int64_t begin,
-               int64_t end, Backend& be) {
+// Reads (state, tensor) over the flat range [begin, end) into a rank buffer.
+void read_into(const Checkpoint& ck, const std::string& state, const ParamSpec& p, const ParamState& ps,
+               const Tensor& buffer, int64_t begin, int64_t end, Backend& be) {
   std::vector<char> staging;
   for (const TensorRegion& r : flat_range_regions(p, begin, end)) {
-    staging.resize(static_cast<size_t>(r.numel()) * dtype_size(flat.dtype));
-    ck.read(state, p.name, r, flat.dtype, staging.data());
-    be.copy_from_host(flat_slice(flat, r.flat_begin, r.numel()), staging.data());
+    staging.resize(static_cast<size_t>(r.numel()) * dtype_size(buffer.dtype));
+    ck.read(state, p.name, r, buffer.dtype, staging.data());
+    be.copy_from_host(ps.flat_view(buffer, r.flat_begin, r.numel()), staging.data());
   }
 }
 
@@ -683,7 +687,7 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
   check_tensors_match(ck, "weight", table);
 
   // Optimizer state: all of it, for every tensor, or the resume is refused.
-  const bool needs_master = state.has_master() && state.master.data != state.working.data;
+  const bool needs_master = state.has_master() && !state.master_is_working();
   std::vector<std::string> missing;
   for (const ParamSpec& p : table.params())
     for (const char* s : {"adam_m", "adam_v"})
@@ -700,15 +704,15 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
   }
 
   const int64_t n = table.local_numel();
-  const int64_t ob = place.optim_begin, oe = place.optim_end < 0 ? n : place.optim_end;
+  const int64_t ob = state.optim_begin(), oe = std::min(state.optim_end(), n);
   for (const ParamSpec& p : table.params()) {
-    read_into(ck, "adam_m", p, state.m, ob, oe, backend);
-    read_into(ck, "adam_v", p, state.v, ob, oe, backend);
-    if (needs_master) read_into(ck, *master_from, p, state.master, ob, oe, backend);
+    read_into(ck, "adam_m", p, state, state.m, ob, oe, backend);
+    read_into(ck, "adam_v", p, state, state.v, ob, oe, backend);
+    if (needs_master) read_into(ck, *master_from, p, state, state.master, ob, oe, backend);
     // Working weights: the stored ones when their dtype matches (bit-exact), else the masters'.
     const std::string wsrc =
         ck.stored_dtype("weight", p.name) == state.working.dtype || !master_from ? "weight" : *master_from;
-    read_into(ck, wsrc, p, state.working, 0, n, backend);
+    read_into(ck, wsrc, p, state, state.working, 0, n, backend);
   }
   state.adam_step = ck.adam_step();
   const json& ls = ck.meta().at("loss_scaler");
@@ -748,6 +752,69 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
          std::string(dtype_name(state.working.dtype)) +
          "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules; the checkpoint's optimizer "
          "state (if any) is not used";
+}
+
+// ======================================================================================
+// Weights-only checkpoints from another source (keel convert hf:DIR OUT)
+// ======================================================================================
+
+SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg, DType dtype, const TensorFill& fill,
+                                    const json& source) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const ParamTable table(cfg.model);  // the whole model, one rank
+  const std::string file = "model-tp00-pp00.safetensors";
+  const fs::path path = fs::path(dir) / file;
+  try {
+    std::vector<data::SafetensorsWriter::Entry> entries;
+    json chunks = json::object();
+    for (const ParamSpec& p : table.params()) {
+      const std::string entry = "weight/" + p.name;
+      entries.push_back({entry, to_st(dtype), p.shape});
+      chunks[entry] = {{"tensor", p.name}, {"state", "weight"}, {"shape", p.shape},
+                       {"offset", std::vector<int64_t>(p.shape.size(), 0)}};
+    }
+    const json file_meta = {{"format", kFormat}, {"format_version", kCheckpointFormatVersion}, {"chunks", chunks}};
+    data::SafetensorsWriter w(path.string(), entries, {{"keel", file_meta.dump()}});
+    std::vector<char> staging;
+    for (const ParamSpec& p : table.params()) {
+      staging.resize(static_cast<size_t>(p.logical_numel()) * dtype_size(dtype));
+      fill(p, dtype, staging.data());
+      w.write(staging.data(), staging.size());
+    }
+    w.finish(/*sync=*/true);
+    json tensors = json::object();
+    for (size_t i = 0; i < entries.size(); ++i) tensors[entries[i].name] = data::crc32c_hex(w.tensor_crc(i));
+    const json files = {{file, {{"bytes", w.file_bytes()}, {"crc32c", data::crc32c_hex(w.file_crc())}, {"tensors", tensors}}}};
+    const json meta = {
+        {"format", kFormat},
+        {"format_version", kCheckpointFormatVersion},
+        {"keel_version", "0.1"},
+        {"saved_at", utc_now()},
+        {"progress", progress_json(TrainProgress{})},
+        {"adam_step", 0},
+        {"loss_scaler", {{"scale", 1.0}, {"growth_tracker", 0}, {"hysteresis_tracker", 0}}},
+        {"data", {{"consumed_samples", 0}, {"seed", cfg.train.seed}, {"train", cfg.data.train}}},
+        {"topology", {{"tp", 1}, {"pp", 1}, {"dp", 1}}},
+        {"precision", precision_name(cfg.precision.mode)},
+        {"weight_dtype", std::string(dtype_name(dtype))},
+        {"states", {"weight"}},
+        {"master_is_weight", false},
+        {"weights_only", true},
+        {"source", source},
+        {"config", to_json(cfg)},
+        {"files", files}};
+    write_text_file_synced((fs::path(dir) / "meta.json").string(), meta.dump(2));
+    data::detail::sync_directory(dir);
+    SaveResult r;
+    r.path = dir;
+    r.bytes = w.file_bytes();
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CheckpointError("writing weights-only checkpoint " + path.string() + " failed: " + e.what());
+  }
 }
 
 }  // namespace keel

@@ -53,14 +53,18 @@ struct TrainProgress {
   int64_t nan_total = 0;
 };
 
-// This rank's place in the grid and the part of the flat parameter buffers it saves.
+// This rank's place in the grid. The flat range of master/m/v it owns (ZeRO-1) comes from its
+// ParamState; tensors it does not hold the primary copy of (TP replicas, tied copies) are
+// neither saved by it nor needed from it.
 struct RankPlace {
   int tp_rank = 0, pp_rank = 0, dp_rank = 0;
   int world_rank = 0;
-  // Flat element range [begin, end) of master/m/v this rank owns (ZeRO-1); end < 0 = all.
-  int64_t optim_begin = 0, optim_end = -1;
   bool writes_weights = true;  // DP rank 0 of each TP x PP shard writes the working weights
 };
+
+// Ranks agree on an outcome: returns true when every rank passed `ok` = true (an all-reduce
+// over the world). One process: returns `ok`.
+using AgreeFn = std::function<bool(bool ok)>;
 
 // A rectangle of a logical tensor: offset and shape per dimension, plus where its elements sit
 // in the rank's flat buffer (rectangles from flat ranges are contiguous there).
@@ -134,11 +138,13 @@ class CheckpointManager {
 
   const std::string& dir() const { return dir_; }
   // Writes a checkpoint of `state` at `progress.iteration`. With several ranks every rank calls
-  // it; `barrier` synchronises them (no-op for one rank). Throws CheckpointError on any I/O
-  // problem, after removing the partial save; earlier checkpoints are never touched.
+  // it, and they agree three times (directory made, files written, published), so a failure on
+  // any rank fails the save on all of them instead of leaving some waiting. Throws
+  // CheckpointError on any I/O problem, after removing the partial save; earlier checkpoints
+  // are never touched.
   SaveResult save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
                   const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
-                  const std::function<void()>& barrier = [] {});
+                  const AgreeFn& agree = [](bool ok) { return ok; });
   // Keeps the newest keep_last checkpoints, plus every step divisible by keep_every; never
   // the one `latest` names.
   void rotate();
@@ -170,5 +176,20 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
 // Names and shapes of the logical tensors a checkpoint must hold for a model; mismatches name
 // the tensor and both shapes.
 void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table);
+
+// ---- weights-only checkpoints from another source (format conversion) ------------------
+
+// Fills `out` with the whole logical tensor p (p.logical_numel() elements of `dtype`).
+using TensorFill = std::function<void(const ParamSpec& p, DType dtype, void* out)>;
+
+// Writes a weights-only checkpoint of the model cfg.model (one chunk per logical tensor, state
+// "weight" in `dtype`) into the existing directory `dir`: model-tp00-pp00.safetensors, then
+// meta.json with its checksums, progress zero and `source` (where the weights came from) — the
+// same format CheckpointManager::save writes, so Checkpoint::open, verify, init_weights_from
+// (--init-from) and keel ckpt read it. Tensors are produced by `fill` one at a time and
+// streamed to disk, so at most one tensor is in memory. Crash safety (a temporary directory
+// renamed when complete) is the caller's. Throws CheckpointError naming the file on I/O errors.
+SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg, DType dtype, const TensorFill& fill,
+                                    const nlohmann::json& source = nlohmann::json::object());
 
 }  // namespace keel

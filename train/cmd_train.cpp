@@ -41,6 +41,7 @@ int cmd_train(const TrainArgs& a) {
   }
   if (a.threads > 0) omp_set_num_threads(a.threads);
   RunOptions opts;
+  opts.mpi = process_runtime();
   opts.quiet = a.quiet;
   opts.resume = a.resume;
   opts.init_from = a.init_from;

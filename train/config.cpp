@@ -309,6 +309,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     p.tp = f.integer("tp", 1, 1, 1 << 16);
     p.pp = f.integer("pp", 1, 1, 1 << 16);
     p.dp = f.integer("dp", 1, 1, 1 << 20);
+    p.embedding_slot = f.boolean("embedding_slot", false);
     f.finish();
     const ModelConfig& m = c.model;
     auto divides = [&](int64_t by, int64_t what, const std::string& by_name, const std::string& what_name) {
@@ -328,9 +329,10 @@ RunConfig parse_config(const json& doc, const std::string& source) {
                        std::to_string(m.vocab_size) + "); set model.pad_vocab_to_multiple_of (e.g. 128) to pad it");
     }
     divides(p.tp, m.ffn_hidden, "parallel.tp", "model.ffn_hidden");
-    if (m.n_layers > 0 && p.pp > m.n_layers)
+    if (m.n_layers > 0 && p.pp > m.n_layers + (p.embedding_slot ? 2 : 0))
       errors.push_back("parallel.pp: " + std::to_string(p.pp) + " stages for " + std::to_string(m.n_layers) +
-                       " layers (each stage needs at least one layer)");
+                       " layers" + (p.embedding_slot ? " + embedding and head slots" : "") +
+                       " (each stage needs at least one)");
     const TrainConfig& t = c.train;
     if (t.micro_batch > 0 && t.global_batch > 0 && t.global_batch % (t.micro_batch * p.dp) != 0)
       errors.push_back("train.global_batch: " + std::to_string(t.global_batch) +
@@ -402,6 +404,13 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     c.checkpoint.keep_every = f.integer("keep_every", 0, 0);
     c.checkpoint.save_at_end = f.boolean("save_at_end", true);
     c.checkpoint.dir = f.string("dir", "");
+    f.finish();
+  }
+
+  {
+    top.raw("health");
+    Fields f(child(doc, "health"), "health", errors);
+    c.health.replica_check_interval = f.integer("replica_check_interval", 100, 0);
     f.finish();
   }
 
@@ -515,7 +524,11 @@ json to_json(const RunConfig& c) {
                      {"keep_every", c.checkpoint.keep_every},
                      {"save_at_end", c.checkpoint.save_at_end},
                      {"dir", c.checkpoint.dir}};
-  j["parallel"] = {{"tp", c.parallel.tp}, {"pp", c.parallel.pp}, {"dp", c.parallel.dp}};
+  j["parallel"] = {{"tp", c.parallel.tp},
+                   {"pp", c.parallel.pp},
+                   {"dp", c.parallel.dp},
+                   {"embedding_slot", c.parallel.embedding_slot}};
+  j["health"] = {{"replica_check_interval", c.health.replica_check_interval}};
   j["device"] = c.device;
   j["out"] = c.out;
   if (!c.description.empty()) j["description"] = c.description;

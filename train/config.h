@@ -90,8 +90,18 @@ struct CheckpointConfig {
   std::string dir;         // default <out>/checkpoints
 };
 
+// Training health checks (see ../shared/seeds: bugs that stayed silent for days).
+struct HealthConfig {
+  // Every N steps (and after a load), compare checksums of the tied embedding copies and of
+  // the tensors replicated over TP ranks; a mismatch stops the run naming tensor and ranks.
+  int64_t replica_check_interval = 100;
+};
+
 struct ParallelConfig {
   int64_t tp = 1, pp = 1, dp = 1;
+  // Give the embedding and the head a pipeline slot each, like a transformer layer (balances
+  // a large vocabulary: the first and last stage get fewer layers).
+  bool embedding_slot = false;
   int64_t world() const { return tp * pp * dp; }
 };
 
@@ -107,6 +117,7 @@ struct RunConfig {
   LogConfig log;
   CheckpointConfig checkpoint;
   ParallelConfig parallel;
+  HealthConfig health;
   std::string device = "auto";  // auto | cpu | cuda
   std::string out;              // run directory: logs, metrics, checkpoints
   std::string description;

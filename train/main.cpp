@@ -2,12 +2,14 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <memory>
 #include <vector>
 
 #include "data/token_file.h"
 #include "train/checkpoint.h"
 #include "train/commands.h"
 #include "train/config.h"
+#include "train/parallel/mpi_comm.h"
 #include "train/run.h"
 
 int main(int argc, char** argv) {
@@ -24,7 +26,8 @@ int main(int argc, char** argv) {
       "Run `keel <subcommand> --help` for the options of each subcommand.");
 
   std::vector<keel::Command> commands = {keel::add_train_command(app), keel::add_plan_command(app),
-                                         keel::add_ckpt_command(app)};
+                                         keel::add_ckpt_command(app), keel::add_convert_command(app),
+                                         keel::add_sample_command(app)};
 
   try {
     app.parse(argc, argv);
@@ -33,21 +36,36 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : keel::kExitConfigError;
   }
 
+  // Under mpirun/srun every rank runs this same binary. MPI is started before anything else;
+  // a single process (no launcher) never touches MPI.
+  std::unique_ptr<keel::parallel::MpiRuntime> mpi;
+  int world_rank = 0, world_size = 1;
+  auto fail = [&](int code, const char* kind, const char* what, bool every_rank) {
+    if (world_rank == 0 || every_rank) {
+      if (world_size > 1)
+        std::fprintf(stderr, "keel: [rank %d of %d] %s: %s\n", world_rank, world_size, kind, what);
+      else
+        std::fprintf(stderr, "keel: %s: %s\n", kind, what);
+    }
+    // With several ranks, take the whole job down rather than leave the others waiting.
+    if (world_size > 1) keel::parallel::MpiRuntime::abort(code);
+    return code;
+  };
   try {
+    mpi = std::make_unique<keel::parallel::MpiRuntime>(&argc, &argv);
+    world_rank = mpi->world_rank();
+    world_size = mpi->world_size();
+    keel::set_process_runtime(mpi.get());
     for (auto& c : commands)
       if (c.app->parsed()) return c.run();
   } catch (const keel::ConfigError& e) {
-    std::fprintf(stderr, "keel: error: %s\n", e.what());
-    return keel::kExitConfigError;
+    return fail(keel::kExitConfigError, "error", e.what(), false);
   } catch (const keel::CheckpointError& e) {
-    std::fprintf(stderr, "keel: checkpoint error: %s\n", e.what());
-    return keel::kExitCheckpointError;
+    return fail(keel::kExitCheckpointError, "checkpoint error", e.what(), false);
   } catch (const keel::data::DataError& e) {
-    std::fprintf(stderr, "keel: data error: %s\n", e.what());
-    return keel::kExitDataError;
+    return fail(keel::kExitDataError, "data error", e.what(), false);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "keel: error: %s\n", e.what());
-    return keel::kExitFailure;
+    return fail(keel::kExitFailure, "error", e.what(), true);
   }
   return keel::kExitOk;
 }

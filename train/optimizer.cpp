@@ -15,22 +15,31 @@ DType working_dtype(PrecisionMode mode) {
 
 DType activation_dtype(PrecisionMode mode) { return working_dtype(mode); }
 
-ParamState::ParamState(const ParamTable& table, Backend& backend, PrecisionMode mode) : table_(table), be_(backend) {
+ParamState::ParamState(const ParamTable& table, Backend& backend, PrecisionMode mode, int dp_size, int dp_rank)
+    : table_(table), be_(backend) {
   const int64_t n = table.local_numel();
-  auto make = [&](DType t) {
-    Tensor x(nullptr, t, {n}, be_.device());
+  // ZeRO-1: the flat space is padded so the DP ranks' shards are equal; rank r owns
+  // [r*S, (r+1)*S) of master and moments.
+  const int64_t shard = (n + dp_size - 1) / dp_size;
+  padded_ = shard * dp_size;
+  optim_begin_ = shard * dp_rank;
+  optim_end_ = optim_begin_ + shard;
+  auto make = [&](DType t, int64_t count) {
+    Tensor x(nullptr, t, {count}, be_.device());
     x.data = be_.allocate(x.bytes());
     allocations_.push_back(x.data);
     return x;
   };
-  working = make(working_dtype(mode));
-  grads = make(DType::F32);
-  if (mode == PrecisionMode::FP32)
-    master = working;
-  else if (mode != PrecisionMode::BF16UnsafeNoMaster)
-    master = make(DType::F32);
-  m = make(DType::F32);
-  v = make(DType::F32);
+  working = make(working_dtype(mode), padded_);
+  grads = make(DType::F32, padded_);
+  if (mode == PrecisionMode::FP32) {
+    master = flat_view(working, optim_begin_, shard);
+    master_is_working_ = true;
+  } else if (mode != PrecisionMode::BF16UnsafeNoMaster) {
+    master = make(DType::F32, shard);
+  }
+  m = make(DType::F32, shard);
+  v = make(DType::F32, shard);
 }
 
 ParamState::~ParamState() {
@@ -45,19 +54,33 @@ Tensor ParamState::slice(const Tensor& flat, const ParamSpec& p) const {
   return t;
 }
 
+Tensor ParamState::flat_view(const Tensor& buffer, int64_t flat_begin, int64_t n) const {
+  // Shard buffers (master unless it is a view of working, m, v) start at optim_begin.
+  const bool shard_buffer = buffer.numel() != padded_;
+  const int64_t index = shard_buffer ? flat_begin - optim_begin_ : flat_begin;
+  if (index < 0 || index + n > buffer.numel())
+    throw std::out_of_range("ParamState::flat_view: elements [" + std::to_string(flat_begin) + ", " +
+                            std::to_string(flat_begin + n) + ") are outside this buffer");
+  Tensor t = buffer;
+  t.data = static_cast<char*>(buffer.data) + index * dtype_size(buffer.dtype);
+  t.ndim = 1;
+  t.shape = {n, 0, 0, 0};
+  return t;
+}
+
 void ParamState::load_fp32(const float* values) {
   const int64_t n = table_.local_numel();
-  Tensor host_view(const_cast<float*>(values), DType::F32, {n});
-  if (has_master()) {
-    be_.copy_from_host(master, values);
-    if (master.data != working.data) be_.convert(working, master);
-  } else {
-    // No master: round the fp32 values straight into the working dtype.
-    Tensor staging(nullptr, DType::F32, {n}, be_.device());
-    staging.data = be_.allocate(staging.bytes());
-    be_.copy_from_host(staging, values);
-    be_.convert(working, staging);
-    be_.release(staging.data);
+  // Working weights: every tensor, rounded from the fp32 values.
+  Tensor staging(nullptr, DType::F32, {n}, be_.device());
+  staging.data = be_.allocate(staging.bytes());
+  be_.copy_from_host(staging, values);
+  be_.convert(flat_view(working, 0, n), staging);
+  be_.release(staging.data);
+  // Masters: this rank's shard, exact.
+  if (has_master() && !master_is_working_) {
+    const int64_t end = std::min(optim_end_, n);
+    if (end > optim_begin_)
+      be_.copy_from_host(flat_view(master, optim_begin_, end - optim_begin_), values + optim_begin_);
   }
   be_.fill(m, 0.0f);
   be_.fill(v, 0.0f);
@@ -83,8 +106,14 @@ void flat_to_host(Backend& be, const Tensor& flat, float* out) {
 }
 }  // namespace
 
-void ParamState::working_to_host(float* out) const { flat_to_host(be_, working, out); }
-void ParamState::master_to_host(float* out) const { flat_to_host(be_, has_master() ? master : working, out); }
+void ParamState::working_to_host(float* out) const { flat_to_host(be_, flat_view(working, 0, table_.local_numel()), out); }
+
+void ParamState::master_to_host(float* out) const {
+  const int64_t end = std::min(optim_end_, table_.local_numel());
+  if (end <= optim_begin_) return;
+  const Tensor& src = has_master() ? master : working;
+  flat_to_host(be_, flat_view(src, optim_begin_, end - optim_begin_), out + optim_begin_);
+}
 
 void adamw_update(ParamState& s, const ParamTable& table, Backend& be, const OptimizerConfig& opt, double lr,
                   float grad_scale) {
@@ -96,10 +125,15 @@ void adamw_update(ParamState& s, const ParamTable& table, Backend& be, const Opt
   a.eps = static_cast<float>(opt.eps);
   a.step = s.adam_step;
   a.grad_scale = grad_scale;
+  // AdamW is elementwise: update the part of each tensor inside this rank's shard.
   for (const ParamSpec& p : table.params()) {
+    const int64_t begin = std::max(p.offset, s.optim_begin()), end = std::min(p.offset + p.numel, s.optim_end());
+    if (begin >= end) continue;
+    const int64_t n = end - begin;
     a.weight_decay = p.decay ? static_cast<float>(opt.weight_decay) : 0.0f;
-    Tensor master = s.has_master() ? s.slice(s.master, p) : Tensor();
-    be.adamw(master, s.slice(s.working, p), s.slice(s.grads, p), s.slice(s.m, p), s.slice(s.v, p), a);
+    Tensor master = s.has_master() ? s.flat_view(s.master, begin, n) : Tensor();
+    be.adamw(master, s.flat_view(s.working, begin, n), s.flat_view(s.grads, begin, n), s.flat_view(s.m, begin, n),
+             s.flat_view(s.v, begin, n), a);
   }
 }
 

@@ -1,11 +1,14 @@
 // Parameter state of one rank and the AdamW update over it.
 //
-// Flat buffers laid out by the ParamTable (one per dtype):
-//   working  weights the model computes with (bf16 / fp16 / fp32)
-//   grads    fp32, accumulated over micro-batches
-//   master   fp32 copy the optimizer updates (aliases `working` in fp32 mode; absent in the
+// Flat buffers laid out by the ParamTable (one per dtype), padded to a multiple of the DP size:
+//   working  weights the model computes with (bf16 / fp16 / fp32), all of the rank's tensors
+//   grads    fp32, accumulated over micro-batches (after the DP reduce-scatter only this
+//            rank's shard is meaningful)
+//   master   fp32 copy the optimizer updates, for this rank's ZeRO-1 shard [optim_begin,
+//            optim_end) of the flat space (a view of `working` in fp32 mode; absent in the
 //            unsafe bf16-only mode, where updates smaller than bf16's spacing round away)
-//   m, v     fp32 Adam moments
+//   m, v     fp32 Adam moments of the shard
+// With one DP rank the shard is everything.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +24,7 @@ DType activation_dtype(PrecisionMode mode);
 
 class ParamState {
  public:
-  ParamState(const ParamTable& table, Backend& backend, PrecisionMode mode);
+  ParamState(const ParamTable& table, Backend& backend, PrecisionMode mode, int dp_size = 1, int dp_rank = 0);
   ~ParamState();
   ParamState(const ParamState&) = delete;
   ParamState& operator=(const ParamState&) = delete;
@@ -30,17 +33,25 @@ class ParamState {
   // get the fp32 values, working weights their rounding, moments zero, Adam step 0.
   void init(uint64_t seed);
   // Load fp32 values of every local tensor from host memory laid out like the table
-  // (`values` has local_numel floats); masters by exact copy, working by rounding.
+  // (`values` has table.local_numel() floats); masters by exact copy, working by rounding.
   void load_fp32(const float* values);
-  // Working weights -> fp32 host buffer (what a forward pass really uses).
+  // Working weights -> fp32 host buffer of table.local_numel() floats.
   void working_to_host(float* out) const;
-  // Master (or working, in the unsafe mode) -> fp32 host buffer.
+  // Master values (the working weights in the unsafe mode) -> fp32 host buffer laid out like
+  // the table; only the shard [optim_begin, optim_end) is written.
   void master_to_host(float* out) const;
 
-  // Slice of a flat buffer holding one parameter, shaped as its local shard.
+  // Slice of a full flat buffer (working, grads) holding one parameter, shaped as its shard.
   Tensor slice(const Tensor& flat, const ParamSpec& p) const;
+  // Elements [flat_begin, flat_begin + n) of the flat space: of a full buffer (working,
+  // grads), or of a shard buffer (master, m, v), which starts at optim_begin().
+  Tensor flat_view(const Tensor& buffer, int64_t flat_begin, int64_t n) const;
 
   bool has_master() const { return !master.empty(); }
+  bool master_is_working() const { return master_is_working_; }
+  int64_t optim_begin() const { return optim_begin_; }
+  int64_t optim_end() const { return optim_end_; }
+  int64_t padded_numel() const { return padded_; }
 
   Tensor working, grads, master, m, v;
   int64_t adam_step = 0;  // applied updates so far (Adam's bias correction uses it)
@@ -48,11 +59,13 @@ class ParamState {
  private:
   const ParamTable& table_;
   Backend& be_;
+  int64_t padded_ = 0, optim_begin_ = 0, optim_end_ = 0;
+  bool master_is_working_ = false;
   std::vector<void*> allocations_;
 };
 
-// One AdamW update of every parameter: grads are multiplied by grad_scale (loss-scale removal
-// times the clip coefficient); weight decay only where the table's role says so.
+// One AdamW update of this rank's shard: grads are multiplied by grad_scale (loss-scale
+// removal times the clip coefficient); weight decay only where the table's role says so.
 void adamw_update(ParamState& state, const ParamTable& table, Backend& backend, const OptimizerConfig& opt,
                   double lr, float grad_scale);
 

@@ -17,6 +17,8 @@
 #include "kernels/device.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
+#include "train/parallel/mpi_comm.h"
+#include "train/plan.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
 
@@ -110,10 +112,12 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
   std::fflush(stdout);
 }
 
-double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg) {
+// Validation: the first eval_batches micro-batches of the (unshuffled) validation set, always
+// the same ones; DP rank r evaluates batches r, r + dp, ... and the losses are summed.
+double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, const parallel::Grid& grid) {
   const int64_t mbs = cfg.train.micro_batch;
   std::vector<MicroBatch> batches;
-  for (int64_t b = 0; b < cfg.train.eval_batches; ++b) {
+  for (int64_t b = grid.dp_rank(); b < cfg.train.eval_batches; b += grid.dp_size()) {
     auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0);
     batches.push_back(std::move(one[0]));
   }
@@ -143,13 +147,48 @@ void print_save(const SaveResult& r) {
   std::fflush(stdout);
 }
 
+// Everything ranks must agree on goes through the world communicator: an int flag reduced
+// with Max (any rank's 1 wins).
+bool any_rank(parallel::Comm& world, Backend& be, bool mine) {
+  if (world.size() == 1) return mine;
+  Tensor t(be.allocate(sizeof(int32_t)), DType::I32, {1}, be.device());
+  const int32_t v = mine ? 1 : 0;
+  be.copy_from_host(t, &v);
+  world.all_reduce(t, parallel::ReduceOp::Max);
+  int32_t out = 0;
+  be.copy_to_host(&out, t);
+  be.release(t.data);
+  return out != 0;
+}
+
 }  // namespace
 
+namespace {
+const parallel::MpiRuntime* g_runtime = nullptr;
+}  // namespace
+
+void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
+const parallel::MpiRuntime* process_runtime() { return g_runtime; }
+
 int run_training(const RunConfig& cfg, const RunOptions& opts) {
-  if (cfg.parallel.world() != 1)
-    throw ConfigError("parallel: tp*pp*dp = " + std::to_string(cfg.parallel.world()) +
-                      " but this process is a world of 1 (multi-rank runs arrive with the parallel backend)");
+  // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
+  const int world_size = opts.mpi ? opts.mpi->world_size() : 1;
+  const int world_rank = opts.mpi ? opts.mpi->world_rank() : 0;
+  if (cfg.parallel.world() != world_size)
+    throw ConfigError("parallel: tp*pp*dp = " + std::to_string(cfg.parallel.tp) + "*" + std::to_string(cfg.parallel.pp) +
+                      "*" + std::to_string(cfg.parallel.dp) + " = " + std::to_string(cfg.parallel.world()) +
+                      " ranks, but " + std::to_string(world_size) + (world_size == 1 ? " process was" : " processes were") +
+                      " launched: start it with `mpirun -np " + std::to_string(cfg.parallel.world()) +
+                      " keel train ...` (or srun -n), or change parallel.dp to " +
+                      (world_size % (cfg.parallel.tp * cfg.parallel.pp) == 0
+                           ? std::to_string(world_size / (cfg.parallel.tp * cfg.parallel.pp))
+                           : std::string("a value with tp*pp*dp = ") + std::to_string(world_size)));
+  const parallel::Grid grid(world_size, world_rank, static_cast<int>(cfg.parallel.tp), static_cast<int>(cfg.parallel.pp),
+                            static_cast<int>(cfg.parallel.dp));
   auto backend = select_backend(cfg);
+  parallel::CommGroups comms = opts.mpi ? parallel::make_host_comms(grid, *opts.mpi) : parallel::make_local_comms();
+  const bool lead = world_rank == 0;  // the rank that prints and writes metrics
+  const bool quiet = opts.quiet || !lead;
 
   // ---- everything that can fail on user input is checked before the run directory is touched ----
   const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
@@ -167,12 +206,16 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   if (!cfg.data.val.empty()) {
     val.emplace(data::TokenDataset::open(data::expand_paths(cfg.data.val, "data.val"), T, vocab), cfg.train.seed, false);
     val->dataset().check_vocab(kVocabScanLimit);
-    if (val->num_windows() == 0)
-      throw data::DataError("data.val: the files hold " + std::to_string(val->dataset().num_tokens()) +
-                            " tokens, not enough for one sample of seq_len + 1 = " + std::to_string(T + 1));
   }
-  Trainer tr(cfg, *backend);
-  RankPlace place;  // one process: the whole model, all of the optimizer state
+  Trainer tr(cfg, *backend, &grid, &comms);
+  RankPlace place;
+  place.tp_rank = grid.tp_rank();
+  place.pp_rank = grid.pp_rank();
+  place.dp_rank = grid.dp_rank();
+  place.world_rank = world_rank;
+  place.writes_weights = grid.dp_rank() == 0;
+  parallel::Comm& world = *comms.world;
+  const AgreeFn all_ok = [&](bool ok) { return !any_rank(world, *backend, !ok); };
 
   // Resume if a checkpoint exists (explicit --resume, or the latest in the checkpoint
   // directory); else --init-from weights; else a fresh init. All reads, no writes yet.
@@ -182,56 +225,71 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   if (resume_path.empty()) {
     if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir)) resume_path = *latest;
   }
-  if (!resume_path.empty()) {
-    Checkpoint ck = Checkpoint::open(resume_path);
-    if (auto problems = ck.verify(); !problems.empty()) {
-      std::string msg = "refusing to resume from a damaged checkpoint " + ck.path() + ":";
+  auto open_verified = [&](const std::string& path, const std::string& what) {
+    Checkpoint ck = Checkpoint::open(path);
+    // One rank reads every checksum; the others wait for its verdict.
+    std::vector<std::string> problems;
+    if (lead) problems = ck.verify();
+    if (!all_ok(problems.empty())) {
+      std::string msg = "refusing to " + what + " a damaged checkpoint " + ck.path() + ":";
       for (const auto& p : problems) msg += "\n  " + p;
-      throw CheckpointError(msg + "\n(other checkpoints in " + cfg.checkpoint.dir +
-                            " are untouched; pass one of them with --resume)");
+      throw CheckpointError(msg + (problems.empty() ? "\n  (see rank 0's message)" : "") +
+                            "\n(other checkpoints in " + cfg.checkpoint.dir + " are untouched; pass one with --resume)");
     }
+    return ck;
+  };
+  if (!resume_path.empty()) {
+    Checkpoint ck = open_verified(resume_path, "resume from");
     progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
+    const auto& topo = ck.meta()["topology"];
     notes.insert(notes.begin(), "resuming from " + ck.path() + " at iteration " + std::to_string(progress.iteration) +
                                     ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
-                                    std::to_string(tr.state().adam_step));
+                                    std::to_string(tr.state().adam_step) + " (saved under tp=" +
+                                    std::to_string(topo.value("tp", 1)) + " pp=" + std::to_string(topo.value("pp", 1)) +
+                                    " dp=" + std::to_string(topo.value("dp", 1)) + ")");
     if (!opts.init_from.empty())
       notes.push_back("--init-from " + opts.init_from + " is ignored: it only initialises a fresh run, and this run resumes");
   } else if (!opts.init_from.empty()) {
-    Checkpoint ck = Checkpoint::open(opts.init_from);
-    if (auto problems = ck.verify(); !problems.empty()) {
-      std::string msg = "refusing to initialise from a damaged checkpoint " + ck.path() + ":";
-      for (const auto& p : problems) msg += "\n  " + p;
-      throw CheckpointError(msg);
-    }
+    Checkpoint ck = open_verified(opts.init_from, "initialise from");
     notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place));
   } else {
     tr.init_weights();
   }
   if (progress.iteration >= cfg.train.steps) {
-    std::printf("keel: the checkpoint is at iteration %lld and train.steps is %lld: nothing to do\n",
-                static_cast<long long>(progress.iteration), static_cast<long long>(cfg.train.steps));
+    if (lead)
+      std::printf("keel: the checkpoint is at iteration %lld and train.steps is %lld: nothing to do\n",
+                  static_cast<long long>(progress.iteration), static_cast<long long>(cfg.train.steps));
     return kExitOk;
   }
 
-  // ---- run directory ----
-  std::error_code ec;
-  fs::create_directories(cfg.out, ec);
-  if (ec) throw std::runtime_error("cannot create run directory " + cfg.out + ": " + ec.message());
-  {
-    std::ofstream c(fs::path(cfg.out) / "config.json");
-    c << to_json(cfg).dump(2) << '\n';
-  }
-  MetricsWriter metrics((fs::path(cfg.out) / "metrics.jsonl").string());
-  print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
-  std::printf("keel: run directory %s (metrics: %s, checkpoints: %s)\n", cfg.out.c_str(), metrics.path().c_str(),
-              cfg.checkpoint.dir.c_str());
-  for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
+  // ---- run directory (rank 0 writes it; every rank writes its checkpoint files) ----
+  std::optional<MetricsWriter> metrics;
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
-  if (int n = checkpoints.clean_incomplete(); n > 0)
-    std::printf("keel: removed %d incomplete save(s) left by an interrupted run\n", n);
-  if (progress.iteration > 0)
-    metrics.write({{"event", "resume"}, {"step", progress.iteration}, {"checkpoint", resume_path}});
-  std::fflush(stdout);
+  if (lead) {
+    std::error_code ec;
+    fs::create_directories(cfg.out, ec);
+    if (ec) throw std::runtime_error("cannot create run directory " + cfg.out + ": " + ec.message());
+    {
+      std::ofstream c(fs::path(cfg.out) / "config.json");
+      c << to_json(cfg).dump(2) << '\n';
+    }
+    metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string());
+    print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
+    std::printf("keel: %s\n", grid.layout().c_str());
+    std::printf("%s", plan::memory_breakdown_text(cfg, 0, plan::Recompute::Never).c_str());
+    std::printf("keel: run directory %s (metrics: %s, checkpoints: %s)\n", cfg.out.c_str(), metrics->path().c_str(),
+                cfg.checkpoint.dir.c_str());
+    for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
+    if (int n = checkpoints.clean_incomplete(); n > 0)
+      std::printf("keel: removed %d incomplete save(s) left by an interrupted run\n", n);
+    if (progress.iteration > 0)
+      metrics->write({{"event", "resume"}, {"step", progress.iteration}, {"checkpoint", resume_path}});
+    std::fflush(stdout);
+  }
+  world.barrier();
+  // The replicas must agree from the start (after a load as after an init).
+  if (int n = tr.check_replicas(); n > 0 && lead)
+    std::printf("keel: replica check: %d replicated tensor(s) identical across their ranks\n", n);
 
   g_stop_signal = 0;
   // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
@@ -247,12 +305,13 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   double last_val = std::nan("");
   auto save = [&](int64_t it) {
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
-    print_save(checkpoints.save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place));
+    SaveResult r = checkpoints.save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok);
+    if (lead) print_save(r);
   };
   for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t gbs = global_batch_size(cfg, consumed_samples);
-    auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, 0);
+    auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, grid.dp_rank());
     StepStats st = tr.step(batches, it);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -260,27 +319,30 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
     consumed_tokens += gbs * T;
     skipped_total += st.skipped;
     nan_total += st.nonfinite;
+    // Throughput is the whole job's; TFLOPs are per rank (model FLOPs / world / time).
     StepReport r{st, cfg.train.steps, consumed_samples, consumed_tokens, secs * 1e3,
-                 static_cast<double>(gbs * T) / secs, flops_per_token * static_cast<double>(gbs * T) / secs / 1e12,
-                 skipped_total, nan_total};
-    metrics.write(step_record(r));
-    if (!opts.quiet && (it % cfg.log.interval == 0 || it == 1 || it == cfg.train.steps)) {
+                 static_cast<double>(gbs * T) / secs,
+                 flops_per_token * static_cast<double>(gbs * T) / secs / 1e12 / world_size, skipped_total, nan_total};
+    if (metrics) metrics->write(step_record(r));
+    if (!quiet && (it % cfg.log.interval == 0 || it == 1 || it == cfg.train.steps)) {
       std::printf("%s\n", format_step_line(r).c_str());
       std::fflush(stdout);
     }
-    if (st.nonfinite) {
+    if (st.nonfinite && lead) {
       std::printf("keel: WARNING step %lld: %s (update skipped%s)\n", static_cast<long long>(it),
                   std::isfinite(st.loss) ? "non-finite gradient" : "non-finite loss",
                   tr.scaler().enabled() ? ", fp16 loss scale backs off" : "");
     }
 
+    if (cfg.health.replica_check_interval > 0 && it % cfg.health.replica_check_interval == 0) tr.check_replicas();
+
     const bool eval_now = val && cfg.train.eval_batches > 0 &&
                           ((cfg.train.eval_interval > 0 && it % cfg.train.eval_interval == 0) || it == cfg.train.steps);
     if (eval_now) {
-      last_val = validate(tr, *val, cfg);
-      metrics.write({{"step", it}, {"val_loss", last_val}, {"consumed_tokens", consumed_tokens}});
-      if (!opts.quiet) std::printf(" validation at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
-                                   static_cast<long long>(it), last_val, std::exp(last_val));
+      last_val = validate(tr, *val, cfg, grid);
+      if (metrics) metrics->write({{"step", it}, {"val_loss", last_val}, {"consumed_tokens", consumed_tokens}});
+      if (!quiet) std::printf(" validation at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
+                              static_cast<long long>(it), last_val, std::exp(last_val));
     }
 
     const bool last = it == cfg.train.steps;
@@ -292,19 +354,22 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
     // Leave room for one more step and a save before the limit (the last step's time, twice).
     else if (!last && opts.time_limit_s > 0 && elapsed + 2 * secs >= opts.time_limit_s)
       stop_reason = "time limit of " + std::to_string(static_cast<int64_t>(opts.time_limit_s)) + " s is near";
-    if (!stop_reason.empty()) {
-      std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
-                  static_cast<long long>(it));
+    // Every rank stops at the same step boundary: a signal may reach the ranks at different times.
+    if (any_rank(world, *backend, !stop_reason.empty())) {
+      if (stop_reason.empty()) stop_reason = "another rank is stopping";
+      if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
+                            static_cast<long long>(it));
       save(it);
-      std::printf("keel: stopped at iteration %lld of %lld; run the same command again to resume (exit code %d)\n",
-                  static_cast<long long>(it), static_cast<long long>(cfg.train.steps), kExitStopped);
+      if (lead) std::printf("keel: stopped at iteration %lld of %lld; run the same command again to resume (exit code %d)\n",
+                            static_cast<long long>(it), static_cast<long long>(cfg.train.steps), kExitStopped);
       return kExitStopped;
     }
     if (scheduled || (last && cfg.checkpoint.save_at_end)) save(it);
   }
-  std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
-              static_cast<long long>(consumed_tokens),
-              std::isnan(last_val) ? "" : (", final validation loss " + std::to_string(last_val)).c_str());
+  if (lead)
+    std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
+                static_cast<long long>(consumed_tokens),
+                std::isnan(last_val) ? "" : (", final validation loss " + std::to_string(last_val)).c_str());
   return kExitOk;
 }
 

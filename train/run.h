@@ -18,7 +18,12 @@ enum ExitCode : int {
   kExitCheckpointError = 5,  // a checkpoint could not be read or written (nothing was lost)
 };
 
+namespace parallel {
+class MpiRuntime;
+}
+
 struct RunOptions {
+  const parallel::MpiRuntime* mpi = nullptr;  // set when launched by mpirun/srun
   bool quiet = false;       // no per-step lines on stdout (metrics are still written)
   std::string resume;       // checkpoint to resume (default: the latest in checkpoint.dir, if any)
   std::string init_from;    // weights-only initialisation for a fresh run (finetuning)
@@ -27,5 +32,9 @@ struct RunOptions {
 };
 
 int run_training(const RunConfig& cfg, const RunOptions& opts = {});
+
+// The process's MPI runtime (created first thing in main), for the subcommands that need it.
+void set_process_runtime(const parallel::MpiRuntime* runtime);
+const parallel::MpiRuntime* process_runtime();
 
 }  // namespace keel

@@ -53,6 +53,8 @@ class CpuBackend final : public Backend {
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) override;
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, const AttnShape& s) override;
+  void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
+                        const AttnShape& s, int64_t pos, float rope_theta) override;  // attention_decode.cpp
 
   void xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit, const Tensor& logits,
                   const Tensor& targets, int64_t vocab_start) override;

@@ -1,0 +1,57 @@
+// Hugging Face tokenizer.json, encode and decode, in C++ (keel sample's prompts, tools).
+//
+// Covers the BPE tokenizers of the Llama family and GPT-2:
+//   byte-level BPE (GPT-2, Llama 3): ByteLevel pre-tokenizer (GPT-2 regex or a Split regex
+//     before it), merges by rank, ignore_merges, added/special tokens;
+//   SentencePiece-style BPE (Llama 2, Mistral): "▁" for spaces via Prepend/Replace normalizers
+//     or a Metaspace pre-tokenizer, byte fallback to <0xXX> tokens, unk fusing.
+// Components: normalizers Prepend, Replace, Strip, Sequence; pre-tokenizers ByteLevel, Split,
+// Metaspace, Digits, Whitespace, WhitespaceSplit, Sequence; post-processors TemplateProcessing,
+// ByteLevel, BertProcessing/RobertaProcessing (single sequence), Sequence; decoders ByteLevel,
+// Replace, ByteFallback, Fuse, Strip, Metaspace, Sequence. Anything else is refused when the
+// file is loaded, with an error naming the component, so keel never tokenizes differently from
+// the library in silence. The behaviour is checked id for id against the HF `tokenizers`
+// library on a multilingual corpus (test/data/test_tokenizer.cpp).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace keel::data {
+
+class Tokenizer {
+ public:
+  // Throws DataError naming the file and the unsupported or malformed part.
+  static Tokenizer from_file(const std::string& path);
+  static Tokenizer from_json(std::string_view json_text, const std::string& source = "tokenizer.json");
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+  // Text (UTF-8; invalid UTF-8 throws DataError) to token ids, as HF's
+  // tokenizer.encode(text, add_special_tokens=...).ids. add_special_tokens applies the
+  // post-processor (e.g. Llama's BOS).
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
+  // Ids to text, as HF's tokenizer.decode(ids, skip_special_tokens=...). Ids outside the
+  // vocabulary are skipped.
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
+
+  // Number of ids (model vocabulary plus added tokens): every id is below it.
+  int64_t vocab_size() const;
+  std::optional<int32_t> token_to_id(std::string_view token) const;
+  std::string id_to_token(int32_t id) const;  // "" for unknown ids
+  bool is_special(int32_t id) const;          // an added token marked special
+  // One line for logs: "byte-level BPE, 50257 ids (1 added), pre-tokenizer ByteLevel".
+  std::string describe() const;
+
+ private:
+  Tokenizer();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace keel::data

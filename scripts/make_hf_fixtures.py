@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""Build the Hugging Face model fixtures for keel's conversion, sampling and finetuning tests
+(test/train/test_hf_convert.cpp, test/train/test_hf_cli.cpp).
+
+Three tiny LlamaForCausalLM models, saved with save_pretrained exactly as transformers writes
+them, each with a tokenizer.json:
+
+  llama_trained   fp32, GQA (4 query / 2 kv heads), untied head, Llama 2 style tokenizer
+                  (SentencePiece BPE with byte fallback, vocab 512); trained here with AdamW on
+                  Debian's fortunes to a low loss, so a finetune that loses the pretrained
+                  weights (seed-000) shows as a loss jump
+  llama_tied      bf16, random, tied embeddings, one kv head (MQA), rope_theta 500000,
+                  rms_norm_eps 1e-6, GPT-2 style byte-level tokenizer (vocab 300)
+  llama_sharded   fp16, random, plain multi-head attention, untied, three layers, split into
+                  shards by max_shard_size (model-0000X-of-0000N.safetensors + index)
+
+and for each (test/fixtures/hf/expected/<name>.json + .safetensors):
+  logits     [16, V] float32: HF's logits for 16 fixed tokens, computed in float64 from the
+             stored weights (make_fixtures.py's float64 patches of HF Llama's upcasts)
+  greedy     16 greedy new tokens after a fixed prompt (HF generate, float64); the smallest
+             top-1/top-2 logit gap along the way is recorded and must be > 1e-3, so an fp32
+             implementation cannot flip a token
+  text       (llama_trained) a text prompt, its ids with <s>, and HF's greedy continuation
+  train_loss (llama_trained) the fp32 model's mean loss over the windows of
+             test/fixtures/hf/data/fortunes_sp.bin (an llm.c shard of text it was trained on)
+
+Deterministic (one thread, fixed seeds): --check rebuilds into a temporary directory and
+compares every file byte for byte.
+
+Usage:
+  python3 scripts/make_hf_fixtures.py
+  python3 scripts/make_hf_fixtures.py --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_fixtures  # noqa: E402  (float64 patches of HF Llama)
+import make_tokenizer_fixtures as tokfix  # noqa: E402  (corpus reader and tokenizer builders)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO_ROOT, "test", "fixtures", "hf")
+N_LOGIT_TOKENS = 16
+N_NEW = 16
+MIN_MARGIN = 1e-3
+TRAIN_SEQ = 64
+TEXT_PROMPT = "The best way to"
+
+
+def bytelevel_tokenizer():
+    corpus = tokfix.read_fortunes(tokfix.TRAIN_FILES)
+    return tokfix.train_bytelevel(corpus, 300, tokfix.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                                  ["<|endoftext|>"])
+
+
+def sp_tokenizer():
+    corpus = tokfix.read_fortunes(tokfix.TRAIN_FILES)
+    vocab, merges = tokfix.sp_model(corpus, 512 - 258)
+    return tokfix.sp_tokenizer(vocab, merges, metaspace=False)
+
+
+def llama(vocab, d, layers, heads, kv, ffn, tied, theta, eps, init, seed, bos=None, eos=None):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=128,
+                      rms_norm_eps=eps, rope_theta=theta, tie_word_embeddings=tied, initializer_range=init,
+                      attention_bias=False, mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
+                      attn_implementation="eager")
+    model = LlamaForCausalLM(cfg)
+    # Norm gains away from 1 so a mixed-up norm shows in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape))
+    return model.eval()
+
+
+def train_model(model, tokens: np.ndarray, steps: int, seed: int):
+    """AdamW on random windows of the token stream (a plain pretraining loop)."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.from_numpy(tokens.astype(np.int64))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30) * (0.1 + 0.9 * (1 - s / steps)))
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, len(data) - TRAIN_SEQ - 1, (16,), generator=g)
+        batch = torch.stack([data[s:s + TRAIN_SEQ + 1] for s in starts])
+        logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"    train step {step:4d} loss {loss.item():.4f}")
+    return model.eval()
+
+
+def write_llmc_shard(path: str, tokens: np.ndarray) -> None:
+    header = np.zeros(256, dtype="<i4")
+    header[0], header[1], header[2] = 20240520, 1, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+
+def loss_on_windows(model, tokens: np.ndarray) -> float:
+    """Mean next-token loss over the non-overlapping windows keel's sampler cuts (fp32)."""
+    n = (len(tokens) - 1) // TRAIN_SEQ
+    data = torch.from_numpy(tokens.astype(np.int64))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for w in range(n):
+            x = data[w * TRAIN_SEQ:(w + 1) * TRAIN_SEQ + 1]
+            logits = model(input_ids=x[None, :-1], use_cache=False).logits[0]
+            total += F.cross_entropy(logits.double(), x[1:], reduction="sum").item()
+            count += TRAIN_SEQ
+    return total / count
+
+
+def float64_model(path: str):
+    m = LlamaForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    return m.eval()
+
+
+def oracle_logits(m64, ids) -> torch.Tensor:
+    with make_fixtures.llama_float64_patches(m64), torch.no_grad():
+        return m64(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+
+
+def greedy(m64, prompt, n=N_NEW, eos=None):
+    """HF generate (float64, KV cache), and the smallest top-1/top-2 gap along the way."""
+    with make_fixtures.llama_float64_patches(m64), torch.no_grad():
+        out = m64.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                           pad_token_id=0)[0].tolist()[len(prompt):]
+        margin = math.inf
+        seq = list(prompt)
+        for tok in out:
+            logits = m64(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+            top = torch.topk(logits, 2).values
+            margin = min(margin, (top[0] - top[1]).item())
+            assert logits.argmax().item() == tok
+            seq.append(tok)
+    return out, margin
+
+
+def build(out: str) -> None:
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    os.makedirs(os.path.join(out, "expected"), exist_ok=True)
+    os.makedirs(os.path.join(out, "data"), exist_ok=True)
+
+    sp = sp_tokenizer()
+    bl = bytelevel_tokenizer()
+    # The trained model's data: fortunes through the SentencePiece-style tokenizer, documents
+    # separated by </s>.
+    docs = tokfix.read_fortunes(tokfix.TRAIN_FILES)
+    stream = []
+    for enc in sp.encode_batch(docs, add_special_tokens=True):
+        stream += enc.ids + [2]
+    stream = np.asarray(stream, dtype=np.int64)
+    print(f"  corpus: {len(docs)} fortunes, {len(stream)} tokens (vocab {sp.get_vocab_size()})")
+
+    specs = {
+        "llama_trained": dict(tok=sp, dtype=torch.float32, shard=None,
+                              model=lambda: llama(sp.get_vocab_size(), 48, 2, 4, 2, 128, False, 10000.0, 1e-5, 0.02,
+                                                  1001, bos=1, eos=2)),
+        "llama_tied": dict(tok=bl, dtype=torch.bfloat16, shard=None,
+                           model=lambda: llama(bl.get_vocab_size(), 32, 2, 4, 1, 64, True, 500000.0, 1e-6, 0.3, 1002)),
+        "llama_sharded": dict(tok=bl, dtype=torch.float16, shard="40KB",
+                              model=lambda: llama(bl.get_vocab_size(), 32, 3, 4, 4, 64, False, 10000.0, 1e-5, 0.3,
+                                                  1003)),
+    }
+    for name, spec in specs.items():
+        print(f"[{name}]")
+        model = spec["model"]()
+        V = model.config.vocab_size
+        expected = {"model": name, "dtype": str(spec["dtype"]).replace("torch.", ""), "vocab_size": V}
+        if name == "llama_trained":
+            model = train_model(model, stream[:len(stream) * 9 // 10], 600, 7)
+            shard = stream[len(stream) * 9 // 10:][:16 * 1024 + 1]
+            write_llmc_shard(os.path.join(out, "data", "fortunes_sp.bin"), shard)
+            expected["train_loss"] = {"file": "data/fortunes_sp.bin", "seq_len": TRAIN_SEQ,
+                                      "loss": loss_on_windows(model, shard),
+                                      "note": "mean loss of the fp32 HF model over the shard's non-overlapping windows "
+                                              "of seq_len + 1 tokens (keel's sampler windows)"}
+            print(f"    loss on fortunes_sp.bin: {expected['train_loss']['loss']:.4f} (ln V = {math.log(V):.4f})")
+        model = model.to(spec["dtype"])
+        path = os.path.join(out, name)
+        shutil.rmtree(path, ignore_errors=True)
+        kwargs = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
+        model.save_pretrained(path, **kwargs)
+        spec["tok"].save(os.path.join(path, "tokenizer.json"))
+
+        # Oracles from the files as saved.
+        m64 = float64_model(path)
+        g = torch.Generator().manual_seed(len(name))
+        ids = torch.randint(3, V, (N_LOGIT_TOKENS,), generator=g).tolist()
+        logits = oracle_logits(m64, ids)
+        with torch.no_grad():  # sanity: unpatched HF in fp32 agrees
+            m32 = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+            l32 = m32(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
+        rel = ((l32 - logits).norm() / logits.norm()).item()
+        assert rel < 1e-5, (name, rel)
+        prompt = ids[:5]
+        new, margin = greedy(m64, prompt)
+        assert margin > MIN_MARGIN, (name, margin)
+        expected.update({"logits_tokens": ids, "fp32_vs_fp64_logits_rel": float(f"{rel:.3e}"),
+                         "greedy": {"prompt_ids": prompt, "new_ids": new, "min_top2_gap": float(f"{margin:.4g}")}})
+        if name == "llama_trained":
+            p_ids = spec["tok"].encode(TEXT_PROMPT, add_special_tokens=True).ids
+            t_new, t_margin = greedy(m64, p_ids, eos=2)
+            assert t_margin > MIN_MARGIN, (name, t_margin)
+            expected["text"] = {"prompt": TEXT_PROMPT, "prompt_ids": p_ids, "new_ids": t_new,
+                                "completion": spec["tok"].decode(p_ids + t_new, skip_special_tokens=True),
+                                "min_top2_gap": float(f"{t_margin:.4g}"), "eos_token_id": 2}
+        print(f"    logits fp32 vs fp64 {rel:.2e}; greedy {new} (min gap {margin:.3g})")
+        save_file({"logits": logits.float().contiguous()}, os.path.join(out, "expected", name + ".safetensors"),
+                  metadata={"keel_fixture": name})
+        with open(os.path.join(out, "expected", name + ".json"), "w") as f:
+            f.write(json.dumps(expected, indent=1) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--check", action="store_true", help="rebuild in a temporary directory and compare")
+    args = ap.parse_args()
+    if not args.check:
+        build(args.out)
+        total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)
+        print(f"wrote {args.out} ({total} bytes)")
+        return 0
+    tmp = tempfile.mkdtemp(prefix="keel_hf_fixtures_")
+    build(tmp)
+    bad = []
+    for d, _, files in os.walk(tmp):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), tmp)
+            ref = os.path.join(args.out, rel)
+            if not os.path.exists(ref) or not filecmp.cmp(ref, os.path.join(d, f), shallow=False):
+                bad.append(rel)
+    shutil.rmtree(tmp)
+    if bad:
+        print("CHECK FAILED: " + ", ".join(sorted(bad)))
+        return 1
+    print(f"check ok: {args.out} matches a fresh build")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

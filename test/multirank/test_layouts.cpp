@@ -1,0 +1,225 @@
+// 3D parallelism end to end: `mpirun -np N keel train` under every layout of 8 ranks (tp, pp,
+// dp in {1, 2, 4, 8}, product 8) and some of 2 and 4, against the single-process run of the
+// same config, for the tiny Llama (GQA) and the tiny GPT-2 (tied head, biases).
+//
+// Tolerances (fp32): the layouts compute the same math with different summation splits (TP
+// partial sums, DP reductions, micro-batch grouping), so they differ by fp32 roundoff:
+//   step 1: loss and grad norm within 1e-5 relative (forward/backward only);
+//   later steps: loss within 1e-5, grad norm within 1e-4: AdamW's m / sqrt(v) divides by
+//   tiny second moments for near-zero gradients and amplifies roundoff into the trajectory
+//   (test/train/test_adamw_oracle.cpp measures the same effect for PyTorch itself).
+// bf16: activations are rounded to 8 bits of mantissa after every op, so reordered sums move
+// the loss by a few 2^-8 relative: within 2e-2 over a few steps.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "common/process.h"
+#include "common/workspace.h"
+
+using namespace keel;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Layout {
+  int tp, pp, dp;
+  int world() const { return tp * pp * dp; }
+  std::string str() const { return "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " dp=" + std::to_string(dp); }
+};
+
+// Models divisible enough for tp 8, pp 8 and dp 8: 8 layers, 16 query / 8 kv heads (llama),
+// vocab 64, ffn divisible by 8, global batch 16 = micro-batch 2 x 8.
+nlohmann::json model_patch(const std::string& family) {
+  nlohmann::json m = family == "llama"
+                         ? nlohmann::json{{"family", "llama"}, {"vocab_size", 64},  {"d_model", 64},  {"n_layers", 8},
+                                          {"n_heads", 16},     {"n_kv_heads", 8},   {"ffn_hidden", 128}, {"max_seq_len", 32}}
+                         : nlohmann::json{{"family", "gpt2"}, {"vocab_size", 64},  {"d_model", 64},  {"n_layers", 8},
+                                          {"n_heads", 8},     {"n_kv_heads", 8},   {"ffn_hidden", 256}, {"max_seq_len", 32}};
+  return {{"model", m},
+          {"train", {{"steps", 6}, {"global_batch", 16}, {"micro_batch", 2}, {"seq_len", 16}, {"eval_interval", 0},
+                     {"eval_batches", 0}}},
+          {"checkpoint", {{"save_at_end", false}}},
+          {"health", {{"replica_check_interval", 1}}}};
+}
+
+struct Run {
+  int code;
+  std::string output;
+  std::vector<nlohmann::json> records;
+};
+
+Run train(const test::Workspace& ws, const std::string& out, const Layout& l, const std::string& extra = "") {
+  std::string cmd = "train --config " + ws.config + " --out " + out + " -q --set parallel.tp=" + std::to_string(l.tp) +
+                    " --set parallel.pp=" + std::to_string(l.pp) + " --set parallel.dp=" + std::to_string(l.dp) + " " +
+                    extra;
+  test::ProcessResult r;
+  if (l.world() == 1) {
+    r = test::run_keel(cmd);
+  } else {
+    const std::string full = std::string(KEEL_MPIEXEC) + " -np " + std::to_string(l.world()) +
+                             " -x OMP_NUM_THREADS=1 " + KEEL_BINARY + " " + cmd + " 2>&1";
+    FILE* p = popen(full.c_str(), "r");
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+    const int status = pclose(p);
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  Run run{r.code, r.output, {}};
+  if (fs::exists(out + "/metrics.jsonl"))
+    for (const auto& rec : test::read_metrics(out + "/metrics.jsonl"))
+      if (rec.contains("loss")) run.records.push_back(rec);
+  return run;
+}
+
+void compare(const Run& ref, const Run& got, double loss_tol, double norm_tol_first, double norm_tol_later) {
+  REQUIRE(got.records.size() == ref.records.size());
+  double worst_loss = 0, worst_norm = 0;
+  for (size_t i = 0; i < ref.records.size(); ++i) {
+    const double l0 = ref.records[i]["loss"], l1 = got.records[i]["loss"];
+    const double g0 = ref.records[i]["grad_norm"], g1 = got.records[i]["grad_norm"];
+    INFO("step " << i + 1 << ": loss " << l1 << " vs " << l0 << ", grad norm " << g1 << " vs " << g0);
+    CHECK(std::abs(l1 - l0) <= loss_tol * l0);
+    CHECK(std::abs(g1 - g0) <= (i == 0 ? norm_tol_first : norm_tol_later) * g0);
+    worst_loss = std::max(worst_loss, std::abs(l1 - l0) / l0);
+    worst_norm = std::max(worst_norm, std::abs(g1 - g0) / g0);
+  }
+  WARN("worst relative difference: loss " << worst_loss << ", grad norm " << worst_norm);
+}
+
+const std::vector<Layout> kLayouts8 = {{8, 1, 1}, {1, 8, 1}, {1, 1, 8}, {4, 2, 1}, {4, 1, 2},
+                                       {2, 4, 1}, {1, 4, 2}, {2, 1, 4}, {1, 2, 4}, {2, 2, 2}};
+const std::vector<Layout> kLayouts24 = {{2, 1, 1}, {1, 2, 1}, {1, 1, 2}, {2, 2, 1}, {1, 2, 2}, {4, 1, 1}, {1, 4, 1}};
+
+void check_family(const std::string& family, const std::vector<Layout>& layouts) {
+  test::Workspace ws(model_patch(family));
+  const Run ref = train(ws, ws.dir / "single", {1, 1, 1});
+  INFO(ref.output);
+  REQUIRE(ref.code == 0);
+  REQUIRE(ref.records.size() == 6);
+  for (const Layout& l : layouts) {
+    INFO(family << " " << l.str());
+    const Run got = train(ws, ws.dir / ("l" + std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.dp)), l);
+    INFO(got.output);
+    REQUIRE(got.code == 0);
+    compare(ref, got, 1e-5, 1e-5, 1e-4);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every layout of 8 ranks trains the tiny Llama like one process (fp32)", "[mpi][layouts]") {
+  check_family("llama", kLayouts8);
+}
+
+TEST_CASE("every layout of 8 ranks trains the tiny GPT-2 like one process (fp32)", "[mpi][layouts]") {
+  check_family("gpt2", kLayouts8);
+}
+
+TEST_CASE("layouts of 2 and 4 ranks track the single-process run (fp32, both families)", "[mpi][layouts]") {
+  check_family("llama", kLayouts24);
+  check_family("gpt2", kLayouts24);
+}
+
+TEST_CASE("bf16 under 3D parallelism stays within bf16 rounding of the single-process run", "[mpi][layouts]") {
+  nlohmann::json patch = model_patch("llama");
+  patch["precision"] = {{"mode", "bf16"}};
+  patch["optimizer"] = {{"lr", 3e-3}, {"min_lr", 3e-4}};  // a smooth stretch of training, not an unstable one
+  test::Workspace ws(patch);
+  const Run ref = train(ws, ws.dir / "single", {1, 1, 1});
+  REQUIRE(ref.code == 0);
+  for (const Layout& l : std::vector<Layout>{{2, 2, 2}, {8, 1, 1}, {1, 4, 2}}) {
+    INFO(l.str());
+    const Run got = train(ws, ws.dir / ("b" + std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.dp)), l);
+    INFO(got.output);
+    REQUIRE(got.code == 0);
+    // Step 1 within bf16's half spacing (2^-8 relative); after that the rounding differences
+    // compound through the updates: the loss within 2%, the grad norm within 5%.
+    compare(ref, got, 2e-2, 3.9e-3, 5e-2);
+  }
+}
+
+TEST_CASE("tied embedding copies stay bitwise identical over many steps, and a drift is caught by name",
+          "[mpi][tied]") {
+  nlohmann::json patch = model_patch("gpt2");
+  patch["train"]["steps"] = 60;
+  patch["precision"] = {{"mode", "bf16"}};
+  test::Workspace ws(patch);
+  // The replica check runs after every step (health.replica_check_interval = 1) and compares
+  // the checksums of the first stage's tok_embed and the last stage's copy.
+  for (const Layout& l : std::vector<Layout>{{1, 2, 1}, {2, 4, 1}, {1, 2, 4}}) {
+    INFO(l.str());
+    const Run r = train(ws, ws.dir / ("tied" + std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.dp)), l);
+    INFO(r.output);
+    CHECK(r.code == 0);
+    CHECK(r.records.size() == 60);
+    CHECK_THAT(r.output, Catch::Contains("replica check"));
+  }
+  // With one copy nudged (test hook), the check stops the run naming the tensor and the ranks.
+  const std::string cmd = std::string(KEEL_MPIEXEC) + " -np 2 -x OMP_NUM_THREADS=1 -x KEEL_FAULT_TIED_DRIFT=1 " +
+                          KEEL_BINARY + " train --config " + ws.config + " --out " + (ws.dir / "drift") +
+                          " -q --set parallel.pp=2 2>&1";
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  INFO(out);
+  CHECK(WEXITSTATUS(status) != 0);
+  CHECK_THAT(out, Catch::Contains("replica mismatch") && Catch::Contains("tok_embed") &&
+                      Catch::Contains("world rank 0") && Catch::Contains("world rank 1"));
+}
+
+TEST_CASE("a checkpoint saved under tp=2 pp=2 dp=2 resumes under tp=1 pp=1 dp=1 and tp=2 pp=1 dp=4",
+          "[mpi][reshard]") {
+  for (const std::string family : {"llama", "gpt2"}) {
+    INFO(family);
+    nlohmann::json patch = model_patch(family);
+    patch["train"]["steps"] = 10;
+    patch["checkpoint"] = {{"save_at_end", true}};
+    test::Workspace ws(patch);
+    const Run straight = train(ws, ws.dir / "straight", {1, 1, 1});
+    REQUIRE(straight.code == 0);
+    const Run first = train(ws, ws.dir / "half", {2, 2, 2}, "--stop-at 5");
+    INFO(first.output);
+    REQUIRE(first.code == 4);
+    for (const Layout& l : std::vector<Layout>{{1, 1, 1}, {2, 1, 4}}) {
+      INFO("resumed under " << l.str());
+      const std::string out = ws.dir / ("resumed" + std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.dp));
+      fs::copy(ws.dir / "half", out, fs::copy_options::recursive);
+      const Run r = train(ws, out, l);
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      CHECK_THAT(r.output, Catch::Contains("saved under tp=2 pp=2 dp=2"));
+      // Steps 1-5 ran under 2x2x2, 6-10 under the new layout: all track the straight run.
+      std::map<int64_t, double> got;
+      for (const auto& rec : r.records) got[rec["step"].get<int64_t>()] = rec["loss"].get<double>();
+      REQUIRE(got.size() == 10);
+      for (const auto& rec : straight.records) {
+        const int64_t step = rec["step"];
+        CHECK(std::abs(got[step] - rec["loss"].get<double>()) <= 1e-5 * rec["loss"].get<double>());
+      }
+    }
+  }
+}
+
+TEST_CASE("a world size that does not match tp*pp*dp is one clear error", "[mpi][errors]") {
+  test::Workspace ws(model_patch("llama"));
+  const std::string cmd = std::string(KEEL_MPIEXEC) + " -np 3 -x OMP_NUM_THREADS=1 " + KEEL_BINARY +
+                          " train --config " + ws.config + " --out " + (ws.dir / "x") +
+                          " --set parallel.tp=2 --set parallel.pp=2 2>&1";
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  INFO(out);
+  CHECK(WEXITSTATUS(status) == 2);
+  CHECK_THAT(out, Catch::Contains("tp*pp*dp = 2*2*1 = 4 ranks, but 3 processes were launched"));
+  CHECK_FALSE(fs::exists(ws.dir / "x"));
+}
