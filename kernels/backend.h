@@ -36,6 +36,13 @@ struct AdamWParams {
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
   int64_t step = 1;  // 1-based Adam step count (bias correction)
   float grad_scale = 1;
+  // Stochastic rounding of the bf16 working copy written from the fp32 master (CUDA backend;
+  // off by default). The value rounds up with probability equal to its distance from the lower
+  // bf16 neighbour over the spacing, from a counter-based hash of (rounding_seed, step, element
+  // index within the tensor; give each tensor its own seed): reproducible, and unbiased in
+  // expectation. The CPU reference always rounds to nearest even, as do fp16 working copies.
+  bool stochastic_rounding = false;
+  uint64_t rounding_seed = 0;
 };
 
 class Backend {
@@ -157,5 +164,12 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
+
+#ifdef KEEL_HAVE_CUDA
+// The CUDA backend on GPU `device` (kernels/cuda; the caller picks the device, e.g. the local
+// rank's, and should make it current with cudaSetDevice first). Throws std::runtime_error when
+// the device cannot be used.
+std::unique_ptr<Backend> make_cuda_backend(int device);
+#endif
 
 }  // namespace keel

@@ -183,40 +183,57 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
     be_.embedding_forward(stage_input(slot_index), s.tokens, weight("tok_embed"),
                           gpt2 && tp_lead() ? weight("pos_embed") : none, T_, vocab_start_);
     tp_sum(stage_input(slot_index));
+    probe(false, -1, "embedding", stage_input(slot_index));
   }
 
   for (size_t l = 0; l < s.layers.size(); ++l) {
     LayerActs& a = s.layers[l];
     const std::string p = "layers." + std::to_string(sh.first_layer + static_cast<int>(l)) + ".";
     const Tensor& next = l + 1 < s.layers.size() ? s.layers[l + 1].res_in : s.res_final;
+    const int layer = sh.first_layer + static_cast<int>(l);
 
     // attention block: res_mid = res_in + wo(attn(rope(qkv(norm(res_in)))))
     norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, p + "attn_norm");
+    probe(false, layer, "attn_norm", a.norm1);
     Tensor bqkv = gpt2 ? fused(weights_, p + "attn.bq", q_ + 2 * kv_, 0) : none;
     be_.matmul(a.qkv, a.norm1, fused(weights_, p + "attn.wq", q_ + 2 * kv_, d), false, true, false,
                gpt2 ? &bqkv : nullptr);
-    if (cfg_.is_llama()) be_.rope_forward(a.qkv, attn_shape_, cfg_.rope_theta);
+    probe(false, layer, "qkv projection", a.qkv);
+    if (cfg_.is_llama()) {
+      be_.rope_forward(a.qkv, attn_shape_, cfg_.rope_theta);
+      probe(false, layer, "rope", a.qkv);
+    }
     be_.attention_forward(a.attn, a.lse, a.qkv, attn_shape_);
+    probe(false, layer, "attention", a.attn);
     // Row-parallel output: partial sums over TP; the replicated bias is added once (TP rank 0).
     Tensor bo = gpt2 ? weight(p + "attn.bo") : none;
     be_.matmul(proj_out_, a.attn, weight(p + "attn.wo"), false, true, false, gpt2 && tp_lead() ? &bo : nullptr);
     tp_sum(proj_out_);
+    probe(false, layer, "attention output projection", proj_out_);
     be_.add(a.res_mid, a.res_in, proj_out_);
+    probe(false, layer, "attention residual add", a.res_mid);
 
     // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
     norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, p + "mlp_norm");
+    probe(false, layer, "mlp_norm", a.norm2);
     if (gpt2) {
       Tensor b_fc = weight(p + "mlp.b_fc"), b_proj = weight(p + "mlp.b_proj");
       be_.matmul(a.fc, a.norm2, weight(p + "mlp.w_fc"), false, true, false, &b_fc);
+      probe(false, layer, "mlp input projection", a.fc);
       be_.gelu_forward(a.act, a.fc);
+      probe(false, layer, "gelu", a.act);
       be_.matmul(proj_out_, a.act, weight(p + "mlp.w_proj"), false, true, false, tp_lead() ? &b_proj : nullptr);
     } else {
       be_.matmul(a.fc, a.norm2, fused(weights_, p + "mlp.w_gate", 2 * ffn_, d), false, true);
+      probe(false, layer, "mlp gate/up projection", a.fc);
       be_.swiglu_forward(a.act, a.fc);
+      probe(false, layer, "swiglu", a.act);
       be_.matmul(proj_out_, a.act, weight(p + "mlp.w_down"), false, true);
     }
     tp_sum(proj_out_);
+    probe(false, layer, "mlp output projection", proj_out_);
     be_.add(next, a.res_mid, proj_out_);
+    probe(false, layer, "layer output (residual add)", next);
   }
 
   LossSum r;
@@ -224,8 +241,11 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   if (!targets) throw std::invalid_argument("Transformer::forward: the head stage needs targets");
   be_.copy_from_host(s.targets, targets);
   norm_forward(s.normf, s.meanf, s.rstdf, s.res_final, "final_norm");
+  probe(false, -1, "final_norm", s.normf);
   be_.matmul(s.logits, s.normf, head_weight(weights_), false, true);
+  probe(false, -1, "logits (head)", s.logits);
   loss_forward(s);
+  probe(false, -1, "cross-entropy loss", s.row_loss);
   for (int64_t i = 0; i < N_; ++i) r.n_valid += targets[i] >= 0;
   r.loss_sum = be_.sum(s.row_loss);
   return r;
@@ -241,11 +261,14 @@ void Transformer::backward(int slot_index, float dloss) {
     // loss -> logits (in place) -> head and final norm
     be_.xent_backward(s.logits, s.lse_rows, s.targets, dloss, vocab_start_);
     const Tensor& dlogits = s.logits;
+    probe(true, -1, "d logits (loss gradient x loss scale)", dlogits);
     be_.matmul(dnorm_, dlogits, head_weight(weights_), false, false);
     tp_sum(dnorm_);  // each rank saw only its vocab slice
+    probe(true, -1, "d final_norm output (head backward)", dnorm_);
     be_.matmul(head_weight(grads_), dlogits, s.normf, true, false, true);
     be_.fill(dres_, 0.0f);
     norm_backward(dres_, dnorm_, s.res_final, s.meanf, s.rstdf, "final_norm");
+    probe(true, -1, "d final_norm input", dres_);
   }
   // else: the caller has put d(loss)/d(stage output) into dres_ (grad_output()).
 
@@ -253,37 +276,51 @@ void Transformer::backward(int slot_index, float dloss) {
   for (size_t li = s.layers.size(); li-- > 0;) {
     LayerActs& a = s.layers[li];
     const std::string p = "layers." + std::to_string(sh.first_layer + static_cast<int>(li)) + ".";
+    const int layer = sh.first_layer + static_cast<int>(li);
 
     // MLP block
     if (gpt2) {
       be_.matmul(dact_, dres_, weight(p + "mlp.w_proj"), false, false);
       be_.matmul(grad(p + "mlp.w_proj"), dres_, a.act, true, false, true);
       be_.bias_backward(grad(p + "mlp.b_proj"), dres_);
+      probe(true, layer, "d gelu output (mlp output projection backward)", dact_);
       be_.gelu_backward(dfc_, dact_, a.fc);
+      probe(true, layer, "d mlp input projection (gelu backward)", dfc_);
       be_.matmul(dnorm_, dfc_, weight(p + "mlp.w_fc"), false, false);
       be_.matmul(grad(p + "mlp.w_fc"), dfc_, a.norm2, true, false, true);
       be_.bias_backward(grad(p + "mlp.b_fc"), dfc_);
     } else {
       be_.matmul(dact_, dres_, weight(p + "mlp.w_down"), false, false);
       be_.matmul(grad(p + "mlp.w_down"), dres_, a.act, true, false, true);
+      probe(true, layer, "d swiglu output (mlp output projection backward)", dact_);
       be_.swiglu_backward(dfc_, dact_, a.fc);
+      probe(true, layer, "d gate/up projection (swiglu backward)", dfc_);
       be_.matmul(dnorm_, dfc_, fused(weights_, p + "mlp.w_gate", 2 * ffn_, d), false, false);
       be_.matmul(fused(grads_, p + "mlp.w_gate", 2 * ffn_, d), dfc_, a.norm2, true, false, true);
     }
     tp_sum(dnorm_);  // column-parallel input gradient: partial over TP
+    probe(true, layer, "d mlp_norm output (mlp input projection backward)", dnorm_);
     norm_backward(dres_, dnorm_, a.res_mid, a.mean2, a.rstd2, p + "mlp_norm");
+    probe(true, layer, "d attention residual (mlp_norm backward)", dres_);
 
     // attention block
     be_.matmul(dattn_, dres_, weight(p + "attn.wo"), false, false);
     be_.matmul(grad(p + "attn.wo"), dres_, a.attn, true, false, true);
     if (gpt2) be_.bias_backward(grad(p + "attn.bo"), dres_);
+    probe(true, layer, "d attention output (output projection backward)", dattn_);
     be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, attn_shape_);
-    if (cfg_.is_llama()) be_.rope_backward(dqkv_, attn_shape_, cfg_.rope_theta);
+    probe(true, layer, "d qkv (attention backward)", dqkv_);
+    if (cfg_.is_llama()) {
+      be_.rope_backward(dqkv_, attn_shape_, cfg_.rope_theta);
+      probe(true, layer, "d qkv (rope backward)", dqkv_);
+    }
     be_.matmul(dnorm_, dqkv_, fused(weights_, p + "attn.wq", q_ + 2 * kv_, d), false, false);
     be_.matmul(fused(grads_, p + "attn.wq", q_ + 2 * kv_, d), dqkv_, a.norm1, true, false, true);
     if (gpt2) be_.bias_backward(fused(grads_, p + "attn.bq", q_ + 2 * kv_, 0), dqkv_);
     tp_sum(dnorm_);
+    probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm_);
     norm_backward(dres_, dnorm_, a.res_in, a.mean1, a.rstd1, p + "attn_norm");
+    probe(true, layer, "layer input gradient (attn_norm backward)", dres_);
   }
 
   if (sh.has_embedding) {

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -64,6 +65,18 @@ class Transformer {
   Tensor grad_output() const { return dres_; }  // d(loss)/d(stage output), before backward
   Tensor grad_input() const { return dres_; }   // d(loss)/d(stage input), after backward
 
+  // Health probes: when set, called after every op of forward and backward with its output
+  // (layer -1: embedding / head). Used to find the first op that overflows, and for per-layer
+  // activation and gradient statistics. Unset, it costs a branch per op.
+  struct OpProbe {
+    bool backward;
+    int layer;
+    const char* op;
+    const Tensor& out;
+  };
+  using ProbeFn = std::function<void(const OpProbe&)>;
+  void set_probe(ProbeFn fn) { probe_ = std::move(fn); }
+
   Tensor logits(int slot = 0) const { return slots_[slot].logits; }  // [B*T, V_local], before backward
   Tensor weight(const std::string& name) const;
   Tensor grad(const std::string& name) const;
@@ -107,6 +120,11 @@ class Transformer {
   bool tp_lead() const { return table_.shard().tp_rank == 0; }
   void loss_forward(Slot& s);
 
+  void probe(bool backward, int layer, const char* op, const Tensor& out) {
+    if (probe_) probe_({backward, layer, op, out});
+  }
+
+  ProbeFn probe_;
   const ParamTable table_;
   const ModelConfig& cfg_;
   Backend& be_;

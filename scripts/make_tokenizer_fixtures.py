@@ -14,6 +14,10 @@ Tokenizers (trained here on Debian's fortunes plus the multilingual text below):
                Replace + ByteFallback + Fuse + Strip, <s> added by TemplateProcessing
   metaspace    the same model with a Metaspace pre-tokenizer (prepend_scheme "first") and
                the Metaspace decoder (the newer HF conversion of Llama / Mistral)
+  splits       every Split behaviour (removed, isolated, merged with previous / next,
+               contiguous, invert), Digits, Strip and regex Replace normalizers, byte-level model
+  metaspace_unk  Metaspace (prepend_scheme "always", split) with <unk> for unknown characters
+  whitespace   WhitespaceSplit + Whitespace pre-tokenizers, no decoder
 
 Outputs (test/fixtures/tokenizers/): <name>.json (tokenizer.json files) and cases.json:
   {"strings": [...], "tokenizers": {name: {"file", "vocab_size", "encode": [[ids]...],
@@ -194,6 +198,45 @@ def sp_tokenizer(vocab, merges, metaspace: bool):
     return tok
 
 
+def make_splits(corpus):
+    """Every Split behaviour, Digits, invert, and the Strip / regex Replace normalizers, in front
+    of a byte-level model."""
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[,;]"), behavior="merged_with_previous"),
+        pre_tokenizers.Split(" ", behavior="removed"),
+        pre_tokenizers.Digits(individual_digits=False),
+        pre_tokenizers.Split(Regex(r"[!?.]"), behavior="contiguous"),
+        pre_tokenizers.Split(Regex(r"-"), behavior="merged_with_next"),
+        pre_tokenizers.Split(Regex(r"\p{Lu}+"), behavior="isolated", invert=True),
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok = train_bytelevel(corpus, 300, pre, ["<|endoftext|>"])
+    tok.normalizer = normalizers.Sequence([normalizers.Strip(left=True, right=True),
+                                           normalizers.Replace(Regex(r"\s{2,}"), " ")])
+    return tok
+
+
+def make_unk_bpe(corpus, metaspace: bool):
+    """A BPE without byte fallback: characters outside the vocabulary become <unk> (not fused).
+    Metaspace with prepend_scheme "always" and split, or HF's Whitespace pre-tokenizer with no
+    decoder (decode joins tokens with spaces)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=False))
+    if metaspace:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Whitespace()])
+    counts = {}
+    for doc in corpus:
+        for ch in doc:
+            counts[ch] = counts.get(ch, 0) + 1
+    alphabet = set(sorted(counts, key=lambda ch: (-counts[ch], ord(ch)))[:70])
+    small = ["".join(ch for ch in doc if ch in alphabet) for doc in corpus]
+    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=2, special_tokens=["<unk>", "<s>"], show_progress=False)
+    tok.train_from_iterator(small, trainer=trainer, length=len(small))
+    return tok
+
+
 def build(out_dir: str) -> dict:
     corpus = read_fortunes(TRAIN_FILES) + MULTILINGUAL * 5
     vocab, merges = sp_model(corpus, 600)
@@ -203,6 +246,9 @@ def build(out_dir: str) -> dict:
         "roberta": make_roberta(corpus),
         "llama2": sp_tokenizer(vocab, merges, metaspace=False),
         "metaspace": sp_tokenizer(vocab, merges, metaspace=True),
+        "splits": make_splits(corpus),
+        "metaspace_unk": make_unk_bpe(corpus, metaspace=True),
+        "whitespace": make_unk_bpe(corpus, metaspace=False),
     }
     strings = test_strings()
     files = {}

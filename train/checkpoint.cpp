@@ -1,5 +1,6 @@
 #include "train/checkpoint.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -473,7 +474,7 @@ json write_file(const fs::path& dir, const FilePlan& plan, Backend& be) {
 
 SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
                                    const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
-                                   const AgreeFn& agree) {
+                                   const AgreeFn& agree, const nlohmann::json& health) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string name = step_name(progress.iteration);
   const fs::path dir(dir_), tmp = dir / (".tmp-" + name), final_path = dir / name;
@@ -569,6 +570,8 @@ SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table
           {"master_is_weight", state.master_is_working()},
           {"config", to_json(cfg)},
           {"files", files}};
+      // What a restart must reproduce: the probe batch's loss and per-tensor norms.
+      if (!health.is_null()) meta["health"] = health;
       maybe_crash("meta");
       write_text_file_synced((tmp / "meta.json").string(), meta.dump(2));
       data::detail::sync_directory(tmp.string());
@@ -745,6 +748,14 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
   for (const ParamSpec& p : table.params())
     for (const TensorRegion& r : flat_range_regions(p, 0, n)) ck.read(source, p.name, r, DType::F32, values.data() + r.flat_begin);
   state.load_fp32(values.data());  // masters exact, working = rounding, moments 0, Adam step 0
+  // Test hook for the restart verification: KEEL_FAULT_MASTERS_FROM_INIT=1 reproduces the
+  // seed-000 bug (fp32 masters left at a fresh random init under the loaded weights).
+  if (std::getenv("KEEL_FAULT_MASTERS_FROM_INIT") && state.has_master() && !state.master_is_working()) {
+    std::vector<float> init(static_cast<size_t>(n));
+    for (const ParamSpec& p : table.params()) init_param(p, 12345, init.data() + p.offset);
+    const int64_t ob = state.optim_begin(), oe = std::min(state.optim_end(), n);
+    if (oe > ob) backend.copy_from_host(state.flat_view(state.master, ob, oe - ob), init.data() + ob);
+  }
   std::string dtype = std::string(dtype_name(ck.stored_dtype(source, table.params().front().name)));
   std::string what = source == "master" ? "the fp32 master weights" : dtype + " weights";
   return "initialised from " + ck.path() + ": " + std::to_string(table.params().size()) + " tensors, " + what +
@@ -757,6 +768,19 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
 // ======================================================================================
 // Weights-only checkpoints from another source (keel convert hf:DIR OUT)
 // ======================================================================================
+
+void Checkpoint::release(const std::string& state, const std::string& tensor) const {
+  auto it = chunks_.find(state + "/" + tensor);
+  if (it == chunks_.end()) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (const Chunk& c : it->second) {
+    const auto bytes = files_[c.file]->bytes(*c.info);
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
+    // Read-only file pages: dropping them only costs a re-read should a neighbour need them.
+    if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  }
+}
 
 SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg, DType dtype, const TensorFill& fill,
                                     const json& source) {

@@ -106,6 +106,9 @@ class Checkpoint {
             void* out) const;
   // Whole logical tensor as fp32.
   std::vector<float> read_full(const std::string& state, const std::string& tensor) const;
+  // Done reading (state, tensor): its file pages leave this process's memory (they stay in the
+  // page cache), so streaming a large checkpoint through read() keeps a small footprint.
+  void release(const std::string& state, const std::string& tensor) const;
 
   // Checksums and completeness: returns the problems found (empty = sound). Each names the
   // file and, where it applies, the tensor.
@@ -144,7 +147,7 @@ class CheckpointManager {
   // are never touched.
   SaveResult save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
                   const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
-                  const AgreeFn& agree = [](bool ok) { return ok; });
+                  const AgreeFn& agree = [](bool ok) { return ok; }, const nlohmann::json& health = nullptr);
   // Keeps the newest keep_last checkpoints, plus every step divisible by keep_every; never
   // the one `latest` names.
   void rotate();

@@ -30,6 +30,7 @@ void print_stats(const ConvertStats& st, const std::string& what) {
   std::printf("keel: %s: %lld tensors, %lld parameters, %s, %.1f MB in %.2f s\n", what.c_str(),
               static_cast<long long>(st.tensors), static_cast<long long>(st.parameters),
               std::string(dtype_name(st.dtype)).c_str(), st.bytes / 1e6, st.seconds);
+  for (const auto& n : st.notes) std::printf("keel: note: %s\n", n.c_str());
   if (!st.copied.empty()) {
     std::string files;
     for (const auto& f : st.copied) files += (files.empty() ? "" : ", ") + f;

@@ -82,6 +82,7 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
     r.offset.assign(p.shape.size(), 0);
     staging.resize(static_cast<size_t>(p.numel) * dtype_size(dtype));
     ck.read(state, p.name, r, dtype, staging.data());
+    ck.release(state, p.name);
     be.copy_from_host(slice(p), staging.data());
   }
   lm.description = ck.path() + " (iteration " + std::to_string(ck.progress().iteration) + ", " +

@@ -18,5 +18,6 @@ Command add_ckpt_command(CLI::App& app);
 Command add_plan_command(CLI::App& app);  // train/cmd_plan.cpp
 Command add_convert_command(CLI::App& app);  // train/cmd_convert.cpp
 Command add_sample_command(CLI::App& app);   // train/cmd_sample.cpp
+Command add_doctor_command(CLI::App& app);   // train/cmd_doctor.cpp
 
 }  // namespace keel

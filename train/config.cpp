@@ -410,7 +410,19 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   {
     top.raw("health");
     Fields f(child(doc, "health"), "health", errors);
-    c.health.replica_check_interval = f.integer("replica_check_interval", 100, 0);
+    HealthConfig& h = c.health;
+    h.replica_check_interval = f.integer("replica_check_interval", h.replica_check_interval, 0);
+    h.param_group_audit = f.choice("param_group_audit", h.param_group_audit, {"error", "warn"});
+    h.frozen_check_interval = f.integer("frozen_check_interval", h.frozen_check_interval, 0);
+    h.frozen_window = f.integer("frozen_window", h.frozen_window, 1);
+    h.frozen_fraction = f.number("frozen_fraction", h.frozen_fraction, 0, 1, true);
+    h.stats_interval = f.integer("stats_interval", h.stats_interval, 0);
+    h.localize_nonfinite = f.boolean("localize_nonfinite", h.localize_nonfinite);
+    h.spike_zscore = f.number("spike_zscore", h.spike_zscore, 0, 1e6, true);
+    h.spike_warmup = f.integer("spike_warmup", h.spike_warmup, 1);
+    h.spike_min_jump = f.number("spike_min_jump", h.spike_min_jump, 0, 1e6);
+    h.spike_action = f.choice("spike_action", h.spike_action, {"warn", "skip", "rewind"});
+    h.verify_restart = f.boolean("verify_restart", h.verify_restart);
     f.finish();
   }
 
@@ -528,7 +540,19 @@ json to_json(const RunConfig& c) {
                    {"pp", c.parallel.pp},
                    {"dp", c.parallel.dp},
                    {"embedding_slot", c.parallel.embedding_slot}};
-  j["health"] = {{"replica_check_interval", c.health.replica_check_interval}};
+  const HealthConfig& h = c.health;
+  j["health"] = {{"replica_check_interval", h.replica_check_interval},
+                 {"param_group_audit", h.param_group_audit},
+                 {"frozen_check_interval", h.frozen_check_interval},
+                 {"frozen_window", h.frozen_window},
+                 {"frozen_fraction", h.frozen_fraction},
+                 {"stats_interval", h.stats_interval},
+                 {"localize_nonfinite", h.localize_nonfinite},
+                 {"spike_zscore", h.spike_zscore},
+                 {"spike_warmup", h.spike_warmup},
+                 {"spike_min_jump", h.spike_min_jump},
+                 {"spike_action", h.spike_action},
+                 {"verify_restart", h.verify_restart}};
   j["device"] = c.device;
   j["out"] = c.out;
   if (!c.description.empty()) j["description"] = c.description;

@@ -95,6 +95,30 @@ struct HealthConfig {
   // Every N steps (and after a load), compare checksums of the tied embedding copies and of
   // the tensors replicated over TP ranks; a mismatch stops the run naming tensor and ranks.
   int64_t replica_check_interval = 100;
+  // Optimizer groups: a norm or bias with weight decay, or a matrix without, is an "error"
+  // (the run does not start) or a "warn"ing.
+  std::string param_group_audit = "error";
+  // Frozen parameters: every frozen_check_interval steps, sampled elements of each tensor
+  // (its fp32 master, or the stored weights without one) are compared with the previous check;
+  // a tensor whose elements with non-zero gradients did not move (at least frozen_fraction of
+  // them) at frozen_window checks in a row is reported. 0 disables.
+  int64_t frozen_check_interval = 10;
+  int64_t frozen_window = 5;
+  double frozen_fraction = 0.5;
+  // Per-layer max |activation| and max |activation gradient| in the metrics every N steps.
+  int64_t stats_interval = 10;
+  // Re-run a non-finite step with per-op checks and name the first op that overflowed.
+  bool localize_nonfinite = true;
+  // Loss / grad-norm spikes: z-score against running statistics (armed after spike_warmup
+  // steps); action "warn", "skip" (no update) or "rewind" (reload the last checkpoint and
+  // skip the data since). A spike also needs a relative jump of spike_min_jump.
+  double spike_zscore = 6.0;
+  int64_t spike_warmup = 50;
+  double spike_min_jump = 0.1;
+  std::string spike_action = "warn";
+  // After a load: recompute the probe-batch loss and per-tensor norms saved with the
+  // checkpoint, and check that the fp32 masters round to the stored weights.
+  bool verify_restart = true;
 };
 
 struct ParallelConfig {

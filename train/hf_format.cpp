@@ -496,6 +496,7 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
   }
   st.out = out_dir;
   st.dtype = wdt;
+  st.notes = hf.notes();
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
@@ -558,12 +559,17 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
 
 ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& out_dir, const ExportOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();
-  const Checkpoint ck = Checkpoint::open(ckpt_path);
-  if (auto problems = ck.verify(); !problems.empty()) {
-    std::string msg = "refusing to export a damaged checkpoint " + ck.path() + ":";
-    for (const auto& p : problems) msg += "\n  " + p;
-    throw CheckpointError(msg);
+  {
+    // Checksums first, with a reader of its own: verifying touches every page, and dropping
+    // this reader afterwards lets them go before the export streams the tensors.
+    const Checkpoint check = Checkpoint::open(ckpt_path);
+    if (auto problems = check.verify(); !problems.empty()) {
+      std::string msg = "refusing to export a damaged checkpoint " + check.path() + ":";
+      for (const auto& p : problems) msg += "\n  " + p;
+      throw CheckpointError(msg);
+    }
   }
+  const Checkpoint ck = Checkpoint::open(ckpt_path);
   const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
   const ModelConfig& m = cfg.model;
   if (!m.is_llama())
@@ -676,6 +682,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
         r.offset.assign(r.shape.size(), 0);
         staging.resize(static_cast<size_t>(r.numel()) * dtype_size(opts.dtype));
         ck.read(state, names[i].first, r, opts.dtype, staging.data());
+        ck.release(state, names[i].first);
         w.write(staging.data(), staging.size());
         st.parameters += r.numel();
         ++st.tensors;

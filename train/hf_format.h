@@ -102,6 +102,7 @@ struct ConvertStats {
   DType dtype = DType::BF16;
   double seconds = 0;
   std::vector<std::string> copied;  // tokenizer and config files copied along
+  std::vector<std::string> notes;   // what was ignored on the way (HfCheckpoint::notes)
 };
 
 // HF -> keel: a weights-only keel checkpoint in out_dir (meta.json + model-tp00-pp00.safetensors),

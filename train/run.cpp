@@ -16,6 +16,8 @@
 #include "data/sampler.h"
 #include "kernels/device.h"
 #include "train/checkpoint.h"
+#include "train/health.h"
+#include "train/hf_format.h"
 #include "train/metrics.h"
 #include "train/parallel/mpi_comm.h"
 #include "train/plan.h"
@@ -88,18 +90,10 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
         "keel: WARNING *** bf16's spacing at 1.0 is 2^-7 = 0.0078, so AdamW updates of 1e-5..1e-4 to weights ***\n"
         "keel: WARNING *** near 1.0 (norm gains) round away and those weights never train. Use \"bf16\". ***\n");
   }
-  int64_t n_decay = 0, n_no_decay = 0, t_decay = 0, t_no_decay = 0;
-  for (const ParamSpec& p : t.params()) {
-    (p.decay ? n_decay : n_no_decay) += p.logical_numel();
-    (p.decay ? t_decay : t_no_decay) += 1;
-  }
   std::printf("keel: optimizer AdamW lr %.3g (min %.3g), betas (%.3g, %.3g), eps %.1e, grad clip %.3g\n",
               cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
               cfg.optimizer.grad_clip);
-  std::printf("keel:   weight decay %.3g: %lld tensors, %s parameters (matrices, embeddings)\n",
-              cfg.optimizer.weight_decay, static_cast<long long>(t_decay), human_count(static_cast<double>(n_decay)).c_str());
-  std::printf("keel:   weight decay 0:     %lld tensors, %s parameters (norms, biases)\n",
-              static_cast<long long>(t_no_decay), human_count(static_cast<double>(n_no_decay)).c_str());
+  std::printf("%s", param_group_table(t, cfg.optimizer.weight_decay).c_str());
   std::printf("keel: data: %lld training windows of %d+1 tokens from %zu file(s), %s tokens",
               static_cast<long long>(train.num_windows()), train.seq_len(), train.dataset().num_files(),
               human_count(static_cast<double>(train.dataset().num_tokens())).c_str());
@@ -217,6 +211,16 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   parallel::Comm& world = *comms.world;
   const AgreeFn all_ok = [&](bool ok) { return !any_rank(world, *backend, !ok); };
 
+  // Weight decay follows the role; audit it anyway (a misfiled norm was a BLOOM restart spike).
+  if (auto problems = audit_param_groups(ParamTable(cfg.model).params()); !problems.empty()) {
+    std::string msg = "parameter-group audit failed:";
+    for (const auto& p : problems) msg += "\n  " + p;
+    if (cfg.health.param_group_audit == "error") throw ConfigError(msg);
+    if (lead) std::printf("keel: WARNING %s\n", msg.c_str());
+  }
+  // The probe batch for restart verification: the first training samples, the same on every rank.
+  const MicroBatch probe = load_batches(train, 0, cfg.train.micro_batch, cfg.train.micro_batch, 1, 0)[0];
+
   // Resume if a checkpoint exists (explicit --resume, or the latest in the checkpoint
   // directory); else --init-from weights; else a fresh init. All reads, no writes yet.
   TrainProgress progress;
@@ -238,9 +242,14 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
     }
     return ck;
   };
+  nlohmann::json loaded_health, loaded_topology;
+  std::string loaded_from;
   if (!resume_path.empty()) {
     Checkpoint ck = open_verified(resume_path, "resume from");
     progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
+    loaded_health = ck.meta().value("health", nlohmann::json());
+    loaded_topology = ck.meta().value("topology", nlohmann::json());
+    loaded_from = ck.path();
     const auto& topo = ck.meta()["topology"];
     notes.insert(notes.begin(), "resuming from " + ck.path() + " at iteration " + std::to_string(progress.iteration) +
                                     ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
@@ -249,11 +258,43 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
                                     " dp=" + std::to_string(topo.value("dp", 1)) + ")");
     if (!opts.init_from.empty())
       notes.push_back("--init-from " + opts.init_from + " is ignored: it only initialises a fresh run, and this run resumes");
+  } else if (auto hf_dir = hf_path(opts.init_from)) {
+    // A Hugging Face model directory (hf:DIR), converted on the fly.
+    notes.push_back(init_weights_from_hf(*hf_dir, tr.table(), tr.state()));
+    loaded_from = opts.init_from;
   } else if (!opts.init_from.empty()) {
     Checkpoint ck = open_verified(opts.init_from, "initialise from");
     notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place));
+    loaded_health = ck.meta().value("health", nlohmann::json());
+    loaded_topology = ck.meta().value("topology", nlohmann::json());
+    loaded_from = ck.path();
   } else {
     tr.init_weights();
+  }
+  // Restart verification (seeds 000 and 001): the masters must round to the loaded weights,
+  // and the probe batch's loss and the per-tensor norms must be what was saved.
+  if (!loaded_from.empty() && cfg.health.verify_restart) {
+    std::vector<std::string> problems = tr.check_master_consistency();
+    if (!problems.empty())
+      problems.insert(problems.begin(),
+                      "the fp32 master weights did not come from the loaded weights; the first update would replace "
+                      "the loaded model with the masters' values (a loss jump the run never recovers from):");
+    if (!loaded_health.is_null()) {
+      const bool same_topology = loaded_topology.value("tp", 0) == cfg.parallel.tp &&
+                                 loaded_topology.value("pp", 0) == cfg.parallel.pp &&
+                                 loaded_topology.value("dp", 0) == cfg.parallel.dp;
+      const bool resumed = !resume_path.empty();  // else a weights-only load: masters rebuilt, not restored
+      auto diffs = tr.compare_snapshot(loaded_health, tr.snapshot(probe), same_topology && resumed, resumed);
+      problems.insert(problems.end(), diffs.begin(), diffs.end());
+    }
+    if (!problems.empty()) {
+      std::string msg = "restart verification failed for " + loaded_from + ":";
+      for (size_t i = 0; i < problems.size() && i < 12; ++i) msg += "\n  " + problems[i];
+      if (problems.size() > 12) msg += "\n  ... and " + std::to_string(problems.size() - 12) + " more";
+      throw CheckpointError(msg + "\nNothing was trained; the checkpoint is untouched.");
+    }
+    notes.push_back("restart verification passed: masters consistent with the weights" +
+                    std::string(loaded_health.is_null() ? "" : ", probe loss and per-tensor norms as saved"));
   }
   if (progress.iteration >= cfg.train.steps) {
     if (lead)
@@ -305,14 +346,16 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   double last_val = std::nan("");
   auto save = [&](int64_t it) {
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
-    SaveResult r = checkpoints.save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok);
+    const nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
+    SaveResult r = checkpoints.save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok, health);
     if (lead) print_save(r);
   };
   for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t gbs = global_batch_size(cfg, consumed_samples);
     auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, grid.dp_rank());
-    StepStats st = tr.step(batches, it);
+    const bool collect_stats = cfg.health.stats_interval > 0 && it % cfg.health.stats_interval == 0;
+    StepStats st = tr.step(batches, it, collect_stats);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     consumed_samples += gbs;
@@ -323,7 +366,15 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
     StepReport r{st, cfg.train.steps, consumed_samples, consumed_tokens, secs * 1e3,
                  static_cast<double>(gbs * T) / secs,
                  flops_per_token * static_cast<double>(gbs * T) / secs / 1e12 / world_size, skipped_total, nan_total};
-    if (metrics) metrics->write(step_record(r));
+    if (metrics) {
+      nlohmann::json rec = step_record(r);
+      if (collect_stats) {
+        rec["act_max"] = st.act_max;
+        rec["grad_max"] = st.grad_max;
+      }
+      if (st.spike) rec["spike"] = st.spike_text;
+      metrics->write(rec);
+    }
     if (!quiet && (it % cfg.log.interval == 0 || it == 1 || it == cfg.train.steps)) {
       std::printf("%s\n", format_step_line(r).c_str());
       std::fflush(stdout);
@@ -332,6 +383,47 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
       std::printf("keel: WARNING step %lld: %s (update skipped%s)\n", static_cast<long long>(it),
                   std::isfinite(st.loss) ? "non-finite gradient" : "non-finite loss",
                   tr.scaler().enabled() ? ", fp16 loss scale backs off" : "");
+      if (!st.nonfinite_report.empty()) std::printf("keel:   %s\n", st.nonfinite_report.c_str());
+    }
+    if (lead)
+      for (const auto& f : st.frozen) std::printf("keel: WARNING frozen parameter: %s\n", f.c_str());
+    // fp16 headroom: a layer within 16x of the format's largest value is about to overflow.
+    if (lead && collect_stats && cfg.precision.mode == PrecisionMode::FP16) {
+      for (size_t l = 0; l < st.act_max.size(); ++l)
+        if (st.act_max[l] > 65504.0f / 16 || st.grad_max[l] > 65504.0f / 16)
+          std::printf("keel: WARNING fp16 headroom at layer %zu is below 16x: max |activation| %.4g, max |gradient "
+                      "(scaled)| %.4g, fp16 max 65504\n",
+                      l, st.act_max[l], st.grad_max[l]);
+    }
+    if (st.scale_exhausted) {
+      // The state has not changed since the last applied update: save it, then stop with the report.
+      if (lead)
+        std::printf("keel: ERROR fp16 loss scale is at its minimum (%g) and step %lld still overflows: %s\n"
+                    "keel: saving the last good state and stopping; resume it in bf16 (--set precision.mode=bf16) "
+                    "or with a lower learning rate\n",
+                    static_cast<double>(tr.scaler().scale()), static_cast<long long>(it),
+                    st.nonfinite_report.empty() ? "(no localisation)" : st.nonfinite_report.c_str());
+      save(it);
+      return kExitDiverged;
+    }
+    if (st.spike) {
+      if (lead) std::printf("keel: WARNING step %lld: %s%s\n", static_cast<long long>(it), st.spike_text.c_str(),
+                            cfg.health.spike_action == "warn" ? "" : "; the update was skipped");
+      if (cfg.health.spike_action == "rewind") {
+        if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir)) {
+          Checkpoint ck = Checkpoint::open(*latest);
+          TrainProgress back = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place);
+          if (lead)
+            std::printf("keel: rewound to %s (iteration %lld); the samples consumed since (%lld to %lld) are skipped\n",
+                        ck.path().c_str(), static_cast<long long>(back.iteration),
+                        static_cast<long long>(back.consumed_samples), static_cast<long long>(consumed_samples));
+          if (metrics)
+            metrics->write({{"event", "rewind"}, {"step", it}, {"to", back.iteration}, {"checkpoint", ck.path()}});
+          it = back.iteration;  // the data position stays where it is: the offending batches are skipped
+          continue;
+        }
+        if (lead) std::printf("keel: no checkpoint to rewind to yet: the update was skipped instead\n");
+      }
     }
 
     if (cfg.health.replica_check_interval > 0 && it % cfg.health.replica_check_interval == 0) tr.check_replicas();

@@ -16,6 +16,7 @@ enum ExitCode : int {
   kExitDataError = 3,    // missing, corrupt or mismatching data files
   kExitStopped = 4,      // stopped before the end (signal, --stop-at, --time-limit) after saving: run again to resume
   kExitCheckpointError = 5,  // a checkpoint could not be read or written (nothing was lost)
+  kExitDiverged = 6,     // training cannot continue (fp16 loss scale exhausted); the last good state was saved
 };
 
 namespace parallel {

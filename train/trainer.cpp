@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 #include "data/checksum.h"
@@ -28,7 +29,8 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
       local_comms_(comms ? parallel::CommGroups{} : parallel::make_local_comms(backend.device())),
       comms_(comms ? comms : &local_comms_),
       table_(cfg.model, shard_for(cfg, grid_)),
-      scaler_(cfg.precision.loss_scale, cfg.precision.mode == PrecisionMode::FP16) {
+      scaler_(cfg.precision.loss_scale, cfg.precision.mode == PrecisionMode::FP16),
+      spikes_(cfg.health) {
   if (grid_.tp_size() != cfg.parallel.tp || grid_.pp_size() != cfg.parallel.pp || grid_.dp_size() != cfg.parallel.dp)
     throw std::invalid_argument("Trainer: the grid (" + grid_.layout() + ") does not match parallel.tp/pp/dp of the config");
   state_ = std::make_unique<ParamState>(table_, be_, cfg.precision.mode, grid_.dp_size(), grid_.dp_rank());
@@ -38,6 +40,9 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
                                          static_cast<int>(cfg.train.micro_batch), static_cast<int>(cfg.train.seq_len),
                                          slots, grid_.tp_size() > 1 ? comms_->tp.get() : nullptr);
   model_->bind(state_->working, state_->grads);
+  if (cfg.health.frozen_check_interval > 0) frozen_ = std::make_unique<FrozenDetector>(table_, *state_, cfg.health);
+  const ParamTable full(cfg.model);
+  for (const ParamSpec& p : full.params()) full_names_.push_back(p.name);
   for (Tensor* t : {&scalar_f32_, &scalar_i32_}) {
     *t = Tensor(nullptr, t == &scalar_f32_ ? DType::F32 : DType::I32, {2}, be_.device());
     t->data = be_.allocate(t->bytes());
@@ -142,7 +147,7 @@ void Trainer::sync_tied_embedding() {
   comms_->embedding->all_reduce(model_->grad("tok_embed"));
 }
 
-StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t iteration) {
+StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t iteration, bool collect_stats) {
   StepStats st;
   st.iteration = iteration;
   parallel::Comm& dp = *comms_->dp;
@@ -159,7 +164,27 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   // and the DP reduction of the gradients is a plain sum.
   be_.fill(state_->grads, 0.0f);
   const float dloss = st.valid_tokens > 0 ? st.loss_scale / static_cast<float>(st.valid_tokens) : 0.0f;
+  // Per-layer headroom: max |layer output| in forward, max |layer input gradient| in backward.
+  std::vector<float> act_max, grad_max;
+  if (collect_stats) {
+    act_max.assign(static_cast<size_t>(cfg_.model.n_layers), 0.0f);
+    grad_max.assign(act_max.size(), 0.0f);
+    model_->set_probe([&](const Transformer::OpProbe& p) {
+      if (p.layer < 0) return;
+      const bool act = !p.backward && std::strcmp(p.op, "layer output (residual add)") == 0;
+      const bool grad = p.backward && std::strcmp(p.op, "layer input gradient (attn_norm backward)") == 0;
+      if (!act && !grad) return;
+      float& slot = (act ? act_max : grad_max)[static_cast<size_t>(p.layer)];
+      const float m = be_.max_abs(p.out);
+      slot = std::isnan(m) || std::isnan(slot) ? std::nanf("") : std::max(slot, m);
+    });
+  }
   double loss_sum = run_pipeline(micro_batches, dloss, true);
+  if (collect_stats) {
+    model_->set_probe(nullptr);
+    st.act_max = all_reduce_max(*comms_->world, act_max);
+    st.grad_max = all_reduce_max(*comms_->world, grad_max);
+  }
   loss_sum = all_reduce_sum(*comms_->pp, loss_sum);  // the last stage's loss, to every stage
   loss_sum = all_reduce_sum(dp, loss_sum);
   st.loss = st.valid_tokens > 0 ? loss_sum / static_cast<double>(st.valid_tokens) : 0.0;
@@ -191,19 +216,26 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   st.num_zeros = all_reduce_sum(world, zeros);
 
   st.nonfinite = !std::isfinite(st.loss) || nonfinite > 0 || !std::isfinite(sum_sq);
-  const bool exhausted = scaler_.update(st.nonfinite);
+  st.scale_exhausted = scaler_.update(st.nonfinite);
   if (st.nonfinite) {
-    // Applying a non-finite gradient would poison masters and moments for good: skip.
+    // Applying a non-finite gradient would poison masters and moments for good: skip, and find
+    // the op where the first inf/nan appeared.
     st.skipped = true;
     st.grad_norm = std::nan("");
-    if (exhausted)
-      throw std::runtime_error("fp16 loss scale is at its minimum (" + std::to_string(scaler_.scale()) +
-                               ") and the gradient still overflows at step " + std::to_string(iteration) +
-                               ": the run cannot continue in fp16 (try bf16, or a lower learning rate)");
+    if (cfg_.health.localize_nonfinite) st.nonfinite_report = localize_nonfinite(micro_batches, dloss);
     return st;
   }
 
   st.grad_norm = std::sqrt(sum_sq) / st.loss_scale;
+  const SpikeDetector::Verdict spike = spikes_.observe(st.loss, st.grad_norm);
+  if (spike.any()) {
+    st.spike = true;
+    st.spike_text = spikes_.describe(spike, st.loss, st.grad_norm);
+    if (cfg_.health.spike_action != "warn") {  // skip (or rewind, which the run loop does)
+      st.skipped = true;
+      return st;
+    }
+  }
   // torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
   double clip = 1.0;
   if (cfg_.optimizer.grad_clip > 0) clip = std::min(1.0, cfg_.optimizer.grad_clip / (st.grad_norm + 1e-6));
@@ -213,6 +245,10 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
     // Every rank updated its shard of the working weights; gather the whole back.
     dp.all_gather(state_->working, state_->flat_view(state_->working, state_->optim_begin(),
                                                      state_->optim_end() - state_->optim_begin()));
+  }
+  if (frozen_ && ++applied_since_frozen_check_ >= cfg_.health.frozen_check_interval) {
+    applied_since_frozen_check_ = 0;
+    check_frozen(st);
   }
   return st;
 }

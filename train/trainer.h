@@ -16,10 +16,13 @@
 #include <memory>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "kernels/backend.h"
 #include "model/param_table.h"
 #include "model/transformer.h"
 #include "train/config.h"
+#include "train/health.h"
 #include "train/optimizer.h"
 #include "train/parallel/comm.h"
 #include "train/parallel/grid.h"
@@ -40,8 +43,22 @@ struct StepStats {
   int64_t global_batch = 0;   // samples, over all DP ranks
   int64_t valid_tokens = 0;   // over all DP ranks
   int64_t num_zeros = 0;      // gradient elements exactly zero (each parameter once)
-  bool skipped = false;       // update not applied (overflow or non-finite)
+  bool skipped = false;       // update not applied (overflow, non-finite, or a spike with action skip/rewind)
   bool nonfinite = false;     // loss or gradient was inf/nan
+  bool scale_exhausted = false;   // fp16: overflow with the loss scale already at its minimum
+  std::string nonfinite_report;   // the first op that went non-finite (health.localize_nonfinite)
+  bool spike = false;             // loss or grad-norm spike (health.spike_*)
+  std::string spike_text;
+  std::vector<float> act_max, grad_max;    // per layer max |layer output| and |layer input gradient|
+  std::vector<std::string> frozen;         // newly frozen tensors, explained (health.frozen_*)
+};
+
+// What a checkpoint records to verify a restart: the loss of a fixed probe batch and the
+// per-tensor sums of squares of the working weights and the fp32 masters (in the order of the
+// full model's parameter table), computed over all ranks.
+struct HealthSnapshot {
+  double probe_loss = 0;
+  std::vector<double> working_sumsq, master_sumsq;
 };
 
 class Trainer {
@@ -58,7 +75,8 @@ class Trainer {
 
   // One optimizer step over this DP rank's micro-batches (the same on every rank of its TP x
   // PP group). `iteration` is this step's 1-based number (drives the LR schedule).
-  StepStats step(const std::vector<MicroBatch>& micro_batches, int64_t iteration);
+  // With collect_stats, the per-layer activation / gradient magnitudes are gathered too.
+  StepStats step(const std::vector<MicroBatch>& micro_batches, int64_t iteration, bool collect_stats = false);
 
   // Mean loss over the micro-batches of all DP ranks, without touching gradients or weights.
   double evaluate(const std::vector<MicroBatch>& micro_batches);
@@ -68,6 +86,17 @@ class Trainer {
   // CRC-32C checksums across the groups (collective: every rank calls it) and throws
   // ReplicaMismatch naming the tensor, the ranks and their checksums. Returns tensors checked.
   int check_replicas();
+
+  // Restart verification (collective). The snapshot of the current state; the comparison
+  // with one saved in a checkpoint (problems, empty when sound): same topology and weights
+  // restored bit for bit => identical probe loss bits; otherwise within rounding.
+  HealthSnapshot snapshot(const MicroBatch& probe);
+  nlohmann::json snapshot_json(const HealthSnapshot& s) const;
+  std::vector<std::string> compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now, bool same_topology,
+                                            bool compare_masters) const;
+  // Tensors whose fp32 masters do not round to the stored working weights (collective):
+  // masters that did not come from these weights (a stale or random master copy).
+  std::vector<std::string> check_master_consistency();
 
   const RunConfig& config() const { return cfg_; }
   const ParamTable& table() const { return table_; }
@@ -85,6 +114,11 @@ class Trainer {
   void sync_tied_embedding();
   double all_reduce_sum(parallel::Comm& c, double x);  // in fp32 pairs: ~2^-48 relative
   int64_t all_reduce_sum(parallel::Comm& c, int64_t x);
+  std::vector<double> all_reduce_sum(parallel::Comm& c, const std::vector<double>& x);
+  std::vector<float> all_reduce_max(parallel::Comm& c, const std::vector<float>& x);
+  std::vector<std::string> gather_text(parallel::Comm& c, const std::string& mine);  // every rank's text
+  std::string localize_nonfinite(const std::vector<MicroBatch>& mbs, float dloss);
+  void check_frozen(StepStats& st);
 
   RunConfig cfg_;
   Backend& be_;
@@ -95,6 +129,10 @@ class Trainer {
   std::unique_ptr<ParamState> state_;
   std::unique_ptr<Transformer> model_;
   LossScaler scaler_;
+  SpikeDetector spikes_;
+  std::unique_ptr<FrozenDetector> frozen_;
+  int64_t applied_since_frozen_check_ = 0;
+  std::vector<std::string> full_names_;  // every logical tensor of the model, table order
   Tensor scalar_f32_, scalar_i32_;  // device staging for scalar all-reduces
   std::vector<void*> allocations_;
 };

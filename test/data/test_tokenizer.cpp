@@ -1,9 +1,9 @@
 // keel's C++ tokenizer against the HF `tokenizers` library: the fixtures of
-// scripts/make_tokenizer_fixtures.py hold five tokenizer.json files (GPT-2 / Llama 3 /
-// RoBERTa-style byte-level BPE, Llama 2-style SentencePiece BPE with byte fallback, and its
-// Metaspace variant) and the ids and texts HF produced for ~280 strings (multilingual text,
-// emoji, digits, whitespace runs, code, special tokens inside text). Encode and decode must
-// agree exactly.
+// scripts/make_tokenizer_fixtures.py hold eight tokenizer.json files (GPT-2 / Llama 3 /
+// RoBERTa-style byte-level BPE, Llama 2-style SentencePiece BPE with byte fallback, its
+// Metaspace variant, and three that exercise the remaining components) and the ids and texts
+// HF produced for ~280 strings (multilingual text, emoji, digits, whitespace runs, code,
+// special tokens inside text). Encode and decode must agree exactly.
 #include <catch2/catch.hpp>
 
 #include <fstream>
@@ -89,6 +89,14 @@ TEST_CASE("tokenizer: Llama 2 style SentencePiece BPE with byte fallback matches
   check_tokenizer("llama2");
 }
 TEST_CASE("tokenizer: Metaspace pre-tokenizer and decoder match HF", "[tokenizer]") { check_tokenizer("metaspace"); }
+TEST_CASE("tokenizer: every Split behaviour, Digits, Strip and regex Replace match HF", "[tokenizer]") {
+  check_tokenizer("splits");
+}
+TEST_CASE("tokenizer: <unk> without byte fallback, Metaspace with split, Whitespace, no decoder match HF",
+          "[tokenizer]") {
+  check_tokenizer("metaspace_unk");
+  check_tokenizer("whitespace");
+}
 
 TEST_CASE("tokenizer: unsupported components and bad input give errors that name them", "[tokenizer]") {
   std::ifstream in(kDir + "gpt2.json");

@@ -95,6 +95,22 @@ void check_layout(int world, const Layout& l) {
     CHECK(covered.size() == static_cast<size_t>(world));
     CHECK(std::set<int>(covered.begin(), covered.end()).size() == static_cast<size_t>(world));
   }
+  // Group numbers (hang reports: "tp group 3"): the same for every member, distinct between
+  // groups, and in the order of the groups' lowest ranks.
+  for (GroupKind k : kAllGroups) {
+    INFO("group index of " << group_name(k));
+    std::map<int, std::vector<int>> by_lowest;  // lowest member -> (index per member)
+    for (int rank = 0; rank < world; ++rank) {
+      Grid g(world, rank, l.tp, l.pp, l.dp);
+      by_lowest[g.members(k).front()].push_back(g.group_index(k));
+    }
+    int expected = 0;
+    for (const auto& [lowest, indices] : by_lowest) {
+      if (indices.size() == 1 && k == GroupKind::Embedding) continue;  // a group of one: its rank
+      for (int i : indices) CHECK(i == expected);
+      ++expected;
+    }
+  }
   CHECK(distinct[GroupKind::TP].size() == static_cast<size_t>(world / l.tp));
   CHECK(distinct[GroupKind::PP].size() == static_cast<size_t>(world / l.pp));
   CHECK(distinct[GroupKind::DP].size() == static_cast<size_t>(world / l.dp));

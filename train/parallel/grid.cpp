@@ -179,6 +179,20 @@ std::vector<int> Grid::members_of(GroupKind kind, int rank) const {
   return out;
 }
 
+int Grid::group_index_of(GroupKind kind, int rank) const {
+  const GridCoord c = coord_of(rank);
+  switch (kind) {
+    case GroupKind::World: return 0;
+    case GroupKind::TP: return c.pp * dp_ + c.dp;  // lowest member pp*dp*tp + dp*tp: in that order
+    case GroupKind::PP: return c.dp * tp_ + c.tp;  // lowest member dp*tp + tp (stage 0)
+    case GroupKind::DP: return c.pp * tp_ + c.tp;  // lowest member pp*dp*tp + tp
+    case GroupKind::Embedding:
+      if (pp_ > 1 && (c.pp == 0 || c.pp == pp_ - 1)) return c.dp * tp_ + c.tp;
+      return rank;
+  }
+  return 0;
+}
+
 std::string Grid::layout() const {
   return "tp " + std::to_string(tp_) + " x pp " + std::to_string(pp_) + " x dp " + std::to_string(dp_);
 }

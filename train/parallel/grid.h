@@ -79,6 +79,11 @@ class Grid {
   std::vector<int> pp_group() const { return members(GroupKind::PP); }
   std::vector<int> dp_group() const { return members(GroupKind::DP); }
   std::vector<int> embedding_group() const { return members(GroupKind::Embedding); }
+  // Which group of that kind this rank's is, numbered in the order of their lowest world rank
+  // ("tp group 3" = the fourth TP group): the number hang reports print. World: 0. An
+  // embedding "group" of one rank (middle stages, pp == 1) gets the rank's world rank.
+  int group_index(GroupKind kind) const { return group_index_of(kind, rank_); }
+  int group_index_of(GroupKind kind, int rank) const;
 
   // "rank 5 of 8: tp 1/2, pp 1/2, dp 0/2, local rank 5 of 8 on host node07"
   std::string describe(const LaunchInfo& launch) const;

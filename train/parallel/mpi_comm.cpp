@@ -8,9 +8,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
+
+#include "train/parallel/hang_report.h"
 
 #ifdef KEEL_HAVE_MPI
 #include <mpi.h>
@@ -63,6 +69,8 @@ using Clock = std::chrono::steady_clock;
 constexpr int kDataTag = 7;     // point-to-point payloads on the group communicator
 constexpr int kQueryTag = 1;    // watchdog side channel: "what are you doing?"
 constexpr int kReplyTag = 2;    // ... and the answer
+constexpr int kDumpTag = 3;     // hang channel (world): "write your hang dump"
+constexpr int kDumpAckTag = 4;  // ... "written" (the asker waits for it before the job is aborted)
 constexpr int64_t kSmallAllReduce = 8192;  // n * size at or below: one all-gather, reduce everywhere
 constexpr auto kServeInterval = std::chrono::milliseconds(20);
 
@@ -93,6 +101,70 @@ std::string fmt_seconds(double s) {
   return buf;
 }
 
+// An operation on the wire (OpInfo as plain bytes).
+struct OpWire {
+  int32_t valid = 0;
+  char op[16] = {};
+  char group[16] = {};
+  int32_t group_index = 0, group_rank = 0, send_peer = -1, recv_peer = -1, send_world = -1, recv_world = -1;
+  int64_t seq = 0, send_seq = 0, recv_seq = 0, elements = 0;
+  char dtype[8] = {};
+  char state[12] = {};
+  double start = 0, end = 0;
+};
+
+void copy_name(char* dst, size_t cap, std::string_view src) {
+  const size_t n = std::min(cap - 1, src.size());
+  std::memcpy(dst, src.data(), n);
+  dst[n] = '\0';
+}
+
+OpWire to_wire(const OpRecord* r) {
+  OpWire w;
+  if (!r) return w;
+  const OpInfo o = op_info(*r);
+  w.valid = 1;
+  copy_name(w.op, sizeof w.op, o.op);
+  copy_name(w.group, sizeof w.group, o.group);
+  w.group_index = o.group_index;
+  w.group_rank = o.group_rank;
+  w.send_peer = o.send_peer;
+  w.recv_peer = o.recv_peer;
+  w.send_world = o.send_world;
+  w.recv_world = o.recv_world;
+  w.seq = o.seq;
+  w.send_seq = o.send_seq;
+  w.recv_seq = o.recv_seq;
+  w.elements = o.elements;
+  copy_name(w.dtype, sizeof w.dtype, o.dtype);
+  copy_name(w.state, sizeof w.state, o.state);
+  w.start = o.start;
+  w.end = o.end;
+  return w;
+}
+
+std::optional<OpInfo> from_wire(const OpWire& w) {
+  if (!w.valid) return std::nullopt;
+  OpInfo o;
+  o.op = std::string(w.op, strnlen(w.op, sizeof w.op));
+  o.group = std::string(w.group, strnlen(w.group, sizeof w.group));
+  o.group_index = w.group_index;
+  o.group_rank = w.group_rank;
+  o.send_peer = w.send_peer;
+  o.recv_peer = w.recv_peer;
+  o.send_world = w.send_world;
+  o.recv_world = w.recv_world;
+  o.seq = w.seq;
+  o.send_seq = w.send_seq;
+  o.recv_seq = w.recv_seq;
+  o.elements = w.elements;
+  o.dtype = std::string(w.dtype, strnlen(w.dtype, sizeof w.dtype));
+  o.state = std::string(w.state, strnlen(w.state, sizeof w.state));
+  o.start = w.start;
+  o.end = w.end;
+  return o;
+}
+
 // What one rank tells another about itself when the watchdog asks. Plain bytes: every rank
 // runs the same binary.
 struct PeerReport {
@@ -104,7 +176,22 @@ struct PeerReport {
   char busy_group[16] = {};
   char busy_op[16] = {};
   char busy_text[224] = {};      // "all_reduce #2 on dp (1000 x f32) for 1.0 s"
+  OpWire waiting;                // the operation it waits in (hang report wording)
+  OpWire last_completed;         // its last completed operation
 };
+
+// Process-wide hang channel: a duplicate of MPI_COMM_WORLD on which a rank whose watchdog fired
+// asks every other rank to write its dump. Made with the first MpiComm (a collective call on
+// every rank), freed with the last.
+struct HangChannel {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int users = 0;
+  bool leaked = false;   // a communicator timed out: requests may be pending, leave it to MPI_Abort
+  std::string job;       // the same on every rank of this job: tells dumps of two hangs apart
+  int world_rank = 0, world_size = 1;
+  std::string host;
+};
+HangChannel g_hang;
 
 }  // namespace
 
@@ -113,6 +200,7 @@ struct PeerReport {
 struct MpiComm::Impl {
   GroupKind kind{};
   std::string name;
+  int group_index = 0;       // which group of its kind (Grid::group_index): "dp group 1"
   std::vector<int> members;  // world ranks by group rank
   int rank = 0, size = 1, world_rank = 0;
   std::string host;
@@ -123,6 +211,9 @@ struct MpiComm::Impl {
   int64_t collectives = 0;
   std::vector<int64_t> sends_to, recvs_from;  // per group rank
   bool broken = false;                          // timed out: requests still pending
+  std::optional<CollectiveFault> fault;         // KEEL_FAULT_SKIP_COLLECTIVE aimed at this rank and group
+  bool fault_fired = false;
+  int64_t fault_calls = 0;                      // calls of the fault's op so far (call=N)
 
   // Reused buffers: steady-state calls allocate nothing.
   std::vector<unsigned char> recv_scratch;
@@ -130,7 +221,9 @@ struct MpiComm::Impl {
   std::vector<int> counts, displs, rcounts, rdispls;
   std::vector<const void*> sources;
 
-  // The operation now waiting, for the watchdog and for peers that ask.
+  // The operation now waiting, for the watchdog and for peers that ask. It is also an entry
+  // of the process's OpRecorder ring (groups of more than one rank), finished when the
+  // operation returns: completed, or failed when an exception leaves it.
   struct Op {
     const char* name = nullptr;
     int64_t seq = 0;  // collective number on this group (collectives only)
@@ -139,7 +232,16 @@ struct MpiComm::Impl {
     int64_t elements = 0;
     DType dtype = DType::F32;
     Clock::time_point start;
+    uint64_t record = 0;    // OpRecorder id; 0: not recorded
+    int uncaught = 0;       // std::uncaught_exceptions() when it began
     bool p2p() const { return send_peer >= 0 || recv_peer >= 0; }
+    Op() = default;
+    Op(const Op&) = delete;
+    Op& operator=(const Op&) = delete;
+    ~Op() {
+      if (record)
+        op_recorder().finish(record, std::uncaught_exceptions() > uncaught ? OpState::Failed : OpState::Completed);
+    }
   };
 
   std::string label() const {
@@ -152,6 +254,9 @@ struct MpiComm::Impl {
   }
 
   void check(int err, const char* call, const Op& op) const;
+  // True when KEEL_FAULT_SKIP_COLLECTIVE says this rank skips this collective: the caller
+  // returns at once, as code that never called it would (its count does not advance).
+  bool skip_for_fault(const char* op_name);
   void begin(Op& op, const char* name, int64_t elements, DType dt, int send_peer = -1, int recv_peer = -1);
   // n <= 2. statuses: n of them, or nullptr.
   void wait(MPI_Request* reqs, int n, const Op& op, MPI_Status* statuses = nullptr);
@@ -188,15 +293,88 @@ struct BusyScope {
   }
 };
 
-void copy_name(char* dst, size_t cap, std::string_view src) {
-  const size_t n = std::min(cap - 1, src.size());
-  std::memcpy(dst, src.data(), n);
-  dst[n] = '\0';
+const OpRecord* busy_record() { return g_busy_op ? op_recorder().find(g_busy_op->record) : nullptr; }
+
+// Writes <dump dir>/hang-rank<R>.json: this rank's ring, the counters of its groups, the
+// operation it waits in, and (from the rank whose watchdog fired) the diagnosis. Written to a
+// temporary name and renamed, so a job aborted meanwhile leaves no half file. Returns the path,
+// or "" when dumps are off or writing failed (said on stderr: the diagnosis matters more).
+std::string write_hang_dump(const std::string& reason, int asked_by, double timeout, const nlohmann::json* diagnosis) {
+  const std::string dir = hang_dump_directory();
+  if (dir.empty()) return "";
+  namespace fs = std::filesystem;
+  nlohmann::json groups = nlohmann::json::array();
+  for (const MpiComm::Impl* c : g_comms)
+    groups.push_back({{"group", c->name},
+                      {"index", c->group_index},
+                      {"rank", c->rank},
+                      {"members", c->members},
+                      {"collectives", c->collectives},
+                      {"sends_to", c->sends_to},
+                      {"recvs_from", c->recvs_from}});
+  nlohmann::json ops = nlohmann::json::array();
+  for (const OpRecord& r : op_recorder().snapshot()) ops.push_back(op_json(op_info(r)));
+  const OpRecord* waiting = busy_record();
+  const std::optional<OpRecord> done = op_recorder().last_completed();
+  nlohmann::json j = {{"format", "keel-hang-dump"},
+                      {"version", 1},
+                      {"job", g_hang.job},
+                      {"world_rank", g_hang.world_rank},
+                      {"world_size", g_hang.world_size},
+                      {"host", g_hang.host},
+                      {"pid", static_cast<int64_t>(::getpid())},
+                      {"reason", reason},
+                      {"dumped_at", unix_now()},
+                      {"timeout_s", timeout},
+                      {"waiting", waiting ? op_json(op_info(*waiting)) : nlohmann::json()},
+                      {"last_completed", done ? op_json(op_info(*done)) : nlohmann::json()},
+                      {"groups", groups},
+                      {"ops", ops}};
+  if (asked_by >= 0) j["asked_by"] = asked_by;
+  if (diagnosis) j["diagnosis"] = *diagnosis;
+  const fs::path path = fs::path(dir) / hang_dump_file_name(g_hang.world_rank);
+  const fs::path tmp = path.string() + ".tmp";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  {
+    std::ofstream out(tmp);
+    out << j.dump(1) << '\n';
+    out.flush();
+    if (!out) ec = std::make_error_code(std::errc::io_error);
+  }
+  if (!ec) fs::rename(tmp, path, ec);
+  if (ec) {
+    std::fprintf(stderr, "keel: world rank %d could not write its hang dump %s: %s\n", g_hang.world_rank,
+                 path.c_str(), ec.message().c_str());
+    return "";
+  }
+  return path.string();
 }
 
-// Answers every pending "what are you doing?" on every communicator. Best effort: failures
-// here must not mask the real problem, so MPI errors are ignored.
+// Answers every pending "what are you doing?" on every communicator, and every request for a
+// hang dump. Best effort: failures here must not mask the real problem, so MPI errors are ignored.
 void serve_queries() {
+  if (g_hang.comm != MPI_COMM_NULL) {
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kDumpTag, g_hang.comm, &flag, &st) != MPI_SUCCESS || !flag) break;
+      int64_t request[2] = {0, 0};
+      if (MPI_Recv(request, 2, MPI_INT64_T, st.MPI_SOURCE, kDumpTag, g_hang.comm, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+        break;
+      // Written before the answer: the asker aborts the job once everyone has answered. When
+      // many ranks time out together they all ask: write once per operation waited in.
+      static uint64_t dumped_while_in = 0;
+      static int32_t written = 0;
+      const uint64_t in = g_busy_op ? g_busy_op->record : 0;
+      if (in == 0 || in != dumped_while_in) {
+        const double timeout = g_busy_comm ? g_busy_comm->timeout : 0.0;
+        written = write_hang_dump("asked", st.MPI_SOURCE, timeout, nullptr).empty() ? 0 : 1;
+        dumped_while_in = in;
+      }
+      MPI_Send(&written, 1, MPI_INT32_T, st.MPI_SOURCE, kDumpAckTag, g_hang.comm);
+    }
+  }
   for (MpiComm::Impl* c : g_comms) {
     if (c->side == MPI_COMM_NULL) continue;
     for (;;) {
@@ -217,6 +395,9 @@ void serve_queries() {
         copy_name(r.busy_op, sizeof(r.busy_op), g_busy_op->name);
         copy_name(r.busy_text, sizeof(r.busy_text), g_busy_comm->short_text(*g_busy_op));
       }
+      r.waiting = to_wire(busy_record());
+      const std::optional<OpRecord> done = op_recorder().last_completed();
+      r.last_completed = to_wire(done ? &*done : nullptr);
       MPI_Send(&r, sizeof(r), MPI_BYTE, asker, kReplyTag, c->side);
     }
   }
@@ -276,11 +457,40 @@ void MpiComm::Impl::begin(Op& op, const char* op_name, int64_t elements, DType d
   if (send_peer >= 0) op.send_seq = ++sends_to[static_cast<size_t>(send_peer)];
   if (recv_peer >= 0) op.recv_seq = ++recvs_from[static_cast<size_t>(recv_peer)];
   if (!op.p2p()) op.seq = ++collectives;
+  if (size > 1) {  // a group of one never waits: nothing worth a slot
+    OpRecord& r = op_recorder().post(std::chrono::duration_cast<std::chrono::nanoseconds>(op.start.time_since_epoch()).count());
+    r.op = op_name;
+    r.group = group_name(kind).data();  // a string literal: outlives this communicator
+    r.group_index = group_index;
+    r.group_rank = rank;
+    r.seq = op.p2p() ? 0 : op.seq;
+    r.send_peer = send_peer;
+    r.recv_peer = recv_peer;
+    r.send_world = send_peer >= 0 ? members[static_cast<size_t>(send_peer)] : -1;
+    r.recv_world = recv_peer >= 0 ? members[static_cast<size_t>(recv_peer)] : -1;
+    r.send_seq = op.send_seq;
+    r.recv_seq = op.recv_seq;
+    r.elements = elements;
+    r.dtype = dt;
+    op.record = r.id;
+    op.uncaught = std::uncaught_exceptions();
+  }
   if (broken)
     throw std::runtime_error(describe(op) + ": the communicator is unusable after an earlier timeout");
   // MPI counts are ints; the tensors that reach host MPI are far below this.
   if (elements > INT_MAX)
     throw std::invalid_argument(describe(op) + ": more than 2^31-1 elements in one host MPI operation");
+}
+
+bool MpiComm::Impl::skip_for_fault(const char* op_name) {
+  if (!fault || fault_fired || fault->op != op_name) return false;
+  ++fault_calls;
+  if (fault->seq ? collectives + 1 != fault->seq : fault_calls != fault->call) return false;
+  fault_fired = true;
+  std::fprintf(stderr, "keel: KEEL_FAULT_SKIP_COLLECTIVE: world rank %d skips %s #%lld of %s group %d (test fault)\n",
+               world_rank, op_name, static_cast<long long>(collectives + 1), name.c_str(), group_index);
+  std::fflush(stderr);
+  return true;
 }
 
 // Polls until all requests complete. Spins briefly (latency), then yields and sleeps so that
@@ -324,10 +534,12 @@ void MpiComm::Impl::test(MPI_Request* reqs, int n, const Op& op, MPI_Status* sta
     for (int i = 0; i < n; ++i) statuses[i] = st[i];
 }
 
-// Asks the group (or the peers of a send/recv) what it is doing, prints the picture, throws.
+// Asks the group (or the peers of a send/recv) what it is doing, asks every rank to write its
+// hang dump, prints the picture, writes this rank's dump, throws.
 void MpiComm::Impl::on_timeout(const Op& op) {
   broken = true;
   mark_comm_timed_out();
+  g_hang.leaked = true;
   const double waited = seconds_since(op.start);
 
   // Whom to ask: everyone else in the group, or the peers.
@@ -351,17 +563,42 @@ void MpiComm::Impl::on_timeout(const Op& op) {
       MPI_Request_free(&send_req);
     MPI_Irecv(&reports[i], sizeof(PeerReport), MPI_BYTE, asked[i], kReplyTag, side, &replies[i]);
   }
+  // Every other rank of the job: write your dump (those waiting in keel answer; the others cannot).
+  static int64_t dump_request[2];
+  dump_request[0] = world_rank;
+  std::vector<int32_t> acks;
+  std::vector<MPI_Request> ack_reqs;
+  if (!hang_dump_directory().empty() && g_hang.comm != MPI_COMM_NULL) {
+    acks.assign(static_cast<size_t>(g_hang.world_size), 0);
+    ack_reqs.assign(acks.size(), MPI_REQUEST_NULL);
+    for (int r = 0; r < g_hang.world_size; ++r) {
+      if (r == world_rank) continue;
+      MPI_Request send_req;
+      if (MPI_Isend(dump_request, 2, MPI_INT64_T, r, kDumpTag, g_hang.comm, &send_req) == MPI_SUCCESS)
+        MPI_Request_free(&send_req);
+      MPI_Irecv(&acks[static_cast<size_t>(r)], 1, MPI_INT32_T, r, kDumpAckTag, g_hang.comm,
+                &ack_reqs[static_cast<size_t>(r)]);
+    }
+  }
   // Wait a while for answers, answering questions meanwhile (the others may be asking us).
   const double answer_wait = std::clamp(timeout / 2, 0.2, 5.0);
   const Clock::time_point ask_start = Clock::now();
   size_t n_answered = 0;
-  while (n_answered < asked.size() && seconds_since(ask_start) < answer_wait) {
+  for (;;) {
     for (size_t i = 0; i < asked.size(); ++i) {
       if (answered[i]) continue;
       int flag = 0;
       MPI_Test(&replies[i], &flag, MPI_STATUS_IGNORE);
       if (flag) answered[i] = 1, ++n_answered;
     }
+    bool acks_done = true;
+    for (MPI_Request& r : ack_reqs) {
+      if (r == MPI_REQUEST_NULL) continue;
+      int flag = 0;
+      MPI_Test(&r, &flag, MPI_STATUS_IGNORE);  // sets r to MPI_REQUEST_NULL when done
+      if (!flag) acks_done = false;
+    }
+    if ((n_answered == asked.size() && acks_done) || seconds_since(ask_start) >= answer_wait) break;
     serve_queries();
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -370,20 +607,53 @@ void MpiComm::Impl::on_timeout(const Op& op) {
     MPI_Cancel(&replies[i]);
     MPI_Wait(&replies[i], MPI_STATUS_IGNORE);
   }
+  for (MPI_Request& r : ack_reqs) {
+    if (r == MPI_REQUEST_NULL) continue;
+    MPI_Cancel(&r);
+    MPI_Wait(&r, MPI_STATUS_IGNORE);
+  }
+
+  // The finding, in the words keel doctor hang uses for the dumps.
+  HangFinding finding;
+  if (const OpRecord* rec = op_recorder().find(op.record)) finding.op = op_info(*rec);
+  finding.stuck_seconds = waited;
+  finding.waiting.push_back(world_rank);
+  if (op.p2p()) {
+    finding.members.push_back(world_rank);
+    for (int peer : asked) finding.members.push_back(members[static_cast<size_t>(peer)]);
+  } else {
+    finding.members = members;
+  }
+  nlohmann::json peers = nlohmann::json::array();
 
   std::string msg = "keel comm watchdog: world rank " + std::to_string(world_rank) + " (host " + host + ") timed out after " +
                     fmt_seconds(waited) + " in " + describe(op) + "\n";
   std::vector<int> missing;
   for (size_t i = 0; i < asked.size(); ++i) {
     const int peer = asked[i];
+    const int peer_world = members[static_cast<size_t>(peer)];
     const PeerReport& r = reports[i];
+    MissingRank miss;
+    miss.world_rank = peer_world;
     msg += "  " + who(peer) + ": ";
     if (!answered[i]) {
       msg += "NO ANSWER within " + fmt_seconds(answer_wait) +
              " (busy outside keel's communication: computing, hung in other code, or dead)\n";
-      missing.push_back(members[static_cast<size_t>(peer)]);
+      missing.push_back(peer_world);
+      miss.answered = false;
+      finding.missing.push_back(miss);
+      peers.push_back({{"world_rank", peer_world}, {"answered", false}});
       continue;
     }
+    miss.last_completed = from_wire(r.last_completed);
+    miss.waiting_in = from_wire(r.waiting);
+    peers.push_back({{"world_rank", peer_world},
+                     {"answered", true},
+                     {"collectives", r.collectives},
+                     {"sends_to_asker", r.sends_to_asker},
+                     {"recvs_from_asker", r.recvs_from_asker},
+                     {"waiting", miss.waiting_in ? op_json(*miss.waiting_in) : nlohmann::json()},
+                     {"last_completed", miss.last_completed ? op_json(*miss.last_completed) : nlohmann::json()}});
     const std::string busy = describe_busy(r);
     if (op.p2p()) {
       // Did the peer post the operation that matches ours?
@@ -401,19 +671,26 @@ void MpiComm::Impl::on_timeout(const Op& op) {
       }
       if (!behind) verdict = "has posted the matching operation";
       msg += verdict + "; " + busy + "\n";
-      if (behind) missing.push_back(members[static_cast<size_t>(peer)]);
+      if (behind) {
+        missing.push_back(peer_world);
+        finding.missing.push_back(miss);
+      }
       continue;
     }
     const bool same_point = r.busy && name == r.busy_group && r.busy_seq == op.seq;
     if (r.collectives < op.seq) {
       msg += "NOT ARRIVED: has started " + std::to_string(r.collectives) + " collectives on " + name +
              " (this is #" + std::to_string(op.seq) + "); " + busy + "\n";
-      missing.push_back(members[static_cast<size_t>(peer)]);
+      missing.push_back(peer_world);
+      finding.missing.push_back(miss);
     } else if (same_point && std::strcmp(r.busy_op, op.name) != 0) {
       msg += "MISMATCH: is in a different collective at this point; " + busy + "\n";
-      missing.push_back(members[static_cast<size_t>(peer)]);
+      missing.push_back(peer_world);
+      miss.mismatch = true;
+      finding.missing.push_back(miss);
     } else if (same_point) {
       msg += "arrived (waiting too)\n";
+      finding.waiting.push_back(peer_world);
     } else {
       msg += "got past #" + std::to_string(op.seq) + " (has started " + std::to_string(r.collectives) +
              " collectives on " + name + "); " + busy + "\n";
@@ -423,6 +700,21 @@ void MpiComm::Impl::on_timeout(const Op& op) {
     msg += "  not arrived: world rank" + std::string(missing.size() > 1 ? "s" : "");
     for (size_t i = 0; i < missing.size(); ++i) msg += (i ? ", " : " ") + std::to_string(missing[i]);
     msg += "\n";
+  }
+  std::sort(finding.waiting.begin(), finding.waiting.end());
+  const std::string report = format_finding(finding);
+  msg += "keel hang report: " + report + "\n";
+  nlohmann::json diagnosis = {{"findings", {report}}, {"peers", peers}};
+  diagnosis["text"] = msg;
+  const std::string dump = write_hang_dump("timeout", -1, timeout, &diagnosis);
+  if (!dump.empty()) {
+    int written = 1;
+    for (size_t r = 0; r < acks.size(); ++r)
+      if (static_cast<int>(r) != world_rank) written += acks[r] ? 1 : 0;
+    msg += "keel hang dumps: " + std::to_string(written) + " of " + std::to_string(g_hang.world_size) +
+           " ranks wrote theirs to " + hang_dump_directory() +
+           (written < g_hang.world_size ? " (the others did not answer: busy outside keel, or dead)" : "") +
+           "; for the whole picture run: keel doctor hang " + hang_dump_directory() + "\n";
   }
   msg += "  (timeout " + fmt_seconds(timeout) +
          ", KEEL_COMM_TIMEOUT. A rank that has not arrived is running different code: a skipped or extra "
@@ -447,8 +739,13 @@ MpiComm::MpiComm(const Grid& grid, GroupKind kind) : impl_(std::make_unique<Impl
   m.members = grid.members(kind);
   m.size = static_cast<int>(m.members.size());
   m.rank = static_cast<int>(std::find(m.members.begin(), m.members.end(), grid.rank()) - m.members.begin());
+  m.group_index = grid.group_index(kind);
   m.timeout = default_comm_timeout();
   m.host = LaunchInfo::from_environment().host;
+  if (const char* fault = std::getenv("KEEL_FAULT_SKIP_COLLECTIVE")) {
+    std::optional<CollectiveFault> f = parse_collective_fault(fault);
+    if (f && f->world_rank == grid.rank() && f->group == m.name) m.fault = f;
+  }
   m.sends_to.assign(static_cast<size_t>(m.size), 0);
   m.recvs_from.assign(static_cast<size_t>(m.size), 0);
   m.counts.resize(static_cast<size_t>(m.size));
@@ -484,6 +781,27 @@ MpiComm::MpiComm(const Grid& grid, GroupKind kind) : impl_(std::make_unique<Impl
   if (r != m.rank || s != m.size)
     throw std::logic_error("MpiComm(" + m.name + "): MPI made rank " + std::to_string(r) + " of " + std::to_string(s) +
                            ", the grid says " + std::to_string(m.rank) + " of " + std::to_string(m.size));
+  if (g_hang.users == 0) {
+    // Collective like the rest of this constructor: every rank makes its first MpiComm together.
+    MPI_Comm hang = MPI_COMM_NULL;
+    err = MPI_Comm_dup(MPI_COMM_WORLD, &hang);
+    if (err != MPI_SUCCESS) fail("MPI_Comm_dup (hang channel)", err);
+    if (g_hang.job.empty()) {
+      // World rank 0's clock and pid name the job, the same on every rank.
+      int64_t id[2] = {static_cast<int64_t>(unix_now() * 1e3), static_cast<int64_t>(::getpid())};
+      err = MPI_Bcast(id, 2, MPI_INT64_T, 0, hang);
+      if (err != MPI_SUCCESS) fail("MPI_Bcast (hang channel)", err);
+      char text[48];
+      std::snprintf(text, sizeof text, "%llx-%llx", static_cast<unsigned long long>(id[0]),
+                    static_cast<unsigned long long>(id[1]));
+      g_hang.job = text;
+    }
+    g_hang.comm = hang;
+    g_hang.world_rank = world_rank;
+    g_hang.world_size = world_size;
+    g_hang.host = m.host;
+  }
+  ++g_hang.users;
   g_comms.push_back(impl_.get());
 }
 
@@ -491,6 +809,8 @@ MpiComm::~MpiComm() {
   g_comms.erase(std::remove(g_comms.begin(), g_comms.end(), impl_.get()), g_comms.end());
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (--g_hang.users == 0 && !finalized && !g_hang.leaked && g_hang.comm != MPI_COMM_NULL) MPI_Comm_free(&g_hang.comm);
+  if (g_hang.users == 0) g_hang.comm = MPI_COMM_NULL;
   // After a timeout requests are still pending on these communicators: leave them to MPI_Abort.
   if (finalized || impl_->broken) return;
   if (impl_->side != MPI_COMM_NULL) MPI_Comm_free(&impl_->side);
@@ -512,6 +832,7 @@ const std::vector<int>& MpiComm::members() const { return impl_->members; }
 void MpiComm::all_reduce(const Tensor& t, ReduceOp rop) {
   check::reduction(*this, "all_reduce", t);
   Impl& m = *impl_;
+  if (m.skip_for_fault("all_reduce")) return;
   Impl::Op op;
   m.begin(op, "all_reduce", t.numel(), t.dtype);
   const int64_t n = t.numel();
@@ -567,6 +888,7 @@ void MpiComm::all_reduce(const Tensor& t, ReduceOp rop) {
 void MpiComm::reduce_scatter(const Tensor& out, const Tensor& in) {
   check::reduce_scatter(*this, out, in);
   Impl& m = *impl_;
+  if (m.skip_for_fault("reduce_scatter")) return;
   Impl::Op op;
   m.begin(op, "reduce_scatter", in.numel(), in.dtype);
   const int64_t n = out.numel();
@@ -602,6 +924,7 @@ void MpiComm::reduce_scatter(const Tensor& out, const Tensor& in) {
 void MpiComm::all_gather(const Tensor& out, const Tensor& in) {
   check::all_gather(*this, out, in);
   Impl& m = *impl_;
+  if (m.skip_for_fault("all_gather")) return;
   Impl::Op op;
   m.begin(op, "all_gather", out.numel(), in.dtype);
   const int64_t n = in.numel();
@@ -622,6 +945,7 @@ void MpiComm::all_gather(const Tensor& out, const Tensor& in) {
 void MpiComm::broadcast(const Tensor& t, int root) {
   check::broadcast(*this, t, root);
   Impl& m = *impl_;
+  if (m.skip_for_fault("broadcast")) return;
   Impl::Op op;
   m.begin(op, "broadcast", t.numel(), t.dtype);
   if (m.size == 1 || t.numel() == 0) return;
@@ -686,6 +1010,7 @@ void MpiComm::sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t
 
 void MpiComm::barrier() {
   Impl& m = *impl_;
+  if (m.skip_for_fault("barrier")) return;
   Impl::Op op;
   m.begin(op, "barrier", 0, DType::F32);
   if (m.size == 1) return;

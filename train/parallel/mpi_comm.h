@@ -14,12 +14,23 @@
 // the group what they are doing over a side communicator, prints who is stuck where and who has
 // not arrived to stderr, and throws CommTimeout. Ranks answer those questions whenever they are
 // themselves waiting in any keel collective; a rank busy outside them is reported as silent.
+//
+// Hang diagnosis (hang_report.h): every operation on a group of more than one rank is recorded
+// in this process's OpRecorder ring. The watchdog's report ends with one line in the words
+// `keel doctor hang` uses ("keel hang report: all_reduce #2 of dp group 1 [world ranks 1, 3]:
+// world rank 3 never arrived; ..."), and when a dump directory is set (set_hang_dump_directory,
+// or KEEL_HANG_DUMP_DIR) the stuck rank writes hang-rank<R>.json there and asks every other rank
+// to write theirs before the job is aborted (ranks waiting in keel do; ranks busy elsewhere
+// cannot, and the report names them from the others' answers).
+// Test-only: KEEL_FAULT_SKIP_COLLECTIVE="rank=R,op=OP,group=G,seq=N" makes world rank R skip
+// collective #N of its G group (see parse_collective_fault).
 #pragma once
 
 #include <memory>
 
 #include "train/parallel/comm.h"
 #include "train/parallel/grid.h"
+#include "train/parallel/hang_report.h"
 
 namespace keel::parallel {
 

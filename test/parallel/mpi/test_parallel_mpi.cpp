@@ -6,6 +6,9 @@
 //   test_parallel_mpi watchdog        rank 3 skips a dp all-reduce: rank 1 must report it
 //   test_parallel_mpi watchdog_p2p    rank 0 never sends: rank 1's recv must report it
 //   test_parallel_mpi watchdog_silent rank 1 computes (outside MPI): rank 0 reports no answer
+//   test_parallel_mpi hang_dump DIR   rank 3 skips a dp all-reduce by KEEL_FAULT_SKIP_COLLECTIVE:
+//                                     every rank dumps into DIR, the dumps' report names rank 3
+//   test_parallel_mpi hang_silent DIR rank 1 computes: only rank 0 dumps, the report still names 1
 //   test_parallel_mpi nccl            the NCCL communicators (needs a GPU per rank; exit 77 = skipped)
 //
 // A plain main rather than Catch2: every rank checks, failures print "rank R: FAIL ...", and
@@ -14,6 +17,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <thread>
@@ -404,6 +409,130 @@ int run_watchdog_silent(const MpiRuntime& rt) {
   return 0;
 }
 
+// Removes the dumps of an earlier run of the test. Rank 0 does it before its first collective,
+// so it is done before anyone can time out.
+void clear_dumps(const MpiRuntime& rt, const std::string& dir) {
+  if (rt.world_rank() != 0) return;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+}
+
+// What the dumps say, as keel doctor hang would print it; "" when they cannot be read.
+std::string doctor_report(const std::string& dir, HangAnalysis* analysis) {
+  try {
+    HangDumps dumps = read_hang_dumps(dir);
+    *analysis = analyze_hang(dumps.dumps);
+    return format_hang_analysis(*analysis, dumps);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "reading the hang dumps failed: %s\n", e.what());
+    return "";
+  }
+}
+
+// The live report line, without the stuck time (which the dumps measure a moment later).
+std::string live_report(const std::string& msg) {
+  const std::string tag = "keel hang report: ";
+  const size_t at = msg.find(tag);
+  if (at == std::string::npos) return "";
+  std::string line = msg.substr(at + tag.size(), msg.find('\n', at) - at - tag.size());
+  return line.substr(0, line.rfind(" (stuck "));
+}
+
+// tp 2 x dp 2 on 4 ranks, as in `watchdog`, but rank 3's skip comes from the fault-injection
+// variable (KEEL_FAULT_SKIP_COLLECTIVE=rank=3,op=all_reduce,group=dp,seq=2, set by ctest) and
+// dumps are on. Rank 1 checks its own dump and the three others' (ranks 0, 2 and 3 wait in the
+// world barrier, so they answer the dump request), and that the dumps' report words the stuck
+// all-reduce exactly as its live report did. It leaves that line in DIR/live-report.txt for the
+// ctest that runs `keel doctor hang DIR`.
+int run_hang_dump(const MpiRuntime& rt, const std::string& dir) {
+  if (rt.world_size() != 4) throw std::runtime_error("hang_dump needs 4 ranks");
+  clear_dumps(rt, dir);
+  set_hang_dump_directory(dir);
+  Grid grid(4, rt.world_rank(), 2, 1, 2);
+  CommGroups comms = make_host_comms(grid, rt);
+  auto& dp = dynamic_cast<MpiComm&>(*comms.dp);
+  auto& world = dynamic_cast<MpiComm&>(*comms.world);
+  dp.set_timeout(1.0);
+  world.set_timeout(30.0);
+  std::vector<float> grads(1000, 1.f);
+  Tensor t(grads.data(), DType::F32, {1000});
+  dp.all_reduce(t);  // #1
+  std::string msg;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    dp.all_reduce(t);  // #2: rank 3 skips it (the fault), rank 1 waits for it
+  } catch (const CommTimeout& e) {
+    msg = e.what();
+  }
+  if (rt.world_rank() != 1) {
+    world.barrier();  // ended by rank 1's abort
+    return 0;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string expected =
+      "all_reduce #2 of dp group 1 [world ranks 1, 3]: world rank 3 never arrived; it last completed all_reduce #1 of "
+      "dp group 1 and is now waiting in barrier #1 of world group 0";
+  bool ok = live_report(msg) == expected;
+  if (!ok) std::fprintf(stderr, "hang_dump: live report is \"%s\"\n  expected \"%s\"\n", live_report(msg).c_str(), expected.c_str());
+  // Within the timeout plus the answer wait (half of it), with room for an oversubscribed CPU.
+  if (secs > 6.0) std::fprintf(stderr, "hang_dump: the watchdog took %.1f s (timeout 1 s)\n", secs), ok = false;
+  for (int r = 0; r < 4; ++r)
+    if (!std::filesystem::exists(dir + "/" + hang_dump_file_name(r)))
+      std::fprintf(stderr, "hang_dump: no dump from world rank %d\n", r), ok = false;
+  HangAnalysis a;
+  const std::string report = doctor_report(dir, &a);
+  std::fprintf(stderr, "--- the dumps' report ---\n%s---\n", report.c_str());
+  ok = ok && !a.findings.empty() && format_finding(a.findings[0], false) == expected;
+  ok = ok && report.find("hang: " + expected + " (stuck 1.") != std::string::npos;
+  ok = ok && report.find("world rank 3 skipped it: after all_reduce #1 of dp group 1, world ranks 0-2 called "
+                         "all_reduce #2 of dp next, world rank 3 called barrier #1 of world group 0") != std::string::npos;
+  ok = ok && report.find("also stuck: barrier #1 of world group 0 [world ranks 0-3]: world rank 1 never arrived") !=
+                 std::string::npos;
+  std::ofstream(dir + "/live-report.txt") << live_report(msg);
+  std::printf("hang_dump diagnostic %s\n", ok ? "ok" : "WRONG");
+  std::fflush(stdout);
+  return ok ? 0 : 1;
+}
+
+// dp 2: rank 1 computes outside keel and can neither answer nor dump; rank 0's dump alone must
+// name it.
+int run_hang_silent(const MpiRuntime& rt, const std::string& dir) {
+  if (rt.world_size() != 2) throw std::runtime_error("hang_silent needs 2 ranks");
+  clear_dumps(rt, dir);
+  set_hang_dump_directory(dir);
+  Grid grid(2, rt.world_rank(), 1, 1, 2);
+  CommGroups comms = make_host_comms(grid, rt);
+  auto& dp = dynamic_cast<MpiComm&>(*comms.dp);
+  dp.set_timeout(1.0);
+  std::vector<float> x(8, 1.f);
+  dp.all_reduce(Tensor(x.data(), DType::F32, {8}));  // #1: both
+  if (rt.world_rank() == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(20));  // "computing"; ended by rank 0's abort
+    return 0;
+  }
+  std::string msg;
+  try {
+    dp.broadcast(Tensor(x.data(), DType::F32, {8}), 1);
+  } catch (const CommTimeout& e) {
+    msg = e.what();
+  }
+  const std::string expected =
+      "broadcast #2 of dp group 0 [world ranks 0, 1]: world rank 1 never arrived and gave no answer (busy outside "
+      "keel's communication: computing, hung in other code, or dead)";
+  bool ok = live_report(msg) == expected;
+  if (!ok) std::fprintf(stderr, "hang_silent: live report is \"%s\"\n", live_report(msg).c_str());
+  ok = ok && msg.find("keel hang dumps: 1 of 2 ranks wrote theirs to " + dir) != std::string::npos;
+  ok = ok && !std::filesystem::exists(dir + "/" + hang_dump_file_name(1));
+  HangAnalysis a;
+  const std::string report = doctor_report(dir, &a);
+  std::fprintf(stderr, "--- the dumps' report ---\n%s---\n", report.c_str());
+  ok = ok && !a.findings.empty() && format_finding(a.findings[0], false) == expected;
+  ok = ok && report.find("world rank 1: no dump and no answer to world rank 0") != std::string::npos;
+  std::printf("hang_silent diagnostic %s\n", ok ? "ok" : "WRONG");
+  std::fflush(stdout);
+  return ok ? 0 : 1;
+}
+
 int run_nccl(const MpiRuntime& rt) {
 #ifdef KEEL_HAVE_NCCL
   const int gpus = cuda_device_count();
@@ -485,6 +614,10 @@ int main(int argc, char** argv) {
     if (mode == "watchdog_p2p") return run_watchdog_p2p(rt);
     if (mode == "watchdog_silent") return run_watchdog_silent(rt);
     if (mode == "nccl") return run_nccl(rt);
+    if (mode == "hang_dump" || mode == "hang_silent") {
+      if (argc < 3) throw std::runtime_error(mode + " needs a dump directory argument");
+      return mode == "hang_dump" ? run_hang_dump(rt, argv[2]) : run_hang_silent(rt, argv[2]);
+    }
     std::fprintf(stderr, "test_parallel_mpi: unknown mode %s\n", mode.c_str());
     return 2;
   } catch (const std::exception& e) {

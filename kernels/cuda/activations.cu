@@ -1,0 +1,151 @@
+// GELU (tanh approximation, GPT-2's "gelu_new") and SwiGLU, forward and backward.
+// Elementwise, one element per thread per pass of a grid-stride loop (no reductions), in fp32
+// with the CPU reference's formulas:
+//   gelu(x)   = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//   gelu'(x)  = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2),  t = tanh(u)
+//   swiglu: in [N, 2F] = gate | up, out = silu(gate) * up, silu(g) = g / (1 + exp(-g));
+//   with s = sigmoid(g): d gate = dy * up * s (1 + g (1 - s)),  d up = dy * g s
+// tanhf and expf are CUDA's accurate versions (<= 2 ulp), so results agree with the CPU to a few
+// fp32 ulps before the output rounding.
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace keel {
+
+using cuda::Named;
+
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+
+__device__ __forceinline__ float gelu(float x) {
+  const float u = kSqrt2OverPi * (x + kGeluCubic * (x * x * x));
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_grad(float x) {
+  const float u = kSqrt2OverPi * (x + kGeluCubic * (x * x * x));
+  const float t = tanhf(u);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+}
+
+template <class T>
+__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = from_f32<T>(gelu(to_f32(in[i])));
+}
+
+// din may alias dout (each element is read before it is written, by the same thread).
+template <class T>
+__global__ void gelu_backward_kernel(T* din, const T* dout, const T* in, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    din[i] = from_f32<T>(to_f32(dout[i]) * gelu_grad(to_f32(in[i])));
+}
+
+// One thread per output element (row n, column j < F).
+template <class T>
+__global__ void swiglu_forward_kernel(T* __restrict__ out, const T* __restrict__ in, int64_t N, int64_t F) {
+  const int64_t total = N * F;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = e / F, j = e - n * F;
+    const float g = to_f32(in[n * 2 * F + j]), u = to_f32(in[n * 2 * F + F + j]);
+    out[e] = from_f32<T>(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64_t N, int64_t F) {
+  // din may alias in: the thread of element (n, j) alone reads and then writes (n, j) and (n, F+j).
+  const int64_t total = N * F;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = e / F, j = e - n * F;
+    const float g = to_f32(in[n * 2 * F + j]), u = to_f32(in[n * 2 * F + F + j]);
+    const float dy = to_f32(dout[e]);
+    const float s = 1.0f / (1.0f + expf(-g));
+    din[n * 2 * F + j] = from_f32<T>(dy * u * (s * (1.0f + g * (1.0f - s))));
+    din[n * 2 * F + F + j] = from_f32<T>(dy * (g * s));
+  }
+}
+
+void check_same(const char* op, Named a, Named b) {
+  check_float(op, a);
+  check_float(op, b);
+  if (a.t.numel() != b.t.numel() || a.t.cols() != b.t.cols())
+    fail(op, std::string(a.name) + " and " + b.name + " must have the same shape", {a, b});
+}
+
+// SwiGLU shapes: in/din [N, 2F], out/dout [N, F]. Returns {N, F}.
+std::pair<int64_t, int64_t> check_swiglu(const char* op, Named packed, Named half) {
+  check_float(op, packed);
+  check_float(op, half);
+  if (rows(packed.t) != rows(half.t) || packed.t.cols() != 2 * half.t.cols())
+    fail(op, std::string(packed.name) + " must be [N, 2F] for " + half.name + " [N, F]", {packed, half});
+  return {rows(half.t), half.t.cols()};
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::gelu_forward(const Tensor& out, const Tensor& in) {
+  const char* op = "gelu_forward";
+  cuda::check_same(op, {"out", out}, {"in", in});
+  const int64_t n = in.numel();
+  if (n == 0) return;
+  cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(in)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    cuda::gelu_forward_kernel<T><<<cuda::grid_for(n, cuda::kThreads, 4), cuda::kThreads, 0, stream_>>>(
+        u[0].as<T>(), u[1].as<const T>(), n);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"out", out}, {"in", in}});
+}
+
+void CudaBackend::gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) {
+  const char* op = "gelu_backward";
+  cuda::check_same(op, {"din", din}, {"in", in});
+  cuda::check_same(op, {"dout", dout}, {"in", in});
+  const int64_t n = in.numel();
+  if (n == 0) return;
+  cuda::SameDType u(*this, op, {cuda::out(din), cuda::in(dout), cuda::in(in)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    cuda::gelu_backward_kernel<T><<<cuda::grid_for(n, cuda::kThreads, 4), cuda::kThreads, 0, stream_>>>(
+        u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), n);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
+}
+
+void CudaBackend::swiglu_forward(const Tensor& out, const Tensor& in) {
+  const char* op = "swiglu_forward";
+  auto [N, F] = cuda::check_swiglu(op, {"in", in}, {"out", out});
+  if (N * F == 0) return;
+  cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(in)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    cuda::swiglu_forward_kernel<T><<<cuda::grid_for(N * F, cuda::kThreads, 4), cuda::kThreads, 0, stream_>>>(
+        u[0].as<T>(), u[1].as<const T>(), N, F);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"out", out}, {"in", in}});
+}
+
+void CudaBackend::swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) {
+  const char* op = "swiglu_backward";
+  auto [N, F] = cuda::check_swiglu(op, {"in", in}, {"dout", dout});
+  cuda::check_swiglu(op, {"din", din}, {"dout", dout});
+  if (N * F == 0) return;
+  cuda::SameDType u(*this, op, {cuda::out(din), cuda::in(dout), cuda::in(in)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    cuda::swiglu_backward_kernel<T><<<cuda::grid_for(N * F, cuda::kThreads, 4), cuda::kThreads, 0, stream_>>>(
+        u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), N, F);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
+}
+
+}  // namespace keel

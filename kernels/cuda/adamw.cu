@@ -1,0 +1,123 @@
+// AdamW on fp32 masters, writing the working copy; PyTorch's torch.optim.AdamW order of
+// operations, exactly as the CPU reference (kernels/cpu/adamw.cpp):
+//   g = grad * grad_scale
+//   p = p * (1 - lr*wd)
+//   m = beta1 m + (1 - beta1) g ;  v = beta2 v + ((1 - beta2) g) g
+//   p = p - ((lr / (1 - beta1^step)) * m) / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// The scalars are formed on the host in double and rounded to fp32 (the CPU's code); on the
+// device every product, quotient, sum and the square root is rounded on its own (__fmul_rn,
+// __fdiv_rn, __fadd_rn, __fsqrt_rn: no fused multiply-add), so masters, moments and the
+// working copy are bitwise equal to the CPU's. One thread per element (grid-stride loop).
+//
+// Optional stochastic rounding of a bf16 working copy (AdamWParams::stochastic_rounding): the
+// fp32 value's low 16 bits plus a uniform 16-bit random number, truncated; the random bits come
+// from a counter-based hash of (rounding_seed, step, element index), so runs are reproducible.
+#include <cmath>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace keel {
+
+using cuda::Named;
+
+namespace cuda {
+namespace {
+
+struct AdamScalars {
+  float decay, beta1, beta2, one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps, grad_scale;
+  uint64_t seed, step;
+};
+
+__device__ __forceinline__ uint32_t hash_bits(uint64_t seed, uint64_t step, uint64_t index) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1) + 0xD1B54A32D192ED03ull * (step + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<uint32_t>(z);
+}
+
+// Round x to bf16 stochastically (finite values; inf/nan round to nearest).
+__device__ __forceinline__ __nv_bfloat16 bf16_stochastic(float x, uint32_t random) {
+  if (!isfinite(x)) return __float2bfloat16_rn(x);
+  const uint32_t bits = (__float_as_uint(x) + (random & 0xffffu)) & 0xffff0000u;
+  return __ushort_as_bfloat16(static_cast<unsigned short>(bits >> 16));
+}
+
+template <class T>
+__device__ __forceinline__ void store_working(T* w, int64_t i, float x, const AdamScalars&, bool) {
+  w[i] = from_f32<T>(x);
+}
+template <>
+__device__ __forceinline__ void store_working<__nv_bfloat16>(__nv_bfloat16* w, int64_t i, float x, const AdamScalars& s,
+                                                             bool stochastic) {
+  w[i] = stochastic ? bf16_stochastic(x, hash_bits(s.seed, s.step, static_cast<uint64_t>(i))) : __float2bfloat16_rn(x);
+}
+
+// master may be null (the working copy is then the parameter); write_working false when the
+// working copy is the master itself.
+template <class T>
+__global__ void adamw_kernel(float* master, T* working, const void* grad, DType grad_dt, float* __restrict__ m,
+                             float* __restrict__ v, int64_t n, AdamScalars s, bool write_working, bool stochastic) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float p = master ? master[i] : to_f32(working[i]);
+    const float g = __fmul_rn(load_any(grad, grad_dt, i), s.grad_scale);
+    float x = __fmul_rn(p, s.decay);
+    const float mi = __fadd_rn(__fmul_rn(s.beta1, m[i]), __fmul_rn(s.one_minus_b1, g));
+    const float vi = __fadd_rn(__fmul_rn(s.beta2, v[i]), __fmul_rn(__fmul_rn(s.one_minus_b2, g), g));
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), s.bc2_sqrt), s.eps);
+    x = __fsub_rn(x, __fdiv_rn(__fmul_rn(s.step_size, mi), denom));
+    if (master) master[i] = x;
+    if (write_working) store_working<T>(working, i, x, s, stochastic);
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::adamw(const Tensor& master, const Tensor& working, const Tensor& grad, const Tensor& m,
+                        const Tensor& v, const AdamWParams& p) {
+  const char* op = "adamw";
+  cuda::check_float(op, {"working", working});
+  cuda::check_float(op, {"grad", grad});
+  cuda::check_dtype(op, {"m", m}, DType::F32);
+  cuda::check_dtype(op, {"v", v}, DType::F32);
+  const bool has_master = !master.empty();
+  if (has_master) cuda::check_dtype(op, {"master", master}, DType::F32);
+  const int64_t n = working.numel();
+  if (grad.numel() != n || m.numel() != n || v.numel() != n || (has_master && master.numel() != n))
+    cuda::fail(op, "element counts differ",
+               {{"master", master}, {"working", working}, {"grad", grad}, {"m", m}, {"v", v}});
+  if (p.step < 1) cuda::fail(op, "step must be >= 1 (1-based), got " + std::to_string(p.step), {});
+  if (n == 0) return;
+
+  // Host scalars exactly as kernels/cpu/adamw.cpp forms them.
+  cuda::AdamScalars s{};
+  s.decay = static_cast<float>(1.0 - static_cast<double>(p.lr) * p.weight_decay);
+  s.one_minus_b1 = static_cast<float>(1.0 - static_cast<double>(p.beta1));
+  s.one_minus_b2 = static_cast<float>(1.0 - static_cast<double>(p.beta2));
+  const double bias_correction1 = 1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step));
+  const double bias_correction2 = 1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step));
+  s.step_size = static_cast<float>(p.lr / bias_correction1);
+  s.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  s.beta1 = p.beta1;
+  s.beta2 = p.beta2;
+  s.eps = p.eps;
+  s.grad_scale = p.grad_scale;
+  s.seed = p.rounding_seed;
+  s.step = static_cast<uint64_t>(p.step);
+  const bool write_working = !has_master || working.data != master.data;
+  const bool stochastic = p.stochastic_rounding && has_master && working.dtype == DType::BF16;
+
+  const unsigned blocks = cuda::grid_for(n, 256, 4);
+  KEEL_DISPATCH_FLOAT(working.dtype, op, T, {
+    cuda::adamw_kernel<T><<<blocks, 256, 0, stream_>>>(has_master ? master.as<float>() : nullptr, working.as<T>(),
+                                                       grad.data, grad.dtype, m.as<float>(), v.as<float>(), n, s,
+                                                       write_working, stochastic);
+  });
+  cuda::check_launch(*this, op, {{"master", master}, {"working", working}, {"grad", grad}});
+}
+
+}  // namespace keel

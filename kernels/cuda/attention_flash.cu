@@ -1,0 +1,662 @@
+// Fused causal self-attention with grouped-query heads on the tensor cores, after the
+// FlashAttention-2 algorithm (Dao, 2023): tiles of Q, K, V in shared memory, scores and
+// probabilities in registers, an online softmax, only the log-sum-exp saved; the backward
+// recomputes the probabilities tile by tile. No T x T matrix is ever stored.
+//
+// Notation for one query head h (kv head h / group), query rows i, key rows j <= i:
+//   S_ij = (q_i . k_j) * scale,  scale = 1/sqrt(hd);  lse_i = log sum_j exp(S_ij);  P_ij = exp(S_ij - lse_i)
+//   O_i = sum_j P_ij v_j;  D_i = dO_i . O_i;  dS_ij = P_ij (dO_i . v_j - D_i)
+//   dq_i = scale sum_j dS_ij k_j;  dk_j = scale sum_{h in group} sum_i dS_ij q_i;  dv_j = sum_{h in group} sum_i P_ij dO_i
+// Exponentials are taken base 2 with scores pre-multiplied by scale * log2(e) (exp2f is one
+// instruction); lse is stored in natural-log units.
+//
+// Matrix products: warp-level mma.sync.m16n8k16 with bf16 (or fp16) operands and fp32
+// accumulators (sm_80 and sm_90). Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"),
+// with g = lane / 4 and t = lane % 4:
+//   A (16x16, row-major): reg0 = (row g,   cols 2t, 2t+1)   reg1 = (row g+8, cols 2t, 2t+1)
+//                         reg2 = (row g,   cols 2t+8, +9)   reg3 = (row g+8, cols 2t+8, +9)
+//   B (16x8, "col"):      reg0 = (rows 2t, 2t+1, col g)      reg1 = (rows 2t+8, 2t+9, col g)
+//   C (16x8, fp32):       c0, c1 = (row g, cols 2t, 2t+1)    c2, c3 = (row g+8, cols 2t, 2t+1)
+// Each 32-bit register packs two 16-bit values, the lower column (or row) in the low half.
+// A C fragment pair (n-tiles 2k, 2k+1) of probabilities is exactly the A fragment of the k-th
+// 16-wide slice of P, which is how P (and dS) feed the next product without leaving registers.
+//
+// Kernels and their parallel decomposition (4 warps per block, each warp owns 16 rows):
+//   forward  block (query tile of 64 rows, head, batch); loops over key tiles 0..diagonal with K/V
+//            double-buffered by cp.async; per warp: S = Q K^T (16x64), online softmax, O += P V.
+//   dq       block (query tile of 64 rows, head, batch); loops over key tiles 0..diagonal:
+//            S, dP = dO V^T, dS, dQ += dS K. One block owns each dq row: no accumulation across blocks.
+//   dk, dv   block (key tile of 64 rows, kv head, batch); loops over the group's query heads in
+//            order and, for each, over query tiles of 32 rows from the diagonal to the end:
+//            S^T = K Q^T, dP^T = V dO^T, dS^T, dV += P^T dO, dK += dS^T Q. One block owns each
+//            dk/dv row, and the loop order is fixed: deterministic, no atomics.
+// Tiles beyond T are zero-filled and masked; causal masking applies on tiles crossing the diagonal.
+// P and dS are rounded to the storage type for the second product of each pair (as
+// FlashAttention does); all sums are fp32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "kernels/cuda/attention_flash.cuh"
+
+namespace keel::cuda {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlockQ = 64;      // query rows per block (forward, dq)
+constexpr int kBlockK = 64;      // key rows per tile / per dk-dv block
+constexpr int kBlockQBwd = 32;   // query rows per step of the dk-dv kernel
+constexpr int kPad = 8;          // shared-memory row padding (elements): conflict-free fragment loads
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- fragments and tensor-core products ----
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <class T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two consecutive 16-bit elements (even column) as one register.
+template <class T>
+__device__ __forceinline__ uint32_t ld_pair(const T* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+// Two 16-bit elements from different rows as one register (lo from p0).
+template <class T>
+__device__ __forceinline__ uint32_t ld_pair(const T* p0, const T* p1) {
+  const uint32_t lo = *reinterpret_cast<const uint16_t*>(p0);
+  const uint32_t hi = *reinterpret_cast<const uint16_t*>(p1);
+  return lo | (hi << 16);
+}
+
+// A fragment of the 16x16 block at `base` of a row-major shared array with row stride ld.
+template <class T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* base, int ld, int g, int t) {
+  a[0] = ld_pair(base + g * ld + 2 * t);
+  a[1] = ld_pair(base + (g + 8) * ld + 2 * t);
+  a[2] = ld_pair(base + g * ld + 2 * t + 8);
+  a[3] = ld_pair(base + (g + 8) * ld + 2 * t + 8);
+}
+
+// B fragment (16 k x 8 n) whose element (k, n) is base[n * ld + k] (k contiguous: K or Q rows
+// indexed by n, the head dimension by k).
+template <class T>
+__device__ __forceinline__ void load_b_nmajor(uint32_t& b0, uint32_t& b1, const T* base, int ld, int g, int t) {
+  b0 = ld_pair(base + g * ld + 2 * t);
+  b1 = ld_pair(base + g * ld + 2 * t + 8);
+}
+
+// B fragment (16 k x 8 n) whose element (k, n) is base[k * ld + n] (n contiguous: V, K, Q or dO
+// rows indexed by k, the head dimension by n).
+template <class T>
+__device__ __forceinline__ void load_b_kmajor(uint32_t& b0, uint32_t& b1, const T* base, int ld, int g, int t) {
+  b0 = ld_pair(base + (2 * t) * ld + g, base + (2 * t + 1) * ld + g);
+  b1 = ld_pair(base + (2 * t + 8) * ld + g, base + (2 * t + 9) * ld + g);
+}
+
+// ---- asynchronous tile copies (cp.async, sm_80+) ----
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Rows [row0, row0 + kRows) of one head (HD contiguous elements at g_head + row * cols) into
+// shared rows of stride HD + kPad; rows >= T_len are zero-filled.
+template <class T, int HD, int kRows>
+__device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int T_len, int64_t cols) {
+  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+  constexpr int LD = HD + kPad;
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const int row = row0 + r;
+    const bool valid = row < T_len;
+    const T* src = g_head + static_cast<int64_t>(valid ? row : 0) * cols + ch * 8;
+    cp_async16(s + r * LD + ch * 8, src, valid);
+  }
+}
+
+// ---- forward ----
+
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads)
+    flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, int T_len, int nh,
+                         int nkv, float scale_log2) {
+  constexpr int LD = HD + kPad;
+  constexpr int KT = HD / 16;  // k-steps over the head dimension
+  constexpr int NT = HD / 8;   // n-tiles of the output
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBlockQ * LD;       // [2][kBlockK][LD]
+  T* sV = sK + 2 * kBlockK * LD;   // [2][kBlockK][LD]
+
+  const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (nh / nkv);
+  const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
+  const T* base = qkv + static_cast<int64_t>(b) * T_len * cols;
+  const T* q_head = base + h * HD;
+  const T* k_head = base + (nh + kvh) * HD;
+  const T* v_head = base + (nh + nkv + kvh) * HD;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int q0 = qt * kBlockQ;
+  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const int q_last = min(q0 + kBlockQ - 1, T_len - 1);
+  const int n_kt = q_last / kBlockK + 1;
+
+  async_tile<T, HD, kBlockQ>(sQ, q_head, q0, T_len, cols);
+  async_tile<T, HD, kBlockK>(sK, k_head, 0, T_len, cols);
+  async_tile<T, HD, kBlockK>(sV, v_head, 0, T_len, cols);
+  cp_async_commit();
+
+  uint32_t qa[KT][4];
+  float o[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  for (int kt = 0; kt < n_kt; ++kt) {
+    const int buf = kt & 1;
+    if (kt + 1 < n_kt) {  // prefetch the next K/V tile into the other buffer
+      async_tile<T, HD, kBlockK>(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK, T_len, cols);
+      async_tile<T, HD, kBlockK>(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK, T_len, cols);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (kt == 0) {
+#pragma unroll
+      for (int kk = 0; kk < KT; ++kk) load_a(qa[kk], sQ + warp * 16 * LD + kk * 16, LD, g, t);
+    }
+    const T* k_s = sK + buf * kBlockK * LD;
+    const T* v_s = sV + buf * kBlockK * LD;
+    const int k0 = kt * kBlockK;
+
+    // S = Q K^T for the warp's 16 rows x 64 keys
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk)
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        uint32_t b0, b1;
+        load_b_nmajor(b0, b1, k_s + (n * 8) * LD + kk * 16, LD, g, t);
+        mma16816<T>(s[n], qa[kk], b0, b1);
+      }
+
+    // scale to log2 units, mask, row max
+    const bool mask = k0 + kBlockK - 1 > q0 || k0 + kBlockK > T_len;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = k0 + n * 8 + 2 * t + (e & 1);
+        const int row = e < 2 ? row_a : row_b;
+        float v = s[n][e] * scale_log2;
+        if (mask && (col > row || col >= T_len)) v = -INFINITY;
+        s[n][e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    float m_use[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);
+      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing unmasked yet stays at 0
+      alpha[r] = exp2f(m[r] - m_use[r]);
+      m[r] = m_new;
+    }
+    // P = exp2(S - m), row sums
+    float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2f(s[n][e] - m_use[e >> 1]);
+        s[n][e] = p;
+        rs[e >> 1] += p;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
+      rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
+      l[r] = l[r] * alpha[r] + rs[r];
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        uint32_t b0, b1;
+        load_b_kmajor(b0, b1, v_s + (kk * 16) * LD + n * 8, LD, g, t);
+        mma16816<T>(o[n], pa, b0, b1);
+      }
+    }
+    __syncthreads();  // all warps are done with this buffer before it is refilled
+  }
+
+  // O / l, log-sum-exp
+  const float inv_l[2] = {l[0] > 0.0f ? 1.0f / l[0] : 0.0f, l[1] > 0.0f ? 1.0f / l[1] : 0.0f};
+  const int64_t out_cols = static_cast<int64_t>(nh) * HD;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r ? row_b : row_a;
+    if (row >= T_len) continue;
+    T* orow = out + (static_cast<int64_t>(b) * T_len + row) * out_cols + h * HD;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t) = pack2<T>(o[n][2 * r] * inv_l[r], o[n][2 * r + 1] * inv_l[r]);
+    if (t == 0) lse[(static_cast<int64_t>(b) * nh + h) * T_len + row] = (m[r] + log2f(l[r])) * kLn2;
+  }
+}
+
+// ---- backward: dq ----
+
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads)
+    flash_backward_dq_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
+                             const float* __restrict__ delta, T* __restrict__ dqkv, int T_len, int nh, int nkv,
+                             float scale_log2, float scale) {
+  constexpr int LD = HD + kPad;
+  constexpr int KT = HD / 16;
+  constexpr int NT = HD / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + kBlockQ * LD;
+  T* sK = sdO + kBlockQ * LD;      // [2][kBlockK][LD]
+  T* sV = sK + 2 * kBlockK * LD;   // [2][kBlockK][LD]
+
+  const int qt = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (nh / nkv);
+  const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
+  const int64_t out_cols = static_cast<int64_t>(nh) * HD;
+  const T* base = qkv + static_cast<int64_t>(b) * T_len * cols;
+  const T* q_head = base + h * HD;
+  const T* k_head = base + (nh + kvh) * HD;
+  const T* v_head = base + (nh + nkv + kvh) * HD;
+  const T* do_head = dout + static_cast<int64_t>(b) * T_len * out_cols + h * HD;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int q0 = qt * kBlockQ;
+  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const int q_last = min(q0 + kBlockQ - 1, T_len - 1);
+  const int n_kt = q_last / kBlockK + 1;
+  const int64_t stat = (static_cast<int64_t>(b) * nh + h) * T_len;
+  // per row: lse in log2 units, and D
+  const float lse2[2] = {row_a < T_len ? lse[stat + row_a] * kLog2e : 0.0f,
+                         row_b < T_len ? lse[stat + row_b] * kLog2e : 0.0f};
+  const float dd[2] = {row_a < T_len ? delta[stat + row_a] : 0.0f, row_b < T_len ? delta[stat + row_b] : 0.0f};
+
+  async_tile<T, HD, kBlockQ>(sQ, q_head, q0, T_len, cols);
+  async_tile<T, HD, kBlockQ>(sdO, do_head, q0, T_len, out_cols);
+  async_tile<T, HD, kBlockK>(sK, k_head, 0, T_len, cols);
+  async_tile<T, HD, kBlockK>(sV, v_head, 0, T_len, cols);
+  cp_async_commit();
+
+  float dq[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+
+  for (int kt = 0; kt < n_kt; ++kt) {
+    const int buf = kt & 1;
+    if (kt + 1 < n_kt) {
+      async_tile<T, HD, kBlockK>(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK, T_len, cols);
+      async_tile<T, HD, kBlockK>(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK, T_len, cols);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* k_s = sK + buf * kBlockK * LD;
+    const T* v_s = sV + buf * kBlockK * LD;
+    const int k0 = kt * kBlockK;
+
+    // S = Q K^T and dP = dO V^T (16 rows x 64 keys per warp)
+    float s[8][4], dp[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      uint32_t qa[4], da[4];
+      load_a(qa, sQ + warp * 16 * LD + kk * 16, LD, g, t);
+      load_a(da, sdO + warp * 16 * LD + kk * 16, LD, g, t);
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        uint32_t b0, b1;
+        load_b_nmajor(b0, b1, k_s + (n * 8) * LD + kk * 16, LD, g, t);
+        mma16816<T>(s[n], qa, b0, b1);
+        load_b_nmajor(b0, b1, v_s + (n * 8) * LD + kk * 16, LD, g, t);
+        mma16816<T>(dp[n], da, b0, b1);
+      }
+    }
+    // P and dS = P (dP - D)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = k0 + n * 8 + 2 * t + (e & 1);
+        const int row = e < 2 ? row_a : row_b;
+        const bool valid = col <= row && row < T_len;  // col <= row < T_len implies col < T_len
+        const float p = valid ? exp2f(s[n][e] * scale_log2 - lse2[e >> 1]) : 0.0f;
+        s[n][e] = p * (dp[n][e] - dd[e >> 1]);  // s now holds dS
+      }
+    // dQ += dS K
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        uint32_t b0, b1;
+        load_b_kmajor(b0, b1, k_s + (kk * 16) * LD + n * 8, LD, g, t);
+        mma16816<T>(dq[n], a, b0, b1);
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r ? row_b : row_a;
+    if (row >= T_len) continue;
+    T* drow = dqkv + (static_cast<int64_t>(b) * T_len + row) * cols + h * HD;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      *reinterpret_cast<uint32_t*>(drow + n * 8 + 2 * t) = pack2<T>(dq[n][2 * r] * scale, dq[n][2 * r + 1] * scale);
+  }
+}
+
+// ---- backward: dk, dv ----
+
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads)
+    flash_backward_dkdv_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
+                               const float* __restrict__ delta, T* __restrict__ dqkv, int T_len, int nh, int nkv,
+                               float scale_log2, float scale) {
+  constexpr int LD = HD + kPad;
+  constexpr int KT = HD / 16;
+  constexpr int NT = HD / 8;
+  constexpr int QN = kBlockQBwd / 8;  // n-tiles of S^T (queries)
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlockK * LD;
+  T* sQ = sV + kBlockK * LD;           // [2][kBlockQBwd][LD]
+  T* sdO = sQ + 2 * kBlockQBwd * LD;   // [2][kBlockQBwd][LD]
+  float* sL = reinterpret_cast<float*>(sdO + 2 * kBlockQBwd * LD);  // [2][kBlockQBwd] lse (log2 units)
+  float* sD = sL + 2 * kBlockQBwd;                                  // [2][kBlockQBwd]
+
+  const int kt = blockIdx.x;  // small kt = most query tiles: scheduled first
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int group = nh / nkv;
+  const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
+  const int64_t out_cols = static_cast<int64_t>(nh) * HD;
+  const T* base = qkv + static_cast<int64_t>(b) * T_len * cols;
+  const T* k_head = base + (nh + kvh) * HD;
+  const T* v_head = base + (nh + nkv + kvh) * HD;
+  const T* do_base = dout + static_cast<int64_t>(b) * T_len * out_cols;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int k0 = kt * kBlockK;
+  const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
+  const int qi_first = k0 / kBlockQBwd;
+  const int n_q = (T_len + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
+  const int n_it = group * n_q;
+
+  // Stage step `it` (query head h = kvh * group + it / n_q, query tile qi_first + it % n_q) into buffer `buf`.
+  auto stage = [&](int it, int buf) {
+    const int h = kvh * group + it / n_q;
+    const int i0 = (qi_first + it % n_q) * kBlockQBwd;
+    async_tile<T, HD, kBlockQBwd>(sQ + buf * kBlockQBwd * LD, base + h * HD, i0, T_len, cols);
+    async_tile<T, HD, kBlockQBwd>(sdO + buf * kBlockQBwd * LD, do_base + h * HD, i0, T_len, out_cols);
+    if (threadIdx.x < kBlockQBwd) {
+      const int i = i0 + threadIdx.x;
+      const int64_t stat = (static_cast<int64_t>(b) * nh + h) * T_len;
+      sL[buf * kBlockQBwd + threadIdx.x] = i < T_len ? lse[stat + i] * kLog2e : 0.0f;
+      sD[buf * kBlockQBwd + threadIdx.x] = i < T_len ? delta[stat + i] : 0.0f;
+    }
+  };
+
+  async_tile<T, HD, kBlockK>(sK, k_head, k0, T_len, cols);
+  async_tile<T, HD, kBlockK>(sV, v_head, k0, T_len, cols);
+  stage(0, 0);
+  cp_async_commit();
+
+  float dk[NT][4], dv[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+
+  for (int it = 0; it < n_it; ++it) {
+    const int buf = it & 1;
+    if (it + 1 < n_it) {
+      stage(it + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* q_s = sQ + buf * kBlockQBwd * LD;
+    const T* do_s = sdO + buf * kBlockQBwd * LD;
+    const float* l_s = sL + buf * kBlockQBwd;
+    const float* d_s = sD + buf * kBlockQBwd;
+    const int i0 = (qi_first + it % n_q) * kBlockQBwd;
+
+    // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
+    float st[QN][4], dpt[QN][4];
+#pragma unroll
+    for (int n = 0; n < QN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      uint32_t ka[4], va[4];
+      load_a(ka, sK + warp * 16 * LD + kk * 16, LD, g, t);
+      load_a(va, sV + warp * 16 * LD + kk * 16, LD, g, t);
+#pragma unroll
+      for (int n = 0; n < QN; ++n) {
+        uint32_t b0, b1;
+        load_b_nmajor(b0, b1, q_s + (n * 8) * LD + kk * 16, LD, g, t);
+        mma16816<T>(st[n], ka, b0, b1);
+        load_b_nmajor(b0, b1, do_s + (n * 8) * LD + kk * 16, LD, g, t);
+        mma16816<T>(dpt[n], va, b0, b1);
+      }
+    }
+    // P^T and dS^T; rows are keys j, columns queries i; valid when j <= i < T (then j < T too)
+#pragma unroll
+    for (int n = 0; n < QN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ci = n * 8 + 2 * t + (e & 1);
+        const int i = i0 + ci;
+        const int j = e < 2 ? key_a : key_b;
+        const bool valid = j <= i && i < T_len;
+        const float p = valid ? exp2f(st[n][e] * scale_log2 - l_s[ci]) : 0.0f;
+        st[n][e] = p;
+        dpt[n][e] = p * (dpt[n][e] - d_s[ci]);  // dpt now holds dS^T
+      }
+    // dV += P^T dO and dK += dS^T Q (k = the 32 queries)
+#pragma unroll
+    for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
+      uint32_t pa[4], sa[4];
+      pa[0] = pack2<T>(st[2 * kk][0], st[2 * kk][1]);
+      pa[1] = pack2<T>(st[2 * kk][2], st[2 * kk][3]);
+      pa[2] = pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+      pa[3] = pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+      sa[0] = pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]);
+      sa[1] = pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]);
+      sa[2] = pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+      sa[3] = pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        uint32_t b0, b1;
+        load_b_kmajor(b0, b1, do_s + (kk * 16) * LD + n * 8, LD, g, t);
+        mma16816<T>(dv[n], pa, b0, b1);
+        load_b_kmajor(b0, b1, q_s + (kk * 16) * LD + n * 8, LD, g, t);
+        mma16816<T>(dk[n], sa, b0, b1);
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = r ? key_b : key_a;
+    if (j >= T_len) continue;
+    T* row = dqkv + (static_cast<int64_t>(b) * T_len + j) * cols;
+    T* dk_row = row + (nh + kvh) * HD;
+    T* dv_row = row + (nh + nkv + kvh) * HD;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      *reinterpret_cast<uint32_t*>(dk_row + n * 8 + 2 * t) = pack2<T>(dk[n][2 * r] * scale, dk[n][2 * r + 1] * scale);
+      *reinterpret_cast<uint32_t*>(dv_row + n * 8 + 2 * t) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+    }
+  }
+}
+
+// ---- launchers ----
+
+template <class T, int HD>
+size_t forward_smem() {
+  return static_cast<size_t>(kBlockQ + 4 * kBlockK) * (HD + kPad) * sizeof(T);
+}
+template <class T, int HD>
+size_t dq_smem() {
+  return static_cast<size_t>(2 * kBlockQ + 4 * kBlockK) * (HD + kPad) * sizeof(T);
+}
+template <class T, int HD>
+size_t dkdv_smem() {
+  return static_cast<size_t>(2 * kBlockK + 4 * kBlockQBwd) * (HD + kPad) * sizeof(T) + 4 * kBlockQBwd * sizeof(float);
+}
+
+// Raises a kernel's dynamic shared-memory limit once (above 48 KiB it must be asked for).
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes, bool& done, const char* op) {
+  if (done) return;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  done = true;
+}
+
+template <class T, int HD>
+void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
+  static bool smem_ok = false;
+  const size_t smem = forward_smem<T, HD>();
+  allow_smem(flash_forward_kernel<T, HD>, smem, smem_ok, "attention_forward");
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
+  const dim3 grid(static_cast<unsigned>(ceil_div(s.T, kBlockQ)), static_cast<unsigned>(s.n_heads),
+                  static_cast<unsigned>(s.B));
+  flash_forward_kernel<T, HD><<<grid, kThreads, smem, be.stream()>>>(qkv.as<const T>(), out.as<T>(), lse.as<float>(), s.T,
+                                                                     s.n_heads, s.n_kv_heads, scale * kLog2e);
+}
+
+template <class T, int HD>
+void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
+                   const float* delta, const AttnShape& s) {
+  static bool dq_ok = false, dkdv_ok = false;
+  const size_t smem_dq = dq_smem<T, HD>(), smem_dkdv = dkdv_smem<T, HD>();
+  allow_smem(flash_backward_dq_kernel<T, HD>, smem_dq, dq_ok, "attention_backward");
+  allow_smem(flash_backward_dkdv_kernel<T, HD>, smem_dkdv, dkdv_ok, "attention_backward");
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
+  const dim3 grid_q(static_cast<unsigned>(ceil_div(s.T, kBlockQ)), static_cast<unsigned>(s.n_heads),
+                    static_cast<unsigned>(s.B));
+  flash_backward_dq_kernel<T, HD><<<grid_q, kThreads, smem_dq, be.stream()>>>(
+      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads,
+      scale * kLog2e, scale);
+  const dim3 grid_k(static_cast<unsigned>(ceil_div(s.T, kBlockK)), static_cast<unsigned>(s.n_kv_heads),
+                    static_cast<unsigned>(s.B));
+  flash_backward_dkdv_kernel<T, HD><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
+      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads,
+      scale * kLog2e, scale);
+}
+
+}  // namespace
+
+bool flash_supported(const AttnShape& s, DType dtype, std::initializer_list<const Tensor*> operands) {
+  if (dtype != DType::BF16 && dtype != DType::F16) return false;
+  if (s.head_dim != 64 && s.head_dim != 128) return false;
+  if (s.B > 65535 || s.n_heads > 65535) return false;
+  for (const Tensor* t : operands)
+    if (t->dtype != dtype || alignment_of(t->data) < 16) return false;
+  return true;
+}
+
+void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
+  if (qkv.dtype == DType::BF16) {
+    if (s.head_dim == 64) forward_impl<__nv_bfloat16, 64>(be, out, lse, qkv, s);
+    else forward_impl<__nv_bfloat16, 128>(be, out, lse, qkv, s);
+  } else {
+    if (s.head_dim == 64) forward_impl<__half, 64>(be, out, lse, qkv, s);
+    else forward_impl<__half, 128>(be, out, lse, qkv, s);
+  }
+}
+
+void flash_backward(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
+                    const float* delta, const AttnShape& s) {
+  if (qkv.dtype == DType::BF16) {
+    if (s.head_dim == 64) backward_impl<__nv_bfloat16, 64>(be, dqkv, dout, qkv, lse, delta, s);
+    else backward_impl<__nv_bfloat16, 128>(be, dqkv, dout, qkv, lse, delta, s);
+  } else {
+    if (s.head_dim == 64) backward_impl<__half, 64>(be, dqkv, dout, qkv, lse, delta, s);
+    else backward_impl<__half, 128>(be, dqkv, dout, qkv, lse, delta, s);
+  }
+}
+
+}  // namespace keel::cuda

@@ -1,0 +1,21 @@
+// Fused causal attention on the tensor cores (attention_flash.cu), for bf16 / fp16 storage and
+// head_dim 64 or 128. attention.cu decides when to use it and falls back to the plain fp32
+// kernels otherwise.
+#pragma once
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace keel::cuda {
+
+// Can the fused kernels run this call? (dtype bf16 or f16 shared by all operands, head_dim 64
+// or 128, every base pointer 16-byte aligned.)
+bool flash_supported(const AttnShape& s, DType dtype, std::initializer_list<const Tensor*> operands);
+
+// out [B*T, nh*hd] and lse [B, nh, T] from qkv (after RoPE).
+void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s);
+
+// dqkv (written in full) from dout, qkv, lse and delta[B, nh, T] = rowsum(dout * out).
+void flash_backward(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
+                    const float* delta, const AttnShape& s);
+
+}  // namespace keel::cuda

@@ -1,0 +1,383 @@
+// CudaBackend: construction, memory, host<->device copies, convert / fill / add / scale, the
+// dtype staging helper and the RoPE table cache. The other ops live in their own files.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace keel {
+
+using cuda::check_cuda;
+using cuda::Named;
+
+// ---- elementwise kernels (grid-stride loops; each element independent, so the grid size
+// never changes a result) ----
+
+namespace cuda {
+namespace {
+
+// dst[i] = round_Tout(float(src[i]))
+template <class Tout, class Tin>
+__global__ void convert_kernel(Tout* __restrict__ dst, const Tin* __restrict__ src, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = from_f32<Tout>(to_f32(src[i]));
+}
+
+// dst[i] = value (already rounded to T by the caller)
+template <class T>
+__global__ void fill_kernel(T* __restrict__ dst, T value, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = value;
+}
+
+// out[i] = round_T(float(a[i]) + float(b[i]))   (out may alias a or b)
+template <class T>
+__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+}
+
+// x[i] = round_T(float(x[i]) * s)
+template <class T>
+__global__ void scale_kernel(T* x, float s, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] = from_f32<T>(to_f32(x[i]) * s);
+}
+
+constexpr int kThreads = 256;
+
+}  // namespace
+
+void launch_convert(CudaBackend& be, void* dst, DType d, const void* src, DType s, int64_t n, const char* op) {
+  if (n <= 0) return;
+  cudaStream_t stream = be.stream();
+  if (d == s) {
+    check_cuda(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * dtype_size(d), cudaMemcpyDeviceToDevice, stream), op,
+               "cudaMemcpyAsync (device to device)");
+    return;
+  }
+  const unsigned blocks = grid_for(n, kThreads, 4);
+  KEEL_DISPATCH_FLOAT(d, op, Tout, {
+    KEEL_DISPATCH_FLOAT(s, op, Tin, {
+      convert_kernel<Tout, Tin><<<blocks, kThreads, 0, stream>>>(static_cast<Tout*>(dst), static_cast<const Tin*>(src), n);
+    });
+  });
+}
+
+SameDType::SameDType(CudaBackend& be, const char* op, std::initializer_list<Io> ops) : be_(be), op_(op), ops_(ops) {
+  bool first = true;
+  for (const Io& io : ops_) {
+    if (io.t->empty()) continue;
+    if (first) dtype_ = io.t->dtype, first = false;
+    else if (io.t->dtype != dtype_) staged_ = true;
+  }
+  views_.reserve(ops_.size());
+  if (!staged_) {
+    for (const Io& io : ops_) views_.push_back(*io.t);
+    return;
+  }
+  dtype_ = DType::F32;
+  for (const Io& io : ops_) {
+    Tensor v = *io.t;
+    void* mem = nullptr;
+    if (!io.t->empty() && io.t->dtype != DType::F32) {
+      mem = be_.scratch(static_cast<size_t>(io.t->numel()) * 4, op_);
+      v.data = mem;
+      v.dtype = DType::F32;
+      if (io.read) launch_convert(be_, mem, DType::F32, io.t->data, io.t->dtype, io.t->numel(), op_);
+    }
+    scratch_.push_back(mem);
+    views_.push_back(v);
+  }
+}
+
+void SameDType::finish() {
+  if (!staged_) return;
+  for (size_t i = 0; i < ops_.size(); ++i)
+    if (scratch_[i] && ops_[i].write)
+      launch_convert(be_, ops_[i].t->data, ops_[i].t->dtype, scratch_[i], DType::F32, ops_[i].t->numel(), op_);
+}
+
+SameDType::~SameDType() {
+  for (void* p : scratch_)
+    if (p) be_.release(p);
+}
+
+}  // namespace cuda
+
+// ---- construction ----
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  const char* op = "CudaBackend";
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("CudaBackend: no usable CUDA device (") + cudaGetErrorString(e) + ")");
+  }
+  if (device < 0 || device >= count)
+    throw std::runtime_error("CudaBackend: device " + std::to_string(device) + " requested, " + std::to_string(count) +
+                             " visible (check CUDA_VISIBLE_DEVICES and the local rank)");
+  check_cuda(cudaSetDevice(device), op, "cudaSetDevice");
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device), op, "cudaGetDeviceProperties");
+  if (prop.major < 8)
+    throw std::runtime_error("CudaBackend: device " + std::to_string(device) + " (" + prop.name + ", sm_" +
+                             std::to_string(prop.major * 10 + prop.minor) +
+                             ") is older than sm_80: keel's kernels need Ampere (A100) or newer");
+  cudaStream_t s = nullptr;
+  // A blocking stream: work on the legacy default stream (LocalComm's device copies) waits
+  // for it and it for them.
+  check_cuda(cudaStreamCreate(&s), op, "cudaStreamCreate");
+  stream_ = s;
+  int pools = 0;
+  cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device);
+  use_pool_ = pools != 0;
+  if (use_pool_) {
+    cudaMemPool_t pool;
+    check_cuda(cudaDeviceGetDefaultMemPool(&pool, device), op, "cudaDeviceGetDefaultMemPool");
+    uint64_t keep = UINT64_MAX;  // keep freed memory in the pool (no trips to the driver per step)
+    check_cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), op, "cudaMemPoolSetAttribute");
+  }
+  check_cuda(cudaMallocHost(&host_scalar_, 64), op, "cudaMallocHost");
+  const char* sync = std::getenv("KEEL_CUDA_SYNC");
+  sync_each_op_ = sync && *sync && std::strcmp(sync, "0") != 0;
+  const char* attn = std::getenv("KEEL_ATTENTION");
+  simple_attention_ = attn && std::strcmp(attn, "simple") == 0;
+  matmul_ = cuda::create_matmul_cache(*this);
+}
+
+CudaBackend::~CudaBackend() {
+  cudaStreamSynchronize(stream_);
+  for (auto& [key, p] : rope_tables_) release(p);
+  rope_tables_.clear();
+  cuda::destroy_matmul_cache(matmul_);
+  cudaStreamSynchronize(stream_);
+  if (const char* stats = std::getenv("KEEL_CUDA_MEMSTATS"); stats && *stats && std::strcmp(stats, "0") != 0)
+    std::fprintf(stderr, "keel cuda: peak device memory held by keel %.3f GiB (device %d)\n",
+                 static_cast<double>(peak_bytes_) / (1024.0 * 1024.0 * 1024.0), device_);
+  if (host_scalar_) cudaFreeHost(host_scalar_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+std::string CudaBackend::name() const {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device_) != cudaSuccess) return "cuda (device " + std::to_string(device_) + ")";
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "cuda (device %d: %s, sm_%d%d, %d SMs, %.1f GiB)", device_, prop.name, prop.major,
+                prop.minor, prop.multiProcessorCount,
+                static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+size_t CudaBackend::peak_bytes() const { return peak_bytes_; }
+size_t CudaBackend::used_bytes() const { return live_bytes_; }
+
+// ---- memory ----
+
+void* CudaBackend::raw_alloc(size_t bytes, const char* op) {
+  const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+  void* p = nullptr;
+  cudaError_t e = use_pool_ ? cudaMallocAsync(&p, rounded, stream_) : cudaMalloc(&p, rounded);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // out of memory is not sticky: clear it
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    char buf[320];
+    std::snprintf(buf, sizeof buf,
+                  "CudaBackend::%s: cannot allocate %.1f MiB on device %d (%s): keel holds %.1f MiB, the device "
+                  "has %.1f MiB free of %.1f MiB",
+                  op, rounded / 1048576.0, device_, cudaGetErrorString(e), live_bytes_ / 1048576.0, free_b / 1048576.0,
+                  total_b / 1048576.0);
+    throw std::runtime_error(buf);
+  }
+  if (reinterpret_cast<uintptr_t>(p) % 256 != 0) {
+    // Never seen; kernels and cuBLASLt rely on it.
+    throw std::runtime_error("CudaBackend::" + std::string(op) + ": the allocator returned memory not 256-byte aligned");
+  }
+  sizes_[p] = rounded;
+  live_bytes_ += rounded;
+  peak_bytes_ = std::max(peak_bytes_, live_bytes_);
+  return p;
+}
+
+void* CudaBackend::allocate(size_t bytes) {
+  void* p = raw_alloc(bytes, "allocate");
+  check_cuda(cudaMemsetAsync(p, 0, (std::max<size_t>(bytes, 1) + 255) / 256 * 256, stream_), "allocate",
+             "cudaMemsetAsync");
+  return p;
+}
+
+void* CudaBackend::scratch(size_t bytes, const char* op) { return raw_alloc(bytes, op); }
+
+void CudaBackend::release(void* p) {
+  if (!p) return;
+  auto it = sizes_.find(p);
+  if (it != sizes_.end()) {
+    live_bytes_ -= it->second;
+    sizes_.erase(it);
+  }
+  // Stream-ordered: the memory is reused only by work enqueued after this point. Not thrown
+  // (release runs in destructors); reported instead.
+  cudaError_t e = use_pool_ ? cudaFreeAsync(p, stream_) : cudaFree(p);
+  if (e == cudaErrorCudartUnloading) return;  // process exit: the runtime frees everything
+  if (e != cudaSuccess)
+    std::fprintf(stderr, "keel: CudaBackend::release: %s (%s)\n", cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
+  const char* op = "copy_to_host";
+  cuda::check_present(op, {"src", src});
+  if (src.bytes() == 0) return;
+  check_cuda(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_), op, "cudaMemcpyAsync",
+             src.shape_str());
+  check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize", src.shape_str());
+}
+
+void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
+  const char* op = "copy_from_host";
+  cuda::check_present(op, {"dst", dst});
+  if (dst.bytes() == 0) return;
+  check_cuda(cudaMemcpyAsync(dst.data, src, dst.bytes(), cudaMemcpyHostToDevice, stream_), op, "cudaMemcpyAsync",
+             dst.shape_str());
+  // From pageable memory the call returns once `src` is staged, so the caller may reuse it. From
+  // page-locked memory the copy is truly asynchronous: wait, so that the same holds.
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, src) == cudaSuccess && attr.type != cudaMemoryTypeUnregistered)
+    check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize", dst.shape_str());
+  cudaGetLastError();  // cudaPointerGetAttributes may leave an error for unknown pointers on old drivers
+}
+
+void CudaBackend::read_back(void* dst, const void* src, size_t bytes, const char* op) {
+  if (bytes > 64) throw std::logic_error("CudaBackend::read_back: at most 64 bytes");
+  check_cuda(cudaMemcpyAsync(host_scalar_, src, bytes, cudaMemcpyDeviceToHost, stream_), op, "cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize");
+  std::memcpy(dst, host_scalar_, bytes);
+}
+
+void CudaBackend::synchronize() { check_cuda(cudaStreamSynchronize(stream_), "synchronize", "cudaStreamSynchronize"); }
+
+// ---- elementwise ----
+
+void CudaBackend::convert(const Tensor& dst, const Tensor& src) {
+  const char* op = "convert";
+  cuda::check_float(op, {"dst", dst});
+  cuda::check_float(op, {"src", src});
+  cuda::require(dst.numel() == src.numel(), op, "dst and src differ in element count", {{"dst", dst}, {"src", src}});
+  if (dst.data == src.data) {
+    cuda::require(dst.dtype == src.dtype, op, "in-place conversion between dtypes", {{"dst", dst}, {"src", src}});
+    return;
+  }
+  cuda::launch_convert(*this, dst.data, dst.dtype, src.data, src.dtype, dst.numel(), op);
+  cuda::check_launch(*this, op, {{"dst", dst}, {"src", src}});
+}
+
+void CudaBackend::fill(const Tensor& dst, float value) {
+  const char* op = "fill";
+  cuda::check_float(op, {"dst", dst});
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if (bits == 0) {  // +0.0 is all-zero bits in every float format
+    check_cuda(cudaMemsetAsync(dst.data, 0, dst.bytes(), stream_), op, "cudaMemsetAsync", dst.shape_str());
+    return;
+  }
+  const unsigned blocks = cuda::grid_for(n, cuda::kThreads, 4);
+  switch (dst.dtype) {
+    case DType::BF16: {
+      __nv_bfloat16_raw r;
+      r.x = f32_to_bf16(value);
+      const __nv_bfloat16 v(r);
+      cuda::fill_kernel<__nv_bfloat16><<<blocks, cuda::kThreads, 0, stream_>>>(dst.as<__nv_bfloat16>(), v, n);
+      break;
+    }
+    case DType::F16: {
+      __half_raw r;
+      r.x = f32_to_f16(value);
+      const __half v(r);
+      cuda::fill_kernel<__half><<<blocks, cuda::kThreads, 0, stream_>>>(dst.as<__half>(), v, n);
+      break;
+    }
+    default: cuda::fill_kernel<float><<<blocks, cuda::kThreads, 0, stream_>>>(dst.as<float>(), value, n); break;
+  }
+  cuda::check_launch(*this, op, {{"dst", dst}});
+}
+
+void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {
+  const char* op = "add";
+  cuda::check_float(op, {"out", out});
+  cuda::check_float(op, {"a", a});
+  cuda::check_float(op, {"b", b});
+  cuda::require(out.numel() == a.numel() && out.numel() == b.numel(), op, "element counts differ",
+                {{"out", out}, {"a", a}, {"b", b}});
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(a), cuda::in(b)});
+  const unsigned blocks = cuda::grid_for(n, cuda::kThreads, 4);
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    cuda::add_kernel<T><<<blocks, cuda::kThreads, 0, stream_>>>(u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), n);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"out", out}, {"a", a}, {"b", b}});
+}
+
+void CudaBackend::scale(const Tensor& x, float s) {
+  const char* op = "scale";
+  cuda::check_float(op, {"x", x});
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const unsigned blocks = cuda::grid_for(n, cuda::kThreads, 4);
+  KEEL_DISPATCH_FLOAT(x.dtype, op, T, { cuda::scale_kernel<T><<<blocks, cuda::kThreads, 0, stream_>>>(x.as<T>(), s, n); });
+  cuda::check_launch(*this, op, {{"x", x}});
+}
+
+// ---- RoPE tables ----
+
+const float* CudaBackend::rope_table(int T, int head_dim, float theta) {
+  const auto key = std::make_tuple(T, head_dim, theta);
+  auto it = rope_tables_.find(key);
+  if (it != rope_tables_.end()) return static_cast<const float*>(it->second);
+  // The CPU reference's recipe (kernels/cpu/rope.cpp), on the host, so the tables are equal bit
+  // for bit: inv_freq = 1 / theta^(float(2i)/hd) in fp32, angle = float(pos) * inv_freq in fp32,
+  // cos and sin of that angle computed in double and rounded.
+  const int half = head_dim / 2;
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int i = 0; i < half; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(head_dim);
+    const float power = static_cast<float>(std::pow(static_cast<double>(theta), static_cast<double>(exponent)));
+    inv_freq[static_cast<size_t>(i)] = 1.0f / power;
+  }
+  std::vector<float> table(static_cast<size_t>(T) * half * 2);
+  for (int pos = 0; pos < T; ++pos)
+    for (int i = 0; i < half; ++i) {
+      volatile float angle = static_cast<float>(pos) * inv_freq[static_cast<size_t>(i)];  // one fp32 product
+      table[(static_cast<size_t>(pos) * half + i) * 2] = static_cast<float>(std::cos(static_cast<double>(angle)));
+      table[(static_cast<size_t>(pos) * half + i) * 2 + 1] = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
+  void* d = scratch(table.size() * sizeof(float), "rope_table");
+  check_cuda(cudaMemcpyAsync(d, table.data(), table.size() * sizeof(float), cudaMemcpyHostToDevice, stream_), "rope_table",
+             "cudaMemcpyAsync");
+  rope_tables_[key] = d;
+  return static_cast<const float*>(d);
+}
+
+// ---- factory ----
+
+std::unique_ptr<Backend> make_cuda_backend(int device) { return std::make_unique<CudaBackend>(device); }
+
+CUstream_st* cuda_stream_of(Backend& backend) {
+  auto* cuda_be = dynamic_cast<CudaBackend*>(&backend);
+  if (!cuda_be) throw std::invalid_argument("cuda_stream_of: backend " + backend.name() + " is not a CudaBackend");
+  return cuda_be->stream();
+}
+
+}  // namespace keel

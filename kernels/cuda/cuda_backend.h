@@ -1,0 +1,150 @@
+// CudaBackend: the Backend op set (kernels/backend.h) on one NVIDIA GPU.
+//
+// Storage bf16 / fp16 / fp32, arithmetic in fp32 (fp64 for the whole-tensor sums), outputs
+// rounded once to their dtype, as the CPU reference does. Deterministic: no floating-point
+// atomics anywhere; every reduction runs in an order fixed by the shapes alone (never by the
+// number of SMs, the launch or the timing), and cuBLASLt runs one algorithm per shape chosen
+// once and cached, with split-K reductions restricted to ones done in fp32 in a separate,
+// ordered pass. So the same inputs give bit-identical outputs on every run on the same GPU model.
+//
+// Work is enqueued on one CUDA stream owned by the backend (a blocking stream: it orders with the
+// legacy default stream, which LocalComm's device copies use); ops return without waiting except
+// those that hand a value to the host (copy_to_host, sum, sum_squares, max_abs, count_*).
+// Memory comes from the device's stream-ordered pool (cudaMallocAsync), kept cached.
+//
+// Debugging: KEEL_CUDA_SYNC=1 synchronizes after every op, so that an asynchronous fault is
+// reported by the op that caused it (with its shapes). KEEL_ATTENTION=simple selects the plain
+// fp32 attention kernels instead of the fused tensor-core ones.
+//
+// This header needs no CUDA headers (the train layer includes it to get the stream for NCCL).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "kernels/backend.h"
+
+struct CUstream_st;  // cudaStream_t
+
+namespace keel {
+
+class CudaBackend;
+
+namespace cuda {
+struct MatmulCache;  // cuBLASLt handle, descriptors and chosen algorithms per shape (matmul.cu)
+MatmulCache* create_matmul_cache(CudaBackend& be);
+void destroy_matmul_cache(MatmulCache* cache) noexcept;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  Device device() const override { return Device::CUDA; }
+  std::string name() const override;
+
+  void* allocate(size_t bytes) override;
+  void release(void* p) override;
+  void copy_to_host(void* dst, const Tensor& src) override;
+  void copy_from_host(const Tensor& dst, const void* src) override;
+  void synchronize() override;
+
+  void convert(const Tensor& dst, const Tensor& src) override;
+  void fill(const Tensor& dst, float value) override;
+  void add(const Tensor& out, const Tensor& a, const Tensor& b) override;
+  void scale(const Tensor& x, float s) override;
+
+  void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+              bool accumulate = false, const Tensor* bias = nullptr) override;  // matmul.cu
+  void bias_backward(const Tensor& dbias, const Tensor& dout) override;          // norms.cu
+
+  void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed, const Tensor& pos_embed,
+                         int T, int64_t vocab_start) override;  // embedding.cu
+  void embedding_backward(const Tensor& dtok_embed, const Tensor& dpos_embed, const Tensor& dout,
+                          const Tensor& tokens, int T, int64_t vocab_start) override;
+
+  void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
+                         const Tensor& weight, const Tensor& bias, float eps) override;  // norms.cu
+  void layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                          const Tensor& in, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                          bool accumulate_din) override;
+  void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
+                       float eps) override;
+  void rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
+                        const Tensor& weight, const Tensor& rstd, bool accumulate_din) override;
+
+  void gelu_forward(const Tensor& out, const Tensor& in) override;  // activations.cu
+  void gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override;
+  void swiglu_forward(const Tensor& out, const Tensor& in) override;
+  void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override;
+
+  void rope_forward(const Tensor& qkv, const AttnShape& s, float theta) override;  // rope.cu
+  void rope_backward(const Tensor& dqkv, const AttnShape& s, float theta) override;
+  void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) override;
+  void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                          const Tensor& lse, const AttnShape& s) override;  // attention.cu
+  void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
+                        const AttnShape& s, int64_t pos, float rope_theta) override;
+
+  void xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit, const Tensor& logits,
+                  const Tensor& targets, int64_t vocab_start) override;  // loss.cu
+  void xent_rescale(const Tensor& sumexp, const Tensor& local_max, const Tensor& global_max) override;
+  void xent_loss(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sumexp,
+                 const Tensor& target_logit, const Tensor& targets) override;
+  void xent_backward(const Tensor& logits, const Tensor& lse, const Tensor& targets, float dloss,
+                     int64_t vocab_start) override;
+
+  void adamw(const Tensor& master, const Tensor& working, const Tensor& grad, const Tensor& m, const Tensor& v,
+             const AdamWParams& p) override;  // adamw.cu
+  double sum(const Tensor& x) override;        // reductions.cu
+  double sum_squares(const Tensor& x) override;
+  float max_abs(const Tensor& x) override;
+  int64_t count_nonfinite(const Tensor& x) override;
+  int64_t count_zeros(const Tensor& x) override;
+
+  // ---- for the train layer ----
+  int device_index() const { return device_; }
+  CUstream_st* stream() const { return stream_; }
+  // High-water mark of the memory keel took from the device pool (bytes), and what it holds now.
+  size_t peak_bytes() const;
+  size_t used_bytes() const;
+
+  // ---- for the op files (kernels/cuda/*.cu) ----
+  // Stream-ordered scratch memory, not zeroed; give it back with release() (also stream-ordered,
+  // so it may be released right after the last kernel that uses it is enqueued).
+  void* scratch(size_t bytes, const char* op);
+  // The value `bytes` bytes at device address src, copied to the host (synchronizes).
+  void read_back(void* dst, const void* src, size_t bytes, const char* op);
+  // Device table of RoPE (cos, sin) pairs for positions [0, T): [T][head_dim/2][2] floats,
+  // computed on the host with the CPU reference's recipe and kept per (T, head_dim, theta).
+  const float* rope_table(int T, int head_dim, float theta);
+  bool sync_each_op() const { return sync_each_op_; }  // KEEL_CUDA_SYNC=1
+  bool simple_attention() const { return simple_attention_; }
+  cuda::MatmulCache& matmul_cache() { return *matmul_; }
+
+ private:
+  void* raw_alloc(size_t bytes, const char* op);
+  int device_ = 0;
+  CUstream_st* stream_ = nullptr;
+  bool use_pool_ = true;           // cudaMallocAsync available
+  bool sync_each_op_ = false;      // KEEL_CUDA_SYNC
+  bool simple_attention_ = false;  // KEEL_ATTENTION=simple
+  void* host_scalar_ = nullptr;    // pinned staging for reduction results
+  size_t live_bytes_ = 0, peak_bytes_ = 0;
+  std::map<void*, size_t> sizes_;  // live allocations (for the memory report)
+  cuda::MatmulCache* matmul_ = nullptr;  // owned (create/destroy in matmul.cu)
+  std::map<std::tuple<int, int, float>, void*> rope_tables_;
+};
+
+// The stream of a CudaBackend (for NcclComm / LocalComm); throws std::invalid_argument for
+// any other backend.
+CUstream_st* cuda_stream_of(Backend& backend);
+
+}  // namespace keel

@@ -1,0 +1,146 @@
+// Device-side helpers shared by the CUDA backend's kernels: fp32 loads and rounded stores for
+// each storage type, deterministic warp/block reductions, the "one dtype for all operands"
+// staging helper, and launch-size helpers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_check.h"
+
+namespace keel::cuda {
+
+// ---- storage types: read as fp32, write rounded to nearest even (cvt.rn, as the CPU emulates) ----
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+// Element access with the dtype known only at run time (small tensors, the plain kernels).
+__device__ __forceinline__ float load_any(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::BF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::F16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+__device__ __forceinline__ void store_any(void* p, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::BF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+    case DType::F16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<float*>(p)[i] = v; break;
+  }
+}
+
+// ---- deterministic reductions: butterfly over the warp (every lane gets the same value, the
+// pairing fixed by lane numbers), then warps in order through shared memory ----
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ unsigned long long warp_sum(unsigned long long v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over a block of kThreads threads (a multiple of 32); every thread gets the result.
+// `shared` holds kThreads / 32 values. Warps' partial sums are added in warp order.
+template <int kThreads, class V>
+__device__ __forceinline__ V block_sum(V v, V* shared) {
+  constexpr int kWarps = kThreads / 32;
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `shared` may still be read by a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  V total = shared[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) total += shared[w];
+  return total;
+}
+
+// ---- launch sizes ----
+
+// Blocks for a grid-stride loop over n items with `threads` threads each handling `per_thread`
+// items per pass; capped (the results never depend on the grid size for elementwise kernels).
+inline unsigned grid_for(int64_t n, int threads, int per_thread = 1) {
+  int64_t blocks = ceil_div(n, static_cast<int64_t>(threads) * per_thread);
+  if (blocks < 1) blocks = 1;
+  if (blocks > 65535LL * 8) blocks = 65535LL * 8;
+  return static_cast<unsigned>(blocks);
+}
+
+// ---- one storage dtype for all operands of an op ----
+//
+// Kernels are instantiated for one storage type T shared by their activation-sized operands.
+// When a call mixes dtypes (allowed by the contract, rare in practice), the operands that are
+// not fp32 are staged into fp32 scratch: inputs are widened (exact), outputs are computed in
+// fp32 and rounded once into their own dtype by finish(): the same single rounding the CPU
+// reference does. Empty (optional) operands are passed through.
+struct Io {
+  const Tensor* t;
+  bool read, write;
+};
+inline Io in(const Tensor& t) { return {&t, true, false}; }
+inline Io out(const Tensor& t) { return {&t, false, true}; }
+inline Io inout(const Tensor& t) { return {&t, true, true}; }
+
+class SameDType {
+ public:
+  SameDType(CudaBackend& be, const char* op, std::initializer_list<Io> ops);
+  ~SameDType();
+  SameDType(const SameDType&) = delete;
+  SameDType& operator=(const SameDType&) = delete;
+  DType dtype() const { return dtype_; }
+  const Tensor& operator[](size_t i) const { return views_[i]; }
+  bool staged() const { return staged_; }
+  // Rounds staged outputs back into their own tensors. Call after the op's kernels.
+  void finish();
+
+ private:
+  CudaBackend& be_;
+  const char* op_;
+  DType dtype_ = DType::F32;
+  bool staged_ = false;
+  std::vector<Io> ops_;
+  std::vector<Tensor> views_;
+  std::vector<void*> scratch_;
+};
+
+// RoPE of every row of qkv (s.B * s.T rows) with the (cos, sin) table indexed by row % s.T
+// (rope.cu); inverse applies the backward rotation.
+void launch_rope(CudaBackend& be, const Tensor& qkv, const AttnShape& s, const float* table, bool inverse,
+                 const char* op);
+
+// Launches convert of n elements from src (dtype s) to dst (dtype d) on the backend's stream.
+void launch_convert(CudaBackend& be, void* dst, DType d, const void* src, DType s, int64_t n, const char* op);
+
+}  // namespace keel::cuda

@@ -1,0 +1,186 @@
+// Softmax cross-entropy in vocab-parallel pieces (logits [N, V_local] hold vocab columns
+// [vocab_start, vocab_start + V_local)):
+//   xent_stats     per row: row_max, sumexp = sum_j exp(x_j - row_max), target_logit
+//   xent_rescale   sumexp *= exp(local_max - global_max)   (before summing across shards)
+//   xent_loss      lse = row_max + log(sumexp); loss = lse - target_logit (0 for ignored rows)
+//   xent_backward  in place: x_j <- (exp(x_j - lse) - [j == target]) * dloss (0 for ignored rows)
+// xent_stats: one block per row, one pass over the row with an online (max, sum) pair per
+// thread (a new maximum rescales the thread's sum), the threads' pairs then combined in a fixed
+// tree: deterministic, and one read of the logits instead of two. xent_backward: one block per
+// row, elementwise. The per-row ops on N values: one thread per row.
+#include <cmath>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace keel {
+
+using cuda::Named;
+
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Combines two (max, sum of exp(x - max)) pairs.
+__device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -INFINITY) return;  // both empty
+  s = (m == -INFINITY ? 0.0f : s * expf(m - mn)) + (m2 == -INFINITY ? 0.0f : s2 * expf(m2 - mn));
+  m = mn;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    xent_stats_kernel(float* __restrict__ row_max, float* __restrict__ sumexp, float* __restrict__ target_logit,
+                      const T* __restrict__ logits, const int32_t* __restrict__ targets, int64_t V,
+                      int64_t vocab_start) {
+  __shared__ float sm[kThreads], ss[kThreads];
+  const int64_t n = blockIdx.x;
+  const T* x = logits + n * V;
+  float m = -INFINITY, s = 0.0f;
+  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
+    const float v = to_f32(x[j]);
+    if (v > m) {
+      s = s * expf(m - v) + 1.0f;  // m = -inf at first: 0 * 0 + 1
+      m = v;
+    } else if (v != -INFINITY) {
+      s += expf(v - m);  // NaN propagates through here
+    }
+  }
+  sm[threadIdx.x] = m;
+  ss[threadIdx.x] = s;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      float a = sm[threadIdx.x], b = ss[threadIdx.x];
+      combine(a, b, sm[threadIdx.x + stride], ss[threadIdx.x + stride]);
+      sm[threadIdx.x] = a;
+      ss[threadIdx.x] = b;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const int32_t t = targets[n];
+    const int64_t local = static_cast<int64_t>(t) - vocab_start;
+    row_max[n] = sm[0];
+    sumexp[n] = ss[0];
+    target_logit[n] = (t >= 0 && local >= 0 && local < V) ? to_f32(x[local]) : 0.0f;
+  }
+}
+
+__global__ void xent_rescale_kernel(float* sumexp, const float* local_max, const float* global_max, int64_t N) {
+  const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (n < N) sumexp[n] *= expf(local_max[n] - global_max[n]);
+}
+
+__global__ void xent_loss_kernel(void* losses, DType loss_dt, float* lse, const float* row_max, const float* sumexp,
+                                 const float* target_logit, const int32_t* targets, int64_t N) {
+  const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (n >= N) return;
+  const float l = row_max[n] + logf(sumexp[n]);
+  lse[n] = l;
+  store_any(losses, loss_dt, n, targets[n] < 0 ? 0.0f : l - target_logit[n]);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    xent_backward_kernel(T* logits, const float* __restrict__ lse, const int32_t* __restrict__ targets, float dloss,
+                         int64_t V, int64_t vocab_start) {
+  const int64_t n = blockIdx.x;
+  T* x = logits + n * V;
+  const int32_t t = targets[n];
+  if (t < 0) {
+    for (int64_t j = threadIdx.x; j < V; j += kThreads) x[j] = from_f32<T>(0.0f);
+    return;
+  }
+  const float l = lse[n];
+  const int64_t local = static_cast<int64_t>(t) - vocab_start;
+  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
+    float p = expf(to_f32(x[j]) - l);
+    if (j == local) p -= 1.0f;
+    x[j] = from_f32<T>(p * dloss);
+  }
+}
+
+// Every per-row tensor must hold N values; returns N.
+int64_t check_rows(const char* op, const Tensor& targets, std::initializer_list<Named> per_row) {
+  check_dtype(op, {"targets", targets}, DType::I32);
+  const int64_t N = targets.numel();
+  for (const Named& t : per_row)
+    if (t.t.numel() != N) fail(op, std::string(t.name) + " must have one value per target", {t, {"targets", targets}});
+  return N;
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit,
+                             const Tensor& logits, const Tensor& targets, int64_t vocab_start) {
+  const char* op = "xent_stats";
+  cuda::check_float(op, {"logits", logits});
+  for (Named t : {Named{"row_max", row_max}, Named{"sumexp", sumexp}, Named{"target_logit", target_logit}})
+    cuda::check_dtype(op, t, DType::F32);
+  const int64_t N =
+      cuda::check_rows(op, targets, {{"row_max", row_max}, {"sumexp", sumexp}, {"target_logit", target_logit}});
+  if (cuda::rows(logits) != N)
+    cuda::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
+  if (N == 0) return;
+  if (N > 0x7fffffff) cuda::fail(op, "more than 2^31 rows", {{"logits", logits}});
+  const int64_t V = logits.cols();
+  KEEL_DISPATCH_FLOAT(logits.dtype, op, T, {
+    cuda::xent_stats_kernel<T><<<static_cast<unsigned>(N), cuda::kThreads, 0, stream_>>>(
+        row_max.as<float>(), sumexp.as<float>(), target_logit.as<float>(), logits.as<const T>(),
+        targets.as<const int32_t>(), V, vocab_start);
+  });
+  cuda::check_launch(*this, op, {{"logits", logits}, {"targets", targets}});
+}
+
+void CudaBackend::xent_rescale(const Tensor& sumexp, const Tensor& local_max, const Tensor& global_max) {
+  const char* op = "xent_rescale";
+  for (Named t : {Named{"sumexp", sumexp}, Named{"local_max", local_max}, Named{"global_max", global_max}})
+    cuda::check_dtype(op, t, DType::F32);
+  const int64_t N = sumexp.numel();
+  if (local_max.numel() != N || global_max.numel() != N)
+    cuda::fail(op, "all three need one value per row",
+               {{"sumexp", sumexp}, {"local_max", local_max}, {"global_max", global_max}});
+  if (N == 0) return;
+  cuda::xent_rescale_kernel<<<static_cast<unsigned>(cuda::ceil_div(N, 256)), 256, 0, stream_>>>(
+      sumexp.as<float>(), local_max.as<const float>(), global_max.as<const float>(), N);
+  cuda::check_launch(*this, op, {{"sumexp", sumexp}});
+}
+
+void CudaBackend::xent_loss(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sumexp,
+                            const Tensor& target_logit, const Tensor& targets) {
+  const char* op = "xent_loss";
+  cuda::check_float(op, {"losses", losses});
+  for (Named t : {Named{"lse", lse}, Named{"row_max", row_max}, Named{"sumexp", sumexp},
+                  Named{"target_logit", target_logit}})
+    cuda::check_dtype(op, t, DType::F32);
+  const int64_t N = cuda::check_rows(op, targets, {{"losses", losses}, {"lse", lse}, {"row_max", row_max},
+                                                   {"sumexp", sumexp}, {"target_logit", target_logit}});
+  if (N == 0) return;
+  cuda::xent_loss_kernel<<<static_cast<unsigned>(cuda::ceil_div(N, 256)), 256, 0, stream_>>>(
+      losses.data, losses.dtype, lse.as<float>(), row_max.as<const float>(), sumexp.as<const float>(),
+      target_logit.as<const float>(), targets.as<const int32_t>(), N);
+  cuda::check_launch(*this, op, {{"losses", losses}, {"targets", targets}});
+}
+
+void CudaBackend::xent_backward(const Tensor& logits, const Tensor& lse, const Tensor& targets, float dloss,
+                                int64_t vocab_start) {
+  const char* op = "xent_backward";
+  cuda::check_float(op, {"logits", logits});
+  cuda::check_dtype(op, {"lse", lse}, DType::F32);
+  const int64_t N = cuda::check_rows(op, targets, {{"lse", lse}});
+  if (cuda::rows(logits) != N)
+    cuda::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
+  if (N == 0) return;
+  if (N > 0x7fffffff) cuda::fail(op, "more than 2^31 rows", {{"logits", logits}});
+  const int64_t V = logits.cols();
+  KEEL_DISPATCH_FLOAT(logits.dtype, op, T, {
+    cuda::xent_backward_kernel<T><<<static_cast<unsigned>(N), cuda::kThreads, 0, stream_>>>(
+        logits.as<T>(), lse.as<const float>(), targets.as<const int32_t>(), dloss, V, vocab_start);
+  });
+  cuda::check_launch(*this, op, {{"logits", logits}, {"targets", targets}});
+}
+
+}  // namespace keel

@@ -1,0 +1,309 @@
+// matmul through cuBLASLt.
+//
+// keel's tensors are row-major; cuBLAS is column-major. A row-major [R, C] buffer is the
+// column-major [C, R] matrix with the same leading dimension, so
+//     out[M,N] = op(a)[M,K] @ op(b)[K,N]       (row-major)
+// is  out^T[N,M] = op(b)^T[N,K] @ op(a)^T[K,M] (column-major),
+// i.e. cuBLASLt's "A" is keel's b, its "B" is keel's a, m = N, n = M, k = K:
+//   b not transposed: stored [K,N] = col-major N x K (ld N) -> op N;  transposed: [N,K] = col-major K x N (ld K) -> op T
+//   a not transposed: stored [M,K] = col-major K x M (ld K) -> op N;  transposed: [K,M] = col-major M x K (ld M) -> op T
+//   out: col-major N x M, ld N. The bias (length N) is cuBLASLt's per-row bias of D.
+// Compute type fp32 (CUBLAS_COMPUTE_32F: true fp32 for fp32 inputs, never TF32; fp32
+// accumulation of bf16/fp16 products), scale type fp32, alpha 1, beta 1 when accumulating.
+// With beta 1 the product is summed in fp32 and added to the old value before one rounding, as
+// the contract says.
+//
+// Natively supported (fast path): a and b of one dtype, and
+//   f32 x f32 -> f32;  bf16 x bf16 -> bf16 or f32;  f16 x f16 -> f16 or f32; bias of out's dtype.
+// Anything else (mixed input dtypes, f32 inputs into a bf16 output, a bias of another dtype):
+// inputs widened to fp32 scratch (exact), the product computed in fp32 into scratch, and an
+// epilogue kernel forms ((old) + product) + bias in fp32 and rounds once, the CPU's order.
+//
+// Determinism: per (shape, transposes, dtypes, bias, beta, operand alignments) the heuristic is
+// asked once and its first algorithm is kept for the life of the backend, so every call of a
+// shape runs the same kernel on the same workspace. Split-K configurations are restricted to
+// CUBLASLT_REDUCTION_SCHEME_NONE or _COMPUTE_TYPE: partial products kept in fp32 and reduced in
+// a separate ordered pass, never atomically in the output and never rounded to bf16 first.
+#include <cublasLt.h>
+
+#include <functional>
+#include <map>
+#include <tuple>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace keel {
+
+namespace cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // NVIDIA's recommendation for Hopper
+
+// `shapes` is a callable giving the shapes text, formed only when there is an error to report.
+using ShapesFn = std::function<std::string()>;
+
+void check_lt(cublasStatus_t st, const char* call, const ShapesFn& shapes) {
+  if (st == CUBLAS_STATUS_SUCCESS) return;
+  throw std::runtime_error(std::string("CudaBackend::matmul: ") + call + " failed: " + cublasLtGetStatusName(st) + " (" +
+                           cublasLtGetStatusString(st) + ") [" + (shapes ? shapes() : std::string()) + "]");
+}
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+// (M, N, K, trans_a, trans_b, ab dtype, out dtype, bias, beta, align a, b, out, bias)
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int, bool, bool, unsigned, unsigned, unsigned,
+                           unsigned>;
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool found = false;
+};
+
+// out = ((accumulate ? out : 0) + product) + bias, rounded once: the generic path's epilogue.
+// product may be null (K = 0).
+template <class T>
+__global__ void matmul_epilogue_kernel(T* out, const float* __restrict__ product, const void* bias, DType bias_dtype,
+                                       int64_t M, int64_t N, bool accumulate) {
+  const int64_t total = M * N;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v = product ? product[i] : 0.0f;
+    if (accumulate) v = to_f32(out[i]) + v;
+    if (bias) v = v + load_any(bias, bias_dtype, i % N);
+    out[i] = from_f32<T>(v);
+  }
+}
+
+}  // namespace
+
+struct MatmulCache {
+  CudaBackend& be;
+  cublasLtHandle_t lt = nullptr;
+  void* workspace = nullptr;
+  std::map<PlanKey, Plan> plans;
+
+  explicit MatmulCache(CudaBackend& b) : be(b) {}
+  ~MatmulCache() {
+    for (auto& [key, p] : plans) {
+      if (p.la) cublasLtMatrixLayoutDestroy(p.la);
+      if (p.lb) cublasLtMatrixLayoutDestroy(p.lb);
+      if (p.lc) cublasLtMatrixLayoutDestroy(p.lc);
+      if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+    }
+    if (workspace) be.release(workspace);
+    if (lt) cublasLtDestroy(lt);
+  }
+
+  // The plan for out[M,N] (dtype dt_out) = op(a) @ op(b) with a, b of dtype dt_ab.
+  Plan& plan(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, DType dt_ab, DType dt_out, const void* a,
+             const void* b, const void* out, const void* bias, bool beta_one, const ShapesFn& shapes) {
+    const PlanKey key{M,
+                      N,
+                      K,
+                      trans_a,
+                      trans_b,
+                      static_cast<int>(dt_ab),
+                      static_cast<int>(dt_out),
+                      bias != nullptr,
+                      beta_one,
+                      alignment_of(a),
+                      alignment_of(b),
+                      alignment_of(out),
+                      bias ? alignment_of(bias) : 256u};
+    auto it = plans.find(key);
+    if (it != plans.end()) return it->second;
+    Plan p;
+    const cudaDataType_t tab = cuda_type(dt_ab), tout = cuda_type(dt_out);
+    check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate", shapes);
+    const cublasOperation_t op_lt_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is keel's b
+    const cublasOperation_t op_lt_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B is keel's a
+    check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_lt_a, sizeof op_lt_a),
+             "cublasLtMatmulDescSetAttribute(TRANSA)", shapes);
+    check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_lt_b, sizeof op_lt_b),
+             "cublasLtMatmulDescSetAttribute(TRANSB)", shapes);
+    if (bias) {
+      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+      check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
+               "cublasLtMatmulDescSetAttribute(EPILOGUE)", shapes);
+      check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
+               "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", shapes);
+    }
+    // cuBLASLt A = b: stored col-major (trans_b ? K x N : N x K)
+    const uint64_t a_rows = trans_b ? K : N, a_cols = trans_b ? N : K;
+    // cuBLASLt B = a: stored col-major (trans_a ? M x K : K x M)
+    const uint64_t b_rows = trans_a ? M : K, b_cols = trans_a ? K : M;
+    check_lt(cublasLtMatrixLayoutCreate(&p.la, tab, a_rows, a_cols, static_cast<int64_t>(a_rows)),
+             "cublasLtMatrixLayoutCreate(A)", shapes);
+    check_lt(cublasLtMatrixLayoutCreate(&p.lb, tab, b_rows, b_cols, static_cast<int64_t>(b_rows)),
+             "cublasLtMatrixLayoutCreate(B)", shapes);
+    check_lt(cublasLtMatrixLayoutCreate(&p.lc, tout, N, M, N), "cublasLtMatrixLayoutCreate(C/D)", shapes);
+
+    cublasLtMatmulPreference_t pref = nullptr;
+    check_lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", shapes);
+    const uint64_t ws = kWorkspaceBytes;
+    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    const uint32_t al_a = std::get<10>(key), al_b = std::get<9>(key), al_d = std::get<11>(key);  // lt A = b, lt B = a
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof al_d);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      cublasLtMatmulPreferenceDestroy(pref);
+      check_lt(st, "cublasLtMatmulPreferenceSetAttribute", shapes);
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int count = 0;
+    st = cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &result, &count);
+    cublasLtMatmulPreferenceDestroy(pref);
+    // NOT_SUPPORTED (or no result) means no algorithm for this combination: the caller falls back.
+    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) check_lt(st, "cublasLtMatmulAlgoGetHeuristic", shapes);
+    p.found = st == CUBLAS_STATUS_SUCCESS && count > 0 && result.state == CUBLAS_STATUS_SUCCESS;
+    if (p.found) p.algo = result.algo;
+    return plans.emplace(key, p).first->second;
+  }
+
+  // Runs a plan: out = op(a) @ op(b) (+ bias) (+ out when beta_one).
+  void run(Plan& p, const void* a, const void* b, void* out, const void* bias, bool beta_one, const ShapesFn& shapes) {
+    if (bias)
+      check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
+               "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", shapes);
+    const float alpha = 1.0f, beta = beta_one ? 1.0f : 0.0f;
+    check_lt(cublasLtMatmul(lt, p.desc, &alpha, b, p.la, a, p.lb, &beta, out, p.lc, out, p.lc, &p.algo, workspace,
+                            kWorkspaceBytes, be.stream()),
+             "cublasLtMatmul", shapes);
+  }
+};
+
+MatmulCache* create_matmul_cache(CudaBackend& be) {
+  auto* c = new MatmulCache(be);
+  cublasStatus_t st = cublasLtCreate(&c->lt);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    delete c;
+    check_lt(st, "cublasLtCreate", nullptr);
+  }
+  c->workspace = be.scratch(kWorkspaceBytes, "matmul workspace");
+  return c;
+}
+
+void destroy_matmul_cache(MatmulCache* cache) noexcept { delete cache; }
+
+namespace {
+
+bool natively_supported(DType ab, DType out) {
+  switch (ab) {
+    case DType::F32: return out == DType::F32;
+    case DType::BF16: return out == DType::BF16 || out == DType::F32;
+    case DType::F16: return out == DType::F16 || out == DType::F32;
+    default: return false;
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                         bool accumulate, const Tensor* bias) {
+  const char* op = "matmul";
+  cuda::check_float(op, {"out", out});
+  cuda::check_float(op, {"a", a});
+  cuda::check_float(op, {"b", b});
+  // Every tensor is seen as (rows, cols): leading dimensions fold into rows.
+  const int64_t M = trans_a ? a.cols() : cuda::rows(a);
+  const int64_t K = trans_a ? cuda::rows(a) : a.cols();
+  const int64_t Kb = trans_b ? b.cols() : cuda::rows(b);
+  const int64_t N = trans_b ? cuda::rows(b) : b.cols();
+  auto flags = [&]() {
+    return std::string(" (trans_a=") + (trans_a ? "1" : "0") + ", trans_b=" + (trans_b ? "1" : "0") + ")";
+  };
+  if (K != Kb) cuda::fail(op, "inner dimensions differ" + flags(), {{"out", out}, {"a", a}, {"b", b}});
+  if (cuda::rows(out) != M || out.cols() != N)
+    cuda::fail(op, "out must be [" + std::to_string(M) + ", " + std::to_string(N) + "]" + flags(),
+               {{"out", out}, {"a", a}, {"b", b}});
+  const bool has_bias = bias && !bias->empty();
+  if (has_bias) {
+    cuda::check_float(op, {"bias", *bias});
+    if (bias->numel() != N) cuda::fail(op, "bias must have N elements", {{"out", out}, {"bias", *bias}});
+  }
+  if (M == 0 || N == 0) return;
+  const cuda::ShapesFn shapes = [&]() {
+    std::string s = cuda::describe({{"out", out}, {"a", a}, {"b", b}}) + flags();
+    if (has_bias) s += ", bias=" + bias->shape_str();
+    if (accumulate) s += ", accumulate";
+    return s;
+  };
+  cuda::MatmulCache& mc = *matmul_;
+  const void* bias_ptr = has_bias ? bias->data : nullptr;
+
+  if (K > 0 && a.dtype == b.dtype && cuda::natively_supported(a.dtype, out.dtype) &&
+      (!has_bias || bias->dtype == out.dtype)) {
+    // A bias sliced out of a flat parameter buffer may sit at any element offset: the epilogue
+    // reads it from an aligned copy (N elements) when it is not 16-byte aligned.
+    void* bias_copy = nullptr;
+    if (has_bias && cuda::alignment_of(bias_ptr) < 16) {
+      bias_copy = scratch(bias->bytes(), op);
+      cuda::check_cuda(cudaMemcpyAsync(bias_copy, bias_ptr, bias->bytes(), cudaMemcpyDeviceToDevice, stream_), op,
+                       "cudaMemcpyAsync (bias)");
+    }
+    const void* epilogue_bias = bias_copy ? bias_copy : bias_ptr;
+    cuda::Plan& p = mc.plan(M, N, K, trans_a, trans_b, a.dtype, out.dtype, a.data, b.data, out.data, epilogue_bias,
+                            accumulate, shapes);
+    if (p.found) mc.run(p, a.data, b.data, out.data, epilogue_bias, accumulate, shapes);
+    if (bias_copy) release(bias_copy);
+    if (p.found) {
+      cuda::check_launch(*this, op, {{"out", out}, {"a", a}, {"b", b}});
+      return;
+    }
+  }
+
+  // Generic path: fp32 product into scratch, then the epilogue rounds once into out.
+  float* product = nullptr;
+  void* a32 = nullptr;
+  void* b32 = nullptr;
+  if (K > 0) {
+    const void* pa = a.data;
+    const void* pb = b.data;
+    if (a.dtype != DType::F32) {
+      a32 = scratch(static_cast<size_t>(a.numel()) * 4, op);
+      cuda::launch_convert(*this, a32, DType::F32, a.data, a.dtype, a.numel(), op);
+      pa = a32;
+    }
+    if (b.dtype != DType::F32) {
+      b32 = scratch(static_cast<size_t>(b.numel()) * 4, op);
+      cuda::launch_convert(*this, b32, DType::F32, b.data, b.dtype, b.numel(), op);
+      pb = b32;
+    }
+    product = static_cast<float*>(scratch(static_cast<size_t>(M * N) * 4, op));
+    cuda::Plan& p = mc.plan(M, N, K, trans_a, trans_b, DType::F32, DType::F32, pa, pb, product, nullptr, false, shapes);
+    if (!p.found)
+      throw std::runtime_error("CudaBackend::matmul: cuBLASLt has no algorithm for this fp32 product [" + shapes() + "]");
+    mc.run(p, pa, pb, product, nullptr, false, shapes);
+  }
+  const int64_t total = M * N;
+  const unsigned blocks = cuda::grid_for(total, 256, 4);
+  KEEL_DISPATCH_FLOAT(out.dtype, op, T, {
+    cuda::matmul_epilogue_kernel<T><<<blocks, 256, 0, stream_>>>(out.as<T>(), product, bias_ptr,
+                                                                 has_bias ? bias->dtype : DType::F32, M, N, accumulate);
+  });
+  cuda::check_launch(*this, op, {{"out", out}, {"a", a}, {"b", b}});
+  if (product) release(product);
+  if (a32) release(a32);
+  if (b32) release(b32);
+}
+
+}  // namespace keel

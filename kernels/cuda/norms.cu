@@ -1,0 +1,319 @@
+// LayerNorm and RMSNorm over the last dimension, and bias_backward.
+//
+// Forward, per row x of C values (one warp per row; the lanes take columns lane, lane+32, ...;
+// the sums are butterfly reductions over the warp, so fixed):
+//   LayerNorm: mean = sum(x)/C, var = sum((x-mean)^2)/C (two passes), rstd = 1/sqrt(var+eps),
+//              y = (x-mean)*rstd*w + b
+//   RMSNorm:   rstd = 1/sqrt(sum(x^2)/C + eps), y = x*rstd*w
+// Backward with xhat = normalised x and g = dy*w (one warp per row):
+//   LayerNorm: dx = rstd * (g - mean(g) - xhat*mean(g*xhat))
+//   RMSNorm:   dx = rstd * (g - xhat*mean(g*xhat))
+//   (dx is added to din when accumulating: the residual stream's gradient)
+// Parameter gradients dw += sum_rows dy*xhat, db += sum_rows dy (and bias_backward's
+// dbias += sum_rows dout) are column sums over all rows, done without atomics in two passes:
+//   1. column_partials: block (column group of 32, row block of kRowBlock rows); thread (c, ty)
+//      sums rows ty, ty+8, ... of its row block in order; the 8 partials of a column are added
+//      in ty order -> partial[row block][c];
+//   2. column_finish: dst[c] += partial[0][c] + partial[1][c] + ... in row-block order.
+// Both orders depend on the shapes only.
+#include <cmath>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace keel {
+
+using cuda::Named;
+
+namespace cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;  // rows per block in the row kernels
+constexpr int kRowBlock = 64;      // rows per partial sum of the column reductions
+constexpr int kColGroup = 32;      // columns per column-reduction block (one per lane)
+constexpr int kRowLanes = 8;       // threads along rows in a column-reduction block
+
+template <class T>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    layernorm_forward_kernel(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                             const T* __restrict__ in, const T* __restrict__ weight, const T* __restrict__ bias,
+                             int64_t N, int C, float eps) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const T* x = in + row * C;
+  float s = 0;
+  for (int c = lane; c < C; c += 32) s += to_f32(x[c]);
+  const float mu = warp_sum(s) / static_cast<float>(C);
+  float v = 0;
+  for (int c = lane; c < C; c += 32) {
+    const float d = to_f32(x[c]) - mu;
+    v += d * d;
+  }
+  const float var = warp_sum(v) / static_cast<float>(C);
+  const float rs = 1.0f / sqrtf(var + eps);
+  T* y = out + row * C;
+  for (int c = lane; c < C; c += 32) {
+    const float b = bias ? to_f32(bias[c]) : 0.0f;
+    y[c] = from_f32<T>((to_f32(x[c]) - mu) * rs * to_f32(weight[c]) + b);
+  }
+  if (lane == 0) {
+    mean[row] = mu;
+    rstd[row] = rs;
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    rmsnorm_forward_kernel(T* __restrict__ out, float* __restrict__ rstd, const T* __restrict__ in,
+                           const T* __restrict__ weight, int64_t N, int C, float eps) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const T* x = in + row * C;
+  float s = 0;
+  for (int c = lane; c < C; c += 32) {
+    const float xv = to_f32(x[c]);
+    s += xv * xv;
+  }
+  const float rs = 1.0f / sqrtf(warp_sum(s) / static_cast<float>(C) + eps);
+  T* y = out + row * C;
+  for (int c = lane; c < C; c += 32) y[c] = from_f32<T>(to_f32(x[c]) * rs * to_f32(weight[c]));
+  if (lane == 0) rstd[row] = rs;
+}
+
+// dx of one row per warp; kLayerNorm selects the mean(g) term and the centring by mean.
+template <class T, bool kLayerNorm>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    norm_backward_dx_kernel(T* din, const T* dout, const T* __restrict__ in, const T* __restrict__ weight,
+                            const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N, int C,
+                            bool accumulate) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const T* x = in + row * C;
+  const T* dy = dout + row * C;
+  const float mu = kLayerNorm ? mean[row] : 0.0f;
+  const float rs = rstd[row];
+  float sg = 0, sgx = 0;
+  for (int c = lane; c < C; c += 32) {
+    const float xhat = (to_f32(x[c]) - mu) * rs;
+    const float g = to_f32(dy[c]) * to_f32(weight[c]);
+    sg += g;
+    sgx += g * xhat;
+  }
+  const float mean_g = kLayerNorm ? warp_sum(sg) / static_cast<float>(C) : 0.0f;
+  const float mean_gx = warp_sum(sgx) / static_cast<float>(C);
+  T* dx = din + row * C;
+  for (int c = lane; c < C; c += 32) {
+    const float xhat = (to_f32(x[c]) - mu) * rs;
+    const float g = to_f32(dy[c]) * to_f32(weight[c]);
+    float d = rs * (g - mean_g - xhat * mean_gx);
+    if (accumulate) d += to_f32(dx[c]);
+    dx[c] = from_f32<T>(d);
+  }
+}
+
+enum class ColMode { Sum, LayerNorm, RmsNorm };
+
+// Pass 1 of the column sums (see the file comment). kMode Sum: partial_w = sum dy.
+// LayerNorm: partial_w = sum dy*xhat, partial_b = sum dy. RmsNorm: partial_w = sum dy*xhat.
+template <class T, ColMode kMode>
+__global__ void __launch_bounds__(kColGroup * kRowLanes)
+    column_partials_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
+                           const float* __restrict__ rstd, int64_t N, int64_t C, float* __restrict__ partial_w,
+                           float* __restrict__ partial_b) {
+  __shared__ float sw[kRowLanes][kColGroup];
+  __shared__ float sb[kRowLanes][kColGroup];
+  const int tx = threadIdx.x % kColGroup, ty = threadIdx.x / kColGroup;
+  const int64_t c = blockIdx.y * static_cast<int64_t>(kColGroup) + tx;
+  const int64_t rb = blockIdx.x;
+  const int64_t r0 = rb * kRowBlock, r1 = min(N, r0 + kRowBlock);
+  float aw = 0, ab = 0;
+  if (c < C) {
+    for (int64_t r = r0 + ty; r < r1; r += kRowLanes) {
+      const float g = to_f32(dy[r * C + c]);
+      if constexpr (kMode == ColMode::Sum) {
+        aw += g;
+      } else if constexpr (kMode == ColMode::LayerNorm) {
+        aw += g * ((to_f32(x[r * C + c]) - mean[r]) * rstd[r]);
+        ab += g;
+      } else {
+        aw += g * (to_f32(x[r * C + c]) * rstd[r]);
+      }
+    }
+  }
+  sw[ty][tx] = aw;
+  sb[ty][tx] = ab;
+  __syncthreads();
+  if (ty == 0 && c < C) {
+    float w = sw[0][tx], b = sb[0][tx];
+#pragma unroll
+    for (int k = 1; k < kRowLanes; ++k) {
+      w += sw[k][tx];
+      b += sb[k][tx];
+    }
+    partial_w[rb * C + c] = w;
+    if (kMode == ColMode::LayerNorm) partial_b[rb * C + c] = b;
+  }
+}
+
+// Pass 2: dst[c] += sum over row blocks in order of partial[rb][c].
+__global__ void column_finish_kernel(float* __restrict__ dst, const float* __restrict__ partial, int64_t blocks,
+                                     int64_t C) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  float s = 0;
+  for (int64_t rb = 0; rb < blocks; ++rb) s += partial[rb * C + c];
+  dst[c] += s;
+}
+
+// Runs both passes for one kind of column sum into dw (and db for LayerNorm).
+template <class T, ColMode kMode>
+void column_sums(CudaBackend& be, const char* op, const T* dy, const T* x, const float* mean, const float* rstd,
+                 int64_t N, int64_t C, float* dw, float* db) {
+  if (N == 0 || C == 0) return;
+  const int64_t blocks = ceil_div(N, kRowBlock);
+  const int nbuf = kMode == ColMode::LayerNorm ? 2 : 1;
+  auto* partial = static_cast<float*>(be.scratch(static_cast<size_t>(nbuf * blocks * C) * sizeof(float), op));
+  float* partial_b = kMode == ColMode::LayerNorm ? partial + blocks * C : nullptr;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(ceil_div(C, kColGroup)));
+  column_partials_kernel<T, kMode><<<grid, kColGroup * kRowLanes, 0, be.stream()>>>(dy, x, mean, rstd, N, C, partial,
+                                                                                     partial_b);
+  const unsigned fin = static_cast<unsigned>(ceil_div(C, 256));
+  column_finish_kernel<<<fin, 256, 0, be.stream()>>>(dw, partial, blocks, C);
+  if (db) column_finish_kernel<<<fin, 256, 0, be.stream()>>>(db, partial_b, blocks, C);
+  be.release(partial);
+}
+
+struct NormDims {
+  int64_t N, C;
+};
+
+// Shared checks (as the CPU's): row-wise tensors match in's shape, stats are F32 with one value
+// per row, per-column tensors have C elements (empty optional ones are skipped).
+NormDims check_norm(const char* op, const Tensor& x, std::initializer_list<Named> rowwise,
+                    std::initializer_list<Named> stats, std::initializer_list<Named> per_col) {
+  check_float(op, {"in", x});
+  const int64_t N = rows(x), C = x.cols();
+  for (const Named& t : rowwise) {
+    check_float(op, t);
+    if (rows(t.t) != N || t.t.cols() != C) fail(op, std::string(t.name) + " must match in's shape", {t, {"in", x}});
+  }
+  for (const Named& t : stats) {
+    check_dtype(op, t, DType::F32);
+    if (t.t.numel() != N) fail(op, std::string(t.name) + " must have one value per row", {t, {"in", x}});
+  }
+  for (const Named& t : per_col) {
+    if (t.t.empty() && t.t.numel() == 0) continue;
+    if (t.t.numel() != C) fail(op, std::string(t.name) + " must have in.cols() elements", {t, {"in", x}});
+  }
+  if (C > (int64_t{1} << 30)) fail(op, "rows longer than 2^30 are not supported", {{"in", x}});
+  return {N, C};
+}
+
+unsigned row_blocks(int64_t N) { return static_cast<unsigned>(std::max<int64_t>(1, ceil_div(N, kWarpsPerBlock))); }
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
+                                    const Tensor& weight, const Tensor& bias, float eps) {
+  const char* op = "layernorm_forward";
+  cuda::check_float(op, {"weight", weight});
+  if (!bias.empty()) cuda::check_float(op, {"bias", bias});
+  auto [N, C] = cuda::check_norm(op, in, {{"out", out}}, {{"mean", mean}, {"rstd", rstd}},
+                                 {{"weight", weight}, {"bias", bias}});
+  if (weight.numel() != C) cuda::fail(op, "weight must have in.cols() elements", {{"weight", weight}, {"in", in}});
+  if (N == 0) return;
+  cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(in), cuda::in(weight), cuda::in(bias)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    cuda::layernorm_forward_kernel<T><<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+        u[0].as<T>(), mean.as<float>(), rstd.as<float>(), u[1].as<const T>(), u[2].as<const T>(),
+        bias.empty() ? nullptr : u[3].as<const T>(), N, static_cast<int>(C), eps);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"out", out}, {"in", in}, {"weight", weight}});
+}
+
+void CudaBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                                     const Tensor& in, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                                     bool accumulate_din) {
+  const char* op = "layernorm_backward";
+  cuda::check_float(op, {"weight", weight});
+  cuda::check_dtype(op, {"dweight", dweight}, DType::F32);
+  if (!dbias.empty()) cuda::check_dtype(op, {"dbias", dbias}, DType::F32);
+  auto [N, C] = cuda::check_norm(op, in, {{"din", din}, {"dout", dout}}, {{"mean", mean}, {"rstd", rstd}},
+                                 {{"weight", weight}, {"dweight", dweight}, {"dbias", dbias}});
+  if (weight.numel() != C || dweight.numel() != C)
+    cuda::fail(op, "weight and dweight must have in.cols() elements",
+               {{"weight", weight}, {"dweight", dweight}, {"in", in}});
+  if (N == 0) return;
+  cuda::SameDType u(*this, op,
+                    {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    // Parameter gradients first: they read dout, which may be din itself (written below).
+    cuda::column_sums<T, cuda::ColMode::LayerNorm>(*this, op, u[1].as<const T>(), u[2].as<const T>(),
+                                                   mean.as<const float>(), rstd.as<const float>(), N, C,
+                                                   dweight.as<float>(), dbias.empty() ? nullptr : dbias.as<float>());
+    cuda::norm_backward_dx_kernel<T, true><<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+        u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), u[3].as<const T>(), mean.as<const float>(),
+        rstd.as<const float>(), N, static_cast<int>(C), accumulate_din);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
+}
+
+void CudaBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
+                                  float eps) {
+  const char* op = "rmsnorm_forward";
+  cuda::check_float(op, {"weight", weight});
+  auto [N, C] = cuda::check_norm(op, in, {{"out", out}}, {{"rstd", rstd}}, {{"weight", weight}});
+  if (weight.numel() != C) cuda::fail(op, "weight must have in.cols() elements", {{"weight", weight}, {"in", in}});
+  if (N == 0) return;
+  cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(in), cuda::in(weight)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    cuda::rmsnorm_forward_kernel<T><<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+        u[0].as<T>(), rstd.as<float>(), u[1].as<const T>(), u[2].as<const T>(), N, static_cast<int>(C), eps);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"out", out}, {"in", in}, {"weight", weight}});
+}
+
+void CudaBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
+                                   const Tensor& weight, const Tensor& rstd, bool accumulate_din) {
+  const char* op = "rmsnorm_backward";
+  cuda::check_float(op, {"weight", weight});
+  cuda::check_dtype(op, {"dweight", dweight}, DType::F32);
+  auto [N, C] = cuda::check_norm(op, in, {{"din", din}, {"dout", dout}}, {{"rstd", rstd}},
+                                 {{"weight", weight}, {"dweight", dweight}});
+  if (weight.numel() != C || dweight.numel() != C)
+    cuda::fail(op, "weight and dweight must have in.cols() elements",
+               {{"weight", weight}, {"dweight", dweight}, {"in", in}});
+  if (N == 0) return;
+  cuda::SameDType u(*this, op,
+                    {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    cuda::column_sums<T, cuda::ColMode::RmsNorm>(*this, op, u[1].as<const T>(), u[2].as<const T>(), nullptr,
+                                                 rstd.as<const float>(), N, C, dweight.as<float>(), nullptr);
+    cuda::norm_backward_dx_kernel<T, false><<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+        u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), u[3].as<const T>(), nullptr, rstd.as<const float>(), N,
+        static_cast<int>(C), accumulate_din);
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
+}
+
+void CudaBackend::bias_backward(const Tensor& dbias, const Tensor& dout) {
+  const char* op = "bias_backward";
+  cuda::check_dtype(op, {"dbias", dbias}, DType::F32);
+  cuda::check_float(op, {"dout", dout});
+  const int64_t N = cuda::rows(dout), C = dout.cols();
+  if (dbias.numel() != C) cuda::fail(op, "dbias must have dout.cols() elements", {{"dbias", dbias}, {"dout", dout}});
+  KEEL_DISPATCH_FLOAT(dout.dtype, op, T, {
+    cuda::column_sums<T, cuda::ColMode::Sum>(*this, op, dout.as<const T>(), nullptr, nullptr, nullptr, N, C,
+                                             dbias.as<float>(), nullptr);
+  });
+  cuda::check_launch(*this, op, {{"dbias", dbias}, {"dout", dout}});
+}
+
+}  // namespace keel

@@ -1,0 +1,149 @@
+// Helpers for the CUDA backend tests: skip without a GPU, device copies of host tensors, and
+// comparisons with the CPU reference.
+//
+// Every GPU test starts with KEEL_GPU_OR_SKIP(): where no GPU is visible it prints
+// "skipped: no GPU" (a Catch2 warning, shown in the report) and returns, so the run passes and
+// says why. The comparisons run the CPU backend on the same inputs (same storage dtypes, so the
+// reference rounds exactly as the GPU should) and measure ||gpu - cpu|| / ||cpu|| in double.
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/device.h"
+#include "kernels/kernel_test_util.h"
+
+#define KEEL_GPU_OR_SKIP()                                                   \
+  do {                                                                       \
+    if (::keel::cuda_device_count() == 0) {                                  \
+      WARN("skipped: no GPU (keel::cuda_device_count() == 0)");              \
+      return;                                                                \
+    }                                                                        \
+  } while (0)
+
+namespace keel::test {
+
+#ifdef KEEL_HAVE_CUDA
+// One CUDA backend on device 0 for the whole binary (fused attention kernels where they apply).
+inline Backend& gpu() {
+  static std::unique_ptr<Backend> be = make_cuda_backend(0);
+  return *be;
+}
+// A second one that always takes the plain fp32 attention kernels (KEEL_ATTENTION=simple is
+// read when a backend is made).
+inline Backend& gpu_simple_attention() {
+  static std::unique_ptr<Backend> be = [] {
+    const char* old = std::getenv("KEEL_ATTENTION");
+    const std::string saved = old ? old : "";
+    setenv("KEEL_ATTENTION", "simple", 1);
+    auto b = make_cuda_backend(0);
+    if (old) setenv("KEEL_ATTENTION", saved.c_str(), 1);
+    else unsetenv("KEEL_ATTENTION");
+    return b;
+  }();
+  return *be;
+}
+#endif
+
+inline Backend& cpu() {
+  static std::unique_ptr<Backend> be = make_cpu_backend();
+  return *be;
+}
+
+// A host tensor with the dtype and shape of t (contents zero).
+inline HostTensor host_like(const Tensor& t) {
+  HostTensor h(t.dtype, {t.numel()});
+  h.t.ndim = t.ndim;
+  h.t.shape = t.shape;
+  return h;
+}
+
+// A device tensor owned by the test, released at scope exit.
+struct DeviceTensor {
+  Backend* be = nullptr;
+  Tensor t;
+
+  DeviceTensor(Backend& b, const Tensor& like) : be(&b), t(like) {
+    t.device = b.device();
+    t.data = b.allocate(std::max<size_t>(t.bytes(), 1));
+  }
+  // A copy of host tensor h (raw bytes).
+  static DeviceTensor of(Backend& b, const HostTensor& h) {
+    DeviceTensor d(b, h.t);
+    b.copy_from_host(d.t, h.t.data);
+    return d;
+  }
+  DeviceTensor(DeviceTensor&& o) noexcept : be(o.be), t(o.t) { o.t.data = nullptr; }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  ~DeviceTensor() {
+    if (t.data) be->release(t.data);
+  }
+  HostTensor host() const {
+    HostTensor h = host_like(t);
+    be->copy_to_host(h.t.data, t);
+    return h;
+  }
+  void upload(const HostTensor& h) { be->copy_from_host(t, h.t.data); }
+};
+
+// A host copy of h (same dtype and shape, same bits).
+inline HostTensor clone(const HostTensor& h) {
+  HostTensor c = host_like(h.t);
+  std::memcpy(c.t.data, h.t.data, h.t.bytes());
+  return c;
+}
+
+inline HostTensor filled(DType dt, std::initializer_list<int64_t> shape, float value) {
+  HostTensor h(dt, shape);
+  for (int64_t i = 0; i < h.numel(); ++i) h.put(i, value);
+  return h;
+}
+
+// ||got - ref|| / ||ref|| over the values (double); +inf when either holds a NaN or an inf
+// where the other does not hold the same.
+inline double rel_err(const HostTensor& got, const HostTensor& ref) {
+  REQUIRE(got.numel() == ref.numel());
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double a = got.at(i), b = ref.at(i);
+    if (!std::isfinite(a) || !std::isfinite(b)) {
+      if (std::isnan(a) || std::isnan(b) || a != b) return INFINITY;
+      continue;
+    }
+    num += (a - b) * (a - b);
+    den += b * b;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Number of elements whose stored bits differ.
+inline int64_t bits_differ(const HostTensor& a, const HostTensor& b) {
+  REQUIRE(a.numel() == b.numel());
+  REQUIRE(a.t.dtype == b.t.dtype);
+  int64_t n = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) n += a.bits(i) != b.bits(i);
+  return n;
+}
+
+// The dtypes the tests sweep.
+inline const char* dname(DType t) { return std::string_view(dtype_name(t)).data(); }
+
+// A tolerance on ||gpu - cpu|| / ||cpu|| for an output stored in `out` whose fp32 value the
+// two backends compute in different orders: the fp32 differences (a few ulps) are far below the
+// storage rounding of bf16/f16, where only rare one-ulp flips remain.
+inline double storage_tol(DType out, double f32_tol) {
+  switch (out) {
+    case DType::BF16: return 4e-3;  // 2^-8 spacing
+    case DType::F16: return 1e-3;   // 2^-11 spacing
+    default: return f32_tol;
+  }
+}
+
+}  // namespace keel::test

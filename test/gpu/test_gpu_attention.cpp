@@ -1,0 +1,193 @@
+// CUDA RoPE and causal GQA attention against the CPU reference.
+//
+// Tolerances (||gpu - cpu|| / ||cpu||):
+//   rope                       bit-identical (same host-made cos/sin table, same unfused fp32 ops)
+//   plain kernels, f32         out, dqkv 1e-5; lse 1e-6 (fp32, other summation order)
+//   plain kernels, bf16/f16    4e-3 / 1e-3 (storage rounding flips)
+//   fused kernels (bf16/f16, head_dim 64/128): out 1e-2, lse 1e-5, dq/dk/dv 2e-2: the
+//       probabilities (forward) and dS (backward) are rounded to the storage type before
+//       their second matrix product, as in FlashAttention; the observed errors should sit near
+//       3e-3 (out) and 6e-3 (gradients) - the bounds leave room for the worst shapes.
+#include "gpu_test_util.h"
+
+using namespace keel;
+using namespace keel::test;
+
+namespace {
+
+HostTensor rand_tensor(DType dt, std::initializer_list<int64_t> shape, uint32_t seed, float scale = 1.0f) {
+  HostTensor h(dt, shape);
+  h.set(randn(h.numel(), seed, scale));
+  return h;
+}
+
+std::string shape_name(const AttnShape& s) {
+  return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " nh=" + std::to_string(s.n_heads) +
+         " nkv=" + std::to_string(s.n_kv_heads) + " hd=" + std::to_string(s.head_dim);
+}
+
+// Relative error of the q, k or v block of columns of a [B*T, qkv_cols] tensor.
+double part_err(const HostTensor& got, const HostTensor& ref, const AttnShape& s, int part) {
+  const int64_t cols = s.qkv_cols(), hd = s.head_dim;
+  const int64_t begin = part == 0 ? 0 : part == 1 ? s.n_heads * hd : (s.n_heads + s.n_kv_heads) * hd;
+  const int64_t width = part == 0 ? s.n_heads * hd : s.n_kv_heads * hd;
+  double num = 0, den = 0;
+  for (int64_t r = 0; r < static_cast<int64_t>(s.B) * s.T; ++r)
+    for (int64_t c = begin; c < begin + width; ++c) {
+      const double a = got.at(r * cols + c), b = ref.at(r * cols + c);
+      if (!std::isfinite(a)) return INFINITY;
+      num += (a - b) * (a - b);
+      den += b * b;
+    }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+bool fused_applies(const AttnShape& s, DType dt) {
+  return (dt == DType::BF16 || dt == DType::F16) && (s.head_dim == 64 || s.head_dim == 128);
+}
+
+const AttnShape kShapes[] = {
+    {2, 37, 4, 2, 8},     // tiny heads: plain kernels
+    {2, 100, 4, 2, 64},   // GQA, T not a multiple of the tiles
+    {1, 257, 8, 2, 128},  // group of 4, ragged last tile
+    {2, 64, 2, 2, 64},    // exactly one tile, MHA
+    {1, 1, 2, 1, 64},     // a single position
+    {3, 33, 4, 1, 128},   // multi-query
+    {2, 50, 4, 2, 32},    // head_dim 32: plain kernels
+};
+
+}  // namespace
+
+TEST_CASE("gpu: rope forward and backward are bit-identical to the CPU", "[gpu][rope]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (float theta : {10000.0f, 500000.0f}) {
+      const AttnShape s{2, 300, 4, 2, 64};
+      INFO(dname(dt) << " theta " << theta);
+      HostTensor qkv = rand_tensor(dt, {s.B * s.T, s.qkv_cols()}, 1);
+      HostTensor ref = clone(qkv);
+      cpu().rope_forward(ref.t, s, theta);
+      DeviceTensor d = DeviceTensor::of(be, qkv);
+      be.rope_forward(d.t, s, theta);
+      CHECK(bits_differ(d.host(), ref) == 0);
+      cpu().rope_backward(ref.t, s, theta);
+      be.rope_backward(d.t, s, theta);
+      CHECK(bits_differ(d.host(), ref) == 0);
+    }
+}
+
+TEST_CASE("gpu: attention forward matches the CPU (plain and fused kernels)", "[gpu][attention]") {
+  KEEL_GPU_OR_SKIP();
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (const AttnShape& s : kShapes)
+      for (int simple = 0; simple < 2; ++simple) {
+        Backend& be = simple ? gpu_simple_attention() : gpu();
+        const bool fused = !simple && fused_applies(s, dt);
+        INFO(dname(dt) << " " << shape_name(s) << (fused ? " fused" : " plain"));
+        const int64_t N = static_cast<int64_t>(s.B) * s.T;
+        HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 7, 1.5f);
+        HostTensor out = filled(dt, {N, s.n_heads * s.head_dim}, NAN), lse = filled(DType::F32, {s.B, s.n_heads, s.T}, NAN);
+        cpu().attention_forward(out.t, lse.t, qkv.t, s);
+        DeviceTensor dq = DeviceTensor::of(be, qkv);
+        DeviceTensor dout = DeviceTensor::of(be, filled(dt, {N, s.n_heads * s.head_dim}, NAN));
+        DeviceTensor dlse = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+        be.attention_forward(dout.t, dlse.t, dq.t, s);
+        const HostTensor got = dout.host(), got_lse = dlse.host();
+        const double e_out = rel_err(got, out), e_lse = rel_err(got_lse, lse);
+        INFO("out err " << e_out << " lse err " << e_lse);
+        CHECK(e_out <= (fused ? 1e-2 : storage_tol(dt, 1e-5)));
+        CHECK(e_lse <= (fused ? 1e-5 : 1e-6));
+        // the same call again: the same bits
+        be.attention_forward(dout.t, dlse.t, dq.t, s);
+        CHECK(bits_differ(dout.host(), got) == 0);
+        CHECK(bits_differ(dlse.host(), got_lse) == 0);
+      }
+}
+
+TEST_CASE("gpu: attention backward matches the CPU (plain and fused kernels)", "[gpu][attention]") {
+  KEEL_GPU_OR_SKIP();
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (const AttnShape& s : kShapes)
+      for (int simple = 0; simple < 2; ++simple) {
+        Backend& be = simple ? gpu_simple_attention() : gpu();
+        const bool fused = !simple && fused_applies(s, dt);
+        INFO(dname(dt) << " " << shape_name(s) << (fused ? " fused" : " plain"));
+        const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
+        HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 11, 1.5f), dy = rand_tensor(dt, {N, ocols}, 12);
+        HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T});
+        cpu().attention_forward(out.t, lse.t, qkv.t, s);
+        HostTensor dqkv = filled(dt, {N, s.qkv_cols()}, NAN);
+        cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+        // the GPU gets the CPU's forward results, so that only the backward is compared
+        DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy), dout = DeviceTensor::of(be, out);
+        DeviceTensor dlse = DeviceTensor::of(be, lse), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
+        be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, s);
+        const HostTensor got = ddq.host();
+        const double tol = fused ? 2e-2 : storage_tol(dt, 1e-5);
+        const double eq = part_err(got, dqkv, s, 0), ek = part_err(got, dqkv, s, 1), ev = part_err(got, dqkv, s, 2);
+        INFO("dq err " << eq << " dk err " << ek << " dv err " << ev);
+        CHECK(eq <= tol);
+        CHECK(ek <= tol);
+        CHECK(ev <= tol);
+        ddq.upload(filled(dt, {N, s.qkv_cols()}, NAN));
+        be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, s);
+        CHECK(bits_differ(ddq.host(), got) == 0);
+      }
+}
+
+TEST_CASE("gpu: fused attention at training lengths (T = 1024, 2048)", "[gpu][attention]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (const AttnShape& s : {AttnShape{1, 1024, 2, 1, 128}, AttnShape{1, 2048, 2, 2, 64}}) {
+    INFO(shape_name(s));
+    const DType dt = DType::BF16;
+    const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
+    HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 21, 2.0f), dy = rand_tensor(dt, {N, ocols}, 22);
+    HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
+    cpu().attention_forward(out.t, lse.t, qkv.t, s);
+    cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+    DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy);
+    DeviceTensor dout(be, out.t), dlse(be, lse.t), ddq(be, dqkv.t);
+    be.attention_forward(dout.t, dlse.t, dq.t, s);
+    CHECK(rel_err(dout.host(), out) <= 1e-2);
+    CHECK(rel_err(dlse.host(), lse) <= 1e-5);
+    dout.upload(out);
+    dlse.upload(lse);
+    be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, s);
+    const HostTensor got = ddq.host();
+    for (int part = 0; part < 3; ++part) {
+      INFO("part " << part);
+      CHECK(part_err(got, dqkv, s, part) <= 2e-2);
+    }
+  }
+}
+
+TEST_CASE("gpu: attention_decode matches the CPU call for call, caches bit for bit", "[gpu][attention][decode]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (DType dt : {DType::F32, DType::BF16})
+    for (float theta : {10000.0f, 0.0f}) {
+      INFO(dname(dt) << " theta " << theta);
+      const int nh = 4, nkv = 2, hd = 64;
+      const int64_t max_len = 40, kv_cols = nkv * hd;
+      HostTensor kc(dt, {max_len, kv_cols}), vc(dt, {max_len, kv_cols});
+      DeviceTensor dkc(be, kc.t), dvc(be, vc.t);
+      int64_t pos = 0;
+      uint32_t seed = 30;
+      for (int n : {20, 1, 1, 5, 13}) {
+        INFO("pos " << pos << " n " << n);
+        const AttnShape s{1, n, nh, nkv, hd};
+        HostTensor qkv = rand_tensor(dt, {n, s.qkv_cols()}, ++seed);
+        HostTensor out = filled(dt, {n, nh * hd}, NAN);
+        DeviceTensor dq = DeviceTensor::of(be, qkv), dout = DeviceTensor::of(be, out);
+        cpu().attention_decode(out.t, qkv.t, kc.t, vc.t, s, pos, theta);
+        be.attention_decode(dout.t, dq.t, dkc.t, dvc.t, s, pos, theta);
+        CHECK(rel_err(dout.host(), out) <= storage_tol(dt, 1e-5));
+        CHECK(bits_differ(dq.host(), qkv) == 0);  // RoPE in place, as on the CPU
+        CHECK(bits_differ(dkc.host(), kc) == 0);
+        CHECK(bits_differ(dvc.host(), vc) == 0);
+        pos += n;
+      }
+    }
+}

@@ -1,0 +1,512 @@
+// CUDA backend, op by op, against the CPU reference on the same random inputs (same storage
+// dtypes). Tolerances are on ||gpu - cpu|| / ||cpu||, per op:
+//   bit-identical  convert, fill, add, scale, embedding forward and backward, rope, adamw
+//                  (same single rounding of the same fp32 operations in the same order)
+//   f32 outputs    1e-6 .. 1e-5: the same math summed in another order (a few fp32 ulps)
+//   matmul f32     1e-5; bf16/f16 inputs into f32: 1e-4 (tensor-core fp32 accumulation)
+//   bf16 outputs   4e-3, f16 outputs 1e-3: the fp32 results differ by ulps, and the rare
+//                  element whose value sits on a rounding boundary flips by one storage ulp
+//   sums           1e-12 (fp64 accumulation in both, different order)
+// Outputs are poisoned with NaN before each op (unless accumulated into), so an element the
+// GPU fails to write shows as an infinite error. Every op is also run twice: bit-identical.
+#include <cstring>
+
+#include "gpu_test_util.h"
+
+using namespace keel;
+using namespace keel::test;
+
+namespace {
+
+constexpr DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16};
+
+HostTensor rand_tensor(DType dt, std::initializer_list<int64_t> shape, uint32_t seed, float scale = 1.0f) {
+  HostTensor h(dt, shape);
+  h.set(randn(h.numel(), seed, scale));
+  return h;
+}
+
+HostTensor nan_tensor(DType dt, std::initializer_list<int64_t> shape) { return filled(dt, shape, NAN); }
+
+}  // namespace
+
+TEST_CASE("gpu: allocate gives zeroed aligned memory; copies are raw bytes", "[gpu][memory]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  CHECK(be.device() == Device::CUDA);
+  INFO(be.name());
+  for (size_t bytes : {size_t{1}, size_t{100}, size_t{4096}, size_t{100000}, size_t{10} << 20}) {
+    void* p = be.allocate(bytes);
+    REQUIRE(p != nullptr);
+    CHECK(reinterpret_cast<uintptr_t>(p) % 64 == 0);
+    Tensor raw(p, DType::F32, {static_cast<int64_t>(bytes / 4)}, Device::CUDA);
+    std::vector<float> back(bytes / 4, 1.0f);
+    be.copy_to_host(back.data(), raw);
+    size_t nonzero = 0;
+    for (float f : back) nonzero += f != 0.0f;
+    CHECK(nonzero == 0);
+    be.release(p);
+  }
+  HostTensor h = rand_tensor(DType::BF16, {37}, 1);
+  DeviceTensor d = DeviceTensor::of(be, h);
+  CHECK(bits_differ(d.host(), h) == 0);
+}
+
+TEST_CASE("gpu: convert, fill, add, scale are bit-identical to the CPU", "[gpu][elementwise]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const int64_t n = 100003;
+  std::vector<float> a = randn(n, 1, 1000.0f), b = randn(n, 2, 1000.0f);
+  a[0] = 70000.0f;  // fp16 overflow
+  a[1] = -65520.0f;
+  a[2] = 1e-6f;     // fp16 subnormal
+  for (DType src : kFloatTypes)
+    for (DType dst : kFloatTypes) {
+      INFO(dname(src) << " -> " << dname(dst));
+      HostTensor x = make(src, {n}, a);
+      HostTensor ref = nan_tensor(dst, {n});
+      cpu().convert(ref.t, x.t);
+      DeviceTensor dx = DeviceTensor::of(be, x), dy = DeviceTensor::of(be, nan_tensor(dst, {n}));
+      be.convert(dy.t, dx.t);
+      CHECK(bits_differ(dy.host(), ref) == 0);
+    }
+  for (DType dt : kFloatTypes) {
+    INFO(dname(dt));
+    HostTensor ref = nan_tensor(dt, {n});
+    cpu().fill(ref.t, 3.14159f);
+    DeviceTensor d = DeviceTensor::of(be, nan_tensor(dt, {n}));
+    be.fill(d.t, 3.14159f);
+    CHECK(bits_differ(d.host(), ref) == 0);
+    be.fill(d.t, 0.0f);
+    cpu().fill(ref.t, 0.0f);
+    CHECK(bits_differ(d.host(), ref) == 0);
+
+    HostTensor x = make(dt, {n}, a), y = make(dt, {n}, b), z = nan_tensor(dt, {n});
+    cpu().add(z.t, x.t, y.t);
+    DeviceTensor dx = DeviceTensor::of(be, x), dy = DeviceTensor::of(be, y), dz = DeviceTensor::of(be, nan_tensor(dt, {n}));
+    be.add(dz.t, dx.t, dy.t);
+    CHECK(bits_differ(dz.host(), z) == 0);
+    be.add(dx.t, dx.t, dy.t);  // in place
+    CHECK(bits_differ(dx.host(), z) == 0);
+
+    HostTensor s = clone(y);
+    cpu().scale(s.t, 0.37f);
+    be.scale(dy.t, 0.37f);
+    CHECK(bits_differ(dy.host(), s) == 0);
+  }
+  // mixed dtypes: bf16 + f16 -> f32, f32 + bf16 -> bf16
+  {
+    HostTensor x = make(DType::BF16, {n}, a), y = make(DType::F16, {n}, b);
+    for (DType out : {DType::F32, DType::BF16}) {
+      HostTensor z = nan_tensor(out, {n});
+      cpu().add(z.t, x.t, y.t);
+      DeviceTensor dx = DeviceTensor::of(be, x), dy = DeviceTensor::of(be, y), dz = DeviceTensor::of(be, nan_tensor(out, {n}));
+      be.add(dz.t, dx.t, dy.t);
+      CHECK(bits_differ(dz.host(), z) == 0);
+    }
+  }
+}
+
+TEST_CASE("gpu: sum, sum_squares, max_abs, count_nonfinite, count_zeros", "[gpu][reductions]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const int64_t n = 1000003;  // several chunks, ragged end
+  for (DType dt : kFloatTypes) {
+    INFO(dname(dt));
+    std::vector<float> v = randn(n, 3, 5.0f);
+    for (int64_t i = 0; i < n; i += 997) v[i] = 0.0f;
+    HostTensor x = make(dt, {n}, v);
+    DeviceTensor d = DeviceTensor::of(be, x);
+    const double s = cpu().sum(x.t), ss = cpu().sum_squares(x.t);
+    CHECK(std::abs(be.sum(d.t) - s) <= 1e-12 * std::max(1.0, std::sqrt(ss) * std::sqrt(double(n))));
+    CHECK(std::abs(be.sum_squares(d.t) - ss) <= 1e-12 * ss);
+    CHECK(be.max_abs(d.t) == cpu().max_abs(x.t));
+    CHECK(be.count_zeros(d.t) == cpu().count_zeros(x.t));
+    CHECK(be.count_nonfinite(d.t) == 0);
+    // repeat: bit-identical
+    const double s1 = be.sum(d.t), s2 = be.sum(d.t);
+    CHECK(std::memcmp(&s1, &s2, sizeof s1) == 0);
+
+    v[12345] = INFINITY;
+    v[777777] = -INFINITY;
+    HostTensor y = make(dt, {n}, v);
+    DeviceTensor dy = DeviceTensor::of(be, y);
+    CHECK(be.count_nonfinite(dy.t) == 2);
+    CHECK(std::isinf(be.max_abs(dy.t)));
+    v[500000] = NAN;
+    HostTensor z = make(dt, {n}, v);
+    DeviceTensor dz = DeviceTensor::of(be, z);
+    CHECK(std::isnan(be.max_abs(dz.t)));  // NaN wins over inf
+    CHECK(be.count_nonfinite(dz.t) == 3);
+    CHECK(std::isnan(be.sum(dz.t)));
+  }
+  HostTensor empty(DType::F32, {0});
+  DeviceTensor de(be, empty.t);
+  CHECK(be.sum(de.t) == 0.0);
+  CHECK(be.max_abs(de.t) == 0.0f);
+}
+
+TEST_CASE("gpu: matmul matches the CPU for every transpose, dtype, bias and accumulate", "[gpu][matmul]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  struct Types {
+    DType a, b, out, bias;
+  };
+  const Types types[] = {
+      {DType::F32, DType::F32, DType::F32, DType::F32},     {DType::BF16, DType::BF16, DType::BF16, DType::BF16},
+      {DType::BF16, DType::BF16, DType::F32, DType::F32},   {DType::F16, DType::F16, DType::F16, DType::F16},
+      {DType::F16, DType::F16, DType::F32, DType::F32},     {DType::BF16, DType::F32, DType::F32, DType::F32},
+      {DType::F32, DType::F32, DType::BF16, DType::F32},    {DType::BF16, DType::BF16, DType::BF16, DType::F32},
+  };
+  struct Shape {
+    int64_t M, N, K;
+  };
+  const Shape shapes[] = {{64, 96, 128}, {300, 270, 700}, {1, 5, 3}, {129, 65, 33}, {7, 9, 0}};
+  uint32_t seed = 10;
+  for (const Types& ty : types)
+    for (const Shape& sh : shapes)
+      for (int ta = 0; ta < 2; ++ta)
+        for (int tb = 0; tb < 2; ++tb)
+          for (int acc = 0; acc < 2; ++acc)
+            for (int bias = 0; bias < 2; ++bias) {
+              const auto [M, N, K] = sh;
+              INFO("a " << dname(ty.a) << " b " << dname(ty.b) << " out " << dname(ty.out) << " bias "
+                        << dname(ty.bias) << " M " << M << " N " << N << " K " << K << " trans " << ta << tb
+                        << " acc " << acc << " bias " << bias);
+              HostTensor a = ta ? rand_tensor(ty.a, {K, M}, ++seed) : rand_tensor(ty.a, {M, K}, ++seed);
+              HostTensor b = tb ? rand_tensor(ty.b, {N, K}, ++seed) : rand_tensor(ty.b, {K, N}, ++seed);
+              HostTensor bv = rand_tensor(ty.bias, {N}, ++seed);
+              HostTensor out0 = acc ? rand_tensor(ty.out, {M, N}, ++seed) : nan_tensor(ty.out, {M, N});
+              HostTensor ref = clone(out0);
+              cpu().matmul(ref.t, a.t, b.t, ta, tb, acc, bias ? &bv.t : nullptr);
+              DeviceTensor da = DeviceTensor::of(be, a), db = DeviceTensor::of(be, b), dbias = DeviceTensor::of(be, bv);
+              DeviceTensor dout = DeviceTensor::of(be, out0);
+              be.matmul(dout.t, da.t, db.t, ta, tb, acc, bias ? &dbias.t : nullptr);
+              HostTensor got = dout.host();
+              const double f32_tol = ty.a == DType::F32 && ty.b == DType::F32 ? 1e-5 : 1e-4;
+              const double err = rel_err(got, ref);
+              CHECK(err <= storage_tol(ty.out, f32_tol));
+              // same call again: the same bits
+              dout.upload(out0);
+              be.matmul(dout.t, da.t, db.t, ta, tb, acc, bias ? &dbias.t : nullptr);
+              CHECK(bits_differ(dout.host(), got) == 0);
+            }
+}
+
+TEST_CASE("gpu: matmul on views at odd element offsets (unaligned operands)", "[gpu][matmul]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const int64_t M = 33, N = 17, K = 41;
+  for (DType dt : {DType::BF16, DType::F32}) {
+    INFO(dname(dt));
+    HostTensor a = rand_tensor(dt, {M * K + 1}, 1), b = rand_tensor(dt, {N * K + 3}, 2), bias = rand_tensor(dt, {N + 1}, 3);
+    auto at = [](const Tensor& base, int64_t off, std::initializer_list<int64_t> shape) {
+      Tensor t = base;
+      t.data = static_cast<char*>(base.data) + off * dtype_size(base.dtype);
+      return Tensor(t.data, t.dtype, shape, t.device);
+    };
+    HostTensor ref = nan_tensor(dt, {M, N});
+    Tensor bias_h = at(bias.t, 1, {N});
+    cpu().matmul(ref.t, at(a.t, 1, {M, K}), at(b.t, 3, {N, K}), false, true, false, &bias_h);
+    DeviceTensor da = DeviceTensor::of(be, a), db = DeviceTensor::of(be, b), dbias = DeviceTensor::of(be, bias);
+    DeviceTensor dout = DeviceTensor::of(be, nan_tensor(dt, {M, N}));
+    Tensor bias_d = at(dbias.t, 1, {N});
+    be.matmul(dout.t, at(da.t, 1, {M, K}), at(db.t, 3, {N, K}), false, true, false, &bias_d);
+    CHECK(rel_err(dout.host(), ref) <= storage_tol(dt, 1e-5));
+  }
+}
+
+TEST_CASE("gpu: bias_backward sums rows like the CPU", "[gpu][matmul]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (DType dt : kFloatTypes)
+    for (int64_t rows : {1, 63, 64, 1000, 4099}) {
+      INFO(dname(dt) << " rows " << rows);
+      const int64_t C = 300;
+      HostTensor dout = rand_tensor(dt, {rows, C}, 5), db = rand_tensor(DType::F32, {C}, 6);
+      HostTensor ref = clone(db);
+      cpu().bias_backward(ref.t, dout.t);
+      DeviceTensor dd = DeviceTensor::of(be, dout), ddb = DeviceTensor::of(be, db);
+      be.bias_backward(ddb.t, dd.t);
+      HostTensor got = ddb.host();
+      CHECK(rel_err(got, ref) <= 1e-5);
+      ddb.upload(db);
+      be.bias_backward(ddb.t, dd.t);
+      CHECK(bits_differ(ddb.host(), got) == 0);
+    }
+}
+
+TEST_CASE("gpu: layernorm and rmsnorm forward and backward match the CPU", "[gpu][norms]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (DType dt : kFloatTypes)
+    for (int64_t C : {100, 768, 2048})
+      for (int acc = 0; acc < 2; ++acc) {
+        const int64_t N = 700;
+        INFO(dname(dt) << " C " << C << " accumulate " << acc);
+        HostTensor x = rand_tensor(dt, {N, C}, 1, 2.0f), w = rand_tensor(dt, {C}, 2), b = rand_tensor(dt, {C}, 3);
+        HostTensor dy = rand_tensor(dt, {N, C}, 4);
+        DeviceTensor dx = DeviceTensor::of(be, x), dw = DeviceTensor::of(be, w), dbv = DeviceTensor::of(be, b);
+        DeviceTensor ddy = DeviceTensor::of(be, dy);
+        // LayerNorm forward
+        HostTensor out = nan_tensor(dt, {N, C}), mean = nan_tensor(DType::F32, {N}), rstd = nan_tensor(DType::F32, {N});
+        cpu().layernorm_forward(out.t, mean.t, rstd.t, x.t, w.t, b.t, 1e-5f);
+        DeviceTensor dout = DeviceTensor::of(be, nan_tensor(dt, {N, C}));
+        DeviceTensor dmean = DeviceTensor::of(be, nan_tensor(DType::F32, {N})), drstd = DeviceTensor::of(be, nan_tensor(DType::F32, {N}));
+        be.layernorm_forward(dout.t, dmean.t, drstd.t, dx.t, dw.t, dbv.t, 1e-5f);
+        CHECK(rel_err(dout.host(), out) <= storage_tol(dt, 1e-6));
+        CHECK(rel_err(dmean.host(), mean) <= 1e-6);
+        CHECK(rel_err(drstd.host(), rstd) <= 1e-6);
+        // LayerNorm backward (from the CPU's stats, so that only the backward is compared)
+        HostTensor din0 = acc ? rand_tensor(dt, {N, C}, 7) : nan_tensor(dt, {N, C});
+        HostTensor gw0 = rand_tensor(DType::F32, {C}, 8), gb0 = rand_tensor(DType::F32, {C}, 9);
+        HostTensor din = clone(din0), gw = clone(gw0), gb = clone(gb0);
+        cpu().layernorm_backward(din.t, gw.t, gb.t, dy.t, x.t, w.t, mean.t, rstd.t, acc);
+        DeviceTensor ddin = DeviceTensor::of(be, din0), dgw = DeviceTensor::of(be, gw0), dgb = DeviceTensor::of(be, gb0);
+        dmean.upload(mean);
+        drstd.upload(rstd);
+        be.layernorm_backward(ddin.t, dgw.t, dgb.t, ddy.t, dx.t, dw.t, dmean.t, drstd.t, acc);
+        CHECK(rel_err(ddin.host(), din) <= storage_tol(dt, 1e-5));
+        CHECK(rel_err(dgw.host(), gw) <= 1e-5);
+        CHECK(rel_err(dgb.host(), gb) <= 1e-5);
+        // RMSNorm forward and backward
+        HostTensor rout = nan_tensor(dt, {N, C}), rrstd = nan_tensor(DType::F32, {N});
+        cpu().rmsnorm_forward(rout.t, rrstd.t, x.t, w.t, 1e-5f);
+        be.rmsnorm_forward(dout.t, drstd.t, dx.t, dw.t, 1e-5f);
+        CHECK(rel_err(dout.host(), rout) <= storage_tol(dt, 1e-6));
+        CHECK(rel_err(drstd.host(), rrstd) <= 1e-6);
+        HostTensor rdin = clone(din0), rgw = clone(gw0);
+        cpu().rmsnorm_backward(rdin.t, rgw.t, dy.t, x.t, w.t, rrstd.t, acc);
+        ddin.upload(din0);
+        dgw.upload(gw0);
+        drstd.upload(rrstd);
+        be.rmsnorm_backward(ddin.t, dgw.t, ddy.t, dx.t, dw.t, drstd.t, acc);
+        const HostTensor got_din = ddin.host(), got_gw = dgw.host();
+        CHECK(rel_err(got_din, rdin) <= storage_tol(dt, 1e-5));
+        CHECK(rel_err(got_gw, rgw) <= 1e-5);
+        // determinism
+        ddin.upload(din0);
+        dgw.upload(gw0);
+        be.rmsnorm_backward(ddin.t, dgw.t, ddy.t, dx.t, dw.t, drstd.t, acc);
+        CHECK(bits_differ(ddin.host(), got_din) == 0);
+        CHECK(bits_differ(dgw.host(), got_gw) == 0);
+      }
+}
+
+TEST_CASE("gpu: gelu and swiglu forward and backward match the CPU", "[gpu][activations]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const int64_t N = 333, F = 517;
+  for (DType dt : kFloatTypes) {
+    INFO(dname(dt));
+    HostTensor x = rand_tensor(dt, {N, F}, 1, 3.0f), dy = rand_tensor(dt, {N, F}, 2);
+    HostTensor y = nan_tensor(dt, {N, F}), dx = nan_tensor(dt, {N, F});
+    cpu().gelu_forward(y.t, x.t);
+    cpu().gelu_backward(dx.t, dy.t, x.t);
+    DeviceTensor dxx = DeviceTensor::of(be, x), ddy = DeviceTensor::of(be, dy);
+    DeviceTensor dyy = DeviceTensor::of(be, nan_tensor(dt, {N, F})), ddx = DeviceTensor::of(be, nan_tensor(dt, {N, F}));
+    be.gelu_forward(dyy.t, dxx.t);
+    be.gelu_backward(ddx.t, ddy.t, dxx.t);
+    CHECK(rel_err(dyy.host(), y) <= storage_tol(dt, 1e-6));
+    CHECK(rel_err(ddx.host(), dx) <= storage_tol(dt, 1e-6));
+    be.gelu_backward(ddy.t, ddy.t, dxx.t);  // in place over dout
+    CHECK(rel_err(ddy.host(), dx) <= storage_tol(dt, 1e-6));
+
+    HostTensor packed = rand_tensor(dt, {N, 2 * F}, 3, 3.0f), sy = nan_tensor(dt, {N, F}), sdx = nan_tensor(dt, {N, 2 * F});
+    cpu().swiglu_forward(sy.t, packed.t);
+    cpu().swiglu_backward(sdx.t, dy.t, packed.t);
+    DeviceTensor dp = DeviceTensor::of(be, packed), dsy = DeviceTensor::of(be, nan_tensor(dt, {N, F}));
+    DeviceTensor dsdx = DeviceTensor::of(be, nan_tensor(dt, {N, 2 * F}));
+    ddy.upload(dy);
+    be.swiglu_forward(dsy.t, dp.t);
+    be.swiglu_backward(dsdx.t, ddy.t, dp.t);
+    CHECK(rel_err(dsy.host(), sy) <= storage_tol(dt, 1e-6));
+    CHECK(rel_err(dsdx.host(), sdx) <= storage_tol(dt, 1e-6));
+  }
+}
+
+TEST_CASE("gpu: embedding forward and backward are bit-identical to the CPU (vocab shard)", "[gpu][embedding]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const int T = 500, B = 4;
+  const int64_t N = static_cast<int64_t>(B) * T, V = 300, C = 96, vocab_start = 100;
+  std::vector<int32_t> tok(static_cast<size_t>(N));
+  std::mt19937 rng(7);
+  for (auto& t : tok) t = static_cast<int32_t>(rng() % 500);  // some below / above the shard
+  for (int i = 0; i < 200; ++i) tok[static_cast<size_t>(rng() % N)] = 150;  // one frequent token
+  HostTensor tokens(DType::I32, {N});
+  tokens.set_i32(tok);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    for (int with_pos = 0; with_pos < 2; ++with_pos) {
+      INFO(dname(dt) << " pos " << with_pos);
+      HostTensor table = rand_tensor(dt, {V, C}, 1), pos = rand_tensor(dt, {T, C}, 2);
+      Tensor none;
+      HostTensor out = nan_tensor(dt, {N, C});
+      cpu().embedding_forward(out.t, tokens.t, table.t, with_pos ? pos.t : none, T, vocab_start);
+      DeviceTensor dtok = DeviceTensor::of(be, tokens), dtab = DeviceTensor::of(be, table), dpos = DeviceTensor::of(be, pos);
+      DeviceTensor dout = DeviceTensor::of(be, nan_tensor(dt, {N, C}));
+      be.embedding_forward(dout.t, dtok.t, dtab.t, with_pos ? dpos.t : none, T, vocab_start);
+      CHECK(bits_differ(dout.host(), out) == 0);
+
+      HostTensor dy = rand_tensor(dt, {N, C}, 3);
+      HostTensor gt0 = rand_tensor(DType::F32, {V, C}, 4), gp0 = rand_tensor(DType::F32, {T, C}, 5);
+      HostTensor gt = clone(gt0), gp = clone(gp0);
+      cpu().embedding_backward(gt.t, with_pos ? gp.t : none, dy.t, tokens.t, T, vocab_start);
+      DeviceTensor ddy = DeviceTensor::of(be, dy), dgt = DeviceTensor::of(be, gt0), dgp = DeviceTensor::of(be, gp0);
+      be.embedding_backward(dgt.t, with_pos ? dgp.t : none, ddy.t, dtok.t, T, vocab_start);
+      CHECK(bits_differ(dgt.host(), gt) == 0);
+      CHECK(bits_differ(dgp.host(), gp) == 0);
+    }
+  }
+}
+
+TEST_CASE("gpu: softmax cross-entropy pieces match the CPU (vocab shard, ignored rows)", "[gpu][xent]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (DType dt : kFloatTypes)
+    for (int64_t V : {1000, 50304}) {
+      INFO(dname(dt) << " V " << V);
+      const int64_t N = 77, vocab_start = 200;
+      HostTensor logits = rand_tensor(dt, {N, V}, 1, 4.0f);
+      std::vector<int32_t> tg(static_cast<size_t>(N));
+      std::mt19937 rng(3);
+      for (auto& t : tg) t = static_cast<int32_t>(rng() % (V + 400));
+      tg[3] = -1;
+      tg[10] = -1;
+      tg[11] = static_cast<int32_t>(vocab_start);  // first local column
+      HostTensor targets(DType::I32, {N});
+      targets.set_i32(tg);
+      auto stat = [&] { return nan_tensor(DType::F32, {N}); };
+      HostTensor mx = stat(), se = stat(), tl = stat();
+      cpu().xent_stats(mx.t, se.t, tl.t, logits.t, targets.t, vocab_start);
+      DeviceTensor dl = DeviceTensor::of(be, logits), dtg = DeviceTensor::of(be, targets);
+      DeviceTensor dmx = DeviceTensor::of(be, stat()), dse = DeviceTensor::of(be, stat()), dtl = DeviceTensor::of(be, stat());
+      be.xent_stats(dmx.t, dse.t, dtl.t, dl.t, dtg.t, vocab_start);
+      CHECK(bits_differ(dmx.host(), mx) == 0);  // a max is exact
+      CHECK(rel_err(dse.host(), se) <= 1e-6);
+      CHECK(bits_differ(dtl.host(), tl) == 0);
+      // rescale against a larger "global" max
+      HostTensor gmax = clone(mx);
+      for (int64_t i = 0; i < N; ++i) gmax.put(i, mx.at(i) + 0.5f);
+      HostTensor se2 = clone(se);
+      cpu().xent_rescale(se2.t, mx.t, gmax.t);
+      DeviceTensor dg = DeviceTensor::of(be, gmax);
+      dse.upload(se);
+      dmx.upload(mx);
+      be.xent_rescale(dse.t, dmx.t, dg.t);
+      CHECK(rel_err(dse.host(), se2) <= 1e-6);
+      // loss from the CPU's stats
+      HostTensor losses = stat(), lse = stat();
+      cpu().xent_loss(losses.t, lse.t, mx.t, se.t, tl.t, targets.t);
+      DeviceTensor dlosses = DeviceTensor::of(be, stat()), dlse = DeviceTensor::of(be, stat());
+      dse.upload(se);
+      be.xent_loss(dlosses.t, dlse.t, dmx.t, dse.t, dtl.t, dtg.t);
+      CHECK(rel_err(dlosses.host(), losses) <= 1e-6);
+      CHECK(rel_err(dlse.host(), lse) <= 1e-6);
+      CHECK(dlosses.host().at(3) == 0.0f);
+      // backward in place
+      HostTensor grad = clone(logits);
+      cpu().xent_backward(grad.t, lse.t, targets.t, 0.01f, vocab_start);
+      dlse.upload(lse);
+      be.xent_backward(dl.t, dlse.t, dtg.t, 0.01f, vocab_start);
+      CHECK(rel_err(dl.host(), grad) <= storage_tol(dt, 1e-6));
+    }
+}
+
+TEST_CASE("gpu: adamw is bit-identical to the CPU in every precision layout", "[gpu][adamw]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const int64_t n = 100003;
+  struct Layout {
+    const char* name;
+    DType working;
+    bool master;
+    bool alias;  // working is the master itself (fp32 mode)
+  };
+  const Layout layouts[] = {{"bf16 + fp32 master", DType::BF16, true, false},
+                            {"f16 + fp32 master", DType::F16, true, false},
+                            {"fp32 (working = master)", DType::F32, true, true},
+                            {"bf16 only (no master)", DType::BF16, false, false}};
+  for (const Layout& L : layouts)
+    for (int64_t step : {1, 7}) {
+      INFO(L.name << " step " << step);
+      AdamWParams p;
+      p.lr = 3e-3f;
+      p.weight_decay = 0.1f;
+      p.step = step;
+      p.grad_scale = 0.5f;
+      HostTensor master = rand_tensor(DType::F32, {n}, 1), grad = rand_tensor(DType::F32, {n}, 2, 0.1f);
+      HostTensor m = rand_tensor(DType::F32, {n}, 3, 0.01f), v = rand_tensor(DType::F32, {n}, 4, 0.01f);
+      for (int64_t i = 0; i < n; ++i) v.put(i, std::abs(v.at(i)));
+      HostTensor working(L.working, {n});
+      cpu().convert(working.t, master.t);
+      HostTensor cm = clone(master), cw = clone(working), cmm = clone(m), cv = clone(v);
+      Tensor none;
+      const Tensor& c_master = L.master ? (L.alias ? cw.t : cm.t) : none;
+      cpu().adamw(c_master, cw.t, grad.t, cmm.t, cv.t, p);
+      DeviceTensor dmaster = DeviceTensor::of(be, master), dw = DeviceTensor::of(be, working);
+      DeviceTensor dg = DeviceTensor::of(be, grad), dm = DeviceTensor::of(be, m), dv = DeviceTensor::of(be, v);
+      const Tensor& g_master = L.master ? (L.alias ? dw.t : dmaster.t) : none;
+      be.adamw(g_master, dw.t, dg.t, dm.t, dv.t, p);
+      CHECK(bits_differ(dw.host(), cw) == 0);
+      CHECK(bits_differ(dm.host(), cmm) == 0);
+      CHECK(bits_differ(dv.host(), cv) == 0);
+      if (L.master && !L.alias) CHECK(bits_differ(dmaster.host(), cm) == 0);
+    }
+}
+
+TEST_CASE("gpu: adamw stochastic rounding is reproducible and unbiased", "[gpu][adamw]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const int64_t n = 200000;
+  AdamWParams p;
+  p.lr = 0;  // the master does not move: the working copy is the master, rounded
+  p.step = 3;
+  p.stochastic_rounding = true;
+  p.rounding_seed = 1234;
+  HostTensor master = rand_tensor(DType::F32, {n}, 1), grad = rand_tensor(DType::F32, {n}, 2);
+  HostTensor zeros(DType::F32, {n});
+  DeviceTensor dmaster = DeviceTensor::of(be, master), dg = DeviceTensor::of(be, grad);
+  DeviceTensor dm = DeviceTensor::of(be, zeros), dv = DeviceTensor::of(be, zeros);
+  DeviceTensor dw(be, HostTensor(DType::BF16, {n}).t);
+  be.adamw(dmaster.t, dw.t, dg.t, dm.t, dv.t, p);
+  const HostTensor w1 = dw.host();
+  dm.upload(zeros);
+  dv.upload(zeros);
+  be.adamw(dmaster.t, dw.t, dg.t, dm.t, dv.t, p);
+  CHECK(bits_differ(dw.host(), w1) == 0);  // same seed and step: same bits
+  double bias = 0, scale = 0;
+  int64_t not_neighbour = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = master.at(i), r = w1.at(i);
+    const uint32_t bits = std::bit_cast<uint32_t>(x);
+    const float lo = std::bit_cast<float>(bits & 0xffff0000u), hi = std::bit_cast<float>((bits & 0xffff0000u) + 0x10000u);
+    not_neighbour += !(r == lo || r == hi);
+    bias += static_cast<double>(r) - x;
+    scale += std::abs(static_cast<double>(hi) - lo);
+  }
+  CHECK(not_neighbour == 0);
+  // mean rounding error over the mean spacing: ~1/sqrt(n) when unbiased (RNE would also be
+  // unbiased here; the check is that stochastic rounding is not biased)
+  CHECK(std::abs(bias) / scale < 5.0 / std::sqrt(static_cast<double>(n)));
+}
+
+TEST_CASE("gpu: ops reject wrong shapes and dtypes naming the op and the shapes", "[gpu][errors]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  using Catch::Contains;
+  DeviceTensor a(be, HostTensor(DType::F32, {4, 8}).t), b(be, HostTensor(DType::F32, {7, 5}).t);
+  DeviceTensor out(be, HostTensor(DType::F32, {4, 5}).t);
+  CHECK_THROWS_AS(be.matmul(out.t, a.t, b.t, false, false), std::invalid_argument);
+  CHECK_THROWS_WITH(be.matmul(out.t, a.t, b.t, false, false),
+                    Contains("CudaBackend::matmul") && Contains("[4, 8] f32") && Contains("[7, 5] f32"));
+  HostTensor host(DType::F32, {4, 5});
+  CHECK_THROWS_WITH(be.gelu_forward(out.t, host.t), Contains("gelu_forward") && Contains("not a CUDA tensor"));
+  DeviceTensor mean(be, HostTensor(DType::F32, {4}).t), rstd(be, HostTensor(DType::F32, {3}).t), w(be, HostTensor(DType::F32, {8}).t);
+  CHECK_THROWS_WITH(be.layernorm_forward(a.t, mean.t, rstd.t, a.t, w.t, Tensor(), 1e-5f),
+                    Contains("layernorm_forward") && Contains("rstd=[3] f32"));
+  const AttnShape s{1, 4, 4, 3, 8};
+  DeviceTensor qkv(be, HostTensor(DType::F32, {4, 80}).t), o(be, HostTensor(DType::F32, {4, 32}).t);
+  DeviceTensor lse(be, HostTensor(DType::F32, {1, 4, 4}).t);
+  CHECK_THROWS_WITH(be.attention_forward(o.t, lse.t, qkv.t, s), Contains("attention_forward") && Contains("n_kv_heads=3"));
+}

@@ -1,0 +1,236 @@
+// Whole training steps on the CUDA backend: against the CPU backend, against the HF oracle
+// fixtures (fp32), bit-identical repeats, and resume from a checkpoint.
+//
+// Tolerances (relative):
+//   fp32 mode   step-1 loss 1e-5, later losses 1e-4, step-1 gradient norm 1e-5, weights after
+//               5 steps 1e-3 (Adam turns gradient noise near zero into full-size updates for a
+//               handful of elements; the CPU's own tests show the same amplification)
+//   bf16 mode   step-1 loss 5e-3, later losses 3e-2, step-1 gradient norm 2e-2, weights 3e-2:
+//               activations are rounded to bf16 at every op, and a one-ulp flip (2^-8) on
+//               either side propagates through the layers
+//   oracle      loss, logits and every gradient 1e-5 (fp32 against the float64 oracle, the same
+//               bound as the CPU's test)
+//   repeats and resume: bit for bit
+#include <cstring>
+#include <random>
+
+#include "common/fixture.h"
+#include "common/run_config.h"
+#include "common/temp_dir.h"
+#include "gpu_test_util.h"
+#include "model/transformer.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+using namespace keel;
+using namespace keel::test;
+
+namespace {
+
+// A fixed batch from a learnable sequence (next token = 3 * token + 1 mod V, some noise).
+std::vector<MicroBatch> synthetic_batches(int n_micro, int mbs, int T, int V, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<MicroBatch> out(static_cast<size_t>(n_micro));
+  for (auto& mb : out) {
+    for (int b = 0; b < mbs; ++b) {
+      int tok = static_cast<int>(rng() % V);
+      std::vector<int32_t> seq;
+      for (int t = 0; t <= T; ++t) {
+        seq.push_back(tok);
+        tok = rng() % 8 == 0 ? static_cast<int>(rng() % V) : (3 * tok + 1) % V;
+      }
+      mb.inputs.insert(mb.inputs.end(), seq.begin(), seq.end() - 1);
+      mb.targets.insert(mb.targets.end(), seq.begin() + 1, seq.end());
+    }
+    mb.targets[3] = -1;  // an ignored position
+  }
+  return out;
+}
+
+std::vector<float> working_weights(Trainer& tr) {
+  std::vector<float> w(static_cast<size_t>(tr.table().local_numel()));
+  tr.state().working_to_host(w.data());
+  return w;
+}
+
+double rel(const std::vector<float>& a, const std::vector<float>& b) {
+  return test::rel_error(a.data(), b.data(), a.size());
+}
+
+// A Llama whose heads are 64 wide (the fused attention kernels), T not a multiple of 64.
+nlohmann::json wide_head_llama() {
+  nlohmann::json j = tiny_run_json("llama");
+  j["model"] = {{"family", "llama"}, {"vocab_size", 256}, {"d_model", 128}, {"n_layers", 2}, {"n_heads", 2},
+                {"n_kv_heads", 1},   {"ffn_hidden", 256}, {"max_seq_len", 96}};
+  j["train"] = {{"steps", 30}, {"global_batch", 4}, {"micro_batch", 2}, {"seq_len", 96}, {"seed", 3}};
+  return j;
+}
+
+struct Case {
+  std::string name;
+  nlohmann::json json;
+  std::string mode;
+};
+
+std::vector<Case> training_cases() {
+  std::vector<Case> cases;
+  for (const char* family : {"llama", "gpt2"})
+    for (const char* mode : {"fp32", "bf16"})
+      cases.push_back({std::string("tiny ") + family + " " + mode, tiny_run_json(family), mode});
+  cases.push_back({"wide-head llama bf16 (fused attention)", wide_head_llama(), "bf16"});
+  cases.push_back({"wide-head llama fp16", wide_head_llama(), "fp16"});
+  return cases;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: training steps track the CPU backend (Llama, GPT-2; fp32, bf16, fp16)", "[gpu][train]") {
+  KEEL_GPU_OR_SKIP();
+  for (const Case& c : training_cases()) {
+    INFO(c.name);
+    RunConfig cfg = make_config(c.json, {{"precision", {{"mode", c.mode}}}});
+    const bool fp32 = c.mode == "fp32";
+    const int T = static_cast<int>(cfg.train.seq_len), mbs = static_cast<int>(cfg.train.micro_batch);
+    const int n_micro = static_cast<int>(cfg.train.global_batch / cfg.train.micro_batch);
+    Trainer on_cpu(cfg, cpu()), on_gpu(cfg, gpu());
+    on_cpu.init_weights();
+    on_gpu.init_weights();
+    CHECK(working_weights(on_cpu) == working_weights(on_gpu));  // same init, uploaded
+    for (int step = 1; step <= 5; ++step) {
+      INFO("step " << step);
+      auto batches = synthetic_batches(n_micro, mbs, T, static_cast<int>(cfg.model.vocab_size), 100 + step);
+      const StepStats a = on_cpu.step(batches, step), b = on_gpu.step(batches, step);
+      const double loss_err = std::abs(b.loss - a.loss) / std::abs(a.loss);
+      const double norm_err = std::abs(b.grad_norm - a.grad_norm) / a.grad_norm;
+      INFO("loss cpu " << a.loss << " gpu " << b.loss << " (rel " << loss_err << "), grad norm cpu " << a.grad_norm
+                       << " gpu " << b.grad_norm << " (rel " << norm_err << ")");
+      CHECK(std::isfinite(b.loss));
+      CHECK(b.skipped == a.skipped);
+      if (step == 1) {
+        CHECK(loss_err <= (fp32 ? 1e-5 : 5e-3));
+        if (!a.skipped) CHECK(norm_err <= (fp32 ? 1e-5 : 2e-2));  // fp16: a skipped step has no norm
+      } else {
+        CHECK(loss_err <= (fp32 ? 1e-4 : 3e-2));
+      }
+    }
+    const double w_err = rel(working_weights(on_gpu), working_weights(on_cpu));
+    WARN(c.name << ": weights after 5 steps, gpu vs cpu relative error " << w_err);
+    CHECK(w_err <= (fp32 ? 1e-3 : 3e-2));
+  }
+}
+
+TEST_CASE("gpu: tiny GPT-2 and Llama match the HF oracle in fp32 (logits, loss, every gradient)", "[gpu][oracle]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (const char* name : {"gpt2_tiny", "llama_tiny"}) {
+    INFO(name);
+    test::Fixture fx(name);
+    ParamTable table(fx.model);
+    const int64_t n = table.local_numel();
+    std::vector<float> weights = fx.flat(table, "param");
+    HostTensor hw(DType::F32, {n});
+    std::memcpy(hw.t.data, weights.data(), weights.size() * 4);
+    DeviceTensor dw = DeviceTensor::of(be, hw), dg(be, hw.t);  // grads zero-filled
+    Transformer model(table, be, DType::F32, fx.B, fx.T);
+    model.bind(dw.t, dg.t);
+    auto inputs = fx.inputs();
+    auto targets = fx.targets();
+    auto r = model.forward(inputs.data(), targets.data());
+    REQUIRE(r.n_valid == fx.B * fx.T - 2);
+    const double loss = r.loss_sum / static_cast<double>(r.n_valid);
+    const double ref_loss = fx.read<float>("loss")[0];
+    INFO("loss " << loss << " vs oracle " << ref_loss);
+    CHECK(std::abs(loss - ref_loss) <= 1e-5 * ref_loss);
+    auto ref_logits = fx.read<float>("logits");
+    REQUIRE(model.logits().numel() == static_cast<int64_t>(ref_logits.size()));
+    std::vector<float> logits(ref_logits.size());
+    be.copy_to_host(logits.data(), model.logits());
+    const double logit_err = test::rel_error(logits.data(), ref_logits.data(), ref_logits.size());
+    INFO("logits relative error " << logit_err);
+    CHECK(logit_err <= 1e-5);
+
+    model.backward(1.0f / static_cast<float>(r.n_valid));
+    std::vector<float> grads(static_cast<size_t>(n));
+    be.copy_to_host(grads.data(), dg.t);
+    std::vector<float> ref_grads = fx.flat(table, "grad");
+    const double total = test::rel_error(ref_grads.data(), std::vector<float>(ref_grads.size()).data(), ref_grads.size());
+    double worst = 0;
+    std::string worst_name;
+    for (const ParamSpec& p : table.params()) {
+      const float* g = grads.data() + p.offset;
+      const float* ref = ref_grads.data() + p.offset;
+      const size_t k = static_cast<size_t>(p.numel);
+      const std::vector<float> zeros(k, 0.0f);
+      if (test::rel_error(ref, zeros.data(), k) < 1e-12 * total) {
+        const double noise = test::rel_error(g, zeros.data(), k);
+        INFO(p.name << " should vanish; norm " << noise << " vs total " << total);
+        CHECK(noise <= 1e-6 * total);
+        continue;
+      }
+      const double err = test::rel_error(g, ref, k);
+      INFO("gradient of " << p.name << " relative error " << err);
+      CHECK(err <= 1e-5);
+      if (err > worst) worst = err, worst_name = p.name;
+    }
+    WARN(name << " on the GPU: loss diff " << std::abs(loss - ref_loss) << ", logits rel err " << logit_err
+              << ", worst gradient rel err " << worst << " (" << worst_name << ")");
+  }
+}
+
+TEST_CASE("gpu: the same run twice gives bit-identical losses and weights", "[gpu][determinism]") {
+  KEEL_GPU_OR_SKIP();
+  for (const Case& c : training_cases()) {
+    if (c.mode == "fp32") continue;
+    INFO(c.name);
+    RunConfig cfg = make_config(c.json, {{"precision", {{"mode", c.mode}}}});
+    const int T = static_cast<int>(cfg.train.seq_len), mbs = static_cast<int>(cfg.train.micro_batch);
+    const int n_micro = static_cast<int>(cfg.train.global_batch / cfg.train.micro_batch);
+    std::vector<std::vector<double>> losses(2);
+    std::vector<std::vector<float>> weights(2);
+    for (int run = 0; run < 2; ++run) {
+      Trainer tr(cfg, gpu());
+      tr.init_weights();
+      for (int step = 1; step <= 4; ++step) {
+        const StepStats st =
+            tr.step(synthetic_batches(n_micro, mbs, T, static_cast<int>(cfg.model.vocab_size), 7 + step), step);
+        losses[run].push_back(st.loss);
+        losses[run].push_back(st.grad_norm);
+      }
+      weights[run] = working_weights(tr);
+    }
+    CHECK(std::memcmp(losses[0].data(), losses[1].data(), losses[0].size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(weights[0].data(), weights[1].data(), weights[0].size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("gpu: resuming from a checkpoint continues bit for bit", "[gpu][ckpt]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (const char* mode : {"bf16", "fp32"}) {
+    INFO(mode);
+    TempDir dir("gpu-resume");
+    RunConfig cfg = make_config(wide_head_llama(), {{"precision", {{"mode", mode}}}});
+    const int T = static_cast<int>(cfg.train.seq_len), mbs = static_cast<int>(cfg.train.micro_batch);
+    const int n_micro = static_cast<int>(cfg.train.global_batch / cfg.train.micro_batch);
+    auto batch = [&](int step) { return synthetic_batches(n_micro, mbs, T, 256, 50 + step); };
+    Trainer straight(cfg, be);
+    straight.init_weights();
+    std::vector<double> expected;
+    for (int step = 1; step <= 4; ++step) expected.push_back(straight.step(batch(step), step).loss);
+
+    Trainer first(cfg, be);
+    first.init_weights();
+    for (int step = 1; step <= 2; ++step) CHECK(first.step(batch(step), step).loss == expected[step - 1]);
+    CheckpointManager mgr(dir / "ck", cfg.checkpoint);
+    mgr.save(cfg, first.table(), first.state(), be, TrainProgress{2, 8, 8 * T, 0, 0}, first.scaler(), {});
+
+    Trainer resumed(cfg, be);
+    resumed.init_weights();
+    Checkpoint ck = Checkpoint::open(dir / "ck");
+    CHECK(ck.verify().empty());
+    TrainProgress got = restore_for_resume(ck, cfg, resumed.table(), resumed.state(), be, resumed.scaler(), {});
+    CHECK(got.iteration == 2);
+    for (int step = 3; step <= 4; ++step) CHECK(resumed.step(batch(step), step).loss == expected[step - 1]);
+    CHECK(working_weights(resumed) == working_weights(straight));
+  }
+}

@@ -1,0 +1,92 @@
+// The hang watchdog through the real binary: `mpirun -np 4 keel train` (dp 4) where world rank 2
+// skips its second dp reduce-scatter (KEEL_FAULT_SKIP_COLLECTIVE, test-only) and goes on to the
+// grad-norm all-reduce on the world while the others wait for it: a deadlock, as in seed 001.
+// The job must end within the watchdog timeout (plus the answer wait), every rank must dump
+// (all four wait in keel), and `keel doctor hang <run dir>` must name rank 2 and the
+// reduce-scatter in the live report's words.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+#include <sys/wait.h>
+
+#include "common/process.h"
+#include "common/workspace.h"
+#include "train/parallel/hang_report.h"
+
+using namespace keel;
+namespace fs = std::filesystem;
+
+namespace {
+
+test::ProcessResult run_shell(const std::string& cmd) {
+  test::ProcessResult r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// The complete "keel hang report: ..." lines of a job's output (a rank killed by the abort may
+// leave half a line), without their "(stuck ...)" tail.
+std::vector<std::string> live_reports(const std::string& output) {
+  std::vector<std::string> out;
+  const std::string tag = "keel hang report: ", tail = " ranks waiting)";
+  for (size_t at = output.find(tag); at != std::string::npos; at = output.find(tag, at + 1)) {
+    const std::string line = output.substr(at + tag.size(), output.find('\n', at) - at - tag.size());
+    const size_t stuck = line.rfind(" (stuck ");
+    if (stuck == std::string::npos || line.size() < tail.size() || line.compare(line.size() - tail.size(), tail.size(), tail) != 0)
+      continue;
+    out.push_back(line.substr(0, stuck));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("mpirun keel train: a rank that skips a collective ends the job within the timeout, named by keel doctor hang",
+          "[mpi][hang]") {
+  test::Workspace ws({{"parallel", {{"dp", 4}}},
+                      {"train", {{"steps", 4}, {"global_batch", 8}, {"micro_batch", 2}, {"eval_interval", 0},
+                                 {"eval_batches", 0}}},
+                      {"checkpoint", {{"save_at_end", false}}}});
+  const std::string out = ws.dir / "out";
+  const int timeout = 3;
+  const std::string cmd = "env OMP_NUM_THREADS=1 KEEL_COMM_TIMEOUT=" + std::to_string(timeout) +
+                          " KEEL_FAULT_SKIP_COLLECTIVE=rank=2,op=reduce_scatter,group=dp,call=2"
+                          " KEEL_HANG_DUMP_DIR=" + out + "/hang " + std::string(KEEL_MPIEXEC) + " -np 4 " +
+                          KEEL_BINARY + " train --config " + ws.config + " --out " + out + " -q";
+  const auto t0 = std::chrono::steady_clock::now();
+  const test::ProcessResult job = run_shell(cmd);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(job.output);
+  WARN("the hung job ended after " << secs << " s (watchdog timeout " << timeout << " s)");
+  CHECK(job.code != 0);
+  REQUIRE(job.output.find("world rank 2 skips reduce_scatter #") != std::string::npos);
+  // Start-up and one step take a second or two; then the timeout, the answer wait, the abort.
+  CHECK(secs < timeout + 15);
+  for (int r = 0; r < 4; ++r) CHECK(fs::exists(out + "/hang/" + parallel::hang_dump_file_name(r)));
+
+  const std::vector<std::string> live = live_reports(job.output);
+  REQUIRE(!live.empty());
+  const test::ProcessResult doc = test::run_keel("doctor hang " + out);  // the run directory: finds hang/
+  INFO(doc.output);
+  CHECK(doc.code == 0);
+  const std::regex first("hang: (reduce_scatter #[0-9]+ of dp group 0) \\[world ranks 0-3\\]: world rank 2 never arrived; "
+                         "it last completed all_reduce #[0-9]+ of dp group 0 and is now waiting in all_reduce #[0-9]+ of "
+                         "world group 0 \\(stuck ([0-9.]+) s, 3 of 4 ranks waiting\\)");
+  std::smatch m;
+  REQUIRE(std::regex_search(doc.output, m, first));
+  const double stuck = std::stod(m[2]);
+  CHECK(stuck >= timeout);
+  CHECK(stuck < timeout + 3);
+  CHECK(doc.output.find("world rank 2 skipped it: after all_reduce #") != std::string::npos);
+  // Whichever ranks printed their live report before the abort: the dumps' report has the same words.
+  for (const std::string& line : live) CHECK(doc.output.find(line + " (stuck ") != std::string::npos);
+}

@@ -1,0 +1,267 @@
+// keel doctor (train/doctor.h): each check on a miniature of the seed bug it exists for, and on a
+// healthy artefact where it must stay quiet.
+//   frozen   seed 002: bf16-only parameters, small lr: the norm gains never move
+//   ckpt     seed 000: masters left at a fresh init; a lost Adam step; moments never restored;
+//            seed 001: a norm misfiled in the weight-decay group
+//   metrics  a loss spike, a restart spike, overflow skips and fp16 scale cuts
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <random>
+
+#include "common/process.h"
+#include "common/run_config.h"
+#include "common/temp_dir.h"
+#include "common/workspace.h"
+#include "train/doctor.h"
+#include "train/trainer.h"
+
+using namespace keel;
+
+namespace {
+
+std::vector<MicroBatch> batches_at(const std::vector<uint32_t>& tokens, size_t start) {
+  const int n_micro = 2, mbs = 4, T = 32;
+  std::vector<MicroBatch> out(n_micro);
+  size_t at = start;
+  for (auto& mb : out)
+    for (int b = 0; b < mbs; ++b, at += T)
+      for (int t = 0; t < T; ++t) {
+        mb.inputs.push_back(static_cast<int32_t>(tokens[at + t]));
+        mb.targets.push_back(static_cast<int32_t>(tokens[at + t + 1]));
+      }
+  return out;
+}
+
+RunConfig config_for(const std::string& mode, double lr) {
+  return test::make_config(test::tiny_run_json(),
+                           {{"precision", {{"mode", mode}}},
+                            {"optimizer", {{"lr", lr}, {"min_lr", lr}}},
+                            {"schedule", {{"warmup_steps", 0}, {"decay", "constant"}}}});
+}
+
+// Trains `steps` steps (numbered from first_step) on synthetic tokens.
+void train(Trainer& tr, int first_step, int steps) {
+  static const auto tokens = test::synthetic_tokens(8000, 7);
+  for (int s = first_step; s < first_step + steps; ++s) tr.step(batches_at(tokens, 300 * static_cast<size_t>(s)), s);
+}
+
+std::string save(Trainer& tr, const RunConfig& cfg, Backend& be, const std::string& dir, int64_t iteration) {
+  CheckpointManager mgr(dir, cfg.checkpoint);
+  TrainProgress p{iteration, iteration * 8, iteration * 8 * 32, 0, 0};
+  return mgr.save(cfg, tr.table(), tr.state(), be, p, tr.scaler(), {}).path;
+}
+
+bool contains(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+}  // namespace
+
+TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precision hint; with fp32 masters nothing is",
+          "[doctor][frozen]") {
+  auto be = make_cpu_backend();
+  for (const std::string mode : {"bf16-unsafe-no-master", "bf16"}) {
+    INFO(mode);
+    test::TempDir dir("doctor-frozen");
+    const RunConfig cfg = config_for(mode, 1e-4);
+    Trainer tr(cfg, *be);
+    tr.init_weights();
+    train(tr, 1, 2);
+    const std::string a = save(tr, cfg, *be, dir / "ck", 2);
+    train(tr, 3, 4);
+    const std::string b = save(tr, cfg, *be, dir / "ck", 6);
+    const doctor::FrozenReport r = doctor::compare_frozen(Checkpoint::open(a), Checkpoint::open(b));
+    INFO(r.text);
+    std::vector<std::string> frozen;
+    for (const auto& t : r.tensors)
+      if (t.frozen) frozen.push_back(t.name);
+    if (mode == "bf16") {
+      CHECK(frozen.empty());
+      CHECK(r.problems.empty());
+      CHECK(r.text.find("no frozen tensors") != std::string::npos);
+      continue;
+    }
+    // Every norm gain (init 1.0) and nothing else.
+    std::vector<std::string> norms;
+    for (const ParamSpec& p : tr.table().params())
+      if (p.role == Role::Norm) norms.push_back(p.name);
+    std::sort(norms.begin(), norms.end());
+    std::sort(frozen.begin(), frozen.end());
+    CHECK(frozen == norms);
+    REQUIRE(r.frozen == static_cast<int>(norms.size()));
+    for (int i = 0; i < r.frozen; ++i) {
+      const doctor::TensorMotion& t = r.tensors[static_cast<size_t>(i)];  // frozen ones come first
+      CHECK(t.frozen);
+      CHECK(t.state == "weight");
+      CHECK(t.dtype == "bf16");
+      CHECK(t.unchanged == 1.0);
+      CHECK(t.precision);
+    }
+    CHECK(r.text.find("FROZEN: " + std::to_string(norms.size()) + " of ") != std::string::npos);
+    CHECK(r.text.find("(NO fp32 master copy)") != std::string::npos);
+    CHECK(r.text.find("precision: values around 1 stored in bf16 with no fp32 master copy") != std::string::npos);
+    CHECK(r.text.find("spacing there is 2^-7 = 0.0078") != std::string::npos);
+    CHECK(r.text.find("precision.mode = \"bf16\"") != std::string::npos);
+    CHECK(r.problems.size() == norms.size());
+  }
+}
+
+TEST_CASE("doctor ckpt: a healthy checkpoint passes; masters from a fresh init are named tensor by tensor",
+          "[doctor][ckpt]") {
+  auto be = make_cpu_backend();
+  test::TempDir dir("doctor-ckpt");
+  const RunConfig cfg = config_for("bf16", 1e-2);
+  Trainer tr(cfg, *be);
+  tr.init_weights();
+  train(tr, 1, 3);
+
+  const doctor::CkptReport healthy = doctor::audit_checkpoint(Checkpoint::open(save(tr, cfg, *be, dir / "ok", 3)));
+  INFO(healthy.text);
+  CHECK(healthy.problems.empty());
+  CHECK(healthy.text.find("round(master) to bf16 equals the working weights everywhere") != std::string::npos);
+  CHECK(healthy.text.find("Adam step 3 = iteration 3 - 0 skipped: consistent") != std::string::npos);
+  CHECK(healthy.text.find("verdict: no problems found") != std::string::npos);
+
+  SECTION("seed 000: masters replaced by a fresh init (another seed) while the weights stay trained") {
+    ParamState fresh(tr.table(), *be, cfg.precision.mode);
+    fresh.init(999);
+    std::vector<char> host(fresh.master.bytes());
+    be->copy_to_host(host.data(), fresh.master);
+    be->copy_from_host(tr.state().master, host.data());
+    const doctor::CkptReport r = doctor::audit_checkpoint(Checkpoint::open(save(tr, cfg, *be, dir / "stale", 3)));
+    INFO(r.text);
+    // Every tensor: the matrices differ by the init, the norms (init 1.0) by the 3 trained steps.
+    CHECK(r.master_mismatch.size() == tr.table().params().size());
+    CHECK(contains(r.master_mismatch, "layers.0.attn.wq"));
+    CHECK(contains(r.master_mismatch, "final_norm.weight"));
+    CHECK(r.text.find("PROBLEM: " + std::to_string(tr.table().params().size()) + " of ") != std::string::npos);
+    CHECK(r.text.find("seed 000") != std::string::npos);
+    bool named = false;
+    for (const auto& p : r.problems)
+      named = named || p.rfind("layers.0.attn.wq: master and working weights disagree in ", 0) == 0;
+    CHECK(named);
+  }
+  SECTION("a resume that lost Adam's step, and moments that were never restored") {
+    tr.state().adam_step = 1;
+    const doctor::CkptReport lost = doctor::audit_checkpoint(Checkpoint::open(save(tr, cfg, *be, dir / "lost", 3)));
+    INFO(lost.text);
+    REQUIRE(!lost.problems.empty());
+    CHECK(lost.problems[0].rfind("Adam step is 1 but the run applied 3 updates", 0) == 0);
+
+    tr.state().adam_step = 3;
+    be->fill(tr.state().m, 0.0f);
+    be->fill(tr.state().v, 0.0f);
+    const doctor::CkptReport zero = doctor::audit_checkpoint(Checkpoint::open(save(tr, cfg, *be, dir / "zero", 3)));
+    INFO(zero.text);
+    CHECK(zero.zero_moments.size() == tr.table().params().size());
+    REQUIRE(zero.problems.size() == 1);
+    CHECK(zero.problems[0].rfind("Adam moments are all zero in every tensor, yet Adam step is 3", 0) == 0);
+  }
+}
+
+TEST_CASE("doctor ckpt: weight-decay groups by role flag a misfiled norm and an undecayed matrix",
+          "[doctor][ckpt][decay]") {
+  const RunConfig cfg = test::make_config(test::tiny_run_json("gpt2"));
+  std::vector<ParamSpec> params = ParamTable(cfg.model).params();
+  CHECK(doctor::decay_group_problems(params).empty());
+  for (ParamSpec& p : params) {
+    if (p.name == "layers.1.mlp_norm.weight") p.decay = true;  // seed 001: a norm in the decay group
+    if (p.name == "layers.0.attn.bq") p.decay = true;
+    if (p.name == "layers.0.mlp.w_fc") p.decay = false;
+  }
+  const auto problems = doctor::decay_group_problems(params);
+  REQUIRE(problems.size() == 3);
+  CHECK(problems[0].rfind("layers.0.attn.bq (bias, [32]) is in the weight-decay group: decay pulls a bias", 0) == 0);
+  CHECK(problems[1].rfind("layers.0.mlp.w_fc (matrix, [128, 32]) has no weight decay", 0) == 0);
+  CHECK(problems[2].rfind("layers.1.mlp_norm.weight (norm, [32]) is in the weight-decay group: decay pulls a norm gain",
+                          0) == 0);
+}
+
+namespace {
+
+// A metrics.jsonl of `steps` steps: a smooth falling loss with small noise; `sick` adds a loss
+// and grad-norm spike at 120, fp16 overflows at 30, 31 and 90 (skipped, scale cut after them),
+// and a resume at 150 whose first step jumps (a restart spike).
+std::string write_metrics(const std::string& path, int steps, bool sick) {
+  std::ofstream out(path);
+  std::mt19937 rng(11);
+  std::normal_distribution<double> noise(0.0, 0.01);
+  double scale = 65536;
+  int64_t nan_total = 0, skipped_total = 0;
+  for (int s = 1; s <= steps; ++s) {
+    if (sick && s == 151) out << nlohmann::json{{"event", "resume"}, {"step", 150}, {"checkpoint", "ck/step_00000150"}}.dump() << "\n";
+    double loss = 2.0 + 4.0 * std::exp(-s / 50.0) + noise(rng);
+    double norm = 1.0 + 0.05 * std::sin(s) + noise(rng);
+    bool skipped = false;
+    if (sick && (s == 30 || s == 31 || s == 90)) skipped = true, ++nan_total, ++skipped_total;
+    if (sick && s == 120) loss = 9.0, norm = 40.0;
+    if (sick && s == 151) loss += 1.5;
+    nlohmann::json rec = {{"step", s}, {"loss", loss}, {"lr", 1e-4}, {"grad_norm", norm}, {"loss_scale", sick ? scale : 1.0},
+                          {"skipped", skipped}, {"skipped_total", skipped_total}, {"nan_total", nan_total}};
+    if (skipped) rec["grad_norm"] = "nan";
+    out << rec.dump() << "\n";
+    if (sick && (s == 31 || s == 90)) scale /= 2;  // the scaler's hysteresis: cut after the second overflow
+    if (s % 50 == 0) out << nlohmann::json{{"step", s}, {"val_loss", 2.1 + 4.0 * std::exp(-s / 50.0)}}.dump() << "\n";
+  }
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("doctor metrics: spikes, restart spikes, skipped and nan steps, loss-scale cuts; a healthy run is quiet",
+          "[doctor][metrics]") {
+  test::TempDir dir("doctor-metrics");
+  const doctor::MetricsReport healthy = doctor::summarize_metrics(write_metrics(dir / "healthy.jsonl", 300, false));
+  INFO(healthy.text);
+  CHECK(healthy.steps == 300);
+  CHECK(healthy.problems.empty());
+  CHECK(healthy.loss_spikes.empty());
+  CHECK(healthy.grad_norm_spikes.empty());
+  CHECK(healthy.text.find("verdict: healthy") != std::string::npos);
+  CHECK(healthy.text.find("validation: 6 evaluation(s)") != std::string::npos);
+  CHECK(healthy.text.find("(falling)") != std::string::npos);
+
+  const doctor::MetricsReport sick = doctor::summarize_metrics(write_metrics(dir / "sick.jsonl", 300, true));
+  INFO(sick.text);
+  REQUIRE(sick.loss_spikes.size() == 2);
+  CHECK(sick.loss_spikes[0].step == 120);
+  CHECK(sick.loss_spikes[0].value == 9.0);
+  CHECK(sick.loss_spikes[1].step == 151);
+  REQUIRE(sick.grad_norm_spikes.size() == 1);
+  CHECK(sick.grad_norm_spikes[0].step == 120);
+  CHECK(sick.skipped_steps == std::vector<int64_t>{30, 31, 90});
+  CHECK(sick.nan_steps == std::vector<int64_t>{30, 31, 90});
+  REQUIRE(sick.scale_changes.size() == 2);
+  CHECK(sick.scale_changes[0].step == 32);
+  CHECK(sick.scale_changes[0].from == 65536);
+  CHECK(sick.scale_changes[0].to == 32768);
+  CHECK(sick.scale_changes[1].step == 91);
+  CHECK(sick.min_scale == 16384);
+  CHECK(sick.resumes == std::vector<int64_t>{150});
+  CHECK(sick.text.find("skipped steps: 3 (30-31, 90)") != std::string::npos);
+  CHECK(sick.text.find("loss scale: 65536 at step 1, 2 cut(s), 0 growth(s), min 16384 from step 91, final 16384") !=
+        std::string::npos);
+  CHECK(sick.text.find("    step 120: 9 (running mean ") != std::string::npos);
+  CHECK(sick.text.find("at step 150 from ck/step_00000150: loss ") != std::string::npos);
+  CHECK(sick.text.find("RESTART SPIKE") != std::string::npos);
+  // Problems: the two loss spikes, the grad-norm spike, the restart spike. The fp16 skips are
+  // the scaler calibrating (3 of 300 steps, scale far above 1): reported, not a problem.
+  CHECK(sick.problems.size() == 4);
+}
+
+TEST_CASE("keel doctor on the command line: exit 0 when healthy, 1 with problems", "[doctor][cli]") {
+  test::TempDir dir("doctor-cli");
+  auto ok = test::run_keel("doctor metrics " + write_metrics(dir / "healthy.jsonl", 100, false));
+  INFO(ok.output);
+  CHECK(ok.code == 0);
+  CHECK(ok.output.find("verdict: healthy") != std::string::npos);
+  auto bad = test::run_keel("doctor metrics " + write_metrics(dir / "sick.jsonl", 200, true));
+  INFO(bad.output);
+  CHECK(bad.code == 1);
+  CHECK(bad.output.find("loss spike at step 120") != std::string::npos);
+  auto missing = test::run_keel("doctor hang " + dir / "nothing-here");
+  CHECK(missing.code != 0);
+  CHECK(missing.output.find("is not a directory") != std::string::npos);
+}

@@ -1,0 +1,214 @@
+// Training health: one regression test per seed bug, each a miniature of the real one, and
+// healthy runs where nothing fires.
+#include <catch2/catch.hpp>
+
+#include <random>
+
+#include "common/process.h"
+#include "common/run_config.h"
+#include "common/workspace.h"
+#include "train/health.h"
+#include "train/trainer.h"
+
+using namespace keel;
+
+namespace {
+
+std::vector<MicroBatch> learnable_batches(int n_micro, int mbs, int T, uint32_t seed) {
+  auto tokens = test::synthetic_tokens(static_cast<size_t>(n_micro * mbs * (T + 1)) + 1, seed);
+  std::vector<MicroBatch> out(static_cast<size_t>(n_micro));
+  size_t at = 0;
+  for (auto& mb : out)
+    for (int b = 0; b < mbs; ++b, at += static_cast<size_t>(T))
+      for (int t = 0; t < T; ++t) {
+        mb.inputs.push_back(static_cast<int32_t>(tokens[at + t]));
+        mb.targets.push_back(static_cast<int32_t>(tokens[at + t + 1]));
+      }
+  return out;
+}
+
+std::vector<MicroBatch> noise_batches(int n_micro, int mbs, int T, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<MicroBatch> out(static_cast<size_t>(n_micro));
+  for (auto& mb : out)
+    for (int i = 0; i < mbs * T; ++i) {
+      mb.inputs.push_back(static_cast<int32_t>(rng() % 64));
+      mb.targets.push_back(static_cast<int32_t>(rng() % 64));
+    }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("seed 002: norms frozen by bf16-only parameters are reported by name with the precision reason",
+          "[health][frozen]") {
+  const nlohmann::json patch = {{"optimizer", {{"lr", 1e-4}, {"min_lr", 1e-4}, {"weight_decay", 0.0}}},
+                                {"schedule", {{"warmup_steps", 0}, {"decay", "constant"}}},
+                                {"health", {{"frozen_check_interval", 5}, {"frozen_window", 3}}}};
+  auto be = make_cpu_backend();
+  for (const char* mode : {"bf16-unsafe-no-master", "bf16"}) {
+    INFO(mode);
+    nlohmann::json p = patch;
+    p["precision"] = {{"mode", mode}};
+    Trainer tr(test::make_config(test::tiny_run_json(), p), *be);
+    tr.init_weights();
+    std::vector<std::string> reports;
+    int first_report_step = -1;
+    for (int s = 1; s <= 60; ++s) {
+      StepStats st = tr.step(learnable_batches(2, 4, 32, static_cast<uint32_t>(s)), s);
+      for (auto& f : st.frozen) {
+        reports.push_back(f);
+        if (first_report_step < 0) first_report_step = s;
+      }
+    }
+    if (std::string(mode) == "bf16") {
+      CHECK(reports.empty());  // with fp32 masters the gains train: no false alarm
+      continue;
+    }
+    // Every norm gain (and nothing else) is reported, within the window: 3 checks of 5 steps
+    // after the first sample (step 5) -> by step 20.
+    REQUIRE(!reports.empty());
+    CHECK(first_report_step <= 20);
+    for (const auto& r : reports) {
+      INFO(r);
+      CHECK_THAT(r, Catch::Contains("norm.weight") && Catch::Contains("round away") &&
+                        Catch::Contains("spacing") && Catch::Contains("precision.mode = \"bf16\""));
+    }
+    CHECK(reports.size() == 5);  // attn_norm and mlp_norm of 2 layers, final_norm
+  }
+}
+
+TEST_CASE("seed 001: a norm misfiled into the weight-decay group is caught by the audit", "[health][audit]") {
+  ModelConfig m = test::make_config(test::tiny_run_json("gpt2")).model;
+  std::vector<ParamSpec> params = ParamTable(m).params();
+  CHECK(audit_param_groups(params).empty());
+  for (auto& p : params)
+    if (p.name == "layers.1.mlp_norm.weight") p.decay = true;  // the BLOOM embed-norm bug, in miniature
+  for (auto& p : params)
+    if (p.name == "layers.0.attn.wq") p.decay = false;
+  auto problems = audit_param_groups(params);
+  REQUIRE(problems.size() == 2);
+  CHECK_THAT(problems[0], Catch::Contains("layers.0.attn.wq") && Catch::Contains("not in the weight-decay group"));
+  CHECK_THAT(problems[1], Catch::Contains("layers.1.mlp_norm.weight") && Catch::Contains("must not decay"));
+  CHECK_THAT(param_group_table(ParamTable(m), 0.1), Catch::Contains("decay 0.1") && Catch::Contains("no decay"));
+}
+
+TEST_CASE("seed 003: fp16 overflow in a known layer is localised to that layer and op", "[health][fp16]") {
+  auto be = make_cpu_backend();
+  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp16"}, {"loss_scale", {{"initial", 1.0}}}}}});
+  Trainer tr(cfg, *be);
+  tr.init_weights();
+  // Layer 1's MLP input projection is made huge: its output exceeds fp16's 65504 there first.
+  std::vector<float> w(static_cast<size_t>(tr.table().local_numel()));
+  tr.state().master_to_host(w.data());
+  const ParamSpec& gate = tr.table().at("layers.1.mlp.w_gate");
+  for (int64_t i = gate.offset; i < gate.offset + gate.numel; ++i) w[static_cast<size_t>(i)] *= 3e5f;
+  tr.state().load_fp32(w.data());
+  StepStats st = tr.step(learnable_batches(2, 4, 32, 1), 1);
+  REQUIRE(st.nonfinite);
+  INFO(st.nonfinite_report);
+  CHECK_THAT(st.nonfinite_report, Catch::Contains("forward, layer 1, mlp gate/up projection") &&
+                                      Catch::Contains("inf") && Catch::Contains("65504"));
+}
+
+TEST_CASE("per-layer activation and gradient magnitudes are collected on request", "[health][stats]") {
+  auto be = make_cpu_backend();
+  Trainer tr(test::make_config(test::tiny_run_json()), *be);
+  tr.init_weights();
+  StepStats plain = tr.step(learnable_batches(2, 4, 32, 1), 1);
+  CHECK(plain.act_max.empty());
+  StepStats st = tr.step(learnable_batches(2, 4, 32, 2), 2, true);
+  REQUIRE(st.act_max.size() == 2);
+  REQUIRE(st.grad_max.size() == 2);
+  for (size_t l = 0; l < 2; ++l) {
+    CHECK(st.act_max[l] > 0.01f);
+    CHECK(st.act_max[l] < 100.0f);
+    CHECK(st.grad_max[l] > 0.0f);
+  }
+}
+
+TEST_CASE("spikes: a running z-score flags a jump, not a healthy falling curve; action skip skips the update",
+          "[health][spike]") {
+  HealthConfig h;
+  SpikeDetector healthy(h);
+  for (int s = 0; s < 300; ++s) {
+    const double loss = 2.0 + 3.0 * std::exp(-s / 40.0) + 0.02 * std::sin(s * 1.3);
+    CHECK_FALSE(healthy.observe(loss, 1.0 + 0.1 * std::cos(s * 0.7)).any());
+  }
+  SpikeDetector spiky(h);
+  for (int s = 0; s < 100; ++s) spiky.observe(2.0 + 0.01 * std::sin(s), 1.0);
+  auto v = spiky.observe(3.0, 1.0);
+  CHECK(v.loss_spike);
+  CHECK(v.loss_z > 6);
+
+  auto be = make_cpu_backend();
+  Trainer tr(test::make_config(test::tiny_run_json(), {{"health", {{"spike_action", "skip"}, {"spike_warmup", 20}}}}), *be);
+  tr.init_weights();
+  for (int s = 1; s <= 60; ++s) {
+    StepStats h = tr.step(learnable_batches(2, 4, 32, static_cast<uint32_t>(s)), s);
+    INFO("step " << s << " loss " << h.loss << " " << h.spike_text);
+    CHECK_FALSE(h.spike);
+  }
+  const int64_t adam_before = tr.state().adam_step;
+  StepStats st = tr.step(noise_batches(2, 4, 32, 7), 61);  // pure noise: the loss jumps
+  INFO(st.spike_text << " loss " << st.loss << " grad norm " << st.grad_norm);
+  CHECK(st.spike);
+  CHECK(st.skipped);
+  CHECK(tr.state().adam_step == adam_before);
+}
+
+TEST_CASE("seed 000: a weights-only load whose masters are not the loaded weights is refused before step 1",
+          "[health][restart][cli]") {
+  test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}, {"train", {{"steps", 20}}}});
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "pre") + " -q").code == 0);
+  const std::string ck = ws.dir / "pre/checkpoints";
+  auto good = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "ft") + " --init-from " + ck);
+  INFO(good.output);
+  CHECK(good.code == 0);
+  CHECK_THAT(good.output, Catch::Contains("restart verification passed") && Catch::Contains("probe loss"));
+  auto broken = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "ft2") + " --init-from " + ck,
+                               "KEEL_FAULT_MASTERS_FROM_INIT=1");
+  INFO(broken.output);
+  CHECK(broken.code == 5);
+  CHECK_THAT(broken.output, Catch::Contains("restart verification failed") &&
+                                Catch::Contains("did not come from the loaded weights") &&
+                                Catch::Contains("layers.0.attn.wq"));
+  CHECK_FALSE(std::filesystem::exists(ws.dir / "ft2/metrics.jsonl"));
+}
+
+TEST_CASE("a resume verifies the probe loss bit for bit; a tampered tensor is named", "[health][restart][cli]") {
+  test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}, {"train", {{"steps", 20}}}});
+  const std::string out = ws.dir / "run";
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q --stop-at 10").code == 4);
+  auto ok = test::run_keel("train --config " + ws.config + " --out " + out + " --stop-at 12");
+  INFO(ok.output);
+  CHECK_THAT(ok.output, Catch::Contains("restart verification passed"));
+  // Pretend the save recorded other numbers for one tensor: the resume names it and refuses.
+  const std::string meta_path = out + "/checkpoints/step_00000012/meta.json";
+  nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
+  meta["health"]["tensor_sumsq"]["layers.1.mlp_norm.weight"][0] = 1.0;
+  std::ofstream(meta_path) << meta.dump(2);
+  auto bad = test::run_keel("train --config " + ws.config + " --out " + out);
+  INFO(bad.output);
+  CHECK(bad.code == 5);
+  CHECK_THAT(bad.output, Catch::Contains("restart verification failed") && Catch::Contains("layers.1.mlp_norm.weight"));
+}
+
+TEST_CASE("a healthy run raises no health warning", "[health][cli]") {
+  test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}},
+                                    {"train", {{"steps", 200}, {"eval_interval", 50}}},
+                                    {"optimizer", {{"lr", 3e-3}, {"min_lr", 3e-4}}},
+                                    {"checkpoint", {{"interval", 50}}},
+                                    {"health", {{"replica_check_interval", 10}, {"stats_interval", 5}}}});
+  auto r = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "run") + " -q");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(r.output.find("WARNING") == std::string::npos);
+  int with_stats = 0;
+  for (const auto& rec : test::read_metrics(ws.dir / "run/metrics.jsonl"))
+    if (rec.contains("act_max")) {
+      ++with_stats;
+      CHECK(rec["act_max"].size() == 2);
+    }
+  CHECK(with_stats == 40);
+}

@@ -1,0 +1,709 @@
+#include "train/doctor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <optional>
+
+#include "train/config.h"
+
+namespace keel::doctor {
+
+using nlohmann::json;
+
+namespace {
+
+std::string num(double x, const char* fmt = "%.4g") {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, x);
+  return buf;
+}
+
+std::string percent(double fraction) { return num(100.0 * fraction, "%.1f") + "%"; }
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+std::string join(const std::vector<std::string>& items, const std::string& sep = ", ") {
+  std::string s;
+  for (size_t i = 0; i < items.size(); ++i) s += (i ? sep : "") + items[i];
+  return s;
+}
+
+// "3-5, 9, 12-14": runs of steps collapse.
+std::string step_list(std::vector<int64_t> steps, size_t max_runs = 12) {
+  std::sort(steps.begin(), steps.end());
+  std::vector<std::string> runs;
+  for (size_t i = 0; i < steps.size();) {
+    size_t j = i;
+    while (j + 1 < steps.size() && steps[j + 1] == steps[j] + 1) ++j;
+    runs.push_back(j > i ? std::to_string(steps[i]) + "-" + std::to_string(steps[j]) : std::to_string(steps[i]));
+    i = j + 1;
+  }
+  if (runs.size() > max_runs) {
+    const size_t more = runs.size() - max_runs;
+    runs.resize(max_runs);
+    runs.push_back("... (" + std::to_string(more) + " more)");
+  }
+  return join(runs);
+}
+
+std::string states_text(const Checkpoint& ck) { return join(ck.states()); }
+
+bool has_separate_master(const Checkpoint& ck) {
+  const auto s = ck.states();
+  return std::find(s.begin(), s.end(), "master") != s.end();
+}
+
+// One line on a checkpoint: where it is and how its parameters are stored.
+std::string checkpoint_line(const Checkpoint& ck) {
+  const json& m = ck.meta();
+  std::string s = "iteration " + std::to_string(ck.progress().iteration) + ", precision " + ck.precision() +
+                  ", working weights " + m.value("weight_dtype", std::string("?")) + ", states: " + states_text(ck);
+  if (m.value("master_is_weight", false)) s += " (fp32 run: the weights are the masters)";
+  else if (!has_separate_master(ck)) s += " (NO fp32 master copy)";
+  return s;
+}
+
+// Spacing of a float format at magnitude x: bf16 keeps 8 significant bits, fp16 11.
+double spacing_at(const std::string& dtype, double x) {
+  const int mantissa_bits = dtype == "bf16" ? 7 : dtype == "f16" ? 10 : 23;
+  if (!(x > 0) || !std::isfinite(x)) return 0;
+  return std::ldexp(1.0, std::ilogb(x) - mantissa_bits);
+}
+
+std::string power_of_two(double x) {
+  return "2^" + std::to_string(std::ilogb(x)) + " = " + num(x, "%.2g");
+}
+
+double config_lr(const Checkpoint& ck) {
+  const json& m = ck.meta();
+  if (!m.contains("config")) return 0;
+  return m["config"].value("optimizer", json::object()).value("lr", 0.0);
+}
+
+}  // namespace
+
+// ---- frozen tensors ------------------------------------------------------------------------
+
+FrozenReport compare_frozen(const Checkpoint& a, const Checkpoint& b, const FrozenOptions& opt) {
+  FrozenReport r;
+  std::vector<std::string> notes;
+  const auto ta = a.tensors("weight"), tb = b.tensors("weight");
+  const double lr = std::max(config_lr(a), config_lr(b));
+  for (const auto& [name, shape] : ta) {
+    auto it = tb.find(name);
+    if (it == tb.end()) {
+      notes.push_back(name + " is only in A");
+      continue;
+    }
+    if (it->second != shape) {
+      notes.push_back(name + ": shapes differ, " + shape_text(shape) + " vs " + shape_text(it->second));
+      continue;
+    }
+    TensorMotion t;
+    t.name = name;
+    t.state = a.has("master", name) && b.has("master", name) ? "master" : "weight";
+    t.dtype = std::string(dtype_name(b.stored_dtype(t.state, name)));
+    const std::vector<float> va = a.read_full(t.state, name), vb = b.read_full(t.state, name);
+    t.numel = static_cast<int64_t>(va.size());
+    int64_t same = 0;
+    double sum_abs = 0, sum_change = 0;
+    for (size_t i = 0; i < va.size(); ++i) {
+      if (std::memcmp(&va[i], &vb[i], sizeof(float)) == 0) ++same;
+      const double d = std::fabs(static_cast<double>(vb[i]) - va[i]);
+      if (std::isfinite(d)) {
+        t.max_change = std::max(t.max_change, d);
+        sum_change += d;
+      }
+      sum_abs += std::fabs(static_cast<double>(va[i]));
+    }
+    if (t.numel > 0) {
+      t.unchanged = static_cast<double>(same) / static_cast<double>(t.numel);
+      t.mean_change = sum_change / static_cast<double>(t.numel);
+      t.typical = sum_abs / static_cast<double>(t.numel);
+    }
+    t.frozen = t.numel > 0 && t.unchanged >= opt.threshold;
+    if (t.frozen) {
+      const bool low_precision = t.dtype == "bf16" || t.dtype == "f16";
+      if (t.state == "weight" && low_precision && !b.meta().value("master_is_weight", false)) {
+        const double spacing = spacing_at(t.dtype, t.typical);
+        t.precision = lr > 0 && lr < spacing / 2;
+        const std::string fmt = t.dtype == "bf16" ? "bf16" : "fp16";
+        if (t.precision)
+          t.hint = "precision: values around " + num(t.typical, "%.3g") + " stored in " + fmt +
+                   " with no fp32 master copy (states: " + states_text(b) + "): " + fmt + "'s spacing there is " +
+                   power_of_two(spacing) + ", so an AdamW update of about the learning rate (at most " + num(lr, "%.3g") +
+                   ") is under half a spacing and rounds away at every step. Train with precision.mode = \"bf16\" "
+                   "(fp32 master weights); a run that already froze needs its masters rebuilt (--init-from)";
+        else
+          t.hint = "stored in " + fmt + " with no fp32 master copy, yet updates of the learning rate (" +
+                   num(lr, "%.3g") + ") should show at this magnitude (spacing " + power_of_two(spacing) +
+                   "): did it get a gradient at all?";
+      } else {
+        t.hint = "its " + std::string(t.state == "master" ? "fp32 master" : t.dtype + " weights") +
+                 " did not change either: the optimizer never updated it (a zero gradient: not connected to the loss, "
+                 "excluded from the optimizer, or every step skipped)";
+      }
+    }
+    r.tensors.push_back(std::move(t));
+  }
+  for (const auto& [name, shape] : tb)
+    if (!ta.count(name)) notes.push_back(name + " is only in B");
+
+  std::stable_sort(r.tensors.begin(), r.tensors.end(), [](const TensorMotion& x, const TensorMotion& y) {
+    if (x.frozen != y.frozen) return x.frozen;
+    return x.unchanged > y.unchanged;
+  });
+
+  const int64_t steps = b.progress().iteration - a.progress().iteration;
+  std::string& s = r.text;
+  s = "keel doctor frozen: A " + a.path() + "\n                    B " + b.path() + "\n";
+  s += "  A: " + checkpoint_line(a) + "\n  B: " + checkpoint_line(b) + "\n";
+  s += "  " + std::to_string(steps) + " optimizer step(s) apart; compared per tensor: the fp32 master where both have "
+       "it, else the stored weights\n";
+  if (steps <= 0) notes.push_back("B is not after A (iteration " + std::to_string(b.progress().iteration) + " vs " +
+                                  std::to_string(a.progress().iteration) + "): nothing can have moved");
+  int64_t frozen_params = 0, total_params = 0;
+  for (const TensorMotion& t : r.tensors) {
+    total_params += t.numel;
+    if (t.frozen) ++r.frozen, frozen_params += t.numel;
+  }
+  auto row = [](const TensorMotion& t) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "  %-34s %-6s %-5s %9s %13.4g %13.4g %11.4g\n", t.name.c_str(), t.state.c_str(),
+                  t.dtype.c_str(), percent(t.unchanged).c_str(), t.max_change, t.mean_change, t.typical);
+    return std::string(buf);
+  };
+  char header[256];
+  std::snprintf(header, sizeof header, "  %-34s %-6s %-5s %9s %13s %13s %11s\n", "tensor", "state", "dtype", "unchanged",
+                "max |change|", "mean |change|", "mean |A|");
+  if (r.frozen == 0) {
+    s += "no frozen tensors: every tensor has more than " + percent(1 - opt.threshold) +
+         " of its elements changed\n";
+  } else {
+    s += "FROZEN: " + std::to_string(r.frozen) + " of " + std::to_string(r.tensors.size()) + " tensors (>= " +
+         percent(opt.threshold) + " of elements unchanged), " + std::to_string(frozen_params) + " of " +
+         std::to_string(total_params) + " parameters\n" + header;
+    std::map<std::string, std::vector<std::string>> by_hint;  // one explanation for the tensors it fits
+    std::vector<std::string> hint_order;
+    for (const TensorMotion& t : r.tensors) {
+      if (!t.frozen) continue;
+      s += row(t);
+      if (!by_hint.count(t.hint)) hint_order.push_back(t.hint);
+      by_hint[t.hint].push_back(t.name);
+      r.problems.push_back(t.name + " did not move: " + percent(t.unchanged) + " of its " + std::to_string(t.numel) +
+                           " elements unchanged (" + t.state + ", " + t.dtype + ")" +
+                           (t.precision ? ": precision" : ""));
+    }
+    for (const std::string& h : hint_order) s += "  why (" + join(by_hint[h]) + "): " + h + "\n";
+  }
+  const int moving = static_cast<int>(r.tensors.size()) - r.frozen;
+  if (moving > 0) {
+    s += "moving: " + std::to_string(moving) + " tensors" +
+         (moving > opt.max_moving ? ", the " + std::to_string(opt.max_moving) + " least-moving" : std::string()) + "\n" +
+         header;
+    int shown = 0;
+    for (const TensorMotion& t : r.tensors)
+      if (!t.frozen && shown++ < opt.max_moving) s += row(t);
+  }
+  for (const auto& n : notes) s += "note: " + n + "\n";
+  return r;
+}
+
+// ---- checkpoint audit ------------------------------------------------------------------------
+
+std::vector<std::string> decay_group_problems(const std::vector<ParamSpec>& params) {
+  std::vector<std::string> out;
+  for (const ParamSpec& p : params) {
+    const std::string what = p.name + " (" + role_name(p.role) + ", " + shape_text(p.shape) + ")";
+    const bool vector_like = p.shape.size() <= 1;
+    const bool named_norm = p.name.find("norm") != std::string::npos;
+    if (p.decay && (p.role == Role::Norm || p.role == Role::Bias || vector_like))
+      out.push_back(what + " is in the weight-decay group: decay pulls " +
+                    (p.role == Role::Bias ? std::string("a bias") : std::string("a norm gain")) +
+                    " toward 0 at every step; norms and biases must not decay (seed 001: a norm misfiled by a class "
+                    "check)");
+    else if (!p.decay && !vector_like && (p.role == Role::Matrix || p.role == Role::Embedding))
+      out.push_back(what + " has no weight decay: matrices and embeddings decay (optimizer.weight_decay)");
+    if (named_norm && p.role != Role::Norm && p.role != Role::Bias)
+      out.push_back(what + " is named like a norm but its role is " + role_name(p.role) +
+                    ": misfiled in the parameter table");
+  }
+  return out;
+}
+
+CkptReport audit_checkpoint(const Checkpoint& ck) {
+  CkptReport r;
+  const json& m = ck.meta();
+  const TrainProgress prog = ck.progress();
+  const bool weights_only = m.value("weights_only", false);
+  std::string& s = r.text;
+  s = "keel doctor ckpt: " + ck.path() + "\n";
+  s += "  " + checkpoint_line(ck) + "\n";
+  const json topo = m.value("topology", json::object());
+  s += "  Adam step " + std::to_string(ck.adam_step()) + ", skipped iterations " + std::to_string(prog.skipped_total) +
+       ", saved under tp=" + std::to_string(topo.value("tp", 1)) + " pp=" + std::to_string(topo.value("pp", 1)) +
+       " dp=" + std::to_string(topo.value("dp", 1)) + (weights_only ? ", weights only" : "") + "\n";
+
+  // Which states exist for which tensors.
+  const auto weights = ck.tensors("weight");
+  s += "states:\n";
+  for (const std::string& state : {std::string("weight"), std::string("master"), std::string("adam_m"), std::string("adam_v")}) {
+    const auto have = ck.tensors(state);
+    if (have.empty()) {
+      s += "  " + state + ": none\n";
+      continue;
+    }
+    std::vector<std::string> lacking;
+    for (const auto& [name, shape] : weights)
+      if (!have.count(name)) lacking.push_back(name);
+    std::string dtype = std::string(dtype_name(ck.stored_dtype(state, have.begin()->first)));
+    s += "  " + state + " (" + dtype + "): " + std::to_string(have.size()) + " tensors" +
+         (lacking.empty() ? "" : ", missing for " + join(lacking)) + "\n";
+    if (!lacking.empty() && state != "master")
+      r.problems.push_back(state + " is missing for " + join(lacking) + ": a resume cannot restore them");
+  }
+
+  // Adam's step against the updates the run applied.
+  s += "optimizer:\n";
+  const int64_t applied = prog.iteration - prog.skipped_total;
+  if (weights_only) {
+    s += "  weights only: no optimizer state (an --init-from source)\n";
+  } else if (ck.adam_step() != applied) {
+    r.problems.push_back("Adam step is " + std::to_string(ck.adam_step()) + " but the run applied " +
+                         std::to_string(applied) + " updates (iteration " + std::to_string(prog.iteration) + " - " +
+                         std::to_string(prog.skipped_total) + " skipped): bias correction " +
+                         (ck.adam_step() < applied ? "restarted (a resume that lost Adam's step: a silent LR boost)"
+                                                   : "ran ahead of the updates"));
+    s += "  Adam step " + std::to_string(ck.adam_step()) + " != " + std::to_string(applied) + " applied updates: PROBLEM\n";
+  } else {
+    s += "  Adam step " + std::to_string(ck.adam_step()) + " = iteration " + std::to_string(prog.iteration) + " - " +
+         std::to_string(prog.skipped_total) + " skipped: consistent\n";
+  }
+
+  // Moments: all zero (never restored) or non-finite; every state: non-finite values.
+  int moment_tensors = 0;
+  for (const auto& [name, shape] : weights) {
+    bool zero_m = false, zero_v = false;
+    bool has_moments = false;
+    for (const std::string& state : ck.states()) {
+      if (!ck.has(state, name)) continue;
+      const std::vector<float> v = ck.read_full(state, name);
+      int64_t bad = 0;
+      bool all_zero = true;
+      for (float x : v) {
+        if (!std::isfinite(x)) ++bad;
+        if (x != 0) all_zero = false;
+      }
+      if (bad) {
+        r.nonfinite.push_back(state + "/" + name);
+        r.problems.push_back(state + " of " + name + " holds " + std::to_string(bad) + " non-finite value(s) of " +
+                             std::to_string(v.size()) + ": resuming would poison the run");
+      }
+      if (state == "adam_m") zero_m = all_zero, has_moments = true;
+      if (state == "adam_v") zero_v = all_zero, has_moments = true;
+    }
+    if (has_moments) ++moment_tensors;
+    if (has_moments && zero_m && zero_v) r.zero_moments.push_back(name);
+  }
+  if (moment_tensors > 0) {
+    const size_t nz = r.zero_moments.size();
+    if (ck.adam_step() > 0 && nz == static_cast<size_t>(moment_tensors)) {
+      r.problems.push_back("Adam moments are all zero in every tensor, yet Adam step is " + std::to_string(ck.adam_step()) +
+                           ": the moments were never restored (a weights-only load that kept the step count?)");
+      s += "  moments: all zero in all " + std::to_string(nz) + " tensors: PROBLEM\n";
+    } else if (ck.adam_step() > 0 && nz > 0) {
+      r.problems.push_back("Adam moments are all zero for " + join(r.zero_moments) + " while Adam step is " +
+                           std::to_string(ck.adam_step()) + ": never a gradient (not connected to the loss?) or not restored");
+      s += "  moments: all zero in " + std::to_string(nz) + " of " + std::to_string(moment_tensors) + " tensors: PROBLEM\n";
+    } else if (ck.adam_step() == 0 && nz < static_cast<size_t>(moment_tensors)) {
+      r.problems.push_back("Adam step is 0 but " + std::to_string(moment_tensors - static_cast<int>(nz)) +
+                           " tensors have non-zero moments: the first step's bias correction will overweight them");
+      s += "  moments: non-zero at Adam step 0: PROBLEM\n";
+    } else {
+      s += "  moments: " + std::string(ck.adam_step() == 0 ? "zero at Adam step 0 (a fresh optimizer)"
+                                                            : "non-zero in every tensor") + "\n";
+    }
+  }
+  if (!r.nonfinite.empty()) s += "  non-finite values in " + join(r.nonfinite) + ": PROBLEM\n";
+
+  // Masters against the working weights: after any step, weight == round(master).
+  s += "masters vs working weights:\n";
+  if (m.value("master_is_weight", false)) {
+    s += "  fp32 run: the weights are the masters\n";
+  } else if (!has_separate_master(ck)) {
+    s += "  no fp32 masters: " +
+         std::string(ck.precision() == "bf16-unsafe-no-master"
+                         ? "bf16-unsafe-no-master keeps parameters only in bf16; updates below bf16's spacing round away "
+                           "(keel doctor frozen shows which tensors stopped moving)"
+                         : "weights only") + "\n";
+  } else {
+    int checked = 0;
+    for (const auto& [name, shape] : weights) {
+      if (!ck.has("master", name)) continue;
+      ++checked;
+      const DType wdt = ck.stored_dtype("weight", name);
+      const std::vector<float> master = ck.read_full("master", name), weight = ck.read_full("weight", name);
+      int64_t differ = 0;
+      double max_diff = 0;
+      for (size_t i = 0; i < master.size(); ++i) {
+        const float rounded = round_to(wdt, master[i]);
+        if (std::memcmp(&rounded, &weight[i], sizeof(float)) == 0) continue;
+        ++differ;
+        const double d = std::fabs(static_cast<double>(rounded) - weight[i]);
+        if (std::isfinite(d)) max_diff = std::max(max_diff, d);
+      }
+      if (differ == 0) continue;
+      r.master_mismatch.push_back(name);
+      r.problems.push_back(name + ": master and working weights disagree in " + std::to_string(differ) + " of " +
+                           std::to_string(master.size()) + " elements (max |round(master) - weight| " +
+                           num(max_diff) + "): the next step overwrites the weights with round(master)");
+    }
+    if (r.master_mismatch.empty()) {
+      s += "  " + std::to_string(checked) + " tensors: round(master) to " + m.value("weight_dtype", std::string("?")) +
+           " equals the working weights everywhere\n";
+    } else {
+      s += "  PROBLEM: " + std::to_string(r.master_mismatch.size()) + " of " + std::to_string(checked) +
+           " tensors disagree (" + join(r.master_mismatch) +
+           "). The masters are not where these weights came from: masters left at a fresh init (or stale) after a "
+           "weights-only load silently replace the loaded weights at the first step (seed 000). Rebuild the masters "
+           "from the weights (--init-from this checkpoint's weights)\n";
+    }
+  }
+
+  // Weight-decay groups, from the parameter table of the saved config.
+  s += "weight decay groups (by role, from the saved config):\n";
+  try {
+    const RunConfig cfg = parse_config(m.at("config"), ck.path() + "/meta.json config");
+    const ParamTable table(cfg.model);
+    int64_t n[2] = {0, 0}, t[2] = {0, 0};
+    std::map<std::string, int> roles[2];
+    for (const ParamSpec& p : table.params()) {
+      n[p.decay] += p.logical_numel();
+      t[p.decay] += 1;
+      roles[p.decay][role_name(p.role)] += 1;
+    }
+    auto roles_text = [](const std::map<std::string, int>& rm) {
+      std::vector<std::string> parts;
+      for (const auto& [role, count] : rm) parts.push_back(std::to_string(count) + " " + role);
+      return join(parts);
+    };
+    s += "  decay " + num(cfg.optimizer.weight_decay, "%.3g") + ": " + std::to_string(t[1]) + " tensors, " +
+         std::to_string(n[1]) + " parameters (" + roles_text(roles[1]) + ")\n";
+    s += "  no decay:  " + std::to_string(t[0]) + " tensors, " + std::to_string(n[0]) + " parameters (" +
+         roles_text(roles[0]) + ")\n";
+    const std::vector<std::string> misfiled = decay_group_problems(table.params());
+    for (const auto& p : misfiled) {
+      s += "  PROBLEM: " + p + "\n";
+      r.problems.push_back(p);
+    }
+    std::vector<std::string> unknown;
+    for (const auto& [name, shape] : weights)
+      if (!table.contains(name)) unknown.push_back(name);
+    if (!unknown.empty()) {
+      r.problems.push_back("tensors the saved config's model does not have: " + join(unknown));
+      s += "  PROBLEM: not in the model's parameter table: " + join(unknown) + "\n";
+    }
+  } catch (const std::exception& e) {
+    s += "  cannot rebuild the parameter table from the saved config: " + std::string(e.what()) + "\n";
+  }
+
+  // fp16: a scale at its minimum means the run is about to stop.
+  if (ck.precision() == "fp16" && m.contains("loss_scaler")) {
+    const double scale = m["loss_scaler"].value("scale", 0.0);
+    double min_scale = 1.0;
+    if (m.contains("config"))
+      min_scale = m["config"].value("precision", json::object()).value("loss_scale", json::object()).value("min", 1.0);
+    s += "loss scaler: scale " + num(scale, "%.10g") + " (minimum " + num(min_scale, "%.10g") + ")\n";
+    if (scale <= min_scale)
+      r.problems.push_back("the fp16 loss scale is at its minimum (" + num(scale) +
+                           "): gradients overflow even unscaled; the run cannot continue in fp16");
+  }
+
+  s += r.problems.empty() ? "verdict: no problems found\n"
+                          : "verdict: " + std::to_string(r.problems.size()) + " problem(s):\n";
+  for (const auto& p : r.problems) s += "  - " + p + "\n";
+  return r;
+}
+
+// ---- metrics --------------------------------------------------------------------------------
+
+namespace {
+
+// JSON numbers, or the strings "nan", "inf", "-inf" keel writes for non-finite values.
+std::optional<double> number_of(const json& rec, const char* key) {
+  if (!rec.contains(key)) return std::nullopt;
+  const json& v = rec[key];
+  if (v.is_number()) return v.get<double>();
+  if (v.is_string()) {
+    const std::string t = v.get<std::string>();
+    if (t == "nan") return std::nan("");
+    if (t == "inf") return INFINITY;
+    if (t == "-inf") return -INFINITY;
+  }
+  return std::nullopt;
+}
+
+struct StepRec {
+  int64_t step = 0;
+  double loss = 0, grad_norm = std::nan("");
+  std::optional<double> scale;
+  bool skipped = false;
+  int64_t nan_total = -1;
+};
+
+// Running z-score over the last `window` accepted values: a value at least z standard
+// deviations above the mean is a spike and is kept out of the statistics.
+class SpikeScan {
+ public:
+  explicit SpikeScan(const MetricsOptions& o) : opt_(o) {}
+  // Returns the spike, if x is one.
+  std::optional<Spike> observe(int64_t step, double x) {
+    if (!std::isfinite(x)) return std::nullopt;
+    std::optional<Spike> out;
+    if (static_cast<int>(hist_.size()) >= opt_.min_history) {
+      const Stats st = stats();
+      const double z = (x - st.mean) / st.std;
+      if (z >= opt_.z) out = Spike{step, x, st.mean, z};
+    }
+    if (!out) {
+      hist_.push_back(x);
+      if (static_cast<int>(hist_.size()) > opt_.window) hist_.pop_front();
+    }
+    return out;
+  }
+  struct Stats {
+    double mean = 0, std = 1;
+  };
+  bool ready() const { return static_cast<int>(hist_.size()) >= opt_.min_history; }
+  Stats stats() const {
+    Stats st;
+    double sum = 0, sq = 0;
+    for (double v : hist_) sum += v;
+    st.mean = sum / static_cast<double>(hist_.size());
+    for (double v : hist_) sq += (v - st.mean) * (v - st.mean);
+    // A floor on the deviation: a flat stretch must not turn rounding noise into a spike.
+    st.std = std::max(std::sqrt(sq / static_cast<double>(hist_.size())), 1e-3 * std::fabs(st.mean) + 1e-12);
+    return st;
+  }
+
+ private:
+  MetricsOptions opt_;
+  std::deque<double> hist_;
+};
+
+std::string spike_line(const Spike& sp) {
+  return "step " + std::to_string(sp.step) + ": " + num(sp.value) + " (running mean " + num(sp.mean) + ", z " +
+         num(sp.z, "%.1f") + ")";
+}
+
+}  // namespace
+
+MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& opt) {
+  MetricsReport r;
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot read metrics file " + path);
+  std::map<int64_t, StepRec> by_step;  // a replayed step keeps its last record
+  std::vector<std::pair<int64_t, double>> vals;
+  struct Resume {
+    int64_t step;
+    std::string checkpoint;
+  };
+  std::vector<Resume> resumes;
+  std::vector<std::string> notes;
+  int64_t replayed = 0, bad_lines = 0, line_no = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    json rec;
+    try {
+      rec = json::parse(line);
+    } catch (const std::exception&) {
+      if (++bad_lines <= 3) notes.push_back("line " + std::to_string(line_no) + " is not JSON (a crash mid-write?): skipped");
+      continue;
+    }
+    if (!rec.is_object()) continue;
+    if (rec.contains("event")) {
+      if (rec["event"] == "resume")
+        resumes.push_back({rec.value("step", int64_t{0}), rec.value("checkpoint", std::string())});
+      continue;
+    }
+    if (!rec.contains("step")) continue;
+    const int64_t step = rec["step"].get<int64_t>();
+    if (auto v = number_of(rec, "val_loss")) {
+      vals.push_back({step, *v});
+      continue;
+    }
+    auto loss = number_of(rec, "loss");
+    if (!loss) continue;
+    StepRec s;
+    s.step = step;
+    s.loss = *loss;
+    if (auto g = number_of(rec, "grad_norm")) s.grad_norm = *g;
+    s.scale = number_of(rec, "loss_scale");
+    s.skipped = rec.value("skipped", false);
+    s.nan_total = rec.value("nan_total", int64_t{-1});
+    if (by_step.count(step)) ++replayed;
+    by_step[step] = s;
+  }
+  if (bad_lines > 3) notes.push_back(std::to_string(bad_lines) + " lines in all were not JSON");
+
+  std::string& s = r.text;
+  s = "keel doctor metrics: " + path + "\n";
+  r.steps = static_cast<int64_t>(by_step.size());
+  if (by_step.empty()) {
+    s += "  no step records\n";
+    for (const auto& n : notes) s += "note: " + n + "\n";
+    return r;
+  }
+  const StepRec& first = by_step.begin()->second;
+  const StepRec& last = by_step.rbegin()->second;
+  s += "  steps: " + std::to_string(r.steps) + " (" + std::to_string(first.step) + " - " + std::to_string(last.step) + ")" +
+       (replayed ? ", " + std::to_string(replayed) + " recorded twice (replayed after a resume: the last record counts)"
+                 : std::string()) + "\n";
+
+  // Loss and grad norm: levels and spikes.
+  const StepRec* min_rec = nullptr;
+  SpikeScan loss_scan(opt), norm_scan(opt);
+  int64_t prev_nan = 0;
+  std::optional<double> prev_scale;
+  double max_norm = 0;
+  int64_t max_norm_step = 0;
+  std::map<int64_t, SpikeScan::Stats> before_step;  // running loss statistics just before each step
+  for (const auto& [step, rec] : by_step) {
+    if (loss_scan.ready()) before_step[step] = loss_scan.stats();
+    const bool good = std::isfinite(rec.loss) && !rec.skipped;
+    if (std::isfinite(rec.loss) && (!min_rec || rec.loss < min_rec->loss)) min_rec = &rec;
+    if (good) {
+      if (auto sp = loss_scan.observe(step, rec.loss)) r.loss_spikes.push_back(*sp);
+      if (std::isfinite(rec.grad_norm)) {
+        if (auto sp = norm_scan.observe(step, rec.grad_norm)) r.grad_norm_spikes.push_back(*sp);
+        if (rec.grad_norm > max_norm) max_norm = rec.grad_norm, max_norm_step = step;
+      }
+    }
+    if (rec.skipped) r.skipped_steps.push_back(step);
+    const bool nan_now = !std::isfinite(rec.loss) || (rec.nan_total >= 0 && rec.nan_total > prev_nan);
+    if (nan_now) r.nan_steps.push_back(step);
+    if (rec.nan_total >= 0) prev_nan = rec.nan_total;
+    if (rec.scale) {
+      if (prev_scale && *rec.scale != *prev_scale) r.scale_changes.push_back({step, *prev_scale, *rec.scale});
+      r.min_scale = r.min_scale == 0 ? *rec.scale : std::min(r.min_scale, *rec.scale);
+      prev_scale = rec.scale;
+    }
+  }
+  s += "  loss: " + num(first.loss) + " at step " + std::to_string(first.step) + " -> " + num(last.loss) + " at step " +
+       std::to_string(last.step);
+  if (min_rec) s += ", min " + num(min_rec->loss) + " at step " + std::to_string(min_rec->step);
+  s += "\n";
+  if (max_norm > 0) s += "  grad norm: max " + num(max_norm) + " at step " + std::to_string(max_norm_step) + "\n";
+  const std::string scan_rule = "z >= " + num(opt.z, "%.3g") + " over the last " + std::to_string(opt.window) + " steps";
+  s += "  loss spikes (" + scan_rule + "): " + (r.loss_spikes.empty() ? "none" : std::to_string(r.loss_spikes.size())) + "\n";
+  for (const Spike& sp : r.loss_spikes) {
+    s += "    " + spike_line(sp) + "\n";
+    r.problems.push_back("loss spike at " + spike_line(sp));
+  }
+  s += "  grad norm spikes (" + scan_rule + "): " +
+       (r.grad_norm_spikes.empty() ? "none" : std::to_string(r.grad_norm_spikes.size())) + "\n";
+  for (const Spike& sp : r.grad_norm_spikes) {
+    s += "    " + spike_line(sp) + "\n";
+    r.problems.push_back("grad norm spike at " + spike_line(sp));
+  }
+
+  // Skipped and non-finite steps, and the fp16 loss scale.
+  const bool scaled = r.min_scale > 0 && (r.min_scale != 1.0 || !r.scale_changes.empty());
+  s += "  skipped steps: " + (r.skipped_steps.empty() ? std::string("none")
+                                                     : std::to_string(r.skipped_steps.size()) + " (" +
+                                                           step_list(r.skipped_steps) + ")") + "\n";
+  s += "  non-finite loss or gradient: " + (r.nan_steps.empty() ? std::string("none")
+                                                                 : std::to_string(r.nan_steps.size()) + " (" +
+                                                                       step_list(r.nan_steps) + ")") + "\n";
+  if (!scaled) {
+    if (!r.nan_steps.empty())
+      r.problems.push_back("non-finite loss or gradient at steps " + step_list(r.nan_steps) +
+                           " without loss scaling (bf16/fp32): something in the model overflows or divides by zero");
+  } else {
+    int cuts = 0, growths = 0;
+    for (const ScaleChange& c : r.scale_changes) (c.to < c.from ? cuts : growths) += 1;
+    int64_t min_step = 0;
+    for (const auto& [step, rec] : by_step)
+      if (rec.scale && *rec.scale == r.min_scale) {
+        min_step = step;
+        break;
+      }
+    auto scale_text = [](double x) { return num(x, "%.10g"); };  // powers of two, in full
+    s += "  loss scale: " + scale_text(first.scale.value_or(0)) + " at step " + std::to_string(first.step) + ", " +
+         std::to_string(cuts) + " cut(s), " + std::to_string(growths) + " growth(s), min " + scale_text(r.min_scale) +
+         " from step " + std::to_string(min_step) + ", final " + scale_text(last.scale.value_or(0)) + "\n";
+    const size_t show = 12;
+    for (size_t i = 0; i < r.scale_changes.size(); ++i) {
+      if (i == show) {
+        s += "    ... " + std::to_string(r.scale_changes.size() - show) + " more change(s)\n";
+        break;
+      }
+      const ScaleChange& c = r.scale_changes[i];
+      s += "    from step " + std::to_string(c.step) + ": " + scale_text(c.from) + " -> " + scale_text(c.to) + "\n";
+    }
+    if (r.min_scale <= 1.0)
+      r.problems.push_back("the fp16 loss scale fell to " + num(r.min_scale) + " at step " + std::to_string(min_step) +
+                           ": gradients overflow even unscaled; some layer's activations or gradients exceed fp16's "
+                           "range (65504)");
+    if (r.skipped_steps.size() * 10 > static_cast<size_t>(r.steps))
+      r.problems.push_back(std::to_string(r.skipped_steps.size()) + " of " + std::to_string(r.steps) +
+                           " steps skipped for overflow: more than the loss scaler's occasional calibration");
+  }
+
+  // Resumes: the first loss after each, against the statistics before it (restart spikes).
+  s += "  resumes: " + (resumes.empty() ? std::string("none") : std::to_string(resumes.size())) + "\n";
+  for (const Resume& res : resumes) {
+    r.resumes.push_back(res.step);
+    std::string l = "    at step " + std::to_string(res.step) + (res.checkpoint.empty() ? "" : " from " + res.checkpoint);
+    auto after = by_step.upper_bound(res.step);
+    if (after != by_step.end() && before_step.count(after->first)) {
+      const SpikeScan::Stats st = before_step[after->first];
+      const double z = (after->second.loss - st.mean) / st.std;
+      l += ": loss " + num(after->second.loss) + " at step " + std::to_string(after->first) + " (running mean before " +
+           num(st.mean) + ", z " + num(z, "%.1f") + ")";
+      if (z >= opt.z) {
+        l += ": RESTART SPIKE";
+        r.problems.push_back("restart spike: loss " + num(after->second.loss) + " at step " + std::to_string(after->first) +
+                             " right after resuming at step " + std::to_string(res.step) + " (running mean " +
+                             num(st.mean) + ", z " + num(z, "%.1f") +
+                             "): something the next step depends on was not restored (keel doctor ckpt on that checkpoint)");
+      }
+    }
+    s += l + "\n";
+  }
+
+  // Validation trend.
+  if (vals.empty()) {
+    s += "  validation: none\n";
+  } else {
+    auto best = std::min_element(vals.begin(), vals.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
+    s += "  validation: " + std::to_string(vals.size()) + " evaluation(s): " + num(vals.front().second) + " at step " +
+         std::to_string(vals.front().first) + " -> " + num(vals.back().second) + " at step " +
+         std::to_string(vals.back().first) + ", best " + num(best->second) + " at step " + std::to_string(best->first);
+    if (vals.size() >= 2) {
+      const double rise = vals.back().second - best->second;
+      if (rise > 0.02 * std::fabs(best->second))
+        s += " (rising since step " + std::to_string(best->first) + ": +" + num(rise) + ", overfitting or diverging)";
+      else
+        s += vals.back().second < vals.front().second ? " (falling)" : " (flat)";
+    }
+    s += "\n";
+  }
+  for (const auto& n : notes) s += "note: " + n + "\n";
+  s += r.problems.empty() ? "verdict: healthy\n" : "verdict: " + std::to_string(r.problems.size()) + " problem(s):\n";
+  for (const auto& p : r.problems) s += "  - " + p + "\n";
+  return r;
+}
+
+}  // namespace keel::doctor

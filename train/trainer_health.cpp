@@ -1,0 +1,245 @@
+// The Trainer's health checks that need the model and the communicators: non-finite
+// localisation, frozen-parameter reports, restart verification (probe loss, per-tensor norms,
+// master consistency). Replica checks are in trainer.cpp.
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "train/schedule.h"
+#include "train/trainer.h"
+
+namespace keel {
+
+namespace {
+std::string hex_of(double x) {
+  uint64_t bits;
+  std::memcpy(&bits, &x, 8);
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%016" PRIx64, bits);
+  return buf;
+}
+}  // namespace
+
+std::vector<double> Trainer::all_reduce_sum(parallel::Comm& c, const std::vector<double>& x) {
+  if (c.size() == 1 || x.empty()) return x;
+  // Each double as hi + lo fp32 parts (see the scalar version).
+  std::vector<float> parts(2 * x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    parts[2 * i] = static_cast<float>(x[i]);
+    parts[2 * i + 1] = static_cast<float>(x[i] - static_cast<float>(x[i]));
+  }
+  Tensor t(be_.allocate(parts.size() * 4), DType::F32, {static_cast<int64_t>(parts.size())}, be_.device());
+  be_.copy_from_host(t, parts.data());
+  c.all_reduce(t);
+  be_.copy_to_host(parts.data(), t);
+  be_.release(t.data);
+  std::vector<double> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = static_cast<double>(parts[2 * i]) + parts[2 * i + 1];
+  return out;
+}
+
+std::vector<float> Trainer::all_reduce_max(parallel::Comm& c, const std::vector<float>& x) {
+  if (c.size() == 1 || x.empty()) return x;
+  std::vector<float> out = x;
+  Tensor t(be_.allocate(out.size() * 4), DType::F32, {static_cast<int64_t>(out.size())}, be_.device());
+  be_.copy_from_host(t, out.data());
+  c.all_reduce(t, parallel::ReduceOp::Max);
+  be_.copy_to_host(out.data(), t);
+  be_.release(t.data);
+  return out;
+}
+
+std::vector<std::string> Trainer::gather_text(parallel::Comm& c, const std::string& mine) {
+  if (c.size() == 1) return {mine};
+  constexpr int64_t kBytes = 1024;
+  std::vector<char> buf(kBytes, 0);
+  std::memcpy(buf.data(), mine.data(), std::min<size_t>(mine.size(), kBytes - 1));
+  Tensor in(be_.allocate(kBytes), DType::I32, {kBytes / 4}, be_.device());
+  Tensor out(be_.allocate(kBytes * c.size()), DType::I32, {kBytes / 4 * c.size()}, be_.device());
+  be_.copy_from_host(in, buf.data());
+  c.all_gather(out, in);
+  std::vector<char> all(static_cast<size_t>(kBytes * c.size()));
+  be_.copy_to_host(all.data(), out);
+  be_.release(in.data);
+  be_.release(out.data);
+  std::vector<std::string> texts;
+  for (int r = 0; r < c.size(); ++r) texts.emplace_back(all.data() + r * kBytes);
+  return texts;
+}
+
+// Re-runs the step's micro-batches with the same loss scale and a check after every op of
+// forward and backward; the first op (in dataflow order across the pipeline) whose output holds
+// inf or nan is named, with the magnitudes that led to it.
+std::string Trainer::localize_nonfinite(const std::vector<MicroBatch>& mbs, float dloss) {
+  const DType act = activation_dtype(cfg_.precision.mode);
+  int64_t order = 0;
+  bool found = false;
+  std::string text;
+  float prev_max = 0;
+  std::string prev_op = "(start)";
+  int64_t key = INT64_MAX;
+  const int P = grid_.pp_size(), s = grid_.pp_rank();
+  model_->set_probe([&](const Transformer::OpProbe& p) {
+    ++order;
+    if (found) return;
+    const float m = be_.max_abs(p.out);
+    const std::string where = std::string(p.backward ? "backward" : "forward") +
+                              (p.layer >= 0 ? ", layer " + std::to_string(p.layer) : std::string(", outside the layers")) +
+                              ", " + p.op;
+    if (std::isfinite(m)) {
+      prev_max = m;
+      prev_op = where;
+      return;
+    }
+    found = true;
+    // Forward before backward; forward in stage order, backward in reverse stage order.
+    key = p.backward ? (int64_t{1} << 50) + static_cast<int64_t>(P - 1 - s) * (int64_t{1} << 32) + order
+                     : static_cast<int64_t>(s) * (int64_t{1} << 32) + order;
+    char buf[900];
+    std::snprintf(buf, sizeof buf,
+                  "%lld|first non-finite value at %s (pipeline stage %d, tp rank %d, dp rank %d): its output holds "
+                  "%s; the op before it (%s) peaked at |x| = %.4g, %s's largest finite value is %.6g%s",
+                  static_cast<long long>(key), where.c_str(), s, grid_.tp_rank(), grid_.dp_rank(),
+                  std::isnan(m) ? "nan" : "inf", prev_op.c_str(), prev_max, std::string(dtype_name(act)).c_str(),
+                  dtype_max(act),
+                  cfg_.precision.mode == PrecisionMode::FP16 && p.backward
+                      ? " (backward values are multiplied by the fp16 loss scale " +
+                            std::to_string(static_cast<int64_t>(scaler_.scale_value())) + " as of now)"
+                      : "");
+    text = buf;
+  });
+  be_.fill(state_->grads, 0.0f);
+  run_pipeline(mbs, dloss, true);
+  model_->set_probe(nullptr);
+  be_.fill(state_->grads, 0.0f);
+
+  std::string best;
+  int64_t best_key = INT64_MAX;
+  for (const std::string& t : gather_text(*comms_->world, found ? text : std::string())) {
+    if (t.empty()) continue;
+    const int64_t k = std::stoll(t.substr(0, t.find('|')));
+    if (k < best_key) best_key = k, best = t.substr(t.find('|') + 1);
+  }
+  return best.empty() ? "re-running the step with per-op checks found no non-finite op output (the overflow came "
+                        "from the gradient reduction or the loss sum)"
+                      : best;
+}
+
+void Trainer::check_frozen(StepStats& st) {
+  const auto local = frozen_->check(*state_, be_);
+  // Tensors live on different ranks: flag and magnitude per model tensor, max over ranks.
+  std::vector<float> flag(full_names_.size(), 0.0f), magnitude(full_names_.size(), 0.0f);
+  for (const auto& [name, mag] : local.newly_frozen) {
+    const auto it = std::find(full_names_.begin(), full_names_.end(), name);
+    if (it == full_names_.end()) continue;
+    flag[static_cast<size_t>(it - full_names_.begin())] = 1.0f;
+    magnitude[static_cast<size_t>(it - full_names_.begin())] = mag;
+  }
+  flag = all_reduce_max(*comms_->world, flag);
+  magnitude = all_reduce_max(*comms_->world, magnitude);
+  const double lr = learning_rate(cfg_, st.iteration);
+  for (size_t i = 0; i < flag.size(); ++i)
+    if (flag[i] > 0)
+      st.frozen.push_back(explain_frozen(full_names_[i], magnitude[i], lr, state_->working.dtype,
+                                         state_->has_master()));
+}
+
+HealthSnapshot Trainer::snapshot(const MicroBatch& probe) {
+  HealthSnapshot s;
+  s.probe_loss = evaluate({probe});
+  s.working_sumsq.assign(full_names_.size(), 0.0);
+  s.master_sumsq.assign(full_names_.size(), 0.0);
+  const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
+  for (const ParamSpec& p : table_.params()) {
+    if (!table_.is_primary(p)) continue;
+    const size_t i = static_cast<size_t>(std::find(full_names_.begin(), full_names_.end(), p.name) - full_names_.begin());
+    // Working weights are replicated over DP: DP rank 0 counts them.
+    if (grid_.dp_rank() == 0) s.working_sumsq[i] += be_.sum_squares(model_->weight(p.name));
+    const int64_t a = std::max(p.offset, ob), b = std::min(p.offset + p.numel, oe);
+    if (state_->has_master() && a < b) s.master_sumsq[i] += be_.sum_squares(state_->flat_view(state_->master, a, b - a));
+  }
+  s.working_sumsq = all_reduce_sum(*comms_->world, s.working_sumsq);
+  s.master_sumsq = all_reduce_sum(*comms_->world, s.master_sumsq);
+  return s;
+}
+
+nlohmann::json Trainer::snapshot_json(const HealthSnapshot& s) const {
+  nlohmann::json tensors = nlohmann::json::object();
+  for (size_t i = 0; i < full_names_.size(); ++i) tensors[full_names_[i]] = {s.working_sumsq[i], s.master_sumsq[i]};
+  return {{"probe_loss", s.probe_loss}, {"probe_loss_bits", hex_of(s.probe_loss)}, {"tensor_sumsq", tensors}};
+}
+
+std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now,
+                                                   bool same_topology, bool compare_masters) const {
+  std::vector<std::string> problems;
+  const double was = saved.value("probe_loss", 0.0);
+  const std::string was_bits = saved.value("probe_loss_bits", std::string());
+  // Another layout sums in another order: fp32 agrees to ~1e-6; bf16/fp16 activations to a few
+  // of their spacings (2^-8 relative).
+  const double tol = cfg_.precision.mode == PrecisionMode::FP32 ? 1e-5 : 1e-2;
+  char buf[512];
+  if (same_topology ? hex_of(now.probe_loss) != was_bits : std::abs(now.probe_loss - was) > tol * std::abs(was)) {
+    std::snprintf(buf, sizeof buf,
+                  "the probe batch's loss is %.9g after loading, %.9g when the checkpoint was saved (%s): the model "
+                  "does not compute what was saved",
+                  now.probe_loss, was,
+                  same_topology ? "same layout: the bits must match" : "another layout: must agree within rounding");
+    problems.push_back(buf);
+  }
+  const auto& tensors = saved.value("tensor_sumsq", nlohmann::json::object());
+  for (size_t i = 0; i < full_names_.size(); ++i) {
+    if (!tensors.contains(full_names_[i])) continue;
+    const auto& pair = tensors[full_names_[i]];
+    auto differs = [](double a, double b) { return std::abs(a - b) > 1e-6 * std::max(std::abs(a), std::abs(b)); };
+    if (differs(now.working_sumsq[i], pair[0].get<double>())) {
+      std::snprintf(buf, sizeof buf, "%s: |weights|^2 = %.9g after loading, %.9g when saved", full_names_[i].c_str(),
+                    now.working_sumsq[i], pair[0].get<double>());
+      problems.push_back(buf);
+    }
+    if (compare_masters && pair[1].get<double>() > 0 && differs(now.master_sumsq[i], pair[1].get<double>())) {
+      std::snprintf(buf, sizeof buf, "%s: |fp32 master|^2 = %.9g after loading, %.9g when saved",
+                    full_names_[i].c_str(), now.master_sumsq[i], pair[1].get<double>());
+      problems.push_back(buf);
+    }
+  }
+  return problems;
+}
+
+std::vector<std::string> Trainer::check_master_consistency() {
+  std::vector<double> bad(full_names_.size(), 0.0), total(full_names_.size(), 0.0);
+  if (state_->has_master() && !state_->master_is_working()) {
+    const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
+    const DType wt = state_->working.dtype;
+    std::vector<float> master;
+    std::vector<uint16_t> working;
+    for (const ParamSpec& p : table_.params()) {
+      const int64_t a = std::max(p.offset, ob), b = std::min(p.offset + p.numel, oe);
+      if (a >= b) continue;
+      const size_t i = static_cast<size_t>(std::find(full_names_.begin(), full_names_.end(), p.name) - full_names_.begin());
+      master.resize(static_cast<size_t>(b - a));
+      working.resize(master.size());
+      be_.copy_to_host(master.data(), state_->flat_view(state_->master, a, b - a));
+      be_.copy_to_host(working.data(), state_->flat_view(state_->working, a, b - a));
+      int64_t n_bad = 0;
+      for (size_t k = 0; k < master.size(); ++k) {
+        const uint16_t rounded = wt == DType::BF16 ? f32_to_bf16(master[k]) : f32_to_f16(master[k]);
+        n_bad += rounded != working[k];
+      }
+      bad[i] += static_cast<double>(n_bad);
+      total[i] += static_cast<double>(master.size());
+    }
+  }
+  bad = all_reduce_sum(*comms_->world, bad);
+  total = all_reduce_sum(*comms_->world, total);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < bad.size(); ++i)
+    if (bad[i] > 0)
+      out.push_back(full_names_[i] + ": " + std::to_string(static_cast<int64_t>(bad[i])) + " of " +
+                    std::to_string(static_cast<int64_t>(total[i])) + " fp32 master values do not round to the stored " +
+                    std::string(dtype_name(state_->working.dtype)) + " weights");
+  return out;
+}
+
+}  // namespace keel
