@@ -513,11 +513,13 @@ SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table
     const int64_t ob = state.optim_begin(), oe = std::min(state.optim_end(), n);
     std::vector<FilePlan> plans;
     if (place.writes_weights) {
-      FilePlan model{std::string("model-") + tp_pp + ".safetensors"};
+      FilePlan model;
+      model.name = std::string("model-") + tp_pp + ".safetensors";
       for (const ParamSpec& p : table.params()) add_chunks(model, "weight", table, state, p, state.working, 0, n);
       plans.push_back(std::move(model));
     }
-    FilePlan optim{std::string("optim-") + tp_pp + "-" + dp + ".safetensors"};
+    FilePlan optim;
+    optim.name = std::string("optim-") + tp_pp + "-" + dp + ".safetensors";
     for (const ParamSpec& p : table.params()) {
       if (separate_master) add_chunks(optim, "master", table, state, p, state.master, ob, oe);
       add_chunks(optim, "adam_m", table, state, p, state.m, ob, oe);

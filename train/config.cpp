@@ -421,6 +421,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     h.spike_zscore = f.number("spike_zscore", h.spike_zscore, 0, 1e6, true);
     h.spike_warmup = f.integer("spike_warmup", h.spike_warmup, 1);
     h.spike_min_jump = f.number("spike_min_jump", h.spike_min_jump, 0, 1e6);
+    h.spike_norm_ratio = f.number("spike_norm_ratio", h.spike_norm_ratio, 1, 1e6);
     h.spike_action = f.choice("spike_action", h.spike_action, {"warn", "skip", "rewind"});
     h.verify_restart = f.boolean("verify_restart", h.verify_restart);
     f.finish();
@@ -551,6 +552,7 @@ json to_json(const RunConfig& c) {
                  {"spike_zscore", h.spike_zscore},
                  {"spike_warmup", h.spike_warmup},
                  {"spike_min_jump", h.spike_min_jump},
+                 {"spike_norm_ratio", h.spike_norm_ratio},
                  {"spike_action", h.spike_action},
                  {"verify_restart", h.verify_restart}};
   j["device"] = c.device;

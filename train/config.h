@@ -111,10 +111,13 @@ struct HealthConfig {
   bool localize_nonfinite = true;
   // Loss / grad-norm spikes: z-score against running statistics (armed after spike_warmup
   // steps); action "warn", "skip" (no update) or "rewind" (reload the last checkpoint and
-  // skip the data since). A spike also needs a relative jump of spike_min_jump.
+  // skip the data since). A loss spike also needs a relative jump of spike_min_jump, a
+  // grad-norm spike a norm of at least spike_norm_ratio times its running mean (healthy runs
+  // see grad norms wander by 1.5x).
   double spike_zscore = 6.0;
   int64_t spike_warmup = 50;
   double spike_min_jump = 0.1;
+  double spike_norm_ratio = 3.0;
   std::string spike_action = "warn";
   // After a load: recompute the probe-batch loss and per-tensor norms saved with the
   // checkpoint, and check that the fp32 masters round to the stored weights.

@@ -182,7 +182,7 @@ SpikeDetector::Verdict SpikeDetector::observe(double loss, double grad_norm) {
   v.norm_z = norm_.z(grad_norm);
   if (armed) {
     v.loss_spike = v.loss_z > cfg_.spike_zscore && loss > loss_.mean * (1 + cfg_.spike_min_jump);
-    v.norm_spike = v.norm_z > cfg_.spike_zscore && grad_norm > norm_.mean * (1 + 5 * cfg_.spike_min_jump);
+    v.norm_spike = v.norm_z > cfg_.spike_zscore && grad_norm > norm_.mean * cfg_.spike_norm_ratio;
   }
   loss_.add(loss);
   norm_.add(grad_norm);

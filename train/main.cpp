@@ -58,6 +58,9 @@ int main(int argc, char** argv) {
     keel::set_process_runtime(mpi.get());
     for (auto& c : commands)
       if (c.app->parsed()) return c.run();
+  } catch (const keel::parallel::CommTimeout&) {
+    // The watchdog already printed the hang report (and wrote the dumps): end the job.
+    keel::parallel::MpiRuntime::abort(keel::kExitFailure);
   } catch (const keel::ConfigError& e) {
     return fail(keel::kExitConfigError, "error", e.what(), false);
   } catch (const keel::CheckpointError& e) {

@@ -15,6 +15,12 @@
 
 #include "data/sampler.h"
 #include "kernels/device.h"
+#include "train/parallel/nccl_comm.h"
+#ifdef KEEL_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/cuda_backend.h"
+#endif
 #include "train/checkpoint.h"
 #include "train/health.h"
 #include "train/hf_format.h"
@@ -30,17 +36,28 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::unique_ptr<Backend> select_backend(const RunConfig& cfg) {
-  if (cfg.device == "cuda") {
-    if (!cuda_built())
-      throw ConfigError("device: \"cuda\" requested but this keel was built without the CUDA backend "
-                        "(rebuild with -DKEEL_CUDA=ON where nvcc is available), or use \"cpu\"");
-    if (cuda_device_count() == 0)
-      throw ConfigError("device: \"cuda\" requested but no GPU is visible to this process (check "
-                        "CUDA_VISIBLE_DEVICES / nvidia-smi), or use \"cpu\"");
-    throw ConfigError("device: \"cuda\": the CUDA training backend is not available in this build yet; use \"cpu\"");
-  }
-  return make_cpu_backend();
+// device "cuda", or "auto" with a GPU visible: one process per GPU, the local rank's.
+std::unique_ptr<Backend> select_backend(const RunConfig& cfg, const parallel::LaunchInfo& launch) {
+  const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && cuda_device_count() > 0);
+  if (!cuda) return make_cpu_backend();
+  if (!cuda_built())
+    throw ConfigError("device: \"cuda\" requested but this keel was built without the CUDA backend "
+                      "(rebuild with -DKEEL_CUDA=ON where nvcc is available), or use \"cpu\"");
+  const int gpus = cuda_device_count();
+  if (gpus == 0)
+    throw ConfigError("device: \"cuda\" requested but no GPU is visible to this process (check "
+                      "CUDA_VISIBLE_DEVICES / nvidia-smi), or use \"cpu\"");
+  if (launch.world_size > 1 && launch.local_size > gpus)
+    throw ConfigError(std::to_string(launch.local_size) + " processes on host " + launch.host + " share " +
+                      std::to_string(gpus) + " visible GPU(s): keel runs one process per GPU");
+#ifdef KEEL_HAVE_CUDA
+  const int device = launch.local_rank % gpus;
+  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+    throw std::runtime_error("cudaSetDevice(" + std::to_string(device) + "): " + cudaGetErrorString(e));
+  return make_cuda_backend(device);
+#else
+  return make_cpu_backend();  // not reached: cuda_built() is false
+#endif
 }
 
 // Micro-batches of DP rank `dp_rank` for the global batch that starts at consumed sample
@@ -179,8 +196,28 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
                            : std::string("a value with tp*pp*dp = ") + std::to_string(world_size)));
   const parallel::Grid grid(world_size, world_rank, static_cast<int>(cfg.parallel.tp), static_cast<int>(cfg.parallel.pp),
                             static_cast<int>(cfg.parallel.dp));
-  auto backend = select_backend(cfg);
-  parallel::CommGroups comms = opts.mpi ? parallel::make_host_comms(grid, *opts.mpi) : parallel::make_local_comms();
+  // Where every rank's communication record goes if a collective hangs (keel doctor hang).
+  parallel::set_hang_dump_directory((fs::path(cfg.out) / "hang").string());
+  const parallel::LaunchInfo launch = opts.mpi ? opts.mpi->launch() : parallel::LaunchInfo{};
+  auto backend = select_backend(cfg, launch);
+  // Host communicators (MPI, or LocalComms for one process) carry CPU runs and bootstrap NCCL.
+  parallel::CommGroups host_comms =
+      opts.mpi ? parallel::make_host_comms(grid, *opts.mpi) : parallel::make_local_comms();
+  parallel::CommGroups comms;
+  if (backend->device() == Device::CUDA) {
+#ifdef KEEL_HAVE_CUDA
+    CUstream_st* stream = cuda_stream_of(*backend);  // NCCL ordered with the kernels
+    if (world_size > 1) {
+      if (!parallel::nccl_built())
+        throw ConfigError("a multi-GPU run needs NCCL: rebuild with NCCL (NCCL_HOME), or use device \"cpu\"");
+      comms = parallel::make_nccl_comms(host_comms, stream);
+    } else {
+      comms = parallel::make_local_comms(Device::CUDA, stream);
+    }
+#endif
+  } else {
+    comms = std::move(host_comms);
+  }
   const bool lead = world_rank == 0;  // the rank that prints and writes metrics
   const bool quiet = opts.quiet || !lead;
 

@@ -97,17 +97,18 @@ std::string Trainer::localize_nonfinite(const std::vector<MicroBatch>& mbs, floa
     // Forward before backward; forward in stage order, backward in reverse stage order.
     key = p.backward ? (int64_t{1} << 50) + static_cast<int64_t>(P - 1 - s) * (int64_t{1} << 32) + order
                      : static_cast<int64_t>(s) * (int64_t{1} << 32) + order;
+    const std::string scale_note =
+        cfg_.precision.mode == PrecisionMode::FP16 && p.backward
+            ? " (backward values are multiplied by the fp16 loss scale, " +
+                  std::to_string(static_cast<int64_t>(scaler_.scale_value())) + " as of now)"
+            : "";
     char buf[900];
     std::snprintf(buf, sizeof buf,
                   "%lld|first non-finite value at %s (pipeline stage %d, tp rank %d, dp rank %d): its output holds "
                   "%s; the op before it (%s) peaked at |x| = %.4g, %s's largest finite value is %.6g%s",
                   static_cast<long long>(key), where.c_str(), s, grid_.tp_rank(), grid_.dp_rank(),
                   std::isnan(m) ? "nan" : "inf", prev_op.c_str(), prev_max, std::string(dtype_name(act)).c_str(),
-                  dtype_max(act),
-                  cfg_.precision.mode == PrecisionMode::FP16 && p.backward
-                      ? " (backward values are multiplied by the fp16 loss scale " +
-                            std::to_string(static_cast<int64_t>(scaler_.scale_value())) + " as of now)"
-                      : "");
+                  dtype_max(act), scale_note.c_str());
     text = buf;
   });
   be_.fill(state_->grads, 0.0f);

@@ -20,10 +20,12 @@
 // epilogue kernel forms ((old) + product) + bias in fp32 and rounds once, the CPU's order.
 //
 // Determinism: per (shape, transposes, dtypes, bias, beta, operand alignments) the heuristic is
-// asked once and its first algorithm is kept for the life of the backend, so every call of a
-// shape runs the same kernel on the same workspace. Split-K configurations are restricted to
-// CUBLASLT_REDUCTION_SCHEME_NONE or _COMPUTE_TYPE: partial products kept in fp32 and reduced in
-// a separate ordered pass, never atomically in the output and never rounded to bf16 first.
+// asked once and one algorithm is kept for the life of the backend, so every call of a shape
+// runs the same kernel on the same workspace (cuBLAS is bitwise reproducible for a fixed
+// algorithm, GPU model and single stream). Of the heuristic's ranked candidates the first is
+// taken whose split-K reduction (if it splits K) is CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
+// partial products kept in fp32 and reduced in a separate ordered pass, never in the output
+// buffer and never rounded to bf16 first.
 #include <cublasLt.h>
 
 #include <functional>
@@ -150,11 +152,8 @@ struct MatmulCache {
     cublasLtMatmulPreference_t pref = nullptr;
     check_lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", shapes);
     const uint64_t ws = kWorkspaceBytes;
-    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     const uint32_t al_a = std::get<10>(key), al_b = std::get<9>(key), al_d = std::get<11>(key);  // lt A = b, lt B = a
     cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes);
     if (st == CUBLAS_STATUS_SUCCESS)
       st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -167,14 +166,30 @@ struct MatmulCache {
       cublasLtMatmulPreferenceDestroy(pref);
       check_lt(st, "cublasLtMatmulPreferenceSetAttribute", shapes);
     }
-    cublasLtMatmulHeuristicResult_t result{};
+    constexpr int kCandidates = 8;
+    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int count = 0;
-    st = cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &result, &count);
+    st = cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.la, p.lb, p.lc, p.lc, pref, kCandidates, results, &count);
     cublasLtMatmulPreferenceDestroy(pref);
     // NOT_SUPPORTED (or no result) means no algorithm for this combination: the caller falls back.
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) check_lt(st, "cublasLtMatmulAlgoGetHeuristic", shapes);
-    p.found = st == CUBLAS_STATUS_SUCCESS && count > 0 && result.state == CUBLAS_STATUS_SUCCESS;
-    if (p.found) p.algo = result.algo;
+    // The best-ranked candidate whose split-K partial sums (if any) are kept in fp32 and reduced
+    // in a separate pass: not INPLACE or OUTPUT_TYPE, which add partials in the output dtype
+    // (bf16) - less accurate than the CPU's single rounding.
+    for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < count && !p.found; ++i) {
+      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+      int32_t splits = 1;
+      uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+      size_t written = 0;
+      cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof splits,
+                                           &written);
+      cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                           sizeof scheme, &written);
+      if (splits > 1 && scheme != CUBLASLT_REDUCTION_SCHEME_NONE && scheme != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)
+        continue;
+      p.algo = results[i].algo;
+      p.found = true;
+    }
     return plans.emplace(key, p).first->second;
   }
 

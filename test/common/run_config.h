@@ -26,6 +26,7 @@ inline nlohmann::json tiny_run_json(const std::string& family = "llama") {
       {"schedule", {{"warmup_steps", 2}, {"decay", "cosine"}}},
       {"train", {{"steps", 30}, {"global_batch", 8}, {"micro_batch", 4}, {"seq_len", 32}, {"seed", 1}}},
       {"data", {{"train", "unused.bin"}}},
+      {"device", "cpu"},  // the CPU reference, also on machines with a GPU (test/gpu covers CUDA)
   };
   return j;
 }

@@ -1,0 +1,376 @@
+"""Lane-level emulation of kernels/cuda/attention_flash.cu (forward, dq, dkdv), runnable without a GPU:
+    python3 test/gpu/flash_emulation.py        (numpy; about a minute)
+
+It checks the part of the fused kernels that review alone cannot: which shared-memory element
+lands in which lane's register for every mma.sync operand, the P/dS register reuse, the masks and
+the tile loops (GQA, ragged T, double-buffered query steps), against a float64 reference. Keep it
+in step with the .cu file when the kernels' indexing changes. Expected output: errors ~2e-3
+(out) and ~3e-3 (dq, dk, dv) from the bf16 rounding of P and dS, lse ~1e-8 (the T=1 case has an
+exactly zero dq/dk reference: its relative figures are meaningless).
+
+Registers are per-lane numpy arrays of shape [32] (one value per lane); packed 16-bit pairs are
+[32, 2]. mma16816 rebuilds A (16x16), B (16x8), C (16x8) from the lanes' registers with the PTX
+ISA fragment layouts (g = lane // 4, t = lane % 4):
+  A: reg0 = (g, 2t..2t+1), reg1 = (g+8, 2t..), reg2 = (g, 2t+8..), reg3 = (g+8, 2t+8..)
+  B: reg0 = (k = 2t..2t+1, n = g), reg1 = (k = 2t+8.., n = g)
+  C: c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
+The kernel bodies are transcribed from the .cu file; the result is compared with a float64
+reference of causal GQA attention and its gradients.
+"""
+import numpy as np
+
+LANE = np.arange(32)
+G = LANE // 4
+TT = LANE % 4
+
+
+def bf16(x):
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def mma(c, a, b0, b1):
+    """c: [4][32] floats; a: [4] of [32,2]; b0, b1: [32,2]."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for l in range(32):
+        g, t = l // 4, l % 4
+        A[g, 2 * t:2 * t + 2] = a[0][l]
+        A[g + 8, 2 * t:2 * t + 2] = a[1][l]
+        A[g, 2 * t + 8:2 * t + 10] = a[2][l]
+        A[g + 8, 2 * t + 8:2 * t + 10] = a[3][l]
+        B[2 * t:2 * t + 2, g] = b0[l]
+        B[2 * t + 8:2 * t + 10, g] = b1[l]
+    C = np.zeros((16, 8))
+    for l in range(32):
+        g, t = l // 4, l % 4
+        C[g, 2 * t] = c[0][l]
+        C[g, 2 * t + 1] = c[1][l]
+        C[g + 8, 2 * t] = c[2][l]
+        C[g + 8, 2 * t + 1] = c[3][l]
+    C = C + A @ B
+    for l in range(32):
+        g, t = l // 4, l % 4
+        c[0][l] = C[g, 2 * t]
+        c[1][l] = C[g, 2 * t + 1]
+        c[2][l] = C[g + 8, 2 * t]
+        c[3][l] = C[g + 8, 2 * t + 1]
+
+
+def zeros4():
+    return [np.zeros(32) for _ in range(4)]
+
+
+# smem arrays are 2-D numpy arrays [rows, LD]; "base" is (array, row0, col0)
+def ld_pair(arr, rows, cols):
+    return np.stack([arr[rows, cols], arr[rows, cols + 1]], axis=1)
+
+
+def ld_pair2(arr, rows0, rows1, cols):
+    return np.stack([arr[rows0, cols], arr[rows1, cols]], axis=1)
+
+
+def load_a(arr, r0, c0):
+    return [ld_pair(arr, r0 + G, c0 + 2 * TT), ld_pair(arr, r0 + G + 8, c0 + 2 * TT),
+            ld_pair(arr, r0 + G, c0 + 2 * TT + 8), ld_pair(arr, r0 + G + 8, c0 + 2 * TT + 8)]
+
+
+def load_b_nmajor(arr, r0, c0):  # element (k, n) at base[n * ld + k]
+    return ld_pair(arr, r0 + G, c0 + 2 * TT), ld_pair(arr, r0 + G, c0 + 2 * TT + 8)
+
+
+def load_b_kmajor(arr, r0, c0):  # element (k, n) at base[k * ld + n]
+    b0 = ld_pair2(arr, r0 + 2 * TT, r0 + 2 * TT + 1, c0 + G)
+    b1 = ld_pair2(arr, r0 + 2 * TT + 8, r0 + 2 * TT + 9, c0 + G)
+    return b0, b1
+
+
+def pack2(lo, hi):
+    return np.stack([bf16(lo), bf16(hi)], axis=1)
+
+
+def shfl_xor(v, m):
+    return v[LANE ^ m]
+
+
+def tile(src_head, row0, nrows, T, HD, PAD=8):
+    """async_tile: rows row0..row0+nrows of a head [T, HD]; zero beyond T."""
+    s = np.zeros((nrows, HD + PAD))
+    for r in range(nrows):
+        if row0 + r < T:
+            s[r, :HD] = src_head[row0 + r]
+    return s
+
+
+def forward(q, k, v, T, nh, nkv, HD):
+    """q [nh, T, HD], k/v [nkv, T, HD] (bf16 values). Returns out [nh, T, HD], lse [nh, T]."""
+    scale = 1 / np.sqrt(HD)
+    scale_log2 = np.float32(scale * 1.4426950408889634)
+    out = np.full((nh, T, HD), np.nan)
+    lse = np.full((nh, T), np.nan)
+    nqt = (T + 63) // 64
+    for bx in range(nqt):
+        qt = nqt - 1 - bx
+        for h in range(nh):
+            kvh = h // (nh // nkv)
+            q0 = qt * 64
+            sQ = tile(q[h], q0, 64, T, HD)
+            q_last = min(q0 + 63, T - 1)
+            n_kt = q_last // 64 + 1
+            for warp in range(4):
+                row_a = q0 + warp * 16 + G
+                row_b = row_a + 8
+                qa = [load_a(sQ, warp * 16, kk * 16) for kk in range(HD // 16)]
+                o = [zeros4() for _ in range(HD // 8)]
+                m = [np.full(32, -np.inf), np.full(32, -np.inf)]
+                l = [np.zeros(32), np.zeros(32)]
+                for kt in range(n_kt):
+                    k0 = kt * 64
+                    k_s = tile(k[kvh], k0, 64, T, HD)
+                    v_s = tile(v[kvh], k0, 64, T, HD)
+                    s = [zeros4() for _ in range(8)]
+                    for kk in range(HD // 16):
+                        for n in range(8):
+                            b0, b1 = load_b_nmajor(k_s, n * 8, kk * 16)
+                            mma(s[n], qa[kk], b0, b1)
+                    mask = (k0 + 63 > q0) or (k0 + 64 > T)
+                    mx = [np.full(32, -np.inf), np.full(32, -np.inf)]
+                    for n in range(8):
+                        for e in range(4):
+                            col = k0 + n * 8 + 2 * TT + (e & 1)
+                            row = row_a if e < 2 else row_b
+                            val = s[n][e] * scale_log2
+                            if mask:
+                                val = np.where((col > row) | (col >= T), -np.inf, val)
+                            s[n][e] = val
+                            mx[e >> 1] = np.fmax(mx[e >> 1], val)
+                    m_use, alpha = [None, None], [None, None]
+                    for r in range(2):
+                        mx[r] = np.fmax(mx[r], shfl_xor(mx[r], 1))
+                        mx[r] = np.fmax(mx[r], shfl_xor(mx[r], 2))
+                        m_new = np.fmax(m[r], mx[r])
+                        m_use[r] = np.where(m_new == -np.inf, 0.0, m_new)
+                        alpha[r] = np.exp2(m[r] - m_use[r])
+                        m[r] = m_new
+                    rs = [np.zeros(32), np.zeros(32)]
+                    for n in range(8):
+                        for e in range(4):
+                            p = np.exp2(s[n][e] - m_use[e >> 1])
+                            s[n][e] = p
+                            rs[e >> 1] = rs[e >> 1] + p
+                    for r in range(2):
+                        rs[r] = rs[r] + shfl_xor(rs[r], 1)
+                        rs[r] = rs[r] + shfl_xor(rs[r], 2)
+                        l[r] = l[r] * alpha[r] + rs[r]
+                    for n in range(HD // 8):
+                        o[n][0] = o[n][0] * alpha[0]
+                        o[n][1] = o[n][1] * alpha[0]
+                        o[n][2] = o[n][2] * alpha[1]
+                        o[n][3] = o[n][3] * alpha[1]
+                    for kk in range(4):
+                        pa = [pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])]
+                        for n in range(HD // 8):
+                            b0, b1 = load_b_kmajor(v_s, kk * 16, n * 8)
+                            mma(o[n], pa, b0, b1)
+                inv_l = [np.where(l[0] > 0, 1 / l[0], 0), np.where(l[1] > 0, 1 / l[1], 0)]
+                for r in range(2):
+                    row = row_b if r else row_a
+                    for lane in range(32):
+                        if row[lane] >= T:
+                            continue
+                        for n in range(HD // 8):
+                            d = n * 8 + 2 * TT[lane]
+                            out[h, row[lane], d] = bf16(o[n][2 * r][lane] * inv_l[r][lane])
+                            out[h, row[lane], d + 1] = bf16(o[n][2 * r + 1][lane] * inv_l[r][lane])
+                        if TT[lane] == 0:
+                            lse[h, row[lane]] = (m[r][lane] + np.log2(l[r][lane])) * 0.6931471805599453
+    return out, lse
+
+
+def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD):
+    scale = 1 / np.sqrt(HD)
+    scale_log2 = scale * 1.4426950408889634
+    dq_out = np.full((nh, T, HD), np.nan)
+    nqt = (T + 63) // 64
+    for bx in range(nqt):
+        qt = nqt - 1 - bx
+        for h in range(nh):
+            kvh = h // (nh // nkv)
+            q0 = qt * 64
+            sQ = tile(q[h], q0, 64, T, HD)
+            sdO = tile(do[h], q0, 64, T, HD)
+            q_last = min(q0 + 63, T - 1)
+            n_kt = q_last // 64 + 1
+            for warp in range(4):
+                row_a = q0 + warp * 16 + G
+                row_b = row_a + 8
+                lse2 = [np.where(row_a < T, lse[h, np.minimum(row_a, T - 1)] * 1.4426950408889634, 0),
+                        np.where(row_b < T, lse[h, np.minimum(row_b, T - 1)] * 1.4426950408889634, 0)]
+                dd = [np.where(row_a < T, delta[h, np.minimum(row_a, T - 1)], 0),
+                      np.where(row_b < T, delta[h, np.minimum(row_b, T - 1)], 0)]
+                dq = [zeros4() for _ in range(HD // 8)]
+                for kt in range(n_kt):
+                    k0 = kt * 64
+                    k_s = tile(k[kvh], k0, 64, T, HD)
+                    v_s = tile(v[kvh], k0, 64, T, HD)
+                    s = [zeros4() for _ in range(8)]
+                    dp = [zeros4() for _ in range(8)]
+                    for kk in range(HD // 16):
+                        qa = load_a(sQ, warp * 16, kk * 16)
+                        da = load_a(sdO, warp * 16, kk * 16)
+                        for n in range(8):
+                            b0, b1 = load_b_nmajor(k_s, n * 8, kk * 16)
+                            mma(s[n], qa, b0, b1)
+                            b0, b1 = load_b_nmajor(v_s, n * 8, kk * 16)
+                            mma(dp[n], da, b0, b1)
+                    for n in range(8):
+                        for e in range(4):
+                            col = k0 + n * 8 + 2 * TT + (e & 1)
+                            row = row_a if e < 2 else row_b
+                            valid = (col <= row) & (row < T)
+                            p = np.where(valid, np.exp2(s[n][e] * scale_log2 - lse2[e >> 1]), 0)
+                            s[n][e] = p * (dp[n][e] - dd[e >> 1])
+                    for kk in range(4):
+                        a = [pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                             pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])]
+                        for n in range(HD // 8):
+                            b0, b1 = load_b_kmajor(k_s, kk * 16, n * 8)
+                            mma(dq[n], a, b0, b1)
+                for r in range(2):
+                    row = row_b if r else row_a
+                    for lane in range(32):
+                        if row[lane] >= T:
+                            continue
+                        for n in range(HD // 8):
+                            d = n * 8 + 2 * TT[lane]
+                            dq_out[h, row[lane], d] = bf16(dq[n][2 * r][lane] * scale)
+                            dq_out[h, row[lane], d + 1] = bf16(dq[n][2 * r + 1][lane] * scale)
+    return dq_out
+
+
+def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD):
+    scale = 1 / np.sqrt(HD)
+    scale_log2 = scale * 1.4426950408889634
+    dk_out = np.full((nkv, T, HD), np.nan)
+    dv_out = np.full((nkv, T, HD), np.nan)
+    group = nh // nkv
+    nkt = (T + 63) // 64
+    for kt in range(nkt):
+        for kvh in range(nkv):
+            k0 = kt * 64
+            sK = tile(k[kvh], k0, 64, T, HD)
+            sV = tile(v[kvh], k0, 64, T, HD)
+            qi_first = k0 // 32
+            n_q = (T + 31) // 32 - qi_first
+            n_it = group * n_q
+            # staged buffers per iteration (the kernel double-buffers; here each step stages its own)
+            stages = []
+            for it in range(n_it):
+                h = kvh * group + it // n_q
+                i0 = (qi_first + it % n_q) * 32
+                sL = np.array([lse[h, i0 + x] * 1.4426950408889634 if i0 + x < T else 0 for x in range(32)])
+                sD = np.array([delta[h, i0 + x] if i0 + x < T else 0 for x in range(32)])
+                stages.append((tile(q[h], i0, 32, T, HD), tile(do[h], i0, 32, T, HD), sL, sD, i0))
+            for warp in range(4):
+                key_a = k0 + warp * 16 + G
+                key_b = key_a + 8
+                dk = [zeros4() for _ in range(HD // 8)]
+                dv = [zeros4() for _ in range(HD // 8)]
+                for it in range(n_it):
+                    q_s, do_s, l_s, d_s, i0 = stages[it]
+                    st = [zeros4() for _ in range(4)]
+                    dpt = [zeros4() for _ in range(4)]
+                    for kk in range(HD // 16):
+                        ka = load_a(sK, warp * 16, kk * 16)
+                        va = load_a(sV, warp * 16, kk * 16)
+                        for n in range(4):
+                            b0, b1 = load_b_nmajor(q_s, n * 8, kk * 16)
+                            mma(st[n], ka, b0, b1)
+                            b0, b1 = load_b_nmajor(do_s, n * 8, kk * 16)
+                            mma(dpt[n], va, b0, b1)
+                    for n in range(4):
+                        for e in range(4):
+                            ci = n * 8 + 2 * TT + (e & 1)
+                            i = i0 + ci
+                            j = key_a if e < 2 else key_b
+                            valid = (j <= i) & (i < T)
+                            p = np.where(valid, np.exp2(st[n][e] * scale_log2 - l_s[ci]), 0)
+                            st[n][e] = p
+                            dpt[n][e] = p * (dpt[n][e] - d_s[ci])
+                    for kk in range(2):
+                        pa = [pack2(st[2 * kk][0], st[2 * kk][1]), pack2(st[2 * kk][2], st[2 * kk][3]),
+                              pack2(st[2 * kk + 1][0], st[2 * kk + 1][1]), pack2(st[2 * kk + 1][2], st[2 * kk + 1][3])]
+                        sa = [pack2(dpt[2 * kk][0], dpt[2 * kk][1]), pack2(dpt[2 * kk][2], dpt[2 * kk][3]),
+                              pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]), pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])]
+                        for n in range(HD // 8):
+                            b0, b1 = load_b_kmajor(do_s, kk * 16, n * 8)
+                            mma(dv[n], pa, b0, b1)
+                            b0, b1 = load_b_kmajor(q_s, kk * 16, n * 8)
+                            mma(dk[n], sa, b0, b1)
+                for r in range(2):
+                    j = key_b if r else key_a
+                    for lane in range(32):
+                        if j[lane] >= T:
+                            continue
+                        for n in range(HD // 8):
+                            d = n * 8 + 2 * TT[lane]
+                            dk_out[kvh, j[lane], d] = bf16(dk[n][2 * r][lane] * scale)
+                            dk_out[kvh, j[lane], d + 1] = bf16(dk[n][2 * r + 1][lane] * scale)
+                            dv_out[kvh, j[lane], d] = bf16(dv[n][2 * r][lane])
+                            dv_out[kvh, j[lane], d + 1] = bf16(dv[n][2 * r + 1][lane])
+    return dk_out, dv_out
+
+
+def reference(q, k, v, do, T, nh, nkv, HD):
+    group = nh // nkv
+    scale = 1 / np.sqrt(HD)
+    out = np.zeros((nh, T, HD))
+    lse = np.zeros((nh, T))
+    dq = np.zeros((nh, T, HD))
+    dk = np.zeros((nkv, T, HD))
+    dv = np.zeros((nkv, T, HD))
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    for h in range(nh):
+        kvh = h // group
+        S = q[h] @ k[kvh].T * scale
+        S = np.where(mask, S, -np.inf)
+        mx = S.max(axis=1, keepdims=True)
+        P = np.exp(S - mx)
+        l = P.sum(axis=1, keepdims=True)
+        lse[h] = (mx + np.log(l))[:, 0]
+        P = P / l
+        out[h] = P @ v[kvh]
+        dP = do[h] @ v[kvh].T
+        D = (do[h] * out[h]).sum(axis=1, keepdims=True)
+        dS = P * (dP - D)
+        dq[h] = dS @ k[kvh] * scale
+        dk[kvh] += dS.T @ q[h] * scale
+        dv[kvh] += P.T @ do[h]
+    return out, lse, dq, dk, dv
+
+
+def rel(a, b):
+    if np.isnan(a).any():
+        return float("inf")
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+if __name__ == "__main__":
+    import sys
+    rng = np.random.default_rng(0)
+    for (T, nh, nkv, HD) in [(100, 4, 2, 64), (70, 2, 1, 128), (64, 2, 2, 64), (1, 2, 1, 64), (130, 4, 1, 64)]:
+        q = bf16(rng.standard_normal((nh, T, HD)) * 1.5)
+        k = bf16(rng.standard_normal((nkv, T, HD)) * 1.5)
+        v = bf16(rng.standard_normal((nkv, T, HD)))
+        do = bf16(rng.standard_normal((nh, T, HD)))
+        ro, rl, rdq, rdk, rdv = reference(q, k, v, do, T, nh, nkv, HD)
+        out, lse = forward(q, k, v, T, nh, nkv, HD)
+        delta = (do * bf16(ro)).sum(axis=2)
+        dq = backward_dq(q, k, v, do, rl, delta, T, nh, nkv, HD)
+        dk, dv = backward_dkdv(q, k, v, do, rl, delta, T, nh, nkv, HD)
+        print(f"T={T} nh={nh} nkv={nkv} HD={HD}: out {rel(out, ro):.2e} lse {rel(lse, rl):.2e} "
+              f"dq {rel(dq, rdq):.2e} dk {rel(dk, rdk):.2e} dv {rel(dv, rdv):.2e}")
+        sys.stdout.flush()
