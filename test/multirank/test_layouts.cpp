@@ -14,7 +14,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <chrono>
 #include <map>
+#include <thread>
 
 #include "common/process.h"
 #include "common/workspace.h"
@@ -222,4 +224,52 @@ TEST_CASE("a world size that does not match tp*pp*dp is one clear error", "[mpi]
   CHECK(WEXITSTATUS(status) == 2);
   CHECK_THAT(out, Catch::Contains("tp*pp*dp = 2*2*1 = 4 ranks, but 3 processes were launched"));
   CHECK_FALSE(fs::exists(ws.dir / "x"));
+}
+
+TEST_CASE("under mpirun, stop-and-resume and kill -9-and-resume continue bit-identically (same layout)",
+          "[mpi][resume]") {
+  nlohmann::json patch = model_patch("gpt2");
+  patch["train"]["steps"] = 12;
+  patch["precision"] = {{"mode", "bf16"}};
+  patch["checkpoint"] = {{"interval", 2}, {"save_at_end", true}};
+  test::Workspace ws(patch);
+  const Layout l{2, 2, 2};
+  const Run straight = train(ws, ws.dir / "straight", l);
+  REQUIRE(straight.code == 0);
+  auto by_step = [](const std::string& metrics) {
+    return test::losses_by_step(test::read_metrics(metrics));
+  };
+  const auto expected = by_step(ws.dir / "straight/metrics.jsonl");
+  REQUIRE(expected.size() == 12);
+
+  // Stop at step 5 (a checkpoint is written there), resume.
+  REQUIRE(train(ws, ws.dir / "stopped", l, "--stop-at 5").code == 4);
+  const Run resumed = train(ws, ws.dir / "stopped", l);
+  INFO(resumed.output);
+  REQUIRE(resumed.code == 0);
+  CHECK(by_step(ws.dir / "stopped/metrics.jsonl") == expected);
+
+  // kill -9 every rank once the run is under way, then resume from whatever was saved last.
+  // (A 400-step schedule, so the kill lands mid-run; the reference is its first 12 steps.)
+  REQUIRE(train(ws, ws.dir / "long", l, "--set train.steps=400 --stop-at 12").code == 4);
+  const auto expected_long = by_step(ws.dir / "long/metrics.jsonl");
+  const std::string out = ws.dir / "killed";
+  const std::string cmd = std::string(KEEL_MPIEXEC) + " -np 8 -x OMP_NUM_THREADS=1 " + KEEL_BINARY + " train --config " +
+                          ws.config + " --out " + out + " -q --set parallel.tp=2 --set parallel.pp=2 --set parallel.dp=2" +
+                          " --set train.steps=400 > " + out + ".log 2>&1 &";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  for (int i = 0; i < 600 && test::losses_by_step(fs::exists(out + "/metrics.jsonl") ? test::read_metrics(out + "/metrics.jsonl")
+                                                                                      : std::vector<nlohmann::json>{})
+                                     .size() < 7;
+       ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::system(("pkill -9 -f -- '--out " + out + " ' ; sleep 0.5; pkill -9 -f -- '--out " + out + " '").c_str());
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const Run again = train(ws, out, l, "--set train.steps=400 --stop-at 12");  // from the last complete save
+  INFO(again.output);
+  REQUIRE(again.code == 4);
+  CHECK_THAT(again.output, Catch::Contains("resuming from"));
+  auto got = by_step(out + "/metrics.jsonl");
+  for (auto it = got.begin(); it != got.end();) it = it->first > 12 ? got.erase(it) : std::next(it);
+  CHECK(got == expected_long);
 }

@@ -2,11 +2,14 @@
 // healthy runs where nothing fires.
 #include <catch2/catch.hpp>
 
+#include <fstream>
 #include <random>
 
 #include "common/process.h"
 #include "common/run_config.h"
+#include "common/temp_dir.h"
 #include "common/workspace.h"
+#include "data/token_file.h"
 #include "train/health.h"
 #include "train/trainer.h"
 
@@ -211,4 +214,33 @@ TEST_CASE("a healthy run raises no health warning", "[health][cli]") {
       CHECK(rec["act_max"].size() == 2);
     }
   CHECK(with_stats == 40);
+}
+
+TEST_CASE("spike action rewind: back to the last checkpoint, the offending data skipped", "[health][spike][cli]") {
+  // Sequential data (no shuffle): steps 41-43 read a stretch of pure noise.
+  test::TempDir dir("rewind");
+  auto tokens = test::synthetic_tokens(20000, 3);
+  std::mt19937 rng(5);
+  const size_t per_step = 8 * 32;  // global batch 8 x seq 32 (non-overlapping windows)
+  for (size_t i = 40 * per_step; i < 43 * per_step; ++i) tokens[i] = rng() % 64;
+  data::write_llmc_shard(dir / "train.bin", tokens, false);
+  nlohmann::json j = test::tiny_run_json();
+  j["data"] = {{"train", dir / "train.bin"}, {"shuffle", false}};
+  j["train"]["steps"] = 60;
+  j["checkpoint"] = {{"interval", 10}};
+  j["health"] = {{"spike_action", "rewind"}, {"spike_warmup", 20}};
+  std::ofstream(dir / "run.json") << j.dump(2);
+  auto r = test::run_keel("train --config " + (dir / "run.json") + " --out " + (dir / "out") + " -q");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("spike (loss") && Catch::Contains("rewound to") &&
+                           Catch::Contains("step_00000040") && Catch::Contains("are skipped"));
+  int rewinds = 0;
+  for (const auto& rec : test::read_metrics(dir / "out/metrics.jsonl"))
+    if (rec.value("event", "") == "rewind") {
+      ++rewinds;
+      CHECK(rec["to"] == 40);
+    }
+  CHECK(rewinds >= 1);
+  CHECK(rewinds <= 3);
 }
