@@ -17,6 +17,7 @@
 #include "common/fixture.h"
 #include "common/run_config.h"
 #include "common/temp_dir.h"
+#include "common/batches.h"
 #include "gpu_test_util.h"
 #include "model/transformer.h"
 #include "train/checkpoint.h"
@@ -27,23 +28,10 @@ using namespace keel::test;
 
 namespace {
 
-// A fixed batch from a learnable sequence (next token = 3 * token + 1 mod V, some noise).
-std::vector<MicroBatch> synthetic_batches(int n_micro, int mbs, int T, int V, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<MicroBatch> out(static_cast<size_t>(n_micro));
-  for (auto& mb : out) {
-    for (int b = 0; b < mbs; ++b) {
-      int tok = static_cast<int>(rng() % V);
-      std::vector<int32_t> seq;
-      for (int t = 0; t <= T; ++t) {
-        seq.push_back(tok);
-        tok = rng() % 8 == 0 ? static_cast<int>(rng() % V) : (3 * tok + 1) % V;
-      }
-      mb.inputs.insert(mb.inputs.end(), seq.begin(), seq.end() - 1);
-      mb.targets.insert(mb.targets.end(), seq.begin() + 1, seq.end());
-    }
-    mb.targets[3] = -1;  // an ignored position
-  }
+// A learnable batch with one ignored target per micro-batch (like a loss mask).
+std::vector<MicroBatch> synthetic_batches(int n_micro, int mbs, int T, int /*V: 64*/, uint32_t seed) {
+  auto out = learnable_batches(n_micro, mbs, T, seed);
+  for (auto& mb : out) mb.targets[3] = -1;
   return out;
 }
 

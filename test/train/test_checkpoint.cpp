@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 
+#include "common/batches.h"
 #include "common/run_config.h"
 #include "common/temp_dir.h"
 #include "common/workspace.h"
@@ -19,21 +20,9 @@
 using namespace keel;
 namespace fs = std::filesystem;
 
-namespace {
+using test::batches_from;
 
-std::vector<MicroBatch> batches_from(const std::vector<uint32_t>& tokens, size_t start, int n_micro, int mbs, int T) {
-  std::vector<MicroBatch> out(static_cast<size_t>(n_micro));
-  size_t at = start;
-  for (auto& mb : out) {
-    for (int b = 0; b < mbs; ++b, at += static_cast<size_t>(T)) {
-      for (int t = 0; t < T; ++t) {
-        mb.inputs.push_back(static_cast<int32_t>(tokens[at + t]));
-        mb.targets.push_back(static_cast<int32_t>(tokens[at + t + 1]));
-      }
-    }
-  }
-  return out;
-}
+namespace {
 
 // Raw bytes of a flat buffer (CPU backend: host memory).
 std::vector<char> bytes_of(const Tensor& t) {

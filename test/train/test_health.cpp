@@ -5,6 +5,7 @@
 #include <fstream>
 #include <random>
 
+#include "common/batches.h"
 #include "common/process.h"
 #include "common/run_config.h"
 #include "common/temp_dir.h"
@@ -15,33 +16,8 @@
 
 using namespace keel;
 
-namespace {
-
-std::vector<MicroBatch> learnable_batches(int n_micro, int mbs, int T, uint32_t seed) {
-  auto tokens = test::synthetic_tokens(static_cast<size_t>(n_micro * mbs * (T + 1)) + 1, seed);
-  std::vector<MicroBatch> out(static_cast<size_t>(n_micro));
-  size_t at = 0;
-  for (auto& mb : out)
-    for (int b = 0; b < mbs; ++b, at += static_cast<size_t>(T))
-      for (int t = 0; t < T; ++t) {
-        mb.inputs.push_back(static_cast<int32_t>(tokens[at + t]));
-        mb.targets.push_back(static_cast<int32_t>(tokens[at + t + 1]));
-      }
-  return out;
-}
-
-std::vector<MicroBatch> noise_batches(int n_micro, int mbs, int T, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<MicroBatch> out(static_cast<size_t>(n_micro));
-  for (auto& mb : out)
-    for (int i = 0; i < mbs * T; ++i) {
-      mb.inputs.push_back(static_cast<int32_t>(rng() % 64));
-      mb.targets.push_back(static_cast<int32_t>(rng() % 64));
-    }
-  return out;
-}
-
-}  // namespace
+using test::learnable_batches;
+using test::noise_batches;
 
 TEST_CASE("seed 002: norms frozen by bf16-only parameters are reported by name with the precision reason",
           "[health][frozen]") {

@@ -5,31 +5,13 @@
 #include <cmath>
 #include <random>
 
+#include "common/batches.h"
 #include "common/run_config.h"
 #include "train/trainer.h"
 
 using namespace keel;
 
 namespace {
-
-// A fixed batch from a learnable sequence (next token = 3 * token + 1 mod V, some noise).
-std::vector<MicroBatch> synthetic_batches(int n_micro, int mbs, int T, int V, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<MicroBatch> out(static_cast<size_t>(n_micro));
-  for (auto& mb : out) {
-    for (int b = 0; b < mbs; ++b) {
-      int tok = static_cast<int>(rng() % V);
-      std::vector<int32_t> seq;
-      for (int t = 0; t <= T; ++t) {
-        seq.push_back(tok);
-        tok = rng() % 8 == 0 ? static_cast<int>(rng() % V) : (3 * tok + 1) % V;
-      }
-      mb.inputs.insert(mb.inputs.end(), seq.begin(), seq.end() - 1);
-      mb.targets.insert(mb.targets.end(), seq.begin() + 1, seq.end());
-    }
-  }
-  return out;
-}
 
 std::vector<float> norm_gains(Trainer& tr, bool working) {
   std::vector<float> all(static_cast<size_t>(tr.table().local_numel()));
@@ -49,7 +31,7 @@ TEST_CASE("bf16 without master weights freezes norm gains; the default bf16 poli
   // Constant lr 1e-4: Adam's update is ~lr per step, far below bf16's spacing at 1.0 (2^-7).
   const nlohmann::json patch = {{"optimizer", {{"lr", 1e-4}, {"min_lr", 1e-4}, {"weight_decay", 0.0}}},
                                 {"schedule", {{"warmup_steps", 0}, {"decay", "constant"}}}};
-  auto batches = synthetic_batches(2, 4, 32, 64, 5);
+  auto batches = test::learnable_batches(2, 4, 32, 5);
   auto be = make_cpu_backend();
   const int steps = 80;
 
@@ -110,7 +92,7 @@ TEST_CASE("fp16 overflow: the scale backs off, overflowing steps are skipped and
   auto be = make_cpu_backend();
   Trainer tr(test::make_config(test::tiny_run_json(), patch), *be);
   tr.init_weights();
-  auto batches = synthetic_batches(2, 4, 32, 64, 9);
+  auto batches = test::learnable_batches(2, 4, 32, 9);
 
   int skipped = 0, applied = 0;
   double first_applied_loss = 0, last_loss = 0;
@@ -149,7 +131,7 @@ TEST_CASE("fp16 loss scale at its minimum with a persistent overflow is reported
   tr.state().master_to_host(w.data());
   w[static_cast<size_t>(tr.table().at("layers.0.attn.wq").offset)] = 1e30f;
   tr.state().load_fp32(w.data());
-  auto batches = synthetic_batches(1, 4, 32, 64, 3);
+  auto batches = test::learnable_batches(1, 4, 32, 3);
   StepStats first = tr.step(batches, 1);  // scale 4 -> 2
   CHECK(first.skipped);
   CHECK_FALSE(first.scale_exhausted);
@@ -167,7 +149,7 @@ TEST_CASE("the same config and seed give bit-identical losses; another seed does
     Trainer tr(test::make_config(test::tiny_run_json(), {{"train", {{"seed", seed}}}, {"precision", {{"mode", mode}}}}),
                *be);
     tr.init_weights();
-    auto batches = synthetic_batches(2, 4, 32, 64, 11);
+    auto batches = test::learnable_batches(2, 4, 32, 11);
     std::vector<double> losses;
     for (int s = 1; s <= 5; ++s) losses.push_back(tr.step(batches, s).loss);
     return losses;
