@@ -40,6 +40,17 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
                                          static_cast<int>(cfg.train.micro_batch), static_cast<int>(cfg.train.seq_len),
                                          slots, grid_.tp_size() > 1 ? comms_->tp.get() : nullptr);
   model_->bind(state_->working, state_->grads);
+  {
+    const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
+    for (const ParamSpec& p : table_.params()) {
+      const int64_t a = std::max(p.offset, ob), b = std::min(p.offset + p.numel, oe);
+      if (a >= b || !table_.is_primary(p)) continue;
+      if (!primary_ranges_.empty() && primary_ranges_.back().second == a)
+        primary_ranges_.back().second = b;
+      else
+        primary_ranges_.emplace_back(a, b);
+    }
+  }
   if (cfg.health.frozen_check_interval > 0) frozen_ = std::make_unique<FrozenDetector>(table_, *state_, cfg.health);
   const ParamTable full(cfg.model);
   for (const ParamSpec& p : full.params()) full_names_.push_back(p.name);
@@ -199,15 +210,13 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   }
 
   // Over this rank's shard, each parameter once: TP replicas and the tied copy are skipped
-  // (they hold the same values as the primary copy on another rank).
+  // (they hold the same values as the primary copy on another rank). The primary tensors are
+  // merged into contiguous ranges (usually a handful), so a GPU syncs a few times, not per tensor.
   double sum_sq = 0;
-  int64_t nonfinite = 0, zeros = 0;
-  for (const ParamSpec& p : table_.params()) {
-    const int64_t a = std::max(p.offset, ob), b = std::min(p.offset + p.numel, oe);
-    if (a >= b) continue;
+  int64_t zeros = 0;
+  int64_t nonfinite = be_.count_nonfinite(state_->flat_view(state_->grads, ob, std::max<int64_t>(0, oe - ob)));
+  for (const auto& [a, b] : primary_ranges_) {
     Tensor g = state_->flat_view(state_->grads, a, b - a);
-    nonfinite += be_.count_nonfinite(g);
-    if (!table_.is_primary(p)) continue;
     sum_sq += be_.sum_squares(g);
     zeros += be_.count_zeros(g);
   }

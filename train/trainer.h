@@ -133,6 +133,8 @@ class Trainer {
   std::unique_ptr<FrozenDetector> frozen_;
   int64_t applied_since_frozen_check_ = 0;
   std::vector<std::string> full_names_;  // every logical tensor of the model, table order
+  // Flat ranges of this rank's optimizer shard that hold primary copies (grad norm, zeros).
+  std::vector<std::pair<int64_t, int64_t>> primary_ranges_;
   Tensor scalar_f32_, scalar_i32_;  // device staging for scalar all-reduces
   std::vector<void*> allocations_;
 };
