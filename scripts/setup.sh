@@ -25,10 +25,10 @@ if ((${#missing[@]})); then
 fi
 
 if ((demo)); then
-  if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c "import tokenizers, matplotlib" 2>/dev/null; then
+  if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c "import numpy, tokenizers, matplotlib" 2>/dev/null; then
     echo "setup: creating .venv with tokenizers and matplotlib"
     python3 -m venv .venv
-    .venv/bin/pip install -q --disable-pip-version-check tokenizers matplotlib
+    .venv/bin/pip install -q --disable-pip-version-check numpy tokenizers matplotlib
   fi
 fi
 echo "setup: ok"
