@@ -49,14 +49,7 @@ Tensor Generator::alloc(DType t, std::initializer_list<int64_t> dims) {
   return x;
 }
 
-Tensor Generator::view(const std::string& name) const {
-  const ParamSpec& p = table_.at(name);
-  Tensor t = weights_;
-  t.data = static_cast<char*>(weights_.data) + p.offset * dtype_size(weights_.dtype);
-  t.ndim = static_cast<int>(p.local_shape.size());
-  for (int i = 0; i < t.ndim; ++i) t.shape[i] = p.local_shape[i];
-  return t;
-}
+Tensor Generator::view(const std::string& name) const { return param_view(weights_, table_.at(name)); }
 
 // Consecutive parameters (wq|wk|wv, w_gate|w_up, bq|bk|bv) seen as one operand.
 Tensor Generator::fused(const std::string& first, int64_t rows, int64_t cols) const {

@@ -28,6 +28,14 @@ std::string split_name(TpSplit s) {
   return "?";
 }
 
+Tensor param_view(const Tensor& flat, const ParamSpec& p) {
+  Tensor t = flat;
+  t.data = static_cast<char*>(flat.data) + p.offset * dtype_size(flat.dtype);
+  t.ndim = static_cast<int>(p.local_shape.size());
+  for (int i = 0; i < t.ndim; ++i) t.shape[i] = p.local_shape[i];
+  return t;
+}
+
 int64_t ParamSpec::logical_numel() const {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;

@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernels/tensor.h"
 #include "model/model_config.h"
 
 namespace keel {
@@ -93,6 +94,10 @@ class ParamTable {
   std::unordered_map<std::string, size_t> index_;
   int64_t local_numel_ = 0;
 };
+
+// The shard of `p` inside a flat buffer laid out by its table (weights, grads, ...), shaped as
+// the local shard.
+Tensor param_view(const Tensor& flat, const ParamSpec& p);
 
 // Layers [first, end) of pipeline stage `stage` of `pp`. Without embedding slots the layers are
 // spread evenly (the first n_layers % pp stages get one more). With embedding slots the

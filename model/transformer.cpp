@@ -97,14 +97,7 @@ void Transformer::bind(const Tensor& weights, const Tensor& grads) {
   grads_ = grads;
 }
 
-Tensor Transformer::view(const Tensor& flat, const std::string& name) const {
-  const ParamSpec& p = table_.at(name);
-  Tensor t = flat;
-  t.data = static_cast<char*>(flat.data) + p.offset * dtype_size(flat.dtype);
-  t.ndim = static_cast<int>(p.local_shape.size());
-  for (int i = 0; i < t.ndim; ++i) t.shape[i] = p.local_shape[i];
-  return t;
-}
+Tensor Transformer::view(const Tensor& flat, const std::string& name) const { return param_view(flat, table_.at(name)); }
 
 Tensor Transformer::weight(const std::string& name) const { return view(weights_, name); }
 Tensor Transformer::grad(const std::string& name) const { return view(grads_, name); }

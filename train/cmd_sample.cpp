@@ -46,12 +46,7 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
     t.data = be.allocate(t.bytes());
     return t;
   };
-  auto slice = [&](const ParamSpec& p) {
-    Tensor t = lm.weights;
-    t.data = static_cast<char*>(lm.weights.data) + p.offset * dtype_size(dtype);
-    t.shape = {p.numel, 0, 0, 0};
-    return t;
-  };
+  auto slice = [&](const ParamSpec& p) { return param_view(lm.weights, p); };
   std::vector<char> staging;
   if (auto dir = hf_path(spec)) {
     const HfCheckpoint hf = HfCheckpoint::open(*dir);

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "train/format.h"
 #include "train/optimizer.h"
 
 namespace keel {
@@ -12,14 +13,6 @@ namespace keel {
 namespace {
 bool name_has(const std::string& name, const char* what) { return name.find(what) != std::string::npos; }
 
-std::string human(double n) {
-  char buf[32];
-  if (n >= 1e9) std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
-  else if (n >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
-  else if (n >= 1e3) std::snprintf(buf, sizeof buf, "%.1fK", n / 1e3);
-  else std::snprintf(buf, sizeof buf, "%.0f", n);
-  return buf;
-}
 }  // namespace
 
 std::string param_group_table(const ParamTable& table, double weight_decay) {
@@ -45,7 +38,7 @@ std::string param_group_table(const ParamTable& table, double weight_decay) {
     for (const auto& [r, n] : g.roles) roles += (roles.empty() ? "" : ", ") + std::to_string(n) + " " + r;
     char buf[160];
     std::snprintf(buf, sizeof buf, "  %-18s %7lld  %10s  %s\n", label, static_cast<long long>(g.tensors),
-                  human(static_cast<double>(g.params)).c_str(), roles.c_str());
+                  human_count(static_cast<double>(g.params)).c_str(), roles.c_str());
     o << buf;
   };
   char label[48];

@@ -46,14 +46,6 @@ ParamState::~ParamState() {
   for (void* p : allocations_) be_.release(p);
 }
 
-Tensor ParamState::slice(const Tensor& flat, const ParamSpec& p) const {
-  Tensor t = flat;
-  t.data = static_cast<char*>(flat.data) + p.offset * dtype_size(flat.dtype);
-  t.ndim = static_cast<int>(p.local_shape.size());
-  for (int i = 0; i < t.ndim; ++i) t.shape[i] = p.local_shape[i];
-  return t;
-}
-
 Tensor ParamState::flat_view(const Tensor& buffer, int64_t flat_begin, int64_t n) const {
   // Shard buffers (master unless it is a view of working, m, v) start at optim_begin.
   const bool shard_buffer = buffer.numel() != padded_;

@@ -41,8 +41,6 @@ class ParamState {
   // the table; only the shard [optim_begin, optim_end) is written.
   void master_to_host(float* out) const;
 
-  // Slice of a full flat buffer (working, grads) holding one parameter, shaped as its shard.
-  Tensor slice(const Tensor& flat, const ParamSpec& p) const;
   // Elements [flat_begin, flat_begin + n) of the flat space: of a full buffer (working,
   // grads), or of a shard buffer (master, m, v), which starts at optim_begin().
   Tensor flat_view(const Tensor& buffer, int64_t flat_begin, int64_t n) const;

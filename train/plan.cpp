@@ -1,5 +1,7 @@
 #include "train/plan.h"
 
+#include "train/format.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -28,12 +30,6 @@ std::string grouped(int64_t n) {
   return n < 0 ? "-" + out : out;
 }
 
-std::string human(double n) {  // 202.70B, 617.56M
-  if (n >= 1e9) return fmt("%.2fB", n / 1e9);
-  if (n >= 1e6) return fmt("%.2fM", n / 1e6);
-  if (n >= 1e3) return fmt("%.1fK", n / 1e3);
-  return fmt("%.0f", n);
-}
 
 std::string gb_dec(double bytes) { return fmt("%.2f GB", bytes / 1e9); }
 
@@ -665,7 +661,7 @@ std::vector<Alternative> alternatives(const RunConfig& cfg, const PlanOptions& o
       o.gpus = G;
       PlanResult r = plan_all(c, o);
       if (r.ranked.empty()) continue;
-      out.push_back({"n_layers " + std::to_string(layers) + " (" + human(double(ParamTable(c.model).logical_numel())) +
+      out.push_back({"n_layers " + std::to_string(layers) + " (" + human_count(double(ParamTable(c.model).logical_numel())) +
                          " parameters)",
                      G, layers, r.ranked.front()});
     }
@@ -793,12 +789,12 @@ std::string plan_text(const RunConfig& cfg, const PlanResult& r, const PlanOptio
     << ", vocab " << m.vocab_size;
   if (c.padded_vocab != m.vocab_size) o << " (padded to " << c.padded_vocab << " at tp=" << cfg.parallel.tp << ")";
   o << ", seq " << cfg.train.seq_len << (m.tied_embeddings ? ", tied head" : "") << "\n";
-  o << "parameters (exact, the trainer's ParamTable): " << grouped(c.exact) << " (" << human(double(c.exact))
+  o << "parameters (exact, the trainer's ParamTable): " << grouped(c.exact) << " (" << human_count(double(c.exact))
     << ") = embedding " << grouped(c.embedding) << " + " << m.n_layers << " x " << grouped(c.per_layer)
     << " per layer + head " << grouped(c.head) << "\n";
   if (c.gpt_formula) {
     o << "  seed formula l*(12h^2+13h) + v*h + s*h + 2h = " << grouped(std::llround(*c.gpt_formula)) << " ("
-      << human(*c.gpt_formula) << ")";
+      << human_count(*c.gpt_formula) << ")";
     const double diff = double(c.exact) - *c.gpt_formula;
     if (diff != 0)
       o << "; keel has " << grouped(std::llround(diff)) << " more: " << (c.padded_vocab - m.vocab_size)

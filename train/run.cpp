@@ -22,6 +22,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #endif
 #include "train/checkpoint.h"
+#include "train/format.h"
 #include "train/health.h"
 #include "train/hf_format.h"
 #include "train/metrics.h"
@@ -74,15 +75,6 @@ std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first
                  out[m].inputs.data(), out[m].targets.data());
   }
   return out;
-}
-
-std::string human_count(double n) {
-  char buf[32];
-  if (n >= 1e9) std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
-  else if (n >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
-  else if (n >= 1e3) std::snprintf(buf, sizeof buf, "%.1fK", n / 1e3);
-  else std::snprintf(buf, sizeof buf, "%.0f", n);
-  return buf;
 }
 
 // Start-up summary: the model, the precision policy and the optimizer's weight-decay groups,

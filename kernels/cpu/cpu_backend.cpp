@@ -13,23 +13,6 @@ namespace keel {
 
 namespace cpu {
 
-std::string describe(std::initializer_list<Named> ts) {
-  std::string s;
-  for (const Named& n : ts) {
-    if (!s.empty()) s += ", ";
-    s += n.name;
-    s += "=";
-    s += n.t.empty() && n.t.numel() == 0 ? "(empty)" : n.t.shape_str();
-  }
-  return s;
-}
-
-void fail(const char* op, const std::string& what, std::initializer_list<Named> ts) {
-  std::string msg = std::string("CpuBackend::") + op + ": " + what;
-  if (ts.size()) msg += " (" + describe(ts) + ")";
-  throw std::invalid_argument(msg);
-}
-
 static void check_present(const char* op, Named a) {
   if (a.t.device != Device::CPU) fail(op, std::string(a.name) + " is not a CPU tensor", {a});
   if (a.t.empty() && a.t.numel() != 0) fail(op, std::string(a.name) + " has no data", {a});

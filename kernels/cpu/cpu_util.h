@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "kernels/op_check.h"
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
 
@@ -22,15 +23,11 @@ constexpr int64_t kRowBlock = 64;
 
 // ---- argument checks: every failure throws std::invalid_argument("CpuBackend::<op>: ...") ----
 
-struct Named {
-  const char* name;
-  const Tensor& t;
-};
+using Named = NamedTensor;
 
-// "out=[4, 8] f32, in=[4, 8] bf16"
-std::string describe(std::initializer_list<Named> ts);
-
-[[noreturn]] void fail(const char* op, const std::string& what, std::initializer_list<Named> ts);
+[[noreturn]] inline void fail(const char* op, const std::string& what, std::initializer_list<Named> ts) {
+  fail_op("CpuBackend", op, what, ts);
+}
 
 inline void require(bool ok, const char* op, const char* what, std::initializer_list<Named> ts) {
   if (!ok) fail(op, what, ts);

@@ -15,31 +15,17 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/op_check.h"
 #include "kernels/tensor.h"
 
 namespace keel::cuda {
 
-struct Named {
-  const char* name;
-  const Tensor& t;
-};
+using Named = NamedTensor;
 
-// "out=[4, 8] f32, in=[4, 8] bf16"
-inline std::string describe(std::initializer_list<Named> ts) {
-  std::string s;
-  for (const Named& n : ts) {
-    if (!s.empty()) s += ", ";
-    s += n.name;
-    s += "=";
-    s += n.t.empty() && n.t.numel() == 0 ? "(empty)" : n.t.shape_str();
-  }
-  return s;
-}
+inline std::string describe(std::initializer_list<Named> ts) { return describe_tensors(ts); }
 
 [[noreturn]] inline void fail(const char* op, const std::string& what, std::initializer_list<Named> ts) {
-  std::string msg = std::string("CudaBackend::") + op + ": " + what;
-  if (ts.size()) msg += " (" + describe(ts) + ")";
-  throw std::invalid_argument(msg);
+  fail_op("CudaBackend", op, what, ts);
 }
 
 inline void require(bool ok, const char* op, const char* what, std::initializer_list<Named> ts) {
