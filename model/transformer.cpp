@@ -95,6 +95,46 @@ void Transformer::bind(const Tensor& weights, const Tensor& grads) {
   if (grads.dtype != DType::F32) throw std::invalid_argument("Transformer::bind: gradients must be f32");
   weights_ = weights;
   grads_ = grads;
+  w_ = resolve(weights_);
+  g_ = resolve(grads_);
+}
+
+Transformer::Params Transformer::resolve(const Tensor& flat) const {
+  const ModelShard& sh = table_.shard();
+  const bool gpt2 = cfg_.is_gpt2();
+  const int64_t d = cfg_.d_model;
+  auto v = [&](const std::string& name) { return view(flat, name); };
+  Params p;
+  if (sh.has_embedding || table_.contains("tok_embed")) p.tok_embed = v("tok_embed");
+  if (sh.has_embedding && gpt2) p.pos_embed = v("pos_embed");
+  if (sh.has_head) {
+    p.final_norm_w = v("final_norm.weight");
+    if (gpt2) p.final_norm_b = v("final_norm.bias");
+    p.head = v(cfg_.tied_embeddings ? "tok_embed" : "lm_head");
+  }
+  for (int i = sh.first_layer; i < sh.end_layer; ++i) {
+    const std::string n = "layers." + std::to_string(i) + ".";
+    LayerParams l;
+    l.attn_norm_w = v(n + "attn_norm.weight");
+    l.wqkv = fused(flat, n + "attn.wq", q_ + 2 * kv_, d);
+    l.wo = v(n + "attn.wo");
+    l.mlp_norm_w = v(n + "mlp_norm.weight");
+    if (gpt2) {
+      l.attn_norm_b = v(n + "attn_norm.bias");
+      l.bqkv = fused(flat, n + "attn.bq", q_ + 2 * kv_, 0);
+      l.bo = v(n + "attn.bo");
+      l.mlp_norm_b = v(n + "mlp_norm.bias");
+      l.w_in = v(n + "mlp.w_fc");
+      l.b_in = v(n + "mlp.b_fc");
+      l.w_out = v(n + "mlp.w_proj");
+      l.b_out = v(n + "mlp.b_proj");
+    } else {
+      l.w_in = fused(flat, n + "mlp.w_gate", 2 * ffn_, d);
+      l.w_out = v(n + "mlp.w_down");
+    }
+    p.layers.push_back(l);
+  }
+  return p;
 }
 
 Tensor Transformer::view(const Tensor& flat, const std::string& name) const { return param_view(flat, table_.at(name)); }
@@ -110,10 +150,6 @@ Tensor Transformer::fused(const Tensor& flat, const std::string& first, int64_t 
   return t;
 }
 
-Tensor Transformer::head_weight(const Tensor& flat) const {
-  return view(flat, cfg_.tied_embeddings ? "tok_embed" : "lm_head");
-}
-
 Tensor Transformer::stage_input(int slot) const {
   const Slot& s = slots_.at(static_cast<size_t>(slot));
   return s.layers.empty() ? s.res_final : s.layers[0].res_in;
@@ -126,21 +162,20 @@ void Transformer::tp_sum(const Tensor& t) {
 }
 
 void Transformer::norm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
-                               const std::string& prefix) {
+                               const Tensor& w, const Tensor& b) {
   if (cfg_.is_gpt2())
-    be_.layernorm_forward(out, mean, rstd, in, weight(prefix + ".weight"), weight(prefix + ".bias"), cfg_.norm_eps);
+    be_.layernorm_forward(out, mean, rstd, in, w, b, cfg_.norm_eps);
   else
-    be_.rmsnorm_forward(out, rstd, in, weight(prefix + ".weight"), cfg_.norm_eps);
+    be_.rmsnorm_forward(out, rstd, in, w, cfg_.norm_eps);
 }
 
 // din += d(norm)/d(in) applied to dout (din is the residual gradient, so it accumulates).
 void Transformer::norm_backward(const Tensor& din, const Tensor& dout, const Tensor& in, const Tensor& mean,
-                                const Tensor& rstd, const std::string& prefix) {
+                                const Tensor& rstd, const Tensor& w, const Tensor& dw, const Tensor& db) {
   if (cfg_.is_gpt2())
-    be_.layernorm_backward(din, grad(prefix + ".weight"), grad(prefix + ".bias"), dout, in, weight(prefix + ".weight"),
-                           mean, rstd, true);
+    be_.layernorm_backward(din, dw, db, dout, in, w, mean, rstd, true);
   else
-    be_.rmsnorm_backward(din, grad(prefix + ".weight"), dout, in, weight(prefix + ".weight"), rstd, true);
+    be_.rmsnorm_backward(din, dw, dout, in, w, rstd, true);
 }
 
 // Vocab-parallel cross-entropy: each TP rank holds the logits of its vocab slice. The row max
@@ -165,7 +200,6 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   Slot& s = slots_.at(static_cast<size_t>(slot_index));
   const ModelShard& sh = table_.shard();
   const bool gpt2 = cfg_.is_gpt2();
-  const int64_t d = cfg_.d_model;
   Tensor none;
 
   if (sh.has_embedding) {
@@ -173,24 +207,22 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
     be_.copy_from_host(s.tokens, tokens);
     // Vocab-parallel: each rank embeds the tokens of its slice (others give 0), the sum over TP
     // is the embedding. Positions are added once, by TP rank 0.
-    be_.embedding_forward(stage_input(slot_index), s.tokens, weight("tok_embed"),
-                          gpt2 && tp_lead() ? weight("pos_embed") : none, T_, vocab_start_);
+    be_.embedding_forward(stage_input(slot_index), s.tokens, w_.tok_embed, gpt2 && tp_lead() ? w_.pos_embed : none, T_,
+                          vocab_start_);
     tp_sum(stage_input(slot_index));
     probe(false, -1, "embedding", stage_input(slot_index));
   }
 
   for (size_t l = 0; l < s.layers.size(); ++l) {
     LayerActs& a = s.layers[l];
-    const std::string p = "layers." + std::to_string(sh.first_layer + static_cast<int>(l)) + ".";
+    const LayerParams& w = w_.layers[l];
     const Tensor& next = l + 1 < s.layers.size() ? s.layers[l + 1].res_in : s.res_final;
     const int layer = sh.first_layer + static_cast<int>(l);
 
     // attention block: res_mid = res_in + wo(attn(rope(qkv(norm(res_in)))))
-    norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, p + "attn_norm");
+    norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, w.attn_norm_w, w.attn_norm_b);
     probe(false, layer, "attn_norm", a.norm1);
-    Tensor bqkv = gpt2 ? fused(weights_, p + "attn.bq", q_ + 2 * kv_, 0) : none;
-    be_.matmul(a.qkv, a.norm1, fused(weights_, p + "attn.wq", q_ + 2 * kv_, d), false, true, false,
-               gpt2 ? &bqkv : nullptr);
+    be_.matmul(a.qkv, a.norm1, w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
     probe(false, layer, "qkv projection", a.qkv);
     if (cfg_.is_llama()) {
       be_.rope_forward(a.qkv, attn_shape_, cfg_.rope_theta);
@@ -199,30 +231,26 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
     be_.attention_forward(a.attn, a.lse, a.qkv, attn_shape_);
     probe(false, layer, "attention", a.attn);
     // Row-parallel output: partial sums over TP; the replicated bias is added once (TP rank 0).
-    Tensor bo = gpt2 ? weight(p + "attn.bo") : none;
-    be_.matmul(proj_out_, a.attn, weight(p + "attn.wo"), false, true, false, gpt2 && tp_lead() ? &bo : nullptr);
+    be_.matmul(proj_out_, a.attn, w.wo, false, true, false, gpt2 && tp_lead() ? &w.bo : nullptr);
     tp_sum(proj_out_);
     probe(false, layer, "attention output projection", proj_out_);
     be_.add(a.res_mid, a.res_in, proj_out_);
     probe(false, layer, "attention residual add", a.res_mid);
 
     // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
-    norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, p + "mlp_norm");
+    norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, w.mlp_norm_w, w.mlp_norm_b);
     probe(false, layer, "mlp_norm", a.norm2);
+    be_.matmul(a.fc, a.norm2, w.w_in, false, true, false, gpt2 ? &w.b_in : nullptr);
     if (gpt2) {
-      Tensor b_fc = weight(p + "mlp.b_fc"), b_proj = weight(p + "mlp.b_proj");
-      be_.matmul(a.fc, a.norm2, weight(p + "mlp.w_fc"), false, true, false, &b_fc);
       probe(false, layer, "mlp input projection", a.fc);
       be_.gelu_forward(a.act, a.fc);
       probe(false, layer, "gelu", a.act);
-      be_.matmul(proj_out_, a.act, weight(p + "mlp.w_proj"), false, true, false, tp_lead() ? &b_proj : nullptr);
     } else {
-      be_.matmul(a.fc, a.norm2, fused(weights_, p + "mlp.w_gate", 2 * ffn_, d), false, true);
       probe(false, layer, "mlp gate/up projection", a.fc);
       be_.swiglu_forward(a.act, a.fc);
       probe(false, layer, "swiglu", a.act);
-      be_.matmul(proj_out_, a.act, weight(p + "mlp.w_down"), false, true);
     }
+    be_.matmul(proj_out_, a.act, w.w_out, false, true, false, gpt2 && tp_lead() ? &w.b_out : nullptr);
     tp_sum(proj_out_);
     probe(false, layer, "mlp output projection", proj_out_);
     be_.add(next, a.res_mid, proj_out_);
@@ -233,9 +261,9 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   if (!sh.has_head) return r;
   if (!targets) throw std::invalid_argument("Transformer::forward: the head stage needs targets");
   be_.copy_from_host(s.targets, targets);
-  norm_forward(s.normf, s.meanf, s.rstdf, s.res_final, "final_norm");
+  norm_forward(s.normf, s.meanf, s.rstdf, s.res_final, w_.final_norm_w, w_.final_norm_b);
   probe(false, -1, "final_norm", s.normf);
-  be_.matmul(s.logits, s.normf, head_weight(weights_), false, true);
+  be_.matmul(s.logits, s.normf, w_.head, false, true);
   probe(false, -1, "logits (head)", s.logits);
   loss_forward(s);
   probe(false, -1, "cross-entropy loss", s.row_loss);
@@ -248,19 +276,18 @@ void Transformer::backward(int slot_index, float dloss) {
   Slot& s = slots_.at(static_cast<size_t>(slot_index));
   const ModelShard& sh = table_.shard();
   const bool gpt2 = cfg_.is_gpt2();
-  const int64_t d = cfg_.d_model;
 
   if (sh.has_head) {
     // loss -> logits (in place) -> head and final norm
     be_.xent_backward(s.logits, s.lse_rows, s.targets, dloss, vocab_start_);
     const Tensor& dlogits = s.logits;
     probe(true, -1, "d logits (loss gradient x loss scale)", dlogits);
-    be_.matmul(dnorm_, dlogits, head_weight(weights_), false, false);
+    be_.matmul(dnorm_, dlogits, w_.head, false, false);
     tp_sum(dnorm_);  // each rank saw only its vocab slice
     probe(true, -1, "d final_norm output (head backward)", dnorm_);
-    be_.matmul(head_weight(grads_), dlogits, s.normf, true, false, true);
+    be_.matmul(g_.head, dlogits, s.normf, true, false, true);
     be_.fill(dres_, 0.0f);
-    norm_backward(dres_, dnorm_, s.res_final, s.meanf, s.rstdf, "final_norm");
+    norm_backward(dres_, dnorm_, s.res_final, s.meanf, s.rstdf, w_.final_norm_w, g_.final_norm_w, g_.final_norm_b);
     probe(true, -1, "d final_norm input", dres_);
   }
   // else: the caller has put d(loss)/d(stage output) into dres_ (grad_output()).
@@ -268,38 +295,35 @@ void Transformer::backward(int slot_index, float dloss) {
   // dres_ carries d(loss)/d(residual stream) down through the layers.
   for (size_t li = s.layers.size(); li-- > 0;) {
     LayerActs& a = s.layers[li];
-    const std::string p = "layers." + std::to_string(sh.first_layer + static_cast<int>(li)) + ".";
+    const LayerParams& w = w_.layers[li];
+    const LayerParams& g = g_.layers[li];
     const int layer = sh.first_layer + static_cast<int>(li);
 
     // MLP block
+    be_.matmul(dact_, dres_, w.w_out, false, false);
+    be_.matmul(g.w_out, dres_, a.act, true, false, true);
     if (gpt2) {
-      be_.matmul(dact_, dres_, weight(p + "mlp.w_proj"), false, false);
-      be_.matmul(grad(p + "mlp.w_proj"), dres_, a.act, true, false, true);
-      be_.bias_backward(grad(p + "mlp.b_proj"), dres_);
+      be_.bias_backward(g.b_out, dres_);
       probe(true, layer, "d gelu output (mlp output projection backward)", dact_);
       be_.gelu_backward(dfc_, dact_, a.fc);
       probe(true, layer, "d mlp input projection (gelu backward)", dfc_);
-      be_.matmul(dnorm_, dfc_, weight(p + "mlp.w_fc"), false, false);
-      be_.matmul(grad(p + "mlp.w_fc"), dfc_, a.norm2, true, false, true);
-      be_.bias_backward(grad(p + "mlp.b_fc"), dfc_);
     } else {
-      be_.matmul(dact_, dres_, weight(p + "mlp.w_down"), false, false);
-      be_.matmul(grad(p + "mlp.w_down"), dres_, a.act, true, false, true);
       probe(true, layer, "d swiglu output (mlp output projection backward)", dact_);
       be_.swiglu_backward(dfc_, dact_, a.fc);
       probe(true, layer, "d gate/up projection (swiglu backward)", dfc_);
-      be_.matmul(dnorm_, dfc_, fused(weights_, p + "mlp.w_gate", 2 * ffn_, d), false, false);
-      be_.matmul(fused(grads_, p + "mlp.w_gate", 2 * ffn_, d), dfc_, a.norm2, true, false, true);
     }
+    be_.matmul(dnorm_, dfc_, w.w_in, false, false);
+    be_.matmul(g.w_in, dfc_, a.norm2, true, false, true);
+    if (gpt2) be_.bias_backward(g.b_in, dfc_);
     tp_sum(dnorm_);  // column-parallel input gradient: partial over TP
     probe(true, layer, "d mlp_norm output (mlp input projection backward)", dnorm_);
-    norm_backward(dres_, dnorm_, a.res_mid, a.mean2, a.rstd2, p + "mlp_norm");
+    norm_backward(dres_, dnorm_, a.res_mid, a.mean2, a.rstd2, w.mlp_norm_w, g.mlp_norm_w, g.mlp_norm_b);
     probe(true, layer, "d attention residual (mlp_norm backward)", dres_);
 
     // attention block
-    be_.matmul(dattn_, dres_, weight(p + "attn.wo"), false, false);
-    be_.matmul(grad(p + "attn.wo"), dres_, a.attn, true, false, true);
-    if (gpt2) be_.bias_backward(grad(p + "attn.bo"), dres_);
+    be_.matmul(dattn_, dres_, w.wo, false, false);
+    be_.matmul(g.wo, dres_, a.attn, true, false, true);
+    if (gpt2) be_.bias_backward(g.bo, dres_);
     probe(true, layer, "d attention output (output projection backward)", dattn_);
     be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, attn_shape_);
     probe(true, layer, "d qkv (attention backward)", dqkv_);
@@ -307,20 +331,19 @@ void Transformer::backward(int slot_index, float dloss) {
       be_.rope_backward(dqkv_, attn_shape_, cfg_.rope_theta);
       probe(true, layer, "d qkv (rope backward)", dqkv_);
     }
-    be_.matmul(dnorm_, dqkv_, fused(weights_, p + "attn.wq", q_ + 2 * kv_, d), false, false);
-    be_.matmul(fused(grads_, p + "attn.wq", q_ + 2 * kv_, d), dqkv_, a.norm1, true, false, true);
-    if (gpt2) be_.bias_backward(fused(grads_, p + "attn.bq", q_ + 2 * kv_, 0), dqkv_);
+    be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);
+    be_.matmul(g.wqkv, dqkv_, a.norm1, true, false, true);
+    if (gpt2) be_.bias_backward(g.bqkv, dqkv_);
     tp_sum(dnorm_);
     probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm_);
-    norm_backward(dres_, dnorm_, a.res_in, a.mean1, a.rstd1, p + "attn_norm");
+    norm_backward(dres_, dnorm_, a.res_in, a.mean1, a.rstd1, w.attn_norm_w, g.attn_norm_w, g.attn_norm_b);
     probe(true, layer, "layer input gradient (attn_norm backward)", dres_);
   }
 
   if (sh.has_embedding) {
-    Tensor none;
     // Every TP rank accumulates the rows of its vocab slice, and the (replicated) position
     // gradient in full, so all replicas of pos_embed see the same gradient.
-    be_.embedding_backward(grad("tok_embed"), gpt2 ? grad("pos_embed") : none, dres_, s.tokens, T_, vocab_start_);
+    be_.embedding_backward(g_.tok_embed, g_.pos_embed, dres_, s.tokens, T_, vocab_start_);
   }
   // else: dres_ (grad_input()) now holds d(loss)/d(stage input) for the previous stage.
 }

@@ -99,6 +99,19 @@ class Transformer {
     Tensor fc;                  // MLP input projection: [N, ffn] (gpt2) or [N, 2 ffn] gate|up (llama)
     Tensor act;                 // [N, ffn]
   };
+  // The views of one flat buffer (weights or grads) the passes use, resolved once at bind()
+  // so a step never looks a tensor up by name. wqkv / w_in are the fused operands
+  // (wq|wk|wv, w_gate|w_up); absent tensors (GPT-2 only, or Llama only) stay empty.
+  struct LayerParams {
+    Tensor attn_norm_w, attn_norm_b, wqkv, bqkv, wo, bo;
+    Tensor mlp_norm_w, mlp_norm_b, w_in, b_in, w_out, b_out;
+  };
+  struct Params {
+    Tensor tok_embed, pos_embed, final_norm_w, final_norm_b, head;
+    std::vector<LayerParams> layers;
+  };
+  Params resolve(const Tensor& flat) const;
+
   struct Slot {
     Tensor tokens, targets;
     std::vector<LayerActs> layers;
@@ -111,11 +124,10 @@ class Transformer {
   // A run of consecutive parameters seen as one [rows, cols] operand (wq|wk|wv, w_gate|w_up).
   Tensor fused(const Tensor& flat, const std::string& first, int64_t rows, int64_t cols) const;
   Tensor view(const Tensor& flat, const std::string& name) const;
-  void norm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
-                    const std::string& prefix);
-  void norm_backward(const Tensor& din, const Tensor& dout, const Tensor& in, const Tensor& mean,
-                     const Tensor& rstd, const std::string& prefix);
-  Tensor head_weight(const Tensor& flat) const;
+  void norm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in, const Tensor& w,
+                    const Tensor& b);
+  void norm_backward(const Tensor& din, const Tensor& dout, const Tensor& in, const Tensor& mean, const Tensor& rstd,
+                     const Tensor& w, const Tensor& dw, const Tensor& db);
   void tp_sum(const Tensor& t);  // all-reduce over the TP group (no-op without TP)
   bool tp_lead() const { return table_.shard().tp_rank == 0; }
   void loss_forward(Slot& s);
@@ -137,6 +149,7 @@ class Transformer {
   int64_t q_, kv_, ffn_, vocab_local_, vocab_start_ = 0;
   AttnShape attn_shape_;
   Tensor weights_, grads_;
+  Params w_, g_;  // views of weights_ and grads_
   std::vector<void*> allocations_;
   std::vector<Slot> slots_;
   // backward scratch, shared by every slot and layer

@@ -150,19 +150,32 @@ void print_save(const SaveResult& r) {
   std::fflush(stdout);
 }
 
-// Everything ranks must agree on goes through the world communicator: an int flag reduced
-// with Max (any rank's 1 wins).
-bool any_rank(parallel::Comm& world, Backend& be, bool mine) {
-  if (world.size() == 1) return mine;
-  Tensor t(be.allocate(sizeof(int32_t)), DType::I32, {1}, be.device());
-  const int32_t v = mine ? 1 : 0;
-  be.copy_from_host(t, &v);
-  world.all_reduce(t, parallel::ReduceOp::Max);
-  int32_t out = 0;
-  be.copy_to_host(&out, t);
-  be.release(t.data);
-  return out != 0;
-}
+// Everything ranks must agree on (stop at this step boundary, a save succeeded) goes through
+// the world communicator: an int flag reduced with Max, so any rank's "yes" wins. The flag's
+// device buffer is allocated once: the stop check runs every step.
+class AnyRank {
+ public:
+  AnyRank(parallel::Comm& world, Backend& be) : world_(world), be_(be) {
+    flag_ = Tensor(be.allocate(sizeof(int32_t)), DType::I32, {1}, be.device());
+  }
+  ~AnyRank() { be_.release(flag_.data); }
+  AnyRank(const AnyRank&) = delete;
+  AnyRank& operator=(const AnyRank&) = delete;
+  bool operator()(bool mine) {
+    if (world_.size() == 1) return mine;
+    const int32_t v = mine ? 1 : 0;
+    be_.copy_from_host(flag_, &v);
+    world_.all_reduce(flag_, parallel::ReduceOp::Max);
+    int32_t out = 0;
+    be_.copy_to_host(&out, flag_);
+    return out != 0;
+  }
+
+ private:
+  parallel::Comm& world_;
+  Backend& be_;
+  Tensor flag_;
+};
 
 }  // namespace
 
@@ -238,7 +251,8 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   place.world_rank = world_rank;
   place.writes_weights = grid.dp_rank() == 0;
   parallel::Comm& world = *comms.world;
-  const AgreeFn all_ok = [&](bool ok) { return !any_rank(world, *backend, !ok); };
+  AnyRank any_rank(world, *backend);
+  const AgreeFn all_ok = [&](bool ok) { return !any_rank(!ok); };
 
   // Weight decay follows the role; audit it anyway (a misfiled norm was a BLOOM restart spike).
   if (auto problems = audit_param_groups(ParamTable(cfg.model).params()); !problems.empty()) {
@@ -476,7 +490,7 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
     else if (!last && opts.time_limit_s > 0 && elapsed + 2 * secs >= opts.time_limit_s)
       stop_reason = "time limit of " + std::to_string(static_cast<int64_t>(opts.time_limit_s)) + " s is near";
     // Every rank stops at the same step boundary: a signal may reach the ranks at different times.
-    if (any_rank(world, *backend, !stop_reason.empty())) {
+    if (any_rank(!stop_reason.empty())) {
       if (stop_reason.empty()) stop_reason = "another rank is stopping";
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));
