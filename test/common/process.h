@@ -18,11 +18,10 @@ struct ProcessResult {
   std::string output;  // stdout and stderr together
 };
 
-// Runs `keel <args>` through the shell (args are shell words; env assignments may prefix it via `env`).
-inline ProcessResult run_keel(const std::string& args, const std::string& env = "") {
-  const std::string cmd = (env.empty() ? "" : "env " + env + " ") + std::string(KEEL_BINARY) + " " + args + " 2>&1";
+// Runs a shell command line, stdout and stderr together.
+inline ProcessResult run_shell(const std::string& cmd) {
   ProcessResult r;
-  FILE* p = popen(cmd.c_str(), "r");
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
   if (!p) return r;
   char buf[4096];
   size_t n;
@@ -31,6 +30,24 @@ inline ProcessResult run_keel(const std::string& args, const std::string& env = 
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : (WIFSIGNALED(status) ? -WTERMSIG(status) : -1);
   return r;
 }
+
+// Runs `keel <args>` through the shell (args are shell words; env assignments may prefix it via `env`).
+inline ProcessResult run_keel(const std::string& args, const std::string& env = "") {
+  return run_shell((env.empty() ? "" : "env " + env + " ") + std::string(KEEL_BINARY) + " " + args);
+}
+
+#ifdef KEEL_MPIEXEC
+// Runs `mpirun -np N keel <args>` (one OpenMP thread per rank: the ranks share the cores).
+inline ProcessResult run_keel_mpi(int np, const std::string& args, const std::string& env = "") {
+  std::string exports = " -x OMP_NUM_THREADS=1";
+  for (size_t start = 0; start < env.size();) {
+    const size_t end = env.find(' ', start);
+    exports += " -x " + env.substr(start, end - start);
+    start = end == std::string::npos ? env.size() : end + 1;
+  }
+  return run_shell(std::string(KEEL_MPIEXEC) + " -np " + std::to_string(np) + exports + " " + KEEL_BINARY + " " + args);
+}
+#endif
 
 // Starts `keel <argv...>` in the background with stdout/stderr to `log`; returns its pid.
 inline pid_t spawn_keel(const std::vector<std::string>& argv, const std::string& log) {

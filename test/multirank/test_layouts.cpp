@@ -57,19 +57,7 @@ Run train(const test::Workspace& ws, const std::string& out, const Layout& l, co
   std::string cmd = "train --config " + ws.config + " --out " + out + " -q --set parallel.tp=" + std::to_string(l.tp) +
                     " --set parallel.pp=" + std::to_string(l.pp) + " --set parallel.dp=" + std::to_string(l.dp) + " " +
                     extra;
-  test::ProcessResult r;
-  if (l.world() == 1) {
-    r = test::run_keel(cmd);
-  } else {
-    const std::string full = std::string(KEEL_MPIEXEC) + " -np " + std::to_string(l.world()) +
-                             " -x OMP_NUM_THREADS=1 " + KEEL_BINARY + " " + cmd + " 2>&1";
-    FILE* p = popen(full.c_str(), "r");
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-    const int status = pclose(p);
-    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
+  const test::ProcessResult r = l.world() == 1 ? test::run_keel(cmd) : test::run_keel_mpi(l.world(), cmd);
   Run run{r.code, r.output, {}};
   if (fs::exists(out + "/metrics.jsonl"))
     for (const auto& rec : test::read_metrics(out + "/metrics.jsonl"))
@@ -161,18 +149,12 @@ TEST_CASE("tied embedding copies stay bitwise identical over many steps, and a d
     CHECK_THAT(r.output, Catch::Contains("replica check"));
   }
   // With one copy nudged (test hook), the check stops the run naming the tensor and the ranks.
-  const std::string cmd = std::string(KEEL_MPIEXEC) + " -np 2 -x OMP_NUM_THREADS=1 -x KEEL_FAULT_TIED_DRIFT=1 " +
-                          KEEL_BINARY + " train --config " + ws.config + " --out " + (ws.dir / "drift") +
-                          " -q --set parallel.pp=2 2>&1";
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  INFO(out);
-  CHECK(WEXITSTATUS(status) != 0);
-  CHECK_THAT(out, Catch::Contains("replica mismatch") && Catch::Contains("tok_embed") &&
+  const auto drift = test::run_keel_mpi(
+      2, "train --config " + ws.config + " --out " + (ws.dir / "drift") + " -q --set parallel.pp=2",
+      "KEEL_FAULT_TIED_DRIFT=1");
+  INFO(drift.output);
+  CHECK(drift.code != 0);
+  CHECK_THAT(drift.output, Catch::Contains("replica mismatch") && Catch::Contains("tok_embed") &&
                       Catch::Contains("world rank 0") && Catch::Contains("world rank 1"));
 }
 
@@ -211,18 +193,11 @@ TEST_CASE("a checkpoint saved under tp=2 pp=2 dp=2 resumes under tp=1 pp=1 dp=1 
 
 TEST_CASE("a world size that does not match tp*pp*dp is one clear error", "[mpi][errors]") {
   test::Workspace ws(model_patch("llama"));
-  const std::string cmd = std::string(KEEL_MPIEXEC) + " -np 3 -x OMP_NUM_THREADS=1 " + KEEL_BINARY +
-                          " train --config " + ws.config + " --out " + (ws.dir / "x") +
-                          " --set parallel.tp=2 --set parallel.pp=2 2>&1";
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  INFO(out);
-  CHECK(WEXITSTATUS(status) == 2);
-  CHECK_THAT(out, Catch::Contains("tp*pp*dp = 2*2*1 = 4 ranks, but 3 processes were launched"));
+  const auto r = test::run_keel_mpi(
+      3, "train --config " + ws.config + " --out " + (ws.dir / "x") + " --set parallel.tp=2 --set parallel.pp=2");
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("tp*pp*dp = 2*2*1 = 4 ranks, but 3 processes were launched"));
   CHECK_FALSE(fs::exists(ws.dir / "x"));
 }
 

@@ -244,16 +244,11 @@ TEST_CASE("a save that hits a write error reports it, removes its partial files 
   const std::string out = ws.dir / "run";
   REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
   // A file-size limit below one optimizer file (~390 KB): writing the next save fails with EFBIG.
-  const std::string cmd = "bash -c 'ulimit -f 200; exec " + std::string(KEEL_BINARY) + " " + train_args(ws, out) + "' 2>&1";
-  std::string output;
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) output.append(buf, n);
-  const int status = pclose(p);
-  INFO(output);
-  CHECK(WEXITSTATUS(status) == 5);
-  CHECK_THAT(output, Catch::Contains("saving checkpoint step_00000008") && Catch::Contains("File too large") &&
+  const auto limited =
+      test::run_shell("bash -c 'ulimit -f 200; exec " + std::string(KEEL_BINARY) + " " + train_args(ws, out) + "'");
+  INFO(limited.output);
+  CHECK(limited.code == 5);
+  CHECK_THAT(limited.output, Catch::Contains("saving checkpoint step_00000008") && Catch::Contains("File too large") &&
                          Catch::Contains("previous checkpoints are untouched"));
   CHECK(run_keel("ckpt verify " + out + "/checkpoints/step_00000004").code == 0);
   CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000008"));

@@ -4,6 +4,8 @@
 // planner's memory verdicts and ranking.
 #include <catch2/catch.hpp>
 
+#include "common/process.h"
+
 #include <malloc.h>
 #include <sys/wait.h>
 
@@ -747,15 +749,8 @@ struct Ran {
 };
 
 Ran keel_cli(const std::string& args) {
-  Ran r;
-  FILE* p = popen((std::string(KEEL_BINARY) + " " + args + " 2>&1").c_str(), "r");
-  REQUIRE(p);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  const test::ProcessResult r = test::run_keel(args);
+  return {r.code, r.output};
 }
 
 }  // namespace

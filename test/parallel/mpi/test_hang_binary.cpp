@@ -21,17 +21,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-test::ProcessResult run_shell(const std::string& cmd) {
-  test::ProcessResult r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using test::run_shell;
 
 // The complete "keel hang report: ..." lines of a job's output (a rank killed by the abort may
 // leave half a line), without their "(stuck ...)" tail.
