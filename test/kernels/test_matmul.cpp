@@ -151,35 +151,3 @@ TEST_CASE("bias_backward sums rows into dbias", "[matmul]") {
     CHECK(rel_error(dbias.values(), expect) < 1e-6);
   }
 }
-
-// Not a test: prints GFLOP/s, by wall time and per core (process CPU time, which is what a
-// shared machine still measures reliably). Run `test_kernels "[.bench]"`.
-TEST_CASE("matmul throughput", "[.bench]") {
-  auto be = make_cpu_backend();
-  struct Size {
-    int64_t M, N, K;
-    bool ta, tb;
-  };
-  for (Size s : {Size{1024, 512, 128, false, false}, Size{1024, 512, 128, false, true},
-                 Size{1024, 512, 128, true, false}, Size{1024, 1536, 512, false, true},
-                 Size{512, 512, 4096, true, false}, Size{2048, 2048, 2048, false, false}}) {
-    HostTensor a = make_a(DType::F32, s.M, s.K, s.ta, randn(s.M * s.K, 1));
-    HostTensor b = make_b(DType::F32, s.K, s.N, s.tb, randn(s.K * s.N, 2));
-    HostTensor out(DType::F32, {s.M, s.N});
-    be->matmul(out.t, a.t, b.t, s.ta, s.tb);  // warm up (packing buffers, pages)
-    int reps = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::clock_t c0 = std::clock();
-    double elapsed = 0;
-    do {
-      be->matmul(out.t, a.t, b.t, s.ta, s.tb);
-      ++reps;
-      elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    } while (elapsed < 1.0);
-    const double cpu = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
-    const double flop = 2.0 * s.M * s.N * s.K * reps;
-    std::printf("matmul M=%lld N=%lld K=%lld ta=%d tb=%d threads=%d: %.1f GFLOP/s wall, %.1f GFLOP/s per core\n",
-                (long long)s.M, (long long)s.N, (long long)s.K, s.ta, s.tb, omp_get_max_threads(),
-                flop / elapsed / 1e9, flop / cpu / 1e9);
-  }
-}

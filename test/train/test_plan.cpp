@@ -583,9 +583,23 @@ const SeedRun* find_run(const char* table, int h, int layers, int heads, int64_t
 
 }  // namespace
 
-// Prints the comparison for the notes: test_train "[plan-seed-table]"
-TEST_CASE("plan: seed 200B benchmark rows against the planner (printed)", "[.][plan-seed-table]") {
-  std::printf("%s", seed_table_markdown(compare_seed_runs()).c_str());
+// The comparison table of the notes: one row per transcribed seed run, with the planner's
+// verdict. KEEL_PRINT_SEED_TABLE=1 prints it (test_train "[plan-seed-table]").
+TEST_CASE("plan: seed 200B benchmark rows against the planner, as a table", "[plan][plan-seed-table]") {
+  const auto rows = compare_seed_runs();
+  const std::string table = seed_table_markdown(rows);
+  int lines = 0, fits = 0, oom = 0;
+  for (size_t at = 0; (at = table.find("\n| ", at)) != std::string::npos; ++at) ++lines;
+  for (const auto& c : rows) (c.plan.fits ? fits : oom) += 1;
+  CHECK(lines == static_cast<int>(rows.size()));  // one table line per run after the header
+  CHECK(rows.size() >= 85);
+  // Every verdict in the table is the planner's.
+  size_t n_fits = 0, n_oom = 0;
+  for (size_t at = 0; (at = table.find("GiB | fits |", at)) != std::string::npos; ++at) ++n_fits;
+  for (size_t at = 0; (at = table.find("GiB | OOM |", at)) != std::string::npos; ++at) ++n_oom;
+  CHECK(static_cast<int>(n_fits) == fits);
+  CHECK(static_cast<int>(n_oom) == oom);
+  if (std::getenv("KEEL_PRINT_SEED_TABLE")) std::printf("%s", table.c_str());
 }
 
 TEST_CASE("plan: seed 200B runs, memory: verdicts and size", "[plan]") {
