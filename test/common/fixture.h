@@ -7,8 +7,10 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include "data/safetensors.h"
@@ -82,6 +84,34 @@ inline double rel_error(const float* a, const float* b, size_t n) {
     den += static_cast<double>(b[i]) * b[i];
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Every parameter gradient against the oracle's: within 1e-5 relative, except gradients that
+// are mathematically zero (GPT-2's key bias: softmax ignores a per-key constant), where keel
+// must give only fp32 cancellation noise, far below the other gradients. Returns the worst
+// relative error and its tensor, for the log.
+inline std::pair<double, std::string> check_gradients(const Fixture& fx, const ParamTable& table,
+                                                      const std::vector<float>& grads, const std::string& label) {
+  std::vector<float> ref_grads = fx.flat(table, "grad");
+  const std::vector<float> all_zero(ref_grads.size(), 0.0f);
+  const double total = rel_error(ref_grads.data(), all_zero.data(), ref_grads.size());
+  std::pair<double, std::string> worst{0.0, ""};
+  for (const ParamSpec& p : table.params()) {
+    const float* g = grads.data() + p.offset;
+    const float* ref = ref_grads.data() + p.offset;
+    const size_t n = static_cast<size_t>(p.numel);
+    if (rel_error(ref, all_zero.data(), n) < 1e-12 * total) {
+      const double noise = rel_error(g, all_zero.data(), n);
+      INFO(label << " gradient of " << p.name << " should vanish; norm " << noise << " vs total " << total);
+      CHECK(noise <= 1e-6 * total);
+      continue;
+    }
+    const double err = rel_error(g, ref, n);
+    INFO(label << " gradient of " << p.name << " relative error " << err);
+    CHECK(err <= 1e-5);
+    if (err > worst.first) worst = {err, p.name};
+  }
+  return worst;
 }
 
 }  // namespace keel::test

@@ -140,26 +140,7 @@ TEST_CASE("gpu: tiny GPT-2 and Llama match the HF oracle in fp32 (logits, loss, 
     model.backward(1.0f / static_cast<float>(r.n_valid));
     std::vector<float> grads(static_cast<size_t>(n));
     be.copy_to_host(grads.data(), dg.t);
-    std::vector<float> ref_grads = fx.flat(table, "grad");
-    const double total = test::rel_error(ref_grads.data(), std::vector<float>(ref_grads.size()).data(), ref_grads.size());
-    double worst = 0;
-    std::string worst_name;
-    for (const ParamSpec& p : table.params()) {
-      const float* g = grads.data() + p.offset;
-      const float* ref = ref_grads.data() + p.offset;
-      const size_t k = static_cast<size_t>(p.numel);
-      const std::vector<float> zeros(k, 0.0f);
-      if (test::rel_error(ref, zeros.data(), k) < 1e-12 * total) {
-        const double noise = test::rel_error(g, zeros.data(), k);
-        INFO(p.name << " should vanish; norm " << noise << " vs total " << total);
-        CHECK(noise <= 1e-6 * total);
-        continue;
-      }
-      const double err = test::rel_error(g, ref, k);
-      INFO("gradient of " << p.name << " relative error " << err);
-      CHECK(err <= 1e-5);
-      if (err > worst) worst = err, worst_name = p.name;
-    }
+    const auto [worst, worst_name] = test::check_gradients(fx, table, grads, std::string(name) + " on the GPU");
     WARN(name << " on the GPU: loss diff " << std::abs(loss - ref_loss) << ", logits rel err " << logit_err
               << ", worst gradient rel err " << worst << " (" << worst_name << ")");
   }

@@ -39,28 +39,7 @@ void check_fixture(const std::string& name) {
   CHECK(logit_err <= 1e-5);
 
   model.backward(1.0f / static_cast<float>(r.n_valid));
-  std::vector<float> ref_grads = fx.flat(table, "grad");
-  const double total = test::rel_error(ref_grads.data(), std::vector<float>(ref_grads.size()).data(), ref_grads.size());
-  double worst = 0;
-  std::string worst_name;
-  for (const ParamSpec& p : table.params()) {
-    const float* g = grads.data() + p.offset;
-    const float* ref = ref_grads.data() + p.offset;
-    const size_t n = static_cast<size_t>(p.numel);
-    const std::vector<float> zeros(n, 0.0f);
-    if (test::rel_error(ref, zeros.data(), n) < 1e-12 * total) {
-      // Mathematically zero (GPT-2's key bias: softmax is invariant to it): keel must give
-      // only fp32 cancellation noise, far below the other gradients.
-      const double noise = test::rel_error(g, zeros.data(), n);
-      INFO(name << " gradient of " << p.name << " should vanish; norm " << noise << " vs total " << total);
-      CHECK(noise <= 1e-6 * total);
-      continue;
-    }
-    const double err = test::rel_error(g, ref, n);
-    INFO(name << " gradient of " << p.name << " relative error " << err);
-    CHECK(err <= 1e-5);
-    if (err > worst) worst = err, worst_name = p.name;
-  }
+  const auto [worst, worst_name] = test::check_gradients(fx, table, grads, name);
   WARN(name << ": loss diff " << std::abs(loss - ref_loss) << ", logits rel err " << logit_err
             << ", worst gradient rel err " << worst << " (" << worst_name << ")");
 }
