@@ -36,13 +36,17 @@ struct AdamWParams {
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
   int64_t step = 1;  // 1-based Adam step count (bias correction)
   float grad_scale = 1;
-  // Stochastic rounding of the bf16 working copy written from the fp32 master (CUDA backend;
-  // off by default). The value rounds up with probability equal to its distance from the lower
-  // bf16 neighbour over the spacing, from a counter-based hash of (rounding_seed, step, element
-  // index within the tensor; give each tensor its own seed): reproducible, and unbiased in
-  // expectation. The CPU reference always rounds to nearest even, as do fp16 working copies.
+  // Stochastic rounding of a bf16 working copy written from an fp32 master (off by default;
+  // ignored without a master or for fp16/fp32 working copies, which round to nearest even).
+  // The value rounds up with probability equal to its distance from the lower bf16 neighbour
+  // over the spacing, the random bits a hash of (rounding_seed, step, rounding_index0 + i) for
+  // element i of the call (kernels/stochastic_rounding.h): reproducible, unbiased in
+  // expectation, and the same bits on the CPU and the GPU. Give each tensor its own seed, and
+  // rounding_index0 = the offset of this call's first element within its tensor, so the result
+  // does not depend on how the tensor is split into calls (ZeRO shards).
   bool stochastic_rounding = false;
   uint64_t rounding_seed = 0;
+  int64_t rounding_index0 = 0;
 };
 
 class Backend {

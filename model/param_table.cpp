@@ -184,12 +184,14 @@ inline double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11)
 
 }  // namespace
 
+uint64_t param_key(const ParamSpec& p, uint64_t seed) { return mix64(seed ^ mix64(hash_name(p.name))); }
+
 void init_param(const ParamSpec& p, uint64_t seed, float* out) {
   if (p.init_std <= 0) {
     for (int64_t i = 0; i < p.numel; ++i) out[i] = p.init_value;
     return;
   }
-  const uint64_t key = mix64(seed ^ mix64(hash_name(p.name)));
+  const uint64_t key = param_key(p, seed);
   const int64_t local_rows = p.local_shape.size() == 2 ? p.local_shape[0] : 1;
   const int64_t local_cols = p.local_shape.back();
   const int64_t full_cols = p.shape.back();

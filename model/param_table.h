@@ -110,5 +110,7 @@ ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, bool embedd
 // element value = N(0, init_std) drawn from a counter-based generator keyed by (seed, tensor
 // name, logical element index), so every TP/PP layout initialises the same model.
 void init_param(const ParamSpec& p, uint64_t seed, float* out);
+// A 64-bit key of (seed, p.name): the same for every shard and copy of a tensor.
+uint64_t param_key(const ParamSpec& p, uint64_t seed);
 
 }  // namespace keel

@@ -245,6 +245,10 @@ RunConfig parse_config(const json& doc, const std::string& source) {
                        : mode == "fp16" ? PrecisionMode::FP16
                        : mode == "bf16" ? PrecisionMode::BF16
                                         : PrecisionMode::BF16UnsafeNoMaster;
+    c.precision.stochastic_rounding = f.boolean("stochastic_rounding", false);
+    if (c.precision.stochastic_rounding && c.precision.mode != PrecisionMode::BF16)
+      errors.push_back("precision.stochastic_rounding: true needs precision.mode \"bf16\" (fp32 masters written to a "
+                       "bf16 working copy), got mode \"" + mode + "\"");
     f.raw("loss_scale");
     const json* ls_doc = child(doc, "precision") ? child(*child(doc, "precision"), "loss_scale") : nullptr;
     Fields ls(ls_doc, "precision.loss_scale", errors);
@@ -505,6 +509,7 @@ json to_json(const RunConfig& c) {
                 {"init_std", m.init_std}};
   const LossScaleConfig& s = c.precision.loss_scale;
   j["precision"] = {{"mode", precision_name(c.precision.mode)},
+                    {"stochastic_rounding", c.precision.stochastic_rounding},
                     {"loss_scale",
                      {{"initial", s.initial},
                       {"growth_interval", s.growth_interval},

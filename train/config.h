@@ -39,6 +39,9 @@ struct LossScaleConfig {
 struct PrecisionConfig {
   PrecisionMode mode = PrecisionMode::BF16;
   LossScaleConfig loss_scale;
+  // bf16 mode: write the bf16 working copy from the fp32 master by stochastic rounding
+  // instead of round-to-nearest (kernels/stochastic_rounding.h). Off by default.
+  bool stochastic_rounding = false;
 };
 
 struct OptimizerConfig {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/stochastic_rounding.h"
+
 namespace keel {
 
 DType working_dtype(PrecisionMode mode) {
@@ -108,7 +110,7 @@ void ParamState::master_to_host(float* out) const {
 }
 
 void adamw_update(ParamState& s, const ParamTable& table, Backend& be, const OptimizerConfig& opt, double lr,
-                  float grad_scale) {
+                  float grad_scale, const WorkingRounding& rounding) {
   s.adam_step += 1;
   AdamWParams a;
   a.lr = static_cast<float>(lr);
@@ -117,12 +119,17 @@ void adamw_update(ParamState& s, const ParamTable& table, Backend& be, const Opt
   a.eps = static_cast<float>(opt.eps);
   a.step = s.adam_step;
   a.grad_scale = grad_scale;
+  a.stochastic_rounding = rounding.stochastic;
   // AdamW is elementwise: update the part of each tensor inside this rank's shard.
   for (const ParamSpec& p : table.params()) {
     const int64_t begin = std::max(p.offset, s.optim_begin()), end = std::min(p.offset + p.numel, s.optim_end());
     if (begin >= end) continue;
     const int64_t n = end - begin;
     a.weight_decay = p.decay ? static_cast<float>(opt.weight_decay) : 0.0f;
+    if (rounding.stochastic) {
+      a.rounding_seed = mix_seed(param_key(p, rounding.seed), static_cast<uint64_t>(p.shard_begin));
+      a.rounding_index0 = begin - p.offset;
+    }
     Tensor master = s.has_master() ? s.flat_view(s.master, begin, n) : Tensor();
     be.adamw(master, s.flat_view(s.working, begin, n), s.flat_view(s.grads, begin, n), s.flat_view(s.m, begin, n),
              s.flat_view(s.v, begin, n), a);

@@ -62,10 +62,20 @@ class ParamState {
   std::vector<void*> allocations_;
 };
 
+// Working copies written by stochastic rounding (bf16 working with fp32 masters only): each
+// tensor's random stream is keyed by (seed, its name, its TP shard), counted by the element's
+// index within the tensor and the Adam step, so it does not depend on the ZeRO-1 sharding,
+// replicated copies (TP-replicated norms, tied embedding copies) round identically, and a
+// resume continues the same stream.
+struct WorkingRounding {
+  bool stochastic = false;
+  uint64_t seed = 0;
+};
+
 // One AdamW update of this rank's shard: grads are multiplied by grad_scale (loss-scale
 // removal times the clip coefficient); weight decay only where the table's role says so.
 void adamw_update(ParamState& state, const ParamTable& table, Backend& backend, const OptimizerConfig& opt,
-                  double lr, float grad_scale);
+                  double lr, float grad_scale, const WorkingRounding& rounding = {});
 
 // Dynamic loss scaling for fp16 (Megatron's rules). Disabled => scale 1, never changes.
 class LossScaler {

@@ -287,12 +287,14 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   };
   nlohmann::json loaded_health, loaded_topology;
   std::string loaded_from;
+  bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
     Checkpoint ck = open_verified(resume_path, "resume from");
     progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
+    loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
     const auto& topo = ck.meta()["topology"];
     notes.insert(notes.begin(), "resuming from " + ck.path() + " at iteration " + std::to_string(progress.iteration) +
                                     ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
@@ -317,7 +319,7 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   // Restart verification (seeds 000 and 001): the masters must round to the loaded weights,
   // and the probe batch's loss and the per-tensor norms must be what was saved.
   if (!loaded_from.empty() && cfg.health.verify_restart) {
-    std::vector<std::string> problems = tr.check_master_consistency();
+    std::vector<std::string> problems = tr.check_master_consistency(loaded_stochastic);
     if (!problems.empty())
       problems.insert(problems.begin(),
                       "the fp32 master weights did not come from the loaded weights; the first update would replace "

@@ -249,7 +249,8 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   double clip = 1.0;
   if (cfg_.optimizer.grad_clip > 0) clip = std::min(1.0, cfg_.optimizer.grad_clip / (st.grad_norm + 1e-6));
   st.lr = learning_rate(cfg_, iteration);
-  adamw_update(*state_, table_, be_, cfg_.optimizer, st.lr, static_cast<float>(clip / st.loss_scale));
+  adamw_update(*state_, table_, be_, cfg_.optimizer, st.lr, static_cast<float>(clip / st.loss_scale),
+               {cfg_.precision.stochastic_rounding, cfg_.train.seed});
   if (grid_.dp_size() > 1) {
     // Every rank updated its shard of the working weights; gather the whole back.
     dp.all_gather(state_->working, state_->flat_view(state_->working, state_->optim_begin(),

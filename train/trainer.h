@@ -95,8 +95,10 @@ class Trainer {
   std::vector<std::string> compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now, bool same_topology,
                                             bool compare_masters) const;
   // Tensors whose fp32 masters do not round to the stored working weights (collective):
-  // masters that did not come from these weights (a stale or random master copy).
-  std::vector<std::string> check_master_consistency();
+  // masters that did not come from these weights (a stale or random master copy). `stochastic`:
+  // the weights were written by stochastic rounding, so either bf16 neighbour of the master
+  // is consistent (round-to-nearest otherwise, bit for bit).
+  std::vector<std::string> check_master_consistency(bool stochastic = false);
 
   const RunConfig& config() const { return cfg_; }
   const ParamTable& table() const { return table_; }

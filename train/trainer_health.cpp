@@ -2,6 +2,7 @@
 // localisation, frozen-parameter reports, restart verification (probe loss, per-tensor norms,
 // master consistency). Replica checks are in trainer.cpp.
 #include <algorithm>
+#include <bit>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -208,7 +209,7 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
   return problems;
 }
 
-std::vector<std::string> Trainer::check_master_consistency() {
+std::vector<std::string> Trainer::check_master_consistency(bool stochastic) {
   std::vector<double> bad(full_names_.size(), 0.0), total(full_names_.size(), 0.0);
   if (state_->has_master() && !state_->master_is_working()) {
     const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
@@ -226,7 +227,11 @@ std::vector<std::string> Trainer::check_master_consistency() {
       int64_t n_bad = 0;
       for (size_t k = 0; k < master.size(); ++k) {
         const uint16_t rounded = wt == DType::BF16 ? f32_to_bf16(master[k]) : f32_to_f16(master[k]);
-        n_bad += rounded != working[k];
+        if (rounded == working[k]) continue;
+        // Stochastic rounding: the master truncated to bf16, or one step further from zero.
+        const uint16_t down = static_cast<uint16_t>(std::bit_cast<uint32_t>(master[k]) >> 16);
+        n_bad += !(stochastic && wt == DType::BF16 && std::isfinite(master[k]) &&
+                   (working[k] == down || working[k] == static_cast<uint16_t>(down + 1)));
       }
       bad[i] += static_cast<double>(n_bad);
       total[i] += static_cast<double>(master.size());

@@ -11,9 +11,13 @@
 // With an empty master the working tensor is the parameter: read as fp32, written back rounded
 // to its dtype. In bf16 an update smaller than half the spacing (2^-8 at 1.0) is lost every step,
 // which is the "bf16 parameters freeze" failure this mode exists to reproduce.
+//
+// With a master and a bf16 working copy, AdamWParams::stochastic_rounding writes the working
+// copy by stochastic rounding (kernels/stochastic_rounding.h), the same bits as the GPU.
 #include <cmath>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/stochastic_rounding.h"
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -50,6 +54,8 @@ void CpuBackend::adamw(const Tensor& master, const Tensor& working, const Tensor
   const float beta1 = p.beta1, beta2 = p.beta2, eps = p.eps, grad_scale = p.grad_scale;
   const bool write_working = !has_master || working.data != master.data;
   const Tensor& param = has_master ? master : working;
+  const bool stochastic = p.stochastic_rounding && has_master && write_working && working.dtype == DType::BF16;
+  const uint64_t sr_step = static_cast<uint64_t>(p.step), sr_index0 = static_cast<uint64_t>(p.rounding_index0);
 
   constexpr int64_t kChunk = 1024;
   cpu::for_chunks(n, kChunk, [&](int64_t begin, int64_t len) {
@@ -68,7 +74,17 @@ void CpuBackend::adamw(const Tensor& master, const Tensor& working, const Tensor
       pv[i] = x;
     }
     if (has_master) cpu::store_f32(master, begin, len, pv);
-    if (write_working) cpu::store_f32(working, begin, len, pv);
+    if (stochastic) {
+      uint16_t* w = working.as<uint16_t>() + begin;
+      for (int64_t i = 0; i < len; ++i) {
+        const uint32_t u = std::bit_cast<uint32_t>(pv[i]);
+        const uint64_t index = sr_index0 + static_cast<uint64_t>(begin + i);
+        w[i] = std::isfinite(pv[i]) ? bf16_bits_stochastic(u, rounding_bits(p.rounding_seed, sr_step, index))
+                                    : f32_to_bf16(pv[i]);
+      }
+    } else if (write_working) {
+      cpu::store_f32(working, begin, len, pv);
+    }
   });
 }
 

@@ -9,12 +9,12 @@
 // __fdiv_rn, __fadd_rn, __fsqrt_rn: no fused multiply-add), so masters, moments and the
 // working copy are bitwise equal to the CPU's. One thread per element (grid-stride loop).
 //
-// Optional stochastic rounding of a bf16 working copy (AdamWParams::stochastic_rounding): the
-// fp32 value's low 16 bits plus a uniform 16-bit random number, truncated; the random bits come
-// from a counter-based hash of (rounding_seed, step, element index), so runs are reproducible.
+// Optional stochastic rounding of a bf16 working copy (AdamWParams::stochastic_rounding), with
+// the CPU's bits (kernels/stochastic_rounding.h).
 #include <cmath>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/stochastic_rounding.h"
 
 namespace keel {
 
@@ -25,22 +25,13 @@ namespace {
 
 struct AdamScalars {
   float decay, beta1, beta2, one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps, grad_scale;
-  uint64_t seed, step;
+  uint64_t seed, step, index0;  // index0: index of element 0 within its tensor (the hash's counter)
 };
-
-__device__ __forceinline__ uint32_t hash_bits(uint64_t seed, uint64_t step, uint64_t index) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1) + 0xD1B54A32D192ED03ull * (step + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<uint32_t>(z);
-}
 
 // Round x to bf16 stochastically (finite values; inf/nan round to nearest).
 __device__ __forceinline__ __nv_bfloat16 bf16_stochastic(float x, uint32_t random) {
   if (!isfinite(x)) return __float2bfloat16_rn(x);
-  const uint32_t bits = (__float_as_uint(x) + (random & 0xffffu)) & 0xffff0000u;
-  return __ushort_as_bfloat16(static_cast<unsigned short>(bits >> 16));
+  return __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(x), random));
 }
 
 template <class T>
@@ -50,7 +41,7 @@ __device__ __forceinline__ void store_working(T* w, int64_t i, float x, const Ad
 template <>
 __device__ __forceinline__ void store_working<__nv_bfloat16>(__nv_bfloat16* w, int64_t i, float x, const AdamScalars& s,
                                                              bool stochastic) {
-  w[i] = stochastic ? bf16_stochastic(x, hash_bits(s.seed, s.step, static_cast<uint64_t>(i))) : __float2bfloat16_rn(x);
+  w[i] = stochastic ? bf16_stochastic(x, rounding_bits(s.seed, s.step, s.index0 + static_cast<uint64_t>(i))) : __float2bfloat16_rn(x);
 }
 
 // master may be null (the working copy is then the parameter); write_working false when the
@@ -108,6 +99,7 @@ void CudaBackend::adamw(const Tensor& master, const Tensor& working, const Tenso
   s.grad_scale = p.grad_scale;
   s.seed = p.rounding_seed;
   s.step = static_cast<uint64_t>(p.step);
+  s.index0 = static_cast<uint64_t>(p.rounding_index0);
   const bool write_working = !has_master || working.data != master.data;
   const bool stochastic = p.stochastic_rounding && has_master && working.dtype == DType::BF16;
 

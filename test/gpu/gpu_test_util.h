@@ -123,15 +123,6 @@ inline double rel_err(const HostTensor& got, const HostTensor& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-// Number of elements whose stored bits differ.
-inline int64_t bits_differ(const HostTensor& a, const HostTensor& b) {
-  REQUIRE(a.numel() == b.numel());
-  REQUIRE(a.t.dtype == b.t.dtype);
-  int64_t n = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) n += a.bits(i) != b.bits(i);
-  return n;
-}
-
 // The dtypes the tests sweep.
 inline const char* dname(DType t) { return std::string_view(dtype_name(t)).data(); }
 

@@ -69,6 +69,15 @@ struct HostTensor {
   }
 };
 
+// Number of elements whose stored bits differ.
+inline int64_t bits_differ(const HostTensor& a, const HostTensor& b) {
+  REQUIRE(a.numel() == b.numel());
+  REQUIRE(a.t.dtype == b.t.dtype);
+  int64_t n = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) n += a.bits(i) != b.bits(i);
+  return n;
+}
+
 inline HostTensor make(DType dtype, std::initializer_list<int64_t> shape, const std::vector<float>& v) {
   HostTensor h(dtype, shape);
   h.set(v);

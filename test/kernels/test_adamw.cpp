@@ -125,6 +125,97 @@ TEST_CASE("adamw: bf16-only parameters freeze, fp32 masters move", "[adamw]") {
   CHECK(moved);
 }
 
+// Stochastic rounding of the bf16 working copy (lr 0: the master stays where it is, so the
+// working copy is the master rounded once per call). The tolerances are 5 standard deviations
+// of the binomial counts: a correct implementation fails them about once in 10^6 runs, and the
+// bits are a fixed function of the seed, so a pass is a pass for good.
+TEST_CASE("adamw: stochastic rounding of bf16 working copies is unbiased, reproducible and split-invariant",
+          "[adamw][stochastic]") {
+  auto be = make_cpu_backend();
+  const int64_t n = 40000;
+  AdamWParams hp;
+  hp.lr = 0;
+  hp.step = 7;
+  hp.stochastic_rounding = true;
+  hp.rounding_seed = 99;
+  auto run = [&](const HostTensor& master, int64_t step, int64_t split) {
+    HostTensor working(DType::BF16, {n}), grad(DType::F32, {n}), m(DType::F32, {n}), v(DType::F32, {n});
+    AdamWParams p = hp;
+    p.step = step;
+    for (int64_t begin = 0; begin < n; begin += split) {  // calls over [begin, begin + split)
+      const int64_t len = std::min(split, n - begin);
+      auto part = [&](const HostTensor& t) { return Tensor(static_cast<char*>(t.t.data) + begin * dtype_size(t.t.dtype), t.t.dtype, {len}, Device::CPU); };
+      p.rounding_index0 = begin;
+      be->adamw(part(master), part(working), part(grad), part(m), part(v), p);
+    }
+    return working;
+  };
+
+  SECTION("a quarter of a spacing above 1.0 rounds up a quarter of the time; so does its negative") {
+    // 1 + 2^-9 is a quarter of bf16's spacing 2^-7 above 1.0: round-to-nearest always gives 1.0.
+    for (float sign : {1.0f, -1.0f}) {
+      const float x = sign * (1.0f + std::ldexp(1.0f, -9)), up = sign * (1.0f + std::ldexp(1.0f, -7));
+      HostTensor master = make(DType::F32, {n}, std::vector<float>(n, x));
+      const HostTensor w = run(master, 7, n);
+      int64_t ups = 0, other = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        ups += w.at(i) == up;
+        other += w.at(i) != up && w.at(i) != sign;
+      }
+      CHECK(other == 0);
+      const double sd = std::sqrt(n * 0.25 * 0.75);
+      CHECK(std::abs(static_cast<double>(ups) - 0.25 * n) < 5 * sd);
+      CHECK(master.at(0) == x);  // the master itself is untouched
+    }
+  }
+
+  SECTION("random values: always a bf16 neighbour, the mean error is zero within noise") {
+    const std::vector<float> values = randn(n, 5, 3.0f);
+    HostTensor master = make(DType::F32, {n}, values);
+    const HostTensor w = run(master, 7, n);
+    double bias = 0, spacing = 0;
+    int64_t not_neighbour = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = std::bit_cast<uint32_t>(values[i]);
+      const float lo = std::bit_cast<float>(bits & 0xffff0000u), hi = std::bit_cast<float>((bits & 0xffff0000u) + 0x10000u);
+      not_neighbour += w.at(i) != lo && w.at(i) != hi;
+      bias += static_cast<double>(w.at(i)) - values[i];
+      spacing += std::abs(static_cast<double>(hi) - lo);
+    }
+    CHECK(not_neighbour == 0);
+    // Each error is uniform-ish within one spacing (sd <= spacing / 2): the mean over n is
+    // within 5 sd / sqrt(n) of zero when unbiased.
+    CHECK(std::abs(bias) / spacing < 2.5 / std::sqrt(static_cast<double>(n)));
+  }
+
+  SECTION("the same seed and step give the same bits however the tensor is split; another step does not") {
+    HostTensor master = make(DType::F32, {n}, randn(n, 6, 1.0f));
+    const HostTensor whole = run(master, 7, n);
+    CHECK(bits_differ(run(master, 7, n), whole) == 0);
+    CHECK(bits_differ(run(master, 7, 1000), whole) == 0);
+    CHECK(bits_differ(run(master, 7, 333), whole) == 0);
+    CHECK(bits_differ(run(master, 8, n), whole) > n / 10);  // a fresh draw per step
+  }
+
+  SECTION("inf and NaN round to nearest; fp16 and fp32 working copies ignore the option") {
+    std::vector<float> special(n, 1.5f);
+    special[0] = INFINITY;
+    special[1] = -INFINITY;
+    special[2] = NAN;
+    HostTensor master = make(DType::F32, {n}, special);
+    const HostTensor w = run(master, 7, n);
+    CHECK(w.at(0) == INFINITY);
+    CHECK(w.at(1) == -INFINITY);
+    CHECK(std::isnan(w.at(2)));
+    HostTensor m(DType::F32, {n}), v(DType::F32, {n}), grad(DType::F32, {n});
+    HostTensor rnd = make(DType::F32, {n}, randn(n, 8, 1.0f)), f16(DType::F16, {n});
+    be->adamw(rnd.t, f16.t, grad.t, m.t, v.t, hp);
+    int not_nearest = 0;
+    for (int64_t i = 0; i < n; ++i) not_nearest += f16.at(i) != round_to(DType::F16, rnd.at(i));
+    CHECK(not_nearest == 0);
+  }
+}
+
 TEST_CASE("adamw rejects mismatched tensors", "[adamw][errors]") {
   auto be = make_cpu_backend();
   HostTensor p(DType::F32, {4}), g(DType::F32, {5}), m(DType::F32, {4}), v(DType::F32, {4});

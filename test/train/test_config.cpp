@@ -54,6 +54,9 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"parallel", {{"tp", 8}}}}, "parallel.tp: 8 does not divide model.n_heads (4)");
   fails_with({{"parallel", {{"pp", 4}}}}, "parallel.pp: 4 stages for 2 layers");
   fails_with({{"precision", {{"mode", "fp8"}}}}, "allowed: bf16, fp32, fp16, bf16-unsafe-no-master");
+  fails_with({{"precision", {{"mode", "fp16"}, {"stochastic_rounding", true}}}},
+             "precision.stochastic_rounding: true needs precision.mode \"bf16\"");
+  fails_with({{"precision", {{"stochastic_rounding", "yes"}}}}, "precision.stochastic_rounding: expected");
   fails_with({{"schedule", {{"decay", "exp"}}}}, "schedule.decay");
   fails_with({{"schedule", {{"rampup_batch_size", {2, 2, 100}}}}}, "multiples of micro_batch * dp (4)");
   fails_with({{"data", {{"train", 5}}}}, "data.train: expected a path or a list of paths");
