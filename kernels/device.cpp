@@ -9,6 +9,12 @@ std::string device_name(int index);
 
 namespace keel {
 
+namespace {
+DeviceWaitHook g_device_wait_hook = nullptr;
+}
+void set_device_wait_hook(DeviceWaitHook hook) { g_device_wait_hook = hook; }
+DeviceWaitHook device_wait_hook() { return g_device_wait_hook; }
+
 #ifdef KEEL_HAVE_CUDA
 bool cuda_built() { return true; }
 int cuda_device_count() { return cuda::device_count(); }

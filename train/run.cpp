@@ -209,6 +209,13 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   parallel::CommGroups host_comms =
       opts.mpi ? parallel::make_host_comms(grid, *opts.mpi) : parallel::make_local_comms();
   parallel::CommGroups comms;
+  // Waits on the GPU keep answering the hang watchdog while NCCL operations are in flight.
+  struct WaitHookScope {
+    bool set = false;
+    ~WaitHookScope() {
+      if (set) set_device_wait_hook(nullptr);
+    }
+  } wait_hook;
   if (backend->device() == Device::CUDA) {
 #ifdef KEEL_HAVE_CUDA
     CUstream_st* stream = cuda_stream_of(*backend);  // NCCL ordered with the kernels
@@ -216,6 +223,8 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
       if (!parallel::nccl_built())
         throw ConfigError("a multi-GPU run needs NCCL: rebuild with NCCL (NCCL_HOME), or use device \"cpu\"");
       comms = parallel::make_nccl_comms(host_comms, stream);
+      set_device_wait_hook(&parallel::poll_async_ops);
+      wait_hook.set = true;
     } else {
       comms = parallel::make_local_comms(Device::CUDA, stream);
     }

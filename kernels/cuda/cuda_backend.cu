@@ -1,13 +1,16 @@
 // CudaBackend: construction, memory, host<->device copies, convert / fill / add / scale, the
 // dtype staging helper and the RoPE table cache. The other ops live in their own files.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/device.h"
 
 namespace keel {
 
@@ -239,7 +242,7 @@ void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
   if (src.bytes() == 0) return;
   check_cuda(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_), op, "cudaMemcpyAsync",
              src.shape_str());
-  check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize", src.shape_str());
+  wait_for_stream(op, src.shape_str());
 }
 
 void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
@@ -252,18 +255,41 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
   // page-locked memory the copy is truly asynchronous: wait, so that the same holds.
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, src) == cudaSuccess && attr.type != cudaMemoryTypeUnregistered)
-    check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize", dst.shape_str());
+    wait_for_stream(op, dst.shape_str());
   cudaGetLastError();  // cudaPointerGetAttributes may leave an error for unknown pointers on old drivers
 }
 
 void CudaBackend::read_back(void* dst, const void* src, size_t bytes, const char* op) {
   if (bytes > 64) throw std::logic_error("CudaBackend::read_back: at most 64 bytes");
   check_cuda(cudaMemcpyAsync(host_scalar_, src, bytes, cudaMemcpyDeviceToHost, stream_), op, "cudaMemcpyAsync");
-  check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize");
+  wait_for_stream(op);
   std::memcpy(dst, host_scalar_, bytes);
 }
 
-void CudaBackend::synchronize() { check_cuda(cudaStreamSynchronize(stream_), "synchronize", "cudaStreamSynchronize"); }
+void CudaBackend::synchronize() { wait_for_stream("synchronize"); }
+
+void CudaBackend::wait_for_stream(const char* op, const std::string& shapes) {
+  const DeviceWaitHook hook = device_wait_hook();
+  if (!hook) {
+    check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize", shapes);
+    return;
+  }
+  // Poll: spin briefly (most waits at a step's end are short), then sleep between queries;
+  // the hook runs about every millisecond.
+  const auto start = std::chrono::steady_clock::now();
+  auto last_hook = start;
+  for (int i = 0;; ++i) {
+    const cudaError_t e = cudaStreamQuery(stream_);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) check_cuda(e, op, "cudaStreamQuery", shapes);
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_hook >= std::chrono::milliseconds(1)) {
+      hook(std::chrono::duration<double>(now - start).count());
+      last_hook = now;
+    }
+    if (i >= 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
 
 // ---- elementwise ----
 

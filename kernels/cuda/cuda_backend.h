@@ -122,6 +122,10 @@ class CudaBackend final : public Backend {
   void* scratch(size_t bytes, const char* op);
   // The value `bytes` bytes at device address src, copied to the host (synchronizes).
   void read_back(void* dst, const void* src, size_t bytes, const char* op);
+  // Waits until the stream has drained; errors name `op` (and `shapes`). With a device wait
+  // hook set (kernels/device.h: multi-GPU runs) it polls and calls the hook meanwhile, so a
+  // collective that never completes is reported by the hang watchdog; else it blocks.
+  void wait_for_stream(const char* op, const std::string& shapes = "");
   // Device table of RoPE (cos, sin) pairs for positions [0, T): [T][head_dim/2][2] floats,
   // computed on the host with the CPU reference's recipe and kept per (T, head_dim, theta).
   const float* rope_table(int T, int head_dim, float theta);

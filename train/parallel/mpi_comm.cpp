@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -244,6 +245,15 @@ struct MpiComm::Impl {
     }
   };
 
+  // Asynchronous operations (post_async), oldest first, until seen finished.
+  struct AsyncOp {
+    std::unique_ptr<Op> op;  // its record completes when this is destroyed
+    std::function<bool()> done;
+  };
+  std::deque<AsyncOp> async_ops;
+  // Pops the finished asynchronous operations at the front (their records complete).
+  void retire_async();
+
   std::string label() const {
     std::string s = name + " [world ranks";
     for (size_t i = 0; i < members.size(); ++i) s += (i ? ", " : " ") + std::to_string(members[i]);
@@ -257,7 +267,9 @@ struct MpiComm::Impl {
   // True when KEEL_FAULT_SKIP_COLLECTIVE says this rank skips this collective: the caller
   // returns at once, as code that never called it would (its count does not advance).
   bool skip_for_fault(const char* op_name);
-  void begin(Op& op, const char* name, int64_t elements, DType dt, int send_peer = -1, int recv_peer = -1);
+  // async: run by another transport (no MPI count limit).
+  void begin(Op& op, const char* name, int64_t elements, DType dt, int send_peer = -1, int recv_peer = -1,
+             bool async = false);
   // n <= 2. statuses: n of them, or nullptr.
   void wait(MPI_Request* reqs, int n, const Op& op, MPI_Status* statuses = nullptr);
   void test(MPI_Request* reqs, int n, const Op& op, MPI_Status* statuses, int* done);
@@ -273,6 +285,10 @@ struct MpiComm::Impl {
     return acc_scratch.data();
   }
 };
+
+void MpiComm::Impl::retire_async() {
+  while (!async_ops.empty() && async_ops.front().done()) async_ops.pop_front();
+}
 
 namespace {
 
@@ -447,7 +463,8 @@ std::string MpiComm::Impl::short_text(const Op& op) const {
          fmt_seconds(seconds_since(op.start));
 }
 
-void MpiComm::Impl::begin(Op& op, const char* op_name, int64_t elements, DType dt, int send_peer, int recv_peer) {
+void MpiComm::Impl::begin(Op& op, const char* op_name, int64_t elements, DType dt, int send_peer, int recv_peer,
+                          bool async) {
   op.name = op_name;
   op.send_peer = send_peer;
   op.recv_peer = recv_peer;
@@ -478,7 +495,7 @@ void MpiComm::Impl::begin(Op& op, const char* op_name, int64_t elements, DType d
   if (broken)
     throw std::runtime_error(describe(op) + ": the communicator is unusable after an earlier timeout");
   // MPI counts are ints; the tensors that reach host MPI are far below this.
-  if (elements > INT_MAX)
+  if (elements > INT_MAX && !async)
     throw std::invalid_argument(describe(op) + ": more than 2^31-1 elements in one host MPI operation");
 }
 
@@ -829,6 +846,46 @@ void MpiComm::set_chunk_elements(int64_t n) { impl_->chunk_elements = std::max<i
 int64_t MpiComm::collective_calls() const { return impl_->collectives; }
 const std::vector<int>& MpiComm::members() const { return impl_->members; }
 
+bool MpiComm::post_async(const char* op_name, int64_t elements, DType dt, int send_peer, int recv_peer,
+                         std::function<bool()> done) {
+  Impl& m = *impl_;
+  if (m.skip_for_fault(op_name)) return false;
+  if (m.size == 1) return true;  // a group of one never waits: nothing to keep
+  auto op = std::make_unique<Impl::Op>();
+  m.begin(*op, op_name, elements, dt, send_peer, recv_peer, /*async=*/true);
+  m.async_ops.push_back({std::move(op), std::move(done)});
+  return true;
+}
+
+void poll_async_ops(double) {
+  MpiComm::Impl* oldest_comm = nullptr;
+  const MpiComm::Impl::Op* oldest = nullptr;
+  for (MpiComm::Impl* c : g_comms) {
+    c->retire_async();
+    if (c->async_ops.empty()) continue;
+    const MpiComm::Impl::Op& op = *c->async_ops.front().op;
+    if (!oldest || op.start < oldest->start) oldest = &op, oldest_comm = c;
+  }
+  // Answer questions as a rank waiting in `oldest` (or in nothing of keel's: computing).
+  static Clock::time_point last_serve{};
+  const Clock::time_point now = Clock::now();
+  if (now - last_serve >= kServeInterval) {
+    BusyScope busy(oldest_comm, oldest);
+    serve_queries();
+    last_serve = now;
+  }
+  if (oldest && oldest_comm->timeout > 0 && seconds_since(oldest->start) > oldest_comm->timeout) {
+    BusyScope busy(oldest_comm, oldest);
+    oldest_comm->on_timeout(*oldest);
+  }
+}
+
+bool async_ops_pending() {
+  for (MpiComm::Impl* c : g_comms)
+    if (!c->async_ops.empty()) return true;
+  return false;
+}
+
 void MpiComm::all_reduce(const Tensor& t, ReduceOp rop) {
   check::reduction(*this, "all_reduce", t);
   Impl& m = *impl_;
@@ -1118,6 +1175,9 @@ double MpiComm::timeout() const { return 0; }
 void MpiComm::set_chunk_elements(int64_t) {}
 int64_t MpiComm::collective_calls() const { return 0; }
 const std::vector<int>& MpiComm::members() const { no_mpi(); }
+bool MpiComm::post_async(const char*, int64_t, DType, int, int, std::function<bool()>) { no_mpi(); }
+void poll_async_ops(double) {}
+bool async_ops_pending() { return false; }
 
 #endif
 

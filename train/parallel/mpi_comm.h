@@ -26,6 +26,7 @@
 // collective #N of its G group (see parse_collective_fault).
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "train/parallel/comm.h"
@@ -99,11 +100,31 @@ class MpiComm final : public Comm {
   int64_t collective_calls() const;  // collectives started on this group so far
   const std::vector<int>& members() const;  // world ranks, in group-rank order
 
+  // Asynchronous operations on this group run by another transport (NcclComm, on a CUDA
+  // stream) are kept in this communicator's books, so the watchdog, the answers to other
+  // ranks' questions and the hang dumps see them exactly like its own operations: numbered
+  // (collective #N, send #N to a peer), recorded in the OpRecorder ring, and "waited in" until
+  // `done()` says they finished (poll_async_ops checks, in posting order). Returns false when
+  // KEEL_FAULT_SKIP_COLLECTIVE says this rank skips it: the caller must then not run it.
+  // Throws once this communicator has timed out.
+  bool post_async(const char* op, int64_t elements, DType dt, int send_peer, int recv_peer,
+                  std::function<bool()> done);
+
   struct Impl;  // MPI state; public so the watchdog's process-wide registry can name it
 
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// For host code waiting for a device that runs posted asynchronous operations (CudaBackend's
+// stream waits, through set_device_wait_hook): retires finished operations, answers other
+// ranks' watchdog questions (at most every 20 ms), and when the oldest unfinished operation
+// has been pending longer than its group's timeout, diagnoses it as the blocking operations'
+// watchdog does (asks the group, prints the report, writes the dumps) and throws CommTimeout.
+// Call it every millisecond or so while waiting. `waited`: how long the caller has waited so far
+// (unused: the timeout counts from when the operation was posted).
+void poll_async_ops(double waited = 0);
+bool async_ops_pending();  // any posted asynchronous operation not yet seen finished?
 
 // One communicator per group of `grid`: MpiComms when MPI is active, LocalComms for a world of
 // one without MPI. Collective over the world when MPI is active.

@@ -44,19 +44,45 @@ struct NcclComm::Impl {
   double timeout = 600;
   int64_t calls = 0;
   bool aborted = false;
-  // The last operation enqueued: what the watchdog names when the stream does not drain.
+  // The last operation enqueued: what error messages name.
   std::string last_op = "nothing";
+  // The host communicator of the same group (the bootstrap, when it is an MpiComm): every
+  // operation goes in its books (MpiComm::post_async) with a CUDA event that tells when it
+  // finished on the stream, so the hang watchdog and dumps cover NCCL like MPI. Null for a
+  // world of one process (LocalComm bootstrap), where nothing can hang on another rank.
+  MpiComm* books = nullptr;
 
   std::string where() const {
     return name + " (nccl rank " + std::to_string(rank) + " of " + std::to_string(size) + ", world rank " +
            std::to_string(world_rank) + ")";
   }
-  void note(const char* op, const Tensor& t, int peer = -1) {
+  // Before enqueueing an operation: counts it, and posts it to the books with an event that
+  // enqueued() records behind it. False: a test fault says this rank skips it (do not enqueue).
+  bool note(const char* op, const Tensor& t, int send_peer = -1, int recv_peer = -1) {
     ++calls;
+    const int peer = send_peer >= 0 ? send_peer : recv_peer;
     last_op = std::string(op) + " #" + std::to_string(calls) + " (" + std::to_string(t.numel()) + " x " +
               std::string(dtype_name(t.dtype)) + (peer >= 0 ? ", peer " + std::to_string(peer) : "") + ")";
     if (aborted) throw std::runtime_error("nccl " + where() + ": " + last_op + " after the communicator was aborted");
+    pending_event = nullptr;
+    if (!books) return true;
+    cudaEvent_t ev = nullptr;
+    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    // Owned by the books' entry: destroyed when the operation is retired. An event never
+    // recorded (the enqueue failed) queries as complete.
+    std::shared_ptr<CUevent_st> owned(ev, [](cudaEvent_t e) { cudaEventDestroy(e); });
+    if (!books->post_async(op, t.numel(), t.dtype, send_peer, recv_peer,
+                           [owned] { return cudaEventQuery(owned.get()) != cudaErrorNotReady; }))
+      return false;
+    pending_event = ev;
+    return true;
   }
+  // After enqueueing: the event that marks the operation finished.
+  void enqueued() {
+    if (pending_event) check(cudaEventRecord(pending_event, stream), "cudaEventRecord");
+    pending_event = nullptr;
+  }
+  cudaEvent_t pending_event = nullptr;
   void check(ncclResult_t r, const char* call) const {
     if (r == ncclSuccess) return;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
@@ -82,6 +108,7 @@ NcclComm::NcclComm(Comm& bootstrap, CUstream_st* stream) : impl_(std::make_uniqu
   m.world_rank = LaunchInfo::from_environment().world_rank;
   m.stream = stream;
   m.timeout = default_comm_timeout();
+  m.books = dynamic_cast<MpiComm*>(&bootstrap);
 
   // The id travels over the host communicator: 128 bytes seen as 32 int32.
   static_assert(sizeof(ncclUniqueId) % 4 == 0, "ncclUniqueId is moved as int32 words");
@@ -98,6 +125,12 @@ NcclComm::NcclComm(Comm& bootstrap, CUstream_st* stream) : impl_(std::make_uniqu
 
 NcclComm::~NcclComm() {
   Impl& m = *impl_;
+  // After a timeout (here or on any communicator of this process) operations are still
+  // pending: abort them, as destroying would wait for them forever (and so would the stream).
+  if (m.comm && !m.aborted && comm_timed_out()) {
+    ncclCommAbort(m.comm);
+    m.aborted = true;
+  }
   if (m.barrier_word) cudaFree(m.barrier_word);
   if (m.comm && !m.aborted) ncclCommDestroy(m.comm);
 }
@@ -117,61 +150,63 @@ int64_t NcclComm::calls() const { return impl_->calls; }
 void NcclComm::all_reduce(const Tensor& t, ReduceOp op) {
   check::reduction(*this, "all_reduce", t);
   Impl& m = *impl_;
-  m.note("all_reduce", t);
-  if (t.numel() == 0) return;
+  if (!m.note("all_reduce", t) || t.numel() == 0) return;
   m.check(ncclAllReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
                         op == ReduceOp::Sum ? ncclSum : ncclMax, m.comm, m.stream),
           "ncclAllReduce");
+  m.enqueued();
 }
 
 void NcclComm::reduce_scatter(const Tensor& out, const Tensor& in) {
   check::reduce_scatter(*this, out, in);
   Impl& m = *impl_;
-  m.note("reduce_scatter", in);
-  if (out.numel() == 0) return;
+  if (!m.note("reduce_scatter", in) || out.numel() == 0) return;
   m.check(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), nccl_type(in.dtype), ncclSum, m.comm,
                             m.stream),
           "ncclReduceScatter");
+  m.enqueued();
 }
 
 void NcclComm::all_gather(const Tensor& out, const Tensor& in) {
   check::all_gather(*this, out, in);
   Impl& m = *impl_;
-  m.note("all_gather", out);
-  if (in.numel() == 0) return;
+  if (!m.note("all_gather", out) || in.numel() == 0) return;
   // In place when in is this rank's block of out: NCCL detects that from the pointers.
   m.check(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), m.comm, m.stream),
           "ncclAllGather");
+  m.enqueued();
 }
 
 void NcclComm::broadcast(const Tensor& t, int root) {
   check::broadcast(*this, t, root);
   Impl& m = *impl_;
-  m.note("broadcast", t);
-  if (t.numel() == 0) return;
+  if (!m.note("broadcast", t) || t.numel() == 0) return;
   m.check(ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), root, m.comm, m.stream),
           "ncclBroadcast");
+  m.enqueued();
 }
 
 void NcclComm::send(const Tensor& t, int peer) {
   check::point_to_point(*this, "send", t, peer);
   Impl& m = *impl_;
-  m.note("send", t, peer);
+  if (!m.note("send", t, peer)) return;
   m.check(ncclSend(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.stream), "ncclSend");
+  m.enqueued();
 }
 
 void NcclComm::recv(const Tensor& t, int peer) {
   check::point_to_point(*this, "recv", t, peer);
   Impl& m = *impl_;
-  m.note("recv", t, peer);
+  if (!m.note("recv", t, -1, peer)) return;
   m.check(ncclRecv(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.stream), "ncclRecv");
+  m.enqueued();
 }
 
 void NcclComm::sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) {
   check::point_to_point(*this, "send", send_t, send_peer);
   check::point_to_point(*this, "recv", recv_t, recv_peer);
   Impl& m = *impl_;
-  m.note("sendrecv", send_t, send_peer);
+  if (!m.note("sendrecv", send_t, send_peer, recv_peer)) return;
   // One group: NCCL posts both before either waits, so two stages exchanging cannot deadlock.
   m.check(ncclGroupStart(), "ncclGroupStart");
   ncclResult_t rs = ncclSend(send_t.data, static_cast<size_t>(send_t.numel()), nccl_type(send_t.dtype), send_peer,
@@ -182,13 +217,15 @@ void NcclComm::sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_
   m.check(rs, "ncclSend");
   m.check(rr, "ncclRecv");
   m.check(re, "ncclGroupEnd");
+  m.enqueued();
 }
 
 void NcclComm::barrier() {
   Impl& m = *impl_;
   Tensor word(m.barrier_word, DType::F32, {1}, Device::CUDA);
-  m.note("barrier", word);
+  if (!m.note("barrier", word)) return;
   m.check(ncclAllReduce(m.barrier_word, m.barrier_word, 1, ncclFloat32, ncclSum, m.comm, m.stream), "ncclAllReduce");
+  m.enqueued();
   synchronize();
 }
 
@@ -203,7 +240,11 @@ void NcclComm::synchronize() {
     m.check(ncclCommGetAsyncError(m.comm, &async_err), "ncclCommGetAsyncError");
     m.check(async_err, "NCCL (asynchronous error)");
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-    if (m.timeout > 0 && waited > m.timeout) {
+    if (m.books) {
+      // The books' watchdog: the oldest unfinished operation on any group, diagnosed across
+      // ranks (throws CommTimeout). The NCCL communicators are left to the job's abort.
+      poll_async_ops(waited);
+    } else if (m.timeout > 0 && waited > m.timeout) {
       char head[96];
       std::snprintf(head, sizeof(head), "timed out after %.1f s", waited);
       const std::string msg = "keel comm watchdog (nccl): world rank " + std::to_string(m.world_rank) + " " + head +

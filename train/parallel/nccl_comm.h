@@ -6,9 +6,17 @@
 // - Reduction arithmetic is NCCL's: its own order (ring/tree), BF16/F16 rounded at each step
 //   of the reduction rather than once; deterministic for a fixed topology and NCCL version, but
 //   not bitwise equal to MpiComm. Reduce fp32 buffers (keel's gradients are fp32) when that matters.
-// - The watchdog lives in synchronize(): with a timeout (KEEL_COMM_TIMEOUT, default 600 s) a
-//   stream that does not drain prints this rank, the group and the last operation enqueued on
-//   it, aborts the NCCL communicator and throws CommTimeout.
+// - Hang diagnosis: when the bootstrap is an MpiComm (any run under mpirun/srun), every
+//   operation is posted to its books (MpiComm::post_async) with a CUDA event behind it, so it
+//   is numbered, recorded in the OpRecorder ring and "waited in" until the event completes.
+//   Host code waiting on the GPU polls parallel::poll_async_ops (synchronize() here; the CUDA
+//   backend's waits through the device wait hook that train/run.cpp installs), which answers
+//   other ranks' watchdog questions and, when an operation is still unfinished after the
+//   group's timeout (KEEL_COMM_TIMEOUT, default 600 s), gives the same report and dumps as a
+//   stuck MPI operation and throws CommTimeout. The NCCL communicators are then aborted (their
+//   destructor), not destroyed, since destroying would wait for the stuck operation.
+//   KEEL_FAULT_SKIP_COLLECTIVE applies here too. Without books (a LocalComm bootstrap)
+//   synchronize() has its own plain watchdog naming the last operation enqueued.
 // Built when KEEL_CUDA is on and NCCL is found (KEEL_HAVE_NCCL); otherwise the constructor throws.
 #pragma once
 

@@ -360,6 +360,54 @@ int run_watchdog(const MpiRuntime& rt) {
   return 0;
 }
 
+// The watchdog over asynchronous operations (what NcclComm posts for its GPU collectives),
+// with the device simulated by flags: as in `watchdog`, rank 3 skips dp all-reduce #2 (here by
+// KEEL_FAULT_SKIP_COLLECTIVE, which post_async honours) and waits in a world barrier. Ranks 0
+// and 2 post #2 and see it finish; rank 1's #2 never finishes (its partner never came), and
+// rank 1, polling as a rank waiting on its GPU does, must get the same report as the blocking
+// watchdog: the op, the rank that never arrived, and where that rank is instead.
+int run_watchdog_async(const MpiRuntime& rt) {
+  if (rt.world_size() != 4) throw std::runtime_error("watchdog_async needs 4 ranks");
+  Grid grid(4, rt.world_rank(), 2, 1, 2);
+  CommGroups comms = make_host_comms(grid, rt);
+  auto& dp = dynamic_cast<MpiComm&>(*comms.dp);
+  auto& world = dynamic_cast<MpiComm&>(*comms.world);
+  dp.set_timeout(1.0);
+  world.set_timeout(30.0);
+  auto wait_all = [] {  // what CudaBackend::wait_for_stream does with the hook
+    while (async_ops_pending()) {
+      poll_async_ops();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  };
+  bool posted = dp.post_async("all_reduce", 1000, DType::F32, -1, -1, [] { return true; });  // #1: everyone
+  expect(posted, "all_reduce #1 posted");
+  wait_all();
+  expect(dp.collective_calls() == 1, "async all_reduce #1 counted");
+  const bool never = rt.world_rank() == 1;  // rank 1's partner (rank 3) never comes
+  posted = dp.post_async("all_reduce", 1000, DType::F32, -1, -1, [never] { return !never; });
+  expect(posted == (rt.world_rank() != 3), "only rank 3 skips all_reduce #2 (KEEL_FAULT_SKIP_COLLECTIVE)");
+  std::string msg;
+  try {
+    wait_all();
+  } catch (const CommTimeout& e) {
+    msg = e.what();
+  }
+  if (g_failures > 0) {
+    std::printf("watchdog_async diagnostic WRONG (rank %d)\n", rt.world_rank());
+    std::fflush(stdout);
+  }
+  if (rt.world_rank() == 1)
+    return judge("watchdog_async", msg,
+                 {"world rank 1 (host ", "all_reduce #2 on group dp [world ranks 1, 3]", "1000 x f32 (4000 bytes)",
+                  "dp rank 1 (world 3): NOT ARRIVED: has started 1 collectives on dp (this is #2)",
+                  "it is waiting in barrier #1 on world for ", "not arrived: world rank 3",
+                  "keel hang report: all_reduce #2 of dp group 1 [world ranks 1, 3]: world rank 3 never arrived; it "
+                  "last completed all_reduce #1 of dp group 1 and is now waiting in barrier #1 of world group 0"});
+  world.barrier();
+  return 0;
+}
+
 // pp 2: rank 1 waits for an activation rank 0 never sends (rank 0 went on to a world barrier).
 int run_watchdog_p2p(const MpiRuntime& rt) {
   if (rt.world_size() != 2) throw std::runtime_error("watchdog_p2p needs 2 ranks");
@@ -613,6 +661,7 @@ int main(int argc, char** argv) {
     if (mode == "watchdog") return run_watchdog(rt);
     if (mode == "watchdog_p2p") return run_watchdog_p2p(rt);
     if (mode == "watchdog_silent") return run_watchdog_silent(rt);
+    if (mode == "watchdog_async") return run_watchdog_async(rt);
     if (mode == "nccl") return run_nccl(rt);
     if (mode == "hang_dump" || mode == "hang_silent") {
       if (argc < 3) throw std::runtime_error(mode + " needs a dump directory argument");
