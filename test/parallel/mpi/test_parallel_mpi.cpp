@@ -330,16 +330,25 @@ int judge(const std::string& test, const std::string& msg, std::initializer_list
   return ok ? 0 : 1;
 }
 
+MpiComm& mpi(Comm& c) { return dynamic_cast<MpiComm&>(c); }
+
+// Host communicators of a tp x pp x dp grid for the watchdog tests: the group that gets stuck
+// times out after 1 s; the world after 30 s (ranks wait there until the stuck rank's report
+// ends the job).
+CommGroups watchdog_comms(const MpiRuntime& rt, int tp, int pp, int dp, GroupKind stuck) {
+  CommGroups comms = make_host_comms(Grid(rt.world_size(), rt.world_rank(), tp, pp, dp), rt);
+  mpi(comms[stuck]).set_timeout(1.0);
+  mpi(*comms.world).set_timeout(30.0);
+  return comms;
+}
+
 // tp 2 x dp 2 on 4 ranks: dp groups {0, 2} and {1, 3}. Rank 3 skips the second dp all-reduce
 // and waits in a world barrier; rank 1, stuck in that all-reduce, must say so and name rank 3.
 int run_watchdog(const MpiRuntime& rt) {
   if (rt.world_size() != 4) throw std::runtime_error("watchdog needs 4 ranks");
-  Grid grid(4, rt.world_rank(), 2, 1, 2);
-  CommGroups comms = make_host_comms(grid, rt);
-  auto& dp = dynamic_cast<MpiComm&>(*comms.dp);
-  auto& world = dynamic_cast<MpiComm&>(*comms.world);
-  dp.set_timeout(1.0);
-  world.set_timeout(30.0);  // the others wait here until rank 1's abort ends the job
+  CommGroups comms = watchdog_comms(rt, 2, 1, 2, GroupKind::DP);
+  MpiComm& dp = mpi(*comms.dp);
+  MpiComm& world = mpi(*comms.world);
   std::vector<float> grads(1000, 1.f);
   Tensor t(grads.data(), DType::F32, {1000});
   dp.all_reduce(t);  // #1: everyone
@@ -368,12 +377,9 @@ int run_watchdog(const MpiRuntime& rt) {
 // watchdog: the op, the rank that never arrived, and where that rank is instead.
 int run_watchdog_async(const MpiRuntime& rt) {
   if (rt.world_size() != 4) throw std::runtime_error("watchdog_async needs 4 ranks");
-  Grid grid(4, rt.world_rank(), 2, 1, 2);
-  CommGroups comms = make_host_comms(grid, rt);
-  auto& dp = dynamic_cast<MpiComm&>(*comms.dp);
-  auto& world = dynamic_cast<MpiComm&>(*comms.world);
-  dp.set_timeout(1.0);
-  world.set_timeout(30.0);
+  CommGroups comms = watchdog_comms(rt, 2, 1, 2, GroupKind::DP);
+  MpiComm& dp = mpi(*comms.dp);
+  MpiComm& world = mpi(*comms.world);
   auto wait_all = [] {  // what CudaBackend::wait_for_stream does with the hook
     while (async_ops_pending()) {
       poll_async_ops();
@@ -411,12 +417,9 @@ int run_watchdog_async(const MpiRuntime& rt) {
 // pp 2: rank 1 waits for an activation rank 0 never sends (rank 0 went on to a world barrier).
 int run_watchdog_p2p(const MpiRuntime& rt) {
   if (rt.world_size() != 2) throw std::runtime_error("watchdog_p2p needs 2 ranks");
-  Grid grid(2, rt.world_rank(), 1, 2, 1);
-  CommGroups comms = make_host_comms(grid, rt);
-  auto& pp = dynamic_cast<MpiComm&>(*comms.pp);
-  auto& world = dynamic_cast<MpiComm&>(*comms.world);
-  pp.set_timeout(1.0);
-  world.set_timeout(30.0);
+  CommGroups comms = watchdog_comms(rt, 1, 2, 1, GroupKind::PP);
+  MpiComm& pp = mpi(*comms.pp);
+  MpiComm& world = mpi(*comms.world);
   std::vector<uint16_t> act(64);
   if (rt.world_rank() == 1) {
     std::string msg;
@@ -437,10 +440,8 @@ int run_watchdog_p2p(const MpiRuntime& rt) {
 // dp 2: rank 1 is busy outside MPI (a long computation); rank 0 gets no answer and says so.
 int run_watchdog_silent(const MpiRuntime& rt) {
   if (rt.world_size() != 2) throw std::runtime_error("watchdog_silent needs 2 ranks");
-  Grid grid(2, rt.world_rank(), 1, 1, 2);
-  CommGroups comms = make_host_comms(grid, rt);
-  auto& dp = dynamic_cast<MpiComm&>(*comms.dp);
-  dp.set_timeout(1.0);
+  CommGroups comms = watchdog_comms(rt, 1, 1, 2, GroupKind::DP);
+  MpiComm& dp = mpi(*comms.dp);
   std::vector<float> x(8, 1.f);
   if (rt.world_rank() == 0) {
     std::string msg;
@@ -496,12 +497,9 @@ int run_hang_dump(const MpiRuntime& rt, const std::string& dir) {
   if (rt.world_size() != 4) throw std::runtime_error("hang_dump needs 4 ranks");
   clear_dumps(rt, dir);
   set_hang_dump_directory(dir);
-  Grid grid(4, rt.world_rank(), 2, 1, 2);
-  CommGroups comms = make_host_comms(grid, rt);
-  auto& dp = dynamic_cast<MpiComm&>(*comms.dp);
-  auto& world = dynamic_cast<MpiComm&>(*comms.world);
-  dp.set_timeout(1.0);
-  world.set_timeout(30.0);
+  CommGroups comms = watchdog_comms(rt, 2, 1, 2, GroupKind::DP);
+  MpiComm& dp = mpi(*comms.dp);
+  MpiComm& world = mpi(*comms.world);
   std::vector<float> grads(1000, 1.f);
   Tensor t(grads.data(), DType::F32, {1000});
   dp.all_reduce(t);  // #1
@@ -548,10 +546,8 @@ int run_hang_silent(const MpiRuntime& rt, const std::string& dir) {
   if (rt.world_size() != 2) throw std::runtime_error("hang_silent needs 2 ranks");
   clear_dumps(rt, dir);
   set_hang_dump_directory(dir);
-  Grid grid(2, rt.world_rank(), 1, 1, 2);
-  CommGroups comms = make_host_comms(grid, rt);
-  auto& dp = dynamic_cast<MpiComm&>(*comms.dp);
-  dp.set_timeout(1.0);
+  CommGroups comms = watchdog_comms(rt, 1, 1, 2, GroupKind::DP);
+  MpiComm& dp = mpi(*comms.dp);
   std::vector<float> x(8, 1.f);
   dp.all_reduce(Tensor(x.data(), DType::F32, {8}));  // #1: both
   if (rt.world_rank() == 1) {
