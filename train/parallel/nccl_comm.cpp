@@ -64,25 +64,28 @@ struct NcclComm::Impl {
     last_op = std::string(op) + " #" + std::to_string(calls) + " (" + std::to_string(t.numel()) + " x " +
               std::string(dtype_name(t.dtype)) + (peer >= 0 ? ", peer " + std::to_string(peer) : "") + ")";
     if (aborted) throw std::runtime_error("nccl " + where() + ": " + last_op + " after the communicator was aborted");
-    pending_event = nullptr;
+    pending_event.reset();
     if (!books) return true;
+    // A group of one keeps no books (nothing to wait for): no event needed.
+    if (books->size() == 1) return books->post_async(op, t.numel(), t.dtype, send_peer, recv_peer, {});
     cudaEvent_t ev = nullptr;
     check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-    // Owned by the books' entry: destroyed when the operation is retired. An event never
-    // recorded (the enqueue failed) queries as complete.
+    // Shared by the books' entry (destroyed when the operation is retired) and pending_event
+    // (until enqueued() has recorded it). An event never recorded (the enqueue failed)
+    // queries as complete.
     std::shared_ptr<CUevent_st> owned(ev, [](cudaEvent_t e) { cudaEventDestroy(e); });
     if (!books->post_async(op, t.numel(), t.dtype, send_peer, recv_peer,
                            [owned] { return cudaEventQuery(owned.get()) != cudaErrorNotReady; }))
       return false;
-    pending_event = ev;
+    pending_event = std::move(owned);
     return true;
   }
   // After enqueueing: the event that marks the operation finished.
   void enqueued() {
-    if (pending_event) check(cudaEventRecord(pending_event, stream), "cudaEventRecord");
-    pending_event = nullptr;
+    if (pending_event) check(cudaEventRecord(pending_event.get(), stream), "cudaEventRecord");
+    pending_event.reset();
   }
-  cudaEvent_t pending_event = nullptr;
+  std::shared_ptr<CUevent_st> pending_event;
   void check(ncclResult_t r, const char* call) const {
     if (r == ncclSuccess) return;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
