@@ -245,7 +245,7 @@ void NcclComm::synchronize() {
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
     if (m.books) {
       // The books' watchdog: the oldest unfinished operation on any group, diagnosed across
-      // ranks (throws CommTimeout). The NCCL communicators are left to the job's abort.
+      // ranks (throws CommTimeout); the destructors then abort the NCCL communicators.
       poll_async_ops(waited);
     } else if (m.timeout > 0 && waited > m.timeout) {
       char head[96];
