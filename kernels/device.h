@@ -14,7 +14,7 @@ std::string cuda_device_name(int index);
 // multi-GPU runs (parallel::poll_async_ops): a collective that never completes on the GPU
 // then ends in the hang watchdog's report instead of a wait that never returns. It may throw
 // to abandon the wait. Not set: devices are waited for with a plain blocking call.
-using DeviceWaitHook = void (*)(double waited_seconds);
+using DeviceWaitHook = void (*)();
 void set_device_wait_hook(DeviceWaitHook hook);
 DeviceWaitHook device_wait_hook();
 

@@ -36,9 +36,4 @@ KEEL_HOST_DEVICE uint16_t bf16_bits_stochastic(uint32_t u, uint32_t random) {
   return static_cast<uint16_t>((u + (random & 0xffffu)) >> 16);
 }
 
-// 64-bit mix of two values: per-tensor rounding seeds from the run seed and a tensor's index.
-KEEL_HOST_DEVICE uint64_t mix_seed(uint64_t a, uint64_t b) {
-  return (static_cast<uint64_t>(rounding_bits(a, b, 0)) << 32) | rounding_bits(a, b, 1);
-}
-
 }  // namespace keel

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels/stochastic_rounding.h"
-
 namespace keel {
 
 DType working_dtype(PrecisionMode mode) {
@@ -127,7 +125,8 @@ void adamw_update(ParamState& s, const ParamTable& table, Backend& be, const Opt
     const int64_t n = end - begin;
     a.weight_decay = p.decay ? static_cast<float>(opt.weight_decay) : 0.0f;
     if (rounding.stochastic) {
-      a.rounding_seed = mix_seed(param_key(p, rounding.seed), static_cast<uint64_t>(p.shard_begin));
+      // param_key mixes the seed fully: folding the shard in first gives each TP shard its own stream.
+      a.rounding_seed = param_key(p, rounding.seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(p.shard_begin)));
       a.rounding_index0 = begin - p.offset;
     }
     Tensor master = s.has_master() ? s.flat_view(s.master, begin, n) : Tensor();

@@ -68,6 +68,17 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Two m16n8 fp32 accumulator tiles (columns 16kk..16kk+7 and 16kk+8..16kk+15 of a 16-row
+// block) as the A operand (m16k16) of the next mma: the accumulator layout of a thread is
+// exactly the A fragment layout, rounded to T in pairs.
+template <class T>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack2<T>(lo[0], lo[1]);
+  a[1] = pack2<T>(lo[2], lo[3]);
+  a[2] = pack2<T>(hi[0], hi[1]);
+  a[3] = pack2<T>(hi[2], hi[3]);
+}
+
 template <class T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 template <>
@@ -272,10 +283,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       uint32_t pa[4];
-      pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      acc_to_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         uint32_t b0, b1;
@@ -398,10 +406,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       uint32_t a[4];
-      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      acc_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         uint32_t b0, b1;
@@ -536,14 +541,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
       uint32_t pa[4], sa[4];
-      pa[0] = pack2<T>(st[2 * kk][0], st[2 * kk][1]);
-      pa[1] = pack2<T>(st[2 * kk][2], st[2 * kk][3]);
-      pa[2] = pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-      pa[3] = pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-      sa[0] = pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]);
-      sa[1] = pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]);
-      sa[2] = pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-      sa[3] = pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+      acc_to_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+      acc_to_a<T>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         uint32_t b0, b1;

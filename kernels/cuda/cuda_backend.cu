@@ -276,15 +276,14 @@ void CudaBackend::wait_for_stream(const char* op, const std::string& shapes) {
   }
   // Poll: spin briefly (most waits at a step's end are short), then sleep between queries;
   // the hook runs about every millisecond.
-  const auto start = std::chrono::steady_clock::now();
-  auto last_hook = start;
+  auto last_hook = std::chrono::steady_clock::now();
   for (int i = 0;; ++i) {
     const cudaError_t e = cudaStreamQuery(stream_);
     if (e == cudaSuccess) return;
     if (e != cudaErrorNotReady) check_cuda(e, op, "cudaStreamQuery", shapes);
     const auto now = std::chrono::steady_clock::now();
     if (now - last_hook >= std::chrono::milliseconds(1)) {
-      hook(std::chrono::duration<double>(now - start).count());
+      hook();
       last_hook = now;
     }
     if (i >= 100) std::this_thread::sleep_for(std::chrono::microseconds(20));

@@ -857,7 +857,7 @@ bool MpiComm::post_async(const char* op_name, int64_t elements, DType dt, int se
   return true;
 }
 
-void poll_async_ops(double) {
+void poll_async_ops() {
   MpiComm::Impl* oldest_comm = nullptr;
   const MpiComm::Impl::Op* oldest = nullptr;
   for (MpiComm::Impl* c : g_comms) {
@@ -1176,7 +1176,7 @@ void MpiComm::set_chunk_elements(int64_t) {}
 int64_t MpiComm::collective_calls() const { return 0; }
 const std::vector<int>& MpiComm::members() const { no_mpi(); }
 bool MpiComm::post_async(const char*, int64_t, DType, int, int, std::function<bool()>) { no_mpi(); }
-void poll_async_ops(double) {}
+void poll_async_ops() {}
 bool async_ops_pending() { return false; }
 
 #endif

@@ -121,9 +121,9 @@ class MpiComm final : public Comm {
 // ranks' watchdog questions (at most every 20 ms), and when the oldest unfinished operation
 // has been pending longer than its group's timeout, diagnoses it as the blocking operations'
 // watchdog does (asks the group, prints the report, writes the dumps) and throws CommTimeout.
-// Call it every millisecond or so while waiting. `waited`: how long the caller has waited so far
-// (unused: the timeout counts from when the operation was posted).
-void poll_async_ops(double waited = 0);
+// Call it every millisecond or so while waiting; the timeout counts from when the operation
+// was posted.
+void poll_async_ops();
 bool async_ops_pending();  // any posted asynchronous operation not yet seen finished?
 
 // One communicator per group of `grid`: MpiComms when MPI is active, LocalComms for a world of

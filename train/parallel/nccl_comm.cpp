@@ -246,7 +246,7 @@ void NcclComm::synchronize() {
     if (m.books) {
       // The books' watchdog: the oldest unfinished operation on any group, diagnosed across
       // ranks (throws CommTimeout); the destructors then abort the NCCL communicators.
-      poll_async_ops(waited);
+      poll_async_ops();
     } else if (m.timeout > 0 && waited > m.timeout) {
       char head[96];
       std::snprintf(head, sizeof(head), "timed out after %.1f s", waited);
