@@ -56,7 +56,10 @@ steps_of() { case "$1" in gpt2) echo "$STEPS_GPT2" ;; llama1b) echo "$STEPS_LLAM
 stage_build() {
   echo "== build keel (sm_90, Release) in $BUILD"
   local t0=$SECONDS
-  cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  # Header-only dependencies carried from gpu_prebuild.sh, where the GPU machine has none.
+  local prefix=()
+  [ -d "$ROOT/build-gpu/carry/deps" ] && prefix=(-DCMAKE_PREFIX_PATH="$ROOT/build-gpu/carry/deps")
+  cmake -S "$ROOT" -B "$BUILD" "${prefix[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DKEEL_TESTS=OFF -DKEEL_MPI=OFF > "$BENCH_OUT/cmake.log" 2>&1 || { tail -30 "$BENCH_OUT/cmake.log"; exit 1; }
   cmake --build "$BUILD" -j"$JOBS" --target keel > "$BENCH_OUT/build.log" 2>&1 || { tail -40 "$BENCH_OUT/build.log"; exit 1; }
   echo "   built in $((SECONDS - t0)) s: $(keel_bin)"
@@ -173,8 +176,14 @@ stage_torch() {
 stage_report() {
   local device commit date peak
   device=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 || echo unknown)
-  commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
-  if ! git -C "$ROOT" diff --quiet 2>/dev/null; then commit="$commit (+ local changes)"; fi
+  # KEEL_COMMIT: what the binaries were built from (scripts/gpu_session.sh passes it on from
+  # gpu_prebuild.sh's STAMP, since a GPU machine's copy of the tree has no git history).
+  if [ -n "${KEEL_COMMIT:-}" ]; then
+    commit=$KEEL_COMMIT
+  else
+    commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+    if ! git -C "$ROOT" diff --quiet 2>/dev/null; then commit="$commit (+ local changes)"; fi
+  fi
   date=$(date -u +%Y-%m-%d)
   peak=$(peak_tflops)
   "$PY" - "$BENCH_OUT" "$device" "$commit" "$date" "$peak" "$STEPS_GPT2" "$STEPS_LLAMA" "$WARMUP" "$MBS_GPT2" "$MBS_LLAMA" \

@@ -179,8 +179,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a smoke run of this script's logic on a machine without a GPU (not a benchmark)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_torch.py: no CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -195,25 +198,25 @@ def main():
     name = args.name or os.path.splitext(os.path.basename(args.config))[0]
     opt_cfg = cfg.get("optimizer", {})
     torch.manual_seed(1234)
-    model = Model(m, T).cuda()
+    model = Model(m, T).to(dev)
     decay = [p for n_, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n_, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": opt_cfg.get("weight_decay", 0.1)}, {"params": no_decay, "weight_decay": 0.0}],
         lr=opt_cfg.get("lr", 3e-4), betas=(opt_cfg.get("beta1", 0.9), opt_cfg.get("beta2", 0.95)),
-        eps=opt_cfg.get("eps", 1e-8), fused=True)
+        eps=opt_cfg.get("eps", 1e-8), fused=dev == "cuda")
     step_fn = model if args.no_compile else torch.compile(model)
     vocab = m["vocab_size"]
-    g = torch.Generator(device="cuda")
+    g = torch.Generator(device=dev)
     g.manual_seed(1)
 
     def batch():
-        tok = torch.randint(0, vocab, (B, T + 1), device="cuda", generator=g)
+        tok = torch.randint(0, vocab, (B, T + 1), device=dev, generator=g)
         return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
 
     def step():
         x, y = batch()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev, dtype=torch.bfloat16):
             loss = step_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.get("grad_clip", 1.0))
@@ -221,26 +224,35 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    t0 = time.time()
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    print(f"bench_torch: {name}: warm-up (compile) {time.time() - t0:.1f} s", file=sys.stderr)
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
+    def timed_step():  # ms of one step: CUDA events on the GPU, the host clock on the CPU
+        if dev == "cpu":
+            t = time.perf_counter()
+            loss = step()
+            return loss, (time.perf_counter() - t) * 1e3
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         loss = step()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e))
+        return loss, s.elapsed_time(e)
+
+    t0 = time.time()
+    for _ in range(args.warmup):
+        step()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    print(f"bench_torch: {name}: warm-up (compile) {time.time() - t0:.1f} s", file=sys.stderr)
+    times = []
+    for _ in range(args.steps):
+        loss, ms_step = timed_step()
+        times.append(ms_step)
     ms = statistics.median(times)
     tokens = B * T
     tps = tokens / (ms / 1e3)
     tflops = flops_per_token(m, T) * tps / 1e12
     mfu = tflops / args.peak_tflops if args.peak_tflops > 0 else float("nan")
-    mem = torch.cuda.max_memory_allocated() / 2 ** 30
+    mem = torch.cuda.max_memory_allocated() / 2 ** 30 if dev == "cuda" else float("nan")
     params = sum(p.numel() for p in model.parameters())
     print(f"bench_torch: {name}: {params / 1e6:.1f}M parameters, B={B} T={T}, loss {loss.item():.4f}, "
           f"ms/step min {min(times):.1f} median {ms:.1f} max {max(times):.1f}", file=sys.stderr)

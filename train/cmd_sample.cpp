@@ -10,6 +10,7 @@
 
 #include "data/tokenizer.h"
 #include "kernels/device.h"
+#include "kernels/guarded_backend.h"
 #include "model/generator.h"
 #include "train/commands.h"
 #include "train/hf_format.h"
@@ -122,9 +123,12 @@ std::string show_ids(const std::vector<int32_t>& ids) {
 }
 
 int cmd_sample(const SampleArgs& a) {
-  if (a.device == "cuda")
-    throw ConfigError(cuda_built() ? "--device cuda: sampling on the GPU backend is not available yet; use --device cpu"
-                                   : "--device cuda: this keel was built without CUDA; use --device cpu");
+  if (a.device != "cpu" && a.device != "cuda")
+    throw ConfigError("--device " + a.device + ": expected cpu or cuda");
+  if (a.device == "cuda" && !cuda_built())
+    throw ConfigError("--device cuda: this keel was built without CUDA; use --device cpu");
+  if (a.device == "cuda" && cuda_device_count() == 0)
+    throw ConfigError("--device cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES / nvidia-smi)");
   if (a.threads > 0) omp_set_num_threads(a.threads);
   DType dtype = DType::F32;
   if (a.dtype == "bf16") dtype = DType::BF16;
@@ -132,7 +136,11 @@ int cmd_sample(const SampleArgs& a) {
   else if (a.dtype != "fp32") throw ConfigError("--dtype " + a.dtype + ": expected fp32, bf16 or fp16");
   if (!a.prompt.empty() && !a.prompt_ids.empty()) throw ConfigError("give --prompt or --prompt-ids, not both");
 
-  auto be = make_cpu_backend();
+  std::unique_ptr<Backend> be;
+#ifdef KEEL_HAVE_CUDA
+  if (a.device == "cuda") be = make_cuda_backend(0);
+#endif
+  if (!be) be = guard_backend_memory_requested() ? make_guarded_backend(make_cpu_backend()) : make_cpu_backend();
   const auto t_load = std::chrono::steady_clock::now();
   LoadedModel lm = load_model(a.checkpoint, dtype, *be);
   const ModelConfig& m = lm.table->config();

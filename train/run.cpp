@@ -15,6 +15,7 @@
 
 #include "data/sampler.h"
 #include "kernels/device.h"
+#include "kernels/guarded_backend.h"
 #include "train/parallel/nccl_comm.h"
 #ifdef KEEL_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -40,7 +41,13 @@ namespace {
 // device "cuda", or "auto" with a GPU visible: one process per GPU, the local rank's.
 std::unique_ptr<Backend> select_backend(const RunConfig& cfg, const parallel::LaunchInfo& launch) {
   const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && cuda_device_count() > 0);
-  if (!cuda) return make_cpu_backend();
+  if (!cuda) {
+    if (!guard_backend_memory_requested()) return make_cpu_backend();
+    // KEEL_GUARD_BACKEND_MEMORY: host access to backend memory outside ops faults (a GPU rehearsal).
+    if (launch.world_size > 1)
+      throw ConfigError("KEEL_GUARD_BACKEND_MEMORY works for one process only (CPU communicators read host memory)");
+    return make_guarded_backend(make_cpu_backend());
+  }
   if (!cuda_built())
     throw ConfigError("device: \"cuda\" requested but this keel was built without the CUDA backend "
                       "(rebuild with -DKEEL_CUDA=ON where nvcc is available), or use \"cpu\"");

@@ -30,7 +30,7 @@ struct AdamScalars {
 
 // Round x to bf16 stochastically (finite values; inf/nan round to nearest).
 __device__ __forceinline__ __nv_bfloat16 bf16_stochastic(float x, uint32_t random) {
-  if (!isfinite(x)) return __float2bfloat16_rn(x);
+  if (!isfinite(x)) return from_f32<__nv_bfloat16>(x);
   return __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(x), random));
 }
 
@@ -41,7 +41,7 @@ __device__ __forceinline__ void store_working(T* w, int64_t i, float x, const Ad
 template <>
 __device__ __forceinline__ void store_working<__nv_bfloat16>(__nv_bfloat16* w, int64_t i, float x, const AdamScalars& s,
                                                              bool stochastic) {
-  w[i] = stochastic ? bf16_stochastic(x, rounding_bits(s.seed, s.step, s.index0 + static_cast<uint64_t>(i))) : __float2bfloat16_rn(x);
+  w[i] = stochastic ? bf16_stochastic(x, rounding_bits(s.seed, s.step, s.index0 + static_cast<uint64_t>(i))) : from_f32<__nv_bfloat16>(x);
 }
 
 // master may be null (the working copy is then the parameter); write_working false when the

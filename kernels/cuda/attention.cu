@@ -2,9 +2,10 @@
 // attention over a KV cache (decode).
 //
 // Which kernels run: the fused tensor-core kernels of attention_flash.cu when the call allows
-// (bf16/fp16 storage shared by all operands, head_dim 64 or 128, aligned) and KEEL_ATTENTION is
-// not "simple"; otherwise the plain kernels below, which compute in fp32 from any storage dtype
-// (fp32 mode, other head sizes, and the reference the fused kernels are tested against).
+// (bf16/fp16 storage shared by all operands, head_dim 64 or 128, aligned, the blocks' shared
+// memory within the device's limit) and KEEL_ATTENTION is not "simple"; otherwise the plain
+// kernels below, which compute in fp32 from any storage dtype (fp32 mode, other head sizes, and
+// the reference the fused kernels are tested against).
 //
 // Math (per query head h, kv head h / group, query row i, keys j <= i):
 //   S_ij = (q_i . k_j) / sqrt(hd),  lse_i = log sum_j exp(S_ij),  o_i = sum_j exp(S_ij - lse_i) v_j
@@ -289,7 +290,7 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
     cuda::fail(op, "out must be [B*T, n_heads*head_dim] for " + cuda::attn_str(s), {{"out", out}, {"qkv", qkv}});
   if (lse.numel() != B * nh * T) cuda::fail(op, "lse must be [B, n_heads, T] for " + cuda::attn_str(s), {{"lse", lse}});
   cuda::check_head_dim(op, s, qkv);
-  if (!simple_attention_ && cuda::flash_supported(s, qkv.dtype, {&qkv, &out})) {
+  if (!simple_attention_ && cuda::flash_supported(*this, s, qkv.dtype, {&qkv, &out}, false)) {
     cuda::flash_forward(*this, out, lse, qkv, s);
   } else {
     cuda::PlainAttn a{};
@@ -328,7 +329,7 @@ void CudaBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, con
   auto* delta = static_cast<float*>(scratch(static_cast<size_t>(B * nh * T) * sizeof(float), op));
   cuda::attention_delta_kernel<<<cuda::row_blocks(B * T * nh), cuda::kThreads, 0, stream_>>>(
       delta, dout.data, dout.dtype, out.data, out.dtype, s.B, s.T, s.n_heads, s.head_dim);
-  if (!simple_attention_ && cuda::flash_supported(s, qkv.dtype, {&qkv, &dqkv, &dout})) {
+  if (!simple_attention_ && cuda::flash_supported(*this, s, qkv.dtype, {&qkv, &dqkv, &dout}, true)) {
     cuda::flash_backward(*this, dqkv, dout, qkv, lse, delta, s);
   } else {
     cuda::PlainBwd a{};

@@ -36,6 +36,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cuda/attention_flash.cuh"
@@ -585,20 +586,19 @@ size_t dkdv_smem() {
   return static_cast<size_t>(2 * kBlockK + 4 * kBlockQBwd) * (HD + kPad) * sizeof(T) + 4 * kBlockQBwd * sizeof(float);
 }
 
-// Raises a kernel's dynamic shared-memory limit once (above 48 KiB it must be asked for).
+// Raises a kernel's dynamic shared-memory limit (above 48 KiB it must be asked for). Asked on
+// every launch, as FlashAttention does: the attribute belongs to the current device, so a
+// once-per-process flag would leave a second device (or backend) of the process without it.
 template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes, bool& done, const char* op) {
-  if (done) return;
+void allow_smem(Kernel kernel, size_t bytes, const char* op) {
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
              "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  done = true;
 }
 
 template <class T, int HD>
 void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
-  static bool smem_ok = false;
   const size_t smem = forward_smem<T, HD>();
-  allow_smem(flash_forward_kernel<T, HD>, smem, smem_ok, "attention_forward");
+  allow_smem(flash_forward_kernel<T, HD>, smem, "attention_forward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const dim3 grid(static_cast<unsigned>(ceil_div(s.T, kBlockQ)), static_cast<unsigned>(s.n_heads),
                   static_cast<unsigned>(s.B));
@@ -609,10 +609,9 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
 template <class T, int HD>
 void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                    const float* delta, const AttnShape& s) {
-  static bool dq_ok = false, dkdv_ok = false;
   const size_t smem_dq = dq_smem<T, HD>(), smem_dkdv = dkdv_smem<T, HD>();
-  allow_smem(flash_backward_dq_kernel<T, HD>, smem_dq, dq_ok, "attention_backward");
-  allow_smem(flash_backward_dkdv_kernel<T, HD>, smem_dkdv, dkdv_ok, "attention_backward");
+  allow_smem(flash_backward_dq_kernel<T, HD>, smem_dq, "attention_backward");
+  allow_smem(flash_backward_dkdv_kernel<T, HD>, smem_dkdv, "attention_backward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const dim3 grid_q(static_cast<unsigned>(ceil_div(s.T, kBlockQ)), static_cast<unsigned>(s.n_heads),
                     static_cast<unsigned>(s.B));
@@ -628,13 +627,27 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
 
 }  // namespace
 
-bool flash_supported(const AttnShape& s, DType dtype, std::initializer_list<const Tensor*> operands) {
+bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
+                     std::initializer_list<const Tensor*> operands, bool backward) {
   if (dtype != DType::BF16 && dtype != DType::F16) return false;
   if (s.head_dim != 64 && s.head_dim != 128) return false;
   if (s.B > 65535 || s.n_heads > 65535) return false;
   for (const Tensor* t : operands)
     if (t->dtype != dtype || alignment_of(t->data) < 16) return false;
-  return true;
+  // The blocks' shared memory (bf16 and f16 are both 2 bytes) within the device's opt-in limit:
+  // 227 KiB on sm_90, 163 KiB on sm_80, but 99 KiB on sm_86 / sm_89 (and sm_120), where the dq
+  // kernel at head_dim 128 (102 KiB) cannot launch. Those calls take the plain kernels.
+  int optin = 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, be.device_index()) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  size_t need = 0;
+  if (s.head_dim == 64)
+    need = backward ? std::max(dq_smem<__half, 64>(), dkdv_smem<__half, 64>()) : forward_smem<__half, 64>();
+  else
+    need = backward ? std::max(dq_smem<__half, 128>(), dkdv_smem<__half, 128>()) : forward_smem<__half, 128>();
+  return need <= static_cast<size_t>(optin);
 }
 
 void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {

@@ -7,9 +7,11 @@
 
 namespace keel::cuda {
 
-// Can the fused kernels run this call? (dtype bf16 or f16 shared by all operands, head_dim 64
-// or 128, every base pointer 16-byte aligned.)
-bool flash_supported(const AttnShape& s, DType dtype, std::initializer_list<const Tensor*> operands);
+// Can the fused kernels run this call (the forward, or with `backward` the dq and dk/dv
+// kernels)? dtype bf16 or f16 shared by all operands, head_dim 64 or 128, every base pointer
+// 16-byte aligned, and the kernels' shared memory within the device's per-block opt-in limit.
+bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
+                     std::initializer_list<const Tensor*> operands, bool backward);
 
 // out [B*T, nh*hd] and lse [B, nh, T] from qkv (after RoPE).
 void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s);

@@ -1,5 +1,6 @@
 // CudaBackend: construction, memory, host<->device copies, convert / fill / add / scale, the
 // dtype staging helper and the RoPE table cache. The other ops live in their own files.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +12,7 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/device.h"
+#include "kernels/op_time_table.h"
 
 namespace keel {
 
@@ -116,6 +118,76 @@ SameDType::~SameDType() {
 
 }  // namespace cuda
 
+// ---- KEEL_CUDA_PROFILE: device time per op ----
+//
+// One event is recorded after each op's last launch. On one stream the ops run in order, so
+// an op's device time is the time between the previous op's event and its own. Events are read
+// when the stream has drained (wait_for_stream). After such a drain the GPU idles while the host
+// works; the first op's interval then holds that idle time, estimated as the host time from the
+// end of the drain to the op's mark, which is booked as "(idle after a host sync)" instead.
+struct CudaBackend::Profiler {
+  struct Mark {
+    std::string op, shapes;
+    cudaEvent_t event;
+    double idle_ms;  // host time since the last drain (first mark after one), else 0
+  };
+  std::string path;                // empty: stderr
+  std::vector<cudaEvent_t> spare;  // recycled events
+  std::vector<Mark> marks;         // recorded, not yet read
+  cudaEvent_t base = nullptr;      // the interval start of the first pending mark
+  bool after_drain = true;
+  std::chrono::steady_clock::time_point drained_at = std::chrono::steady_clock::now();
+  OpTimeTable table;
+
+  cudaEvent_t take_event() {
+    if (!spare.empty()) {
+      cudaEvent_t e = spare.back();
+      spare.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    check_cuda(cudaEventCreate(&e), "profile", "cudaEventCreate");
+    return e;
+  }
+  ~Profiler() {
+    for (const Mark& m : marks) cudaEventDestroy(m.event);
+    for (cudaEvent_t e : spare) cudaEventDestroy(e);
+    if (base) cudaEventDestroy(base);
+  }
+};
+
+void CudaBackend::profile_mark(const char* op, const std::string& shapes) {
+  Profiler& p = *profiler_;
+  cudaEvent_t e = p.take_event();
+  check_cuda(cudaEventRecord(e, stream_), op, "cudaEventRecord (KEEL_CUDA_PROFILE)");
+  double idle_ms = 0;
+  if (p.after_drain) {
+    idle_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - p.drained_at).count();
+    p.after_drain = false;
+  }
+  p.marks.push_back({op, shapes, e, idle_ms});
+}
+
+void CudaBackend::profile_harvest() {
+  Profiler& p = *profiler_;
+  cudaEvent_t prev = p.base;
+  for (const Profiler::Mark& m : p.marks) {
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, prev, m.event), "profile", "cudaEventElapsedTime");
+    const double idle = std::min<double>(m.idle_ms, ms);
+    if (idle > 0) p.table.add("(idle after a host sync)", "", idle);
+    p.table.add(m.op, m.shapes, ms - idle);
+    if (prev != p.base) p.spare.push_back(prev);
+    prev = m.event;
+  }
+  if (prev != p.base) p.spare.push_back(prev);
+  p.marks.clear();
+  // The stream is empty: the next interval starts now.
+  check_cuda(cudaEventRecord(p.base, stream_), "profile", "cudaEventRecord (KEEL_CUDA_PROFILE)");
+  p.after_drain = true;
+  p.drained_at = std::chrono::steady_clock::now();
+}
+
 // ---- construction ----
 
 CudaBackend::CudaBackend(int device) : device_(device) {
@@ -156,6 +228,13 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   const char* attn = std::getenv("KEEL_ATTENTION");
   simple_attention_ = attn && std::strcmp(attn, "simple") == 0;
   matmul_ = cuda::create_matmul_cache(*this);
+  if (const char* prof = std::getenv("KEEL_CUDA_PROFILE"); prof && *prof && std::strcmp(prof, "0") != 0) {
+    profiler_ = std::make_unique<Profiler>();
+    if (std::strcmp(prof, "1") != 0) profiler_->path = prof;
+    check_cuda(cudaEventCreate(&profiler_->base), op, "cudaEventCreate (KEEL_CUDA_PROFILE)");
+    check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize");
+    check_cuda(cudaEventRecord(profiler_->base, stream_), op, "cudaEventRecord (KEEL_CUDA_PROFILE)");
+  }
 }
 
 CudaBackend::~CudaBackend() {
@@ -164,6 +243,22 @@ CudaBackend::~CudaBackend() {
   rope_tables_.clear();
   cuda::destroy_matmul_cache(matmul_);
   cudaStreamSynchronize(stream_);
+  if (profiler_) {
+    try {
+      profile_harvest();
+      const std::string report = "keel cuda profile (device " + std::to_string(device_) + ")\n" + profiler_->table.report();
+      FILE* f = profiler_->path.empty() ? stderr : std::fopen(profiler_->path.c_str(), "w");
+      if (f) {
+        std::fputs(report.c_str(), f);
+        if (f != stderr) std::fclose(f);
+      } else {
+        std::fprintf(stderr, "keel cuda: cannot write the profile to %s\n%s", profiler_->path.c_str(), report.c_str());
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "keel cuda: no profile: %s\n", e.what());
+    }
+    profiler_.reset();
+  }
   if (const char* stats = std::getenv("KEEL_CUDA_MEMSTATS"); stats && *stats && std::strcmp(stats, "0") != 0)
     std::fprintf(stderr, "keel cuda: peak device memory held by keel %.3f GiB (device %d)\n",
                  static_cast<double>(peak_bytes_) / (1024.0 * 1024.0 * 1024.0), device_);
@@ -173,7 +268,10 @@ CudaBackend::~CudaBackend() {
 
 std::string CudaBackend::name() const {
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device_) != cudaSuccess) return "cuda (device " + std::to_string(device_) + ")";
+  if (cudaGetDeviceProperties(&prop, device_) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: keep it from being reported by the next op's launch check
+    return "cuda (device " + std::to_string(device_) + ")";
+  }
   char buf[512];
   std::snprintf(buf, sizeof buf, "cuda (device %d: %s, sm_%d%d, %d SMs, %.1f GiB)", device_, prop.name, prop.major,
                 prop.minor, prop.multiProcessorCount,
@@ -242,6 +340,7 @@ void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
   if (src.bytes() == 0) return;
   check_cuda(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_), op, "cudaMemcpyAsync",
              src.shape_str());
+  if (profiler_) profile_mark(op, src.shape_str());
   wait_for_stream(op, src.shape_str());
 }
 
@@ -251,6 +350,7 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
   if (dst.bytes() == 0) return;
   check_cuda(cudaMemcpyAsync(dst.data, src, dst.bytes(), cudaMemcpyHostToDevice, stream_), op, "cudaMemcpyAsync",
              dst.shape_str());
+  if (profiler_) profile_mark(op, dst.shape_str());
   // From pageable memory the call returns once `src` is staged, so the caller may reuse it. From
   // page-locked memory the copy is truly asynchronous: wait, so that the same holds.
   cudaPointerAttributes attr{};
@@ -272,6 +372,7 @@ void CudaBackend::wait_for_stream(const char* op, const std::string& shapes) {
   const DeviceWaitHook hook = device_wait_hook();
   if (!hook) {
     check_cuda(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize", shapes);
+    if (profiler_) profile_harvest();
     return;
   }
   // Poll: spin briefly (most waits at a step's end are short), then sleep between queries;
@@ -279,7 +380,10 @@ void CudaBackend::wait_for_stream(const char* op, const std::string& shapes) {
   auto last_hook = std::chrono::steady_clock::now();
   for (int i = 0;; ++i) {
     const cudaError_t e = cudaStreamQuery(stream_);
-    if (e == cudaSuccess) return;
+    if (e == cudaSuccess) {
+      if (profiler_) profile_harvest();
+      return;
+    }
     if (e != cudaErrorNotReady) check_cuda(e, op, "cudaStreamQuery", shapes);
     const auto now = std::chrono::steady_clock::now();
     if (now - last_hook >= std::chrono::milliseconds(1)) {

@@ -14,7 +14,10 @@
 //
 // Debugging: KEEL_CUDA_SYNC=1 synchronizes after every op, so that an asynchronous fault is
 // reported by the op that caused it (with its shapes). KEEL_ATTENTION=simple selects the plain
-// fp32 attention kernels instead of the fused tensor-core ones.
+// fp32 attention kernels instead of the fused tensor-core ones. KEEL_CUDA_PROFILE=1 times every
+// op with CUDA events and prints the device time per op (and per op and shapes) to stderr when
+// the backend is destroyed; KEEL_CUDA_PROFILE=<file> writes it there instead. The GPU time
+// between a host synchronisation and the first op after it is booked as idle, not to that op.
 //
 // This header needs no CUDA headers (the train layer includes it to get the stream for NCCL).
 #pragma once
@@ -130,11 +133,17 @@ class CudaBackend final : public Backend {
   // computed on the host with the CPU reference's recipe and kept per (T, head_dim, theta).
   const float* rope_table(int T, int head_dim, float theta);
   bool sync_each_op() const { return sync_each_op_; }  // KEEL_CUDA_SYNC=1
+  // KEEL_CUDA_PROFILE: called once per op after its last launch (cuda::check_launch).
+  bool profiling() const { return profiler_ != nullptr; }
+  void profile_mark(const char* op, const std::string& shapes);
   bool simple_attention() const { return simple_attention_; }
   cuda::MatmulCache& matmul_cache() { return *matmul_; }
 
  private:
   void* raw_alloc(size_t bytes, const char* op);
+  struct Profiler;  // cuda_backend.cu
+  void profile_harvest();  // after the stream has drained: book the marks' times
+  std::unique_ptr<Profiler> profiler_;
   int device_ = 0;
   CUstream_st* stream_ = nullptr;
   bool use_pool_ = true;           // cudaMallocAsync available

@@ -48,6 +48,7 @@ inline void check_cuda(cudaError_t e, const char* op, const char* call, const st
 inline void check_launch(CudaBackend& be, const char* op, std::initializer_list<Named> ts) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) fail_cuda(op, "kernel launch", e, describe(ts));
+  if (be.profiling()) be.profile_mark(op, describe(ts));
   if (be.sync_each_op()) {
     e = cudaStreamSynchronize(be.stream());
     if (e != cudaSuccess) fail_cuda(op, "kernel execution (KEEL_CUDA_SYNC=1)", e, describe(ts));

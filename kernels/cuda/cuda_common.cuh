@@ -26,10 +26,18 @@ template <class T>
 __device__ __forceinline__ T from_f32(float x);
 template <>
 __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+// NaN gets the CPU's bits (kernels/dtype.h: bf16 keeps the top bits with the quiet bit set,
+// f16 is sign | 0x7e00), not whatever NaN cvt produces, so that NaNs compare bit-equal too.
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  if (isnan(x)) return __ushort_as_bfloat16(static_cast<unsigned short>((__float_as_uint(x) >> 16) | 0x40u));
+  return __float2bfloat16_rn(x);
+}
 template <>
-__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_f32<__half>(float x) {
+  if (isnan(x)) return __ushort_as_half(static_cast<unsigned short>(((__float_as_uint(x) >> 16) & 0x8000u) | 0x7e00u));
+  return __float2half_rn(x);
+}
 
 // Element access with the dtype known only at run time (small tensors, the plain kernels).
 __device__ __forceinline__ float load_any(const void* p, DType t, int64_t i) {
@@ -41,8 +49,8 @@ __device__ __forceinline__ float load_any(const void* p, DType t, int64_t i) {
 }
 __device__ __forceinline__ void store_any(void* p, DType t, int64_t i, float v) {
   switch (t) {
-    case DType::BF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
-    case DType::F16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    case DType::BF16: static_cast<__nv_bfloat16*>(p)[i] = from_f32<__nv_bfloat16>(v); break;
+    case DType::F16: static_cast<__half*>(p)[i] = from_f32<__half>(v); break;
     default: static_cast<float*>(p)[i] = v; break;
   }
 }

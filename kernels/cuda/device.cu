@@ -16,7 +16,10 @@ int device_count() {
 
 std::string device_name(int index) {
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess) return "";
+  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess) {
+    cudaGetLastError();  // clear it: the next op's launch check would report it as its own
+    return "";
+  }
   return prop.name;
 }
 

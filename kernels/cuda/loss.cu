@@ -21,11 +21,12 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Combines two (max, sum of exp(x - max)) pairs.
+// Combines two (max, sum of exp(x - max)) pairs. A pair whose max is -inf has seen no value
+// above -inf: its sum is 0, or NaN when it saw a NaN (the comparisons skip NaN for the max), and
+// is added as it is so that the NaN reaches the row's sum as on the CPU.
 __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {
   const float mn = fmaxf(m, m2);
-  if (mn == -INFINITY) return;  // both empty
-  s = (m == -INFINITY ? 0.0f : s * expf(m - mn)) + (m2 == -INFINITY ? 0.0f : s2 * expf(m2 - mn));
+  s = (m == -INFINITY ? s : s * expf(m - mn)) + (m2 == -INFINITY ? s2 : s2 * expf(m2 - mn));
   m = mn;
 }
 
@@ -41,7 +42,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t j = threadIdx.x; j < V; j += kThreads) {
     const float v = to_f32(x[j]);
     if (v > m) {
-      s = s * expf(m - v) + 1.0f;  // m = -inf at first: 0 * 0 + 1
+      // m = -inf at first: 0 * 0 + 1. A +inf logit contributes exp(inf - inf) = NaN, as on the CPU.
+      s = s * expf(m - v) + (v == INFINITY ? __int_as_float(0x7fc00000) : 1.0f);
       m = v;
     } else if (v != -INFINITY) {
       s += expf(v - m);  // NaN propagates through here
@@ -63,7 +65,8 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t t = targets[n];
     const int64_t local = static_cast<int64_t>(t) - vocab_start;
     row_max[n] = sm[0];
-    sumexp[n] = ss[0];
+    // No value above -inf (all -inf or NaN): the CPU's sum holds exp(-inf - -inf) = NaN terms.
+    sumexp[n] = (sm[0] == -INFINITY && V > 0) ? __int_as_float(0x7fc00000) : ss[0];
     target_logit[n] = (t >= 0 && local >= 0 && local < V) ? to_f32(x[local]) : 0.0f;
   }
 }

@@ -22,8 +22,8 @@
 // Determinism: per (shape, transposes, dtypes, bias, beta, operand alignments) the heuristic is
 // asked once and one algorithm is kept for the life of the backend, so every call of a shape
 // runs the same kernel on the same workspace (cuBLAS is bitwise reproducible for a fixed
-// algorithm, GPU model and single stream). Of the heuristic's ranked candidates the first is
-// taken whose split-K reduction (if it splits K) is CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
+// algorithm, GPU model and single stream). The heuristic is asked (REDUCTION_SCHEME_MASK) only
+// for candidates whose split-K reduction (if they split K) is CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
 // partial products kept in fp32 and reduced in a separate ordered pass, never in the output
 // buffer and never rounded to bf16 first.
 #include <cublasLt.h>
@@ -95,14 +95,18 @@ struct MatmulCache {
 
   explicit MatmulCache(CudaBackend& b) : be(b) {}
   ~MatmulCache() {
-    for (auto& [key, p] : plans) {
-      if (p.la) cublasLtMatrixLayoutDestroy(p.la);
-      if (p.lb) cublasLtMatrixLayoutDestroy(p.lb);
-      if (p.lc) cublasLtMatrixLayoutDestroy(p.lc);
-      if (p.desc) cublasLtMatmulDescDestroy(p.desc);
-    }
+    for (auto& [key, p] : plans) destroy(p);
     if (workspace) be.release(workspace);
     if (lt) cublasLtDestroy(lt);
+  }
+
+  static void destroy(Plan& p) noexcept {
+    if (p.la) cublasLtMatrixLayoutDestroy(p.la);
+    if (p.lb) cublasLtMatrixLayoutDestroy(p.lb);
+    if (p.lc) cublasLtMatrixLayoutDestroy(p.lc);
+    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+    p.la = p.lb = p.lc = nullptr;
+    p.desc = nullptr;
   }
 
   // The plan for out[M,N] (dtype dt_out) = op(a) @ op(b) with a, b of dtype dt_ab.
@@ -124,6 +128,19 @@ struct MatmulCache {
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
     Plan p;
+    try {
+      build(p, key, bias, shapes);
+    } catch (...) {
+      destroy(p);  // a failed cuBLASLt call must not leak the descriptors made before it
+      throw;
+    }
+    return plans.emplace(key, p).first->second;
+  }
+
+  void build(Plan& p, const PlanKey& key, const void* bias, const ShapesFn& shapes) {
+    const int64_t M = std::get<0>(key), N = std::get<1>(key), K = std::get<2>(key);
+    const bool trans_a = std::get<3>(key), trans_b = std::get<4>(key);
+    const DType dt_ab = static_cast<DType>(std::get<5>(key)), dt_out = static_cast<DType>(std::get<6>(key));
     const cudaDataType_t tab = cuda_type(dt_ab), tout = cuda_type(dt_out);
     check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate", shapes);
     const cublasOperation_t op_lt_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is keel's b
@@ -136,6 +153,7 @@ struct MatmulCache {
       const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
                "cublasLtMatmulDescSetAttribute(EPILOGUE)", shapes);
+      // The heuristic reads the pointer's alignment from here (it never dereferences it).
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", shapes);
     }
@@ -153,7 +171,15 @@ struct MatmulCache {
     check_lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", shapes);
     const uint64_t ws = kWorkspaceBytes;
     const uint32_t al_a = std::get<10>(key), al_b = std::get<9>(key), al_d = std::get<11>(key);  // lt A = b, lt B = a
+    // Only split-K schemes that keep the partial sums in fp32 and reduce them in a separate pass
+    // (the mask admits REDUCTION_SCHEME_NONE always). Without this filter the heuristic's top
+    // candidates for a large-K shape (weight gradients: K = tokens) may all be INPLACE /
+    // OUTPUT_TYPE ones and be rejected below, leaving no algorithm at all.
+    const uint32_t reduction_mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction_mask,
+                                                sizeof reduction_mask);
     if (st == CUBLAS_STATUS_SUCCESS)
       st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -175,22 +201,24 @@ struct MatmulCache {
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) check_lt(st, "cublasLtMatmulAlgoGetHeuristic", shapes);
     // The best-ranked candidate whose split-K partial sums (if any) are kept in fp32 and reduced
     // in a separate pass: not INPLACE or OUTPUT_TYPE, which add partials in the output dtype
-    // (bf16) - less accurate than the CPU's single rounding.
+    // (bf16) - less accurate than the CPU's single rounding. (The mask above already asks for
+    // this; checked again here.)
     for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < count && !p.found; ++i) {
       if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
       int32_t splits = 1;
       uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
       size_t written = 0;
-      cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof splits,
-                                           &written);
-      cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
-                                           sizeof scheme, &written);
+      check_lt(cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                                    sizeof splits, &written),
+               "cublasLtMatmulAlgoConfigGetAttribute(SPLITK_NUM)", shapes);
+      check_lt(cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                                    sizeof scheme, &written),
+               "cublasLtMatmulAlgoConfigGetAttribute(REDUCTION_SCHEME)", shapes);
       if (splits > 1 && scheme != CUBLASLT_REDUCTION_SCHEME_NONE && scheme != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)
         continue;
       p.algo = results[i].algo;
       p.found = true;
     }
-    return plans.emplace(key, p).first->second;
   }
 
   // Runs a plan: out = op(a) @ op(b) (+ bias) (+ out when beta_one).
@@ -293,12 +321,15 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
   if (K > 0) {
     const void* pa = a.data;
     const void* pb = b.data;
-    if (a.dtype != DType::F32) {
+    // Widened to fp32 scratch, and fp32 operands at an odd address copied there too: this path
+    // also runs when cuBLASLt had no algorithm for the operands' alignment, and the same
+    // unaligned fp32 pointers would find none again.
+    if (a.dtype != DType::F32 || cuda::alignment_of(a.data) < 16) {
       a32 = scratch(static_cast<size_t>(a.numel()) * 4, op);
       cuda::launch_convert(*this, a32, DType::F32, a.data, a.dtype, a.numel(), op);
       pa = a32;
     }
-    if (b.dtype != DType::F32) {
+    if (b.dtype != DType::F32 || cuda::alignment_of(b.data) < 16) {
       b32 = scratch(static_cast<size_t>(b.numel()) * 4, op);
       cuda::launch_convert(*this, b32, DType::F32, b.data, b.dtype, b.numel(), op);
       pb = b32;

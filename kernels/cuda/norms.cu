@@ -11,7 +11,7 @@
 //   (dx is added to din when accumulating: the residual stream's gradient)
 // Parameter gradients dw += sum_rows dy*xhat, db += sum_rows dy (and bias_backward's
 // dbias += sum_rows dout) are column sums over all rows, done without atomics in two passes:
-//   1. column_partials: block (column group of 32, row block of kRowBlock rows); thread (c, ty)
+//   1. column_partials: block (column group of 32, row blocks of kRowBlock rows); thread (c, ty)
 //      sums rows ty, ty+8, ... of its row block in order; the 8 partials of a column are added
 //      in ty order -> partial[row block][c];
 //   2. column_finish: dst[c] += partial[0][c] + partial[1][c] + ... in row-block order.
@@ -125,35 +125,40 @@ __global__ void __launch_bounds__(kColGroup * kRowLanes)
   __shared__ float sw[kRowLanes][kColGroup];
   __shared__ float sb[kRowLanes][kColGroup];
   const int tx = threadIdx.x % kColGroup, ty = threadIdx.x / kColGroup;
-  const int64_t c = blockIdx.y * static_cast<int64_t>(kColGroup) + tx;
-  const int64_t rb = blockIdx.x;
-  const int64_t r0 = rb * kRowBlock, r1 = min(N, r0 + kRowBlock);
-  float aw = 0, ab = 0;
-  if (c < C) {
-    for (int64_t r = r0 + ty; r < r1; r += kRowLanes) {
-      const float g = to_f32(dy[r * C + c]);
-      if constexpr (kMode == ColMode::Sum) {
-        aw += g;
-      } else if constexpr (kMode == ColMode::LayerNorm) {
-        aw += g * ((to_f32(x[r * C + c]) - mean[r]) * rstd[r]);
-        ab += g;
-      } else {
-        aw += g * (to_f32(x[r * C + c]) * rstd[r]);
+  // Column groups along x (2^31 - 1 blocks), row blocks along y (at most 65535 blocks: a
+  // block strides over the row blocks; each row block's partial is the same whatever the grid).
+  const int64_t c = blockIdx.x * static_cast<int64_t>(kColGroup) + tx;
+  const int64_t row_blocks = (N + kRowBlock - 1) / kRowBlock;
+  for (int64_t rb = blockIdx.y; rb < row_blocks; rb += gridDim.y) {
+    const int64_t r0 = rb * kRowBlock, r1 = min(N, r0 + kRowBlock);
+    float aw = 0, ab = 0;
+    if (c < C) {
+      for (int64_t r = r0 + ty; r < r1; r += kRowLanes) {
+        const float g = to_f32(dy[r * C + c]);
+        if constexpr (kMode == ColMode::Sum) {
+          aw += g;
+        } else if constexpr (kMode == ColMode::LayerNorm) {
+          aw += g * ((to_f32(x[r * C + c]) - mean[r]) * rstd[r]);
+          ab += g;
+        } else {
+          aw += g * (to_f32(x[r * C + c]) * rstd[r]);
+        }
       }
     }
-  }
-  sw[ty][tx] = aw;
-  sb[ty][tx] = ab;
-  __syncthreads();
-  if (ty == 0 && c < C) {
-    float w = sw[0][tx], b = sb[0][tx];
+    __syncthreads();  // the previous row block's partials have been read
+    sw[ty][tx] = aw;
+    sb[ty][tx] = ab;
+    __syncthreads();
+    if (ty == 0 && c < C) {
+      float w = sw[0][tx], b = sb[0][tx];
 #pragma unroll
-    for (int k = 1; k < kRowLanes; ++k) {
-      w += sw[k][tx];
-      b += sb[k][tx];
+      for (int k = 1; k < kRowLanes; ++k) {
+        w += sw[k][tx];
+        b += sb[k][tx];
+      }
+      partial_w[rb * C + c] = w;
+      if (kMode == ColMode::LayerNorm) partial_b[rb * C + c] = b;
     }
-    partial_w[rb * C + c] = w;
-    if (kMode == ColMode::LayerNorm) partial_b[rb * C + c] = b;
   }
 }
 
@@ -176,7 +181,7 @@ void column_sums(CudaBackend& be, const char* op, const T* dy, const T* x, const
   const int nbuf = kMode == ColMode::LayerNorm ? 2 : 1;
   auto* partial = static_cast<float*>(be.scratch(static_cast<size_t>(nbuf * blocks * C) * sizeof(float), op));
   float* partial_b = kMode == ColMode::LayerNorm ? partial + blocks * C : nullptr;
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(ceil_div(C, kColGroup)));
+  const dim3 grid(static_cast<unsigned>(ceil_div(C, kColGroup)), static_cast<unsigned>(std::min<int64_t>(blocks, 65535)));
   column_partials_kernel<T, kMode><<<grid, kColGroup * kRowLanes, 0, be.stream()>>>(dy, x, mean, rstd, N, C, partial,
                                                                                      partial_b);
   const unsigned fin = static_cast<unsigned>(ceil_div(C, 256));

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -18,6 +19,13 @@
 
 namespace keel::test {
 
+// The fixture folder: the source tree's, unless KEEL_FIXTURE_DIR names another (test binaries
+// built on one machine and run from another checkout, as scripts/gpu_session.sh does).
+inline std::string fixture_dir() {
+  const char* env = std::getenv("KEEL_FIXTURE_DIR");
+  return env && *env ? env : KEEL_FIXTURE_DIR;
+}
+
 struct Fixture {
   nlohmann::json meta;
   ModelConfig model;
@@ -25,8 +33,8 @@ struct Fixture {
   data::SafetensorsReader st;
 
   explicit Fixture(const std::string& name)
-      : st(data::SafetensorsReader::open(std::string(KEEL_FIXTURE_DIR) + "/" + name + ".safetensors")) {
-    std::ifstream in(std::string(KEEL_FIXTURE_DIR) + "/" + name + ".json");
+      : st(data::SafetensorsReader::open(fixture_dir() + "/" + name + ".safetensors")) {
+    std::ifstream in(fixture_dir() + "/" + name + ".json");
     meta = nlohmann::json::parse(in);
     const auto& m = meta["model"];
     model.family = m["family"] == "gpt2" ? Family::GPT2 : Family::Llama;

@@ -10,8 +10,10 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -122,6 +124,45 @@ inline double rel_err(const HostTensor& got, const HostTensor& ref) {
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
+
+// ---- the per-op error log ----
+// Every comparison below is also appended to the file named by KEEL_GPU_ERRORS, one TSV line
+// per comparison: op, case, measured, tolerance, kind ("rel": ||gpu - cpu|| / ||cpu||; "bits":
+// elements whose bits differ, tolerance 0). scripts/gpu_session.sh turns it into the per-op
+// error table (worst case per op and dtype).
+inline void log_comparison(const std::string& op, const std::string& what, double measured, double tol,
+                           const char* kind) {
+  static std::mutex mu;
+  const char* path = std::getenv("KEEL_GPU_ERRORS");
+  if (!path || !*path) return;
+  std::lock_guard<std::mutex> lock(mu);
+  if (FILE* f = std::fopen(path, "a")) {
+    std::fprintf(f, "%s\t%s\t%.3e\t%.3e\t%s\n", op.c_str(), what.c_str(), measured, tol, kind);
+    std::fclose(f);
+  }
+}
+
+}  // namespace keel::test
+
+// CHECK(err <= tol), with both numbers in the report and the error log.
+#define KEEL_CHECK_ERR(op, what, err, tol)                                        \
+  do {                                                                            \
+    const double keel_err_ = (err), keel_tol_ = (tol);                            \
+    ::keel::test::log_comparison((op), (what), keel_err_, keel_tol_, "rel");      \
+    INFO((op) << " [" << (what) << "]: error " << keel_err_ << ", tolerance " << keel_tol_); \
+    CHECK(keel_err_ <= keel_tol_);                                                \
+  } while (0)
+
+// CHECK that two host tensors hold the same bits, logged as a count of differing elements.
+#define KEEL_CHECK_BITS(op, what, got, ref)                                       \
+  do {                                                                            \
+    const int64_t keel_nbits_ = ::keel::test::bits_differ((got), (ref));          \
+    ::keel::test::log_comparison((op), (what), static_cast<double>(keel_nbits_), 0.0, "bits"); \
+    INFO((op) << " [" << (what) << "]: " << keel_nbits_ << " elements differ in their bits"); \
+    CHECK(keel_nbits_ == 0);                                                      \
+  } while (0)
+
+namespace keel::test {
 
 // The dtypes the tests sweep.
 inline const char* dname(DType t) { return std::string_view(dtype_name(t)).data(); }

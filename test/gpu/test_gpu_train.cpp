@@ -19,6 +19,7 @@
 #include "common/temp_dir.h"
 #include "common/batches.h"
 #include "gpu_test_util.h"
+#include "model/generator.h"
 #include "model/transformer.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -95,15 +96,16 @@ TEST_CASE("gpu: training steps track the CPU backend (Llama, GPT-2; fp32, bf16, 
       CHECK(std::isfinite(b.loss));
       CHECK(b.skipped == a.skipped);
       if (step == 1) {
-        CHECK(loss_err <= (fp32 ? 1e-5 : 5e-3));
-        if (!a.skipped) CHECK(norm_err <= (fp32 ? 1e-5 : 2e-2));  // fp16: a skipped step has no norm
+        KEEL_CHECK_ERR("training step 1 loss", c.name, loss_err, fp32 ? 1e-5 : 5e-3);
+        // fp16: a skipped step has no norm
+        if (!a.skipped) KEEL_CHECK_ERR("training step 1 grad norm", c.name, norm_err, fp32 ? 1e-5 : 2e-2);
       } else {
-        CHECK(loss_err <= (fp32 ? 1e-4 : 3e-2));
+        KEEL_CHECK_ERR("training steps 2-5 loss", c.name, loss_err, fp32 ? 1e-4 : 3e-2);
       }
     }
     const double w_err = rel(working_weights(on_gpu), working_weights(on_cpu));
     WARN(c.name << ": weights after 5 steps, gpu vs cpu relative error " << w_err);
-    CHECK(w_err <= (fp32 ? 1e-3 : 3e-2));
+    KEEL_CHECK_ERR("training weights after 5 steps", c.name, w_err, fp32 ? 1e-3 : 3e-2);
   }
 }
 
@@ -128,22 +130,54 @@ TEST_CASE("gpu: tiny GPT-2 and Llama match the HF oracle in fp32 (logits, loss, 
     const double loss = r.loss_sum / static_cast<double>(r.n_valid);
     const double ref_loss = fx.read<float>("loss")[0];
     INFO("loss " << loss << " vs oracle " << ref_loss);
-    CHECK(std::abs(loss - ref_loss) <= 1e-5 * ref_loss);
+    KEEL_CHECK_ERR("oracle loss", name, std::abs(loss - ref_loss) / ref_loss, 1e-5);
     auto ref_logits = fx.read<float>("logits");
     REQUIRE(model.logits().numel() == static_cast<int64_t>(ref_logits.size()));
     std::vector<float> logits(ref_logits.size());
     be.copy_to_host(logits.data(), model.logits());
     const double logit_err = test::rel_error(logits.data(), ref_logits.data(), ref_logits.size());
-    INFO("logits relative error " << logit_err);
-    CHECK(logit_err <= 1e-5);
+    KEEL_CHECK_ERR("oracle logits", name, logit_err, 1e-5);
 
     model.backward(1.0f / static_cast<float>(r.n_valid));
     std::vector<float> grads(static_cast<size_t>(n));
     be.copy_to_host(grads.data(), dg.t);
     const auto [worst, worst_name] = test::check_gradients(fx, table, grads, std::string(name) + " on the GPU");
+    log_comparison("oracle worst gradient", std::string(name) + " " + worst_name, worst, 1e-5, "rel");
     WARN(name << " on the GPU: loss diff " << std::abs(loss - ref_loss) << ", logits rel err " << logit_err
               << ", worst gradient rel err " << worst << " (" << worst_name << ")");
   }
+}
+
+// keel sample --device cuda: the KV-cached inference forward on the GPU, prefill then one token
+// at a time, against the float64 oracle logits (fp32, 1e-5 like the CPU's test).
+TEST_CASE("gpu: cached decoding reproduces the oracle logits (Llama GQA, GPT-2)", "[gpu][oracle][decode]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  for (const char* name : {"llama_tiny", "gpt2_tiny"})
+    for (int prefill : {1, 6}) {
+      test::Fixture fx(name);
+      ParamTable table(fx.model);
+      std::vector<float> weights = fx.flat(table, "param");
+      HostTensor hw(DType::F32, {table.local_numel()});
+      std::memcpy(hw.t.data, weights.data(), weights.size() * 4);
+      DeviceTensor dw = DeviceTensor::of(be, hw);
+      Generator gen(table, be, dw.t, fx.T);
+      const auto inputs = fx.inputs();
+      const auto ref = fx.read<float>("logits");  // [B, T, V]
+      const int64_t V = fx.model.vocab_size;
+      for (int b = 0; b < fx.B; ++b) {
+        gen.reset();
+        const int32_t* row = inputs.data() + static_cast<size_t>(b) * fx.T;
+        std::vector<float> got = gen.forward(row, prefill, /*all_rows=*/true);
+        for (int t = prefill; t < fx.T; ++t) {
+          auto next = gen.forward(row + t, 1);
+          got.insert(got.end(), next.begin(), next.end());
+        }
+        REQUIRE(got.size() == static_cast<size_t>(fx.T * V));
+        KEEL_CHECK_ERR("decode logits vs oracle", std::string(name) + " prefill " + std::to_string(prefill),
+                       test::rel_error(got.data(), ref.data() + static_cast<size_t>(b) * fx.T * V, got.size()), 1e-5);
+      }
+    }
 }
 
 TEST_CASE("gpu: the same run twice gives bit-identical losses and weights", "[gpu][determinism]") {

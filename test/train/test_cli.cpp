@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "common/process.h"
+#include "common/run_config.h"
 #include "common/workspace.h"
 
 using namespace keel;
@@ -62,6 +63,49 @@ TEST_CASE("keel train: the loss falls, and two runs with the same seed are bit-i
   Result c = run_keel("train --config " + ws.config + " --out " + (ws.dir / "c") + " -q --seed 99");
   REQUIRE(c.code == 0);
   CHECK(train_losses(read_metrics(ws.dir / "c/metrics.jsonl")) != la);
+}
+
+// A rehearsal for the GPU without one: under KEEL_GUARD_BACKEND_MEMORY the backend's memory is
+// inaccessible to the host between ops (kernels/guarded_backend.h), so any code path of train,
+// eval, health statistics, checkpoint save and resume, and sample that reads or writes backend
+// memory directly (a device pointer on a GPU) crashes here. The numbers must not change.
+TEST_CASE("keel train, resume and sample move backend memory only through backend ops", "[cli][e2e][guard]") {
+  const std::string guard = "KEEL_GUARD_BACKEND_MEMORY=1";
+  for (const char* family : {"llama", "gpt2"})
+    for (const char* mode : {"bf16", "fp16"}) {
+      INFO(family << " " << mode);
+      nlohmann::json patch = {{"precision", {{"mode", mode}}},
+                              {"health", {{"stats_interval", 2}}},
+                              {"checkpoint", {{"interval", 3}}},
+                              {"train", {{"eval_interval", 3}}}};
+      patch["model"] = test::tiny_run_json(family)["model"];
+      Workspace ws(patch);
+      const std::string plain = "train --config " + ws.config + " --steps 6 -q --out " + (ws.dir / "plain");
+      Result a = run_keel(plain);
+      REQUIRE(a.code == 0);
+      // the guarded run stops at step 3 and resumes from its checkpoint
+      const std::string guarded = "train --config " + ws.config + " -q --out " + (ws.dir / "guarded");
+      Result g1 = run_keel(guarded + " --steps 6 --stop-at 3", guard);
+      INFO(g1.output);
+      REQUIRE(g1.code == 4);  // stopped, resumable
+      Result g2 = run_keel(guarded + " --steps 6", guard);
+      INFO(g2.output);
+      REQUIRE(g2.code == 0);
+      const auto want = test::losses_by_step(read_metrics(ws.dir / "plain/metrics.jsonl"));
+      const auto got = test::losses_by_step(read_metrics(ws.dir / "guarded/metrics.jsonl"));
+      REQUIRE(want.size() == 6);
+      CHECK(got == want);  // bit for bit, across the resume
+
+      const std::string sample = "sample -c " + (ws.dir / "plain/checkpoints") + " --prompt-ids 1,4,13 -n 8 -t 0";
+      Result s_plain = run_keel(sample), s_guarded = run_keel(sample, guard);
+      INFO(s_guarded.output);
+      REQUIRE(s_plain.code == 0);
+      REQUIRE(s_guarded.code == 0);
+      // the same tokens (the output up to the timing line)
+      const auto tokens = [](const std::string& out) { return out.substr(0, out.find("new tokens in")); };
+      CHECK(tokens(s_guarded.output) == tokens(s_plain.output));
+      CHECK(tokens(s_plain.output).size() > 10);
+    }
 }
 
 TEST_CASE("keel train --set and flags override config fields", "[cli]") {

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds, on this machine (no GPU needed), what a lent GPU machine runs, so that its device time
+# goes to tests and timings rather than to compiling:
+#
+#   scripts/gpu_prebuild.sh            -> build-gpu/carry/  (about 25 MB)
+#
+# build-gpu/carry/ holds
+#   bin/keel, bin/test_gpu   Release, sm_90 (H100/H200), no MPI, generic x86-64 host code
+#                            (-DKEEL_NATIVE=OFF: the GPU machine's CPU may lack this one's
+#                            instructions); stripped
+#   deps/                    the header-only libraries keel's CMake needs (nlohmann-json, CLI11,
+#                            Catch2) with their CMake package files, for a build on the GPU
+#                            machine itself (its image has none of them and cannot fetch them):
+#                            cmake -DCMAKE_PREFIX_PATH=$PWD/build-gpu/carry/deps ...
+#   STAMP                    the commit (and whether the tree had local changes) the binaries
+#                            were built from
+#
+# Then name build-gpu/carry in the device call's `carry` and run scripts/gpu_session.sh there.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${BUILD:-$ROOT/build-gpu}
+CARRY=$BUILD/carry
+JOBS=${JOBS:-$(nproc)}
+
+cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DKEEL_MPI=OFF -DKEEL_NATIVE=OFF -DKEEL_TESTS=ON > "$BUILD.cmake.log" 2>&1 ||
+  { tail -30 "$BUILD.cmake.log"; exit 1; }
+cmake --build "$BUILD" -j"$JOBS" --target keel test_gpu
+
+rm -rf "$CARRY"
+mkdir -p "$CARRY/bin" "$CARRY/deps/include" "$CARRY/deps/share/cmake" "$CARRY/deps/lib/cmake"
+cp "$BUILD/keel" "$BUILD/test/test_gpu" "$CARRY/bin/"
+strip "$CARRY/bin/keel" "$CARRY/bin/test_gpu"
+
+# Header-only dependencies, laid out as under /usr so that their CMake files (which locate
+# the headers relative to themselves) work from here.
+copy_pkg() {  # copy_pkg <path under /usr> ...
+  local p
+  for p in "$@"; do
+    [ -e "/usr/$p" ] || { echo "gpu_prebuild.sh: /usr/$p missing (run scripts/setup.sh)" >&2; exit 1; }
+    mkdir -p "$CARRY/deps/$(dirname "$p")"
+    cp -r "/usr/$p" "$CARRY/deps/$p"
+  done
+}
+copy_pkg include/nlohmann share/cmake/nlohmann_json include/CLI share/cmake/CLI11 include/catch2 lib/cmake/Catch2
+# Catch2's package file checks that its (unused) main library exists.
+[ -e /usr/lib/libCatch2WithMain.a ] && cp /usr/lib/libCatch2WithMain.a "$CARRY/deps/lib/"
+
+{
+  echo "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo ' (+ local changes)')"
+  echo "built $(date -u +%Y-%m-%dT%H:%MZ) on $(uname -n) with $(nvcc --version | tail -1)"
+} > "$CARRY/STAMP"
+cat "$CARRY/STAMP"
+du -sh "$CARRY"

@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# Everything issue 5 asks of a lent GPU machine, in as few device calls as possible. Run
+# scripts/gpu_prebuild.sh here first, then on the device (carry: build-gpu/carry):
+#
+#   scripts/gpu_session.sh check        # <= 9 min: env, GPU tests + per-op error table, memcheck
+#   scripts/gpu_session.sh bench        # <= 9 min: keel vs PyTorch (both shapes), op profiles,
+#                                       #           racecheck of the attention kernels
+#   scripts/gpu_session.sh STAGE...     # any of: env build test memcheck racecheck bench profile
+#
+# Binaries: build-gpu/carry/bin (from gpu_prebuild.sh) when present, else the `build` stage
+# compiles keel and test_gpu on the device with the carried header-only dependencies
+# (build-gpu/carry/deps), or with system ones where the device has them.
+#
+# Output: a short summary on stdout (the device call returns its tail); logs and tables under
+# $OUT (or /tmp/keel-gpu): env.txt, test_gpu.log, error_table.md, memcheck.log, racecheck.log,
+# bench/results.md (the section for bench/RESULTS.md), profile-<model>.txt.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CARRY=${CARRY:-$ROOT/build-gpu/carry}
+BIN=${BIN:-$CARRY/bin}
+RES=${OUT:-/tmp/keel-gpu}
+PY=${PYTHON:-python3}
+mkdir -p "$RES"
+SUMMARY=$RES/summary.txt
+: > "$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+if [ $# -eq 0 ]; then set -- check; fi
+stages=()
+for a in "$@"; do
+  case "$a" in
+    check) stages+=(env test memcheck) ;;
+    bench) stages+=(env bench profile racecheck) ;;
+    env | build | test | memcheck | racecheck | bench | profile) stages+=("$a") ;;
+    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, profile)" >&2; exit 2 ;;
+  esac
+done
+
+# The CUDA libraries keel links (cuBLASLt, cudart): the toolkit's, else the ones PyTorch's
+# wheels bring.
+setup_libs() {
+  local d extra=""
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -d "$d" ] && extra="$extra:$d"
+  done
+  d=$("$PY" -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
+  [ -n "$d" ] && [ -d "$d" ] && extra="$extra:$d"
+  d=$("$PY" -c 'import nvidia.cuda_runtime, os; print(os.path.join(list(nvidia.cuda_runtime.__path__)[0], "lib"))' 2>/dev/null || true)
+  [ -n "$d" ] && [ -d "$d" ] && extra="$extra:$d"
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}$extra"
+}
+
+have_bins() { [ -x "$BIN/keel" ] && [ -x "$BIN/test_gpu" ]; }
+
+stage_env() {
+  {
+    echo "== env $(date -u +%Y-%m-%dT%H:%MZ)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+    nvcc --version 2>&1 | tail -1
+    g++ --version 2>&1 | head -1
+    "$PY" -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' 2>&1
+    command -v compute-sanitizer ncu ninja cmake 2>&1
+    [ -f "$CARRY/STAMP" ] && cat "$CARRY/STAMP"
+    if have_bins; then ldd "$BIN/keel" | grep -E 'not found|cublas|cudart|gomp'; fi
+  } > "$RES/env.txt" 2>&1
+  cat "$RES/env.txt"
+  head -1 "$RES/env.txt" >> "$SUMMARY"
+  sed -n 2p "$RES/env.txt" >> "$SUMMARY"
+  [ -f "$CARRY/STAMP" ] && head -1 "$CARRY/STAMP" >> "$SUMMARY"
+  if have_bins && ldd "$BIN/keel" | grep -q 'not found'; then say "env: the carried binaries miss libraries (see env.txt)"; fi
+}
+
+stage_build() {
+  local b=$ROOT/build-gpu/device t0=$SECONDS gen=()
+  command -v ninja > /dev/null && gen=(-G Ninja)
+  local prefix=()
+  [ -d "$CARRY/deps" ] && prefix=(-DCMAKE_PREFIX_PATH="$CARRY/deps")
+  say "== build on the device in $b"
+  if ! cmake -S "$ROOT" -B "$b" "${gen[@]}" "${prefix[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DKEEL_MPI=OFF -DKEEL_TESTS=ON > "$RES/cmake.log" 2>&1; then
+    tail -30 "$RES/cmake.log"; say "build: cmake failed"; return 1
+  fi
+  if ! cmake --build "$b" -j"$(nproc)" --target keel test_gpu > "$RES/build.log" 2>&1; then
+    grep -m 20 -E 'error|Error' "$RES/build.log"; say "build: failed"; return 1
+  fi
+  mkdir -p "$b/bin"
+  cp "$b/keel" "$b/test/test_gpu" "$b/bin/"
+  BIN=$b/bin
+  say "build: $((SECONDS - t0)) s"
+}
+
+ensure_bins() {
+  have_bins && return 0
+  stage_build || { say "no binaries: stop"; exit 1; }
+}
+
+# Worst measured error per (op, case) from KEEL_GPU_ERRORS lines: op, case, measured, tol, kind.
+error_table() {
+  "$PY" - "$1" <<'EOF'
+import collections, sys
+worst = collections.OrderedDict()
+for line in open(sys.argv[1]):
+    parts = line.rstrip("\n").split("\t")
+    if len(parts) != 5:
+        continue
+    op, case, err, tol, kind = parts[0], parts[1], float(parts[2]), float(parts[3]), parts[4]
+    key = (op, case, kind)
+    n, e, t = worst.get(key, (0, -1.0, tol))
+    worst[key] = (n + 1, max(e, err), t)
+print("| op | case | comparisons | worst | tolerance | pass |")
+print("| --- | --- | --- | --- | --- | --- |")
+for (op, case, kind), (n, e, t) in worst.items():
+    shown = (f"{int(e)} elements differ" if e else "bit-identical") if kind == "bits" else f"{e:.2e}"
+    tol = "bit-identical" if kind == "bits" else f"{t:.0e}"
+    print(f"| {op} | {case} | {n} | {shown} | {tol} | {'yes' if e <= t else 'NO'} |")
+EOF
+}
+
+stage_test() {
+  ensure_bins
+  local t0=$SECONDS rc
+  rm -f "$RES/gpu_errors.tsv"
+  say "== test_gpu (KEEL_CUDA_SYNC=1)"
+  KEEL_CUDA_SYNC=1 KEEL_GPU_ERRORS="$RES/gpu_errors.tsv" KEEL_FIXTURE_DIR="$ROOT/test/fixtures" \
+    timeout 300 "$BIN/test_gpu" --durations yes > "$RES/test_gpu.log" 2>&1
+  rc=$?
+  grep -E '^(All tests passed|test cases:|assertions:)' "$RES/test_gpu.log" | tee -a "$SUMMARY"
+  [ $rc -eq 124 ] && say "test_gpu: timed out after 300 s"
+  if [ $rc -ne 0 ]; then
+    # The first failures with their context (Catch2 prints the expansion and INFO lines).
+    grep -n -B3 -A12 -m 8 'FAILED' "$RES/test_gpu.log" | head -150
+  fi
+  if [ -s "$RES/gpu_errors.tsv" ]; then
+    error_table "$RES/gpu_errors.tsv" > "$RES/error_table.md"
+    cat "$RES/error_table.md"
+    say "error table: $(grep -c '| yes |' "$RES/error_table.md") rows pass, $(grep -c '| NO |' "$RES/error_table.md") fail"
+  fi
+  say "test_gpu: exit $rc, $((SECONDS - t0)) s"
+}
+
+# compute-sanitizer over the op tests (not the training-step ones: the CPU side dominates them).
+sanitize() {
+  local tool=$1 filter=$2 limit=$3 t0=$SECONDS rc
+  ensure_bins
+  command -v compute-sanitizer > /dev/null || { say "$tool: compute-sanitizer not found"; return; }
+  say "== compute-sanitizer --tool $tool $filter"
+  KEEL_FIXTURE_DIR="$ROOT/test/fixtures" timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    --print-limit 20 "$BIN/test_gpu" "$filter" > "$RES/$tool.log" 2>&1
+  rc=$?
+  grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^(All tests passed|test cases:)' "$RES/$tool.log" | tail -3 | tee -a "$SUMMARY"
+  [ $rc -eq 124 ] && say "$tool: stopped at its $limit s limit (partial)"
+  [ $rc -eq 9 ] && grep -m 3 -A8 -E '^========= (Invalid|Race|Uninit|Barrier|Program hit)' "$RES/$tool.log"
+  say "$tool: exit $rc, $((SECONDS - t0)) s"
+}
+stage_memcheck() { sanitize memcheck '[gpu]~[train]~[oracle]~[determinism]~[ckpt]' 200; }
+stage_racecheck() { sanitize racecheck '[attention]~[decode]' 120; }
+
+stage_bench() {
+  ensure_bins
+  local t0=$SECONDS
+  say "== bench (scripts/bench_gpu.sh)"
+  local commit
+  commit=$(head -1 "$CARRY/STAMP" 2>/dev/null | sed 's/^commit //')
+  BUILD="$BIN" BENCH_OUT="$RES/bench" KEEL_COMMIT="${commit:-}" bash "$ROOT/scripts/bench_gpu.sh" peak > "$RES/bench-peak.log" 2>&1
+  for s in keel torch report; do
+    BUILD="$BIN" BENCH_OUT="$RES/bench" KEEL_COMMIT="${commit:-}" bash "$ROOT/scripts/bench_gpu.sh" "$s" \
+      > "$RES/bench-$s.log" 2>&1 || tail -20 "$RES/bench-$s.log"
+  done
+  grep '^RESULT' "$RES"/bench/*/result.txt 2>/dev/null | sed 's/.*RESULT //' | tee -a "$SUMMARY"
+  [ -f "$RES/bench/results.md" ] && cat "$RES/bench/results.md"
+  say "bench: $((SECONDS - t0)) s"
+}
+
+# Device time per op (KEEL_CUDA_PROFILE) over a few steps of each benchmark shape.
+stage_profile() {
+  ensure_bins
+  local m cfg T mbs dir
+  for m in gpt2 llama1b; do
+    case $m in
+      gpt2) cfg=$ROOT/configs/gpt2-124m.json T=1024 mbs=${MBS_GPT2:-32} ;;
+      llama1b) cfg=$ROOT/configs/llama-1b.json T=2048 mbs=${MBS_LLAMA:-4} ;;
+    esac
+    dir=$RES/profile-$m
+    mkdir -p "$dir"
+    local shard
+    shard=$(ls "$RES"/bench/keel-$m/train_000.bin 2>/dev/null | head -1)
+    if [ -z "$shard" ]; then say "profile $m: no token shard (run the bench stage first)"; continue; fi
+    KEEL_CUDA_PROFILE="$RES/profile-$m.txt" timeout 240 "$BIN/keel" train --config "$cfg" --out "$dir/run" \
+      --device cuda --steps 6 --set "data.train=[\"$shard\"]" --set 'data.val=[]' --set data.shuffle=false \
+      --set train.micro_batch="$mbs" --set train.global_batch="$mbs" --set train.seq_len="$T" \
+      --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.save_at_end=false \
+      --set log.interval=1 > "$dir/log.txt" 2>&1 || { say "profile $m: keel failed"; tail -5 "$dir/log.txt"; continue; }
+    say "profile $m (6 steps, B=$mbs T=$T):"
+    head -14 "$RES/profile-$m.txt" | tee -a "$SUMMARY"
+  done
+}
+
+setup_libs
+for s in "${stages[@]}"; do "stage_$s"; done
+echo
+echo "==== summary ($RES/summary.txt)"
+cat "$SUMMARY"
