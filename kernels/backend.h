@@ -54,6 +54,11 @@ class Backend {
   virtual ~Backend() = default;
   virtual Device device() const = 0;
   virtual std::string name() const = 0;
+  // What fixes the bits of the results: two runs whose backends give the same string, on the
+  // same shapes and layout, compute bit-identical numbers (restart verification demands equal
+  // bits only then). The CPU reference is thread-count independent; a GPU's bits depend on the
+  // GPU model and the library versions that pick its algorithms.
+  virtual std::string arithmetic() const { return name(); }
 
   // ---- memory ----
   virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned

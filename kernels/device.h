@@ -11,7 +11,7 @@ std::string cuda_device_name(int index);
 
 // Called repeatedly, about every millisecond, while host code waits for a device (the CUDA
 // backend's stream synchronisations), when set. The communication layer installs one for
-// multi-GPU runs (parallel::poll_async_ops): a collective that never completes on the GPU
+// multi-GPU runs (parallel::poll_nccl_async_ops): a collective that never completes on the GPU
 // then ends in the hang watchdog's report instead of a wait that never returns. It may throw
 // to abandon the wait. Not set: devices are waited for with a plain blocking call.
 using DeviceWaitHook = void (*)();

@@ -69,6 +69,7 @@ class GuardedBackend final : public Backend {
 
   Device device() const override { return Device::CPU; }
   std::string name() const override { return inner_->name() + ", memory guarded between ops"; }
+  std::string arithmetic() const override { return inner_->arithmetic(); }
 
   void* allocate(size_t bytes) override {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));

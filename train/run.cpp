@@ -55,7 +55,10 @@ std::unique_ptr<Backend> select_backend(const RunConfig& cfg, const parallel::La
   if (gpus == 0)
     throw ConfigError("device: \"cuda\" requested but no GPU is visible to this process (check "
                       "CUDA_VISIBLE_DEVICES / nvidia-smi), or use \"cpu\"");
-  if (launch.world_size > 1 && launch.local_size > gpus)
+  // A launcher that binds one GPU per task (srun --gpus-per-task=1, --gpu-bind, a wrapper
+  // setting CUDA_VISIBLE_DEVICES per rank) leaves each process exactly one visible GPU, its own:
+  // device 0. Two ranks on the same GPU are then refused by NCCL ("Duplicate GPU detected").
+  if (launch.world_size > 1 && gpus > 1 && launch.local_size > gpus)
     throw ConfigError(std::to_string(launch.local_size) + " processes on host " + launch.host + " share " +
                       std::to_string(gpus) + " visible GPU(s): keel runs one process per GPU");
 #ifdef KEEL_HAVE_CUDA
@@ -230,7 +233,8 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
       if (!parallel::nccl_built())
         throw ConfigError("a multi-GPU run needs NCCL: rebuild with NCCL (NCCL_HOME), or use device \"cpu\"");
       comms = parallel::make_nccl_comms(host_comms, stream);
-      set_device_wait_hook(&parallel::poll_async_ops);
+      // Also aborts the NCCL communicators at once on a timeout or an NCCL error.
+      set_device_wait_hook(&parallel::poll_nccl_async_ops);
       wait_hook.set = true;
     } else {
       comms = parallel::make_local_comms(Device::CUDA, stream);
@@ -241,6 +245,11 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   }
   const bool lead = world_rank == 0;  // the rank that prints and writes metrics
   const bool quiet = opts.quiet || !lead;
+  // What fixes the bits of this run's numbers (checkpoints record it; restart verification
+  // demands equal bits only when it and the layout match): the backend's, and NCCL's version when
+  // NCCL does the reductions.
+  std::string arithmetic = backend->arithmetic();
+  if (backend->device() == Device::CUDA && world_size > 1) arithmetic += " nccl " + parallel::nccl_version();
 
   // ---- everything that can fail on user input is checked before the run directory is touched ----
   const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
@@ -345,7 +354,13 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
                                  loaded_topology.value("pp", 0) == cfg.parallel.pp &&
                                  loaded_topology.value("dp", 0) == cfg.parallel.dp;
       const bool resumed = !resume_path.empty();  // else a weights-only load: masters rebuilt, not restored
-      auto diffs = tr.compare_snapshot(loaded_health, tr.snapshot(probe), same_topology && resumed, resumed);
+      // Checkpoints from before the field existed were made on the CPU (no GPU had run keel).
+      const std::string saved_arithmetic = loaded_health.value("arithmetic", std::string("cpu"));
+      const bool bitwise = same_topology && resumed && saved_arithmetic == arithmetic;
+      if (same_topology && resumed && !bitwise)
+        notes.push_back("the checkpoint was computed by " + saved_arithmetic + ", this run by " + arithmetic +
+                        ": its probe loss must agree within rounding, not bit for bit");
+      auto diffs = tr.compare_snapshot(loaded_health, tr.snapshot(probe), bitwise, resumed);
       problems.insert(problems.end(), diffs.begin(), diffs.end());
     }
     if (!problems.empty()) {
@@ -407,7 +422,8 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   double last_val = std::nan("");
   auto save = [&](int64_t it) {
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
-    const nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
+    nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
+    health["arithmetic"] = arithmetic;
     SaveResult r = checkpoints.save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok, health);
     if (lead) print_save(r);
   };

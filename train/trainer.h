@@ -92,7 +92,9 @@ class Trainer {
   // restored bit for bit => identical probe loss bits; otherwise within rounding.
   HealthSnapshot snapshot(const MicroBatch& probe);
   nlohmann::json snapshot_json(const HealthSnapshot& s) const;
-  std::vector<std::string> compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now, bool same_topology,
+  // bitwise: the same layout and arithmetic (Backend::arithmetic) as the save, so the probe
+  // loss must have the same bits; else it must agree within rounding.
+  std::vector<std::string> compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now, bool bitwise,
                                             bool compare_masters) const;
   // Tensors whose fp32 masters do not round to the stored working weights (collective):
   // masters that did not come from these weights (a stale or random master copy). `stochastic`:

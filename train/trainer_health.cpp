@@ -174,20 +174,21 @@ nlohmann::json Trainer::snapshot_json(const HealthSnapshot& s) const {
 }
 
 std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now,
-                                                   bool same_topology, bool compare_masters) const {
+                                                   bool bitwise, bool compare_masters) const {
   std::vector<std::string> problems;
   const double was = saved.value("probe_loss", 0.0);
   const std::string was_bits = saved.value("probe_loss_bits", std::string());
-  // Another layout sums in another order: fp32 agrees to ~1e-6; bf16/fp16 activations to a few
-  // of their spacings (2^-8 relative).
+  // Another layout, or another device or library, sums in another order: fp32 agrees to ~1e-6;
+  // bf16/fp16 activations to a few of their spacings (2^-8 relative).
   const double tol = cfg_.precision.mode == PrecisionMode::FP32 ? 1e-5 : 1e-2;
   char buf[512];
-  if (same_topology ? hex_of(now.probe_loss) != was_bits : std::abs(now.probe_loss - was) > tol * std::abs(was)) {
+  if (bitwise ? hex_of(now.probe_loss) != was_bits : std::abs(now.probe_loss - was) > tol * std::abs(was)) {
     std::snprintf(buf, sizeof buf,
                   "the probe batch's loss is %.9g after loading, %.9g when the checkpoint was saved (%s): the model "
                   "does not compute what was saved",
                   now.probe_loss, was,
-                  same_topology ? "same layout: the bits must match" : "another layout: must agree within rounding");
+                  bitwise ? "same layout and arithmetic: the bits must match"
+                          : "another layout or arithmetic: must agree within rounding");
     problems.push_back(buf);
   }
   const auto& tensors = saved.value("tensor_sumsq", nlohmann::json::object());

@@ -13,6 +13,7 @@ class CpuBackend final : public Backend {
  public:
   Device device() const override { return Device::CPU; }
   std::string name() const override;
+  std::string arithmetic() const override { return "cpu"; }
 
   void* allocate(size_t bytes) override;
   void release(void* p) override;

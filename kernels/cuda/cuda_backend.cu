@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include <cublasLt.h>
+
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/device.h"
 #include "kernels/op_time_table.h"
@@ -209,8 +211,8 @@ CudaBackend::CudaBackend(int device) : device_(device) {
                              std::to_string(prop.major * 10 + prop.minor) +
                              ") is older than sm_80: keel's kernels need Ampere (A100) or newer");
   cudaStream_t s = nullptr;
-  // A blocking stream: work on the legacy default stream (LocalComm's device copies) waits
-  // for it and it for them.
+  // A blocking stream: work on the legacy default stream (a LocalComm made without this stream)
+  // waits for it and it for them.
   check_cuda(cudaStreamCreate(&s), op, "cudaStreamCreate");
   stream_ = s;
   int pools = 0;
@@ -277,6 +279,17 @@ std::string CudaBackend::name() const {
                 prop.minor, prop.multiProcessorCount,
                 static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
   return buf;
+}
+
+std::string CudaBackend::arithmetic() const {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device_) != cudaSuccess) {
+    cudaGetLastError();
+    return "cuda (unknown device)";
+  }
+  // cuBLASLt's version decides which algorithm (and so which summation order) each matmul gets.
+  return std::string("cuda ") + prop.name + " sm_" + std::to_string(prop.major * 10 + prop.minor) + " cublasLt " +
+         std::to_string(cublasLtGetVersion());
 }
 
 size_t CudaBackend::peak_bytes() const { return peak_bytes_; }

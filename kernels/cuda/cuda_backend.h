@@ -7,9 +7,10 @@
 // once and cached, with split-K reductions restricted to ones done in fp32 in a separate,
 // ordered pass. So the same inputs give bit-identical outputs on every run on the same GPU model.
 //
-// Work is enqueued on one CUDA stream owned by the backend (a blocking stream: it orders with the
-// legacy default stream, which LocalComm's device copies use); ops return without waiting except
-// those that hand a value to the host (copy_to_host, sum, sum_squares, max_abs, count_*).
+// Work is enqueued on one CUDA stream owned by the backend, which NCCL and the LocalComm copies
+// use too (a blocking stream, so it also orders with the legacy default stream); ops return
+// without waiting except those that hand a value to the host (copy_to_host, sum, sum_squares,
+// max_abs, count_*).
 // Memory comes from the device's stream-ordered pool (cudaMallocAsync), kept cached.
 //
 // Debugging: KEEL_CUDA_SYNC=1 synchronizes after every op, so that an asynchronous fault is
@@ -52,6 +53,7 @@ class CudaBackend final : public Backend {
 
   Device device() const override { return Device::CUDA; }
   std::string name() const override;
+  std::string arithmetic() const override;  // "cuda <GPU model> sm_XY cublasLt <version>"
 
   void* allocate(size_t bytes) override;
   void release(void* p) override;

@@ -173,6 +173,40 @@ TEST_CASE("a resume verifies the probe loss bit for bit; a tampered tensor is na
   CHECK_THAT(bad.output, Catch::Contains("restart verification failed") && Catch::Contains("layers.1.mlp_norm.weight"));
 }
 
+// A GPU model, cuBLASLt or NCCL version sums in its own order, so a resume on another one (the
+// same layout) cannot reproduce the probe loss's bits: it must agree within rounding instead.
+TEST_CASE("a resume on another arithmetic (device, libraries) verifies within rounding", "[health][restart][cli]") {
+  test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}, {"train", {{"steps", 20}}}});
+  const std::string out = ws.dir / "run";
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q --stop-at 10").code == 4);
+  const std::string meta_path = out + "/checkpoints/step_00000010/meta.json";
+  nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
+  CHECK(meta["health"]["arithmetic"] == "cpu");
+  // What another device might have saved: the same loss to 1e-4, other bits.
+  meta["health"]["probe_loss"] = meta["health"]["probe_loss"].get<double>() * (1 + 1e-4);
+  meta["health"]["probe_loss_bits"] = "0000000000000000";
+  std::ofstream(meta_path) << meta.dump(2);
+  auto same = test::run_keel("train --config " + ws.config + " --out " + out + " --stop-at 12");
+  INFO(same.output);
+  CHECK(same.code == 5);  // recorded as this arithmetic: the bits must match
+  CHECK_THAT(same.output, Catch::Contains("same layout and arithmetic: the bits must match"));
+
+  meta["health"]["arithmetic"] = "cuda NVIDIA H100 80GB HBM3 sm_90 cublasLt 130000";
+  std::ofstream(meta_path) << meta.dump(2);
+  auto other = test::run_keel("train --config " + ws.config + " --out " + out + " --stop-at 12");
+  INFO(other.output);
+  CHECK(other.code == 4);
+  CHECK_THAT(other.output, Catch::Contains("computed by cuda NVIDIA H100 80GB HBM3 sm_90 cublasLt 130000, this run by cpu") &&
+                               Catch::Contains("restart verification passed"));
+  // ... but a real difference is still caught
+  meta["health"]["probe_loss"] = meta["health"]["probe_loss"].get<double>() * 1.1;
+  std::ofstream(meta_path) << meta.dump(2);
+  auto off = test::run_keel("train --config " + ws.config + " --out " + out + " --resume " + out + "/checkpoints/step_00000010");
+  INFO(off.output);
+  CHECK(off.code == 5);
+  CHECK_THAT(off.output, Catch::Contains("another layout or arithmetic: must agree within rounding"));
+}
+
 TEST_CASE("a healthy run raises no health warning", "[health][cli]") {
   test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}},
                                     {"train", {{"steps", 200}, {"eval_interval", 50}}},

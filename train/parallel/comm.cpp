@@ -59,6 +59,14 @@ void reduce_scatter(const Comm& c, const Tensor& out, const Tensor& in) {
     throw std::invalid_argument(where(c, "reduce_scatter") + ": in " + in.shape_str() + " must hold " +
                                 std::to_string(c.size()) + " x out " + out.shape_str() + " = " +
                                 std::to_string(out.numel() * c.size()) + " elements");
+  // out may be exactly this rank's block of in (in place, as NCCL defines it); any other overlap
+  // is undefined in NCCL.
+  const char* o = static_cast<const char*>(out.data);
+  const char* i = static_cast<const char*>(in.data);
+  const char* own = i + static_cast<size_t>(c.rank()) * out.bytes();
+  if (out.numel() > 0 && o != own && o < i + in.bytes() && i < o + out.bytes())
+    throw std::invalid_argument(where(c, "reduce_scatter") + ": out overlaps in but is not this rank's block " +
+                                std::to_string(c.rank()) + " of it");
 }
 
 void all_gather(const Comm& c, const Tensor& out, const Tensor& in) {
@@ -97,7 +105,7 @@ void point_to_point(const Comm& c, std::string_view op, const Tensor& t, int pee
 
 // ---- LocalComm -------------------------------------------------------------------------------
 
-void LocalComm::copy(const Tensor& out, const Tensor& in) {
+void LocalComm::copy(const char* op, const Tensor& out, const Tensor& in) {
   if (out.data == in.data || in.bytes() == 0) return;
   if (device_ == Device::CPU) {
     std::memmove(out.data, in.data, in.bytes());
@@ -106,8 +114,8 @@ void LocalComm::copy(const Tensor& out, const Tensor& in) {
 #ifdef KEEL_HAVE_CUDA
   cudaError_t e = cudaMemcpyAsync(out.data, in.data, in.bytes(), cudaMemcpyDeviceToDevice, stream_);
   if (e != cudaSuccess)
-    throw std::runtime_error("LocalComm " + name_ + ": device copy of " + in.shape_str() + " failed: " +
-                             cudaGetErrorString(e));
+    throw std::runtime_error(std::string(op) + " on " + name_ + " (LocalComm): cudaMemcpyAsync of " + in.shape_str() +
+                             " failed: " + cudaGetErrorString(e));
 #else
   throw std::runtime_error("LocalComm " + name_ + ": device tensors need a keel built with CUDA");
 #endif
@@ -117,12 +125,12 @@ void LocalComm::all_reduce(const Tensor& t, ReduceOp) { check::reduction(*this, 
 
 void LocalComm::reduce_scatter(const Tensor& out, const Tensor& in) {
   check::reduce_scatter(*this, out, in);
-  copy(out, in);
+  copy("reduce_scatter", out, in);
 }
 
 void LocalComm::all_gather(const Tensor& out, const Tensor& in) {
   check::all_gather(*this, out, in);
-  copy(out, in);
+  copy("all_gather", out, in);
 }
 
 void LocalComm::broadcast(const Tensor& t, int root) { check::broadcast(*this, t, root); }

@@ -7,7 +7,8 @@
 //
 // Semantics shared by every implementation (sizes in elements, ranks within the group):
 //   all_reduce(t, op)        t = op over ranks of t, in place (Sum or Max)
-//   reduce_scatter(out, in)  in holds size() blocks of out.numel(); rank r gets the sum of block r
+//   reduce_scatter(out, in)  in holds size() blocks of out.numel(); rank r gets the sum of block r;
+//                            out may be in's own block r (in place)
 //   all_gather(out, in)      out = the in of rank 0, then rank 1, ...; in may be out's own block
 //   broadcast(t, root)       t = root's t
 //   send(t, peer) / recv(t, peer)   point to point, matched in order per (sender, receiver)
@@ -19,7 +20,8 @@
 // rounds) wherever the implementation does the arithmetic itself (MpiComm: always; NcclComm
 // leaves it to NCCL, see nccl_comm.h). MpiComm's sums are in group-rank order, so the result
 // is bitwise identical on every rank and in every run with the same group size.
-// Max propagates NaN (a NaN anywhere gives NaN), so a non-finite check over ranks is reliable.
+// Max propagates NaN (a NaN anywhere gives NaN) in MpiComm and LocalComm, so a non-finite check
+// over ranks is reliable there; NcclComm's does not (NCCL's float max is fmaxf): see nccl_comm.h.
 #pragma once
 
 #include <memory>
@@ -102,7 +104,7 @@ class LocalComm final : public Comm {
   void barrier() override {}
 
  private:
-  void copy(const Tensor& out, const Tensor& in);
+  void copy(const char* op, const Tensor& out, const Tensor& in);
   std::string name_;
   Device device_;
   CUstream_st* stream_;

@@ -1,10 +1,13 @@
 #include "train/parallel/nccl_comm.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "train/parallel/mpi_comm.h"
 
@@ -18,6 +21,13 @@ namespace keel::parallel {
 #ifdef KEEL_HAVE_NCCL
 
 bool nccl_built() { return true; }
+
+std::string nccl_version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
+  // NCCL >= 2.9 encodes major * 10000 + minor * 100 + patch.
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
 
 namespace {
 
@@ -52,6 +62,13 @@ struct NcclComm::Impl {
   // world of one process (LocalComm bootstrap), where nothing can hang on another rank.
   MpiComm* books = nullptr;
 
+  // Aborts the communicator (its queued and running kernels exit); idempotent. ncclCommAbort
+  // frees it: comm is cleared so that nothing calls NCCL with it again.
+  void abort() {
+    if (comm && !aborted) ncclCommAbort(comm);
+    comm = nullptr;
+    aborted = true;
+  }
   std::string where() const {
     return name + " (nccl rank " + std::to_string(rank) + " of " + std::to_string(size) + ", world rank " +
            std::to_string(world_rank) + ")";
@@ -89,7 +106,9 @@ struct NcclComm::Impl {
   void check(ncclResult_t r, const char* call) const {
     if (r == ncclSuccess) return;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
-    const char* detail = comm ? ncclGetLastError(comm) : nullptr;
+    // The comm argument is unused by NCCL: the detail is there also when creating it failed
+    // (e.g. "Duplicate GPU detected" when two ranks picked the same device).
+    const char* detail = ncclGetLastError(comm);
 #else
     const char* detail = nullptr;
 #endif
@@ -102,6 +121,36 @@ struct NcclComm::Impl {
                              cudaGetErrorString(e));
   }
 };
+
+namespace {
+// Every live NcclComm of this process: they share one stream, so a stuck operation on any of
+// them holds up the others' work behind it, and a timeout aborts them all.
+std::vector<NcclComm::Impl*> g_live_nccl;
+}  // namespace
+
+void abort_nccl_comms() {
+  for (NcclComm::Impl* m : g_live_nccl) m->abort();
+}
+
+void poll_nccl_async_ops() {
+  try {
+    // A failure NCCL detected itself (a network error, a peer gone) ends the wait at once
+    // instead of after the watchdog's timeout.
+    for (NcclComm::Impl* m : g_live_nccl) {
+      if (m->aborted || !m->comm) continue;
+      ncclResult_t async_err = ncclSuccess;
+      m->check(ncclCommGetAsyncError(m->comm, &async_err), "ncclCommGetAsyncError");
+      m->check(async_err, "NCCL (asynchronous error)");
+    }
+    poll_async_ops();
+  } catch (...) {
+    // Stuck or failed operations never complete: abort now, so that no later wait (a
+    // destructor's stream synchronisation, a cudaFree) blocks on them. (CommTimeout has
+    // already marked the process as timed out.)
+    abort_nccl_comms();
+    throw;
+  }
+}
 
 NcclComm::NcclComm(Comm& bootstrap, CUstream_st* stream) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
@@ -120,22 +169,29 @@ NcclComm::NcclComm(Comm& bootstrap, CUstream_st* stream) : impl_(std::make_uniqu
   if (bootstrap.device() != Device::CPU)
     throw std::invalid_argument("NcclComm(" + m.name + "): the bootstrap communicator must move host memory");
   bootstrap.broadcast(Tensor(&id, DType::I32, {static_cast<int64_t>(sizeof(id) / 4)}), 0);
-  m.last_op = "ncclCommInitRank";
-  m.check(ncclCommInitRank(&m.comm, m.size, id, m.rank), "ncclCommInitRank");
+  m.last_op = "cudaMalloc (barrier word)";
   m.check(cudaMalloc(&m.barrier_word, sizeof(float)), "cudaMalloc");
+  m.last_op = "ncclCommInitRank";
+  if (ncclResult_t r = ncclCommInitRank(&m.comm, m.size, id, m.rank); r != ncclSuccess) {
+    cudaFree(m.barrier_word);  // the destructor does not run for a constructor that throws
+    m.barrier_word = nullptr;
+    m.comm = nullptr;
+    m.check(r, "ncclCommInitRank");
+  }
   m.last_op = "nothing";
+  g_live_nccl.push_back(impl_.get());
 }
 
 NcclComm::~NcclComm() {
   Impl& m = *impl_;
-  // After a timeout (here or on any communicator of this process) operations are still
-  // pending: abort them, as destroying would wait for them forever (and so would the stream).
-  if (m.comm && !m.aborted && comm_timed_out()) {
-    ncclCommAbort(m.comm);
-    m.aborted = true;
-  }
-  if (m.barrier_word) cudaFree(m.barrier_word);
+  g_live_nccl.erase(std::remove(g_live_nccl.begin(), g_live_nccl.end(), &m), g_live_nccl.end());
+  // After a timeout (here or on any communicator of this process), or while an exception
+  // unwinds (this rank leaves; its peers may never match what it enqueued), operations may
+  // still be pending: abort them, as destroying finalizes, which waits for them forever.
+  if (m.comm && !m.aborted && (comm_timed_out() || std::uncaught_exceptions() > 0)) m.abort();
   if (m.comm && !m.aborted) ncclCommDestroy(m.comm);
+  // Last: cudaFree waits for the device, which a pending NCCL kernel would hold up.
+  if (m.barrier_word) cudaFree(m.barrier_word);
 }
 
 int NcclComm::rank() const { return impl_->rank; }
@@ -234,6 +290,9 @@ void NcclComm::barrier() {
 
 void NcclComm::synchronize() {
   Impl& m = *impl_;
+  if (m.aborted)
+    throw std::runtime_error("nccl " + m.where() + ": synchronize after the communicator was aborted (last operation " +
+                             m.last_op + ")");
   const Clock::time_point start = Clock::now();
   for (;;) {
     cudaError_t e = cudaStreamQuery(m.stream);
@@ -245,8 +304,8 @@ void NcclComm::synchronize() {
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
     if (m.books) {
       // The books' watchdog: the oldest unfinished operation on any group, diagnosed across
-      // ranks (throws CommTimeout); the destructors then abort the NCCL communicators.
-      poll_async_ops();
+      // ranks (throws CommTimeout, after aborting the NCCL communicators).
+      poll_nccl_async_ops();
     } else if (m.timeout > 0 && waited > m.timeout) {
       char head[96];
       std::snprintf(head, sizeof(head), "timed out after %.1f s", waited);
@@ -256,9 +315,8 @@ void NcclComm::synchronize() {
                               "before it); the NCCL communicator is aborted. (timeout: KEEL_COMM_TIMEOUT)";
       std::fprintf(stderr, "%s\n", msg.c_str());
       std::fflush(stderr);
-      m.aborted = true;
       mark_comm_timed_out();
-      ncclCommAbort(m.comm);
+      abort_nccl_comms();  // all of them: they share the stream, the stuck one may be another's
       throw CommTimeout(msg);
     }
     std::this_thread::sleep_for(std::chrono::microseconds(waited > 0.01 ? 200 : 10));
@@ -278,6 +336,8 @@ CommGroups make_nccl_comms(const CommGroups& host, CUstream_st* stream) {
 #else  // ---- built without NCCL ------------------------------------------------------------------
 
 bool nccl_built() { return false; }
+
+std::string nccl_version() { return ""; }
 
 struct NcclComm::Impl {};
 
@@ -304,6 +364,8 @@ void NcclComm::set_timeout(double) {}
 double NcclComm::timeout() const { return 0; }
 int64_t NcclComm::calls() const { return 0; }
 CommGroups make_nccl_comms(const CommGroups&, CUstream_st*) { no_nccl(); }
+void abort_nccl_comms() {}
+void poll_nccl_async_ops() { poll_async_ops(); }
 
 #endif
 

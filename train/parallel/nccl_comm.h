@@ -9,24 +9,31 @@
 // - Hang diagnosis: when the bootstrap is an MpiComm (any run under mpirun/srun), every
 //   operation is posted to its books (MpiComm::post_async) with a CUDA event behind it, so it
 //   is numbered, recorded in the OpRecorder ring and "waited in" until the event completes.
-//   Host code waiting on the GPU polls parallel::poll_async_ops (synchronize() here; the CUDA
-//   backend's waits through the device wait hook that train/run.cpp installs), which answers
-//   other ranks' watchdog questions and, when an operation is still unfinished after the
-//   group's timeout (KEEL_COMM_TIMEOUT, default 600 s), gives the same report and dumps as a
-//   stuck MPI operation and throws CommTimeout. The NCCL communicators are then aborted (their
-//   destructor), not destroyed, since destroying would wait for the stuck operation.
+//   Host code waiting on the GPU polls poll_nccl_async_ops (synchronize() here; the CUDA
+//   backend's waits through the device wait hook that train/run.cpp installs), which checks
+//   NCCL's asynchronous errors and runs parallel::poll_async_ops: it answers other ranks'
+//   watchdog questions and, when an operation is still unfinished after the group's timeout
+//   (KEEL_COMM_TIMEOUT, default 600 s), gives the same report and dumps as a stuck MPI
+//   operation and throws CommTimeout. Every NCCL communicator of the process is then aborted
+//   at once (they share the stream), not destroyed, since destroying would wait for the stuck
+//   operation; the destructor also aborts instead of destroying while an exception unwinds.
 //   KEEL_FAULT_SKIP_COLLECTIVE applies here too. Without books (a LocalComm bootstrap)
 //   synchronize() has its own plain watchdog naming the last operation enqueued.
+// - Max does not propagate NaN: NCCL reduces floats with fmaxf/__hmax, which return the other
+//   operand. Reduce a count or a 0/1 flag (I32) when a non-finite value must be seen.
 // Built when KEEL_CUDA is on and NCCL is found (KEEL_HAVE_NCCL); otherwise the constructor throws.
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "train/parallel/comm.h"
 
 namespace keel::parallel {
 
 bool nccl_built();  // was keel compiled with NCCL?
+// The NCCL library's version ("2.27.3"; empty without NCCL): its reductions' order depends on it.
+std::string nccl_version();
 
 class NcclComm final : public Comm {
  public:
@@ -69,5 +76,12 @@ class NcclComm final : public Comm {
 // NcclComms for every group of `host` (made by make_host_comms), all on `stream`.
 // Collective over the world.
 CommGroups make_nccl_comms(const CommGroups& host, CUstream_st* stream);
+
+// The device wait hook for a process with NcclComms (train/run.cpp installs it): throws when a
+// live NcclComm reports an asynchronous NCCL error, then runs poll_async_ops; whatever it
+// throws (CommTimeout, the NCCL error) aborts every live NcclComm first.
+void poll_nccl_async_ops();
+// Aborts every live NcclComm of this process (their pending operations end; they are unusable).
+void abort_nccl_comms();
 
 }  // namespace keel::parallel
