@@ -153,7 +153,36 @@ sanitize() {
   [ $rc -eq 9 ] && grep -m 3 -A8 -E '^========= (Invalid|Race|Uninit|Barrier|Program hit)' "$RES/$tool.log"
   say "$tool: exit $rc, $((SECONDS - t0)) s"
 }
-stage_memcheck() { sanitize memcheck '[gpu]~[train]~[oracle]~[determinism]~[ckpt]' 200; }
+# The whole training path under memcheck once: keel train on a tiny Llama with 64-wide heads
+# (the fused attention kernels), 3 bf16 steps with a checkpoint at the end.
+memcheck_train() {
+  local dir=$RES/memcheck-train t0=$SECONDS rc
+  mkdir -p "$dir"
+  "$PY" - "$dir/train_000.bin" <<'EOF'
+import sys
+import numpy as np
+header = np.zeros(256, dtype="<i4")
+header[0], header[1], header[2] = 20240520, 1, 100000  # llm.c GPT-2 shard: uint16 tokens
+tokens = np.random.default_rng(0).integers(0, 2048, size=100000).astype("<u2")
+with open(sys.argv[1], "wb") as f:
+    f.write(header.tobytes())
+    f.write(tokens.tobytes())
+EOF
+  say "== compute-sanitizer --tool memcheck keel train (tiny Llama, fused attention, bf16)"
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 "$BIN/keel" train \
+    --config "$ROOT/configs/llama-tiny.json" --device cuda --out "$dir/run" --steps 3 \
+    --set "data.train=[\"$dir/train_000.bin\"]" --set 'data.val=[]' --set schedule.warmup_steps=1 \
+    --set model.n_heads=2 --set model.n_kv_heads=1 --set train.eval_interval=0 --set log.interval=1 \
+    > "$RES/memcheck-train.log" 2>&1
+  rc=$?
+  grep -E 'ERROR SUMMARY|lm loss' "$RES/memcheck-train.log" | tail -2 | tee -a "$SUMMARY"
+  [ $rc -eq 9 ] && grep -m 3 -A8 -E '^========= (Invalid|Uninit|Program hit)' "$RES/memcheck-train.log"
+  say "memcheck keel train: exit $rc, $((SECONDS - t0)) s"
+}
+stage_memcheck() {
+  sanitize memcheck '[gpu]~[train]~[oracle]~[determinism]~[ckpt]' 180
+  memcheck_train
+}
 stage_racecheck() { sanitize racecheck '[attention]~[decode]' 120; }
 
 stage_bench() {
