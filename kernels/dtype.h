@@ -26,11 +26,17 @@ constexpr std::string_view dtype_name(DType t) {
   return "?";
 }
 
+// The bits a NaN with fp32 bits u gets in bf16 (its top bits, quiet bit forced so that the
+// truncation cannot turn it into inf) and in fp16 (sign | 0x7e00). The CUDA kernels store NaNs
+// with these too (cuda_common.cuh), so NaNs compare bit-equal across backends.
+constexpr uint16_t bf16_nan_bits(uint32_t u) { return static_cast<uint16_t>((u >> 16) | 0x40u); }
+constexpr uint16_t f16_nan_bits(uint32_t u) { return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u); }
+
 // bf16 keeps the top 16 bits of an fp32; rounding adds 0x7fff plus the lowest kept bit
-// (ties to even). NaN stays NaN (quiet bit forced so rounding cannot turn it into inf).
+// (ties to even).
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u = std::bit_cast<uint32_t>(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_nan_bits(u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
@@ -44,7 +50,8 @@ inline uint16_t f32_to_f16(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);
   uint32_t sign = (x >> 16) & 0x8000u;
   uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (ax > 0x7f800000u) return f16_nan_bits(x);
+  if (ax == 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u);
   if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
   if (ax >= 0x38800000u) {  // normal in fp16: rebias exponent 127 -> 15, round mantissa 23 -> 10 bits
     uint32_t v = (ax + 0xfffu + ((ax >> 13) & 1u)) >> 13;

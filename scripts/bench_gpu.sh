@@ -84,25 +84,7 @@ peak_tflops() {
 }
 
 # Random-token llm.c shard for a config's vocabulary: enough windows for the run.
-make_shard() {
-  local cfg=$1 out=$2 tokens=$3
-  "$PY" - "$cfg" "$out" "$tokens" <<'EOF'
-import json, sys
-import numpy as np
-cfg, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-vocab = json.load(open(cfg))["model"]["vocab_size"]
-rng = np.random.default_rng(1)
-header = np.zeros(256, dtype="<i4")
-if vocab <= 65536:   # llm.c GPT-2 shards: uint16 tokens
-    header[0], header[1], dt = 20240520, 1, "<u2"
-else:                # llm.c Llama 3 shards: uint32 tokens
-    header[0], header[1], dt = 20240801, 7, "<u4"
-header[2] = n
-with open(out, "wb") as f:
-    f.write(header.tobytes())
-    f.write(rng.integers(0, vocab, size=n).astype(dt).tobytes())
-EOF
-}
+make_shard() { "$PY" "$ROOT/scripts/random_shard.py" "$2" "$3" --config "$1"; }
 
 stage_keel() {
   local bin peak

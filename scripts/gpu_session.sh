@@ -166,16 +166,7 @@ sanitize() {
 memcheck_train() {
   local dir=$RES/memcheck-train t0=$SECONDS rc
   mkdir -p "$dir"
-  "$PY" - "$dir/train_000.bin" <<'EOF'
-import sys
-import numpy as np
-header = np.zeros(256, dtype="<i4")
-header[0], header[1], header[2] = 20240520, 1, 100000  # llm.c GPT-2 shard: uint16 tokens
-tokens = np.random.default_rng(0).integers(0, 2048, size=100000).astype("<u2")
-with open(sys.argv[1], "wb") as f:
-    f.write(header.tobytes())
-    f.write(tokens.tobytes())
-EOF
+  "$PY" "$ROOT/scripts/random_shard.py" "$dir/train_000.bin" 100000 --config "$ROOT/configs/llama-tiny.json"
   say "== compute-sanitizer --tool memcheck keel train (tiny Llama, fused attention, bf16)"
   timeout "$(limit 120)" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 "$BIN/keel" train \
     --config "$ROOT/configs/llama-tiny.json" --device cuda --out "$dir/run" --steps 3 \

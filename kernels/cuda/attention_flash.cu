@@ -637,17 +637,12 @@ bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
   // The blocks' shared memory (bf16 and f16 are both 2 bytes) within the device's opt-in limit:
   // 227 KiB on sm_90, 163 KiB on sm_80, but 99 KiB on sm_86 / sm_89 (and sm_120), where the dq
   // kernel at head_dim 128 (102 KiB) cannot launch. Those calls take the plain kernels.
-  int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, be.device_index()) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
   size_t need = 0;
   if (s.head_dim == 64)
     need = backward ? std::max(dq_smem<__half, 64>(), dkdv_smem<__half, 64>()) : forward_smem<__half, 64>();
   else
     need = backward ? std::max(dq_smem<__half, 128>(), dkdv_smem<__half, 128>()) : forward_smem<__half, 128>();
-  return need <= static_cast<size_t>(optin);
+  return need <= be.max_smem_per_block();
 }
 
 void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {

@@ -210,6 +210,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
     throw std::runtime_error("CudaBackend: device " + std::to_string(device) + " (" + prop.name + ", sm_" +
                              std::to_string(prop.major * 10 + prop.minor) +
                              ") is older than sm_80: keel's kernels need Ampere (A100) or newer");
+  smem_optin_ = prop.sharedMemPerBlockOptin;
   cudaStream_t s = nullptr;
   // A blocking stream: work on the legacy default stream (a LocalComm made without this stream)
   // waits for it and it for them.

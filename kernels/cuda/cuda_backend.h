@@ -139,6 +139,8 @@ class CudaBackend final : public Backend {
   bool profiling() const { return profiler_ != nullptr; }
   void profile_mark(const char* op, const std::string& shapes);
   bool simple_attention() const { return simple_attention_; }
+  // Shared memory one block may opt in to on this device (bytes; read once at construction).
+  size_t max_smem_per_block() const { return smem_optin_; }
   cuda::MatmulCache& matmul_cache() { return *matmul_; }
 
  private:
@@ -151,6 +153,7 @@ class CudaBackend final : public Backend {
   bool use_pool_ = true;           // cudaMallocAsync available
   bool sync_each_op_ = false;      // KEEL_CUDA_SYNC
   bool simple_attention_ = false;  // KEEL_ATTENTION=simple
+  size_t smem_optin_ = 0;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results
   size_t live_bytes_ = 0, peak_bytes_ = 0;
   std::map<void*, size_t> sizes_;  // live allocations (for the memory report)

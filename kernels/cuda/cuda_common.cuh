@@ -26,16 +26,16 @@ template <class T>
 __device__ __forceinline__ T from_f32(float x);
 template <>
 __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-// NaN gets the CPU's bits (kernels/dtype.h: bf16 keeps the top bits with the quiet bit set,
-// f16 is sign | 0x7e00), not whatever NaN cvt produces, so that NaNs compare bit-equal too.
+// NaN gets the CPU's bits (kernels/dtype.h bf16_nan_bits / f16_nan_bits), not whatever NaN cvt
+// produces, so that NaNs compare bit-equal too.
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-  if (isnan(x)) return __ushort_as_bfloat16(static_cast<unsigned short>((__float_as_uint(x) >> 16) | 0x40u));
+  if (isnan(x)) return __ushort_as_bfloat16(bf16_nan_bits(__float_as_uint(x)));
   return __float2bfloat16_rn(x);
 }
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float x) {
-  if (isnan(x)) return __ushort_as_half(static_cast<unsigned short>(((__float_as_uint(x) >> 16) & 0x8000u) | 0x7e00u));
+  if (isnan(x)) return __ushort_as_half(f16_nan_bits(__float_as_uint(x)));
   return __float2half_rn(x);
 }
 

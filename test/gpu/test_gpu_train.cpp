@@ -19,7 +19,7 @@
 #include "common/temp_dir.h"
 #include "common/batches.h"
 #include "gpu_test_util.h"
-#include "model/generator.h"
+#include "common/cached_decoding.h"
 #include "model/transformer.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -154,30 +154,9 @@ TEST_CASE("gpu: cached decoding reproduces the oracle logits (Llama GQA, GPT-2)"
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
   for (const char* name : {"llama_tiny", "gpt2_tiny"})
-    for (int prefill : {1, 6}) {
-      test::Fixture fx(name);
-      ParamTable table(fx.model);
-      std::vector<float> weights = fx.flat(table, "param");
-      HostTensor hw(DType::F32, {table.local_numel()});
-      std::memcpy(hw.t.data, weights.data(), weights.size() * 4);
-      DeviceTensor dw = DeviceTensor::of(be, hw);
-      Generator gen(table, be, dw.t, fx.T);
-      const auto inputs = fx.inputs();
-      const auto ref = fx.read<float>("logits");  // [B, T, V]
-      const int64_t V = fx.model.vocab_size;
-      for (int b = 0; b < fx.B; ++b) {
-        gen.reset();
-        const int32_t* row = inputs.data() + static_cast<size_t>(b) * fx.T;
-        std::vector<float> got = gen.forward(row, prefill, /*all_rows=*/true);
-        for (int t = prefill; t < fx.T; ++t) {
-          auto next = gen.forward(row + t, 1);
-          got.insert(got.end(), next.begin(), next.end());
-        }
-        REQUIRE(got.size() == static_cast<size_t>(fx.T * V));
-        KEEL_CHECK_ERR("decode logits vs oracle", std::string(name) + " prefill " + std::to_string(prefill),
-                       test::rel_error(got.data(), ref.data() + static_cast<size_t>(b) * fx.T * V, got.size()), 1e-5);
-      }
-    }
+    for (int prefill : {1, 6})
+      for (double err : test::cached_logits_errors(name, prefill, be))
+        KEEL_CHECK_ERR("decode logits vs oracle", std::string(name) + " prefill " + std::to_string(prefill), err, 1e-5);
 }
 
 TEST_CASE("gpu: the same run twice gives bit-identical losses and weights", "[gpu][determinism]") {

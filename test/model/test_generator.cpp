@@ -5,6 +5,7 @@
 // biases, LayerNorm); sampling is deterministic per seed.
 #include <catch2/catch.hpp>
 
+#include "common/cached_decoding.h"
 #include "common/fixture.h"
 #include "model/generator.h"
 
@@ -13,28 +14,11 @@ using namespace keel;
 namespace {
 
 void check_cached_logits(const std::string& name, int prefill) {
-  test::Fixture fx(name);
-  ParamTable table(fx.model);
   auto be = make_cpu_backend();
-  std::vector<float> weights = fx.flat(table, "param");
-  Generator gen(table, *be, Tensor(weights.data(), DType::F32, {table.local_numel()}), fx.T);
-  const auto inputs = fx.inputs();
-  const auto ref = fx.read<float>("logits");  // [B, T, V]
-  const int64_t V = fx.model.vocab_size;
-  for (int b = 0; b < fx.B; ++b) {
-    gen.reset();
-    std::vector<float> got;
-    const int32_t* row = inputs.data() + static_cast<size_t>(b) * fx.T;
-    auto first = gen.forward(row, prefill, /*all_rows=*/true);
-    got.insert(got.end(), first.begin(), first.end());
-    for (int t = prefill; t < fx.T; ++t) {
-      auto next = gen.forward(row + t, 1);
-      got.insert(got.end(), next.begin(), next.end());
-    }
-    REQUIRE(got.size() == static_cast<size_t>(fx.T * V));
-    const double err = test::rel_error(got.data(), ref.data() + static_cast<size_t>(b) * fx.T * V, got.size());
-    INFO(name << " sequence " << b << " prefill " << prefill << ": logits relative error " << err);
-    CHECK(err <= 1e-5);
+  const std::vector<double> errors = test::cached_logits_errors(name, prefill, *be);
+  for (size_t b = 0; b < errors.size(); ++b) {
+    INFO(name << " sequence " << b << " prefill " << prefill << ": logits relative error " << errors[b]);
+    CHECK(errors[b] <= 1e-5);
   }
 }
 
