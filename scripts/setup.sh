@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what keel needs on Debian/Ubuntu. Safe to run again (only installs what is missing).
-#   scripts/setup.sh          build and test dependencies (compiler, CMake, json, CLI11, Catch2, MPI)
+#   scripts/setup.sh          build and test dependencies (compiler, CMake, json, CLI11, Catch2, MPI,
+#                             numpy for the attention-kernel emulation test)
 #   scripts/setup.sh --demo   also the demo corpus (Debian's fortunes) and a Python venv (.venv)
 #                             with the HF `tokenizers` package for scripts/prepare_data.py
 set -euo pipefail
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 demo=0
 [[ "${1:-}" == "--demo" ]] && demo=1
 
-packages=(build-essential cmake nlohmann-json3-dev libcli11-dev catch2 libopenmpi-dev openmpi-bin)
+packages=(build-essential cmake nlohmann-json3-dev libcli11-dev catch2 libopenmpi-dev openmpi-bin python3-numpy)
 ((demo)) && packages+=(fortunes python3 python3-venv)
 
 missing=()

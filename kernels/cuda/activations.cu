@@ -1,6 +1,5 @@
 // GELU (tanh approximation, GPT-2's "gelu_new") and SwiGLU, forward and backward.
-// Elementwise, one element per thread per pass of a grid-stride loop (no reductions), in fp32
-// with the CPU reference's formulas:
+// Elementwise in fp32 with the CPU reference's formulas (no reductions):
 //   gelu(x)   = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 //   gelu'(x)  = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2),  t = tanh(u)
 //   swiglu: in [N, 2F] = gate | up, out = silu(gate) * up, silu(g) = g / (1 + exp(-g));
@@ -31,46 +30,69 @@ __device__ __forceinline__ float gelu_grad(float x) {
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
 }
 
-template <class T>
+// Elementwise in packs of V (cuda_common.cuh): V = kPack<T> when every pointer is 16-byte
+// aligned (and, for SwiGLU, F % V == 0, so a pack never straddles the gate | up boundary).
+template <class T, int V>
 __global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = from_f32<T>(gelu(to_f32(in[i])));
+  for_each_pack<V>(n, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    float x[W];
+    load_pack<W>(x, in + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] = gelu(x[k]);
+    store_pack<W>(out + i, x);
+  });
 }
 
 // din may alias dout (each element is read before it is written, by the same thread).
-template <class T>
+template <class T, int V>
 __global__ void gelu_backward_kernel(T* din, const T* dout, const T* in, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    din[i] = from_f32<T>(to_f32(dout[i]) * gelu_grad(to_f32(in[i])));
+  for_each_pack<V>(n, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    float dy[W], x[W];
+    load_pack<W>(dy, dout + i);
+    load_pack<W>(x, in + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) dy[k] *= gelu_grad(x[k]);
+    store_pack<W>(din + i, dy);
+  });
 }
 
-// One thread per output element (row n, column j < F).
-template <class T>
+// Output element e = (row n, column j < F); the pack's V columns share the row.
+template <class T, int V>
 __global__ void swiglu_forward_kernel(T* __restrict__ out, const T* __restrict__ in, int64_t N, int64_t F) {
-  const int64_t total = N * F;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_pack<V>(N * F, [&](auto width, int64_t e) {
+    constexpr int W = decltype(width)::value;
     const int64_t n = e / F, j = e - n * F;
-    const float g = to_f32(in[n * 2 * F + j]), u = to_f32(in[n * 2 * F + F + j]);
-    out[e] = from_f32<T>(g / (1.0f + expf(-g)) * u);
-  }
+    float g[W], u[W];
+    load_pack<W>(g, in + n * 2 * F + j);
+    load_pack<W>(u, in + n * 2 * F + F + j);
+#pragma unroll
+    for (int k = 0; k < W; ++k) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    store_pack<W>(out + e, g);
+  });
 }
 
-template <class T>
+template <class T, int V>
 __global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64_t N, int64_t F) {
   // din may alias in: the thread of element (n, j) alone reads and then writes (n, j) and (n, F+j).
-  const int64_t total = N * F;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_pack<V>(N * F, [&](auto width, int64_t e) {
+    constexpr int W = decltype(width)::value;
     const int64_t n = e / F, j = e - n * F;
-    const float g = to_f32(in[n * 2 * F + j]), u = to_f32(in[n * 2 * F + F + j]);
-    const float dy = to_f32(dout[e]);
-    const float s = 1.0f / (1.0f + expf(-g));
-    din[n * 2 * F + j] = from_f32<T>(dy * u * (s * (1.0f + g * (1.0f - s))));
-    din[n * 2 * F + F + j] = from_f32<T>(dy * (g * s));
-  }
+    float g[W], u[W], dy[W];
+    load_pack<W>(g, in + n * 2 * F + j);
+    load_pack<W>(u, in + n * 2 * F + F + j);
+    load_pack<W>(dy, dout + e);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float s = 1.0f / (1.0f + expf(-g[k]));
+      const float dgate = dy[k] * u[k] * (s * (1.0f + g[k] * (1.0f - s)));
+      u[k] = dy[k] * (g[k] * s);  // d up
+      g[k] = dgate;
+    }
+    store_pack<W>(din + n * 2 * F + j, g);
+    store_pack<W>(din + n * 2 * F + F + j, u);
+  });
 }
 
 void check_same(const char* op, Named a, Named b) {
@@ -99,8 +121,11 @@ void CudaBackend::gelu_forward(const Tensor& out, const Tensor& in) {
   if (n == 0) return;
   cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(in)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
-    cuda::gelu_forward_kernel<T><<<cuda::grid_for(n, cuda::kThreads, 4), cuda::kThreads, 0, stream_>>>(
-        u[0].as<T>(), u[1].as<const T>(), n);
+    cuda::with_pack_width<T>(cuda::aligned16({u[0].data, u[1].data}), [&](auto v) {
+      cuda::gelu_forward_kernel<T, decltype(v)::value>
+          <<<cuda::grid_for(cuda::ceil_div(n, int64_t{v}), cuda::kThreads), cuda::kThreads, 0, stream_>>>(
+              u[0].as<T>(), u[1].as<const T>(), n);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"out", out}, {"in", in}});
@@ -114,8 +139,11 @@ void CudaBackend::gelu_backward(const Tensor& din, const Tensor& dout, const Ten
   if (n == 0) return;
   cuda::SameDType u(*this, op, {cuda::out(din), cuda::in(dout), cuda::in(in)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
-    cuda::gelu_backward_kernel<T><<<cuda::grid_for(n, cuda::kThreads, 4), cuda::kThreads, 0, stream_>>>(
-        u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), n);
+    cuda::with_pack_width<T>(cuda::aligned16({u[0].data, u[1].data, u[2].data}), [&](auto v) {
+      cuda::gelu_backward_kernel<T, decltype(v)::value>
+          <<<cuda::grid_for(cuda::ceil_div(n, int64_t{v}), cuda::kThreads), cuda::kThreads, 0, stream_>>>(
+              u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), n);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
@@ -127,8 +155,12 @@ void CudaBackend::swiglu_forward(const Tensor& out, const Tensor& in) {
   if (N * F == 0) return;
   cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(in)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
-    cuda::swiglu_forward_kernel<T><<<cuda::grid_for(N * F, cuda::kThreads, 4), cuda::kThreads, 0, stream_>>>(
-        u[0].as<T>(), u[1].as<const T>(), N, F);
+    const bool packed = F % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data});
+    cuda::with_pack_width<T>(packed, [&](auto v) {
+      cuda::swiglu_forward_kernel<T, decltype(v)::value>
+          <<<cuda::grid_for(cuda::ceil_div(N * F, int64_t{v}), cuda::kThreads), cuda::kThreads, 0, stream_>>>(
+              u[0].as<T>(), u[1].as<const T>(), N, F);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"out", out}, {"in", in}});
@@ -141,8 +173,12 @@ void CudaBackend::swiglu_backward(const Tensor& din, const Tensor& dout, const T
   if (N * F == 0) return;
   cuda::SameDType u(*this, op, {cuda::out(din), cuda::in(dout), cuda::in(in)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
-    cuda::swiglu_backward_kernel<T><<<cuda::grid_for(N * F, cuda::kThreads, 4), cuda::kThreads, 0, stream_>>>(
-        u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), N, F);
+    const bool packed = F % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data});
+    cuda::with_pack_width<T>(packed, [&](auto v) {
+      cuda::swiglu_backward_kernel<T, decltype(v)::value>
+          <<<cuda::grid_for(cuda::ceil_div(N * F, int64_t{v}), cuda::kThreads), cuda::kThreads, 0, stream_>>>(
+              u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), N, F);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});

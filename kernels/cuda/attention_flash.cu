@@ -11,8 +11,8 @@
 // instruction); lse is stored in natural-log units.
 //
 // Matrix products: warp-level mma.sync.m16n8k16 with bf16 (or fp16) operands and fp32
-// accumulators (sm_80 and sm_90). Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"),
-// with g = lane / 4 and t = lane % 4:
+// accumulators (sm_80 and sm_90), operands loaded from shared memory by ldmatrix. Fragment
+// layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
 //   A (16x16, row-major): reg0 = (row g,   cols 2t, 2t+1)   reg1 = (row g+8, cols 2t, 2t+1)
 //                         reg2 = (row g,   cols 2t+8, +9)   reg3 = (row g+8, cols 2t+8, +9)
 //   B (16x8, "col"):      reg0 = (rows 2t, 2t+1, col g)      reg1 = (rows 2t+8, 2t+9, col g)
@@ -96,42 +96,49 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two consecutive 16-bit elements (even column) as one register.
-template <class T>
-__device__ __forceinline__ uint32_t ld_pair(const T* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
+// Fragments come from shared memory by ldmatrix (sm_75+): one instruction loads four 8x8 b16
+// matrices. Lane l supplies the address of row l % 8 of matrix l / 8 (each row 16 contiguous,
+// 16-byte aligned bytes); every lane then holds, in register i, two elements of matrix i:
+//   plain:   (row l / 4, cols 2(l % 4), 2(l % 4) + 1)
+//   .trans:  (rows 2(l % 4), 2(l % 4) + 1, col l / 4)
+// Rows of the padded tiles start 144 (hd 64) or 272 (hd 128) bytes apart, so the 8 rows a
+// phase reads fall in 8 distinct 4-bank groups: conflict-free.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
 }
-// Two 16-bit elements from different rows as one register (lo from p0).
-template <class T>
-__device__ __forceinline__ uint32_t ld_pair(const T* p0, const T* p1) {
-  const uint32_t lo = *reinterpret_cast<const uint16_t*>(p0);
-  const uint32_t hi = *reinterpret_cast<const uint16_t*>(p1);
-  return lo | (hi << 16);
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
 }
 
 // A fragment of the 16x16 block at `base` of a row-major shared array with row stride ld.
+// Matrices 0..3 = (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15),
+// (rows 8-15, cols 8-15): exactly a[0..3].
 template <class T>
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* base, int ld, int g, int t) {
-  a[0] = ld_pair(base + g * ld + 2 * t);
-  a[1] = ld_pair(base + (g + 8) * ld + 2 * t);
-  a[2] = ld_pair(base + g * ld + 2 * t + 8);
-  a[3] = ld_pair(base + (g + 8) * ld + 2 * t + 8);
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* base, int ld, int lane) {
+  ldsm_x4(a, base + (lane % 8 + (lane & 8)) * ld + (lane / 16) * 8);
 }
 
-// B fragment (16 k x 8 n) whose element (k, n) is base[n * ld + k] (k contiguous: K or Q rows
-// indexed by n, the head dimension by k).
+// B fragments of two adjacent n-tiles (16 k x 16 n) whose element (k, n) is base[n * ld + k]
+// (k contiguous: K or Q rows indexed by n, the head dimension by k): b[0], b[1] for n 0-7,
+// b[2], b[3] for n 8-15. Matrices 0..3 = (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7),
+// (n 8-15, k 8-15); the plain layout gives lane l the pair (k = 2t, 2t+1; n = g).
 template <class T>
-__device__ __forceinline__ void load_b_nmajor(uint32_t& b0, uint32_t& b1, const T* base, int ld, int g, int t) {
-  b0 = ld_pair(base + g * ld + 2 * t);
-  b1 = ld_pair(base + g * ld + 2 * t + 8);
+__device__ __forceinline__ void load_b_nmajor_x2(uint32_t (&b)[4], const T* base, int ld, int lane) {
+  ldsm_x4(b, base + (lane % 8 + (lane / 16) * 8) * ld + (lane & 8));
 }
 
-// B fragment (16 k x 8 n) whose element (k, n) is base[k * ld + n] (n contiguous: V, K, Q or dO
-// rows indexed by k, the head dimension by n).
+// B fragments of two adjacent n-tiles whose element (k, n) is base[k * ld + n] (n contiguous:
+// V, K, Q or dO rows indexed by k, the head dimension by n). Matrices 0..3 = (k 0-7, n 0-7),
+// (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15); .trans gives lane l (k = 2t, 2t+1; n = g).
 template <class T>
-__device__ __forceinline__ void load_b_kmajor(uint32_t& b0, uint32_t& b1, const T* base, int ld, int g, int t) {
-  b0 = ld_pair(base + (2 * t) * ld + g, base + (2 * t + 1) * ld + g);
-  b1 = ld_pair(base + (2 * t + 8) * ld + g, base + (2 * t + 9) * ld + g);
+__device__ __forceinline__ void load_b_kmajor_x2(uint32_t (&b)[4], const T* base, int ld, int lane) {
+  ldsm_x4_trans(b, base + (lane % 8 + (lane & 8)) * ld + (lane / 16) * 8);
 }
 
 // ---- asynchronous tile copies (cp.async, sm_80+) ----
@@ -214,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     if (kt == 0) {
 #pragma unroll
-      for (int kk = 0; kk < KT; ++kk) load_a(qa[kk], sQ + warp * 16 * LD + kk * 16, LD, g, t);
+      for (int kk = 0; kk < KT; ++kk) load_a(qa[kk], sQ + warp * 16 * LD + kk * 16, LD, lane);
     }
     const T* k_s = sK + buf * kBlockK * LD;
     const T* v_s = sV + buf * kBlockK * LD;
@@ -227,10 +234,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk)
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        uint32_t b0, b1;
-        load_b_nmajor(b0, b1, k_s + (n * 8) * LD + kk * 16, LD, g, t);
-        mma16816<T>(s[n], qa[kk], b0, b1);
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t b[4];
+        load_b_nmajor_x2(b, k_s + (n * 8) * LD + kk * 16, LD, lane);
+        mma16816<T>(s[n], qa[kk], b[0], b[1]);
+        mma16816<T>(s[n + 1], qa[kk], b[2], b[3]);
       }
 
     // scale to log2 units, mask, row max
@@ -286,10 +294,11 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t pa[4];
       acc_to_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        uint32_t b0, b1;
-        load_b_kmajor(b0, b1, v_s + (kk * 16) * LD + n * 8, LD, g, t);
-        mma16816<T>(o[n], pa, b0, b1);
+      for (int n = 0; n < NT; n += 2) {
+        uint32_t b[4];
+        load_b_kmajor_x2(b, v_s + (kk * 16) * LD + n * 8, LD, lane);
+        mma16816<T>(o[n], pa, b[0], b[1]);
+        mma16816<T>(o[n + 1], pa, b[2], b[3]);
       }
     }
     __syncthreads();  // all warps are done with this buffer before it is refilled
@@ -381,15 +390,17 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
       uint32_t qa[4], da[4];
-      load_a(qa, sQ + warp * 16 * LD + kk * 16, LD, g, t);
-      load_a(da, sdO + warp * 16 * LD + kk * 16, LD, g, t);
+      load_a(qa, sQ + warp * 16 * LD + kk * 16, LD, lane);
+      load_a(da, sdO + warp * 16 * LD + kk * 16, LD, lane);
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        uint32_t b0, b1;
-        load_b_nmajor(b0, b1, k_s + (n * 8) * LD + kk * 16, LD, g, t);
-        mma16816<T>(s[n], qa, b0, b1);
-        load_b_nmajor(b0, b1, v_s + (n * 8) * LD + kk * 16, LD, g, t);
-        mma16816<T>(dp[n], da, b0, b1);
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t b[4];
+        load_b_nmajor_x2(b, k_s + (n * 8) * LD + kk * 16, LD, lane);
+        mma16816<T>(s[n], qa, b[0], b[1]);
+        mma16816<T>(s[n + 1], qa, b[2], b[3]);
+        load_b_nmajor_x2(b, v_s + (n * 8) * LD + kk * 16, LD, lane);
+        mma16816<T>(dp[n], da, b[0], b[1]);
+        mma16816<T>(dp[n + 1], da, b[2], b[3]);
       }
     }
     // P and dS = P (dP - D)
@@ -409,10 +420,11 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t a[4];
       acc_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        uint32_t b0, b1;
-        load_b_kmajor(b0, b1, k_s + (kk * 16) * LD + n * 8, LD, g, t);
-        mma16816<T>(dq[n], a, b0, b1);
+      for (int n = 0; n < NT; n += 2) {
+        uint32_t b[4];
+        load_b_kmajor_x2(b, k_s + (kk * 16) * LD + n * 8, LD, lane);
+        mma16816<T>(dq[n], a, b[0], b[1]);
+        mma16816<T>(dq[n + 1], a, b[2], b[3]);
       }
     }
     __syncthreads();
@@ -514,15 +526,17 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
       uint32_t ka[4], va[4];
-      load_a(ka, sK + warp * 16 * LD + kk * 16, LD, g, t);
-      load_a(va, sV + warp * 16 * LD + kk * 16, LD, g, t);
+      load_a(ka, sK + warp * 16 * LD + kk * 16, LD, lane);
+      load_a(va, sV + warp * 16 * LD + kk * 16, LD, lane);
 #pragma unroll
-      for (int n = 0; n < QN; ++n) {
-        uint32_t b0, b1;
-        load_b_nmajor(b0, b1, q_s + (n * 8) * LD + kk * 16, LD, g, t);
-        mma16816<T>(st[n], ka, b0, b1);
-        load_b_nmajor(b0, b1, do_s + (n * 8) * LD + kk * 16, LD, g, t);
-        mma16816<T>(dpt[n], va, b0, b1);
+      for (int n = 0; n < QN; n += 2) {
+        uint32_t b[4];
+        load_b_nmajor_x2(b, q_s + (n * 8) * LD + kk * 16, LD, lane);
+        mma16816<T>(st[n], ka, b[0], b[1]);
+        mma16816<T>(st[n + 1], ka, b[2], b[3]);
+        load_b_nmajor_x2(b, do_s + (n * 8) * LD + kk * 16, LD, lane);
+        mma16816<T>(dpt[n], va, b[0], b[1]);
+        mma16816<T>(dpt[n + 1], va, b[2], b[3]);
       }
     }
     // P^T and dS^T; rows are keys j, columns queries i; valid when j <= i < T (then j < T too)
@@ -545,12 +559,14 @@ __global__ void __launch_bounds__(kThreads)
       acc_to_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
       acc_to_a<T>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        uint32_t b0, b1;
-        load_b_kmajor(b0, b1, do_s + (kk * 16) * LD + n * 8, LD, g, t);
-        mma16816<T>(dv[n], pa, b0, b1);
-        load_b_kmajor(b0, b1, q_s + (kk * 16) * LD + n * 8, LD, g, t);
-        mma16816<T>(dk[n], sa, b0, b1);
+      for (int n = 0; n < NT; n += 2) {
+        uint32_t b[4];
+        load_b_kmajor_x2(b, do_s + (kk * 16) * LD + n * 8, LD, lane);
+        mma16816<T>(dv[n], pa, b[0], b[1]);
+        mma16816<T>(dv[n + 1], pa, b[2], b[3]);
+        load_b_kmajor_x2(b, q_s + (kk * 16) * LD + n * 8, LD, lane);
+        mma16816<T>(dk[n], sa, b[0], b[1]);
+        mma16816<T>(dk[n + 1], sa, b[2], b[3]);
       }
     }
     __syncthreads();

@@ -43,20 +43,31 @@ __global__ void fill_kernel(T* __restrict__ dst, T value, int64_t n) {
     dst[i] = value;
 }
 
-// out[i] = round_T(float(a[i]) + float(b[i]))   (out may alias a or b)
-template <class T>
+// out[i] = round_T(float(a[i]) + float(b[i]))   (out may alias a or b), in packs of V
+template <class T, int V>
 __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+  for_each_pack<V>(n, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    float x[W], y[W];
+    load_pack<W>(x, a + i);
+    load_pack<W>(y, b + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] += y[k];
+    store_pack<W>(out + i, x);
+  });
 }
 
-// x[i] = round_T(float(x[i]) * s)
-template <class T>
+// x[i] = round_T(float(x[i]) * s), in packs of V
+template <class T, int V>
 __global__ void scale_kernel(T* x, float s, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    x[i] = from_f32<T>(to_f32(x[i]) * s);
+  for_each_pack<V>(n, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    float v[W];
+    load_pack<W>(v, x + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] *= s;
+    store_pack<W>(x + i, v);
+  });
 }
 
 constexpr int kThreads = 256;
@@ -465,9 +476,12 @@ void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {
   const int64_t n = out.numel();
   if (n == 0) return;
   cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(a), cuda::in(b)});
-  const unsigned blocks = cuda::grid_for(n, cuda::kThreads, 4);
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
-    cuda::add_kernel<T><<<blocks, cuda::kThreads, 0, stream_>>>(u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), n);
+    cuda::with_pack_width<T>(cuda::aligned16({u[0].data, u[1].data, u[2].data}), [&](auto v) {
+      cuda::add_kernel<T, decltype(v)::value>
+          <<<cuda::grid_for(cuda::ceil_div(n, int64_t{v}), cuda::kThreads), cuda::kThreads, 0, stream_>>>(
+              u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), n);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"out", out}, {"a", a}, {"b", b}});
@@ -478,8 +492,12 @@ void CudaBackend::scale(const Tensor& x, float s) {
   cuda::check_float(op, {"x", x});
   const int64_t n = x.numel();
   if (n == 0) return;
-  const unsigned blocks = cuda::grid_for(n, cuda::kThreads, 4);
-  KEEL_DISPATCH_FLOAT(x.dtype, op, T, { cuda::scale_kernel<T><<<blocks, cuda::kThreads, 0, stream_>>>(x.as<T>(), s, n); });
+  KEEL_DISPATCH_FLOAT(x.dtype, op, T, {
+    cuda::with_pack_width<T>(cuda::aligned16({x.data}), [&](auto v) {
+      cuda::scale_kernel<T, decltype(v)::value>
+          <<<cuda::grid_for(cuda::ceil_div(n, int64_t{v}), cuda::kThreads), cuda::kThreads, 0, stream_>>>(x.as<T>(), s, n);
+    });
+  });
   cuda::check_launch(*this, op, {{"x", x}});
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/cuda_backend.h"
@@ -93,6 +94,62 @@ __device__ __forceinline__ V block_sum(V v, V* shared) {
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) total += shared[w];
   return total;
+}
+
+// ---- vectorized elementwise loops ----
+//
+// Elementwise kernels move their operands in packs of kPack<T> elements (16 bytes: one 128-bit
+// load or store) when every pointer is 16-byte aligned, else one element at a time. Each
+// element gets the same arithmetic either way, so the width never changes a result.
+template <class T>
+inline constexpr int kPack = 16 / static_cast<int>(sizeof(T));
+
+template <class T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  T e[W];
+};
+
+template <int W, class T>
+__device__ __forceinline__ void load_pack(float (&f)[W], const T* p) {
+  const Pack<T, W> v = *reinterpret_cast<const Pack<T, W>*>(p);
+#pragma unroll
+  for (int k = 0; k < W; ++k) f[k] = to_f32(v.e[k]);
+}
+template <int W, class T>
+__device__ __forceinline__ void store_pack(T* p, const float (&f)[W]) {
+  Pack<T, W> v;
+#pragma unroll
+  for (int k = 0; k < W; ++k) v.e[k] = from_f32<T>(f[k]);
+  *reinterpret_cast<Pack<T, W>*>(p) = v;
+}
+
+template <int W>
+using PackWidth = std::integral_constant<int, W>;
+
+// Grid-stride loop over n elements: f(PackWidth<V>{}, i) for i = 0, V, 2V, ... below n - n % V,
+// then f(PackWidth<1>{}, i) for the last n % V elements.
+template <int V, class F>
+__device__ __forceinline__ void for_each_pack(int64_t n, F&& f) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t packs = n / V;
+  for (int64_t p = tid; p < packs; p += stride) f(PackWidth<V>{}, p * V);
+  if constexpr (V > 1)
+    for (int64_t i = packs * V + tid; i < n; i += stride) f(PackWidth<1>{}, i);
+}
+
+// True when every pointer is 16-byte aligned (the packed path may be used).
+inline bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+// Calls launch(PackWidth<kPack<T>>{}) when `packed`, else launch(PackWidth<1>{}).
+template <class T, class Launch>
+void with_pack_width(bool packed, Launch&& launch) {
+  if (packed) launch(PackWidth<kPack<T>>{});
+  else launch(PackWidth<1>{});
 }
 
 // ---- launch sizes ----

@@ -8,7 +8,7 @@
 //   y_{i+hd/2} = x_{i+hd/2} cos + x_i sin        (backward: x_{i+hd/2} cos - x_i sin)
 // Products and sums are rounded one by one (__fmul_rn / __fadd_rn: no fused multiply-add), as
 // the CPU and PyTorch do, so fp32 results are bitwise equal to the CPU's.
-// One thread per (row, head, pair i).
+// Packs of consecutive pairs i per thread (cuda_common.cuh, for_each_pack).
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace keel {
@@ -16,29 +16,37 @@ namespace keel {
 namespace cuda {
 namespace {
 
-template <class T, bool kInverse>
+// Element e of rows * heads * hd/2 is (row n, head h, pair i); packs of V consecutive pairs
+// (V divides hd/2) share n and h.
+template <class T, bool kInverse, int V>
 __global__ void rope_kernel(T* qkv, const float* __restrict__ table, int64_t rows, int T_len, int heads, int hd,
                             int64_t cols) {
   const int half = hd / 2;
-  const int64_t total = rows * heads * half;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_pack<V>(rows * heads * half, [&](auto width, int64_t e) {
+    constexpr int W = decltype(width)::value;
     const int i = static_cast<int>(e % half);
     const int64_t rest = e / half;
     const int h = static_cast<int>(rest % heads);
     const int64_t n = rest / heads;
-    const float* cs = table + ((n % T_len) * half + i) * 2;
-    const float c = cs[0], sn = cs[1];
+    const float* cs = table + ((n % T_len) * half + i) * 2;  // W (cos, sin) pairs
     T* x = qkv + n * cols + static_cast<int64_t>(h) * hd;
-    const float a = to_f32(x[i]), b = to_f32(x[i + half]);
-    if (!kInverse) {
-      x[i] = from_f32<T>(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn)));
-      x[i + half] = from_f32<T>(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn)));
-    } else {
-      x[i] = from_f32<T>(__fadd_rn(__fmul_rn(a, c), __fmul_rn(b, sn)));
-      x[i + half] = from_f32<T>(__fsub_rn(__fmul_rn(b, c), __fmul_rn(a, sn)));
+    float a[W], b[W], c[W], sn[W];
+    load_pack<W>(a, x + i);
+    load_pack<W>(b, x + i + half);
+#pragma unroll
+    for (int k = 0; k < W; ++k) c[k] = cs[2 * k], sn[k] = cs[2 * k + 1];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float ya = kInverse ? __fadd_rn(__fmul_rn(a[k], c[k]), __fmul_rn(b[k], sn[k]))
+                                : __fsub_rn(__fmul_rn(a[k], c[k]), __fmul_rn(b[k], sn[k]));
+      const float yb = kInverse ? __fsub_rn(__fmul_rn(b[k], c[k]), __fmul_rn(a[k], sn[k]))
+                                : __fadd_rn(__fmul_rn(b[k], c[k]), __fmul_rn(a[k], sn[k]));
+      a[k] = ya;
+      b[k] = yb;
     }
-  }
+    store_pack<W>(x + i, a);
+    store_pack<W>(x + i + half, b);
+  });
 }
 
 }  // namespace
@@ -49,12 +57,18 @@ void launch_rope(CudaBackend& be, const Tensor& qkv, const AttnShape& s, const f
   const int heads = s.n_heads + s.n_kv_heads;
   const int64_t total = rows * heads * (s.head_dim / 2);
   if (total == 0) return;
-  const unsigned blocks = grid_for(total, 256, 4);
   KEEL_DISPATCH_FLOAT(qkv.dtype, op, T, {
-    if (inverse)
-      rope_kernel<T, true><<<blocks, 256, 0, be.stream()>>>(qkv.as<T>(), table, rows, s.T, heads, s.head_dim, s.qkv_cols());
-    else
-      rope_kernel<T, false><<<blocks, 256, 0, be.stream()>>>(qkv.as<T>(), table, rows, s.T, heads, s.head_dim, s.qkv_cols());
+    const bool packed = (s.head_dim / 2) % kPack<T> == 0 && s.qkv_cols() % kPack<T> == 0 && aligned16({qkv.data});
+    with_pack_width<T>(packed, [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      const unsigned blocks = grid_for(ceil_div(total, int64_t{V}), 256);
+      if (inverse)
+        rope_kernel<T, true, V><<<blocks, 256, 0, be.stream()>>>(qkv.as<T>(), table, rows, s.T, heads, s.head_dim,
+                                                                 s.qkv_cols());
+      else
+        rope_kernel<T, false, V><<<blocks, 256, 0, be.stream()>>>(qkv.as<T>(), table, rows, s.T, heads, s.head_dim,
+                                                                  s.qkv_cols());
+    });
   });
 }
 

@@ -2,7 +2,8 @@
     python3 test/gpu/flash_emulation.py        (numpy; about a minute)
 
 It checks the part of the fused kernels that review alone cannot: which shared-memory element
-lands in which lane's register for every mma.sync operand, the P/dS register reuse, the masks and
+lands in which lane's register for every mma.sync operand (ldmatrix emulated from the PTX ISA's
+address and distribution rules, checked first against the fragment layouts below), the P/dS register reuse, the masks and
 the tile loops (GQA, ragged T, double-buffered query steps), against a float64 reference. Keep it
 in step with the .cu file when the kernels' indexing changes. Expected output: errors ~2e-3
 (out) and ~3e-3 (dq, dk, dv) from the bf16 rounding of P and dS, lse ~1e-8 (the T=1 case has a
@@ -18,7 +19,13 @@ ISA fragment layouts (g = lane // 4, t = lane % 4):
 The kernel bodies are transcribed from the .cu file; the result is compared with a float64
 reference of causal GQA attention and its gradients.
 """
-import numpy as np
+import sys
+
+try:
+    import numpy as np
+except ImportError:  # ctest reads 77 as "skipped"
+    print("skipped: numpy is not installed (scripts/setup.sh installs python3-numpy)")
+    sys.exit(77)
 
 LANE = np.arange(32)
 G = LANE // 4
@@ -64,28 +71,54 @@ def zeros4():
     return [np.zeros(32) for _ in range(4)]
 
 
-# smem arrays are 2-D numpy arrays [rows, LD]; "base" is (array, row0, col0)
-def ld_pair(arr, rows, cols):
-    return np.stack([arr[rows, cols], arr[rows, cols + 1]], axis=1)
+# smem arrays are 2-D numpy arrays [rows, LD]; a row address is (row, col) of that array.
+def ldsm_x4(arr, rows, cols, trans=False):
+    """ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 as the PTX ISA defines it: lane l gives
+    the address of row l % 8 of matrix l // 8 (8 contiguous elements from (rows[l], cols[l]));
+    register i of lane l holds matrix i's (row l // 4, cols 2(l % 4), +1), or with .trans
+    (rows 2(l % 4), +1, col l // 4)."""
+    regs = []
+    for i in range(4):
+        M = np.stack([arr[rows[8 * i + r], cols[8 * i + r]:cols[8 * i + r] + 8] for r in range(8)])
+        if trans:
+            regs.append(np.stack([M[2 * TT, G], M[2 * TT + 1, G]], axis=1))
+        else:
+            regs.append(np.stack([M[G, 2 * TT], M[G, 2 * TT + 1]], axis=1))
+    return regs
 
 
-def ld_pair2(arr, rows0, rows1, cols):
-    return np.stack([arr[rows0, cols], arr[rows1, cols]], axis=1)
-
-
+# The loaders of the .cu file: the same per-lane row addresses.
 def load_a(arr, r0, c0):
-    return [ld_pair(arr, r0 + G, c0 + 2 * TT), ld_pair(arr, r0 + G + 8, c0 + 2 * TT),
-            ld_pair(arr, r0 + G, c0 + 2 * TT + 8), ld_pair(arr, r0 + G + 8, c0 + 2 * TT + 8)]
+    return ldsm_x4(arr, r0 + LANE % 8 + (LANE & 8), c0 + (LANE // 16) * 8)
 
 
-def load_b_nmajor(arr, r0, c0):  # element (k, n) at base[n * ld + k]
-    return ld_pair(arr, r0 + G, c0 + 2 * TT), ld_pair(arr, r0 + G, c0 + 2 * TT + 8)
+def load_b_nmajor_x2(arr, r0, c0):  # element (k, n) at base[n * ld + k]; n-tiles n, n+1
+    return ldsm_x4(arr, r0 + LANE % 8 + (LANE // 16) * 8, c0 + (LANE & 8))
 
 
-def load_b_kmajor(arr, r0, c0):  # element (k, n) at base[k * ld + n]
-    b0 = ld_pair2(arr, r0 + 2 * TT, r0 + 2 * TT + 1, c0 + G)
-    b1 = ld_pair2(arr, r0 + 2 * TT + 8, r0 + 2 * TT + 9, c0 + G)
-    return b0, b1
+def load_b_kmajor_x2(arr, r0, c0):  # element (k, n) at base[k * ld + n]; n-tiles n, n+1
+    return ldsm_x4(arr, r0 + LANE % 8 + (LANE & 8), c0 + (LANE // 16) * 8, trans=True)
+
+
+def check_loaders():
+    """The ldmatrix loaders give exactly the mma.m16n8k16 fragments (layouts in the docstring)."""
+    rng = np.random.default_rng(1)
+    arr = rng.standard_normal((40, 40))
+    r0, c0 = 5, 16
+    a = load_a(arr, r0, c0)
+    A = arr[r0:r0 + 16, c0:c0 + 16]
+    want_a = [np.stack([A[G + 8 * (i & 1), 2 * TT + 8 * (i >> 1)], A[G + 8 * (i & 1), 2 * TT + 1 + 8 * (i >> 1)]],
+                       axis=1) for i in range(4)]
+    assert all(np.array_equal(x, y) for x, y in zip(a, want_a)), "load_a"
+    for loader, elem in [(load_b_nmajor_x2, lambda k, n: arr[r0 + n, c0 + k]),
+                         (load_b_kmajor_x2, lambda k, n: arr[r0 + k, c0 + n])]:
+        b = loader(arr, r0, c0)
+        for tile in range(2):
+            for reg in range(2):
+                k = 2 * TT + 8 * reg
+                n = G + 8 * tile
+                want = np.stack([elem(k, n), elem(k + 1, n)], axis=1)
+                assert np.array_equal(b[2 * tile + reg], want), loader.__name__
 
 
 def pack2(lo, hi):
@@ -133,9 +166,10 @@ def forward(q, k, v, T, nh, nkv, HD):
                     v_s = tile(v[kvh], k0, 64, T, HD)
                     s = [zeros4() for _ in range(8)]
                     for kk in range(HD // 16):
-                        for n in range(8):
-                            b0, b1 = load_b_nmajor(k_s, n * 8, kk * 16)
-                            mma(s[n], qa[kk], b0, b1)
+                        for n in range(0, 8, 2):
+                            b = load_b_nmajor_x2(k_s, n * 8, kk * 16)
+                            mma(s[n], qa[kk], b[0], b[1])
+                            mma(s[n + 1], qa[kk], b[2], b[3])
                     mask = (k0 + 63 > q0) or (k0 + 64 > T)
                     mx = [np.full(32, -np.inf), np.full(32, -np.inf)]
                     for n in range(8):
@@ -173,9 +207,10 @@ def forward(q, k, v, T, nh, nkv, HD):
                     for kk in range(4):
                         pa = [pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
                               pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])]
-                        for n in range(HD // 8):
-                            b0, b1 = load_b_kmajor(v_s, kk * 16, n * 8)
-                            mma(o[n], pa, b0, b1)
+                        for n in range(0, HD // 8, 2):
+                            b = load_b_kmajor_x2(v_s, kk * 16, n * 8)
+                            mma(o[n], pa, b[0], b[1])
+                            mma(o[n + 1], pa, b[2], b[3])
                 inv_l = [np.where(l[0] > 0, 1 / l[0], 0), np.where(l[1] > 0, 1 / l[1], 0)]
                 for r in range(2):
                     row = row_b if r else row_a
@@ -222,11 +257,13 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD):
                     for kk in range(HD // 16):
                         qa = load_a(sQ, warp * 16, kk * 16)
                         da = load_a(sdO, warp * 16, kk * 16)
-                        for n in range(8):
-                            b0, b1 = load_b_nmajor(k_s, n * 8, kk * 16)
-                            mma(s[n], qa, b0, b1)
-                            b0, b1 = load_b_nmajor(v_s, n * 8, kk * 16)
-                            mma(dp[n], da, b0, b1)
+                        for n in range(0, 8, 2):
+                            b = load_b_nmajor_x2(k_s, n * 8, kk * 16)
+                            mma(s[n], qa, b[0], b[1])
+                            mma(s[n + 1], qa, b[2], b[3])
+                            b = load_b_nmajor_x2(v_s, n * 8, kk * 16)
+                            mma(dp[n], da, b[0], b[1])
+                            mma(dp[n + 1], da, b[2], b[3])
                     for n in range(8):
                         for e in range(4):
                             col = k0 + n * 8 + 2 * TT + (e & 1)
@@ -237,9 +274,10 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD):
                     for kk in range(4):
                         a = [pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])]
-                        for n in range(HD // 8):
-                            b0, b1 = load_b_kmajor(k_s, kk * 16, n * 8)
-                            mma(dq[n], a, b0, b1)
+                        for n in range(0, HD // 8, 2):
+                            b = load_b_kmajor_x2(k_s, kk * 16, n * 8)
+                            mma(dq[n], a, b[0], b[1])
+                            mma(dq[n + 1], a, b[2], b[3])
                 for r in range(2):
                     row = row_b if r else row_a
                     for lane in range(32):
@@ -287,11 +325,13 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD):
                     for kk in range(HD // 16):
                         ka = load_a(sK, warp * 16, kk * 16)
                         va = load_a(sV, warp * 16, kk * 16)
-                        for n in range(4):
-                            b0, b1 = load_b_nmajor(q_s, n * 8, kk * 16)
-                            mma(st[n], ka, b0, b1)
-                            b0, b1 = load_b_nmajor(do_s, n * 8, kk * 16)
-                            mma(dpt[n], va, b0, b1)
+                        for n in range(0, 4, 2):
+                            b = load_b_nmajor_x2(q_s, n * 8, kk * 16)
+                            mma(st[n], ka, b[0], b[1])
+                            mma(st[n + 1], ka, b[2], b[3])
+                            b = load_b_nmajor_x2(do_s, n * 8, kk * 16)
+                            mma(dpt[n], va, b[0], b[1])
+                            mma(dpt[n + 1], va, b[2], b[3])
                     for n in range(4):
                         for e in range(4):
                             ci = n * 8 + 2 * TT + (e & 1)
@@ -306,11 +346,13 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD):
                               pack2(st[2 * kk + 1][0], st[2 * kk + 1][1]), pack2(st[2 * kk + 1][2], st[2 * kk + 1][3])]
                         sa = [pack2(dpt[2 * kk][0], dpt[2 * kk][1]), pack2(dpt[2 * kk][2], dpt[2 * kk][3]),
                               pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]), pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])]
-                        for n in range(HD // 8):
-                            b0, b1 = load_b_kmajor(do_s, kk * 16, n * 8)
-                            mma(dv[n], pa, b0, b1)
-                            b0, b1 = load_b_kmajor(q_s, kk * 16, n * 8)
-                            mma(dk[n], sa, b0, b1)
+                        for n in range(0, HD // 8, 2):
+                            b = load_b_kmajor_x2(do_s, kk * 16, n * 8)
+                            mma(dv[n], pa, b[0], b[1])
+                            mma(dv[n + 1], pa, b[2], b[3])
+                            b = load_b_kmajor_x2(q_s, kk * 16, n * 8)
+                            mma(dk[n], sa, b[0], b[1])
+                            mma(dk[n + 1], sa, b[2], b[3])
                 for r in range(2):
                     j = key_b if r else key_a
                     for lane in range(32):
@@ -367,7 +409,7 @@ BOUNDS = {"out": 1e-2, "lse": 1e-5, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2}
 
 
 if __name__ == "__main__":
-    import sys
+    check_loaders()
     rng = np.random.default_rng(0)
     failed = []
     for (T, nh, nkv, HD) in [(100, 4, 2, 64), (70, 2, 1, 128), (64, 2, 2, 64), (1, 2, 1, 64), (130, 4, 1, 64)]:

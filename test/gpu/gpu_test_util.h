@@ -95,6 +95,29 @@ struct DeviceTensor {
   void upload(const HostTensor& h) { be->copy_from_host(t, h.t.data); }
 };
 
+// A device tensor shaped like `like` that starts one element into its own buffer, so it is
+// never 16-byte aligned: the elementwise kernels take their one-element path on it.
+struct ShiftedDeviceTensor {
+  DeviceTensor buf;
+  Tensor t;
+
+  ShiftedDeviceTensor(Backend& b, const Tensor& like)
+      : buf(b, Tensor(nullptr, like.dtype, {like.numel() + 1})), t(like) {
+    t.device = b.device();
+    t.data = static_cast<char*>(buf.t.data) + dtype_size(like.dtype);
+  }
+  static ShiftedDeviceTensor of(Backend& b, const HostTensor& h) {
+    ShiftedDeviceTensor d(b, h.t);
+    b.copy_from_host(d.t, h.t.data);
+    return d;
+  }
+  HostTensor host() const {
+    HostTensor h = host_like(t);
+    buf.be->copy_to_host(h.t.data, t);
+    return h;
+  }
+};
+
 // A host copy of h (same dtype and shape, same bits).
 inline HostTensor clone(const HostTensor& h) {
   HostTensor c = host_like(h.t);
