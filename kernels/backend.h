@@ -170,6 +170,13 @@ class Backend {
   virtual float max_abs(const Tensor& x) = 0;  // inf/nan propagate
   virtual int64_t count_nonfinite(const Tensor& x) = 0;
   virtual int64_t count_zeros(const Tensor& x) = 0;
+  // sum_squares, count_zeros and count_nonfinite of x, the same values as the three calls; a GPU
+  // reads x once instead of three times (the gradient-norm pass over all parameters).
+  struct GradStats {
+    double sum_squares = 0;
+    int64_t zeros = 0, nonfinite = 0;
+  };
+  virtual GradStats grad_stats(const Tensor& x) { return {sum_squares(x), count_zeros(x), count_nonfinite(x)}; }
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

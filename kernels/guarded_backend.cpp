@@ -179,6 +179,7 @@ class GuardedBackend final : public Backend {
   float max_abs(const Tensor& x) override { KEEL_GUARDED(max_abs(x)); }
   int64_t count_nonfinite(const Tensor& x) override { KEEL_GUARDED(count_nonfinite(x)); }
   int64_t count_zeros(const Tensor& x) override { KEEL_GUARDED(count_zeros(x)); }
+  GradStats grad_stats(const Tensor& x) override { KEEL_GUARDED(grad_stats(x)); }
 #undef KEEL_GUARDED
 
  private:

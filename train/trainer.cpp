@@ -212,14 +212,19 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   // Over this rank's shard, each parameter once: TP replicas and the tied copy are skipped
   // (they hold the same values as the primary copy on another rank). The primary tensors are
   // merged into contiguous ranges (usually a handful), so a GPU syncs a few times, not per tensor.
+  // Non-finite values are counted over the whole shard: the primary ranges in one pass with
+  // the norm (grad_stats), the replica gaps between them on their own.
   double sum_sq = 0;
-  int64_t zeros = 0;
-  int64_t nonfinite = be_.count_nonfinite(state_->flat_view(state_->grads, ob, std::max<int64_t>(0, oe - ob)));
+  int64_t zeros = 0, nonfinite = 0, counted_to = ob;
   for (const auto& [a, b] : primary_ranges_) {
-    Tensor g = state_->flat_view(state_->grads, a, b - a);
-    sum_sq += be_.sum_squares(g);
-    zeros += be_.count_zeros(g);
+    if (a > counted_to) nonfinite += be_.count_nonfinite(state_->flat_view(state_->grads, counted_to, a - counted_to));
+    const Backend::GradStats g = be_.grad_stats(state_->flat_view(state_->grads, a, b - a));
+    sum_sq += g.sum_squares;
+    zeros += g.zeros;
+    nonfinite += g.nonfinite;
+    counted_to = b;
   }
+  if (oe > counted_to) nonfinite += be_.count_nonfinite(state_->flat_view(state_->grads, counted_to, oe - counted_to));
   sum_sq = all_reduce_sum(world, sum_sq);
   nonfinite = all_reduce_sum(world, nonfinite);
   st.num_zeros = all_reduce_sum(world, zeros);

@@ -113,6 +113,7 @@ class CudaBackend final : public Backend {
   float max_abs(const Tensor& x) override;
   int64_t count_nonfinite(const Tensor& x) override;
   int64_t count_zeros(const Tensor& x) override;
+  GradStats grad_stats(const Tensor& x) override;
 
   // ---- for the train layer ----
   int device_index() const { return device_; }

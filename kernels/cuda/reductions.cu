@@ -1,5 +1,5 @@
 // Whole-tensor reductions: sum, sum_squares (fp64), max_abs (NaN propagating), count_nonfinite,
-// count_zeros.
+// count_zeros, and grad_stats (the last three in one pass).
 //
 // Two deterministic passes. Pass 1: the tensor is cut into fixed chunks of kChunk elements (a
 // function of n only, never of the GPU); block c reduces chunk c, each thread its strided
@@ -20,7 +20,7 @@ constexpr int kThreads = 256;
 constexpr int64_t kChunk = 16384;  // elements per pass-1 block
 constexpr int kFinalThreads = 1024;
 
-enum class Kind { Sum, SumSquares, MaxAbs, NonFinite, Zeros };
+enum class Kind { Sum, SumSquares, MaxAbs, NonFinite, Zeros, GradStats };
 
 template <Kind K>
 struct Acc;
@@ -65,6 +65,22 @@ struct Acc<Kind::Zeros> {
   static __device__ V zero() { return 0; }
   static __device__ V one(float x) { return x == 0.0f ? 1ull : 0ull; }
   static __device__ V combine(V a, V b) { return a + b; }
+};
+
+// SumSquares, Zeros and NonFinite at once. Each field sees the same operations in the same order
+// as its own kind, so the values are those of the three separate reductions, bit for bit.
+struct GradStatsV {
+  double ss;
+  unsigned long long zeros, nonfinite;
+};
+template <>
+struct Acc<Kind::GradStats> {
+  using V = GradStatsV;
+  static __device__ V zero() { return {0.0, 0, 0}; }
+  static __device__ V one(float x) {
+    return {Acc<Kind::SumSquares>::one(x), Acc<Kind::Zeros>::one(x), Acc<Kind::NonFinite>::one(x)};
+  }
+  static __device__ V combine(V a, V b) { return {a.ss + b.ss, a.zeros + b.zeros, a.nonfinite + b.nonfinite}; }
 };
 
 // Tree over the block's threads in a fixed pairing (shared memory, halving strides).
@@ -141,6 +157,11 @@ int64_t CudaBackend::count_nonfinite(const Tensor& x) {
 
 int64_t CudaBackend::count_zeros(const Tensor& x) {
   return static_cast<int64_t>(cuda::reduce<cuda::Kind::Zeros>(*this, "count_zeros", x));
+}
+
+Backend::GradStats CudaBackend::grad_stats(const Tensor& x) {
+  const cuda::GradStatsV v = cuda::reduce<cuda::Kind::GradStats>(*this, "grad_stats", x);
+  return {v.ss, static_cast<int64_t>(v.zeros), static_cast<int64_t>(v.nonfinite)};
 }
 
 }  // namespace keel

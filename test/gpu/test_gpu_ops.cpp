@@ -107,7 +107,7 @@ TEST_CASE("gpu: convert, fill, add, scale are bit-identical to the CPU", "[gpu][
   }
 }
 
-TEST_CASE("gpu: sum, sum_squares, max_abs, count_nonfinite, count_zeros", "[gpu][reductions]") {
+TEST_CASE("gpu: sum, sum_squares, max_abs, count_nonfinite, count_zeros, grad_stats", "[gpu][reductions]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
   const int64_t n = 1000003;  // several chunks, ragged end
@@ -140,6 +140,15 @@ TEST_CASE("gpu: sum, sum_squares, max_abs, count_nonfinite, count_zeros", "[gpu]
     CHECK(std::isnan(be.max_abs(dz.t)));  // NaN wins over inf
     CHECK(be.count_nonfinite(dz.t) == 3);
     CHECK(std::isnan(be.sum(dz.t)));
+
+    // grad_stats: the three reductions in one pass, the same values bit for bit
+    for (const DeviceTensor* t : {&d, &dy, &dz}) {
+      const Backend::GradStats g = be.grad_stats(t->t);
+      const double ss_sep = be.sum_squares(t->t);
+      CHECK(std::memcmp(&g.sum_squares, &ss_sep, sizeof ss_sep) == 0);
+      CHECK(g.zeros == be.count_zeros(t->t));
+      CHECK(g.nonfinite == be.count_nonfinite(t->t));
+    }
   }
   HostTensor empty(DType::F32, {0});
   DeviceTensor de(be, empty.t);
