@@ -1,7 +1,8 @@
 // LayerNorm and RMSNorm over the last dimension, and bias_backward.
 //
-// Forward, per row x of C values (one warp per row; the lanes take columns lane, lane+32, ...;
-// the sums are butterfly reductions over the warp, so fixed):
+// Forward, per row x of C values (one warp per row; the lanes take 16-byte packs of columns,
+// pack lane, lane+32, ..., or single columns when a row is not 16-byte aligned; the sums are
+// butterfly reductions over the warp, so fixed):
 //   LayerNorm: mean = sum(x)/C, var = sum((x-mean)^2)/C (two passes), rstd = 1/sqrt(var+eps),
 //              y = (x-mean)*rstd*w + b
 //   RMSNorm:   rstd = 1/sqrt(sum(x^2)/C + eps), y = x*rstd*w
@@ -33,7 +34,9 @@ constexpr int kRowBlock = 64;      // rows per partial sum of the column reducti
 constexpr int kColGroup = 32;      // columns per column-reduction block (one per lane)
 constexpr int kRowLanes = 8;       // threads along rows in a column-reduction block
 
-template <class T>
+// Row kernels: lane l takes the packs of V columns starting at l*V, l*V + 32V, ... (V =
+// kPack<T> when C is a multiple of it and every pointer is 16-byte aligned, else 1).
+template <class T, int V>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     layernorm_forward_kernel(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
                              const T* __restrict__ in, const T* __restrict__ weight, const T* __restrict__ bias,
@@ -43,19 +46,34 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   if (row >= N) return;
   const T* x = in + row * C;
   float s = 0;
-  for (int c = lane; c < C; c += 32) s += to_f32(x[c]);
+  for (int c = lane * V; c < C; c += 32 * V) {
+    float xv[V];
+    load_pack<V>(xv, x + c);
+#pragma unroll
+    for (int k = 0; k < V; ++k) s += xv[k];
+  }
   const float mu = warp_sum(s) / static_cast<float>(C);
   float v = 0;
-  for (int c = lane; c < C; c += 32) {
-    const float d = to_f32(x[c]) - mu;
-    v += d * d;
+  for (int c = lane * V; c < C; c += 32 * V) {
+    float xv[V];
+    load_pack<V>(xv, x + c);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float d = xv[k] - mu;
+      v += d * d;
+    }
   }
   const float var = warp_sum(v) / static_cast<float>(C);
   const float rs = 1.0f / sqrtf(var + eps);
   T* y = out + row * C;
-  for (int c = lane; c < C; c += 32) {
-    const float b = bias ? to_f32(bias[c]) : 0.0f;
-    y[c] = from_f32<T>((to_f32(x[c]) - mu) * rs * to_f32(weight[c]) + b);
+  for (int c = lane * V; c < C; c += 32 * V) {
+    float xv[V], w[V], b[V];
+    load_pack<V>(xv, x + c);
+    load_pack<V>(w, weight + c);
+    if (bias) load_pack<V>(b, bias + c);
+#pragma unroll
+    for (int k = 0; k < V; ++k) xv[k] = (xv[k] - mu) * rs * w[k] + (bias ? b[k] : 0.0f);
+    store_pack<V>(y + c, xv);
   }
   if (lane == 0) {
     mean[row] = mu;
@@ -63,7 +81,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
-template <class T>
+template <class T, int V>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     rmsnorm_forward_kernel(T* __restrict__ out, float* __restrict__ rstd, const T* __restrict__ in,
                            const T* __restrict__ weight, int64_t N, int C, float eps) {
@@ -72,18 +90,27 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   if (row >= N) return;
   const T* x = in + row * C;
   float s = 0;
-  for (int c = lane; c < C; c += 32) {
-    const float xv = to_f32(x[c]);
-    s += xv * xv;
+  for (int c = lane * V; c < C; c += 32 * V) {
+    float xv[V];
+    load_pack<V>(xv, x + c);
+#pragma unroll
+    for (int k = 0; k < V; ++k) s += xv[k] * xv[k];
   }
   const float rs = 1.0f / sqrtf(warp_sum(s) / static_cast<float>(C) + eps);
   T* y = out + row * C;
-  for (int c = lane; c < C; c += 32) y[c] = from_f32<T>(to_f32(x[c]) * rs * to_f32(weight[c]));
+  for (int c = lane * V; c < C; c += 32 * V) {
+    float xv[V], w[V];
+    load_pack<V>(xv, x + c);
+    load_pack<V>(w, weight + c);
+#pragma unroll
+    for (int k = 0; k < V; ++k) xv[k] = xv[k] * rs * w[k];
+    store_pack<V>(y + c, xv);
+  }
   if (lane == 0) rstd[row] = rs;
 }
 
 // dx of one row per warp; kLayerNorm selects the mean(g) term and the centring by mean.
-template <class T, bool kLayerNorm>
+template <class T, bool kLayerNorm, int V>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     norm_backward_dx_kernel(T* din, const T* dout, const T* __restrict__ in, const T* __restrict__ weight,
                             const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N, int C,
@@ -96,21 +123,36 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const float mu = kLayerNorm ? mean[row] : 0.0f;
   const float rs = rstd[row];
   float sg = 0, sgx = 0;
-  for (int c = lane; c < C; c += 32) {
-    const float xhat = (to_f32(x[c]) - mu) * rs;
-    const float g = to_f32(dy[c]) * to_f32(weight[c]);
-    sg += g;
-    sgx += g * xhat;
+  for (int c = lane * V; c < C; c += 32 * V) {
+    float xv[V], g[V], w[V];
+    load_pack<V>(xv, x + c);
+    load_pack<V>(g, dy + c);
+    load_pack<V>(w, weight + c);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float xhat = (xv[k] - mu) * rs;
+      const float gk = g[k] * w[k];
+      sg += gk;
+      sgx += gk * xhat;
+    }
   }
   const float mean_g = kLayerNorm ? warp_sum(sg) / static_cast<float>(C) : 0.0f;
   const float mean_gx = warp_sum(sgx) / static_cast<float>(C);
   T* dx = din + row * C;
-  for (int c = lane; c < C; c += 32) {
-    const float xhat = (to_f32(x[c]) - mu) * rs;
-    const float g = to_f32(dy[c]) * to_f32(weight[c]);
-    float d = rs * (g - mean_g - xhat * mean_gx);
-    if (accumulate) d += to_f32(dx[c]);
-    dx[c] = from_f32<T>(d);
+  for (int c = lane * V; c < C; c += 32 * V) {
+    float xv[V], g[V], w[V], prev[V];
+    load_pack<V>(xv, x + c);
+    load_pack<V>(g, dy + c);
+    load_pack<V>(w, weight + c);
+    if (accumulate) load_pack<V>(prev, dx + c);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float xhat = (xv[k] - mu) * rs;
+      float d = rs * (g[k] * w[k] - mean_g - xhat * mean_gx);
+      if (accumulate) d += prev[k];
+      xv[k] = d;
+    }
+    store_pack<V>(dx + c, xv);
   }
 }
 
@@ -249,9 +291,14 @@ void CudaBackend::layernorm_forward(const Tensor& out, const Tensor& mean, const
   if (N == 0) return;
   cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(in), cuda::in(weight), cuda::in(bias)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
-    cuda::layernorm_forward_kernel<T><<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
-        u[0].as<T>(), mean.as<float>(), rstd.as<float>(), u[1].as<const T>(), u[2].as<const T>(),
-        bias.empty() ? nullptr : u[3].as<const T>(), N, static_cast<int>(C), eps);
+    const T* b = bias.empty() ? nullptr : u[3].as<const T>();
+    const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, b});
+    cuda::with_pack_width<T>(packed, [&](auto v) {
+      cuda::layernorm_forward_kernel<T, decltype(v)::value>
+          <<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+              u[0].as<T>(), mean.as<float>(), rstd.as<float>(), u[1].as<const T>(), u[2].as<const T>(), b, N,
+              static_cast<int>(C), eps);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"out", out}, {"in", in}, {"weight", weight}});
@@ -277,9 +324,13 @@ void CudaBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, c
     cuda::column_sums<T, cuda::ColMode::LayerNorm>(*this, op, u[1].as<const T>(), u[2].as<const T>(),
                                                    mean.as<const float>(), rstd.as<const float>(), N, C,
                                                    dweight.as<float>(), dbias.empty() ? nullptr : dbias.as<float>());
-    cuda::norm_backward_dx_kernel<T, true><<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
-        u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), u[3].as<const T>(), mean.as<const float>(),
-        rstd.as<const float>(), N, static_cast<int>(C), accumulate_din);
+    const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
+    cuda::with_pack_width<T>(packed, [&](auto v) {
+      cuda::norm_backward_dx_kernel<T, true, decltype(v)::value>
+          <<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+              u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), u[3].as<const T>(), mean.as<const float>(),
+              rstd.as<const float>(), N, static_cast<int>(C), accumulate_din);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
@@ -294,8 +345,12 @@ void CudaBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const T
   if (N == 0) return;
   cuda::SameDType u(*this, op, {cuda::out(out), cuda::in(in), cuda::in(weight)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
-    cuda::rmsnorm_forward_kernel<T><<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
-        u[0].as<T>(), rstd.as<float>(), u[1].as<const T>(), u[2].as<const T>(), N, static_cast<int>(C), eps);
+    const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data});
+    cuda::with_pack_width<T>(packed, [&](auto v) {
+      cuda::rmsnorm_forward_kernel<T, decltype(v)::value>
+          <<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+              u[0].as<T>(), rstd.as<float>(), u[1].as<const T>(), u[2].as<const T>(), N, static_cast<int>(C), eps);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"out", out}, {"in", in}, {"weight", weight}});
@@ -317,9 +372,13 @@ void CudaBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, con
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
     cuda::column_sums<T, cuda::ColMode::RmsNorm>(*this, op, u[1].as<const T>(), u[2].as<const T>(), nullptr,
                                                  rstd.as<const float>(), N, C, dweight.as<float>(), nullptr);
-    cuda::norm_backward_dx_kernel<T, false><<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
-        u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), u[3].as<const T>(), nullptr, rstd.as<const float>(), N,
-        static_cast<int>(C), accumulate_din);
+    const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
+    cuda::with_pack_width<T>(packed, [&](auto v) {
+      cuda::norm_backward_dx_kernel<T, false, decltype(v)::value>
+          <<<cuda::row_blocks(N), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+              u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), u[3].as<const T>(), nullptr, rstd.as<const float>(),
+              N, static_cast<int>(C), accumulate_din);
+    });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
