@@ -7,7 +7,7 @@
 // xent_stats: one block per row, one pass over the row with an online (max, sum) pair per
 // thread (a new maximum rescales the thread's sum), the threads' pairs then combined in a fixed
 // tree: deterministic, and one read of the logits instead of two. xent_backward: one block per
-// row, elementwise. The per-row ops on N values: one thread per row.
+// row, elementwise. Both move 16-byte packs of logits when the rows allow it. The per-row ops on N values: one thread per row.
 #include <cmath>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -30,7 +30,9 @@ __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) 
   m = mn;
 }
 
-template <class T>
+// The row kernels read packs of W logits (16 bytes when W = kPack<T>: every row 16-byte aligned,
+// V a multiple of W): thread i takes the packs starting at i*W, i*W + kThreads*W, ...
+template <class T, int W>
 __global__ void __launch_bounds__(kThreads)
     xent_stats_kernel(float* __restrict__ row_max, float* __restrict__ sumexp, float* __restrict__ target_logit,
                       const T* __restrict__ logits, const int32_t* __restrict__ targets, int64_t V,
@@ -39,14 +41,19 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t n = blockIdx.x;
   const T* x = logits + n * V;
   float m = -INFINITY, s = 0.0f;
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float v = to_f32(x[j]);
-    if (v > m) {
-      // m = -inf at first: 0 * 0 + 1. A +inf logit contributes exp(inf - inf) = NaN, as on the CPU.
-      s = s * expf(m - v) + (v == INFINITY ? __int_as_float(0x7fc00000) : 1.0f);
-      m = v;
-    } else if (v != -INFINITY) {
-      s += expf(v - m);  // NaN propagates through here
+  for (int64_t j = threadIdx.x * W; j < V; j += kThreads * W) {
+    float xv[W];
+    load_pack<W>(xv, x + j);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float v = xv[k];
+      if (v > m) {
+        // m = -inf at first: 0 * 0 + 1. A +inf logit contributes exp(inf - inf) = NaN, as on the CPU.
+        s = s * expf(m - v) + (v == INFINITY ? __int_as_float(0x7fc00000) : 1.0f);
+        m = v;
+      } else if (v != -INFINITY) {
+        s += expf(v - m);  // NaN propagates through here
+      }
     }
   }
   sm[threadIdx.x] = m;
@@ -85,23 +92,29 @@ __global__ void xent_loss_kernel(void* losses, DType loss_dt, float* lse, const 
   store_any(losses, loss_dt, n, targets[n] < 0 ? 0.0f : l - target_logit[n]);
 }
 
-template <class T>
+template <class T, int W>
 __global__ void __launch_bounds__(kThreads)
     xent_backward_kernel(T* logits, const float* __restrict__ lse, const int32_t* __restrict__ targets, float dloss,
                          int64_t V, int64_t vocab_start) {
   const int64_t n = blockIdx.x;
   T* x = logits + n * V;
   const int32_t t = targets[n];
-  if (t < 0) {
-    for (int64_t j = threadIdx.x; j < V; j += kThreads) x[j] = from_f32<T>(0.0f);
-    return;
-  }
-  const float l = lse[n];
+  const float l = t < 0 ? 0.0f : lse[n];
   const int64_t local = static_cast<int64_t>(t) - vocab_start;
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    float p = expf(to_f32(x[j]) - l);
-    if (j == local) p -= 1.0f;
-    x[j] = from_f32<T>(p * dloss);
+  for (int64_t j = threadIdx.x * W; j < V; j += kThreads * W) {
+    float p[W];
+    load_pack<W>(p, x + j);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      if (t < 0) {  // ignored row: zero gradient
+        p[k] = 0.0f;
+        continue;
+      }
+      float q = expf(p[k] - l);
+      if (j + k == local) q -= 1.0f;
+      p[k] = q * dloss;
+    }
+    store_pack<W>(x + j, p);
   }
 }
 
@@ -131,9 +144,11 @@ void CudaBackend::xent_stats(const Tensor& row_max, const Tensor& sumexp, const 
   if (N > 0x7fffffff) cuda::fail(op, "more than 2^31 rows", {{"logits", logits}});
   const int64_t V = logits.cols();
   KEEL_DISPATCH_FLOAT(logits.dtype, op, T, {
-    cuda::xent_stats_kernel<T><<<static_cast<unsigned>(N), cuda::kThreads, 0, stream_>>>(
-        row_max.as<float>(), sumexp.as<float>(), target_logit.as<float>(), logits.as<const T>(),
-        targets.as<const int32_t>(), V, vocab_start);
+    cuda::with_pack_width<T>(V % cuda::kPack<T> == 0 && cuda::aligned16({logits.data}), [&](auto w) {
+      cuda::xent_stats_kernel<T, decltype(w)::value><<<static_cast<unsigned>(N), cuda::kThreads, 0, stream_>>>(
+          row_max.as<float>(), sumexp.as<float>(), target_logit.as<float>(), logits.as<const T>(),
+          targets.as<const int32_t>(), V, vocab_start);
+    });
   });
   cuda::check_launch(*this, op, {{"logits", logits}, {"targets", targets}});
 }
@@ -180,8 +195,10 @@ void CudaBackend::xent_backward(const Tensor& logits, const Tensor& lse, const T
   if (N > 0x7fffffff) cuda::fail(op, "more than 2^31 rows", {{"logits", logits}});
   const int64_t V = logits.cols();
   KEEL_DISPATCH_FLOAT(logits.dtype, op, T, {
-    cuda::xent_backward_kernel<T><<<static_cast<unsigned>(N), cuda::kThreads, 0, stream_>>>(
-        logits.as<T>(), lse.as<const float>(), targets.as<const int32_t>(), dloss, V, vocab_start);
+    cuda::with_pack_width<T>(V % cuda::kPack<T> == 0 && cuda::aligned16({logits.data}), [&](auto w) {
+      cuda::xent_backward_kernel<T, decltype(w)::value><<<static_cast<unsigned>(N), cuda::kThreads, 0, stream_>>>(
+          logits.as<T>(), lse.as<const float>(), targets.as<const int32_t>(), dloss, V, vocab_start);
+    });
   });
   cuda::check_launch(*this, op, {{"logits", logits}, {"targets", targets}});
 }
