@@ -21,7 +21,8 @@
 // A C fragment pair (n-tiles 2k, 2k+1) of probabilities is exactly the A fragment of the k-th
 // 16-wide slice of P, which is how P (and dS) feed the next product without leaving registers.
 //
-// Kernels and their parallel decomposition (4 warps per block, each warp owns 16 rows):
+// Kernels and their parallel decomposition (4 warps per block, each warp owns 16 rows; grids are
+// (head, batch, tile) with the tile on z, so the blocks with the most work start first):
 //   forward  block (query tile of 64 rows, head, batch); loops over key tiles 0..diagonal with K/V
 //            double-buffered by cp.async; per warp: S = Q K^T (16x64), online softmax, O += P V.
 //   dq       block (query tile of 64 rows, head, batch); loops over key tiles 0..diagonal:
@@ -183,8 +184,10 @@ __global__ void __launch_bounds__(kThreads)
   T* sK = sQ + kBlockQ * LD;       // [2][kBlockK][LD]
   T* sV = sK + 2 * kBlockK * LD;   // [2][kBlockK][LD]
 
-  const int qt = gridDim.x - 1 - blockIdx.x;  // longest rows first
-  const int h = blockIdx.y, b = blockIdx.z;
+  // Blocks start in linear order (x fastest): every (head, batch) of the last query tile, the
+  // longest, first; then the next. Longest-first across the whole grid keeps the tail short.
+  const int qt = gridDim.z - 1 - blockIdx.z;
+  const int h = blockIdx.x, b = blockIdx.y;
   const int kvh = h / (nh / nkv);
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
   const T* base = qkv + static_cast<int64_t>(b) * T_len * cols;
@@ -335,8 +338,8 @@ __global__ void __launch_bounds__(kThreads)
   T* sK = sdO + kBlockQ * LD;      // [2][kBlockK][LD]
   T* sV = sK + 2 * kBlockK * LD;   // [2][kBlockK][LD]
 
-  const int qt = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int qt = gridDim.z - 1 - blockIdx.z;  // longest first, as in the forward
+  const int h = blockIdx.x, b = blockIdx.y;
   const int kvh = h / (nh / nkv);
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
   const int64_t out_cols = static_cast<int64_t>(nh) * HD;
@@ -460,8 +463,8 @@ __global__ void __launch_bounds__(kThreads)
   float* sL = reinterpret_cast<float*>(sdO + 2 * kBlockQBwd * LD);  // [2][kBlockQBwd] lse (log2 units)
   float* sD = sL + 2 * kBlockQBwd;                                  // [2][kBlockQBwd]
 
-  const int kt = blockIdx.x;  // small kt = most query tiles: scheduled first
-  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int kt = blockIdx.z;  // small kt = most query tiles: started first, for every (kv head, batch)
+  const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = nh / nkv;
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
   const int64_t out_cols = static_cast<int64_t>(nh) * HD;
@@ -616,8 +619,8 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
   const size_t smem = forward_smem<T, HD>();
   allow_smem(flash_forward_kernel<T, HD>, smem, "attention_forward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
-  const dim3 grid(static_cast<unsigned>(ceil_div(s.T, kBlockQ)), static_cast<unsigned>(s.n_heads),
-                  static_cast<unsigned>(s.B));
+  const dim3 grid(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
+                  static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
   flash_forward_kernel<T, HD><<<grid, kThreads, smem, be.stream()>>>(qkv.as<const T>(), out.as<T>(), lse.as<float>(), s.T,
                                                                      s.n_heads, s.n_kv_heads, scale * kLog2e);
 }
@@ -629,13 +632,13 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   allow_smem(flash_backward_dq_kernel<T, HD>, smem_dq, "attention_backward");
   allow_smem(flash_backward_dkdv_kernel<T, HD>, smem_dkdv, "attention_backward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
-  const dim3 grid_q(static_cast<unsigned>(ceil_div(s.T, kBlockQ)), static_cast<unsigned>(s.n_heads),
-                    static_cast<unsigned>(s.B));
+  const dim3 grid_q(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
+                    static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
   flash_backward_dq_kernel<T, HD><<<grid_q, kThreads, smem_dq, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads,
       scale * kLog2e, scale);
-  const dim3 grid_k(static_cast<unsigned>(ceil_div(s.T, kBlockK)), static_cast<unsigned>(s.n_kv_heads),
-                    static_cast<unsigned>(s.B));
+  const dim3 grid_k(static_cast<unsigned>(s.n_kv_heads), static_cast<unsigned>(s.B),
+                    static_cast<unsigned>(ceil_div(s.T, kBlockK)));
   flash_backward_dkdv_kernel<T, HD><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads,
       scale * kLog2e, scale);
@@ -647,7 +650,8 @@ bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
                      std::initializer_list<const Tensor*> operands, bool backward) {
   if (dtype != DType::BF16 && dtype != DType::F16) return false;
   if (s.head_dim != 64 && s.head_dim != 128) return false;
-  if (s.B > 65535 || s.n_heads > 65535) return false;
+  // Grid (heads, batch, tiles): y and z are limited to 65535.
+  if (s.B > 65535 || ceil_div(s.T, static_cast<int64_t>(std::min(kBlockQ, kBlockK))) > 65535) return false;
   for (const Tensor* t : operands)
     if (t->dtype != dtype || alignment_of(t->data) < 16) return false;
   // The blocks' shared memory (bf16 and f16 are both 2 bytes) within the device's opt-in limit:
