@@ -141,7 +141,7 @@ __device__ __forceinline__ void for_each_pack(int64_t n, F&& f) {
 // True when every pointer is 16-byte aligned (the packed path may be used).
 inline bool aligned16(std::initializer_list<const void*> ptrs) {
   for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (alignment_of(p) < 16) return false;
   return true;
 }
 
