@@ -142,6 +142,40 @@ __device__ __forceinline__ void load_b_kmajor_x2(uint32_t (&b)[4], const T* base
   ldsm_x4_trans(b, base + (lane % 8 + (lane & 8)) * ld + (lane / 16) * 8);
 }
 
+// c[n] += A B_n over the N (even) n-tiles of a 16 x 8N product whose B (16 x 8N, k x n) is in
+// shared memory: element (k, n) at base[n * ld + k] (nmajor) or base[k * ld + n] (kmajor).
+template <class T, int N>
+__device__ __forceinline__ void mma_b_nmajor(float (&c)[N][4], const uint32_t (&a)[4], const T* base, int ld,
+                                             int lane) {
+#pragma unroll
+  for (int n = 0; n < N; n += 2) {
+    uint32_t b[4];
+    load_b_nmajor_x2(b, base + n * 8 * ld, ld, lane);
+    mma16816<T>(c[n], a, b[0], b[1]);
+    mma16816<T>(c[n + 1], a, b[2], b[3]);
+  }
+}
+template <class T, int N>
+__device__ __forceinline__ void mma_b_kmajor(float (&c)[N][4], const uint32_t (&a)[4], const T* base, int ld,
+                                             int lane) {
+#pragma unroll
+  for (int n = 0; n < N; n += 2) {
+    uint32_t b[4];
+    load_b_kmajor_x2(b, base + n * 8, ld, lane);
+    mma16816<T>(c[n], a, b[0], b[1]);
+    mma16816<T>(c[n + 1], a, b[2], b[3]);
+  }
+}
+
+// Row r (0: the lane's row g, 1: row g + 8) of a 16 x 8N accumulator times mul, rounded to T,
+// to dst[0, 8N) (the lane writes its column pairs 2t, 2t+1 of each n-tile).
+template <class T, int N>
+__device__ __forceinline__ void store_acc_row(T* dst, const float (&c)[N][4], int r, float mul, int t) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+    *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) = pack2<T>(c[n][2 * r] * mul, c[n][2 * r + 1] * mul);
+}
+
 // ---- asynchronous tile copies (cp.async, sm_80+) ----
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -235,14 +269,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < KT; ++kk)
-#pragma unroll
-      for (int n = 0; n < 8; n += 2) {
-        uint32_t b[4];
-        load_b_nmajor_x2(b, k_s + (n * 8) * LD + kk * 16, LD, lane);
-        mma16816<T>(s[n], qa[kk], b[0], b[1]);
-        mma16816<T>(s[n + 1], qa[kk], b[2], b[3]);
-      }
+    for (int kk = 0; kk < KT; ++kk) mma_b_nmajor<T>(s, qa[kk], k_s + kk * 16, LD, lane);
 
     // scale to log2 units, mask, row max
     const bool mask = k0 + kBlockK - 1 > q0 || k0 + kBlockK > T_len;
@@ -296,13 +323,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       uint32_t pa[4];
       acc_to_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int n = 0; n < NT; n += 2) {
-        uint32_t b[4];
-        load_b_kmajor_x2(b, v_s + (kk * 16) * LD + n * 8, LD, lane);
-        mma16816<T>(o[n], pa, b[0], b[1]);
-        mma16816<T>(o[n + 1], pa, b[2], b[3]);
-      }
+      mma_b_kmajor<T>(o, pa, v_s + (kk * 16) * LD, LD, lane);
     }
     __syncthreads();  // all warps are done with this buffer before it is refilled
   }
@@ -315,9 +336,7 @@ __global__ void __launch_bounds__(kThreads)
     const int row = r ? row_b : row_a;
     if (row >= T_len) continue;
     T* orow = out + (static_cast<int64_t>(b) * T_len + row) * out_cols + h * HD;
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-      *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t) = pack2<T>(o[n][2 * r] * inv_l[r], o[n][2 * r + 1] * inv_l[r]);
+    store_acc_row<T>(orow, o, r, inv_l[r], t);
     if (t == 0) lse[(static_cast<int64_t>(b) * nh + h) * T_len + row] = (m[r] + log2f(l[r])) * kLn2;
   }
 }
@@ -395,16 +414,8 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t qa[4], da[4];
       load_a(qa, sQ + warp * 16 * LD + kk * 16, LD, lane);
       load_a(da, sdO + warp * 16 * LD + kk * 16, LD, lane);
-#pragma unroll
-      for (int n = 0; n < 8; n += 2) {
-        uint32_t b[4];
-        load_b_nmajor_x2(b, k_s + (n * 8) * LD + kk * 16, LD, lane);
-        mma16816<T>(s[n], qa, b[0], b[1]);
-        mma16816<T>(s[n + 1], qa, b[2], b[3]);
-        load_b_nmajor_x2(b, v_s + (n * 8) * LD + kk * 16, LD, lane);
-        mma16816<T>(dp[n], da, b[0], b[1]);
-        mma16816<T>(dp[n + 1], da, b[2], b[3]);
-      }
+      mma_b_nmajor<T>(s, qa, k_s + kk * 16, LD, lane);
+      mma_b_nmajor<T>(dp, da, v_s + kk * 16, LD, lane);
     }
     // P and dS = P (dP - D)
 #pragma unroll
@@ -422,13 +433,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       uint32_t a[4];
       acc_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int n = 0; n < NT; n += 2) {
-        uint32_t b[4];
-        load_b_kmajor_x2(b, k_s + (kk * 16) * LD + n * 8, LD, lane);
-        mma16816<T>(dq[n], a, b[0], b[1]);
-        mma16816<T>(dq[n + 1], a, b[2], b[3]);
-      }
+      mma_b_kmajor<T>(dq, a, k_s + (kk * 16) * LD, LD, lane);
     }
     __syncthreads();
   }
@@ -438,9 +443,7 @@ __global__ void __launch_bounds__(kThreads)
     const int row = r ? row_b : row_a;
     if (row >= T_len) continue;
     T* drow = dqkv + (static_cast<int64_t>(b) * T_len + row) * cols + h * HD;
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-      *reinterpret_cast<uint32_t*>(drow + n * 8 + 2 * t) = pack2<T>(dq[n][2 * r] * scale, dq[n][2 * r + 1] * scale);
+    store_acc_row<T>(drow, dq, r, scale, t);
   }
 }
 
@@ -531,16 +534,8 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t ka[4], va[4];
       load_a(ka, sK + warp * 16 * LD + kk * 16, LD, lane);
       load_a(va, sV + warp * 16 * LD + kk * 16, LD, lane);
-#pragma unroll
-      for (int n = 0; n < QN; n += 2) {
-        uint32_t b[4];
-        load_b_nmajor_x2(b, q_s + (n * 8) * LD + kk * 16, LD, lane);
-        mma16816<T>(st[n], ka, b[0], b[1]);
-        mma16816<T>(st[n + 1], ka, b[2], b[3]);
-        load_b_nmajor_x2(b, do_s + (n * 8) * LD + kk * 16, LD, lane);
-        mma16816<T>(dpt[n], va, b[0], b[1]);
-        mma16816<T>(dpt[n + 1], va, b[2], b[3]);
-      }
+      mma_b_nmajor<T>(st, ka, q_s + kk * 16, LD, lane);
+      mma_b_nmajor<T>(dpt, va, do_s + kk * 16, LD, lane);
     }
     // P^T and dS^T; rows are keys j, columns queries i; valid when j <= i < T (then j < T too)
 #pragma unroll
@@ -561,16 +556,8 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t pa[4], sa[4];
       acc_to_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
       acc_to_a<T>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-      for (int n = 0; n < NT; n += 2) {
-        uint32_t b[4];
-        load_b_kmajor_x2(b, do_s + (kk * 16) * LD + n * 8, LD, lane);
-        mma16816<T>(dv[n], pa, b[0], b[1]);
-        mma16816<T>(dv[n + 1], pa, b[2], b[3]);
-        load_b_kmajor_x2(b, q_s + (kk * 16) * LD + n * 8, LD, lane);
-        mma16816<T>(dk[n], sa, b[0], b[1]);
-        mma16816<T>(dk[n + 1], sa, b[2], b[3]);
-      }
+      mma_b_kmajor<T>(dv, pa, do_s + (kk * 16) * LD, LD, lane);
+      mma_b_kmajor<T>(dk, sa, q_s + (kk * 16) * LD, LD, lane);
     }
     __syncthreads();
   }
@@ -580,13 +567,8 @@ __global__ void __launch_bounds__(kThreads)
     const int j = r ? key_b : key_a;
     if (j >= T_len) continue;
     T* row = dqkv + (static_cast<int64_t>(b) * T_len + j) * cols;
-    T* dk_row = row + (nh + kvh) * HD;
-    T* dv_row = row + (nh + nkv + kvh) * HD;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      *reinterpret_cast<uint32_t*>(dk_row + n * 8 + 2 * t) = pack2<T>(dk[n][2 * r] * scale, dk[n][2 * r + 1] * scale);
-      *reinterpret_cast<uint32_t*>(dv_row + n * 8 + 2 * t) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
-    }
+    store_acc_row<T>(row + (nh + kvh) * HD, dk, r, scale, t);
+    store_acc_row<T>(row + (nh + nkv + kvh) * HD, dv, r, 1.0f, t);  // x 1.0f: exact
   }
 }
 

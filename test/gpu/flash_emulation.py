@@ -100,6 +100,26 @@ def load_b_kmajor_x2(arr, r0, c0):  # element (k, n) at base[k * ld + n]; n-tile
     return ldsm_x4(arr, r0 + LANE % 8 + (LANE & 8), c0 + (LANE // 16) * 8, trans=True)
 
 
+def mma_b_nmajor(c, a, arr, r0, c0):
+    """c[n] += A B_n over the n-tiles of c; B element (k, n) at arr[r0 + n, c0 + k]."""
+    for n in range(0, len(c), 2):
+        b = load_b_nmajor_x2(arr, r0 + n * 8, c0)
+        mma(c[n], a, b[0], b[1])
+        mma(c[n + 1], a, b[2], b[3])
+
+
+def mma_b_kmajor(c, a, arr, r0, c0):
+    """c[n] += A B_n over the n-tiles of c; B element (k, n) at arr[r0 + k, c0 + n]."""
+    for n in range(0, len(c), 2):
+        b = load_b_kmajor_x2(arr, r0, c0 + n * 8)
+        mma(c[n], a, b[0], b[1])
+        mma(c[n + 1], a, b[2], b[3])
+
+
+def acc_to_a(lo, hi):
+    return [pack2(lo[0], lo[1]), pack2(lo[2], lo[3]), pack2(hi[0], hi[1]), pack2(hi[2], hi[3])]
+
+
 def check_loaders():
     """The ldmatrix loaders give exactly the mma.m16n8k16 fragments (layouts in the docstring)."""
     rng = np.random.default_rng(1)
@@ -166,10 +186,7 @@ def forward(q, k, v, T, nh, nkv, HD):
                     v_s = tile(v[kvh], k0, 64, T, HD)
                     s = [zeros4() for _ in range(8)]
                     for kk in range(HD // 16):
-                        for n in range(0, 8, 2):
-                            b = load_b_nmajor_x2(k_s, n * 8, kk * 16)
-                            mma(s[n], qa[kk], b[0], b[1])
-                            mma(s[n + 1], qa[kk], b[2], b[3])
+                        mma_b_nmajor(s, qa[kk], k_s, 0, kk * 16)
                     mask = (k0 + 63 > q0) or (k0 + 64 > T)
                     mx = [np.full(32, -np.inf), np.full(32, -np.inf)]
                     for n in range(8):
@@ -205,12 +222,7 @@ def forward(q, k, v, T, nh, nkv, HD):
                         o[n][2] = o[n][2] * alpha[1]
                         o[n][3] = o[n][3] * alpha[1]
                     for kk in range(4):
-                        pa = [pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])]
-                        for n in range(0, HD // 8, 2):
-                            b = load_b_kmajor_x2(v_s, kk * 16, n * 8)
-                            mma(o[n], pa, b[0], b[1])
-                            mma(o[n + 1], pa, b[2], b[3])
+                        mma_b_kmajor(o, acc_to_a(s[2 * kk], s[2 * kk + 1]), v_s, kk * 16, 0)
                 inv_l = [np.where(l[0] > 0, 1 / l[0], 0), np.where(l[1] > 0, 1 / l[1], 0)]
                 for r in range(2):
                     row = row_b if r else row_a
@@ -257,13 +269,8 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD):
                     for kk in range(HD // 16):
                         qa = load_a(sQ, warp * 16, kk * 16)
                         da = load_a(sdO, warp * 16, kk * 16)
-                        for n in range(0, 8, 2):
-                            b = load_b_nmajor_x2(k_s, n * 8, kk * 16)
-                            mma(s[n], qa, b[0], b[1])
-                            mma(s[n + 1], qa, b[2], b[3])
-                            b = load_b_nmajor_x2(v_s, n * 8, kk * 16)
-                            mma(dp[n], da, b[0], b[1])
-                            mma(dp[n + 1], da, b[2], b[3])
+                        mma_b_nmajor(s, qa, k_s, 0, kk * 16)
+                        mma_b_nmajor(dp, da, v_s, 0, kk * 16)
                     for n in range(8):
                         for e in range(4):
                             col = k0 + n * 8 + 2 * TT + (e & 1)
@@ -272,12 +279,7 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD):
                             p = np.where(valid, np.exp2(s[n][e] * scale_log2 - lse2[e >> 1]), 0)
                             s[n][e] = p * (dp[n][e] - dd[e >> 1])
                     for kk in range(4):
-                        a = [pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                             pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])]
-                        for n in range(0, HD // 8, 2):
-                            b = load_b_kmajor_x2(k_s, kk * 16, n * 8)
-                            mma(dq[n], a, b[0], b[1])
-                            mma(dq[n + 1], a, b[2], b[3])
+                        mma_b_kmajor(dq, acc_to_a(s[2 * kk], s[2 * kk + 1]), k_s, kk * 16, 0)
                 for r in range(2):
                     row = row_b if r else row_a
                     for lane in range(32):
@@ -325,13 +327,8 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD):
                     for kk in range(HD // 16):
                         ka = load_a(sK, warp * 16, kk * 16)
                         va = load_a(sV, warp * 16, kk * 16)
-                        for n in range(0, 4, 2):
-                            b = load_b_nmajor_x2(q_s, n * 8, kk * 16)
-                            mma(st[n], ka, b[0], b[1])
-                            mma(st[n + 1], ka, b[2], b[3])
-                            b = load_b_nmajor_x2(do_s, n * 8, kk * 16)
-                            mma(dpt[n], va, b[0], b[1])
-                            mma(dpt[n + 1], va, b[2], b[3])
+                        mma_b_nmajor(st, ka, q_s, 0, kk * 16)
+                        mma_b_nmajor(dpt, va, do_s, 0, kk * 16)
                     for n in range(4):
                         for e in range(4):
                             ci = n * 8 + 2 * TT + (e & 1)
@@ -342,17 +339,8 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD):
                             st[n][e] = p
                             dpt[n][e] = p * (dpt[n][e] - d_s[ci])
                     for kk in range(2):
-                        pa = [pack2(st[2 * kk][0], st[2 * kk][1]), pack2(st[2 * kk][2], st[2 * kk][3]),
-                              pack2(st[2 * kk + 1][0], st[2 * kk + 1][1]), pack2(st[2 * kk + 1][2], st[2 * kk + 1][3])]
-                        sa = [pack2(dpt[2 * kk][0], dpt[2 * kk][1]), pack2(dpt[2 * kk][2], dpt[2 * kk][3]),
-                              pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]), pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])]
-                        for n in range(0, HD // 8, 2):
-                            b = load_b_kmajor_x2(do_s, kk * 16, n * 8)
-                            mma(dv[n], pa, b[0], b[1])
-                            mma(dv[n + 1], pa, b[2], b[3])
-                            b = load_b_kmajor_x2(q_s, kk * 16, n * 8)
-                            mma(dk[n], sa, b[0], b[1])
-                            mma(dk[n + 1], sa, b[2], b[3])
+                        mma_b_kmajor(dv, acc_to_a(st[2 * kk], st[2 * kk + 1]), do_s, kk * 16, 0)
+                        mma_b_kmajor(dk, acc_to_a(dpt[2 * kk], dpt[2 * kk + 1]), q_s, kk * 16, 0)
                 for r in range(2):
                     j = key_b if r else key_a
                     for lane in range(32):
