@@ -66,26 +66,31 @@ inline HostTensor host_like(const Tensor& t) {
   return h;
 }
 
-// A device tensor owned by the test, released at scope exit.
+// A device tensor owned by the test, released at scope exit. With shift > 0 it starts `shift`
+// elements into its own buffer (shift 1: never 16-byte aligned, so the elementwise kernels take
+// their one-element path on it).
 struct DeviceTensor {
   Backend* be = nullptr;
+  void* buffer = nullptr;
   Tensor t;
 
-  DeviceTensor(Backend& b, const Tensor& like) : be(&b), t(like) {
+  DeviceTensor(Backend& b, const Tensor& like, int64_t shift = 0) : be(&b), t(like) {
     t.device = b.device();
-    t.data = b.allocate(std::max<size_t>(t.bytes(), 1));
+    const size_t skip = static_cast<size_t>(shift) * dtype_size(like.dtype);
+    buffer = b.allocate(std::max<size_t>(t.bytes() + skip, 1));
+    t.data = static_cast<char*>(buffer) + skip;
   }
   // A copy of host tensor h (raw bytes).
-  static DeviceTensor of(Backend& b, const HostTensor& h) {
-    DeviceTensor d(b, h.t);
+  static DeviceTensor of(Backend& b, const HostTensor& h, int64_t shift = 0) {
+    DeviceTensor d(b, h.t, shift);
     b.copy_from_host(d.t, h.t.data);
     return d;
   }
-  DeviceTensor(DeviceTensor&& o) noexcept : be(o.be), t(o.t) { o.t.data = nullptr; }
+  DeviceTensor(DeviceTensor&& o) noexcept : be(o.be), buffer(o.buffer), t(o.t) { o.buffer = nullptr; }
   DeviceTensor(const DeviceTensor&) = delete;
   DeviceTensor& operator=(const DeviceTensor&) = delete;
   ~DeviceTensor() {
-    if (t.data) be->release(t.data);
+    if (buffer) be->release(buffer);
   }
   HostTensor host() const {
     HostTensor h = host_like(t);
@@ -93,29 +98,6 @@ struct DeviceTensor {
     return h;
   }
   void upload(const HostTensor& h) { be->copy_from_host(t, h.t.data); }
-};
-
-// A device tensor shaped like `like` that starts one element into its own buffer, so it is
-// never 16-byte aligned: the elementwise kernels take their one-element path on it.
-struct ShiftedDeviceTensor {
-  DeviceTensor buf;
-  Tensor t;
-
-  ShiftedDeviceTensor(Backend& b, const Tensor& like)
-      : buf(b, Tensor(nullptr, like.dtype, {like.numel() + 1})), t(like) {
-    t.device = b.device();
-    t.data = static_cast<char*>(buf.t.data) + dtype_size(like.dtype);
-  }
-  static ShiftedDeviceTensor of(Backend& b, const HostTensor& h) {
-    ShiftedDeviceTensor d(b, h.t);
-    b.copy_from_host(d.t, h.t.data);
-    return d;
-  }
-  HostTensor host() const {
-    HostTensor h = host_like(t);
-    buf.be->copy_to_host(h.t.data, t);
-    return h;
-  }
 };
 
 // A host copy of h (same dtype and shape, same bits).

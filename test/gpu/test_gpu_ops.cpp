@@ -381,81 +381,48 @@ TEST_CASE("gpu: packed and one-element paths of the elementwise ops give the sam
     INFO(dname(dt));
     const int64_t n = N * F + 5;
     HostTensor a = rand_tensor(dt, {n}, 11, 3.0f), b = rand_tensor(dt, {n}, 12);
-    auto both = [&](const char* op, auto&& run) {  // run(aligned?) -> result on the host
-      HostTensor packed = run(true), single = run(false);
-      KEEL_CHECK_BITS(op, std::string(dname(dt)) + " packed vs one-element", packed, single);
+    // run(shift) -> the result on the host; shift 0: aligned operands, shift 1: unaligned ones
+    auto both = [&](const char* op, auto&& run) {
+      KEEL_CHECK_BITS(op, std::string(dname(dt)) + " packed vs one-element", run(0), run(1));
     };
-    both("add", [&](bool aligned) {
-      if (aligned) {
-        DeviceTensor x = DeviceTensor::of(be, a), y = DeviceTensor::of(be, b), z = DeviceTensor::of(be, nan_tensor(dt, {n}));
-        be.add(z.t, x.t, y.t);
-        return z.host();
-      }
-      ShiftedDeviceTensor x = ShiftedDeviceTensor::of(be, a), y = ShiftedDeviceTensor::of(be, b);
-      ShiftedDeviceTensor z = ShiftedDeviceTensor::of(be, nan_tensor(dt, {n}));
+    both("add", [&](int64_t shift) {
+      DeviceTensor x = DeviceTensor::of(be, a, shift), y = DeviceTensor::of(be, b, shift);
+      DeviceTensor z = DeviceTensor::of(be, nan_tensor(dt, {n}), shift);
       be.add(z.t, x.t, y.t);
       return z.host();
     });
-    both("scale", [&](bool aligned) {
-      if (aligned) {
-        DeviceTensor x = DeviceTensor::of(be, a);
-        be.scale(x.t, 0.37f);
-        return x.host();
-      }
-      ShiftedDeviceTensor x = ShiftedDeviceTensor::of(be, a);
+    both("scale", [&](int64_t shift) {
+      DeviceTensor x = DeviceTensor::of(be, a, shift);
       be.scale(x.t, 0.37f);
       return x.host();
     });
-    both("gelu_forward + gelu_backward", [&](bool aligned) {
-      if (aligned) {
-        DeviceTensor x = DeviceTensor::of(be, a), y = DeviceTensor::of(be, nan_tensor(dt, {n})), dy = DeviceTensor::of(be, b);
-        be.gelu_forward(y.t, x.t);
-        be.gelu_backward(dy.t, dy.t, y.t);
-        return dy.host();
-      }
-      ShiftedDeviceTensor x = ShiftedDeviceTensor::of(be, a), y = ShiftedDeviceTensor::of(be, nan_tensor(dt, {n}));
-      ShiftedDeviceTensor dy = ShiftedDeviceTensor::of(be, b);
+    both("gelu_forward + gelu_backward", [&](int64_t shift) {
+      DeviceTensor x = DeviceTensor::of(be, a, shift), y = DeviceTensor::of(be, nan_tensor(dt, {n}), shift);
+      DeviceTensor dy = DeviceTensor::of(be, b, shift);
       be.gelu_forward(y.t, x.t);
       be.gelu_backward(dy.t, dy.t, y.t);
       return dy.host();
     });
     HostTensor packed_in = rand_tensor(dt, {N, 2 * F}, 13, 3.0f), dout = rand_tensor(dt, {N, F}, 14);
-    both("swiglu_forward + swiglu_backward", [&](bool aligned) {
-      HostTensor res(dt, {N * 3 * F});  // out | din
-      if (aligned) {
-        DeviceTensor x = DeviceTensor::of(be, packed_in), y = DeviceTensor::of(be, nan_tensor(dt, {N, F}));
-        DeviceTensor dy = DeviceTensor::of(be, dout), dx = DeviceTensor::of(be, nan_tensor(dt, {N, 2 * F}));
-        be.swiglu_forward(y.t, x.t);
-        be.swiglu_backward(dx.t, dy.t, x.t);
-        be.copy_to_host(res.t.data, y.t);
-        be.copy_to_host(static_cast<char*>(res.t.data) + y.t.bytes(), dx.t);
-        return res;
-      }
-      ShiftedDeviceTensor x = ShiftedDeviceTensor::of(be, packed_in), y = ShiftedDeviceTensor::of(be, nan_tensor(dt, {N, F}));
-      ShiftedDeviceTensor dy = ShiftedDeviceTensor::of(be, dout), dx = ShiftedDeviceTensor::of(be, nan_tensor(dt, {N, 2 * F}));
+    both("swiglu_forward + swiglu_backward", [&](int64_t shift) {
+      DeviceTensor x = DeviceTensor::of(be, packed_in, shift), y = DeviceTensor::of(be, nan_tensor(dt, {N, F}), shift);
+      DeviceTensor dy = DeviceTensor::of(be, dout, shift), dx = DeviceTensor::of(be, nan_tensor(dt, {N, 2 * F}), shift);
       be.swiglu_forward(y.t, x.t);
       be.swiglu_backward(dx.t, dy.t, x.t);
+      HostTensor res(dt, {N * 3 * F});  // out | din
       be.copy_to_host(res.t.data, y.t);
       be.copy_to_host(static_cast<char*>(res.t.data) + y.t.bytes(), dx.t);
       return res;
     });
     const AttnShape s{2, 33, 4, 2, 64};
     HostTensor qkv = rand_tensor(dt, {s.B * s.T, s.qkv_cols()}, 15);
-    both("rope_forward + rope_backward", [&](bool aligned) {
+    both("rope_forward + rope_backward", [&](int64_t shift) {
+      DeviceTensor d = DeviceTensor::of(be, qkv, shift);
       HostTensor res(dt, {2 * qkv.numel()});  // after forward | after backward
-      auto run = [&](const Tensor& d) {
-        be.rope_forward(d, s, 10000.0f);
-        be.copy_to_host(res.t.data, d);
-        be.rope_backward(d, s, 10000.0f);
-        be.copy_to_host(static_cast<char*>(res.t.data) + d.bytes(), d);
-      };
-      if (aligned) {
-        DeviceTensor d = DeviceTensor::of(be, qkv);
-        run(d.t);
-      } else {
-        ShiftedDeviceTensor d = ShiftedDeviceTensor::of(be, qkv);
-        run(d.t);
-      }
+      be.rope_forward(d.t, s, 10000.0f);
+      be.copy_to_host(res.t.data, d.t);
+      be.rope_backward(d.t, s, 10000.0f);
+      be.copy_to_host(static_cast<char*>(res.t.data) + d.t.bytes(), d.t);
       return res;
     });
   }
