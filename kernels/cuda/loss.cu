@@ -127,6 +127,18 @@ int64_t check_rows(const char* op, const Tensor& targets, std::initializer_list<
   return N;
 }
 
+// logits must hold one row per target (N rows, at most 2^31: one block per row).
+void check_logits(const char* op, const Tensor& logits, const Tensor& targets, int64_t N) {
+  if (rows(logits) != N) fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
+  if (N > 0x7fffffff) fail(op, "more than 2^31 rows", {{"logits", logits}});
+}
+
+// The row kernels read 16-byte packs when every row starts 16-byte aligned.
+template <class T>
+bool rows_packed(const Tensor& logits) {
+  return logits.cols() % kPack<T> == 0 && aligned16({logits.data});
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -138,13 +150,11 @@ void CudaBackend::xent_stats(const Tensor& row_max, const Tensor& sumexp, const 
     cuda::check_dtype(op, t, DType::F32);
   const int64_t N =
       cuda::check_rows(op, targets, {{"row_max", row_max}, {"sumexp", sumexp}, {"target_logit", target_logit}});
-  if (cuda::rows(logits) != N)
-    cuda::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
+  cuda::check_logits(op, logits, targets, N);
   if (N == 0) return;
-  if (N > 0x7fffffff) cuda::fail(op, "more than 2^31 rows", {{"logits", logits}});
   const int64_t V = logits.cols();
   KEEL_DISPATCH_FLOAT(logits.dtype, op, T, {
-    cuda::with_pack_width<T>(V % cuda::kPack<T> == 0 && cuda::aligned16({logits.data}), [&](auto w) {
+    cuda::with_pack_width<T>(cuda::rows_packed<T>(logits), [&](auto w) {
       cuda::xent_stats_kernel<T, decltype(w)::value><<<static_cast<unsigned>(N), cuda::kThreads, 0, stream_>>>(
           row_max.as<float>(), sumexp.as<float>(), target_logit.as<float>(), logits.as<const T>(),
           targets.as<const int32_t>(), V, vocab_start);
@@ -189,13 +199,11 @@ void CudaBackend::xent_backward(const Tensor& logits, const Tensor& lse, const T
   cuda::check_float(op, {"logits", logits});
   cuda::check_dtype(op, {"lse", lse}, DType::F32);
   const int64_t N = cuda::check_rows(op, targets, {{"lse", lse}});
-  if (cuda::rows(logits) != N)
-    cuda::fail(op, "logits must have one row per target", {{"logits", logits}, {"targets", targets}});
+  cuda::check_logits(op, logits, targets, N);
   if (N == 0) return;
-  if (N > 0x7fffffff) cuda::fail(op, "more than 2^31 rows", {{"logits", logits}});
   const int64_t V = logits.cols();
   KEEL_DISPATCH_FLOAT(logits.dtype, op, T, {
-    cuda::with_pack_width<T>(V % cuda::kPack<T> == 0 && cuda::aligned16({logits.data}), [&](auto w) {
+    cuda::with_pack_width<T>(cuda::rows_packed<T>(logits), [&](auto w) {
       cuda::xent_backward_kernel<T, decltype(w)::value><<<static_cast<unsigned>(N), cuda::kThreads, 0, stream_>>>(
           logits.as<T>(), lse.as<const float>(), targets.as<const int32_t>(), dloss, V, vocab_start);
     });
