@@ -155,18 +155,23 @@ def make_roberta(corpus):
     return tok
 
 
-def sp_model(corpus, vocab_size):
-    """A SentencePiece-like BPE vocabulary: <unk> <s> </s>, the 256 <0xXX> byte tokens, then
-    merges learned on "▁"-joined words; rare characters are left out (limit_alphabet) so the
-    byte fallback is exercised."""
-    # The alphabet: the 150 most frequent characters (ties by code point; the trainer's own
-    # limit_alphabet breaks ties at random). The others are left out of training.
+def keep_frequent_chars(corpus, n):
+    """The corpus with only its n most frequent characters (ties by code point; the trainers'
+    own limit_alphabet breaks ties at random)."""
     counts = {}
     for doc in corpus:
         for ch in doc:
             counts[ch] = counts.get(ch, 0) + 1
-    alphabet = set(sorted(counts, key=lambda ch: (-counts[ch], ord(ch)))[:150])
-    corpus = ["".join(ch for ch in doc if ch in alphabet) for doc in corpus]
+    alphabet = set(sorted(counts, key=lambda ch: (-counts[ch], ord(ch)))[:n])
+    return ["".join(ch for ch in doc if ch in alphabet) for doc in corpus]
+
+
+def sp_model(corpus, vocab_size):
+    """A SentencePiece-like BPE vocabulary: <unk> <s> </s>, the 256 <0xXX> byte tokens, then
+    merges learned on "▁"-joined words; rare characters are left out (limit_alphabet) so the
+    byte fallback is exercised."""
+    # The alphabet: the 150 most frequent characters; the others are left out of training.
+    corpus = keep_frequent_chars(corpus, 150)
     trainer_tok = Tokenizer(models.BPE(unk_token="<unk>"))
     trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=["<unk>"],
@@ -226,12 +231,7 @@ def make_unk_bpe(corpus, metaspace: bool):
         tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Whitespace()])
-    counts = {}
-    for doc in corpus:
-        for ch in doc:
-            counts[ch] = counts.get(ch, 0) + 1
-    alphabet = set(sorted(counts, key=lambda ch: (-counts[ch], ord(ch)))[:70])
-    small = ["".join(ch for ch in doc if ch in alphabet) for doc in corpus]
+    small = keep_frequent_chars(corpus, 70)
     trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=2, special_tokens=["<unk>", "<s>"], show_progress=False)
     tok.train_from_iterator(small, trainer=trainer, length=len(small))
     return tok
