@@ -1,6 +1,7 @@
 // Which accelerators this process can use.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace keel {
@@ -8,6 +9,7 @@ namespace keel {
 bool cuda_built();             // was keel compiled with the CUDA backend?
 int cuda_device_count();       // usable GPUs (0 when not built with CUDA or none present)
 std::string cuda_device_name(int index);
+int64_t cuda_current_device_memory();  // total bytes of this thread's current GPU (0: none)
 
 // Called repeatedly, about every millisecond, while host code waits for a device (the CUDA
 // backend's stream synchronisations), when set. The communication layer installs one for

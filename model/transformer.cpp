@@ -7,7 +7,7 @@
 namespace keel {
 
 Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len,
-                         int slots, parallel::Comm* tp)
+                         int slots, parallel::Comm* tp, int recompute_layers)
     : table_(table), cfg_(table_.config()), be_(backend), act_(act_dtype), B_(micro_batch), T_(seq_len), tp_(tp) {
   if (seq_len > cfg_.max_seq_len)
     throw std::invalid_argument("sequence length " + std::to_string(seq_len) + " exceeds the model's max_seq_len " +
@@ -30,26 +30,18 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   const int64_t qkv_cols = attn_shape_.qkv_cols();
   const int64_t fc_cols = cfg_.is_llama() ? 2 * ffn_ : ffn_;
   const bool ln = cfg_.is_gpt2();
+  const int stage_layers = sh.end_layer - sh.first_layer;
+  if (recompute_layers < 0) throw std::invalid_argument("Transformer: recompute_layers must be >= 0");
+  recompute_layers_ = std::min(recompute_layers, stage_layers);
 
   slots_.resize(static_cast<size_t>(std::max(1, slots)));
   for (Slot& s : slots_) {
     if (sh.has_embedding) s.tokens = alloc(DType::I32, {N_});
     if (sh.has_head) s.targets = alloc(DType::I32, {N_});
-    s.layers.resize(static_cast<size_t>(sh.end_layer - sh.first_layer));
-    for (auto& a : s.layers) {
-      a.res_in = alloc(act_, {N_, d});
-      a.norm1 = alloc(act_, {N_, d});
-      if (ln) a.mean1 = alloc(DType::F32, {N_});
-      a.rstd1 = alloc(DType::F32, {N_});
-      a.qkv = alloc(act_, {N_, qkv_cols});
-      a.attn = alloc(act_, {N_, q_});
-      a.lse = alloc(DType::F32, {B_, attn_shape_.n_heads, T_});
-      a.res_mid = alloc(act_, {N_, d});
-      a.norm2 = alloc(act_, {N_, d});
-      if (ln) a.mean2 = alloc(DType::F32, {N_});
-      a.rstd2 = alloc(DType::F32, {N_});
-      a.fc = alloc(act_, {N_, fc_cols});
-      a.act = alloc(act_, {N_, ffn_});
+    s.layers.resize(static_cast<size_t>(stage_layers));
+    for (size_t l = 0; l < s.layers.size(); ++l) {
+      s.layers[l].res_in = alloc(act_, {N_, d});
+      if (!recomputed(l)) alloc_layer_acts(s.layers[l], ln, qkv_cols, fc_cols);
     }
     s.res_final = alloc(act_, {N_, d});
     if (sh.has_head) {
@@ -65,6 +57,7 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
       s.row_loss = alloc(DType::F32, {N_});
     }
   }
+  if (recompute_layers_ > 0) alloc_layer_acts(scratch_, ln, qkv_cols, fc_cols);
   dres_ = alloc(act_, {N_, d});
   dnorm_ = alloc(act_, {N_, d});
   if (sh.end_layer > sh.first_layer) {
@@ -74,6 +67,30 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
     dact_ = alloc(act_, {N_, ffn_});
     proj_out_ = alloc(act_, {N_, d});
   }
+}
+
+// Everything of a layer but its input.
+void Transformer::alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_cols, int64_t fc_cols) {
+  const int64_t d = cfg_.d_model;
+  a.norm1 = alloc(act_, {N_, d});
+  if (layernorm) a.mean1 = alloc(DType::F32, {N_});
+  a.rstd1 = alloc(DType::F32, {N_});
+  a.qkv = alloc(act_, {N_, qkv_cols});
+  a.attn = alloc(act_, {N_, q_});
+  a.lse = alloc(DType::F32, {B_, attn_shape_.n_heads, T_});
+  a.res_mid = alloc(act_, {N_, d});
+  a.norm2 = alloc(act_, {N_, d});
+  if (layernorm) a.mean2 = alloc(DType::F32, {N_});
+  a.rstd2 = alloc(DType::F32, {N_});
+  a.fc = alloc(act_, {N_, fc_cols});
+  a.act = alloc(act_, {N_, ffn_});
+}
+
+Transformer::LayerActs Transformer::acts(const Slot& s, size_t local_layer) const {
+  if (!recomputed(local_layer)) return s.layers[local_layer];
+  LayerActs a = scratch_;
+  a.res_in = s.layers[local_layer].res_in;
+  return a;
 }
 
 Transformer::~Transformer() {
@@ -195,6 +212,47 @@ void Transformer::loss_forward(Slot& s) {
   be_.xent_loss(s.row_loss, s.lse_rows, s.row_max, s.sumexp, s.target_logit, s.targets);
 }
 
+void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int layer, const Tensor* out) {
+  const bool gpt2 = cfg_.is_gpt2();
+  // attention block: res_mid = res_in + wo(attn(rope(qkv(norm(res_in)))))
+  norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, w.attn_norm_w, w.attn_norm_b);
+  probe(false, layer, "attn_norm", a.norm1);
+  be_.matmul(a.qkv, a.norm1, w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
+  probe(false, layer, "qkv projection", a.qkv);
+  if (cfg_.is_llama()) {
+    be_.rope_forward(a.qkv, attn_shape_, cfg_.rope_theta);
+    probe(false, layer, "rope", a.qkv);
+  }
+  be_.attention_forward(a.attn, a.lse, a.qkv, attn_shape_);
+  probe(false, layer, "attention", a.attn);
+  // Row-parallel output: partial sums over TP; the replicated bias is added once (TP rank 0).
+  be_.matmul(proj_out_, a.attn, w.wo, false, true, false, gpt2 && tp_lead() ? &w.bo : nullptr);
+  tp_sum(proj_out_);
+  probe(false, layer, "attention output projection", proj_out_);
+  be_.add(a.res_mid, a.res_in, proj_out_);
+  probe(false, layer, "attention residual add", a.res_mid);
+
+  // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
+  norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, w.mlp_norm_w, w.mlp_norm_b);
+  probe(false, layer, "mlp_norm", a.norm2);
+  be_.matmul(a.fc, a.norm2, w.w_in, false, true, false, gpt2 ? &w.b_in : nullptr);
+  if (gpt2) {
+    probe(false, layer, "mlp input projection", a.fc);
+    be_.gelu_forward(a.act, a.fc);
+    probe(false, layer, "gelu", a.act);
+  } else {
+    probe(false, layer, "mlp gate/up projection", a.fc);
+    be_.swiglu_forward(a.act, a.fc);
+    probe(false, layer, "swiglu", a.act);
+  }
+  if (!out) return;  // recomputing: backward needs nothing further
+  be_.matmul(proj_out_, a.act, w.w_out, false, true, false, gpt2 && tp_lead() ? &w.b_out : nullptr);
+  tp_sum(proj_out_);
+  probe(false, layer, "mlp output projection", proj_out_);
+  be_.add(*out, a.res_mid, proj_out_);
+  probe(false, layer, "layer output (residual add)", *out);
+}
+
 Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens, const int32_t* targets) {
   if (weights_.empty()) throw std::logic_error("Transformer::forward before bind()");
   Slot& s = slots_.at(static_cast<size_t>(slot_index));
@@ -214,47 +272,8 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   }
 
   for (size_t l = 0; l < s.layers.size(); ++l) {
-    LayerActs& a = s.layers[l];
-    const LayerParams& w = w_.layers[l];
     const Tensor& next = l + 1 < s.layers.size() ? s.layers[l + 1].res_in : s.res_final;
-    const int layer = sh.first_layer + static_cast<int>(l);
-
-    // attention block: res_mid = res_in + wo(attn(rope(qkv(norm(res_in)))))
-    norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, w.attn_norm_w, w.attn_norm_b);
-    probe(false, layer, "attn_norm", a.norm1);
-    be_.matmul(a.qkv, a.norm1, w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
-    probe(false, layer, "qkv projection", a.qkv);
-    if (cfg_.is_llama()) {
-      be_.rope_forward(a.qkv, attn_shape_, cfg_.rope_theta);
-      probe(false, layer, "rope", a.qkv);
-    }
-    be_.attention_forward(a.attn, a.lse, a.qkv, attn_shape_);
-    probe(false, layer, "attention", a.attn);
-    // Row-parallel output: partial sums over TP; the replicated bias is added once (TP rank 0).
-    be_.matmul(proj_out_, a.attn, w.wo, false, true, false, gpt2 && tp_lead() ? &w.bo : nullptr);
-    tp_sum(proj_out_);
-    probe(false, layer, "attention output projection", proj_out_);
-    be_.add(a.res_mid, a.res_in, proj_out_);
-    probe(false, layer, "attention residual add", a.res_mid);
-
-    // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
-    norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, w.mlp_norm_w, w.mlp_norm_b);
-    probe(false, layer, "mlp_norm", a.norm2);
-    be_.matmul(a.fc, a.norm2, w.w_in, false, true, false, gpt2 ? &w.b_in : nullptr);
-    if (gpt2) {
-      probe(false, layer, "mlp input projection", a.fc);
-      be_.gelu_forward(a.act, a.fc);
-      probe(false, layer, "gelu", a.act);
-    } else {
-      probe(false, layer, "mlp gate/up projection", a.fc);
-      be_.swiglu_forward(a.act, a.fc);
-      probe(false, layer, "swiglu", a.act);
-    }
-    be_.matmul(proj_out_, a.act, w.w_out, false, true, false, gpt2 && tp_lead() ? &w.b_out : nullptr);
-    tp_sum(proj_out_);
-    probe(false, layer, "mlp output projection", proj_out_);
-    be_.add(next, a.res_mid, proj_out_);
-    probe(false, layer, "layer output (residual add)", next);
+    layer_forward(acts(s, l), w_.layers[l], sh.first_layer + static_cast<int>(l), &next);
   }
 
   LossSum r;
@@ -294,10 +313,18 @@ void Transformer::backward(int slot_index, float dloss) {
 
   // dres_ carries d(loss)/d(residual stream) down through the layers.
   for (size_t li = s.layers.size(); li-- > 0;) {
-    LayerActs& a = s.layers[li];
+    const LayerActs a = acts(s, li);
     const LayerParams& w = w_.layers[li];
     const LayerParams& g = g_.layers[li];
     const int layer = sh.first_layer + static_cast<int>(li);
+    if (recomputed(li)) {
+      recomputing_ = true;  // its forward already probed these ops
+      struct Reset {
+        bool& flag;
+        ~Reset() { flag = false; }
+      } reset{recomputing_};
+      layer_forward(a, w, layer, nullptr);
+    }
 
     // MLP block
     be_.matmul(dact_, dres_, w.w_out, false, false);

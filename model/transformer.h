@@ -15,6 +15,15 @@
 //
 // Memory: parameters and fp32 gradients live in flat buffers the caller owns (bind());
 // activations are allocated once here, so a step allocates nothing.
+//
+// Activation recomputation (Megatron's full granularity, block method): the first
+// `recompute_layers` layers of the stage keep only their input per slot. Their forward writes
+// its intermediates into one scratch set shared by all of them, and backward runs the layer's
+// forward again from the kept input (up to the MLP activation: the output projection and the
+// residual add are not needed) before its backward. The backend is deterministic, so the
+// recomputed tensors are the same bits and the gradients equal those of a run without
+// recomputation bit for bit; the cost is about one more forward pass of those layers (and,
+// under TP, one more all-reduce per layer).
 #pragma once
 
 #include <cstdint>
@@ -34,9 +43,11 @@ class Transformer {
  public:
   // act_dtype: storage of activations and activation gradients (f32, bf16 or f16).
   // slots: micro-batches whose activations are kept at once. tp: the tensor-parallel group
-  // (nullptr: no tensor parallelism; the table must then be unsharded).
+  // (nullptr: no tensor parallelism; the table must then be unsharded). recompute_layers: how
+  // many of the stage's layers, from its first, recompute their activations in backward
+  // (0: none; more than the stage has: all).
   Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len, int slots = 1,
-              parallel::Comm* tp = nullptr);
+              parallel::Comm* tp = nullptr, int recompute_layers = 0);
   ~Transformer();
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -85,10 +96,13 @@ class Transformer {
   int seq_len() const { return T_; }
   int slots() const { return static_cast<int>(slots_.size()); }
   DType act_dtype() const { return act_; }
+  int recompute_layers() const { return recompute_layers_; }  // after clamping to the stage's layers
   // Training FLOPs per token of the whole model (forward + backward), see transformer.cpp.
   double flops_per_token() const;
 
  private:
+  // What a layer's backward reads. With recomputation a slot keeps only res_in; the rest are
+  // views of the shared scratch_ set (see acts()).
   struct LayerActs {
     Tensor res_in;              // residual stream entering the layer [N, d]
     Tensor norm1, mean1, rstd1; // attention-norm output and its saved stats
@@ -131,18 +145,27 @@ class Transformer {
   void tp_sum(const Tensor& t);  // all-reduce over the TP group (no-op without TP)
   bool tp_lead() const { return table_.shard().tp_rank == 0; }
   void loss_forward(Slot& s);
+  bool recomputed(size_t local_layer) const { return static_cast<int64_t>(local_layer) < recompute_layers_; }
+  // The activations of a slot's local layer: its own, or scratch_ around its kept input.
+  LayerActs acts(const Slot& s, size_t local_layer) const;
+  void alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_cols, int64_t fc_cols);
+  // One layer's forward from a.res_in. `out`: where the layer output goes; nullptr when
+  // recomputing for backward, which stops after the MLP activation and probes nothing.
+  void layer_forward(const LayerActs& a, const LayerParams& w, int layer, const Tensor* out);
 
   void probe(bool backward, int layer, const char* op, const Tensor& out) {
-    if (probe_) probe_({backward, layer, op, out});
+    if (probe_ && !recomputing_) probe_({backward, layer, op, out});
   }
 
   ProbeFn probe_;
+  bool recomputing_ = false;
   const ParamTable table_;
   const ModelConfig& cfg_;
   Backend& be_;
   DType act_;
   int B_, T_;
   int64_t N_;
+  int recompute_layers_;
   parallel::Comm* tp_;
   bool tensor_parallel_;
   // This rank's sizes (TP-local).
@@ -152,6 +175,7 @@ class Transformer {
   Params w_, g_;  // views of weights_ and grads_
   std::vector<void*> allocations_;
   std::vector<Slot> slots_;
+  LayerActs scratch_;  // intermediates of the recomputed layers (res_in left empty)
   // backward scratch, shared by every slot and layer
   Tensor dres_, dnorm_, dqkv_, dattn_, dfc_, dact_, proj_out_;
 };

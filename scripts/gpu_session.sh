@@ -6,6 +6,8 @@
 #   scripts/gpu_session.sh bench        # <= 9 min: keel vs PyTorch (both shapes), op profiles,
 #                                       #           racecheck of the attention kernels
 #   scripts/gpu_session.sh STAGE...     # any of: env build test memcheck racecheck bench profile
+#                                       # recompute (Llama 1B with train.recompute "full": memory
+#                                       # and ms/step against the bench stage's run)
 #
 # Binaries: build-gpu/carry/bin (from gpu_prebuild.sh) when present, else the `build` stage
 # compiles keel and test_gpu on the device with the carried header-only dependencies
@@ -40,8 +42,8 @@ for a in "$@"; do
   case "$a" in
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
-    env | build | test | memcheck | racecheck | bench | profile) stages+=("$a") ;;
-    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, profile)" >&2; exit 2 ;;
+    env | build | test | memcheck | racecheck | bench | profile | recompute) stages+=("$a") ;;
+    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, profile, recompute)" >&2; exit 2 ;;
   esac
 done
 
@@ -198,6 +200,23 @@ stage_bench() {
   grep '^RESULT' "$RES"/bench/*/result.txt 2>/dev/null | sed 's/.*RESULT //' | tee -a "$SUMMARY"
   [ -f "$RES/bench/results.md" ] && cat "$RES/bench/results.md"
   say "bench: $((SECONDS - t0)) s"
+}
+
+# The Llama 1B benchmark again with every layer's activations recomputed: the memory it saves
+# and the time it costs (about one more forward of the layers: 25-30% on the predicted profile).
+stage_recompute() {
+  ensure_bins
+  local t0=$SECONDS commit
+  commit=$(head -1 "$CARRY/STAMP" 2>/dev/null | sed 's/^commit //')
+  say "== recompute (scripts/bench_gpu.sh keel llama1b, train.recompute full)"
+  mkdir -p "$RES/bench-recompute"
+  [ -f "$RES/bench/peak.txt" ] && cp "$RES/bench/peak.txt" "$RES/bench-recompute/"  # no second measurement
+  BUILD="$BIN" BENCH_OUT="$RES/bench-recompute" KEEL_COMMIT="${commit:-}" KEEL_EXTRA="--set train.recompute=full" \
+    timeout "$(limit 240)" bash "$ROOT/scripts/bench_gpu.sh" keel llama1b > "$RES/bench-recompute.log" 2>&1 ||
+    tail -20 "$RES/bench-recompute.log"
+  grep -h '^RESULT' "$RES"/bench/keel-llama1b/result.txt "$RES"/bench-recompute/keel-llama1b/result.txt 2>/dev/null |
+    sed 's/.*RESULT //' | tee -a "$SUMMARY"
+  say "recompute: $((SECONDS - t0)) s (the first RESULT line is the bench stage's, when it ran in this call)"
 }
 
 # Device time per op (KEEL_CUDA_PROFILE) over a few steps of each benchmark shape.

@@ -299,7 +299,12 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     t.seed = static_cast<uint64_t>(f.integer("seed", 1234, 0));
     t.eval_interval = f.integer("eval_interval", 0, 0);
     t.eval_batches = f.integer("eval_batches", 8, 0);
+    t.recompute = f.choice("recompute", "none", {"none", "full"});
+    t.recompute_layers = f.integer("recompute_layers", 0, 0, 1 << 20);
     f.finish();
+    if (t.recompute_layers > 0 && t.recompute != "full")
+      errors.push_back("train.recompute_layers: " + std::to_string(t.recompute_layers) +
+                       " needs train.recompute \"full\" (it is \"" + t.recompute + "\")");
     if (c.model.max_seq_len > 0 && t.seq_len > c.model.max_seq_len)
       errors.push_back("train.seq_len: " + std::to_string(t.seq_len) + " exceeds model.max_seq_len (" +
                        std::to_string(c.model.max_seq_len) + ")");
@@ -534,7 +539,7 @@ json to_json(const RunConfig& c) {
   const TrainConfig& t = c.train;
   j["train"] = {{"steps", t.steps},         {"global_batch", t.global_batch}, {"micro_batch", t.micro_batch},
                 {"seq_len", t.seq_len},     {"seed", t.seed},                 {"eval_interval", t.eval_interval},
-                {"eval_batches", t.eval_batches}};
+                {"eval_batches", t.eval_batches}, {"recompute", t.recompute}, {"recompute_layers", t.recompute_layers}};
   j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
   j["log"] = {{"interval", c.log.interval}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -73,6 +74,16 @@ struct TrainConfig {
   uint64_t seed = 1234;
   int64_t eval_interval = 0;  // 0: validate only at the end (if a validation set is given)
   int64_t eval_batches = 8;   // micro-batches per validation
+  // Activation recomputation (model/transformer.h): "none", or "full": a layer keeps only its
+  // input and runs its forward again in backward. recompute_layers: with "full", how many
+  // layers of each pipeline stage, from its first (Megatron's block method); 0: all of them.
+  std::string recompute = "none";
+  int64_t recompute_layers = 0;
+  // Layers of a stage to recompute, for the Transformer: 0 for none, INT32_MAX for all.
+  int recomputed_layers_per_stage() const {
+    if (recompute != "full") return 0;
+    return recompute_layers > 0 ? static_cast<int>(recompute_layers) : std::numeric_limits<int>::max();
+  }
 };
 
 struct DataConfig {

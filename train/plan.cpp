@@ -257,7 +257,8 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   r.attn_scores = mem.attn_score_bytes * mbs * (nh / t) * double(seq) * double(seq);
   // normf [N, d], meanf/rstdf, logits [N, V/tp] (+ fp32 copy), row_max/sumexp/target_logit/lse/row_loss
   r.head = N * (a * d + 4 * stats + (a + mem.logit_extra_bytes) * V / t + 5 * 4);
-  r.io = N * (4 + 4 + a * d);  // tokens, targets (i32), res_final: the stage's output / final-norm input
+  r.stage_output = N * a * d;
+  r.token_ids = N * 4;
   // dres, dnorm, proj_out [N, d]; dqkv, dattn, dfc, dact split
   r.backward_scratch = N * a * (3 * d + (qkv + q + fc + F) / t);
   return r;
@@ -442,14 +443,24 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     // micro-batches' activations (never more than the step has).
     st.in_flight = std::min<int64_t>(l.pp - s, mb);
     const double L = sp.layers(), n = static_cast<double>(st.in_flight);
-    const double once = act.io + act.backward_scratch + (sp.has_head ? act.head : 0);
-    st.act_full = n * L * (act.per_layer_full + act.attn_scores) + once;
-    st.act_stored_recompute = n * L * act.per_layer_input;
+    // Recomputed layers (model/transformer.h): the first Lr of the stage keep only their input;
+    // their intermediates are rebuilt one layer at a time in a scratch set shared by them all.
+    const double Lr = opt.recompute_layers > 0 ? std::min<double>(L, double(opt.recompute_layers)) : L;
+    const double kept_layer = act.per_layer_full + act.attn_scores;
+    const double ids = (sp.has_embedding ? act.token_ids : 0) + (sp.has_head ? act.token_ids : 0);
+    const double head = sp.has_head ? act.head : 0;
+    // keel's Transformer keeps a stage output, the token ids / targets and the head's buffers
+    // per micro-batch in flight (a pipeline slot). The Megatron-DeepSpeed model (compared with
+    // seed 001) counts them once, its pipe buffers being the keeps_stage_output term below.
+    const double per_slot = mem.keeps_stage_output ? 0 : act.stage_output + ids + head;
+    const double once = act.backward_scratch + (mem.keeps_stage_output ? act.stage_output + ids + head : 0);
+    st.act_full = n * (L * kept_layer + per_slot) + once;
+    st.act_stored_recompute = n * (Lr * act.per_layer_input + (L - Lr) * kept_layer + per_slot);
     if (mem.keeps_stage_output && l.pp > 1) {
       st.act_full += n * act.per_layer_input;
       st.act_stored_recompute += n * act.per_layer_input;
     }
-    st.act_working_recompute = (L > 0 ? act.per_layer_full + act.attn_scores : 0) + once;
+    st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : 0) + once;
     st.act_recompute = st.act_stored_recompute + st.act_working_recompute;
     st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes;
     p.stages.push_back(st);
@@ -696,7 +707,11 @@ std::string span_text(const StageSpan& sp) {
   return s;
 }
 
-std::string recompute_name(bool rc) { return rc ? "full recompute" : "no recompute"; }
+std::string recompute_name(bool rc, int64_t layers = 0) {
+  if (!rc) return "no recompute";
+  return layers > 0 ? "recompute of " + std::to_string(layers) + (layers == 1 ? " layer" : " layers") + " per stage"
+                    : "full recompute";
+}
 
 }  // namespace
 
@@ -741,13 +756,15 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
         [&](const StageMemory& s) { return gib(s.grad_shard); });
   add("micro-batches in flight (1F1B)", [](const StageMemory& s) { return std::to_string(s.in_flight); });
   add("activations, no recompute", [&](const StageMemory& s) { return gib(s.act_full); });
-  add("activations, full recompute", [&](const StageMemory& s) { return gib(s.act_recompute); });
-  add("  stored layer inputs", [&](const StageMemory& s) { return gib(s.act_stored_recompute); });
-  add("  one layer rebuilt + head + scratch", [&](const StageMemory& s) { return gib(s.act_working_recompute); });
+  const std::string rc_name = recompute_name(true, opt.recompute_layers);
+  add("activations, " + rc_name, [&](const StageMemory& s) { return gib(s.act_recompute); });
+  add(opt.recompute_layers > 0 ? "  kept per micro-batch" : "  stored layer inputs, head",
+      [&](const StageMemory& s) { return gib(s.act_stored_recompute); });
+  add("  one layer rebuilt + scratch", [&](const StageMemory& s) { return gib(s.act_working_recompute); });
   if (p.stages[0].overhead > 0)
     add("CUDA context + comm buffers", [&](const StageMemory& s) { return gib(s.overhead); });
   add("total, no recompute", [&](const StageMemory& s) { return gib(s.total(false)); });
-  add("total, full recompute", [&](const StageMemory& s) { return gib(s.total(true)); });
+  add("total, " + rc_name, [&](const StageMemory& s) { return gib(s.total(true)); });
   o << t.str();
   o << "  state: " << state_formula(mem, l.dp) << "\n";
   const Activations a = activation_bytes(model_for_tp(cfg.model, l.tp), mem, l.tp, l.mbs, cfg.train.seq_len);
@@ -764,7 +781,7 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
       << " without (" << gb_dec(sa.without_embedding * 18) << ")\n";
   }
   if (p.usable_bytes > 0) {
-    o << "  verdict: " << (p.fits ? "fits" : "DOES NOT FIT") << " with " << recompute_name(p.recompute) << ": peak "
+    o << "  verdict: " << (p.fits ? "fits" : "DOES NOT FIT") << " with " << recompute_name(p.recompute, opt.recompute_layers) << ": peak "
       << format_bytes(p.peak_bytes) << " on stage " << p.peak_stage << " of " << format_bytes(opt.hw.gpu_mem_bytes)
       << " (" << format_bytes(p.usable_bytes) << " usable, " << fmt("%g", mem.headroom * 100) << "% headroom)\n";
   }
@@ -843,7 +860,7 @@ std::string plan_text(const RunConfig& cfg, const PlanResult& r, const PlanOptio
     }
     o << t.str();
     o << "  (m: micro-batches per DP rank per step; comm: GB one rank sends per step; step time and TFLOP/s are "
-         "cost-model estimates)\n";
+         "cost-model estimates; \"recompute\": the layout needs train.recompute \"full\")\n";
     // Where the config's own layout landed, when it is one of the candidates.
     const Layout own{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};
     if (own.gpus() == r.gpus) {
@@ -991,17 +1008,30 @@ nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOp
   return j;
 }
 
-std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes, Recompute recompute) {
+std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   PlanOptions opt;
   opt.memory = keel_memory_model(cfg.precision.mode);
-  opt.recompute = recompute;
+  opt.recompute = cfg.train.recompute == "full" ? Recompute::Always : Recompute::Never;
+  opt.recompute_layers = cfg.train.recompute_layers;
   if (gpu_mem_bytes > 0) opt.hw.gpu_mem_bytes = gpu_mem_bytes;
   else opt.memory.cuda_context_bytes = 0;  // a CPU run has no CUDA context
   const Layout l{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};
   if (std::string why = layout_problem(cfg, l, opt); !why.empty()) return "memory plan: " + why + "\n";
   LayoutPlan p = plan_layout(cfg, l, opt);
   if (gpu_mem_bytes <= 0) p.usable_bytes = 0;  // nothing to compare against: no verdict line
-  return layout_text(cfg, p, opt, false);
+  std::string text = layout_text(cfg, p, opt, false);
+  text += "  this run: " + recompute_name(p.recompute, opt.recompute_layers) + " (train.recompute), activations " +
+          format_bytes(p.recompute ? p.stages[p.peak_stage].act_recompute : p.stages[p.peak_stage].act_full) +
+          " on the largest stage\n";
+  if (p.usable_bytes > 0 && !p.fits && opt.recompute == Recompute::Never) {
+    PlanOptions rc = opt;
+    rc.recompute = Recompute::Always;
+    rc.recompute_layers = 0;
+    const LayoutPlan q = plan_layout(cfg, l, rc);
+    text += "  hint: with train.recompute \"full\" the peak would be " + format_bytes(q.peak_bytes) +
+            (q.fits ? " (fits)" : " (still too much: a smaller micro_batch, or more tp/pp)") + "\n";
+  }
+  return text;
 }
 
 }  // namespace keel::plan

@@ -105,6 +105,7 @@ struct PlanOptions {
   Hardware hw;
   MemoryModel memory;  // empty name: keel_memory_model(cfg.precision.mode)
   Recompute recompute = Recompute::Auto;
+  int64_t recompute_layers = 0;     // when recomputing: layers per stage, from its first (0: all)
   bool embedding_own_slot = false;  // embedding and head each take a pipeline slot like a block
   std::optional<int64_t> tp, pp, dp, mbs;  // pinned sizes
   int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this
@@ -160,7 +161,8 @@ struct Activations {
   double per_layer_input = 0;     // what full recomputation keeps: the layer's input
   double attn_scores = 0;         // of one layer, for non-fused attention
   double head = 0;                // final norm, logits, loss rows (last stage)
-  double io = 0;                  // token ids, targets, stage output buffer
+  double stage_output = 0;        // the stage's output buffer (the last stage: final-norm input)
+  double token_ids = 0;           // one int32 array: token ids (first stage), targets (last stage)
   double backward_scratch = 0;    // gradient buffers reused by every layer
 };
 Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq);
@@ -173,9 +175,11 @@ struct StageMemory {
   int64_t embedding_params = 0, layer_params = 0, head_params = 0;
   double weights = 0, grads = 0, master = 0, moments = 0, grad_shard = 0;
   int64_t in_flight = 0;       // micro-batches whose activations stage s holds (1F1B: pp - s)
-  double act_recompute = 0;    // activations with full recomputation
+  double act_recompute = 0;    // activations with recomputation (of recompute_layers, or all)
   double act_full = 0;         // activations without recomputation
-  double act_stored_recompute = 0, act_working_recompute = 0;  // parts of act_recompute
+  // Parts of act_recompute: per micro-batch in flight, the recomputed layers' inputs and the
+  // other layers' activations; once, one layer's intermediates rebuilt, the head, the scratch.
+  double act_stored_recompute = 0, act_working_recompute = 0;
   double overhead = 0;         // CUDA context + communication buffers
   double state() const { return weights + grads + master + moments + grad_shard; }
   double total(bool recompute) const { return state() + (recompute ? act_recompute : act_full) + overhead; }
@@ -257,9 +261,8 @@ nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOp
 
 // The memory breakdown the trainer prints at start-up for its own layout (cfg.parallel,
 // micro_batch), without the cost model. gpu_mem_bytes <= 0: no GPU (CPU run): no CUDA context and
-// no verdict. keel does not recompute activations yet, so the default policy is Never; the
-// recompute figures are printed alongside.
-std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes = 0,
-                                  Recompute recompute = Recompute::Never);
+// no verdict. The policy is the config's (train.recompute, train.recompute_layers); the figures of
+// the other policy are printed alongside.
+std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes = 0);
 
 }  // namespace keel::plan

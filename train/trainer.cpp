@@ -34,11 +34,14 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
   if (grid_.tp_size() != cfg.parallel.tp || grid_.pp_size() != cfg.parallel.pp || grid_.dp_size() != cfg.parallel.dp)
     throw std::invalid_argument("Trainer: the grid (" + grid_.layout() + ") does not match parallel.tp/pp/dp of the config");
   state_ = std::make_unique<ParamState>(table_, be_, cfg.precision.mode, grid_.dp_size(), grid_.dp_rank());
-  // 1F1B keeps at most (stages after this one + 1) micro-batches in flight on a stage.
-  const int slots = grid_.pp_size() - grid_.pp_rank();
+  // 1F1B keeps at most (stages after this one + 1) micro-batches in flight on a stage, and
+  // never more than a step has (global_batch is the largest batch, ramp-up included).
+  const int slots = static_cast<int>(std::clamp<int64_t>(grid_.pp_size() - grid_.pp_rank(), 1,
+                                                         cfg.grad_accum_steps(cfg.train.global_batch)));
   model_ = std::make_unique<Transformer>(table_, be_, activation_dtype(cfg.precision.mode),
                                          static_cast<int>(cfg.train.micro_batch), static_cast<int>(cfg.train.seq_len),
-                                         slots, grid_.tp_size() > 1 ? comms_->tp.get() : nullptr);
+                                         slots, grid_.tp_size() > 1 ? comms_->tp.get() : nullptr,
+                                         cfg.train.recomputed_layers_per_stage());
   model_->bind(state_->working, state_->grads);
   {
     const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());

@@ -1,6 +1,7 @@
 // Device discovery. A machine without a GPU (or without a driver) simply has zero devices.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 namespace keel::cuda {
@@ -21,6 +22,16 @@ std::string device_name(int index) {
     return "";
   }
   return prop.name;
+}
+
+int64_t current_device_memory() {
+  int index = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&index) != cudaSuccess || cudaGetDeviceProperties(&prop, index) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return static_cast<int64_t>(prop.totalGlobalMem);
 }
 
 }  // namespace keel::cuda

@@ -159,18 +159,22 @@ TEST_CASE("gpu: cached decoding reproduces the oracle logits (Llama GQA, GPT-2)"
         KEEL_CHECK_ERR("decode logits vs oracle", std::string(name) + " prefill " + std::to_string(prefill), err, 1e-5);
 }
 
-TEST_CASE("gpu: the same run twice gives bit-identical losses and weights", "[gpu][determinism]") {
+// Run 3 recomputes every layer's activations in backward (train.recompute "full"): the kernels
+// are deterministic, so it must give the same bits as runs 1 and 2.
+TEST_CASE("gpu: the same run twice, and with activation recomputation, gives bit-identical losses and weights",
+          "[gpu][determinism][recompute]") {
   KEEL_GPU_OR_SKIP();
   for (const Case& c : training_cases()) {
     if (c.mode == "fp32") continue;
     INFO(c.name);
-    RunConfig cfg = make_config(c.json, {{"precision", {{"mode", c.mode}}}});
+    const RunConfig cfg = make_config(c.json, {{"precision", {{"mode", c.mode}}}});
+    const RunConfig recompute = make_config(c.json, {{"precision", {{"mode", c.mode}}}, {"train", {{"recompute", "full"}}}});
     const int T = static_cast<int>(cfg.train.seq_len), mbs = static_cast<int>(cfg.train.micro_batch);
     const int n_micro = static_cast<int>(cfg.train.global_batch / cfg.train.micro_batch);
-    std::vector<std::vector<double>> losses(2);
-    std::vector<std::vector<float>> weights(2);
-    for (int run = 0; run < 2; ++run) {
-      Trainer tr(cfg, gpu());
+    std::vector<std::vector<double>> losses(3);
+    std::vector<std::vector<float>> weights(3);
+    for (int run = 0; run < 3; ++run) {
+      Trainer tr(run == 2 ? recompute : cfg, gpu());
       tr.init_weights();
       for (int step = 1; step <= 4; ++step) {
         const StepStats st =
@@ -180,8 +184,11 @@ TEST_CASE("gpu: the same run twice gives bit-identical losses and weights", "[gp
       }
       weights[run] = working_weights(tr);
     }
-    CHECK(std::memcmp(losses[0].data(), losses[1].data(), losses[0].size() * sizeof(double)) == 0);
-    CHECK(std::memcmp(weights[0].data(), weights[1].data(), weights[0].size() * sizeof(float)) == 0);
+    for (int run : {1, 2}) {
+      INFO((run == 1 ? "repeat" : "recompute") << " run");
+      CHECK(std::memcmp(losses[0].data(), losses[run].data(), losses[0].size() * sizeof(double)) == 0);
+      CHECK(std::memcmp(weights[0].data(), weights[run].data(), weights[0].size() * sizeof(float)) == 0);
+    }
   }
 }
 

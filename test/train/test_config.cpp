@@ -61,6 +61,9 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"schedule", {{"rampup_batch_size", {2, 2, 100}}}}}, "multiples of micro_batch * dp (4)");
   fails_with({{"data", {{"train", 5}}}}, "data.train: expected a path or a list of paths");
   fails_with({{"device", "tpu"}}, "device: \"tpu\" is not allowed (allowed: auto, cpu, cuda)");
+  fails_with({{"train", {{"recompute", "selective"}}}}, "train.recompute: \"selective\" is not allowed (allowed: none, full)");
+  fails_with({{"train", {{"recompute_layers", 2}}}}, "train.recompute_layers: 2 needs train.recompute \"full\"");
+  fails_with({{"train", {{"recompute", "full"}, {"recompute_layers", -1}}}}, "train.recompute_layers: -1 is out of range");
   // Several problems are all reported at once.
   try {
     test::make_config(base, {{"model", {{"n_layers", 0}}}, {"optimizer", {{"eps", 0}}}});
@@ -124,4 +127,19 @@ TEST_CASE("batch-size ramp-up follows Megatron's --rampup-batch-size start incr 
   CHECK(global_batch_size(c, 100000) == 16);
   c.schedule.rampup.reset();
   CHECK(global_batch_size(c, 0) == 16);
+}
+
+TEST_CASE("train.recompute: none by default, full for every layer or the first recompute_layers", "[config]") {
+  const auto base = test::tiny_run_json();
+  const RunConfig none = test::make_config(base);
+  CHECK(none.train.recompute == "none");
+  CHECK(none.train.recomputed_layers_per_stage() == 0);
+  const RunConfig all = test::make_config(base, {{"train", {{"recompute", "full"}}}});
+  CHECK(all.train.recomputed_layers_per_stage() == std::numeric_limits<int>::max());
+  const RunConfig some = test::make_config(base, {{"train", {{"recompute", "full"}, {"recompute_layers", 1}}}});
+  CHECK(some.train.recomputed_layers_per_stage() == 1);
+  const nlohmann::json j = to_json(some);
+  CHECK(j["train"]["recompute"] == "full");
+  CHECK(j["train"]["recompute_layers"] == 1);
+  CHECK(parse_config(j, "resolved").train.recomputed_layers_per_stage() == 1);
 }

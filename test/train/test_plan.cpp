@@ -265,15 +265,17 @@ TEST_CASE("plan: stage spans, with and without embedding slots", "[plan]") {
 }
 
 TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]") {
-  // Heap growth while constructing a Transformer on the CPU backend (tp=1, one stage, no
-  // recomputation) against the planner's list. glibc's mallinfo2 also counts the ParamTable copy
-  // the Transformer makes and per-block headers: a 1% tolerance. Allocations stay on the heap
-  // (no mmap page rounding) under a high mmap threshold.
+  // Heap growth while constructing a Transformer on the CPU backend (tp=1) against the
+  // planner's list, for one stage and for the first of two pipeline stages (two slots in
+  // flight), without recomputation, recomputing one of the stage's layers, and all of them.
+  // glibc's mallinfo2 also counts the ParamTable copy the Transformer makes and per-block
+  // headers: a 1% tolerance. Allocations stay on the heap (no mmap page rounding) under a high
+  // mmap threshold.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   for (const char* family : {"gpt2", "llama"}) {
-    INFO(family);
     nlohmann::json j = test::tiny_run_json(family);
     j["model"]["d_model"] = 128;
+    j["model"]["n_layers"] = 4;
     j["model"]["n_heads"] = 4;
     j["model"]["n_kv_heads"] = std::string(family) == "llama" ? 2 : 4;
     j["model"]["ffn_hidden"] = std::string(family) == "llama" ? 256 : 512;
@@ -281,17 +283,31 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
     j["model"]["max_seq_len"] = 64;
     j["train"]["seq_len"] = 64;
     j["train"]["micro_batch"] = 8;
+    j["train"]["global_batch"] = 32;  // 4 micro-batches: stage 0 of pp=2 holds 2
     j["precision"]["mode"] = "bf16";
     const RunConfig cfg = test::make_config(j);
-    const ParamTable table(cfg.model);
-    CpuBackend be;
-    const size_t before = mallinfo2().uordblks + mallinfo2().hblkhd;
-    auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64);
-    const size_t after = mallinfo2().uordblks + mallinfo2().hblkhd;
-    const double allocated = double(after - before);
-    PlanOptions opt;
-    const LayoutPlan p = plan_layout(cfg, Layout{1, 1, 1, 8}, opt);
-    CHECK(p.stages[0].act_full == Approx(allocated).epsilon(0.01));
+    for (int pp : {1, 2}) {
+      const ParamTable table(cfg.model, pipeline_stage(cfg.model, pp, 0, false));
+      const int stage_layers = 4 / pp;
+      for (int recompute : {0, 1, stage_layers}) {
+        INFO(family << " pp=" << pp << " stage 0, recompute_layers " << recompute);
+        CpuBackend be;
+        const size_t before = mallinfo2().uordblks + mallinfo2().hblkhd;
+        auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64, pp, nullptr, recompute);
+        const size_t after = mallinfo2().uordblks + mallinfo2().hblkhd;
+        const double allocated = double(after - before);
+        PlanOptions opt;
+        opt.recompute_layers = recompute == stage_layers ? 0 : recompute;  // 0: all
+        const LayoutPlan p = plan_layout(cfg, Layout{1, pp, 1, 8}, opt);
+        REQUIRE(p.stages[0].in_flight == pp);
+        const double planned = recompute == 0 ? p.stages[0].act_full : p.stages[0].act_recompute;
+        CHECK(planned == Approx(allocated).epsilon(0.01));
+        // The scratch set is one layer's intermediates: recomputation saves memory only when it
+        // replaces more than one layer's (several layers, or several slots).
+        if (recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
+        if (recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
+      }
+    }
   }
 }
 
@@ -301,8 +317,12 @@ TEST_CASE("plan: activation memory follows 1F1B and recomputation", "[plan]") {
   const LayoutPlan p = plan_layout(cfg, Layout{8, 10, 4, 1}, opt);
   // Stage s holds pp - s micro-batches: the first stage the most, the last one.
   for (const auto& s : p.stages) CHECK(s.in_flight == 10 - s.stage);
-  CHECK(p.stages[0].act_stored_recompute == Approx(10 * 8 * 2048.0 * 14400 * 2));  // layer inputs, bf16
-  CHECK(p.stages[9].act_stored_recompute == Approx(1 * 8 * 2048.0 * 14400 * 2));
+  // Kept per micro-batch in flight: the layer inputs (bf16) and the stage's own buffers.
+  const Activations a = activation_bytes(model_for_tp(cfg.model, 8), keel_memory_model(PrecisionMode::BF16), 8, 1, 2048);
+  CHECK(a.per_layer_input == 2048.0 * 14400 * 2);
+  CHECK(p.stages[0].act_stored_recompute == Approx(10 * (8 * a.per_layer_input + a.stage_output + a.token_ids)));
+  CHECK(p.stages[9].act_stored_recompute ==
+        Approx(1 * (8 * a.per_layer_input + a.stage_output + 2 * a.token_ids + a.head)));
   for (const auto& s : p.stages) CHECK(s.act_recompute < s.act_full);
   // Doubling the micro-batch doubles every activation (all are per token here).
   const LayoutPlan p2 = plan_layout(cfg, Layout{8, 10, 4, 2}, opt);
@@ -753,6 +773,20 @@ TEST_CASE("plan: the trainer's memory breakdown for its own layout", "[plan]") {
   CHECK(big.find("first stage") != std::string::npos);
   CHECK(big.find("last stage") != std::string::npos);
   CHECK(big.find("verdict: fits with no recompute") != std::string::npos);
+  CHECK(big.find("this run: no recompute") != std::string::npos);
+  // A run that will not fit is told what recomputation would need; with it set, the verdict and
+  // the policy line follow the config.
+  const std::string path = std::string(KEEL_SOURCE_DIR) + "/configs/bloom-200b.json";
+  const std::string tight = memory_breakdown_text(load_config(path, {"train.micro_batch=2"}), 80 * kGiB);
+  INFO(tight);
+  CHECK(tight.find("verdict: DOES NOT FIT with no recompute: peak 76.35 GiB on stage 0") != std::string::npos);
+  CHECK(tight.find("hint: with train.recompute \"full\" the peak would be 37.27 GiB (fits)") != std::string::npos);
+  const std::string rc =
+      memory_breakdown_text(load_config(path, {"train.micro_batch=2", "train.recompute=full"}), 80 * kGiB);
+  INFO(rc);
+  CHECK(rc.find("verdict: fits with full recompute: peak 37.27 GiB") != std::string::npos);
+  CHECK(rc.find("this run: full recompute (train.recompute), activations") != std::string::npos);
+  CHECK(rc.find("hint") == std::string::npos);
 }
 
 namespace {

@@ -121,26 +121,32 @@ TEST_CASE("fp16 overflow: the scale backs off, overflowing steps are skipped and
 
 TEST_CASE("fp16 loss scale at its minimum with a persistent overflow is reported with the op that overflowed",
           "[train][precision]") {
-  const nlohmann::json patch = {
-      {"precision", {{"mode", "fp16"}, {"loss_scale", {{"initial", 4.0}, {"hysteresis", 1}, {"min", 2.0}}}}}};
-  auto be = make_cpu_backend();
-  Trainer tr(test::make_config(test::tiny_run_json(), patch), *be);
-  tr.init_weights();
-  // Poison one weight so that every forward pass overflows regardless of the scale.
-  std::vector<float> w(static_cast<size_t>(tr.table().local_numel()));
-  tr.state().master_to_host(w.data());
-  w[static_cast<size_t>(tr.table().at("layers.0.attn.wq").offset)] = 1e30f;
-  tr.state().load_fp32(w.data());
-  auto batches = test::learnable_batches(1, 4, 32, 3);
-  StepStats first = tr.step(batches, 1);  // scale 4 -> 2
-  CHECK(first.skipped);
-  CHECK_FALSE(first.scale_exhausted);
-  StepStats second = tr.step(batches, 2);  // at the minimum and still overflowing
-  CHECK(second.skipped);
-  CHECK(second.scale_exhausted);
-  // The report names where the first inf appeared: the poisoned weight's matmul in layer 0.
-  INFO(second.nonfinite_report);
-  CHECK_THAT(second.nonfinite_report, Catch::Contains("forward, layer 0, qkv projection"));
+  // Also with activation recomputation: its rebuilt forward probes nothing, so the report still
+  // names the original forward op.
+  for (const char* recompute : {"none", "full"}) {
+    INFO("train.recompute " << recompute);
+    const nlohmann::json patch = {
+        {"precision", {{"mode", "fp16"}, {"loss_scale", {{"initial", 4.0}, {"hysteresis", 1}, {"min", 2.0}}}}},
+        {"train", {{"recompute", recompute}}}};
+    auto be = make_cpu_backend();
+    Trainer tr(test::make_config(test::tiny_run_json(), patch), *be);
+    tr.init_weights();
+    // Poison one weight so that every forward pass overflows regardless of the scale.
+    std::vector<float> w(static_cast<size_t>(tr.table().local_numel()));
+    tr.state().master_to_host(w.data());
+    w[static_cast<size_t>(tr.table().at("layers.0.attn.wq").offset)] = 1e30f;
+    tr.state().load_fp32(w.data());
+    auto batches = test::learnable_batches(1, 4, 32, 3);
+    StepStats first = tr.step(batches, 1);  // scale 4 -> 2
+    CHECK(first.skipped);
+    CHECK_FALSE(first.scale_exhausted);
+    StepStats second = tr.step(batches, 2);  // at the minimum and still overflowing
+    CHECK(second.skipped);
+    CHECK(second.scale_exhausted);
+    // The report names where the first inf appeared: the poisoned weight's matmul in layer 0.
+    INFO(second.nonfinite_report);
+    CHECK_THAT(second.nonfinite_report, Catch::Contains("forward, layer 0, qkv projection"));
+  }
 }
 
 TEST_CASE("the same config and seed give bit-identical losses; another seed does not", "[train][determinism]") {
