@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 namespace keel::data {
 
@@ -109,37 +111,115 @@ void TokenDataset::read_window(int64_t window, int32_t* inputs, int32_t* targets
       if (!mask->in_loss(loc.start + 1 + static_cast<int64_t>(k))) targets[k] = -1;
 }
 
+// ---- Blend -------------------------------------------------------------------------------
+
+Blend::Blend(const std::vector<double>& weights) {
+  if (weights.empty()) throw DataError("a blend needs at least one source");
+  if (weights.size() > 65535) throw DataError("a blend takes at most 65535 sources");
+  double total = 0;
+  for (size_t d = 0; d < weights.size(); ++d) {
+    if (!std::isfinite(weights[d]) || weights[d] <= 0)
+      throw DataError("blend weight " + std::to_string(d) + " is " + std::to_string(weights[d]) +
+                      " (weights must be positive and finite)");
+    total += weights[d];
+  }
+  for (double w : weights) weights_.push_back(w / total);
+  for (size_t d = 0; d < weights_.size(); ++d)
+    if (weights_[d] * kPeriod < 1)
+      throw DataError("blend weight " + std::to_string(d) + " is " + std::to_string(weights[d]) + ", " +
+                      std::to_string(weights_[d]) + " of the total: below the smallest share a blend can give (1/" +
+                      std::to_string(kPeriod) + ")");
+
+  // The greedy assignment of one period: each position to the source furthest behind its share.
+  per_period_.assign(weights_.size(), 0);
+  source_of_.resize(static_cast<size_t>(kPeriod));
+  rank_.resize(static_cast<size_t>(kPeriod));
+  for (int64_t j = 0; j < kPeriod; ++j) {
+    size_t best = 0;
+    double best_deficit = -1e300;
+    for (size_t d = 0; d < weights_.size(); ++d) {
+      const double deficit = weights_[d] * static_cast<double>(j + 1) - static_cast<double>(per_period_[d]);
+      if (deficit > best_deficit) best_deficit = deficit, best = d;
+    }
+    source_of_[static_cast<size_t>(j)] = static_cast<uint16_t>(best);
+    rank_[static_cast<size_t>(j)] = static_cast<uint32_t>(per_period_[best]++);
+  }
+}
+
+Blend::Pick Blend::pick(int64_t sample) const {
+  const int64_t period = sample / kPeriod;
+  const size_t j = static_cast<size_t>(sample % kPeriod);
+  const size_t d = source_of_[j];
+  return {d, period * per_period_[d] + rank_[j]};
+}
+
 // ---- Sampler -----------------------------------------------------------------------------
 
-Sampler::Sampler(TokenDataset dataset, uint64_t seed, bool shuffle)
-    : dataset_(std::move(dataset)), seed_(seed), shuffle_(shuffle) {
+Sampler::Sampler(TokenDataset dataset, uint64_t seed, bool shuffle) : shuffle_(shuffle) {
+  sources_.push_back(make_source(std::move(dataset), seed));
+}
+
+Sampler::Sampler(std::vector<TokenDataset> sources, const std::vector<double>& weights, uint64_t seed, bool shuffle)
+    : shuffle_(shuffle) {
+  if (sources.size() != weights.size())
+    throw DataError("a blend of " + std::to_string(sources.size()) + " sources got " + std::to_string(weights.size()) +
+                    " weights");
+  if (sources.size() > 1) blend_.emplace(weights);
+  for (size_t k = 0; k < sources.size(); ++k) {
+    if (sources[k].seq_len() != sources.front().seq_len())
+      throw DataError("the sources of a blend must have one sequence length");
+    // Source 0 keeps the run's seed; the others get keys of their own.
+    sources_.push_back(make_source(std::move(sources[k]), k == 0 ? seed : mix64(seed + k)));
+  }
+}
+
+Sampler::Source Sampler::make_source(TokenDataset dataset, uint64_t seed) const {
   // Smallest even bit count 2h with 4^h >= W: the walk below then takes < 4 steps on average.
-  const uint64_t W = static_cast<uint64_t>(num_windows());
+  const uint64_t W = static_cast<uint64_t>(dataset.num_windows());
   const int bits = W <= 1 ? 1 : std::bit_width(W - 1);
-  half_bits_ = std::max(1, (bits + 1) / 2);
+  return {std::move(dataset), seed, std::max(1, (bits + 1) / 2)};
 }
 
-int64_t Sampler::epoch_of(int64_t sample) const {
+const TokenDataset& Sampler::dataset() const {
+  if (sources_.size() != 1) throw std::logic_error("Sampler::dataset() on a blend of several sources");
+  return sources_.front().dataset;
+}
+
+int64_t Sampler::num_windows() const {
+  int64_t n = 0;
+  for (const Source& s : sources_) n += s.dataset.num_windows();
+  return n;
+}
+
+Sampler::Location Sampler::locate(int64_t sample) const {
   if (sample < 0) throw DataError("sample index must be >= 0, got " + std::to_string(sample));
-  return sample / num_windows();
+  Location at{0, sample, 0, 0};
+  if (blend_) {
+    const Blend::Pick p = blend_->pick(sample);
+    at.source = p.source;
+    at.local = p.local;
+  }
+  at.window = permute(sources_[at.source], at.local, &at.epoch);
+  return at;
 }
 
-// window = perm_{seed,epoch}(sample % W). perm is a balanced Feistel network over 2*half_bits_
-// bits keyed by (seed, epoch), restricted to [0, W) by cycle-walking: re-encrypting a value
-// that lands outside [0, W) until it lands inside keeps the map a bijection of [0, W). No
-// table, O(1) memory, and a pure function of (seed, sample), which resuming relies on: any
-// change here changes the data order of existing runs.
-int64_t Sampler::window_of(int64_t sample) const {
-  const int64_t epoch = epoch_of(sample);
-  const int64_t W = num_windows();
-  const uint64_t j = static_cast<uint64_t>(sample % W);
+// window = perm_{seed,epoch}(local % W), epoch = local / W. perm is a balanced Feistel network
+// over 2*half_bits bits keyed by (seed, epoch), restricted to [0, W) by cycle-walking:
+// re-encrypting a value that lands outside [0, W) until it lands inside keeps the map a
+// bijection of [0, W). No table, O(1) memory, and a pure function of (seed, sample), which
+// resuming relies on: any change here changes the data order of existing runs.
+int64_t Sampler::permute(const Source& s, int64_t local, int64_t* epoch) const {
+  const int64_t W = s.dataset.num_windows();
+  if (W <= 0) throw DataError("no windows to sample from");
+  *epoch = local / W;
+  const uint64_t j = static_cast<uint64_t>(local % W);
   if (!shuffle_) return static_cast<int64_t>(j);
 
-  const uint64_t epoch_key = mix64(mix64(seed_) ^ static_cast<uint64_t>(epoch));
+  const uint64_t epoch_key = mix64(mix64(s.seed) ^ static_cast<uint64_t>(*epoch));
   uint64_t round_keys[kFeistelRounds];
   for (int r = 0; r < kFeistelRounds; ++r) round_keys[r] = mix64(epoch_key + static_cast<uint64_t>(r));
 
-  const int h = half_bits_;
+  const int h = s.half_bits;
   const uint64_t mask = (uint64_t{1} << h) - 1;
   uint64_t x = j;
   do {
@@ -160,7 +240,8 @@ void Sampler::fill(int64_t first_sample, int count, int32_t* inputs, int32_t* ta
   const size_t n = static_cast<size_t>(seq_len());
   for (int s = 0; s < count; ++s) {
     const size_t at = static_cast<size_t>(s) * n;
-    dataset_.read_window(window_of(first_sample + s), inputs + at, targets + at);
+    const Location loc = locate(first_sample + s);
+    sources_[loc.source].dataset.read_window(loc.window, inputs + at, targets + at);
   }
 }
 

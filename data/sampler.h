@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,28 +62,86 @@ class TokenDataset {
   int64_t num_tokens_ = 0;
 };
 
+// The order in which a blend of sources is read (Megatron's --data-path w1 p1 w2 p2 ...):
+// global sample i goes to source d(i) as that source's l(i)-th sample, l counting 0, 1, 2, ...
+// per source. Over one period of kPeriod samples, position j goes to the source furthest behind
+// its share, argmax_d w_d (j + 1) - c_d (c_d: positions already given to d; ties to the lower d),
+// so every prefix of a period follows the weights to within about one sample per source; the
+// period then repeats, so the realized fractions stay within 1/kPeriod of the weights for the
+// whole run. The map is a pure function of i in O(1) (two table lookups), which is what
+// resuming and the DP split need, exactly as for one source.
+class Blend {
+ public:
+  static constexpr int64_t kPeriod = int64_t{1} << 16;
+  // Positive finite weights, normalized here; each must be at least 1/kPeriod of the total.
+  // Throws DataError naming the bad weight.
+  explicit Blend(const std::vector<double>& weights);
+
+  struct Pick {
+    size_t source;
+    int64_t local;  // the source's own sample index
+  };
+  Pick pick(int64_t sample) const;
+  size_t num_sources() const { return weights_.size(); }
+  double weight(size_t source) const { return weights_.at(source); }  // normalized
+  int64_t per_period(size_t source) const { return per_period_.at(source); }
+
+ private:
+  std::vector<double> weights_;
+  std::vector<uint16_t> source_of_;  // per position of the period
+  std::vector<uint32_t> rank_;       // earlier positions of the period given to the same source
+  std::vector<int64_t> per_period_;  // positions of the period per source
+};
+
 // Maps sample indices to windows. Epoch e = sample / W, and the window is perm_{seed,e}(sample
 // % W), a pseudo-random bijection of [0, W) evaluated in O(1) memory (see window_of). Without
 // shuffle, sample i reads window i % W (the validation order).
+//
+// With several sources (a weighted blend), a Blend first sends each sample to a source and its
+// local index; each source then walks its own epochs as above, under its own seed (source 0
+// keeps `seed`, so a one-source blend reads what the plain sampler reads).
 class Sampler {
  public:
   Sampler(TokenDataset dataset, uint64_t seed, bool shuffle);
+  // A weighted blend (weights as Blend takes them, one per source).
+  Sampler(std::vector<TokenDataset> sources, const std::vector<double>& weights, uint64_t seed, bool shuffle);
 
-  const TokenDataset& dataset() const { return dataset_; }
-  int seq_len() const { return dataset_.seq_len(); }
-  int64_t num_windows() const { return dataset_.num_windows(); }
-  int64_t epoch_of(int64_t sample) const;
-  int64_t window_of(int64_t sample) const;
+  size_t num_sources() const { return sources_.size(); }
+  const TokenDataset& source(size_t k) const { return sources_.at(k).dataset; }
+  double weight(size_t k) const { return blend_ ? blend_->weight(k) : 1.0; }
+  // The one source of an unblended sampler (throws std::logic_error for a blend).
+  const TokenDataset& dataset() const;
+  int seq_len() const { return sources_.front().dataset.seq_len(); }
+  int64_t num_windows() const;  // over all sources
+
+  // Where a sample comes from: the source, the source's own sample index, its epoch over that
+  // source and the window it reads.
+  struct Location {
+    size_t source;
+    int64_t local;
+    int64_t epoch;
+    int64_t window;
+  };
+  Location locate(int64_t sample) const;
+  int64_t epoch_of(int64_t sample) const { return locate(sample).epoch; }
+  int64_t window_of(int64_t sample) const { return locate(sample).window; }
 
   // Samples first_sample .. first_sample + count - 1 into inputs and targets, count * seq_len
   // int32 each (sample k at offset k * seq_len).
   void fill(int64_t first_sample, int count, int32_t* inputs, int32_t* targets) const;
 
  private:
-  TokenDataset dataset_;
-  uint64_t seed_;
+  struct Source {
+    TokenDataset dataset;
+    uint64_t seed;
+    int half_bits;  // the Feistel network permutes [0, 4^half_bits) ⊇ [0, W)
+  };
+  Source make_source(TokenDataset dataset, uint64_t seed) const;
+  int64_t permute(const Source& s, int64_t local, int64_t* epoch) const;
+
+  std::vector<Source> sources_;
+  std::optional<Blend> blend_;  // with more than one source
   bool shuffle_;
-  int half_bits_ = 0;  // the Feistel network permutes [0, 4^half_bits_) ⊇ [0, W)
 };
 
 }  // namespace keel::data

@@ -8,6 +8,8 @@
 #include <set>
 #include <sstream>
 
+#include "data/sampler.h"
+
 namespace keel {
 
 using json = nlohmann::json;
@@ -392,6 +394,29 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     top.raw("data");
     Fields f(child(doc, "data"), "data", errors);
     c.data.train = f.strings("train");
+    if (const json* w = f.raw("train_weights"); w && !w->is_null()) {
+      const bool numbers = w->is_array() && std::all_of(w->begin(), w->end(), [](const json& e) { return e.is_number(); });
+      if (!numbers) {
+        errors.push_back("data.train_weights: expected a list of numbers, one per data.train entry, got " + w->dump());
+      } else {
+        for (const json& e : *w) c.data.train_weights.push_back(e.get<double>());
+        if (c.data.train_weights.size() != c.data.train.size())
+          errors.push_back("data.train_weights: " + std::to_string(c.data.train_weights.size()) + " weights for " +
+                           std::to_string(c.data.train.size()) + " data.train entries (one weight per entry)");
+        double total = 0;
+        for (double x : c.data.train_weights) total += std::isfinite(x) && x > 0 ? x : 0;
+        for (size_t k = 0; k < c.data.train_weights.size(); ++k) {
+          const double x = c.data.train_weights[k];
+          if (!std::isfinite(x) || x <= 0)
+            errors.push_back("data.train_weights[" + std::to_string(k) + "]: " + w->at(k).dump() +
+                             " is out of range (allowed: > 0)");
+          else if (x / total * data::Blend::kPeriod < 1)
+            errors.push_back("data.train_weights[" + std::to_string(k) + "]: " + w->at(k).dump() + " is " +
+                             std::to_string(x / total) + " of the total, below the smallest share a blend gives (1/" +
+                             std::to_string(data::Blend::kPeriod) + ")");
+        }
+      }
+    }
     c.data.val = f.strings("val");
     c.data.shuffle = f.boolean("shuffle", true);
     f.finish();
@@ -541,6 +566,7 @@ json to_json(const RunConfig& c) {
                 {"seq_len", t.seq_len},     {"seed", t.seed},                 {"eval_interval", t.eval_interval},
                 {"eval_batches", t.eval_batches}, {"recompute", t.recompute}, {"recompute_layers", t.recompute_layers}};
   j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
+  if (!c.data.train_weights.empty()) j["data"]["train_weights"] = c.data.train_weights;
   j["log"] = {{"interval", c.log.interval}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},
                      {"keep_last", c.checkpoint.keep_last},

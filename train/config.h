@@ -88,6 +88,9 @@ struct TrainConfig {
 
 struct DataConfig {
   std::vector<std::string> train;  // files or glob patterns
+  // Empty: every train file is one source. Else one weight per entry of `train`, each entry (a
+  // file or a glob) a source of its own, read in those proportions (data/sampler.h: Blend).
+  std::vector<double> train_weights;
   std::vector<std::string> val;
   bool shuffle = true;
 };

@@ -71,6 +71,30 @@ std::unique_ptr<Backend> select_backend(const RunConfig& cfg, const parallel::La
 #endif
 }
 
+// The training data: all of data.train as one source, or with data.train_weights each entry (a
+// file or a glob) a source of its own, blended in those proportions.
+data::Sampler open_train_data(const RunConfig& cfg) {
+  const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
+  const int T = static_cast<int>(cfg.train.seq_len);
+  auto too_short = [&](const data::TokenDataset& d, const std::string& what) {
+    if (d.num_windows() == 0)
+      throw data::DataError(what + ": the files hold " + std::to_string(d.num_tokens()) +
+                            " tokens, not enough for one sample of seq_len + 1 = " + std::to_string(T + 1));
+  };
+  if (cfg.data.train_weights.empty()) {
+    data::TokenDataset d = data::TokenDataset::open(data::expand_paths(cfg.data.train, "data.train"), T, vocab);
+    too_short(d, "data.train");
+    return data::Sampler(std::move(d), cfg.train.seed, cfg.data.shuffle);
+  }
+  std::vector<data::TokenDataset> sources;
+  for (size_t k = 0; k < cfg.data.train.size(); ++k) {
+    const std::string what = "data.train[" + std::to_string(k) + "] (" + cfg.data.train[k] + ")";
+    sources.push_back(data::TokenDataset::open(data::expand_paths({cfg.data.train[k]}, what), T, vocab));
+    too_short(sources.back(), what);
+  }
+  return data::Sampler(std::move(sources), cfg.data.train_weights, cfg.train.seed, cfg.data.shuffle);
+}
+
 // Micro-batches of DP rank `dp_rank` for the global batch that starts at consumed sample
 // `first`: rank r reads samples first + r*G/dp + m*micro_batch + b.
 std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first, int64_t global_batch,
@@ -113,11 +137,27 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
               cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
               cfg.optimizer.grad_clip);
   std::printf("%s", param_group_table(t, cfg.optimizer.weight_decay).c_str());
-  std::printf("keel: data: %lld training windows of %d+1 tokens from %zu file(s), %s tokens",
-              static_cast<long long>(train.num_windows()), train.seq_len(), train.dataset().num_files(),
-              human_count(static_cast<double>(train.dataset().num_tokens())).c_str());
-  if (val) std::printf("; validation %lld windows", static_cast<long long>(val->num_windows()));
-  std::printf("\n");
+  if (train.num_sources() == 1) {
+    std::printf("keel: data: %lld training windows of %d+1 tokens from %zu file(s), %s tokens",
+                static_cast<long long>(train.num_windows()), train.seq_len(), train.dataset().num_files(),
+                human_count(static_cast<double>(train.dataset().num_tokens())).c_str());
+  } else {
+    // How often the run reads each source: an upweighted small source repeats many times.
+    const double run_samples = static_cast<double>(cfg.train.steps) * static_cast<double>(cfg.train.global_batch);
+    std::printf("keel: data: a blend of %zu sources, windows of %d+1 tokens:\n", train.num_sources(), train.seq_len());
+    for (size_t k = 0; k < train.num_sources(); ++k) {
+      const data::TokenDataset& d = train.source(k);
+      std::printf("keel:   %5.1f%%  %s: %lld windows from %zu file(s), %s tokens; about %.2f epochs in %lld steps\n",
+                  100 * train.weight(k), cfg.data.train[k].c_str(), static_cast<long long>(d.num_windows()),
+                  d.num_files(), human_count(static_cast<double>(d.num_tokens())).c_str(),
+                  run_samples * train.weight(k) / static_cast<double>(d.num_windows()),
+                  static_cast<long long>(cfg.train.steps));
+    }
+  }
+  if (val)
+    std::printf("%s validation %lld windows", train.num_sources() == 1 ? ";" : "keel: data:",
+                static_cast<long long>(val->num_windows()));
+  if (val || train.num_sources() == 1) std::printf("\n");
   std::printf("keel: batch: global %lld samples = micro-batch %lld x %lld accumulation steps x dp %lld; seq_len %lld\n",
               static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
               static_cast<long long>(cfg.grad_accum_steps(cfg.train.global_batch)),
@@ -254,15 +294,11 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   // ---- everything that can fail on user input is checked before the run directory is touched ----
   const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
   const int T = static_cast<int>(cfg.train.seq_len);
-  data::Sampler train(data::TokenDataset::open(data::expand_paths(cfg.data.train, "data.train"), T, vocab),
-                      cfg.train.seed, cfg.data.shuffle);
-  if (train.num_windows() == 0)
-    throw data::DataError("data.train: the files hold " + std::to_string(train.dataset().num_tokens()) +
-                          " tokens, not enough for one sample of seq_len + 1 = " + std::to_string(T + 1));
+  const data::Sampler train = open_train_data(cfg);
   // Token ids beyond the vocabulary (data tokenized for another model) fail here for datasets
   // up to 4G tokens (a scan at memory speed); bigger ones are checked batch by batch.
   constexpr int64_t kVocabScanLimit = int64_t{1} << 32;
-  train.dataset().check_vocab(kVocabScanLimit);
+  for (size_t k = 0; k < train.num_sources(); ++k) train.source(k).check_vocab(kVocabScanLimit);
   std::optional<data::Sampler> val;
   if (!cfg.data.val.empty()) {
     val.emplace(data::TokenDataset::open(data::expand_paths(cfg.data.val, "data.val"), T, vocab), cfg.train.seed, false);

@@ -203,3 +203,113 @@ TEST_CASE("sampler errors name the file, the position and the vocab", "[data][sa
                Contains("seq_len + 1 = 9") && Contains(path) && Contains("has only 3"));
   }
 }
+
+TEST_CASE("the shuffled order of one source is pinned: existing runs resume onto the same data", "[data][sampler]") {
+  // Values from the sampler as it was before blends existed (commit 1a39d77); a change here
+  // silently changes what every resumed run reads.
+  TempDir dir;
+  const Sampler s = sampler_with_windows(dir, 1000, 42);
+  std::vector<int64_t> got;
+  for (int64_t i : {0, 1, 2, 3, 999, 1000, 1001, 123456}) got.push_back(s.window_of(i));
+  CHECK(got == std::vector<int64_t>{971, 324, 600, 460, 297, 53, 767, 780});
+}
+
+namespace {
+
+// A blend of sources whose windows are traced: source d's file holds tokens d*10000 + p.
+std::vector<TokenDataset> traced_sources(const TempDir& dir, const std::vector<int64_t>& sizes, int L) {
+  std::vector<TokenDataset> out;
+  for (const std::string& path : write_traced_files(dir, sizes)) out.push_back(TokenDataset::open({path}, L, kTracedVocab));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a blend follows its weights in every prefix, and each source walks its own epochs", "[data][sampler][blend]") {
+  const std::vector<double> raw = {7, 2, 1};  // normalized to 0.7, 0.2, 0.1
+  const Blend blend(raw);
+  REQUIRE(blend.num_sources() == 3);
+  CHECK(blend.weight(0) == Approx(0.7));
+  int64_t total = 0;
+  for (size_t d = 0; d < 3; ++d) total += blend.per_period(d);
+  CHECK(total == Blend::kPeriod);
+
+  // Over three periods: every prefix n has each source's count within one sample of w_d * n
+  // (the greedy bound; the per-period counts differ from w_d * kPeriod by less than one, so the
+  // drift after q periods is below q samples), and source d's local indices are 0, 1, 2, ...
+  // in order: no sample of a source is skipped or read twice.
+  std::vector<int64_t> count(3, 0);
+  double worst = 0;
+  for (int64_t i = 0; i < 3 * Blend::kPeriod; ++i) {
+    const Blend::Pick p = blend.pick(i);
+    REQUIRE(p.source < 3);
+    REQUIRE(p.local == count[p.source]);
+    ++count[p.source];
+    for (size_t d = 0; d < 3; ++d)
+      worst = std::max(worst, std::abs(double(count[d]) - blend.weight(d) * double(i + 1)) - double(i / Blend::kPeriod));
+  }
+  CHECK(worst <= 1.0);
+  for (size_t d = 0; d < 3; ++d) CHECK(count[d] == 3 * blend.per_period(d));
+  // A short prefix already has the proportions: 100 samples are 70 / 20 / 10.
+  std::vector<int64_t> first100(3, 0);
+  for (int64_t i = 0; i < 100; ++i) ++first100[blend.pick(i).source];
+  CHECK(first100 == std::vector<int64_t>{70, 20, 10});
+}
+
+TEST_CASE("a blended sampler reads each source's own shuffled windows and resumes exactly", "[data][sampler][blend]") {
+  TempDir dir;
+  const int L = 4;
+  // Source 0: 50 windows (upweighted: it repeats), source 1: 400 windows.
+  Sampler a(traced_sources(dir, {201, 1601}, L), {3, 1}, 42, true);
+  Sampler b(traced_sources(dir, {201, 1601}, L), {3, 1}, 42, true);
+  REQUIRE(a.num_sources() == 2);
+  CHECK(a.weight(0) == Approx(0.75));
+  CHECK(a.num_windows() == 450);
+  CHECK_THROWS_AS(a.dataset(), std::logic_error);
+
+  const int count = 600;
+  std::vector<int32_t> in1(count * L), tgt1(count * L), in2(count * L), tgt2(count * L);
+  a.fill(0, count, in1.data(), tgt1.data());
+  int64_t done = 0;
+  for (int piece : {7, 250, count - 257}) {  // resumed in pieces
+    b.fill(done, piece, in2.data() + done * L, tgt2.data() + done * L);
+    done += piece;
+  }
+  CHECK(in1 == in2);
+  CHECK(tgt1 == tgt2);
+
+  // Every sample's tokens come from the file of its source; source 0's first 50 local samples
+  // are each of its windows once (one epoch), the next 50 again once, in another order.
+  std::vector<std::vector<int64_t>> by_source(2);
+  for (int s = 0; s < count; ++s) {
+    const Sampler::Location loc = a.locate(s);
+    const auto at = a.source(loc.source).locate(loc.window);
+    REQUIRE(in1[s * L] == static_cast<int32_t>(traced_token(loc.source, at.start)));
+    by_source[loc.source].push_back(loc.window);
+    CHECK(loc.epoch == loc.local / a.source(loc.source).num_windows());
+  }
+  CHECK(by_source[0].size() == 450);  // 3/4 of 600
+  const std::set<int64_t> epoch0(by_source[0].begin(), by_source[0].begin() + 50);
+  const std::set<int64_t> epoch1(by_source[0].begin() + 50, by_source[0].begin() + 100);
+  CHECK(epoch0.size() == 50);
+  CHECK(epoch1.size() == 50);
+  CHECK(std::vector<int64_t>(by_source[0].begin(), by_source[0].begin() + 50) !=
+        std::vector<int64_t>(by_source[0].begin() + 50, by_source[0].begin() + 100));
+  // The two sources are shuffled under different keys (not the same permutation).
+  CHECK(by_source[1].size() == 150);
+
+  // A blend of one source reads what the plain sampler reads.
+  Sampler one(traced_sources(dir, {201}, L), {5}, 42, true);
+  Sampler plain(TokenDataset::open({dir / "shard_0.bin"}, L, kTracedVocab), 42, true);
+  for (int64_t s = 0; s < 120; ++s) REQUIRE(one.window_of(s) == plain.window_of(s));
+}
+
+TEST_CASE("blend weights that cannot be honoured are refused with the weight named", "[data][sampler][blend][errors]") {
+  CHECK_THROWS_WITH(Blend({1.0, 0.0}), Contains("blend weight 1 is 0.000000") && Contains("positive and finite"));
+  CHECK_THROWS_WITH(Blend({1.0, -2.0}), Contains("blend weight 1"));
+  CHECK_THROWS_WITH(Blend({1.0, std::nan("")}), Contains("blend weight 1"));
+  CHECK_THROWS_WITH(Blend({1e6, 1.0}), Contains("blend weight 1") && Contains("smallest share"));
+  CHECK_THROWS_WITH(Blend(std::vector<double>{}), Contains("at least one source"));
+  TempDir dir;
+  CHECK_THROWS_WITH(Sampler(traced_sources(dir, {20, 20}, 4), {1.0}, 1, true), Contains("2 sources got 1 weights"));
+}

@@ -60,6 +60,14 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"schedule", {{"decay", "exp"}}}}, "schedule.decay");
   fails_with({{"schedule", {{"rampup_batch_size", {2, 2, 100}}}}}, "multiples of micro_batch * dp (4)");
   fails_with({{"data", {{"train", 5}}}}, "data.train: expected a path or a list of paths");
+  fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", {1}}}}},
+             "data.train_weights: 1 weights for 2 data.train entries (one weight per entry)");
+  fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", {1, 0}}}}},
+             "data.train_weights[1]: 0 is out of range (allowed: > 0)");
+  fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", "1,1"}}}},
+             "data.train_weights: expected a list of numbers");
+  fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", {1e6, 1}}}}},
+             "data.train_weights[1]: 1 is 0.000001 of the total, below the smallest share a blend gives (1/65536)");
   fails_with({{"device", "tpu"}}, "device: \"tpu\" is not allowed (allowed: auto, cpu, cuda)");
   fails_with({{"train", {{"recompute", "selective"}}}}, "train.recompute: \"selective\" is not allowed (allowed: none, full)");
   fails_with({{"train", {{"recompute_layers", 2}}}}, "train.recompute_layers: 2 needs train.recompute \"full\"");

@@ -28,7 +28,10 @@ namespace {
 
 std::string grouped_for_test(int64_t n) {  // 1234567 -> "1,234,567"
   std::string s = std::to_string(n), out;
-  for (size_t i = 0; i < s.size(); ++i) out += (i > 0 && (s.size() - i) % 3 == 0 ? "," : "") + s.substr(i, 1);
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i > 0 && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
   return out;
 }
 
