@@ -357,9 +357,24 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     Fields f(child(doc, "schedule"), "schedule", errors);
     ScheduleConfig& s = c.schedule;
     s.warmup_steps = f.integer("warmup_steps", 0, 0);
-    std::string decay = f.choice("decay", "cosine", {"cosine", "linear", "constant"});
-    s.decay = decay == "cosine" ? DecayStyle::Cosine : decay == "linear" ? DecayStyle::Linear : DecayStyle::Constant;
+    std::string decay = f.choice("decay", "cosine", {"cosine", "linear", "constant", "wsd"});
+    s.decay = decay == "cosine"   ? DecayStyle::Cosine
+              : decay == "linear" ? DecayStyle::Linear
+              : decay == "wsd"    ? DecayStyle::WSD
+                                  : DecayStyle::Constant;
     s.decay_steps = f.integer("decay_steps", 0, 0);
+    const bool wsd_fields = f.has("wsd_decay_steps") || f.has("wsd_decay_style");
+    s.wsd_decay_steps = f.integer("wsd_decay_steps", 0, 0);
+    const std::string shape = f.choice("wsd_decay_style", "linear", {"linear", "cosine", "1-sqrt"});
+    s.wsd_decay_style = shape == "linear"   ? CooldownShape::Linear
+                        : shape == "cosine" ? CooldownShape::Cosine
+                                            : CooldownShape::OneMinusSqrt;
+    if (wsd_fields && s.decay != DecayStyle::WSD)
+      errors.push_back("schedule.wsd_decay_steps / wsd_decay_style: need schedule.decay \"wsd\" (it is \"" + decay +
+                       "\")");
+    if (s.decay == DecayStyle::WSD && s.decay_steps > 0 && s.wsd_decay_steps > s.decay_steps)
+      errors.push_back("schedule.wsd_decay_steps: " + std::to_string(s.wsd_decay_steps) +
+                       " exceeds schedule.decay_steps (" + std::to_string(s.decay_steps) + ")");
     if (const json* r = f.raw("rampup_batch_size"); r && !r->is_null()) {
       // [start, increment, samples], as Megatron's --rampup-batch-size
       if (!r->is_array() || r->size() != 3 ||
@@ -551,8 +566,9 @@ json to_json(const RunConfig& c) {
   j["optimizer"] = {{"type", "adamw"},      {"lr", o.lr},   {"min_lr", o.min_lr},
                     {"beta1", o.beta1},     {"beta2", o.beta2}, {"eps", o.eps},
                     {"weight_decay", o.weight_decay}, {"grad_clip", o.grad_clip}};
-  const char* decay = c.schedule.decay == DecayStyle::Cosine ? "cosine"
+  const char* decay = c.schedule.decay == DecayStyle::Cosine   ? "cosine"
                       : c.schedule.decay == DecayStyle::Linear ? "linear"
+                      : c.schedule.decay == DecayStyle::WSD    ? "wsd"
                                                                : "constant";
   j["schedule"] = {{"warmup_steps", c.schedule.warmup_steps},
                    {"decay", decay},
@@ -561,6 +577,12 @@ json to_json(const RunConfig& c) {
                                              ? json::array({c.schedule.rampup->start, c.schedule.rampup->increment,
                                                             c.schedule.rampup->samples})
                                              : json(nullptr)}};
+  if (c.schedule.decay == DecayStyle::WSD) {
+    j["schedule"]["wsd_decay_steps"] = c.schedule.wsd_decay_steps;
+    j["schedule"]["wsd_decay_style"] = c.schedule.wsd_decay_style == CooldownShape::Linear   ? "linear"
+                                       : c.schedule.wsd_decay_style == CooldownShape::Cosine ? "cosine"
+                                                                                             : "1-sqrt";
+  }
   const TrainConfig& t = c.train;
   j["train"] = {{"steps", t.steps},         {"global_batch", t.global_batch}, {"micro_batch", t.micro_batch},
                 {"seq_len", t.seq_len},     {"seed", t.seed},                 {"eval_interval", t.eval_interval},

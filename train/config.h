@@ -53,7 +53,11 @@ struct OptimizerConfig {
   double grad_clip = 1.0;  // max global grad norm; 0 disables clipping
 };
 
-enum class DecayStyle { Cosine, Linear, Constant };
+// WSD: warmup, then stable at lr, then a cooldown to min_lr over the last wsd_decay_steps of
+// the decay window (Hu et al. 2024, MiniCPM; Hägele et al. 2024). A run can be extended, or
+// cooled down from any checkpoint of the stable phase, without changing the steps before.
+enum class DecayStyle { Cosine, Linear, Constant, WSD };
+enum class CooldownShape { Linear, Cosine, OneMinusSqrt };
 
 struct RampupConfig {  // Megatron's --rampup-batch-size <start> <increment> <samples>
   int64_t start = 0, increment = 0, samples = 0;
@@ -63,6 +67,9 @@ struct ScheduleConfig {
   int64_t warmup_steps = 0;
   DecayStyle decay = DecayStyle::Cosine;
   int64_t decay_steps = 0;  // steps after warmup over which lr goes to min_lr (0: until the end)
+  // WSD only: the cooldown's length (0: a fifth of the decay window) and shape.
+  int64_t wsd_decay_steps = 0;
+  CooldownShape wsd_decay_style = CooldownShape::Linear;
   std::optional<RampupConfig> rampup;
 };
 

@@ -12,9 +12,23 @@ double learning_rate(const RunConfig& cfg, int64_t step) {
   if (s.warmup_steps > 0 && step <= s.warmup_steps) return max_lr * static_cast<double>(step) / s.warmup_steps;
   if (s.decay == DecayStyle::Constant) return max_lr;
   const int64_t decay_steps = s.decay_steps > 0 ? s.decay_steps : std::max<int64_t>(1, cfg.train.steps - s.warmup_steps);
-  const double p = std::min(1.0, static_cast<double>(step - s.warmup_steps) / decay_steps);
+  const int64_t into = step - s.warmup_steps;  // steps into the decay window
+  auto cosine = [&](double p) { return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * p)); };
+  if (s.decay == DecayStyle::WSD) {
+    const int64_t cooldown =
+        std::min(decay_steps, s.wsd_decay_steps > 0 ? s.wsd_decay_steps : std::max<int64_t>(1, decay_steps / 5));
+    const int64_t stable = decay_steps - cooldown;
+    if (into <= stable) return max_lr;
+    const double p = std::min(1.0, static_cast<double>(into - stable) / static_cast<double>(cooldown));
+    switch (s.wsd_decay_style) {
+      case CooldownShape::Linear: return max_lr - (max_lr - min_lr) * p;
+      case CooldownShape::Cosine: return cosine(p);
+      case CooldownShape::OneMinusSqrt: return min_lr + (max_lr - min_lr) * (1.0 - std::sqrt(p));
+    }
+  }
+  const double p = std::min(1.0, static_cast<double>(into) / decay_steps);
   if (s.decay == DecayStyle::Linear) return max_lr - (max_lr - min_lr) * p;
-  return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * p));
+  return cosine(p);
 }
 
 int64_t global_batch_size(const RunConfig& cfg, int64_t consumed_samples) {

@@ -58,6 +58,11 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
              "precision.stochastic_rounding: true needs precision.mode \"bf16\"");
   fails_with({{"precision", {{"stochastic_rounding", "yes"}}}}, "precision.stochastic_rounding: expected");
   fails_with({{"schedule", {{"decay", "exp"}}}}, "schedule.decay");
+  fails_with({{"schedule", {{"wsd_decay_steps", 5}}}}, "schedule.wsd_decay_steps / wsd_decay_style: need schedule.decay \"wsd\"");
+  fails_with({{"schedule", {{"decay", "wsd"}, {"wsd_decay_style", "exp"}}}},
+             "schedule.wsd_decay_style: \"exp\" is not allowed (allowed: linear, cosine, 1-sqrt)");
+  fails_with({{"schedule", {{"decay", "wsd"}, {"decay_steps", 10}, {"wsd_decay_steps", 20}}}},
+             "schedule.wsd_decay_steps: 20 exceeds schedule.decay_steps (10)");
   fails_with({{"schedule", {{"rampup_batch_size", {2, 2, 100}}}}}, "multiples of micro_batch * dp (4)");
   fails_with({{"data", {{"train", 5}}}}, "data.train: expected a path or a list of paths");
   fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", {1}}}}},
@@ -121,6 +126,45 @@ TEST_CASE("learning-rate schedule: linear warmup, then cosine / linear / constan
   c.schedule.decay = DecayStyle::Linear;
   c.schedule.decay_steps = 50;
   CHECK(learning_rate(c, 35) == Approx(1.0 - 0.9 * 0.5));
+}
+
+TEST_CASE("WSD schedule: warmup, stable at lr, then a cooldown of the chosen shape to min_lr", "[schedule]") {
+  // lr 1, min 0.1, warmup 10, 110 steps: the decay window is steps 11-110; the cooldown its last
+  // 20 steps (the default fifth), so the lr is 1 through step 90 and p = (step - 90) / 20.
+  const nlohmann::json patch = {{"optimizer", {{"lr", 1.0}, {"min_lr", 0.1}}},
+                                {"schedule", {{"warmup_steps", 10}, {"decay", "wsd"}}},
+                                {"train", {{"steps", 110}}}};
+  auto c = test::make_config(test::tiny_run_json(), patch);
+  CHECK(c.schedule.decay == DecayStyle::WSD);
+  CHECK(learning_rate(c, 5) == Approx(0.5));
+  CHECK(learning_rate(c, 11) == 1.0);
+  CHECK(learning_rate(c, 90) == 1.0);
+  CHECK(learning_rate(c, 95) == Approx(1.0 - 0.9 * 0.25));  // linear by default
+  CHECK(learning_rate(c, 100) == Approx(0.55));
+  CHECK(learning_rate(c, 110) == Approx(0.1));
+  CHECK(learning_rate(c, 300) == Approx(0.1));
+  c.schedule.wsd_decay_style = CooldownShape::OneMinusSqrt;
+  CHECK(learning_rate(c, 95) == Approx(0.1 + 0.9 * (1 - std::sqrt(0.25))));
+  c.schedule.wsd_decay_style = CooldownShape::Cosine;
+  CHECK(learning_rate(c, 95) == Approx(0.1 + 0.9 * 0.5 * (1 + std::cos(std::numbers::pi * 0.25))));
+  // An explicit cooldown length; extending the run moves only the cooldown, so every step a
+  // checkpoint of the stable phase already took keeps its lr.
+  nlohmann::json longer = patch;
+  longer["schedule"]["wsd_decay_steps"] = 40;
+  longer["schedule"]["wsd_decay_style"] = "1-sqrt";
+  const auto a = test::make_config(test::tiny_run_json(), longer);
+  longer["train"]["steps"] = 1000;
+  const auto b = test::make_config(test::tiny_run_json(), longer);
+  for (int64_t step = 1; step <= 70; ++step) CHECK(learning_rate(a, step) == learning_rate(b, step));
+  CHECK(learning_rate(a, 71) < 1.0);
+  CHECK(learning_rate(b, 960) == 1.0);
+  CHECK(learning_rate(b, 1000) == Approx(0.1));
+  // The resolved config keeps the WSD fields.
+  const nlohmann::json j = to_json(a);
+  CHECK(j["schedule"]["decay"] == "wsd");
+  CHECK(j["schedule"]["wsd_decay_steps"] == 40);
+  CHECK(j["schedule"]["wsd_decay_style"] == "1-sqrt");
+  CHECK(parse_config(j, "resolved").schedule.wsd_decay_style == CooldownShape::OneMinusSqrt);
 }
 
 TEST_CASE("batch-size ramp-up follows Megatron's --rampup-batch-size start incr samples", "[schedule]") {
