@@ -224,7 +224,7 @@ int cmd_sample(const SampleArgs& a) {
     if (text.size() > printed) std::printf("%s", text.substr(printed).c_str());
   }
   std::printf("\n");
-  if (a.show_ids) {
+  if (a.show_ids || !tok) {  // without a tokenizer the ids are the only output
     std::printf("prompt ids: %s\n", show_ids(prompt).c_str());
     std::printf("generated ids: %s\n", show_ids(out).c_str());
   }
@@ -260,7 +260,7 @@ Command add_sample_command(CLI::App& app) {
   c->add_option("--threads", s.threads, "CPU threads")->check(CLI::PositiveNumber);
   c->add_flag("--no-special-tokens", s.no_special, "Encode the prompt without the tokenizer's special tokens (BOS)");
   c->add_flag("--ignore-eos", s.ignore_eos, "Do not stop at the end-of-sequence token");
-  c->add_flag("--show-ids", s.show_ids, "Also print the prompt and generated token ids");
+  c->add_flag("--show-ids", s.show_ids, "Also print the prompt and generated token ids (always printed without a tokenizer)");
   c->footer(
       "Examples:\n"
       "  keel sample --checkpoint hf:/models/Llama-2-7b-hf --prompt \"The capital of France is\" -t 0 -n 16\n"
