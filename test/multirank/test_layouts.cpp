@@ -29,6 +29,12 @@ namespace {
 struct Layout {
   int tp, pp, dp;
   int world() const { return tp * pp * dp; }
+  // A run directory name: prefix + "tp pp dp" digits.
+  std::string dir(const std::string& prefix) const {
+    std::string d = prefix;
+    for (int x : {tp, pp, dp}) d += std::to_string(x);
+    return d;
+  }
   std::string str() const { return "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " dp=" + std::to_string(dp); }
 };
 
@@ -92,7 +98,7 @@ void check_family(const std::string& family, const std::vector<Layout>& layouts)
   REQUIRE(ref.records.size() == 6);
   for (const Layout& l : layouts) {
     INFO(family << " " << l.str());
-    const Run got = train(ws, ws.dir / ("l" + std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.dp)), l);
+    const Run got = train(ws, ws.dir / l.dir("l"), l);
     INFO(got.output);
     REQUIRE(got.code == 0);
     compare(ref, got, 1e-5, 1e-5, 1e-4);
@@ -123,7 +129,7 @@ TEST_CASE("bf16 under 3D parallelism stays within bf16 rounding of the single-pr
   REQUIRE(ref.code == 0);
   for (const Layout& l : std::vector<Layout>{{2, 2, 2}, {8, 1, 1}, {1, 4, 2}}) {
     INFO(l.str());
-    const Run got = train(ws, ws.dir / ("b" + std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.dp)), l);
+    const Run got = train(ws, ws.dir / l.dir("b"), l);
     INFO(got.output);
     REQUIRE(got.code == 0);
     // Step 1 within bf16's half spacing (2^-8 relative); after that the rounding differences
@@ -147,16 +153,20 @@ TEST_CASE("activation recomputation under tp=2 pp=2 dp=2 trains bit-identically 
     INFO(ref.output);
     REQUIRE(ref.code == 0);
     REQUIRE(ref.records.size() == 6);
-    const std::vector<std::pair<std::string, std::string>> policies = {
-        {"--set train.recompute=full", "this run: full recompute"},
-        {"--set train.recompute=full --set train.recompute_layers=1", "this run: recompute of 1 layer per stage"}};
+    struct Policy {
+      std::string extra, shown, dir;
+    };
+    const std::vector<Policy> policies = {
+        {"--set train.recompute=full", "this run: full recompute", "rc_all"},
+        {"--set train.recompute=full --set train.recompute_layers=1", "this run: recompute of 1 layer per stage",
+         "rc_first"}};
     CHECK_THAT(ref.output, Catch::Contains("this run: no recompute"));
-    for (const auto& [extra, shown] : policies) {
-      INFO(extra);
-      const Run got = train(ws, ws.dir / ("rc" + std::to_string(extra.size())), l, extra);
+    for (const Policy& p : policies) {
+      INFO(p.extra);
+      const Run got = train(ws, ws.dir / p.dir, l, p.extra);
       INFO(got.output);
       REQUIRE(got.code == 0);
-      CHECK_THAT(got.output, Catch::Contains(shown));  // the start-up memory table names the policy
+      CHECK_THAT(got.output, Catch::Contains(p.shown));  // the start-up memory table names the policy
       REQUIRE(got.records.size() == ref.records.size());
       for (size_t i = 0; i < ref.records.size(); ++i) {
         INFO("step " << i + 1);
@@ -177,7 +187,7 @@ TEST_CASE("tied embedding copies stay bitwise identical over many steps, and a d
   // the checksums of the first stage's tok_embed and the last stage's copy.
   for (const Layout& l : std::vector<Layout>{{1, 2, 1}, {2, 4, 1}, {1, 2, 4}}) {
     INFO(l.str());
-    const Run r = train(ws, ws.dir / ("tied" + std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.dp)), l);
+    const Run r = train(ws, ws.dir / l.dir("tied"), l);
     INFO(r.output);
     CHECK(r.code == 0);
     CHECK(r.records.size() == 60);
@@ -223,7 +233,7 @@ TEST_CASE("a checkpoint saved under tp=2 pp=2 dp=2 resumes under tp=1 pp=1 dp=1 
     REQUIRE(first.code == 4);
     for (const Layout& l : std::vector<Layout>{{1, 1, 1}, {2, 1, 4}}) {
       INFO("resumed under " << l.str());
-      const std::string out = ws.dir / ("resumed" + std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.dp));
+      const std::string out = ws.dir / l.dir("resumed");
       fs::copy(ws.dir / "half", out, fs::copy_options::recursive);
       const Run r = train(ws, out, l);
       INFO(r.output);

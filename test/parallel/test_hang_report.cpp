@@ -3,8 +3,14 @@
 // multi-rank tests in test/parallel/mpi make real ones).
 #include <catch2/catch.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <thread>
 
 #include "common/temp_dir.h"
 #include "train/parallel/hang_report.h"
@@ -203,4 +209,72 @@ TEST_CASE("hang report: dumps are read from a run directory, older jobs and brok
   CHECK(text.find("hang: barrier #1 of world group 0 [world ranks 0, 1]: world rank 1 never arrived and gave no answer") !=
         std::string::npos);
   CHECK_THROWS_WITH(read_hang_dumps(dir / "nothing"), Catch::Contains("is not a directory"));
+}
+
+// ---- BlockingCallWatch: in a child process, since a firing watch ends the process ----------
+
+namespace {
+
+struct ChildResult {
+  int exit_code = -1;
+  std::string stderr_text;
+  double seconds = 0;
+};
+
+// Runs body() in a forked child with stderr captured; the child exits 0 if body returns.
+ChildResult run_child(const std::function<void()>& body) {
+  int fds[2];
+  REQUIRE(pipe(fds) == 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    close(fds[0]);
+    dup2(fds[1], 2);
+    body();
+    _exit(0);
+  }
+  close(fds[1]);
+  ChildResult r;
+  char buf[4096];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) r.stderr_text.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("a host call stuck past its timeout is named, and the process ends instead of hanging",
+          "[parallel][hang][watch]") {
+  const ChildResult stuck = run_child([] {
+    BlockingCallWatch watch("rank 3: ncclCommInitRank of tp group 1 (2 ranks)", 0.3);
+    std::this_thread::sleep_for(std::chrono::seconds(20));  // a call that never returns
+  });
+  INFO(stuck.stderr_text);
+  CHECK(stuck.exit_code == 1);
+  CHECK(stuck.seconds < 10);
+  CHECK_THAT(stuck.stderr_text,
+             Catch::Contains("keel hang report: rank 3: ncclCommInitRank of tp group 1 (2 ranks) has not returned"));
+  CHECK_THAT(stuck.stderr_text, Catch::Contains("rank 3: ncclCommInitRank of tp group 1") &&
+                                    Catch::Contains("Ending this process"));
+}
+
+TEST_CASE("host calls that return in time never fire the watch, however long the process runs after",
+          "[parallel][hang][watch]") {
+  const ChildResult fine = run_child([] {
+    for (int call = 0; call < 3; ++call) {
+      {
+        BlockingCallWatch watch("rank 0: a quick call", 0.3);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));  // well past the timeout, unwatched
+    }
+  });
+  INFO(fine.stderr_text);
+  CHECK(fine.exit_code == 0);
+  CHECK(fine.stderr_text.find("hang report") == std::string::npos);
 }

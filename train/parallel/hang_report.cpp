@@ -2,13 +2,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <set>
+#include <thread>
 #include <stdexcept>
 
 namespace keel::parallel {
@@ -624,6 +627,72 @@ std::string format_hang_analysis(const HangAnalysis& a, const HangDumps& source)
   for (const auto& l : a.rank_lines) s += "  " + l + "\n";
   for (const auto& n : source.notes) s += "note: " + n + "\n";
   return s;
+}
+
+// ---- BlockingCallWatch ------------------------------------------------------------------
+
+namespace {
+
+// Never destroyed: the helper thread may still read it while the process exits.
+struct BlockingWatchState {
+  std::mutex mu;
+  std::condition_variable armed_cv;
+  bool armed = false;
+  uint64_t generation = 0;  // counts arms, so a wait never confuses one call with the next
+  std::string what;
+  double timeout_s = 0;
+  std::chrono::steady_clock::time_point since;
+};
+
+BlockingWatchState& blocking_watch_state() {
+  static BlockingWatchState* state = [] {
+    auto* s = new BlockingWatchState;
+    std::thread([s] {
+      std::unique_lock<std::mutex> lock(s->mu);
+      for (;;) {
+        s->armed_cv.wait(lock, [s] { return s->armed; });
+        const uint64_t gen = s->generation;
+        const auto deadline = s->since + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                             std::chrono::duration<double>(s->timeout_s));
+        if (s->armed_cv.wait_until(lock, deadline, [s, gen] { return !s->armed || s->generation != gen; }))
+          continue;  // returned (or re-armed) in time
+        std::fprintf(stderr,
+                     "keel hang report: %s has not returned after %g s. This call waits inside itself for the "
+                     "other ranks of the group: one of them never reached it (stuck elsewhere, crashed, or started "
+                     "with another layout), or the network cannot connect them. Ending this process so that the "
+                     "launcher ends the job.\n",
+                     s->what.c_str(), s->timeout_s);
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+    }).detach();
+    return s;
+  }();
+  return *state;
+}
+
+}  // namespace
+
+BlockingCallWatch::BlockingCallWatch(const std::string& what, double timeout_s) {
+  BlockingWatchState& s = blocking_watch_state();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.armed = true;
+    ++s.generation;
+    s.what = what;
+    s.timeout_s = timeout_s;
+    s.since = std::chrono::steady_clock::now();
+  }
+  s.armed_cv.notify_one();
+}
+
+BlockingCallWatch::~BlockingCallWatch() {
+  BlockingWatchState& s = blocking_watch_state();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.armed = false;
+  }
+  s.armed_cv.notify_one();
 }
 
 }  // namespace keel::parallel

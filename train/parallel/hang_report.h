@@ -160,6 +160,24 @@ std::string format_finding(const HangFinding& f, bool with_time = true);
 // culprits), then the longest stuck.
 void sort_findings(std::vector<HangFinding>& findings);
 
+// ---- host calls that block without returning control ----------------------------------------
+
+// The watchdog works by polling while a rank waits. Some host calls wait inside themselves and
+// cannot be polled: NCCL's communicator setup (ncclCommInitRank waits for every rank of the
+// group) and the connection NCCL sets up inside the first operation between two ranks (lazy
+// connect). While a BlockingCallWatch lives, a helper thread of the process watches the call:
+// if it has not returned after timeout_s, the thread prints one "keel hang report:" line with
+// `what` (which rank, which call, which group) and what usually causes it, then ends the process
+// with exit code 1, so that mpirun or srun end the job instead of leaving it hanging. Arming costs
+// a lock and a string copy; one watch at a time (the thread that talks to the communicators).
+class BlockingCallWatch {
+ public:
+  BlockingCallWatch(const std::string& what, double timeout_s);
+  ~BlockingCallWatch();
+  BlockingCallWatch(const BlockingCallWatch&) = delete;
+  BlockingCallWatch& operator=(const BlockingCallWatch&) = delete;
+};
+
 // ---- the offline report ------------------------------------------------------------------
 
 struct HangDumps {

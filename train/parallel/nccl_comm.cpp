@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "train/parallel/hang_report.h"
 #include "train/parallel/mpi_comm.h"
 
 #ifdef KEEL_HAVE_NCCL
@@ -97,6 +98,13 @@ struct NcclComm::Impl {
     pending_event = std::move(owned);
     return true;
   }
+  // Guards a host call into NCCL that may wait for peers inside itself (communicator setup, and
+  // the connection setup of a first operation between two ranks): see BlockingCallWatch.
+  BlockingCallWatch watch(const char* call) const {
+    return BlockingCallWatch("world rank " + std::to_string(world_rank) + ": " + call + " for " + last_op +
+                                 " on NCCL group " + where(),
+                             timeout);
+  }
   // After enqueueing: the event that marks the operation finished.
   void enqueued() {
     if (pending_event) check(cudaEventRecord(pending_event.get(), stream), "cudaEventRecord");
@@ -171,8 +179,14 @@ NcclComm::NcclComm(Comm& bootstrap, CUstream_st* stream) : impl_(std::make_uniqu
   bootstrap.broadcast(Tensor(&id, DType::I32, {static_cast<int64_t>(sizeof(id) / 4)}), 0);
   m.last_op = "cudaMalloc (barrier word)";
   m.check(cudaMalloc(&m.barrier_word, sizeof(float)), "cudaMalloc");
-  m.last_op = "ncclCommInitRank";
-  if (ncclResult_t r = ncclCommInitRank(&m.comm, m.size, id, m.rank); r != ncclSuccess) {
+  m.last_op = "communicator setup";
+  ncclResult_t r = ncclSuccess;
+  {
+    // Waits for every rank of the group: a missing one would leave this rank here, silent.
+    const BlockingCallWatch watch = m.watch("ncclCommInitRank");
+    r = ncclCommInitRank(&m.comm, m.size, id, m.rank);
+  }
+  if (r != ncclSuccess) {
     cudaFree(m.barrier_word);  // the destructor does not run for a constructor that throws
     m.barrier_word = nullptr;
     m.comm = nullptr;
@@ -210,6 +224,7 @@ void NcclComm::all_reduce(const Tensor& t, ReduceOp op) {
   check::reduction(*this, "all_reduce", t);
   Impl& m = *impl_;
   if (!m.note("all_reduce", t) || t.numel() == 0) return;
+  const BlockingCallWatch watch = m.watch("ncclAllReduce");
   m.check(ncclAllReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
                         op == ReduceOp::Sum ? ncclSum : ncclMax, m.comm, m.stream),
           "ncclAllReduce");
@@ -220,6 +235,7 @@ void NcclComm::reduce_scatter(const Tensor& out, const Tensor& in) {
   check::reduce_scatter(*this, out, in);
   Impl& m = *impl_;
   if (!m.note("reduce_scatter", in) || out.numel() == 0) return;
+  const BlockingCallWatch watch = m.watch("ncclReduceScatter");
   m.check(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), nccl_type(in.dtype), ncclSum, m.comm,
                             m.stream),
           "ncclReduceScatter");
@@ -230,6 +246,7 @@ void NcclComm::all_gather(const Tensor& out, const Tensor& in) {
   check::all_gather(*this, out, in);
   Impl& m = *impl_;
   if (!m.note("all_gather", out) || in.numel() == 0) return;
+  const BlockingCallWatch watch = m.watch("ncclAllGather");
   // In place when in is this rank's block of out: NCCL detects that from the pointers.
   m.check(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), m.comm, m.stream),
           "ncclAllGather");
@@ -240,6 +257,7 @@ void NcclComm::broadcast(const Tensor& t, int root) {
   check::broadcast(*this, t, root);
   Impl& m = *impl_;
   if (!m.note("broadcast", t) || t.numel() == 0) return;
+  const BlockingCallWatch watch = m.watch("ncclBroadcast");
   m.check(ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), root, m.comm, m.stream),
           "ncclBroadcast");
   m.enqueued();
@@ -249,6 +267,7 @@ void NcclComm::send(const Tensor& t, int peer) {
   check::point_to_point(*this, "send", t, peer);
   Impl& m = *impl_;
   if (!m.note("send", t, peer)) return;
+  const BlockingCallWatch watch = m.watch("ncclSend");
   m.check(ncclSend(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.stream), "ncclSend");
   m.enqueued();
 }
@@ -257,6 +276,7 @@ void NcclComm::recv(const Tensor& t, int peer) {
   check::point_to_point(*this, "recv", t, peer);
   Impl& m = *impl_;
   if (!m.note("recv", t, -1, peer)) return;
+  const BlockingCallWatch watch = m.watch("ncclRecv");
   m.check(ncclRecv(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.stream), "ncclRecv");
   m.enqueued();
 }
@@ -266,6 +286,7 @@ void NcclComm::sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_
   check::point_to_point(*this, "recv", recv_t, recv_peer);
   Impl& m = *impl_;
   if (!m.note("sendrecv", send_t, send_peer, recv_peer)) return;
+  const BlockingCallWatch watch = m.watch("ncclSend/ncclRecv");
   // One group: NCCL posts both before either waits, so two stages exchanging cannot deadlock.
   m.check(ncclGroupStart(), "ncclGroupStart");
   ncclResult_t rs = ncclSend(send_t.data, static_cast<size_t>(send_t.numel()), nccl_type(send_t.dtype), send_peer,
@@ -283,6 +304,7 @@ void NcclComm::barrier() {
   Impl& m = *impl_;
   Tensor word(m.barrier_word, DType::F32, {1}, Device::CUDA);
   if (!m.note("barrier", word)) return;
+  const BlockingCallWatch watch = m.watch("ncclAllReduce");
   m.check(ncclAllReduce(m.barrier_word, m.barrier_word, 1, ncclFloat32, ncclSum, m.comm, m.stream), "ncclAllReduce");
   m.enqueued();
   synchronize();
