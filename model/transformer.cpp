@@ -7,7 +7,7 @@
 namespace keel {
 
 Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len,
-                         int slots, parallel::Comm* tp, int recompute_layers)
+                         int slots, parallel::Comm* tp, int recompute_layers, bool sequence_parallel)
     : table_(table), cfg_(table_.config()), be_(backend), act_(act_dtype), B_(micro_batch), T_(seq_len), tp_(tp) {
   if (seq_len > cfg_.max_seq_len)
     throw std::invalid_argument("sequence length " + std::to_string(seq_len) + " exceeds the model's max_seq_len " +
@@ -19,6 +19,12 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
                                 " TP ranks but no TP communicator of that size was given");
   tensor_parallel_ = tp_size > 1;
   N_ = static_cast<int64_t>(B_) * T_;
+  sp_ = sequence_parallel && tensor_parallel_;
+  if (sp_ && N_ % tp_size != 0)
+    throw std::invalid_argument("sequence parallelism splits the " + std::to_string(N_) +
+                                " token rows of a micro-batch over " + std::to_string(tp_size) +
+                                " TP ranks: micro_batch * seq_len must be a multiple of tp");
+  rows_ = sp_ ? N_ / tp_size : N_;
   const int64_t d = cfg_.d_model;
   const int hd = cfg_.head_dim();
   q_ = cfg_.q_dim() / tp_size;
@@ -40,14 +46,14 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
     if (sh.has_head) s.targets = alloc(DType::I32, {N_});
     s.layers.resize(static_cast<size_t>(stage_layers));
     for (size_t l = 0; l < s.layers.size(); ++l) {
-      s.layers[l].res_in = alloc(act_, {N_, d});
+      s.layers[l].res_in = alloc(act_, {rows_, d});
       if (!recomputed(l)) alloc_layer_acts(s.layers[l], ln, qkv_cols, fc_cols);
     }
-    s.res_final = alloc(act_, {N_, d});
+    s.res_final = alloc(act_, {rows_, d});
     if (sh.has_head) {
-      s.normf = alloc(act_, {N_, d});
-      if (ln) s.meanf = alloc(DType::F32, {N_});
-      s.rstdf = alloc(DType::F32, {N_});
+      s.normf = alloc(act_, {rows_, d});
+      if (ln) s.meanf = alloc(DType::F32, {rows_});
+      s.rstdf = alloc(DType::F32, {rows_});
       s.logits = alloc(act_, {N_, vocab_local_});
       s.row_max = alloc(DType::F32, {N_});
       if (tensor_parallel_) s.local_max = alloc(DType::F32, {N_});
@@ -58,30 +64,35 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
     }
   }
   if (recompute_layers_ > 0) alloc_layer_acts(scratch_, ln, qkv_cols, fc_cols);
-  dres_ = alloc(act_, {N_, d});
+  dres_ = alloc(act_, {rows_, d});
   dnorm_ = alloc(act_, {N_, d});
   if (sh.end_layer > sh.first_layer) {
     dqkv_ = alloc(act_, {N_, qkv_cols});
     dattn_ = alloc(act_, {N_, q_});
     dfc_ = alloc(act_, {N_, fc_cols});
     dact_ = alloc(act_, {N_, ffn_});
-    proj_out_ = alloc(act_, {N_, d});
+  }
+  // proj_out_: row-parallel outputs, and under SP the embedding's partial sums before the scatter.
+  if (sh.end_layer > sh.first_layer || (sp_ && sh.has_embedding)) proj_out_ = alloc(act_, {N_, d});
+  if (sp_) {
+    gathered_ = alloc(act_, {N_, d});
+    row_sums_ = alloc(act_, {rows_, d});
   }
 }
 
 // Everything of a layer but its input.
 void Transformer::alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_cols, int64_t fc_cols) {
   const int64_t d = cfg_.d_model;
-  a.norm1 = alloc(act_, {N_, d});
-  if (layernorm) a.mean1 = alloc(DType::F32, {N_});
-  a.rstd1 = alloc(DType::F32, {N_});
+  a.norm1 = alloc(act_, {rows_, d});
+  if (layernorm) a.mean1 = alloc(DType::F32, {rows_});
+  a.rstd1 = alloc(DType::F32, {rows_});
   a.qkv = alloc(act_, {N_, qkv_cols});
   a.attn = alloc(act_, {N_, q_});
   a.lse = alloc(DType::F32, {B_, attn_shape_.n_heads, T_});
-  a.res_mid = alloc(act_, {N_, d});
-  a.norm2 = alloc(act_, {N_, d});
-  if (layernorm) a.mean2 = alloc(DType::F32, {N_});
-  a.rstd2 = alloc(DType::F32, {N_});
+  a.res_mid = alloc(act_, {rows_, d});
+  a.norm2 = alloc(act_, {rows_, d});
+  if (layernorm) a.mean2 = alloc(DType::F32, {rows_});
+  a.rstd2 = alloc(DType::F32, {rows_});
   a.fc = alloc(act_, {N_, fc_cols});
   a.act = alloc(act_, {N_, ffn_});
 }
@@ -186,6 +197,32 @@ void Transformer::norm_forward(const Tensor& out, const Tensor& mean, const Tens
     be_.rmsnorm_forward(out, rstd, in, w, cfg_.norm_eps);
 }
 
+const Tensor& Transformer::gather_rows(const Tensor& local) {
+  if (!sp_) return local;
+  tp_->all_gather(gathered_, local);
+  return gathered_;
+}
+
+const Tensor& Transformer::reduce_rows(const Tensor& partial) {
+  if (!sp_) {
+    tp_sum(partial);
+    return partial;
+  }
+  tp_->reduce_scatter(row_sums_, partial);
+  return row_sums_;
+}
+
+void Transformer::sum_sequence_parallel_grads() {
+  if (!sp_) return;
+  auto sum = [&](const Tensor& g) {
+    if (!g.empty()) tp_->all_reduce(g);
+  };
+  for (const LayerParams& g : g_.layers)
+    for (const Tensor* t : {&g.attn_norm_w, &g.attn_norm_b, &g.mlp_norm_w, &g.mlp_norm_b}) sum(*t);
+  sum(g_.final_norm_w);
+  sum(g_.final_norm_b);
+}
+
 // din += d(norm)/d(in) applied to dout (din is the residual gradient, so it accumulates).
 void Transformer::norm_backward(const Tensor& din, const Tensor& dout, const Tensor& in, const Tensor& mean,
                                 const Tensor& rstd, const Tensor& w, const Tensor& dw, const Tensor& db) {
@@ -217,7 +254,7 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int la
   // attention block: res_mid = res_in + wo(attn(rope(qkv(norm(res_in)))))
   norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, w.attn_norm_w, w.attn_norm_b);
   probe(false, layer, "attn_norm", a.norm1);
-  be_.matmul(a.qkv, a.norm1, w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
+  be_.matmul(a.qkv, gather_rows(a.norm1), w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
   probe(false, layer, "qkv projection", a.qkv);
   if (cfg_.is_llama()) {
     be_.rope_forward(a.qkv, attn_shape_, cfg_.rope_theta);
@@ -227,15 +264,15 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int la
   probe(false, layer, "attention", a.attn);
   // Row-parallel output: partial sums over TP; the replicated bias is added once (TP rank 0).
   be_.matmul(proj_out_, a.attn, w.wo, false, true, false, gpt2 && tp_lead() ? &w.bo : nullptr);
-  tp_sum(proj_out_);
-  probe(false, layer, "attention output projection", proj_out_);
-  be_.add(a.res_mid, a.res_in, proj_out_);
+  const Tensor& attn_out = reduce_rows(proj_out_);
+  probe(false, layer, "attention output projection", attn_out);
+  be_.add(a.res_mid, a.res_in, attn_out);
   probe(false, layer, "attention residual add", a.res_mid);
 
   // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
   norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, w.mlp_norm_w, w.mlp_norm_b);
   probe(false, layer, "mlp_norm", a.norm2);
-  be_.matmul(a.fc, a.norm2, w.w_in, false, true, false, gpt2 ? &w.b_in : nullptr);
+  be_.matmul(a.fc, gather_rows(a.norm2), w.w_in, false, true, false, gpt2 ? &w.b_in : nullptr);
   if (gpt2) {
     probe(false, layer, "mlp input projection", a.fc);
     be_.gelu_forward(a.act, a.fc);
@@ -247,9 +284,9 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int la
   }
   if (!out) return;  // recomputing: backward needs nothing further
   be_.matmul(proj_out_, a.act, w.w_out, false, true, false, gpt2 && tp_lead() ? &w.b_out : nullptr);
-  tp_sum(proj_out_);
-  probe(false, layer, "mlp output projection", proj_out_);
-  be_.add(*out, a.res_mid, proj_out_);
+  const Tensor& mlp_out = reduce_rows(proj_out_);
+  probe(false, layer, "mlp output projection", mlp_out);
+  be_.add(*out, a.res_mid, mlp_out);
   probe(false, layer, "layer output (residual add)", *out);
 }
 
@@ -265,9 +302,14 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
     be_.copy_from_host(s.tokens, tokens);
     // Vocab-parallel: each rank embeds the tokens of its slice (others give 0), the sum over TP
     // is the embedding. Positions are added once, by TP rank 0.
-    be_.embedding_forward(stage_input(slot_index), s.tokens, w_.tok_embed, gpt2 && tp_lead() ? w_.pos_embed : none, T_,
+    // Under SP the [N, d] partial sums go to proj_out_ first, and this rank keeps its rows.
+    const Tensor in = stage_input(slot_index);
+    be_.embedding_forward(sp_ ? proj_out_ : in, s.tokens, w_.tok_embed, gpt2 && tp_lead() ? w_.pos_embed : none, T_,
                           vocab_start_);
-    tp_sum(stage_input(slot_index));
+    if (sp_)
+      tp_->reduce_scatter(in, proj_out_);
+    else
+      tp_sum(in);
     probe(false, -1, "embedding", stage_input(slot_index));
   }
 
@@ -282,7 +324,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   be_.copy_from_host(s.targets, targets);
   norm_forward(s.normf, s.meanf, s.rstdf, s.res_final, w_.final_norm_w, w_.final_norm_b);
   probe(false, -1, "final_norm", s.normf);
-  be_.matmul(s.logits, s.normf, w_.head, false, true);
+  be_.matmul(s.logits, gather_rows(s.normf), w_.head, false, true);
   probe(false, -1, "logits (head)", s.logits);
   loss_forward(s);
   probe(false, -1, "cross-entropy loss", s.row_loss);
@@ -302,11 +344,11 @@ void Transformer::backward(int slot_index, float dloss) {
     const Tensor& dlogits = s.logits;
     probe(true, -1, "d logits (loss gradient x loss scale)", dlogits);
     be_.matmul(dnorm_, dlogits, w_.head, false, false);
-    tp_sum(dnorm_);  // each rank saw only its vocab slice
-    probe(true, -1, "d final_norm output (head backward)", dnorm_);
-    be_.matmul(g_.head, dlogits, s.normf, true, false, true);
+    const Tensor& dnormf = reduce_rows(dnorm_);  // each rank saw only its vocab slice
+    probe(true, -1, "d final_norm output (head backward)", dnormf);
+    be_.matmul(g_.head, dlogits, gather_rows(s.normf), true, false, true);
     be_.fill(dres_, 0.0f);
-    norm_backward(dres_, dnorm_, s.res_final, s.meanf, s.rstdf, w_.final_norm_w, g_.final_norm_w, g_.final_norm_b);
+    norm_backward(dres_, dnormf, s.res_final, s.meanf, s.rstdf, w_.final_norm_w, g_.final_norm_w, g_.final_norm_b);
     probe(true, -1, "d final_norm input", dres_);
   }
   // else: the caller has put d(loss)/d(stage output) into dres_ (grad_output()).
@@ -326,11 +368,12 @@ void Transformer::backward(int slot_index, float dloss) {
       layer_forward(a, w, layer, nullptr);
     }
 
-    // MLP block
-    be_.matmul(dact_, dres_, w.w_out, false, false);
-    be_.matmul(g.w_out, dres_, a.act, true, false, true);
+    // MLP block (under SP, dres_all is the gathered rows until norm2 is gathered)
+    const Tensor& dres_all = gather_rows(dres_);
+    be_.matmul(dact_, dres_all, w.w_out, false, false);
+    be_.matmul(g.w_out, dres_all, a.act, true, false, true);
     if (gpt2) {
-      be_.bias_backward(g.b_out, dres_);
+      be_.bias_backward(g.b_out, dres_all);
       probe(true, layer, "d gelu output (mlp output projection backward)", dact_);
       be_.gelu_backward(dfc_, dact_, a.fc);
       probe(true, layer, "d mlp input projection (gelu backward)", dfc_);
@@ -340,17 +383,18 @@ void Transformer::backward(int slot_index, float dloss) {
       probe(true, layer, "d gate/up projection (swiglu backward)", dfc_);
     }
     be_.matmul(dnorm_, dfc_, w.w_in, false, false);
-    be_.matmul(g.w_in, dfc_, a.norm2, true, false, true);
+    be_.matmul(g.w_in, dfc_, gather_rows(a.norm2), true, false, true);
     if (gpt2) be_.bias_backward(g.b_in, dfc_);
-    tp_sum(dnorm_);  // column-parallel input gradient: partial over TP
-    probe(true, layer, "d mlp_norm output (mlp input projection backward)", dnorm_);
-    norm_backward(dres_, dnorm_, a.res_mid, a.mean2, a.rstd2, w.mlp_norm_w, g.mlp_norm_w, g.mlp_norm_b);
+    const Tensor& dnorm2 = reduce_rows(dnorm_);  // column-parallel input gradient: partial over TP
+    probe(true, layer, "d mlp_norm output (mlp input projection backward)", dnorm2);
+    norm_backward(dres_, dnorm2, a.res_mid, a.mean2, a.rstd2, w.mlp_norm_w, g.mlp_norm_w, g.mlp_norm_b);
     probe(true, layer, "d attention residual (mlp_norm backward)", dres_);
 
     // attention block
-    be_.matmul(dattn_, dres_, w.wo, false, false);
-    be_.matmul(g.wo, dres_, a.attn, true, false, true);
-    if (gpt2) be_.bias_backward(g.bo, dres_);
+    const Tensor& dmid_all = gather_rows(dres_);
+    be_.matmul(dattn_, dmid_all, w.wo, false, false);
+    be_.matmul(g.wo, dmid_all, a.attn, true, false, true);
+    if (gpt2) be_.bias_backward(g.bo, dmid_all);
     probe(true, layer, "d attention output (output projection backward)", dattn_);
     be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, attn_shape_);
     probe(true, layer, "d qkv (attention backward)", dqkv_);
@@ -359,18 +403,18 @@ void Transformer::backward(int slot_index, float dloss) {
       probe(true, layer, "d qkv (rope backward)", dqkv_);
     }
     be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);
-    be_.matmul(g.wqkv, dqkv_, a.norm1, true, false, true);
+    be_.matmul(g.wqkv, dqkv_, gather_rows(a.norm1), true, false, true);
     if (gpt2) be_.bias_backward(g.bqkv, dqkv_);
-    tp_sum(dnorm_);
-    probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm_);
-    norm_backward(dres_, dnorm_, a.res_in, a.mean1, a.rstd1, w.attn_norm_w, g.attn_norm_w, g.attn_norm_b);
+    const Tensor& dnorm1 = reduce_rows(dnorm_);
+    probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm1);
+    norm_backward(dres_, dnorm1, a.res_in, a.mean1, a.rstd1, w.attn_norm_w, g.attn_norm_w, g.attn_norm_b);
     probe(true, layer, "layer input gradient (attn_norm backward)", dres_);
   }
 
   if (sh.has_embedding) {
     // Every TP rank accumulates the rows of its vocab slice, and the (replicated) position
     // gradient in full, so all replicas of pos_embed see the same gradient.
-    be_.embedding_backward(g_.tok_embed, g_.pos_embed, dres_, s.tokens, T_, vocab_start_);
+    be_.embedding_backward(g_.tok_embed, g_.pos_embed, gather_rows(dres_), s.tokens, T_, vocab_start_);
   }
   // else: dres_ (grad_input()) now holds d(loss)/d(stage input) for the previous stage.
 }

@@ -7,6 +7,14 @@
 // and the inputs' gradients of column-parallel layers are all-reduced over TP. The full logits
 // never exist on one rank.
 //
+// Sequence parallelism (Megatron's, with TP): the residual stream, the norms and the stage's
+// input and output are split by rows (token positions) over the TP ranks: rank r holds rows
+// [r N/tp, (r+1) N/tp) of the N = micro_batch * seq_len. The input of a column-parallel matmul
+// is all-gathered, and a row-parallel output is reduce-scattered instead of all-reduced (the
+// same bytes moved); in backward the reverse. Activations that were replicated on every TP
+// rank are stored once, split; the norm gradients are then partial sums over TP, which
+// sum_sequence_parallel_grads() completes after the micro-batches.
+//
 // Pipeline parallelism: a stage without the embedding reads its input from stage_input(slot)
 // (the trainer receives it there); a stage without the head leaves its output in
 // stage_output(slot), takes the output's gradient in grad_output() and leaves the gradient of
@@ -46,8 +54,9 @@ class Transformer {
   // (nullptr: no tensor parallelism; the table must then be unsharded). recompute_layers: how
   // many of the stage's layers, from its first, recompute their activations in backward
   // (0: none; more than the stage has: all).
+  // sequence_parallel: split the replicated rows over TP (needs tp and N divisible by its size).
   Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len, int slots = 1,
-              parallel::Comm* tp = nullptr, int recompute_layers = 0);
+              parallel::Comm* tp = nullptr, int recompute_layers = 0, bool sequence_parallel = false);
   ~Transformer();
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -71,8 +80,9 @@ class Transformer {
   LossSum forward(const int32_t* tokens, const int32_t* targets) { return forward(0, tokens, targets); }
   void backward(float dloss) { backward(0, dloss); }
 
-  Tensor stage_input(int slot) const;   // [B*T, d]: where a received activation goes
-  Tensor stage_output(int slot) const;  // [B*T, d]: what to send to the next stage
+  Tensor stage_input(int slot) const;   // [rows, d]: where a received activation goes
+  Tensor stage_output(int slot) const;  // [rows, d]: what to send to the next stage
+  // (rows: B*T, or this rank's B*T/tp under sequence parallelism)
   Tensor grad_output() const { return dres_; }  // d(loss)/d(stage output), before backward
   Tensor grad_input() const { return dres_; }   // d(loss)/d(stage input), after backward
 
@@ -97,6 +107,10 @@ class Transformer {
   int slots() const { return static_cast<int>(slots_.size()); }
   DType act_dtype() const { return act_; }
   int recompute_layers() const { return recompute_layers_; }  // after clamping to the stage's layers
+  bool sequence_parallel() const { return sp_; }
+  // Under sequence parallelism, after all micro-batches' backward: all-reduce over TP the
+  // gradients each rank summed over its rows only (the norms'). No-op otherwise.
+  void sum_sequence_parallel_grads();
   // Training FLOPs per token of the whole model (forward + backward), see transformer.cpp.
   double flops_per_token() const;
 
@@ -143,6 +157,11 @@ class Transformer {
   void norm_backward(const Tensor& din, const Tensor& dout, const Tensor& in, const Tensor& mean, const Tensor& rstd,
                      const Tensor& w, const Tensor& dw, const Tensor& db);
   void tp_sum(const Tensor& t);  // all-reduce over the TP group (no-op without TP)
+  // Sequence parallelism's two moves (identities without it): the full [N, d] of this rank's
+  // rows (all-gathered into gathered_), and the rows of a [N, d] partial sum over TP that this
+  // rank holds (reduce-scattered into row_sums_; without SP the sum is all-reduced in place).
+  const Tensor& gather_rows(const Tensor& local);
+  const Tensor& reduce_rows(const Tensor& partial);
   bool tp_lead() const { return table_.shard().tp_rank == 0; }
   void loss_forward(Slot& s);
   bool recomputed(size_t local_layer) const { return static_cast<int64_t>(local_layer) < recompute_layers_; }
@@ -165,7 +184,9 @@ class Transformer {
   DType act_;
   int B_, T_;
   int64_t N_;
+  int64_t rows_;  // rows of the residual stream held here: N_, or N_ / tp under SP
   int recompute_layers_;
+  bool sp_ = false;
   parallel::Comm* tp_;
   bool tensor_parallel_;
   // This rank's sizes (TP-local).
@@ -178,6 +199,7 @@ class Transformer {
   LayerActs scratch_;  // intermediates of the recomputed layers (res_in left empty)
   // backward scratch, shared by every slot and layer
   Tensor dres_, dnorm_, dqkv_, dattn_, dfc_, dact_, proj_out_;
+  Tensor gathered_, row_sums_;  // sequence parallelism: [N, d] and [rows, d]
 };
 
 }  // namespace keel

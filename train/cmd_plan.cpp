@@ -19,7 +19,7 @@ struct PlanArgs {
   std::string gpu_mem = "80GiB", cuda_context, framework = "keel", recompute = "auto";
   std::optional<int64_t> tp, pp, dp, mbs;
   int64_t max_mbs = 16;
-  bool embedding_slot = false, json = false, all = false;
+  bool embedding_slot = false, sequence_parallel = false, json = false, all = false;
   int top = 20;
   double tflops = 150, intra_gbps = 150, inter_gbps = 12.5, hbm_gbps = 1500, headroom = -1, mb_overhead_ms = 0;
   int sm_count = 108;
@@ -44,6 +44,7 @@ int cmd_plan(const PlanArgs& a) {
                   : a.recompute == "never" ? plan::Recompute::Never
                                            : plan::Recompute::Auto;
   opt.embedding_own_slot = a.embedding_slot;
+  opt.sequence_parallel = a.sequence_parallel || cfg.parallel.sequence_parallel;
   opt.tp = a.tp, opt.pp = a.pp, opt.dp = a.dp, opt.mbs = a.mbs;
   opt.max_mbs = a.max_mbs;
   opt.gpus = a.gpus;
@@ -101,6 +102,8 @@ Command add_plan_command(CLI::App& app) {
   c->add_option("--max-mbs", pa.max_mbs, "Largest micro-batch size tried")->capture_default_str()->check(CLI::PositiveNumber);
   c->add_flag("--embedding-slot", pa.embedding_slot,
               "Give the embedding and the head their own pipeline slot each (layers+2 slots over pp)");
+  c->add_flag("--sequence-parallel", pa.sequence_parallel,
+              "Plan with sequence parallelism (parallel.sequence_parallel): TP-replicated activations split by rows");
   c->add_option("--recompute", pa.recompute, "Activation policy: auto (recompute only when needed), always, never")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "always", "never"}));

@@ -321,6 +321,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     p.pp = f.integer("pp", 1, 1, 1 << 16);
     p.dp = f.integer("dp", 1, 1, 1 << 20);
     p.embedding_slot = f.boolean("embedding_slot", false);
+    p.sequence_parallel = f.boolean("sequence_parallel", false);
     f.finish();
     const ModelConfig& m = c.model;
     auto divides = [&](int64_t by, int64_t what, const std::string& by_name, const std::string& what_name) {
@@ -345,6 +346,10 @@ RunConfig parse_config(const json& doc, const std::string& source) {
                        " layers" + (p.embedding_slot ? " + embedding and head slots" : "") +
                        " (each stage needs at least one)");
     const TrainConfig& t = c.train;
+    if (p.sequence_parallel && p.tp > 1 && t.micro_batch > 0 && t.seq_len > 0 && (t.micro_batch * t.seq_len) % p.tp != 0)
+      errors.push_back("parallel.sequence_parallel: the " + std::to_string(t.micro_batch * t.seq_len) +
+                       " token rows of a micro-batch (train.micro_batch * train.seq_len) do not divide over tp=" +
+                       std::to_string(p.tp));
     if (t.micro_batch > 0 && t.global_batch > 0 && t.global_batch % (t.micro_batch * p.dp) != 0)
       errors.push_back("train.global_batch: " + std::to_string(t.global_batch) +
                        " is not a multiple of train.micro_batch * parallel.dp (" + std::to_string(t.micro_batch) +
@@ -598,7 +603,8 @@ json to_json(const RunConfig& c) {
   j["parallel"] = {{"tp", c.parallel.tp},
                    {"pp", c.parallel.pp},
                    {"dp", c.parallel.dp},
-                   {"embedding_slot", c.parallel.embedding_slot}};
+                   {"embedding_slot", c.parallel.embedding_slot},
+                   {"sequence_parallel", c.parallel.sequence_parallel}};
   const HealthConfig& h = c.health;
   j["health"] = {{"replica_check_interval", h.replica_check_interval},
                  {"param_group_audit", h.param_group_audit},

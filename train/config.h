@@ -153,6 +153,9 @@ struct ParallelConfig {
   // Give the embedding and the head a pipeline slot each, like a transformer layer (balances
   // a large vocabulary: the first and last stage get fewer layers).
   bool embedding_slot = false;
+  // Megatron's sequence parallelism with TP (model/transformer.h): the residual stream, norms
+  // and stage outputs are split by token rows over the TP ranks.
+  bool sequence_parallel = false;
   int64_t world() const { return tp * pp * dp; }
 };
 

@@ -241,26 +241,31 @@ std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot) {
 // The activation list mirrors model/transformer.cpp: LayerActs (per layer), the final norm, logits
 // and loss rows (head), tokens/targets, and the backward scratch shared by all layers. Tensors
 // over heads or the MLP width are split by TP (Megatron column/row parallel); the residual
-// stream and the norms' outputs are whole on every TP rank (no sequence parallelism).
-Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq) {
+// stream and the norms' outputs are whole on every TP rank, or split by rows under sequence
+// parallelism.
+Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
+                             bool sequence_parallel) {
   const double N = static_cast<double>(mbs) * seq;  // token rows
   const double a = mem.act_bytes, t = static_cast<double>(tp);
+  const double rows = sequence_parallel && tp > 1 ? N / t : N;  // rows of the residual stream held
   const double d = m.d_model, q = m.q_dim(), F = m.ffn_hidden, nh = m.n_heads;
   const double qkv = static_cast<double>(m.n_heads + 2 * m.n_kv_heads) * m.head_dim();
   const double fc = m.is_llama() ? 2 * F : F;  // gate|up for SwiGLU
   const double stats = m.is_gpt2() ? 2 : 1;    // LayerNorm keeps mean and rstd, RMSNorm rstd
   const double V = static_cast<double>(m.embed_rows());
   Activations r;
-  // res_in, norm1, res_mid, norm2 [N, d]; mean/rstd x2 [N] f32; qkv, attn, fc, act split; lse [B, nh/tp, T] f32
-  r.per_layer_full = N * (a * 4 * d + 4 * 2 * stats + a * (qkv + q + fc + F) / t + 4 * nh / t);
-  r.per_layer_input = N * a * d;
+  // res_in, norm1, res_mid, norm2 [rows, d]; mean/rstd x2 [rows] f32; qkv, attn, fc, act [N, split];
+  // lse [B, nh/tp, T] f32
+  r.per_layer_full = rows * (a * 4 * d + 4 * 2 * stats) + N * (a * (qkv + q + fc + F) / t + 4 * nh / t);
+  r.per_layer_input = rows * a * d;
   r.attn_scores = mem.attn_score_bytes * mbs * (nh / t) * double(seq) * double(seq);
-  // normf [N, d], meanf/rstdf, logits [N, V/tp] (+ fp32 copy), row_max/sumexp/target_logit/lse/row_loss
-  r.head = N * (a * d + 4 * stats + (a + mem.logit_extra_bytes) * V / t + 5 * 4);
-  r.stage_output = N * a * d;
+  // normf [rows, d], meanf/rstdf [rows], logits [N, V/tp] (+ fp32 copy), row_max/sumexp/target_logit/lse/row_loss [N]
+  r.head = rows * (a * d + 4 * stats) + N * ((a + mem.logit_extra_bytes) * V / t + 5 * 4);
+  r.stage_output = rows * a * d;
   r.token_ids = N * 4;
-  // dres, dnorm, proj_out [N, d]; dqkv, dattn, dfc, dact split
-  r.backward_scratch = N * a * (3 * d + (qkv + q + fc + F) / t);
+  // dres [rows, d], dnorm and proj_out [N, d]; dqkv, dattn, dfc, dact split; with SP also the
+  // gathered rows [N, d] and the scattered sums [rows, d]
+  r.backward_scratch = a * (rows * d + 2 * N * d + N * (qkv + q + fc + F) / t) + (rows < N ? a * (N + rows) * d : 0);
   return r;
 }
 
@@ -415,7 +420,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   p.embedding_own_slot = own_slot;
   p.micro_batches = cfg.train.global_batch / (l.mbs * l.dp);
   const int64_t mb = std::max<int64_t>(p.micro_batches, 1);
-  const Activations act = activation_bytes(m, mem, l.tp, l.mbs, seq);
+  const Activations act = activation_bytes(m, mem, l.tp, l.mbs, seq, opt.sequence_parallel);
   const double shard = mem.state.zero1 ? static_cast<double>(l.dp) : 1.0;
 
   // ---- memory of every stage ----
@@ -767,7 +772,8 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
   add("total, " + rc_name, [&](const StageMemory& s) { return gib(s.total(true)); });
   o << t.str();
   o << "  state: " << state_formula(mem, l.dp) << "\n";
-  const Activations a = activation_bytes(model_for_tp(cfg.model, l.tp), mem, l.tp, l.mbs, cfg.train.seq_len);
+  const Activations a =
+      activation_bytes(model_for_tp(cfg.model, l.tp), mem, l.tp, l.mbs, cfg.train.seq_len, opt.sequence_parallel);
   o << "  activations per micro-batch (" << l.mbs << " x " << cfg.train.seq_len << " tokens): "
     << format_bytes(a.per_layer_full + a.attn_scores) << " per layer kept for backward, "
     << format_bytes(a.per_layer_input) << " per layer with full recomputation (its input)";
@@ -1013,6 +1019,7 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   opt.memory = keel_memory_model(cfg.precision.mode);
   opt.recompute = cfg.train.recompute == "full" ? Recompute::Always : Recompute::Never;
   opt.recompute_layers = cfg.train.recompute_layers;
+  opt.sequence_parallel = cfg.parallel.sequence_parallel;
   if (gpu_mem_bytes > 0) opt.hw.gpu_mem_bytes = gpu_mem_bytes;
   else opt.memory.cuda_context_bytes = 0;  // a CPU run has no CUDA context
   const Layout l{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};

@@ -106,6 +106,7 @@ struct PlanOptions {
   MemoryModel memory;  // empty name: keel_memory_model(cfg.precision.mode)
   Recompute recompute = Recompute::Auto;
   int64_t recompute_layers = 0;     // when recomputing: layers per stage, from its first (0: all)
+  bool sequence_parallel = false;   // the residual stream and norms split by rows over TP
   bool embedding_own_slot = false;  // embedding and head each take a pipeline slot like a block
   std::optional<int64_t> tp, pp, dp, mbs;  // pinned sizes
   int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this
@@ -165,7 +166,10 @@ struct Activations {
   double token_ids = 0;           // one int32 array: token ids (first stage), targets (last stage)
   double backward_scratch = 0;    // gradient buffers reused by every layer
 };
-Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq);
+// sequence_parallel (with tp > 1): the [tokens, d] tensors TP would replicate are split over tp,
+// at the price of two [tokens, d] scratch buffers (gathered rows, and the scattered sums).
+Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
+                             bool sequence_parallel = false);
 
 struct StageMemory {
   int stage = 0;

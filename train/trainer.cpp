@@ -41,7 +41,7 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
   model_ = std::make_unique<Transformer>(table_, be_, activation_dtype(cfg.precision.mode),
                                          static_cast<int>(cfg.train.micro_batch), static_cast<int>(cfg.train.seq_len),
                                          slots, grid_.tp_size() > 1 ? comms_->tp.get() : nullptr,
-                                         cfg.train.recomputed_layers_per_stage());
+                                         cfg.train.recomputed_layers_per_stage(), cfg.parallel.sequence_parallel);
   model_->bind(state_->working, state_->grads);
   {
     const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
@@ -203,6 +203,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   loss_sum = all_reduce_sum(dp, loss_sum);
   st.loss = st.valid_tokens > 0 ? loss_sum / static_cast<double>(st.valid_tokens) : 0.0;
 
+  model_->sum_sequence_parallel_grads();
   sync_tied_embedding();
   const int64_t n = table_.local_numel();
   const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), n);

@@ -177,6 +177,33 @@ TEST_CASE("activation recomputation under tp=2 pp=2 dp=2 trains bit-identically 
   }
 }
 
+TEST_CASE("sequence parallelism trains like tensor parallelism without it (bf16, both families)",
+          "[mpi][layouts][sequence]") {
+  // SP moves the same partial sums with reduce-scatter / all-gather instead of all-reduce, and
+  // computes each row's norm on the rank that holds it: the forward is the same arithmetic, so
+  // the losses must be equal. Only the norm weights' gradients are summed in another order
+  // (per rank, then over TP), which moves the grad norm by fp32 roundoff (bound: 1e-9 relative)
+  // and through the updates may move the loss, within 1e-6.
+  for (const std::string family : {"llama", "gpt2"}) {
+    nlohmann::json patch = model_patch(family);
+    patch["precision"] = {{"mode", "bf16"}};
+    test::Workspace ws(patch);
+    for (const Layout& l : std::vector<Layout>{{2, 2, 2}, {8, 1, 1}, {4, 2, 1}}) {
+      INFO(family << " " << l.str());
+      const Run ref = train(ws, ws.dir / l.dir("tp"), l);
+      INFO(ref.output);
+      REQUIRE(ref.code == 0);
+      const Run sp = train(ws, ws.dir / l.dir("sp"), l, "--set parallel.sequence_parallel=true");
+      INFO(sp.output);
+      REQUIRE(sp.code == 0);
+      CHECK_THAT(sp.output, Catch::Contains("replica check"));  // the norms stayed identical over TP
+      REQUIRE(sp.records.size() == ref.records.size());
+      CHECK(sp.records[0]["loss"].get<double>() == ref.records[0]["loss"].get<double>());
+      compare(ref, sp, 1e-6, 1e-9, 1e-6);
+    }
+  }
+}
+
 TEST_CASE("tied embedding copies stay bitwise identical over many steps, and a drift is caught by name",
           "[mpi][tied]") {
   nlohmann::json patch = model_patch("gpt2");

@@ -19,6 +19,7 @@
 #include "common/run_config.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/transformer.h"
+#include "train/parallel/comm.h"
 #include "train/plan.h"
 
 using namespace keel;
@@ -267,13 +268,39 @@ TEST_CASE("plan: stage spans, with and without embedding slots", "[plan]") {
   CHECK(spans[95].layers() == 0);
 }
 
+namespace {
+
+// A TP group of `n` that the Transformer only asks for its size while it allocates.
+class SizeOnlyComm final : public parallel::Comm {
+ public:
+  explicit SizeOnlyComm(int n) : n_(n) {}
+  int rank() const override { return 0; }
+  int size() const override { return n_; }
+  std::string_view name() const override { return "tp"; }
+  Device device() const override { return Device::CPU; }
+  void all_reduce(const Tensor&, parallel::ReduceOp) override { fail(); }
+  void reduce_scatter(const Tensor&, const Tensor&) override { fail(); }
+  void all_gather(const Tensor&, const Tensor&) override { fail(); }
+  void broadcast(const Tensor&, int) override { fail(); }
+  void send(const Tensor&, int) override { fail(); }
+  void recv(const Tensor&, int) override { fail(); }
+  void sendrecv(const Tensor&, int, const Tensor&, int) override { fail(); }
+  void barrier() override { fail(); }
+
+ private:
+  [[noreturn]] static void fail() { throw std::logic_error("SizeOnlyComm: no communication in this test"); }
+  int n_;
+};
+
+}  // namespace
+
 TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]") {
-  // Heap growth while constructing a Transformer on the CPU backend (tp=1) against the
-  // planner's list, for one stage and for the first of two pipeline stages (two slots in
-  // flight), without recomputation, recomputing one of the stage's layers, and all of them.
-  // glibc's mallinfo2 also counts the ParamTable copy the Transformer makes and per-block
-  // headers: a 1% tolerance. Allocations stay on the heap (no mmap page rounding) under a high
-  // mmap threshold.
+  // Heap growth while constructing a Transformer on the CPU backend against the planner's list:
+  // one stage and the first of two pipeline stages (two slots in flight); without
+  // recomputation, recomputing one of the stage's layers, and all of them; tp=1, and tp=2 with
+  // and without sequence parallelism. glibc's mallinfo2 also counts the ParamTable copy the
+  // Transformer makes and per-block headers: a 1% tolerance. Allocations stay on the heap (no
+  // mmap page rounding) under a high mmap threshold.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   for (const char* family : {"gpt2", "llama"}) {
     nlohmann::json j = test::tiny_run_json(family);
@@ -289,29 +316,48 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
     j["train"]["global_batch"] = 32;  // 4 micro-batches: stage 0 of pp=2 holds 2
     j["precision"]["mode"] = "bf16";
     const RunConfig cfg = test::make_config(j);
-    for (int pp : {1, 2}) {
-      const ParamTable table(cfg.model, pipeline_stage(cfg.model, pp, 0, false));
-      const int stage_layers = 4 / pp;
-      for (int recompute : {0, 1, stage_layers}) {
-        INFO(family << " pp=" << pp << " stage 0, recompute_layers " << recompute);
-        CpuBackend be;
-        const size_t before = mallinfo2().uordblks + mallinfo2().hblkhd;
-        auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64, pp, nullptr, recompute);
-        const size_t after = mallinfo2().uordblks + mallinfo2().hblkhd;
-        const double allocated = double(after - before);
-        PlanOptions opt;
-        opt.recompute_layers = recompute == stage_layers ? 0 : recompute;  // 0: all
-        const LayoutPlan p = plan_layout(cfg, Layout{1, pp, 1, 8}, opt);
-        REQUIRE(p.stages[0].in_flight == pp);
-        const double planned = recompute == 0 ? p.stages[0].act_full : p.stages[0].act_recompute;
-        CHECK(planned == Approx(allocated).epsilon(0.01));
-        // The scratch set is one layer's intermediates: recomputation saves memory only when it
-        // replaces more than one layer's (several layers, or several slots).
-        if (recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
-        if (recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
+    for (int tp : {1, 2})
+      for (bool sp : {false, true}) {
+        if (tp == 1 && sp) continue;
+        SizeOnlyComm tp_comm(tp);
+        for (int pp : {1, 2}) {
+          ModelShard shard = pipeline_stage(cfg.model, pp, 0, false);
+          shard.tp_size = tp;
+          const ParamTable table(cfg.model, shard);
+          const int stage_layers = 4 / pp;
+          for (int recompute : {0, 1, stage_layers}) {
+            INFO(family << " tp=" << tp << (sp ? " sequence parallel" : "") << " pp=" << pp
+                        << " stage 0, recompute_layers " << recompute);
+            CpuBackend be;
+            const size_t before = mallinfo2().uordblks + mallinfo2().hblkhd;
+            auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64, pp, tp > 1 ? &tp_comm : nullptr,
+                                                       recompute, sp);
+            const size_t after = mallinfo2().uordblks + mallinfo2().hblkhd;
+            REQUIRE(model->sequence_parallel() == sp);
+            const double allocated = double(after - before);
+            PlanOptions opt;
+            opt.recompute_layers = recompute == stage_layers ? 0 : recompute;  // 0: all
+            opt.sequence_parallel = sp;
+            const LayoutPlan p = plan_layout(cfg, Layout{tp, pp, 1, 8}, opt);
+            REQUIRE(p.stages[0].in_flight == pp);
+            const double planned = recompute == 0 ? p.stages[0].act_full : p.stages[0].act_recompute;
+            CHECK(planned == Approx(allocated).epsilon(0.01));
+            // The scratch set is one layer's intermediates: recomputation saves memory only when
+            // it replaces more than one layer's (several layers, or several slots).
+            if (recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
+            if (recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
+          }
+        }
       }
-    }
   }
+  // Sequence parallelism shrinks what TP replicates: at tp=8 on the 200B shape, the first
+  // stage's activations fall to well under half.
+  const RunConfig big = shipped("bloom-200b.json");
+  PlanOptions opt;
+  const double plain = plan_layout(big, Layout{8, 10, 4, 1}, opt).stages[0].act_full;
+  opt.sequence_parallel = true;
+  const double split = plan_layout(big, Layout{8, 10, 4, 1}, opt).stages[0].act_full;
+  CHECK(split < 0.5 * plain);
 }
 
 TEST_CASE("plan: activation memory follows 1F1B and recomputation", "[plan]") {
