@@ -1030,13 +1030,22 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   text += "  this run: " + recompute_name(p.recompute, opt.recompute_layers) + " (train.recompute), activations " +
           format_bytes(p.recompute ? p.stages[p.peak_stage].act_recompute : p.stages[p.peak_stage].act_full) +
           " on the largest stage\n";
-  if (p.usable_bytes > 0 && !p.fits && opt.recompute == Recompute::Never) {
-    PlanOptions rc = opt;
-    rc.recompute = Recompute::Always;
-    rc.recompute_layers = 0;
-    const LayoutPlan q = plan_layout(cfg, l, rc);
-    text += "  hint: with train.recompute \"full\" the peak would be " + format_bytes(q.peak_bytes) +
+  // A run that will not fit: what each memory setting it does not use yet would give.
+  auto hint = [&](const std::string& setting, const PlanOptions& o) {
+    const LayoutPlan q = plan_layout(cfg, l, o);
+    text += "  hint: with " + setting + " the peak would be " + format_bytes(q.peak_bytes) +
             (q.fits ? " (fits)" : " (still too much: a smaller micro_batch, or more tp/pp)") + "\n";
+  };
+  if (p.usable_bytes > 0 && !p.fits && l.tp > 1 && !opt.sequence_parallel) {
+    PlanOptions o = opt;
+    o.sequence_parallel = true;
+    hint("parallel.sequence_parallel true", o);
+  }
+  if (p.usable_bytes > 0 && !p.fits && opt.recompute == Recompute::Never) {
+    PlanOptions o = opt;
+    o.recompute = Recompute::Always;
+    o.recompute_layers = 0;
+    hint("train.recompute \"full\"", o);
   }
   return text;
 }

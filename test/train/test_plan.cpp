@@ -830,6 +830,7 @@ TEST_CASE("plan: the trainer's memory breakdown for its own layout", "[plan]") {
   INFO(tight);
   CHECK(tight.find("verdict: DOES NOT FIT with no recompute: peak 76.35 GiB on stage 0") != std::string::npos);
   CHECK(tight.find("hint: with train.recompute \"full\" the peak would be 37.27 GiB (fits)") != std::string::npos);
+  CHECK(tight.find("hint: with parallel.sequence_parallel true the peak would be 44.65 GiB (fits)") != std::string::npos);
   const std::string rc =
       memory_breakdown_text(load_config(path, {"train.micro_batch=2", "train.recompute=full"}), 80 * kGiB);
   INFO(rc);
