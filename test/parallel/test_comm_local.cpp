@@ -48,9 +48,13 @@ TEST_CASE("comm argument checks name the collective, the group and the shapes", 
   CHECK_THROWS_WITH(c.reduce_scatter(h12, t12), Catch::Contains("differ in dtype"));
   Tensor dev(a.data(), DType::F32, {12}, Device::CUDA);
   CHECK_THROWS_WITH(c.all_reduce(dev), Catch::Contains("device memory") && Catch::Contains("moves host memory"));
-  // all_gather: in may be out's own block, not some other overlap.
+  // The per-rank block may be the whole's own block (in place), not some other overlap.
   Tensor out11(a.data(), DType::F32, {11}), in11(a.data() + 1, DType::F32, {11});
-  CHECK_THROWS_WITH(c.all_gather(out11, in11), Catch::Contains("overlaps"));
+  CHECK_THROWS_WITH(c.all_gather(out11, in11), Catch::Contains("all_gather on tp") &&
+                                                   Catch::Contains("in overlaps out but is not this rank's block 0"));
+  CHECK_THROWS_WITH(c.reduce_scatter(in11, out11), Catch::Contains("reduce_scatter on tp") &&
+                                                       Catch::Contains("out overlaps in but is not this rank's block 0"));
+  CHECK_NOTHROW(c.all_gather(out11, out11));  // in place
 }
 
 TEST_CASE("comm groups: a world of one without MPI", "[parallel][comm]") {

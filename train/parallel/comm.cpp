@@ -42,6 +42,18 @@ void same_dtype(const Comm& c, std::string_view op, const Tensor& out, const Ten
                                 " differ in dtype");
 }
 
+// The per-rank block of a reduce_scatter or all_gather may be exactly this rank's block of the
+// whole (in place, as NCCL defines it); any other overlap is undefined in NCCL.
+void block_overlap(const Comm& c, const char* op, const Tensor& whole, const char* whole_name, const Tensor& block,
+                   const char* block_name) {
+  const char* w = static_cast<const char*>(whole.data);
+  const char* b = static_cast<const char*>(block.data);
+  const char* own = w + static_cast<size_t>(c.rank()) * block.bytes();
+  if (block.numel() > 0 && b != own && b < w + whole.bytes() && w < b + block.bytes())
+    throw std::invalid_argument(where(c, op) + ": " + block_name + " overlaps " + whole_name +
+                                " but is not this rank's block " + std::to_string(c.rank()) + " of it");
+}
+
 }  // namespace
 
 void reduction(const Comm& c, std::string_view op, const Tensor& t) {
@@ -59,14 +71,7 @@ void reduce_scatter(const Comm& c, const Tensor& out, const Tensor& in) {
     throw std::invalid_argument(where(c, "reduce_scatter") + ": in " + in.shape_str() + " must hold " +
                                 std::to_string(c.size()) + " x out " + out.shape_str() + " = " +
                                 std::to_string(out.numel() * c.size()) + " elements");
-  // out may be exactly this rank's block of in (in place, as NCCL defines it); any other overlap
-  // is undefined in NCCL.
-  const char* o = static_cast<const char*>(out.data);
-  const char* i = static_cast<const char*>(in.data);
-  const char* own = i + static_cast<size_t>(c.rank()) * out.bytes();
-  if (out.numel() > 0 && o != own && o < i + in.bytes() && i < o + out.bytes())
-    throw std::invalid_argument(where(c, "reduce_scatter") + ": out overlaps in but is not this rank's block " +
-                                std::to_string(c.rank()) + " of it");
+  block_overlap(c, "reduce_scatter", in, "in", out, "out");
 }
 
 void all_gather(const Comm& c, const Tensor& out, const Tensor& in) {
@@ -77,13 +82,7 @@ void all_gather(const Comm& c, const Tensor& out, const Tensor& in) {
     throw std::invalid_argument(where(c, "all_gather") + ": out " + out.shape_str() + " must hold " +
                                 std::to_string(c.size()) + " x in " + in.shape_str() + " = " +
                                 std::to_string(in.numel() * c.size()) + " elements");
-  // in may be exactly this rank's block of out (gather in place); any other overlap is a bug.
-  const char* o = static_cast<const char*>(out.data);
-  const char* i = static_cast<const char*>(in.data);
-  const char* own = o + static_cast<size_t>(c.rank()) * in.bytes();
-  if (in.numel() > 0 && i != own && i < o + out.bytes() && o < i + in.bytes())
-    throw std::invalid_argument(where(c, "all_gather") + ": in overlaps out but is not this rank's block " +
-                                std::to_string(c.rank()) + " of it");
+  block_overlap(c, "all_gather", out, "out", in, "in");
 }
 
 void broadcast(const Comm& c, const Tensor& t, int root) {
