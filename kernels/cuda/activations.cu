@@ -34,28 +34,13 @@ __device__ __forceinline__ float gelu_grad(float x) {
 // aligned (and, for SwiGLU, F % V == 0, so a pack never straddles the gate | up boundary).
 template <class T, int V>
 __global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
-  for_each_pack<V>(n, [&](auto width, int64_t i) {
-    constexpr int W = decltype(width)::value;
-    float x[W];
-    load_pack<W>(x, in + i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) x[k] = gelu(x[k]);
-    store_pack<W>(out + i, x);
-  });
+  map_packs<V>(n, out, [](float x) { return gelu(x); }, in);
 }
 
-// din may alias dout (each element is read before it is written, by the same thread).
+// din may alias dout.
 template <class T, int V>
 __global__ void gelu_backward_kernel(T* din, const T* dout, const T* in, int64_t n) {
-  for_each_pack<V>(n, [&](auto width, int64_t i) {
-    constexpr int W = decltype(width)::value;
-    float dy[W], x[W];
-    load_pack<W>(dy, dout + i);
-    load_pack<W>(x, in + i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) dy[k] *= gelu_grad(x[k]);
-    store_pack<W>(din + i, dy);
-  });
+  map_packs<V>(n, din, [](float dy, float x) { return dy * gelu_grad(x); }, dout, in);
 }
 
 // Output element e = (row n, column j < F); the pack's V columns share the row.

@@ -46,28 +46,13 @@ __global__ void fill_kernel(T* __restrict__ dst, T value, int64_t n) {
 // out[i] = round_T(float(a[i]) + float(b[i]))   (out may alias a or b), in packs of V
 template <class T, int V>
 __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
-  for_each_pack<V>(n, [&](auto width, int64_t i) {
-    constexpr int W = decltype(width)::value;
-    float x[W], y[W];
-    load_pack<W>(x, a + i);
-    load_pack<W>(y, b + i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) x[k] += y[k];
-    store_pack<W>(out + i, x);
-  });
+  map_packs<V>(n, out, [](float x, float y) { return x + y; }, a, b);
 }
 
 // x[i] = round_T(float(x[i]) * s), in packs of V
 template <class T, int V>
 __global__ void scale_kernel(T* x, float s, int64_t n) {
-  for_each_pack<V>(n, [&](auto width, int64_t i) {
-    constexpr int W = decltype(width)::value;
-    float v[W];
-    load_pack<W>(v, x + i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) v[k] *= s;
-    store_pack<W>(x + i, v);
-  });
+  map_packs<V>(n, x, [s](float v) { return v * s; }, x);
 }
 
 constexpr int kThreads = 256;

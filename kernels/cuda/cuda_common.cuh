@@ -138,6 +138,33 @@ __device__ __forceinline__ void for_each_pack(int64_t n, F&& f) {
     for (int64_t i = packs * V + tid; i < n; i += stride) f(PackWidth<1>{}, i);
 }
 
+// Elementwise maps over packs of V (for_each_pack), computed in float and rounded once on the
+// store: out[i] = f(a[i]), or f(a[i], b[i]). out may alias an input (each element is read before
+// it is written, by the same thread).
+template <int V, class T, class F>
+__device__ __forceinline__ void map_packs(int64_t n, T* out, F f, const T* a) {
+  for_each_pack<V>(n, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    float x[W];
+    load_pack<W>(x, a + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] = f(x[k]);
+    store_pack<W>(out + i, x);
+  });
+}
+template <int V, class T, class F>
+__device__ __forceinline__ void map_packs(int64_t n, T* out, F f, const T* a, const T* b) {
+  for_each_pack<V>(n, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    float x[W], y[W];
+    load_pack<W>(x, a + i);
+    load_pack<W>(y, b + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) x[k] = f(x[k], y[k]);
+    store_pack<W>(out + i, x);
+  });
+}
+
 // True when every pointer is 16-byte aligned (the packed path may be used).
 inline bool aligned16(std::initializer_list<const void*> ptrs) {
   for (const void* p : ptrs)
