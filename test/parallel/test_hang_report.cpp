@@ -251,15 +251,15 @@ ChildResult run_child(const std::function<void()>& body) {
 TEST_CASE("a host call stuck past its timeout is named, and the process ends instead of hanging",
           "[parallel][hang][watch]") {
   const ChildResult stuck = run_child([] {
-    BlockingCallWatch watch("rank 3: ncclCommInitRank of tp group 1 (2 ranks)", 0.3);
+    const std::string op = "communicator setup", who = "world rank 3, NCCL group tp (nccl rank 1 of 2)";
+    BlockingCallWatch watch("ncclCommInitRank", op, who, 0.3);
     std::this_thread::sleep_for(std::chrono::seconds(20));  // a call that never returns
   });
   INFO(stuck.stderr_text);
   CHECK(stuck.exit_code == 1);
   CHECK(stuck.seconds < 10);
-  CHECK_THAT(stuck.stderr_text,
-             Catch::Contains("keel hang report: rank 3: ncclCommInitRank of tp group 1 (2 ranks) has not returned"));
-  CHECK_THAT(stuck.stderr_text, Catch::Contains("rank 3: ncclCommInitRank of tp group 1") &&
+  CHECK_THAT(stuck.stderr_text, Catch::Contains("keel hang report: world rank 3, NCCL group tp (nccl rank 1 of 2): "
+                                                "ncclCommInitRank for communicator setup has not returned after 0.3 s") &&
                                     Catch::Contains("Ending this process"));
 }
 
@@ -268,7 +268,8 @@ TEST_CASE("host calls that return in time never fire the watch, however long the
   const ChildResult fine = run_child([] {
     for (int call = 0; call < 3; ++call) {
       {
-        BlockingCallWatch watch("rank 0: a quick call", 0.3);
+        const std::string op = "all_reduce #" + std::to_string(call), who = "world rank 0";
+        BlockingCallWatch watch("ncclAllReduce", op, who, 0.3);
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(500));  // well past the timeout, unwatched

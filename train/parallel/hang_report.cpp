@@ -1,15 +1,14 @@
 #include "train/parallel/hang_report.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <mutex>
 #include <set>
 #include <thread>
 #include <stdexcept>
@@ -633,35 +632,40 @@ std::string format_hang_analysis(const HangAnalysis& a, const HangDumps& source)
 
 namespace {
 
-// Never destroyed: the helper thread may still read it while the process exits.
+// Lock-free on the watched thread. The helper fires only after setting `firing` and seeing the
+// same arm still in place; a disarm that sees `firing` waits for the process to end, so the
+// strings the report reads cannot change under it (all seq_cst: one of the two sees the other).
 struct BlockingWatchState {
-  std::mutex mu;
-  std::condition_variable armed_cv;
-  bool armed = false;
-  uint64_t generation = 0;  // counts arms, so a wait never confuses one call with the next
-  std::string what;
-  double timeout_s = 0;
-  std::chrono::steady_clock::time_point since;
+  std::atomic<bool> armed{false}, firing{false};
+  std::atomic<uint64_t> generation{0};
+  std::atomic<int64_t> since_ns{0};
+  std::atomic<double> timeout_s{0};
+  std::atomic<const char*> call{""};
+  std::atomic<const std::string*> op{nullptr}, who{nullptr};
 };
 
+// Never destroyed: the helper thread may still read it while the process exits.
 BlockingWatchState& blocking_watch_state() {
   static BlockingWatchState* state = [] {
     auto* s = new BlockingWatchState;
     std::thread([s] {
-      std::unique_lock<std::mutex> lock(s->mu);
       for (;;) {
-        s->armed_cv.wait(lock, [s] { return s->armed; });
-        const uint64_t gen = s->generation;
-        const auto deadline = s->since + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                             std::chrono::duration<double>(s->timeout_s));
-        if (s->armed_cv.wait_until(lock, deadline, [s, gen] { return !s->armed || s->generation != gen; }))
-          continue;  // returned (or re-armed) in time
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (!s->armed.load()) continue;
+        const uint64_t gen = s->generation.load();
+        const double waited = static_cast<double>(steady_now_ns() - s->since_ns.load()) * 1e-9;
+        if (waited < s->timeout_s.load()) continue;
+        s->firing.store(true);
+        if (!s->armed.load() || s->generation.load() != gen) {  // returned meanwhile
+          s->firing.store(false);
+          continue;
+        }
         std::fprintf(stderr,
-                     "keel hang report: %s has not returned after %g s. This call waits inside itself for the "
-                     "other ranks of the group: one of them never reached it (stuck elsewhere, crashed, or started "
-                     "with another layout), or the network cannot connect them. Ending this process so that the "
-                     "launcher ends the job.\n",
-                     s->what.c_str(), s->timeout_s);
+                     "keel hang report: %s: %s for %s has not returned after %g s. This call waits inside itself "
+                     "for the other ranks of the group: one of them never reached it (stuck elsewhere, crashed, or "
+                     "started with another layout), or the network cannot connect them. Ending this process so "
+                     "that the launcher ends the job.\n",
+                     s->who.load()->c_str(), s->call.load(), s->op.load()->c_str(), s->timeout_s.load());
         std::fflush(stderr);
         std::_Exit(1);
       }
@@ -673,26 +677,22 @@ BlockingWatchState& blocking_watch_state() {
 
 }  // namespace
 
-BlockingCallWatch::BlockingCallWatch(const std::string& what, double timeout_s) {
+BlockingCallWatch::BlockingCallWatch(const char* call, const std::string& op, const std::string& who,
+                                     double timeout_s) {
   BlockingWatchState& s = blocking_watch_state();
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.armed = true;
-    ++s.generation;
-    s.what = what;
-    s.timeout_s = timeout_s;
-    s.since = std::chrono::steady_clock::now();
-  }
-  s.armed_cv.notify_one();
+  s.call.store(call, std::memory_order_relaxed);
+  s.op.store(&op, std::memory_order_relaxed);
+  s.who.store(&who, std::memory_order_relaxed);
+  s.timeout_s.store(timeout_s, std::memory_order_relaxed);
+  s.since_ns.store(steady_now_ns(), std::memory_order_relaxed);
+  s.generation.fetch_add(1);
+  s.armed.store(true);
 }
 
 BlockingCallWatch::~BlockingCallWatch() {
   BlockingWatchState& s = blocking_watch_state();
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.armed = false;
-  }
-  s.armed_cv.notify_one();
+  s.armed.store(false);
+  while (s.firing.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));  // the helper is ending us
 }
 
 }  // namespace keel::parallel

@@ -165,14 +165,16 @@ void sort_findings(std::vector<HangFinding>& findings);
 // The watchdog works by polling while a rank waits. Some host calls wait inside themselves and
 // cannot be polled: NCCL's communicator setup (ncclCommInitRank waits for every rank of the
 // group) and the connection NCCL sets up inside the first operation between two ranks (lazy
-// connect). While a BlockingCallWatch lives, a helper thread of the process watches the call:
-// if it has not returned after timeout_s, the thread prints one "keel hang report:" line with
-// `what` (which rank, which call, which group) and what usually causes it, then ends the process
-// with exit code 1, so that mpirun or srun end the job instead of leaving it hanging. Arming costs
-// a lock and a string copy; one watch at a time (the thread that talks to the communicators).
+// connect). While a BlockingCallWatch lives, a helper thread of the process (it looks every
+// 50 ms) watches the call: if it has not returned after timeout_s, the thread prints one
+// "keel hang report: <who>: <call> for <op> ..." line and what usually causes it, then ends the
+// process with exit code 1, so that mpirun or srun end the job instead of leaving it hanging.
+// Arming and disarming are a few atomic stores (it guards every NCCL operation): `who` and `op`
+// are referenced, not copied, and must not change while the watch lives; the text is made only
+// when the watch fires. One watch at a time (the thread that talks to the communicators).
 class BlockingCallWatch {
  public:
-  BlockingCallWatch(const std::string& what, double timeout_s);
+  BlockingCallWatch(const char* call, const std::string& op, const std::string& who, double timeout_s);
   ~BlockingCallWatch();
   BlockingCallWatch(const BlockingCallWatch&) = delete;
   BlockingCallWatch& operator=(const BlockingCallWatch&) = delete;

@@ -100,11 +100,8 @@ struct NcclComm::Impl {
   }
   // Guards a host call into NCCL that may wait for peers inside itself (communicator setup, and
   // the connection setup of a first operation between two ranks): see BlockingCallWatch.
-  BlockingCallWatch watch(const char* call) const {
-    return BlockingCallWatch("world rank " + std::to_string(world_rank) + ": " + call + " for " + last_op +
-                                 " on NCCL group " + where(),
-                             timeout);
-  }
+  BlockingCallWatch watch(const char* call) const { return BlockingCallWatch(call, last_op, watch_label, timeout); }
+  std::string watch_label;  // "world rank R, NCCL group ...": who a blocked call's report names
   // After enqueueing: the event that marks the operation finished.
   void enqueued() {
     if (pending_event) check(cudaEventRecord(pending_event.get(), stream), "cudaEventRecord");
@@ -169,6 +166,7 @@ NcclComm::NcclComm(Comm& bootstrap, CUstream_st* stream) : impl_(std::make_uniqu
   m.stream = stream;
   m.timeout = default_comm_timeout();
   m.books = dynamic_cast<MpiComm*>(&bootstrap);
+  m.watch_label = "world rank " + std::to_string(m.world_rank) + ", NCCL group " + m.where();
 
   // The id travels over the host communicator: 128 bytes seen as 32 int32.
   static_assert(sizeof(ncclUniqueId) % 4 == 0, "ncclUniqueId is moved as int32 words");
