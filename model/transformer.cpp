@@ -310,7 +310,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
       tp_->reduce_scatter(in, proj_out_);
     else
       tp_sum(in);
-    probe(false, -1, "embedding", stage_input(slot_index));
+    probe(false, -1, "embedding", in);
   }
 
   for (size_t l = 0; l < s.layers.size(); ++l) {

@@ -81,18 +81,17 @@ data::Sampler open_train_data(const RunConfig& cfg) {
       throw data::DataError(what + ": the files hold " + std::to_string(d.num_tokens()) +
                             " tokens, not enough for one sample of seq_len + 1 = " + std::to_string(T + 1));
   };
-  if (cfg.data.train_weights.empty()) {
-    data::TokenDataset d = data::TokenDataset::open(data::expand_paths(cfg.data.train, "data.train"), T, vocab);
-    too_short(d, "data.train");
-    return data::Sampler(std::move(d), cfg.train.seed, cfg.data.shuffle);
-  }
+  const bool blend = !cfg.data.train_weights.empty();
   std::vector<data::TokenDataset> sources;
-  for (size_t k = 0; k < cfg.data.train.size(); ++k) {
-    const std::string what = "data.train[" + std::to_string(k) + "] (" + cfg.data.train[k] + ")";
-    sources.push_back(data::TokenDataset::open(data::expand_paths({cfg.data.train[k]}, what), T, vocab));
+  for (size_t k = 0; k < (blend ? cfg.data.train.size() : 1); ++k) {
+    const std::string what = blend ? "data.train[" + std::to_string(k) + "] (" + cfg.data.train[k] + ")" : "data.train";
+    const auto patterns = blend ? std::vector<std::string>{cfg.data.train[k]} : cfg.data.train;
+    sources.push_back(data::TokenDataset::open(data::expand_paths(patterns, what), T, vocab));
     too_short(sources.back(), what);
   }
-  return data::Sampler(std::move(sources), cfg.data.train_weights, cfg.train.seed, cfg.data.shuffle);
+  // One source with weight 1 reads what the plain sampler reads (data/sampler.h).
+  return data::Sampler(std::move(sources), blend ? cfg.data.train_weights : std::vector<double>{1.0}, cfg.train.seed,
+                       cfg.data.shuffle);
 }
 
 // Micro-batches of DP rank `dp_rank` for the global batch that starts at consumed sample
@@ -138,7 +137,7 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
               cfg.optimizer.grad_clip);
   std::printf("%s", param_group_table(t, cfg.optimizer.weight_decay).c_str());
   if (train.num_sources() == 1) {
-    std::printf("keel: data: %lld training windows of %d+1 tokens from %zu file(s), %s tokens",
+    std::printf("keel: data: %lld training windows of %d+1 tokens from %zu file(s), %s tokens\n",
                 static_cast<long long>(train.num_windows()), train.seq_len(), train.dataset().num_files(),
                 human_count(static_cast<double>(train.dataset().num_tokens())).c_str());
   } else {
@@ -154,10 +153,7 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
                   static_cast<long long>(cfg.train.steps));
     }
   }
-  if (val)
-    std::printf("%s validation %lld windows", train.num_sources() == 1 ? ";" : "keel: data:",
-                static_cast<long long>(val->num_windows()));
-  if (val || train.num_sources() == 1) std::printf("\n");
+  if (val) std::printf("keel: data: validation %lld windows\n", static_cast<long long>(val->num_windows()));
   std::printf("keel: batch: global %lld samples = micro-batch %lld x %lld accumulation steps x dp %lld; seq_len %lld\n",
               static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
               static_cast<long long>(cfg.grad_accum_steps(cfg.train.global_batch)),
