@@ -7,7 +7,8 @@
 namespace keel {
 
 Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len,
-                         int slots, parallel::Comm* tp, int recompute_layers, bool sequence_parallel)
+                         int slots, parallel::Comm* tp, int recompute_layers, bool sequence_parallel,
+                         int64_t logits_chunk_rows)
     : table_(table), cfg_(table_.config()), be_(backend), act_(act_dtype), B_(micro_batch), T_(seq_len), tp_(tp) {
   if (seq_len > cfg_.max_seq_len)
     throw std::invalid_argument("sequence length " + std::to_string(seq_len) + " exceeds the model's max_seq_len " +
@@ -39,6 +40,8 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   const int stage_layers = sh.end_layer - sh.first_layer;
   if (recompute_layers < 0) throw std::invalid_argument("Transformer: recompute_layers must be >= 0");
   recompute_layers_ = std::min(recompute_layers, stage_layers);
+  if (logits_chunk_rows < 0) throw std::invalid_argument("Transformer: logits_chunk_rows must be >= 0 (0: automatic)");
+  head_rows_ = std::min(N_, logits_chunk_rows > 0 ? logits_chunk_rows : auto_logits_chunk_rows(N_, vocab_local_, static_cast<int64_t>(dtype_size(act_))));
 
   slots_.resize(static_cast<size_t>(std::max(1, slots)));
   for (Slot& s : slots_) {
@@ -54,7 +57,10 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
       s.normf = alloc(act_, {rows_, d});
       if (ln) s.meanf = alloc(DType::F32, {rows_});
       s.rstdf = alloc(DType::F32, {rows_});
-      s.logits = alloc(act_, {N_, vocab_local_});
+      if (head_chunked())
+        s.dnormf = alloc(act_, {N_, d});
+      else
+        s.logits = alloc(act_, {N_, vocab_local_});
       s.row_max = alloc(DType::F32, {N_});
       if (tensor_parallel_) s.local_max = alloc(DType::F32, {N_});
       s.sumexp = alloc(DType::F32, {N_});
@@ -64,6 +70,7 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
     }
   }
   if (recompute_layers_ > 0) alloc_layer_acts(scratch_, ln, qkv_cols, fc_cols);
+  if (sh.has_head && head_chunked()) head_logits_ = alloc(act_, {head_rows_, vocab_local_});
   dres_ = alloc(act_, {rows_, d});
   dnorm_ = alloc(act_, {N_, d});
   if (sh.end_layer > sh.first_layer) {
@@ -95,6 +102,21 @@ void Transformer::alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_col
   a.rstd2 = alloc(DType::F32, {rows_});
   a.fc = alloc(act_, {N_, fc_cols});
   a.act = alloc(act_, {N_, ffn_});
+}
+
+int64_t Transformer::auto_logits_chunk_rows(int64_t rows, int64_t vocab_local, int64_t elem_bytes) {
+  const int64_t row_bytes = std::max<int64_t>(1, vocab_local * elem_bytes);
+  if (rows * row_bytes <= kLogitsChunkBytes) return rows;
+  const int64_t fit = kLogitsChunkBytes / row_bytes;
+  return fit >= 128 ? fit / 128 * 128 : std::max<int64_t>(1, fit);
+}
+
+Tensor Transformer::logits(int slot) const {
+  if (head_chunked())
+    throw std::logic_error("Transformer::logits: the head computes its logits in chunks of " +
+                           std::to_string(head_rows_) + " rows; the whole [" + std::to_string(N_) + ", " +
+                           std::to_string(vocab_local_) + "] never exists");
+  return slots_.at(static_cast<size_t>(slot)).logits;
 }
 
 Transformer::LayerActs Transformer::acts(const Slot& s, size_t local_layer) const {
@@ -232,21 +254,40 @@ void Transformer::norm_backward(const Tensor& din, const Tensor& dout, const Ten
     be_.rmsnorm_backward(din, dw, dout, in, w, rstd, true);
 }
 
+namespace {
+// Elements [begin, end) of a vector.
+Tensor span(const Tensor& v, int64_t begin, int64_t end) {
+  return v.view({v.numel(), 1}).row_slice(begin, end).view({end - begin});
+}
+}  // namespace
+
 // Vocab-parallel cross-entropy: each TP rank holds the logits of its vocab slice. The row max
 // and the softmax denominator are combined over TP (max, then the local sums rescaled to the
 // global max and added), and the target's logit comes from the rank that owns it.
-void Transformer::loss_forward(Slot& s) {
+void Transformer::loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_t r1) {
+  const Tensor row_max = span(s.row_max, r0, r1), sumexp = span(s.sumexp, r0, r1),
+               target_logit = span(s.target_logit, r0, r1), targets = span(s.targets, r0, r1);
   if (!tensor_parallel_) {
-    be_.xent_stats(s.row_max, s.sumexp, s.target_logit, s.logits, s.targets, 0);
+    be_.xent_stats(row_max, sumexp, target_logit, logits, targets, 0);
   } else {
-    be_.xent_stats(s.local_max, s.sumexp, s.target_logit, s.logits, s.targets, vocab_start_);
-    be_.convert(s.row_max, s.local_max);
-    tp_->all_reduce(s.row_max, parallel::ReduceOp::Max);
-    be_.xent_rescale(s.sumexp, s.local_max, s.row_max);
-    tp_->all_reduce(s.sumexp);
-    tp_->all_reduce(s.target_logit);
+    const Tensor local_max = span(s.local_max, r0, r1);
+    be_.xent_stats(local_max, sumexp, target_logit, logits, targets, vocab_start_);
+    be_.convert(row_max, local_max);
+    tp_->all_reduce(row_max, parallel::ReduceOp::Max);
+    be_.xent_rescale(sumexp, local_max, row_max);
+    tp_->all_reduce(sumexp);
+    tp_->all_reduce(target_logit);
   }
-  be_.xent_loss(s.row_loss, s.lse_rows, s.row_max, s.sumexp, s.target_logit, s.targets);
+  be_.xent_loss(span(s.row_loss, r0, r1), span(s.lse_rows, r0, r1), row_max, sumexp, target_logit, targets);
+}
+
+void Transformer::head_backward(Slot& s, const Tensor& logits, const Tensor& x, int64_t r0, int64_t r1, float dloss,
+                                const Tensor& dnorm) {
+  be_.xent_backward(logits, span(s.lse_rows, r0, r1), span(s.targets, r0, r1), dloss, vocab_start_);
+  const Tensor& dlogits = logits;
+  probe(true, -1, "d logits (loss gradient x loss scale)", dlogits);
+  be_.matmul(dnorm, dlogits, w_.head, false, false);
+  be_.matmul(g_.head, dlogits, x.row_slice(r0, r1), true, false, true);
 }
 
 void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int layer, const Tensor* out) {
@@ -290,7 +331,8 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int la
   probe(false, layer, "layer output (residual add)", *out);
 }
 
-Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens, const int32_t* targets) {
+Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens, const int32_t* targets,
+                                          std::optional<float> dloss) {
   if (weights_.empty()) throw std::logic_error("Transformer::forward before bind()");
   Slot& s = slots_.at(static_cast<size_t>(slot_index));
   const ModelShard& sh = table_.shard();
@@ -324,9 +366,24 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   be_.copy_from_host(s.targets, targets);
   norm_forward(s.normf, s.meanf, s.rstdf, s.res_final, w_.final_norm_w, w_.final_norm_b);
   probe(false, -1, "final_norm", s.normf);
-  be_.matmul(s.logits, gather_rows(s.normf), w_.head, false, true);
-  probe(false, -1, "logits (head)", s.logits);
-  loss_forward(s);
+  const Tensor& x = gather_rows(s.normf);
+  s.head_dloss.reset();
+  if (!head_chunked()) {
+    be_.matmul(s.logits, x, w_.head, false, true);
+    probe(false, -1, "logits (head)", s.logits);
+    loss_forward(s, s.logits, 0, N_);
+  } else {
+    // The loss and, for training, the head's backward a chunk of rows at a time (see the top).
+    for (int64_t r0 = 0; r0 < N_; r0 += head_rows_) {
+      const int64_t r1 = std::min(N_, r0 + head_rows_);
+      const Tensor logits = head_logits_.row_slice(0, r1 - r0);
+      be_.matmul(logits, x.row_slice(r0, r1), w_.head, false, true);
+      probe(false, -1, "logits (head)", logits);
+      loss_forward(s, logits, r0, r1);
+      if (dloss) head_backward(s, logits, x, r0, r1, *dloss, s.dnormf.row_slice(r0, r1));
+    }
+    s.head_dloss = dloss;
+  }
   probe(false, -1, "cross-entropy loss", s.row_loss);
   for (int64_t i = 0; i < N_; ++i) r.n_valid += targets[i] >= 0;
   r.loss_sum = be_.sum(s.row_loss);
@@ -339,14 +396,19 @@ void Transformer::backward(int slot_index, float dloss) {
   const bool gpt2 = cfg_.is_gpt2();
 
   if (sh.has_head) {
-    // loss -> logits (in place) -> head and final norm
-    be_.xent_backward(s.logits, s.lse_rows, s.targets, dloss, vocab_start_);
-    const Tensor& dlogits = s.logits;
-    probe(true, -1, "d logits (loss gradient x loss scale)", dlogits);
-    be_.matmul(dnorm_, dlogits, w_.head, false, false);
-    const Tensor& dnormf = reduce_rows(dnorm_);  // each rank saw only its vocab slice
+    // loss -> logits (in place) -> head and final norm; a chunked head did its part in forward
+    Tensor dnorm_partial = dnorm_;
+    if (!head_chunked()) {
+      head_backward(s, s.logits, gather_rows(s.normf), 0, N_, dloss, dnorm_);
+    } else {
+      if (!s.head_dloss || *s.head_dloss != dloss)
+        throw std::logic_error("Transformer::backward: the chunked head runs its backward in forward, which must be "
+                               "given the same dloss (" + std::to_string(dloss) + ")");
+      s.head_dloss.reset();
+      dnorm_partial = s.dnormf;
+    }
+    const Tensor& dnormf = reduce_rows(dnorm_partial);  // each rank saw only its vocab slice
     probe(true, -1, "d final_norm output (head backward)", dnormf);
-    be_.matmul(g_.head, dlogits, gather_rows(s.normf), true, false, true);
     be_.fill(dres_, 0.0f);
     norm_backward(dres_, dnormf, s.res_final, s.meanf, s.rstdf, w_.final_norm_w, g_.final_norm_w, g_.final_norm_b);
     probe(true, -1, "d final_norm input", dres_);

@@ -32,10 +32,19 @@
 // recomputed tensors are the same bits and the gradients equal those of a run without
 // recomputation bit for bit; the cost is about one more forward pass of those layers (and,
 // under TP, one more all-reduce per layer).
+//
+// Chunked head (for large vocabularies): the [N, V/tp] logits of a micro-batch can dwarf a
+// layer's activations (Llama 3's 128K vocab at 16K tokens: 4 GiB in bf16). When they exceed
+// the chunk (logits_chunk_rows), forward computes them a chunk of rows at a time into one
+// shared buffer, and, given the loss gradient, runs the head's backward on each chunk right
+// away (loss -> logits -> head weight gradient and final-norm output gradient), so the full
+// logits never exist and nothing is computed twice. Row results are those of the unchunked
+// head bit for bit; only the head weight gradient's fp32 sum is split into per-chunk terms.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -55,8 +64,11 @@ class Transformer {
   // many of the stage's layers, from its first, recompute their activations in backward
   // (0: none; more than the stage has: all).
   // sequence_parallel: split the replicated rows over TP (needs tp and N divisible by its size).
+  // logits_chunk_rows: token rows of logits computed at once (0: auto_logits_chunk_rows; N or
+  // more: never chunk).
   Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len, int slots = 1,
-              parallel::Comm* tp = nullptr, int recompute_layers = 0, bool sequence_parallel = false);
+              parallel::Comm* tp = nullptr, int recompute_layers = 0, bool sequence_parallel = false,
+              int64_t logits_chunk_rows = 0);
   ~Transformer();
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -71,13 +83,17 @@ class Transformer {
   };
   // tokens: host array of micro_batch * seq_len, needed by the stage holding the embedding;
   // targets: likewise, needed by the stage holding the head (the only one that returns a loss).
-  LossSum forward(int slot, const int32_t* tokens, const int32_t* targets);
+  // dloss: the value backward(slot, dloss) will get, when a backward follows (training). A
+  // chunked head needs it to run its backward chunk by chunk here; an unchunked one ignores it.
+  LossSum forward(int slot, const int32_t* tokens, const int32_t* targets, std::optional<float> dloss = std::nullopt);
   // Accumulates into the grads. On the stage with the head, from the loss: dloss folds the
   // averaging (1 / valid tokens in the global batch) and the fp16 loss scale. On other
   // stages, from grad_output(), which the caller fills first.
   void backward(int slot, float dloss);
 
-  LossSum forward(const int32_t* tokens, const int32_t* targets) { return forward(0, tokens, targets); }
+  LossSum forward(const int32_t* tokens, const int32_t* targets, std::optional<float> dloss = std::nullopt) {
+    return forward(0, tokens, targets, dloss);
+  }
   void backward(float dloss) { backward(0, dloss); }
 
   Tensor stage_input(int slot) const;   // [rows, d]: where a received activation goes
@@ -98,7 +114,15 @@ class Transformer {
   using ProbeFn = std::function<void(const OpProbe&)>;
   void set_probe(ProbeFn fn) { probe_ = std::move(fn); }
 
-  Tensor logits(int slot = 0) const { return slots_[slot].logits; }  // [B*T, V_local], before backward
+  // [B*T, V_local] after forward, before backward; only when the head is not chunked.
+  Tensor logits(int slot = 0) const;
+  int64_t logits_chunk_rows() const { return head_rows_; }  // N_ when not chunked
+  bool head_chunked() const { return head_rows_ < N_; }
+  // The automatic chunk: every row when the [rows, vocab_local] logits take at most
+  // kLogitsChunkBytes, else the most rows within that, a multiple of 128 (matmul tiles) when
+  // at least 128 fit.
+  static constexpr int64_t kLogitsChunkBytes = int64_t{1} << 30;
+  static int64_t auto_logits_chunk_rows(int64_t rows, int64_t vocab_local, int64_t elem_bytes);
   Tensor weight(const std::string& name) const;
   Tensor grad(const std::string& name) const;
   const ParamTable& table() const { return table_; }
@@ -144,8 +168,11 @@ class Transformer {
     Tensor tokens, targets;
     std::vector<LayerActs> layers;
     Tensor res_final;           // residual after the last layer: the stage's output
-    Tensor normf, meanf, rstdf, logits;
+    Tensor normf, meanf, rstdf;
+    Tensor logits;  // [N, V_local]; a chunked head shares head_logits_ instead
+    Tensor dnormf;  // chunked head: d(loss)/d(final-norm output), partial over TP [N, d]
     Tensor local_max, row_max, sumexp, target_logit, lse_rows, row_loss;
+    std::optional<float> head_dloss;  // chunked head: set when forward ran the head's backward
   };
 
   Tensor alloc(DType t, std::initializer_list<int64_t> dims);
@@ -163,7 +190,12 @@ class Transformer {
   const Tensor& gather_rows(const Tensor& local);
   const Tensor& reduce_rows(const Tensor& partial);
   bool tp_lead() const { return table_.shard().tp_rank == 0; }
-  void loss_forward(Slot& s);
+  // Rows [r0, r1) of the loss from their logits (vocab-parallel), and its backward: dlogits in
+  // place, the final-norm output gradient into dnorm (rows r0.. of x's), the head's weight
+  // gradient accumulated. x: the final-norm output of all N rows (gathered under SP).
+  void loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_t r1);
+  void head_backward(Slot& s, const Tensor& logits, const Tensor& x, int64_t r0, int64_t r1, float dloss,
+                     const Tensor& dnorm);
   bool recomputed(size_t local_layer) const { return static_cast<int64_t>(local_layer) < recompute_layers_; }
   // The activations of a slot's local layer: its own, or scratch_ around its kept input.
   LayerActs acts(const Slot& s, size_t local_layer) const;
@@ -186,6 +218,7 @@ class Transformer {
   int64_t N_;
   int64_t rows_;  // rows of the residual stream held here: N_, or N_ / tp under SP
   int recompute_layers_;
+  int64_t head_rows_;  // logits rows computed at once (N_: not chunked)
   bool sp_ = false;
   parallel::Comm* tp_;
   bool tensor_parallel_;
@@ -197,6 +230,7 @@ class Transformer {
   std::vector<void*> allocations_;
   std::vector<Slot> slots_;
   LayerActs scratch_;  // intermediates of the recomputed layers (res_in left empty)
+  Tensor head_logits_;  // chunked head: [head_rows_, V_local], shared by every slot
   // backward scratch, shared by every slot and layer
   Tensor dres_, dnorm_, dqkv_, dattn_, dfc_, dact_, proj_out_;
   Tensor gathered_, row_sums_;  // sequence parallelism: [N, d] and [rows, d]

@@ -45,6 +45,7 @@ int cmd_plan(const PlanArgs& a) {
                                            : plan::Recompute::Auto;
   opt.embedding_own_slot = a.embedding_slot;
   opt.sequence_parallel = a.sequence_parallel || cfg.parallel.sequence_parallel;
+  opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
   opt.tp = a.tp, opt.pp = a.pp, opt.dp = a.dp, opt.mbs = a.mbs;
   opt.max_mbs = a.max_mbs;
   opt.gpus = a.gpus;

@@ -303,6 +303,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     t.eval_batches = f.integer("eval_batches", 8, 0);
     t.recompute = f.choice("recompute", "none", {"none", "full"});
     t.recompute_layers = f.integer("recompute_layers", 0, 0, 1 << 20);
+    t.logits_chunk_rows = f.integer("logits_chunk_rows", 0, 0);
     f.finish();
     if (t.recompute_layers > 0 && t.recompute != "full")
       errors.push_back("train.recompute_layers: " + std::to_string(t.recompute_layers) +
@@ -591,7 +592,8 @@ json to_json(const RunConfig& c) {
   const TrainConfig& t = c.train;
   j["train"] = {{"steps", t.steps},         {"global_batch", t.global_batch}, {"micro_batch", t.micro_batch},
                 {"seq_len", t.seq_len},     {"seed", t.seed},                 {"eval_interval", t.eval_interval},
-                {"eval_batches", t.eval_batches}, {"recompute", t.recompute}, {"recompute_layers", t.recompute_layers}};
+                {"eval_batches", t.eval_batches}, {"recompute", t.recompute}, {"recompute_layers", t.recompute_layers},
+                {"logits_chunk_rows", t.logits_chunk_rows}};
   j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
   if (!c.data.train_weights.empty()) j["data"]["train_weights"] = c.data.train_weights;
   j["log"] = {{"interval", c.log.interval}};

@@ -86,6 +86,10 @@ struct TrainConfig {
   // layers of each pipeline stage, from its first (Megatron's block method); 0: all of them.
   std::string recompute = "none";
   int64_t recompute_layers = 0;
+  // Token rows of the head's logits computed at once (model/transformer.h, chunked head):
+  // 0 (auto): all of them while the [tokens, vocab/tp] logits fit in 1 GiB, else chunks
+  // within 1 GiB; micro_batch * seq_len or more: never chunk.
+  int64_t logits_chunk_rows = 0;
   // Layers of a stage to recompute, for the Transformer: 0 for none, INT32_MAX for all.
   int recomputed_layers_per_stage() const {
     if (recompute != "full") return 0;

@@ -1,5 +1,6 @@
 #include "train/plan.h"
 
+#include "model/transformer.h"
 #include "train/format.h"
 
 #include <algorithm>
@@ -126,6 +127,7 @@ std::string Layout::str() const {
 
 MemoryModel keel_memory_model(PrecisionMode mode) {
   MemoryModel m;
+  m.chunked_logits = true;
   StateBytes& s = m.state;
   switch (mode) {
     case PrecisionMode::FP32:
@@ -243,8 +245,16 @@ std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot) {
 // over heads or the MLP width are split by TP (Megatron column/row parallel); the residual
 // stream and the norms' outputs are whole on every TP rank, or split by rows under sequence
 // parallelism.
+int64_t logits_chunk(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
+                     int64_t logits_chunk_rows) {
+  const int64_t N = mbs * seq;
+  if (!mem.chunked_logits) return N;
+  return logits_chunk_rows > 0 ? std::min(N, logits_chunk_rows)
+                               : Transformer::auto_logits_chunk_rows(N, m.embed_rows() / tp, mem.act_bytes);
+}
+
 Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
-                             bool sequence_parallel) {
+                             bool sequence_parallel, int64_t logits_chunk_rows) {
   const double N = static_cast<double>(mbs) * seq;  // token rows
   const double a = mem.act_bytes, t = static_cast<double>(tp);
   const double rows = sequence_parallel && tp > 1 ? N / t : N;  // rows of the residual stream held
@@ -260,7 +270,16 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   r.per_layer_input = rows * a * d;
   r.attn_scores = mem.attn_score_bytes * mbs * (nh / t) * double(seq) * double(seq);
   // normf [rows, d], meanf/rstdf [rows], logits [N, V/tp] (+ fp32 copy), row_max/sumexp/target_logit/lse/row_loss [N]
-  r.head = rows * (a * d + 4 * stats) + N * ((a + mem.logit_extra_bytes) * V / t + 5 * 4);
+  // (+ local_max under TP). A chunked head keeps the final-norm output gradient [N, d] instead
+  // of the logits, and one shared chunk of logits.
+  r.head = rows * (a * d + 4 * stats) + N * (5 + (tp > 1 ? 1 : 0)) * 4;
+  const int64_t chunk = logits_chunk(m, mem, tp, mbs, seq, logits_chunk_rows);
+  if (chunk < mbs * seq) {
+    r.head += N * a * d;
+    r.head_shared = static_cast<double>(chunk) * a * static_cast<double>(m.embed_rows() / tp);
+  } else {
+    r.head += N * (a + mem.logit_extra_bytes) * V / t;
+  }
   r.stage_output = rows * a * d;
   r.token_ids = N * 4;
   // dres [rows, d], dnorm and proj_out [N, d]; dqkv, dattn, dfc, dact split; with SP also the
@@ -420,7 +439,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   p.embedding_own_slot = own_slot;
   p.micro_batches = cfg.train.global_batch / (l.mbs * l.dp);
   const int64_t mb = std::max<int64_t>(p.micro_batches, 1);
-  const Activations act = activation_bytes(m, mem, l.tp, l.mbs, seq, opt.sequence_parallel);
+  const Activations act = activation_bytes(m, mem, l.tp, l.mbs, seq, opt.sequence_parallel, opt.logits_chunk_rows);
   const double shard = mem.state.zero1 ? static_cast<double>(l.dp) : 1.0;
 
   // ---- memory of every stage ----
@@ -458,7 +477,8 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     // per micro-batch in flight (a pipeline slot). The Megatron-DeepSpeed model (compared with
     // seed 001) counts them once, its pipe buffers being the keeps_stage_output term below.
     const double per_slot = mem.keeps_stage_output ? 0 : act.stage_output + ids + head;
-    const double once = act.backward_scratch + (mem.keeps_stage_output ? act.stage_output + ids + head : 0);
+    const double once = act.backward_scratch + (sp.has_head ? act.head_shared : 0) +
+                        (mem.keeps_stage_output ? act.stage_output + ids + head : 0);
     st.act_full = n * (L * kept_layer + per_slot) + once;
     st.act_stored_recompute = n * (Lr * act.per_layer_input + (L - Lr) * kept_layer + per_slot);
     if (mem.keeps_stage_output && l.pp > 1) {
@@ -773,7 +793,8 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
   o << t.str();
   o << "  state: " << state_formula(mem, l.dp) << "\n";
   const Activations a =
-      activation_bytes(model_for_tp(cfg.model, l.tp), mem, l.tp, l.mbs, cfg.train.seq_len, opt.sequence_parallel);
+      activation_bytes(model_for_tp(cfg.model, l.tp), mem, l.tp, l.mbs, cfg.train.seq_len, opt.sequence_parallel,
+                       opt.logits_chunk_rows);
   o << "  activations per micro-batch (" << l.mbs << " x " << cfg.train.seq_len << " tokens): "
     << format_bytes(a.per_layer_full + a.attn_scores) << " per layer kept for backward, "
     << format_bytes(a.per_layer_input) << " per layer with full recomputation (its input)";
@@ -1020,6 +1041,7 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   opt.recompute = cfg.train.recompute == "full" ? Recompute::Always : Recompute::Never;
   opt.recompute_layers = cfg.train.recompute_layers;
   opt.sequence_parallel = cfg.parallel.sequence_parallel;
+  opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
   if (gpu_mem_bytes > 0) opt.hw.gpu_mem_bytes = gpu_mem_bytes;
   else opt.memory.cuda_context_bytes = 0;  // a CPU run has no CUDA context
   const Layout l{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};
@@ -1030,6 +1052,14 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   text += "  this run: " + recompute_name(p.recompute, opt.recompute_layers) + " (train.recompute), activations " +
           format_bytes(p.recompute ? p.stages[p.peak_stage].act_recompute : p.stages[p.peak_stage].act_full) +
           " on the largest stage\n";
+  const ModelConfig tp_model = model_for_tp(cfg.model, l.tp);
+  const int64_t rows = l.mbs * cfg.train.seq_len;
+  const int64_t chunk = logits_chunk(tp_model, opt.memory, l.tp, l.mbs, cfg.train.seq_len, opt.logits_chunk_rows);
+  if (chunk < rows) {
+    const double chunk_bytes = double(chunk) * opt.memory.act_bytes * double(tp_model.embed_rows() / l.tp);
+    text += "  this run: the head's logits in chunks of " + std::to_string(chunk) + " of the " + std::to_string(rows) +
+            " token rows (train.logits_chunk_rows), " + format_bytes(chunk_bytes) + " each\n";
+  }
   // A run that will not fit: what each memory setting it does not use yet would give.
   auto hint = [&](const std::string& setting, const PlanOptions& o) {
     const LayoutPlan q = plan_layout(cfg, l, o);

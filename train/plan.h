@@ -64,6 +64,8 @@ struct MemoryModel {
                                   // keeps for one layer (keel's fused attention keeps only lse: 0)
   double logit_extra_bytes = 0;   // bytes per [tokens, vocab/tp] logit element beyond act_bytes
                                   // (an fp32 copy for the loss: 4)
+  bool chunked_logits = false;    // logits beyond a chunk are computed a chunk of rows at a time
+                                  // (keel's chunked head, model/transformer.h)
   bool keeps_stage_output = false;  // the pipeline keeps each in-flight micro-batch's stage output
                                     // until its backward (DeepSpeed's pipe_buffers['outputs'])
   double cuda_context_bytes = 1.5 * kGiB;  // context, cuBLAS workspace, kernels (seed: 1271-1573 MiB)
@@ -107,6 +109,7 @@ struct PlanOptions {
   Recompute recompute = Recompute::Auto;
   int64_t recompute_layers = 0;     // when recomputing: layers per stage, from its first (0: all)
   bool sequence_parallel = false;   // the residual stream and norms split by rows over TP
+  int64_t logits_chunk_rows = 0;    // train.logits_chunk_rows (0: automatic), with chunked_logits
   bool embedding_own_slot = false;  // embedding and head each take a pipeline slot like a block
   std::optional<int64_t> tp, pp, dp, mbs;  // pinned sizes
   int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this
@@ -161,15 +164,21 @@ struct Activations {
   double per_layer_full = 0;      // every tensor a layer keeps for backward (LayerActs)
   double per_layer_input = 0;     // what full recomputation keeps: the layer's input
   double attn_scores = 0;         // of one layer, for non-fused attention
-  double head = 0;                // final norm, logits, loss rows (last stage)
+  double head = 0;                // final norm, logits, loss rows (last stage), per micro-batch
+  double head_shared = 0;         // a chunked head's logits chunk, one for all micro-batches
   double stage_output = 0;        // the stage's output buffer (the last stage: final-norm input)
   double token_ids = 0;           // one int32 array: token ids (first stage), targets (last stage)
   double backward_scratch = 0;    // gradient buffers reused by every layer
 };
 // sequence_parallel (with tp > 1): the [tokens, d] tensors TP would replicate are split over tp,
 // at the price of two [tokens, d] scratch buffers (gathered rows, and the scattered sums).
+// logits_chunk_rows: as train.logits_chunk_rows, when mem.chunked_logits.
 Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
-                             bool sequence_parallel = false);
+                             bool sequence_parallel = false, int64_t logits_chunk_rows = 0);
+
+// Token rows of logits the head computes at once (mbs * seq: not chunked). m: as model_for_tp.
+int64_t logits_chunk(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
+                     int64_t logits_chunk_rows);
 
 struct StageMemory {
   int stage = 0;

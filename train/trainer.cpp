@@ -41,7 +41,8 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
   model_ = std::make_unique<Transformer>(table_, be_, activation_dtype(cfg.precision.mode),
                                          static_cast<int>(cfg.train.micro_batch), static_cast<int>(cfg.train.seq_len),
                                          slots, grid_.tp_size() > 1 ? comms_->tp.get() : nullptr,
-                                         cfg.train.recomputed_layers_per_stage(), cfg.parallel.sequence_parallel);
+                                         cfg.train.recomputed_layers_per_stage(), cfg.parallel.sequence_parallel,
+                                         cfg.train.logits_chunk_rows);
   model_->bind(state_->working, state_->grads);
   {
     const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
@@ -100,8 +101,11 @@ double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bo
   double loss_sum = 0;
   int next_fwd = 0, next_bwd = 0;
 
+  // Training passes dloss to forward too: a chunked head runs its backward there.
+  const std::optional<float> head_dloss = backward ? std::optional<float>(dloss) : std::nullopt;
   auto forward = [&](int mb) {
-    auto r = model_->forward(mb % slots, first ? mbs[mb].inputs.data() : nullptr, last ? mbs[mb].targets.data() : nullptr);
+    auto r = model_->forward(mb % slots, first ? mbs[mb].inputs.data() : nullptr, last ? mbs[mb].targets.data() : nullptr,
+                             head_dloss);
     loss_sum += r.loss_sum;
   };
   auto recv_forward = [&](int mb) {

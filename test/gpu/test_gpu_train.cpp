@@ -68,6 +68,9 @@ std::vector<Case> training_cases() {
       cases.push_back({std::string("tiny ") + family + " " + mode, tiny_run_json(family), mode});
   cases.push_back({"wide-head llama bf16 (fused attention)", wide_head_llama(), "bf16"});
   cases.push_back({"wide-head llama fp16", wide_head_llama(), "fp16"});
+  nlohmann::json chunked = tiny_run_json("llama");
+  chunked["train"]["logits_chunk_rows"] = 5;  // the chunked head: the loss kernels on row slices
+  cases.push_back({"tiny llama fp32, logits in chunks of 5 rows", chunked, "fp32"});
   return cases;
 }
 

@@ -298,7 +298,7 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
   // Heap growth while constructing a Transformer on the CPU backend against the planner's list:
   // one stage and the first of two pipeline stages (two slots in flight); without
   // recomputation, recomputing one of the stage's layers, and all of them; tp=1, and tp=2 with
-  // and without sequence parallelism. glibc's mallinfo2 also counts the ParamTable copy the
+  // and without sequence parallelism; on the stage with the head, its logits whole and chunked. glibc's mallinfo2 also counts the ParamTable copy the
   // Transformer makes and per-block headers: a 1% tolerance. Allocations stay on the heap (no
   // mmap page rounding) under a high mmap threshold.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
@@ -325,28 +325,32 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
           shard.tp_size = tp;
           const ParamTable table(cfg.model, shard);
           const int stage_layers = 4 / pp;
-          for (int recompute : {0, 1, stage_layers}) {
-            INFO(family << " tp=" << tp << (sp ? " sequence parallel" : "") << " pp=" << pp
-                        << " stage 0, recompute_layers " << recompute);
-            CpuBackend be;
-            const size_t before = mallinfo2().uordblks + mallinfo2().hblkhd;
-            auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64, pp, tp > 1 ? &tp_comm : nullptr,
-                                                       recompute, sp);
-            const size_t after = mallinfo2().uordblks + mallinfo2().hblkhd;
-            REQUIRE(model->sequence_parallel() == sp);
-            const double allocated = double(after - before);
-            PlanOptions opt;
-            opt.recompute_layers = recompute == stage_layers ? 0 : recompute;  // 0: all
-            opt.sequence_parallel = sp;
-            const LayoutPlan p = plan_layout(cfg, Layout{tp, pp, 1, 8}, opt);
-            REQUIRE(p.stages[0].in_flight == pp);
-            const double planned = recompute == 0 ? p.stages[0].act_full : p.stages[0].act_recompute;
-            CHECK(planned == Approx(allocated).epsilon(0.01));
-            // The scratch set is one layer's intermediates: recomputation saves memory only when
-            // it replaces more than one layer's (several layers, or several slots).
-            if (recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
-            if (recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
-          }
+          for (int recompute : {0, 1, stage_layers})
+            for (int64_t chunk : {int64_t{0}, int64_t{100}}) {
+              if (chunk > 0 && pp > 1) continue;  // the chunked head: on the stage holding the head
+              INFO(family << " tp=" << tp << (sp ? " sequence parallel" : "") << " pp=" << pp
+                          << " stage 0, recompute_layers " << recompute << ", logits_chunk_rows " << chunk);
+              CpuBackend be;
+              const size_t before = mallinfo2().uordblks + mallinfo2().hblkhd;
+              auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64, pp, tp > 1 ? &tp_comm : nullptr,
+                                                         recompute, sp, chunk);
+              const size_t after = mallinfo2().uordblks + mallinfo2().hblkhd;
+              REQUIRE(model->sequence_parallel() == sp);
+              REQUIRE(model->head_chunked() == (chunk > 0));
+              const double allocated = double(after - before);
+              PlanOptions opt;
+              opt.recompute_layers = recompute == stage_layers ? 0 : recompute;  // 0: all
+              opt.sequence_parallel = sp;
+              opt.logits_chunk_rows = chunk;
+              const LayoutPlan p = plan_layout(cfg, Layout{tp, pp, 1, 8}, opt);
+              REQUIRE(p.stages[0].in_flight == pp);
+              const double planned = recompute == 0 ? p.stages[0].act_full : p.stages[0].act_recompute;
+              CHECK(planned == Approx(allocated).epsilon(0.01));
+              // The scratch set is one layer's intermediates: recomputation saves memory only when
+              // it replaces more than one layer's (several layers, or several slots).
+              if (recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
+              if (recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
+            }
         }
       }
   }
