@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 
+#include "kernels/rope_frequencies.h"
 #include "kernels/tensor.h"
 
 namespace keel {
@@ -116,10 +117,11 @@ class Backend {
   // qkv is [B*T, (n_heads + 2 n_kv_heads) * head_dim]: per row all query heads, then key heads,
   // then value heads, each head_dim wide. Position of row n is n % T.
   // RoPE, Hugging Face "rotate_half" convention: within a head, element i < hd/2 pairs with
-  // i + hd/2, rotated by angle pos * theta^(-2i/hd). Applied in place to q and k; backward
-  // applies the inverse rotation in place to dq and dk.
-  virtual void rope_forward(const Tensor& qkv, const AttnShape& s, float theta) = 0;
-  virtual void rope_backward(const Tensor& dqkv, const AttnShape& s, float theta) = 0;
+  // i + hd/2, rotated by angle pos * inv_freq[i] (kernels/rope_frequencies.h: theta^(-2i/hd),
+  // optionally with Llama 3's scaling). Applied in place to q and k; backward applies the
+  // inverse rotation in place to dq and dk.
+  virtual void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) = 0;
+  virtual void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) = 0;
   // out[B*T, n_heads*hd] = causal softmax(q k^T / sqrt(hd)) v, per head; lse[B, n_heads, T] is the
   // log-sum-exp of each score row (all backward needs; no T x T matrix is kept).
   virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) = 0;
@@ -132,14 +134,14 @@ class Backend {
   // 0 .. pos-1 already in the cache. qkv [n, (n_heads + 2 n_kv_heads) * head_dim] holds the new
   // rows' projections before RoPE (s.B = 1, s.T = n). In order, the op
   //   1. applies RoPE in place to their q and k at the absolute positions (rope_forward's
-  //      convention; rope_theta <= 0: no rotation, as for GPT-2's learned positions),
+  //      convention; a rope that does not rotate (theta <= 0): GPT-2's learned positions),
   //   2. writes their k and v into rows pos .. pos+n-1 of k_cache and v_cache
   //      ([max_len, n_kv_heads * head_dim] each, any float dtype),
   //   3. out[n, n_heads * head_dim] = softmax(q k^T / sqrt(hd)) v per head, new row i attending
   //      to cache rows 0 .. pos+i.
   // Row for row this equals rope_forward + attention_forward over the whole sequence.
   virtual void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
-                                const AttnShape& s, int64_t pos, float rope_theta) = 0;
+                                const AttnShape& s, int64_t pos, const Rope& rope) = 0;
 
   // ---- softmax cross-entropy (vocab-parallel ready) ----
   // logits [N, V_local] hold vocab columns [vocab_start, vocab_start + V_local).

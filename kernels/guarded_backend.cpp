@@ -140,9 +140,9 @@ class GuardedBackend final : public Backend {
   void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override {
     KEEL_GUARDED(swiglu_backward(din, dout, in));
   }
-  void rope_forward(const Tensor& qkv, const AttnShape& s, float theta) override { KEEL_GUARDED(rope_forward(qkv, s, theta)); }
-  void rope_backward(const Tensor& dqkv, const AttnShape& s, float theta) override {
-    KEEL_GUARDED(rope_backward(dqkv, s, theta));
+  void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) override { KEEL_GUARDED(rope_forward(qkv, s, rope)); }
+  void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) override {
+    KEEL_GUARDED(rope_backward(dqkv, s, rope));
   }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) override {
     KEEL_GUARDED(attention_forward(out, lse, qkv, s));
@@ -152,8 +152,8 @@ class GuardedBackend final : public Backend {
     KEEL_GUARDED(attention_backward(dqkv, dout, qkv, out, lse, s));
   }
   void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
-                        const AttnShape& s, int64_t pos, float rope_theta) override {
-    KEEL_GUARDED(attention_decode(out, qkv, k_cache, v_cache, s, pos, rope_theta));
+                        const AttnShape& s, int64_t pos, const Rope& rope) override {
+    KEEL_GUARDED(attention_decode(out, qkv, k_cache, v_cache, s, pos, rope));
   }
   void xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit, const Tensor& logits,
                   const Tensor& targets, int64_t vocab_start) override {

@@ -104,7 +104,7 @@ std::vector<float> Generator::forward(const int32_t* tokens, int n, bool all_row
     norm(h, x, p + "attn_norm", n);
     Tensor bqkv = gpt2 ? fused(p + "attn.bq", q + 2 * kv, 0) : Tensor();
     be_.matmul(qkv, h, fused(p + "attn.wq", q + 2 * kv, d), false, true, false, gpt2 ? &bqkv : nullptr);
-    be_.attention_decode(attn, qkv, k_cache_[l], v_cache_[l], shape, pos_, cfg_.is_llama() ? cfg_.rope_theta : 0.0f);
+    be_.attention_decode(attn, qkv, k_cache_[l], v_cache_[l], shape, pos_, cfg_.rope());
     Tensor bo = gpt2 ? view(p + "attn.bo") : Tensor();
     be_.matmul(proj, attn, view(p + "attn.wo"), false, true, false, gpt2 ? &bo : nullptr);
     be_.add(x, x, proj);

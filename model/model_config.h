@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/rope_frequencies.h"
+
 namespace keel {
 
 enum class Family { GPT2, Llama };
@@ -23,6 +25,7 @@ struct ModelConfig {
   int ffn_hidden = 0;   // MLP inner width (per projection for SwiGLU)
   float norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
+  RopeScaling rope_scaling;  // Llama 3.1/3.2's frequency scaling, or none
   int max_seq_len = 0;
   bool tied_embeddings = false;
   float init_std = 0.02f;
@@ -33,6 +36,8 @@ struct ModelConfig {
   int head_dim() const { return d_model / n_heads; }
   int q_dim() const { return n_heads * head_dim(); }
   int kv_dim() const { return n_kv_heads * head_dim(); }
+  // The positions' rotation: Llama's RoPE, none for GPT-2 (learned positions).
+  Rope rope() const { return is_llama() ? Rope(rope_theta, rope_scaling) : Rope(); }
 };
 
 std::string family_name(Family f);

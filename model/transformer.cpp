@@ -298,7 +298,7 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int la
   be_.matmul(a.qkv, gather_rows(a.norm1), w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
   probe(false, layer, "qkv projection", a.qkv);
   if (cfg_.is_llama()) {
-    be_.rope_forward(a.qkv, attn_shape_, cfg_.rope_theta);
+    be_.rope_forward(a.qkv, attn_shape_, cfg_.rope());
     probe(false, layer, "rope", a.qkv);
   }
   be_.attention_forward(a.attn, a.lse, a.qkv, attn_shape_);
@@ -461,7 +461,7 @@ void Transformer::backward(int slot_index, float dloss) {
     be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, attn_shape_);
     probe(true, layer, "d qkv (attention backward)", dqkv_);
     if (cfg_.is_llama()) {
-      be_.rope_backward(dqkv_, attn_shape_, cfg_.rope_theta);
+      be_.rope_backward(dqkv_, attn_shape_, cfg_.rope());
       probe(true, layer, "d qkv (rope backward)", dqkv_);
     }
     be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);

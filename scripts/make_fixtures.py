@@ -405,9 +405,19 @@ def _rmsnorm_keep_dtype(self, hidden_states):
 def _rotary_keep_dtype(self, x, position_ids):
     cfg = self.config
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    theta = cfg.rope_parameters["rope_theta"]
+    rp = cfg.rope_parameters
+    theta = rp["rope_theta"]
     dt = torch.promote_types(x.dtype, torch.float32)
     inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if rp.get("rope_type", "default") == "llama3":  # Llama 3.1's frequency scaling, in float64
+        L, f, lo, hi = (rp["original_max_position_embeddings"], rp["factor"], rp["low_freq_factor"],
+                        rp["high_freq_factor"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (L / wavelen - lo) / (hi - lo)
+        inv_freq = torch.where(wavelen < L / hi, inv_freq,
+                               torch.where(wavelen > L / lo, inv_freq / f, (1 - smooth) * inv_freq / f + smooth * inv_freq))
+    else:
+        assert rp.get("rope_type", "default") == "default", rp
     freqs = position_ids[..., None].to(torch.float64) * inv_freq.to(x.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dt).to(x.dtype), emb.sin().to(dt).to(x.dtype)

@@ -2,7 +2,7 @@
 """Build the Hugging Face model fixtures for keel's conversion, sampling and finetuning tests
 (test/train/test_hf_convert.cpp, test/train/test_hf_cli.cpp).
 
-Three tiny LlamaForCausalLM models, saved with save_pretrained exactly as transformers writes
+Four tiny LlamaForCausalLM models, saved with save_pretrained exactly as transformers writes
 them, each with a tokenizer.json:
 
   llama_trained   fp32, GQA (4 query / 2 kv heads), untied head, Llama 2 style tokenizer
@@ -13,6 +13,9 @@ them, each with a tokenizer.json:
                   rms_norm_eps 1e-6, GPT-2 style byte-level tokenizer (vocab 300)
   llama_sharded   fp16, random, plain multi-head attention, untied, three layers, split into
                   shards by max_shard_size (model-0000X-of-0000N.safetensors + index)
+  llama3_rope     fp32, random, Llama 3.1's "llama3" RoPE scaling (factor 8 over an original
+                  context of 64, so the 16 test positions feel it); its expected file also holds
+                  HF's fp32 inv_freq as int32 bit patterns
 
 and for each (test/fixtures/hf/expected/<name>.json + .safetensors):
   logits     [16, V] float32: HF's logits for 16 fixed tokens, computed in float64 from the
@@ -28,7 +31,7 @@ Deterministic (one thread, fixed seeds): --check rebuilds into a temporary direc
 compares every file byte for byte.
 
 Usage:
-  python3 scripts/make_hf_fixtures.py
+  python3 scripts/make_hf_fixtures.py [--only llama3_rope ...]
   python3 scripts/make_hf_fixtures.py --check
 """
 
@@ -75,11 +78,12 @@ def sp_tokenizer():
     return tokfix.sp_tokenizer(vocab, merges, metaspace=False)
 
 
-def llama(vocab, d, layers, heads, kv, ffn, tied, theta, eps, init, seed, bos=None, eos=None):
+def llama(vocab, d, layers, heads, kv, ffn, tied, theta, eps, init, seed, bos=None, eos=None, rope_scaling=None):
     torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": theta} if rope_scaling is None else dict(rope_scaling, rope_theta=theta)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=128,
-                      rms_norm_eps=eps, rope_theta=theta, tie_word_embeddings=tied, initializer_range=init,
+                      rms_norm_eps=eps, rope_parameters=rope, tie_word_embeddings=tied, initializer_range=init,
                       attention_bias=False, mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
                       attn_implementation="eager")
     model = LlamaForCausalLM(cfg)
@@ -161,7 +165,7 @@ def greedy(m64, prompt, n=N_NEW, eos=None):
     return out, margin
 
 
-def build(out: str) -> None:
+def build(out: str, only=None) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
@@ -188,8 +192,18 @@ def build(out: str) -> None:
         "llama_sharded": dict(tok=bl, dtype=torch.float16, shard="40KB",
                               model=lambda: llama(bl.get_vocab_size(), 32, 3, 4, 4, 64, False, 10000.0, 1e-5, 0.3,
                                                   1003)),
+        # Llama 3.1's RoPE scaling, shrunk so the tiny model's positions feel it: head_dim 16 at
+        # theta 10000 puts frequencies in all three bands (kept, interpolated, divided by 8) of
+        # an original context of 64.
+        "llama3_rope": dict(tok=bl, dtype=torch.float32, shard=None,
+                            model=lambda: llama(bl.get_vocab_size(), 64, 2, 4, 2, 128, False, 10000.0, 1e-5, 0.3, 1004,
+                                                rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 64})),
     }
     for name, spec in specs.items():
+        if only and name not in only:
+            continue
         print(f"[{name}]")
         model = spec["model"]()
         V = model.config.vocab_size
@@ -223,6 +237,8 @@ def build(out: str) -> None:
         prompt = ids[:5]
         new, margin = greedy(m64, prompt)
         assert margin > MIN_MARGIN, (name, margin)
+        if name == "llama3_rope":  # HF's own fp32 frequencies, for a bit-for-bit check of keel's
+            expected["rope_inv_freq_fp32_bits"] = [int(b) for b in m32.model.rotary_emb.inv_freq.view(torch.int32)]
         expected.update({"logits_tokens": ids, "fp32_vs_fp64_logits_rel": float(f"{rel:.3e}"),
                          "greedy": {"prompt_ids": prompt, "new_ids": new, "min_top2_gap": float(f"{margin:.4g}")}})
         if name == "llama_trained":
@@ -243,9 +259,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--check", action="store_true", help="rebuild in a temporary directory and compare")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="build only these models (and their expected files)")
     args = ap.parse_args()
     if not args.check:
-        build(args.out)
+        build(args.out, args.only)
         total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)
         print(f"wrote {args.out} ({total} bytes)")
         return 0

@@ -221,6 +221,23 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     m.max_seq_len = static_cast<int>(f.integer("max_seq_len", std::nullopt, 1, 1 << 22));
     m.tied_embeddings = f.boolean("tied_embeddings", m.is_gpt2());
     m.init_std = static_cast<float>(f.number("init_std", 0.02, 0, 10, true));
+    if (const json* rs_doc = f.raw("rope_scaling"); rs_doc && !rs_doc->is_null()) {
+      // Llama 3.1's frequency scaling (kernels/rope_frequencies.h), as in HF's rope_scaling.
+      Fields rs(rs_doc, "model.rope_scaling", errors);
+      RopeScaling& r = m.rope_scaling;
+      const std::string type = rs.choice("type", "llama3", {"none", "llama3"});
+      r.kind = type == "llama3" ? RopeScaling::Kind::Llama3 : RopeScaling::Kind::None;
+      r.factor = rs.number("factor", r.factor, 0, 1e6, true);
+      r.low_freq_factor = rs.number("low_freq_factor", r.low_freq_factor, 0, 1e6, true);
+      r.high_freq_factor = rs.number("high_freq_factor", r.high_freq_factor, 0, 1e6, true);
+      r.original_max_position = rs.integer("original_max_position_embeddings", r.original_max_position, 1, 1 << 30);
+      rs.finish();
+      if (r.kind == RopeScaling::Kind::Llama3 && r.high_freq_factor <= r.low_freq_factor)
+        errors.push_back("model.rope_scaling.high_freq_factor: " + show(r.high_freq_factor) +
+                         " must exceed low_freq_factor (" + show(r.low_freq_factor) + ")");
+      if (r.kind != RopeScaling::Kind::None && m.is_gpt2())
+        errors.push_back("model.rope_scaling: gpt2 has learned positions, no RoPE to scale (remove the field)");
+    }
     f.finish();
     if (m.d_model > 0 && m.n_heads > 0 && m.d_model % m.n_heads != 0)
       errors.push_back("model.n_heads: " + std::to_string(m.n_heads) + " does not divide model.d_model (" +
@@ -558,6 +575,12 @@ json to_json(const RunConfig& c) {
                 {"max_seq_len", m.max_seq_len},
                 {"tied_embeddings", m.tied_embeddings},
                 {"init_std", m.init_std}};
+  if (m.rope_scaling.kind == RopeScaling::Kind::Llama3)
+    j["model"]["rope_scaling"] = {{"type", "llama3"},
+                                  {"factor", m.rope_scaling.factor},
+                                  {"low_freq_factor", m.rope_scaling.low_freq_factor},
+                                  {"high_freq_factor", m.rope_scaling.high_freq_factor},
+                                  {"original_max_position_embeddings", m.rope_scaling.original_max_position}};
   const LossScaleConfig& s = c.precision.loss_scale;
   j["precision"] = {{"mode", precision_name(c.precision.mode)},
                     {"stochastic_rounding", c.precision.stochastic_rounding},

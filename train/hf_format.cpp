@@ -189,19 +189,32 @@ ModelConfig model_config_from_hf(const json& c, const std::string& source) {
   m.init_std = static_cast<float>(num(c, "initializer_range", 0.02));
 
   // RoPE: transformers < 5 writes rope_theta (+ rope_scaling); 5.x writes rope_parameters.
+  // Scaling: "default" (none) and Llama 3.1's "llama3"; any other is refused, never ignored.
   double theta = num(c, "rope_theta", 10000.0);
+  auto read_scaling = [&](const json& r, const std::string& where) {
+    const std::string rt = r.is_object() ? r.value("rope_type", r.value("type", std::string("?"))) : "?";
+    if (rt == "default") return;
+    if (rt != "llama3") {
+      problems.push_back(where + " type \"" + rt + "\" (RoPE scaling) is not supported; keel supports \"default\" and "
+                         "\"llama3\" (Llama 3.1 / 3.2)");
+      return;
+    }
+    RopeScaling& s = m.rope_scaling;
+    s.kind = RopeScaling::Kind::Llama3;
+    for (const char* key : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+      if (!r.contains(key) || !r[key].is_number()) problems.push_back(where + " (llama3) lacks the number \"" + key + "\"");
+    s.factor = num(r, "factor", s.factor);
+    s.low_freq_factor = num(r, "low_freq_factor", s.low_freq_factor);
+    s.high_freq_factor = num(r, "high_freq_factor", s.high_freq_factor);
+    s.original_max_position = static_cast<int64_t>(num(r, "original_max_position_embeddings",
+                                                       static_cast<double>(s.original_max_position)));
+  };
   if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
     const json& rp = c["rope_parameters"];
     theta = num(rp, "rope_theta", theta);
-    const std::string rt = rp.value("rope_type", rp.value("type", std::string("default")));
-    if (rt != "default")
-      problems.push_back("rope_parameters.rope_type \"" + rt + "\" (RoPE scaling) is not supported; keel's RoPE is the "
-                         "default one");
-  }
-  if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
-    const json& rs = c["rope_scaling"];
-    const std::string rt = rs.is_object() ? rs.value("rope_type", rs.value("type", std::string("?"))) : "?";
-    if (rt != "default") problems.push_back("rope_scaling (type \"" + rt + "\") is not supported; keel's RoPE is the default one");
+    read_scaling(rp, "rope_parameters");
+  } else if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
+    read_scaling(c["rope_scaling"], "rope_scaling");
   }
   m.rope_theta = static_cast<float>(theta);
 
@@ -434,6 +447,12 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
                 {"max_seq_len", m.max_seq_len},
                 {"tied_embeddings", m.tied_embeddings},
                 {"pad_vocab_to_multiple_of", 1}};
+  if (m.rope_scaling.kind == RopeScaling::Kind::Llama3)
+    model["rope_scaling"] = {{"type", "llama3"},
+                             {"factor", m.rope_scaling.factor},
+                             {"low_freq_factor", m.rope_scaling.low_freq_factor},
+                             {"high_freq_factor", m.rope_scaling.high_freq_factor},
+                             {"original_max_position_embeddings", m.rope_scaling.original_max_position}};
   const std::string name = fs::path(out_dir).filename().string().empty() ? "model" : fs::path(out_dir).filename().string();
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
@@ -527,6 +546,9 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
   cmp("tied_embeddings", have.tied_embeddings, want.tied_embeddings);
   cmp("norm_eps", have.norm_eps, want.norm_eps);
   cmp("rope_theta", have.rope_theta, want.rope_theta);
+  if (have.rope_scaling != want.rope_scaling)
+    diffs.push_back("model.rope_scaling: the config has " + have.rope().str() + ", hf:" + hf.dir() + " has " +
+                    want.rope().str());
   if (!diffs.empty()) {
     std::string msg = "--init-from hf:" + hf.dir() + ": the run's model is not the HF model:";
     for (const auto& d : diffs) msg += "\n  " + d;
@@ -625,8 +647,19 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
                            ? tmpl["rope_theta"].get<double>()
                            : static_cast<double>(m.rope_theta);
   c["rope_theta"] = theta;
-  if (c.contains("rope_parameters")) c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", theta}};
-  else c["rope_scaling"] = nullptr;
+  json scaling = nullptr;
+  if (m.rope_scaling.kind == RopeScaling::Kind::Llama3)
+    scaling = {{"rope_type", "llama3"},
+               {"factor", m.rope_scaling.factor},
+               {"low_freq_factor", m.rope_scaling.low_freq_factor},
+               {"high_freq_factor", m.rope_scaling.high_freq_factor},
+               {"original_max_position_embeddings", m.rope_scaling.original_max_position}};
+  if (c.contains("rope_parameters")) {
+    c["rope_parameters"] = scaling.is_null() ? json{{"rope_type", "default"}} : scaling;
+    c["rope_parameters"]["rope_theta"] = theta;
+  } else {
+    c["rope_scaling"] = scaling;
+  }
   c["tie_word_embeddings"] = m.tied_embeddings;
   c["hidden_act"] = "silu";
   c["attention_bias"] = false;

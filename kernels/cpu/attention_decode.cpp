@@ -1,9 +1,8 @@
 // Attention over a KV cache for generation: RoPE at absolute positions, append to the cache,
 // causal softmax attention of the new rows. The arithmetic repeats rope.cpp and
-// attention_forward step for step (same rotation table recipe, same order of every sum), so a
-// decode is bit for bit the matching rows of a full forward when the cache has qkv's dtype.
-// The rotation lives in attention_decode_rope.cpp, compiled like rope.cpp without fused
-// multiply-adds; the attention here is compiled like attention.cpp.
+// attention_forward step for step (the same rotation code with the table of the new rows'
+// positions, the same order of every sum), so a decode is bit for bit the matching rows of a
+// full forward when the cache has qkv's dtype.
 #include <cmath>
 #include <vector>
 
@@ -12,14 +11,14 @@
 namespace keel {
 
 namespace cpu {
-// RoPE of rows 0..T-1 of qkv as positions pos..pos+T-1 (attention_decode_rope.cpp).
-void rope_rows_at(const Tensor& qkv, const AttnShape& s, int64_t pos, float theta);
+// rope.cpp: rotates row n of qkv by row n % T of the cos/sin table.
+void rope_rotate(const Tensor& qkv, const AttnShape& s, const std::vector<float>& table, bool inverse);
 }  // namespace cpu
 
 using cpu::Named;
 
 void CpuBackend::attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
-                                  const AttnShape& s, int64_t pos, float rope_theta) {
+                                  const AttnShape& s, int64_t pos, const Rope& rope) {
   const char* op = "attention_decode";
   cpu::check_attn(op, s, {"qkv", qkv});
   cpu::check_float(op, {"out", out});
@@ -38,8 +37,8 @@ void CpuBackend::attention_decode(const Tensor& out, const Tensor& qkv, const Te
     cpu::fail(op, "positions [" + std::to_string(pos) + ", " + std::to_string(pos + n) + ") do not fit the caches",
               {{"k_cache", k_cache}, {"v_cache", v_cache}});
 
-  // 1. RoPE on the new rows' q and k (rope.cpp's table recipe, absolute positions)
-  if (rope_theta > 0) cpu::rope_rows_at(qkv, s, pos, rope_theta);
+  // 1. RoPE on the new rows' q and k at their absolute positions pos .. pos + n - 1
+  if (rope.rotates()) cpu::rope_rotate(qkv, s, rope_cos_sin(rope_inv_freq(s.head_dim, rope), pos, n), false);
 
   // 2. append k and v (as stored in qkv, rounded to the caches' dtype)
   {

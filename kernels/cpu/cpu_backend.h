@@ -49,13 +49,13 @@ class CpuBackend final : public Backend {
   void swiglu_forward(const Tensor& out, const Tensor& in) override;
   void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override;
 
-  void rope_forward(const Tensor& qkv, const AttnShape& s, float theta) override;
-  void rope_backward(const Tensor& dqkv, const AttnShape& s, float theta) override;
+  void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) override;
+  void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) override;
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) override;
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, const AttnShape& s) override;
   void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
-                        const AttnShape& s, int64_t pos, float rope_theta) override;  // attention_decode.cpp
+                        const AttnShape& s, int64_t pos, const Rope& rope) override;  // attention_decode.cpp
 
   void xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit, const Tensor& logits,
                   const Tensor& targets, int64_t vocab_start) override;

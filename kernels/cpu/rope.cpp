@@ -7,10 +7,9 @@
 //   y_{i+hd/2} = x_{i+hd/2} cos + x_i sin
 // Backward applies the transpose (the inverse rotation) to the gradient.
 //
-// The table follows HF's fp32 recipe: inv_freq = 1 / theta^(float(2i) / hd) in fp32, angle =
-// float(pos) * inv_freq in fp32, cos/sin of that fp32 angle (computed in double and rounded, i.e.
-// correctly rounded; PyTorch's own pow/cos are within 1 ulp of these). Products and sums are
-// rounded one by one as in PyTorch (no fused multiply-add), hence the pragma below.
+// The cos/sin table: kernels/rope_frequencies.h (HF's fp32 recipe, optional Llama 3 scaling).
+// Products and sums are rounded one by one as in PyTorch (no fused multiply-add), hence the
+// pragma below.
 #include <cmath>
 #include <vector>
 
@@ -25,32 +24,13 @@
 
 namespace keel {
 
-namespace {
+namespace cpu {
 
-// cos_sin[(pos * half + i) * 2 + {0, 1}] for pos in [0, T), i in [0, hd/2)
-std::vector<float> rope_table(int T, int hd, float theta) {
-  const int half = hd / 2;
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int i = 0; i < half; ++i) {
-    const float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
-    const float power = static_cast<float>(std::pow(static_cast<double>(theta), static_cast<double>(exponent)));
-    inv_freq[i] = 1.0f / power;
-  }
-  std::vector<float> table(static_cast<size_t>(T) * half * 2);
-#pragma omp parallel for schedule(static) if (static_cast<int64_t>(T) * half >= cpu::kMinParallelWork)
-  for (int pos = 0; pos < T; ++pos)
-    for (int i = 0; i < half; ++i) {
-      const float angle = static_cast<float>(pos) * inv_freq[i];
-      table[(static_cast<size_t>(pos) * half + i) * 2] = static_cast<float>(std::cos(static_cast<double>(angle)));
-      table[(static_cast<size_t>(pos) * half + i) * 2 + 1] = static_cast<float>(std::sin(static_cast<double>(angle)));
-    }
-  return table;
-}
-
-// Rotates the n_heads + n_kv_heads query/key heads of every row; inverse = backward rotation.
-void rotate(const Tensor& qkv, const AttnShape& s, float theta, bool inverse) {
+// Rotates the n_heads + n_kv_heads query/key heads of every row n by the cos/sin of table row
+// n % T; inverse = backward rotation. (attention_decode.cpp uses it with a table that starts at
+// the new rows' absolute position.)
+void rope_rotate(const Tensor& qkv, const AttnShape& s, const std::vector<float>& table, bool inverse) {
   const int hd = s.head_dim, half = hd / 2;
-  const std::vector<float> table = rope_table(s.T, hd, theta);
   const int64_t rows = static_cast<int64_t>(s.B) * s.T;
   const int64_t cols = s.qkv_cols();
   const int64_t rotated = static_cast<int64_t>(s.n_heads + s.n_kv_heads) * hd;  // q and k, not v
@@ -80,16 +60,16 @@ void rotate(const Tensor& qkv, const AttnShape& s, float theta, bool inverse) {
   }
 }
 
-}  // namespace
+}  // namespace cpu
 
-void CpuBackend::rope_forward(const Tensor& qkv, const AttnShape& s, float theta) {
+void CpuBackend::rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) {
   cpu::check_attn("rope_forward", s, {"qkv", qkv});
-  rotate(qkv, s, theta, false);
+  cpu::rope_rotate(qkv, s, rope_cos_sin(rope_inv_freq(s.head_dim, rope), 0, s.T), false);
 }
 
-void CpuBackend::rope_backward(const Tensor& dqkv, const AttnShape& s, float theta) {
+void CpuBackend::rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) {
   cpu::check_attn("rope_backward", s, {"dqkv", dqkv});
-  rotate(dqkv, s, theta, true);
+  cpu::rope_rotate(dqkv, s, rope_cos_sin(rope_inv_freq(s.head_dim, rope), 0, s.T), true);
 }
 
 }  // namespace keel

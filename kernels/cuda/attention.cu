@@ -349,7 +349,7 @@ void CudaBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, con
 }
 
 void CudaBackend::attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
-                                   const AttnShape& s, int64_t pos, float rope_theta) {
+                                   const AttnShape& s, int64_t pos, const Rope& rope) {
   const char* op = "attention_decode";
   cuda::check_attn(op, s, {"qkv", qkv});
   cuda::check_float(op, {"out", out});
@@ -371,20 +371,8 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& qkv, const T
 
   // 1. RoPE at absolute positions pos .. pos+n-1: the CPU's table recipe for those positions
   void* table = nullptr;
-  if (rope_theta > 0) {
-    const int half = s.head_dim / 2;
-    std::vector<float> inv_freq(static_cast<size_t>(half)), cs(static_cast<size_t>(n) * half * 2);
-    for (int i = 0; i < half; ++i) {
-      const float exponent = static_cast<float>(2 * i) / static_cast<float>(s.head_dim);
-      inv_freq[static_cast<size_t>(i)] =
-          1.0f / static_cast<float>(std::pow(static_cast<double>(rope_theta), static_cast<double>(exponent)));
-    }
-    for (int64_t r = 0; r < n; ++r)
-      for (int i = 0; i < half; ++i) {
-        const float angle = static_cast<float>(pos + r) * inv_freq[static_cast<size_t>(i)];
-        cs[static_cast<size_t>((r * half + i) * 2)] = static_cast<float>(std::cos(static_cast<double>(angle)));
-        cs[static_cast<size_t>((r * half + i) * 2 + 1)] = static_cast<float>(std::sin(static_cast<double>(angle)));
-      }
+  if (rope.rotates()) {
+    const std::vector<float> cs = rope_cos_sin(rope_inv_freq(s.head_dim, rope), pos, n);
     table = scratch(cs.size() * sizeof(float), op);
     cuda::check_cuda(cudaMemcpyAsync(table, cs.data(), cs.size() * sizeof(float), cudaMemcpyHostToDevice, stream_), op,
                      "cudaMemcpyAsync (rope table)");

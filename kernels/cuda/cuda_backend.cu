@@ -488,27 +488,14 @@ void CudaBackend::scale(const Tensor& x, float s) {
 
 // ---- RoPE tables ----
 
-const float* CudaBackend::rope_table(int T, int head_dim, float theta) {
-  const auto key = std::make_tuple(T, head_dim, theta);
+const float* CudaBackend::rope_table(int T, int head_dim, const Rope& rope) {
+  const RopeScaling& sc = rope.scaling;
+  const auto key = std::make_tuple(T, head_dim, rope.theta, sc.kind, sc.factor, sc.low_freq_factor, sc.high_freq_factor,
+                                   sc.original_max_position);
   auto it = rope_tables_.find(key);
   if (it != rope_tables_.end()) return static_cast<const float*>(it->second);
-  // The CPU reference's recipe (kernels/cpu/rope.cpp), on the host, so the tables are equal bit
-  // for bit: inv_freq = 1 / theta^(float(2i)/hd) in fp32, angle = float(pos) * inv_freq in fp32,
-  // cos and sin of that angle computed in double and rounded.
-  const int half = head_dim / 2;
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int i = 0; i < half; ++i) {
-    const float exponent = static_cast<float>(2 * i) / static_cast<float>(head_dim);
-    const float power = static_cast<float>(std::pow(static_cast<double>(theta), static_cast<double>(exponent)));
-    inv_freq[static_cast<size_t>(i)] = 1.0f / power;
-  }
-  std::vector<float> table(static_cast<size_t>(T) * half * 2);
-  for (int pos = 0; pos < T; ++pos)
-    for (int i = 0; i < half; ++i) {
-      volatile float angle = static_cast<float>(pos) * inv_freq[static_cast<size_t>(i)];  // one fp32 product
-      table[(static_cast<size_t>(pos) * half + i) * 2] = static_cast<float>(std::cos(static_cast<double>(angle)));
-      table[(static_cast<size_t>(pos) * half + i) * 2 + 1] = static_cast<float>(std::sin(static_cast<double>(angle)));
-    }
+  // The same host computation as the CPU reference's, so the tables are equal bit for bit.
+  const std::vector<float> table = rope_cos_sin(rope_inv_freq(head_dim, rope), 0, T);
   void* d = scratch(table.size() * sizeof(float), "rope_table");
   check_cuda(cudaMemcpyAsync(d, table.data(), table.size() * sizeof(float), cudaMemcpyHostToDevice, stream_), "rope_table",
              "cudaMemcpyAsync");

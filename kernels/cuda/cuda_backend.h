@@ -90,13 +90,13 @@ class CudaBackend final : public Backend {
   void swiglu_forward(const Tensor& out, const Tensor& in) override;
   void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override;
 
-  void rope_forward(const Tensor& qkv, const AttnShape& s, float theta) override;  // rope.cu
-  void rope_backward(const Tensor& dqkv, const AttnShape& s, float theta) override;
+  void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) override;  // rope.cu
+  void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) override;
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) override;
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, const AttnShape& s) override;  // attention.cu
   void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
-                        const AttnShape& s, int64_t pos, float rope_theta) override;
+                        const AttnShape& s, int64_t pos, const Rope& rope) override;
 
   void xent_stats(const Tensor& row_max, const Tensor& sumexp, const Tensor& target_logit, const Tensor& logits,
                   const Tensor& targets, int64_t vocab_start) override;  // loss.cu
@@ -133,8 +133,9 @@ class CudaBackend final : public Backend {
   // collective that never completes is reported by the hang watchdog; else it blocks.
   void wait_for_stream(const char* op, const std::string& shapes = "");
   // Device table of RoPE (cos, sin) pairs for positions [0, T): [T][head_dim/2][2] floats,
-  // computed on the host with the CPU reference's recipe and kept per (T, head_dim, theta).
-  const float* rope_table(int T, int head_dim, float theta);
+  // computed on the host (kernels/rope_frequencies.h, as the CPU reference) and kept per
+  // (T, head_dim, rope).
+  const float* rope_table(int T, int head_dim, const Rope& rope);
   bool sync_each_op() const { return sync_each_op_; }  // KEEL_CUDA_SYNC=1
   // KEEL_CUDA_PROFILE: called once per op after its last launch (cuda::check_launch).
   bool profiling() const { return profiler_ != nullptr; }
@@ -159,7 +160,7 @@ class CudaBackend final : public Backend {
   size_t live_bytes_ = 0, peak_bytes_ = 0;
   std::map<void*, size_t> sizes_;  // live allocations (for the memory report)
   cuda::MatmulCache* matmul_ = nullptr;  // owned (create/destroy in matmul.cu)
-  std::map<std::tuple<int, int, float>, void*> rope_tables_;
+  std::map<std::tuple<int, int, float, RopeScaling::Kind, double, double, double, int64_t>, void*> rope_tables_;
 };
 
 // The stream of a CudaBackend (for NcclComm / LocalComm); throws std::invalid_argument for

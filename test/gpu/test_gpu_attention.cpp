@@ -71,15 +71,24 @@ const AttnShape kShapes[] = {
     {2, 50, 4, 2, 32},    // head_dim 32: plain kernels
 };
 
+// Llama 3.1's scaled RoPE with a short original context, so that positions up to 300 reach
+// all three frequency bands.
+Rope llama3_rope() {
+  RopeScaling s;
+  s.kind = RopeScaling::Kind::Llama3;
+  s.original_max_position = 128;
+  return Rope(500000.0f, s);
+}
+
 }  // namespace
 
 TEST_CASE("gpu: rope forward and backward are bit-identical to the CPU", "[gpu][rope]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
-    for (float theta : {10000.0f, 500000.0f}) {
+    for (const Rope& theta : {Rope(10000.0f), Rope(500000.0f), llama3_rope()}) {
       const AttnShape s{2, 300, 4, 2, 64};
-      INFO(dname(dt) << " theta " << theta);
+      INFO(dname(dt) << " rope " << theta.str());
       HostTensor qkv = rand_tensor(dt, {s.B * s.T, s.qkv_cols()}, 1);
       HostTensor ref = clone(qkv);
       cpu().rope_forward(ref.t, s, theta);
@@ -182,8 +191,8 @@ TEST_CASE("gpu: attention_decode matches the CPU call for call, caches bit for b
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
   for (DType dt : {DType::F32, DType::BF16})
-    for (float theta : {10000.0f, 0.0f}) {
-      INFO(dname(dt) << " theta " << theta);
+    for (const Rope& theta : {Rope(10000.0f), Rope(0.0f), llama3_rope()}) {
+      INFO(dname(dt) << " rope " << theta.str());
       const int nh = 4, nkv = 2, hd = 64;
       const int64_t max_len = 40, kv_cols = nkv * hd;
       HostTensor kc(dt, {max_len, kv_cols}), vc(dt, {max_len, kv_cols});

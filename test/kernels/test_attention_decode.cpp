@@ -17,7 +17,7 @@ HostTensor rows_of(const HostTensor& t, int64_t r0, int64_t r1, int64_t cols) {
   return out;
 }
 
-void check_decode_equals_forward(const AttnShape& full, DType dt, float theta, int64_t prefill) {
+void check_decode_equals_forward(const AttnShape& full, DType dt, const Rope& theta, int64_t prefill) {
   auto be = make_cpu_backend();
   const int64_t T = full.T, cols = full.qkv_cols(), q_cols = static_cast<int64_t>(full.n_heads) * full.head_dim;
   const int64_t kv_cols = static_cast<int64_t>(full.n_kv_heads) * full.head_dim;
@@ -27,7 +27,7 @@ void check_decode_equals_forward(const AttnShape& full, DType dt, float theta, i
   HostTensor qkv_full = rows_of(qkv, 0, T, cols);
   HostTensor out_full(dt, {T, q_cols});
   HostTensor lse(DType::F32, {1, full.n_heads, T});
-  if (theta > 0) be->rope_forward(qkv_full.t, full, theta);
+  if (theta.rotates()) be->rope_forward(qkv_full.t, full, theta);
   be->attention_forward(out_full.t, lse.t, qkv_full.t, full);
 
   // prefill, then one row at a time
@@ -49,14 +49,22 @@ void check_decode_equals_forward(const AttnShape& full, DType dt, float theta, i
   }
 }
 
+// Llama 3.1's scaling over an original context of 8 positions: every band within 13 positions.
+Rope llama3_short_context() {
+  RopeScaling s;
+  s.kind = RopeScaling::Kind::Llama3;
+  s.original_max_position = 8;
+  return Rope(10000.0f, s);
+}
+
 }  // namespace
 
 TEST_CASE("attention_decode equals rope + attention_forward row for row, bit for bit", "[attention][decode]") {
   for (AttnShape s : {AttnShape{1, 13, 4, 2, 16}, AttnShape{1, 9, 3, 3, 8}, AttnShape{1, 7, 4, 1, 6}})
     for (DType dt : {DType::F32, DType::BF16})
-      for (float theta : {10000.0f, 500000.0f, 0.0f})
+      for (const Rope& theta : {Rope(10000.0f), Rope(500000.0f), Rope(0.0f), llama3_short_context()})
         for (int64_t prefill : {int64_t{1}, int64_t{5}}) {
-          CAPTURE(s.T, s.n_heads, s.n_kv_heads, s.head_dim, dtype_name(dt), theta, prefill);
+          CAPTURE(s.T, s.n_heads, s.n_kv_heads, s.head_dim, dtype_name(dt), theta.str(), prefill);
           check_decode_equals_forward(s, dt, theta, prefill);
         }
 }

@@ -35,6 +35,20 @@ TEST_CASE("shipped shapes have the sizes their names promise", "[config]") {
   CHECK(std::llround(params("bloom-200b.json") / 1e9) == 203);
 }
 
+TEST_CASE("model.rope_scaling: Llama 3's scaling round-trips, GPT-2 has no RoPE to scale", "[config]") {
+  const RunConfig c = test::make_config(test::tiny_run_json("llama"),
+                                        {{"model", {{"rope_scaling", {{"type", "llama3"}, {"factor", 32},
+                                                                      {"original_max_position_embeddings", 8192}}}}}});
+  CHECK(c.model.rope_scaling.kind == RopeScaling::Kind::Llama3);
+  CHECK(c.model.rope_scaling.factor == 32.0);
+  CHECK(c.model.rope_scaling.low_freq_factor == 1.0);  // Llama 3.1's values by default
+  CHECK(c.model.rope_scaling.high_freq_factor == 4.0);
+  CHECK(parse_config(to_json(c), "again").model.rope_scaling == c.model.rope_scaling);
+  CHECK_FALSE(to_json(test::make_config(test::tiny_run_json("llama"))).at("model").contains("rope_scaling"));
+  CHECK_THROWS_WITH(test::make_config(test::tiny_run_json("gpt2"), {{"model", {{"rope_scaling", {{"type", "llama3"}}}}}}),
+                    Catch::Contains("model.rope_scaling: gpt2 has learned positions"));
+}
+
 TEST_CASE("config errors name the field, the bad value and the allowed values", "[config]") {
   auto base = test::tiny_run_json();
   auto fails_with = [&](const nlohmann::json& patch, const std::string& needle) {
@@ -45,6 +59,11 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"model", {{"d_model", "big"}}}}, "model.d_model: expected an integer, got \"big\"");
   fails_with({{"model", {{"n_layers", 0}}}}, "model.n_layers: 0 is out of range");
   fails_with({{"model", {{"n_kv_heads", 3}}}}, "model.n_kv_heads: 3 does not divide model.n_heads (4)");
+  fails_with({{"model", {{"rope_scaling", {{"type", "yarn"}}}}}},
+             "model.rope_scaling.type: \"yarn\" is not allowed (allowed: none, llama3)");
+  fails_with({{"model", {{"rope_scaling", {{"type", "llama3"}, {"low_freq_factor", 4}, {"high_freq_factor", 1}}}}}},
+             "model.rope_scaling.high_freq_factor: 1.0 must exceed low_freq_factor (4.0)");
+  fails_with({{"model", {{"rope_scaling", {{"type", "llama3"}, {"factr", 8}}}}}}, "did you mean 'factor'");
   fails_with({{"optimizer", {{"beta2", 1.5}}}}, "optimizer.beta2");
   fails_with({{"optimizer", {{"lr", -1}}}}, "optimizer.lr");
   fails_with({{"optimizer", {{"weight_decy", 0.1}}}}, "did you mean 'weight_decay'");

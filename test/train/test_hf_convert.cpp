@@ -12,6 +12,7 @@
 // RoPE pairs dims (i, i + head_dim/2) exactly as HF's rotate_half does.
 #include <catch2/catch.hpp>
 
+#include <bit>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -135,10 +136,37 @@ TEST_CASE("hf: config.json maps to keel's model (GQA, tied head, rope_theta, eps
   CHECK(c.num_files() == 3);
   CHECK(c.common_dtype() == DType::F16);
   CHECK(c.model().n_layers == 3);
+  CHECK(c.model().rope_scaling.kind == RopeScaling::Kind::None);
+  const HfCheckpoint d = HfCheckpoint::open(kHf + "llama3_rope");
+  const RopeScaling& s = d.model().rope_scaling;
+  CHECK(s.kind == RopeScaling::Kind::Llama3);
+  CHECK(s.factor == 8.0);
+  CHECK(s.low_freq_factor == 1.0);
+  CHECK(s.high_freq_factor == 4.0);
+  CHECK(s.original_max_position == 64);
+}
+
+TEST_CASE("hf: keel's Llama 3 RoPE frequencies are HF's fp32 bits", "[hf][rope]") {
+  // The fixture's head_dim 16 puts its 8 frequencies in all three bands: kept (wavelength
+  // under 64/4), interpolated, and divided by the factor (over 64/1).
+  const HfCheckpoint hf = HfCheckpoint::open(kHf + "llama3_rope");
+  const std::vector<float> ours = rope_inv_freq(hf.model().head_dim(), hf.model().rope());
+  const json bits = expected("llama3_rope").meta.at("rope_inv_freq_fp32_bits");
+  REQUIRE(ours.size() == bits.size());
+  REQUIRE(ours.size() == 8);
+  for (size_t i = 0; i < ours.size(); ++i) {
+    INFO("inv_freq[" << i << "] = " << ours[i]);
+    CHECK(std::bit_cast<int32_t>(ours[i]) == bits[i].get<int32_t>());
+  }
+  // Not the unscaled frequencies: the low band is divided by 8, the middle one interpolated.
+  const std::vector<float> plain = rope_inv_freq(hf.model().head_dim(), Rope(hf.model().rope_theta));
+  CHECK(ours[0] == plain[0]);
+  CHECK(ours[7] == plain[7] / 8.0f);
+  CHECK((ours[1] < plain[1] && ours[1] > plain[1] / 8.0f));
 }
 
 TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]") {
-  for (const char* name : {"llama_trained", "llama_tied", "llama_sharded"}) {
+  for (const char* name : {"llama_trained", "llama_tied", "llama_sharded", "llama3_rope"}) {
     SECTION(name) {
       const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
       const ParamTable table(hf.model());
@@ -165,6 +193,7 @@ TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]"
       CHECK(cfg.model.d_model == hf.model().d_model);
       CHECK(cfg.model.tied_embeddings == hf.model().tied_embeddings);
       CHECK(cfg.model.rope_theta == hf.model().rope_theta);
+      CHECK(cfg.model.rope_scaling == hf.model().rope_scaling);
       CHECK(cfg.model.norm_eps == hf.model().norm_eps);
     }
   }
@@ -177,7 +206,7 @@ TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
     int64_t shard;
   };
   for (Case c : {Case{"llama_trained", DType::F32, int64_t{5} << 30}, Case{"llama_tied", DType::BF16, int64_t{5} << 30},
-                 Case{"llama_sharded", DType::F16, 30000}}) {
+                 Case{"llama_sharded", DType::F16, 30000}, Case{"llama3_rope", DType::F32, int64_t{5} << 30}}) {
     SECTION(c.name) {
       test::TempDir tmp("hfrt");
       convert_hf_to_keel(kHf + c.name, tmp / "keel", std::nullopt, false);
@@ -200,6 +229,8 @@ TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
       // The exported config is the HF one with the model fields: it opens as the same model.
       const HfCheckpoint back = HfCheckpoint::open(tmp / "hf");
       CHECK(back.model().rope_theta == HfCheckpoint::open(kHf + c.name).model().rope_theta);
+      CHECK(back.model().rope_scaling == HfCheckpoint::open(kHf + c.name).model().rope_scaling);
+      CHECK(back.config_json().at("rope_parameters") == HfCheckpoint::open(kHf + c.name).config_json().at("rope_parameters"));
       CHECK(back.config_json().value("eos_token_id", json()) ==
             HfCheckpoint::open(kHf + c.name).config_json().value("eos_token_id", json()));
       CHECK(st.tensors == static_cast<int64_t>(before.size()));
@@ -227,11 +258,17 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
 
   d = copy("scaled");
   edit_config(d, [](json& c) {
-    c["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0}};
+    c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 500000.0}, {"factor", 8.0}};
     c["attention_bias"] = true;
   });
   std::string msg = error_of([&] { HfCheckpoint::open(d); });
-  CHECK_THAT(msg, Catch::Contains("llama3") && Catch::Contains("attention_bias"));
+  CHECK_THAT(msg, Catch::Contains("\"yarn\" (RoPE scaling) is not supported") && Catch::Contains("attention_bias"));
+  d = copy("llama3_partial");  // llama3 scaling without its parameters: named, not defaulted
+  edit_config(d, [](json& c) { c["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0}}; });
+  msg = error_of([&] { HfCheckpoint::open(d); });
+  CHECK_THAT(msg, Catch::Contains("lacks the number \"low_freq_factor\"") &&
+                      Catch::Contains("lacks the number \"original_max_position_embeddings\""));
+  CHECK_THAT(msg, !Catch::Contains("lacks the number \"factor\""));
 
   d = copy("shape");
   edit_config(d, [](json& c) { c["intermediate_size"] = 80; });
