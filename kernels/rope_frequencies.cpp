@@ -55,6 +55,11 @@ std::vector<float> rope_inv_freq(int head_dim, const Rope& rope) {
   return inv_freq;
 }
 
+RopeTableKey rope_table_key(int64_t T, int head_dim, const Rope& rope) {
+  const RopeScaling& s = rope.scaling;
+  return {T, head_dim, rope.theta, s.kind, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position};
+}
+
 std::vector<float> rope_cos_sin(const std::vector<float>& inv_freq, int64_t first, int64_t n) {
   const size_t half = inv_freq.size();
   std::vector<float> table(static_cast<size_t>(n) * half * 2);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace keel {
@@ -48,5 +49,10 @@ struct Rope {
 std::vector<float> rope_inv_freq(int head_dim, const Rope& rope);
 // cos_sin[(p * half + i) * 2 + {0, 1}] for positions first .. first + n - 1.
 std::vector<float> rope_cos_sin(const std::vector<float>& inv_freq, int64_t first, int64_t n);
+
+// What identifies the table of positions [0, T): the backends build it once per key and keep it,
+// so a training step looks it up instead of computing T x head_dim/2 cosines per call.
+using RopeTableKey = std::tuple<int64_t, int, float, RopeScaling::Kind, double, double, double, int64_t>;
+RopeTableKey rope_table_key(int64_t T, int head_dim, const Rope& rope);
 
 }  // namespace keel

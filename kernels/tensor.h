@@ -54,6 +54,8 @@ struct Tensor {
   Tensor view(std::initializer_list<int64_t> dims) const;
   // Rows [begin, end) of the tensor seen as (rows, cols).
   Tensor row_slice(int64_t begin, int64_t end) const;
+  // Elements [begin, end) of the tensor seen as a flat vector: a 1-D view.
+  Tensor elements(int64_t begin, int64_t end) const;
 
   std::string shape_str() const;  // "[4, 128, 64] bf16"
 };
@@ -74,6 +76,17 @@ inline Tensor Tensor::row_slice(int64_t begin, int64_t end) const {
   t.data = static_cast<char*>(data) + static_cast<size_t>(begin * c) * dtype_size(dtype);
   t.ndim = 2;
   t.shape = {end - begin, c, 0, 0};
+  return t;
+}
+
+inline Tensor Tensor::elements(int64_t begin, int64_t end) const {
+  if (begin < 0 || end < begin || end > numel())
+    throw std::out_of_range("Tensor::elements: [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " +
+                            shape_str());
+  Tensor t = *this;
+  t.data = static_cast<char*>(data) + static_cast<size_t>(begin) * dtype_size(dtype);
+  t.ndim = 1;
+  t.shape = {end - begin, 0, 0, 0};
   return t;
 }
 

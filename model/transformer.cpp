@@ -41,7 +41,9 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   if (recompute_layers < 0) throw std::invalid_argument("Transformer: recompute_layers must be >= 0");
   recompute_layers_ = std::min(recompute_layers, stage_layers);
   if (logits_chunk_rows < 0) throw std::invalid_argument("Transformer: logits_chunk_rows must be >= 0 (0: automatic)");
-  head_rows_ = std::min(N_, logits_chunk_rows > 0 ? logits_chunk_rows : auto_logits_chunk_rows(N_, vocab_local_, static_cast<int64_t>(dtype_size(act_))));
+  head_rows_ = logits_chunk_rows > 0
+                   ? std::min(N_, logits_chunk_rows)
+                   : auto_logits_chunk_rows(N_, vocab_local_, static_cast<int64_t>(dtype_size(act_)));
 
   slots_.resize(static_cast<size_t>(std::max(1, slots)));
   for (Slot& s : slots_) {
@@ -254,23 +256,16 @@ void Transformer::norm_backward(const Tensor& din, const Tensor& dout, const Ten
     be_.rmsnorm_backward(din, dw, dout, in, w, rstd, true);
 }
 
-namespace {
-// Elements [begin, end) of a vector.
-Tensor span(const Tensor& v, int64_t begin, int64_t end) {
-  return v.view({v.numel(), 1}).row_slice(begin, end).view({end - begin});
-}
-}  // namespace
-
 // Vocab-parallel cross-entropy: each TP rank holds the logits of its vocab slice. The row max
 // and the softmax denominator are combined over TP (max, then the local sums rescaled to the
 // global max and added), and the target's logit comes from the rank that owns it.
 void Transformer::loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_t r1) {
-  const Tensor row_max = span(s.row_max, r0, r1), sumexp = span(s.sumexp, r0, r1),
-               target_logit = span(s.target_logit, r0, r1), targets = span(s.targets, r0, r1);
+  const Tensor row_max = s.row_max.elements(r0, r1), sumexp = s.sumexp.elements(r0, r1),
+               target_logit = s.target_logit.elements(r0, r1), targets = s.targets.elements(r0, r1);
   if (!tensor_parallel_) {
     be_.xent_stats(row_max, sumexp, target_logit, logits, targets, 0);
   } else {
-    const Tensor local_max = span(s.local_max, r0, r1);
+    const Tensor local_max = s.local_max.elements(r0, r1);
     be_.xent_stats(local_max, sumexp, target_logit, logits, targets, vocab_start_);
     be_.convert(row_max, local_max);
     tp_->all_reduce(row_max, parallel::ReduceOp::Max);
@@ -278,12 +273,12 @@ void Transformer::loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_
     tp_->all_reduce(sumexp);
     tp_->all_reduce(target_logit);
   }
-  be_.xent_loss(span(s.row_loss, r0, r1), span(s.lse_rows, r0, r1), row_max, sumexp, target_logit, targets);
+  be_.xent_loss(s.row_loss.elements(r0, r1), s.lse_rows.elements(r0, r1), row_max, sumexp, target_logit, targets);
 }
 
 void Transformer::head_backward(Slot& s, const Tensor& logits, const Tensor& x, int64_t r0, int64_t r1, float dloss,
                                 const Tensor& dnorm) {
-  be_.xent_backward(logits, span(s.lse_rows, r0, r1), span(s.targets, r0, r1), dloss, vocab_start_);
+  be_.xent_backward(logits, s.lse_rows.elements(r0, r1), s.targets.elements(r0, r1), dloss, vocab_start_);
   const Tensor& dlogits = logits;
   probe(true, -1, "d logits (loss gradient x loss scale)", dlogits);
   be_.matmul(dnorm, dlogits, w_.head, false, false);

@@ -559,6 +559,15 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
   return parse_config(doc, path);
 }
 
+json rope_scaling_json(const RopeScaling& s, const char* type_key) {
+  if (s.kind == RopeScaling::Kind::None) return nullptr;
+  return {{type_key, "llama3"},
+          {"factor", s.factor},
+          {"low_freq_factor", s.low_freq_factor},
+          {"high_freq_factor", s.high_freq_factor},
+          {"original_max_position_embeddings", s.original_max_position}};
+}
+
 json to_json(const RunConfig& c) {
   const ModelConfig& m = c.model;
   json j;
@@ -575,12 +584,7 @@ json to_json(const RunConfig& c) {
                 {"max_seq_len", m.max_seq_len},
                 {"tied_embeddings", m.tied_embeddings},
                 {"init_std", m.init_std}};
-  if (m.rope_scaling.kind == RopeScaling::Kind::Llama3)
-    j["model"]["rope_scaling"] = {{"type", "llama3"},
-                                  {"factor", m.rope_scaling.factor},
-                                  {"low_freq_factor", m.rope_scaling.low_freq_factor},
-                                  {"high_freq_factor", m.rope_scaling.high_freq_factor},
-                                  {"original_max_position_embeddings", m.rope_scaling.original_max_position}};
+  if (m.rope_scaling.kind != RopeScaling::Kind::None) j["model"]["rope_scaling"] = rope_scaling_json(m.rope_scaling);
   const LossScaleConfig& s = c.precision.loss_scale;
   j["precision"] = {{"mode", precision_name(c.precision.mode)},
                     {"stochastic_rounding", c.precision.stochastic_rounding},

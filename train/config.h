@@ -194,5 +194,8 @@ RunConfig parse_config(const nlohmann::json& doc, const std::string& source);
 void apply_override(nlohmann::json& doc, const std::string& assignment);
 // The fully resolved config (defaults filled in) as JSON: what the run really used.
 nlohmann::json to_json(const RunConfig& cfg);
+// model.rope_scaling as keel's config writes it (null for none). HF names the type field
+// "rope_type" and otherwise uses the same names: type_key chooses.
+nlohmann::json rope_scaling_json(const RopeScaling& s, const char* type_key = "type");
 
 }  // namespace keel

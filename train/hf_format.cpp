@@ -447,12 +447,7 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
                 {"max_seq_len", m.max_seq_len},
                 {"tied_embeddings", m.tied_embeddings},
                 {"pad_vocab_to_multiple_of", 1}};
-  if (m.rope_scaling.kind == RopeScaling::Kind::Llama3)
-    model["rope_scaling"] = {{"type", "llama3"},
-                             {"factor", m.rope_scaling.factor},
-                             {"low_freq_factor", m.rope_scaling.low_freq_factor},
-                             {"high_freq_factor", m.rope_scaling.high_freq_factor},
-                             {"original_max_position_embeddings", m.rope_scaling.original_max_position}};
+  if (m.rope_scaling.kind != RopeScaling::Kind::None) model["rope_scaling"] = rope_scaling_json(m.rope_scaling);
   const std::string name = fs::path(out_dir).filename().string().empty() ? "model" : fs::path(out_dir).filename().string();
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
@@ -647,13 +642,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
                            ? tmpl["rope_theta"].get<double>()
                            : static_cast<double>(m.rope_theta);
   c["rope_theta"] = theta;
-  json scaling = nullptr;
-  if (m.rope_scaling.kind == RopeScaling::Kind::Llama3)
-    scaling = {{"rope_type", "llama3"},
-               {"factor", m.rope_scaling.factor},
-               {"low_freq_factor", m.rope_scaling.low_freq_factor},
-               {"high_freq_factor", m.rope_scaling.high_freq_factor},
-               {"original_max_position_embeddings", m.rope_scaling.original_max_position}};
+  const json scaling = rope_scaling_json(m.rope_scaling, "rope_type");
   if (c.contains("rope_parameters")) {
     c["rope_parameters"] = scaling.is_null() ? json{{"rope_type", "default"}} : scaling;
     c["rope_parameters"]["rope_theta"] = theta;

@@ -53,11 +53,7 @@ Tensor ParamState::flat_view(const Tensor& buffer, int64_t flat_begin, int64_t n
   if (index < 0 || index + n > buffer.numel())
     throw std::out_of_range("ParamState::flat_view: elements [" + std::to_string(flat_begin) + ", " +
                             std::to_string(flat_begin + n) + ") are outside this buffer");
-  Tensor t = buffer;
-  t.data = static_cast<char*>(buffer.data) + index * dtype_size(buffer.dtype);
-  t.ndim = 1;
-  t.shape = {n, 0, 0, 0};
-  return t;
+  return buffer.elements(index, index + n);
 }
 
 void ParamState::load_fp32(const float* values) {

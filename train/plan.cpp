@@ -245,14 +245,6 @@ std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot) {
 // over heads or the MLP width are split by TP (Megatron column/row parallel); the residual
 // stream and the norms' outputs are whole on every TP rank, or split by rows under sequence
 // parallelism.
-int64_t logits_chunk(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
-                     int64_t logits_chunk_rows) {
-  const int64_t N = mbs * seq;
-  if (!mem.chunked_logits) return N;
-  return logits_chunk_rows > 0 ? std::min(N, logits_chunk_rows)
-                               : Transformer::auto_logits_chunk_rows(N, m.embed_rows() / tp, mem.act_bytes);
-}
-
 Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
                              bool sequence_parallel, int64_t logits_chunk_rows) {
   const double N = static_cast<double>(mbs) * seq;  // token rows
@@ -273,10 +265,14 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   // (+ local_max under TP). A chunked head keeps the final-norm output gradient [N, d] instead
   // of the logits, and one shared chunk of logits.
   r.head = rows * (a * d + 4 * stats) + N * (5 + (tp > 1 ? 1 : 0)) * 4;
-  const int64_t chunk = logits_chunk(m, mem, tp, mbs, seq, logits_chunk_rows);
-  if (chunk < mbs * seq) {
+  // The Transformer's choice of chunk (model/transformer.h); frameworks without one: never.
+  const int64_t rows_i = mbs * seq, vocab_local = m.embed_rows() / tp;
+  r.logits_chunk_rows = !mem.chunked_logits      ? rows_i
+                        : logits_chunk_rows > 0 ? std::min(rows_i, logits_chunk_rows)
+                                                : Transformer::auto_logits_chunk_rows(rows_i, vocab_local, mem.act_bytes);
+  if (r.logits_chunk_rows < rows_i) {
     r.head += N * a * d;
-    r.head_shared = static_cast<double>(chunk) * a * static_cast<double>(m.embed_rows() / tp);
+    r.head_shared = static_cast<double>(r.logits_chunk_rows) * a * static_cast<double>(vocab_local);
   } else {
     r.head += N * (a + mem.logit_extra_bytes) * V / t;
   }
@@ -1052,14 +1048,12 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   text += "  this run: " + recompute_name(p.recompute, opt.recompute_layers) + " (train.recompute), activations " +
           format_bytes(p.recompute ? p.stages[p.peak_stage].act_recompute : p.stages[p.peak_stage].act_full) +
           " on the largest stage\n";
-  const ModelConfig tp_model = model_for_tp(cfg.model, l.tp);
-  const int64_t rows = l.mbs * cfg.train.seq_len;
-  const int64_t chunk = logits_chunk(tp_model, opt.memory, l.tp, l.mbs, cfg.train.seq_len, opt.logits_chunk_rows);
-  if (chunk < rows) {
-    const double chunk_bytes = double(chunk) * opt.memory.act_bytes * double(tp_model.embed_rows() / l.tp);
-    text += "  this run: the head's logits in chunks of " + std::to_string(chunk) + " of the " + std::to_string(rows) +
-            " token rows (train.logits_chunk_rows), " + format_bytes(chunk_bytes) + " each\n";
-  }
+  const Activations a = activation_bytes(model_for_tp(cfg.model, l.tp), opt.memory, l.tp, l.mbs, cfg.train.seq_len,
+                                         opt.sequence_parallel, opt.logits_chunk_rows);
+  if (a.head_shared > 0)
+    text += "  this run: the head's logits in chunks of " + std::to_string(a.logits_chunk_rows) + " of the " +
+            std::to_string(l.mbs * cfg.train.seq_len) + " token rows (train.logits_chunk_rows), " +
+            format_bytes(a.head_shared) + " each\n";
   // A run that will not fit: what each memory setting it does not use yet would give.
   auto hint = [&](const std::string& setting, const PlanOptions& o) {
     const LayoutPlan q = plan_layout(cfg, l, o);

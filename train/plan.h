@@ -166,6 +166,7 @@ struct Activations {
   double attn_scores = 0;         // of one layer, for non-fused attention
   double head = 0;                // final norm, logits, loss rows (last stage), per micro-batch
   double head_shared = 0;         // a chunked head's logits chunk, one for all micro-batches
+  int64_t logits_chunk_rows = 0;  // token rows of logits computed at once (mbs * seq: not chunked)
   double stage_output = 0;        // the stage's output buffer (the last stage: final-norm input)
   double token_ids = 0;           // one int32 array: token ids (first stage), targets (last stage)
   double backward_scratch = 0;    // gradient buffers reused by every layer
@@ -175,10 +176,6 @@ struct Activations {
 // logits_chunk_rows: as train.logits_chunk_rows, when mem.chunked_logits.
 Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
                              bool sequence_parallel = false, int64_t logits_chunk_rows = 0);
-
-// Token rows of logits the head computes at once (mbs * seq: not chunked). m: as model_for_tp.
-int64_t logits_chunk(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq,
-                     int64_t logits_chunk_rows);
 
 struct StageMemory {
   int stage = 0;

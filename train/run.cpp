@@ -425,7 +425,8 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
     metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string());
     print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());
-    std::printf("%s", plan::memory_breakdown_text(cfg, backend->device() == Device::CUDA ? double(cuda_current_device_memory()) : 0.0).c_str());
+    const double gpu_memory = backend->device() == Device::CUDA ? double(cuda_current_device_memory()) : 0.0;
+    std::printf("%s", plan::memory_breakdown_text(cfg, gpu_memory).c_str());
     std::printf("keel: run directory %s (metrics: %s, checkpoints: %s)\n", cfg.out.c_str(), metrics->path().c_str(),
                 cfg.checkpoint.dir.c_str());
     for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());

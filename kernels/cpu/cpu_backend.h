@@ -4,6 +4,9 @@
 // One CpuBackend is driven by one thread at a time (it keeps packing buffers between calls).
 #pragma once
 
+#include <map>
+#include <vector>
+
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_util.h"
 
@@ -76,6 +79,9 @@ class CpuBackend final : public Backend {
  private:
   // matmul operands packed into fp32 panels (kept to avoid re-faulting pages every call)
   cpu::ScratchF32 packed_a_, packed_b_;
+  // RoPE cos/sin tables of positions [0, T), built on first use (rope.cpp)
+  const std::vector<float>& rope_table(int T, int head_dim, const Rope& rope);
+  std::map<RopeTableKey, std::vector<float>> rope_tables_;
 };
 
 }  // namespace keel

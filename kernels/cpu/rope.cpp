@@ -62,14 +62,21 @@ void rope_rotate(const Tensor& qkv, const AttnShape& s, const std::vector<float>
 
 }  // namespace cpu
 
+const std::vector<float>& CpuBackend::rope_table(int T, int head_dim, const Rope& rope) {
+  const RopeTableKey key = rope_table_key(T, head_dim, rope);
+  auto it = rope_tables_.find(key);
+  if (it == rope_tables_.end()) it = rope_tables_.emplace(key, rope_cos_sin(rope_inv_freq(head_dim, rope), 0, T)).first;
+  return it->second;
+}
+
 void CpuBackend::rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) {
   cpu::check_attn("rope_forward", s, {"qkv", qkv});
-  cpu::rope_rotate(qkv, s, rope_cos_sin(rope_inv_freq(s.head_dim, rope), 0, s.T), false);
+  cpu::rope_rotate(qkv, s, rope_table(s.T, s.head_dim, rope), false);
 }
 
 void CpuBackend::rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) {
   cpu::check_attn("rope_backward", s, {"dqkv", dqkv});
-  cpu::rope_rotate(dqkv, s, rope_cos_sin(rope_inv_freq(s.head_dim, rope), 0, s.T), true);
+  cpu::rope_rotate(dqkv, s, rope_table(s.T, s.head_dim, rope), true);
 }
 
 }  // namespace keel

@@ -489,9 +489,7 @@ void CudaBackend::scale(const Tensor& x, float s) {
 // ---- RoPE tables ----
 
 const float* CudaBackend::rope_table(int T, int head_dim, const Rope& rope) {
-  const RopeScaling& sc = rope.scaling;
-  const auto key = std::make_tuple(T, head_dim, rope.theta, sc.kind, sc.factor, sc.low_freq_factor, sc.high_freq_factor,
-                                   sc.original_max_position);
+  const RopeTableKey key = rope_table_key(T, head_dim, rope);
   auto it = rope_tables_.find(key);
   if (it != rope_tables_.end()) return static_cast<const float*>(it->second);
   // The same host computation as the CPU reference's, so the tables are equal bit for bit.

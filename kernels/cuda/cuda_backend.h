@@ -160,7 +160,7 @@ class CudaBackend final : public Backend {
   size_t live_bytes_ = 0, peak_bytes_ = 0;
   std::map<void*, size_t> sizes_;  // live allocations (for the memory report)
   cuda::MatmulCache* matmul_ = nullptr;  // owned (create/destroy in matmul.cu)
-  std::map<std::tuple<int, int, float, RopeScaling::Kind, double, double, double, int64_t>, void*> rope_tables_;
+  std::map<RopeTableKey, void*> rope_tables_;
 };
 
 // The stream of a CudaBackend (for NcclComm / LocalComm); throws std::invalid_argument for

@@ -125,3 +125,17 @@ TEST_CASE("fp16 outputs above 65504 become inf", "[storage]") {
   CHECK(y.at(2) == INFINITY);
   CHECK(be->count_nonfinite(y.t) == 2);
 }
+
+TEST_CASE("views: row_slice and elements address the right bytes, and refuse ranges outside", "[storage]") {
+  float data[12];
+  const Tensor t(data, DType::F32, {3, 4});
+  const Tensor rows = t.row_slice(1, 3);
+  CHECK(rows.data == data + 4);
+  CHECK(rows.shape_str() == "[2, 4] f32");
+  const Tensor e = t.elements(5, 9);  // crosses a row boundary: a flat range
+  CHECK(e.data == data + 5);
+  CHECK(e.shape_str() == "[4] f32");
+  CHECK(t.elements(12, 12).numel() == 0);
+  CHECK_THROWS_WITH(t.elements(10, 13), Catch::Contains("Tensor::elements: [10, 13) of [3, 4] f32"));
+  CHECK_THROWS_WITH(t.row_slice(2, 4), Catch::Contains("Tensor::row_slice: rows [2, 4)"));
+}
