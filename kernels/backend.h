@@ -23,8 +23,16 @@ namespace keel {
 
 // Shape of one causal self-attention call. Query head h reads key/value head
 // h / (n_heads / n_kv_heads) (grouped-query attention; n_kv_heads == n_heads is plain MHA).
+//
+// Document masking (packed sequences, Megatron's reset_attention_mask + reset_position_ids):
+// `positions`, when given, is I32 [B*T] on the backend's device, the position of each row
+// within its document: 0 at every sequence's first row and at each document's first row, else
+// one more than the row before (data/documents.h makes them). Row i of a sequence then attends
+// only keys j in [i - positions[i], i], its own document, and RoPE turns it by positions[i].
+// Empty: position n % T and plain causal attention over the whole sequence.
 struct AttnShape {
   int B = 0, T = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  Tensor positions{};
   int64_t qkv_cols() const { return static_cast<int64_t>(n_heads + 2 * n_kv_heads) * head_dim; }
 };
 
@@ -85,11 +93,13 @@ class Backend {
 
   // ---- embedding ----
   // out[n,:] = tok_embed[tokens[n] - vocab_start, :] when that row is local (vocab-parallel
-  // shard [vocab_start, vocab_start + V_local)), else 0; plus pos_embed[n % T, :] if given.
+  // shard [vocab_start, vocab_start + V_local)), else 0; plus pos_embed[p(n), :] if given, where
+  // p(n) = positions[n] (I32 [N], document positions as in AttnShape) or, without them, n % T.
+  // Backward: dpos_embed[p] += the rows n with p(n) == p, summed in increasing n.
   virtual void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed,
-                                 const Tensor& pos_embed, int T, int64_t vocab_start) = 0;
+                                 const Tensor& pos_embed, int T, int64_t vocab_start, const Tensor& positions) = 0;
   virtual void embedding_backward(const Tensor& dtok_embed, const Tensor& dpos_embed, const Tensor& dout,
-                                  const Tensor& tokens, int T, int64_t vocab_start) = 0;
+                                  const Tensor& tokens, int T, int64_t vocab_start, const Tensor& positions) = 0;
 
   // ---- norms (over the last dimension) ----
   // LayerNorm: out = (x - mean) * rstd * weight + bias, rstd = 1/sqrt(var + eps) (biased var).
@@ -115,15 +125,16 @@ class Backend {
 
   // ---- attention ----
   // qkv is [B*T, (n_heads + 2 n_kv_heads) * head_dim]: per row all query heads, then key heads,
-  // then value heads, each head_dim wide. Position of row n is n % T.
+  // then value heads, each head_dim wide. Position of row n is n % T, or s.positions[n].
   // RoPE, Hugging Face "rotate_half" convention: within a head, element i < hd/2 pairs with
   // i + hd/2, rotated by angle pos * inv_freq[i] (kernels/rope_frequencies.h: theta^(-2i/hd),
   // optionally with Llama 3's scaling). Applied in place to q and k; backward applies the
   // inverse rotation in place to dq and dk.
   virtual void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) = 0;
   virtual void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) = 0;
-  // out[B*T, n_heads*hd] = causal softmax(q k^T / sqrt(hd)) v, per head; lse[B, n_heads, T] is the
-  // log-sum-exp of each score row (all backward needs; no T x T matrix is kept).
+  // out[B*T, n_heads*hd] = causal softmax(q k^T / sqrt(hd)) v, per head (within each document
+  // when s.positions is given); lse[B, n_heads, T] is the log-sum-exp of each score row (all
+  // backward needs; no T x T matrix is kept).
   virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) = 0;
   // dqkv (written) from dout, the forward's qkv (after RoPE), out and lse.
   virtual void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,

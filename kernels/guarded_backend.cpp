@@ -108,12 +108,12 @@ class GuardedBackend final : public Backend {
   }
   void bias_backward(const Tensor& dbias, const Tensor& dout) override { KEEL_GUARDED(bias_backward(dbias, dout)); }
   void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed, const Tensor& pos_embed,
-                         int T, int64_t vocab_start) override {
-    KEEL_GUARDED(embedding_forward(out, tokens, tok_embed, pos_embed, T, vocab_start));
+                         int T, int64_t vocab_start, const Tensor& positions) override {
+    KEEL_GUARDED(embedding_forward(out, tokens, tok_embed, pos_embed, T, vocab_start, positions));
   }
   void embedding_backward(const Tensor& dtok_embed, const Tensor& dpos_embed, const Tensor& dout,
-                          const Tensor& tokens, int T, int64_t vocab_start) override {
-    KEEL_GUARDED(embedding_backward(dtok_embed, dpos_embed, dout, tokens, T, vocab_start));
+                          const Tensor& tokens, int T, int64_t vocab_start, const Tensor& positions) override {
+    KEEL_GUARDED(embedding_backward(dtok_embed, dpos_embed, dout, tokens, T, vocab_start, positions));
   }
   void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
                          const Tensor& weight, const Tensor& bias, float eps) override {

@@ -96,7 +96,7 @@ std::vector<float> Generator::forward(const int32_t* tokens, int n, bool all_row
 
   Tensor pos_embed;
   if (gpt2) pos_embed = view("pos_embed").row_slice(pos_, pos_ + n);  // rows of positions pos_ ..
-  be_.embedding_forward(x, tok, view("tok_embed"), pos_embed, n, 0);
+  be_.embedding_forward(x, tok, view("tok_embed"), pos_embed, n, 0, Tensor());
 
   const AttnShape shape{1, n, cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim()};
   for (int l = 0; l < cfg_.n_layers; ++l) {

@@ -2,14 +2,22 @@
 
 #include <stdexcept>
 
+#include "kernels/document_positions.h"
 #include "train/parallel/comm.h"
 
 namespace keel {
 
 Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len,
                          int slots, parallel::Comm* tp, int recompute_layers, bool sequence_parallel,
-                         int64_t logits_chunk_rows)
-    : table_(table), cfg_(table_.config()), be_(backend), act_(act_dtype), B_(micro_batch), T_(seq_len), tp_(tp) {
+                         int64_t logits_chunk_rows, bool document_masking)
+    : table_(table),
+      cfg_(table_.config()),
+      be_(backend),
+      act_(act_dtype),
+      B_(micro_batch),
+      T_(seq_len),
+      document_masking_(document_masking),
+      tp_(tp) {
   if (seq_len > cfg_.max_seq_len)
     throw std::invalid_argument("sequence length " + std::to_string(seq_len) + " exceeds the model's max_seq_len " +
                                 std::to_string(cfg_.max_seq_len));
@@ -49,6 +57,8 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   for (Slot& s : slots_) {
     if (sh.has_embedding) s.tokens = alloc(DType::I32, {N_});
     if (sh.has_head) s.targets = alloc(DType::I32, {N_});
+    s.attn = attn_shape_;
+    if (document_masking_) s.positions = alloc(DType::I32, {N_});
     s.layers.resize(static_cast<size_t>(stage_layers));
     for (size_t l = 0; l < s.layers.size(); ++l) {
       s.layers[l].res_in = alloc(act_, {rows_, d});
@@ -285,7 +295,8 @@ void Transformer::head_backward(Slot& s, const Tensor& logits, const Tensor& x, 
   be_.matmul(g_.head, dlogits, x.row_slice(r0, r1), true, false, true);
 }
 
-void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int layer, const Tensor* out) {
+void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const AttnShape& shape, int layer,
+                                const Tensor* out) {
   const bool gpt2 = cfg_.is_gpt2();
   // attention block: res_mid = res_in + wo(attn(rope(qkv(norm(res_in)))))
   norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, w.attn_norm_w, w.attn_norm_b);
@@ -293,10 +304,10 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int la
   be_.matmul(a.qkv, gather_rows(a.norm1), w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
   probe(false, layer, "qkv projection", a.qkv);
   if (cfg_.is_llama()) {
-    be_.rope_forward(a.qkv, attn_shape_, cfg_.rope());
+    be_.rope_forward(a.qkv, shape, cfg_.rope());
     probe(false, layer, "rope", a.qkv);
   }
-  be_.attention_forward(a.attn, a.lse, a.qkv, attn_shape_);
+  be_.attention_forward(a.attn, a.lse, a.qkv, shape);
   probe(false, layer, "attention", a.attn);
   // Row-parallel output: partial sums over TP; the replicated bias is added once (TP rank 0).
   be_.matmul(proj_out_, a.attn, w.wo, false, true, false, gpt2 && tp_lead() ? &w.bo : nullptr);
@@ -327,12 +338,22 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, int la
 }
 
 Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens, const int32_t* targets,
-                                          std::optional<float> dloss) {
+                                          std::optional<float> dloss, const int32_t* positions) {
   if (weights_.empty()) throw std::logic_error("Transformer::forward before bind()");
   Slot& s = slots_.at(static_cast<size_t>(slot_index));
   const ModelShard& sh = table_.shard();
   const bool gpt2 = cfg_.is_gpt2();
   Tensor none;
+  s.attn.positions = Tensor();
+  if (positions) {
+    if (!document_masking_)
+      throw std::logic_error("Transformer::forward: document positions given to a model built without document masking");
+    // The GPU kernels trust the positions (they skip key tiles by them); check them here.
+    if (const std::string why = document_positions_error(positions, N_, T_); !why.empty())
+      throw std::invalid_argument("Transformer::forward: " + why);
+    be_.copy_from_host(s.positions, positions);
+    s.attn.positions = s.positions;
+  }
 
   if (sh.has_embedding) {
     if (!tokens) throw std::invalid_argument("Transformer::forward: the embedding stage needs tokens");
@@ -342,7 +363,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
     // Under SP the [N, d] partial sums go to proj_out_ first, and this rank keeps its rows.
     const Tensor in = stage_input(slot_index);
     be_.embedding_forward(sp_ ? proj_out_ : in, s.tokens, w_.tok_embed, gpt2 && tp_lead() ? w_.pos_embed : none, T_,
-                          vocab_start_);
+                          vocab_start_, s.attn.positions);
     if (sp_)
       tp_->reduce_scatter(in, proj_out_);
     else
@@ -352,7 +373,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
 
   for (size_t l = 0; l < s.layers.size(); ++l) {
     const Tensor& next = l + 1 < s.layers.size() ? s.layers[l + 1].res_in : s.res_final;
-    layer_forward(acts(s, l), w_.layers[l], sh.first_layer + static_cast<int>(l), &next);
+    layer_forward(acts(s, l), w_.layers[l], s.attn, sh.first_layer + static_cast<int>(l), &next);
   }
 
   LossSum r;
@@ -422,7 +443,7 @@ void Transformer::backward(int slot_index, float dloss) {
         bool& flag;
         ~Reset() { flag = false; }
       } reset{recomputing_};
-      layer_forward(a, w, layer, nullptr);
+      layer_forward(a, w, s.attn, layer, nullptr);
     }
 
     // MLP block (under SP, dres_all is the gathered rows until norm2 is gathered)
@@ -453,10 +474,10 @@ void Transformer::backward(int slot_index, float dloss) {
     be_.matmul(g.wo, dmid_all, a.attn, true, false, true);
     if (gpt2) be_.bias_backward(g.bo, dmid_all);
     probe(true, layer, "d attention output (output projection backward)", dattn_);
-    be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, attn_shape_);
+    be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, s.attn);
     probe(true, layer, "d qkv (attention backward)", dqkv_);
     if (cfg_.is_llama()) {
-      be_.rope_backward(dqkv_, attn_shape_, cfg_.rope());
+      be_.rope_backward(dqkv_, s.attn, cfg_.rope());
       probe(true, layer, "d qkv (rope backward)", dqkv_);
     }
     be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);
@@ -471,7 +492,7 @@ void Transformer::backward(int slot_index, float dloss) {
   if (sh.has_embedding) {
     // Every TP rank accumulates the rows of its vocab slice, and the (replicated) position
     // gradient in full, so all replicas of pos_embed see the same gradient.
-    be_.embedding_backward(g_.tok_embed, g_.pos_embed, gather_rows(dres_), s.tokens, T_, vocab_start_);
+    be_.embedding_backward(g_.tok_embed, g_.pos_embed, gather_rows(dres_), s.tokens, T_, vocab_start_, s.attn.positions);
   }
   // else: dres_ (grad_input()) now holds d(loss)/d(stage input) for the previous stage.
 }

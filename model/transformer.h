@@ -40,6 +40,10 @@
 // away (loss -> logits -> head weight gradient and final-norm output gradient), so the full
 // logits never exist and nothing is computed twice. Row results are those of the unchunked
 // head bit for bit; only the head weight gradient's fp32 sum is split into per-chunk terms.
+//
+// Document masking (packed sequences): given the tokens' document positions, attention stays
+// within each document and RoPE / GPT-2's learned positions count from the document's start,
+// so a document packed after others computes what it would alone.
 #pragma once
 
 #include <cstdint>
@@ -66,9 +70,12 @@ class Transformer {
   // sequence_parallel: split the replicated rows over TP (needs tp and N divisible by its size).
   // logits_chunk_rows: token rows of logits computed at once (0: auto_logits_chunk_rows; N or
   // more: never chunk).
+  // document_masking: forward may be given the tokens' document positions (packed documents then
+  // attend only within themselves and count positions from their start:
+  // kernels/document_positions.h); a buffer for them is kept per slot.
   Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len, int slots = 1,
               parallel::Comm* tp = nullptr, int recompute_layers = 0, bool sequence_parallel = false,
-              int64_t logits_chunk_rows = 0);
+              int64_t logits_chunk_rows = 0, bool document_masking = false);
   ~Transformer();
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -85,14 +92,18 @@ class Transformer {
   // targets: likewise, needed by the stage holding the head (the only one that returns a loss).
   // dloss: the value backward(slot, dloss) will get, when a backward follows (training). A
   // chunked head needs it to run its backward chunk by chunk here; an unchunked one ignores it.
-  LossSum forward(int slot, const int32_t* tokens, const int32_t* targets, std::optional<float> dloss = std::nullopt);
+  // positions: host array of micro_batch * seq_len document positions (document masking; every
+  // stage needs them), or nullptr: plain causal attention over each sequence.
+  LossSum forward(int slot, const int32_t* tokens, const int32_t* targets, std::optional<float> dloss = std::nullopt,
+                  const int32_t* positions = nullptr);
   // Accumulates into the grads. On the stage with the head, from the loss: dloss folds the
   // averaging (1 / valid tokens in the global batch) and the fp16 loss scale. On other
   // stages, from grad_output(), which the caller fills first.
   void backward(int slot, float dloss);
 
-  LossSum forward(const int32_t* tokens, const int32_t* targets, std::optional<float> dloss = std::nullopt) {
-    return forward(0, tokens, targets, dloss);
+  LossSum forward(const int32_t* tokens, const int32_t* targets, std::optional<float> dloss = std::nullopt,
+                  const int32_t* positions = nullptr) {
+    return forward(0, tokens, targets, dloss, positions);
   }
   void backward(float dloss) { backward(0, dloss); }
 
@@ -132,6 +143,7 @@ class Transformer {
   DType act_dtype() const { return act_; }
   int recompute_layers() const { return recompute_layers_; }  // after clamping to the stage's layers
   bool sequence_parallel() const { return sp_; }
+  bool document_masking() const { return document_masking_; }
   // Under sequence parallelism, after all micro-batches' backward: all-reduce over TP the
   // gradients each rank summed over its rows only (the norms'). No-op otherwise.
   void sum_sequence_parallel_grads();
@@ -166,6 +178,8 @@ class Transformer {
 
   struct Slot {
     Tensor tokens, targets;
+    Tensor positions;  // document masking: I32 [N]
+    AttnShape attn;    // attn_shape_, with `positions` when this micro-batch's forward got them
     std::vector<LayerActs> layers;
     Tensor res_final;           // residual after the last layer: the stage's output
     Tensor normf, meanf, rstdf;
@@ -202,7 +216,7 @@ class Transformer {
   void alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_cols, int64_t fc_cols);
   // One layer's forward from a.res_in. `out`: where the layer output goes; nullptr when
   // recomputing for backward, which stops after the MLP activation and probes nothing.
-  void layer_forward(const LayerActs& a, const LayerParams& w, int layer, const Tensor* out);
+  void layer_forward(const LayerActs& a, const LayerParams& w, const AttnShape& shape, int layer, const Tensor* out);
 
   void probe(bool backward, int layer, const char* op, const Tensor& out) {
     if (probe_ && !recomputing_) probe_({backward, layer, op, out});
@@ -220,11 +234,12 @@ class Transformer {
   int recompute_layers_;
   int64_t head_rows_;  // logits rows computed at once (N_: not chunked)
   bool sp_ = false;
+  bool document_masking_ = false;
   parallel::Comm* tp_;
   bool tensor_parallel_;
   // This rank's sizes (TP-local).
   int64_t q_, kv_, ffn_, vocab_local_, vocab_start_ = 0;
-  AttnShape attn_shape_;
+  AttnShape attn_shape_;  // without positions (each slot has its own copy)
   Tensor weights_, grads_;
   Params w_, g_;  // views of weights_ and grads_
   std::vector<void*> allocations_;

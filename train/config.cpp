@@ -457,6 +457,8 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     }
     c.data.val = f.strings("val");
     c.data.shuffle = f.boolean("shuffle", true);
+    c.data.document_masking = f.boolean("document_masking", false);
+    c.data.eod_token = f.integer("eod_token", -1, -1, std::max<int64_t>(c.model.vocab_size - 1, -1));
     f.finish();
     if (c.data.train.empty()) errors.push_back("data.train: missing (required: token files or glob patterns)");
   }
@@ -623,6 +625,8 @@ json to_json(const RunConfig& c) {
                 {"logits_chunk_rows", t.logits_chunk_rows}};
   j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
   if (!c.data.train_weights.empty()) j["data"]["train_weights"] = c.data.train_weights;
+  if (c.data.document_masking) j["data"]["document_masking"] = true;
+  if (c.data.eod_token >= 0) j["data"]["eod_token"] = c.data.eod_token;
   j["log"] = {{"interval", c.log.interval}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},
                      {"keep_last", c.checkpoint.keep_last},

@@ -104,6 +104,12 @@ struct DataConfig {
   std::vector<double> train_weights;
   std::vector<std::string> val;
   bool shuffle = true;
+  // Packed documents attend only within themselves, and positions restart at each document
+  // (Megatron's reset_attention_mask + reset_position_ids; kernels/document_positions.h).
+  bool document_masking = false;
+  // The token that ends a document. -1: the "eot_id" that prepare_data.py records in meta.json
+  // beside the shards (resolve_eod_token, when document masking is on).
+  int64_t eod_token = -1;
 };
 
 struct LogConfig {

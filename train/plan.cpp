@@ -467,7 +467,9 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     // their intermediates are rebuilt one layer at a time in a scratch set shared by them all.
     const double Lr = opt.recompute_layers > 0 ? std::min<double>(L, double(opt.recompute_layers)) : L;
     const double kept_layer = act.per_layer_full + act.attn_scores;
-    const double ids = (sp.has_embedding ? act.token_ids : 0) + (sp.has_head ? act.token_ids : 0);
+    // token ids (embedding), targets (head), document positions (every stage, with masking)
+    const double ids = (sp.has_embedding ? act.token_ids : 0) + (sp.has_head ? act.token_ids : 0) +
+                       (cfg.data.document_masking ? act.token_ids : 0);
     const double head = sp.has_head ? act.head : 0;
     // keel's Transformer keeps a stage output, the token ids / targets and the head's buffers
     // per micro-batch in flight (a pipeline slot). The Megatron-DeepSpeed model (compared with

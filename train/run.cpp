@@ -2,18 +2,22 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
+#include <set>
 
 #include <csignal>
 
 #include "data/sampler.h"
+#include "kernels/document_positions.h"
 #include "kernels/device.h"
 #include "kernels/guarded_backend.h"
 #include "train/parallel/nccl_comm.h"
@@ -94,10 +98,51 @@ data::Sampler open_train_data(const RunConfig& cfg) {
                        cfg.data.shuffle);
 }
 
+// data.eod_token when document masking is on and it is not set: the "eot_id" prepare_data.py
+// writes to meta.json beside the shards, which every data.train and data.val folder must agree on.
+RunConfig with_eod_token(RunConfig cfg) {
+  if (!cfg.data.document_masking || cfg.data.eod_token >= 0) return cfg;
+  std::map<int64_t, std::string> found;  // eot_id -> a meta.json that says so
+  std::set<std::string> without;          // folders with no usable meta.json
+  std::vector<std::string> files = data::expand_paths(cfg.data.train, "data.train");
+  if (!cfg.data.val.empty())
+    for (const std::string& f : data::expand_paths(cfg.data.val, "data.val")) files.push_back(f);
+  std::set<std::string> dirs;
+  for (const std::string& f : files) dirs.insert(fs::path(f).parent_path().string());
+  for (const std::string& dir : dirs) {
+    const fs::path meta = fs::path(dir.empty() ? "." : dir) / "meta.json";
+    std::ifstream in(meta);
+    const nlohmann::json j = in ? nlohmann::json::parse(in, nullptr, false) : nlohmann::json();
+    if (j.is_object() && j.contains("eot_id") && j["eot_id"].is_number_integer())
+      found.emplace(j["eot_id"].get<int64_t>(), meta.string());
+    else
+      without.insert(meta.string());
+  }
+  const std::string hint = " Set data.eod_token to the token id that ends each document in the data.";
+  if (found.empty())
+    throw ConfigError("data.document_masking needs the token that ends a document, and data.eod_token is not set; "
+                      "no meta.json beside the data files names one (\"eot_id\", written by prepare_data.py): " +
+                      *without.begin() + "." + hint);
+  if (found.size() > 1)
+    throw ConfigError("data.document_masking: the data's meta.json files disagree on the end-of-document token: " +
+                      std::to_string(found.begin()->first) + " in " + found.begin()->second + ", " +
+                      std::to_string(found.rbegin()->first) + " in " + found.rbegin()->second + "." + hint);
+  if (!without.empty())
+    throw ConfigError("data.document_masking: " + found.begin()->second + " names end-of-document token " +
+                      std::to_string(found.begin()->first) + ", but " + *without.begin() + " names none." + hint);
+  cfg.data.eod_token = found.begin()->first;
+  if (cfg.data.eod_token >= cfg.model.vocab_size)
+    throw ConfigError("data.document_masking: the end-of-document token " + std::to_string(cfg.data.eod_token) +
+                      " of " + found.begin()->second + " is outside model.vocab_size " +
+                      std::to_string(cfg.model.vocab_size));
+  return cfg;
+}
+
 // Micro-batches of DP rank `dp_rank` for the global batch that starts at consumed sample
-// `first`: rank r reads samples first + r*G/dp + m*micro_batch + b.
+// `first`: rank r reads samples first + r*G/dp + m*micro_batch + b. With an end-of-document
+// token (eod >= 0, document masking) each gets its document positions.
 std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first, int64_t global_batch,
-                                     int64_t micro_batch, int64_t dp, int64_t dp_rank) {
+                                     int64_t micro_batch, int64_t dp, int64_t dp_rank, int64_t eod = -1) {
   const int64_t per_rank = global_batch / dp;
   const int T = sampler.seq_len();
   std::vector<MicroBatch> out(static_cast<size_t>(per_rank / micro_batch));
@@ -106,6 +151,9 @@ std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first
     out[m].targets.resize(out[m].inputs.size());
     sampler.fill(first + dp_rank * per_rank + static_cast<int64_t>(m) * micro_batch, static_cast<int>(micro_batch),
                  out[m].inputs.data(), out[m].targets.data());
+    if (eod >= 0)
+      out[m].positions = document_positions(out[m].inputs.data(), static_cast<int64_t>(out[m].inputs.size()), T,
+                                            static_cast<int32_t>(eod));
   }
   return out;
 }
@@ -154,6 +202,21 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     }
   }
   if (val) std::printf("keel: data: validation %lld windows\n", static_cast<long long>(val->num_windows()));
+  if (cfg.data.document_masking) {
+    // How often the end-of-document token occurs in the first windows: a wrong data.eod_token
+    // would make the masking a silent no-op.
+    const int n = static_cast<int>(std::min<int64_t>(64, train.num_windows()));
+    std::vector<int32_t> in(static_cast<size_t>(n) * train.seq_len()), tgt(in.size());
+    train.fill(0, n, in.data(), tgt.data());
+    const auto ends = std::count(in.begin(), in.end(), static_cast<int32_t>(cfg.data.eod_token));
+    std::printf("keel: data: document masking: documents end at token %lld; attention stays within a document and "
+                "positions restart after each end (%.1f documents per sequence in the first %d)\n",
+                static_cast<long long>(cfg.data.eod_token), 1.0 + static_cast<double>(ends) / n, n);
+    if (ends == 0)
+      std::printf("keel: WARNING token %lld does not occur in the first %d training sequences: document masking "
+                  "changes nothing there. Is data.eod_token the token that ends the documents of this data?\n",
+                  static_cast<long long>(cfg.data.eod_token), n);
+  }
   std::printf("keel: batch: global %lld samples = micro-batch %lld x %lld accumulation steps x dp %lld; seq_len %lld\n",
               static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
               static_cast<long long>(cfg.grad_accum_steps(cfg.train.global_batch)),
@@ -167,7 +230,7 @@ double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, con
   const int64_t mbs = cfg.train.micro_batch;
   std::vector<MicroBatch> batches;
   for (int64_t b = grid.dp_rank(); b < cfg.train.eval_batches; b += grid.dp_size()) {
-    auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0);
+    auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0, cfg.data.document_masking ? cfg.data.eod_token : -1);
     batches.push_back(std::move(one[0]));
   }
   return tr.evaluate(batches);
@@ -232,7 +295,8 @@ const parallel::MpiRuntime* g_runtime = nullptr;
 void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
 const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 
-int run_training(const RunConfig& cfg, const RunOptions& opts) {
+int run_training(const RunConfig& config, const RunOptions& opts) {
+  const RunConfig cfg = with_eod_token(config);
   // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
   const int world_size = opts.mpi ? opts.mpi->world_size() : 1;
   const int world_rank = opts.mpi ? opts.mpi->world_rank() : 0;
@@ -318,7 +382,8 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
     if (cfg.health.param_group_audit == "error") throw ConfigError(msg);
     if (lead) std::printf("keel: WARNING %s\n", msg.c_str());
   }
-  // The probe batch for restart verification: the first training samples, the same on every rank.
+  // The probe batch for restart verification: the first training samples, the same on every rank
+  // (without document masking, so that its loss depends on the weights alone).
   const MicroBatch probe = load_batches(train, 0, cfg.train.micro_batch, cfg.train.micro_batch, 1, 0)[0];
 
   // Resume if a checkpoint exists (explicit --resume, or the latest in the checkpoint
@@ -375,6 +440,7 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   }
   // Restart verification (seeds 000 and 001): the masters must round to the loaded weights,
   // and the probe batch's loss and the per-tensor norms must be what was saved.
+  bool probe_compared = false;
   if (!loaded_from.empty() && cfg.health.verify_restart) {
     std::vector<std::string> problems = tr.check_master_consistency(loaded_stochastic);
     if (!problems.empty())
@@ -392,8 +458,13 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
       if (same_topology && resumed && !bitwise)
         notes.push_back("the checkpoint was computed by " + saved_arithmetic + ", this run by " + arithmetic +
                         ": its probe loss must agree within rounding, not bit for bit");
-      auto diffs = tr.compare_snapshot(loaded_health, tr.snapshot(probe), bitwise, resumed);
+      const HealthSnapshot now = tr.snapshot(probe);
+      auto diffs = tr.compare_snapshot(loaded_health, now, bitwise, resumed);
       problems.insert(problems.end(), diffs.begin(), diffs.end());
+      probe_compared = loaded_health.value("probe_batch", now.probe_batch) == now.probe_batch;
+      if (!probe_compared)
+        notes.push_back("the probe batch is not the one the checkpoint measured (other data, seq_len or micro_batch): "
+                        "its loss is not compared, the per-tensor norms and the masters are");
     }
     if (!problems.empty()) {
       std::string msg = "restart verification failed for " + loaded_from + ":";
@@ -402,7 +473,9 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
       throw CheckpointError(msg + "\nNothing was trained; the checkpoint is untouched.");
     }
     notes.push_back("restart verification passed: masters consistent with the weights" +
-                    std::string(loaded_health.is_null() ? "" : ", probe loss and per-tensor norms as saved"));
+                    std::string(loaded_health.is_null() ? ""
+                                : probe_compared     ? ", probe loss and per-tensor norms as saved"
+                                                     : ", per-tensor norms as saved"));
   }
   if (progress.iteration >= cfg.train.steps) {
     if (lead)
@@ -463,7 +536,8 @@ int run_training(const RunConfig& cfg, const RunOptions& opts) {
   for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t gbs = global_batch_size(cfg, consumed_samples);
-    auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, grid.dp_rank());
+    auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, grid.dp_rank(),
+                                cfg.data.document_masking ? cfg.data.eod_token : -1);
     const bool collect_stats = cfg.health.stats_interval > 0 && it % cfg.health.stats_interval == 0;
     StepStats st = tr.step(batches, it, collect_stats);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

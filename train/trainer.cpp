@@ -42,7 +42,7 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
                                          static_cast<int>(cfg.train.micro_batch), static_cast<int>(cfg.train.seq_len),
                                          slots, grid_.tp_size() > 1 ? comms_->tp.get() : nullptr,
                                          cfg.train.recomputed_layers_per_stage(), cfg.parallel.sequence_parallel,
-                                         cfg.train.logits_chunk_rows);
+                                         cfg.train.logits_chunk_rows, cfg.data.document_masking);
   model_->bind(state_->working, state_->grads);
   {
     const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
@@ -105,7 +105,7 @@ double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bo
   const std::optional<float> head_dloss = backward ? std::optional<float>(dloss) : std::nullopt;
   auto forward = [&](int mb) {
     auto r = model_->forward(mb % slots, first ? mbs[mb].inputs.data() : nullptr, last ? mbs[mb].targets.data() : nullptr,
-                             head_dloss);
+                             head_dloss, mbs[mb].positions.empty() ? nullptr : mbs[mb].positions.data());
     loss_sum += r.loss_sum;
   };
   auto recv_forward = [&](int mb) {

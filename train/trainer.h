@@ -32,6 +32,9 @@ namespace keel {
 // Host-side micro-batch: micro_batch * seq_len inputs and targets (target < 0: not in the loss).
 struct MicroBatch {
   std::vector<int32_t> inputs, targets;
+  // data.document_masking: the inputs' document positions (kernels/document_positions.h);
+  // empty: plain causal attention over each sequence.
+  std::vector<int32_t> positions;
 };
 
 struct StepStats {
@@ -58,6 +61,10 @@ struct StepStats {
 // full model's parameter table), computed over all ranks.
 struct HealthSnapshot {
   double probe_loss = 0;
+  // Which batch the probe was: "<rows>x<seq_len> crc32c <hex of inputs and targets>". Another
+  // batch (a finetune on other data, another seq_len or micro_batch) has another loss, so the
+  // probe losses are compared only when this matches (or a checkpoint predates the field).
+  std::string probe_batch;
   std::vector<double> working_sumsq, master_sumsq;
 };
 

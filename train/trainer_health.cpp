@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "data/checksum.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
 
@@ -151,6 +152,10 @@ void Trainer::check_frozen(StepStats& st) {
 HealthSnapshot Trainer::snapshot(const MicroBatch& probe) {
   HealthSnapshot s;
   s.probe_loss = evaluate({probe});
+  uint32_t crc = data::crc32c(0, probe.inputs.data(), probe.inputs.size() * sizeof(int32_t));
+  crc = data::crc32c(crc, probe.targets.data(), probe.targets.size() * sizeof(int32_t));
+  s.probe_batch = std::to_string(probe.inputs.size() / static_cast<size_t>(model_->seq_len())) + "x" +
+                  std::to_string(model_->seq_len()) + " crc32c " + data::crc32c_hex(crc);
   s.working_sumsq.assign(full_names_.size(), 0.0);
   s.master_sumsq.assign(full_names_.size(), 0.0);
   const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
@@ -170,7 +175,10 @@ HealthSnapshot Trainer::snapshot(const MicroBatch& probe) {
 nlohmann::json Trainer::snapshot_json(const HealthSnapshot& s) const {
   nlohmann::json tensors = nlohmann::json::object();
   for (size_t i = 0; i < full_names_.size(); ++i) tensors[full_names_[i]] = {s.working_sumsq[i], s.master_sumsq[i]};
-  return {{"probe_loss", s.probe_loss}, {"probe_loss_bits", hex_of(s.probe_loss)}, {"tensor_sumsq", tensors}};
+  return {{"probe_loss", s.probe_loss},
+          {"probe_loss_bits", hex_of(s.probe_loss)},
+          {"probe_batch", s.probe_batch},
+          {"tensor_sumsq", tensors}};
 }
 
 std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now,
@@ -182,7 +190,9 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
   // bf16/fp16 activations to a few of their spacings (2^-8 relative).
   const double tol = cfg_.precision.mode == PrecisionMode::FP32 ? 1e-5 : 1e-2;
   char buf[512];
-  if (bitwise ? hex_of(now.probe_loss) != was_bits : std::abs(now.probe_loss - was) > tol * std::abs(was)) {
+  const bool same_probe = saved.value("probe_batch", now.probe_batch) == now.probe_batch;
+  if (same_probe &&
+      (bitwise ? hex_of(now.probe_loss) != was_bits : std::abs(now.probe_loss - was) > tol * std::abs(was))) {
     std::snprintf(buf, sizeof buf,
                   "the probe batch's loss is %.9g after loading, %.9g when the checkpoint was saved (%s): the model "
                   "does not compute what was saved",

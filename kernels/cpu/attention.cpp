@@ -1,19 +1,22 @@
 // Causal self-attention with grouped-query heads, flash-attention style: the forward keeps only
 // the log-sum-exp of each score row; the backward recomputes probabilities from it.
 //
-// For one query head h (key/value head h / group) and query position i, keys j <= i:
+// For one query head h (key/value head h / group) and query position i, keys j <= i (and j in
+// i's document, under document masking: j >= i - positions[i]):
 //   S_ij = (q_i . k_j) / sqrt(hd),  lse_i = log sum_j exp(S_ij),  P_ij = exp(S_ij - lse_i)
 //   o_i = sum_j P_ij v_j
 // Backward with D_i = dO_i . o_i:
 //   dP_ij = dO_i . v_j,  dS_ij = P_ij (dP_ij - D_i)
 //   dq_i = sum_j dS_ij k_j / sqrt(hd)
 //   dk_j = sum_{h in group} sum_{i >= j} dS_ij q_i / sqrt(hd),  dv_j = sum_{h in group} sum_{i >= j} P_ij dO_i
+//   (i up to the end of j's document under document masking)
 // dq is computed per query row and dk/dv per key row (each by one thread, heads of the group in
 // order, then i in order), so nothing is accumulated across threads.
 #include <cmath>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/document_positions.h"
 
 namespace keel {
 
@@ -34,6 +37,17 @@ void check_attn(const char* op, const AttnShape& s, Named qkv) {
   check_float(op, qkv);
   if (cpu::rows(qkv.t) != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())
     fail(op, std::string(qkv.name) + " must be [B*T, (n_heads + 2 n_kv_heads) * head_dim] for " + attn_str(s), {qkv});
+  check_positions(op, s.positions, static_cast<int64_t>(s.B) * s.T, s.T);
+}
+
+const int32_t* check_positions(const char* op, const Tensor& positions, int64_t N, int T) {
+  if (positions.empty()) return nullptr;
+  check_dtype(op, {"positions", positions}, DType::I32);
+  if (positions.numel() != N)
+    fail(op, "positions must hold one entry per token row (" + std::to_string(N) + ")", {{"positions", positions}});
+  const int32_t* p = positions.as<const int32_t>();
+  if (const std::string why = document_positions_error(p, N, T); !why.empty()) fail(op, why, {{"positions", positions}});
+  return p;
 }
 
 }  // namespace cpu
@@ -95,6 +109,7 @@ void CpuBackend::attention_forward(const Tensor& out, const Tensor& lse, const T
   const int64_t group = nh / nkv;
   const float scale = softmax_scale(s.head_dim);
   float* lse_out = lse.as<float>();
+  const int32_t* pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
   const int64_t work = B * nh * T * (T + 1) / 2 * hd;  // multiply-adds of q.k (and p.v)
 #pragma omp parallel if (work >= cpu::kMinParallelWork)
   {
@@ -106,18 +121,19 @@ void CpuBackend::attention_forward(const Tensor& out, const Tensor& lse, const T
       const float* q = heads.q.data() + idx * hd;
       const float* k = heads.k.data() + (b * nkv + h / group) * T * hd;
       const float* v = heads.v.data() + (b * nkv + h / group) * T * hd;
+      const int64_t j0 = pos ? i - pos[b * T + i] : 0;  // the document's first row
       float m = -INFINITY;
-      for (int64_t j = 0; j <= i; ++j) {
+      for (int64_t j = j0; j <= i; ++j) {
         p[j] = cpu::dot(q, k + j * hd, hd) * scale;
         m = std::max(m, p[j]);
       }
       float l = 0;
-      for (int64_t j = 0; j <= i; ++j) {
+      for (int64_t j = j0; j <= i; ++j) {
         p[j] = std::exp(p[j] - m);
         l += p[j];
       }
       std::fill(o.begin(), o.end(), 0.0f);
-      for (int64_t j = 0; j <= i; ++j) cpu::axpy(p[j], v + j * hd, o.data(), hd);
+      for (int64_t j = j0; j <= i; ++j) cpu::axpy(p[j], v + j * hd, o.data(), hd);
       for (int64_t d = 0; d < hd; ++d) o[d] /= l;
       cpu::store_f32(out, (b * T + i) * nh * hd + h * hd, hd, o.data());
       lse_out[idx] = m + std::log(l);
@@ -145,6 +161,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
   const float scale = softmax_scale(s.head_dim);
   const float* lse_in = lse.as<const float>();
   const int64_t cols = s.qkv_cols();
+  const int32_t* pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
 
   // dO head-major [B][nh][T][hd] and D = rowsum(dO * O) per (b, h, i)
   std::vector<float> dO(static_cast<size_t>(B * nh * T * hd)), D(static_cast<size_t>(B * nh * T));
@@ -177,7 +194,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
       const float* k = heads.k.data() + (b * nkv + h / group) * T * hd;
       const float* v = heads.v.data() + (b * nkv + h / group) * T * hd;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j <= i; ++j) {
+      for (int64_t j = pos ? i - pos[b * T + i] : 0; j <= i; ++j) {
         const float p = prob(q, k + j * hd, hd, scale, lse_in[idx]);
         const float ds = p * (cpu::dot(dy, v + j * hd, hd) - D[idx]);
         cpu::axpy(ds, k + j * hd, acc.data(), hd);
@@ -186,7 +203,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
       cpu::store_f32(dqkv, (b * T + i) * cols + h * hd, hd, acc.data());
     }
     // pass 2: dk_j and dv_j, one (b, kv head, j) key row per iteration; the group's query
-    // heads in order, then i = j .. T-1 in order
+    // heads in order, then i = j .. in order up to the end of j's document (or sequence)
 #pragma omp for schedule(dynamic, 8)
     for (int64_t kdx = 0; kdx < B * nkv * T; ++kdx) {
       const int64_t b = kdx / (nkv * T), kvh = (kdx / T) % nkv, j = kdx % T;
@@ -196,7 +213,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
       std::fill(acc2.begin(), acc2.end(), 0.0f);  // dv
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
-        for (int64_t i = j; i < T; ++i) {
+        for (int64_t i = j; i < T && (i == j || !pos || pos[b * T + i] != 0); ++i) {
           const int64_t idx = (b * nh + h) * T + i;
           const float* q = heads.q.data() + idx * hd;
           const float* dy = dO.data() + idx * hd;

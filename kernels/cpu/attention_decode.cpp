@@ -27,6 +27,8 @@ void CpuBackend::attention_decode(const Tensor& out, const Tensor& qkv, const Te
   const int64_t n = s.T, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
   const int64_t cols = s.qkv_cols(), kv_cols = nkv * hd;
   if (s.B != 1) cpu::fail(op, "decodes one sequence (B = 1), got " + cpu::attn_str(s), {{"qkv", qkv}});
+  if (!s.positions.empty())
+    cpu::fail(op, "decodes one document: document positions are for training", {{"positions", s.positions}});
   if (cpu::rows(out) != n || out.cols() != nh * hd)
     cpu::fail(op, "out must be [n, n_heads*head_dim] for " + cpu::attn_str(s), {{"out", out}, {"qkv", qkv}});
   for (Named c : {Named{"k_cache", k_cache}, Named{"v_cache", v_cache}})

@@ -52,6 +52,10 @@ void check_dtype(const char* op, Named a, DType want);
 // [B*T, qkv_cols()]. Defined in attention.cpp.
 void check_attn(const char* op, const AttnShape& s, Named qkv);
 std::string attn_str(const AttnShape& s);  // "B=2 T=16 n_heads=4 n_kv_heads=2 head_dim=8"
+// Document positions (AttnShape::positions): empty, or a CPU I32 tensor of N elements, N a
+// multiple of T, 0 at each sequence's first row and every other row 0 or one more than the
+// row before. Returns the data (nullptr when empty). Defined in attention.cpp.
+const int32_t* check_positions(const char* op, const Tensor& positions, int64_t N, int T);
 
 // ---- element access ----
 

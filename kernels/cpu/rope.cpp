@@ -27,9 +27,10 @@ namespace keel {
 namespace cpu {
 
 // Rotates the n_heads + n_kv_heads query/key heads of every row n by the cos/sin of table row
-// n % T; inverse = backward rotation. (attention_decode.cpp uses it with a table that starts at
-// the new rows' absolute position.)
+// n % T (s.positions[n] under document masking); inverse = backward rotation.
+// (attention_decode.cpp uses it with a table that starts at the new rows' absolute position.)
 void rope_rotate(const Tensor& qkv, const AttnShape& s, const std::vector<float>& table, bool inverse) {
+  const int32_t* pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
   const int hd = s.head_dim, half = hd / 2;
   const int64_t rows = static_cast<int64_t>(s.B) * s.T;
   const int64_t cols = s.qkv_cols();
@@ -39,7 +40,7 @@ void rope_rotate(const Tensor& qkv, const AttnShape& s, const std::vector<float>
     std::vector<float> buf(static_cast<size_t>(rotated));
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < rows; ++n) {
-      const float* cs = table.data() + static_cast<size_t>(n % s.T) * half * 2;
+      const float* cs = table.data() + static_cast<size_t>(pos ? pos[n] : n % s.T) * half * 2;
       cpu::load_f32(qkv, n * cols, rotated, buf.data());
       for (int64_t h0 = 0; h0 < rotated; h0 += hd) {
         float* x = buf.data() + h0;

@@ -13,6 +13,9 @@
 //   dq_i = sum_j dS_ij k_j / sqrt(hd),  dk_j = sum_{h in group} sum_{i>=j} dS_ij q_i / sqrt(hd),
 //   dv_j = sum_{h in group} sum_{i>=j} P_ij dO_i
 //
+// Under document masking (AttnShape::positions) the key range of row i starts at its document's
+// first row, i - positions[i], and the query range of key j ends with j's document.
+//
 // Plain kernels, one warp per output row (the CPU reference's decomposition):
 //   forward  warp per (b, h, i): keys in chunks of 32, one key per lane (its score a dot product
 //            over hd), an online softmax over the chunks (max and sum by warp butterflies), then
@@ -42,7 +45,8 @@ constexpr int kPerLane = kMaxHeadDim / 32;
 // Where the rows of a plain attention call live. Query row r of sequence b, head h:
 // q + (b * Tq + r) * q_stride + h * hd; key/value row j of sequence b, kv head kvh:
 // k + (b * Tk + j) * k_stride + kvh * hd (v likewise); output out + (b * Tq + r) * out_stride + h * hd.
-// Row r attends keys 0 .. key_offset + r.
+// Row r attends keys 0 .. key_offset + r, or with document positions pos ([B*Tq], training only:
+// Tk == Tq, key_offset 0) keys r - pos[r] .. r.
 struct PlainAttn {
   const void* q;
   const void* k;
@@ -53,6 +57,7 @@ struct PlainAttn {
   int64_t q_stride, k_stride, v_stride, out_stride;
   int B, Tq, Tk, nh, nkv, hd;
   int64_t key_offset;
+  const int32_t* pos;
   float scale;
 };
 
@@ -71,11 +76,12 @@ __global__ void __launch_bounds__(kThreads) plain_attention_forward_kernel(Plain
   __syncwarp();
   const int64_t kv_row0 = static_cast<int64_t>(b) * a.Tk;
   const int64_t last = a.key_offset + r;
+  const int64_t first = a.pos ? r - a.pos[static_cast<int64_t>(b) * a.Tq + r] : 0;
   float o[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) o[k] = 0.0f;
   float m = -INFINITY, l = 0.0f;
-  for (int64_t j0 = 0; j0 <= last; j0 += 32) {
+  for (int64_t j0 = first; j0 <= last; j0 += 32) {
     const int64_t j = j0 + lane;
     float s = -INFINITY;
     if (j <= last) {
@@ -133,6 +139,7 @@ struct PlainBwd {
   void* dqkv;
   const float* lse;
   const float* delta;
+  const int32_t* pos;  // document positions [B*T], or null
   DType qkv_dt, dout_dt, dqkv_dt;
   int B, T, nh, nkv, hd;
   float scale;
@@ -161,7 +168,8 @@ __global__ void __launch_bounds__(kThreads) plain_attention_dq_kernel(PlainBwd a
   float dq[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) dq[k] = 0.0f;
-  for (int j0 = 0; j0 <= i; j0 += 32) {
+  const int first = a.pos ? i - a.pos[row] : 0;
+  for (int j0 = first; j0 <= i; j0 += 32) {
     const int j = j0 + lane;
     float ds = 0.0f;
     if (j <= i) {
@@ -219,8 +227,13 @@ __global__ void __launch_bounds__(kThreads) plain_attention_dkdv_kernel(PlainBwd
     const int64_t stat = (static_cast<int64_t>(b) * a.nh + h) * a.T;
     for (int i0 = j; i0 < a.T; i0 += 32) {
       const int i = i0 + lane;
+      // queries of j's document only: i's start i - pos[i] at most j (a prefix of the lanes,
+      // as starts never decrease)
+      const bool in_doc = i < a.T && (!a.pos || i - a.pos[static_cast<int64_t>(b) * a.T + i] <= j);
+      const unsigned lanes = __ballot_sync(0xffffffffu, in_doc);
+      if (lanes == 0) break;  // the document ended before i0
       float p = 0.0f, ds = 0.0f;
-      if (i < a.T) {
+      if (in_doc) {
         const int64_t row_i = static_cast<int64_t>(b) * a.T + i;
         float qk = 0.0f, dov = 0.0f;
         for (int d = 0; d < hd; ++d) {
@@ -230,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) plain_attention_dkdv_kernel(PlainBwd
         p = expf(qk * a.scale - a.lse[stat + i]);
         ds = p * (dov - a.delta[stat + i]);
       }
-      const int n_q = min(32, a.T - i0);
+      const int n_q = __popc(lanes);
       for (int ii = 0; ii < n_q; ++ii) {
         const float pi = __shfl_sync(0xffffffffu, p, ii), dsi = __shfl_sync(0xffffffffu, ds, ii);
         const int64_t row_i = static_cast<int64_t>(b) * a.T + i0 + ii;
@@ -305,6 +318,7 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
     a.out_stride = nh * hd;
     a.B = s.B, a.Tq = s.T, a.Tk = s.T, a.nh = s.n_heads, a.nkv = s.n_kv_heads, a.hd = s.head_dim;
     a.key_offset = 0;
+    a.pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
     a.scale = cuda::softmax_scale(s.head_dim);
     cuda::plain_attention_forward_kernel<<<cuda::row_blocks(B * nh * T), cuda::kThreads, 0, stream_>>>(a);
   }
@@ -340,6 +354,7 @@ void CudaBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, con
     a.delta = delta;
     a.qkv_dt = qkv.dtype, a.dout_dt = dout.dtype, a.dqkv_dt = dqkv.dtype;
     a.B = s.B, a.T = s.T, a.nh = s.n_heads, a.nkv = s.n_kv_heads, a.hd = s.head_dim;
+    a.pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
     a.scale = cuda::softmax_scale(s.head_dim);
     cuda::plain_attention_dq_kernel<<<cuda::row_blocks(B * nh * T), cuda::kThreads, 0, stream_>>>(a);
     cuda::plain_attention_dkdv_kernel<<<cuda::row_blocks(B * s.n_kv_heads * T), cuda::kThreads, 0, stream_>>>(a);
@@ -358,6 +373,8 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& qkv, const T
   const int64_t n = s.T, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
   const int64_t cols = s.qkv_cols(), kv_cols = nkv * hd;
   if (s.B != 1) cuda::fail(op, "decodes one sequence (B = 1), got " + cuda::attn_str(s), {{"qkv", qkv}});
+  if (!s.positions.empty())
+    cuda::fail(op, "decodes one document: document positions are for training", {{"positions", s.positions}});
   if (cuda::rows(out) != n || out.cols() != nh * hd)
     cuda::fail(op, "out must be [n, n_heads*head_dim] for " + cuda::attn_str(s), {{"out", out}, {"qkv", qkv}});
   for (Named c : {Named{"k_cache", k_cache}, Named{"v_cache", v_cache}})
@@ -395,6 +412,7 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& qkv, const T
   a.B = 1, a.Tq = static_cast<int>(n), a.Tk = static_cast<int>(max_len), a.nh = s.n_heads, a.nkv = s.n_kv_heads;
   a.hd = s.head_dim;
   a.key_offset = pos;
+  a.pos = nullptr;
   a.scale = cuda::softmax_scale(s.head_dim);
   if (n > 0) cuda::plain_attention_forward_kernel<<<cuda::row_blocks(n * nh), cuda::kThreads, 0, stream_>>>(a);
   cuda::check_launch(*this, op, {{"out", out}, {"qkv", qkv}, {"k_cache", k_cache}});

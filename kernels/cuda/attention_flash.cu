@@ -32,6 +32,11 @@
 //            S^T = K Q^T, dP^T = V dO^T, dS^T, dV += P^T dO, dK += dS^T Q. One block owns each
 //            dk/dv row, and the loop order is fixed: deterministic, no atomics.
 // Tiles beyond T are zero-filled and masked; causal masking applies on tiles crossing the diagonal.
+// Document masking (AttnShape::positions, pos): row i attends keys from start_i = i - pos[i]. The
+// starts never decrease with i (document positions), so a query tile's keys begin at the tile
+// of its first row's start (forward, dq: earlier key tiles are skipped), a key tile's queries
+// end where a row's start passes the tile's last key (dk-dv: the later query tiles are
+// skipped), and tiles where some start falls inside are masked element by element.
 // P and dS are rounded to the storage type for the second product of each pair (as
 // FlashAttention does); all sums are fp32.
 #include <cuda_bf16.h>
@@ -204,12 +209,49 @@ __device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int 
   }
 }
 
+// ---- document masking ----
+
+const int32_t* positions_of(const AttnShape& s) {
+  return s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
+}
+
+// A query tile's document starts (start_i = i - pos[i]; all 0 without document masking): the
+// lane's two rows, the tile's first row (where its keys begin) and its last row.
+struct DocStarts {
+  int start[2] = {0, 0};  // rows row_a, row_b (rows past T: 0, they are masked anyway)
+  int first_key = 0;      // start of row q0
+  int last_start = 0;     // start of row q_last
+  __device__ DocStarts(const int32_t* pos, int b, int T_len, int q0, int q_last, int row_a, int row_b) {
+    if (!pos) return;
+    const int32_t* p = pos + static_cast<int64_t>(b) * T_len;
+    start[0] = row_a < T_len ? row_a - p[row_a] : 0;
+    start[1] = row_b < T_len ? row_b - p[row_b] : 0;
+    first_key = q0 - p[q0];
+    last_start = q_last - p[q_last];
+  }
+};
+
+// One past the last query row whose document start is at most key j (p: one sequence's
+// positions; starts never decrease, so a binary search over rows j .. T-1; row j itself
+// qualifies). Every thread of the block computes it alike (a few cached loads).
+__device__ int queries_end(const int32_t* p, int T_len, int j) {
+  int lo = j + 1, hi = T_len;  // rows < lo qualify; rows >= hi do not
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (mid - p[mid] <= j)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 // ---- forward ----
 
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads)
-    flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, int T_len, int nh,
-                         int nkv, float scale_log2) {
+    flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse,
+                         const int32_t* __restrict__ pos, int T_len, int nh, int nkv, float scale_log2) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;  // k-steps over the head dimension
   constexpr int NT = HD / 8;   // n-tiles of the output
@@ -233,10 +275,12 @@ __global__ void __launch_bounds__(kThreads)
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
   const int q_last = min(q0 + kBlockQ - 1, T_len - 1);
   const int n_kt = q_last / kBlockK + 1;
+  const DocStarts docs(pos, b, T_len, q0, q_last, row_a, row_b);
+  const int kt_first = docs.first_key / kBlockK;
 
   async_tile<T, HD, kBlockQ>(sQ, q_head, q0, T_len, cols);
-  async_tile<T, HD, kBlockK>(sK, k_head, 0, T_len, cols);
-  async_tile<T, HD, kBlockK>(sV, v_head, 0, T_len, cols);
+  async_tile<T, HD, kBlockK>(sK, k_head, kt_first * kBlockK, T_len, cols);
+  async_tile<T, HD, kBlockK>(sV, v_head, kt_first * kBlockK, T_len, cols);
   cp_async_commit();
 
   uint32_t qa[KT][4];
@@ -245,8 +289,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
-  for (int kt = 0; kt < n_kt; ++kt) {
-    const int buf = kt & 1;
+  for (int kt = kt_first; kt < n_kt; ++kt) {
+    const int buf = (kt - kt_first) & 1;
     if (kt + 1 < n_kt) {  // prefetch the next K/V tile into the other buffer
       async_tile<T, HD, kBlockK>(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK, T_len, cols);
       async_tile<T, HD, kBlockK>(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK, T_len, cols);
@@ -256,7 +300,7 @@ __global__ void __launch_bounds__(kThreads)
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (kt == 0) {
+    if (kt == kt_first) {
 #pragma unroll
       for (int kk = 0; kk < KT; ++kk) load_a(qa[kk], sQ + warp * 16 * LD + kk * 16, LD, lane);
     }
@@ -272,7 +316,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int kk = 0; kk < KT; ++kk) mma_b_nmajor<T>(s, qa[kk], k_s + kk * 16, LD, lane);
 
     // scale to log2 units, mask, row max
-    const bool mask = k0 + kBlockK - 1 > q0 || k0 + kBlockK > T_len;
+    const bool mask = k0 + kBlockK - 1 > q0 || k0 + kBlockK > T_len || k0 < docs.last_start;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -281,7 +325,7 @@ __global__ void __launch_bounds__(kThreads)
         const int col = k0 + n * 8 + 2 * t + (e & 1);
         const int row = e < 2 ? row_a : row_b;
         float v = s[n][e] * scale_log2;
-        if (mask && (col > row || col >= T_len)) v = -INFINITY;
+        if (mask && (col > row || col >= T_len || col < docs.start[e >> 1])) v = -INFINITY;
         s[n][e] = v;
         mx[e >> 1] = fmaxf(mx[e >> 1], v);
       }
@@ -346,8 +390,8 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_dq_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
-                             const float* __restrict__ delta, T* __restrict__ dqkv, int T_len, int nh, int nkv,
-                             float scale_log2, float scale) {
+                             const float* __restrict__ delta, const int32_t* __restrict__ pos, T* __restrict__ dqkv,
+                             int T_len, int nh, int nkv, float scale_log2, float scale) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
@@ -372,6 +416,8 @@ __global__ void __launch_bounds__(kThreads)
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
   const int q_last = min(q0 + kBlockQ - 1, T_len - 1);
   const int n_kt = q_last / kBlockK + 1;
+  const DocStarts docs(pos, b, T_len, q0, q_last, row_a, row_b);
+  const int kt_first = docs.first_key / kBlockK;
   const int64_t stat = (static_cast<int64_t>(b) * nh + h) * T_len;
   // per row: lse in log2 units, and D
   const float lse2[2] = {row_a < T_len ? lse[stat + row_a] * kLog2e : 0.0f,
@@ -380,16 +426,16 @@ __global__ void __launch_bounds__(kThreads)
 
   async_tile<T, HD, kBlockQ>(sQ, q_head, q0, T_len, cols);
   async_tile<T, HD, kBlockQ>(sdO, do_head, q0, T_len, out_cols);
-  async_tile<T, HD, kBlockK>(sK, k_head, 0, T_len, cols);
-  async_tile<T, HD, kBlockK>(sV, v_head, 0, T_len, cols);
+  async_tile<T, HD, kBlockK>(sK, k_head, kt_first * kBlockK, T_len, cols);
+  async_tile<T, HD, kBlockK>(sV, v_head, kt_first * kBlockK, T_len, cols);
   cp_async_commit();
 
   float dq[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
 
-  for (int kt = 0; kt < n_kt; ++kt) {
-    const int buf = kt & 1;
+  for (int kt = kt_first; kt < n_kt; ++kt) {
+    const int buf = (kt - kt_first) & 1;
     if (kt + 1 < n_kt) {
       async_tile<T, HD, kBlockK>(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK, T_len, cols);
       async_tile<T, HD, kBlockK>(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK, T_len, cols);
@@ -424,7 +470,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) {
         const int col = k0 + n * 8 + 2 * t + (e & 1);
         const int row = e < 2 ? row_a : row_b;
-        const bool valid = col <= row && row < T_len;  // col <= row < T_len implies col < T_len
+        // col <= row < T_len implies col < T_len
+        const bool valid = col <= row && row < T_len && col >= docs.start[e >> 1];
         const float p = valid ? exp2f(s[n][e] * scale_log2 - lse2[e >> 1]) : 0.0f;
         s[n][e] = p * (dp[n][e] - dd[e >> 1]);  // s now holds dS
       }
@@ -452,8 +499,8 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_dkdv_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
-                               const float* __restrict__ delta, T* __restrict__ dqkv, int T_len, int nh, int nkv,
-                               float scale_log2, float scale) {
+                               const float* __restrict__ delta, const int32_t* __restrict__ pos, T* __restrict__ dqkv,
+                               int T_len, int nh, int nkv, float scale_log2, float scale) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
@@ -465,6 +512,7 @@ __global__ void __launch_bounds__(kThreads)
   T* sdO = sQ + 2 * kBlockQBwd * LD;   // [2][kBlockQBwd][LD]
   float* sL = reinterpret_cast<float*>(sdO + 2 * kBlockQBwd * LD);  // [2][kBlockQBwd] lse (log2 units)
   float* sD = sL + 2 * kBlockQBwd;                                  // [2][kBlockQBwd]
+  int* sS = reinterpret_cast<int*>(sD + 2 * kBlockQBwd);            // [2][kBlockQBwd] document starts
 
   const int kt = blockIdx.z;  // small kt = most query tiles: started first, for every (kv head, batch)
   const int kvh = blockIdx.x, b = blockIdx.y;
@@ -479,7 +527,11 @@ __global__ void __launch_bounds__(kThreads)
   const int k0 = kt * kBlockK;
   const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
   const int qi_first = k0 / kBlockQBwd;
-  const int n_q = (T_len + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
+  // Queries that see a key of this tile: i from k0 up to, with document masking, the last row
+  // whose start is at most the tile's last key (starts never decrease).
+  const int q_end = pos ? queries_end(pos + static_cast<int64_t>(b) * T_len, T_len, min(k0 + kBlockK, T_len) - 1)
+                        : T_len;
+  const int n_q = (q_end + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
   const int n_it = group * n_q;
 
   // Stage step `it` (query head h = kvh * group + it / n_q, query tile qi_first + it % n_q) into buffer `buf`.
@@ -493,6 +545,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t stat = (static_cast<int64_t>(b) * nh + h) * T_len;
       sL[buf * kBlockQBwd + threadIdx.x] = i < T_len ? lse[stat + i] * kLog2e : 0.0f;
       sD[buf * kBlockQBwd + threadIdx.x] = i < T_len ? delta[stat + i] : 0.0f;
+      sS[buf * kBlockQBwd + threadIdx.x] = pos && i < T_len ? i - pos[static_cast<int64_t>(b) * T_len + i] : 0;
     }
   };
 
@@ -521,6 +574,7 @@ __global__ void __launch_bounds__(kThreads)
     const T* do_s = sdO + buf * kBlockQBwd * LD;
     const float* l_s = sL + buf * kBlockQBwd;
     const float* d_s = sD + buf * kBlockQBwd;
+    const int* start_s = sS + buf * kBlockQBwd;
     const int i0 = (qi_first + it % n_q) * kBlockQBwd;
 
     // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
@@ -537,7 +591,8 @@ __global__ void __launch_bounds__(kThreads)
       mma_b_nmajor<T>(st, ka, q_s + kk * 16, LD, lane);
       mma_b_nmajor<T>(dpt, va, do_s + kk * 16, LD, lane);
     }
-    // P^T and dS^T; rows are keys j, columns queries i; valid when j <= i < T (then j < T too)
+    // P^T and dS^T; rows are keys j, columns queries i; valid when start_i <= j <= i < T (then
+    // j < T too)
 #pragma unroll
     for (int n = 0; n < QN; ++n)
 #pragma unroll
@@ -545,7 +600,7 @@ __global__ void __launch_bounds__(kThreads)
         const int ci = n * 8 + 2 * t + (e & 1);
         const int i = i0 + ci;
         const int j = e < 2 ? key_a : key_b;
-        const bool valid = j <= i && i < T_len;
+        const bool valid = j <= i && i < T_len && j >= start_s[ci];
         const float p = valid ? exp2f(st[n][e] * scale_log2 - l_s[ci]) : 0.0f;
         st[n][e] = p;
         dpt[n][e] = p * (dpt[n][e] - d_s[ci]);  // dpt now holds dS^T
@@ -584,7 +639,7 @@ size_t dq_smem() {
 }
 template <class T, int HD>
 size_t dkdv_smem() {
-  return static_cast<size_t>(2 * kBlockK + 4 * kBlockQBwd) * (HD + kPad) * sizeof(T) + 4 * kBlockQBwd * sizeof(float);
+  return static_cast<size_t>(2 * kBlockK + 4 * kBlockQBwd) * (HD + kPad) * sizeof(T) + 6 * kBlockQBwd * sizeof(float);
 }
 
 // Raises a kernel's dynamic shared-memory limit (above 48 KiB it must be asked for). Asked on
@@ -603,8 +658,8 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const dim3 grid(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
                   static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
-  flash_forward_kernel<T, HD><<<grid, kThreads, smem, be.stream()>>>(qkv.as<const T>(), out.as<T>(), lse.as<float>(), s.T,
-                                                                     s.n_heads, s.n_kv_heads, scale * kLog2e);
+  flash_forward_kernel<T, HD><<<grid, kThreads, smem, be.stream()>>>(
+      qkv.as<const T>(), out.as<T>(), lse.as<float>(), positions_of(s), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e);
 }
 
 template <class T, int HD>
@@ -617,13 +672,13 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   const dim3 grid_q(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
                     static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
   flash_backward_dq_kernel<T, HD><<<grid_q, kThreads, smem_dq, be.stream()>>>(
-      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads,
-      scale * kLog2e, scale);
+      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), dqkv.as<T>(), s.T, s.n_heads,
+      s.n_kv_heads, scale * kLog2e, scale);
   const dim3 grid_k(static_cast<unsigned>(s.n_kv_heads), static_cast<unsigned>(s.B),
                     static_cast<unsigned>(ceil_div(s.T, kBlockK)));
   flash_backward_dkdv_kernel<T, HD><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
-      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads,
-      scale * kLog2e, scale);
+      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), dqkv.as<T>(), s.T, s.n_heads,
+      s.n_kv_heads, scale * kLog2e, scale);
 }
 
 }  // namespace

@@ -71,9 +71,9 @@ class CudaBackend final : public Backend {
   void bias_backward(const Tensor& dbias, const Tensor& dout) override;          // norms.cu
 
   void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed, const Tensor& pos_embed,
-                         int T, int64_t vocab_start) override;  // embedding.cu
+                         int T, int64_t vocab_start, const Tensor& positions) override;  // embedding.cu
   void embedding_backward(const Tensor& dtok_embed, const Tensor& dpos_embed, const Tensor& dout,
-                          const Tensor& tokens, int T, int64_t vocab_start) override;
+                          const Tensor& tokens, int T, int64_t vocab_start, const Tensor& positions) override;
 
   void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
                          const Tensor& weight, const Tensor& bias, float eps) override;  // norms.cu

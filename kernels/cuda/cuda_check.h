@@ -87,6 +87,19 @@ inline std::string attn_str(const AttnShape& s) {
          " n_kv_heads=" + std::to_string(s.n_kv_heads) + " head_dim=" + std::to_string(s.head_dim);
 }
 
+// Document positions (AttnShape::positions): empty, or a CUDA I32 tensor of N elements in whole
+// sequences of T. Their values are not read back (that would sync): the kernels trust them to
+// be document positions (kernels/document_positions.h), which the Transformer checks on the
+// host before it copies them over. Returns the device pointer (nullptr when empty).
+inline const int32_t* check_positions(const char* op, const Tensor& positions, int64_t N, int T) {
+  if (positions.empty()) return nullptr;
+  check_dtype(op, {"positions", positions}, DType::I32);
+  if (positions.numel() != N || T <= 0 || N % T != 0)
+    fail(op, "positions must hold one entry per token row (" + std::to_string(N) + ", sequences of T=" +
+                 std::to_string(T) + ")", {{"positions", positions}});
+  return positions.as<const int32_t>();
+}
+
 // AttnShape fields positive, head_dim even, n_heads a multiple of n_kv_heads, and qkv (or dqkv)
 // [B*T, qkv_cols()].
 inline void check_attn(const char* op, const AttnShape& s, Named qkv) {
@@ -97,6 +110,7 @@ inline void check_attn(const char* op, const AttnShape& s, Named qkv) {
   check_float(op, qkv);
   if (rows(qkv.t) != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())
     fail(op, std::string(qkv.name) + " must be [B*T, (n_heads + 2 n_kv_heads) * head_dim] for " + attn_str(s), {qkv});
+  check_positions(op, s.positions, static_cast<int64_t>(s.B) * s.T, s.T);
 }
 
 // Largest power of two (up to 256) dividing the address: what cuBLASLt and vector loads may assume.

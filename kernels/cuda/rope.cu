@@ -3,7 +3,8 @@
 //
 // Within a head of hd values, element i < hd/2 pairs with i + hd/2, both turned by the angle of
 // (position, i) from CudaBackend::rope_table (the CPU reference's fp32 recipe, computed on the
-// host, so the cos/sin values are the CPU's bit for bit):
+// host, so the cos/sin values are the CPU's bit for bit); the position of row n is n % T, or
+// its document position (AttnShape::positions):
 //   y_i        = x_i cos - x_{i+hd/2} sin        (backward: x_i cos + x_{i+hd/2} sin)
 //   y_{i+hd/2} = x_{i+hd/2} cos + x_i sin        (backward: x_{i+hd/2} cos - x_i sin)
 // Products and sums are rounded one by one (__fmul_rn / __fadd_rn: no fused multiply-add), as
@@ -18,9 +19,10 @@ namespace {
 
 // Element e of rows * heads * hd/2 is (row n, head h, pair i); packs of V consecutive pairs
 // (V divides hd/2) share n and h.
+// pos: document positions (AttnShape::positions) or null (row n at n % T_len).
 template <class T, bool kInverse, int V>
-__global__ void rope_kernel(T* qkv, const float* __restrict__ table, int64_t rows, int T_len, int heads, int hd,
-                            int64_t cols) {
+__global__ void rope_kernel(T* qkv, const float* __restrict__ table, const int32_t* __restrict__ pos, int64_t rows,
+                            int T_len, int heads, int hd, int64_t cols) {
   const int half = hd / 2;
   for_each_pack<V>(rows * heads * half, [&](auto width, int64_t e) {
     constexpr int W = decltype(width)::value;
@@ -28,7 +30,8 @@ __global__ void rope_kernel(T* qkv, const float* __restrict__ table, int64_t row
     const int64_t rest = e / half;
     const int h = static_cast<int>(rest % heads);
     const int64_t n = rest / heads;
-    const float* cs = table + ((n % T_len) * half + i) * 2;  // W (cos, sin) pairs
+    const int64_t p = pos ? pos[n] : n % T_len;
+    const float* cs = table + (p * half + i) * 2;  // W (cos, sin) pairs
     T* x = qkv + n * cols + static_cast<int64_t>(h) * hd;
     float a[W], b[W], c[W], sn[W];
     load_pack<W>(a, x + i);
@@ -62,12 +65,13 @@ void launch_rope(CudaBackend& be, const Tensor& qkv, const AttnShape& s, const f
     with_pack_width<T>(packed, [&](auto v) {
       constexpr int V = decltype(v)::value;
       const unsigned blocks = grid_for(ceil_div(total, int64_t{V}), 256);
+      const int32_t* pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
       if (inverse)
-        rope_kernel<T, true, V><<<blocks, 256, 0, be.stream()>>>(qkv.as<T>(), table, rows, s.T, heads, s.head_dim,
-                                                                 s.qkv_cols());
+        rope_kernel<T, true, V><<<blocks, 256, 0, be.stream()>>>(qkv.as<T>(), table, pos, rows, s.T, heads,
+                                                                 s.head_dim, s.qkv_cols());
       else
-        rope_kernel<T, false, V><<<blocks, 256, 0, be.stream()>>>(qkv.as<T>(), table, rows, s.T, heads, s.head_dim,
-                                                                  s.qkv_cols());
+        rope_kernel<T, false, V><<<blocks, 256, 0, be.stream()>>>(qkv.as<T>(), table, pos, rows, s.T, heads,
+                                                                  s.head_dim, s.qkv_cols());
     });
   });
 }

@@ -161,6 +161,96 @@ TEST_CASE("gpu: attention backward matches the CPU (plain and fused kernels)", "
       }
 }
 
+namespace {
+
+// Document positions for B sequences of T: document lengths taken in turn from `lengths`
+// (the last document of a sequence cut at T), restarting with each sequence.
+std::vector<int32_t> doc_positions(int B, int T, const std::vector<int>& lengths) {
+  std::vector<int32_t> p;
+  size_t k = 0;
+  for (int b = 0; b < B; ++b)
+    for (int t = 0, left = 0; t < T; ++t, --left) {
+      if (left == 0) left = lengths[k++ % lengths.size()];
+      p.push_back(lengths[(k - 1) % lengths.size()] - left);
+    }
+  return p;
+}
+
+}  // namespace
+
+// Document masking: the fused kernels skip the key tiles before a query tile's first document
+// and the query tiles after a key tile's last one, and mask inside tiles that a boundary
+// crosses; the plain kernels start and stop their loops at the boundaries. Documents of 1 row,
+// documents that end on a tile edge (64) or one row either side of it, and long ones spanning
+// several tiles; every row its own document; one document per sequence (= causal). Same
+// tolerances as without masking; rope bit for bit.
+TEST_CASE("gpu: document-masked rope and attention match the CPU (plain and fused kernels)",
+          "[gpu][attention][documents]") {
+  KEEL_GPU_OR_SKIP();
+  struct Case {
+    AttnShape s;
+    std::vector<int> lengths;
+  };
+  const std::vector<Case> cases = {
+      {{2, 300, 4, 2, 64}, {1, 63, 64, 65, 3, 130, 7}},
+      {{1, 257, 8, 2, 128}, {100, 1, 1, 40, 200}},
+      {{2, 37, 4, 2, 8}, {5, 1, 20}},
+      {{2, 130, 4, 1, 64}, {1}},      // every row a document of its own
+      {{2, 130, 2, 2, 128}, {1000}},  // one document per sequence
+  };
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (const Case& c : cases)
+      for (int simple = 0; simple < 2; ++simple) {
+        Backend& be = simple ? gpu_simple_attention() : gpu();
+        const AttnShape& s0 = c.s;
+        const bool fused = !simple && fused_applies(s0, dt);
+        INFO(dname(dt) << " " << shape_name(s0) << " documents of " << c.lengths[0] << ", ..."
+                       << (fused ? " fused" : " plain"));
+        const int64_t N = static_cast<int64_t>(s0.B) * s0.T, ocols = s0.n_heads * s0.head_dim;
+        HostTensor positions(DType::I32, {N});
+        positions.set_i32(doc_positions(s0.B, s0.T, c.lengths));
+        DeviceTensor dpositions = DeviceTensor::of(be, positions);
+        AttnShape s = s0, sd = s0;
+        s.positions = positions.t;
+        sd.positions = dpositions.t;
+        const std::string what = std::string(dname(dt)) + (fused ? " fused" : " plain") + " documents";
+
+        HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 41, 1.5f), dy = rand_tensor(dt, {N, ocols}, 42);
+        HostTensor roped = clone(qkv);
+        cpu().rope_forward(roped.t, s, llama3_rope());
+        DeviceTensor dq = DeviceTensor::of(be, qkv);
+        be.rope_forward(dq.t, sd, llama3_rope());
+        KEEL_CHECK_BITS("rope_forward", what, dq.host(), roped);
+
+        HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
+        cpu().attention_forward(out.t, lse.t, roped.t, s);
+        cpu().attention_backward(dqkv.t, dy.t, roped.t, out.t, lse.t, s);
+        DeviceTensor dout = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
+        DeviceTensor dlse = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+        be.attention_forward(dout.t, dlse.t, dq.t, sd);
+        KEEL_CHECK_ERR("attention_forward out", what, rel_err(dout.host(), out), fused ? 1e-2 : storage_tol(dt, 1e-5));
+        KEEL_CHECK_ERR("attention_forward lse", what, rel_err(dlse.host(), lse), fused ? 1e-5 : 1e-6);
+
+        dout.upload(out);  // the backward gets the CPU's forward results
+        dlse.upload(lse);
+        DeviceTensor ddy = DeviceTensor::of(be, dy), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
+        be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+        const HostTensor got = ddq.host();
+        const double tol = fused ? 2e-2 : storage_tol(dt, 1e-5);
+        for (int part = 0; part < 3; ++part) {
+          bool zero = false;
+          const double e = part_err(got, dqkv, s, part, &zero);
+          KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what + (zero ? " (abs, zero ref)" : ""), e,
+                         part_tol(tol, zero));
+        }
+        HostTensor back = clone(dqkv);
+        cpu().rope_backward(back.t, s, llama3_rope());
+        DeviceTensor dback = DeviceTensor::of(be, dqkv);
+        be.rope_backward(dback.t, sd, llama3_rope());
+        KEEL_CHECK_BITS("rope_backward", what, dback.host(), back);
+      }
+}
+
 TEST_CASE("gpu: fused attention at training lengths (T = 1024, 2048)", "[gpu][attention]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();

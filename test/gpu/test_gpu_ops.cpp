@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "gpu_test_util.h"
+#include "kernels/document_positions.h"
 
 using namespace keel;
 using namespace keel::test;
@@ -439,26 +440,33 @@ TEST_CASE("gpu: embedding forward and backward are bit-identical to the CPU (voc
   for (int i = 0; i < 200; ++i) tok[static_cast<size_t>(rng() % N)] = 150;  // one frequent token
   HostTensor tokens(DType::I32, {N});
   tokens.set_i32(tok);
+  // Document positions (kernels/document_positions.h): token 150 ends a document.
+  HostTensor doc_pos(DType::I32, {N});
+  doc_pos.set_i32(document_positions(tok.data(), N, T, 150));
   for (DType dt : kFloatTypes) {
-    for (int with_pos = 0; with_pos < 2; ++with_pos) {
+    for (int with_pos = 0; with_pos < 3; ++with_pos) {  // none, learned positions, by document
       INFO(dname(dt) << " pos " << with_pos);
       HostTensor table = rand_tensor(dt, {V, C}, 1), pos = rand_tensor(dt, {T, C}, 2);
       Tensor none;
+      const Tensor cpu_docs = with_pos == 2 ? doc_pos.t : none;
+      const std::string what = std::string(dname(dt)) + (with_pos == 2 ? " documents" : "");
       HostTensor out = nan_tensor(dt, {N, C});
-      cpu().embedding_forward(out.t, tokens.t, table.t, with_pos ? pos.t : none, T, vocab_start);
+      cpu().embedding_forward(out.t, tokens.t, table.t, with_pos ? pos.t : none, T, vocab_start, cpu_docs);
       DeviceTensor dtok = DeviceTensor::of(be, tokens), dtab = DeviceTensor::of(be, table), dpos = DeviceTensor::of(be, pos);
+      DeviceTensor ddocs = DeviceTensor::of(be, doc_pos);
+      const Tensor gpu_docs = with_pos == 2 ? ddocs.t : none;
       DeviceTensor dout = DeviceTensor::of(be, nan_tensor(dt, {N, C}));
-      be.embedding_forward(dout.t, dtok.t, dtab.t, with_pos ? dpos.t : none, T, vocab_start);
-      KEEL_CHECK_BITS("embedding_forward", dname(dt), dout.host(), out);
+      be.embedding_forward(dout.t, dtok.t, dtab.t, with_pos ? dpos.t : none, T, vocab_start, gpu_docs);
+      KEEL_CHECK_BITS("embedding_forward", what, dout.host(), out);
 
       HostTensor dy = rand_tensor(dt, {N, C}, 3);
       HostTensor gt0 = rand_tensor(DType::F32, {V, C}, 4), gp0 = rand_tensor(DType::F32, {T, C}, 5);
       HostTensor gt = clone(gt0), gp = clone(gp0);
-      cpu().embedding_backward(gt.t, with_pos ? gp.t : none, dy.t, tokens.t, T, vocab_start);
+      cpu().embedding_backward(gt.t, with_pos ? gp.t : none, dy.t, tokens.t, T, vocab_start, cpu_docs);
       DeviceTensor ddy = DeviceTensor::of(be, dy), dgt = DeviceTensor::of(be, gt0), dgp = DeviceTensor::of(be, gp0);
-      be.embedding_backward(dgt.t, with_pos ? dgp.t : none, ddy.t, dtok.t, T, vocab_start);
-      KEEL_CHECK_BITS("embedding_backward token table", std::string(dname(dt)) + "->f32", dgt.host(), gt);
-      KEEL_CHECK_BITS("embedding_backward positions", std::string(dname(dt)) + "->f32", dgp.host(), gp);
+      be.embedding_backward(dgt.t, with_pos ? dgp.t : none, ddy.t, dtok.t, T, vocab_start, gpu_docs);
+      KEEL_CHECK_BITS("embedding_backward token table", what + "->f32", dgt.host(), gt);
+      KEEL_CHECK_BITS("embedding_backward positions", what + "->f32", dgp.host(), gp);
     }
   }
 }

@@ -13,12 +13,14 @@
 //   repeats and resume: bit for bit
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "common/fixture.h"
 #include "common/run_config.h"
 #include "common/temp_dir.h"
 #include "common/batches.h"
 #include "gpu_test_util.h"
+#include "kernels/document_positions.h"
 #include "common/cached_decoding.h"
 #include "model/transformer.h"
 #include "train/checkpoint.h"
@@ -71,7 +73,22 @@ std::vector<Case> training_cases() {
   nlohmann::json chunked = tiny_run_json("llama");
   chunked["train"]["logits_chunk_rows"] = 5;  // the chunked head: the loss kernels on row slices
   cases.push_back({"tiny llama fp32, logits in chunks of 5 rows", chunked, "fp32"});
+  // Document masking (token 5 ends a document): the masked kernels, and GPT-2's positions.
+  for (auto [name, json, mode] : {std::tuple{"wide-head llama bf16, document masking", wide_head_llama(), "bf16"},
+                                  std::tuple{"tiny gpt2 fp32, document masking", tiny_run_json("gpt2"), "fp32"}}) {
+    json["data"]["document_masking"] = true;
+    json["data"]["eod_token"] = 5;
+    cases.push_back({name, json, mode});
+  }
   return cases;
+}
+
+// The batches' document positions when the config masks documents (as keel train makes them).
+void add_positions(std::vector<MicroBatch>& batches, const RunConfig& cfg) {
+  if (!cfg.data.document_masking) return;
+  for (MicroBatch& mb : batches)
+    mb.positions = document_positions(mb.inputs.data(), static_cast<int64_t>(mb.inputs.size()),
+                                      static_cast<int>(cfg.train.seq_len), static_cast<int32_t>(cfg.data.eod_token));
 }
 
 }  // namespace
@@ -91,6 +108,7 @@ TEST_CASE("gpu: training steps track the CPU backend (Llama, GPT-2; fp32, bf16, 
     for (int step = 1; step <= 5; ++step) {
       INFO("step " << step);
       auto batches = synthetic_batches(n_micro, mbs, T, static_cast<int>(cfg.model.vocab_size), 100 + step);
+      add_positions(batches, cfg);
       const StepStats a = on_cpu.step(batches, step), b = on_gpu.step(batches, step);
       const double loss_err = std::abs(b.loss - a.loss) / std::abs(a.loss);
       const double norm_err = std::abs(b.grad_norm - a.grad_norm) / a.grad_norm;

@@ -32,7 +32,7 @@ TEST_CASE("embedding forward", "[embedding]") {
       HostTensor table = make(dt, {c.v_local, C}, randn(c.v_local * C, 1));
       HostTensor pos = make(dt, {T + 2, C}, randn((T + 2) * C, 2));  // more rows than T is allowed
       HostTensor out(dt, {B, T, C});
-      be->embedding_forward(out.t, tokens.t, table.t, c.positions ? pos.t : Tensor(), T, c.vocab_start);
+      be->embedding_forward(out.t, tokens.t, table.t, c.positions ? pos.t : Tensor(), T, c.vocab_start, Tensor());
       int mismatches = 0;
       for (int64_t n = 0; n < N; ++n)
         for (int64_t j = 0; j < C; ++j) {
@@ -62,13 +62,13 @@ TEST_CASE("embedding backward matches finite differences", "[embedding][grad]") 
     const std::vector<float> r = randn(N * C, 12);
     const Tensor pos_t = c.positions ? pos.t : Tensor();
     auto loss = [&] {
-      be->embedding_forward(out.t, tokens.t, table.t, pos_t, T, c.vocab_start);
+      be->embedding_forward(out.t, tokens.t, table.t, pos_t, T, c.vocab_start, Tensor());
       return dot_loss(out, to_double(r));
     };
     HostTensor dout = make(DType::F32, {N, C}, r);
     const std::vector<float> g0 = randn(c.v_local * C, 13), p0 = randn(T * C, 14);
     HostTensor dtable = make(DType::F32, {c.v_local, C}, g0), dpos = make(DType::F32, {T, C}, p0);
-    be->embedding_backward(dtable.t, c.positions ? dpos.t : Tensor(), dout.t, tokens.t, T, c.vocab_start);
+    be->embedding_backward(dtable.t, c.positions ? dpos.t : Tensor(), dout.t, tokens.t, T, c.vocab_start, Tensor());
 
     std::vector<double> added(g0.size());
     for (size_t i = 0; i < g0.size(); ++i) added[i] = static_cast<double>(dtable.at(i)) - g0[i];

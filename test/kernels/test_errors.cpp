@@ -35,7 +35,7 @@ TEST_CASE("ops reject wrong shapes and dtypes with a message naming op and shape
   CHECK_THROWS_WITH(be->xent_stats(stat.t, stat.t, stat.t, logits.t, ftargets.t, 0),
                     Contains("xent_stats") && Contains("targets") && Contains("i32"));
   HostTensor tokens(DType::I32, {4}), table(DType::F32, {10, 6}), emb(DType::F32, {4, 7});
-  CHECK_THROWS_WITH(be->embedding_forward(emb.t, tokens.t, table.t, Tensor(), 4, 0),
+  CHECK_THROWS_WITH(be->embedding_forward(emb.t, tokens.t, table.t, Tensor(), 4, 0, Tensor()),
                     Contains("embedding_forward") && Contains("[4, 7] f32"));
   HostTensor c1(DType::F32, {3}), c2(DType::BF16, {4});
   CHECK_THROWS_WITH(be->convert(c1.t, c2.t), Contains("convert") && Contains("[3] f32") && Contains("[4] bf16"));

@@ -272,6 +272,37 @@ TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to u
   CHECK_THAT(f.output, Catch::Contains("initialised from") && Catch::Contains("Adam moments zero"));
 }
 
+// Finetuning from a pretraining checkpoint reads other data, often at another seq_len: the
+// probe batch is then another batch with another loss. Restart verification compares the probe
+// loss only for the batch the checkpoint measured, and still checks the masters and norms.
+TEST_CASE("finetuning from a checkpoint on other data or another seq_len is verified without the probe loss, and a "
+          "tampered weight is still caught", "[ckpt][cli][health]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "pretrain";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  const std::string ck = out + "/checkpoints/step_00000004";
+  data::write_llmc_shard(ws.dir / "sft.bin", test::synthetic_tokens(6000, 9), false);
+  const std::string other = "--set data.train=" + (ws.dir / "sft.bin") + " --set train.seq_len=8 --steps 6 ";
+  auto f = run_keel(train_args(ws, ws.dir / "finetune", other + "--init-from " + ck));
+  INFO(f.output);
+  CHECK(f.code == 0);
+  CHECK_THAT(f.output, Catch::Contains("the probe batch is not the one the checkpoint measured") &&
+                           Catch::Contains("restart verification passed: masters consistent with the weights, "
+                                           "per-tensor norms as saved"));
+  // The same data and shape: the probe loss is compared.
+  auto same = run_keel(train_args(ws, ws.dir / "same", "--steps 6 --init-from " + ck));
+  CHECK(same.code == 0);
+  CHECK_THAT(same.output, Catch::Contains("probe loss and per-tensor norms as saved"));
+  // A weight changed behind the checkpoint's back (its checksums rewritten, so that only the
+  // verification can see it) is refused on other data too: its norm is not what was saved.
+  nlohmann::json meta = nlohmann::json::parse(std::ifstream(ck + "/meta.json"));
+  meta["health"]["tensor_sumsq"]["final_norm.weight"][0] = 1.5 * meta["health"]["tensor_sumsq"]["final_norm.weight"][0].get<double>();
+  std::ofstream(ck + "/meta.json") << meta.dump(2);
+  auto bad = run_keel(train_args(ws, ws.dir / "bad", other + "--init-from " + ck));
+  CHECK(bad.code == 5);
+  CHECK_THAT(bad.output, Catch::Contains("final_norm.weight: |weights|^2"));
+}
+
 TEST_CASE("a save that hits a write error reports it, removes its partial files and keeps older checkpoints",
           "[ckpt][cli][io]") {
   test::Workspace ws(kRun);

@@ -95,6 +95,55 @@ TEST_CASE("keel train on a weighted blend of two sources: start-up shows the sha
         test::losses_by_step(read_metrics(ws.dir / "straight/metrics.jsonl")));
 }
 
+TEST_CASE("keel train with document masking: the end-of-document token from meta.json, a resume is bit-identical",
+          "[cli][e2e][documents]") {
+  Workspace ws(nlohmann::json{{"train", {{"steps", 8}, {"eval_interval", 4}}}, {"schedule", {{"warmup_steps", 1}}}});
+  const std::string masked = " --set data.document_masking=true";
+  // No meta.json beside the shards and no data.eod_token: refused, saying what to set.
+  Result none = run_keel("train --config " + ws.config + " --out " + (ws.dir / "none") + masked);
+  CHECK(none.code == 2);
+  CHECK_THAT(none.output, Catch::Contains("data.document_masking needs the token that ends a document") &&
+                              Catch::Contains("Set data.eod_token"));
+  CHECK_FALSE(fs::exists(ws.dir / "none"));
+  // prepare_data.py's meta.json names it (token 5 ends one token in 32 of the synthetic stream).
+  std::ofstream(ws.dir / "meta.json") << R"({"eot_id": 5, "eot_placement": "after every document"})";
+  Result straight = run_keel("train --config " + ws.config + " --out " + (ws.dir / "straight") + masked);
+  INFO(straight.output);
+  REQUIRE(straight.code == 0);
+  CHECK_THAT(straight.output, Catch::Contains("document masking: documents end at token 5") &&
+                                  Catch::Contains("documents per sequence"));
+  const auto full = test::losses_by_step(read_metrics(ws.dir / "straight/metrics.jsonl"));
+  REQUIRE(full.size() == 8);
+  // The resolved token is in the run's config (and so in its checkpoints).
+  std::ifstream saved(ws.dir / "straight/config.json");
+  CHECK(nlohmann::json::parse(saved)["data"]["eod_token"] == 5);
+  // Masking changes the losses; an explicit token that never occurs changes nothing, and says so.
+  Result plain = run_keel("train --config " + ws.config + " --out " + (ws.dir / "plain") + " -q");
+  REQUIRE(plain.code == 0);
+  const auto unmasked = test::losses_by_step(read_metrics(ws.dir / "plain/metrics.jsonl"));
+  CHECK(unmasked != full);
+  Result absent = run_keel("train --config " + ws.config + " --out " + (ws.dir / "absent") + masked +
+                           " --set model.vocab_size=128 --set data.eod_token=100");
+  INFO(absent.output);
+  REQUIRE(absent.code == 0);
+  CHECK_THAT(absent.output, Catch::Contains("WARNING token 100 does not occur in the first 64 training sequences"));
+  // Stop at step 4, resume (restart verification included): the same losses, step for step.
+  Result first = run_keel("train --config " + ws.config + " --out " + (ws.dir / "resumed") + " -q --stop-at 4" + masked);
+  REQUIRE(first.code == 4);
+  Result second = run_keel("train --config " + ws.config + " --out " + (ws.dir / "resumed") + " -q" + masked);
+  INFO(second.output);
+  REQUIRE(second.code == 0);
+  CHECK(test::losses_by_step(read_metrics(ws.dir / "resumed/metrics.jsonl")) == full);
+  // Folders whose meta.json files disagree are refused, naming both.
+  fs::create_directories(ws.dir / "other");
+  data::write_llmc_shard(ws.dir / "other/val.bin", test::synthetic_tokens(4000, 3), false);
+  std::ofstream(ws.dir / "other/meta.json") << R"({"eot_id": 7})";
+  Result mixed = run_keel("train --config " + ws.config + " --out " + (ws.dir / "mixed") + masked +
+                          " --set data.val=" + (ws.dir / "other/val.bin"));
+  CHECK(mixed.code == 2);
+  CHECK_THAT(mixed.output, Catch::Contains("disagree on the end-of-document token") && Catch::Contains("other/meta.json"));
+}
+
 // A rehearsal for the GPU without one: under KEEL_GUARD_BACKEND_MEMORY the backend's memory is
 // inaccessible to the host between ops (kernels/guarded_backend.h), so any code path of train,
 // eval, health statistics, checkpoint save and resume, and sample that reads or writes backend
