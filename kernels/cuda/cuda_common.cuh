@@ -227,8 +227,8 @@ class SameDType {
   std::vector<void*> scratch_;
 };
 
-// RoPE of every row of qkv (s.B * s.T rows) with the (cos, sin) table indexed by row % s.T
-// (rope.cu); inverse applies the backward rotation.
+// RoPE of every row of qkv (s.B * s.T rows) with the (cos, sin) table indexed by row % s.T, or
+// by s.positions[row] under document masking (rope.cu); inverse applies the backward rotation.
 void launch_rope(CudaBackend& be, const Tensor& qkv, const AttnShape& s, const float* table, bool inverse,
                  const char* op);
 

@@ -4,7 +4,8 @@
 It checks the part of the fused kernels that review alone cannot: which shared-memory element
 lands in which lane's register for every mma.sync operand (ldmatrix emulated from the PTX ISA's
 address and distribution rules, checked first against the fragment layouts below), the P/dS register reuse, the masks and
-the tile loops (GQA, ragged T, double-buffered query steps) and document masking (the skipped
+the tile loops (GQA, ragged T, double-buffered K/V tiles and query steps, with the kernels'
+buffer parity) and document masking (the skipped
 key and query tiles, the masks inside tiles a boundary crosses), against a float64 reference. Keep it
 in step with the .cu file when the kernels' indexing changes. Expected output: errors ~2e-3
 (out) and ~3e-3 (dq, dk, dv) from the bf16 rounding of P and dS, lse ~1e-8 (the T=1 case has a
@@ -20,6 +21,8 @@ ISA fragment layouts (g = lane // 4, t = lane % 4):
   C: c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
 The kernel bodies are transcribed from the .cu file; the result is compared with a float64
 reference of causal GQA attention and its gradients.
+One sequence (B = 1) per call: the per-sequence pointer offsets (b * T) are left to the GPU
+tests (test/gpu/test_gpu_attention.cpp, B = 2 and 3).
 """
 import sys
 
@@ -209,10 +212,17 @@ def forward(q, k, v, T, nh, nkv, HD, pos=None):
                 o = [zeros4() for _ in range(HD // 8)]
                 m = [np.full(32, -np.inf), np.full(32, -np.inf)]
                 l = [np.zeros(32), np.zeros(32)]
+                # K/V double buffers as the kernel fills them: tile kt_first into buffer 0 before
+                # the loop, tile kt + 1 into the other buffer while tile kt is used
+                bk = [tile(k[kvh], kt_first * 64, 64, T, HD), None]
+                bv = [tile(v[kvh], kt_first * 64, 64, T, HD), None]
                 for kt in range(kt_first, n_kt):
                     k0 = kt * 64
-                    k_s = tile(k[kvh], k0, 64, T, HD)
-                    v_s = tile(v[kvh], k0, 64, T, HD)
+                    buf = (kt - kt_first) & 1
+                    if kt + 1 < n_kt:
+                        bk[buf ^ 1] = tile(k[kvh], (kt + 1) * 64, 64, T, HD)
+                        bv[buf ^ 1] = tile(v[kvh], (kt + 1) * 64, 64, T, HD)
+                    k_s, v_s = bk[buf], bv[buf]
                     s = [zeros4() for _ in range(8)]
                     for kk in range(HD // 16):
                         mma_b_nmajor(s, qa[kk], k_s, 0, kk * 16)
@@ -292,10 +302,17 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
                 dd = [np.where(row_a < T, delta[h, np.minimum(row_a, T - 1)], 0),
                       np.where(row_b < T, delta[h, np.minimum(row_b, T - 1)], 0)]
                 dq = [zeros4() for _ in range(HD // 8)]
+                # K/V double buffers as the kernel fills them: tile kt_first into buffer 0 before
+                # the loop, tile kt + 1 into the other buffer while tile kt is used
+                bk = [tile(k[kvh], kt_first * 64, 64, T, HD), None]
+                bv = [tile(v[kvh], kt_first * 64, 64, T, HD), None]
                 for kt in range(kt_first, n_kt):
                     k0 = kt * 64
-                    k_s = tile(k[kvh], k0, 64, T, HD)
-                    v_s = tile(v[kvh], k0, 64, T, HD)
+                    buf = (kt - kt_first) & 1
+                    if kt + 1 < n_kt:
+                        bk[buf ^ 1] = tile(k[kvh], (kt + 1) * 64, 64, T, HD)
+                        bv[buf ^ 1] = tile(v[kvh], (kt + 1) * 64, 64, T, HD)
+                    k_s, v_s = bk[buf], bv[buf]
                     s = [zeros4() for _ in range(8)]
                     dp = [zeros4() for _ in range(8)]
                     for kk in range(HD // 16):
@@ -341,22 +358,25 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
             q_end = T if pos is None else queries_end(starts, T, min(k0 + 64, T) - 1)
             n_q = (q_end + 31) // 32 - qi_first
             n_it = group * n_q
-            # staged buffers per iteration (the kernel double-buffers; here each step stages its own)
-            stages = []
-            for it in range(n_it):
+            def stage(it):  # the kernel's stage(it, buf): Q, dO, lse, D and starts of step it
                 h = kvh * group + it // n_q
                 i0 = (qi_first + it % n_q) * 32
                 sL = np.array([lse[h, i0 + x] * 1.4426950408889634 if i0 + x < T else 0 for x in range(32)])
                 sD = np.array([delta[h, i0 + x] if i0 + x < T else 0 for x in range(32)])
                 sS = np.array([starts[i0 + x] if pos is not None and i0 + x < T else 0 for x in range(32)])
-                stages.append((tile(q[h], i0, 32, T, HD), tile(do[h], i0, 32, T, HD), sL, sD, sS, i0))
+                return tile(q[h], i0, 32, T, HD), tile(do[h], i0, 32, T, HD), sL, sD, sS
             for warp in range(4):
                 key_a = k0 + warp * 16 + G
                 key_b = key_a + 8
                 dk = [zeros4() for _ in range(HD // 8)]
                 dv = [zeros4() for _ in range(HD // 8)]
+                bufs = [stage(0), None]  # double-buffered as in the kernel
                 for it in range(n_it):
-                    q_s, do_s, l_s, d_s, start_s, i0 = stages[it]
+                    buf = it & 1
+                    if it + 1 < n_it:
+                        bufs[buf ^ 1] = stage(it + 1)
+                    q_s, do_s, l_s, d_s, start_s = bufs[buf]
+                    i0 = (qi_first + it % n_q) * 32
                     st = [zeros4() for _ in range(4)]
                     dpt = [zeros4() for _ in range(4)]
                     for kk in range(HD // 16):
