@@ -3,12 +3,7 @@
 #include <cmath>
 #include <cstdio>
 
-// Every product and sum rounded on its own, as PyTorch computes them (no fused multiply-add).
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "kernels/fp_contract_off.h"  // last: no fused multiply-add below
 
 namespace keel {
 

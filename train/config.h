@@ -110,6 +110,8 @@ struct DataConfig {
   // The token that ends a document. -1: the "eot_id" that prepare_data.py records in meta.json
   // beside the shards (resolve_eod_token, when document masking is on).
   int64_t eod_token = -1;
+  // The token that ends a document when document masking is on, else -1 (no masking).
+  int64_t masking_eod() const { return document_masking ? eod_token : -1; }
 };
 
 struct LogConfig {

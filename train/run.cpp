@@ -230,7 +230,7 @@ double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, con
   const int64_t mbs = cfg.train.micro_batch;
   std::vector<MicroBatch> batches;
   for (int64_t b = grid.dp_rank(); b < cfg.train.eval_batches; b += grid.dp_size()) {
-    auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0, cfg.data.document_masking ? cfg.data.eod_token : -1);
+    auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0, cfg.data.masking_eod());
     batches.push_back(std::move(one[0]));
   }
   return tr.evaluate(batches);
@@ -461,7 +461,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       const HealthSnapshot now = tr.snapshot(probe);
       auto diffs = tr.compare_snapshot(loaded_health, now, bitwise, resumed);
       problems.insert(problems.end(), diffs.begin(), diffs.end());
-      probe_compared = loaded_health.value("probe_batch", now.probe_batch) == now.probe_batch;
+      probe_compared = now.same_probe(loaded_health);
       if (!probe_compared)
         notes.push_back("the probe batch is not the one the checkpoint measured (other data, seq_len or micro_batch): "
                         "its loss is not compared, the per-tensor norms and the masters are");
@@ -537,7 +537,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t gbs = global_batch_size(cfg, consumed_samples);
     auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, grid.dp_rank(),
-                                cfg.data.document_masking ? cfg.data.eod_token : -1);
+                                cfg.data.masking_eod());
     const bool collect_stats = cfg.health.stats_interval > 0 && it % cfg.health.stats_interval == 0;
     StepStats st = tr.step(batches, it, collect_stats);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

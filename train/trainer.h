@@ -65,6 +65,8 @@ struct HealthSnapshot {
   // batch (a finetune on other data, another seq_len or micro_batch) has another loss, so the
   // probe losses are compared only when this matches (or a checkpoint predates the field).
   std::string probe_batch;
+  // Whether a saved snapshot measured the same probe batch (yes when it does not say).
+  bool same_probe(const nlohmann::json& saved) const { return saved.value("probe_batch", probe_batch) == probe_batch; }
   std::vector<double> working_sumsq, master_sumsq;
 };
 

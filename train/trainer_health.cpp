@@ -190,8 +190,7 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
   // bf16/fp16 activations to a few of their spacings (2^-8 relative).
   const double tol = cfg_.precision.mode == PrecisionMode::FP32 ? 1e-5 : 1e-2;
   char buf[512];
-  const bool same_probe = saved.value("probe_batch", now.probe_batch) == now.probe_batch;
-  if (same_probe &&
+  if (now.same_probe(saved) &&
       (bitwise ? hex_of(now.probe_loss) != was_bits : std::abs(now.probe_loss - was) > tol * std::abs(was))) {
     std::snprintf(buf, sizeof buf,
                   "the probe batch's loss is %.9g after loading, %.9g when the checkpoint was saved (%s): the model "

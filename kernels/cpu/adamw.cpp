@@ -19,11 +19,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/stochastic_rounding.h"
 
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "kernels/fp_contract_off.h"  // last: no fused multiply-add below
 
 namespace keel {
 

@@ -15,12 +15,7 @@
 
 #include "kernels/cpu/cpu_backend.h"
 
-// After the includes, so that only this file's own functions are affected.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "kernels/fp_contract_off.h"  // last: no fused multiply-add below
 
 namespace keel {
 

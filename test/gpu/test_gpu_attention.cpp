@@ -161,23 +161,6 @@ TEST_CASE("gpu: attention backward matches the CPU (plain and fused kernels)", "
       }
 }
 
-namespace {
-
-// Document positions for B sequences of T: document lengths taken in turn from `lengths`
-// (the last document of a sequence cut at T), restarting with each sequence.
-std::vector<int32_t> doc_positions(int B, int T, const std::vector<int>& lengths) {
-  std::vector<int32_t> p;
-  size_t k = 0;
-  for (int b = 0; b < B; ++b)
-    for (int t = 0, left = 0; t < T; ++t, --left) {
-      if (left == 0) left = lengths[k++ % lengths.size()];
-      p.push_back(lengths[(k - 1) % lengths.size()] - left);
-    }
-  return p;
-}
-
-}  // namespace
-
 // Document masking: the fused kernels skip the key tiles before a query tile's first document
 // and the query tiles after a key tile's last one, and mask inside tiles that a boundary
 // crosses; the plain kernels start and stop their loops at the boundaries. Documents of 1 row,
@@ -208,7 +191,7 @@ TEST_CASE("gpu: document-masked rope and attention match the CPU (plain and fuse
                        << (fused ? " fused" : " plain"));
         const int64_t N = static_cast<int64_t>(s0.B) * s0.T, ocols = s0.n_heads * s0.head_dim;
         HostTensor positions(DType::I32, {N});
-        positions.set_i32(doc_positions(s0.B, s0.T, c.lengths));
+        positions.set_i32(document_positions_of(s0.B, s0.T, c.lengths));
         DeviceTensor dpositions = DeviceTensor::of(be, positions);
         AttnShape s = s0, sd = s0;
         s.positions = positions.t;

@@ -84,6 +84,28 @@ inline HostTensor make(DType dtype, std::initializer_list<int64_t> shape, const 
   return h;
 }
 
+// Rows [r0, r1) of a [rows, cols] host tensor as a new host tensor of the same dtype.
+inline HostTensor rows_of(const HostTensor& t, int64_t r0, int64_t r1) {
+  const int64_t cols = t.t.cols();
+  HostTensor out(t.t.dtype, {r1 - r0, cols});
+  for (int64_t i = 0; i < (r1 - r0) * cols; ++i) out.put(i, t.at(r0 * cols + i));
+  return out;
+}
+
+// Document positions (kernels/document_positions.h) of B sequences of T rows cut into documents
+// whose lengths are taken in turn from `lengths`: a document that would cross a sequence's end
+// is cut there, and the next sequence starts with the next length.
+inline std::vector<int32_t> document_positions_of(int B, int T, const std::vector<int>& lengths) {
+  std::vector<int32_t> p;
+  size_t k = 0;
+  for (int b = 0; b < B; ++b)
+    for (int t = 0, len = 0, at = 0; t < T; ++t, ++at) {
+      if (at == len) len = lengths[k++ % lengths.size()], at = 0;
+      p.push_back(at);
+    }
+  return p;
+}
+
 // Standard normal values times `scale`, from a fixed seed.
 inline std::vector<float> randn(int64_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);

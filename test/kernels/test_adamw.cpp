@@ -3,11 +3,7 @@
 
 // The hand computation below must round every product and sum to fp32 on its own, as PyTorch's
 // elementwise kernels do (the backend's adamw.cpp does the same).
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "kernels/fp_contract_off.h"  // last: no fused multiply-add below
 
 using namespace keel;
 using namespace keel::test;

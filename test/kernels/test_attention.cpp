@@ -3,11 +3,7 @@
 
 // The Hugging Face recipe below rounds each product and sum to fp32 (PyTorch's elementwise
 // kernels do not fuse multiply-adds), so this file must not contract them either.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "kernels/fp_contract_off.h"  // last: no fused multiply-add below
 
 using namespace keel;
 using namespace keel::test;

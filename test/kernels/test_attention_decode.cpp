@@ -10,13 +10,6 @@ using namespace keel::test;
 
 namespace {
 
-// Rows [r0, r1) of a [rows, cols] host tensor as a new host tensor of the same dtype.
-HostTensor rows_of(const HostTensor& t, int64_t r0, int64_t r1, int64_t cols) {
-  HostTensor out(t.t.dtype, {r1 - r0, cols});
-  for (int64_t i = 0; i < (r1 - r0) * cols; ++i) out.put(i, t.at(r0 * cols + i));
-  return out;
-}
-
 void check_decode_equals_forward(const AttnShape& full, DType dt, const Rope& theta, int64_t prefill) {
   auto be = make_cpu_backend();
   const int64_t T = full.T, cols = full.qkv_cols(), q_cols = static_cast<int64_t>(full.n_heads) * full.head_dim;
@@ -24,7 +17,7 @@ void check_decode_equals_forward(const AttnShape& full, DType dt, const Rope& th
   HostTensor qkv = make(dt, {T, cols}, randn(T * cols, 11, 1.5f));
 
   // the training path over the whole sequence
-  HostTensor qkv_full = rows_of(qkv, 0, T, cols);
+  HostTensor qkv_full = rows_of(qkv, 0, T);
   HostTensor out_full(dt, {T, q_cols});
   HostTensor lse(DType::F32, {1, full.n_heads, T});
   if (theta.rotates()) be->rope_forward(qkv_full.t, full, theta);
@@ -35,7 +28,7 @@ void check_decode_equals_forward(const AttnShape& full, DType dt, const Rope& th
   int64_t pos = 0;
   while (pos < T) {
     const int64_t n = pos == 0 ? prefill : 1;
-    HostTensor chunk = rows_of(qkv, pos, pos + n, cols);
+    HostTensor chunk = rows_of(qkv, pos, pos + n);
     HostTensor out(dt, {n, q_cols});
     AttnShape s = full;
     s.B = 1;

@@ -12,22 +12,6 @@ using namespace keel::test;
 
 namespace {
 
-// Positions of sequences cut into documents of the given lengths (each list sums to T).
-std::vector<int32_t> positions_of(const std::vector<std::vector<int>>& docs) {
-  std::vector<int32_t> p;
-  for (const auto& seq : docs)
-    for (int len : seq)
-      for (int i = 0; i < len; ++i) p.push_back(i);
-  return p;
-}
-
-HostTensor rows_of(const HostTensor& x, int64_t r0, int64_t n) {
-  const int64_t cols = x.t.cols();
-  HostTensor out(x.t.dtype, {n, cols});
-  for (int64_t i = 0; i < n * cols; ++i) out.put(i, x.at(r0 * cols + i));
-  return out;
-}
-
 // Bits of rows [r0, r0 + n) of a [rows, cols] tensor.
 std::vector<uint32_t> row_bits(const HostTensor& x, int64_t r0, int64_t n) {
   const int64_t cols = x.t.cols();
@@ -78,7 +62,9 @@ TEST_CASE("rope and attention with document positions compute each document as i
   auto be = make_cpu_backend();
   // Sequence 0: documents of 5, 1, 11 and 7 rows; sequence 1: 9 and 15 (T = 24), GQA.
   const std::vector<std::vector<int>> docs = {{5, 1, 11, 7}, {9, 15}};
-  const std::vector<int32_t> pos = positions_of(docs);
+  std::vector<int> lengths;
+  for (const auto& seq : docs) lengths.insert(lengths.end(), seq.begin(), seq.end());
+  const std::vector<int32_t> pos = document_positions_of(2, 24, lengths);
   AttnShape s{2, 24, 4, 2, 8};
   const int64_t rows = s.B * s.T, cols = s.qkv_cols(), ocols = static_cast<int64_t>(s.n_heads) * s.head_dim;
   HostTensor positions(DType::I32, {rows});
@@ -100,8 +86,8 @@ TEST_CASE("rope and attention with document positions compute each document as i
         for (int len : docs[b]) {
           CAPTURE(b, r0, len);
           const AttnShape one{1, len, s.n_heads, s.n_kv_heads, s.head_dim};
-          const HostTensor dout_doc = rows_of(dout, r0, len);
-          const AttnPass alone = attention_pass(*be, rows_of(qkv, r0, len), dout_doc, one, rope);
+          const HostTensor dout_doc = rows_of(dout, r0, r0 + len);
+          const AttnPass alone = attention_pass(*be, rows_of(qkv, r0, r0 + len), dout_doc, one, rope);
           CHECK(row_bits(packed.out, r0, len) == all_bits(alone.out));
           CHECK(row_bits(packed.dqkv, r0, len) == all_bits(alone.dqkv));
           // lse is [B, n_heads, T]: the document's rows of each head
@@ -120,7 +106,7 @@ TEST_CASE("rope and attention with document positions compute each document as i
       const AttnPass causal = attention_pass(*be, qkv, dout, s, rope);
       CHECK(bits_differ(causal.out, packed.out) > 0);
       HostTensor whole(DType::I32, {rows});
-      whole.set_i32(positions_of({{24}, {24}}));
+      whole.set_i32(document_positions_of(2, 24, {24}));
       AttnShape one_doc = s;
       one_doc.positions = whole.t;
       const AttnPass same = attention_pass(*be, qkv, dout, one_doc, rope);
@@ -133,7 +119,7 @@ TEST_CASE("rope and attention with document positions compute each document as i
 TEST_CASE("the learned position embedding follows document positions", "[documents][embedding]") {
   auto be = make_cpu_backend();
   const int T = 8, C = 5, V = 11;
-  const std::vector<int32_t> pos = positions_of({{3, 5}, {1, 6, 1}, {8}});
+  const std::vector<int32_t> pos = document_positions_of(3, T, {3, 5, 1, 6, 1, 8});
   const int64_t N = static_cast<int64_t>(pos.size());
   std::vector<int32_t> tok;
   for (int64_t n = 0; n < N; ++n) tok.push_back(static_cast<int32_t>((n * 7) % V));
@@ -159,9 +145,9 @@ TEST_CASE("the learned position embedding follows document positions", "[documen
       CHECK(dpos.at(p * C + c) == 0.0f + acc);
     }
   // positions n % T are the plain call, bit for bit
-  HostTensor plain_pos(DType::I32, {N}), dtok2(DType::F32, {V, C}), dpos2(DType::F32, {T, C}), dpos3(DType::F32, {T, C});
-  plain_pos.set_i32(positions_of({{8}, {8}, {8}}));
-  HostTensor dtok3(DType::F32, {V, C});
+  HostTensor plain_pos(DType::I32, {N});
+  plain_pos.set_i32(document_positions_of(3, T, {T}));
+  HostTensor dtok2(DType::F32, {V, C}), dpos2(DType::F32, {T, C}), dtok3(DType::F32, {V, C}), dpos3(DType::F32, {T, C});
   be->embedding_backward(dtok2.t, dpos2.t, dout.t, tokens.t, T, 0, plain_pos.t);
   be->embedding_backward(dtok3.t, dpos3.t, dout.t, tokens.t, T, 0, Tensor());
   CHECK(bits_differ(dpos2, dpos3) == 0);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/fixture.h"
+#include "kernels/kernel_test_util.h"
 #include "kernels/document_positions.h"
 #include "model/transformer.h"
 
@@ -69,10 +70,9 @@ TEST_CASE("packed documents with document masking compute what each document com
     const ParamTable table(fx.model);
     Weights w = weights_of(fx, table);
     const std::vector<int32_t> tokens = fx.inputs(), targets = fx.targets();
-    std::vector<int32_t> positions;
-    for (const auto& seq : docs)
-      for (int len : seq)
-        for (int i = 0; i < len; ++i) positions.push_back(i);
+    std::vector<int> lengths;
+    for (const auto& seq : docs) lengths.insert(lengths.end(), seq.begin(), seq.end());
+    const std::vector<int32_t> positions = test::document_positions_of(2, 16, lengths);
     REQUIRE(document_positions_error(positions.data(), 32, 16).empty());
     int64_t valid = 0;
     for (int32_t t : targets) valid += t >= 0;
