@@ -42,8 +42,43 @@ int64_t ParamSpec::logical_numel() const {
   return n;
 }
 
-ParamTable::ParamTable(const ModelConfig& cfg, const ModelShard& shard_in) : cfg_(cfg), shard_(shard_in) {
-  if (shard_.end_layer < 0) shard_.end_layer = cfg.n_layers;
+ParamTable::ParamTable(const ModelConfig& cfg, const ModelShard& shard) : ParamTable(cfg, std::vector<ModelShard>{shard}) {}
+
+ParamTable::ParamTable(const ModelConfig& cfg, const std::vector<ModelShard>& chunks) : cfg_(cfg) {
+  if (chunks.empty()) throw std::invalid_argument("ParamTable: no model chunk given");
+  shard_ = chunks.front();
+  for (ModelShard c : chunks) {
+    if (c.end_layer < 0) c.end_layer = cfg.n_layers;
+    if (c.tp_rank != shard_.tp_rank || c.tp_size != shard_.tp_size)
+      throw std::invalid_argument("ParamTable: the model chunks of one rank must have the same TP rank and size");
+    chunks_.push_back(c);
+    shard_.has_embedding = shard_.has_embedding || c.has_embedding;
+    shard_.has_head = shard_.has_head || c.has_head;
+  }
+  shard_.end_layer = chunks_.back().end_layer;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    add_chunk(chunks_[c]);
+    chunk_of_.resize(params_.size(), static_cast<int>(c));
+  }
+}
+
+ParamTable ParamTable::chunk(int c) const {
+  ParamTable t;
+  t.cfg_ = cfg_;
+  t.shard_ = chunks_.at(static_cast<size_t>(c));
+  t.chunks_ = {t.shard_};
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (chunk_of_[i] != c) continue;
+    t.index_[params_[i].name] = t.params_.size();
+    t.params_.push_back(params_[i]);
+    t.chunk_of_.push_back(0);
+  }
+  t.local_numel_ = local_numel_;
+  return t;
+}
+
+void ParamTable::add_chunk(const ModelShard& shard) {
+  const ModelConfig& cfg = cfg_;
   const bool gpt2 = cfg.is_gpt2();
   const int64_t d = cfg.d_model, V = cfg.embed_rows(), F = cfg.ffn_hidden;
   const int64_t q = cfg.q_dim(), kv = cfg.kv_dim();
@@ -52,11 +87,11 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ModelShard& shard_in) : cfg
   // so the stream's variance does not grow with depth.
   const float resid_std = std / std::sqrt(2.0f * static_cast<float>(cfg.n_layers));
 
-  if (shard_.has_embedding) {
+  if (shard.has_embedding) {
     add("tok_embed", {V, d}, Role::Embedding, TpSplit::Rows, -1, std);
     if (gpt2) add("pos_embed", {cfg.max_seq_len, d}, Role::Embedding, TpSplit::None, -1, std);
   }
-  for (int i = shard_.first_layer; i < shard_.end_layer; ++i) {
+  for (int i = shard.first_layer; i < shard.end_layer; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     add(p + "attn_norm.weight", {d}, Role::Norm, TpSplit::None, i, 0, 1.0f);
     if (gpt2) add(p + "attn_norm.bias", {d}, Role::Bias, TpSplit::None, i, 0);
@@ -83,14 +118,14 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ModelShard& shard_in) : cfg
       add(p + "mlp.w_down", {d, F}, Role::Matrix, TpSplit::Cols, i, resid_std);
     }
   }
-  if (shard_.has_head) {
+  if (shard.has_head) {
     add("final_norm.weight", {d}, Role::Norm, TpSplit::None, -1, 0, 1.0f);
     if (gpt2) add("final_norm.bias", {d}, Role::Bias, TpSplit::None, -1, 0);
     // A tied head reads tok_embed; on a stage without the embedding it would hold a tied copy
     // (pipeline parallelism). Untied heads have their own matrix.
     if (!cfg.tied_embeddings) {
       add("lm_head", {V, d}, Role::Matrix, TpSplit::Rows, -1, std);
-    } else if (!shard_.has_embedding) {
+    } else if (!shard.has_embedding) {
       add("tok_embed", {V, d}, Role::Embedding, TpSplit::Rows, -1, std);
       params_.back().tied_copy = true;
     }
@@ -120,6 +155,21 @@ ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, bool embedd
                                 " would hold no layer (" + std::to_string(L) + " layers" +
                                 (embedding_slots ? " + embedding and head slots" : "") + ")");
   return s;
+}
+
+std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chunks, int stage, bool embedding_slots) {
+  std::vector<ModelShard> out;
+  for (int c = 0; c < chunks; ++c) {
+    try {
+      out.push_back(pipeline_stage(cfg, pp * chunks, c * pp + stage, embedding_slots));
+    } catch (const std::invalid_argument& e) {
+      if (chunks == 1) throw;
+      throw std::invalid_argument(std::string(e.what()) + ": with parallel.virtual_stages " + std::to_string(chunks) +
+                                  " the " + std::to_string(cfg.n_layers) + " layers are cut into pp * virtual_stages = " +
+                                  std::to_string(pp * chunks) + " virtual stages");
+    }
+  }
+  return out;
 }
 
 void ParamTable::add(std::string name, std::vector<int64_t> shape, Role role, TpSplit split, int layer,

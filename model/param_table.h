@@ -71,6 +71,10 @@ class ParamTable {
  public:
   ParamTable() = default;
   ParamTable(const ModelConfig& cfg, const ModelShard& shard = {});
+  // A rank holding several model chunks (the interleaved pipeline schedule): the chunks' tensors
+  // one after another in one table and one set of flat buffers. shard() then has the union's
+  // flags (embedding, head) and its layer range spans the chunks; chunk(c) is chunk c alone.
+  ParamTable(const ModelConfig& cfg, const std::vector<ModelShard>& chunks);
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& at(const std::string& name) const;  // throws naming the missing tensor
@@ -79,6 +83,11 @@ class ParamTable {
   int64_t logical_numel() const;                          // exact model size (each tensor once)
   const ModelConfig& config() const { return cfg_; }
   const ModelShard& shard() const { return shard_; }
+  int num_chunks() const { return static_cast<int>(chunks_.size()); }
+  const ModelShard& chunk_shard(int c) const { return chunks_.at(static_cast<size_t>(c)); }
+  // Chunk c's tensors with their offsets in this table's flat buffers (which a Transformer of
+  // the chunk binds whole): local_numel() is this table's.
+  ParamTable chunk(int c) const;
   // Whether this rank holds the copy of `p` that counts: replicated tensors are counted (grad
   // norm) and saved (checkpoints) by TP rank 0 only, tied copies by the first stage only.
   bool is_primary(const ParamSpec& p) const {
@@ -86,10 +95,13 @@ class ParamTable {
   }
 
  private:
+  void add_chunk(const ModelShard& shard);
   void add(std::string name, std::vector<int64_t> shape, Role role, TpSplit split, int layer, float init_std,
            float init_value = 0);
   ModelConfig cfg_;
   ModelShard shard_;
+  std::vector<ModelShard> chunks_;
+  std::vector<int> chunk_of_;  // per param: its chunk
   std::vector<ParamSpec> params_;
   std::unordered_map<std::string, size_t> index_;
   int64_t local_numel_ = 0;
@@ -105,6 +117,10 @@ Tensor param_view(const Tensor& flat, const ParamSpec& p);
 // vocabulary): n_layers + 2 units are spread over the stages, so the first and last stage get
 // fewer transformer layers. Throws when a stage would get nothing at all.
 ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, bool embedding_slots);
+// The model chunks of pipeline rank `stage` under the interleaved schedule: the layers are cut
+// into pp * chunks virtual stages as pipeline_stage cuts them into pp, and the rank holds
+// virtual stages stage, stage + pp, ... (chunks == 1: the one stage).
+std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chunks, int stage, bool embedding_slots);
 
 // Deterministic initialisation of a tensor's local shard into `out` (fp32, local numel):
 // element value = N(0, init_std) drawn from a counter-based generator keyed by (seed, tensor

@@ -9,7 +9,7 @@ namespace keel {
 
 Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len,
                          int slots, parallel::Comm* tp, int recompute_layers, bool sequence_parallel,
-                         int64_t logits_chunk_rows, bool document_masking)
+                         int64_t logits_chunk_rows, bool document_masking, const Transformer* scratch_from)
     : table_(table),
       cfg_(table_.config()),
       be_(backend),
@@ -81,21 +81,36 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
       s.row_loss = alloc(DType::F32, {N_});
     }
   }
-  if (recompute_layers_ > 0) alloc_layer_acts(scratch_, ln, qkv_cols, fc_cols);
-  if (sh.has_head && head_chunked()) head_logits_ = alloc(act_, {head_rows_, vocab_local_});
-  dres_ = alloc(act_, {rows_, d});
-  dnorm_ = alloc(act_, {N_, d});
+  // The scratch below lives only within one forward or backward: model chunks of one rank
+  // (which never run at the same time) share it when scratch_from is given.
+  if (scratch_from && (scratch_from->N_ != N_ || scratch_from->rows_ != rows_ || scratch_from->act_ != act_ ||
+                       &scratch_from->be_ != &be_))
+    throw std::invalid_argument("Transformer: scratch can be shared only between chunks of the same shapes and backend");
+  auto scratch = [&](Tensor& mine, const Tensor Transformer::*member, DType t, std::initializer_list<int64_t> dims) {
+    const Tensor* theirs = scratch_from ? &(scratch_from->*member) : nullptr;
+    mine = theirs && theirs->data ? *theirs : alloc(t, dims);
+  };
+  if (recompute_layers_ > 0) {
+    if (scratch_from && scratch_from->recompute_layers_ > 0)
+      scratch_ = scratch_from->scratch_;
+    else
+      alloc_layer_acts(scratch_, ln, qkv_cols, fc_cols);
+  }
+  if (sh.has_head && head_chunked()) scratch(head_logits_, &Transformer::head_logits_, act_, {head_rows_, vocab_local_});
+  scratch(dres_, &Transformer::dres_, act_, {rows_, d});
+  scratch(dnorm_, &Transformer::dnorm_, act_, {N_, d});
   if (sh.end_layer > sh.first_layer) {
-    dqkv_ = alloc(act_, {N_, qkv_cols});
-    dattn_ = alloc(act_, {N_, q_});
-    dfc_ = alloc(act_, {N_, fc_cols});
-    dact_ = alloc(act_, {N_, ffn_});
+    scratch(dqkv_, &Transformer::dqkv_, act_, {N_, qkv_cols});
+    scratch(dattn_, &Transformer::dattn_, act_, {N_, q_});
+    scratch(dfc_, &Transformer::dfc_, act_, {N_, fc_cols});
+    scratch(dact_, &Transformer::dact_, act_, {N_, ffn_});
   }
   // proj_out_: row-parallel outputs, and under SP the embedding's partial sums before the scatter.
-  if (sh.end_layer > sh.first_layer || (sp_ && sh.has_embedding)) proj_out_ = alloc(act_, {N_, d});
+  if (sh.end_layer > sh.first_layer || (sp_ && sh.has_embedding))
+    scratch(proj_out_, &Transformer::proj_out_, act_, {N_, d});
   if (sp_) {
-    gathered_ = alloc(act_, {N_, d});
-    row_sums_ = alloc(act_, {rows_, d});
+    scratch(gathered_, &Transformer::gathered_, act_, {N_, d});
+    scratch(row_sums_, &Transformer::row_sums_, act_, {rows_, d});
   }
 }
 

@@ -73,9 +73,13 @@ class Transformer {
   // document_masking: forward may be given the tokens' document positions (packed documents then
   // attend only within themselves and count positions from their start:
   // kernels/document_positions.h); a buffer for them is kept per slot.
+  // scratch_from: another model chunk of this rank (interleaved pipeline) whose backward and
+  // recomputation scratch this one reuses; they must never run at the same time. It must
+  // outlive this one.
   Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len, int slots = 1,
               parallel::Comm* tp = nullptr, int recompute_layers = 0, bool sequence_parallel = false,
-              int64_t logits_chunk_rows = 0, bool document_masking = false);
+              int64_t logits_chunk_rows = 0, bool document_masking = false,
+              const Transformer* scratch_from = nullptr);
   ~Transformer();
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;

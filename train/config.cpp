@@ -340,6 +340,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     p.dp = f.integer("dp", 1, 1, 1 << 20);
     p.embedding_slot = f.boolean("embedding_slot", false);
     p.sequence_parallel = f.boolean("sequence_parallel", false);
+    p.virtual_stages = f.integer("virtual_stages", 1, 1, 1 << 10);
     f.finish();
     const ModelConfig& m = c.model;
     auto divides = [&](int64_t by, int64_t what, const std::string& by_name, const std::string& what_name) {
@@ -363,6 +364,13 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       errors.push_back("parallel.pp: " + std::to_string(p.pp) + " stages for " + std::to_string(m.n_layers) +
                        " layers" + (p.embedding_slot ? " + embedding and head slots" : "") +
                        " (each stage needs at least one)");
+    if (p.virtual_stages > 1 && p.pp == 1)
+      errors.push_back("parallel.virtual_stages: " + std::to_string(p.virtual_stages) +
+                       " model chunks per rank interleave a pipeline; with parallel.pp = 1 there is none (set it to 1)");
+    else if (p.virtual_stages > 1 && m.n_layers > 0 && p.pp * p.virtual_stages > m.n_layers + (p.embedding_slot ? 2 : 0))
+      errors.push_back("parallel.virtual_stages: pp * virtual_stages = " + std::to_string(p.pp * p.virtual_stages) +
+                       " virtual stages for " + std::to_string(m.n_layers) + " layers" +
+                       (p.embedding_slot ? " + embedding and head slots" : "") + " (each needs at least one)");
     const TrainConfig& t = c.train;
     if (p.sequence_parallel && p.tp > 1 && t.micro_batch > 0 && t.seq_len > 0 && (t.micro_batch * t.seq_len) % p.tp != 0)
       errors.push_back("parallel.sequence_parallel: the " + std::to_string(t.micro_batch * t.seq_len) +
@@ -637,7 +645,8 @@ json to_json(const RunConfig& c) {
                    {"pp", c.parallel.pp},
                    {"dp", c.parallel.dp},
                    {"embedding_slot", c.parallel.embedding_slot},
-                   {"sequence_parallel", c.parallel.sequence_parallel}};
+                   {"sequence_parallel", c.parallel.sequence_parallel},
+                   {"virtual_stages", c.parallel.virtual_stages}};
   const HealthConfig& h = c.health;
   j["health"] = {{"replica_check_interval", h.replica_check_interval},
                  {"param_group_audit", h.param_group_audit},

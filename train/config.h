@@ -168,6 +168,10 @@ struct ParallelConfig {
   // Megatron's sequence parallelism with TP (model/transformer.h): the residual stream, norms
   // and stage outputs are split by token rows over the TP ranks.
   bool sequence_parallel = false;
+  // Model chunks per pipeline rank: the interleaved 1F1B schedule (train/pipeline_schedule.h)
+  // with pp * virtual_stages virtual stages, rank s holding stages s, s + pp, ... A bubble 1 /
+  // virtual_stages as long, for virtual_stages times the point-to-point messages. 1: plain 1F1B.
+  int64_t virtual_stages = 1;
   int64_t world() const { return tp * pp * dp; }
 };
 

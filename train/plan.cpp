@@ -2,6 +2,7 @@
 
 #include "model/transformer.h"
 #include "train/format.h"
+#include "train/pipeline_schedule.h"
 
 #include <algorithm>
 #include <cctype>
@@ -300,6 +301,10 @@ std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOpti
     if (!p.empty()) return p;
   if (m.pad_vocab_multiple <= 1 && m.vocab_size % l.tp != 0)
     return need(m.vocab_size, l.tp, "vocab", "tp") + " (no vocab padding configured)";
+  if (opt.virtual_stages > 1 && l.pp > 1 &&
+      stage_spans(m.n_layers, l.pp * opt.virtual_stages, opt.embedding_own_slot).empty())
+    return "layers" + std::string(opt.embedding_own_slot ? "+2" : "") + " not divisible by pp*virtual_stages=" +
+           std::to_string(l.pp * opt.virtual_stages);
   if (l.pp > 1 && stage_spans(m.n_layers, l.pp, opt.embedding_own_slot).empty()) {
     if (opt.embedding_own_slot)
       return "layers+2 (" + std::to_string(m.n_layers + 2) + " slots with embedding and head) not divisible by pp=" +
@@ -427,12 +432,14 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   const ModelConfig m = model_for_tp(cfg.model, l.tp);
   const int64_t seq = cfg.train.seq_len;
   const bool own_slot = opt.embedding_own_slot && l.pp > 1;
-  const std::vector<StageSpan> spans = stage_spans(m.n_layers, l.pp, own_slot);
+  const int64_t v = l.pp > 1 ? std::max<int64_t>(1, opt.virtual_stages) : 1;
+  const std::vector<StageSpan> spans = stage_spans(m.n_layers, l.pp * v, own_slot);
   if (spans.empty()) throw ConfigError("plan_layout: " + l.str() + " cannot split the layers evenly");
 
   LayoutPlan p;
   p.layout = l;
   p.embedding_own_slot = own_slot;
+  p.virtual_stages = v;
   p.micro_batches = cfg.train.global_batch / (l.mbs * l.dp);
   const int64_t mb = std::max<int64_t>(p.micro_batches, 1);
   const Activations act = activation_bytes(m, mem, l.tp, l.mbs, seq, opt.sequence_parallel, opt.logits_chunk_rows);
@@ -440,13 +447,30 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
 
   // ---- memory of every stage ----
   std::map<std::tuple<int, int, bool, bool>, StageParams> cache;
+  // Interleaved: what each chunk holds comes from the schedule itself.
+  const std::optional<PipeSchedule> sched =
+      v > 1 ? std::optional<PipeSchedule>(pipeline_schedule(static_cast<int>(l.pp), static_cast<int>(v),
+                                                            static_cast<int>(mb), true))
+            : std::nullopt;
   for (int64_t s = 0; s < l.pp; ++s) {
-    const StageSpan& sp = spans[s];
-    auto key = std::make_tuple(sp.first_layer, sp.end_layer, sp.has_embedding, sp.has_head);
-    if (!cache.count(key)) cache[key] = stage_params(m, l.tp, sp);
-    const StageParams& sprm = cache[key];
     StageMemory st;
     st.stage = static_cast<int>(s);
+    StageParams sprm;
+    for (int64_t c = 0; c < v; ++c) {
+      const StageSpan& cs = spans[static_cast<size_t>(c * l.pp + s)];
+      st.chunks.push_back(cs);
+      auto key = std::make_tuple(cs.first_layer, cs.end_layer, cs.has_embedding, cs.has_head);
+      if (!cache.count(key)) cache[key] = stage_params(m, l.tp, cs);
+      const StageParams& cp = cache[key];
+      sprm.total += cp.total, sprm.tied_copy += cp.tied_copy, sprm.embedding += cp.embedding;
+      sprm.layers += cp.layers, sprm.head += cp.head;
+    }
+    StageSpan sp = st.chunks.front();
+    for (size_t c = 1; c < st.chunks.size(); ++c) {
+      sp.end_layer += st.chunks[c].layers();  // a layer count: the chunks are not contiguous
+      sp.has_embedding = sp.has_embedding || st.chunks[c].has_embedding;
+      sp.has_head = sp.has_head || st.chunks[c].has_head;
+    }
     st.span = sp;
     st.params = sprm.total;
     st.tied_copy = sprm.tied_copy;
@@ -462,27 +486,44 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     // 1F1B: stage s runs pp - s forwards before its first backward, so it holds that many
     // micro-batches' activations (never more than the step has).
     st.in_flight = std::min<int64_t>(l.pp - s, mb);
-    const double L = sp.layers(), n = static_cast<double>(st.in_flight);
-    // Recomputed layers (model/transformer.h): the first Lr of the stage keep only their input;
-    // their intermediates are rebuilt one layer at a time in a scratch set shared by them all.
-    const double Lr = opt.recompute_layers > 0 ? std::min<double>(L, double(opt.recompute_layers)) : L;
-    const double kept_layer = act.per_layer_full + act.attn_scores;
-    // token ids (embedding), targets (head), document positions (every stage, with masking)
-    const double ids = (sp.has_embedding ? act.token_ids : 0) + (sp.has_head ? act.token_ids : 0) +
-                       (cfg.data.document_masking ? act.token_ids : 0);
-    const double head = sp.has_head ? act.head : 0;
-    // keel's Transformer keeps a stage output, the token ids / targets and the head's buffers
-    // per micro-batch in flight (a pipeline slot). The Megatron-DeepSpeed model (compared with
-    // seed 001) counts them once, its pipe buffers being the keeps_stage_output term below.
-    const double per_slot = mem.keeps_stage_output ? 0 : act.stage_output + ids + head;
-    const double once = act.backward_scratch + (sp.has_head ? act.head_shared : 0) +
-                        (mem.keeps_stage_output ? act.stage_output + ids + head : 0);
-    st.act_full = n * (L * kept_layer + per_slot) + once;
-    st.act_stored_recompute = n * (Lr * act.per_layer_input + (L - Lr) * kept_layer + per_slot);
-    if (mem.keeps_stage_output && l.pp > 1) {
-      st.act_full += n * act.per_layer_input;
-      st.act_stored_recompute += n * act.per_layer_input;
+    if (sched) {
+      for (int64_t c = 0; c < v; ++c)
+        st.chunk_in_flight.push_back(sched->activation_slots[static_cast<size_t>(s)][static_cast<size_t>(c)]);
+      st.in_flight = *std::max_element(st.chunk_in_flight.begin(), st.chunk_in_flight.end());
     }
+    // Recomputed layers (model/transformer.h): the first Lr of the stage (over its chunks in
+    // order) keep only their input; their intermediates are rebuilt one layer at a time in a
+    // scratch set shared by them all.
+    const double kept_layer = act.per_layer_full + act.attn_scores;
+    double recompute_left = opt.recompute_layers > 0 ? double(opt.recompute_layers) : sp.layers();
+    double Lr = 0;
+    double once = act.backward_scratch + (sp.has_head ? act.head_shared : 0);
+    for (size_t c = 0; c < st.chunks.size(); ++c) {
+      const StageSpan& cs = sched ? st.chunks[c] : sp;
+      const double L = cs.layers();
+      const double n = static_cast<double>(sched ? st.chunk_in_flight[c] : st.in_flight);
+      const double Lr_c = std::min(L, recompute_left);
+      recompute_left -= Lr_c;
+      Lr += Lr_c;
+      // token ids (embedding), targets (head), document positions (every stage, with masking)
+      const double ids = (cs.has_embedding ? act.token_ids : 0) + (cs.has_head ? act.token_ids : 0) +
+                         (cfg.data.document_masking ? act.token_ids : 0);
+      const double head = cs.has_head ? act.head : 0;
+      // keel's Transformer keeps a stage output, the token ids / targets and the head's buffers
+      // per micro-batch in flight (a pipeline slot). The Megatron-DeepSpeed model (compared with
+      // seed 001) counts them once, its pipe buffers being the keeps_stage_output term below.
+      const double per_slot = mem.keeps_stage_output ? 0 : act.stage_output + ids + head;
+      if (mem.keeps_stage_output) once += act.stage_output + ids + head;
+      st.act_full += n * (L * kept_layer + per_slot);
+      st.act_stored_recompute += n * (Lr_c * act.per_layer_input + (L - Lr_c) * kept_layer + per_slot);
+      if (mem.keeps_stage_output && l.pp > 1) {
+        st.act_full += n * act.per_layer_input;
+        st.act_stored_recompute += n * act.per_layer_input;
+      }
+      // Interleaved: received output gradients wait in buffers of their own until their backward.
+      if (sched) once += sched->gradient_slots[static_cast<size_t>(s)][c] * act.stage_output;
+    }
+    st.act_full += once;
     st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : 0) + once;
     st.act_recompute = st.act_stored_recompute + st.act_working_recompute;
     st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes;
@@ -502,7 +543,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   p.peak_bytes = p.recompute ? peak_rc : peak_full;
   p.peak_stage = p.recompute ? at_rc : at_full;
   p.fits = p.peak_bytes <= p.usable_bytes;
-  p.bubble = double(l.pp - 1) / double(mb + l.pp - 1);
+  p.bubble = double(l.pp - 1) / double(v * mb + l.pp - 1);
 
   // ---- time of one micro-batch on each stage ----
   // compute: every block matmul forward + data grad + weight grad (+ a forward again when
@@ -555,7 +596,9 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     const double n_ar = L * (4 + (p.recompute ? 2 : 0)) + (st.span.has_embedding ? 1 : 0) + (st.span.has_head ? 1 : 0);
     t.tp_bytes = n_ar * ar_sent;
     t.tp = t.tp_bytes / bw_intra;
-    const double sends = (st.stage < l.pp - 1 ? 1 : 0) + (st.stage > 0 ? 1 : 0);
+    // Per micro-batch, each chunk sends its output forward and its input's gradient backward,
+    // but for the first and last virtual stage.
+    const double sends = 2.0 * static_cast<double>(v) - (st.stage == l.pp - 1 ? 1 : 0) - (st.stage == 0 ? 1 : 0);
     t.pp_bytes = l.pp > 1 ? sends * act_msg : 0;
     t.pp = t.pp_bytes / bw_pp;
     t.total = t.compute + t.tp + t.pp + hw.microbatch_overhead_s;
@@ -574,10 +617,13 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     p.time.tp_comm_s += t.tp;
     p.time.pp_comm_s += t.pp;
   }
-  pipe += (mb - 1) * times[slow].total;
-  p.time.compute_s += (mb - 1) * times[slow].compute;
-  p.time.tp_comm_s += (mb - 1) * times[slow].tp;
-  p.time.pp_comm_s += (mb - 1) * times[slow].pp;
+  // Interleaved (v chunks): the fill and drain pass chunks of 1/v of a stage's time, so the
+  // pipeline takes sum_s t_s / v + (m - 1/v) max_s t_s.
+  const double vd = static_cast<double>(v), rest = static_cast<double>(mb) - 1.0 / vd;
+  pipe = pipe / vd + rest * times[slow].total;
+  p.time.compute_s = p.time.compute_s / vd + rest * times[slow].compute;
+  p.time.tp_comm_s = p.time.tp_comm_s / vd + rest * times[slow].tp;
+  p.time.pp_comm_s = p.time.pp_comm_s / vd + rest * times[slow].pp;
   for (const auto& t : times) {
     p.comm.tp = std::max(p.comm.tp, mb * t.tp_bytes);
     p.comm.pp = std::max(p.comm.pp, mb * t.pp_bytes);
@@ -723,6 +769,13 @@ std::string state_formula(const MemoryModel& mem, int64_t dp) {
   return f;
 }
 
+std::string span_text(const StageSpan& sp);
+std::string span_text(const StageMemory& st) {
+  if (st.chunks.size() <= 1) return span_text(st.span);
+  std::string s;
+  for (const StageSpan& c : st.chunks) s += (s.empty() ? "" : " | ") + span_text(c);
+  return s;
+}
 std::string span_text(const StageSpan& sp) {
   std::string s = sp.layers() > 0 ? std::to_string(sp.first_layer) + "-" + std::to_string(sp.end_layer - 1) : "none";
   if (sp.has_embedding) s = "emb + " + s;
@@ -761,7 +814,7 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
     t.row(r);
   };
   const double shard = mem.state.zero1 ? double(l.dp) : 1.0;
-  add("layers", [](const StageMemory& s) { return span_text(s.span); });
+  add("layers", [](const StageMemory& s) { return span_text(s); });
   add("parameters (exact)", [](const StageMemory& s) { return grouped(s.params); });
   add("  of which embedding / head", [](const StageMemory& s) {
     return grouped(s.embedding_params) + " / " + grouped(s.head_params);
@@ -777,7 +830,13 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
   if (mem.state.grad_shard > 0)
     add("fp32 grad partition (" + fmt("%g", mem.state.grad_shard) + "/" + fmt("%g", shard) + ")",
         [&](const StageMemory& s) { return gib(s.grad_shard); });
-  add("micro-batches in flight (1F1B)", [](const StageMemory& s) { return std::to_string(s.in_flight); });
+  add(opt.virtual_stages > 1 && p.layout.pp > 1 ? "micro-batches in flight per chunk" : "micro-batches in flight (1F1B)",
+      [](const StageMemory& s) {
+        if (s.chunk_in_flight.empty()) return std::to_string(s.in_flight);
+        std::string t;
+        for (int64_t n : s.chunk_in_flight) t += (t.empty() ? "" : " | ") + std::to_string(n);
+        return t;
+      });
   add("activations, no recompute", [&](const StageMemory& s) { return gib(s.act_full); });
   const std::string rc_name = recompute_name(true, opt.recompute_layers);
   add("activations, " + rc_name, [&](const StageMemory& s) { return gib(s.act_recompute); });
@@ -940,6 +999,7 @@ nlohmann::json layout_json(const LayoutPlan& p) {
   const Layout& l = p.layout;
   j["layout"] = {{"tp", l.tp}, {"pp", l.pp}, {"dp", l.dp}, {"mbs", l.mbs}, {"gpus", l.gpus()}};
   j["embedding_own_slot"] = p.embedding_own_slot;
+  j["virtual_stages"] = p.virtual_stages;
   j["micro_batches"] = p.micro_batches;
   j["recompute"] = p.recompute;
   j["fits"] = p.fits;
@@ -953,8 +1013,16 @@ nlohmann::json layout_json(const LayoutPlan& p) {
                {"dp_comm_s", p.time.dp_comm_s}, {"gemm_efficiency", p.time.gemm_efficiency},
                {"model_tflops_per_gpu", p.time.model_tflops}};
   nlohmann::json stages = nlohmann::json::array();
-  for (const auto& s : p.stages)
+  for (const auto& s : p.stages) {
+    nlohmann::json chunks = nlohmann::json::array();
+    for (size_t c = 0; c < s.chunks.size() && p.virtual_stages > 1; ++c)
+      chunks.push_back({{"first_layer", s.chunks[c].first_layer},
+                        {"end_layer", s.chunks[c].end_layer},
+                        {"embedding", s.chunks[c].has_embedding},
+                        {"head", s.chunks[c].has_head},
+                        {"in_flight", s.chunk_in_flight.at(c)}});
     stages.push_back({{"stage", s.stage},
+                      {"chunks", chunks},
                       {"first_layer", s.span.first_layer},
                       {"end_layer", s.span.end_layer},
                       {"embedding", s.span.has_embedding},
@@ -976,6 +1044,7 @@ nlohmann::json layout_json(const LayoutPlan& p) {
                         {"total_no_recompute", s.total(false)},
                         {"total_recompute", s.total(true)}}},
                       {"in_flight", s.in_flight}});
+  }
   j["stages"] = stages;
   j["warnings"] = p.warnings;
   return j;
@@ -1040,6 +1109,8 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   opt.recompute_layers = cfg.train.recompute_layers;
   opt.sequence_parallel = cfg.parallel.sequence_parallel;
   opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
+  opt.embedding_own_slot = cfg.parallel.embedding_slot;
+  opt.virtual_stages = cfg.parallel.virtual_stages;
   if (gpu_mem_bytes > 0) opt.hw.gpu_mem_bytes = gpu_mem_bytes;
   else opt.memory.cuda_context_bytes = 0;  // a CPU run has no CUDA context
   const Layout l{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};

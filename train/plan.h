@@ -111,6 +111,9 @@ struct PlanOptions {
   bool sequence_parallel = false;   // the residual stream and norms split by rows over TP
   int64_t logits_chunk_rows = 0;    // train.logits_chunk_rows (0: automatic), with chunked_logits
   bool embedding_own_slot = false;  // embedding and head each take a pipeline slot like a block
+  // parallel.virtual_stages: model chunks per pipeline rank (interleaved 1F1B). The layers are
+  // cut into pp * virtual_stages spans; activations follow train/pipeline_schedule.h.
+  int64_t virtual_stages = 1;
   std::optional<int64_t> tp, pp, dp, mbs;  // pinned sizes
   int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this
 };
@@ -179,7 +182,9 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
 
 struct StageMemory {
   int stage = 0;
-  StageSpan span;
+  StageSpan span;                 // one chunk: its span; several: first layer, layer count, flags
+  std::vector<StageSpan> chunks;  // the rank's chunks (interleaved pipeline), in order
+  std::vector<int64_t> chunk_in_flight;  // micro-batches each chunk holds (interleaved pipeline)
   int64_t params = 0;          // this rank's parameters (exact), tied head copy included
   int64_t tied_copy = 0;       // of which: the tied embedding copy the last stage holds
   int64_t embedding_params = 0, layer_params = 0, head_params = 0;
@@ -210,6 +215,7 @@ struct TimeEstimate {
 struct LayoutPlan {
   Layout layout;
   bool embedding_own_slot = false;
+  int64_t virtual_stages = 1;  // model chunks per pipeline rank (interleaved 1F1B)
   int64_t micro_batches = 0;  // per DP rank per step (m)
   bool recompute = false;     // the policy the verdict and the time assume
   std::vector<StageMemory> stages;
@@ -217,7 +223,7 @@ struct LayoutPlan {
   double peak_bytes = 0;      // max over stages under `recompute`
   double usable_bytes = 0;    // gpu memory * (1 - headroom)
   bool fits = false;
-  double bubble = 0;          // (pp - 1) / (m + pp - 1)
+  double bubble = 0;          // (pp - 1) / (v m + pp - 1), v = virtual stages
   CommVolume comm;
   TimeEstimate time;
   std::vector<std::string> warnings;

@@ -498,6 +498,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string());
     print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());
+    if (grid.pp_size() > 1)  // the step's pipeline: ticks, idle ticks (the bubble)
+      std::printf("keel: pipeline %s\n",
+                  tr.schedule(static_cast<int>(cfg.grad_accum_steps(cfg.train.global_batch)), true).describe().c_str());
     const double gpu_memory = backend->device() == Device::CUDA ? double(cuda_current_device_memory()) : 0.0;
     std::printf("%s", plan::memory_breakdown_text(cfg, gpu_memory).c_str());
     std::printf("keel: run directory %s (metrics: %s, checkpoints: %s)\n", cfg.out.c_str(), metrics->path().c_str(),

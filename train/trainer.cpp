@@ -8,18 +8,43 @@
 
 #include "data/checksum.h"
 #include "train/schedule.h"
+#include "train/pipeline_schedule.h"
 
 namespace keel {
 
-ModelShard shard_for(const RunConfig& cfg, const parallel::Grid& grid) {
-  ModelShard sh = pipeline_stage(cfg.model, grid.pp_size(), grid.pp_rank(), cfg.parallel.embedding_slot);
-  sh.tp_rank = grid.tp_rank();
-  sh.tp_size = grid.tp_size();
-  return sh;
+std::vector<ModelShard> chunks_for(const RunConfig& cfg, const parallel::Grid& grid) {
+  std::vector<ModelShard> chunks = pipeline_chunks(cfg.model, grid.pp_size(), static_cast<int>(cfg.parallel.virtual_stages),
+                                                   grid.pp_rank(), cfg.parallel.embedding_slot);
+  for (ModelShard& sh : chunks) {
+    sh.tp_rank = grid.tp_rank();
+    sh.tp_size = grid.tp_size();
+  }
+  return chunks;
 }
 
 namespace {
 parallel::Grid single_rank() { return parallel::Grid(1, 0, 1, 1, 1); }
+
+// The micro-batches per DP rank a training step can have: the ramp-up's batch sizes and the
+// full one.
+std::vector<int> training_micro_batch_counts(const RunConfig& cfg) {
+  std::vector<int> counts = {static_cast<int>(cfg.grad_accum_steps(cfg.train.global_batch))};
+  if (const auto& r = cfg.schedule.rampup; r && r->increment > 0)
+    for (int64_t b = r->start; b < cfg.train.global_batch; b += r->increment)
+      if (cfg.grad_accum_steps(b) > 0) counts.push_back(static_cast<int>(cfg.grad_accum_steps(b)));
+  return counts;
+}
+
+// One point-to-point move of the pipeline: send and/or receive (both at once when both).
+void transfer(parallel::Comm& pp, const std::optional<Tensor>& send, int to, const std::optional<Tensor>& recv,
+              int from) {
+  if (send && recv)
+    pp.sendrecv(*send, to, *recv, from);
+  else if (send)
+    pp.send(*send, to);
+  else if (recv)
+    pp.recv(*recv, from);
+}
 }  // namespace
 
 Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* grid, parallel::CommGroups* comms)
@@ -28,22 +53,56 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
       grid_(grid ? *grid : single_rank()),
       local_comms_(comms ? parallel::CommGroups{} : parallel::make_local_comms(backend.device())),
       comms_(comms ? comms : &local_comms_),
-      table_(cfg.model, shard_for(cfg, grid_)),
+      table_(cfg.model, chunks_for(cfg, grid_)),
       scaler_(cfg.precision.loss_scale, cfg.precision.mode == PrecisionMode::FP16),
       spikes_(cfg.health) {
   if (grid_.tp_size() != cfg.parallel.tp || grid_.pp_size() != cfg.parallel.pp || grid_.dp_size() != cfg.parallel.dp)
     throw std::invalid_argument("Trainer: the grid (" + grid_.layout() + ") does not match parallel.tp/pp/dp of the config");
   state_ = std::make_unique<ParamState>(table_, be_, cfg.precision.mode, grid_.dp_size(), grid_.dp_rank());
-  // 1F1B keeps at most (stages after this one + 1) micro-batches in flight on a stage, and
-  // never more than a step has (global_batch is the largest batch, ramp-up included).
-  const int slots = static_cast<int>(std::clamp<int64_t>(grid_.pp_size() - grid_.pp_rank(), 1,
-                                                         cfg.grad_accum_steps(cfg.train.global_batch)));
-  model_ = std::make_unique<Transformer>(table_, be_, activation_dtype(cfg.precision.mode),
-                                         static_cast<int>(cfg.train.micro_batch), static_cast<int>(cfg.train.seq_len),
-                                         slots, grid_.tp_size() > 1 ? comms_->tp.get() : nullptr,
-                                         cfg.train.recomputed_layers_per_stage(), cfg.parallel.sequence_parallel,
-                                         cfg.train.logits_chunk_rows, cfg.data.document_masking);
-  model_->bind(state_->working, state_->grads);
+  const int n_chunks = table_.num_chunks();
+  std::vector<int> slots(static_cast<size_t>(n_chunks), 1), grad_slots(static_cast<size_t>(n_chunks), 0);
+  if (n_chunks == 1) {
+    // 1F1B keeps at most (stages after this one + 1) micro-batches in flight on a stage, and
+    // never more than a step has (global_batch is the largest batch, ramp-up included).
+    slots[0] = static_cast<int>(std::clamp<int64_t>(grid_.pp_size() - grid_.pp_rank(), 1,
+                                                    cfg.grad_accum_steps(cfg.train.global_batch)));
+  } else {
+    // Interleaved: what the schedules of every step size need (training over the ramp-up, and
+    // evaluation, which runs pp micro-batches at a time).
+    auto need = [&](const PipeSchedule& sc) {
+      for (int c = 0; c < n_chunks; ++c) {
+        const size_t s = static_cast<size_t>(grid_.pp_rank()), cu = static_cast<size_t>(c);
+        slots[cu] = std::max(slots[cu], sc.activation_slots[s][cu]);
+        grad_slots[cu] = std::max(grad_slots[cu], sc.gradient_slots[s][cu]);
+      }
+    };
+    for (int m : training_micro_batch_counts(cfg)) need(schedule(m, true));
+    for (int m = 1; m <= grid_.pp_size(); ++m) need(schedule(m, false));
+  }
+  const int recompute = static_cast<int>(cfg.train.recomputed_layers_per_stage());
+  for (int c = 0; c < n_chunks; ++c) {
+    // Recomputation counts layers from the stage's first: over its chunks in order.
+    int before = 0;
+    for (int e = 0; e < c; ++e) {
+      const ModelShard& sh = table_.chunk_shard(e);
+      before += sh.end_layer - sh.first_layer;
+    }
+    chunks_.push_back(std::make_unique<Transformer>(
+        n_chunks == 1 ? table_ : table_.chunk(c), be_, activation_dtype(cfg.precision.mode), static_cast<int>(cfg.train.micro_batch),
+        static_cast<int>(cfg.train.seq_len), slots[static_cast<size_t>(c)],
+        grid_.tp_size() > 1 ? comms_->tp.get() : nullptr, std::max(0, recompute - before),
+        cfg.parallel.sequence_parallel, cfg.train.logits_chunk_rows, cfg.data.document_masking,
+        c > 0 ? chunks_.front().get() : nullptr));
+    chunks_.back()->bind(state_->working, state_->grads);
+    std::vector<Tensor> pool;
+    for (int i = 0; i < grad_slots[static_cast<size_t>(c)]; ++i) {
+      const Tensor g = chunks_.back()->grad_output();
+      Tensor t(be_.allocate(g.bytes()), g.dtype, {g.shape[0], g.shape[1]}, be_.device());
+      allocations_.push_back(t.data);
+      pool.push_back(t);
+    }
+    grad_pool_.push_back(std::move(pool));
+  }
   {
     const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
     for (const ParamSpec& p : table_.params()) {
@@ -92,7 +151,70 @@ int64_t Trainer::all_reduce_sum(parallel::Comm& c, int64_t x) {
   return static_cast<int64_t>(out[0]) + (static_cast<int64_t>(out[1]) << 31);
 }
 
+const PipeSchedule& Trainer::schedule(int micro_batches, bool training) {
+  auto& cached = schedules_[{micro_batches, training}];
+  if (!cached)
+    cached = std::make_unique<PipeSchedule>(pipeline_schedule(grid_.pp_size(), table_.num_chunks(), micro_batches, training));
+  return *cached;
+}
+
 double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward) {
+  if (chunks_.size() == 1) return run_1f1b(mbs, dloss, backward);
+  if (backward) return run_interleaved(mbs.data(), static_cast<int>(mbs.size()), dloss, true);
+  // Evaluation: pp micro-batches at a time (the slots are sized for that).
+  double loss_sum = 0;
+  const int M = static_cast<int>(mbs.size()), P = grid_.pp_size();
+  for (int first = 0; first < M; first += P)
+    loss_sum += run_interleaved(mbs.data() + first, std::min(P, M - first), 0.0f, false);
+  return loss_sum;
+}
+
+// The schedule's ticks (train/pipeline_schedule.h): compute this rank's op, then the tick's
+// forward-direction move (to the next rank, from the previous) and its backward-direction move.
+// Every rank moves in the same order, so each move's partner is in the same move.
+double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward) {
+  const PipeSchedule& sc = schedule(M, backward);
+  const int P = grid_.pp_size(), s = grid_.pp_rank(), V = P * static_cast<int>(chunks_.size());
+  const int next = (s + 1) % P, prev = (s + P - 1) % P;
+  parallel::Comm& pp = *comms_->pp;
+  const std::optional<float> head_dloss = backward ? std::optional<float>(dloss) : std::nullopt;
+  auto slot = [&](int chunk, int mb) { return mb % chunks_[static_cast<size_t>(chunk)]->slots(); };
+  auto grad_buffer = [&](int chunk, int mb) {
+    const std::vector<Tensor>& pool = grad_pool_[static_cast<size_t>(chunk)];
+    if (pool.empty()) throw std::logic_error("interleaved pipeline: chunk " + std::to_string(chunk) + " has no gradient buffer");
+    return pool[static_cast<size_t>(mb) % pool.size()];
+  };
+  double loss_sum = 0;
+  for (const PipeTick& k : sc.ticks[static_cast<size_t>(s)]) {
+    std::optional<Tensor> send_fwd, recv_fwd, send_bwd, recv_bwd;
+    if (!k.op.none()) {
+      Transformer& m = *chunks_[static_cast<size_t>(k.op.chunk)];
+      const int vs = sc.virtual_stage(s, k.op.chunk), mb = k.op.micro_batch;
+      const MicroBatch& b = mbs[mb];
+      if (!k.op.backward) {
+        loss_sum += m.forward(slot(k.op.chunk, mb), vs == 0 ? b.inputs.data() : nullptr,
+                              vs == V - 1 ? b.targets.data() : nullptr, head_dloss,
+                              b.positions.empty() ? nullptr : b.positions.data())
+                        .loss_sum;
+        if (k.send_forward) send_fwd = m.stage_output(slot(k.op.chunk, mb));
+      } else {
+        if (vs != V - 1) be_.convert(m.grad_output(), grad_buffer(k.op.chunk, mb));
+        m.backward(slot(k.op.chunk, mb), dloss);
+        if (k.send_backward) send_bwd = m.grad_input();
+      }
+    }
+    if (!k.recv_forward.none())
+      recv_fwd = chunks_[static_cast<size_t>(k.recv_forward.chunk)]->stage_input(
+          slot(k.recv_forward.chunk, k.recv_forward.micro_batch));
+    if (!k.recv_backward.none()) recv_bwd = grad_buffer(k.recv_backward.chunk, k.recv_backward.micro_batch);
+    transfer(pp, send_fwd, next, recv_fwd, prev);
+    transfer(pp, send_bwd, prev, recv_bwd, next);
+  }
+  return loss_sum;
+}
+
+double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward) {
+  Transformer* const model_ = chunks_.front().get();
   const int M = static_cast<int>(mbs.size());
   const int P = grid_.pp_size(), s = grid_.pp_rank();
   const bool first = s == 0, last = s == P - 1;
@@ -162,7 +284,7 @@ double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bo
 // and never drift apart (the BLOOM restart-spike bug was exactly this sum missing).
 void Trainer::sync_tied_embedding() {
   if (!cfg_.model.tied_embeddings || grid_.pp_size() == 1 || !grid_.holds_embedding()) return;
-  comms_->embedding->all_reduce(model_->grad("tok_embed"));
+  comms_->embedding->all_reduce(param_view(state_->grads, table_.at("tok_embed")));
 }
 
 StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t iteration, bool collect_stats) {
@@ -187,7 +309,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   if (collect_stats) {
     act_max.assign(static_cast<size_t>(cfg_.model.n_layers), 0.0f);
     grad_max.assign(act_max.size(), 0.0f);
-    model_->set_probe([&](const Transformer::OpProbe& p) {
+    set_probe([&](int, const Transformer::OpProbe& p) {
       if (p.layer < 0) return;
       const bool act = !p.backward && std::strcmp(p.op, "layer output (residual add)") == 0;
       const bool grad = p.backward && std::strcmp(p.op, "layer input gradient (attn_norm backward)") == 0;
@@ -199,7 +321,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   }
   double loss_sum = run_pipeline(micro_batches, dloss, true);
   if (collect_stats) {
-    model_->set_probe(nullptr);
+    set_probe(nullptr);
     st.act_max = all_reduce_max(*comms_->world, act_max);
     st.grad_max = all_reduce_max(*comms_->world, grad_max);
   }
@@ -207,7 +329,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   loss_sum = all_reduce_sum(dp, loss_sum);
   st.loss = st.valid_tokens > 0 ? loss_sum / static_cast<double>(st.valid_tokens) : 0.0;
 
-  model_->sum_sequence_parallel_grads();
+  for (auto& m : chunks_) m->sum_sequence_parallel_grads();
   sync_tied_embedding();
   const int64_t n = table_.local_numel();
   const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), n);
@@ -276,6 +398,16 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   return st;
 }
 
+void Trainer::set_probe(const std::function<void(int chunk, const Transformer::OpProbe&)>& fn) {
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    if (!fn) {
+      chunks_[c]->set_probe(nullptr);
+      continue;
+    }
+    chunks_[c]->set_probe([fn, c](const Transformer::OpProbe& p) { fn(static_cast<int>(c), p); });
+  }
+}
+
 int Trainer::check_replicas() {
   // Test hook: KEEL_FAULT_TIED_DRIFT=1 nudges the last stage's tied copy once, to prove the
   // check catches copies that drift apart.
@@ -283,7 +415,7 @@ int Trainer::check_replicas() {
   int checked = 0;
   using parallel::GroupKind;
   auto compare = [&](parallel::Comm& group, GroupKind kind, const ParamSpec& p) {
-    Tensor w = model_->weight(p.name);
+    Tensor w = param_view(state_->working, p);
     if (drift && p.tied_copy) {
       std::vector<char> bytes(w.bytes());
       be_.copy_to_host(bytes.data(), w);

@@ -4,7 +4,8 @@
 // it, and tests drive it directly.
 //
 // One step, on every rank of the grid:
-//   1. forward/backward of this rank's DP micro-batches through the pipeline, 1F1B order,
+//   1. forward/backward of this rank's DP micro-batches through the pipeline, 1F1B order
+//      (interleaved over the rank's model chunks with parallel.virtual_stages > 1),
 //      activations and their gradients passed between stages (send/recv on the PP group);
 //   2. the tied embedding's gradient summed over its two copies (first and last stage);
 //   3. gradients reduce-scattered over DP: each rank owns one shard of masters and moments;
@@ -13,6 +14,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -24,6 +27,7 @@
 #include "train/config.h"
 #include "train/health.h"
 #include "train/optimizer.h"
+#include "train/pipeline_schedule.h"
 #include "train/parallel/comm.h"
 #include "train/parallel/grid.h"
 
@@ -115,15 +119,24 @@ class Trainer {
   const ParamTable& table() const { return table_; }
   const parallel::Grid& grid() const { return grid_; }
   parallel::CommGroups& comms() { return *comms_; }
-  Transformer& model() { return *model_; }
+  // The first of this rank's model chunks (the only one without virtual_stages): model-wide
+  // facts (FLOPs per token, sequence length) and the chunk's own tensors.
+  Transformer& model() { return *chunks_.front(); }
+  int num_chunks() const { return static_cast<int>(chunks_.size()); }
+  // The pipeline schedule of a step of `micro_batches` (or an evaluation of them), cached.
+  const PipeSchedule& schedule(int micro_batches, bool training);
   ParamState& state() { return *state_; }
   LossScaler& scaler() { return scaler_; }
   Backend& backend() { return be_; }
 
  private:
-  // Runs forward (and backward unless eval) over the micro-batches in 1F1B order; returns the
-  // sum of this rank's losses (non-zero on the last stage only).
+  // Runs forward (and backward unless eval) over the micro-batches in 1F1B order (interleaved
+  // with several chunks); returns the sum of this rank's losses (non-zero on the last stage only).
   double run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward);
+  double run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward);
+  double run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward);
+  // The same probe on every chunk (told which chunk called); nullptr clears it.
+  void set_probe(const std::function<void(int chunk, const Transformer::OpProbe&)>& fn);
   void sync_tied_embedding();
   double all_reduce_sum(parallel::Comm& c, double x);  // in fp32 pairs: ~2^-48 relative
   int64_t all_reduce_sum(parallel::Comm& c, int64_t x);
@@ -140,7 +153,12 @@ class Trainer {
   parallel::CommGroups* comms_;
   ParamTable table_;
   std::unique_ptr<ParamState> state_;
-  std::unique_ptr<Transformer> model_;
+  // This rank's model chunks (one without virtual_stages); chunks after the first share its
+  // backward scratch.
+  std::vector<std::unique_ptr<Transformer>> chunks_;
+  // Interleaved schedule: per chunk, where received output gradients wait for their backward.
+  std::vector<std::vector<Tensor>> grad_pool_;
+  std::map<std::pair<int, bool>, std::unique_ptr<PipeSchedule>> schedules_;
   LossScaler scaler_;
   SpikeDetector spikes_;
   std::unique_ptr<FrozenDetector> frozen_;
@@ -157,7 +175,8 @@ class ReplicaMismatch : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The ModelShard of a grid position: pipeline stage layers + TP rank.
-ModelShard shard_for(const RunConfig& cfg, const parallel::Grid& grid);
+// The model chunks of a grid position: its pipeline stage's layers (one chunk per virtual
+// stage) + TP rank.
+std::vector<ModelShard> chunks_for(const RunConfig& cfg, const parallel::Grid& grid);
 
 }  // namespace keel

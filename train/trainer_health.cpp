@@ -83,7 +83,7 @@ std::string Trainer::localize_nonfinite(const std::vector<MicroBatch>& mbs, floa
   std::string prev_op = "(start)";
   int64_t key = INT64_MAX;
   const int P = grid_.pp_size(), s = grid_.pp_rank();
-  model_->set_probe([&](const Transformer::OpProbe& p) {
+  set_probe([&](int chunk, const Transformer::OpProbe& p) {
     ++order;
     if (found) return;
     const float m = be_.max_abs(p.out);
@@ -96,9 +96,9 @@ std::string Trainer::localize_nonfinite(const std::vector<MicroBatch>& mbs, floa
       return;
     }
     found = true;
-    // Forward before backward; forward in stage order, backward in reverse stage order.
-    key = p.backward ? (int64_t{1} << 50) + static_cast<int64_t>(P - 1 - s) * (int64_t{1} << 32) + order
-                     : static_cast<int64_t>(s) * (int64_t{1} << 32) + order;
+    // Forward before backward; forward in (virtual) stage order, backward in reverse order.
+    const int64_t vs = static_cast<int64_t>(chunk) * P + s, V = static_cast<int64_t>(P) * num_chunks();
+    key = p.backward ? (int64_t{1} << 50) + (V - 1 - vs) * (int64_t{1} << 32) + order : vs * (int64_t{1} << 32) + order;
     const std::string scale_note =
         cfg_.precision.mode == PrecisionMode::FP16 && p.backward
             ? " (backward values are multiplied by the fp16 loss scale, " +
@@ -115,7 +115,7 @@ std::string Trainer::localize_nonfinite(const std::vector<MicroBatch>& mbs, floa
   });
   be_.fill(state_->grads, 0.0f);
   run_pipeline(mbs, dloss, true);
-  model_->set_probe(nullptr);
+  set_probe(nullptr);
   be_.fill(state_->grads, 0.0f);
 
   std::string best;
@@ -154,8 +154,8 @@ HealthSnapshot Trainer::snapshot(const MicroBatch& probe) {
   s.probe_loss = evaluate({probe});
   uint32_t crc = data::crc32c(0, probe.inputs.data(), probe.inputs.size() * sizeof(int32_t));
   crc = data::crc32c(crc, probe.targets.data(), probe.targets.size() * sizeof(int32_t));
-  s.probe_batch = std::to_string(probe.inputs.size() / static_cast<size_t>(model_->seq_len())) + "x" +
-                  std::to_string(model_->seq_len()) + " crc32c " + data::crc32c_hex(crc);
+  s.probe_batch = std::to_string(probe.inputs.size() / static_cast<size_t>(cfg_.train.seq_len)) + "x" +
+                  std::to_string(cfg_.train.seq_len) + " crc32c " + data::crc32c_hex(crc);
   s.working_sumsq.assign(full_names_.size(), 0.0);
   s.master_sumsq.assign(full_names_.size(), 0.0);
   const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());
@@ -163,7 +163,7 @@ HealthSnapshot Trainer::snapshot(const MicroBatch& probe) {
     if (!table_.is_primary(p)) continue;
     const size_t i = static_cast<size_t>(std::find(full_names_.begin(), full_names_.end(), p.name) - full_names_.begin());
     // Working weights are replicated over DP: DP rank 0 counts them.
-    if (grid_.dp_rank() == 0) s.working_sumsq[i] += be_.sum_squares(model_->weight(p.name));
+    if (grid_.dp_rank() == 0) s.working_sumsq[i] += be_.sum_squares(param_view(state_->working, p));
     const int64_t a = std::max(p.offset, ob), b = std::min(p.offset + p.numel, oe);
     if (state_->has_master() && a < b) s.master_sumsq[i] += be_.sum_squares(state_->flat_view(state_->master, a, b - a));
   }

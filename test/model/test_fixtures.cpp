@@ -85,6 +85,52 @@ TEST_CASE("parameter table: names, roles, decay by role, fused groups back to ba
   CHECK_THROWS_WITH(t.at("layers.9.attn.wq"), Catch::Contains("layers.9.attn.wq"));
 }
 
+TEST_CASE("parameter table of a rank with model chunks (interleaved pipeline)", "[model][params]") {
+  ModelConfig c;
+  c.family = Family::GPT2;
+  c.vocab_size = 64;
+  c.d_model = 16;
+  c.n_layers = 8;
+  c.n_heads = 2;
+  c.n_kv_heads = 2;
+  c.ffn_hidden = 64;
+  c.max_seq_len = 16;
+  c.tied_embeddings = true;
+  // pp=2 x 2 chunks: 4 virtual stages of 2 layers; rank 0 holds layers 0-1 (+ embedding) and
+  // 4-5, rank 1 layers 2-3 and 6-7 (+ head, with the tied embedding's copy).
+  const std::vector<ModelShard> r0 = pipeline_chunks(c, 2, 2, 0, false), r1 = pipeline_chunks(c, 2, 2, 1, false);
+  REQUIRE(r0.size() == 2);
+  CHECK((r0[0].first_layer == 0 && r0[0].end_layer == 2 && r0[0].has_embedding && !r0[0].has_head));
+  CHECK((r0[1].first_layer == 4 && r0[1].end_layer == 6 && !r0[1].has_embedding && !r0[1].has_head));
+  CHECK((r1[0].first_layer == 2 && r1[0].end_layer == 4 && !r1[0].has_head));
+  CHECK((r1[1].first_layer == 6 && r1[1].end_layer == 8 && r1[1].has_head));
+  const ParamTable t0(c, r0), t1(c, r1);
+  CHECK(t0.num_chunks() == 2);
+  CHECK(t0.contains("layers.5.attn.wq"));
+  CHECK_FALSE(t0.contains("layers.2.attn.wq"));
+  CHECK(t1.at("tok_embed").tied_copy);
+  // The two ranks and the whole model: each tensor once (the tied copy aside), same sizes.
+  const ParamTable whole(c);
+  int64_t sum = 0;
+  for (const ParamTable* t : {&t0, &t1})
+    for (const ParamSpec& p : t->params())
+      if (!p.tied_copy) sum += p.numel;
+  CHECK(sum == whole.logical_numel());
+  // A chunk's table: its own tensors at the rank's offsets, the rank's buffer length, its shard.
+  for (int ch = 0; ch < 2; ++ch) {
+    const ParamTable part = t1.chunk(ch);
+    CHECK(part.local_numel() == t1.local_numel());
+    CHECK(part.shard().first_layer == r1[static_cast<size_t>(ch)].first_layer);
+    for (const ParamSpec& p : part.params()) CHECK(p.offset == t1.at(p.name).offset);
+  }
+  CHECK(t1.chunk(1).contains("tok_embed"));
+  CHECK(t1.chunk(1).contains("final_norm.weight"));
+  CHECK_FALSE(t1.chunk(0).contains("final_norm.weight"));
+  // More virtual stages than layers: the error says which.
+  CHECK_THROWS_WITH(pipeline_chunks(c, 4, 4, 1, false), Catch::Contains("virtual_stages 4") &&
+                                                            Catch::Contains("16 virtual stages"));
+}
+
 TEST_CASE("GPT-style parameter count equals the closed form l(12h^2+13h) + vh + sh + 2h", "[model][params]") {
   ModelConfig c;
   c.family = Family::GPT2;

@@ -72,6 +72,11 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"train", {{"seq_len", 64}}}}, "train.seq_len: 64 exceeds model.max_seq_len (32)");
   fails_with({{"parallel", {{"tp", 8}}}}, "parallel.tp: 8 does not divide model.n_heads (4)");
   fails_with({{"parallel", {{"pp", 4}}}}, "parallel.pp: 4 stages for 2 layers");
+  fails_with({{"parallel", {{"virtual_stages", 2}}}},
+             "parallel.virtual_stages: 2 model chunks per rank interleave a pipeline; with parallel.pp = 1 there is none");
+  fails_with({{"parallel", {{"pp", 2}, {"virtual_stages", 2}}}},
+             "parallel.virtual_stages: pp * virtual_stages = 4 virtual stages for 2 layers (each needs at least one)");
+  fails_with({{"parallel", {{"pp", 2}, {"virtual_stages", 0}}}}, "parallel.virtual_stages: 0 is out of range");
   fails_with({{"parallel", {{"tp", 4}, {"sequence_parallel", true}}}, {"train", {{"micro_batch", 1}, {"global_batch", 8}, {"seq_len", 30}}}},
              "parallel.sequence_parallel: the 30 token rows of a micro-batch (train.micro_batch * train.seq_len) do not "
              "divide over tp=4");

@@ -20,6 +20,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "model/transformer.h"
 #include "train/parallel/comm.h"
+#include "train/pipeline_schedule.h"
 #include "train/plan.h"
 
 using namespace keel;
@@ -387,6 +388,38 @@ TEST_CASE("plan: activation memory follows 1F1B and recomputation", "[plan]") {
   CHECK(p8.stages[0].master == Approx(p.stages[0].master / 2));
   CHECK(p8.stages[0].moments == Approx(p.stages[0].moments / 2));
   CHECK(p.bubble == Approx(9.0 / (512 + 9)));
+}
+
+TEST_CASE("plan: the interleaved pipeline's chunks, activations and bubble", "[plan]") {
+  // bloom-200b: 80 layers, tp=8 pp=10 dp=4: m = 512 micro-batches. With 2 chunks per rank the
+  // layers are cut into 20 spans of 4; rank s holds spans s and s + 10.
+  const RunConfig cfg = shipped("bloom-200b.json");
+  PlanOptions opt;
+  const LayoutPlan one = plan_layout(cfg, Layout{8, 10, 4, 1}, opt);
+  opt.virtual_stages = 2;
+  REQUIRE(layout_problem(cfg, Layout{8, 10, 4, 1}, opt).empty());
+  const LayoutPlan two = plan_layout(cfg, Layout{8, 10, 4, 1}, opt);
+  REQUIRE(two.stages.size() == 10);
+  const StageMemory& r0 = two.stages[0];
+  REQUIRE(r0.chunks.size() == 2);
+  CHECK((r0.chunks[0].first_layer == 0 && r0.chunks[0].end_layer == 4 && r0.chunks[0].has_embedding));
+  CHECK((r0.chunks[1].first_layer == 40 && r0.chunks[1].end_layer == 44 && !r0.chunks[1].has_head));
+  CHECK(two.stages[9].chunks[1].has_head);
+  // Same parameters per rank as without interleaving (8 layers each, embedding / head alike).
+  for (int s = 0; s < 10; ++s) CHECK(two.stages[size_t(s)].params == one.stages[size_t(s)].params);
+  // In flight: what the schedule says, chunk by chunk.
+  const PipeSchedule sc = pipeline_schedule(10, 2, 512, true);
+  for (int s = 0; s < 10; ++s)
+    for (int c = 0; c < 2; ++c)
+      CHECK(two.stages[size_t(s)].chunk_in_flight[size_t(c)] == sc.activation_slots[size_t(s)][size_t(c)]);
+  // Half-size chunks, but more of them in flight on the first rank: more activation memory
+  // there (the price of the shorter bubble), while the bubble halves.
+  CHECK(r0.act_full > one.stages[0].act_full);
+  CHECK(two.bubble == Approx(9.0 / (2 * 512 + 9)));
+  CHECK(two.comm.pp > one.comm.pp);
+  // Layers that do not divide into pp * virtual_stages spans are a layout problem.
+  opt.virtual_stages = 3;
+  CHECK_THAT(layout_problem(cfg, Layout{8, 10, 4, 1}, opt), Catch::Contains("pp*virtual_stages=30"));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+// The pipeline schedule (train/pipeline_schedule.h), played out for many (stages, chunks,
+// micro-batches): every op once, in dependency order, every message sent and received in the
+// same tick, the slots it reports enough, and the bubble the interleaving promises.
+#include <catch2/catch.hpp>
+
+#include <map>
+#include <tuple>
+
+#include "train/pipeline_schedule.h"
+
+using namespace keel;
+
+namespace {
+
+// Checks one schedule; returns the ticks at which each (backward, virtual stage, micro-batch) ran.
+std::map<std::tuple<bool, int, int>, int> check_schedule(const PipeSchedule& sc) {
+  const int P = sc.stages, v = sc.chunks, M = sc.micro_batches, V = P * v;
+  std::map<std::tuple<bool, int, int>, int> ran;
+  for (int s = 0; s < P; ++s) {
+    REQUIRE(sc.ticks[static_cast<size_t>(s)].size() == static_cast<size_t>(sc.num_ticks()));
+    for (int t = 0; t < sc.num_ticks(); ++t) {
+      const PipeTick& k = sc.ticks[static_cast<size_t>(s)][static_cast<size_t>(t)];
+      if (k.op.none()) {
+        CHECK_FALSE(k.send_forward);
+        CHECK_FALSE(k.send_backward);
+        continue;
+      }
+      const int vs = sc.virtual_stage(s, k.op.chunk);
+      const auto key = std::make_tuple(k.op.backward, vs, k.op.micro_batch);
+      CHECK(ran.count(key) == 0);  // once
+      ran[key] = t;
+      // The message this op sends is received by the neighbour in the same tick.
+      if (k.send_forward) {
+        const PipeTick& to = sc.ticks[static_cast<size_t>((s + 1) % P)][static_cast<size_t>(t)];
+        CHECK(to.recv_forward.micro_batch == k.op.micro_batch);
+        CHECK(sc.virtual_stage((s + 1) % P, to.recv_forward.chunk) == vs + 1);
+      }
+      if (k.send_backward) {
+        const PipeTick& to = sc.ticks[static_cast<size_t>((s + P - 1) % P)][static_cast<size_t>(t)];
+        CHECK(to.recv_backward.micro_batch == k.op.micro_batch);
+        CHECK(sc.virtual_stage((s + P - 1) % P, to.recv_backward.chunk) == vs - 1);
+      }
+      CHECK(k.send_forward == (!k.op.backward && vs < V - 1));
+      CHECK(k.send_backward == (k.op.backward && vs > 0));
+    }
+  }
+  // Every op once, after what it needs.
+  CHECK(ran.size() == static_cast<size_t>((sc.training ? 2 : 1) * V * M));
+  for (int mb = 0; mb < M; ++mb)
+    for (int vs = 0; vs < V; ++vs) {
+      REQUIRE(ran.count({false, vs, mb}));
+      if (vs > 0) CHECK(ran[{false, vs, mb}] > ran[{false, vs - 1, mb}]);
+      if (!sc.training) continue;
+      REQUIRE(ran.count({true, vs, mb}));
+      CHECK(ran[{true, vs, mb}] > (vs == V - 1 ? ran[{false, vs, mb}] : ran[{true, vs + 1, mb}]));
+    }
+  // The reported slots hold every micro-batch between its input's arrival and its backward:
+  // replay each chunk's occupancy with slot = micro_batch % slots and never overwrite a live one.
+  for (int s = 0; s < P; ++s)
+    for (int c = 0; c < v; ++c) {
+      const int slots = sc.activation_slots[static_cast<size_t>(s)][static_cast<size_t>(c)];
+      REQUIRE(slots >= 1);
+      std::map<int, int> live;  // slot -> micro-batch
+      for (int t = 0; t < sc.num_ticks(); ++t) {
+        const PipeTick& k = sc.ticks[static_cast<size_t>(s)][static_cast<size_t>(t)];
+        const bool first_stage = sc.virtual_stage(s, c) == 0;
+        if (k.op.chunk == c && !k.op.backward && first_stage) {
+          CHECK(live.count(k.op.micro_batch % slots) == 0);
+          live[k.op.micro_batch % slots] = k.op.micro_batch;
+        }
+        if (k.op.chunk == c && (k.op.backward || !sc.training)) {
+          // forward-only frees the slot after the tick's send; training at its backward
+          if (k.op.backward) live.erase(k.op.micro_batch % slots);
+        }
+        if (k.recv_forward.chunk == c) {
+          CHECK(live.count(k.recv_forward.micro_batch % slots) == 0);
+          live[k.recv_forward.micro_batch % slots] = k.recv_forward.micro_batch;
+        }
+        if (!sc.training && k.op.chunk == c) live.erase(k.op.micro_batch % slots);
+      }
+    }
+  return ran;
+}
+
+}  // namespace
+
+TEST_CASE("pipeline schedules play out for every size, interleaved or not", "[pipeline_schedule]") {
+  for (int P : {1, 2, 3, 4, 5, 8})
+    for (int v : {1, 2, 3, 4}) {
+      if (P == 1 && v > 1) continue;
+      for (int M = 1; M <= 3 * P + 1; ++M)
+        for (bool training : {true, false}) {
+          INFO("P " << P << " v " << v << " M " << M << (training ? " training" : " forward only"));
+          const PipeSchedule sc = pipeline_schedule(P, v, M, training);
+          check_schedule(sc);
+          // 1F1B's first stage holds pp micro-batches (later stages one more than the
+          // trainer's 1F1B loop: here an input lands in its slot a tick before its forward).
+          if (training && v == 1) CHECK(sc.activation_slots[0][0] == std::min(P, M));
+        }
+    }
+}
+
+TEST_CASE("interleaving shrinks the pipeline bubble by the number of chunks", "[pipeline_schedule]") {
+  // In ticks of one chunk's forward or backward (a stage's 1/v), a training step with M a
+  // multiple of P takes 2 M v + 2 (P - 1) ticks: the fill and drain cost 2 (P - 1) chunk
+  // ticks, i.e. (P - 1) / v stage times instead of P - 1 (Narayanan et al. 2021).
+  for (int P : {2, 4, 8})
+    for (int v : {1, 2, 4})
+      for (int groups : {1, 2, 3}) {
+        const int M = P * groups;
+        INFO("P " << P << " v " << v << " M " << M);
+        const PipeSchedule sc = pipeline_schedule(P, v, M, true);
+        CHECK(sc.num_ticks() == 2 * M * v + 2 * (P - 1));
+        for (int s = 0; s < P; ++s) CHECK(sc.busy_ticks(s) == 2 * M * v);
+        if (v > 1 && M > P) {
+          // Megatron's warm-up on rank 0: (P - 1) * 2 + (v - 1) * P forwards, then the steady
+          // state's first forward, before the first backward.
+          int warm = 0;
+          for (const PipeTick& k : sc.ticks[0]) {
+            if (k.op.backward && !k.op.none()) break;
+            warm += k.op.none() ? 0 : 1;
+          }
+          CHECK(warm == (P - 1) * 2 + (v - 1) * P + 1);
+        }
+      }
+  CHECK(pipeline_schedule(4, 2, 8, true).describe() ==
+        "interleaved 1F1B: 4 stages x 2 chunks, 8 micro-batches: 38 ticks of 32 ops per rank (6 idle, bubble 16%)");
+}
+
+TEST_CASE("pipeline schedule arguments are checked", "[pipeline_schedule]") {
+  CHECK_THROWS_WITH(pipeline_schedule(0, 1, 4, true), Catch::Contains("must be >= 1"));
+  CHECK_THROWS_WITH(pipeline_schedule(2, 0, 4, true), Catch::Contains("must be >= 1"));
+  CHECK_THROWS_WITH(pipeline_schedule(2, 2, 0, true), Catch::Contains("must be >= 1"));
+}

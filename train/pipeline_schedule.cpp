@@ -1,0 +1,171 @@
+#include "train/pipeline_schedule.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace keel {
+
+namespace {
+
+// The most intervals [start, end] (closed, in half-ticks) that overlap at one point.
+int max_overlap(std::vector<std::pair<int, int>> intervals) {
+  std::vector<std::pair<int, int>> events;  // (time, +1 start / -1 end), starts before ends at a tie
+  for (const auto& [a, b] : intervals) {
+    events.emplace_back(a, 0);
+    events.emplace_back(b, 1);
+  }
+  std::sort(events.begin(), events.end());
+  int open = 0, most = 0;
+  for (const auto& [t, end] : events) {
+    open += end ? -1 : 1;
+    most = std::max(most, open);
+  }
+  return most;
+}
+
+}  // namespace
+
+int PipeSchedule::busy_ticks(int rank) const {
+  int n = 0;
+  for (const PipeTick& t : ticks.at(static_cast<size_t>(rank))) n += t.op.none() ? 0 : 1;
+  return n;
+}
+
+std::string PipeSchedule::describe() const {
+  int busy = 0;
+  for (int s = 0; s < stages; ++s) busy = std::max(busy, busy_ticks(s));
+  const int idle = num_ticks() - busy;
+  return std::string(chunks > 1 ? "interleaved 1F1B" : "1F1B") + ": " + std::to_string(stages) + " stages x " +
+         std::to_string(chunks) + " chunk" + (chunks > 1 ? "s" : "") + ", " + std::to_string(micro_batches) +
+         " micro-batches: " + std::to_string(num_ticks()) + " ticks of " + std::to_string(busy) + " ops per rank (" +
+         std::to_string(idle) + " idle, bubble " +
+         std::to_string(static_cast<int>(100.0 * idle / std::max(1, num_ticks()) + 0.5)) + "%)";
+}
+
+namespace {
+
+// Plays the orders out with every rank's warm-up lengthened by `extra` forwards; false when
+// the orders stall (a rank's next op waits for one that waits for it).
+bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
+  sc = {};
+  sc.stages = P;
+  sc.chunks = v;
+  sc.micro_batches = M;
+  sc.training = training;
+  const int V = P * v, K = M * v;
+
+  // Each rank's order of work: micro-batches in groups of P (the last may be smaller), a
+  // group's forwards through chunk 0, 1, ..., its backwards through chunk v - 1, v - 2, ...
+  std::vector<PipeOp> forwards, backwards;
+  for (int g = 0; g < M; g += P)
+    for (int c = 0; c < v; ++c)
+      for (int mb = g; mb < std::min(M, g + P); ++mb) {
+        forwards.push_back({false, c, mb});
+        backwards.push_back({true, v - 1 - c, mb});
+      }
+  std::vector<std::vector<PipeOp>> order(static_cast<size_t>(P));
+  for (int s = 0; s < P; ++s) {
+    std::vector<PipeOp>& o = order[static_cast<size_t>(s)];
+    if (!training) {
+      o = forwards;
+      continue;
+    }
+    const int warmup = std::min(K, extra + (v == 1 ? P - s - 1 : M == P ? K : (P - s - 1) * 2 + (v - 1) * P));
+    size_t f = 0, b = 0;
+    while (f < static_cast<size_t>(warmup)) o.push_back(forwards[f++]);
+    while (f < forwards.size()) {
+      o.push_back(forwards[f++]);
+      o.push_back(backwards[b++]);
+    }
+    while (b < backwards.size()) o.push_back(backwards[b++]);
+  }
+
+  // Play the orders out. ready_*[vs][mb]: the first tick at which the op's input is there.
+  constexpr int kNever = 1 << 30;
+  std::vector<std::vector<int>> ready_fwd(static_cast<size_t>(V), std::vector<int>(static_cast<size_t>(M), kNever));
+  std::vector<std::vector<int>> ready_bwd = ready_fwd;
+  std::fill(ready_fwd[0].begin(), ready_fwd[0].end(), 0);
+  // Half-tick times of each (vs, mb): 2t = the compute of tick t, 2t + 1 = its exchange.
+  std::vector<std::vector<int>> act_start = ready_fwd, act_end = ready_fwd, grad_start = ready_fwd,
+                                grad_end = ready_fwd;
+  sc.ticks.assign(static_cast<size_t>(P), {});
+  std::vector<size_t> next(static_cast<size_t>(P), 0);
+  auto all_done = [&] {
+    for (int s = 0; s < P; ++s)
+      if (next[static_cast<size_t>(s)] < order[static_cast<size_t>(s)].size()) return false;
+    return true;
+  };
+  for (int t = 0; !all_done(); ++t) {
+    for (auto& r : sc.ticks) r.emplace_back();
+    bool progressed = false;
+    for (int s = 0; s < P; ++s) {
+      const size_t su = static_cast<size_t>(s);
+      if (next[su] == order[su].size()) continue;
+      const PipeOp op = order[su][next[su]];
+      const int vs = sc.virtual_stage(s, op.chunk);
+      const size_t vu = static_cast<size_t>(vs), mu = static_cast<size_t>(op.micro_batch);
+      if ((op.backward ? ready_bwd : ready_fwd)[vu][mu] > t) continue;  // its input is not there yet
+      ++next[su];
+      progressed = true;
+      PipeTick& me = sc.ticks[su].back();
+      me.op = op;
+      const int next_rank = (s + 1) % P, prev_rank = (s + P - 1) % P;
+      if (!op.backward) {
+        if (vs == 0) act_start[vu][mu] = 2 * t;
+        act_end[vu][mu] = 2 * t + 1;  // until its output is sent (training: until its backward, below)
+        if (vs == V - 1) {
+          if (training) ready_bwd[vu][mu] = t + 1;  // the loss's gradient is here
+        } else {
+          me.send_forward = true;
+          const int to_chunk = op.chunk + (s == P - 1 ? 1 : 0);
+          sc.ticks[static_cast<size_t>(next_rank)].back().recv_forward = {false, to_chunk, op.micro_batch};
+          ready_fwd[vu + 1][mu] = t + 1;
+          act_start[vu + 1][mu] = 2 * t + 1;
+        }
+      } else {
+        act_end[vu][mu] = 2 * t;
+        if (vs != V - 1) grad_end[vu][mu] = 2 * t;
+        if (vs > 0) {
+          me.send_backward = true;
+          const int to_chunk = op.chunk - (s == 0 ? 1 : 0);
+          sc.ticks[static_cast<size_t>(prev_rank)].back().recv_backward = {true, to_chunk, op.micro_batch};
+          ready_bwd[vu - 1][mu] = t + 1;
+          grad_start[vu - 1][mu] = 2 * t + 1;
+        }
+      }
+    }
+    if (!progressed) return false;
+  }
+
+  sc.activation_slots.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 0));
+  sc.gradient_slots = sc.activation_slots;
+  for (int s = 0; s < P; ++s)
+    for (int c = 0; c < v; ++c) {
+      const size_t vu = static_cast<size_t>(sc.virtual_stage(s, c));
+      std::vector<std::pair<int, int>> acts, grads;
+      for (size_t mb = 0; mb < static_cast<size_t>(M); ++mb) {
+        acts.emplace_back(act_start[vu][mb], act_end[vu][mb]);
+        if (training && vu + 1 < static_cast<size_t>(V)) grads.emplace_back(grad_start[vu][mb], grad_end[vu][mb]);
+      }
+      sc.activation_slots[static_cast<size_t>(s)][static_cast<size_t>(c)] = max_overlap(acts);
+      sc.gradient_slots[static_cast<size_t>(s)][static_cast<size_t>(c)] = max_overlap(grads);
+    }
+  return true;
+}
+
+}  // namespace
+
+PipeSchedule pipeline_schedule(int P, int v, int M, bool training) {
+  if (P < 1 || v < 1 || M < 1)
+    throw std::invalid_argument("pipeline schedule: stages (" + std::to_string(P) + "), chunks (" + std::to_string(v) +
+                                ") and micro-batches (" + std::to_string(M) + ") must be >= 1");
+  // Megatron's warm-up plays out when M is a multiple of P; a last, smaller group can stall it,
+  // and a longer warm-up (at worst every forward first, which always plays out) fixes that.
+  PipeSchedule sc;
+  for (int extra = 0; extra <= M * v; ++extra)
+    if (simulate(P, v, M, training, extra, sc)) return sc;
+  throw std::logic_error("pipeline schedule: no warm-up plays out (" + std::to_string(P) + " stages, " +
+                         std::to_string(v) + " chunks, " + std::to_string(M) + " micro-batches)");
+}
+
+}  // namespace keel
