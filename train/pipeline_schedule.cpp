@@ -82,12 +82,11 @@ bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
 
   // Play the orders out. ready_*[vs][mb]: the first tick at which the op's input is there.
   constexpr int kNever = 1 << 30;
-  std::vector<std::vector<int>> ready_fwd(static_cast<size_t>(V), std::vector<int>(static_cast<size_t>(M), kNever));
-  std::vector<std::vector<int>> ready_bwd = ready_fwd;
-  std::fill(ready_fwd[0].begin(), ready_fwd[0].end(), 0);
+  const std::vector<std::vector<int>> never(static_cast<size_t>(V), std::vector<int>(static_cast<size_t>(M), kNever));
+  std::vector<std::vector<int>> ready_fwd = never, ready_bwd = never;
+  std::fill(ready_fwd[0].begin(), ready_fwd[0].end(), 0);  // the first virtual stage reads tokens
   // Half-tick times of each (vs, mb): 2t = the compute of tick t, 2t + 1 = its exchange.
-  std::vector<std::vector<int>> act_start = ready_fwd, act_end = ready_fwd, grad_start = ready_fwd,
-                                grad_end = ready_fwd;
+  std::vector<std::vector<int>> act_start = never, act_end = never, grad_start = never, grad_end = never;
   sc.ticks.assign(static_cast<size_t>(P), {});
   std::vector<size_t> next(static_cast<size_t>(P), 0);
   auto all_done = [&] {

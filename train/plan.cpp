@@ -499,7 +499,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     double Lr = 0;
     double once = act.backward_scratch + (sp.has_head ? act.head_shared : 0);
     for (size_t c = 0; c < st.chunks.size(); ++c) {
-      const StageSpan& cs = sched ? st.chunks[c] : sp;
+      const StageSpan& cs = st.chunks[c];
       const double L = cs.layers();
       const double n = static_cast<double>(sched ? st.chunk_in_flight[c] : st.in_flight);
       const double Lr_c = std::min(L, recompute_left);

@@ -76,28 +76,27 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
         grad_slots[cu] = std::max(grad_slots[cu], sc.gradient_slots[s][cu]);
       }
     };
-    for (int m : training_micro_batch_counts(cfg)) need(schedule(m, true));
-    for (int m = 1; m <= grid_.pp_size(); ++m) need(schedule(m, false));
+    // Played out here only for their sizes (a large pipeline's schedule is megabytes; the run
+    // keeps the one it is using, see schedule()).
+    const int P = grid_.pp_size();
+    for (int m : training_micro_batch_counts(cfg)) need(pipeline_schedule(P, n_chunks, m, true));
+    for (int m = 1; m <= P; ++m) need(pipeline_schedule(P, n_chunks, m, false));
   }
-  const int recompute = static_cast<int>(cfg.train.recomputed_layers_per_stage());
+  // Recomputation counts layers from the stage's first: over its chunks in order.
+  int recompute_left = cfg.train.recomputed_layers_per_stage();
   for (int c = 0; c < n_chunks; ++c) {
-    // Recomputation counts layers from the stage's first: over its chunks in order.
-    int before = 0;
-    for (int e = 0; e < c; ++e) {
-      const ModelShard& sh = table_.chunk_shard(e);
-      before += sh.end_layer - sh.first_layer;
-    }
+    const ModelShard& sh = table_.chunk_shard(c);
     chunks_.push_back(std::make_unique<Transformer>(
-        n_chunks == 1 ? table_ : table_.chunk(c), be_, activation_dtype(cfg.precision.mode), static_cast<int>(cfg.train.micro_batch),
+        table_.chunk(c), be_, activation_dtype(cfg.precision.mode), static_cast<int>(cfg.train.micro_batch),
         static_cast<int>(cfg.train.seq_len), slots[static_cast<size_t>(c)],
-        grid_.tp_size() > 1 ? comms_->tp.get() : nullptr, std::max(0, recompute - before),
-        cfg.parallel.sequence_parallel, cfg.train.logits_chunk_rows, cfg.data.document_masking,
-        c > 0 ? chunks_.front().get() : nullptr));
+        grid_.tp_size() > 1 ? comms_->tp.get() : nullptr, recompute_left, cfg.parallel.sequence_parallel,
+        cfg.train.logits_chunk_rows, cfg.data.document_masking, c > 0 ? chunks_.front().get() : nullptr));
+    recompute_left = std::max(0, recompute_left - (sh.end_layer - sh.first_layer));
     chunks_.back()->bind(state_->working, state_->grads);
     std::vector<Tensor> pool;
     for (int i = 0; i < grad_slots[static_cast<size_t>(c)]; ++i) {
-      const Tensor g = chunks_.back()->grad_output();
-      Tensor t(be_.allocate(g.bytes()), g.dtype, {g.shape[0], g.shape[1]}, be_.device());
+      Tensor t = chunks_.back()->grad_output();
+      t.data = be_.allocate(t.bytes());
       allocations_.push_back(t.data);
       pool.push_back(t);
     }
@@ -152,9 +151,9 @@ int64_t Trainer::all_reduce_sum(parallel::Comm& c, int64_t x) {
 }
 
 const PipeSchedule& Trainer::schedule(int micro_batches, bool training) {
-  auto& cached = schedules_[{micro_batches, training}];
-  if (!cached)
-    cached = std::make_unique<PipeSchedule>(pipeline_schedule(grid_.pp_size(), table_.num_chunks(), micro_batches, training));
+  std::optional<PipeSchedule>& cached = training ? training_schedule_ : eval_schedule_;
+  if (!cached || cached->micro_batches != micro_batches)
+    cached = pipeline_schedule(grid_.pp_size(), table_.num_chunks(), micro_batches, training);
   return *cached;
 }
 
@@ -214,27 +213,27 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
 }
 
 double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward) {
-  Transformer* const model_ = chunks_.front().get();
+  Transformer* const model = chunks_.front().get();
   const int M = static_cast<int>(mbs.size());
   const int P = grid_.pp_size(), s = grid_.pp_rank();
   const bool first = s == 0, last = s == P - 1;
   parallel::Comm& pp = *comms_->pp;
-  const int slots = model_->slots();
+  const int slots = model->slots();
   double loss_sum = 0;
   int next_fwd = 0, next_bwd = 0;
 
   // Training passes dloss to forward too: a chunked head runs its backward there.
   const std::optional<float> head_dloss = backward ? std::optional<float>(dloss) : std::nullopt;
   auto forward = [&](int mb) {
-    auto r = model_->forward(mb % slots, first ? mbs[mb].inputs.data() : nullptr, last ? mbs[mb].targets.data() : nullptr,
+    auto r = model->forward(mb % slots, first ? mbs[mb].inputs.data() : nullptr, last ? mbs[mb].targets.data() : nullptr,
                              head_dloss, mbs[mb].positions.empty() ? nullptr : mbs[mb].positions.data());
     loss_sum += r.loss_sum;
   };
   auto recv_forward = [&](int mb) {
-    if (!first) pp.recv(model_->stage_input(mb % slots), s - 1);
+    if (!first) pp.recv(model->stage_input(mb % slots), s - 1);
   };
   auto send_forward = [&](int mb) {
-    if (!last) pp.send(model_->stage_output(mb % slots), s + 1);
+    if (!last) pp.send(model->stage_output(mb % slots), s + 1);
   };
 
   if (!backward) {  // evaluation: forward only, one micro-batch after another
@@ -261,20 +260,20 @@ double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool b
   for (int i = 0; i < steady; ++i) {
     forward(next_fwd);
     const int done_fwd = next_fwd++;
-    if (!last) pp.sendrecv(model_->stage_output(done_fwd % slots), s + 1, model_->grad_output(), s + 1);
-    model_->backward(next_bwd % slots, dloss);
+    if (!last) pp.sendrecv(model->stage_output(done_fwd % slots), s + 1, model->grad_output(), s + 1);
+    model->backward(next_bwd % slots, dloss);
     ++next_bwd;
     if (i + 1 < steady) {
-      if (!first) pp.sendrecv(model_->grad_input(), s - 1, model_->stage_input(next_fwd % slots), s - 1);
+      if (!first) pp.sendrecv(model->grad_input(), s - 1, model->stage_input(next_fwd % slots), s - 1);
     } else if (!first) {
-      pp.send(model_->grad_input(), s - 1);
+      pp.send(model->grad_input(), s - 1);
     }
   }
   for (int i = 0; i < warmup; ++i) {
-    if (!last) pp.recv(model_->grad_output(), s + 1);
-    model_->backward(next_bwd % slots, dloss);
+    if (!last) pp.recv(model->grad_output(), s + 1);
+    model->backward(next_bwd % slots, dloss);
     ++next_bwd;
-    if (!first) pp.send(model_->grad_input(), s - 1);
+    if (!first) pp.send(model->grad_input(), s - 1);
   }
   return loss_sum;
 }

@@ -15,8 +15,8 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -123,7 +123,8 @@ class Trainer {
   // facts (FLOPs per token, sequence length) and the chunk's own tensors.
   Transformer& model() { return *chunks_.front(); }
   int num_chunks() const { return static_cast<int>(chunks_.size()); }
-  // The pipeline schedule of a step of `micro_batches` (or an evaluation of them), cached.
+  // The pipeline schedule of a step of `micro_batches` (or an evaluation of them); the last
+  // one of each kind is kept.
   const PipeSchedule& schedule(int micro_batches, bool training);
   ParamState& state() { return *state_; }
   LossScaler& scaler() { return scaler_; }
@@ -158,7 +159,9 @@ class Trainer {
   std::vector<std::unique_ptr<Transformer>> chunks_;
   // Interleaved schedule: per chunk, where received output gradients wait for their backward.
   std::vector<std::vector<Tensor>> grad_pool_;
-  std::map<std::pair<int, bool>, std::unique_ptr<PipeSchedule>> schedules_;
+  // The schedule of the last training step and of the last evaluation (micro-batch counts
+  // change only with the batch ramp-up).
+  std::optional<PipeSchedule> training_schedule_, eval_schedule_;
   LossScaler scaler_;
   SpikeDetector spikes_;
   std::unique_ptr<FrozenDetector> frozen_;
