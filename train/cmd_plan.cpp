@@ -18,7 +18,8 @@ struct PlanArgs {
   int64_t gpus = 0, gpus_per_node = 8;
   std::string gpu_mem = "80GiB", cuda_context, framework = "keel", recompute = "auto";
   std::optional<int64_t> tp, pp, dp, mbs;
-  int64_t max_mbs = 16, virtual_stages = 0;
+  int64_t max_mbs = 16;
+  std::string virtual_stages;  // "", "auto" or a count
   bool embedding_slot = false, sequence_parallel = false, json = false, all = false;
   int top = 20;
   double tflops = 150, intra_gbps = 150, inter_gbps = 12.5, hbm_gbps = 1500, headroom = -1, mb_overhead_ms = 0;
@@ -44,7 +45,22 @@ int cmd_plan(const PlanArgs& a) {
                   : a.recompute == "never" ? plan::Recompute::Never
                                            : plan::Recompute::Auto;
   opt.embedding_own_slot = a.embedding_slot || cfg.parallel.embedding_slot;
-  opt.virtual_stages = a.virtual_stages > 0 ? a.virtual_stages : cfg.parallel.virtual_stages;
+  opt.virtual_stages = cfg.parallel.virtual_stages;
+  if (a.virtual_stages == "auto") {
+    opt.virtual_stages = 0;
+  } else if (!a.virtual_stages.empty()) {
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(a.virtual_stages, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != a.virtual_stages.size() || v < 1)
+      throw ConfigError("--virtual-stages: \"" + a.virtual_stages +
+                        "\" is not allowed (allowed: a count >= 1, or auto for the fastest per layout)");
+    opt.virtual_stages = v;
+  }
   opt.sequence_parallel = a.sequence_parallel || cfg.parallel.sequence_parallel;
   opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
   opt.tp = a.tp, opt.pp = a.pp, opt.dp = a.dp, opt.mbs = a.mbs;
@@ -105,8 +121,9 @@ Command add_plan_command(CLI::App& app) {
   c->add_flag("--embedding-slot", pa.embedding_slot,
               "Give the embedding and the head their own pipeline slot each (layers+2 slots over pp)");
   c->add_option("--virtual-stages", pa.virtual_stages,
-                "Model chunks per pipeline rank (interleaved 1F1B, parallel.virtual_stages; default: the config's)")
-      ->check(CLI::PositiveNumber);
+                "Model chunks per pipeline rank (interleaved 1F1B, parallel.virtual_stages; default: the config's), "
+                "or auto: each pipeline layout with the count (up to 8) that makes it fastest")
+      ->type_name("V|auto");
   c->add_flag("--sequence-parallel", pa.sequence_parallel,
               "Plan with sequence parallelism (parallel.sequence_parallel): TP-replicated activations split by rows");
   c->add_option("--recompute", pa.recompute, "Activation policy: auto (recompute only when needed), always, never")

@@ -476,6 +476,8 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     top.raw("log");
     Fields f(child(doc, "log"), "log", errors);
     c.log.interval = f.integer("interval", 1, 1);
+    c.log.timers = f.boolean("timers", c.log.timers);
+    c.log.timers_interval_s = f.number("timers_interval_s", c.log.timers_interval_s, 0, 1e9);
     f.finish();
   }
   {
@@ -506,6 +508,10 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     h.spike_norm_ratio = f.number("spike_norm_ratio", h.spike_norm_ratio, 1, 1e6);
     h.spike_action = f.choice("spike_action", h.spike_action, {"warn", "skip", "rewind"});
     h.verify_restart = f.boolean("verify_restart", h.verify_restart);
+    h.straggler_ratio = f.number("straggler_ratio", h.straggler_ratio, 0, 1e6);
+    if (h.straggler_ratio > 0 && h.straggler_ratio <= 1)
+      errors.push_back("health.straggler_ratio: " + nlohmann::json(h.straggler_ratio).dump() +
+                       " would call typical ranks slow (allowed: 0 to turn the check off, or a ratio above 1 such as 1.25)");
     f.finish();
   }
 
@@ -635,7 +641,7 @@ json to_json(const RunConfig& c) {
   if (!c.data.train_weights.empty()) j["data"]["train_weights"] = c.data.train_weights;
   if (c.data.document_masking) j["data"]["document_masking"] = true;
   if (c.data.eod_token >= 0) j["data"]["eod_token"] = c.data.eod_token;
-  j["log"] = {{"interval", c.log.interval}};
+  j["log"] = {{"interval", c.log.interval}, {"timers", c.log.timers}, {"timers_interval_s", c.log.timers_interval_s}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},
                      {"keep_last", c.checkpoint.keep_last},
                      {"keep_every", c.checkpoint.keep_every},
@@ -660,7 +666,8 @@ json to_json(const RunConfig& c) {
                  {"spike_min_jump", h.spike_min_jump},
                  {"spike_norm_ratio", h.spike_norm_ratio},
                  {"spike_action", h.spike_action},
-                 {"verify_restart", h.verify_restart}};
+                 {"verify_restart", h.verify_restart},
+                 {"straggler_ratio", h.straggler_ratio}};
   j["device"] = c.device;
   j["out"] = c.out;
   if (!c.description.empty()) j["description"] = c.description;

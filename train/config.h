@@ -116,6 +116,11 @@ struct DataConfig {
 
 struct LogConfig {
   int64_t interval = 1;  // steps between log lines
+  // Phase and communication timers (train/step_timers.h): a step is timed when at least
+  // timers_interval_s seconds have passed since the last timed one (and the second step of
+  // every run), and one line shows the spread over ranks. 0: every step is timed.
+  bool timers = true;
+  double timers_interval_s = 60;
 };
 
 struct CheckpointConfig {
@@ -155,6 +160,10 @@ struct HealthConfig {
   double spike_min_jump = 0.1;
   double spike_norm_ratio = 3.0;
   std::string spike_action = "warn";
+  // Stragglers: on timed steps (log.timers), a rank whose compute takes at least this many
+  // times that of a typical rank of its pipeline stage, at two timed steps in a row, is named
+  // with its host. 0 disables.
+  double straggler_ratio = 1.25;
   // After a load: recompute the probe-batch loss and per-tensor norms saved with the
   // checkpoint, and check that the fp32 masters round to the stored weights.
   bool verify_restart = true;

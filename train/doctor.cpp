@@ -518,6 +518,12 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     std::string checkpoint;
   };
   std::vector<Resume> resumes;
+  struct StragglerSeen {
+    std::string host;
+    double worst = 0;  // compute / the stage's typical compute
+    int64_t first = -1, last = -1;
+  };
+  std::map<int, StragglerSeen> straggler_seen;
   std::vector<std::string> notes;
   int64_t replayed = 0, bad_lines = 0, line_no = 0;
   std::string line;
@@ -535,6 +541,21 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     if (rec.contains("event")) {
       if (rec["event"] == "resume")
         resumes.push_back({rec.value("step", int64_t{0}), rec.value("checkpoint", std::string())});
+      if (rec["event"] == "timers") {
+        ++r.timed_steps;
+        if (rec.contains("stragglers") && rec["stragglers"].is_array())
+          for (const json& g : rec["stragglers"]) {
+            const int rank = g.value("rank", -1);
+            ++r.stragglers[rank];
+            double ratio = 0;
+            if (g.value("stage_median_ms", 0.0) > 0) ratio = g.value("compute_ms", 0.0) / g.value("stage_median_ms", 1.0);
+            StragglerSeen& seen = straggler_seen[rank];
+            seen.host = g.value("host", std::string());
+            seen.worst = std::max(seen.worst, ratio);
+            if (seen.first < 0) seen.first = rec.value("step", int64_t{0});
+            seen.last = rec.value("step", int64_t{0});
+          }
+      }
       continue;
     }
     if (!rec.contains("step")) continue;
@@ -699,6 +720,21 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
         s += vals.back().second < vals.front().second ? " (falling)" : " (flat)";
     }
     s += "\n";
+  }
+  // Stragglers (timers records): a rank named at two or more timed steps held the job up.
+  if (r.timed_steps > 0) {
+    s += "  timers: " + std::to_string(r.timed_steps) + " timed step(s), stragglers: " +
+         (r.stragglers.empty() ? std::string("none") : std::to_string(r.stragglers.size())) + "\n";
+    for (const auto& [rank, count] : r.stragglers) {
+      const StragglerSeen& g = straggler_seen[rank];
+      const std::string who = "world rank " + std::to_string(rank) + (g.host.empty() ? "" : " on host " + g.host);
+      const std::string what = who + " was slow at " + std::to_string(count) + " of " + std::to_string(r.timed_steps) +
+                               " timed steps (steps " + std::to_string(g.first) + " to " + std::to_string(g.last) +
+                               "), up to " + num(g.worst, "%.2f") + "x a typical rank of its pipeline stage";
+      s += "    " + what + "\n";
+      if (count >= 2)
+        r.problems.push_back("straggler: " + what + "; every step waits for it (a throttled or shared GPU, a busy node)");
+    }
   }
   for (const auto& n : notes) s += "note: " + n + "\n";
   s += r.problems.empty() ? "verdict: healthy\n" : "verdict: " + std::to_string(r.problems.size()) + " problem(s):\n";

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -94,6 +95,8 @@ struct MetricsReport : Report {
   std::vector<ScaleChange> scale_changes;
   double min_scale = 0;                 // 0 when no record has a loss scale
   std::vector<int64_t> resumes;         // steps the run resumed at
+  int64_t timed_steps = 0;              // timers records (log.timers)
+  std::map<int, int64_t> stragglers;    // world rank -> timed steps at which it was named slow
 };
 
 // Reads one metrics.jsonl. Throws std::runtime_error when the file cannot be read.

@@ -692,20 +692,37 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
         for (int64_t b : divisors(cfg.train.global_batch / dp))
           if (b <= opt.max_mbs) sizes.push_back(b);
       }
+      // Chunks per pipeline rank to try: the given count, or (auto) every count that cuts the
+      // layers evenly; a layout is rejected for what stops its first candidate.
+      std::vector<int64_t> chunk_counts = {std::max<int64_t>(1, opt.virtual_stages)};
+      if (opt.virtual_stages == 0 && pp > 1)
+        for (int64_t v = 2; v <= kMaxAutoVirtualStages; ++v)
+          if (!stage_spans(cfg.model.n_layers, pp * v, opt.embedding_own_slot).empty()) chunk_counts.push_back(v);
       for (int64_t mbs : sizes) {
-        Layout l{tp, pp, dp, mbs};
-        if (std::string why = layout_problem(cfg, l, o); !why.empty()) {
-          r.rejected.push_back({l, why, 0});
-          continue;
+        const Layout l{tp, pp, dp, mbs};
+        std::optional<LayoutPlan> best;
+        std::optional<Rejection> first_problem;
+        for (int64_t v : chunk_counts) {
+          PlanOptions ov = o;
+          ov.virtual_stages = v;
+          if (std::string why = layout_problem(cfg, l, ov); !why.empty()) {
+            if (!first_problem) first_problem = Rejection{l, why, 0};
+            continue;
+          }
+          LayoutPlan lp = plan_layout(cfg, l, ov);
+          if (!lp.fits) {
+            if (!first_problem)
+              first_problem = Rejection{l, "out of memory: " + format_bytes(lp.peak_bytes) + " on stage " +
+                                               std::to_string(lp.peak_stage) +
+                                               (lp.recompute ? " even with recomputation" : "") + " > " +
+                                               format_bytes(lp.usable_bytes) + " usable",
+                                        lp.peak_bytes};
+            continue;
+          }
+          if (!best || lp.time.step_s < best->time.step_s) best = std::move(lp);
         }
-        LayoutPlan lp = plan_layout(cfg, l, o);
-        if (!lp.fits) {
-          r.rejected.push_back({l, "out of memory: " + format_bytes(lp.peak_bytes) + " on stage " +
-                                       std::to_string(lp.peak_stage) + (lp.recompute ? " even with recomputation" : "") +
-                                       " > " + format_bytes(lp.usable_bytes) + " usable", lp.peak_bytes});
-          continue;
-        }
-        r.ranked.push_back(std::move(lp));
+        if (best) r.ranked.push_back(std::move(*best));
+        else if (first_problem) r.rejected.push_back(*first_problem);
       }
     }
   }
@@ -830,7 +847,7 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
   if (mem.state.grad_shard > 0)
     add("fp32 grad partition (" + fmt("%g", mem.state.grad_shard) + "/" + fmt("%g", shard) + ")",
         [&](const StageMemory& s) { return gib(s.grad_shard); });
-  add(opt.virtual_stages > 1 && p.layout.pp > 1 ? "micro-batches in flight per chunk" : "micro-batches in flight (1F1B)",
+  add(p.virtual_stages > 1 ? "micro-batches in flight per chunk" : "micro-batches in flight (1F1B)",
       [](const StageMemory& s) {
         if (s.chunk_in_flight.empty()) return std::to_string(s.in_flight);
         std::string t;
@@ -930,20 +947,28 @@ std::string plan_text(const RunConfig& cfg, const PlanResult& r, const PlanOptio
     if (static_cast<int>(r.ranked.size()) > top) o << " (top " << top << ", --top N for more)";
     o << ":\n";
     Table t;
-    t.row({"#", "tp", "pp", "dp", "mbs", "m", "activations", "peak GiB", "@stage", "bubble", "TP GB", "PP GB", "DP GB",
-           "step s", "TFLOP/s", "warnings"});
+    // The chunks per pipeline rank get a column when they vary or are not 1.
+    const bool show_v = opt.virtual_stages != 1;
+    std::vector<std::string> head = {"#", "tp", "pp", "dp", "mbs", "m", "activations", "peak GiB", "@stage", "bubble",
+                                     "TP GB", "PP GB", "DP GB", "step s", "TFLOP/s", "warnings"};
+    if (show_v) head.insert(head.begin() + 3, "v");
+    t.row(head);
     int rank = 0;
     for (const auto& p : r.ranked) {
       if (++rank > top) break;
       const Layout& l = p.layout;
-      t.row({std::to_string(rank), std::to_string(l.tp), std::to_string(l.pp), std::to_string(l.dp),
-             std::to_string(l.mbs), std::to_string(p.micro_batches), p.recompute ? "recompute" : "kept",
-             fmt("%.1f", p.peak_bytes / kGiB), std::to_string(p.peak_stage), fmt("%.1f%%", 100 * p.bubble),
-             fmt("%.1f", p.comm.tp / 1e9), fmt("%.2f", p.comm.pp / 1e9), fmt("%.1f", p.comm.dp / 1e9),
-             fmt("%.1f", p.time.step_s), fmt("%.1f", p.time.model_tflops), std::to_string(p.warnings.size())});
+      std::vector<std::string> row = {
+          std::to_string(rank), std::to_string(l.tp), std::to_string(l.pp), std::to_string(l.dp),
+          std::to_string(l.mbs), std::to_string(p.micro_batches), p.recompute ? "recompute" : "kept",
+          fmt("%.1f", p.peak_bytes / kGiB), std::to_string(p.peak_stage), fmt("%.1f%%", 100 * p.bubble),
+          fmt("%.1f", p.comm.tp / 1e9), fmt("%.2f", p.comm.pp / 1e9), fmt("%.1f", p.comm.dp / 1e9),
+          fmt("%.1f", p.time.step_s), fmt("%.1f", p.time.model_tflops), std::to_string(p.warnings.size())};
+      if (show_v) row.insert(row.begin() + 3, std::to_string(p.virtual_stages));
+      t.row(row);
     }
     o << t.str();
-    o << "  (m: micro-batches per DP rank per step; comm: GB one rank sends per step; step time and TFLOP/s are "
+    o << "  (" << (show_v ? "v: model chunks per pipeline rank (parallel.virtual_stages); " : "")
+      << "m: micro-batches per DP rank per step; comm: GB one rank sends per step; step time and TFLOP/s are "
          "cost-model estimates; \"recompute\": the layout needs train.recompute \"full\")\n";
     // Where the config's own layout landed, when it is one of the candidates.
     const Layout own{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};

@@ -102,6 +102,8 @@ struct Hardware {
 
 enum class Recompute { Auto, Always, Never };  // Auto: without recompute when it fits
 
+inline constexpr int64_t kMaxAutoVirtualStages = 8;
+
 struct PlanOptions {
   int64_t gpus = 0;  // 0: the config's tp*pp*dp
   Hardware hw;
@@ -113,6 +115,8 @@ struct PlanOptions {
   bool embedding_own_slot = false;  // embedding and head each take a pipeline slot like a block
   // parallel.virtual_stages: model chunks per pipeline rank (interleaved 1F1B). The layers are
   // cut into pp * virtual_stages spans; activations follow train/pipeline_schedule.h.
+  // 0 (plan_all only): each pipeline layout with the count, 1 to kMaxAutoVirtualStages, that
+  // makes it fastest among those that fit.
   int64_t virtual_stages = 1;
   std::optional<int64_t> tp, pp, dp, mbs;  // pinned sizes
   int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include <csignal>
 
@@ -265,19 +267,21 @@ void print_save(const SaveResult& r) {
 class AnyRank {
  public:
   AnyRank(parallel::Comm& world, Backend& be) : world_(world), be_(be) {
-    flag_ = Tensor(be.allocate(sizeof(int32_t)), DType::I32, {1}, be.device());
+    flag_ = Tensor(be.allocate(2 * sizeof(int32_t)), DType::I32, {2}, be.device());
   }
   ~AnyRank() { be_.release(flag_.data); }
   AnyRank(const AnyRank&) = delete;
   AnyRank& operator=(const AnyRank&) = delete;
-  bool operator()(bool mine) {
-    if (world_.size() == 1) return mine;
-    const int32_t v = mine ? 1 : 0;
-    be_.copy_from_host(flag_, &v);
+  bool operator()(bool mine) { return (*this)(mine, false)[0]; }
+  // Two questions in one all-reduce: is each true on any rank?
+  std::array<bool, 2> operator()(bool a, bool b) {
+    if (world_.size() == 1) return {a, b};
+    const int32_t v[2] = {a ? 1 : 0, b ? 1 : 0};
+    be_.copy_from_host(flag_, v);
     world_.all_reduce(flag_, parallel::ReduceOp::Max);
-    int32_t out = 0;
-    be_.copy_to_host(&out, flag_);
-    return out != 0;
+    int32_t out[2] = {0, 0};
+    be_.copy_to_host(out, flag_);
+    return {out[0] != 0, out[1] != 0};
   }
 
  private:
@@ -536,11 +540,21 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     SaveResult r = checkpoints.save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok, health);
     if (lead) print_save(r);
   };
+  // Timed steps (train/step_timers.h): the second step of the run, then one about every
+  // log.timers_interval_s; every rank times the same steps (they agree at each step's end).
+  bool time_next = false;
+  auto last_timed = std::chrono::steady_clock::now();
+  std::map<int, int64_t> slow_streak;  // stragglers: timed steps in a row each has been slow
   for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
+    tr.timers().start_step(std::exchange(time_next, false));
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t gbs = global_batch_size(cfg, consumed_samples);
-    auto batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, grid.dp_rank(),
-                                cfg.data.masking_eod());
+    std::vector<MicroBatch> batches;
+    {
+      const StepTimers::Scope timed = tr.timers().phase(StepTimers::Data);
+      batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, grid.dp_rank(),
+                             cfg.data.masking_eod());
+    }
     const bool collect_stats = cfg.health.stats_interval > 0 && it % cfg.health.stats_interval == 0;
     StepStats st = tr.step(batches, it, collect_stats);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -565,6 +579,27 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (!quiet && (it % cfg.log.interval == 0 || it == 1 || it == cfg.train.steps)) {
       std::printf("%s\n", format_step_line(r).c_str());
       std::fflush(stdout);
+    }
+    if (tr.timers().timed()) {
+      const std::vector<RankTimes> times = tr.gather_timers(secs * 1e3);
+      last_timed = std::chrono::steady_clock::now();
+      if (lead) {
+        const TimersSummary sum = summarize_timers(times, it, cfg.health.straggler_ratio);
+        if (!quiet) std::printf("keel: %s\n", sum.line.c_str());
+        metrics->write(sum.record);
+        // A rank slow at two timed steps in a row (one slow step can be a hiccup); a rank that
+        // stays slow is named again every tenth timed step.
+        std::map<int, int64_t> streak;
+        for (const Straggler& g : sum.stragglers) {
+          const int64_t n = streak[g.world_rank] = slow_streak[g.world_rank] + 1;
+          if (n % 10 == 2)
+            std::printf("keel: WARNING straggler: %s, slow at %lld timed steps in a row. Every step waits for the "
+                        "slowest rank: look for a throttled or shared GPU or a busy node there\n",
+                        g.text.c_str(), static_cast<long long>(n));
+        }
+        slow_streak = std::move(streak);
+        std::fflush(stdout);
+      }
     }
     if (st.nonfinite && lead) {
       std::printf("keel: WARNING step %lld: %s (update skipped%s)\n", static_cast<long long>(it),
@@ -634,7 +669,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     else if (!last && opts.time_limit_s > 0 && elapsed + 2 * secs >= opts.time_limit_s)
       stop_reason = "time limit of " + std::to_string(static_cast<int64_t>(opts.time_limit_s)) + " s is near";
     // Every rank stops at the same step boundary: a signal may reach the ranks at different times.
-    if (any_rank(!stop_reason.empty())) {
+    const bool timers_due =
+        cfg.log.timers && (it == progress.iteration + 1 ||
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - last_timed).count() >=
+                               cfg.log.timers_interval_s);
+    const auto [stopping, timing] = any_rank(!stop_reason.empty(), timers_due);
+    time_next = timing;
+    if (stopping) {
       if (stop_reason.empty()) stop_reason = "another rank is stopping";
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));

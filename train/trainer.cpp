@@ -1,10 +1,17 @@
 #include "train/trainer.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <stdexcept>
+#include <thread>
+#include <utility>
 
 #include "data/checksum.h"
 #include "train/schedule.h"
@@ -53,11 +60,14 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
       grid_(grid ? *grid : single_rank()),
       local_comms_(comms ? parallel::CommGroups{} : parallel::make_local_comms(backend.device())),
       comms_(comms ? comms : &local_comms_),
+      timers_([&backend] { backend.synchronize(); }),
+      timed_comms_(timed_comms(*comms_, timers_)),
       table_(cfg.model, chunks_for(cfg, grid_)),
       scaler_(cfg.precision.loss_scale, cfg.precision.mode == PrecisionMode::FP16),
       spikes_(cfg.health) {
   if (grid_.tp_size() != cfg.parallel.tp || grid_.pp_size() != cfg.parallel.pp || grid_.dp_size() != cfg.parallel.dp)
     throw std::invalid_argument("Trainer: the grid (" + grid_.layout() + ") does not match parallel.tp/pp/dp of the config");
+  comms_ = &timed_comms_;
   state_ = std::make_unique<ParamState>(table_, be_, cfg.precision.mode, grid_.dp_size(), grid_.dp_rank());
   const int n_chunks = table_.num_chunks();
   std::vector<int> slots(static_cast<size_t>(n_chunks), 1), grad_slots(static_cast<size_t>(n_chunks), 0);
@@ -318,7 +328,12 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
       slot = std::isnan(m) || std::isnan(slot) ? std::nanf("") : std::max(slot, m);
     });
   }
-  double loss_sum = run_pipeline(micro_batches, dloss, true);
+  double loss_sum = 0;
+  {
+    const StepTimers::Scope timed = timers_.phase(StepTimers::ForwardBackward);
+    slow_rank_fault(static_cast<int>(micro_batches.size()));
+    loss_sum = run_pipeline(micro_batches, dloss, true);
+  }
   if (collect_stats) {
     set_probe(nullptr);
     st.act_max = all_reduce_max(*comms_->world, act_max);
@@ -328,14 +343,17 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   loss_sum = all_reduce_sum(dp, loss_sum);
   st.loss = st.valid_tokens > 0 ? loss_sum / static_cast<double>(st.valid_tokens) : 0.0;
 
-  for (auto& m : chunks_) m->sum_sequence_parallel_grads();
-  sync_tied_embedding();
   const int64_t n = table_.local_numel();
   const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), n);
-  if (grid_.dp_size() > 1) {
-    // This rank's block of the summed gradient lands in place in its own shard.
-    dp.reduce_scatter(state_->flat_view(state_->grads, state_->optim_begin(), state_->optim_end() - state_->optim_begin()),
-                      state_->grads);
+  {
+    const StepTimers::Scope timed = timers_.phase(StepTimers::GradReduce);
+    for (auto& m : chunks_) m->sum_sequence_parallel_grads();
+    sync_tied_embedding();
+    if (grid_.dp_size() > 1) {
+      // This rank's block of the summed gradient lands in place in its own shard.
+      dp.reduce_scatter(state_->flat_view(state_->grads, state_->optim_begin(), state_->optim_end() - state_->optim_begin()),
+                        state_->grads);
+    }
   }
 
   // Over this rank's shard, each parameter once: TP replicas and the tied copy are skipped
@@ -345,6 +363,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   // the norm (grad_stats), the replica gaps between them on their own.
   double sum_sq = 0;
   int64_t zeros = 0, nonfinite = 0, counted_to = ob;
+  std::optional<StepTimers::Scope> norm_timer(std::in_place, timers_, StepTimers::GradNorm);
   for (const auto& [a, b] : primary_ranges_) {
     if (a > counted_to) nonfinite += be_.count_nonfinite(state_->flat_view(state_->grads, counted_to, a - counted_to));
     const Backend::GradStats g = be_.grad_stats(state_->flat_view(state_->grads, a, b - a));
@@ -357,6 +376,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   sum_sq = all_reduce_sum(world, sum_sq);
   nonfinite = all_reduce_sum(world, nonfinite);
   st.num_zeros = all_reduce_sum(world, zeros);
+  norm_timer.reset();
 
   st.nonfinite = !std::isfinite(st.loss) || nonfinite > 0 || !std::isfinite(sum_sq);
   st.scale_exhausted = scaler_.update(st.nonfinite);
@@ -383,9 +403,13 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   double clip = 1.0;
   if (cfg_.optimizer.grad_clip > 0) clip = std::min(1.0, cfg_.optimizer.grad_clip / (st.grad_norm + 1e-6));
   st.lr = learning_rate(cfg_, iteration);
-  adamw_update(*state_, table_, be_, cfg_.optimizer, st.lr, static_cast<float>(clip / st.loss_scale),
-               {cfg_.precision.stochastic_rounding, cfg_.train.seed});
+  {
+    const StepTimers::Scope timed = timers_.phase(StepTimers::Optimizer);
+    adamw_update(*state_, table_, be_, cfg_.optimizer, st.lr, static_cast<float>(clip / st.loss_scale),
+                 {cfg_.precision.stochastic_rounding, cfg_.train.seed});
+  }
   if (grid_.dp_size() > 1) {
+    const StepTimers::Scope timed = timers_.phase(StepTimers::ParamGather);
     // Every rank updated its shard of the working weights; gather the whole back.
     dp.all_gather(state_->working, state_->flat_view(state_->working, state_->optim_begin(),
                                                      state_->optim_end() - state_->optim_begin()));
@@ -395,6 +419,57 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
     check_frozen(st);
   }
   return st;
+}
+
+void Trainer::slow_rank_fault(int micro_batches) {
+  struct Fault {
+    int rank = -1;
+    long long ms = 0;
+  };
+  static const Fault fault = [] {
+    Fault f;
+    const char* v = std::getenv("KEEL_FAULT_SLOW_RANK");
+    if (v && (std::sscanf(v, "rank=%d,ms=%lld", &f.rank, &f.ms) != 2 || f.ms < 0))
+      throw std::invalid_argument(std::string("KEEL_FAULT_SLOW_RANK=\"") + v + "\": expected rank=R,ms=N");
+    return f;
+  }();
+  if (fault.rank != grid_.rank() || fault.ms == 0) return;
+  static bool said = false;
+  if (!std::exchange(said, true))
+    std::fprintf(stderr, "keel: KEEL_FAULT_SLOW_RANK: world rank %d sleeps %lld ms per micro-batch (test fault)\n",
+                 fault.rank, fault.ms);
+  std::this_thread::sleep_for(std::chrono::milliseconds(fault.ms * micro_batches));
+}
+
+std::vector<RankTimes> Trainer::gather_timers(double step_ms) {
+  const std::vector<double> mine = timers_.sample(step_ms);
+  timers_.start_step(false);
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) host[0] = 0;
+  for (char* c = host; *c; ++c)
+    if (*c == ' ') *c = '_';
+  std::string text = host[0] ? host : "-";
+  for (double x : mine) {
+    char b[32];
+    std::snprintf(b, sizeof b, " %.4f", x);
+    text += b;
+  }
+  std::vector<RankTimes> all;
+  const std::vector<std::string> texts = gather_text(*comms_->world, text);
+  for (int r = 0; r < static_cast<int>(texts.size()); ++r) {
+    RankTimes t;
+    t.world_rank = r;
+    const parallel::GridCoord c = grid_.coord_of(r);
+    t.tp = c.tp;
+    t.pp = c.pp;
+    t.dp = c.dp;
+    std::istringstream in(texts[static_cast<size_t>(r)]);
+    in >> t.host;
+    if (t.host == "-") t.host.clear();
+    for (double x; in >> x;) t.ms.push_back(x);
+    all.push_back(std::move(t));
+  }
+  return all;
 }
 
 void Trainer::set_probe(const std::function<void(int chunk, const Transformer::OpProbe&)>& fn) {

@@ -28,6 +28,7 @@
 #include "train/health.h"
 #include "train/optimizer.h"
 #include "train/pipeline_schedule.h"
+#include "train/step_timers.h"
 #include "train/parallel/comm.h"
 #include "train/parallel/grid.h"
 
@@ -129,6 +130,13 @@ class Trainer {
   ParamState& state() { return *state_; }
   LossScaler& scaler() { return scaler_; }
   Backend& backend() { return be_; }
+  // Phase and communication timers (train/step_timers.h): the run loop starts each step timed
+  // or not, and times its data loading as a phase of the step.
+  StepTimers& timers() { return timers_; }
+  // Collective over the world: every rank's sample of the timed step just finished (step_ms:
+  // its wall time as the run loop measured it), with grid coordinates and host names.
+  // Stops the timing, so the gather itself is not measured.
+  std::vector<RankTimes> gather_timers(double step_ms);
 
  private:
   // Runs forward (and backward unless eval) over the micro-batches in 1F1B order (interleaved
@@ -139,6 +147,9 @@ class Trainer {
   // The same probe on every chunk (told which chunk called); nullptr clears it.
   void set_probe(const std::function<void(int chunk, const Transformer::OpProbe&)>& fn);
   void sync_tied_embedding();
+  // Test hook for the straggler report: KEEL_FAULT_SLOW_RANK="rank=R,ms=N" makes world rank R
+  // sleep N ms per micro-batch of a training step, as a slow GPU would compute.
+  void slow_rank_fault(int micro_batches);
   double all_reduce_sum(parallel::Comm& c, double x);  // in fp32 pairs: ~2^-48 relative
   int64_t all_reduce_sum(parallel::Comm& c, int64_t x);
   std::vector<double> all_reduce_sum(parallel::Comm& c, const std::vector<double>& x);
@@ -151,7 +162,9 @@ class Trainer {
   Backend& be_;
   parallel::Grid grid_;
   parallel::CommGroups local_comms_;
-  parallel::CommGroups* comms_;
+  parallel::CommGroups* comms_;  // timed_comms_ once constructed
+  StepTimers timers_;
+  parallel::CommGroups timed_comms_;  // the given communicators, each behind a TimedComm
   ParamTable table_;
   std::unique_ptr<ParamState> state_;
   // This rank's model chunks (one without virtual_stages); chunks after the first share its

@@ -105,6 +105,11 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"device", "tpu"}}, "device: \"tpu\" is not allowed (allowed: auto, cpu, cuda)");
   fails_with({{"train", {{"recompute", "selective"}}}}, "train.recompute: \"selective\" is not allowed (allowed: none, full)");
   fails_with({{"train", {{"recompute_layers", 2}}}}, "train.recompute_layers: 2 needs train.recompute \"full\"");
+  fails_with({{"health", {{"straggler_ratio", 0.9}}}},
+             "health.straggler_ratio: 0.9 would call typical ranks slow (allowed: 0 to turn the check off, or a ratio "
+             "above 1 such as 1.25)");
+  fails_with({{"log", {{"timers_interval_s", -1}}}}, "log.timers_interval_s: -1 is out of range (allowed: [0, 1e+09])");
+  fails_with({{"log", {{"timers", 1}}}}, "log.timers: expected true or false, got 1");
   fails_with({{"train", {{"recompute", "full"}, {"recompute_layers", -1}}}}, "train.recompute_layers: -1 is out of range");
   // Several problems are all reported at once.
   try {

@@ -265,3 +265,31 @@ TEST_CASE("keel doctor on the command line: exit 0 when healthy, 1 with problems
   CHECK(missing.code != 0);
   CHECK(missing.output.find("is not a directory") != std::string::npos);
 }
+
+TEST_CASE("doctor metrics: a rank named slow at two or more timed steps is a straggler problem", "[doctor][metrics][timers]") {
+  test::TempDir dir("doctor-timers");
+  const std::string path = dir / "metrics.jsonl";
+  {
+    std::ofstream out(path);
+    for (int s = 1; s <= 10; ++s)
+      out << nlohmann::json{{"step", s}, {"loss", 5.0 - 0.1 * s}, {"grad_norm", 1.0}}.dump() << "\n";
+    // Timed steps 2, 4, 6, 8: rank 3 slow at three of them, rank 5 once (a hiccup).
+    for (int s : {2, 4, 6, 8}) {
+      nlohmann::json rec = {{"event", "timers"}, {"step", s}, {"ranks", 8}};
+      if (s != 2)
+        rec["stragglers"].push_back({{"rank", 3}, {"host", "node0"}, {"compute_ms", s == 6 ? 200.0 : 150.0},
+                                     {"stage_median_ms", 100.0}});
+      if (s == 4) rec["stragglers"].push_back({{"rank", 5}, {"host", "node1"}, {"compute_ms", 130.0}, {"stage_median_ms", 100.0}});
+      out << rec.dump() << "\n";
+    }
+  }
+  const doctor::MetricsReport r = doctor::summarize_metrics(path);
+  INFO(r.text);
+  CHECK(r.timed_steps == 4);
+  CHECK(r.stragglers == std::map<int, int64_t>{{3, 3}, {5, 1}});
+  CHECK(r.text.find("  timers: 4 timed step(s), stragglers: 2") != std::string::npos);
+  CHECK(r.text.find("    world rank 3 on host node0 was slow at 3 of 4 timed steps (steps 4 to 8), up to 2.00x a typical "
+                    "rank of its pipeline stage") != std::string::npos);
+  REQUIRE(r.problems.size() == 1);
+  CHECK(r.problems[0].rfind("straggler: world rank 3 on host node0", 0) == 0);
+}

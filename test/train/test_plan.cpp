@@ -422,6 +422,51 @@ TEST_CASE("plan: the interleaved pipeline's chunks, activations and bubble", "[p
   CHECK_THAT(layout_problem(cfg, Layout{8, 10, 4, 1}, opt), Catch::Contains("pp*virtual_stages=30"));
 }
 
+TEST_CASE("plan: --virtual-stages auto gives each pipeline layout its fastest chunk count", "[plan]") {
+  // bloom-104b (64 layers) on 128 GPUs with a global batch of only 64: few micro-batches per
+  // step, where the 1F1B bubble is long and interleaving pays.
+  RunConfig cfg = shipped("bloom-104b.json");
+  cfg.train.global_batch = 64;
+  PlanOptions fixed;
+  fixed.gpus = 128;
+  PlanOptions search = fixed;
+  search.virtual_stages = 0;
+  const PlanResult plain = plan_all(cfg, fixed), best = plan_all(cfg, search);
+  REQUIRE(!plain.ranked.empty());
+  REQUIRE(!best.ranked.empty());
+  // The same layouts are feasible (v = 1 is always a candidate); each is at least as fast.
+  CHECK(best.ranked.size() == plain.ranked.size());
+  for (const LayoutPlan& p : best.ranked) {
+    const Layout& l = p.layout;
+    INFO(l.str() << " v=" << p.virtual_stages);
+    if (l.pp == 1) CHECK(p.virtual_stages == 1);
+    CHECK(p.virtual_stages <= kMaxAutoVirtualStages);
+    CHECK(cfg.model.n_layers % (l.pp * p.virtual_stages) == 0);
+    // What plan_layout gives for that count, and no other count of the search is faster.
+    PlanOptions at = fixed;
+    at.virtual_stages = p.virtual_stages;
+    CHECK(plan_layout(cfg, l, at).time.step_s == p.time.step_s);
+    for (int64_t v = 1; v <= kMaxAutoVirtualStages; ++v) {
+      at.virtual_stages = v;
+      if (l.pp == 1 || !layout_problem(cfg, l, at).empty()) continue;
+      const LayoutPlan other = plan_layout(cfg, l, at);
+      if (other.fits) CHECK(other.time.step_s >= p.time.step_s);
+    }
+  }
+  // Here the fastest layout interleaves, and beats the fastest plain 1F1B layout.
+  CHECK(best.ranked.front().virtual_stages > 1);
+  CHECK(best.ranked.front().time.step_s < plain.ranked.front().time.step_s);
+  WARN("104B, 128 GPUs, global batch 64: " << best.ranked.front().layout.str() << " v="
+                                            << best.ranked.front().virtual_stages << " "
+                                            << best.ranked.front().time.step_s << " s/step vs "
+                                            << plain.ranked.front().layout.str() << " "
+                                            << plain.ranked.front().time.step_s << " s/step without interleaving");
+  // The table shows the chunk count.
+  const std::string text = plan_text(cfg, best, search, 5, false);
+  CHECK_THAT(text, Catch::Contains("#  tp  pp  v  dp") && Catch::Contains("v: model chunks per pipeline rank"));
+  CHECK_THAT(plan_text(cfg, plain, fixed, 5, false), !Catch::Contains("v: model chunks"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // the BLOOM 200B benchmark tables (seed 001, "A100 experiments", Feb 2022, 8 x A100 80GB nodes)
 
@@ -926,5 +971,15 @@ TEST_CASE("plan: keel plan on the command line", "[plan]") {
   SECTION("bad arguments") {
     CHECK(keel_cli("plan --config " + cfg + " --gpu-mem 80XB").code == 2);
     CHECK(keel_cli("plan --config " + cfg + " --gpus 320 --tp 8 --pp 10 --dp 8").code == 2);
+    const Ran v = keel_cli("plan --config " + cfg + " --virtual-stages two");
+    CHECK(v.code == 2);
+    CHECK_THAT(v.out, Catch::Contains("--virtual-stages: \"two\" is not allowed (allowed: a count >= 1, or auto"));
+  }
+  SECTION("--virtual-stages auto: a v column, each layout with its fastest chunk count") {
+    const Ran r = keel_cli("plan --config " + cfg + " --gpus 320 --virtual-stages auto --json");
+    REQUIRE(r.code == 0);
+    const auto j = nlohmann::json::parse(r.out);
+    REQUIRE(!j["ranked"].empty());
+    for (const auto& p : j["ranked"]) CHECK(80 % (p["layout"]["pp"].get<int>() * p["virtual_stages"].get<int>()) == 0);
   }
 }

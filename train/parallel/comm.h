@@ -68,6 +68,10 @@ class Comm {
   virtual void recv(const Tensor& t, int peer) = 0;
   virtual void sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) = 0;
   virtual void barrier() = 0;
+  // Returns once the work this communicator enqueued has finished (device communicators run
+  // asynchronously on a stream; host communicators are done when their calls return). Lets a
+  // timer measure a collective's real duration (train/step_timers.h).
+  virtual void wait_idle() {}
 };
 
 // Argument checks every implementation runs first. They throw std::invalid_argument naming the

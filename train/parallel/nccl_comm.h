@@ -58,6 +58,7 @@ class NcclComm final : public Comm {
   void recv(const Tensor& t, int peer) override;
   void sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) override;
   void barrier() override;  // a 1-element all-reduce, then synchronize()
+  void wait_idle() override { synchronize(); }
 
   CUstream_st* stream() const;
   void set_stream(CUstream_st* stream);

@@ -1,0 +1,232 @@
+// Step timers and the straggler report (train/step_timers.h): what a timed communicator call
+// books and where, the device drains around phases, the summary over ranks, and the real
+// binary's timers line and metrics records.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <thread>
+
+#include "common/batches.h"
+#include "common/process.h"
+#include "common/run_config.h"
+#include "common/workspace.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "train/step_timers.h"
+#include "train/trainer.h"
+
+using namespace keel;
+using parallel::GroupKind;
+
+namespace {
+
+// A communicator of `size` ranks whose all-reduce takes `ms` and that counts its device waits.
+class SlowComm final : public parallel::Comm {
+ public:
+  SlowComm(int size, int ms) : size_(size), ms_(ms) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  std::string_view name() const override { return "dp"; }
+  Device device() const override { return Device::CPU; }
+  void all_reduce(const Tensor&, parallel::ReduceOp) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+    ++calls;
+  }
+  void reduce_scatter(const Tensor&, const Tensor&) override { ++calls; }
+  void all_gather(const Tensor&, const Tensor&) override { ++calls; }
+  void broadcast(const Tensor&, int) override { ++calls; }
+  void send(const Tensor&, int) override { ++calls; }
+  void recv(const Tensor&, int) override { ++calls; }
+  void sendrecv(const Tensor&, int, const Tensor&, int) override { ++calls; }
+  void barrier() override { ++calls; }
+  void wait_idle() override { ++waits; }
+  int calls = 0, waits = 0;
+
+ private:
+  int size_, ms_;
+};
+
+double column(const std::vector<double>& ms, const std::string& name) {
+  const auto& cols = StepTimers::columns();
+  const auto it = std::find(cols.begin(), cols.end(), name);
+  REQUIRE(it != cols.end());
+  return ms[static_cast<size_t>(it - cols.begin())];
+}
+
+RankTimes rank_times(int rank, int pp, double compute_ms, double dp_comm_ms = 1.0) {
+  RankTimes r;
+  r.world_rank = rank;
+  r.pp = pp;
+  r.dp = rank % 4;
+  r.host = "node" + std::to_string(rank / 4);
+  r.ms.assign(StepTimers::columns().size(), 0.0);
+  const auto& cols = StepTimers::columns();
+  auto set = [&](const std::string& name, double v) {
+    r.ms[static_cast<size_t>(std::find(cols.begin(), cols.end(), name) - cols.begin())] = v;
+  };
+  set("step", 100 + compute_ms);
+  set("forward-backward", compute_ms + 2);
+  set("compute", compute_ms);
+  set("optimizer", 3);
+  set("dp-comm", dp_comm_ms);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("a timed communicator call is booked to its group and its phase; untimed calls are not",
+          "[timers]") {
+  int drains = 0;
+  StepTimers timers([&] { ++drains; });
+  SlowComm slow(2, 30);
+  TimedComm dp(slow, GroupKind::DP, timers);
+  const Tensor none(nullptr, DType::F32, {0}, Device::CPU);
+
+  timers.start_step(false);
+  {
+    const StepTimers::Scope s = timers.phase(StepTimers::ForwardBackward);
+    dp.all_reduce(none);
+  }
+  CHECK(slow.calls == 1);
+  CHECK(slow.waits == 0);  // an untimed step never waits for the device
+  CHECK(drains == 0);
+  for (double x : timers.sample(0)) CHECK(x == 0);
+
+  timers.start_step(true);
+  {
+    const StepTimers::Scope s = timers.phase(StepTimers::ForwardBackward);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // "compute"
+    dp.all_reduce(none);                                          // 30 ms of communication
+  }
+  {
+    const StepTimers::Scope s = timers.phase(StepTimers::Optimizer);
+    dp.all_reduce(none);
+  }
+  CHECK(slow.waits == 4);  // before and after each timed call
+  CHECK(drains == 4);      // at the start and end of each phase
+  const std::vector<double> ms = timers.sample(123.0);
+  REQUIRE(ms.size() == StepTimers::columns().size());
+  CHECK(column(ms, "step") == 123.0);
+  const double fb = column(ms, "forward-backward"), comm = column(ms, "dp-comm"), compute = column(ms, "compute");
+  INFO("forward-backward " << fb << " ms, dp-comm " << comm << " ms, compute " << compute << " ms");
+  CHECK(comm >= 60.0);                         // both calls, whatever phase they were in
+  CHECK(fb >= 50.0);
+  // Only the first call was inside forward-backward: compute is the sleep before it (and the
+  // drains' bookkeeping), not the communication.
+  CHECK(compute >= 20.0);
+  CHECK(compute <= fb - 30.0);
+  CHECK(column(ms, "optimizer") >= 30.0);
+  CHECK(column(ms, "tp-comm") == 0);
+
+  // A group of one rank does not communicate: never timed, never waited on.
+  SlowComm alone(1, 0);
+  TimedComm one(alone, GroupKind::TP, timers);
+  timers.start_step(true);
+  one.all_reduce(none);
+  CHECK(alone.calls == 1);
+  CHECK(alone.waits == 0);
+  CHECK(column(timers.sample(0), "tp-comm") == 0);
+}
+
+TEST_CASE("the timers summary gives each column's spread and names the slow rank of a stage",
+          "[timers]") {
+  // pp = 2, four ranks per stage. Stage 1 does more work (the head) and is not a straggler for
+  // it; rank 6 is 1.6x its stage.
+  std::vector<RankTimes> ranks;
+  for (int r = 0; r < 8; ++r) ranks.push_back(rank_times(r, r / 4, r < 4 ? 50.0 : (r == 6 ? 128.0 : 80.0)));
+  const TimersSummary s = summarize_timers(ranks, 42, 1.25);
+  INFO(s.line);
+  CHECK_THAT(s.line, Catch::StartsWith("timers at step 42 (ms, min-max over 8 ranks): step 150.0-228.0 | "
+                                       "forward-backward 52.0-130.0 | compute 50.0-128.0 (rank 6) | optimizer "
+                                       "3.00-3.00 | dp-comm 1.00-1.00"));
+  CHECK_THAT(s.line, !Catch::Contains("data") && !Catch::Contains("tp-comm"));  // all zero: left out
+  REQUIRE(s.stragglers.size() == 1);
+  CHECK(s.stragglers[0].world_rank == 6);
+  CHECK(s.stragglers[0].median_ms == 80.0);
+  CHECK(s.stragglers[0].peers == 4);
+  CHECK(s.stragglers[0].text ==
+        "world rank 6 (tp 0, pp 1, dp 2, host node1) computed for 128.0 ms at step 42, 1.60x the 80.0 ms of a typical "
+        "rank of pipeline stage 1 (4 ranks)");
+  CHECK(s.record["event"] == "timers");
+  CHECK(s.record["step"] == 42);
+  CHECK(s.record["ms"]["compute"]["max_rank"] == 6);
+  CHECK(s.record["ms"]["compute"]["min"] == 50.0);
+  CHECK(s.record["stragglers"][0]["rank"] == 6);
+  CHECK(s.record["stragglers"][0]["host"] == "node1");
+
+  SECTION("below the ratio, or 0 (off), nobody is named") {
+    CHECK(summarize_timers(ranks, 42, 1.7).stragglers.empty());
+    CHECK(summarize_timers(ranks, 42, 0).stragglers.empty());
+    CHECK(!summarize_timers(ranks, 42, 0).record.contains("stragglers"));
+  }
+  SECTION("two ranks in a stage: the slower is compared with the faster") {
+    const std::vector<RankTimes> two = {rank_times(0, 0, 10.0), rank_times(1, 0, 13.0)};
+    const TimersSummary t = summarize_timers(two, 7, 1.25);
+    REQUIRE(t.stragglers.size() == 1);
+    CHECK(t.stragglers[0].world_rank == 1);
+    CHECK(t.stragglers[0].median_ms == 10.0);
+  }
+  SECTION("a stage of one rank has nobody to compare with; tiny times are noise") {
+    const std::vector<RankTimes> stages = {rank_times(0, 0, 10.0), rank_times(1, 1, 40.0)};
+    CHECK(summarize_timers(stages, 7, 1.25).stragglers.empty());
+    const std::vector<RankTimes> tiny = {rank_times(0, 0, 0.2), rank_times(1, 0, 0.9)};  // 4.5x but 0.7 ms
+    CHECK(summarize_timers(tiny, 7, 1.25).stragglers.empty());
+  }
+  SECTION("one rank: plain numbers; compute is left out when nothing communicated inside forward-backward") {
+    RankTimes one = rank_times(0, 0, 50.0, 0.0);
+    one.ms[3] = one.ms[2];  // compute == forward-backward
+    const TimersSummary t = summarize_timers({one}, 3, 1.25);
+    CHECK(t.line == "timers at step 3 (ms): step 150.0 | forward-backward 52.0 | optimizer 3.00");
+  }
+  SECTION("a rank that sent the wrong number of values is named") {
+    ranks[5].ms.pop_back();
+    CHECK_THROWS_WITH(summarize_timers(ranks, 1, 1.25), Catch::Contains("world rank 5 sent 12 values for 13 columns"));
+  }
+}
+
+TEST_CASE("timing a step changes nothing it computes", "[timers]") {
+  const RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "bf16"}}}});
+  auto be = make_cpu_backend();
+  Trainer timed(cfg, *be), plain(cfg, *be);
+  timed.init_weights();
+  plain.init_weights();
+  for (int it = 1; it <= 3; ++it) {
+    const auto batches = test::learnable_batches(2, 4, 32, static_cast<uint32_t>(it));
+    timed.timers().start_step(true);
+    const StepStats a = timed.step(batches, it);
+    const std::vector<RankTimes> times = timed.gather_timers(1.0);
+    const StepStats b = plain.step(batches, it);
+    CHECK(a.loss == b.loss);
+    CHECK(a.grad_norm == b.grad_norm);
+    REQUIRE(times.size() == 1);
+    CHECK(times[0].ms.size() == StepTimers::columns().size());
+    CHECK(column(times[0].ms, "forward-backward") > 0);
+    CHECK(column(times[0].ms, "optimizer") > 0);
+    CHECK(!timed.timers().timed());  // the gather ended the timing
+  }
+}
+
+TEST_CASE("keel train prints a timers line on timed steps and records them in the metrics", "[timers][cli][e2e]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 5}}}, {"checkpoint", {{"save_at_end", false}}}});
+  const auto r = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "t") +
+                                " --set log.timers_interval_s=0");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("keel: timers at step 2 (ms): step ") &&
+                           Catch::Contains("keel: timers at step 5 (ms): step ") &&
+                           !Catch::Contains("timers at step 1 "));  // the first step warms up
+  int timed = 0;
+  for (const auto& rec : test::read_metrics(ws.dir / "t/metrics.jsonl"))
+    if (rec.value("event", "") == "timers") {
+      ++timed;
+      CHECK(rec["ms"]["forward-backward"]["max"].get<double>() > 0);
+    }
+  CHECK(timed == 4);
+
+  // By default the run is timed at its second step, then about once a minute; off with log.timers.
+  const auto d = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "d"));
+  CHECK_THAT(d.output, Catch::Contains("timers at step 2 ") && !Catch::Contains("timers at step 3 "));
+  const auto off = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "off") +
+                                  " --set log.timers=false");
+  REQUIRE(off.code == 0);
+  CHECK_THAT(off.output, !Catch::Contains("timers at step"));
+}

@@ -1,0 +1,194 @@
+#include "train/step_timers.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+
+namespace keel {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+int group_index(parallel::GroupKind g) { return static_cast<int>(g); }
+
+std::string fmt_ms(double ms) {
+  char b[32];
+  std::snprintf(b, sizeof b, ms < 10 ? "%.2f" : "%.1f", ms);
+  return b;
+}
+}  // namespace
+
+// ---- StepTimers -------------------------------------------------------------------------------
+
+const std::vector<std::string>& StepTimers::columns() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n = {"step",        "data",      "forward-backward", "compute",
+                                  "grad-reduce", "grad-norm", "optimizer",        "param-gather"};
+    for (parallel::GroupKind g : parallel::kAllGroups) n.push_back(std::string(parallel::group_name(g)) + "-comm");
+    return n;
+  }();
+  return names;
+}
+
+void StepTimers::start_step(bool timed) {
+  timed_ = timed;
+  current_ = -1;
+  phase_s_.fill(0);
+  phase_comm_s_.fill(0);
+  group_s_.fill(0);
+}
+
+StepTimers::Scope::Scope(StepTimers& t, Phase p) : t_(t.timed_ ? &t : nullptr), p_(p) {
+  if (!t_) return;
+  t_->drain_();  // what was queued before belongs to the phase before
+  t_->current_ = p;
+  start_ = Clock::now();
+}
+
+StepTimers::Scope::~Scope() {
+  if (!t_) return;
+  t_->drain_();
+  t_->phase_s_[p_] += seconds_since(start_);
+  t_->current_ = -1;
+}
+
+void StepTimers::add_comm(parallel::GroupKind g, double seconds) {
+  group_s_[static_cast<size_t>(group_index(g))] += seconds;
+  if (current_ >= 0) phase_comm_s_[static_cast<size_t>(current_)] += seconds;
+}
+
+std::vector<double> StepTimers::sample(double step_ms) const {
+  auto phase_ms = [&](Phase p) { return phase_s_[static_cast<size_t>(p)] * 1e3; };
+  const double compute = std::max(0.0, phase_ms(ForwardBackward) - phase_comm_s_[ForwardBackward] * 1e3);
+  std::vector<double> ms = {step_ms,         phase_ms(Data),      phase_ms(ForwardBackward), compute,
+                            phase_ms(GradReduce), phase_ms(GradNorm), phase_ms(Optimizer),       phase_ms(ParamGather)};
+  for (double s : group_s_) ms.push_back(s * 1e3);
+  return ms;
+}
+
+// ---- TimedComm --------------------------------------------------------------------------------
+
+template <class F>
+void TimedComm::timed(F&& call) {
+  if (!timers_.timed() || inner_.size() == 1) {  // a group of one does not communicate
+    call();
+    return;
+  }
+  inner_.wait_idle();  // the device work queued before the call is not communication
+  const Clock::time_point start = Clock::now();
+  call();
+  inner_.wait_idle();
+  timers_.add_comm(group_, seconds_since(start));
+}
+
+void TimedComm::all_reduce(const Tensor& t, parallel::ReduceOp op) {
+  timed([&] { inner_.all_reduce(t, op); });
+}
+void TimedComm::reduce_scatter(const Tensor& out, const Tensor& in) {
+  timed([&] { inner_.reduce_scatter(out, in); });
+}
+void TimedComm::all_gather(const Tensor& out, const Tensor& in) {
+  timed([&] { inner_.all_gather(out, in); });
+}
+void TimedComm::broadcast(const Tensor& t, int root) {
+  timed([&] { inner_.broadcast(t, root); });
+}
+void TimedComm::send(const Tensor& t, int peer) {
+  timed([&] { inner_.send(t, peer); });
+}
+void TimedComm::recv(const Tensor& t, int peer) {
+  timed([&] { inner_.recv(t, peer); });
+}
+void TimedComm::sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) {
+  timed([&] { inner_.sendrecv(send_t, send_peer, recv_t, recv_peer); });
+}
+void TimedComm::barrier() {
+  timed([&] { inner_.barrier(); });
+}
+
+parallel::CommGroups timed_comms(const parallel::CommGroups& comms, StepTimers& timers) {
+  parallel::CommGroups out;
+  for (parallel::GroupKind g : parallel::kAllGroups) {
+    auto w = std::make_unique<TimedComm>(comms[g], g, timers);
+    switch (g) {
+      case parallel::GroupKind::World: out.world = std::move(w); break;
+      case parallel::GroupKind::TP: out.tp = std::move(w); break;
+      case parallel::GroupKind::PP: out.pp = std::move(w); break;
+      case parallel::GroupKind::DP: out.dp = std::move(w); break;
+      case parallel::GroupKind::Embedding: out.embedding = std::move(w); break;
+    }
+  }
+  return out;
+}
+
+// ---- summary over ranks -----------------------------------------------------------------------
+
+TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step, double ratio) {
+  TimersSummary s;
+  const std::vector<std::string>& cols = StepTimers::columns();
+  const size_t n = ranks.size();
+  if (n == 0) return s;
+  const size_t compute = static_cast<size_t>(std::find(cols.begin(), cols.end(), "compute") - cols.begin());
+  // Without communication inside forward-backward, compute is the same number again.
+  bool compute_differs = false;
+  for (const RankTimes& r : ranks)
+    if (r.ms.size() == cols.size() && r.ms[compute] != r.ms[compute - 1]) compute_differs = true;
+  s.record = {{"event", "timers"}, {"step", step}, {"ranks", n}};
+  std::string line = "timers at step " + std::to_string(step) +
+                     (n > 1 ? " (ms, min-max over " + std::to_string(n) + " ranks):" : " (ms):");
+  bool first = true;
+  for (size_t c = 0; c < cols.size(); ++c) {
+    size_t lo = 0, hi = 0;
+    for (size_t r = 0; r < n; ++r) {
+      if (ranks[r].ms.size() != cols.size())
+        throw std::runtime_error("timers: world rank " + std::to_string(ranks[r].world_rank) + " sent " +
+                                 std::to_string(ranks[r].ms.size()) + " values for " + std::to_string(cols.size()) +
+                                 " columns");
+      if (ranks[r].ms[c] < ranks[lo].ms[c]) lo = r;
+      if (ranks[r].ms[c] > ranks[hi].ms[c]) hi = r;
+    }
+    const double mn = ranks[lo].ms[c], mx = ranks[hi].ms[c];
+    s.record["ms"][cols[c]] = {{"min", mn}, {"max", mx}, {"max_rank", ranks[hi].world_rank}};
+    // Phases and groups this layout does not have (or that round to nothing) stay off the line.
+    if (c != 0 && (mx < 0.005 || (c == compute && !compute_differs))) continue;
+    line += std::string(first ? " " : " | ") + cols[c] + " " + fmt_ms(mn);
+    if (n > 1) line += "-" + fmt_ms(mx);
+    if (n > 1 && c == compute) line += " (rank " + std::to_string(ranks[hi].world_rank) + ")";
+    first = false;
+  }
+  s.line = line;
+
+  if (ratio <= 0) return s;
+  // Ranks of one pipeline stage do the same work; compare each with its stage's lower median
+  // (with two ranks, the faster one).
+  std::map<int, std::vector<const RankTimes*>> stages;
+  for (const RankTimes& r : ranks) stages[r.pp].push_back(&r);
+  for (auto& [stage, members] : stages) {
+    if (members.size() < 2) continue;
+    std::vector<double> t;
+    for (const RankTimes* r : members) t.push_back(r->ms[compute]);
+    std::sort(t.begin(), t.end());
+    const double median = t[(t.size() - 1) / 2];
+    for (const RankTimes* r : members) {
+      const double x = r->ms[compute];
+      if (x < ratio * median || x - median < 1.0) continue;
+      Straggler g{r->world_rank, x, median, static_cast<int>(members.size()), {}};
+      char b[320];
+      std::snprintf(b, sizeof b,
+                    "world rank %d (tp %d, pp %d, dp %d%s%s) computed for %s ms at step %lld, %.2fx the %s ms of a "
+                    "typical rank of pipeline stage %d (%zu ranks)",
+                    r->world_rank, r->tp, r->pp, r->dp, r->host.empty() ? "" : ", host ", r->host.c_str(),
+                    fmt_ms(x).c_str(), static_cast<long long>(step), median > 0 ? x / median : 0.0,
+                    fmt_ms(median).c_str(), stage, members.size());
+      g.text = b;
+      s.record["stragglers"].push_back(
+          {{"rank", g.world_rank}, {"host", r->host}, {"compute_ms", x}, {"stage_median_ms", median}});
+      s.stragglers.push_back(std::move(g));
+    }
+  }
+  return s;
+}
+
+}  // namespace keel
