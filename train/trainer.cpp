@@ -302,6 +302,9 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   parallel::Comm& dp = *comms_->dp;
   parallel::Comm& world = *comms_->world;
   st.global_batch = static_cast<int64_t>(micro_batches.size()) * cfg_.train.micro_batch * grid_.dp_size();
+  // Timed as forward-backward: the pipeline, and the reductions of the step's token count and
+  // loss (where DP replicas wait for each other without SP, TP or tied gradients to reduce).
+  std::optional<StepTimers::Scope> fb_timer(std::in_place, timers_, StepTimers::ForwardBackward);
   int64_t valid = 0;
   for (const MicroBatch& mb : micro_batches)
     valid += std::count_if(mb.targets.begin(), mb.targets.end(), [](int32_t t) { return t >= 0; });
@@ -328,12 +331,8 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
       slot = std::isnan(m) || std::isnan(slot) ? std::nanf("") : std::max(slot, m);
     });
   }
-  double loss_sum = 0;
-  {
-    const StepTimers::Scope timed = timers_.phase(StepTimers::ForwardBackward);
-    slow_rank_fault(static_cast<int>(micro_batches.size()));
-    loss_sum = run_pipeline(micro_batches, dloss, true);
-  }
+  slow_rank_fault(static_cast<int>(micro_batches.size()));
+  double loss_sum = run_pipeline(micro_batches, dloss, true);
   if (collect_stats) {
     set_probe(nullptr);
     st.act_max = all_reduce_max(*comms_->world, act_max);
@@ -342,6 +341,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   loss_sum = all_reduce_sum(*comms_->pp, loss_sum);  // the last stage's loss, to every stage
   loss_sum = all_reduce_sum(dp, loss_sum);
   st.loss = st.valid_tokens > 0 ? loss_sum / static_cast<double>(st.valid_tokens) : 0.0;
+  fb_timer.reset();
 
   const int64_t n = table_.local_numel();
   const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), n);
