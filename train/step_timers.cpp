@@ -109,18 +109,14 @@ void TimedComm::barrier() {
 }
 
 parallel::CommGroups timed_comms(const parallel::CommGroups& comms, StepTimers& timers) {
-  parallel::CommGroups out;
-  for (parallel::GroupKind g : parallel::kAllGroups) {
-    auto w = std::make_unique<TimedComm>(comms[g], g, timers);
-    switch (g) {
-      case parallel::GroupKind::World: out.world = std::move(w); break;
-      case parallel::GroupKind::TP: out.tp = std::move(w); break;
-      case parallel::GroupKind::PP: out.pp = std::move(w); break;
-      case parallel::GroupKind::DP: out.dp = std::move(w); break;
-      case parallel::GroupKind::Embedding: out.embedding = std::move(w); break;
-    }
-  }
-  return out;
+  using parallel::GroupKind;
+  parallel::CommGroups g;
+  g.world = std::make_unique<TimedComm>(*comms.world, GroupKind::World, timers);
+  g.tp = std::make_unique<TimedComm>(*comms.tp, GroupKind::TP, timers);
+  g.pp = std::make_unique<TimedComm>(*comms.pp, GroupKind::PP, timers);
+  g.dp = std::make_unique<TimedComm>(*comms.dp, GroupKind::DP, timers);
+  g.embedding = std::make_unique<TimedComm>(*comms.embedding, GroupKind::Embedding, timers);
+  return g;
 }
 
 // ---- summary over ranks -----------------------------------------------------------------------
@@ -130,11 +126,15 @@ TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step
   const std::vector<std::string>& cols = StepTimers::columns();
   const size_t n = ranks.size();
   if (n == 0) return s;
-  const size_t compute = static_cast<size_t>(std::find(cols.begin(), cols.end(), "compute") - cols.begin());
-  // Without communication inside forward-backward, compute is the same number again.
-  bool compute_differs = false;
-  for (const RankTimes& r : ranks)
-    if (r.ms.size() == cols.size() && r.ms[compute] != r.ms[compute - 1]) compute_differs = true;
+  auto column = [&](const char* name) { return static_cast<size_t>(std::find(cols.begin(), cols.end(), name) - cols.begin()); };
+  const size_t compute = column("compute"), forward_backward = column("forward-backward");
+  bool compute_differs = false;  // else compute is forward-backward again (nothing communicated inside)
+  for (const RankTimes& r : ranks) {
+    if (r.ms.size() != cols.size())
+      throw std::runtime_error("timers: world rank " + std::to_string(r.world_rank) + " sent " +
+                               std::to_string(r.ms.size()) + " values for " + std::to_string(cols.size()) + " columns");
+    compute_differs |= r.ms[compute] != r.ms[forward_backward];
+  }
   s.record = {{"event", "timers"}, {"step", step}, {"ranks", n}};
   std::string line = "timers at step " + std::to_string(step) +
                      (n > 1 ? " (ms, min-max over " + std::to_string(n) + " ranks):" : " (ms):");
@@ -142,10 +142,6 @@ TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step
   for (size_t c = 0; c < cols.size(); ++c) {
     size_t lo = 0, hi = 0;
     for (size_t r = 0; r < n; ++r) {
-      if (ranks[r].ms.size() != cols.size())
-        throw std::runtime_error("timers: world rank " + std::to_string(ranks[r].world_rank) + " sent " +
-                                 std::to_string(ranks[r].ms.size()) + " values for " + std::to_string(cols.size()) +
-                                 " columns");
       if (ranks[r].ms[c] < ranks[lo].ms[c]) lo = r;
       if (ranks[r].ms[c] > ranks[hi].ms[c]) hi = r;
     }

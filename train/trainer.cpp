@@ -1,7 +1,5 @@
 #include "train/trainer.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -59,15 +57,14 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
       be_(backend),
       grid_(grid ? *grid : single_rank()),
       local_comms_(comms ? parallel::CommGroups{} : parallel::make_local_comms(backend.device())),
-      comms_(comms ? comms : &local_comms_),
       timers_([&backend] { backend.synchronize(); }),
-      timed_comms_(timed_comms(*comms_, timers_)),
+      timed_comms_(timed_comms(comms ? *comms : local_comms_, timers_)),
+      comms_(&timed_comms_),
       table_(cfg.model, chunks_for(cfg, grid_)),
       scaler_(cfg.precision.loss_scale, cfg.precision.mode == PrecisionMode::FP16),
       spikes_(cfg.health) {
   if (grid_.tp_size() != cfg.parallel.tp || grid_.pp_size() != cfg.parallel.pp || grid_.dp_size() != cfg.parallel.dp)
     throw std::invalid_argument("Trainer: the grid (" + grid_.layout() + ") does not match parallel.tp/pp/dp of the config");
-  comms_ = &timed_comms_;
   state_ = std::make_unique<ParamState>(table_, be_, cfg.precision.mode, grid_.dp_size(), grid_.dp_rank());
   const int n_chunks = table_.num_chunks();
   std::vector<int> slots(static_cast<size_t>(n_chunks), 1), grad_slots(static_cast<size_t>(n_chunks), 0);
@@ -444,11 +441,12 @@ void Trainer::slow_rank_fault(int micro_batches) {
 std::vector<RankTimes> Trainer::gather_timers(double step_ms) {
   const std::vector<double> mine = timers_.sample(step_ms);
   timers_.start_step(false);
-  char host[256] = {};
-  if (gethostname(host, sizeof host - 1) != 0) host[0] = 0;
-  for (char* c = host; *c; ++c)
-    if (*c == ' ') *c = '_';
-  std::string text = host[0] ? host : "-";
+  static const std::string host = [] {  // one word: the text is split at spaces below
+    std::string h = parallel::this_host();
+    std::replace(h.begin(), h.end(), ' ', '_');
+    return h.empty() ? std::string("?") : h;
+  }();
+  std::string text = host;
   for (double x : mine) {
     char b[32];
     std::snprintf(b, sizeof b, " %.4f", x);
@@ -465,7 +463,7 @@ std::vector<RankTimes> Trainer::gather_timers(double step_ms) {
     t.dp = c.dp;
     std::istringstream in(texts[static_cast<size_t>(r)]);
     in >> t.host;
-    if (t.host == "-") t.host.clear();
+    if (t.host == "?") t.host.clear();
     for (double x; in >> x;) t.ms.push_back(x);
     all.push_back(std::move(t));
   }

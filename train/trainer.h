@@ -162,9 +162,9 @@ class Trainer {
   Backend& be_;
   parallel::Grid grid_;
   parallel::CommGroups local_comms_;
-  parallel::CommGroups* comms_;  // timed_comms_ once constructed
   StepTimers timers_;
-  parallel::CommGroups timed_comms_;  // the given communicators, each behind a TimedComm
+  parallel::CommGroups timed_comms_;  // the given communicators (or local_comms_), each behind a TimedComm
+  parallel::CommGroups* comms_;       // &timed_comms_: what every step uses
   ParamTable table_;
   std::unique_ptr<ParamState> state_;
   // This rank's model chunks (one without virtual_stages); chunks after the first share its

@@ -57,13 +57,13 @@ int slurm_tasks_on_node(const std::string& spec, int node) {
   return -1;
 }
 
+}  // namespace
+
 std::string this_host() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0) return "?";
   return name;
 }
-
-}  // namespace
 
 LaunchInfo LaunchInfo::from_environment() {
   return from_lookup([](const char* name) { return std::getenv(name); }, this_host());
