@@ -49,6 +49,16 @@ int64_t LossMask::count_in_loss() const {
   return n;
 }
 
+int64_t mask_targets_after_eod(const int32_t* inputs, int32_t* targets, int64_t n, int32_t eod) {
+  int64_t masked = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (inputs[i] == eod) {
+      targets[i] = -1;
+      ++masked;
+    }
+  return masked;
+}
+
 void write_loss_mask(const std::string& path, const std::vector<uint8_t>& mask) {
   if (mask.size() >= (size_t{1} << 31)) throw DataError("cannot write loss mask '" + path + "': more than 2^31 tokens");
   std::array<int32_t, kHeaderWords> header{};

@@ -44,6 +44,11 @@ class LossMask {
   int64_t size_ = 0;
 };
 
+// Megatron's --eod-mask-loss: target -1 wherever the input is the end-of-document token `eod`,
+// so the prediction of the next document's first token from the end of the previous one does
+// not count in the loss. Returns how many targets it masked (already -1 ones included).
+int64_t mask_targets_after_eod(const int32_t* inputs, int32_t* targets, int64_t n, int32_t eod);
+
 // Writes a sidecar (for tests and tools); throws DataError naming the path.
 void write_loss_mask(const std::string& path, const std::vector<uint8_t>& mask);
 

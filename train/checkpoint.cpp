@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "data/checksum.h"
 #include "data/file_io.h"
@@ -417,22 +419,14 @@ void check_tensors_match(const Checkpoint& ck, const std::string& state, const P
 // Writing
 // ======================================================================================
 
-CheckpointManager::CheckpointManager(std::string checkpoints_dir, CheckpointConfig cfg)
-    : dir_(std::move(checkpoints_dir)), cfg_(cfg) {}
-
-std::string CheckpointManager::step_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
-  return buf;
-}
-
 namespace {
 
 struct FilePlan {
   std::string name;
   std::vector<data::SafetensorsWriter::Entry> entries;
   struct Source {
-    Tensor view;  // the chunk's elements in a rank buffer (working / master / m / v)
+    Tensor view;             // the chunk's elements in a rank buffer (working / master / m / v)
+    std::unique_ptr<char[]> host;  // or their copy in host memory (view.bytes()), for a background save
   };
   std::vector<Source> sources;
   json chunks = json::object();
@@ -449,19 +443,54 @@ void add_chunks(FilePlan& plan, const std::string& state, const ParamTable& tabl
     std::string entry = state + "/" + p.name;
     if (regions.size() > 1 || r.numel() != p.logical_numel()) entry += "#" + std::to_string(r.flat_begin);
     plan.entries.push_back({entry, to_st(buffer.dtype), r.shape});
-    plan.sources.push_back({ps.flat_view(buffer, r.flat_begin, r.numel())});
+    plan.sources.push_back({ps.flat_view(buffer, r.flat_begin, r.numel()), {}});
     plan.chunks[entry] = {{"tensor", p.name}, {"state", state}, {"shape", p.shape}, {"offset", r.offset}};
   }
 }
 
-// Writes one planned file, staging each chunk through host memory; returns its manifest.
-json write_file(const fs::path& dir, const FilePlan& plan, Backend& be) {
+// The files this rank writes: the working weights of its TP x PP shard (DP rank 0 only) and the
+// optimizer state it owns.
+std::vector<FilePlan> plan_files(const ParamTable& table, const ParamState& state, const RankPlace& place,
+                                 bool separate_master) {
+  char tp_pp[32], dp[16];
+  std::snprintf(tp_pp, sizeof tp_pp, "tp%02d-pp%02d", place.tp_rank, place.pp_rank);
+  std::snprintf(dp, sizeof dp, "dp%02d", place.dp_rank);
+  const int64_t n = table.local_numel();
+  const int64_t ob = state.optim_begin(), oe = std::min(state.optim_end(), n);
+  std::vector<FilePlan> plans;
+  if (place.writes_weights) {
+    FilePlan model;
+    model.name = std::string("model-") + tp_pp + ".safetensors";
+    for (const ParamSpec& p : table.params()) add_chunks(model, "weight", table, state, p, state.working, 0, n);
+    plans.push_back(std::move(model));
+  }
+  FilePlan optim;
+  optim.name = std::string("optim-") + tp_pp + "-" + dp + ".safetensors";
+  for (const ParamSpec& p : table.params()) {
+    if (separate_master) add_chunks(optim, "master", table, state, p, state.master, ob, oe);
+    add_chunks(optim, "adam_m", table, state, p, state.m, ob, oe);
+    add_chunks(optim, "adam_v", table, state, p, state.v, ob, oe);
+  }
+  plans.push_back(std::move(optim));
+  // A file with nothing in it is not written (e.g. a TP rank > 0 whose shard holds only replicas).
+  std::erase_if(plans, [](const FilePlan& p) { return p.entries.empty(); });
+  return plans;
+}
+
+// Writes one planned file; returns its manifest. Sources copied to host memory are written
+// from there (and freed), the others staged through host memory one chunk at a time.
+json write_file(const fs::path& dir, FilePlan& plan, Backend* be) {
   json meta = {{"format", kFormat}, {"format_version", kCheckpointFormatVersion}, {"chunks", plan.chunks}};
   data::SafetensorsWriter w((dir / plan.name).string(), plan.entries, {{"keel", meta.dump()}});
   std::vector<char> staging;
-  for (const auto& s : plan.sources) {
+  for (auto& s : plan.sources) {
+    if (be == nullptr) {
+      w.write(s.host.get(), s.view.bytes());
+      s.host.reset();
+      continue;
+    }
     staging.resize(s.view.bytes());
-    be.copy_to_host(staging.data(), s.view);
+    be->copy_to_host(staging.data(), s.view);
     w.write(staging.data(), staging.size());
   }
   w.finish(/*sync=*/true);
@@ -470,22 +499,76 @@ json write_file(const fs::path& dir, const FilePlan& plan, Backend& be) {
   return {{"bytes", w.file_bytes()}, {"crc32c", data::crc32c_hex(w.file_crc())}, {"tensors", tensors}};
 }
 
+// Phase 2 of a save for one rank: its files, then a manifest of their checksums. `be` null:
+// every source is already in host memory (a background save, which must not touch the device).
+int64_t write_rank_part(const fs::path& tmp, std::vector<FilePlan>& plans, Backend* be, int world_rank) {
+  json manifest = json::object();
+  int64_t bytes = 0;
+  for (FilePlan& plan : plans) {
+    manifest[plan.name] = write_file(tmp, plan, be);
+    bytes += manifest[plan.name]["bytes"].get<int64_t>();
+  }
+  maybe_crash("files");
+  write_text_file_synced((tmp / ("manifest-rank" + std::to_string(world_rank) + ".json")).string(), manifest.dump());
+  return bytes;
+}
+
 }  // namespace
+
+// A save between its start and its publication: the meta.json it will get (taken at the start,
+// since training moves on) and, for a background save, the thread writing this rank's files.
+struct CheckpointManager::PendingSave {
+  std::string name;
+  fs::path tmp, final_path;
+  bool coordinator = false;
+  json meta;
+  std::chrono::steady_clock::time_point start;
+  double held_seconds = 0;  // training waited this long for the save (snapshot, directory)
+  std::thread writer;
+  std::atomic<bool> written{false};
+  std::string error;  // this rank's write failure (read after `written` or join)
+  int64_t bytes = 0;
+  double write_seconds = 0;  // this rank's files, from the start
+  bool background = false;
+};
+
+CheckpointManager::CheckpointManager(std::string checkpoints_dir, CheckpointConfig cfg)
+    : dir_(std::move(checkpoints_dir)), cfg_(cfg) {}
+
+// A save still unpublished when the manager goes away (the run failed) stays a .tmp- directory,
+// removed by the next run's clean_incomplete; only its writer must end first.
+CheckpointManager::~CheckpointManager() {
+  if (pending_ && pending_->writer.joinable()) pending_->writer.join();
+}
+
+std::string CheckpointManager::step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
 
 SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
                                    const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
                                    const AgreeFn& agree, const nlohmann::json& health) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::string name = step_name(progress.iteration);
-  const fs::path dir(dir_), tmp = dir / (".tmp-" + name), final_path = dir / name;
-  const bool coordinator = place.world_rank == 0;
-  std::string error;  // this rank's failure, if any
-  auto fail = [&](const std::string& why) {
-    std::error_code ec;
-    if (coordinator) fs::remove_all(tmp, ec);
-    throw CheckpointError("saving checkpoint " + name + " in " + dir_ + " failed: " + why +
-                          "; the previous checkpoints are untouched");
-  };
+  begin_save(cfg, table, state, backend, progress, scaler, place, agree, health, /*background=*/false);
+  return finish_save(agree);
+}
+
+bool CheckpointManager::writing() const { return pending_ && !pending_->written.load(std::memory_order_acquire); }
+
+void CheckpointManager::begin_save(const RunConfig& cfg, const ParamTable& table, ParamState& state,
+                                   Backend& backend, const TrainProgress& progress, const LossScaler& scaler,
+                                   const RankPlace& place, const AgreeFn& agree, const nlohmann::json& health,
+                                   bool background) {
+  if (pending_) throw std::logic_error("CheckpointManager::begin_save: the previous save is not finished");
+  auto p = std::make_unique<PendingSave>();
+  p->start = std::chrono::steady_clock::now();
+  p->name = step_name(progress.iteration);
+  p->tmp = fs::path(dir_) / (".tmp-" + p->name);
+  p->final_path = fs::path(dir_) / p->name;
+  p->coordinator = place.world_rank == 0;
+  p->background = background;
+  std::string error;
   auto guarded = [&](auto&& body) {
     try {
       body();
@@ -495,54 +578,90 @@ SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table
   };
 
   // Phase 1: the coordinator makes the temporary directory.
-  if (coordinator) guarded([&] {
-      fs::create_directories(dir);
-      fs::remove_all(tmp);
-      fs::create_directory(tmp);
+  if (p->coordinator) guarded([&] {
+      fs::create_directories(dir_);
+      fs::remove_all(p->tmp);
+      fs::create_directory(p->tmp);
     });
-  if (!agree(error.empty())) fail(error.empty() ? "another rank could not start the save" : error);
+  if (!agree(error.empty())) fail_save(*p, error.empty() ? "another rank could not start the save" : error);
 
-  // Phase 2: every rank writes its files and a manifest of their checksums.
-  int64_t bytes = 0;
+  // What meta.json will say: everything but the files, as of now.
   const bool separate_master = state.has_master() && !state.master_is_working();
+  std::vector<std::string> states = {"weight", "adam_m", "adam_v"};
+  if (separate_master) states.insert(states.begin() + 1, "master");
+  p->meta = {
+      {"format", kFormat},
+      {"format_version", kCheckpointFormatVersion},
+      {"keel_version", "0.1"},
+      {"progress", progress_json(progress)},
+      {"adam_step", state.adam_step},
+      {"loss_scaler",
+       {{"scale", scaler.scale_value()},
+        {"growth_tracker", scaler.growth_tracker()},
+        {"hysteresis_tracker", scaler.hysteresis_tracker()}}},
+      // The sampler is a pure function of (seed, consumed samples): this is the data position.
+      {"data", {{"consumed_samples", progress.consumed_samples}, {"seed", cfg.train.seed}, {"train", cfg.data.train}}},
+      {"topology", {{"tp", cfg.parallel.tp}, {"pp", cfg.parallel.pp}, {"dp", cfg.parallel.dp}}},
+      {"precision", precision_name(cfg.precision.mode)},
+      {"weight_dtype", std::string(dtype_name(state.working.dtype))},
+      {"states", states},
+      {"master_is_weight", state.master_is_working()},
+      {"config", to_json(cfg)}};
+  // What a restart must reproduce: the probe batch's loss and per-tensor norms.
+  if (!health.is_null()) p->meta["health"] = health;
+
+  // Phase 2: every rank writes its files and a manifest of their checksums; in the background
+  // from a host copy of the state taken now, or here, streaming from the device.
+  std::vector<FilePlan> plans = plan_files(table, state, place, separate_master);
+  if (!background) {
+    guarded([&] { p->bytes = write_rank_part(p->tmp, plans, &backend, place.world_rank); });
+    p->error = error;
+    p->written = true;
+    pending_ = std::move(p);
+    return;
+  }
   guarded([&] {
-    char tp_pp[32], dp[16];
-    std::snprintf(tp_pp, sizeof tp_pp, "tp%02d-pp%02d", place.tp_rank, place.pp_rank);
-    std::snprintf(dp, sizeof dp, "dp%02d", place.dp_rank);
-    const int64_t n = table.local_numel();
-    const int64_t ob = state.optim_begin(), oe = std::min(state.optim_end(), n);
-    std::vector<FilePlan> plans;
-    if (place.writes_weights) {
-      FilePlan model;
-      model.name = std::string("model-") + tp_pp + ".safetensors";
-      for (const ParamSpec& p : table.params()) add_chunks(model, "weight", table, state, p, state.working, 0, n);
-      plans.push_back(std::move(model));
-    }
-    FilePlan optim;
-    optim.name = std::string("optim-") + tp_pp + "-" + dp + ".safetensors";
-    for (const ParamSpec& p : table.params()) {
-      if (separate_master) add_chunks(optim, "master", table, state, p, state.master, ob, oe);
-      add_chunks(optim, "adam_m", table, state, p, state.m, ob, oe);
-      add_chunks(optim, "adam_v", table, state, p, state.v, ob, oe);
-    }
-    plans.push_back(std::move(optim));
-    json manifest = json::object();
-    for (const FilePlan& plan : plans) {
-      if (plan.entries.empty()) continue;  // e.g. a TP rank > 0 whose shard holds only replicas
-      manifest[plan.name] = write_file(tmp, plan, backend);
-      bytes += manifest[plan.name]["bytes"].get<int64_t>();
-    }
-    maybe_crash("files");
-    write_text_file_synced((tmp / ("manifest-rank" + std::to_string(place.world_rank) + ".json")).string(),
-                           manifest.dump());
+    for (FilePlan& plan : plans)
+      for (auto& s : plan.sources) {
+        s.host.reset(new char[s.view.bytes()]);  // not zero-filled: the copy fills it
+        backend.copy_to_host(s.host.get(), s.view);
+      }
   });
-  if (!agree(error.empty())) fail(error.empty() ? "another rank could not write its part" : error);
+  if (!error.empty()) {  // out of host memory for the copy: the save fails at its finish, on every rank
+    p->error = error;
+    p->written = true;
+  } else {
+    PendingSave* ps = p.get();
+    ps->writer = std::thread([ps, plans = std::move(plans), rank = place.world_rank]() mutable {
+      try {
+        ps->bytes = write_rank_part(ps->tmp, plans, nullptr, rank);
+      } catch (const std::exception& e) {
+        ps->error = e.what();
+      }
+      ps->write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - ps->start).count();
+      ps->written.store(true, std::memory_order_release);
+    });
+  }
+  p->held_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - p->start).count();
+  pending_ = std::move(p);
+}
+
+SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
+  if (!pending_) throw std::logic_error("CheckpointManager::finish_save: no save in progress");
+  std::unique_ptr<PendingSave> p = std::move(pending_);
+  const auto wait_start = std::chrono::steady_clock::now();
+  if (p->writer.joinable()) p->writer.join();
+  if (p->background)
+    p->held_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+  if (!agree(p->error.empty())) fail_save(*p, p->error.empty() ? "another rank could not write its part" : p->error);
 
   // Phase 3: the coordinator merges the manifests into meta.json (the file that makes a save
   // complete), renames the directory into place and points `latest` at it.
-  if (coordinator) guarded([&] {
+  std::string error;
+  if (p->coordinator) try {
+      const fs::path dir(dir_);
       json files = json::object();
-      for (const auto& e : fs::directory_iterator(tmp)) {
+      for (const auto& e : fs::directory_iterator(p->tmp)) {
         const std::string fname = e.path().filename().string();
         if (fname.rfind("manifest-rank", 0) != 0) continue;
         std::ifstream in(e.path());
@@ -550,58 +669,49 @@ SaveResult CheckpointManager::save(const RunConfig& cfg, const ParamTable& table
         for (const auto& [k, v] : part.items()) files[k] = v;
         fs::remove(e.path());
       }
-      std::vector<std::string> states = {"weight", "adam_m", "adam_v"};
-      if (separate_master) states.insert(states.begin() + 1, "master");
-      json meta = {
-          {"format", kFormat},
-          {"format_version", kCheckpointFormatVersion},
-          {"keel_version", "0.1"},
-          {"saved_at", utc_now()},
-          {"progress", progress_json(progress)},
-          {"adam_step", state.adam_step},
-          {"loss_scaler",
-           {{"scale", scaler.scale_value()},
-            {"growth_tracker", scaler.growth_tracker()},
-            {"hysteresis_tracker", scaler.hysteresis_tracker()}}},
-          // The sampler is a pure function of (seed, consumed samples): this is the data position.
-          {"data", {{"consumed_samples", progress.consumed_samples}, {"seed", cfg.train.seed}, {"train", cfg.data.train}}},
-          {"topology", {{"tp", cfg.parallel.tp}, {"pp", cfg.parallel.pp}, {"dp", cfg.parallel.dp}}},
-          {"precision", precision_name(cfg.precision.mode)},
-          {"weight_dtype", std::string(dtype_name(state.working.dtype))},
-          {"states", states},
-          {"master_is_weight", state.master_is_working()},
-          {"config", to_json(cfg)},
-          {"files", files}};
-      // What a restart must reproduce: the probe batch's loss and per-tensor norms.
-      if (!health.is_null()) meta["health"] = health;
+      json meta = std::move(p->meta);
+      meta["saved_at"] = utc_now();
+      meta["files"] = files;
       maybe_crash("meta");
-      write_text_file_synced((tmp / "meta.json").string(), meta.dump(2));
-      data::detail::sync_directory(tmp.string());
+      write_text_file_synced((p->tmp / "meta.json").string(), meta.dump(2));
+      data::detail::sync_directory(p->tmp.string());
 
       // An existing save of the same step (from a replayed stretch of training) is moved
       // aside first and removed once the new one is in place.
       fs::path old;
-      if (fs::exists(final_path)) {
-        old = dir / (".old-" + name + "-" + std::to_string(::getpid()));
-        fs::rename(final_path, old);
+      if (fs::exists(p->final_path)) {
+        old = dir / (".old-" + p->name + "-" + std::to_string(::getpid()));
+        fs::rename(p->final_path, old);
       }
       maybe_crash("rename");
-      fs::rename(tmp, final_path);
+      fs::rename(p->tmp, p->final_path);
       data::detail::sync_directory(dir.string());
       if (!old.empty()) fs::remove_all(old);
       maybe_crash("latest");
-      write_text_file_synced((dir / ".latest.tmp").string(), name + "\n");
+      write_text_file_synced((dir / ".latest.tmp").string(), p->name + "\n");
       fs::rename(dir / ".latest.tmp", dir / "latest");
       data::detail::sync_directory(dir.string());
       rotate();
-    });
-  if (!agree(error.empty())) fail(error.empty() ? "the coordinating rank could not publish it" : error);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  if (!agree(error.empty())) fail_save(*p, error.empty() ? "the coordinating rank could not publish it" : error);
 
   SaveResult r;
-  r.path = final_path.string();
-  r.bytes = bytes;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.path = p->final_path.string();
+  r.bytes = p->bytes;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - p->start).count();
+  r.background = p->background;
+  r.write_seconds = p->background ? p->write_seconds : r.seconds;
+  r.held_seconds = p->background ? p->held_seconds : r.seconds;
   return r;
+}
+
+void CheckpointManager::fail_save(const PendingSave& p, const std::string& why) {
+  std::error_code ec;
+  if (p.coordinator) fs::remove_all(p.tmp, ec);
+  throw CheckpointError("saving checkpoint " + p.name + " in " + dir_ + " failed: " + why +
+                        "; the previous checkpoints are untouched");
 }
 
 void CheckpointManager::rotate() {

@@ -131,23 +131,47 @@ class Checkpoint {
 
 struct SaveResult {
   std::string path;
-  int64_t bytes = 0;
-  double seconds = 0;
+  int64_t bytes = 0;     // this rank's files
+  double seconds = 0;    // from the save's start to its publication
+  bool background = false;
+  double write_seconds = 0;  // until this rank's files were on disk
+  double held_seconds = 0;   // how long training waited for it (all of `seconds` unless background)
 };
 
 class CheckpointManager {
  public:
   CheckpointManager(std::string checkpoints_dir, CheckpointConfig cfg);
+  // A save still being written when the manager goes away (the run failed) is waited for but
+  // not published: it stays a .tmp- directory, which the next run's clean_incomplete removes.
+  ~CheckpointManager();
+  CheckpointManager(const CheckpointManager&) = delete;
+  CheckpointManager& operator=(const CheckpointManager&) = delete;
 
   const std::string& dir() const { return dir_; }
   // Writes a checkpoint of `state` at `progress.iteration`. With several ranks every rank calls
   // it, and they agree three times (directory made, files written, published), so a failure on
   // any rank fails the save on all of them instead of leaving some waiting. Throws
   // CheckpointError on any I/O problem, after removing the partial save; earlier checkpoints
-  // are never touched.
+  // are never touched. Same as begin_save(background=false) then finish_save.
   SaveResult save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
                   const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
                   const AgreeFn& agree = [](bool ok) { return ok; }, const nlohmann::json& health = nullptr);
+
+  // A save in two halves (checkpoint.async). begin_save makes the temporary directory (the
+  // first agreement) and, with `background`, copies this rank's part of the state to host
+  // memory and leaves the files to a thread, so training goes on while they are written; the
+  // thread does file I/O only, never the device or a communicator. Without `background` the
+  // files are written before it returns. finish_save waits for this rank's files, then the
+  // ranks agree they are all written, the coordinator publishes (meta.json, rename, `latest`,
+  // rotation) and they agree again; every rank calls it at the same step boundary. A failure
+  // in either half throws CheckpointError from finish_save, with the partial save removed.
+  void begin_save(const RunConfig& cfg, const ParamTable& table, ParamState& state, Backend& backend,
+                  const TrainProgress& progress, const LossScaler& scaler, const RankPlace& place,
+                  const AgreeFn& agree, const nlohmann::json& health, bool background);
+  SaveResult finish_save(const AgreeFn& agree);
+  bool save_pending() const { return pending_ != nullptr; }  // begun, not finished
+  bool writing() const;  // this rank's files of the pending save are still being written
+
   // Keeps the newest keep_last checkpoints, plus every step divisible by keep_every; never
   // the one `latest` names.
   void rotate();
@@ -156,8 +180,11 @@ class CheckpointManager {
   static std::string step_name(int64_t step);  // "step_00000100"
 
  private:
+  struct PendingSave;
+  [[noreturn]] void fail_save(const PendingSave& p, const std::string& why);
   std::string dir_;
   CheckpointConfig cfg_;
+  std::unique_ptr<PendingSave> pending_;
 };
 
 // ---- restoring -------------------------------------------------------------------------

@@ -466,6 +466,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     c.data.val = f.strings("val");
     c.data.shuffle = f.boolean("shuffle", true);
     c.data.document_masking = f.boolean("document_masking", false);
+    c.data.eod_mask_loss = f.boolean("eod_mask_loss", false);
     c.data.eod_token = f.integer("eod_token", -1, -1, std::max<int64_t>(c.model.vocab_size - 1, -1));
     f.finish();
     if (c.data.train.empty()) errors.push_back("data.train: missing (required: token files or glob patterns)");
@@ -487,6 +488,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     c.checkpoint.keep_last = f.integer("keep_last", 3, 1);
     c.checkpoint.keep_every = f.integer("keep_every", 0, 0);
     c.checkpoint.save_at_end = f.boolean("save_at_end", true);
+    c.checkpoint.async = f.boolean("async", false);
     c.checkpoint.dir = f.string("dir", "");
     f.finish();
   }
@@ -640,12 +642,14 @@ json to_json(const RunConfig& c) {
   j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
   if (!c.data.train_weights.empty()) j["data"]["train_weights"] = c.data.train_weights;
   if (c.data.document_masking) j["data"]["document_masking"] = true;
+  if (c.data.eod_mask_loss) j["data"]["eod_mask_loss"] = true;
   if (c.data.eod_token >= 0) j["data"]["eod_token"] = c.data.eod_token;
   j["log"] = {{"interval", c.log.interval}, {"timers", c.log.timers}, {"timers_interval_s", c.log.timers_interval_s}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},
                      {"keep_last", c.checkpoint.keep_last},
                      {"keep_every", c.checkpoint.keep_every},
                      {"save_at_end", c.checkpoint.save_at_end},
+                     {"async", c.checkpoint.async},
                      {"dir", c.checkpoint.dir}};
   j["parallel"] = {{"tp", c.parallel.tp},
                    {"pp", c.parallel.pp},

@@ -107,11 +107,17 @@ struct DataConfig {
   // Packed documents attend only within themselves, and positions restart at each document
   // (Megatron's reset_attention_mask + reset_position_ids; kernels/document_positions.h).
   bool document_masking = false;
+  // Megatron's --eod-mask-loss: the prediction made at an end-of-document token (the next
+  // document's first token, from the one before) is left out of the loss.
+  bool eod_mask_loss = false;
   // The token that ends a document. -1: the "eot_id" that prepare_data.py records in meta.json
-  // beside the shards (resolve_eod_token, when document masking is on).
+  // beside the shards (with_eod_token in run.cpp, when an option above needs it).
   int64_t eod_token = -1;
+  bool needs_eod() const { return document_masking || eod_mask_loss; }
   // The token that ends a document when document masking is on, else -1 (no masking).
   int64_t masking_eod() const { return document_masking ? eod_token : -1; }
+  // The token whose predictions leave the loss (eod_mask_loss), else -1.
+  int64_t loss_mask_eod() const { return eod_mask_loss ? eod_token : -1; }
 };
 
 struct LogConfig {
@@ -128,6 +134,10 @@ struct CheckpointConfig {
   int64_t keep_last = 3;
   int64_t keep_every = 0;  // additionally keep every K-th step's checkpoint (0: none)
   bool save_at_end = true;
+  // Interval saves are written by a background thread from a host copy of the state, and
+  // published at a later step boundary once every rank's files are on disk (Megatron's
+  // --async-save). Costs host memory the size of the rank's part of the checkpoint.
+  bool async = false;
   std::string dir;         // default <out>/checkpoints
 };
 

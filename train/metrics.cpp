@@ -41,6 +41,7 @@ nlohmann::json step_record(const StepReport& r) {
           {"global_batch", s.global_batch},
           {"consumed_samples", r.consumed_samples},
           {"consumed_tokens", r.consumed_tokens},
+          {"loss_tokens", s.valid_tokens},  // targets that count in the loss (masks leave some out)
           {"num_zeros", s.num_zeros},
           {"skipped", s.skipped},
           {"skipped_total", r.skipped_total},

@@ -1152,6 +1152,12 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
     text += "  this run: the head's logits in chunks of " + std::to_string(a.logits_chunk_rows) + " of the " +
             std::to_string(l.mbs * cfg.train.seq_len) + " token rows (train.logits_chunk_rows), " +
             format_bytes(a.head_shared) + " each\n";
+  if (cfg.checkpoint.async) {  // the host copy a background save writes from
+    double largest = 0;
+    for (const StageMemory& m : p.stages) largest = std::max(largest, m.weights + m.master + m.moments);
+    text += "  this run: background saves (checkpoint.async) hold a host-memory copy of up to " +
+            format_bytes(largest) + " per rank while they are written\n";
+  }
   // A run that will not fit: what each memory setting it does not use yet would give.
   auto hint = [&](const std::string& setting, const PlanOptions& o) {
     const LayoutPlan q = plan_layout(cfg, l, o);

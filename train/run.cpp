@@ -18,6 +18,7 @@
 
 #include <csignal>
 
+#include "data/loss_mask.h"
 #include "data/sampler.h"
 #include "kernels/document_positions.h"
 #include "kernels/device.h"
@@ -100,10 +101,11 @@ data::Sampler open_train_data(const RunConfig& cfg) {
                        cfg.data.shuffle);
 }
 
-// data.eod_token when document masking is on and it is not set: the "eot_id" prepare_data.py
+// data.eod_token when document masking or eod_mask_loss is on and it is not set: the "eot_id" prepare_data.py
 // writes to meta.json beside the shards, which every data.train and data.val folder must agree on.
 RunConfig with_eod_token(RunConfig cfg) {
-  if (!cfg.data.document_masking || cfg.data.eod_token >= 0) return cfg;
+  if (!cfg.data.needs_eod() || cfg.data.eod_token >= 0) return cfg;
+  const std::string option = cfg.data.document_masking ? "data.document_masking" : "data.eod_mask_loss";
   std::map<int64_t, std::string> found;  // eot_id -> a meta.json that says so
   std::set<std::string> without;          // folders with no usable meta.json
   std::vector<std::string> files = data::expand_paths(cfg.data.train, "data.train");
@@ -122,29 +124,31 @@ RunConfig with_eod_token(RunConfig cfg) {
   }
   const std::string hint = " Set data.eod_token to the token id that ends each document in the data.";
   if (found.empty())
-    throw ConfigError("data.document_masking needs the token that ends a document, and data.eod_token is not set; "
+    throw ConfigError(option + " needs the token that ends a document, and data.eod_token is not set; "
                       "no meta.json beside the data files names one (\"eot_id\", written by prepare_data.py): " +
                       *without.begin() + "." + hint);
   if (found.size() > 1)
-    throw ConfigError("data.document_masking: the data's meta.json files disagree on the end-of-document token: " +
+    throw ConfigError(option + ": the data's meta.json files disagree on the end-of-document token: " +
                       std::to_string(found.begin()->first) + " in " + found.begin()->second + ", " +
                       std::to_string(found.rbegin()->first) + " in " + found.rbegin()->second + "." + hint);
   if (!without.empty())
-    throw ConfigError("data.document_masking: " + found.begin()->second + " names end-of-document token " +
+    throw ConfigError(option + ": " + found.begin()->second + " names end-of-document token " +
                       std::to_string(found.begin()->first) + ", but " + *without.begin() + " names none." + hint);
   cfg.data.eod_token = found.begin()->first;
   if (cfg.data.eod_token >= cfg.model.vocab_size)
-    throw ConfigError("data.document_masking: the end-of-document token " + std::to_string(cfg.data.eod_token) +
+    throw ConfigError(option + ": the end-of-document token " + std::to_string(cfg.data.eod_token) +
                       " of " + found.begin()->second + " is outside model.vocab_size " +
                       std::to_string(cfg.model.vocab_size));
   return cfg;
 }
 
 // Micro-batches of DP rank `dp_rank` for the global batch that starts at consumed sample
-// `first`: rank r reads samples first + r*G/dp + m*micro_batch + b. With an end-of-document
-// token (eod >= 0, document masking) each gets its document positions.
+// `first`: rank r reads samples first + r*G/dp + m*micro_batch + b. data.document_masking:
+// each gets its document positions; data.eod_mask_loss: the targets at end-of-document inputs
+// leave the loss.
 std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first, int64_t global_batch,
-                                     int64_t micro_batch, int64_t dp, int64_t dp_rank, int64_t eod = -1) {
+                                     int64_t micro_batch, int64_t dp, int64_t dp_rank, const DataConfig& data) {
+  const int64_t eod = data.masking_eod(), loss_eod = data.loss_mask_eod();
   const int64_t per_rank = global_batch / dp;
   const int T = sampler.seq_len();
   std::vector<MicroBatch> out(static_cast<size_t>(per_rank / micro_batch));
@@ -153,6 +157,9 @@ std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first
     out[m].targets.resize(out[m].inputs.size());
     sampler.fill(first + dp_rank * per_rank + static_cast<int64_t>(m) * micro_batch, static_cast<int>(micro_batch),
                  out[m].inputs.data(), out[m].targets.data());
+    if (loss_eod >= 0)
+      data::mask_targets_after_eod(out[m].inputs.data(), out[m].targets.data(),
+                                   static_cast<int64_t>(out[m].inputs.size()), static_cast<int32_t>(loss_eod));
     if (eod >= 0)
       out[m].positions = document_positions(out[m].inputs.data(), static_cast<int64_t>(out[m].inputs.size()), T,
                                             static_cast<int32_t>(eod));
@@ -204,20 +211,26 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     }
   }
   if (val) std::printf("keel: data: validation %lld windows\n", static_cast<long long>(val->num_windows()));
-  if (cfg.data.document_masking) {
+  if (cfg.data.needs_eod()) {
     // How often the end-of-document token occurs in the first windows: a wrong data.eod_token
     // would make the masking a silent no-op.
     const int n = static_cast<int>(std::min<int64_t>(64, train.num_windows()));
     std::vector<int32_t> in(static_cast<size_t>(n) * train.seq_len()), tgt(in.size());
     train.fill(0, n, in.data(), tgt.data());
     const auto ends = std::count(in.begin(), in.end(), static_cast<int32_t>(cfg.data.eod_token));
-    std::printf("keel: data: document masking: documents end at token %lld; attention stays within a document and "
-                "positions restart after each end (%.1f documents per sequence in the first %d)\n",
-                static_cast<long long>(cfg.data.eod_token), 1.0 + static_cast<double>(ends) / n, n);
+    if (cfg.data.document_masking)
+      std::printf("keel: data: document masking: documents end at token %lld; attention stays within a document and "
+                  "positions restart after each end (%.1f documents per sequence in the first %d)\n",
+                  static_cast<long long>(cfg.data.eod_token), 1.0 + static_cast<double>(ends) / n, n);
+    if (cfg.data.eod_mask_loss)
+      std::printf("keel: data: eod_mask_loss: the prediction after each end-of-document token %lld is left out of the "
+                  "loss (%.2f%% of the targets in the first %d sequences)\n",
+                  static_cast<long long>(cfg.data.eod_token), 100.0 * static_cast<double>(ends) / in.size(), n);
     if (ends == 0)
-      std::printf("keel: WARNING token %lld does not occur in the first %d training sequences: document masking "
-                  "changes nothing there. Is data.eod_token the token that ends the documents of this data?\n",
-                  static_cast<long long>(cfg.data.eod_token), n);
+      std::printf("keel: WARNING token %lld does not occur in the first %d training sequences: %s changes nothing "
+                  "there. Is data.eod_token the token that ends the documents of this data?\n",
+                  static_cast<long long>(cfg.data.eod_token), n,
+                  cfg.data.document_masking ? "document masking" : "eod_mask_loss");
   }
   std::printf("keel: batch: global %lld samples = micro-batch %lld x %lld accumulation steps x dp %lld; seq_len %lld\n",
               static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
@@ -232,7 +245,7 @@ double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, con
   const int64_t mbs = cfg.train.micro_batch;
   std::vector<MicroBatch> batches;
   for (int64_t b = grid.dp_rank(); b < cfg.train.eval_batches; b += grid.dp_size()) {
-    auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0, cfg.data.masking_eod());
+    auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0, cfg.data);
     batches.push_back(std::move(one[0]));
   }
   return tr.evaluate(batches);
@@ -256,32 +269,41 @@ const char* signal_name(int sig) {
 }
 
 void print_save(const SaveResult& r) {
-  std::printf("keel: saved checkpoint %s (%.1f MB in %.2f s, %.0f MB/s)\n", r.path.c_str(), r.bytes / 1e6, r.seconds,
-              r.seconds > 0 ? r.bytes / 1e6 / r.seconds : 0.0);
+  if (r.background)
+    std::printf("keel: saved checkpoint %s (%.1f MB written in the background in %.2f s, published %.2f s after the "
+                "save began; training waited %.3f s)\n",
+                r.path.c_str(), r.bytes / 1e6, r.write_seconds, r.seconds, r.held_seconds);
+  else
+    std::printf("keel: saved checkpoint %s (%.1f MB in %.2f s, %.0f MB/s)\n", r.path.c_str(), r.bytes / 1e6, r.seconds,
+                r.seconds > 0 ? r.bytes / 1e6 / r.seconds : 0.0);
   std::fflush(stdout);
 }
 
-// Everything ranks must agree on (stop at this step boundary, a save succeeded) goes through
-// the world communicator: an int flag reduced with Max, so any rank's "yes" wins. The flag's
-// device buffer is allocated once: the stop check runs every step.
+// Everything ranks must agree on (stop at this step boundary, a save succeeded, time the next
+// step, a background save still being written) goes through the world communicator: int flags
+// reduced with Max, so any rank's "yes" wins. The flags' device buffer is allocated once: the
+// stop check runs every step.
 class AnyRank {
  public:
+  static constexpr size_t kFlags = 3;
   AnyRank(parallel::Comm& world, Backend& be) : world_(world), be_(be) {
-    flag_ = Tensor(be.allocate(2 * sizeof(int32_t)), DType::I32, {2}, be.device());
+    flag_ = Tensor(be.allocate(kFlags * sizeof(int32_t)), DType::I32, {int64_t{kFlags}}, be.device());
   }
   ~AnyRank() { be_.release(flag_.data); }
   AnyRank(const AnyRank&) = delete;
   AnyRank& operator=(const AnyRank&) = delete;
-  bool operator()(bool mine) { return (*this)(mine, false)[0]; }
-  // Two questions in one all-reduce: is each true on any rank?
-  std::array<bool, 2> operator()(bool a, bool b) {
-    if (world_.size() == 1) return {a, b};
-    const int32_t v[2] = {a ? 1 : 0, b ? 1 : 0};
+  bool operator()(bool mine) { return (*this)({mine, false, false})[0]; }
+  // Several questions in one all-reduce: is each true on any rank?
+  std::array<bool, kFlags> operator()(std::array<bool, kFlags> mine) {
+    if (world_.size() == 1) return mine;
+    int32_t v[kFlags];
+    for (size_t i = 0; i < kFlags; ++i) v[i] = mine[i] ? 1 : 0;
     be_.copy_from_host(flag_, v);
     world_.all_reduce(flag_, parallel::ReduceOp::Max);
-    int32_t out[2] = {0, 0};
-    be_.copy_to_host(out, flag_);
-    return {out[0] != 0, out[1] != 0};
+    be_.copy_to_host(v, flag_);
+    std::array<bool, kFlags> any{};
+    for (size_t i = 0; i < kFlags; ++i) any[i] = v[i] != 0;
+    return any;
   }
 
  private:
@@ -388,7 +410,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   }
   // The probe batch for restart verification: the first training samples, the same on every rank
   // (without document masking, so that its loss depends on the weights alone).
-  const MicroBatch probe = load_batches(train, 0, cfg.train.micro_batch, cfg.train.micro_batch, 1, 0)[0];
+  const MicroBatch probe = load_batches(train, 0, cfg.train.micro_batch, cfg.train.micro_batch, 1, 0, DataConfig{})[0];
 
   // Resume if a checkpoint exists (explicit --resume, or the latest in the checkpoint
   // directory); else --init-from weights; else a fresh init. All reads, no writes yet.
@@ -533,12 +555,20 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;
   int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
   double last_val = std::nan("");
-  auto save = [&](int64_t it) {
+  // A background save (checkpoint.async) is published at the first step boundary where no
+  // rank is still writing (below), and at the latest before the next save or the run's end.
+  auto finish_pending_save = [&] {
+    if (!checkpoints.save_pending()) return;
+    const SaveResult r = checkpoints.finish_save(all_ok);
+    if (lead) print_save(r);
+  };
+  auto save = [&](int64_t it, bool background) {
+    finish_pending_save();
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
     nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
     health["arithmetic"] = arithmetic;
-    SaveResult r = checkpoints.save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok, health);
-    if (lead) print_save(r);
+    checkpoints.begin_save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok, health, background);
+    if (!background) finish_pending_save();
   };
   // Timed steps (train/step_timers.h): the second step of the run, then one about every
   // log.timers_interval_s; every rank times the same steps (they agree at each step's end).
@@ -553,7 +583,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     {
       const StepTimers::Scope timed = tr.timers().phase(StepTimers::Data);
       batches = load_batches(train, consumed_samples, gbs, cfg.train.micro_batch, cfg.parallel.dp, grid.dp_rank(),
-                             cfg.data.masking_eod());
+                             cfg.data);
     }
     const bool collect_stats = cfg.health.stats_interval > 0 && it % cfg.health.stats_interval == 0;
     StepStats st = tr.step(batches, it, collect_stats);
@@ -625,13 +655,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                     "or with a lower learning rate\n",
                     static_cast<double>(tr.scaler().scale()), static_cast<long long>(it),
                     st.nonfinite_report.empty() ? "(no localisation)" : st.nonfinite_report.c_str());
-      save(it);
+      save(it, false);
       return kExitDiverged;
     }
     if (st.spike) {
       if (lead) std::printf("keel: WARNING step %lld: %s%s\n", static_cast<long long>(it), st.spike_text.c_str(),
                             cfg.health.spike_action == "warn" ? "" : "; the update was skipped");
       if (cfg.health.spike_action == "rewind") {
+        finish_pending_save();  // the newest good state
         if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir)) {
           Checkpoint ck = Checkpoint::open(*latest);
           TrainProgress back = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place);
@@ -673,19 +704,23 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         cfg.log.timers && (it == progress.iteration + 1 ||
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - last_timed).count() >=
                                cfg.log.timers_interval_s);
-    const auto [stopping, timing] = any_rank(!stop_reason.empty(), timers_due);
+    const auto [stopping, timing, writing] = any_rank({!stop_reason.empty(), timers_due, checkpoints.writing()});
     time_next = timing;
+    if (checkpoints.save_pending() && !writing) finish_pending_save();
     if (stopping) {
       if (stop_reason.empty()) stop_reason = "another rank is stopping";
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));
-      save(it);
+      save(it, false);
       if (lead) std::printf("keel: stopped at iteration %lld of %lld; run the same command again to resume (exit code %d)\n",
                             static_cast<long long>(it), static_cast<long long>(cfg.train.steps), kExitStopped);
       return kExitStopped;
     }
-    if (scheduled || (last && cfg.checkpoint.save_at_end)) save(it);
+    // The last save is written before the run ends; interval saves may go to the background.
+    if (last && cfg.checkpoint.save_at_end) save(it, false);
+    else if (scheduled) save(it, cfg.checkpoint.async);
   }
+  finish_pending_save();
   if (lead)
     std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
                 static_cast<long long>(consumed_tokens),

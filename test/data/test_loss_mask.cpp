@@ -87,3 +87,14 @@ TEST_CASE("loss mask: Megatron datasets use prefix.mask", "[data][loss_mask]") {
   CHECK(tg[4] == -1);  // target 4 is token 5
   CHECK(tg[3] == 4);
 }
+
+TEST_CASE("eod_mask_loss: the target after each end-of-document input becomes -1, nothing else changes",
+          "[data][loss_mask]") {
+  //                    input:  3   7   9   7   7   2
+  const std::vector<int32_t> in = {3, 7, 9, 7, 7, 2};
+  std::vector<int32_t> tgt = {7, 9, -1, 7, 2, 4};
+  CHECK(mask_targets_after_eod(in.data(), tgt.data(), 6, 7) == 3);
+  CHECK(tgt == std::vector<int32_t>{7, -1, -1, -1, -1, 4});  // index 2 was masked already
+  CHECK(mask_targets_after_eod(in.data(), tgt.data(), 6, 11) == 0);
+  CHECK(tgt == std::vector<int32_t>{7, -1, -1, -1, -1, 4});
+}

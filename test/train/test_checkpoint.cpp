@@ -4,8 +4,10 @@
 #include <catch2/catch.hpp>
 
 #include <barrier>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <set>
 #include <thread>
@@ -113,6 +115,95 @@ TEST_CASE("save then resume restores every buffer, the Adam step and the loss sc
   }
 }
 
+namespace {
+std::vector<char> file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+}  // namespace
+
+TEST_CASE("a background save holds the state as it was when it began, byte for byte a synchronous save",
+          "[ckpt][async]") {
+  test::TempDir dir("ckpt-async");
+  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "bf16"}}}});
+  auto be = make_cpu_backend();
+  auto tokens = test::synthetic_tokens(4000, 4);
+  Trainer a(cfg, *be);
+  a.init_weights();
+  for (int s = 1; s <= 3; ++s) a.step(batches_from(tokens, 100 * s, 2, 4, 32), s);
+  const TrainProgress prog{3, 24, 768, 0, 0};
+  CheckpointManager sync_mgr(dir / "sync", cfg.checkpoint);
+  const SaveResult direct = sync_mgr.save(cfg, a.table(), a.state(), *be, prog, a.scaler(), {});
+  CHECK_FALSE(direct.background);
+
+  CheckpointManager mgr(dir / "async", cfg.checkpoint);
+  mgr.begin_save(cfg, a.table(), a.state(), *be, prog, a.scaler(), {}, [](bool ok) { return ok; }, nullptr, true);
+  CHECK(mgr.save_pending());
+  CHECK_THROWS_AS(mgr.begin_save(cfg, a.table(), a.state(), *be, prog, a.scaler(), {}, [](bool ok) { return ok; },
+                                 nullptr, true),
+                  std::logic_error);  // one save at a time: the caller finishes the first
+  // Training moves on while the files are written: every buffer changes.
+  for (int s = 4; s <= 5; ++s) a.step(batches_from(tokens, 100 * s, 2, 4, 32), s);
+  CHECK_FALSE(fs::exists(dir / "async/step_00000003"));  // not published before finish_save
+  const SaveResult later = mgr.finish_save([](bool ok) { return ok; });
+  CHECK_FALSE(mgr.save_pending());
+  CHECK_FALSE(mgr.writing());
+  CHECK(later.background);
+  CHECK(later.held_seconds <= later.seconds);
+  CHECK(later.path == dir / "async/step_00000003");
+
+  // The same files, byte for byte; meta.json differs only in its save time.
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(direct.path)) {
+    const std::string name = e.path().filename().string();
+    if (name == "meta.json") continue;
+    INFO(name);
+    CHECK(file_bytes(e.path()) == file_bytes(fs::path(later.path) / name));
+    ++files;
+  }
+  CHECK(files == 2);
+  Checkpoint x = Checkpoint::open(direct.path), y = Checkpoint::open(later.path);
+  nlohmann::json mx = x.meta(), my = y.meta();
+  for (auto* m : {&mx, &my}) {
+    m->erase("saved_at");
+    (*m)["config"]["checkpoint"].erase("dir");
+  }
+  CHECK(mx == my);
+  CHECK(y.verify().empty());
+  CHECK(Checkpoint::find_latest(dir / "async") == later.path);
+}
+
+// (A write error inside the background writer: test_checkpoint_cli's file-size-limit case.)
+TEST_CASE("a background save that cannot be published fails at its finish and leaves the previous save as latest",
+          "[ckpt][async]") {
+  test::TempDir dir("ckpt-async-fail");
+  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
+  auto be = make_cpu_backend();
+  Trainer a(cfg, *be);
+  a.init_weights();
+  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
+  const auto ok = [](bool v) { return v; };
+  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  mgr.begin_save(cfg, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {}, ok, nullptr, true);
+  // Once the files are written, the temporary directory vanishes: there is nothing to publish.
+  for (int i = 0; i < 2000 && mgr.writing(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE_FALSE(mgr.writing());
+  CHECK(mgr.save_pending());
+  fs::remove_all(dir / "ck/.tmp-step_00000002");
+  try {
+    mgr.finish_save(ok);
+    FAIL("finish_save succeeded without its files");
+  } catch (const CheckpointError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("saving checkpoint step_00000002") &&
+                             Catch::Contains("the previous checkpoints are untouched"));
+  }
+  CHECK_FALSE(mgr.save_pending());
+  CHECK_FALSE(fs::exists(dir / "ck/step_00000002"));
+  CHECK_FALSE(fs::exists(dir / "ck/.tmp-step_00000002"));
+  CHECK(Checkpoint::find_latest(dir / "ck") == dir / "ck/step_00000001");
+  CHECK(Checkpoint::open(dir / "ck").verify().empty());
+}
+
 TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back under any layout", "[ckpt][reshard]") {
   test::TempDir dir("ckpt-reshard");
   RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "bf16"}}}});
@@ -135,7 +226,7 @@ TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back un
       restore_for_resume(ck1, cfg, full.table(), *shards.back(), *be, sc, {});
       CHECK(shards.back()->optim_end() - shards.back()->optim_begin() == (n + 2) / 3);
     }
-    CheckpointManager mgr(dir / "dp3", cfg.checkpoint);
+    // Each rank has its own manager, as in a run; these ranks save in the background.
     std::barrier sync(3);
     std::vector<std::thread> ranks;
     for (int r = 0; r < 3; ++r) {
@@ -144,10 +235,14 @@ TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back un
         place.world_rank = r;
         place.dp_rank = r;
         place.writes_weights = r == 0;
-        mgr.save(cfg, full.table(), *shards[r], *be, {2, 16, 512, 0, 0}, full.scaler(), place, [&](bool ok) {
+        const AgreeFn agree = [&](bool ok) {
           sync.arrive_and_wait();
           return ok;
-        });
+        };
+        CheckpointManager mgr(dir / "dp3", cfg.checkpoint);
+        mgr.begin_save(cfg, full.table(), *shards[r], *be, {2, 16, 512, 0, 0}, full.scaler(), place, agree, nullptr,
+                       /*background=*/true);
+        mgr.finish_save(agree);
       });
     }
     for (auto& t : ranks) t.join();
@@ -201,7 +296,6 @@ TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back un
           }
       }
     }
-    CheckpointManager mgr2(dir / "tp2", cfg.checkpoint);
     std::barrier sync(2);
     std::vector<std::thread> ranks;
     for (int r = 0; r < 2; ++r)
@@ -210,6 +304,7 @@ TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back un
         place.world_rank = r;
         place.tp_rank = r;
         LossScaler sc(cfg.precision.loss_scale, false);
+        CheckpointManager mgr2(dir / "tp2", cfg.checkpoint);
         mgr2.save(cfg, *tables[r], *states[r], *be, {2, 16, 512, 0, 0}, sc, place, [&](bool ok) {
           sync.arrive_and_wait();
           return ok;

@@ -86,6 +86,40 @@ TEST_CASE("stop at N/2, resume, N/2 more: the same losses bit for bit and bitwis
   CHECK_FALSE(fs::exists(ws.dir / "split/checkpoints/step_00000032"));
 }
 
+TEST_CASE("checkpoint.async: background saves hold the bits of foreground ones, and a resume from them is exact",
+          "[ckpt][cli][resume][async]") {
+  test::Workspace ws(kRun);
+  auto straight = run_keel(train_args(ws, ws.dir / "straight"));
+  REQUIRE(straight.code == 0);
+  const std::string async = "--set checkpoint.async=true";
+  auto first = run_keel(train_args(ws, ws.dir / "async", async + " --stop-at 22"));
+  INFO(first.output);
+  REQUIRE(first.code == 4);
+  // Interval saves are published at a later step boundary; the stop's save is written at once.
+  CHECK_THAT(first.output, Catch::Contains("step_00000020 (") && Catch::Contains("written in the background") &&
+                               Catch::Contains("training waited"));
+  CHECK_THAT(first.output, Catch::Contains("step_00000022 (") && Catch::Contains(" MB/s)"));
+  auto second = run_keel(train_args(ws, ws.dir / "async", async));
+  INFO(second.output);
+  REQUIRE(second.code == 0);
+  CHECK_THAT(second.output, Catch::Contains("restart verification passed"));
+
+  auto a = test::losses_by_step(test::read_metrics(ws.dir / "straight/metrics.jsonl"));
+  auto b = test::losses_by_step(test::read_metrics(ws.dir / "async/metrics.jsonl"));
+  REQUIRE(a.size() == 40);
+  CHECK(a == b);
+  for (const char* step : {"step_00000036", "step_00000040"}) {
+    auto diff = run_keel("ckpt diff " + (ws.dir / "straight/checkpoints/") + step + " " +
+                         (ws.dir / "async/checkpoints/") + step);
+    INFO(diff.output);
+    CHECK(diff.code == 0);
+    CHECK_THAT(diff.output, Catch::Contains("bitwise equal"));
+  }
+  // Rotation runs as each save is published: the newest two.
+  CHECK_FALSE(fs::exists(ws.dir / "async/checkpoints/step_00000032"));
+  CHECK(run_keel("ckpt verify " + (ws.dir / "async/checkpoints")).code == 0);
+}
+
 // precision.stochastic_rounding: the working copy is a random bf16 neighbour of the master, so
 // the restart check must accept either neighbour, and the random stream must continue exactly.
 TEST_CASE("stochastic rounding: reproducible, and a resume is exact and passes restart verification",
@@ -151,11 +185,14 @@ TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: e
   const auto reference = test::losses_by_step(test::read_metrics(ws.dir / "ref/metrics.jsonl"));
   REQUIRE(reference.size() == 40);
 
-  SECTION("deterministic crashes at each phase of the first save") {
+  SECTION("deterministic crashes at each phase of the first save, written in the foreground or the background") {
+    // In the background, "files" ends the process from the writer thread while training goes
+    // on, and the other phases at the step boundary that publishes the save.
+    for (const std::string mode : {"", " --set checkpoint.async=true"})
     for (const char* phase : {"files", "meta", "rename", "latest"}) {
-      INFO("crash during save phase " << phase);
-      const std::string out = ws.dir / (std::string("phase-") + phase);
-      auto crashed = run_keel(train_args(ws, out, every_step), std::string("KEEL_CRASH_DURING_SAVE=") + phase);
+      INFO("crash during save phase " << phase << mode);
+      const std::string out = ws.dir / (std::string("phase-") + phase + (mode.empty() ? "" : "-async"));
+      auto crashed = run_keel(train_args(ws, out, every_step + mode), std::string("KEEL_CRASH_DURING_SAVE=") + phase);
       CHECK(crashed.code == 137);
       auto resumed = run_keel(train_args(ws, out, every_step));
       INFO(resumed.output);
@@ -180,7 +217,9 @@ TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: e
       // Kill once the run has made a random amount of further progress, plus a random 0-4 ms
       // (a step and a save take a few ms here): the moment is random, and never after the end.
       const int target = steps_done() + 1 + static_cast<int>(rng() % 6);
-      pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q", "--set", "checkpoint.interval=1"},
+      // Every other run saves in the background, so kills also land while a writer thread runs.
+      pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q", "--set", "checkpoint.interval=1",
+                                    "--set", attempt % 2 ? "checkpoint.async=true" : "checkpoint.async=false"},
                                    out + ".log");
       bool exited = false;
       for (int i = 0; i < 20000 && steps_done() < target; ++i) {
@@ -305,12 +344,16 @@ TEST_CASE("finetuning from a checkpoint on other data or another seq_len is veri
 
 TEST_CASE("a save that hits a write error reports it, removes its partial files and keeps older checkpoints",
           "[ckpt][cli][io]") {
+  // In the background (checkpoint.async) the writer thread meets the error; it is reported
+  // when the save would be published, at the next step boundary.
+  const std::string mode = GENERATE(as<std::string>{}, "", " --set checkpoint.async=true");
+  INFO("mode:" << mode);
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
   REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
   // A file-size limit below one optimizer file (~390 KB): writing the next save fails with EFBIG.
-  const auto limited =
-      test::run_shell("bash -c 'ulimit -f 200; exec " + std::string(KEEL_BINARY) + " " + train_args(ws, out) + "'");
+  const auto limited = test::run_shell("bash -c 'ulimit -f 200; exec " + std::string(KEEL_BINARY) + " " +
+                                       train_args(ws, out, mode) + "'");
   INFO(limited.output);
   CHECK(limited.code == 5);
   CHECK_THAT(limited.output, Catch::Contains("saving checkpoint step_00000008") && Catch::Contains("File too large") &&

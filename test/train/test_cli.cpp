@@ -1,12 +1,14 @@
 // End to end: the real `keel` binary on synthetic token shards.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
 #include "common/process.h"
 #include "common/run_config.h"
 #include "common/workspace.h"
+#include "data/sampler.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -142,6 +144,59 @@ TEST_CASE("keel train with document masking: the end-of-document token from meta
                           " --set data.val=" + (ws.dir / "other/val.bin"));
   CHECK(mixed.code == 2);
   CHECK_THAT(mixed.output, Catch::Contains("disagree on the end-of-document token") && Catch::Contains("other/meta.json"));
+}
+
+TEST_CASE("keel train with data.eod_mask_loss: the targets after each end-of-document token leave the loss",
+          "[cli][e2e][documents]") {
+  Workspace ws(nlohmann::json{{"train", {{"steps", 3}, {"eval_interval", 0}, {"eval_batches", 0}}},
+                              {"schedule", {{"warmup_steps", 1}}},
+                              {"data", {{"shuffle", false}}}});
+  const std::string eod_mask = " --set data.eod_mask_loss=true";
+  Result none = run_keel("train --config " + ws.config + " --out " + (ws.dir / "none") + eod_mask);
+  CHECK(none.code == 2);
+  CHECK_THAT(none.output, Catch::Contains("data.eod_mask_loss needs the token that ends a document"));
+  std::ofstream(ws.dir / "meta.json") << R"({"eot_id": 5})";
+  Result masked = run_keel("train --config " + ws.config + " --out " + (ws.dir / "masked") + eod_mask);
+  INFO(masked.output);
+  REQUIRE(masked.code == 0);
+  CHECK_THAT(masked.output, Catch::Contains("eod_mask_loss: the prediction after each end-of-document token 5"));
+  Result plain = run_keel("train --config " + ws.config + " --out " + (ws.dir / "plain") + " -q");
+  REQUIRE(plain.code == 0);
+
+  // Unshuffled, step s reads samples (s-1)*G .. s*G-1: every target whose input is token 5
+  // leaves the loss, the others stay.
+  const int64_t G = ws.json["train"]["global_batch"], T = ws.json["train"]["seq_len"];
+  const data::Sampler sampler(data::TokenDataset::open({ws.dir / "train.bin"}, static_cast<int>(T),
+                                                       ws.json["model"]["vocab_size"].get<uint32_t>()),
+                              0, false);
+  auto steps_of = [](const std::string& path) {  // the step records (not timers or validation)
+    std::vector<nlohmann::json> out;
+    for (const auto& r : read_metrics(path))
+      if (r.contains("loss_tokens")) out.push_back(r);
+    return out;
+  };
+  const auto m = steps_of(ws.dir / "masked/metrics.jsonl"), p = steps_of(ws.dir / "plain/metrics.jsonl");
+  REQUIRE(m.size() == 3);
+  REQUIRE(p.size() == 3);
+  int64_t masked_total = 0;
+  for (int64_t step = 1; step <= 3; ++step) {
+    std::vector<int32_t> in(static_cast<size_t>(G * T)), tgt(in.size());
+    sampler.fill((step - 1) * G, static_cast<int>(G), in.data(), tgt.data());
+    const int64_t ends = std::count(in.begin(), in.end(), 5);
+    masked_total += ends;
+    INFO("step " << step);
+    CHECK(p[step - 1]["loss_tokens"] == G * T);
+    CHECK(m[step - 1]["loss_tokens"] == G * T - ends);
+  }
+  CHECK(masked_total > 0);  // token 5 ends about one token in 32 of the synthetic stream
+  CHECK(m[0]["loss"] != p[0]["loss"]);
+
+  // With document masking as well (Megatron's --reset-attention-mask --reset-position-ids --eod-mask-loss).
+  Result both = run_keel("train --config " + ws.config + " --out " + (ws.dir / "both") + " -q" + eod_mask +
+                         " --set data.document_masking=true");
+  INFO(both.output);
+  REQUIRE(both.code == 0);
+  CHECK(steps_of(ws.dir / "both/metrics.jsonl")[0]["loss_tokens"] == m[0]["loss_tokens"]);
 }
 
 // A rehearsal for the GPU without one: under KEEL_GUARD_BACKEND_MEMORY the backend's memory is

@@ -101,6 +101,8 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", {1e6, 1}}}}},
              "data.train_weights[1]: 1 is 0.000001 of the total, below the smallest share a blend gives (1/65536)");
   fails_with({{"data", {{"document_masking", "yes"}}}}, "data.document_masking: expected");
+  fails_with({{"data", {{"eod_mask_loss", 1}}}}, "data.eod_mask_loss: expected");
+  fails_with({{"checkpoint", {{"async", "on"}}}}, "checkpoint.async: expected");
   fails_with({{"data", {{"eod_token", 64}}}}, "data.eod_token: 64 is out of range (allowed: in [-1, 63])");
   fails_with({{"device", "tpu"}}, "device: \"tpu\" is not allowed (allowed: auto, cpu, cuda)");
   fails_with({{"train", {{"recompute", "selective"}}}}, "train.recompute: \"selective\" is not allowed (allowed: none, full)");
