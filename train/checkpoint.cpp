@@ -523,7 +523,7 @@ struct CheckpointManager::PendingSave {
   bool coordinator = false;
   json meta;
   std::chrono::steady_clock::time_point start;
-  double held_seconds = 0;  // training waited this long for the save (snapshot, directory)
+  double held_seconds = 0;  // training waited this long in begin_save (directory, host copy)
   std::thread writer;
   std::atomic<bool> written{false};
   std::string error;  // this rank's write failure (read after `written` or join)
@@ -649,10 +649,8 @@ void CheckpointManager::begin_save(const RunConfig& cfg, const ParamTable& table
 SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
   if (!pending_) throw std::logic_error("CheckpointManager::finish_save: no save in progress");
   std::unique_ptr<PendingSave> p = std::move(pending_);
-  const auto wait_start = std::chrono::steady_clock::now();
+  const auto finish_start = std::chrono::steady_clock::now();
   if (p->writer.joinable()) p->writer.join();
-  if (p->background)
-    p->held_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
   if (!agree(p->error.empty())) fail_save(*p, p->error.empty() ? "another rank could not write its part" : p->error);
 
   // Phase 3: the coordinator merges the manifests into meta.json (the file that makes a save
@@ -703,7 +701,11 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - p->start).count();
   r.background = p->background;
   r.write_seconds = p->background ? p->write_seconds : r.seconds;
-  r.held_seconds = p->background ? p->held_seconds : r.seconds;
+  // Training also waits for this half: the writer (when it is behind) and the publication.
+  r.held_seconds = p->background
+                       ? p->held_seconds +
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - finish_start).count()
+                       : r.seconds;
   return r;
 }
 

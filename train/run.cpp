@@ -101,8 +101,9 @@ data::Sampler open_train_data(const RunConfig& cfg) {
                        cfg.data.shuffle);
 }
 
-// data.eod_token when document masking or eod_mask_loss is on and it is not set: the "eot_id" prepare_data.py
-// writes to meta.json beside the shards, which every data.train and data.val folder must agree on.
+// data.eod_token when document masking or eod_mask_loss is on and it is not set: the "eot_id"
+// prepare_data.py writes to meta.json beside the shards, which every data.train and data.val
+// folder must agree on.
 RunConfig with_eod_token(RunConfig cfg) {
   if (!cfg.data.needs_eod() || cfg.data.eod_token >= 0) return cfg;
   const std::string option = cfg.data.document_masking ? "data.document_masking" : "data.eod_mask_loss";
