@@ -2,6 +2,7 @@
 #pragma once
 
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -42,6 +43,12 @@ struct Workspace {
     std::ofstream(config) << json.dump(2);
   }
 };
+
+// A whole file's bytes (empty when it cannot be read).
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
 
 inline std::vector<nlohmann::json> read_metrics(const std::string& path) {
   std::ifstream in(path);

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <set>
 #include <thread>
@@ -115,13 +114,6 @@ TEST_CASE("save then resume restores every buffer, the Adam step and the loss sc
   }
 }
 
-namespace {
-std::vector<char> file_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-}  // namespace
-
 TEST_CASE("a background save holds the state as it was when it began, byte for byte a synchronous save",
           "[ckpt][async]") {
   test::TempDir dir("ckpt-async");
@@ -158,7 +150,7 @@ TEST_CASE("a background save holds the state as it was when it began, byte for b
     const std::string name = e.path().filename().string();
     if (name == "meta.json") continue;
     INFO(name);
-    CHECK(file_bytes(e.path()) == file_bytes(fs::path(later.path) / name));
+    CHECK(test::read_file(e.path()) == test::read_file(later.path + "/" + name));
     ++files;
   }
   CHECK(files == 2);

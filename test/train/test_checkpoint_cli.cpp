@@ -166,8 +166,7 @@ TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     kill(pid, sig);
     const int code = test::wait_for(pid);
-    std::ifstream log(out + ".log");
-    std::string text((std::istreambuf_iterator<char>(log)), {});
+    const std::string text = test::read_file(out + ".log");
     INFO(text);
     CHECK(code == 4);
     CHECK_THAT(text, Catch::Contains(sig == SIGTERM ? "SIGTERM received" : "SIGUSR1 received"));
@@ -361,6 +360,5 @@ TEST_CASE("a save that hits a write error reports it, removes its partial files 
   CHECK(run_keel("ckpt verify " + out + "/checkpoints/step_00000004").code == 0);
   CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000008"));
   CHECK_FALSE(fs::exists(out + "/checkpoints/.tmp-step_00000008"));
-  CHECK(std::string(std::istreambuf_iterator<char>(*new std::ifstream(out + "/checkpoints/latest")), {}) ==
-        "step_00000004\n");
+  CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000004\n");
 }
