@@ -30,9 +30,16 @@ namespace keel {
 // one more than the row before (data/documents.h makes them). Row i of a sequence then attends
 // only keys j in [i - positions[i], i], its own document, and RoPE turns it by positions[i].
 // Empty: position n % T and plain causal attention over the whole sequence.
+//
+// ALiBi (kernels/alibi.h): `alibi_slopes`, when given, is F32 [n_heads] on the backend's device,
+// the slope m_h of each (local) query head; every score gets S_ij += m_h * (j - i), computed in
+// fp32 as float(j - i) * m_h after the scaled dot product (and in attention_decode with i the
+// new row's absolute position). j - i is the same within a document, so it composes with
+// document masking. Empty: no bias.
 struct AttnShape {
   int B = 0, T = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
   Tensor positions{};
+  Tensor alibi_slopes{};
   int64_t qkv_cols() const { return static_cast<int64_t>(n_heads + 2 * n_kv_heads) * head_dim; }
 };
 

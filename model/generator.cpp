@@ -5,6 +5,8 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "kernels/alibi.h"
+
 namespace keel {
 
 Generator::Generator(const ParamTable& table, Backend& backend, const Tensor& weights, int max_len, DType act_dtype)
@@ -32,6 +34,10 @@ Generator::Generator(const ParamTable& table, Backend& backend, const Tensor& we
   mean_ = alloc(DType::F32, {L});
   rstd_ = alloc(DType::F32, {L});
   logits_ = alloc(DType::F32, {L, cfg_.embed_rows()});
+  if (cfg_.alibi) {
+    alibi_slopes_ = alloc(DType::F32, {cfg_.n_heads});
+    be_.copy_from_host(alibi_slopes_, alibi_slopes(cfg_.n_heads).data());
+  }
   for (int l = 0; l < cfg_.n_layers; ++l) {
     k_cache_.push_back(alloc(act_, {L, cfg_.kv_dim()}));
     v_cache_.push_back(alloc(act_, {L, cfg_.kv_dim()}));
@@ -95,10 +101,16 @@ std::vector<float> Generator::forward(const int32_t* tokens, int n, bool all_row
                fc = rows(fc_), act = rows(act_out_);
 
   Tensor pos_embed;
-  if (gpt2) pos_embed = view("pos_embed").row_slice(pos_, pos_ + n);  // rows of positions pos_ ..
-  be_.embedding_forward(x, tok, view("tok_embed"), pos_embed, n, 0, Tensor());
+  if (cfg_.learned_positions()) pos_embed = view("pos_embed").row_slice(pos_, pos_ + n);  // positions pos_ ..
+  if (cfg_.embedding_norm) {
+    be_.embedding_forward(h, tok, view("tok_embed"), pos_embed, n, 0, Tensor());
+    norm(x, h, "embed_norm", n);
+  } else {
+    be_.embedding_forward(x, tok, view("tok_embed"), pos_embed, n, 0, Tensor());
+  }
 
-  const AttnShape shape{1, n, cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim()};
+  AttnShape shape{1, n, cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim()};
+  shape.alibi_slopes = alibi_slopes_;
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     norm(h, x, p + "attn_norm", n);

@@ -54,6 +54,7 @@ class Generator {
   int64_t pos_ = 0;
   std::vector<void*> allocations_;
   Tensor tokens_, x_, normed_, qkv_, attn_, proj_, fc_, act_out_, mean_, rstd_, logits_;
+  Tensor alibi_slopes_;  // model.alibi: F32 [n_heads]
   std::vector<Tensor> k_cache_, v_cache_;
 };
 

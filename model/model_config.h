@@ -1,6 +1,13 @@
 // What the network is. One struct describes both families:
 //   gpt2:  learned positions, LayerNorm (with bias), GELU MLP, biases everywhere, tied head.
 //   llama: RoPE, RMSNorm, SwiGLU MLP, no biases, grouped-query attention, head tied or not.
+// Two BLOOM options on top of either family (Megatron-DeepSpeed's --position-embedding-type
+// alibi and --embed-layernorm):
+//   alibi:          ALiBi attention biases (kernels/alibi.h) replace the family's positions (no
+//                   pos_embed for gpt2, no RoPE for llama);
+//   embedding_norm: the family's norm applied to the embedding output (embed_norm.weight/.bias),
+//                   which the BigScience 104B runs added against loss spikes. A norm: never
+//                   weight-decayed (model/param_table.h).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +35,8 @@ struct ModelConfig {
   RopeScaling rope_scaling;  // Llama 3.1/3.2's frequency scaling, or none
   int max_seq_len = 0;
   bool tied_embeddings = false;
+  bool alibi = false;
+  bool embedding_norm = false;
   float init_std = 0.02f;
 
   bool is_gpt2() const { return family == Family::GPT2; }
@@ -36,8 +45,11 @@ struct ModelConfig {
   int head_dim() const { return d_model / n_heads; }
   int q_dim() const { return n_heads * head_dim(); }
   int kv_dim() const { return n_kv_heads * head_dim(); }
-  // The positions' rotation: Llama's RoPE, none for GPT-2 (learned positions).
-  Rope rope() const { return is_llama() ? Rope(rope_theta, rope_scaling) : Rope(); }
+  // The positions' rotation: Llama's RoPE, none for GPT-2 (learned positions) or ALiBi.
+  Rope rope() const { return is_llama() && !alibi ? Rope(rope_theta, rope_scaling) : Rope(); }
+  bool learned_positions() const { return is_gpt2() && !alibi; }  // a pos_embed table
+  // "learned", "rope" or "alibi" (the config's model.position_embedding)
+  std::string position_embedding() const { return alibi ? "alibi" : is_gpt2() ? "learned" : "rope"; }
 };
 
 std::string family_name(Family f);

@@ -89,7 +89,11 @@ void ParamTable::add_chunk(const ModelShard& shard) {
 
   if (shard.has_embedding) {
     add("tok_embed", {V, d}, Role::Embedding, TpSplit::Rows, -1, std);
-    if (gpt2) add("pos_embed", {cfg.max_seq_len, d}, Role::Embedding, TpSplit::None, -1, std);
+    if (cfg.learned_positions()) add("pos_embed", {cfg.max_seq_len, d}, Role::Embedding, TpSplit::None, -1, std);
+    if (cfg.embedding_norm) {
+      add("embed_norm.weight", {d}, Role::Norm, TpSplit::None, -1, 0, 1.0f);
+      if (gpt2) add("embed_norm.bias", {d}, Role::Bias, TpSplit::None, -1, 0);
+    }
   }
   for (int i = shard.first_layer; i < shard.end_layer; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";

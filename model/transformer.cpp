@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "kernels/alibi.h"
 #include "kernels/document_positions.h"
 #include "train/parallel/comm.h"
 
@@ -53,9 +54,21 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
                    ? std::min(N_, logits_chunk_rows)
                    : auto_logits_chunk_rows(N_, vocab_local_, static_cast<int64_t>(dtype_size(act_)));
 
+  if (cfg_.alibi) {
+    // This rank's heads are heads [tp_rank * n_local, ...) of the model (TP splits q by heads).
+    const std::vector<float> all = alibi_slopes(cfg_.n_heads);
+    attn_shape_.alibi_slopes = alloc(DType::F32, {attn_shape_.n_heads});
+    be_.copy_from_host(attn_shape_.alibi_slopes, all.data() + static_cast<size_t>(sh.tp_rank) * attn_shape_.n_heads);
+  }
+
   slots_.resize(static_cast<size_t>(std::max(1, slots)));
   for (Slot& s : slots_) {
     if (sh.has_embedding) s.tokens = alloc(DType::I32, {N_});
+    if (sh.has_embedding && cfg_.embedding_norm) {
+      s.embed = alloc(act_, {rows_, d});
+      if (ln) s.embed_mean = alloc(DType::F32, {rows_});
+      s.embed_rstd = alloc(DType::F32, {rows_});
+    }
     if (sh.has_head) s.targets = alloc(DType::I32, {N_});
     s.attn = attn_shape_;
     if (document_masking_) s.positions = alloc(DType::I32, {N_});
@@ -183,7 +196,11 @@ Transformer::Params Transformer::resolve(const Tensor& flat) const {
   auto v = [&](const std::string& name) { return view(flat, name); };
   Params p;
   if (sh.has_embedding || table_.contains("tok_embed")) p.tok_embed = v("tok_embed");
-  if (sh.has_embedding && gpt2) p.pos_embed = v("pos_embed");
+  if (sh.has_embedding && cfg_.learned_positions()) p.pos_embed = v("pos_embed");
+  if (sh.has_embedding && cfg_.embedding_norm) {
+    p.embed_norm_w = v("embed_norm.weight");
+    if (gpt2) p.embed_norm_b = v("embed_norm.bias");
+  }
   if (sh.has_head) {
     p.final_norm_w = v("final_norm.weight");
     if (gpt2) p.final_norm_b = v("final_norm.bias");
@@ -268,8 +285,7 @@ void Transformer::sum_sequence_parallel_grads() {
   };
   for (const LayerParams& g : g_.layers)
     for (const Tensor* t : {&g.attn_norm_w, &g.attn_norm_b, &g.mlp_norm_w, &g.mlp_norm_b}) sum(*t);
-  sum(g_.final_norm_w);
-  sum(g_.final_norm_b);
+  for (const Tensor* t : {&g_.embed_norm_w, &g_.embed_norm_b, &g_.final_norm_w, &g_.final_norm_b}) sum(*t);
 }
 
 // din += d(norm)/d(in) applied to dout (din is the residual gradient, so it accumulates).
@@ -318,7 +334,7 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
   probe(false, layer, "attn_norm", a.norm1);
   be_.matmul(a.qkv, gather_rows(a.norm1), w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
   probe(false, layer, "qkv projection", a.qkv);
-  if (cfg_.is_llama()) {
+  if (cfg_.rope().rotates()) {
     be_.rope_forward(a.qkv, shape, cfg_.rope());
     probe(false, layer, "rope", a.qkv);
   }
@@ -357,7 +373,6 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   if (weights_.empty()) throw std::logic_error("Transformer::forward before bind()");
   Slot& s = slots_.at(static_cast<size_t>(slot_index));
   const ModelShard& sh = table_.shard();
-  const bool gpt2 = cfg_.is_gpt2();
   Tensor none;
   s.attn.positions = Tensor();
   if (positions) {
@@ -376,14 +391,20 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
     // Vocab-parallel: each rank embeds the tokens of its slice (others give 0), the sum over TP
     // is the embedding. Positions are added once, by TP rank 0.
     // Under SP the [N, d] partial sums go to proj_out_ first, and this rank keeps its rows.
+    // With embedding_norm the sum goes to s.embed, and its norm is the stage's input.
     const Tensor in = stage_input(slot_index);
-    be_.embedding_forward(sp_ ? proj_out_ : in, s.tokens, w_.tok_embed, gpt2 && tp_lead() ? w_.pos_embed : none, T_,
+    const Tensor embed = cfg_.embedding_norm ? s.embed : in;
+    be_.embedding_forward(sp_ ? proj_out_ : embed, s.tokens, w_.tok_embed, tp_lead() ? w_.pos_embed : none, T_,
                           vocab_start_, s.attn.positions);
     if (sp_)
-      tp_->reduce_scatter(in, proj_out_);
+      tp_->reduce_scatter(embed, proj_out_);
     else
-      tp_sum(in);
-    probe(false, -1, "embedding", in);
+      tp_sum(embed);
+    probe(false, -1, "embedding", embed);
+    if (cfg_.embedding_norm) {
+      norm_forward(in, s.embed_mean, s.embed_rstd, embed, w_.embed_norm_w, w_.embed_norm_b);
+      probe(false, -1, "embed_norm", in);
+    }
   }
 
   for (size_t l = 0; l < s.layers.size(); ++l) {
@@ -491,7 +512,7 @@ void Transformer::backward(int slot_index, float dloss) {
     probe(true, layer, "d attention output (output projection backward)", dattn_);
     be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, s.attn);
     probe(true, layer, "d qkv (attention backward)", dqkv_);
-    if (cfg_.is_llama()) {
+    if (cfg_.rope().rotates()) {
       be_.rope_backward(dqkv_, s.attn, cfg_.rope());
       probe(true, layer, "d qkv (rope backward)", dqkv_);
     }
@@ -505,9 +526,19 @@ void Transformer::backward(int slot_index, float dloss) {
   }
 
   if (sh.has_embedding) {
+    Tensor dembed = dres_;
+    if (cfg_.embedding_norm) {
+      // dnorm_ is free once the layers are done; norm_backward accumulates, hence the fill.
+      dembed = dnorm_.row_slice(0, rows_);
+      be_.fill(dembed, 0.0f);
+      norm_backward(dembed, dres_, s.embed, s.embed_mean, s.embed_rstd, w_.embed_norm_w, g_.embed_norm_w,
+                    g_.embed_norm_b);
+      probe(true, -1, "d embedding (embed_norm backward)", dembed);
+    }
     // Every TP rank accumulates the rows of its vocab slice, and the (replicated) position
     // gradient in full, so all replicas of pos_embed see the same gradient.
-    be_.embedding_backward(g_.tok_embed, g_.pos_embed, gather_rows(dres_), s.tokens, T_, vocab_start_, s.attn.positions);
+    be_.embedding_backward(g_.tok_embed, g_.pos_embed, gather_rows(dembed), s.tokens, T_, vocab_start_,
+                           s.attn.positions);
   }
   // else: dres_ (grad_input()) now holds d(loss)/d(stage input) for the previous stage.
 }

@@ -175,7 +175,7 @@ class Transformer {
     Tensor mlp_norm_w, mlp_norm_b, w_in, b_in, w_out, b_out;
   };
   struct Params {
-    Tensor tok_embed, pos_embed, final_norm_w, final_norm_b, head;
+    Tensor tok_embed, pos_embed, embed_norm_w, embed_norm_b, final_norm_w, final_norm_b, head;
     std::vector<LayerParams> layers;
   };
   Params resolve(const Tensor& flat) const;
@@ -183,6 +183,7 @@ class Transformer {
   struct Slot {
     Tensor tokens, targets;
     Tensor positions;  // document masking: I32 [N]
+    Tensor embed, embed_mean, embed_rstd;  // model.embedding_norm: the norm's input [rows, d], stats
     AttnShape attn;    // attn_shape_, with `positions` when this micro-batch's forward got them
     std::vector<LayerActs> layers;
     Tensor res_final;           // residual after the last layer: the stage's output
@@ -243,7 +244,7 @@ class Transformer {
   bool tensor_parallel_;
   // This rank's sizes (TP-local).
   int64_t q_, kv_, ffn_, vocab_local_, vocab_start_ = 0;
-  AttnShape attn_shape_;  // without positions (each slot has its own copy)
+  AttnShape attn_shape_;  // without positions (each slot has its own copy); ALiBi's slopes of the local heads
   Tensor weights_, grads_;
   Params w_, g_;  // views of weights_ and grads_
   std::vector<void*> allocations_;

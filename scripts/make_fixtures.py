@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Build keel's oracle fixtures from tiny random Hugging Face models.
 
-For each tiny model (GPT-2 family and Llama family) this script
+For each tiny model (GPT-2, Llama, and BLOOM: keel's gpt2 family with ALiBi and an
+embedding LayerNorm) this script
 
   1. builds the model with HF transformers and re-initialises every parameter
      (in keel's naming and layout, float32, fixed seed),
@@ -20,7 +21,10 @@ produces byte-identical files (use --check to verify committed fixtures).
 Precision: HF's Llama code upcasts to float32 in RMSNorm, softmax and the
 rotary tables, which would cap a float64 run at float32 accuracy. While the
 float64 oracle runs, those three spots are patched to keep the input dtype
-(the maths is unchanged). The script cross-checks the result three ways:
+(the maths is unchanged). HF's BLOOM upcasts its softmax to float32 too (patched
+the same way), and writes GELU's sqrt(2/pi) as 0.79788456 in a hand-written
+forward and backward; the float64 run uses the exact constant, keel's (both
+round to the same float32), and autograd's backward. The script cross-checks the result three ways:
   * against an independent float64 implementation written here from keel's
     parameter layout (this proves the name/layout mapping, to ~1e-12),
   * against the unpatched HF model in float32 (the patches change nothing but
@@ -53,7 +57,8 @@ import torch.nn.functional as F
 import safetensors
 import transformers
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.models.bloom import modeling_bloom
 from transformers.models.llama import modeling_llama
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,6 +121,9 @@ class ModelSpec:
     max_seq_len: int
     tied_embeddings: bool
     seed: int
+    alibi: bool = False           # ALiBi biases instead of learned positions (BLOOM)
+    embedding_norm: bool = False  # LayerNorm after the embedding (BLOOM's word_embeddings_layernorm)
+    hf_arch: str = ""             # the HF model class: gpt2, llama or bloom
     params: list = field(default_factory=list)
 
     @property
@@ -145,8 +153,12 @@ def keel_param_table(s: ModelSpec) -> list:
     q_out, kv_out = s.n_heads * hd, s.n_kv_heads * hd
     gpt2 = s.family == "gpt2"
     rows = [("tok_embed", (V, d))]
-    if gpt2:
+    if gpt2 and not s.alibi:
         rows.append(("pos_embed", (s.max_seq_len, d)))
+    if s.embedding_norm:
+        rows.append(("embed_norm.weight", (d,)))
+        if gpt2:
+            rows.append(("embed_norm.bias", (d,)))
     for i in range(s.n_layers):
         p = f"layers.{i}."
         rows.append((p + "attn_norm.weight", (d,)))
@@ -182,6 +194,9 @@ def keel_param_table(s: ModelSpec) -> list:
 #   T      HF Conv1D weight [in, out] -> keel Linear [out, in]
 #   qkv_T  GPT-2 c_attn.weight [d, 3d] -> wq, wk, wv each [d, d] (split columns, transpose)
 #   qkv_b  GPT-2 c_attn.bias [3d]      -> bq, bk, bv
+#   qkv_heads:H    BLOOM query_key_value.weight [3d, d], rows per head [q_h; k_h; v_h] for
+#                  H heads -> wq, wk, wv each [d, d]
+#   qkv_heads_b:H  BLOOM query_key_value.bias [3d], the same interleaving -> bq, bk, bv
 # ----------------------------------------------------------------------------
 
 def gpt2_mapping(s: ModelSpec) -> list:
@@ -208,6 +223,31 @@ def gpt2_mapping(s: ModelSpec) -> list:
     # lm_head.weight is the same Parameter as transformer.wte.weight (tied);
     # named_parameters() lists it once, checked in check_mapping().
     return m
+
+
+def bloom_mapping(s: ModelSpec) -> list:
+    m = [("transformer.word_embeddings.weight", "copy", ["tok_embed"]),
+         ("transformer.word_embeddings_layernorm.weight", "copy", ["embed_norm.weight"]),
+         ("transformer.word_embeddings_layernorm.bias", "copy", ["embed_norm.bias"])]
+    for i in range(s.n_layers):
+        h, k = f"transformer.h.{i}.", f"layers.{i}."
+        m += [
+            (h + "input_layernorm.weight", "copy", [k + "attn_norm.weight"]),
+            (h + "input_layernorm.bias", "copy", [k + "attn_norm.bias"]),
+            (h + "self_attention.query_key_value.weight", f"qkv_heads:{s.n_heads}", [k + "attn.wq", k + "attn.wk", k + "attn.wv"]),
+            (h + "self_attention.query_key_value.bias", f"qkv_heads_b:{s.n_heads}", [k + "attn.bq", k + "attn.bk", k + "attn.bv"]),
+            (h + "self_attention.dense.weight", "copy", [k + "attn.wo"]),
+            (h + "self_attention.dense.bias", "copy", [k + "attn.bo"]),
+            (h + "post_attention_layernorm.weight", "copy", [k + "mlp_norm.weight"]),
+            (h + "post_attention_layernorm.bias", "copy", [k + "mlp_norm.bias"]),
+            (h + "mlp.dense_h_to_4h.weight", "copy", [k + "mlp.w_fc"]),
+            (h + "mlp.dense_h_to_4h.bias", "copy", [k + "mlp.b_fc"]),
+            (h + "mlp.dense_4h_to_h.weight", "copy", [k + "mlp.w_proj"]),
+            (h + "mlp.dense_4h_to_h.bias", "copy", [k + "mlp.b_proj"]),
+        ]
+    m += [("transformer.ln_f.weight", "copy", ["final_norm.weight"]),
+          ("transformer.ln_f.bias", "copy", ["final_norm.bias"])]
+    return m  # lm_head.weight is word_embeddings.weight (tied)
 
 
 def llama_mapping(s: ModelSpec) -> list:
@@ -242,6 +282,11 @@ def hf_from_keel(entry, keel: dict) -> torch.Tensor:
         return torch.cat([t.t() for t in ts], dim=1)
     if op == "qkv_b":
         return torch.cat(ts, dim=0)
+    if op.startswith("qkv_heads"):
+        # each projection [H hd, ...] -> [H, 1, hd, ...], interleaved to [H, 3, hd, ...] -> [3 H hd, ...]
+        H = int(op.split(":")[1])
+        parts = [t.reshape(H, 1, t.shape[0] // H, *t.shape[1:]) for t in ts]
+        return torch.cat(parts, dim=1).reshape(-1, *ts[0].shape[1:])
     raise ValueError(op)
 
 
@@ -257,6 +302,10 @@ def keel_from_hf(entry, hf: torch.Tensor, keel_shapes: dict) -> dict:
         sizes = [keel_shapes[n][0] for n in names]  # out-features of wq, wk, wv
         parts = torch.split(hf, sizes, dim=dim)
         out = {n: (p.t() if op == "qkv_T" else p) for n, p in zip(names, parts)}
+    elif op.startswith("qkv_heads"):
+        H = int(op.split(":")[1])
+        per_head = hf.reshape(H, 3, hf.shape[0] // (3 * H), *hf.shape[1:])
+        out = {n: per_head[:, i].reshape(-1, *hf.shape[1:]) for i, n in enumerate(names)}
     else:
         raise ValueError(op)
     out = {n: t.detach().clone().contiguous() for n, t in out.items()}
@@ -317,14 +366,32 @@ def make_specs() -> dict:
     llama = ModelSpec(name="llama_tiny", family="llama", vocab_size=VOCAB, d_model=32, n_layers=2,
                       n_heads=4, n_kv_heads=2, ffn_hidden=64, norm_eps=1e-5, rope_theta=10000.0,
                       max_seq_len=64, tied_embeddings=False, seed=20240602)
-    for s in (gpt2, llama):
+    # BLOOM: gpt2 blocks with ALiBi and an embedding LayerNorm. 6 heads, not a power of two,
+    # exercise ALiBi's second slope sequence (with p = 4 every slope is a power of two, so HF's
+    # float32 slopes are exact).
+    bloom = ModelSpec(name="bloom_tiny", family="gpt2", vocab_size=VOCAB, d_model=48, n_layers=2,
+                      n_heads=6, n_kv_heads=6, ffn_hidden=192, norm_eps=1e-5, rope_theta=10000.0,
+                      max_seq_len=32, tied_embeddings=True, seed=20240603, alibi=True,
+                      embedding_norm=True, hf_arch="bloom")
+    gpt2.hf_arch, llama.hf_arch = "gpt2", "llama"
+    for s in (gpt2, llama, bloom):
         s.params = keel_param_table(s)
-    return {s.name: s for s in (gpt2, llama)}
+    return {s.name: s for s in (gpt2, llama, bloom)}
 
 
 def build_hf_model(s: ModelSpec):
     torch.manual_seed(s.seed)  # HF's own init is overwritten, but keep construction deterministic
-    if s.family == "gpt2":
+    if s.hf_arch == "bloom":
+        assert s.ffn_hidden == 4 * s.d_model and s.n_kv_heads == s.n_heads and s.tied_embeddings
+        cfg = BloomConfig(
+            vocab_size=s.vocab_size, hidden_size=s.d_model, n_layer=s.n_layers, n_head=s.n_heads,
+            layer_norm_epsilon=s.norm_eps, hidden_dropout=0.0, attention_dropout=0.0,
+            apply_residual_connection_post_layernorm=False, pretraining_tp=1, slow_but_exact=False,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            attn_implementation="eager")
+        model = BloomForCausalLM(cfg)
+        mapping = bloom_mapping(s)
+    elif s.family == "gpt2":
         cfg = GPT2Config(
             vocab_size=s.vocab_size, n_positions=s.max_seq_len, n_embd=s.d_model,
             n_layer=s.n_layers, n_head=s.n_heads, n_inner=None,
@@ -450,9 +517,41 @@ def llama_float64_patches(model):
         del rotary.forward  # back to the class method
 
 
+class _SoftmaxKeepDtype:
+    """torch.nn.functional for modeling_bloom, whose softmax ignores a requested dtype."""
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    @staticmethod
+    def softmax(x, dim=None, dtype=None):
+        return F.softmax(x, dim=dim)
+
+
+class _GeluExactConstant:
+    """BLOOM's GeLUFunction (tanh GELU with sqrt(2/pi) written to 8 digits, in its forward and
+    its hand-written backward), with the constant in full precision and autograd's backward."""
+
+    @staticmethod
+    def apply(x):
+        return F.gelu(x, approximate="tanh")
+
+
+@contextlib.contextmanager
+def bloom_float64_patches():
+    saved = (modeling_bloom.F, modeling_bloom.GeLUFunction)
+    modeling_bloom.F, modeling_bloom.GeLUFunction = _SoftmaxKeepDtype(), _GeluExactConstant
+    try:
+        yield
+    finally:
+        modeling_bloom.F, modeling_bloom.GeLUFunction = saved
+
+
 def hf_precision_context(model, s: ModelSpec):
     if s.family == "llama":
         return llama_float64_patches(model)
+    if s.hf_arch == "bloom":
+        return bloom_float64_patches()
     return contextlib.nullcontext()  # HF GPT-2's eager path keeps the input dtype
 
 
@@ -460,11 +559,22 @@ def hf_precision_context(model, s: ModelSpec):
 # Independent reference forward in keel's layout (cross-check of the mapping)
 # ----------------------------------------------------------------------------
 
-def _causal_attention(q, k, v):
+def alibi_slopes(n: int) -> list:
+    """ALiBi's slopes (Press et al.), in float64, from the paper's recipe."""
+    p = 2 ** int(math.floor(math.log2(n)))
+    slopes = [2.0 ** (-8.0 * (h + 1) / p) for h in range(p)]
+    slopes += [2.0 ** (-4.0 * (2 * k + 1) / p) for k in range(n - p)]
+    return slopes
+
+
+def _causal_attention(q, k, v, slopes=None):
     # q: [B, H, T, hd], k/v: [B, H, T, hd] (kv heads already expanded)
     hd = q.shape[-1]
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
     Tq = q.shape[-2]
+    if slopes is not None:  # ALiBi: score(i, j) += m_h (j - i)
+        dist = torch.arange(Tq, dtype=q.dtype)[None, :] - torch.arange(Tq, dtype=q.dtype)[:, None]
+        scores = scores + torch.tensor(slopes, dtype=q.dtype)[:, None, None] * dist
     mask = torch.ones(Tq, Tq, dtype=torch.bool).triu(1)
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
@@ -497,8 +607,11 @@ def reference_logits(s: ModelSpec, P: dict, idx: torch.Tensor) -> torch.Tensor:
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + s.norm_eps) * P[pfx + ".weight"]
 
     x = P["tok_embed"][idx]
-    if s.family == "gpt2":
+    if s.family == "gpt2" and not s.alibi:
         x = x + P["pos_embed"][:Tn][None]
+    if s.embedding_norm:
+        x = norm(x, "embed_norm")
+    slopes = alibi_slopes(H) if s.alibi else None
     for i in range(s.n_layers):
         L = f"layers.{i}."
         h = norm(x, L + "attn_norm")
@@ -510,7 +623,7 @@ def reference_logits(s: ModelSpec, P: dict, idx: torch.Tensor) -> torch.Tensor:
             q, k = _rope_half(q, s.rope_theta), _rope_half(k, s.rope_theta)
         rep = H // KV  # query head h reads kv head h // rep
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = _causal_attention(q, k, v).transpose(1, 2).reshape(Bn, Tn, H * hd)
+        o = _causal_attention(q, k, v, slopes).transpose(1, 2).reshape(Bn, Tn, H * hd)
         o = o @ P[L + "attn.wo"].t()
         if s.family == "gpt2":
             o = o + P[L + "attn.bo"]
@@ -698,6 +811,10 @@ def fixture_json(s: ModelSpec, results: dict) -> dict:
         "max_seq_len": s.max_seq_len,
         "tied_embeddings": s.tied_embeddings,
     }
+    if s.alibi:
+        model["position_embedding"] = "alibi"
+    if s.embedding_norm:
+        model["embedding_norm"] = True
     if s.family == "gpt2":
         conventions = {
             "norm": "layernorm (weight, bias)",
@@ -715,6 +832,13 @@ def fixture_json(s: ModelSpec, results: dict) -> dict:
             "gqa": "query head h attends with kv head h // (n_heads / n_kv_heads)",
             "lm_head": "untied",
         }
+    if s.alibi:
+        conventions["position"] = (
+            "ALiBi (oracle: HF BloomForCausalLM): no pos_embed; score(i, j) += m_h * (j - i) with "
+            "m_h = 2^(-8 (h+1) / p) for h < p (p = the largest power of two <= n_heads), then "
+            "2^(-4 (2k+1) / p) for the remaining heads")
+    if s.embedding_norm:
+        conventions["embedding_norm"] = "embed_norm (layernorm) applied to the token embedding before layer 0"
     conventions.update({
         "attention": "causal softmax(q k^T / sqrt(head_dim)) v, heads are contiguous slices of "
                      "wq/wk/wv output rows",
@@ -729,8 +853,8 @@ def fixture_json(s: ModelSpec, results: dict) -> dict:
             "score of a query row, which softmax cancels); the float64 oracle holds roundoff "
             "(~1e-19) there and final.*.attn.bk equals param.*.attn.bk. An fp32 implementation's "
             "roundoff there (~1e-9) is amplified by AdamW's m/(sqrt(v)+eps) to updates of up to "
-            "~lr*|g|/(|g|+eps) per step, so compare attn.bk with an absolute tolerance. "
-            "pos_embed rows >= T get exactly zero gradient, so AdamW only decays them.")
+            "~lr*|g|/(|g|+eps) per step, so compare attn.bk with an absolute tolerance." +
+            ("" if s.alibi else " pos_embed rows >= T get exactly zero gradient, so AdamW only decays them."))
     else:
         conventions["zero_gradients"] = (
             "tok_embed rows of token ids absent from the inputs get exactly zero gradient, "

@@ -796,6 +796,10 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
     if (!saved["model"].contains(k) || saved["model"][k] != v)
       diffs.push_back("model." + k + ": checkpoint " + (saved["model"].contains(k) ? saved["model"][k].dump() : "-") +
                       ", config " + v.dump());
+  // Fields written only when set (rope_scaling, position_embedding, embedding_norm) may be
+  // missing from the config's side.
+  for (const auto& [k, v] : saved["model"].items())
+    if (!now["model"].contains(k)) diffs.push_back("model." + k + ": checkpoint " + v.dump() + ", config -");
   if (!diffs.empty()) {
     std::string msg = "checkpoint " + ck.path() + " was saved for another model, it cannot be resumed with this config:";
     for (const auto& d : diffs) msg += "\n  " + d;

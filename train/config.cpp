@@ -220,6 +220,16 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     m.rope_theta = static_cast<float>(f.number("rope_theta", 10000.0, 0, 1e12, true));
     m.max_seq_len = static_cast<int>(f.integer("max_seq_len", std::nullopt, 1, 1 << 22));
     m.tied_embeddings = f.boolean("tied_embeddings", m.is_gpt2());
+    const std::string positions =
+        f.choice("position_embedding", m.is_gpt2() ? "learned" : "rope", {"learned", "rope", "alibi"});
+    m.alibi = positions == "alibi";
+    if (m.is_gpt2() && positions == "rope")
+      errors.push_back("model.position_embedding: gpt2 takes \"learned\" or \"alibi\", got \"rope\" (RoPE is "
+                       "llama's)");
+    if (m.is_llama() && positions == "learned")
+      errors.push_back("model.position_embedding: llama takes \"rope\" or \"alibi\", got \"learned\" (a "
+                       "position table is gpt2's)");
+    m.embedding_norm = f.boolean("embedding_norm", false);
     m.init_std = static_cast<float>(f.number("init_std", 0.02, 0, 10, true));
     if (const json* rs_doc = f.raw("rope_scaling"); rs_doc && !rs_doc->is_null()) {
       // Llama 3.1's frequency scaling (kernels/rope_frequencies.h), as in HF's rope_scaling.
@@ -237,6 +247,8 @@ RunConfig parse_config(const json& doc, const std::string& source) {
                          " must exceed low_freq_factor (" + show(r.low_freq_factor) + ")");
       if (r.kind != RopeScaling::Kind::None && m.is_gpt2())
         errors.push_back("model.rope_scaling: gpt2 has learned positions, no RoPE to scale (remove the field)");
+      else if (r.kind != RopeScaling::Kind::None && m.alibi)
+        errors.push_back("model.rope_scaling: position_embedding \"alibi\" has no RoPE to scale (remove the field)");
     }
     f.finish();
     if (m.d_model > 0 && m.n_heads > 0 && m.d_model % m.n_heads != 0)
@@ -603,6 +615,9 @@ json to_json(const RunConfig& c) {
                 {"tied_embeddings", m.tied_embeddings},
                 {"init_std", m.init_std}};
   if (m.rope_scaling.kind != RopeScaling::Kind::None) j["model"]["rope_scaling"] = rope_scaling_json(m.rope_scaling);
+  // Written only when not the family's default, so checkpoints from before these options match.
+  if (m.alibi) j["model"]["position_embedding"] = m.position_embedding();
+  if (m.embedding_norm) j["model"]["embedding_norm"] = true;
   const LossScaleConfig& s = c.precision.loss_scale;
   j["precision"] = {{"mode", precision_name(c.precision.mode)},
                     {"stochastic_rounding", c.precision.stochastic_rounding},

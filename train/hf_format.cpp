@@ -532,6 +532,8 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
     }
   };
   if (!have.is_llama()) diffs.push_back("model.family: the config has gpt2, an HF Llama needs llama");
+  if (have.alibi) diffs.push_back("model.position_embedding: the config has alibi, an HF Llama uses rope");
+  if (have.embedding_norm) diffs.push_back("model.embedding_norm: the config has true, an HF Llama has no embedding norm");
   cmp("vocab_size", static_cast<double>(have.vocab_size), static_cast<double>(want.vocab_size));
   cmp("d_model", have.d_model, want.d_model);
   cmp("n_layers", have.n_layers, want.n_layers);
@@ -591,6 +593,10 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   const ModelConfig& m = cfg.model;
   if (!m.is_llama())
     throw CheckpointError("checkpoint " + ck.path() + " holds a gpt2 model; export to Hugging Face supports Llama models");
+  if (m.alibi || m.embedding_norm)
+    throw CheckpointError("checkpoint " + ck.path() + " holds a Llama with " +
+                          (m.alibi ? "ALiBi (model.position_embedding \"alibi\")" : "an embedding norm") +
+                          "; Hugging Face's Llama has neither, so it cannot be exported as one");
   const ParamTable table(m);
   // The best copy of the weights: fp32 masters when every tensor has them.
   bool have_master = true;

@@ -3,7 +3,8 @@
 //
 // For one query head h (key/value head h / group) and query position i, keys j <= i (and j in
 // i's document, under document masking: j >= i - positions[i]):
-//   S_ij = (q_i . k_j) / sqrt(hd),  lse_i = log sum_j exp(S_ij),  P_ij = exp(S_ij - lse_i)
+//   S_ij = (q_i . k_j) / sqrt(hd) [+ m_h (j - i) with ALiBi],  lse_i = log sum_j exp(S_ij),
+//   P_ij = exp(S_ij - lse_i)
 //   o_i = sum_j P_ij v_j
 // Backward with D_i = dO_i . o_i:
 //   dP_ij = dO_i . v_j,  dS_ij = P_ij (dP_ij - D_i)
@@ -17,6 +18,8 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/document_positions.h"
+// last: the score's product and sum round separately, as in attention_decode.cpp
+#include "kernels/fp_contract_off.h"
 
 namespace keel {
 
@@ -38,6 +41,16 @@ void check_attn(const char* op, const AttnShape& s, Named qkv) {
   if (cpu::rows(qkv.t) != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())
     fail(op, std::string(qkv.name) + " must be [B*T, (n_heads + 2 n_kv_heads) * head_dim] for " + attn_str(s), {qkv});
   check_positions(op, s.positions, static_cast<int64_t>(s.B) * s.T, s.T);
+  check_alibi(op, s);
+}
+
+const float* check_alibi(const char* op, const AttnShape& s) {
+  if (s.alibi_slopes.empty()) return nullptr;
+  check_dtype(op, {"alibi_slopes", s.alibi_slopes}, DType::F32);
+  if (s.alibi_slopes.numel() != s.n_heads)
+    fail(op, "alibi_slopes must hold one slope per query head (" + std::to_string(s.n_heads) + ")",
+         {{"alibi_slopes", s.alibi_slopes}});
+  return s.alibi_slopes.as<const float>();
 }
 
 const int32_t* check_positions(const char* op, const Tensor& positions, int64_t N, int T) {
@@ -88,9 +101,14 @@ Heads unpack_heads(const Tensor& qkv, const AttnShape& s) {
 
 float softmax_scale(int hd) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))); }
 
+// S_ij as forward computes it; bias = m_h * (j - i) with ALiBi, else 0
+inline float score(const float* q, const float* k, int64_t hd, float scale, float bias) {
+  return cpu::dot(q, k, hd) * scale + bias;
+}
+
 // P_ij, computed the same way by both backward passes
-inline float prob(const float* q, const float* k, int64_t hd, float scale, float lse) {
-  return std::exp(cpu::dot(q, k, hd) * scale - lse);
+inline float prob(const float* q, const float* k, int64_t hd, float scale, float bias, float lse) {
+  return std::exp(score(q, k, hd, scale, bias) - lse);
 }
 
 }  // namespace
@@ -110,6 +128,7 @@ void CpuBackend::attention_forward(const Tensor& out, const Tensor& lse, const T
   const float scale = softmax_scale(s.head_dim);
   float* lse_out = lse.as<float>();
   const int32_t* pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
+  const float* slopes = cpu::check_alibi(op, s);
   const int64_t work = B * nh * T * (T + 1) / 2 * hd;  // multiply-adds of q.k (and p.v)
 #pragma omp parallel if (work >= cpu::kMinParallelWork)
   {
@@ -124,7 +143,7 @@ void CpuBackend::attention_forward(const Tensor& out, const Tensor& lse, const T
       const int64_t j0 = pos ? i - pos[b * T + i] : 0;  // the document's first row
       float m = -INFINITY;
       for (int64_t j = j0; j <= i; ++j) {
-        p[j] = cpu::dot(q, k + j * hd, hd) * scale;
+        p[j] = score(q, k + j * hd, hd, scale, cpu::alibi_bias(slopes, h, i, j));
         m = std::max(m, p[j]);
       }
       float l = 0;
@@ -162,6 +181,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
   const float* lse_in = lse.as<const float>();
   const int64_t cols = s.qkv_cols();
   const int32_t* pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
+  const float* slopes = cpu::check_alibi(op, s);
 
   // dO head-major [B][nh][T][hd] and D = rowsum(dO * O) per (b, h, i)
   std::vector<float> dO(static_cast<size_t>(B * nh * T * hd)), D(static_cast<size_t>(B * nh * T));
@@ -195,7 +215,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
       const float* v = heads.v.data() + (b * nkv + h / group) * T * hd;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = pos ? i - pos[b * T + i] : 0; j <= i; ++j) {
-        const float p = prob(q, k + j * hd, hd, scale, lse_in[idx]);
+        const float p = prob(q, k + j * hd, hd, scale, cpu::alibi_bias(slopes, h, i, j), lse_in[idx]);
         const float ds = p * (cpu::dot(dy, v + j * hd, hd) - D[idx]);
         cpu::axpy(ds, k + j * hd, acc.data(), hd);
       }
@@ -217,7 +237,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
           const int64_t idx = (b * nh + h) * T + i;
           const float* q = heads.q.data() + idx * hd;
           const float* dy = dO.data() + idx * hd;
-          const float p = prob(q, k, hd, scale, lse_in[idx]);
+          const float p = prob(q, k, hd, scale, cpu::alibi_bias(slopes, h, i, j), lse_in[idx]);
           cpu::axpy(p, dy, acc2.data(), hd);
           const float ds = p * (cpu::dot(dy, v, hd) - D[idx]);
           cpu::axpy(ds, q, acc.data(), hd);

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+// last: the score's product and sum round separately, as in attention.cpp
+#include "kernels/fp_contract_off.h"
 
 namespace keel {
 
@@ -68,6 +70,7 @@ void CpuBackend::attention_decode(const Tensor& out, const Tensor& qkv, const Te
       }
   const int64_t group = nh / nkv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const float* slopes = cpu::check_alibi(op, s);
   const int64_t work = n * nh * len * hd;
 #pragma omp parallel if (work >= cpu::kMinParallelWork)
   {
@@ -80,7 +83,7 @@ void CpuBackend::attention_decode(const Tensor& out, const Tensor& qkv, const Te
       const float* vh = v.data() + (h / group) * len * hd;
       float m = -INFINITY;
       for (int64_t j = 0; j <= last; ++j) {
-        p[j] = cpu::dot(q.data(), kh + j * hd, hd) * scale;
+        p[j] = cpu::dot(q.data(), kh + j * hd, hd) * scale + cpu::alibi_bias(slopes, h, last, j);
         m = std::max(m, p[j]);
       }
       float l = 0;

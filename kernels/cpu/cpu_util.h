@@ -56,6 +56,15 @@ std::string attn_str(const AttnShape& s);  // "B=2 T=16 n_heads=4 n_kv_heads=2 h
 // multiple of T, 0 at each sequence's first row and every other row 0 or one more than the
 // row before. Returns the data (nullptr when empty). Defined in attention.cpp.
 const int32_t* check_positions(const char* op, const Tensor& positions, int64_t N, int T);
+// ALiBi slopes (AttnShape::alibi_slopes): empty, or a CPU F32 tensor of n_heads elements.
+// Returns the data (nullptr when empty). Defined in attention.cpp.
+const float* check_alibi(const char* op, const AttnShape& s);
+// ALiBi's bias of key j for query i under head h's slope (0 without slopes). attention.cpp and
+// attention_decode.cpp add it to the scaled dot product, both compiled without FMA contraction,
+// so a decode reproduces the training path's scores bit for bit.
+inline float alibi_bias(const float* slopes, int64_t h, int64_t i, int64_t j) {
+  return slopes ? slopes[h] * static_cast<float>(j - i) : 0.0f;
+}
 
 // ---- element access ----
 

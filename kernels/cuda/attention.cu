@@ -8,13 +8,17 @@
 // the reference the fused kernels are tested against).
 //
 // Math (per query head h, kv head h / group, query row i, keys j <= i):
-//   S_ij = (q_i . k_j) / sqrt(hd),  lse_i = log sum_j exp(S_ij),  o_i = sum_j exp(S_ij - lse_i) v_j
+//   S_ij = (q_i . k_j) / sqrt(hd) [+ m_h (j - i) with ALiBi],  lse_i = log sum_j exp(S_ij),
+//   o_i = sum_j exp(S_ij - lse_i) v_j
 //   D_i = dO_i . o_i,  dS_ij = P_ij (dO_i . v_j - D_i)
 //   dq_i = sum_j dS_ij k_j / sqrt(hd),  dk_j = sum_{h in group} sum_{i>=j} dS_ij q_i / sqrt(hd),
 //   dv_j = sum_{h in group} sum_{i>=j} P_ij dO_i
 //
 // Under document masking (AttnShape::positions) the key range of row i starts at its document's
 // first row, i - positions[i], and the query range of key j ends with j's document.
+// ALiBi (AttnShape::alibi_slopes): the plain kernels add the bias exactly as the CPU reference,
+// S = round(dot * scale) + round(float(j - i) * m_h) (__fmul_rn / __fadd_rn: no contraction into
+// an fma), in the forward and in both backward recomputations of P; there is no gradient for it.
 //
 // Plain kernels, one warp per output row (the CPU reference's decomposition):
 //   forward  warp per (b, h, i): keys in chunks of 32, one key per lane (its score a dot product
@@ -46,7 +50,8 @@ constexpr int kPerLane = kMaxHeadDim / 32;
 // q + (b * Tq + r) * q_stride + h * hd; key/value row j of sequence b, kv head kvh:
 // k + (b * Tk + j) * k_stride + kvh * hd (v likewise); output out + (b * Tq + r) * out_stride + h * hd.
 // Row r attends keys 0 .. key_offset + r, or with document positions pos ([B*Tq], training only:
-// Tk == Tq, key_offset 0) keys r - pos[r] .. r.
+// Tk == Tq, key_offset 0) keys r - pos[r] .. r. Row r's absolute position, the i of ALiBi's
+// m_h (j - i), is key_offset + r (its last key).
 struct PlainAttn {
   const void* q;
   const void* k;
@@ -61,7 +66,14 @@ struct PlainAttn {
   float scale;
 };
 
-__global__ void __launch_bounds__(kThreads) plain_attention_forward_kernel(PlainAttn a) {
+// ALiBi's bias added to a scaled score, rounded as the CPU reference rounds it (two roundings).
+__device__ __forceinline__ float add_alibi(float scaled, int j_minus_i, float slope) {
+  return __fadd_rn(scaled, __fmul_rn(static_cast<float>(j_minus_i), slope));
+}
+
+template <bool kAlibi>
+__global__ void __launch_bounds__(kThreads)
+    plain_attention_forward_kernel(PlainAttn a, const float* __restrict__ slopes) {
   __shared__ float sq[kWarps][kMaxHeadDim];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t idx = blockIdx.x * static_cast<int64_t>(kWarps) + warp;  // (b, h, r)
@@ -89,6 +101,9 @@ __global__ void __launch_bounds__(kThreads) plain_attention_forward_kernel(Plain
       float dot = 0.0f;
       for (int d = 0; d < hd; ++d) dot += sq[warp][d] * load_any(a.k, a.k_dt, k_off + d);
       s = dot * a.scale;
+      // last = i, the row's position; the slope is re-read per chunk (an L1 hit, once per hd-long
+      // dot product) rather than held in a register across the loop, which made ptxas spill
+      if constexpr (kAlibi) s = add_alibi(s, static_cast<int>(j - last), slopes[h]);
     }
     const float m_new = fmaxf(m, warp_max(s));  // finite: key j0 is always valid
     const float alpha = expf(m - m_new);
@@ -145,7 +160,9 @@ struct PlainBwd {
   float scale;
 };
 
-__global__ void __launch_bounds__(kThreads) plain_attention_dq_kernel(PlainBwd a) {
+template <bool kAlibi>
+__global__ void __launch_bounds__(kThreads)
+    plain_attention_dq_kernel(PlainBwd a, const float* __restrict__ slopes) {
   __shared__ float sq[kWarps][kMaxHeadDim];
   __shared__ float sdo[kWarps][kMaxHeadDim];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -164,6 +181,7 @@ __global__ void __launch_bounds__(kThreads) plain_attention_dq_kernel(PlainBwd a
   }
   __syncwarp();
   const float lse_i = a.lse[idx], d_i = a.delta[idx];
+  const float slope = kAlibi ? slopes[h] : 0.0f;
   const int64_t k_col = static_cast<int64_t>(a.nh + kvh) * hd, v_col = static_cast<int64_t>(a.nh + a.nkv + kvh) * hd;
   float dq[kPerLane];
 #pragma unroll
@@ -179,7 +197,9 @@ __global__ void __launch_bounds__(kThreads) plain_attention_dq_kernel(PlainBwd a
         qk += sq[warp][d] * load_any(a.qkv, a.qkv_dt, kr + k_col + d);
         dv += sdo[warp][d] * load_any(a.qkv, a.qkv_dt, kr + v_col + d);
       }
-      const float p = expf(qk * a.scale - lse_i);
+      float sc = qk * a.scale;
+      if constexpr (kAlibi) sc = add_alibi(sc, j - i, slope);
+      const float p = expf(sc - lse_i);
       ds = p * (dv - d_i);
     }
     const int n_keys = min(32, i - j0 + 1);
@@ -200,7 +220,9 @@ __global__ void __launch_bounds__(kThreads) plain_attention_dq_kernel(PlainBwd a
   }
 }
 
-__global__ void __launch_bounds__(kThreads) plain_attention_dkdv_kernel(PlainBwd a) {
+template <bool kAlibi>
+__global__ void __launch_bounds__(kThreads)
+    plain_attention_dkdv_kernel(PlainBwd a, const float* __restrict__ slopes) {
   __shared__ float sk[kWarps][kMaxHeadDim];
   __shared__ float sv[kWarps][kMaxHeadDim];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -225,6 +247,7 @@ __global__ void __launch_bounds__(kThreads) plain_attention_dkdv_kernel(PlainBwd
   for (int gh = 0; gh < group; ++gh) {
     const int h = kvh * group + gh;
     const int64_t stat = (static_cast<int64_t>(b) * a.nh + h) * a.T;
+    const float slope = kAlibi ? slopes[h] : 0.0f;
     for (int i0 = j; i0 < a.T; i0 += 32) {
       const int i = i0 + lane;
       // queries of j's document only: i's start i - pos[i] at most j (a prefix of the lanes,
@@ -240,7 +263,9 @@ __global__ void __launch_bounds__(kThreads) plain_attention_dkdv_kernel(PlainBwd
           qk += load_any(a.qkv, a.qkv_dt, row_i * cols + static_cast<int64_t>(h) * hd + d) * sk[warp][d];
           dov += load_any(a.dout, a.dout_dt, row_i * a.nh * hd + static_cast<int64_t>(h) * hd + d) * sv[warp][d];
         }
-        p = expf(qk * a.scale - a.lse[stat + i]);
+        float sc = qk * a.scale;
+        if constexpr (kAlibi) sc = add_alibi(sc, j - i, slope);
+        p = expf(sc - a.lse[stat + i]);
         ds = p * (dov - a.delta[stat + i]);
       }
       const int n_q = __popc(lanes);
@@ -290,6 +315,26 @@ void check_head_dim(const char* op, const AttnShape& s, const Tensor& qkv) {
 
 unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::max<int64_t>(1, ceil_div(rows, kWarps))); }
 
+// The plain kernels with ALiBi (slopes given) or without: the biasless instantiation keeps the
+// plain causal code and registers.
+void launch_plain_forward(const PlainAttn& a, const float* slopes, int64_t rows, cudaStream_t stream) {
+  if (slopes)
+    plain_attention_forward_kernel<true><<<row_blocks(rows), kThreads, 0, stream>>>(a, slopes);
+  else
+    plain_attention_forward_kernel<false><<<row_blocks(rows), kThreads, 0, stream>>>(a, nullptr);
+}
+
+void launch_plain_backward(const PlainBwd& a, const float* slopes, cudaStream_t stream) {
+  const int64_t q_rows = static_cast<int64_t>(a.B) * a.nh * a.T, kv_rows = static_cast<int64_t>(a.B) * a.nkv * a.T;
+  if (slopes) {
+    plain_attention_dq_kernel<true><<<row_blocks(q_rows), kThreads, 0, stream>>>(a, slopes);
+    plain_attention_dkdv_kernel<true><<<row_blocks(kv_rows), kThreads, 0, stream>>>(a, slopes);
+  } else {
+    plain_attention_dq_kernel<false><<<row_blocks(q_rows), kThreads, 0, stream>>>(a, nullptr);
+    plain_attention_dkdv_kernel<false><<<row_blocks(kv_rows), kThreads, 0, stream>>>(a, nullptr);
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -320,7 +365,7 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
     a.key_offset = 0;
     a.pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
     a.scale = cuda::softmax_scale(s.head_dim);
-    cuda::plain_attention_forward_kernel<<<cuda::row_blocks(B * nh * T), cuda::kThreads, 0, stream_>>>(a);
+    cuda::launch_plain_forward(a, cuda::check_alibi(op, s), B * nh * T, stream_);
   }
   cuda::check_launch(*this, op, {{"out", out}, {"lse", lse}, {"qkv", qkv}});
 }
@@ -356,8 +401,7 @@ void CudaBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, con
     a.B = s.B, a.T = s.T, a.nh = s.n_heads, a.nkv = s.n_kv_heads, a.hd = s.head_dim;
     a.pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
     a.scale = cuda::softmax_scale(s.head_dim);
-    cuda::plain_attention_dq_kernel<<<cuda::row_blocks(B * nh * T), cuda::kThreads, 0, stream_>>>(a);
-    cuda::plain_attention_dkdv_kernel<<<cuda::row_blocks(B * s.n_kv_heads * T), cuda::kThreads, 0, stream_>>>(a);
+    cuda::launch_plain_backward(a, cuda::check_alibi(op, s), stream_);
   }
   cuda::check_launch(*this, op, {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}});
   release(delta);
@@ -411,10 +455,10 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& qkv, const T
   a.q_stride = cols, a.k_stride = kv_cols, a.v_stride = kv_cols, a.out_stride = nh * hd;
   a.B = 1, a.Tq = static_cast<int>(n), a.Tk = static_cast<int>(max_len), a.nh = s.n_heads, a.nkv = s.n_kv_heads;
   a.hd = s.head_dim;
-  a.key_offset = pos;
+  a.key_offset = pos;  // row r is at position pos + r: ALiBi's i
   a.pos = nullptr;
   a.scale = cuda::softmax_scale(s.head_dim);
-  if (n > 0) cuda::plain_attention_forward_kernel<<<cuda::row_blocks(n * nh), cuda::kThreads, 0, stream_>>>(a);
+  if (n > 0) cuda::launch_plain_forward(a, cuda::check_alibi(op, s), n * nh, stream_);
   cuda::check_launch(*this, op, {{"out", out}, {"qkv", qkv}, {"k_cache", k_cache}});
   if (table) release(table);
 }

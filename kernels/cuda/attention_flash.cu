@@ -9,6 +9,12 @@
 //   dq_i = scale sum_j dS_ij k_j;  dk_j = scale sum_{h in group} sum_i dS_ij q_i;  dv_j = sum_{h in group} sum_i P_ij dO_i
 // Exponentials are taken base 2 with scores pre-multiplied by scale * log2(e) (exp2f is one
 // instruction); lse is stored in natural-log units.
+// ALiBi (AttnShape::alibi_slopes): S_ij += m_h (j - i). In log2 units that is
+// fma(float(j - i), m_h log2(e), S_ij scale log2(e)), from each accumulator element's (row, key)
+// the masks already compute; the forward's lse then includes the bias, and the backward's
+// recomputed P (the only place it enters there: the bias has no gradient) adds it alike. Kernels
+// are instantiated with and without it (template flag kAlibi), so the plain causal path keeps
+// its code and registers; which tiles are skipped does not change.
 //
 // Matrix products: warp-level mma.sync.m16n8k16 with bf16 (or fp16) operands and fp32
 // accumulators (sm_80 and sm_90), operands loaded from shared memory by ldmatrix. Fragment
@@ -215,6 +221,11 @@ const int32_t* positions_of(const AttnShape& s) {
   return s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
 }
 
+// ALiBi slopes [nh] (checked by the op: check_alibi), or nullptr
+const float* slopes_of(const AttnShape& s) {
+  return s.alibi_slopes.empty() ? nullptr : s.alibi_slopes.as<const float>();
+}
+
 // A query tile's document starts (start_i = i - pos[i]; all 0 without document masking): the
 // lane's two rows, the tile's first row (where its keys begin) and its last row.
 struct DocStarts {
@@ -246,12 +257,24 @@ __device__ int queries_end(const int32_t* p, int T_len, int j) {
   return lo;
 }
 
+// ---- scores ----
+
+// A score S_ij in log2 units from the accumulator's q.k: times scale log2(e), plus with ALiBi
+// m_h (j - i) log2(e) (slope_log2 = m_h log2(e); j - i exact in fp32 below 2^24). The forward
+// and both backward kernels compute it alike, so the recomputed P matches the forward's lse.
+template <bool kAlibi>
+__device__ __forceinline__ float score_log2(float qk, float scale_log2, int j_minus_i, float slope_log2) {
+  if constexpr (kAlibi) return fmaf(static_cast<float>(j_minus_i), slope_log2, qk * scale_log2);
+  else return qk * scale_log2;
+}
+
 // ---- forward ----
 
-template <class T, int HD>
+template <class T, int HD, bool kAlibi>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse,
-                         const int32_t* __restrict__ pos, int T_len, int nh, int nkv, float scale_log2) {
+                         const int32_t* __restrict__ pos, const float* __restrict__ slopes, int T_len, int nh, int nkv,
+                         float scale_log2) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;  // k-steps over the head dimension
   constexpr int NT = HD / 8;   // n-tiles of the output
@@ -277,6 +300,7 @@ __global__ void __launch_bounds__(kThreads)
   const int n_kt = q_last / kBlockK + 1;
   const DocStarts docs(pos, b, T_len, q0, q_last, row_a, row_b);
   const int kt_first = docs.first_key / kBlockK;
+  const float slope_log2 = kAlibi ? slopes[h] * kLog2e : 0.0f;  // ALiBi's m_h in log2 units
 
   async_tile<T, HD, kBlockQ>(sQ, q_head, q0, T_len, cols);
   async_tile<T, HD, kBlockK>(sK, k_head, kt_first * kBlockK, T_len, cols);
@@ -324,7 +348,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) {
         const int col = k0 + n * 8 + 2 * t + (e & 1);
         const int row = e < 2 ? row_a : row_b;
-        float v = s[n][e] * scale_log2;
+        float v = score_log2<kAlibi>(s[n][e], scale_log2, col - row, slope_log2);
         if (mask && (col > row || col >= T_len || col < docs.start[e >> 1])) v = -INFINITY;
         s[n][e] = v;
         mx[e >> 1] = fmaxf(mx[e >> 1], v);
@@ -387,11 +411,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward: dq ----
 
-template <class T, int HD>
+template <class T, int HD, bool kAlibi>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_dq_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
-                             const float* __restrict__ delta, const int32_t* __restrict__ pos, T* __restrict__ dqkv,
-                             int T_len, int nh, int nkv, float scale_log2, float scale) {
+                             const float* __restrict__ delta, const int32_t* __restrict__ pos,
+                             const float* __restrict__ slopes, T* __restrict__ dqkv, int T_len, int nh, int nkv,
+                             float scale_log2, float scale) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
@@ -423,6 +448,7 @@ __global__ void __launch_bounds__(kThreads)
   const float lse2[2] = {row_a < T_len ? lse[stat + row_a] * kLog2e : 0.0f,
                          row_b < T_len ? lse[stat + row_b] * kLog2e : 0.0f};
   const float dd[2] = {row_a < T_len ? delta[stat + row_a] : 0.0f, row_b < T_len ? delta[stat + row_b] : 0.0f};
+  const float slope_log2 = kAlibi ? slopes[h] * kLog2e : 0.0f;  // as in the forward
 
   async_tile<T, HD, kBlockQ>(sQ, q_head, q0, T_len, cols);
   async_tile<T, HD, kBlockQ>(sdO, do_head, q0, T_len, out_cols);
@@ -472,7 +498,8 @@ __global__ void __launch_bounds__(kThreads)
         const int row = e < 2 ? row_a : row_b;
         // col <= row < T_len implies col < T_len
         const bool valid = col <= row && row < T_len && col >= docs.start[e >> 1];
-        const float p = valid ? exp2f(s[n][e] * scale_log2 - lse2[e >> 1]) : 0.0f;
+        const float p = valid ? exp2f(score_log2<kAlibi>(s[n][e], scale_log2, col - row, slope_log2) - lse2[e >> 1])
+                              : 0.0f;
         s[n][e] = p * (dp[n][e] - dd[e >> 1]);  // s now holds dS
       }
     // dQ += dS K
@@ -496,11 +523,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward: dk, dv ----
 
-template <class T, int HD>
+template <class T, int HD, bool kAlibi>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_dkdv_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
-                               const float* __restrict__ delta, const int32_t* __restrict__ pos, T* __restrict__ dqkv,
-                               int T_len, int nh, int nkv, float scale_log2, float scale) {
+                               const float* __restrict__ delta, const int32_t* __restrict__ pos,
+                               const float* __restrict__ slopes, T* __restrict__ dqkv, int T_len, int nh, int nkv,
+                               float scale_log2, float scale) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
@@ -576,6 +604,8 @@ __global__ void __launch_bounds__(kThreads)
     const float* d_s = sD + buf * kBlockQBwd;
     const int* start_s = sS + buf * kBlockQBwd;
     const int i0 = (qi_first + it % n_q) * kBlockQBwd;
+    // the step's query head changes every n_q steps: its slope is a broadcast (cached) load
+    const float slope_log2 = kAlibi ? slopes[kvh * group + it / n_q] * kLog2e : 0.0f;
 
     // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
     float st[QN][4], dpt[QN][4];
@@ -601,7 +631,7 @@ __global__ void __launch_bounds__(kThreads)
         const int i = i0 + ci;
         const int j = e < 2 ? key_a : key_b;
         const bool valid = j <= i && i < T_len && j >= start_s[ci];
-        const float p = valid ? exp2f(st[n][e] * scale_log2 - l_s[ci]) : 0.0f;
+        const float p = valid ? exp2f(score_log2<kAlibi>(st[n][e], scale_log2, j - i, slope_log2) - l_s[ci]) : 0.0f;
         st[n][e] = p;
         dpt[n][e] = p * (dpt[n][e] - d_s[ci]);  // dpt now holds dS^T
       }
@@ -651,34 +681,49 @@ void allow_smem(Kernel kernel, size_t bytes, const char* op) {
              "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
 }
 
-template <class T, int HD>
+template <class T, int HD, bool kAlibi>
 void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
   const size_t smem = forward_smem<T, HD>();
-  allow_smem(flash_forward_kernel<T, HD>, smem, "attention_forward");
+  allow_smem(flash_forward_kernel<T, HD, kAlibi>, smem, "attention_forward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const dim3 grid(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
                   static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
-  flash_forward_kernel<T, HD><<<grid, kThreads, smem, be.stream()>>>(
-      qkv.as<const T>(), out.as<T>(), lse.as<float>(), positions_of(s), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e);
+  flash_forward_kernel<T, HD, kAlibi><<<grid, kThreads, smem, be.stream()>>>(
+      qkv.as<const T>(), out.as<T>(), lse.as<float>(), positions_of(s), slopes_of(s), s.T, s.n_heads, s.n_kv_heads,
+      scale * kLog2e);
 }
 
-template <class T, int HD>
+template <class T, int HD, bool kAlibi>
 void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                    const float* delta, const AttnShape& s) {
   const size_t smem_dq = dq_smem<T, HD>(), smem_dkdv = dkdv_smem<T, HD>();
-  allow_smem(flash_backward_dq_kernel<T, HD>, smem_dq, "attention_backward");
-  allow_smem(flash_backward_dkdv_kernel<T, HD>, smem_dkdv, "attention_backward");
+  allow_smem(flash_backward_dq_kernel<T, HD, kAlibi>, smem_dq, "attention_backward");
+  allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi>, smem_dkdv, "attention_backward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const dim3 grid_q(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
                     static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
-  flash_backward_dq_kernel<T, HD><<<grid_q, kThreads, smem_dq, be.stream()>>>(
-      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), dqkv.as<T>(), s.T, s.n_heads,
-      s.n_kv_heads, scale * kLog2e, scale);
+  flash_backward_dq_kernel<T, HD, kAlibi><<<grid_q, kThreads, smem_dq, be.stream()>>>(
+      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), slopes_of(s), dqkv.as<T>(),
+      s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
   const dim3 grid_k(static_cast<unsigned>(s.n_kv_heads), static_cast<unsigned>(s.B),
                     static_cast<unsigned>(ceil_div(s.T, kBlockK)));
-  flash_backward_dkdv_kernel<T, HD><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
-      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), dqkv.as<T>(), s.T, s.n_heads,
-      s.n_kv_heads, scale * kLog2e, scale);
+  flash_backward_dkdv_kernel<T, HD, kAlibi><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
+      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), slopes_of(s), dqkv.as<T>(),
+      s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
+}
+
+// head_dim dispatch of the launchers
+template <class T, bool kAlibi>
+void forward_hd(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
+  if (s.head_dim == 64) forward_impl<T, 64, kAlibi>(be, out, lse, qkv, s);
+  else forward_impl<T, 128, kAlibi>(be, out, lse, qkv, s);
+}
+
+template <class T, bool kAlibi>
+void backward_hd(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
+                 const float* delta, const AttnShape& s) {
+  if (s.head_dim == 64) backward_impl<T, 64, kAlibi>(be, dqkv, dout, qkv, lse, delta, s);
+  else backward_impl<T, 128, kAlibi>(be, dqkv, dout, qkv, lse, delta, s);
 }
 
 }  // namespace
@@ -703,23 +748,25 @@ bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
 }
 
 void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
+  const bool alibi = !s.alibi_slopes.empty();
   if (qkv.dtype == DType::BF16) {
-    if (s.head_dim == 64) forward_impl<__nv_bfloat16, 64>(be, out, lse, qkv, s);
-    else forward_impl<__nv_bfloat16, 128>(be, out, lse, qkv, s);
+    if (alibi) forward_hd<__nv_bfloat16, true>(be, out, lse, qkv, s);
+    else forward_hd<__nv_bfloat16, false>(be, out, lse, qkv, s);
   } else {
-    if (s.head_dim == 64) forward_impl<__half, 64>(be, out, lse, qkv, s);
-    else forward_impl<__half, 128>(be, out, lse, qkv, s);
+    if (alibi) forward_hd<__half, true>(be, out, lse, qkv, s);
+    else forward_hd<__half, false>(be, out, lse, qkv, s);
   }
 }
 
 void flash_backward(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                     const float* delta, const AttnShape& s) {
+  const bool alibi = !s.alibi_slopes.empty();
   if (qkv.dtype == DType::BF16) {
-    if (s.head_dim == 64) backward_impl<__nv_bfloat16, 64>(be, dqkv, dout, qkv, lse, delta, s);
-    else backward_impl<__nv_bfloat16, 128>(be, dqkv, dout, qkv, lse, delta, s);
+    if (alibi) backward_hd<__nv_bfloat16, true>(be, dqkv, dout, qkv, lse, delta, s);
+    else backward_hd<__nv_bfloat16, false>(be, dqkv, dout, qkv, lse, delta, s);
   } else {
-    if (s.head_dim == 64) backward_impl<__half, 64>(be, dqkv, dout, qkv, lse, delta, s);
-    else backward_impl<__half, 128>(be, dqkv, dout, qkv, lse, delta, s);
+    if (alibi) backward_hd<__half, true>(be, dqkv, dout, qkv, lse, delta, s);
+    else backward_hd<__half, false>(be, dqkv, dout, qkv, lse, delta, s);
   }
 }
 

@@ -13,7 +13,8 @@ namespace keel::cuda {
 bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
                      std::initializer_list<const Tensor*> operands, bool backward);
 
-// out [B*T, nh*hd] and lse [B, nh, T] from qkv (after RoPE).
+// out [B*T, nh*hd] and lse [B, nh, T] from qkv (after RoPE); with ALiBi when s.alibi_slopes is
+// given (checked by the op).
 void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s);
 
 // dqkv (written in full) from dout, qkv, lse and delta[B, nh, T] = rowsum(dout * out).

@@ -100,8 +100,19 @@ inline const int32_t* check_positions(const char* op, const Tensor& positions, i
   return positions.as<const int32_t>();
 }
 
+// ALiBi slopes (AttnShape::alibi_slopes): empty, or a CUDA F32 tensor with one slope per (local)
+// query head. Returns the device pointer (nullptr when empty: no bias).
+inline const float* check_alibi(const char* op, const AttnShape& s) {
+  if (s.alibi_slopes.empty()) return nullptr;
+  check_dtype(op, {"alibi_slopes", s.alibi_slopes}, DType::F32);
+  if (s.alibi_slopes.numel() != s.n_heads)
+    fail(op, "alibi_slopes must hold one slope per query head (" + std::to_string(s.n_heads) + ") for " + attn_str(s),
+         {{"alibi_slopes", s.alibi_slopes}});
+  return s.alibi_slopes.as<const float>();
+}
+
 // AttnShape fields positive, head_dim even, n_heads a multiple of n_kv_heads, and qkv (or dqkv)
-// [B*T, qkv_cols()].
+// [B*T, qkv_cols()]; positions and alibi_slopes empty or well formed.
 inline void check_attn(const char* op, const AttnShape& s, Named qkv) {
   if (s.B <= 0 || s.T <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 || s.head_dim <= 0 || s.head_dim % 2 != 0 ||
       s.n_heads % s.n_kv_heads != 0)
@@ -111,6 +122,7 @@ inline void check_attn(const char* op, const AttnShape& s, Named qkv) {
   if (rows(qkv.t) != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())
     fail(op, std::string(qkv.name) + " must be [B*T, (n_heads + 2 n_kv_heads) * head_dim] for " + attn_str(s), {qkv});
   check_positions(op, s.positions, static_cast<int64_t>(s.B) * s.T, s.T);
+  check_alibi(op, s);
 }
 
 // Largest power of two (up to 256) dividing the address: what cuBLASLt and vector loads may assume.

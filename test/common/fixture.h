@@ -48,6 +48,8 @@ struct Fixture {
     model.rope_theta = m["rope_theta"];
     model.max_seq_len = m["max_seq_len"];
     model.tied_embeddings = m["tied_embeddings"];
+    model.alibi = m.value("position_embedding", "") == "alibi";
+    model.embedding_norm = m.value("embedding_norm", false);
     B = meta["batch"]["B"];
     T = meta["batch"]["T"];
   }

@@ -5,8 +5,9 @@ It checks the part of the fused kernels that review alone cannot: which shared-m
 lands in which lane's register for every mma.sync operand (ldmatrix emulated from the PTX ISA's
 address and distribution rules, checked first against the fragment layouts below), the P/dS register reuse, the masks and
 the tile loops (GQA, ragged T, double-buffered K/V tiles and query steps, with the kernels'
-buffer parity) and document masking (the skipped
-key and query tiles, the masks inside tiles a boundary crosses), against a float64 reference. Keep it
+buffer parity), document masking (the skipped
+key and query tiles, the masks inside tiles a boundary crosses) and the ALiBi bias (each
+accumulator element's query row and key column, the head of each step), against a float64 reference. Keep it
 in step with the .cu file when the kernels' indexing changes. Expected output: errors ~2e-3
 (out) and ~3e-3 (dq, dk, dv) from the bf16 rounding of P and dS, lse ~1e-8 (the T=1 case has a
 dq/dk reference that is zero up to rounding, as does the case of one-row documents: there the
@@ -173,6 +174,27 @@ def starts_of(starts, rows, T):
     return np.where(rows < T, starts[np.minimum(rows, T - 1)], 0)
 
 
+def alibi_slopes(n):
+    """kernels/alibi.cpp: the geometric slopes of n heads (p = the largest power of two <= n heads get
+    2^(-8 (h + 1) / p), the rest 2^(-4 (2k + 1) / p)), rounded to fp32."""
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    m = [2.0 ** (-8.0 * (h + 1) / p) for h in range(p)] + [2.0 ** (-4.0 * (2 * k + 1) / p) for k in range(n - p)]
+    return np.array(m, dtype=np.float32)
+
+
+def slope_log2(slopes, h):
+    """The kernels' slopes[h] * kLog2e in fp32 (0 without ALiBi)."""
+    return 0.0 if slopes is None else float(np.float32(slopes[h]) * np.float32(1.4426950408889634))
+
+
+def score_log2(s, scale_log2, j_minus_i, sl2, slopes):
+    """score_log2<kAlibi>: s * scale_log2, plus fma(float(j - i), m_h log2(e), .) with ALiBi."""
+    v = s * scale_log2
+    return v if slopes is None else j_minus_i * sl2 + v
+
+
 def queries_end(starts, T, j):
     """The kernel's binary search: one past the last query row whose start is at most key j."""
     lo, hi = j + 1, T
@@ -185,9 +207,9 @@ def queries_end(starts, T, j):
     return lo
 
 
-def forward(q, k, v, T, nh, nkv, HD, pos=None):
-    """q [nh, T, HD], k/v [nkv, T, HD] (bf16 values); pos: document positions [T] or None.
-    Returns out [nh, T, HD], lse [nh, T]."""
+def forward(q, k, v, T, nh, nkv, HD, pos=None, slopes=None):
+    """q [nh, T, HD], k/v [nkv, T, HD] (bf16 values); pos: document positions [T] or None; slopes:
+    ALiBi slopes [nh] or None. Returns out [nh, T, HD], lse [nh, T]."""
     scale = 1 / np.sqrt(HD)
     scale_log2 = np.float32(scale * 1.4426950408889634)
     out = np.full((nh, T, HD), np.nan)
@@ -204,6 +226,7 @@ def forward(q, k, v, T, nh, nkv, HD, pos=None):
             n_kt = q_last // 64 + 1
             kt_first = starts[q0] // 64
             last_start = starts[q_last]
+            sl2 = slope_log2(slopes, h)
             for warp in range(4):
                 row_a = q0 + warp * 16 + G
                 row_b = row_a + 8
@@ -232,7 +255,7 @@ def forward(q, k, v, T, nh, nkv, HD, pos=None):
                         for e in range(4):
                             col = k0 + n * 8 + 2 * TT + (e & 1)
                             row = row_a if e < 2 else row_b
-                            val = s[n][e] * scale_log2
+                            val = score_log2(s[n][e], scale_log2, col - row, sl2, slopes)
                             if mask:
                                 val = np.where((col > row) | (col >= T) | (col < start[e >> 1]), -np.inf, val)
                             s[n][e] = val
@@ -277,7 +300,7 @@ def forward(q, k, v, T, nh, nkv, HD, pos=None):
     return out, lse
 
 
-def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
+def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None):
     scale = 1 / np.sqrt(HD)
     scale_log2 = scale * 1.4426950408889634
     dq_out = np.full((nh, T, HD), np.nan)
@@ -293,6 +316,7 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
             q_last = min(q0 + 63, T - 1)
             n_kt = q_last // 64 + 1
             kt_first = starts[q0] // 64
+            sl2 = slope_log2(slopes, h)
             for warp in range(4):
                 row_a = q0 + warp * 16 + G
                 row_b = row_a + 8
@@ -325,7 +349,8 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
                             col = k0 + n * 8 + 2 * TT + (e & 1)
                             row = row_a if e < 2 else row_b
                             valid = (col <= row) & (row < T) & (col >= start[e >> 1])
-                            p = np.where(valid, np.exp2(s[n][e] * scale_log2 - lse2[e >> 1]), 0)
+                            p = np.where(valid, np.exp2(score_log2(s[n][e], scale_log2, col - row, sl2, slopes)
+                                                        - lse2[e >> 1]), 0)
                             s[n][e] = p * (dp[n][e] - dd[e >> 1])
                     for kk in range(4):
                         mma_b_kmajor(dq, acc_to_a(s[2 * kk], s[2 * kk + 1]), k_s, kk * 16, 0)
@@ -341,7 +366,7 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
     return dq_out
 
 
-def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
+def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None):
     scale = 1 / np.sqrt(HD)
     scale_log2 = scale * 1.4426950408889634
     dk_out = np.full((nkv, T, HD), np.nan)
@@ -377,6 +402,7 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
                         bufs[buf ^ 1] = stage(it + 1)
                     q_s, do_s, l_s, d_s, start_s = bufs[buf]
                     i0 = (qi_first + it % n_q) * 32
+                    sl2 = slope_log2(slopes, kvh * group + it // n_q)  # the step's query head
                     st = [zeros4() for _ in range(4)]
                     dpt = [zeros4() for _ in range(4)]
                     for kk in range(HD // 16):
@@ -390,7 +416,8 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
                             i = i0 + ci
                             j = key_a if e < 2 else key_b
                             valid = (j <= i) & (i < T) & (j >= start_s[ci])
-                            p = np.where(valid, np.exp2(st[n][e] * scale_log2 - l_s[ci]), 0)
+                            p = np.where(valid, np.exp2(score_log2(st[n][e], scale_log2, j - i, sl2, slopes) - l_s[ci]),
+                                         0)
                             st[n][e] = p
                             dpt[n][e] = p * (dpt[n][e] - d_s[ci])
                     for kk in range(2):
@@ -410,7 +437,7 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None):
     return dk_out, dv_out
 
 
-def reference(q, k, v, do, T, nh, nkv, HD, pos=None):
+def reference(q, k, v, do, T, nh, nkv, HD, pos=None, slopes=None):
     group = nh // nkv
     scale = 1 / np.sqrt(HD)
     out = np.zeros((nh, T, HD))
@@ -422,6 +449,8 @@ def reference(q, k, v, do, T, nh, nkv, HD, pos=None):
     for h in range(nh):
         kvh = h // group
         S = q[h] @ k[kvh].T * scale
+        if slopes is not None:  # ALiBi: + m_h (j - i)
+            S = S + float(slopes[h]) * (np.arange(T)[None, :] - np.arange(T)[:, None])
         S = np.where(mask, S, -np.inf)
         mx = S.max(axis=1, keepdims=True)
         P = np.exp(S - mx)
@@ -466,21 +495,27 @@ if __name__ == "__main__":
             k += 1
         return np.array(p[:T])
 
-    cases = [(100, 4, 2, 64, None), (70, 2, 1, 128, None), (64, 2, 2, 64, None), (1, 2, 1, 64, None),
-             (130, 4, 1, 64, None), (200, 2, 1, 64, positions(200, [1, 63, 64, 65, 3])),
-             (150, 2, 2, 128, positions(150, [100, 1, 1, 40])), (70, 2, 1, 64, positions(70, [1]))]
-    for (T, nh, nkv, HD, pos) in cases:
+    # ALiBi: the slopes of 6 heads of a 12-head model (a tensor-parallel slice: 2^-7, 2^-8, then
+    # steep ones), and of 4 heads with documents
+    cases = [(100, 4, 2, 64, None, None), (70, 2, 1, 128, None, None), (64, 2, 2, 64, None, None),
+             (1, 2, 1, 64, None, None), (130, 4, 1, 64, None, None),
+             (200, 2, 1, 64, positions(200, [1, 63, 64, 65, 3]), None),
+             (150, 2, 2, 128, positions(150, [100, 1, 1, 40]), None), (70, 2, 1, 64, positions(70, [1]), None),
+             (130, 6, 2, 64, None, alibi_slopes(12)[6:]), (100, 4, 2, 128, None, alibi_slopes(4)),
+             (150, 4, 1, 64, positions(150, [100, 1, 1, 40]), alibi_slopes(4))]
+    for (T, nh, nkv, HD, pos, slopes) in cases:
         q = bf16(rng.standard_normal((nh, T, HD)) * 1.5)
         k = bf16(rng.standard_normal((nkv, T, HD)) * 1.5)
         v = bf16(rng.standard_normal((nkv, T, HD)))
         do = bf16(rng.standard_normal((nh, T, HD)))
-        ro, rl, rdq, rdk, rdv = reference(q, k, v, do, T, nh, nkv, HD, pos)
-        out, lse = forward(q, k, v, T, nh, nkv, HD, pos)
+        ro, rl, rdq, rdk, rdv = reference(q, k, v, do, T, nh, nkv, HD, pos, slopes)
+        out, lse = forward(q, k, v, T, nh, nkv, HD, pos, slopes)
         delta = (do * bf16(ro)).sum(axis=2)
-        dq = backward_dq(q, k, v, do, rl, delta, T, nh, nkv, HD, pos)
-        dk, dv = backward_dkdv(q, k, v, do, rl, delta, T, nh, nkv, HD, pos)
+        dq = backward_dq(q, k, v, do, rl, delta, T, nh, nkv, HD, pos, slopes)
+        dk, dv = backward_dkdv(q, k, v, do, rl, delta, T, nh, nkv, HD, pos, slopes)
         errs = {"out": rel(out, ro), "lse": rel(lse, rl), "dq": rel(dq, rdq), "dk": rel(dk, rdk), "dv": rel(dv, rdv)}
-        name = f"T={T} nh={nh} nkv={nkv} HD={HD}" + ("" if pos is None else f" {int((pos == 0).sum())} documents")
+        name = (f"T={T} nh={nh} nkv={nkv} HD={HD}" + ("" if pos is None else f" {int((pos == 0).sum())} documents")
+                + ("" if slopes is None else " alibi"))
         print(f"{name}: " + " ".join(f"{k} {e:.2e}" for k, e in errs.items()))
         sys.stdout.flush()
         failed += [f"{name} {k} {e:.2e} > {BOUNDS[k]:.0e}" for k, e in errs.items() if not e <= BOUNDS[k]]

@@ -10,9 +10,14 @@
 //       3e-3 (out) and 6e-3 (gradients) - the bounds leave room for the worst shapes.
 //   a backward part whose CPU reference is zero up to rounding (dq, dk at T = 1):
 //       ||gpu - cpu|| <= 1e-4 absolute (see part_tol).
+//   ALiBi (AttnShape::alibi_slopes): the same bounds as without it. The plain kernels add the
+//       bias with the CPU's two roundings; the fused ones add it in log2 units by an fma, whose
+//       rounding differences (|bias| ulps, on probabilities near the row maximum where |bias|
+//       is small) are far below the bounds.
 #include <algorithm>
 
 #include "gpu_test_util.h"
+#include "kernels/alibi.h"
 
 using namespace keel;
 using namespace keel::test;
@@ -70,6 +75,16 @@ const AttnShape kShapes[] = {
     {3, 33, 4, 1, 128},   // multi-query
     {2, 50, 4, 2, 32},    // head_dim 32: plain kernels
 };
+
+// ALiBi slopes of heads [offset, offset + n) of a model with `total` heads: a tensor-parallel
+// rank's contiguous slice of keel::alibi_slopes(total), as an F32 host tensor [n].
+HostTensor alibi_host(int total, int offset, int n) {
+  const std::vector<float> all = alibi_slopes(total);
+  REQUIRE(offset + n <= total);
+  HostTensor h(DType::F32, {n});
+  h.set(std::vector<float>(all.begin() + offset, all.begin() + offset + n));
+  return h;
+}
 
 // Llama 3.1's scaled RoPE with a short original context, so that positions up to 300 reach
 // all three frequency bands.
@@ -287,4 +302,214 @@ TEST_CASE("gpu: attention_decode matches the CPU call for call, caches bit for b
         pos += n;
       }
     }
+}
+
+// ALiBi: S_ij += m_h (j - i) before the softmax, on the plain kernels (f32, head sizes the fused
+// kernels do not take, KEEL_ATTENTION=simple) and the fused ones (bf16/f16, head_dim 64/128):
+// the forward (out and lse, which includes the bias) and the backward (the recomputed P includes
+// the bias; the GPU gets the CPU's forward results). Slopes of a power-of-two head count, and
+// 6 heads sliced from a 12-head model at offset 6 (a tensor-parallel rank: slopes 2^-7, 2^-8,
+// then the interleaved 2^-0.5 .. 2^-3.5), with GQA, MQA and document masking. Same tolerances as
+// without ALiBi; each call again gives the same bits.
+TEST_CASE("gpu: ALiBi attention forward and backward match the CPU (plain and fused kernels)",
+          "[gpu][attention][alibi]") {
+  KEEL_GPU_OR_SKIP();
+  struct Case {
+    AttnShape s;
+    int total_heads, head_offset;  // slopes: alibi_slopes(total_heads)[head_offset, + n_heads)
+    std::vector<int> lengths;      // document lengths; empty: one sequence, plain causal
+  };
+  const std::vector<Case> cases = {
+      {{2, 37, 4, 2, 8}, 4, 0, {}},                              // tiny heads: plain kernels
+      {{2, 100, 4, 2, 64}, 4, 0, {}},                            // GQA, T not a multiple of the tiles
+      {{1, 257, 8, 2, 128}, 8, 0, {}},                           // group of 4, ragged last tile
+      {{3, 33, 4, 1, 128}, 4, 0, {}},                            // multi-query
+      {{1, 1, 2, 1, 64}, 2, 0, {}},                              // a single position (bias 0)
+      {{2, 130, 6, 2, 64}, 12, 6, {}},                           // 6 heads of 12 (TP rank 1 of 2), group 3
+      {{2, 50, 6, 3, 32}, 6, 0, {}},                             // 6 heads (non-power-of-two), hd 32: plain
+      {{2, 300, 4, 2, 64}, 4, 0, {1, 63, 64, 65, 3, 130, 7}},    // documents on and beside tile edges
+      {{1, 257, 6, 2, 128}, 12, 6, {100, 1, 1, 40, 200}},        // documents, TP slice, group 3
+      {{2, 130, 4, 1, 64}, 4, 0, {1}},                           // every row a document of its own
+  };
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (const Case& c : cases)
+      for (int simple = 0; simple < 2; ++simple) {
+        Backend& be = simple ? gpu_simple_attention() : gpu();
+        const AttnShape& s0 = c.s;
+        const bool fused = !simple && fused_applies(s0, dt);
+        INFO(dname(dt) << " " << shape_name(s0) << " alibi_slopes(" << c.total_heads << ")[" << c.head_offset
+                       << ", ...)" << (c.lengths.empty() ? "" : " documents") << (fused ? " fused" : " plain"));
+        const int64_t N = static_cast<int64_t>(s0.B) * s0.T, ocols = s0.n_heads * s0.head_dim;
+        const HostTensor slopes = alibi_host(c.total_heads, c.head_offset, s0.n_heads);
+        DeviceTensor dslopes = DeviceTensor::of(be, slopes);
+        HostTensor positions(DType::I32, {N});
+        if (!c.lengths.empty()) positions.set_i32(document_positions_of(s0.B, s0.T, c.lengths));
+        DeviceTensor dpositions = DeviceTensor::of(be, positions);
+        AttnShape s = s0, sd = s0;  // host and device views of the same call
+        s.alibi_slopes = slopes.t;
+        sd.alibi_slopes = dslopes.t;
+        if (!c.lengths.empty()) {
+          s.positions = positions.t;
+          sd.positions = dpositions.t;
+        }
+        const std::string what = std::string(dname(dt)) + (fused ? " fused" : " plain") + " alibi" +
+                                 (c.lengths.empty() ? "" : " documents");
+
+        HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 51, 1.5f), dy = rand_tensor(dt, {N, ocols}, 52);
+        HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
+        cpu().attention_forward(out.t, lse.t, qkv.t, s);
+        cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+
+        DeviceTensor dq = DeviceTensor::of(be, qkv);
+        DeviceTensor dout = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
+        DeviceTensor dlse = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+        be.attention_forward(dout.t, dlse.t, dq.t, sd);
+        const HostTensor got_out = dout.host(), got_lse = dlse.host();
+        KEEL_CHECK_ERR("attention_forward out", what, rel_err(got_out, out), fused ? 1e-2 : storage_tol(dt, 1e-5));
+        KEEL_CHECK_ERR("attention_forward lse", what, rel_err(got_lse, lse), fused ? 1e-5 : 1e-6);
+        be.attention_forward(dout.t, dlse.t, dq.t, sd);
+        CHECK(bits_differ(dout.host(), got_out) == 0);
+        CHECK(bits_differ(dlse.host(), got_lse) == 0);
+
+        dout.upload(out);  // the backward gets the CPU's forward results
+        dlse.upload(lse);
+        DeviceTensor ddy = DeviceTensor::of(be, dy), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
+        be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+        const HostTensor got = ddq.host();
+        const double tol = fused ? 2e-2 : storage_tol(dt, 1e-5);
+        for (int part = 0; part < 3; ++part) {
+          bool zero = false;
+          const double e = part_err(got, dqkv, s, part, &zero);
+          KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what + (zero ? " (abs, zero ref)" : ""), e,
+                         part_tol(tol, zero));
+        }
+        ddq.upload(filled(dt, {N, s.qkv_cols()}, NAN));
+        be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+        CHECK(bits_differ(ddq.host(), got) == 0);
+      }
+}
+
+// ALiBi at a training length: the bias reaches -m_h (T - 1) ~ -512 on the steepest head (slope
+// 1/4), where most of a row's keys underflow to P = 0, while the weakest (1/256) still sees all.
+TEST_CASE("gpu: fused ALiBi attention at a training length (T = 2048)", "[gpu][attention][alibi]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  AttnShape s{1, 2048, 4, 2, 64};
+  const std::string what = "bf16 fused alibi T=2048";
+  const DType dt = DType::BF16;
+  const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
+  const HostTensor slopes = alibi_host(s.n_heads, 0, s.n_heads);
+  DeviceTensor dslopes = DeviceTensor::of(be, slopes);
+  AttnShape sd = s;
+  s.alibi_slopes = slopes.t;
+  sd.alibi_slopes = dslopes.t;
+  HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 61, 2.0f), dy = rand_tensor(dt, {N, ocols}, 62);
+  HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
+  cpu().attention_forward(out.t, lse.t, qkv.t, s);
+  cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+  DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy);
+  DeviceTensor dout(be, out.t), dlse(be, lse.t), ddq(be, dqkv.t);
+  be.attention_forward(dout.t, dlse.t, dq.t, sd);
+  KEEL_CHECK_ERR("attention_forward out", what, rel_err(dout.host(), out), 1e-2);
+  KEEL_CHECK_ERR("attention_forward lse", what, rel_err(dlse.host(), lse), 1e-5);
+  dout.upload(out);
+  dlse.upload(lse);
+  be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+  const HostTensor got = ddq.host();
+  for (int part = 0; part < 3; ++part)
+    KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what, part_err(got, dqkv, s, part), 2e-2);
+}
+
+// ALiBi in generation: new row r at absolute position pos + r gets m_h (j - (pos + r)). The GPU
+// matches the CPU call for call (caches bit for bit), and the decoded rows match attention over
+// the whole sequence at once (rope_forward + attention_forward): on the CPU within the storage
+// bound, and on the GPU (the fused kernels for bf16) within the fused forward's bound.
+TEST_CASE("gpu: ALiBi attention_decode matches the CPU and full attention row for row",
+          "[gpu][attention][decode][alibi]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  struct Heads {
+    int nh, nkv, total, offset;
+  };
+  for (DType dt : {DType::F32, DType::BF16})
+    for (const Heads& hs : {Heads{4, 2, 4, 0}, Heads{6, 2, 12, 6}})
+      for (const Rope& theta : {Rope(0.0f), Rope(10000.0f)}) {
+        const int nh = hs.nh, nkv = hs.nkv, hd = 64;
+        const int64_t L = 40, kv_cols = nkv * hd, ocols = nh * hd;
+        const std::string what = std::string(dname(dt)) + " alibi nh=" + std::to_string(nh) + " rope " + theta.str();
+        INFO(what);
+        const HostTensor slopes = alibi_host(hs.total, hs.offset, nh);
+        DeviceTensor dslopes = DeviceTensor::of(be, slopes);
+        AttnShape sf{1, static_cast<int>(L), nh, nkv, hd};  // the whole sequence
+        sf.alibi_slopes = slopes.t;
+        const HostTensor full = rand_tensor(dt, {L, sf.qkv_cols()}, 71);
+        HostTensor kc(dt, {L, kv_cols}), vc(dt, {L, kv_cols});
+        DeviceTensor dkc(be, kc.t), dvc(be, vc.t);
+        HostTensor decoded = filled(dt, {L, ocols}, NAN);  // the GPU's decoded rows, in order
+        int64_t pos = 0;
+        for (int n : {20, 1, 1, 5, 13}) {
+          INFO("pos " << pos << " n " << n);
+          AttnShape s{1, n, nh, nkv, hd}, sd = s;
+          s.alibi_slopes = slopes.t;
+          sd.alibi_slopes = dslopes.t;
+          HostTensor qkv = rows_of(full, pos, pos + n);
+          HostTensor out = filled(dt, {n, ocols}, NAN);
+          DeviceTensor dq = DeviceTensor::of(be, qkv), dout = DeviceTensor::of(be, out);
+          cpu().attention_decode(out.t, qkv.t, kc.t, vc.t, s, pos, theta);
+          be.attention_decode(dout.t, dq.t, dkc.t, dvc.t, sd, pos, theta);
+          const HostTensor got = dout.host();
+          KEEL_CHECK_ERR("attention_decode out", what, rel_err(got, out), storage_tol(dt, 1e-5));
+          KEEL_CHECK_BITS("attention_decode qkv (RoPE in place)", what, dq.host(), qkv);
+          KEEL_CHECK_BITS("attention_decode k cache", what, dkc.host(), kc);
+          KEEL_CHECK_BITS("attention_decode v cache", what, dvc.host(), vc);
+          for (int64_t i = 0; i < n * ocols; ++i) decoded.put(pos * ocols + i, got.at(i));
+          pos += n;
+        }
+        // the whole sequence at once, positions 0 .. L-1
+        HostTensor roped = clone(full);
+        if (theta.rotates()) cpu().rope_forward(roped.t, sf, theta);
+        HostTensor out(dt, {L, ocols}), lse(DType::F32, {1, nh, L});
+        cpu().attention_forward(out.t, lse.t, roped.t, sf);
+        KEEL_CHECK_ERR("attention_decode vs attention_forward rows (CPU)", what, rel_err(decoded, out),
+                       storage_tol(dt, 1e-5));
+        AttnShape sfd = sf;
+        sfd.alibi_slopes = dslopes.t;
+        DeviceTensor dfull = DeviceTensor::of(be, full);
+        if (theta.rotates()) be.rope_forward(dfull.t, sfd, theta);
+        DeviceTensor dout = DeviceTensor::of(be, filled(dt, {L, ocols}, NAN));
+        DeviceTensor dlse = DeviceTensor::of(be, filled(DType::F32, {1, nh, L}, NAN));
+        be.attention_forward(dout.t, dlse.t, dfull.t, sfd);
+        const bool fused = fused_applies(sf, dt);
+        KEEL_CHECK_ERR("attention_decode vs attention_forward rows (GPU)", what + (fused ? " fused" : " plain"),
+                       rel_err(decoded, dout.host()), fused ? 1e-2 : storage_tol(dt, 1e-5));
+      }
+}
+
+TEST_CASE("gpu: attention ops reject malformed ALiBi slopes naming the op and the shapes",
+          "[gpu][attention][alibi][errors]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  using Catch::Contains;
+  const AttnShape s0{1, 4, 4, 2, 8};
+  DeviceTensor qkv(be, HostTensor(DType::F32, {4, 64}).t), dqkv(be, HostTensor(DType::F32, {4, 64}).t);
+  DeviceTensor o(be, HostTensor(DType::F32, {4, 32}).t), lse(be, HostTensor(DType::F32, {1, 4, 4}).t);
+  DeviceTensor kc(be, HostTensor(DType::F32, {8, 16}).t), vc(be, HostTensor(DType::F32, {8, 16}).t);
+  DeviceTensor three(be, HostTensor(DType::F32, {3}).t), half(be, HostTensor(DType::BF16, {4}).t);
+  HostTensor host(DType::F32, {4});
+  AttnShape s = s0;
+  s.alibi_slopes = three.t;  // one slope short
+  CHECK_THROWS_AS(be.attention_forward(o.t, lse.t, qkv.t, s), std::invalid_argument);
+  CHECK_THROWS_WITH(be.attention_forward(o.t, lse.t, qkv.t, s),
+                    Contains("CudaBackend::attention_forward") && Contains("alibi_slopes=[3] f32") &&
+                        Contains("n_heads=4"));
+  CHECK_THROWS_WITH(be.attention_backward(dqkv.t, o.t, qkv.t, o.t, lse.t, s),
+                    Contains("CudaBackend::attention_backward") && Contains("alibi_slopes=[3] f32"));
+  CHECK_THROWS_WITH(be.attention_decode(o.t, qkv.t, kc.t, vc.t, s, 0, Rope(0.0f)),
+                    Contains("CudaBackend::attention_decode") && Contains("alibi_slopes=[3] f32"));
+  s.alibi_slopes = half.t;  // not f32
+  CHECK_THROWS_WITH(be.attention_forward(o.t, lse.t, qkv.t, s),
+                    Contains("attention_forward") && Contains("alibi_slopes must be f32"));
+  s.alibi_slopes = host.t;  // not on the GPU
+  CHECK_THROWS_WITH(be.attention_forward(o.t, lse.t, qkv.t, s),
+                    Contains("attention_forward") && Contains("alibi_slopes is not a CUDA tensor"));
 }

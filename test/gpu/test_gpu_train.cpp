@@ -130,10 +130,11 @@ TEST_CASE("gpu: training steps track the CPU backend (Llama, GPT-2; fp32, bf16, 
   }
 }
 
-TEST_CASE("gpu: tiny GPT-2 and Llama match the HF oracle in fp32 (logits, loss, every gradient)", "[gpu][oracle]") {
+TEST_CASE("gpu: tiny GPT-2, Llama and BLOOM match the HF oracle in fp32 (logits, loss, every gradient)",
+          "[gpu][oracle]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
-  for (const char* name : {"gpt2_tiny", "llama_tiny"}) {
+  for (const char* name : {"gpt2_tiny", "llama_tiny", "bloom_tiny"}) {
     INFO(name);
     test::Fixture fx(name);
     ParamTable table(fx.model);
@@ -171,10 +172,10 @@ TEST_CASE("gpu: tiny GPT-2 and Llama match the HF oracle in fp32 (logits, loss, 
 
 // keel sample --device cuda: the KV-cached inference forward on the GPU, prefill then one token
 // at a time, against the float64 oracle logits (fp32, 1e-5 like the CPU's test).
-TEST_CASE("gpu: cached decoding reproduces the oracle logits (Llama GQA, GPT-2)", "[gpu][oracle][decode]") {
+TEST_CASE("gpu: cached decoding reproduces the oracle logits (Llama GQA, GPT-2, BLOOM's ALiBi)", "[gpu][oracle][decode]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
-  for (const char* name : {"llama_tiny", "gpt2_tiny"})
+  for (const char* name : {"llama_tiny", "gpt2_tiny", "bloom_tiny"})
     for (int prefill : {1, 6})
       for (double err : test::cached_logits_errors(name, prefill, be))
         KEEL_CHECK_ERR("decode logits vs oracle", std::string(name) + " prefill " + std::to_string(prefill), err, 1e-5);

@@ -1,5 +1,6 @@
-// RoPE and causal GQA attention.
+// RoPE and causal GQA attention, with and without ALiBi.
 #include "kernel_test_util.h"
+#include "kernels/alibi.h"
 
 // The Hugging Face recipe below rounds each product and sum to fp32 (PyTorch's elementwise
 // kernels do not fuse multiply-adds), so this file must not contract them either.
@@ -31,7 +32,8 @@ struct AttnRef {
 };
 
 // Causal softmax attention per (b, h, i) in double; query head h reads kv head h / group.
-AttnRef ref_attention(const HostTensor& qkv, const AttnShape& s) {
+// slopes: ALiBi's slope per query head (score += slope * (j - i)), or empty.
+AttnRef ref_attention(const HostTensor& qkv, const AttnShape& s, const std::vector<float>& slopes = {}) {
   const int64_t B = s.B, T = s.T, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim, cols = s.qkv_cols();
   AttnRef r;
   r.out.assign(B * T * nh * hd, 0.0);
@@ -51,6 +53,7 @@ AttnRef ref_attention(const HostTensor& qkv, const AttnShape& s) {
           double dot = 0;
           for (int64_t d = 0; d < hd; ++d) dot += q(d) * k(j, d);
           sc[j] = dot / std::sqrt(static_cast<double>(hd));
+          if (!slopes.empty()) sc[j] += static_cast<double>(slopes[h]) * static_cast<double>(j - i);
           m = std::max(m, sc[j]);
         }
         double l = 0;
@@ -187,4 +190,87 @@ TEST_CASE("attention backward matches finite differences (GQA and MHA)", "[atten
     const auto fd = numeric_grad(qkv.t.as<float>(), rows * cols, loss, kStepSmooth);
     CHECK(rel_error(to_double(dqkv.values()), fd) < 1e-4);
   }
+}
+
+// The slopes from the paper's recipe, exactly: powers of two for 8 heads; for 12 heads the 8
+// slopes of 8 heads, then every other slope of 16 heads (2^-0.5, 2^-1.5, ...), rounded once.
+TEST_CASE("alibi slopes: powers of two and the interleaved tail of a non-power-of-two head count", "[attention][alibi]") {
+  CHECK(alibi_slopes(1) == std::vector<float>{0.00390625f});  // 2^-8
+  CHECK(alibi_slopes(8) ==
+        std::vector<float>{0.5f, 0.25f, 0.125f, 0.0625f, 0.03125f, 0.015625f, 0.0078125f, 0.00390625f});
+  const std::vector<float> twelve = alibi_slopes(12);
+  REQUIRE(twelve.size() == 12);
+  for (int h = 0; h < 8; ++h) CHECK(twelve[static_cast<size_t>(h)] == std::ldexp(1.0f, -(h + 1)));
+  for (int k = 0; k < 4; ++k)
+    CHECK(twelve[static_cast<size_t>(8 + k)] == static_cast<float>(std::exp2(-0.5 - k)));
+  const std::vector<float> six = alibi_slopes(6);  // p = 4: 2^-2, 2^-4, 2^-6, 2^-8, then 2^-1, 2^-3
+  CHECK(six == std::vector<float>{0.25f, 0.0625f, 0.015625f, 0.00390625f, 0.5f, 0.125f});
+  CHECK_THROWS_WITH(alibi_slopes(0), Catch::Contains("n_heads must be positive"));
+}
+
+// Same tolerances as without ALiBi (out 1e-5, lse 1e-6): the bias adds one fp32 product and sum
+// per score. The shapes cover GQA, MHA and a TP rank's slice of a non-power-of-two head count.
+TEST_CASE("attention forward with ALiBi matches a double reference", "[attention][alibi]") {
+  auto be = make_cpu_backend();
+  struct Case {
+    AttnShape s;
+    int model_heads, first_head;  // the rank holds heads [first_head, first_head + s.n_heads)
+  };
+  for (const Case& c : {Case{{2, 13, 4, 2, 16}, 4, 0}, Case{{1, 9, 6, 6, 8}, 12, 6}, Case{{2, 17, 4, 1, 6}, 80, 40}})
+    for (DType dt : {DType::F32, DType::BF16}) {
+      AttnShape s = c.s;
+      CAPTURE(s.B, s.T, s.n_heads, s.n_kv_heads, c.model_heads, c.first_head, dtype_name(dt));
+      const std::vector<float> all = alibi_slopes(c.model_heads);
+      const std::vector<float> mine(all.begin() + c.first_head, all.begin() + c.first_head + s.n_heads);
+      HostTensor slopes = make(DType::F32, {s.n_heads}, mine);
+      s.alibi_slopes = slopes.t;
+      const int64_t rows = s.B * s.T, cols = s.qkv_cols();
+      HostTensor qkv = make(dt, {rows, cols}, randn(rows * cols, 1, 1.5f));
+      HostTensor out(DType::F32, {rows, static_cast<int64_t>(s.n_heads) * s.head_dim});
+      HostTensor lse(DType::F32, {s.B, s.n_heads, s.T});
+      be->attention_forward(out.t, lse.t, qkv.t, s);
+      const AttnRef ref = ref_attention(qkv, s, mine);
+      CHECK(rel_error(out.values(), ref.out) < 1e-5);
+      CHECK(rel_error(lse.values(), ref.lse) < 1e-6);
+      // The bias matters: without it the output is far from the reference.
+      const AttnRef plain = ref_attention(qkv, s);
+      CHECK(rel_error(out.values(), plain.out) > 1e-2);
+    }
+}
+
+// As without ALiBi: h = 1/32, tolerance 1e-4. Slopes up to 0.5 over T = 7 keep the scores O(1).
+TEST_CASE("attention backward with ALiBi matches finite differences", "[attention][alibi][grad]") {
+  auto be = make_cpu_backend();
+  for (AttnShape s : {AttnShape{2, 7, 4, 2, 8}, AttnShape{1, 7, 6, 3, 4}}) {
+    CAPTURE(s.n_heads, s.n_kv_heads);
+    HostTensor slopes = make(DType::F32, {s.n_heads}, alibi_slopes(s.n_heads));
+    s.alibi_slopes = slopes.t;
+    const int64_t rows = s.B * s.T, cols = s.qkv_cols(), ocols = static_cast<int64_t>(s.n_heads) * s.head_dim;
+    HostTensor qkv = make(DType::F32, {rows, cols}, randn_grid(rows * cols, 10));
+    HostTensor out(DType::F32, {rows, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T});
+    const std::vector<float> r = randn(rows * ocols, 11);
+    auto loss = [&] {
+      be->attention_forward(out.t, lse.t, qkv.t, s);
+      return dot_loss(out, to_double(r));
+    };
+    loss();
+    HostTensor dout = make(DType::F32, {rows, ocols}, r);
+    HostTensor dqkv = make(DType::F32, {rows, cols}, randn(rows * cols, 12));  // overwritten
+    be->attention_backward(dqkv.t, dout.t, qkv.t, out.t, lse.t, s);
+    const auto fd = numeric_grad(qkv.t.as<float>(), rows * cols, loss, kStepSmooth);
+    CHECK(rel_error(to_double(dqkv.values()), fd) < 1e-4);
+  }
+}
+
+TEST_CASE("attention refuses ALiBi slopes of the wrong count or dtype", "[attention][alibi][errors]") {
+  auto be = make_cpu_backend();
+  AttnShape s{1, 4, 4, 2, 8};
+  HostTensor qkv(DType::F32, {4, s.qkv_cols()}), out(DType::F32, {4, 32}), lse(DType::F32, {1, 4, 4});
+  HostTensor three = make(DType::F32, {3}, {0.5f, 0.25f, 0.125f});
+  s.alibi_slopes = three.t;
+  CHECK_THROWS_WITH(be->attention_forward(out.t, lse.t, qkv.t, s),
+                    Catch::Contains("attention_forward") && Catch::Contains("one slope per query head (4)"));
+  HostTensor bf = make(DType::BF16, {4}, alibi_slopes(4));
+  s.alibi_slopes = bf.t;
+  CHECK_THROWS_WITH(be->attention_forward(out.t, lse.t, qkv.t, s), Catch::Contains("alibi_slopes"));
 }

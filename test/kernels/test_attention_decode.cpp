@@ -4,14 +4,17 @@
 #include <catch2/catch.hpp>
 
 #include "kernel_test_util.h"
+#include "kernels/alibi.h"
 
 using namespace keel;
 using namespace keel::test;
 
 namespace {
 
-void check_decode_equals_forward(const AttnShape& full, DType dt, const Rope& theta, int64_t prefill) {
+void check_decode_equals_forward(AttnShape full, DType dt, const Rope& theta, int64_t prefill, bool alibi = false) {
   auto be = make_cpu_backend();
+  HostTensor slopes = make(DType::F32, {full.n_heads}, alibi_slopes(full.n_heads));
+  if (alibi) full.alibi_slopes = slopes.t;
   const int64_t T = full.T, cols = full.qkv_cols(), q_cols = static_cast<int64_t>(full.n_heads) * full.head_dim;
   const int64_t kv_cols = static_cast<int64_t>(full.n_kv_heads) * full.head_dim;
   HostTensor qkv = make(dt, {T, cols}, randn(T * cols, 11, 1.5f));
@@ -60,6 +63,17 @@ TEST_CASE("attention_decode equals rope + attention_forward row for row, bit for
           CAPTURE(s.T, s.n_heads, s.n_kv_heads, s.head_dim, dtype_name(dt), theta.str(), prefill);
           check_decode_equals_forward(s, dt, theta, prefill);
         }
+}
+
+// ALiBi (no rotation, as BLOOM): the bias of key j for the new row at absolute position i.
+TEST_CASE("attention_decode with ALiBi equals attention_forward row for row, bit for bit",
+          "[attention][decode][alibi]") {
+  for (AttnShape s : {AttnShape{1, 13, 4, 2, 16}, AttnShape{1, 9, 3, 3, 8}, AttnShape{1, 11, 6, 6, 4}})
+    for (DType dt : {DType::F32, DType::BF16})
+      for (int64_t prefill : {int64_t{1}, int64_t{5}}) {
+        CAPTURE(s.T, s.n_heads, s.n_kv_heads, s.head_dim, dtype_name(dt), prefill);
+        check_decode_equals_forward(s, dt, Rope(0.0f), prefill, true);
+      }
 }
 
 TEST_CASE("attention_decode checks its shapes and positions", "[attention][decode]") {

@@ -5,6 +5,7 @@
 // outputs, lse, and the backward's dq, dk, dv.
 #include "kernel_test_util.h"
 
+#include "kernels/alibi.h"
 #include "kernels/document_positions.h"
 
 using namespace keel;
@@ -114,6 +115,38 @@ TEST_CASE("rope and attention with document positions compute each document as i
       CHECK(bits_differ(same.lse, causal.lse) == 0);
       CHECK(bits_differ(same.dqkv, causal.dqkv) == 0);
     }
+}
+
+// ALiBi's bias depends on j - i only, so a packed document sees the biases it would see alone.
+TEST_CASE("attention with ALiBi and document positions computes each document as if alone, bit for bit",
+          "[documents][attention][alibi]") {
+  auto be = make_cpu_backend();
+  const std::vector<int> lengths = {5, 1, 11, 7, 9, 15};  // sequence 0: 5+1+11+7, sequence 1: 9+15
+  AttnShape s{2, 24, 6, 3, 8};
+  const int64_t rows = s.B * s.T, cols = s.qkv_cols(), ocols = static_cast<int64_t>(s.n_heads) * s.head_dim;
+  HostTensor positions(DType::I32, {rows});
+  positions.set_i32(document_positions_of(2, 24, lengths));
+  HostTensor slopes = make(DType::F32, {s.n_heads}, alibi_slopes(s.n_heads));
+  s.alibi_slopes = slopes.t;
+  const Rope none(0.0f);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    CAPTURE(dtype_name(dt));
+    const HostTensor qkv = make(dt, {rows, cols}, randn(rows * cols, 23, 1.5f));
+    const HostTensor dout = make(dt, {rows, ocols}, randn(rows * ocols, 24));
+    AttnShape masked = s;
+    masked.positions = positions.t;
+    const AttnPass packed = attention_pass(*be, qkv, dout, masked, none);
+    int64_t r0 = 0;
+    for (int len : lengths) {
+      CAPTURE(r0, len);
+      AttnShape one{1, len, s.n_heads, s.n_kv_heads, s.head_dim};
+      one.alibi_slopes = slopes.t;
+      const AttnPass alone = attention_pass(*be, rows_of(qkv, r0, r0 + len), rows_of(dout, r0, r0 + len), one, none);
+      CHECK(row_bits(packed.out, r0, len) == all_bits(alone.out));
+      CHECK(row_bits(packed.dqkv, r0, len) == all_bits(alone.dqkv));
+      r0 += len;
+    }
+  }
 }
 
 TEST_CASE("the learned position embedding follows document positions", "[documents][embedding]") {

@@ -1,5 +1,6 @@
 // keel's CPU model against the PyTorch/HF oracle (scripts/make_fixtures.py): logits, loss and
-// every parameter gradient of a tiny GPT-2 and a tiny Llama with GQA, in fp32.
+// every parameter gradient of a tiny GPT-2, a tiny Llama with GQA and a tiny BLOOM (gpt2 blocks
+// with ALiBi over 6 heads and an embedding LayerNorm; HF's BloomForCausalLM), in fp32.
 //
 // Tolerances: the oracle is float64; keel computes in fp32 with sums of at most a few hundred
 // terms, so relative errors are a few 1e-7. We require ||keel - oracle|| / ||oracle|| <= 1e-5
@@ -52,6 +53,11 @@ TEST_CASE("tiny GPT-2 matches the HF oracle: logits, loss, every gradient", "[mo
 
 TEST_CASE("tiny Llama with GQA matches the HF oracle: logits, loss, every gradient", "[model][oracle]") {
   check_fixture("llama_tiny");
+}
+
+TEST_CASE("tiny BLOOM (ALiBi, embedding LayerNorm) matches the HF oracle: logits, loss, every gradient",
+          "[model][oracle]") {
+  check_fixture("bloom_tiny");
 }
 
 TEST_CASE("parameter table: names, roles, decay by role, fused groups back to back", "[model][params]") {

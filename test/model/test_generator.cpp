@@ -34,6 +34,11 @@ TEST_CASE("generator: cached decoding reproduces the oracle logits (GPT-2)", "[g
   check_cached_logits("gpt2_tiny", 6);
 }
 
+TEST_CASE("generator: cached decoding reproduces the oracle logits (BLOOM: ALiBi, embedding norm)", "[generator]") {
+  check_cached_logits("bloom_tiny", 1);
+  check_cached_logits("bloom_tiny", 6);
+}
+
 TEST_CASE("generator: greedy and seeded sampling", "[generator]") {
   test::Fixture fx("llama_tiny");
   ParamTable table(fx.model);

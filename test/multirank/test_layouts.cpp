@@ -258,6 +258,33 @@ TEST_CASE("document masking trains alike under TP, SP, PP and DP (fp32, both fam
   }
 }
 
+TEST_CASE("ALiBi and the embedding norm (BLOOM's options) train alike under TP, SP, PP and DP (fp32)",
+          "[mpi][layouts][alibi]") {
+  // TP ranks hold slices of the heads, so each must take its heads' slopes; the embedding norm
+  // lives on the first stage, and under SP its gradient is a partial sum over TP like the other
+  // norms'. gpt2 + both options is BLOOM's block; llama takes them too (RMSNorm, GQA).
+  const std::string bloom = "--set model.position_embedding=alibi --set model.embedding_norm=true";
+  for (const std::string family : {"gpt2", "llama"}) {
+    test::Workspace ws(model_patch(family));
+    const Run ref = train(ws, ws.dir / "single", {1, 1, 1}, bloom);
+    INFO(ref.output);
+    REQUIRE(ref.code == 0);
+    REQUIRE(ref.records.size() == 6);
+    const Run plain = train(ws, ws.dir / "plain", {1, 1, 1});
+    REQUIRE(plain.code == 0);
+    CHECK(plain.records[0]["loss"].get<double>() != ref.records[0]["loss"].get<double>());  // the options are on
+    std::vector<std::pair<Layout, std::string>> layouts = {{{4, 2, 1}, "--set parallel.sequence_parallel=true"}};
+    if (family == "gpt2") layouts.insert(layouts.end(), {{{2, 2, 2}, ""}, {{1, 4, 2}, ""}});
+    for (const auto& [l, extra] : layouts) {
+      INFO(family << " " << l.str() << " " << extra);
+      const Run got = train(ws, ws.dir / l.dir("alibi"), l, bloom + " " + extra);
+      INFO(got.output);
+      REQUIRE(got.code == 0);
+      compare(ref, got, 1e-5, 1e-5, 1e-4);
+    }
+  }
+}
+
 TEST_CASE("the interleaved pipeline (virtual stages) trains like plain 1F1B, and its checkpoints resume under 1F1B",
           "[mpi][layouts][interleaved]") {
   // The same layers, the same micro-batch order per layer and the same reductions: the losses

@@ -70,3 +70,6 @@ void check_adamw(const std::string& name) {
 
 TEST_CASE("AdamW steps of tiny GPT-2 match torch.optim.AdamW", "[train][oracle]") { check_adamw("gpt2_tiny"); }
 TEST_CASE("AdamW steps of tiny Llama match torch.optim.AdamW", "[train][oracle]") { check_adamw("llama_tiny"); }
+TEST_CASE("AdamW steps of tiny BLOOM (ALiBi, embedding norm) match torch.optim.AdamW", "[train][oracle]") {
+  check_adamw("bloom_tiny");
+}

@@ -86,6 +86,42 @@ TEST_CASE("stop at N/2, resume, N/2 more: the same losses bit for bit and bitwis
   CHECK_FALSE(fs::exists(ws.dir / "split/checkpoints/step_00000032"));
 }
 
+// BLOOM's options change the network (ALiBi has no position table in gpt2 and no RoPE in llama:
+// the same tensors): resuming across them is refused by field, in both directions.
+TEST_CASE("ALiBi and the embedding norm resume exactly, and a checkpoint is not resumed across them",
+          "[ckpt][cli][resume][alibi]") {
+  test::Workspace ws(kRun);
+  const std::string bloom = "--set model.position_embedding=alibi --set model.embedding_norm=true --steps 12 ";
+  auto straight = run_keel(train_args(ws, ws.dir / "straight", bloom));
+  INFO(straight.output);
+  REQUIRE(straight.code == 0);
+  auto first = run_keel(train_args(ws, ws.dir / "split", bloom + "--stop-at 6"));
+  REQUIRE(first.code == 4);
+  auto second = run_keel(train_args(ws, ws.dir / "split", bloom));
+  INFO(second.output);
+  REQUIRE(second.code == 0);
+  auto a = test::losses_by_step(test::read_metrics(ws.dir / "straight/metrics.jsonl"));
+  auto b = test::losses_by_step(test::read_metrics(ws.dir / "split/metrics.jsonl"));
+  REQUIRE(a.size() == 12);
+  CHECK(a == b);
+
+  // Without the options: refused, naming both fields; the checkpoint is left as it was.
+  const std::string ck = ws.dir / "straight/checkpoints/step_00000012";
+  auto plain = run_keel(train_args(ws, ws.dir / "plain", "--steps 12 --resume " + ck));
+  INFO(plain.output);
+  CHECK(plain.code == 5);
+  CHECK_THAT(plain.output, Catch::Contains("saved for another model") &&
+                               Catch::Contains("model.position_embedding: checkpoint \"alibi\", config -") &&
+                               Catch::Contains("model.embedding_norm: checkpoint true, config -"));
+  CHECK(run_keel("ckpt verify " + ck).code == 0);
+  // And the other way: a plain checkpoint is not resumed with ALiBi.
+  REQUIRE(run_keel(train_args(ws, ws.dir / "p", "--steps 4")).code == 0);
+  auto other = run_keel(train_args(ws, ws.dir / "q", "--set model.position_embedding=alibi --steps 4 --resume " +
+                                                        (ws.dir / "p/checkpoints/step_00000004")));
+  CHECK(other.code == 5);
+  CHECK_THAT(other.output, Catch::Contains("model.position_embedding: checkpoint -, config \"alibi\""));
+}
+
 TEST_CASE("checkpoint.async: background saves hold the bits of foreground ones, and a resume from them is exact",
           "[ckpt][cli][resume][async]") {
   test::Workspace ws(kRun);

@@ -49,6 +49,42 @@ TEST_CASE("model.rope_scaling: Llama 3's scaling round-trips, GPT-2 has no RoPE 
                     Catch::Contains("model.rope_scaling: gpt2 has learned positions"));
 }
 
+TEST_CASE("model.position_embedding and model.embedding_norm: per family, round trip, errors", "[config][alibi]") {
+  const RunConfig bloom = test::make_config(test::tiny_run_json("gpt2"),
+                                            {{"model", {{"position_embedding", "alibi"}, {"embedding_norm", true}}}});
+  CHECK(bloom.model.alibi);
+  CHECK(bloom.model.embedding_norm);
+  CHECK_FALSE(bloom.model.learned_positions());
+  CHECK_FALSE(bloom.model.rope().rotates());
+  const RunConfig again = parse_config(to_json(bloom), "again");
+  CHECK((again.model.alibi && again.model.embedding_norm));
+  // The family's default is not written, so older checkpoints' configs compare equal.
+  const nlohmann::json plain = to_json(test::make_config(test::tiny_run_json("llama")));
+  CHECK_FALSE(plain.at("model").contains("position_embedding"));
+  CHECK_FALSE(plain.at("model").contains("embedding_norm"));
+  CHECK(test::make_config(test::tiny_run_json("llama"), {{"model", {{"position_embedding", "rope"}}}}).model.rope().rotates());
+  CHECK_FALSE(
+      test::make_config(test::tiny_run_json("llama"), {{"model", {{"position_embedding", "alibi"}}}}).model.rope().rotates());
+  // The tensors follow: no pos_embed with ALiBi, an embed_norm (never decayed) with the option.
+  const ParamTable t(bloom.model);
+  CHECK_FALSE(t.contains("pos_embed"));
+  CHECK(t.at("embed_norm.weight").role == Role::Norm);
+  CHECK_FALSE(t.at("embed_norm.weight").decay);
+  CHECK_FALSE(t.at("embed_norm.bias").decay);
+
+  auto fails_with = [](const std::string& family, const nlohmann::json& model, const std::string& needle) {
+    INFO(family << " " << model.dump() << " should fail mentioning " << needle);
+    CHECK_THROWS_WITH(test::make_config(test::tiny_run_json(family), {{"model", model}}), Catch::Contains(needle));
+  };
+  fails_with("gpt2", {{"position_embedding", "rope"}}, "model.position_embedding: gpt2 takes \"learned\" or \"alibi\"");
+  fails_with("llama", {{"position_embedding", "learned"}}, "model.position_embedding: llama takes \"rope\" or \"alibi\"");
+  fails_with("llama", {{"position_embedding", "sinusoidal"}},
+             "model.position_embedding: \"sinusoidal\" is not allowed (allowed: learned, rope, alibi)");
+  fails_with("llama", {{"position_embedding", "alibi"}, {"rope_scaling", {{"type", "llama3"}}}},
+             "model.rope_scaling: position_embedding \"alibi\" has no RoPE to scale");
+  fails_with("gpt2", {{"embedding_norm", "yes"}}, "model.embedding_norm");
+}
+
 TEST_CASE("config errors name the field, the bad value and the allowed values", "[config]") {
   auto base = test::tiny_run_json();
   auto fails_with = [&](const nlohmann::json& patch, const std::string& needle) {
