@@ -856,6 +856,19 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
   return ck.progress();
 }
 
+namespace {
+// Llama weights trained with RoPE load into an ALiBi model and back (the same tensors; a change
+// of embedding_norm, or gpt2's position table, is a tensor mismatch), but they meet another
+// network: say so, since restart verification will then see another loss.
+std::string position_change_note(const Checkpoint& ck, const ModelConfig& now) {
+  const json saved = ck.meta().value("config", json::object()).value("model", json::object());
+  const std::string before = saved.value("position_embedding", now.is_gpt2() ? "learned" : "rope");
+  if (before == now.position_embedding()) return "";
+  return "; NOTE: the checkpoint was trained with model.position_embedding \"" + before + "\", this run uses \"" +
+         now.position_embedding() + "\"";
+}
+}  // namespace
+
 std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, ParamState& state, Backend& backend,
                               const RankPlace& place) {
   auto from = master_source(ck, table);
@@ -880,7 +893,7 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
          "; fp32 masters = their exact values, working weights rounded to " +
          std::string(dtype_name(state.working.dtype)) +
          "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules; the checkpoint's optimizer "
-         "state (if any) is not used";
+         "state (if any) is not used" + position_change_note(ck, table.config());
 }
 
 // ======================================================================================

@@ -120,6 +120,13 @@ TEST_CASE("ALiBi and the embedding norm resume exactly, and a checkpoint is not 
                                                         (ws.dir / "p/checkpoints/step_00000004")));
   CHECK(other.code == 5);
   CHECK_THAT(other.output, Catch::Contains("model.position_embedding: checkpoint -, config \"alibi\""));
+  // Llama's RoPE weights may start an ALiBi run (the same tensors), and the run says what changed.
+  auto init = run_keel(train_args(ws, ws.dir / "r", "--set model.position_embedding=alibi --steps 4 --init-from " +
+                                                       (ws.dir / "p/checkpoints/step_00000004")));
+  INFO(init.output);
+  CHECK(init.code == 0);
+  CHECK_THAT(init.output, Catch::Contains("NOTE: the checkpoint was trained with model.position_embedding \"rope\", "
+                                          "this run uses \"alibi\""));
 }
 
 TEST_CASE("checkpoint.async: background saves hold the bits of foreground ones, and a resume from them is exact",
