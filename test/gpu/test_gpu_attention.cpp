@@ -66,6 +66,52 @@ bool fused_applies(const AttnShape& s, DType dt) {
   return (dt == DType::BF16 || dt == DType::F16) && (s.head_dim == 64 || s.head_dim == 128);
 }
 
+// attention_forward and attention_backward of `be` on qkv (after RoPE, if any) against the CPU.
+// s: the call with host tensors (positions, slopes), sd: the same with device tensors. Bounds:
+// fused out 1e-2, lse 1e-5, dq/dk/dv 2e-2; plain storage_tol(dt, 1e-5), 1e-6, storage_tol(dt,
+// 1e-5) (part_tol where a reference part is zero). The backward gets the CPU's forward results.
+// repeat: each call a second time gives the same bits. Returns the CPU's dqkv.
+HostTensor check_attention_vs_cpu(Backend& be, const HostTensor& qkv, const HostTensor& dy, const AttnShape& s,
+                            const AttnShape& sd, bool fused, const std::string& what, bool repeat) {
+  const DType dt = qkv.t.dtype;
+  const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
+  HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
+  cpu().attention_forward(out.t, lse.t, qkv.t, s);
+  cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+
+  DeviceTensor dq = DeviceTensor::of(be, qkv);
+  DeviceTensor dout = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
+  DeviceTensor dlse = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+  be.attention_forward(dout.t, dlse.t, dq.t, sd);
+  const HostTensor got_out = dout.host(), got_lse = dlse.host();
+  KEEL_CHECK_ERR("attention_forward out", what, rel_err(got_out, out), fused ? 1e-2 : storage_tol(dt, 1e-5));
+  KEEL_CHECK_ERR("attention_forward lse", what, rel_err(got_lse, lse), fused ? 1e-5 : 1e-6);
+  if (repeat) {
+    be.attention_forward(dout.t, dlse.t, dq.t, sd);
+    CHECK(bits_differ(dout.host(), got_out) == 0);
+    CHECK(bits_differ(dlse.host(), got_lse) == 0);
+  }
+
+  dout.upload(out);
+  dlse.upload(lse);
+  DeviceTensor ddy = DeviceTensor::of(be, dy), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
+  be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+  const HostTensor got = ddq.host();
+  const double tol = fused ? 2e-2 : storage_tol(dt, 1e-5);
+  for (int part = 0; part < 3; ++part) {
+    bool zero = false;
+    const double e = part_err(got, dqkv, s, part, &zero);
+    KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what + (zero ? " (abs, zero ref)" : ""), e,
+                   part_tol(tol, zero));
+  }
+  if (repeat) {
+    ddq.upload(filled(dt, {N, s.qkv_cols()}, NAN));
+    be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+    CHECK(bits_differ(ddq.host(), got) == 0);
+  }
+  return dqkv;
+}
+
 const AttnShape kShapes[] = {
     {2, 37, 4, 2, 8},     // tiny heads: plain kernels
     {2, 100, 4, 2, 64},   // GQA, T not a multiple of the tiles
@@ -220,27 +266,8 @@ TEST_CASE("gpu: document-masked rope and attention match the CPU (plain and fuse
         be.rope_forward(dq.t, sd, llama3_rope());
         KEEL_CHECK_BITS("rope_forward", what, dq.host(), roped);
 
-        HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
-        cpu().attention_forward(out.t, lse.t, roped.t, s);
-        cpu().attention_backward(dqkv.t, dy.t, roped.t, out.t, lse.t, s);
-        DeviceTensor dout = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
-        DeviceTensor dlse = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
-        be.attention_forward(dout.t, dlse.t, dq.t, sd);
-        KEEL_CHECK_ERR("attention_forward out", what, rel_err(dout.host(), out), fused ? 1e-2 : storage_tol(dt, 1e-5));
-        KEEL_CHECK_ERR("attention_forward lse", what, rel_err(dlse.host(), lse), fused ? 1e-5 : 1e-6);
-
-        dout.upload(out);  // the backward gets the CPU's forward results
-        dlse.upload(lse);
-        DeviceTensor ddy = DeviceTensor::of(be, dy), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
-        be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
-        const HostTensor got = ddq.host();
-        const double tol = fused ? 2e-2 : storage_tol(dt, 1e-5);
-        for (int part = 0; part < 3; ++part) {
-          bool zero = false;
-          const double e = part_err(got, dqkv, s, part, &zero);
-          KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what + (zero ? " (abs, zero ref)" : ""), e,
-                         part_tol(tol, zero));
-        }
+        // (the GPU's roped q and k are the CPU's bits, checked above)
+        const HostTensor dqkv = check_attention_vs_cpu(be, roped, dy, s, sd, fused, what, false);
         HostTensor back = clone(dqkv);
         cpu().rope_backward(back.t, s, llama3_rope());
         DeviceTensor dback = DeviceTensor::of(be, dqkv);
@@ -251,27 +278,12 @@ TEST_CASE("gpu: document-masked rope and attention match the CPU (plain and fuse
 
 TEST_CASE("gpu: fused attention at training lengths (T = 1024, 2048)", "[gpu][attention]") {
   KEEL_GPU_OR_SKIP();
-  Backend& be = gpu();
   for (const AttnShape& s : {AttnShape{1, 1024, 2, 1, 128}, AttnShape{1, 2048, 2, 2, 64}}) {
     INFO(shape_name(s));
     const DType dt = DType::BF16;
     const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
     HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 21, 2.0f), dy = rand_tensor(dt, {N, ocols}, 22);
-    HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
-    cpu().attention_forward(out.t, lse.t, qkv.t, s);
-    cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
-    DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy);
-    DeviceTensor dout(be, out.t), dlse(be, lse.t), ddq(be, dqkv.t);
-    be.attention_forward(dout.t, dlse.t, dq.t, s);
-    KEEL_CHECK_ERR("attention_forward out", "bf16 fused T=" + std::to_string(s.T), rel_err(dout.host(), out), 1e-2);
-    KEEL_CHECK_ERR("attention_forward lse", "bf16 fused T=" + std::to_string(s.T), rel_err(dlse.host(), lse), 1e-5);
-    dout.upload(out);
-    dlse.upload(lse);
-    be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, s);
-    const HostTensor got = ddq.host();
-    for (int part = 0; part < 3; ++part)
-      KEEL_CHECK_ERR(std::string("attention_backward ") + "d" + "qkv"[part], "bf16 fused T=" + std::to_string(s.T),
-                     part_err(got, dqkv, s, part), 2e-2);
+    check_attention_vs_cpu(gpu(), qkv, dy, s, s, true, "bf16 fused T=" + std::to_string(s.T), false);
   }
 }
 
@@ -356,36 +368,7 @@ TEST_CASE("gpu: ALiBi attention forward and backward match the CPU (plain and fu
                                  (c.lengths.empty() ? "" : " documents");
 
         HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 51, 1.5f), dy = rand_tensor(dt, {N, ocols}, 52);
-        HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
-        cpu().attention_forward(out.t, lse.t, qkv.t, s);
-        cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
-
-        DeviceTensor dq = DeviceTensor::of(be, qkv);
-        DeviceTensor dout = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
-        DeviceTensor dlse = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
-        be.attention_forward(dout.t, dlse.t, dq.t, sd);
-        const HostTensor got_out = dout.host(), got_lse = dlse.host();
-        KEEL_CHECK_ERR("attention_forward out", what, rel_err(got_out, out), fused ? 1e-2 : storage_tol(dt, 1e-5));
-        KEEL_CHECK_ERR("attention_forward lse", what, rel_err(got_lse, lse), fused ? 1e-5 : 1e-6);
-        be.attention_forward(dout.t, dlse.t, dq.t, sd);
-        CHECK(bits_differ(dout.host(), got_out) == 0);
-        CHECK(bits_differ(dlse.host(), got_lse) == 0);
-
-        dout.upload(out);  // the backward gets the CPU's forward results
-        dlse.upload(lse);
-        DeviceTensor ddy = DeviceTensor::of(be, dy), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
-        be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
-        const HostTensor got = ddq.host();
-        const double tol = fused ? 2e-2 : storage_tol(dt, 1e-5);
-        for (int part = 0; part < 3; ++part) {
-          bool zero = false;
-          const double e = part_err(got, dqkv, s, part, &zero);
-          KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what + (zero ? " (abs, zero ref)" : ""), e,
-                         part_tol(tol, zero));
-        }
-        ddq.upload(filled(dt, {N, s.qkv_cols()}, NAN));
-        be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
-        CHECK(bits_differ(ddq.host(), got) == 0);
+        check_attention_vs_cpu(be, qkv, dy, s, sd, fused, what, true);
       }
 }
 
@@ -395,7 +378,6 @@ TEST_CASE("gpu: fused ALiBi attention at a training length (T = 2048)", "[gpu][a
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
   AttnShape s{1, 2048, 4, 2, 64};
-  const std::string what = "bf16 fused alibi T=2048";
   const DType dt = DType::BF16;
   const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
   const HostTensor slopes = alibi_host(s.n_heads, 0, s.n_heads);
@@ -404,20 +386,7 @@ TEST_CASE("gpu: fused ALiBi attention at a training length (T = 2048)", "[gpu][a
   s.alibi_slopes = slopes.t;
   sd.alibi_slopes = dslopes.t;
   HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 61, 2.0f), dy = rand_tensor(dt, {N, ocols}, 62);
-  HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
-  cpu().attention_forward(out.t, lse.t, qkv.t, s);
-  cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
-  DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy);
-  DeviceTensor dout(be, out.t), dlse(be, lse.t), ddq(be, dqkv.t);
-  be.attention_forward(dout.t, dlse.t, dq.t, sd);
-  KEEL_CHECK_ERR("attention_forward out", what, rel_err(dout.host(), out), 1e-2);
-  KEEL_CHECK_ERR("attention_forward lse", what, rel_err(dlse.host(), lse), 1e-5);
-  dout.upload(out);
-  dlse.upload(lse);
-  be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
-  const HostTensor got = ddq.host();
-  for (int part = 0; part < 3; ++part)
-    KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what, part_err(got, dqkv, s, part), 2e-2);
+  check_attention_vs_cpu(be, qkv, dy, s, sd, true, "bf16 fused alibi T=2048", false);
 }
 
 // ALiBi in generation: new row r at absolute position pos + r gets m_h (j - (pos + r)). The GPU

@@ -233,29 +233,41 @@ TEST_CASE("a chunked head trains like the whole head under TP, SP and PP (fp32, 
   }
 }
 
+namespace {
+
+// An option that changes the computation (`option`: --set flags), for one family: the
+// single-process run with it differs from the one without (the option is on), and each layout
+// with it tracks the single process with it (fp32 bounds of check_family).
+void check_option_layouts(const std::string& family, const std::string& option,
+                          const std::vector<std::pair<Layout, std::string>>& layouts) {
+  test::Workspace ws(model_patch(family));
+  const Run ref = train(ws, ws.dir / "single", {1, 1, 1}, option);
+  INFO(ref.output);
+  REQUIRE(ref.code == 0);
+  REQUIRE(ref.records.size() == 6);
+  const Run plain = train(ws, ws.dir / "plain", {1, 1, 1});
+  REQUIRE(plain.code == 0);
+  CHECK(plain.records[0]["loss"].get<double>() != ref.records[0]["loss"].get<double>());
+  for (const auto& [l, extra] : layouts) {
+    INFO(family << " " << l.str() << " " << option << " " << extra);
+    const Run got = train(ws, ws.dir / l.dir("opt"), l, option + " " + extra);
+    INFO(got.output);
+    REQUIRE(got.code == 0);
+    compare(ref, got, 1e-5, 1e-5, 1e-4);
+  }
+}
+
+const std::string kSequenceParallel = "--set parallel.sequence_parallel=true";
+
+}  // namespace
+
 TEST_CASE("document masking trains alike under TP, SP, PP and DP (fp32, both families)", "[mpi][layouts][documents]") {
   // Every rank derives the micro-batches' document positions from the same tokens, and the
   // stages without the embedding need them too (attention). Token 5 ends a document: one token
   // in 32 of the synthetic stream, so about 40% of the sequences of 16 hold two documents.
-  const std::string masking = "--set data.document_masking=true --set data.eod_token=5";
-  for (const std::string family : {"llama", "gpt2"}) {
-    test::Workspace ws(model_patch(family));
-    const Run ref = train(ws, ws.dir / "single", {1, 1, 1}, masking);
-    INFO(ref.output);
-    REQUIRE(ref.code == 0);
-    REQUIRE(ref.records.size() == 6);
-    const Run plain = train(ws, ws.dir / "plain", {1, 1, 1});
-    REQUIRE(plain.code == 0);
-    CHECK(plain.records[0]["loss"].get<double>() != ref.records[0]["loss"].get<double>());  // masking is on
-    for (const auto& [l, extra] : std::vector<std::pair<Layout, std::string>>{
-             {{2, 2, 2}, ""}, {{4, 2, 1}, "--set parallel.sequence_parallel=true"}, {{1, 4, 2}, ""}}) {
-      INFO(family << " " << l.str() << " " << extra);
-      const Run got = train(ws, ws.dir / l.dir("docs"), l, masking + " " + extra);
-      INFO(got.output);
-      REQUIRE(got.code == 0);
-      compare(ref, got, 1e-5, 1e-5, 1e-4);
-    }
-  }
+  for (const std::string family : {"llama", "gpt2"})
+    check_option_layouts(family, "--set data.document_masking=true --set data.eod_token=5",
+                         {{{2, 2, 2}, ""}, {{4, 2, 1}, kSequenceParallel}, {{1, 4, 2}, ""}});
 }
 
 TEST_CASE("ALiBi and the embedding norm (BLOOM's options) train alike under TP, SP, PP and DP (fp32)",
@@ -264,25 +276,8 @@ TEST_CASE("ALiBi and the embedding norm (BLOOM's options) train alike under TP, 
   // lives on the first stage, and under SP its gradient is a partial sum over TP like the other
   // norms'. gpt2 + both options is BLOOM's block; llama takes them too (RMSNorm, GQA).
   const std::string bloom = "--set model.position_embedding=alibi --set model.embedding_norm=true";
-  for (const std::string family : {"gpt2", "llama"}) {
-    test::Workspace ws(model_patch(family));
-    const Run ref = train(ws, ws.dir / "single", {1, 1, 1}, bloom);
-    INFO(ref.output);
-    REQUIRE(ref.code == 0);
-    REQUIRE(ref.records.size() == 6);
-    const Run plain = train(ws, ws.dir / "plain", {1, 1, 1});
-    REQUIRE(plain.code == 0);
-    CHECK(plain.records[0]["loss"].get<double>() != ref.records[0]["loss"].get<double>());  // the options are on
-    std::vector<std::pair<Layout, std::string>> layouts = {{{4, 2, 1}, "--set parallel.sequence_parallel=true"}};
-    if (family == "gpt2") layouts.insert(layouts.end(), {{{2, 2, 2}, ""}, {{1, 4, 2}, ""}});
-    for (const auto& [l, extra] : layouts) {
-      INFO(family << " " << l.str() << " " << extra);
-      const Run got = train(ws, ws.dir / l.dir("alibi"), l, bloom + " " + extra);
-      INFO(got.output);
-      REQUIRE(got.code == 0);
-      compare(ref, got, 1e-5, 1e-5, 1e-4);
-    }
-  }
+  check_option_layouts("gpt2", bloom, {{{4, 2, 1}, kSequenceParallel}, {{2, 2, 2}, ""}, {{1, 4, 2}, ""}});
+  check_option_layouts("llama", bloom, {{{4, 2, 1}, kSequenceParallel}});
 }
 
 TEST_CASE("the interleaved pipeline (virtual stages) trains like plain 1F1B, and its checkpoints resume under 1F1B",
