@@ -2,8 +2,8 @@
 """Build the Hugging Face model fixtures for keel's conversion, sampling and finetuning tests
 (test/train/test_hf_convert.cpp, test/train/test_hf_cli.cpp).
 
-Four tiny LlamaForCausalLM models, saved with save_pretrained exactly as transformers writes
-them, each with a tokenizer.json:
+Four tiny LlamaForCausalLM models, a GPT2LMHeadModel and a BloomForCausalLM, saved with
+save_pretrained exactly as transformers writes them, each with a tokenizer.json:
 
   llama_trained   fp32, GQA (4 query / 2 kv heads), untied head, Llama 2 style tokenizer
                   (SentencePiece BPE with byte fallback, vocab 512); trained here with AdamW on
@@ -16,10 +16,18 @@ them, each with a tokenizer.json:
   llama3_rope     fp32, random, Llama 3.1's "llama3" RoPE scaling (factor 8 over an original
                   context of 64, so the 16 test positions feel it); its expected file also holds
                   HF's fp32 inv_freq as int32 bit patterns
+  gpt2_tied       fp32, random GPT2LMHeadModel (tied head, learned positions, Conv1D weights
+                  stored [in, out], fused c_attn), byte-level tokenizer (vocab 300)
+  bloom_bf16      bf16, random BloomForCausalLM (ALiBi with 6 heads, so the slopes take the
+                  non-power-of-two path; word_embeddings_layernorm; query_key_value fused per
+                  head as [q_h; k_h; v_h]), byte-level tokenizer (vocab 300)
+Norm gains, norm biases and (GPT-2, BLOOM) linear biases are drawn away from HF's 1 and 0, so a
+mixed-up norm or bias shows in the logits.
 
 and for each (test/fixtures/hf/expected/<name>.json + .safetensors):
   logits     [16, V] float32: HF's logits for 16 fixed tokens, computed in float64 from the
-             stored weights (make_fixtures.py's float64 patches of HF Llama's upcasts)
+             stored weights (make_fixtures.py's float64 patches of HF Llama's and BLOOM's
+             upcasts; GPT-2's eager path keeps the dtype)
   greedy     16 greedy new tokens after a fixed prompt (HF generate, float64); the smallest
              top-1/top-2 logit gap along the way is recorded and must be > 1e-3, so an fp32
              implementation cannot flip a token
@@ -38,6 +46,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import filecmp
 import json
 import math
@@ -51,7 +60,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_fixtures  # noqa: E402  (float64 patches of HF Llama)
@@ -86,13 +96,46 @@ def llama(vocab, d, layers, heads, kv, ffn, tied, theta, eps, init, seed, bos=No
                       rms_norm_eps=eps, rope_parameters=rope, tie_word_embeddings=tied, initializer_range=init,
                       attention_bias=False, mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
                       attn_implementation="eager")
-    model = LlamaForCausalLM(cfg)
-    # Norm gains away from 1 so a mixed-up norm shows in the logits.
+    return perturb_norms_and_biases(LlamaForCausalLM(cfg))
+
+
+def perturb_norms_and_biases(model):
+    """Norm gains away from 1 and biases away from 0, so a mixed-up norm or bias shows."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if p.dim() != 1:
+                continue
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape))
+            else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape))
     return model.eval()
+
+
+def gpt2(vocab, d, layers, heads, n_pos, init, seed):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab, n_embd=d, n_layer=layers, n_head=heads, n_positions=n_pos, n_inner=None,
+                     activation_function="gelu_new", layer_norm_epsilon=1e-5, initializer_range=init,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                     attn_implementation="eager")
+    return perturb_norms_and_biases(GPT2LMHeadModel(cfg))
+
+
+def bloom(vocab, d, layers, heads, init, seed):
+    torch.manual_seed(seed)
+    cfg = BloomConfig(vocab_size=vocab, hidden_size=d, n_layer=layers, n_head=heads, layer_norm_epsilon=1e-5,
+                      initializer_range=init, hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+                      eos_token_id=0, pad_token_id=None, attn_implementation="eager")
+    return perturb_norms_and_biases(BloomForCausalLM(cfg))
+
+
+def precision_patches(model):
+    """make_fixtures.py's float64 patches for the model's architecture."""
+    if model.config.model_type == "llama":
+        return make_fixtures.llama_float64_patches(model)
+    if model.config.model_type == "bloom":
+        return make_fixtures.bloom_float64_patches()
+    return contextlib.nullcontext()  # GPT-2's eager attention keeps the input dtype
 
 
 def train_model(model, tokens: np.ndarray, steps: int, seed: int):
@@ -140,18 +183,18 @@ def loss_on_windows(model, tokens: np.ndarray) -> float:
 
 
 def float64_model(path: str):
-    m = LlamaForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
     return m.eval()
 
 
 def oracle_logits(m64, ids) -> torch.Tensor:
-    with make_fixtures.llama_float64_patches(m64), torch.no_grad():
+    with precision_patches(m64), torch.no_grad():
         return m64(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
 
 
 def greedy(m64, prompt, n=N_NEW, eos=None):
     """HF generate (float64, KV cache), and the smallest top-1/top-2 gap along the way."""
-    with make_fixtures.llama_float64_patches(m64), torch.no_grad():
+    with precision_patches(m64), torch.no_grad():
         out = m64.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
                            pad_token_id=0)[0].tolist()[len(prompt):]
         margin = math.inf
@@ -200,6 +243,10 @@ def build(out: str, only=None) -> None:
                                                 rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                               "original_max_position_embeddings": 64})),
+        "gpt2_tied": dict(tok=bl, dtype=torch.float32, shard=None,
+                          model=lambda: gpt2(bl.get_vocab_size(), 32, 2, 4, 64, 0.3, 1005)),
+        "bloom_bf16": dict(tok=bl, dtype=torch.bfloat16, shard=None,
+                           model=lambda: bloom(bl.get_vocab_size(), 48, 2, 6, 0.3, 1008)),
     }
     for name, spec in specs.items():
         if only and name not in only:
@@ -230,7 +277,7 @@ def build(out: str, only=None) -> None:
         ids = torch.randint(3, V, (N_LOGIT_TOKENS,), generator=g).tolist()
         logits = oracle_logits(m64, ids)
         with torch.no_grad():  # sanity: unpatched HF in fp32 agrees
-            m32 = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+            m32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
             l32 = m32(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
         rel = ((l32 - logits).norm() / logits.norm()).item()
         assert rel < 1e-5, (name, rel)

@@ -144,8 +144,9 @@ int cmd_sample(const SampleArgs& a) {
   const auto t_load = std::chrono::steady_clock::now();
   LoadedModel lm = load_model(a.checkpoint, dtype, *be);
   const ModelConfig& m = lm.table->config();
-  std::fprintf(stderr, "keel: loaded %s: %s model, %lld parameters, in %.2f s\n", lm.description.c_str(),
-               family_name(m.family).c_str(), static_cast<long long>(lm.table->logical_numel()),
+  const std::string options = std::string(m.alibi ? ", ALiBi" : "") + (m.embedding_norm ? ", embedding norm" : "");
+  std::fprintf(stderr, "keel: loaded %s: %s model%s, %lld parameters, in %.2f s\n", lm.description.c_str(),
+               family_name(m.family).c_str(), options.c_str(), static_cast<long long>(lm.table->logical_numel()),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
 
   // Tokenizer: --tokenizer (a file or a directory), else the first tokenizer.json found.

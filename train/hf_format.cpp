@@ -152,57 +152,86 @@ std::optional<std::string> hf_path(const std::string& spec) {
 // config.json
 // ======================================================================================
 
-ModelConfig model_config_from_hf(const json& c, const std::string& source) {
-  std::vector<std::string> problems;
-  const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty()
-                               ? c["architectures"][0].get<std::string>()
-                               : "";
-  const std::string type = c.value("model_type", "");
-  const bool llama = arch == "LlamaForCausalLM" || (arch.empty() && type == "llama");
-  const bool mistral = arch == "MistralForCausalLM" || (arch.empty() && type == "mistral");
-  if (!llama && !mistral)
-    throw CheckpointError(source + ": architecture \"" + (arch.empty() ? "?" : arch) + "\" (model_type \"" + type +
-                          "\") is not supported; keel converts LlamaForCausalLM (model_type \"llama\") and "
-                          "Mistral-style configs without sliding windows");
-  for (const char* key : {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"})
-    if (!c.contains(key) || !c[key].is_number_integer()) problems.push_back(std::string(key) + " is missing");
-  if (!problems.empty()) {
-    std::string msg = source + " is not a usable Llama config:";
-    for (const auto& p : problems) msg += "\n  " + p;
-    throw CheckpointError(msg);
+std::string hf_arch_name(HfArch a) {
+  switch (a) {
+    case HfArch::GPT2: return "GPT2LMHeadModel";
+    case HfArch::Bloom: return "BloomForCausalLM";
+    default: return "LlamaForCausalLM";
   }
+}
 
+HfArch hf_arch_for(const ModelConfig& m, const std::string& who) {
+  if (m.is_llama()) {
+    if (m.alibi || m.embedding_norm)
+      throw CheckpointError(who + " holds a Llama with " +
+                            (m.alibi ? "ALiBi (model.position_embedding \"alibi\")" : "an embedding norm") +
+                            "; Hugging Face's Llama has neither, so it has no Hugging Face architecture");
+    return HfArch::Llama;
+  }
+  if (!m.alibi && !m.embedding_norm) return HfArch::GPT2;
+  if (m.alibi && m.embedding_norm) {
+    if (m.ffn_hidden != 4 * m.d_model)
+      throw CheckpointError(who + " holds a BLOOM-style model with ffn_hidden " + std::to_string(m.ffn_hidden) +
+                            "; Hugging Face's BLOOM fixes the MLP at 4 x d_model = " + std::to_string(4 * m.d_model));
+    return HfArch::Bloom;
+  }
+  throw CheckpointError(who + " holds a gpt2 model with " +
+                        (m.alibi ? std::string("ALiBi but no embedding norm") : std::string("an embedding norm but learned positions")) +
+                        "; Hugging Face's GPT-2 has neither, its BLOOM has both");
+}
+
+namespace {
+
+// The first integer among an HF config's spellings of a field (GPT-2 and BLOOM configs predate
+// transformers' common names), or a problem naming them.
+int64_t int_field(const json& c, std::initializer_list<const char*> keys, std::vector<std::string>& problems) {
+  for (const char* k : keys)
+    if (c.contains(k) && c[k].is_number_integer()) return c[k].get<int64_t>();
+  std::string names;
+  for (const char* k : keys) names += (names.empty() ? "" : " or ") + std::string(k);
+  problems.push_back(names + " is missing");
+  return 0;
+}
+
+void throw_problems(const std::vector<std::string>& problems, const std::string& what) {
+  if (problems.empty()) return;
+  std::string msg = what;
+  for (const auto& p : problems) msg += "\n  " + p;
+  throw CheckpointError(msg);
+}
+
+ModelConfig llama_config_from_hf(const json& c, const std::string& where) {
+  std::vector<std::string> problems;
   ModelConfig m;
   m.family = Family::Llama;
-  m.vocab_size = c["vocab_size"].get<int64_t>();
-  m.pad_vocab_multiple = 1;
-  m.d_model = c["hidden_size"].get<int>();
-  m.n_layers = c["num_hidden_layers"].get<int>();
-  m.n_heads = c["num_attention_heads"].get<int>();
+  m.vocab_size = int_field(c, {"vocab_size"}, problems);
+  m.d_model = static_cast<int>(int_field(c, {"hidden_size"}, problems));
+  m.n_layers = static_cast<int>(int_field(c, {"num_hidden_layers"}, problems));
+  m.n_heads = static_cast<int>(int_field(c, {"num_attention_heads"}, problems));
+  m.ffn_hidden = static_cast<int>(int_field(c, {"intermediate_size"}, problems));
+  throw_problems(problems, where + " is not a usable Llama config:");
   m.n_kv_heads = c.contains("num_key_value_heads") && c["num_key_value_heads"].is_number_integer()
                      ? c["num_key_value_heads"].get<int>()
                      : m.n_heads;
-  m.ffn_hidden = c["intermediate_size"].get<int>();
   m.norm_eps = static_cast<float>(num(c, "rms_norm_eps", 1e-6));
   m.max_seq_len = static_cast<int>(num(c, "max_position_embeddings", 2048));
   m.tied_embeddings = c.value("tie_word_embeddings", false);
-  m.init_std = static_cast<float>(num(c, "initializer_range", 0.02));
 
   // RoPE: transformers < 5 writes rope_theta (+ rope_scaling); 5.x writes rope_parameters.
   // Scaling: "default" (none) and Llama 3.1's "llama3"; any other is refused, never ignored.
   double theta = num(c, "rope_theta", 10000.0);
-  auto read_scaling = [&](const json& r, const std::string& where) {
+  auto read_scaling = [&](const json& r, const std::string& field) {
     const std::string rt = r.is_object() ? r.value("rope_type", r.value("type", std::string("?"))) : "?";
     if (rt == "default") return;
     if (rt != "llama3") {
-      problems.push_back(where + " type \"" + rt + "\" (RoPE scaling) is not supported; keel supports \"default\" and "
+      problems.push_back(field + " type \"" + rt + "\" (RoPE scaling) is not supported; keel supports \"default\" and "
                          "\"llama3\" (Llama 3.1 / 3.2)");
       return;
     }
     RopeScaling& s = m.rope_scaling;
     s.kind = RopeScaling::Kind::Llama3;
     for (const char* key : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
-      if (!r.contains(key) || !r[key].is_number()) problems.push_back(where + " (llama3) lacks the number \"" + key + "\"");
+      if (!r.contains(key) || !r[key].is_number()) problems.push_back(field + " (llama3) lacks the number \"" + key + "\"");
     s.factor = num(r, "factor", s.factor);
     s.low_freq_factor = num(r, "low_freq_factor", s.low_freq_factor);
     s.high_freq_factor = num(r, "high_freq_factor", s.high_freq_factor);
@@ -224,42 +253,164 @@ ModelConfig model_config_from_hf(const json& c, const std::string& source) {
     problems.push_back("sliding_window attention (" + c["sliding_window"].dump() + ") is not supported");
   const std::string act = c.value("hidden_act", std::string("silu"));
   if (act != "silu") problems.push_back("hidden_act \"" + act + "\" is not supported (keel's SwiGLU uses silu)");
-  if (c.contains("quantization_config")) problems.push_back("quantized checkpoints (quantization_config) are not supported");
-  if (m.n_heads <= 0 || m.d_model % m.n_heads != 0) {
-    problems.push_back("hidden_size " + std::to_string(m.d_model) + " is not a multiple of num_attention_heads " +
-                       std::to_string(m.n_heads));
-  } else if (c.contains("head_dim") && c["head_dim"].is_number_integer() &&
-             c["head_dim"].get<int>() != m.d_model / m.n_heads) {
+  if (m.n_heads > 0 && m.d_model % m.n_heads == 0 && c.contains("head_dim") && c["head_dim"].is_number_integer() &&
+      c["head_dim"].get<int>() != m.d_model / m.n_heads)
     problems.push_back("head_dim " + c["head_dim"].dump() + " differs from hidden_size / num_attention_heads = " +
                        std::to_string(m.d_model / m.n_heads) + " (keel derives the head size)");
-  }
-  if (m.n_kv_heads <= 0 || m.n_heads % m.n_kv_heads != 0)
+  if (m.n_kv_heads <= 0 || (m.n_heads > 0 && m.n_heads % m.n_kv_heads != 0))
     problems.push_back("num_key_value_heads " + std::to_string(m.n_kv_heads) + " does not divide num_attention_heads " +
                        std::to_string(m.n_heads));
-  if (!problems.empty()) {
-    std::string msg = source + " (" + (arch.empty() ? type : arch) + ") uses features keel cannot represent:";
-    for (const auto& p : problems) msg += "\n  " + p;
-    throw CheckpointError(msg);
-  }
+  throw_problems(problems, where + " uses features keel cannot represent:");
   return m;
 }
 
-std::vector<std::pair<std::string, std::string>> hf_tensor_names(const ModelConfig& m) {
-  std::vector<std::pair<std::string, std::string>> out = {{"tok_embed", "model.embed_tokens.weight"}};
-  for (int i = 0; i < m.n_layers; ++i) {
-    const std::string k = "layers." + std::to_string(i) + ".", h = "model.layers." + std::to_string(i) + ".";
-    out.insert(out.end(), {{k + "attn_norm.weight", h + "input_layernorm.weight"},
-                           {k + "attn.wq", h + "self_attn.q_proj.weight"},
-                           {k + "attn.wk", h + "self_attn.k_proj.weight"},
-                           {k + "attn.wv", h + "self_attn.v_proj.weight"},
-                           {k + "attn.wo", h + "self_attn.o_proj.weight"},
-                           {k + "mlp_norm.weight", h + "post_attention_layernorm.weight"},
-                           {k + "mlp.w_gate", h + "mlp.gate_proj.weight"},
-                           {k + "mlp.w_up", h + "mlp.up_proj.weight"},
-                           {k + "mlp.w_down", h + "mlp.down_proj.weight"}});
+// GPT-2 and BLOOM: keel's gpt2 family (LayerNorm, tanh GELU, biases, tied head by default).
+ModelConfig gpt2_config_from_hf(const json& c, const std::string& where, HfArch arch) {
+  std::vector<std::string> problems;
+  ModelConfig m;
+  m.family = Family::GPT2;
+  const bool bloom = arch == HfArch::Bloom;
+  m.vocab_size = int_field(c, {"vocab_size"}, problems);
+  m.d_model = static_cast<int>(bloom ? int_field(c, {"hidden_size", "n_embed"}, problems)
+                                     : int_field(c, {"n_embd", "hidden_size"}, problems));
+  m.n_layers = static_cast<int>(int_field(c, {"n_layer", "num_hidden_layers"}, problems));
+  m.n_heads = static_cast<int>(int_field(c, {"n_head", "num_attention_heads"}, problems));
+  if (!bloom) m.max_seq_len = static_cast<int>(int_field(c, {"n_positions", "max_position_embeddings"}, problems));
+  throw_problems(problems, where + " is not a usable " + std::string(bloom ? "BLOOM" : "GPT-2") + " config:");
+  m.n_kv_heads = m.n_heads;
+  m.norm_eps = static_cast<float>(num(c, "layer_norm_epsilon", 1e-5));
+  m.tied_embeddings = c.value("tie_word_embeddings", true);
+  if (bloom) {
+    // ALiBi has no position table, so no limit; seq_length (BLOOM's configs) or its 2048.
+    m.max_seq_len = static_cast<int>(num(c, "seq_length", 2048));
+    m.ffn_hidden = 4 * m.d_model;  // HF's BloomMLP
+    m.alibi = true;
+    m.embedding_norm = true;
+    if (c.value("apply_residual_connection_post_layernorm", false))
+      problems.push_back("apply_residual_connection_post_layernorm = true (the residual taken after the norm) is not "
+                         "supported");
+  } else {
+    m.ffn_hidden = c.contains("n_inner") && c["n_inner"].is_number_integer() ? c["n_inner"].get<int>() : 4 * m.d_model;
+    const std::string act = c.value("activation_function", std::string("gelu_new"));
+    if (act != "gelu_new" && act != "gelu_pytorch_tanh")
+      problems.push_back("activation_function \"" + act + "\" is not supported (keel's GELU is the tanh approximation: "
+                         "\"gelu_new\" or \"gelu_pytorch_tanh\")");
+    if (!c.value("scale_attn_weights", true))
+      problems.push_back("scale_attn_weights = false (scores not divided by sqrt(head_dim)) is not supported");
+    if (c.value("scale_attn_by_inverse_layer_idx", false))
+      problems.push_back("scale_attn_by_inverse_layer_idx = true is not supported");
+    if (c.value("add_cross_attention", false)) problems.push_back("add_cross_attention = true is not supported");
   }
-  out.emplace_back("final_norm.weight", "model.norm.weight");
-  if (!m.tied_embeddings) out.emplace_back("lm_head", "lm_head.weight");
+  if (c.contains("quantization_config")) problems.push_back("quantized checkpoints (quantization_config) are not supported");
+  throw_problems(problems, where + " uses features keel cannot represent:");
+  return m;
+}
+
+HfArch hf_arch_of_config(const json& c, const std::string& source) {
+  const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty()
+                               ? c["architectures"][0].get<std::string>()
+                               : "";
+  const std::string type = c.value("model_type", "");
+  auto is = [&](const char* a, const char* t) { return arch == a || (arch.empty() && type == t); };
+  if (is("LlamaForCausalLM", "llama") || is("MistralForCausalLM", "mistral")) return HfArch::Llama;
+  if (is("GPT2LMHeadModel", "gpt2")) return HfArch::GPT2;
+  if (is("BloomForCausalLM", "bloom")) return HfArch::Bloom;
+  throw CheckpointError(source + ": architecture \"" + (arch.empty() ? "?" : arch) + "\" (model_type \"" + type +
+                        "\") is not supported; keel converts LlamaForCausalLM (and Mistral-style configs without "
+                        "sliding windows), GPT2LMHeadModel and BloomForCausalLM");
+}
+
+}  // namespace
+
+ModelConfig model_config_from_hf(const json& c, const std::string& source) {
+  const HfArch arch = hf_arch_of_config(c, source);
+  const std::string where = source + " (" + hf_arch_name(arch) + ")";
+  ModelConfig m = arch == HfArch::Llama ? llama_config_from_hf(c, where) : gpt2_config_from_hf(c, where, arch);
+  m.pad_vocab_multiple = 1;
+  m.init_std = static_cast<float>(num(c, "initializer_range", 0.02));
+  std::vector<std::string> problems;
+  if (m.n_heads <= 0 || m.d_model % m.n_heads != 0)
+    problems.push_back("the hidden size " + std::to_string(m.d_model) + " is not a multiple of the head count " +
+                       std::to_string(m.n_heads));
+  throw_problems(problems, where + " uses features keel cannot represent:");
+  return m;
+}
+
+std::vector<HfTensorSlice> hf_tensor_layout(const ModelConfig& m, const std::string& tensor_prefix) {
+  const HfArch arch = hf_arch_for(m, "the model");
+  const int64_t V = m.vocab_size, d = m.d_model, f = m.ffn_hidden, hd = m.head_dim();
+  std::vector<HfTensorSlice> out;
+  auto whole = [&](std::string keel, std::string hf, std::vector<int64_t> shape) {
+    out.push_back({std::move(keel), std::move(hf), std::move(shape)});
+  };
+  if (arch == HfArch::Llama) {
+    const int64_t q = m.q_dim(), kv = m.kv_dim();
+    whole("tok_embed", "model.embed_tokens.weight", {V, d});
+    for (int i = 0; i < m.n_layers; ++i) {
+      const std::string k = "layers." + std::to_string(i) + ".", h = "model.layers." + std::to_string(i) + ".";
+      whole(k + "attn_norm.weight", h + "input_layernorm.weight", {d});
+      whole(k + "attn.wq", h + "self_attn.q_proj.weight", {q, d});
+      whole(k + "attn.wk", h + "self_attn.k_proj.weight", {kv, d});
+      whole(k + "attn.wv", h + "self_attn.v_proj.weight", {kv, d});
+      whole(k + "attn.wo", h + "self_attn.o_proj.weight", {d, q});
+      whole(k + "mlp_norm.weight", h + "post_attention_layernorm.weight", {d});
+      whole(k + "mlp.w_gate", h + "mlp.gate_proj.weight", {f, d});
+      whole(k + "mlp.w_up", h + "mlp.up_proj.weight", {f, d});
+      whole(k + "mlp.w_down", h + "mlp.down_proj.weight", {d, f});
+    }
+    whole("final_norm.weight", "model.norm.weight", {d});
+  } else {
+    const bool bloom = arch == HfArch::Bloom;
+    const std::string& t = tensor_prefix;
+    auto norm = [&](const std::string& k, const std::string& h) {
+      whole(k + ".weight", h + ".weight", {d});
+      whole(k + ".bias", h + ".bias", {d});
+    };
+    if (bloom) {
+      whole("tok_embed", t + "word_embeddings.weight", {V, d});
+      norm("embed_norm", t + "word_embeddings_layernorm");
+    } else {
+      whole("tok_embed", t + "wte.weight", {V, d});
+      whole("pos_embed", t + "wpe.weight", {m.max_seq_len, d});
+    }
+    for (int i = 0; i < m.n_layers; ++i) {
+      const std::string k = "layers." + std::to_string(i) + ".", h = t + "h." + std::to_string(i) + ".";
+      const char* proj[3] = {"q", "k", "v"};
+      if (bloom) {
+        norm(k + "attn_norm", h + "input_layernorm");
+        // query_key_value rows are [head][q|k|v][hd]: projection j of head n is at (3n + j) hd.
+        for (int j = 0; j < 3; ++j)
+          out.push_back({k + "attn.w" + proj[j], h + "self_attention.query_key_value.weight", {3 * d, d}, false,
+                         j * hd, hd, 3 * hd});
+        for (int j = 0; j < 3; ++j)
+          out.push_back({k + "attn.b" + proj[j], h + "self_attention.query_key_value.bias", {3 * d}, false, j * hd, hd,
+                         3 * hd});
+        whole(k + "attn.wo", h + "self_attention.dense.weight", {d, d});
+        whole(k + "attn.bo", h + "self_attention.dense.bias", {d});
+        norm(k + "mlp_norm", h + "post_attention_layernorm");
+        whole(k + "mlp.w_fc", h + "mlp.dense_h_to_4h.weight", {f, d});
+        whole(k + "mlp.b_fc", h + "mlp.dense_h_to_4h.bias", {f});
+        whole(k + "mlp.w_proj", h + "mlp.dense_4h_to_h.weight", {d, f});
+        whole(k + "mlp.b_proj", h + "mlp.dense_4h_to_h.bias", {d});
+      } else {
+        norm(k + "attn_norm", h + "ln_1");
+        // c_attn is [d, 3d] = [in, out], out = q | k | v: keel's wq is its first d columns, transposed.
+        for (int j = 0; j < 3; ++j)
+          out.push_back({k + "attn.w" + proj[j], h + "attn.c_attn.weight", {d, 3 * d}, true, j * d});
+        for (int j = 0; j < 3; ++j)
+          out.push_back({k + "attn.b" + proj[j], h + "attn.c_attn.bias", {3 * d}, false, j * d});
+        out.push_back({k + "attn.wo", h + "attn.c_proj.weight", {d, d}, true});
+        whole(k + "attn.bo", h + "attn.c_proj.bias", {d});
+        norm(k + "mlp_norm", h + "ln_2");
+        out.push_back({k + "mlp.w_fc", h + "mlp.c_fc.weight", {d, f}, true});
+        whole(k + "mlp.b_fc", h + "mlp.c_fc.bias", {f});
+        out.push_back({k + "mlp.w_proj", h + "mlp.c_proj.weight", {f, d}, true});
+        whole(k + "mlp.b_proj", h + "mlp.c_proj.bias", {d});
+      }
+    }
+    norm("final_norm", t + "ln_f");
+  }
+  if (!m.tied_embeddings) whole("lm_head", "lm_head.weight", {V, d});
   return out;
 }
 
@@ -276,6 +427,10 @@ HfCheckpoint HfCheckpoint::open(const std::string& dir_in) {
   if (!fs::exists(dir / "config.json")) throw CheckpointError(who + ": no config.json (not a Hugging Face model directory)");
   hf.config_ = read_json_file(dir / "config.json", "HF config");
   hf.model_ = model_config_from_hf(hf.config_, (dir / "config.json").string());
+  hf.arch_ = hf_arch_of_config(hf.config_, (dir / "config.json").string());
+  if (hf.arch_ == HfArch::Bloom)
+    hf.notes_.push_back("BLOOM's ALiBi has no position limit: model.max_seq_len " + std::to_string(hf.model_.max_seq_len) +
+                        (hf.config_.contains("seq_length") ? " (config.json's seq_length)" : " (BLOOM's training length)"));
 
   // The files: one model.safetensors, or the shards an index names.
   std::map<std::string, std::string> index;  // HF tensor -> file, from the index
@@ -323,47 +478,62 @@ HfCheckpoint HfCheckpoint::open(const std::string& dir_in) {
       throw CheckpointError(who + ": the index puts " + t + " in " + f + " but it is in " + file_names[found[t].first]);
 
   // Every tensor the model needs, with the shape the config implies; nothing unexpected.
-  const ParamTable table(hf.model_);
+  // GPT-2 and BLOOM files from save_pretrained prefix "transformer."; the hub's originals do not.
+  std::string prefix = "transformer.";
+  if (hf.arch_ != HfArch::Llama && !found.count("transformer.wte.weight") &&
+      !found.count("transformer.word_embeddings.weight") && (found.count("wte.weight") || found.count("word_embeddings.weight")))
+    prefix = "";
   std::vector<std::string> problems;
   std::set<std::string> used;
   std::set<DType> dtypes;
-  for (const auto& [keel_name, hf_name] : hf_tensor_names(hf.model_)) {
+  for (const HfTensorSlice& sl : hf_tensor_layout(hf.model_, prefix)) {
+    const std::string& hf_name = sl.hf;
+    const bool first = used.insert(hf_name).second;  // fused tensors serve several keel tensors: check once
     auto it = found.find(hf_name);
-    const ParamSpec& p = table.at(keel_name);
     if (it == found.end()) {
-      problems.push_back("tensor " + hf_name + " " + shape_text(p.shape) + " is missing" +
-                         (index.count(hf_name) ? " (the index names " + index[hf_name] + ", which lacks it)" : ""));
+      if (first)
+        problems.push_back("tensor " + hf_name + " " + shape_text(sl.hf_shape) + " is missing" +
+                           (index.count(hf_name) ? " (the index names " + index[hf_name] + ", which lacks it)" : ""));
       continue;
     }
-    used.insert(hf_name);
     const auto* info = it->second.second;
     const auto dt = dtype_of(info->dtype);
     if (!dt) {
-      problems.push_back("tensor " + hf_name + " has dtype " + std::string(data::safetensors_dtype_name(info->dtype)) +
-                         " (keel reads BF16, F16 and F32)");
+      if (first)
+        problems.push_back("tensor " + hf_name + " has dtype " + std::string(data::safetensors_dtype_name(info->dtype)) +
+                           " (keel reads BF16, F16 and F32)");
       continue;
     }
-    if (info->shape != p.shape) {
-      problems.push_back("tensor " + hf_name + " (keel " + keel_name + ") has shape " + shape_text(info->shape) +
-                         ", the config implies " + shape_text(p.shape));
+    if (info->shape != sl.hf_shape) {
+      if (first)
+        problems.push_back("tensor " + hf_name + " (keel " + sl.keel + ") has shape " + shape_text(info->shape) +
+                           ", the config implies " + shape_text(sl.hf_shape));
       continue;
     }
     dtypes.insert(*dt);
-    hf.tensors_[keel_name] = {it->second.first, info, hf_name};
+    hf.tensors_[sl.keel] = {it->second.first, info, sl};
   }
+  int mask_buffers = 0;
   for (const auto& [name, where] : found) {
     if (used.count(name)) continue;
     if (name.find("rotary_emb.inv_freq") != std::string::npos) {
       hf.notes_.push_back("ignored " + name + " (a RoPE buffer, recomputed)");
       continue;
     }
-    if (name == "lm_head.weight" && hf.model_.tied_embeddings) {
-      hf.notes_.push_back("ignored lm_head.weight: tie_word_embeddings is true, the head is model.embed_tokens.weight");
+    if (hf.arch_ == HfArch::GPT2 && (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias"))) {
+      ++mask_buffers;  // older GPT-2 files store each layer's causal mask
       continue;
     }
-    problems.push_back("unexpected tensor " + name + " " + shape_text(where.second->shape) +
-                       " (not part of a Llama model with this config)");
+    if (name == "lm_head.weight" && hf.model_.tied_embeddings) {
+      hf.notes_.push_back("ignored lm_head.weight: tie_word_embeddings is true, the head is the token embedding");
+      continue;
+    }
+    problems.push_back("unexpected tensor " + name + " " + shape_text(where.second->shape) + " (not part of a " +
+                       hf_arch_name(hf.arch_) + " with this config)");
   }
+  if (mask_buffers > 0)
+    hf.notes_.push_back("ignored " + std::to_string(mask_buffers) +
+                        " attn.bias / attn.masked_bias buffers (GPT-2's stored causal masks)");
   if (!problems.empty()) {
     std::string msg = who + " does not match its config.json (" + std::to_string(problems.size()) + " problems):";
     for (size_t i = 0; i < problems.size() && i < 20; ++i) msg += "\n  " + problems[i];
@@ -381,32 +551,54 @@ const HfCheckpoint::Source& HfCheckpoint::source(const std::string& keel_name) c
 }
 
 DType HfCheckpoint::stored_dtype(const std::string& keel_name) const { return *dtype_of(source(keel_name).info->dtype); }
-const std::string& HfCheckpoint::hf_name(const std::string& keel_name) const { return source(keel_name).hf_name; }
+const std::string& HfCheckpoint::hf_name(const std::string& keel_name) const { return source(keel_name).slice.hf; }
 
 void HfCheckpoint::read(const std::string& keel_name, const TensorRegion& region, DType out_type, void* out) const {
   const Source& s = source(keel_name);
+  const HfTensorSlice& sl = s.slice;
   const DType st = *dtype_of(s.info->dtype);
   const char* src = reinterpret_cast<const char*>(files_[s.file]->bytes(*s.info).data());
-  const auto& shape = s.info->shape;
   char* dst = static_cast<char*>(out);
   const size_t in_size = dtype_size(st), out_size = dtype_size(out_type);
+  const auto& shape = s.info->shape;
+  // Rows of the HF tensor as keel sees it (its transpose for GPT-2's Conv1D weights).
+  const int64_t hf_rows = sl.transposed ? shape[1] : shape[0];
   if (region.shape.size() == 1) {
-    if (region.offset[0] + region.shape[0] > shape[0])
-      throw CheckpointError("hf:" + dir_ + ": region past the end of " + s.hf_name);
-    convert_elements(src + region.offset[0] * in_size, st, dst, out_type, region.shape[0]);
+    for (int64_t i = 0; i < region.shape[0]; ++i) {
+      const int64_t row = sl.hf_row(region.offset[0] + i);
+      if (row >= hf_rows) throw CheckpointError("hf:" + dir_ + ": element past the end of " + sl.hf);
+      convert_elements(src + row * in_size, st, dst + i * out_size, out_type, 1);
+    }
     return;
   }
-  const int64_t R = shape[0], C = shape[1];
-  if (region.offset[1] + region.shape[1] > C)
-    throw CheckpointError("hf:" + dir_ + ": region past the last column of " + s.hf_name);
-  for (int64_t r = 0; r < region.shape[0]; ++r) {
-    const int64_t row = region.offset[0] + r;
-    char* d = dst + static_cast<size_t>(r * region.shape[1]) * out_size;
-    if (row >= R) {  // keel's vocabulary padding: rows the HF model does not have
-      std::memset(d, 0, static_cast<size_t>(region.shape[1]) * out_size);
-      continue;
+  const int64_t cols = sl.transposed ? shape[0] : shape[1];
+  if (region.offset[1] + region.shape[1] > cols)
+    throw CheckpointError("hf:" + dir_ + ": region past the last column of " + sl.hf);
+  const int64_t R = region.shape[0], W = region.shape[1], c0 = region.offset[1];
+  if (!sl.transposed) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = sl.hf_row(region.offset[0] + r);
+      char* d = dst + static_cast<size_t>(r * W) * out_size;
+      if (row >= hf_rows) {  // keel's vocabulary padding: rows the HF model does not have
+        std::memset(d, 0, static_cast<size_t>(W) * out_size);
+        continue;
+      }
+      convert_elements(src + static_cast<size_t>(row * cols + c0) * in_size, st, d, out_type, W);
     }
-    convert_elements(src + static_cast<size_t>(row * C + region.offset[1]) * in_size, st, d, out_type, region.shape[1]);
+    return;
+  }
+  // Transposed: keel (r, c) is stored at (c, hf_row(r)). Tiles of keel rows keep the reads of
+  // one stored row (consecutive hf_row) together.
+  constexpr int64_t kTile = 64;
+  for (int64_t r0 = 0; r0 < R; r0 += kTile) {
+    const int64_t r1 = std::min(R, r0 + kTile);
+    for (int64_t c = 0; c < W; ++c)
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t row = sl.hf_row(region.offset[0] + r);
+        if (row >= hf_rows) throw CheckpointError("hf:" + dir_ + ": region past the end of " + sl.hf);
+        convert_elements(src + static_cast<size_t>((c0 + c) * shape[1] + row) * in_size, st,
+                         dst + static_cast<size_t>(r * W + c) * out_size, out_type, 1);
+      }
   }
 }
 
@@ -435,19 +627,26 @@ void HfCheckpoint::release(const std::string& keel_name) const {
 json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
   const ModelConfig& m = hf.model();
   const json& c = hf.config_json();
-  json model = {{"family", "llama"},
+  json model = {{"family", family_name(m.family)},
                 {"vocab_size", m.vocab_size},
                 {"d_model", m.d_model},
                 {"n_layers", m.n_layers},
                 {"n_heads", m.n_heads},
-                {"n_kv_heads", m.n_kv_heads},
                 {"ffn_hidden", m.ffn_hidden},
-                {"norm_eps", num(c, "rms_norm_eps", 1e-6)},
-                {"rope_theta", static_cast<double>(m.rope_theta)},
                 {"max_seq_len", m.max_seq_len},
                 {"tied_embeddings", m.tied_embeddings},
                 {"pad_vocab_to_multiple_of", 1}};
-  if (m.rope_scaling.kind != RopeScaling::Kind::None) model["rope_scaling"] = rope_scaling_json(m.rope_scaling);
+  // The HF value of eps as written (a double), not keel's float of it.
+  if (m.is_llama()) {
+    model["n_kv_heads"] = m.n_kv_heads;
+    model["norm_eps"] = num(c, "rms_norm_eps", 1e-6);
+    model["rope_theta"] = static_cast<double>(m.rope_theta);
+    if (m.rope_scaling.kind != RopeScaling::Kind::None) model["rope_scaling"] = rope_scaling_json(m.rope_scaling);
+  } else {
+    model["norm_eps"] = num(c, "layer_norm_epsilon", 1e-5);
+  }
+  if (m.alibi) model["position_embedding"] = m.position_embedding();
+  if (m.embedding_norm) model["embedding_norm"] = true;
   const std::string name = fs::path(out_dir).filename().string().empty() ? "model" : fs::path(out_dir).filename().string();
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
@@ -531,9 +730,13 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
       diffs.push_back(buf);
     }
   };
-  if (!have.is_llama()) diffs.push_back("model.family: the config has gpt2, an HF Llama needs llama");
-  if (have.alibi) diffs.push_back("model.position_embedding: the config has alibi, an HF Llama uses rope");
-  if (have.embedding_norm) diffs.push_back("model.embedding_norm: the config has true, an HF Llama has no embedding norm");
+  auto cmp_text = [&](const char* field, const std::string& a, const std::string& b) {
+    if (a != b) diffs.push_back(std::string("model.") + field + ": the config has " + a + ", hf:" + hf.dir() + " (" +
+                                hf_arch_name(hf.arch()) + ") has " + b);
+  };
+  cmp_text("family", family_name(have.family), family_name(want.family));
+  cmp_text("position_embedding", have.position_embedding(), want.position_embedding());
+  cmp_text("embedding_norm", have.embedding_norm ? "true" : "false", want.embedding_norm ? "true" : "false");
   cmp("vocab_size", static_cast<double>(have.vocab_size), static_cast<double>(want.vocab_size));
   cmp("d_model", have.d_model, want.d_model);
   cmp("n_layers", have.n_layers, want.n_layers);
@@ -542,10 +745,13 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
   cmp("ffn_hidden", have.ffn_hidden, want.ffn_hidden);
   cmp("tied_embeddings", have.tied_embeddings, want.tied_embeddings);
   cmp("norm_eps", have.norm_eps, want.norm_eps);
-  cmp("rope_theta", have.rope_theta, want.rope_theta);
-  if (have.rope_scaling != want.rope_scaling)
-    diffs.push_back("model.rope_scaling: the config has " + have.rope().str() + ", hf:" + hf.dir() + " has " +
-                    want.rope().str());
+  if (want.learned_positions()) cmp("max_seq_len", have.max_seq_len, want.max_seq_len);  // the pos_embed rows
+  if (want.rope().rotates()) {
+    cmp("rope_theta", have.rope_theta, want.rope_theta);
+    if (have.rope_scaling != want.rope_scaling)
+      diffs.push_back("model.rope_scaling: the config has " + have.rope().str() + ", hf:" + hf.dir() + " has " +
+                      want.rope().str());
+  }
   if (!diffs.empty()) {
     std::string msg = "--init-from hf:" + hf.dir() + ": the run's model is not the HF model:";
     for (const auto& d : diffs) msg += "\n  " + d;
@@ -566,7 +772,7 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
                      " safetensors file(s)); fp32 masters = their exact values, working weights rounded to " +
                      std::string(dtype_name(state.working.dtype)) +
                      "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules";
-  if (have.max_seq_len > want.max_seq_len)
+  if (want.rope().rotates() && have.max_seq_len > want.max_seq_len)
     line += "; NOTE model.max_seq_len " + std::to_string(have.max_seq_len) + " is beyond the HF model's " +
             std::to_string(want.max_seq_len) + " positions";
   return line;
@@ -575,6 +781,91 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
 // ======================================================================================
 // keel -> HF
 // ======================================================================================
+
+namespace {
+
+// The template's value of a float field when it rounds to keel's (so it is kept as written).
+json same_or(const json& tmpl, const char* key, float value) {
+  if (tmpl.contains(key) && tmpl[key].is_number() && static_cast<float>(tmpl[key].get<double>()) == value) return tmpl[key];
+  return static_cast<double>(value);
+}
+
+// config.json of an exported model: the template's fields (token ids, dropout, ...) when it
+// describes the same architecture, else only its token ids, with every model field keel knows
+// written over them. Alias spellings (n_embed, hidden_size on GPT-2, ...) are dropped so they
+// cannot override the fields written.
+json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType dtype) {
+  json c = json::object();
+  if (tmpl.is_object()) {
+    bool same = false;
+    try {
+      same = hf_arch_of_config(tmpl, "template") == arch;
+    } catch (const CheckpointError&) {
+    }
+    if (same) c = tmpl;
+    else
+      for (const char* k : {"bos_token_id", "eos_token_id", "pad_token_id"})
+        if (tmpl.contains(k)) c[k] = tmpl[k];
+  }
+  c["architectures"] = {hf_arch_name(arch)};
+  c["vocab_size"] = m.vocab_size;
+  c["tie_word_embeddings"] = m.tied_embeddings;
+  c["torch_dtype"] = torch_dtype_name(dtype);
+  if (c.contains("dtype")) c["dtype"] = torch_dtype_name(dtype);
+  if (!c.contains("initializer_range")) c["initializer_range"] = m.init_std;
+  c["use_cache"] = true;
+  if (arch == HfArch::Llama) {
+    c["model_type"] = "llama";
+    c["hidden_size"] = m.d_model;
+    c["intermediate_size"] = m.ffn_hidden;
+    c["num_hidden_layers"] = m.n_layers;
+    c["num_attention_heads"] = m.n_heads;
+    c["num_key_value_heads"] = m.n_kv_heads;
+    c["max_position_embeddings"] = m.max_seq_len;
+    c["rms_norm_eps"] = same_or(tmpl, "rms_norm_eps", m.norm_eps);
+    const double theta = same_or(tmpl, "rope_theta", m.rope_theta).get<double>();
+    // transformers 5 writes rope_parameters (theta inside); earlier versions rope_theta + rope_scaling.
+    const json scaling = rope_scaling_json(m.rope_scaling, "rope_type");
+    if (c.contains("rope_parameters")) {
+      c["rope_parameters"] = scaling.is_null() ? json{{"rope_type", "default"}} : scaling;
+      c["rope_parameters"]["rope_theta"] = theta;
+    } else {
+      c["rope_theta"] = theta;
+      c["rope_scaling"] = scaling;
+    }
+    c["hidden_act"] = "silu";
+    c["attention_bias"] = false;
+    c["mlp_bias"] = false;
+    if (c.contains("head_dim")) c["head_dim"] = m.head_dim();
+  } else if (arch == HfArch::GPT2) {
+    for (const char* k : {"hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"}) c.erase(k);
+    c["model_type"] = "gpt2";
+    c["n_embd"] = m.d_model;
+    c["n_layer"] = m.n_layers;
+    c["n_head"] = m.n_heads;
+    c["n_inner"] = m.ffn_hidden == 4 * m.d_model ? json(nullptr) : json(m.ffn_hidden);
+    c["n_positions"] = m.max_seq_len;
+    if (c.contains("n_ctx")) c["n_ctx"] = m.max_seq_len;
+    c["layer_norm_epsilon"] = same_or(tmpl, "layer_norm_epsilon", m.norm_eps);
+    const std::string act = c.value("activation_function", std::string());
+    if (act != "gelu_new" && act != "gelu_pytorch_tanh") c["activation_function"] = "gelu_new";
+    c["scale_attn_weights"] = true;
+    c["scale_attn_by_inverse_layer_idx"] = false;
+    c["add_cross_attention"] = false;
+  } else {
+    for (const char* k : {"n_embed", "num_hidden_layers", "num_attention_heads"}) c.erase(k);
+    c["model_type"] = "bloom";
+    c["hidden_size"] = m.d_model;
+    c["n_layer"] = m.n_layers;
+    c["n_head"] = m.n_heads;
+    c["seq_length"] = m.max_seq_len;
+    c["layer_norm_epsilon"] = same_or(tmpl, "layer_norm_epsilon", m.norm_eps);
+    c["apply_residual_connection_post_layernorm"] = false;
+  }
+  return c;
+}
+
+}  // namespace
 
 ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& out_dir, const ExportOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -591,12 +882,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   const Checkpoint ck = Checkpoint::open(ckpt_path);
   const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
   const ModelConfig& m = cfg.model;
-  if (!m.is_llama())
-    throw CheckpointError("checkpoint " + ck.path() + " holds a gpt2 model; export to Hugging Face supports Llama models");
-  if (m.alibi || m.embedding_norm)
-    throw CheckpointError("checkpoint " + ck.path() + " holds a Llama with " +
-                          (m.alibi ? "ALiBi (model.position_embedding \"alibi\")" : "an embedding norm") +
-                          "; Hugging Face's Llama has neither, so it cannot be exported as one");
+  const HfArch arch = hf_arch_for(m, "checkpoint " + ck.path());
   const ParamTable table(m);
   // The best copy of the weights: fp32 masters when every tensor has them.
   bool have_master = true;
@@ -631,52 +917,27 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
     if (!src.empty() && fs::is_directory(src)) like = src;
   }
 
-  json c = tmpl.is_object() ? tmpl : json::object();
-  c["architectures"] = {"LlamaForCausalLM"};
-  c["model_type"] = "llama";
-  c["hidden_size"] = m.d_model;
-  c["intermediate_size"] = m.ffn_hidden;
-  c["num_hidden_layers"] = m.n_layers;
-  c["num_attention_heads"] = m.n_heads;
-  c["num_key_value_heads"] = m.n_kv_heads;
-  c["vocab_size"] = m.vocab_size;
-  c["max_position_embeddings"] = m.max_seq_len;
-  c["rms_norm_eps"] = tmpl.contains("rms_norm_eps") && static_cast<float>(tmpl["rms_norm_eps"].get<double>()) == m.norm_eps
-                          ? tmpl["rms_norm_eps"]
-                          : json(static_cast<double>(m.norm_eps));
-  const double theta = tmpl.contains("rope_theta") && static_cast<float>(tmpl["rope_theta"].get<double>()) == m.rope_theta
-                           ? tmpl["rope_theta"].get<double>()
-                           : static_cast<double>(m.rope_theta);
-  c["rope_theta"] = theta;
-  const json scaling = rope_scaling_json(m.rope_scaling, "rope_type");
-  if (c.contains("rope_parameters")) {
-    c["rope_parameters"] = scaling.is_null() ? json{{"rope_type", "default"}} : scaling;
-    c["rope_parameters"]["rope_theta"] = theta;
-  } else {
-    c["rope_scaling"] = scaling;
-  }
-  c["tie_word_embeddings"] = m.tied_embeddings;
-  c["hidden_act"] = "silu";
-  c["attention_bias"] = false;
-  c["mlp_bias"] = false;
-  if (c.contains("head_dim")) c["head_dim"] = m.head_dim();
-  c["torch_dtype"] = torch_dtype_name(opts.dtype);
-  if (c.contains("dtype")) c["dtype"] = torch_dtype_name(opts.dtype);
-  if (!c.contains("initializer_range")) c["initializer_range"] = m.init_std;
-  c["use_cache"] = true;
+  const json c = hf_config_json(m, arch, tmpl, opts.dtype);
 
-  // Plan the shards: tensors in keel's table order, a new file whenever the next tensor would
-  // push the current one past max_shard_bytes.
-  const auto names = hf_tensor_names(m);
+  // The HF tensors, each with the keel slices that make it, in the layout's order; the shards:
+  // a new file whenever the next tensor would push the current one past max_shard_bytes.
+  struct HfOut {
+    std::string name;
+    std::vector<int64_t> shape;  // tok_embed / lm_head without keel's vocabulary padding
+    std::vector<HfTensorSlice> slices;
+  };
+  std::vector<HfOut> tensors;
+  std::map<std::string, size_t> tensor_index;
+  for (HfTensorSlice& sl : hf_tensor_layout(m)) {
+    auto [it, added] = tensor_index.emplace(sl.hf, tensors.size());
+    if (added) tensors.push_back({sl.hf, sl.hf_shape, {}});
+    tensors[it->second].slices.push_back(std::move(sl));
+  }
   std::vector<std::vector<size_t>> shards(1);
   int64_t in_shard = 0, total = 0;
-  std::vector<std::vector<int64_t>> hf_shapes;
-  for (size_t i = 0; i < names.size(); ++i) {
-    std::vector<int64_t> shape = table.at(names[i].first).shape;
-    if (names[i].first == "tok_embed" || names[i].first == "lm_head") shape[0] = m.vocab_size;  // drop vocab padding
+  for (size_t i = 0; i < tensors.size(); ++i) {
     int64_t bytes = static_cast<int64_t>(dtype_size(opts.dtype));
-    for (int64_t d : shape) bytes *= d;
-    hf_shapes.push_back(shape);
+    for (int64_t d : tensors[i].shape) bytes *= d;
     if (in_shard > 0 && in_shard + bytes > opts.max_shard_bytes) {
       shards.emplace_back();
       in_shard = 0;
@@ -692,27 +953,47 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   ConvertStats st;
   try {
     json weight_map = json::object();
-    std::vector<char> staging;
+    std::vector<char> staging, part;
+    const size_t es = dtype_size(opts.dtype);
     for (size_t s = 0; s < shards.size(); ++s) {
       char fname[64];
       if (shards.size() == 1) std::snprintf(fname, sizeof fname, "model.safetensors");
       else std::snprintf(fname, sizeof fname, "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
       std::vector<data::SafetensorsWriter::Entry> entries;
       for (size_t i : shards[s]) {
-        entries.push_back({names[i].second, st_dtype(opts.dtype), hf_shapes[i]});
-        weight_map[names[i].second] = fname;
+        entries.push_back({tensors[i].name, st_dtype(opts.dtype), tensors[i].shape});
+        weight_map[tensors[i].name] = fname;
       }
       // transformers insists on format "pt" in the metadata
       data::SafetensorsWriter w((tmp / fname).string(), entries, {{"format", "pt"}});
       for (size_t i : shards[s]) {
-        TensorRegion r;
-        r.shape = hf_shapes[i];
-        r.offset.assign(r.shape.size(), 0);
-        staging.resize(static_cast<size_t>(r.numel()) * dtype_size(opts.dtype));
-        ck.read(state, names[i].first, r, opts.dtype, staging.data());
-        ck.release(state, names[i].first);
+        const HfOut& t = tensors[i];
+        int64_t n = 1;
+        for (int64_t d : t.shape) n *= d;
+        staging.resize(static_cast<size_t>(n) * es);
+        for (const HfTensorSlice& sl : t.slices) {
+          const ParamSpec& p = table.at(sl.keel);
+          TensorRegion r;
+          r.shape = p.shape;
+          r.offset.assign(r.shape.size(), 0);
+          if (t.slices.size() == 1 && sl.one_to_one()) {  // straight into place (minus keel's vocab padding)
+            r.shape[0] = t.shape[0];
+            ck.read(state, sl.keel, r, opts.dtype, staging.data());
+          } else {  // a block of a fused tensor, or a transpose: scatter element by element
+            part.resize(static_cast<size_t>(r.numel()) * es);
+            ck.read(state, sl.keel, r, opts.dtype, part.data());
+            const int64_t rows = r.shape[0], cols = r.shape.size() > 1 ? r.shape[1] : 1;
+            const int64_t hf_cols = t.shape.size() > 1 ? t.shape[1] : 1;
+            for (int64_t row = 0; row < rows; ++row)
+              for (int64_t col = 0; col < cols; ++col) {
+                const int64_t at = sl.transposed ? col * hf_cols + sl.hf_row(row) : sl.hf_row(row) * hf_cols + col;
+                std::memcpy(staging.data() + at * es, part.data() + (row * cols + col) * es, es);
+              }
+          }
+          ck.release(state, sl.keel);
+        }
         w.write(staging.data(), staging.size());
-        st.parameters += r.numel();
+        st.parameters += n;
         ++st.tensors;
       }
       w.finish(/*sync=*/true);

@@ -1,21 +1,33 @@
-// Hugging Face Llama checkpoints in and out of keel: `keel convert hf:DIR OUT` (import),
+// Hugging Face checkpoints in and out of keel: `keel convert hf:DIR OUT` (import),
 // `keel convert CKPT hf:OUT` (export), `keel train --init-from hf:DIR`, `keel sample hf:DIR`.
 //
-// An HF checkpoint directory holds config.json (LlamaForCausalLM, or a Mistral-style config
-// without sliding windows), model.safetensors or model-0000X-of-0000N.safetensors with
-// model.safetensors.index.json (bf16, fp16 or fp32), and usually tokenizer.json.
+// An HF checkpoint directory holds config.json, model.safetensors or
+// model-0000X-of-0000N.safetensors with model.safetensors.index.json (bf16, fp16 or fp32), and
+// usually tokenizer.json. Three architectures map onto keel's model:
+//   LlamaForCausalLM (and Mistral-style configs without sliding windows) -> family llama
+//   GPT2LMHeadModel                                                      -> family gpt2
+//   BloomForCausalLM -> family gpt2 with position_embedding "alibi" and embedding_norm
 //
-// Tensor names (HF -> keel; Linear weights are [out, in] on both sides):
-//   model.embed_tokens.weight                       tok_embed
-//   model.layers.{i}.input_layernorm.weight         layers.{i}.attn_norm.weight
-//   model.layers.{i}.self_attn.{q,k,v,o}_proj.weight layers.{i}.attn.{wq,wk,wv,wo}
-//   model.layers.{i}.post_attention_layernorm.weight layers.{i}.mlp_norm.weight
-//   model.layers.{i}.mlp.{gate,up,down}_proj.weight layers.{i}.mlp.{w_gate,w_up,w_down}
-//   model.norm.weight                               final_norm.weight
-//   lm_head.weight                                  lm_head (absent when tie_word_embeddings)
-// q_proj and k_proj are copied unpermuted: keel's RoPE pairs element i with i + head_dim/2 of
-// each head (HF's rotate_half), the layout HF Llama checkpoints use (test_hf_convert.cpp checks
-// converted models' logits and greedy tokens against transformers).
+// Tensor names (HF -> keel; keel's Linear weights are [out, in]):
+//   Llama  model.embed_tokens.weight                  tok_embed
+//          model.layers.{i}.input_layernorm.weight    layers.{i}.attn_norm.weight
+//          model.layers.{i}.self_attn.{q,k,v,o}_proj  layers.{i}.attn.{wq,wk,wv,wo}
+//          model.layers.{i}.post_attention_layernorm  layers.{i}.mlp_norm.weight
+//          model.layers.{i}.mlp.{gate,up,down}_proj   layers.{i}.mlp.{w_gate,w_up,w_down}
+//          model.norm.weight                          final_norm.weight
+//   GPT-2  (transformer.)wte / wpe                    tok_embed / pos_embed
+//          h.{i}.ln_1 / ln_2, ln_f                    attn_norm / mlp_norm, final_norm (.weight, .bias)
+//          h.{i}.attn.c_attn [d, 3d] + bias [3d]      wq | wk | wv column blocks, transposed; bq | bk | bv
+//          h.{i}.attn.c_proj, mlp.c_fc, mlp.c_proj    wo, w_fc, w_proj transposed (Conv1D stores [in, out])
+//   BLOOM  (transformer.)word_embeddings(_layernorm)  tok_embed, embed_norm
+//          h.{i}.input_layernorm / post_attention_layernorm, ln_f   attn_norm / mlp_norm, final_norm
+//          h.{i}.self_attention.query_key_value [3d, d] rows per head h: [q_h; k_h; v_h] -> wq, wk, wv
+//          h.{i}.self_attention.dense, mlp.dense_h_to_4h, mlp.dense_4h_to_h         wo, w_fc, w_proj
+//   lm_head.weight -> lm_head when the head is untied.
+// "transformer." is what save_pretrained writes; the hub's original GPT-2 and BLOOM files omit
+// it, and both spellings are read. q_proj and k_proj are copied unpermuted: keel's RoPE pairs
+// element i with i + head_dim/2 of each head (HF's rotate_half), the layout HF Llama checkpoints
+// use (test_hf_convert.cpp checks converted models' logits and greedy tokens against transformers).
 //
 // Everything is streamed: the shards are memory-mapped and each tensor's pages are dropped from
 // memory once it is written, so converting a 7B model needs a few hundred MB, not 13 GB.
@@ -41,13 +53,36 @@ namespace keel {
 // "hf:/models/x" -> "/models/x"; nullopt when spec does not start with "hf:".
 std::optional<std::string> hf_path(const std::string& spec);
 
+enum class HfArch { Llama, GPT2, Bloom };
+// "LlamaForCausalLM", "GPT2LMHeadModel", "BloomForCausalLM"
+std::string hf_arch_name(HfArch a);
+// The HF architecture a keel model exports as. Throws CheckpointError naming what has no HF
+// counterpart (ALiBi on a Llama, an embedding norm with learned positions, BLOOM's MLP width).
+HfArch hf_arch_for(const ModelConfig& m, const std::string& who);
+
 // The keel model an HF config.json describes. Throws CheckpointError naming the file and what
-// keel cannot represent: another architecture, rope_scaling, attention/MLP biases, sliding
-// windows, a head_dim other than hidden_size / num_attention_heads, an activation other than silu.
+// keel cannot represent: another architecture, rope_scaling, attention/MLP biases on a Llama,
+// sliding windows, a head_dim other than hidden_size / num_attention_heads, another activation,
+// GPT-2's per-layer attention scaling, BLOOM's post-layernorm residual.
 ModelConfig model_config_from_hf(const nlohmann::json& config, const std::string& source);
 
-// keel name <-> HF name for every tensor of a Llama model (keel's table order).
-std::vector<std::pair<std::string, std::string>> hf_tensor_names(const ModelConfig& m);
+// Where one keel tensor lives in an HF checkpoint. Keel row r (element r of a 1-D tensor) is
+// row hf_row(r) of the HF tensor, or of its transpose when `transposed` (GPT-2's Conv1D weights
+// are stored [in, out]). hf_row(r) = offset + (r / block) * stride + r % block: a fused
+// tensor's column block (GPT-2's c_attn), or every head's slice of BLOOM's per-head [q; k; v].
+struct HfTensorSlice {
+  std::string keel, hf;
+  std::vector<int64_t> hf_shape;  // the whole HF tensor as stored
+  bool transposed = false;
+  int64_t offset = 0, block = 0, stride = 0;  // block 0: rows one to one from offset
+  int64_t hf_row(int64_t r) const { return block == 0 ? offset + r : offset + (r / block) * stride + r % block; }
+  bool one_to_one() const { return !transposed && block == 0 && offset == 0; }  // keel row r is HF row r
+};
+
+// Every keel tensor of the model with its place in the HF files (the slices of a fused HF tensor
+// are listed together). tensor_prefix: "transformer." (what save_pretrained writes) or "" (the
+// hub's original GPT-2 / BLOOM files); Llama's is always "model.".
+std::vector<HfTensorSlice> hf_tensor_layout(const ModelConfig& m, const std::string& tensor_prefix = "transformer.");
 
 // An opened HF checkpoint directory: config parsed, every shard mapped, every tensor checked
 // against the model the config describes (names, shapes, dtypes) before anything is read.
@@ -59,6 +94,7 @@ class HfCheckpoint {
   const std::string& dir() const { return dir_; }
   const nlohmann::json& config_json() const { return config_; }
   const ModelConfig& model() const { return model_; }
+  HfArch arch() const { return arch_; }
   // The dtype of the weights when all agree, else f32 (what a lossless copy needs).
   DType common_dtype() const { return common_dtype_; }
   DType stored_dtype(const std::string& keel_name) const;
@@ -79,12 +115,13 @@ class HfCheckpoint {
   struct Source {
     size_t file;
     const data::SafetensorsTensorInfo* info;
-    std::string hf_name;
+    HfTensorSlice slice;
   };
   const Source& source(const std::string& keel_name) const;
   std::string dir_;
   nlohmann::json config_;
   ModelConfig model_;
+  HfArch arch_ = HfArch::Llama;
   DType common_dtype_ = DType::F32;
   int64_t total_bytes_ = 0;
   std::vector<std::unique_ptr<data::SafetensorsReader>> files_;
@@ -133,7 +170,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
 std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state);
 
 // Files copied along with a model: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
-// tokenizer.model, generation_config.json.
+// tokenizer.model, vocab.json, merges.txt, generation_config.json.
 const std::vector<std::string>& hf_side_files();
 
 }  // namespace keel

@@ -149,3 +149,44 @@ TEST_CASE("keel train --init-from hf:DIR finetunes the HF weights directly", "[h
   CHECK_THAT(r.output, Catch::Contains("initialised from hf:"));
   check_no_jump(tmp / "run", e["train_loss"]["loss"].get<double>());
 }
+
+TEST_CASE("GPT-2 and BLOOM through the binary: convert, greedy-decode HF's tokens, finetune, export", "[hf][cli]") {
+  for (const std::string name : {"gpt2_tied", "bloom_bf16"}) {
+    SECTION(name) {
+      test::TempDir tmp("hfcli2");
+      const json e = expected(name);
+      const std::string conv = tmp / "conv";
+      auto r = run_keel("convert hf:" + kHf + name + " " + conv);
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+
+      std::string prompt;
+      for (int id : e["greedy"]["prompt_ids"]) prompt += (prompt.empty() ? "" : ",") + std::to_string(id);
+      for (const std::string& source : {conv, "hf:" + kHf + name}) {
+        r = run_keel("sample --checkpoint " + source + " --prompt-ids " + prompt + " -t 0 -n 16 --ignore-eos --show-ids");
+        INFO(source << "\n" << r.output);
+        REQUIRE(r.code == 0);
+        CHECK(ids_after(r.output, "generated ids") == e["greedy"]["new_ids"].get<std::vector<int32_t>>());
+      }
+
+      // A few bf16 steps from the converted weights (token ids below 64 fit the vocab of 300).
+      data::write_llmc_shard(tmp / "train.bin", test::synthetic_tokens(4000, 1), false);
+      r = run_keel("train --config " + conv + "/config.json --init-from " + conv + " --out " + tmp / "run" +
+                   " -q --steps 3 --set data.train=" + tmp / "train.bin" +
+                   " --set 'data.val=[]' --set train.seq_len=32 --set train.global_batch=4 --set train.micro_batch=2"
+                   " --set schedule.warmup_steps=1");
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      CHECK_THAT(r.output, Catch::Contains("fp32 masters = their exact values"));
+
+      r = run_keel("convert " + tmp / "run/checkpoints hf:" + tmp / "export" + " --like " + conv);
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      std::ifstream in(tmp / "export/config.json");
+      const json c = json::parse(in);
+      CHECK(c["architectures"][0] == (name == "gpt2_tied" ? "GPT2LMHeadModel" : "BloomForCausalLM"));
+      CHECK(c["vocab_size"] == 300);
+      CHECK(run_keel("sample --checkpoint hf:" + tmp / "export" + " --prompt-ids " + prompt + " -t 0 -n 4").code == 0);
+    }
+  }
+}

@@ -1,7 +1,9 @@
-// Hugging Face Llama checkpoints in and out of keel (train/hf_format.h), against the fixtures
-// of scripts/make_hf_fixtures.py: three tiny LlamaForCausalLM models saved by transformers
-// (trained fp32 with GQA and an untied head; random bf16 with tied embeddings and one kv head;
-// random fp16 in three shards), their float64 logits and greedy continuations.
+// Hugging Face checkpoints in and out of keel (train/hf_format.h), against the fixtures of
+// scripts/make_hf_fixtures.py: tiny LlamaForCausalLM models saved by transformers (trained fp32
+// with GQA and an untied head; random bf16 with tied embeddings and one kv head; random fp16 in
+// three shards; Llama 3.1 RoPE scaling), a GPT2LMHeadModel (fp32; Conv1D weights and a fused
+// c_attn) and a BloomForCausalLM (bf16; ALiBi over 6 heads, embedding LayerNorm, per-head fused
+// query_key_value), with their float64 logits and greedy continuations.
 //
 // Tolerances: logits ||keel - HF|| / ||HF|| <= 1e-5 per model (keel computes in fp32 from the
 // stored weights, HF's oracle in float64: a few 1e-7 in practice); greedy tokens exactly (the
@@ -144,6 +146,131 @@ TEST_CASE("hf: config.json maps to keel's model (GQA, tied head, rope_theta, eps
   CHECK(s.low_freq_factor == 1.0);
   CHECK(s.high_freq_factor == 4.0);
   CHECK(s.original_max_position == 64);
+
+  const HfCheckpoint g = HfCheckpoint::open(kHf + "gpt2_tied");
+  CHECK(g.arch() == HfArch::GPT2);
+  CHECK(g.model().is_gpt2());
+  CHECK(g.model().learned_positions());
+  CHECK(g.model().tied_embeddings);
+  CHECK(g.model().max_seq_len == 64);
+  CHECK(g.model().ffn_hidden == 128);  // n_inner null: 4 x n_embd
+  CHECK(g.model().n_kv_heads == 4);
+  CHECK(g.hf_name("layers.1.attn.wk") == "transformer.h.1.attn.c_attn.weight");
+  CHECK(g.hf_name("pos_embed") == "transformer.wpe.weight");
+  const HfCheckpoint bl = HfCheckpoint::open(kHf + "bloom_bf16");
+  CHECK(bl.arch() == HfArch::Bloom);
+  CHECK(bl.model().alibi);
+  CHECK(bl.model().embedding_norm);
+  CHECK(bl.model().ffn_hidden == 192);
+  CHECK(bl.model().n_heads == 6);
+  CHECK(bl.model().max_seq_len == 2048);
+  CHECK(bl.common_dtype() == DType::BF16);
+  CHECK(bl.hf_name("embed_norm.bias") == "transformer.word_embeddings_layernorm.bias");
+  CHECK(bl.hf_name("layers.0.attn.bv") == "transformer.h.0.self_attention.query_key_value.bias");
+  REQUIRE(bl.notes().size() == 1);
+  CHECK_THAT(bl.notes()[0], Catch::Contains("ALiBi has no position limit: model.max_seq_len 2048"));
+}
+
+// GPT-2's Conv1D weights (read transposed, a column block of c_attn) and BLOOM's per-head fused
+// query_key_value: every keel tensor read whole equals the HF tensor taken apart by hand, and
+// every rectangle a tensor-parallel rank or a flat ZeRO range asks for is the same slice of it.
+TEST_CASE("hf: fused and transposed tensors read as keel's, whole and by TP rectangles", "[hf]") {
+  auto hf_tensor = [](const std::string& dir, const std::string& name) {  // as stored, in fp32
+    auto r = data::SafetensorsReader::open(kHf + dir + "/model.safetensors");
+    for (const auto& t : r.tensors())
+      if (t.name == name) {
+        const bool bf16 = t.dtype == data::SafetensorsDtype::BF16;
+        auto b = r.bytes(t);
+        std::vector<float> v(b.size() / (bf16 ? 2 : 4));
+        for (size_t i = 0; i < v.size(); ++i) {
+          uint16_t h;
+          if (bf16) std::memcpy(&h, b.data() + 2 * i, 2), v[i] = bf16_to_f32(h);
+          else std::memcpy(&v[i], b.data() + 4 * i, 4);
+        }
+        return v;
+      }
+    FAIL("no tensor " << name);
+    return std::vector<float>{};
+  };
+  auto read_keel = [](const HfCheckpoint& hf, const std::string& name, const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::vector<float> v(static_cast<size_t>(n));
+    hf.read_full(name, shape, DType::F32, v.data());
+    return v;
+  };
+
+  {  // GPT-2: wk = columns [d, 2d) of c_attn [d, 3d], transposed; bk = bias[d:2d]; w_fc = c_fc^T.
+    const HfCheckpoint hf = HfCheckpoint::open(kHf + "gpt2_tied");
+    const int64_t d = 32, f = 128;
+    const auto c_attn = hf_tensor("gpt2_tied", "transformer.h.1.attn.c_attn.weight");
+    const auto c_attn_b = hf_tensor("gpt2_tied", "transformer.h.1.attn.c_attn.bias");
+    const auto c_fc = hf_tensor("gpt2_tied", "transformer.h.1.mlp.c_fc.weight");
+    const auto wk = read_keel(hf, "layers.1.attn.wk", {d, d});
+    const auto bk = read_keel(hf, "layers.1.attn.bk", {d});
+    const auto w_fc = read_keel(hf, "layers.1.mlp.w_fc", {f, d});
+    int bad = 0;
+    for (int64_t r = 0; r < d; ++r) {
+      bad += bk[r] != c_attn_b[d + r];
+      for (int64_t c = 0; c < d; ++c) bad += wk[r * d + c] != c_attn[c * 3 * d + d + r];
+    }
+    for (int64_t r = 0; r < f; ++r)
+      for (int64_t c = 0; c < d; ++c) bad += w_fc[r * d + c] != c_fc[c * f + r];
+    CHECK(bad == 0);
+  }
+  {  // BLOOM: wv row (n, i) = query_key_value row (3n + 2) hd + i.
+    const HfCheckpoint hf = HfCheckpoint::open(kHf + "bloom_bf16");
+    const int64_t d = 48, hd = 8;
+    const auto qkv = hf_tensor("bloom_bf16", "transformer.h.0.self_attention.query_key_value.weight");
+    const auto qkv_b = hf_tensor("bloom_bf16", "transformer.h.0.self_attention.query_key_value.bias");
+    const auto wv = read_keel(hf, "layers.0.attn.wv", {d, d});
+    const auto bq = read_keel(hf, "layers.0.attn.bq", {d});
+    int bad = 0;
+    for (int64_t n = 0; n < 6; ++n)
+      for (int64_t i = 0; i < hd; ++i) {
+        bad += bq[n * hd + i] != qkv_b[3 * n * hd + i];
+        for (int64_t c = 0; c < d; ++c) bad += wv[(n * hd + i) * d + c] != qkv[((3 * n + 2) * hd + i) * d + c];
+      }
+    CHECK(bad == 0);
+  }
+
+  // Every TP rank's shard (rows or columns) and ZeRO-style flat ranges cutting rows in two: the
+  // rectangles read are the same elements as the whole tensor's.
+  for (const char* name : {"gpt2_tied", "bloom_bf16", "llama_trained"}) {
+    const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
+    const ParamTable full(hf.model());
+    const std::vector<float> whole = weights_from_hf(hf, full);
+    for (int tp : {2, 4}) {
+      if (hf.model().n_heads % tp != 0 || hf.model().n_kv_heads % tp != 0 || hf.model().vocab_size % tp != 0) continue;
+      for (int rank = 0; rank < tp; ++rank) {
+        ModelShard shard;
+        shard.tp_rank = rank;
+        shard.tp_size = tp;
+        const ParamTable table(hf.model(), shard);
+        std::vector<float> local(static_cast<size_t>(table.local_numel()), NAN);
+        for (const ParamSpec& p : table.params()) {
+          const int64_t cut = p.offset + p.numel / 3 + 1;  // two flat ranges meeting mid-row
+          for (auto [begin, end] : {std::pair{p.offset, cut}, std::pair{cut, p.offset + p.numel}})
+            for (const TensorRegion& r : flat_range_regions(p, begin, end))
+              hf.read(p.name, r, DType::F32, local.data() + r.flat_begin);
+        }
+        int bad = 0;
+        for (const ParamSpec& p : table.params()) {
+          const ParamSpec& q = full.at(p.name);
+          const int64_t rows = p.local_shape[0], cols = p.local_shape.size() > 1 ? p.local_shape[1] : 1;
+          const int64_t full_cols = q.shape.size() > 1 ? q.shape[1] : 1;
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) {
+              const int64_t fr = p.split == TpSplit::Rows ? p.shard_begin + r : r;
+              const int64_t fc = p.split == TpSplit::Cols ? p.shard_begin + c : c;
+              bad += local[p.offset + r * cols + c] != whole[q.offset + fr * full_cols + fc];
+            }
+        }
+        INFO(name << " tp=" << tp << " rank " << rank);
+        CHECK(bad == 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("hf: keel's Llama 3 RoPE frequencies are HF's fp32 bits", "[hf][rope]") {
@@ -166,7 +293,7 @@ TEST_CASE("hf: keel's Llama 3 RoPE frequencies are HF's fp32 bits", "[hf][rope]"
 }
 
 TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]") {
-  for (const char* name : {"llama_trained", "llama_tied", "llama_sharded", "llama3_rope"}) {
+  for (const char* name : {"llama_trained", "llama_tied", "llama_sharded", "llama3_rope", "gpt2_tied", "bloom_bf16"}) {
     SECTION(name) {
       const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
       const ParamTable table(hf.model());
@@ -195,6 +322,11 @@ TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]"
       CHECK(cfg.model.rope_theta == hf.model().rope_theta);
       CHECK(cfg.model.rope_scaling == hf.model().rope_scaling);
       CHECK(cfg.model.norm_eps == hf.model().norm_eps);
+      CHECK(cfg.model.family == hf.model().family);
+      CHECK(cfg.model.ffn_hidden == hf.model().ffn_hidden);
+      CHECK(cfg.model.max_seq_len == hf.model().max_seq_len);
+      CHECK(cfg.model.position_embedding() == hf.model().position_embedding());
+      CHECK(cfg.model.embedding_norm == hf.model().embedding_norm);
     }
   }
 }
@@ -206,7 +338,8 @@ TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
     int64_t shard;
   };
   for (Case c : {Case{"llama_trained", DType::F32, int64_t{5} << 30}, Case{"llama_tied", DType::BF16, int64_t{5} << 30},
-                 Case{"llama_sharded", DType::F16, 30000}, Case{"llama3_rope", DType::F32, int64_t{5} << 30}}) {
+                 Case{"llama_sharded", DType::F16, 30000}, Case{"llama3_rope", DType::F32, int64_t{5} << 30},
+                 Case{"gpt2_tied", DType::F32, int64_t{5} << 30}, Case{"bloom_bf16", DType::BF16, 20000}}) {
     SECTION(c.name) {
       test::TempDir tmp("hfrt");
       convert_hf_to_keel(kHf + c.name, tmp / "keel", std::nullopt, false);
@@ -226,13 +359,17 @@ TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
       CHECK(fs::exists(tmp / "hf/tokenizer.json"));
       const bool sharded = c.shard < (int64_t{1} << 20);
       CHECK(fs::exists(tmp / "hf/model.safetensors.index.json") == sharded);
-      // The exported config is the HF one with the model fields: it opens as the same model.
-      const HfCheckpoint back = HfCheckpoint::open(tmp / "hf");
-      CHECK(back.model().rope_theta == HfCheckpoint::open(kHf + c.name).model().rope_theta);
-      CHECK(back.model().rope_scaling == HfCheckpoint::open(kHf + c.name).model().rope_scaling);
-      CHECK(back.config_json().at("rope_parameters") == HfCheckpoint::open(kHf + c.name).config_json().at("rope_parameters"));
-      CHECK(back.config_json().value("eos_token_id", json()) ==
-            HfCheckpoint::open(kHf + c.name).config_json().value("eos_token_id", json()));
+      // The exported config is the HF one with the model fields: it opens as the same model,
+      // and every field transformers reads is as it was.
+      const HfCheckpoint back = HfCheckpoint::open(tmp / "hf"), orig = HfCheckpoint::open(kHf + c.name);
+      CHECK(back.arch() == orig.arch());
+      CHECK(back.model().rope_theta == orig.model().rope_theta);
+      CHECK(back.model().rope_scaling == orig.model().rope_scaling);
+      CHECK(back.model().max_seq_len == orig.model().max_seq_len);
+      json a = back.config_json(), b = orig.config_json();
+      for (json* j : {&a, &b})
+        for (const char* volatile_field : {"torch_dtype", "transformers_version", "seq_length"}) j->erase(volatile_field);
+      CHECK(a.dump(1) == b.dump(1));
       CHECK(st.tensors == static_cast<int64_t>(before.size()));
     }
   }
@@ -376,14 +513,113 @@ TEST_CASE("hf: finetuning converted weights continues from the pretrained loss (
 }
 
 TEST_CASE("hf: --init-from hf:DIR refuses a run config for another model, naming the field", "[hf]") {
-  const HfCheckpoint hf = HfCheckpoint::open(kHf + "llama_tied");
-  json j = finetune_config_json(hf, "unused");
-  j["data"] = {{"train", "unused.bin"}};
-  j["train"]["seq_len"] = 16;
-  j["model"]["rope_theta"] = 10000.0;
-  const RunConfig cfg = parse_config(j, "t.json");
-  auto be = make_cpu_backend();
-  Trainer tr(cfg, *be);
-  CHECK_THAT(error_of([&] { init_weights_from_hf(kHf + "llama_tied", tr.table(), tr.state()); }),
+  auto init_error = [](const std::string& name, const std::function<void(json&)>& edit) {
+    const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
+    json j = finetune_config_json(hf, "unused");
+    j["data"] = {{"train", "unused.bin"}};
+    j["train"]["seq_len"] = 16;
+    edit(j["model"]);
+    const RunConfig cfg = parse_config(j, "t.json");
+    auto be = make_cpu_backend();
+    Trainer tr(cfg, *be);
+    return error_of([&] { init_weights_from_hf(kHf + name, tr.table(), tr.state()); });
+  };
+  CHECK_THAT(init_error("llama_tied", [](json& m) { m["rope_theta"] = 10000.0; }),
              Catch::Contains("model.rope_theta: the config has 10000") && Catch::Contains("500000"));
+  // GPT-2's learned position table has n_positions rows: another max_seq_len is another model.
+  CHECK_THAT(init_error("gpt2_tied", [](json& m) { m["max_seq_len"] = 128; }),
+             Catch::Contains("model.max_seq_len: the config has 128") && Catch::Contains("has 64"));
+  CHECK_THAT(init_error("gpt2_tied", [](json& m) { m["position_embedding"] = "alibi"; }),
+             Catch::Contains("model.position_embedding: the config has alibi") &&
+                 Catch::Contains("(GPT2LMHeadModel) has learned"));
+  CHECK_THAT(init_error("bloom_bf16", [](json& m) { m.erase("embedding_norm"); }),
+             Catch::Contains("model.embedding_norm: the config has false") && Catch::Contains("(BloomForCausalLM) has true"));
+  // A longer context than BLOOM's training length is fine: ALiBi has no position table.
+  CHECK(init_error("bloom_bf16", [](json& m) { m["max_seq_len"] = 4096; }) == "no error");
+}
+
+TEST_CASE("hf: GPT-2 and BLOOM files without the transformer. prefix, and GPT-2's stored causal masks, load", "[hf]") {
+  // The hub's original gpt2 and bloom files were written from the base model: wte.weight,
+  // h.0.attn.c_attn.weight, ... Older GPT-2 files also carry each layer's attn.bias mask.
+  test::TempDir tmp("hflegacy");
+  for (const char* name : {"gpt2_tied", "bloom_bf16"}) {
+    const std::string d = tmp / name;
+    fs::copy(kHf + name, d, fs::copy_options::recursive);
+    auto r = data::SafetensorsReader::open(d + "/model.safetensors");
+    std::vector<data::SafetensorsTensorToWrite> ts;
+    for (const auto& t : r.tensors())
+      ts.push_back({t.name.substr(std::string("transformer.").size()), t.dtype, t.shape, r.bytes(t).data()});
+    std::vector<float> mask(64 * 64, 1.0f), masked_bias(1, -1e4f);
+    if (std::string(name) == "gpt2_tied")
+      for (int i = 0; i < 2; ++i) {
+        ts.push_back({"h." + std::to_string(i) + ".attn.bias", data::SafetensorsDtype::F32, {1, 1, 64, 64}, mask.data()});
+        ts.push_back({"h." + std::to_string(i) + ".attn.masked_bias", data::SafetensorsDtype::F32, {}, masked_bias.data()});
+      }
+    data::write_safetensors(d + "/model.safetensors.new", ts, {{"format", "pt"}});
+    fs::rename(d + "/model.safetensors.new", d + "/model.safetensors");
+
+    const HfCheckpoint legacy = HfCheckpoint::open(d), saved = HfCheckpoint::open(kHf + name);
+    CHECK(legacy.hf_name("layers.0.attn.wq").rfind("h.0.", 0) == 0);
+    const ParamTable table(saved.model());
+    CHECK(weights_from_hf(legacy, table) == weights_from_hf(saved, table));
+    if (std::string(name) == "gpt2_tied") {
+      REQUIRE(legacy.notes().size() == 1);
+      CHECK_THAT(legacy.notes()[0], Catch::Contains("ignored 4 attn.bias / attn.masked_bias buffers"));
+    }
+    // Exported again, the names are save_pretrained's.
+    test::TempDir out("hflegacy_out");
+    convert_hf_to_keel(d, out / "keel", std::nullopt, false);
+    ExportOptions opts;
+    opts.dtype = saved.common_dtype();
+    export_keel_to_hf(out / "keel", out / "hf", opts);
+    const auto back = all_tensors(out / "hf"), orig = all_tensors(kHf + name);
+    REQUIRE(back.size() == orig.size());
+    for (const auto& [n, t] : orig) {
+      INFO(n);
+      REQUIRE(back.count(n));
+      CHECK(back.at(n).bytes == t.bytes);
+    }
+  }
+}
+
+TEST_CASE("hf: GPT-2 and BLOOM features keel cannot represent are refused by name", "[hf]") {
+  test::TempDir tmp("hferr2");
+  auto edited = [&](const std::string& name, const std::string& to, const std::function<void(json&)>& f) {
+    const std::string d = tmp / to;
+    fs::copy(kHf + name, d, fs::copy_options::recursive);
+    std::ifstream in(d + "/config.json");
+    json c = json::parse(in);
+    f(c);
+    std::ofstream(d + "/config.json") << c.dump(2);
+    return error_of([&] { HfCheckpoint::open(d); });
+  };
+  std::string msg = edited("gpt2_tied", "gelu", [](json& c) {
+    c["activation_function"] = "gelu";
+    c["scale_attn_by_inverse_layer_idx"] = true;
+  });
+  CHECK_THAT(msg, Catch::Contains("(GPT2LMHeadModel)") && Catch::Contains("activation_function \"gelu\" is not supported") &&
+                      Catch::Contains("scale_attn_by_inverse_layer_idx"));
+  msg = edited("bloom_bf16", "post_ln", [](json& c) { c["apply_residual_connection_post_layernorm"] = true; });
+  CHECK_THAT(msg, Catch::Contains("(BloomForCausalLM)") && Catch::Contains("apply_residual_connection_post_layernorm"));
+  msg = edited("gpt2_tied", "noheads", [](json& c) { c.erase("n_head"); });
+  CHECK_THAT(msg, Catch::Contains("n_head or num_attention_heads is missing"));
+  msg = edited("gpt2_tied", "inner", [](json& c) { c["n_inner"] = 100; });
+  CHECK_THAT(msg, Catch::Contains("transformer.h.0.mlp.c_fc.weight (keel layers.0.mlp.w_fc) has shape [32, 128], the "
+                                  "config implies [32, 100]"));
+
+  // keel models with no HF architecture are refused at export, naming what is missing.
+  auto arch_error = [](const std::function<void(ModelConfig&)>& f) {
+    ModelConfig m = HfCheckpoint::open(kHf + "bloom_bf16").model();
+    f(m);
+    return error_of([&] { hf_arch_for(m, "checkpoint X"); });
+  };
+  CHECK(arch_error([](ModelConfig&) {}) == "no error");
+  CHECK_THAT(arch_error([](ModelConfig& m) { m.embedding_norm = false; }),
+             Catch::Contains("checkpoint X holds a gpt2 model with ALiBi but no embedding norm"));
+  CHECK_THAT(arch_error([](ModelConfig& m) { m.alibi = false; }),
+             Catch::Contains("an embedding norm but learned positions"));
+  CHECK_THAT(arch_error([](ModelConfig& m) { m.ffn_hidden = 100; }),
+             Catch::Contains("ffn_hidden 100") && Catch::Contains("4 x d_model = 192"));
+  CHECK_THAT(arch_error([](ModelConfig& m) { m.family = Family::Llama; }),
+             Catch::Contains("holds a Llama with ALiBi"));
 }
