@@ -82,6 +82,13 @@ void Generator::norm(const Tensor& out, const Tensor& in, const std::string& pre
     be_.rmsnorm_forward(out, head_of(rstd_, n), in, view(prefix + ".weight"), cfg_.norm_eps);
 }
 
+void Generator::rewind(int64_t position) {
+  if (position < 0 || position > pos_)
+    throw std::invalid_argument("Generator::rewind: position " + std::to_string(position) + " is not among the " +
+                                std::to_string(pos_) + " tokens fed");
+  pos_ = position;
+}
+
 std::vector<float> Generator::forward(const int32_t* tokens, int n, bool all_rows) {
   if (n < 1) throw std::invalid_argument("Generator::forward: no tokens");
   if (pos_ + n > max_len_)

@@ -29,6 +29,9 @@ class Generator {
   Generator& operator=(const Generator&) = delete;
 
   void reset() { pos_ = 0; }          // forget the sequence (the caches are overwritten)
+  // Forget the tokens from `position` on, keeping the cached keys and values before it: scoring
+  // several continuations of one context computes the context once.
+  void rewind(int64_t position);
   int64_t position() const { return pos_; }  // tokens fed so far
   int max_len() const { return max_len_; }
 

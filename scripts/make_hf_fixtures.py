@@ -24,7 +24,15 @@ save_pretrained exactly as transformers writes them, each with a tokenizer.json:
 Norm gains, norm biases and (GPT-2, BLOOM) linear biases are drawn away from HF's 1 and 0, so a
 mixed-up norm or bias shows in the logits.
 
-and for each (test/fixtures/hf/expected/<name>.json + .safetensors):
+and multiple-choice items for keel eval (test/fixtures/hf/choices/, scored in
+test/fixtures/hf/expected/choices_<model>.json):
+  fortunes.jsonl  text items for llama_trained from fortunes it was not trained on (the last
+                  tenth of the stream): the first part of a fortune as context, its own rest and
+                  the rests of three other fortunes as endings
+  gpt2_ids.jsonl  token-id items for gpt2_tied, endings of 1 to 6 tokens
+each ending's log-likelihood from HF in float64 (context + ending in one forward, no cache).
+
+and for each model (test/fixtures/hf/expected/<name>.json + .safetensors):
   logits     [16, V] float32: HF's logits for 16 fixed tokens, computed in float64 from the
              stored weights (make_fixtures.py's float64 patches of HF Llama's and BLOOM's
              upcasts; GPT-2's eager path keeps the dtype)
@@ -299,6 +307,83 @@ def build(out: str, only=None) -> None:
         save_file({"logits": logits.float().contiguous()}, os.path.join(out, "expected", name + ".safetensors"),
                   metadata={"keel_fixture": name})
         with open(os.path.join(out, "expected", name + ".json"), "w") as f:
+            f.write(json.dumps(expected, indent=1) + "\n")
+    if not only or "choices" in only:
+        build_choices(out, sp, docs, stream)
+
+
+def choice_logprobs(m64, ctx, endings):
+    """Sum of log p(ending token | everything before) per ending, context + ending in one
+    float64 forward."""
+    out = []
+    with precision_patches(m64), torch.no_grad():
+        for end in endings:
+            ids = torch.tensor([ctx + end])
+            logp = torch.log_softmax(m64(input_ids=ids, use_cache=False).logits[0].double(), dim=-1)
+            out.append(sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(end)))
+    return out
+
+
+def first_max(v):
+    return max(range(len(v)), key=lambda i: (v[i], -i))
+
+
+def build_choices(out: str, sp, docs, stream) -> None:
+    os.makedirs(os.path.join(out, "choices"), exist_ok=True)
+    rng = np.random.default_rng(11)
+    # Fortunes whose tokens lie in the held-out last tenth of the training stream.
+    starts, pos = [], 0
+    for enc in sp.encode_batch(docs, add_special_tokens=True):
+        starts.append(pos)
+        pos += len(enc.ids) + 1
+    held = [d for d, st in zip(docs, starts) if st >= len(stream) * 9 // 10]
+    held = [" ".join(d.split()) for d in held]
+    held = [d for d in held if 60 <= len(d) <= 160]
+    text_items = []
+    for k in rng.permutation(len(held))[:24]:
+        words = held[k].split(" ")
+        cut = max(3, len(words) // 2)
+        ctx, right = " ".join(words[:cut]), " ".join(words[cut:])
+        others = [o for o in rng.permutation(len(held)) if o != k][:3]
+        endings = [" ".join(held[o].split(" ")[max(3, len(held[o].split(" ")) // 2):]) for o in others]
+        label = int(rng.integers(0, 4))
+        endings.insert(label, right)
+        text_items.append({"context": ctx, "endings": endings, "label": label})
+    V = 300
+    id_items = []
+    for k in range(8):
+        ctx = rng.integers(3, V, int(rng.integers(4, 11))).tolist()
+        endings = [rng.integers(3, V, n).tolist() for n in ([1, 6, 3, 2] if k % 2 else [4, 1, 5, 2])]
+        id_items.append({"context_ids": ctx, "ending_ids": endings, "label": int(rng.integers(0, 4))})
+
+    for model_name, file_name, items in (("llama_trained", "fortunes.jsonl", text_items),
+                                         ("gpt2_tied", "gpt2_ids.jsonl", id_items)):
+        with open(os.path.join(out, "choices", file_name), "w") as f:
+            for it in items:
+                f.write(json.dumps(it, ensure_ascii=False) + "\n")
+        m64 = float64_model(os.path.join(out, model_name))
+        scored, correct, margin = [], 0, math.inf
+        for it in items:
+            if "context" in it:
+                ctx = sp.encode(it["context"], add_special_tokens=True).ids
+                ends = [sp.encode(e, add_special_tokens=False).ids for e in it["endings"]]
+            else:
+                ctx, ends = it["context_ids"], it["ending_ids"]
+            lp = choice_logprobs(m64, ctx, ends)
+            top = sorted(lp, reverse=True)
+            margin = min(margin, top[0] - top[1])
+            pick = first_max(lp)
+            correct += pick == it["label"]
+            rec = {"context_ids": ctx, "ending_ids": ends, "logprob": lp, "pick": pick,
+                   "pick_per_token": first_max([v / len(e) for v, e in zip(lp, ends)])}
+            if "endings" in it:
+                rec["pick_per_byte"] = first_max([v / len(e.encode()) for v, e in zip(lp, it["endings"])])
+            scored.append(rec)
+        assert margin > MIN_MARGIN, (model_name, margin)
+        expected = {"model": model_name, "file": "choices/" + file_name, "acc": correct / len(items),
+                    "min_top2_gap": float(f"{margin:.4g}"), "items": scored}
+        print(f"[choices {file_name}] {model_name}: acc {correct}/{len(items)}, min gap {margin:.3g}")
+        with open(os.path.join(out, "expected", "choices_" + model_name + ".json"), "w") as f:
             f.write(json.dumps(expected, indent=1) + "\n")
 
 

@@ -4,21 +4,16 @@
 
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <sstream>
 
 #include "data/tokenizer.h"
-#include "kernels/device.h"
-#include "kernels/guarded_backend.h"
 #include "model/generator.h"
 #include "train/commands.h"
-#include "train/hf_format.h"
+#include "train/model_loading.h"
 #include "train/run.h"
 
 namespace keel {
 
-namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
@@ -31,74 +26,6 @@ struct SampleArgs {
   bool no_special = false, ignore_eos = false, show_ids = false;
 };
 
-// A loaded model: its table and the flat weights on the backend.
-struct LoadedModel {
-  std::unique_ptr<ParamTable> table;
-  Tensor weights;
-  std::string description;
-  json hf_config;                 // the HF config.json, when known (eos ids)
-  std::vector<fs::path> tokenizer_dirs;  // where to look for tokenizer.json, best first
-};
-
-LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
-  LoadedModel lm;
-  auto alloc = [&](int64_t n) {
-    Tensor t(nullptr, dtype, {n}, be.device());
-    t.data = be.allocate(t.bytes());
-    return t;
-  };
-  auto slice = [&](const ParamSpec& p) { return param_view(lm.weights, p); };
-  std::vector<char> staging;
-  if (auto dir = hf_path(spec)) {
-    const HfCheckpoint hf = HfCheckpoint::open(*dir);
-    lm.table = std::make_unique<ParamTable>(hf.model());
-    lm.weights = alloc(lm.table->local_numel());
-    for (const ParamSpec& p : lm.table->params()) {
-      staging.resize(static_cast<size_t>(p.numel) * dtype_size(dtype));
-      hf.read_full(p.name, p.shape, dtype, staging.data());
-      be.copy_from_host(slice(p), staging.data());
-      hf.release(p.name);
-    }
-    lm.description = "hf:" + hf.dir() + " (" + std::string(dtype_name(hf.common_dtype())) + ")";
-    lm.hf_config = hf.config_json();
-    lm.tokenizer_dirs.push_back(hf.dir());
-    return lm;
-  }
-  const Checkpoint ck = Checkpoint::open(spec);
-  const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
-  lm.table = std::make_unique<ParamTable>(cfg.model);
-  bool have_master = true;
-  for (const ParamSpec& p : lm.table->params()) have_master &= ck.has("master", p.name);
-  const std::string state = have_master ? "master" : "weight";
-  check_tensors_match(ck, state, *lm.table);
-  lm.weights = alloc(lm.table->local_numel());
-  for (const ParamSpec& p : lm.table->params()) {
-    TensorRegion r;
-    r.shape = p.shape;
-    r.offset.assign(p.shape.size(), 0);
-    staging.resize(static_cast<size_t>(p.numel) * dtype_size(dtype));
-    ck.read(state, p.name, r, dtype, staging.data());
-    ck.release(state, p.name);
-    be.copy_from_host(slice(p), staging.data());
-  }
-  lm.description = ck.path() + " (iteration " + std::to_string(ck.progress().iteration) + ", " +
-                   (have_master ? "fp32 masters" : "weights") + ")";
-  // Tokenizer and HF config: the checkpoint's own copies, the HF model it came from, the run
-  // directory above it, and the folder of its training data (prepare_data.py puts one there).
-  const fs::path p = ck.path();
-  lm.tokenizer_dirs = {p, p.parent_path(), p.parent_path().parent_path()};
-  if (fs::exists(p / "hf_config.json")) {
-    std::ifstream in(p / "hf_config.json");
-    lm.hf_config = json::parse(in);
-  }
-  if (ck.meta().contains("source")) {
-    const json& src = ck.meta()["source"];
-    if (src.contains("hf_config") && lm.hf_config.is_null()) lm.hf_config = src["hf_config"];
-    if (src.contains("path")) lm.tokenizer_dirs.push_back(src["path"].get<std::string>());
-  }
-  for (const std::string& pattern : cfg.data.train) lm.tokenizer_dirs.push_back(fs::path(pattern).parent_path());
-  return lm;
-}
 
 std::vector<int32_t> parse_ids(const std::string& text) {
   std::vector<int32_t> ids;
@@ -123,56 +50,19 @@ std::string show_ids(const std::vector<int32_t>& ids) {
 }
 
 int cmd_sample(const SampleArgs& a) {
-  if (a.device != "cpu" && a.device != "cuda")
-    throw ConfigError("--device " + a.device + ": expected cpu or cuda");
-  if (a.device == "cuda" && !cuda_built())
-    throw ConfigError("--device cuda: this keel was built without CUDA; use --device cpu");
-  if (a.device == "cuda" && cuda_device_count() == 0)
-    throw ConfigError("--device cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES / nvidia-smi)");
   if (a.threads > 0) omp_set_num_threads(a.threads);
-  DType dtype = DType::F32;
-  if (a.dtype == "bf16") dtype = DType::BF16;
-  else if (a.dtype == "fp16") dtype = DType::F16;
-  else if (a.dtype != "fp32") throw ConfigError("--dtype " + a.dtype + ": expected fp32, bf16 or fp16");
+  const DType dtype = parse_inference_dtype(a.dtype);
   if (!a.prompt.empty() && !a.prompt_ids.empty()) throw ConfigError("give --prompt or --prompt-ids, not both");
 
-  std::unique_ptr<Backend> be;
-#ifdef KEEL_HAVE_CUDA
-  if (a.device == "cuda") be = make_cuda_backend(0);
-#endif
-  if (!be) be = guard_backend_memory_requested() ? make_guarded_backend(make_cpu_backend()) : make_cpu_backend();
+  std::unique_ptr<Backend> be = inference_backend(a.device);
   const auto t_load = std::chrono::steady_clock::now();
   LoadedModel lm = load_model(a.checkpoint, dtype, *be);
   const ModelConfig& m = lm.table->config();
-  const std::string options = std::string(m.alibi ? ", ALiBi" : "") + (m.embedding_norm ? ", embedding norm" : "");
-  std::fprintf(stderr, "keel: loaded %s: %s model%s, %lld parameters, in %.2f s\n", lm.description.c_str(),
-               family_name(m.family).c_str(), options.c_str(), static_cast<long long>(lm.table->logical_numel()),
+  std::fprintf(stderr, "keel: loaded %s, in %.2f s\n", lm.summary().c_str(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
 
-  // Tokenizer: --tokenizer (a file or a directory), else the first tokenizer.json found.
-  std::optional<data::Tokenizer> tok;
-  std::string tok_path;
-  if (!a.tokenizer.empty()) {
-    tok_path = fs::is_directory(a.tokenizer) ? (fs::path(a.tokenizer) / "tokenizer.json").string() : a.tokenizer;
-  } else {
-    for (const fs::path& d : lm.tokenizer_dirs)
-      if (!d.empty() && fs::exists(d / "tokenizer.json")) {
-        tok_path = (d / "tokenizer.json").string();
-        break;
-      }
-  }
-  if (!tok_path.empty()) {
-    tok = data::Tokenizer::from_file(tok_path);
-    std::fprintf(stderr, "keel: tokenizer %s: %s\n", tok_path.c_str(), tok->describe().c_str());
-    if (tok->vocab_size() > m.vocab_size)
-      std::fprintf(stderr, "keel: WARNING the tokenizer has %lld ids, the model's vocabulary %lld\n",
-                   static_cast<long long>(tok->vocab_size()), static_cast<long long>(m.vocab_size));
-  } else if (a.prompt_ids.empty()) {
-    std::string looked;
-    for (const fs::path& d : lm.tokenizer_dirs) looked += "\n  " + (d / "tokenizer.json").string();
-    throw ConfigError("no tokenizer.json found for " + a.checkpoint + "; looked at:" + looked +
-                      "\npass --tokenizer PATH (or --prompt-ids to give token ids)");
-  }
+  std::optional<data::Tokenizer> tok = find_tokenizer(lm, a.tokenizer, /*required=*/a.prompt_ids.empty(),
+                                                      "pass --tokenizer PATH (or --prompt-ids to give token ids)");
 
   std::vector<int32_t> prompt = !a.prompt_ids.empty() ? parse_ids(a.prompt_ids) : tok->encode(a.prompt, !a.no_special);
   if (prompt.empty()) throw ConfigError("the prompt has no tokens");

@@ -19,5 +19,6 @@ Command add_plan_command(CLI::App& app);  // train/cmd_plan.cpp
 Command add_convert_command(CLI::App& app);  // train/cmd_convert.cpp
 Command add_sample_command(CLI::App& app);   // train/cmd_sample.cpp
 Command add_doctor_command(CLI::App& app);   // train/cmd_doctor.cpp
+Command add_eval_command(CLI::App& app);     // train/cmd_eval.cpp
 
 }  // namespace keel

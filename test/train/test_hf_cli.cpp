@@ -161,7 +161,10 @@ TEST_CASE("GPT-2 and BLOOM through the binary: convert, greedy-decode HF's token
       REQUIRE(r.code == 0);
 
       std::string prompt;
-      for (int id : e["greedy"]["prompt_ids"]) prompt += (prompt.empty() ? "" : ",") + std::to_string(id);
+      for (int id : e["greedy"]["prompt_ids"]) {
+        if (!prompt.empty()) prompt += ',';
+        prompt += std::to_string(id);
+      }
       for (const std::string& source : {conv, "hf:" + kHf + name}) {
         r = run_keel("sample --checkpoint " + source + " --prompt-ids " + prompt + " -t 0 -n 16 --ignore-eos --show-ids");
         INFO(source << "\n" << r.output);
@@ -189,4 +192,55 @@ TEST_CASE("GPT-2 and BLOOM through the binary: convert, greedy-decode HF's token
       CHECK(run_keel("sample --checkpoint hf:" + tmp / "export" + " --prompt-ids " + prompt + " -t 0 -n 4").code == 0);
     }
   }
+}
+
+TEST_CASE("keel eval: multiple-choice accuracy of an HF model from a JSONL file", "[hf][cli][eval]") {
+  test::TempDir tmp("hfeval");
+  const json e = expected("choices_llama_trained");
+  const std::string choices = kHf + e["file"].get<std::string>();
+  auto r = run_keel("eval --checkpoint hf:" + kHf + "llama_trained --choices " + choices);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  std::vector<int> labels;
+  {
+    std::ifstream in(choices);
+    for (std::string line; std::getline(in, line);) labels.push_back(json::parse(line)["label"].get<int>());
+  }
+  REQUIRE(labels.size() == e["items"].size());
+  int correct = 0, per_token = 0, per_byte = 0;  // HF's picks, counted
+  for (size_t i = 0; i < labels.size(); ++i) {
+    const json& x = e["items"][i];
+    correct += x["pick"] == labels[i];
+    per_token += x["pick_per_token"] == labels[i];
+    per_byte += x["pick_per_byte"] == labels[i];
+  }
+  auto acc_line = [&](const char* name, int right) {  // as keel prints it
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "  %-14s %.4f  (%d/%zu)", name, static_cast<double>(right) / labels.size(), right,
+                  labels.size());
+    return std::string(buf);
+  };
+  CHECK_THAT(r.output, Catch::Contains(acc_line("acc", correct)) && Catch::Contains(acc_line("acc_per_token", per_token)) &&
+                           Catch::Contains(acc_line("acc_per_byte", per_byte)) &&
+                           Catch::Contains("chance         0.2500"));
+
+  r = run_keel("eval --checkpoint hf:" + kHf + "llama_trained --choices " + choices + " --limit 5 --scores " +
+               tmp / "s.jsonl");
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains(": 5 items"));
+  std::ifstream in(tmp / "s.jsonl");
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    const json rec = json::parse(line);
+    CHECK(rec["logprob"].size() == 4);
+    CHECK(std::abs(rec["logprob"][0].get<double>() - e["items"][lines]["logprob"][0].get<double>()) < 1e-4);
+    ++lines;
+  }
+  CHECK(lines == 5);
+
+  // Token-id items need no tokenizer; a text item without one is refused by line.
+  r = run_keel("eval --checkpoint hf:" + kHf + "gpt2_tied --choices " + kHf + "choices/gpt2_ids.jsonl");
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, !Catch::Contains("acc_per_byte"));
 }

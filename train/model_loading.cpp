@@ -1,0 +1,130 @@
+#include "train/model_loading.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include "kernels/device.h"
+#include "kernels/guarded_backend.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/hf_format.h"
+
+namespace keel {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::string LoadedModel::summary() const {
+  const ModelConfig& m = table->config();
+  return description + ": " + family_name(m.family) + " model" + (m.alibi ? ", ALiBi" : "") +
+         (m.embedding_norm ? ", embedding norm" : "") + ", " + std::to_string(table->logical_numel()) + " parameters";
+}
+
+LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
+  LoadedModel lm;
+  lm.source = spec;
+  auto alloc = [&](int64_t n) {
+    Tensor t(nullptr, dtype, {n}, be.device());
+    t.data = be.allocate(t.bytes());
+    return t;
+  };
+  auto slice = [&](const ParamSpec& p) { return param_view(lm.weights, p); };
+  std::vector<char> staging;
+  if (auto dir = hf_path(spec)) {
+    const HfCheckpoint hf = HfCheckpoint::open(*dir);
+    lm.table = std::make_unique<ParamTable>(hf.model());
+    lm.weights = alloc(lm.table->local_numel());
+    for (const ParamSpec& p : lm.table->params()) {
+      staging.resize(static_cast<size_t>(p.numel) * dtype_size(dtype));
+      hf.read_full(p.name, p.shape, dtype, staging.data());
+      be.copy_from_host(slice(p), staging.data());
+      hf.release(p.name);
+    }
+    lm.description = "hf:" + hf.dir() + " (" + std::string(dtype_name(hf.common_dtype())) + ")";
+    lm.hf_config = hf.config_json();
+    lm.tokenizer_dirs.push_back(hf.dir());
+    return lm;
+  }
+  const Checkpoint ck = Checkpoint::open(spec);
+  const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
+  lm.table = std::make_unique<ParamTable>(cfg.model);
+  bool have_master = true;
+  for (const ParamSpec& p : lm.table->params()) have_master &= ck.has("master", p.name);
+  const std::string state = have_master ? "master" : "weight";
+  check_tensors_match(ck, state, *lm.table);
+  lm.weights = alloc(lm.table->local_numel());
+  for (const ParamSpec& p : lm.table->params()) {
+    TensorRegion r;
+    r.shape = p.shape;
+    r.offset.assign(p.shape.size(), 0);
+    staging.resize(static_cast<size_t>(p.numel) * dtype_size(dtype));
+    ck.read(state, p.name, r, dtype, staging.data());
+    ck.release(state, p.name);
+    be.copy_from_host(slice(p), staging.data());
+  }
+  lm.description = ck.path() + " (iteration " + std::to_string(ck.progress().iteration) + ", " +
+                   (have_master ? "fp32 masters" : "weights") + ")";
+  // Tokenizer and HF config: the checkpoint's own copies, the HF model it came from, the run
+  // directory above it, and the folder of its training data (prepare_data.py puts one there).
+  const fs::path p = ck.path();
+  lm.tokenizer_dirs = {p, p.parent_path(), p.parent_path().parent_path()};
+  if (fs::exists(p / "hf_config.json")) {
+    std::ifstream in(p / "hf_config.json");
+    lm.hf_config = json::parse(in);
+  }
+  if (ck.meta().contains("source")) {
+    const json& src = ck.meta()["source"];
+    if (src.contains("hf_config") && lm.hf_config.is_null()) lm.hf_config = src["hf_config"];
+    if (src.contains("path")) lm.tokenizer_dirs.push_back(src["path"].get<std::string>());
+  }
+  for (const std::string& pattern : cfg.data.train) lm.tokenizer_dirs.push_back(fs::path(pattern).parent_path());
+  return lm;
+}
+
+DType parse_inference_dtype(const std::string& name) {
+  if (name == "fp32") return DType::F32;
+  if (name == "bf16") return DType::BF16;
+  if (name == "fp16") return DType::F16;
+  throw ConfigError("--dtype " + name + ": expected fp32, bf16 or fp16");
+}
+
+std::unique_ptr<Backend> inference_backend(const std::string& device) {
+  if (device != "cpu" && device != "cuda") throw ConfigError("--device " + device + ": expected cpu or cuda");
+  if (device == "cuda" && !cuda_built())
+    throw ConfigError("--device cuda: this keel was built without CUDA; use --device cpu");
+  if (device == "cuda" && cuda_device_count() == 0)
+    throw ConfigError("--device cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES / nvidia-smi)");
+#ifdef KEEL_HAVE_CUDA
+  if (device == "cuda") return make_cuda_backend(0);
+#endif
+  return guard_backend_memory_requested() ? make_guarded_backend(make_cpu_backend()) : make_cpu_backend();
+}
+
+std::optional<data::Tokenizer> find_tokenizer(const LoadedModel& lm, const std::string& explicit_path, bool required,
+                                              const std::string& hint) {
+  std::string path;
+  if (!explicit_path.empty()) {
+    path = fs::is_directory(explicit_path) ? (fs::path(explicit_path) / "tokenizer.json").string() : explicit_path;
+  } else {
+    for (const fs::path& d : lm.tokenizer_dirs)
+      if (!d.empty() && fs::exists(d / "tokenizer.json")) {
+        path = (d / "tokenizer.json").string();
+        break;
+      }
+  }
+  if (path.empty()) {
+    if (!required) return std::nullopt;
+    std::string looked;
+    for (const fs::path& d : lm.tokenizer_dirs) looked += "\n  " + (d / "tokenizer.json").string();
+    throw ConfigError("no tokenizer.json found for " + lm.source + "; looked at:" + looked + "\n" + hint);
+  }
+  data::Tokenizer tok = data::Tokenizer::from_file(path);
+  std::fprintf(stderr, "keel: tokenizer %s: %s\n", path.c_str(), tok.describe().c_str());
+  const int64_t vocab = lm.table->config().vocab_size;
+  if (tok.vocab_size() > vocab)
+    std::fprintf(stderr, "keel: WARNING the tokenizer has %lld ids, the model's vocabulary %lld\n",
+                 static_cast<long long>(tok.vocab_size()), static_cast<long long>(vocab));
+  return tok;
+}
+
+}  // namespace keel
