@@ -286,6 +286,7 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   }
   r.stage_output = rows * a * d;
   r.token_ids = N * 4;
+  r.embed_norm = m.embedding_norm ? rows * (a * d + 4 * stats) : 0;  // embed [rows, d], mean/rstd [rows]
   // dres [rows, d], dnorm and proj_out [N, d]; dqkv, dattn, dfc, dact split; with SP also the
   // gathered rows [N, d] and the scattered sums [rows, d]
   r.backward_scratch = a * (rows * d + 2 * N * d + N * (qkv + q + fc + F) / t) + (rows < N ? a * (N + rows) * d : 0);
@@ -516,11 +517,12 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
       const double ids = (cs.has_embedding ? act.token_ids : 0) + (cs.has_head ? act.token_ids : 0) +
                          (cfg.data.document_masking ? act.token_ids : 0);
       const double head = cs.has_head ? act.head : 0;
+      const double embed_norm = cs.has_embedding ? act.embed_norm : 0;
       // keel's Transformer keeps a stage output, the token ids / targets and the head's buffers
       // per micro-batch in flight (a pipeline slot). The Megatron-DeepSpeed model (compared with
       // seed 001) counts them once, its pipe buffers being the keeps_stage_output term below.
-      const double per_slot = mem.keeps_stage_output ? 0 : act.stage_output + ids + head;
-      if (mem.keeps_stage_output) once += act.stage_output + ids + head;
+      const double per_slot = mem.keeps_stage_output ? 0 : act.stage_output + ids + head + embed_norm;
+      if (mem.keeps_stage_output) once += act.stage_output + ids + head + embed_norm;
       st.act_full += n * (L * kept_layer + per_slot);
       st.act_stored_recompute += n * (Lr_c * act.per_layer_input + (L - Lr_c) * kept_layer + per_slot);
       if (mem.keeps_stage_output && l.pp > 1) {

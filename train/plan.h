@@ -176,6 +176,7 @@ struct Activations {
   int64_t logits_chunk_rows = 0;  // token rows of logits computed at once (mbs * seq: not chunked)
   double stage_output = 0;        // the stage's output buffer (the last stage: final-norm input)
   double token_ids = 0;           // one int32 array: token ids (first stage), targets (last stage)
+  double embed_norm = 0;          // model.embedding_norm: the norm's input and stats (first stage)
   double backward_scratch = 0;    // gradient buffers reused by every layer
 };
 // sequence_parallel (with tp > 1): the [tokens, d] tensors TP would replicate are split over tp,

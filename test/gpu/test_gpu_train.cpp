@@ -24,6 +24,8 @@
 #include "common/cached_decoding.h"
 #include "model/transformer.h"
 #include "train/checkpoint.h"
+#include "train/choice_eval.h"
+#include "train/hf_format.h"
 #include "train/trainer.h"
 
 using namespace keel;
@@ -179,6 +181,52 @@ TEST_CASE("gpu: cached decoding reproduces the oracle logits (Llama GQA, GPT-2, 
     for (int prefill : {1, 6})
       for (double err : test::cached_logits_errors(name, prefill, be))
         KEEL_CHECK_ERR("decode logits vs oracle", std::string(name) + " prefill " + std::to_string(prefill), err, 1e-5);
+}
+
+// Converted HF models on the GPU (keel sample / keel eval with --device cuda): logits of the
+// fixture tokens against HF float64 (1e-5, as on the CPU), and keel eval's ending
+// log-likelihoods against HF's (1e-4 absolute, as test_choice_eval.cpp on the CPU).
+TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores match HF float64", "[gpu][hf][eval]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const std::string hf_dir = fixture_dir() + "/hf/";
+  for (const std::string name : {"llama_trained", "gpt2_tied", "bloom_bf16"}) {
+    const HfCheckpoint hf = HfCheckpoint::open(hf_dir + name);
+    const ParamTable table(hf.model());
+    std::vector<float> host(static_cast<size_t>(table.local_numel()));
+    for (const ParamSpec& p : table.params()) hf.read_full(p.name, p.shape, DType::F32, host.data() + p.offset);
+    Tensor w(nullptr, DType::F32, {table.local_numel()}, be.device());
+    w.data = be.allocate(w.bytes());
+    be.copy_from_host(w, host.data());
+    Generator gen(table, be, w, hf.model().max_seq_len > 256 ? 256 : hf.model().max_seq_len);
+
+    std::ifstream in(hf_dir + "expected/" + name + ".json");
+    const nlohmann::json e = nlohmann::json::parse(in);
+    auto st = data::SafetensorsReader::open(hf_dir + "expected/" + name + ".safetensors");
+    const auto bytes = st.bytes("logits");
+    std::vector<float> want(bytes.size() / 4);
+    std::memcpy(want.data(), bytes.data(), bytes.size());
+    const auto ids = e["logits_tokens"].get<std::vector<int32_t>>();
+    const std::vector<float> got = gen.forward(ids.data(), static_cast<int>(ids.size()), /*all_rows=*/true);
+    REQUIRE(got.size() == want.size());
+    KEEL_CHECK_ERR("hf logits vs HF float64", name, rel_error(got.data(), want.data(), got.size()), 1e-5);
+
+    if (name != "bloom_bf16") {
+      std::ifstream cin(hf_dir + "expected/choices_" + name + ".json");
+      const nlohmann::json c = nlohmann::json::parse(cin);
+      const data::Tokenizer tok = data::Tokenizer::from_file(hf_dir + name + "/tokenizer.json");
+      const auto items = read_choice_items(hf_dir + c["file"].get<std::string>(), &tok, hf.model().vocab_size);
+      double worst = 0;
+      for (size_t i = 0; i < items.size(); ++i) {
+        const ChoiceScore s = score_choice(gen, items[i]);
+        for (size_t k = 0; k < s.logprob.size(); ++k)
+          worst = std::max(worst, std::abs(s.logprob[k] - c["items"][i]["logprob"][k].get<double>()));
+        CHECK(s.pick == c["items"][i]["pick"].get<int>());
+      }
+      KEEL_CHECK_ERR("eval log-likelihood vs HF float64 (abs)", name, worst, 1e-4);
+    }
+    be.release(w.data);
+  }
 }
 
 // Run 3 recomputes every layer's activations in backward (train.recompute "full"): the kernels

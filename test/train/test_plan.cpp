@@ -299,12 +299,18 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
   // Heap growth while constructing a Transformer on the CPU backend against the planner's list:
   // one stage and the first of two pipeline stages (two slots in flight); without
   // recomputation, recomputing one of the stage's layers, and all of them; tp=1, and tp=2 with
-  // and without sequence parallelism; on the stage with the head, its logits whole and chunked. glibc's mallinfo2 also counts the ParamTable copy the
+  // and without sequence parallelism; on the stage with the head, its logits whole and chunked;
+  // for GPT-2, Llama and BLOOM's block (the embedding norm's input and stats per slot). glibc's mallinfo2 also counts the ParamTable copy the
   // Transformer makes and per-block headers: a 1% tolerance. Allocations stay on the heap (no
   // mmap page rounding) under a high mmap threshold.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  for (const char* family : {"gpt2", "llama"}) {
-    nlohmann::json j = test::tiny_run_json(family);
+  for (const char* family : {"gpt2", "llama", "bloom"}) {  // bloom: gpt2 + ALiBi + the embedding norm
+    const bool bloom = std::string(family) == "bloom";
+    nlohmann::json j = test::tiny_run_json(bloom ? "gpt2" : family);
+    if (bloom) {
+      j["model"]["position_embedding"] = "alibi";
+      j["model"]["embedding_norm"] = true;
+    }
     j["model"]["d_model"] = 128;
     j["model"]["n_layers"] = 4;
     j["model"]["n_heads"] = 4;
