@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/error_of.h"
 #include "common/temp_dir.h"
 #include "train/choice_eval.h"
 #include "train/config.h"
@@ -19,19 +20,11 @@
 using namespace keel;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using test::error_of;
 
 namespace {
 
 const std::string kHf = std::string(KEEL_FIXTURE_DIR) + "/hf/";
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 }  // namespace
 

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/error_of.h"
 #include "common/temp_dir.h"
 #include "data/sampler.h"
 #include "model/generator.h"
@@ -28,6 +29,7 @@
 using namespace keel;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using test::error_of;
 
 namespace {
 
@@ -108,14 +110,6 @@ std::map<std::string, TensorBytes> all_tensors(const std::string& dir) {
   return out;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 }  // namespace
 
