@@ -26,6 +26,29 @@ inline std::string fixture_dir() {
   return env && *env ? env : KEEL_FIXTURE_DIR;
 }
 
+// test/fixtures/hf/ (scripts/make_hf_fixtures.py): tiny HF model directories, and under
+// expected/ what HF computed for them in float64.
+inline std::string hf_fixture_dir() { return fixture_dir() + "/hf/"; }
+
+struct HfExpected {
+  nlohmann::json meta;        // expected/<name>.json
+  std::vector<float> logits;  // expected/<name>.safetensors "logits" (none for the choices_* files)
+};
+
+inline HfExpected hf_expected(const std::string& name) {
+  HfExpected e;
+  const std::string base = hf_fixture_dir() + "expected/" + name;
+  std::ifstream in(base + ".json");
+  e.meta = nlohmann::json::parse(in);
+  if (std::ifstream(base + ".safetensors")) {
+    auto st = data::SafetensorsReader::open(base + ".safetensors");
+    auto bytes = st.bytes("logits");
+    e.logits.resize(bytes.size() / 4);
+    std::memcpy(e.logits.data(), bytes.data(), bytes.size());
+  }
+  return e;
+}
+
 struct Fixture {
   nlohmann::json meta;
   ModelConfig model;

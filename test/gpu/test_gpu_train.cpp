@@ -189,7 +189,7 @@ TEST_CASE("gpu: cached decoding reproduces the oracle logits (Llama GQA, GPT-2, 
 TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores match HF float64", "[gpu][hf][eval]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
-  const std::string hf_dir = fixture_dir() + "/hf/";
+  const std::string hf_dir = hf_fixture_dir();
   for (const std::string name : {"llama_trained", "gpt2_tied", "bloom_bf16"}) {
     const HfCheckpoint hf = HfCheckpoint::open(hf_dir + name);
     const ParamTable table(hf.model());
@@ -200,20 +200,15 @@ TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores
     be.copy_from_host(w, host.data());
     Generator gen(table, be, w, hf.model().max_seq_len > 256 ? 256 : hf.model().max_seq_len);
 
-    std::ifstream in(hf_dir + "expected/" + name + ".json");
-    const nlohmann::json e = nlohmann::json::parse(in);
-    auto st = data::SafetensorsReader::open(hf_dir + "expected/" + name + ".safetensors");
-    const auto bytes = st.bytes("logits");
-    std::vector<float> want(bytes.size() / 4);
-    std::memcpy(want.data(), bytes.data(), bytes.size());
-    const auto ids = e["logits_tokens"].get<std::vector<int32_t>>();
+    const HfExpected e = hf_expected(name);
+    const std::vector<float>& want = e.logits;
+    const auto ids = e.meta["logits_tokens"].get<std::vector<int32_t>>();
     const std::vector<float> got = gen.forward(ids.data(), static_cast<int>(ids.size()), /*all_rows=*/true);
     REQUIRE(got.size() == want.size());
     KEEL_CHECK_ERR("hf logits vs HF float64", name, rel_error(got.data(), want.data(), got.size()), 1e-5);
 
     if (name != "bloom_bf16") {
-      std::ifstream cin(hf_dir + "expected/choices_" + name + ".json");
-      const nlohmann::json c = nlohmann::json::parse(cin);
+      const nlohmann::json c = hf_expected("choices_" + name).meta;
       const data::Tokenizer tok = data::Tokenizer::from_file(hf_dir + name + "/tokenizer.json");
       const auto items = read_choice_items(hf_dir + c["file"].get<std::string>(), &tok, hf.model().vocab_size);
       double worst = 0;

@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "common/error_of.h"
+#include "common/fixture.h"
 #include "common/temp_dir.h"
 #include "train/choice_eval.h"
 #include "train/config.h"
@@ -24,15 +25,14 @@ using test::error_of;
 
 namespace {
 
-const std::string kHf = std::string(KEEL_FIXTURE_DIR) + "/hf/";
+const std::string kHf = test::hf_fixture_dir();
 
 }  // namespace
 
 TEST_CASE("keel eval scores multiple-choice endings as HF does (text and token-id items)", "[eval]") {
   for (const std::string model : {"llama_trained", "gpt2_tied"}) {
     SECTION(model) {
-      std::ifstream in(kHf + "expected/choices_" + model + ".json");
-      const json e = json::parse(in);
+      const json e = test::hf_expected("choices_" + model).meta;
       const HfCheckpoint hf = HfCheckpoint::open(kHf + model);
       const ParamTable table(hf.model());
       std::vector<float> w(static_cast<size_t>(table.local_numel()));

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <regex>
 
+#include "common/fixture.h"
 #include "common/process.h"
 #include "common/temp_dir.h"
 #include "common/workspace.h"
@@ -20,12 +21,9 @@ using test::run_keel;
 
 namespace {
 
-const std::string kHf = std::string(KEEL_FIXTURE_DIR) + "/hf/";
+const std::string kHf = test::hf_fixture_dir();
 
-json expected(const std::string& name) {
-  std::ifstream in(kHf + "expected/" + name + ".json");
-  return json::parse(in);
-}
+json expected(const std::string& name) { return test::hf_expected(name).meta; }
 
 // The ids after "label: [" in keel sample --show-ids output.
 std::vector<int32_t> ids_after(const std::string& out, const std::string& label) {

@@ -20,6 +20,7 @@
 #include <fstream>
 
 #include "common/error_of.h"
+#include "common/fixture.h"
 #include "common/temp_dir.h"
 #include "data/sampler.h"
 #include "model/generator.h"
@@ -33,23 +34,9 @@ using test::error_of;
 
 namespace {
 
-const std::string kHf = std::string(KEEL_FIXTURE_DIR) + "/hf/";
-
-struct Expected {
-  json meta;
-  std::vector<float> logits;
-};
-
-Expected expected(const std::string& name) {
-  Expected e;
-  std::ifstream in(kHf + "expected/" + name + ".json");
-  e.meta = json::parse(in);
-  auto st = data::SafetensorsReader::open(kHf + "expected/" + name + ".safetensors");
-  auto bytes = st.bytes("logits");
-  e.logits.resize(bytes.size() / 4);
-  std::memcpy(e.logits.data(), bytes.data(), bytes.size());
-  return e;
-}
+const std::string kHf = test::hf_fixture_dir();
+using Expected = test::HfExpected;
+using test::hf_expected;
 
 std::vector<float> weights_from_hf(const HfCheckpoint& hf, const ParamTable& table) {
   std::vector<float> w(static_cast<size_t>(table.local_numel()));
@@ -68,7 +55,7 @@ std::vector<float> weights_from_keel(const Checkpoint& ck, const ParamTable& tab
 
 // keel's logits for the fixture tokens and its greedy continuation, against HF's.
 void check_outputs(const std::string& name, const ParamTable& table, std::vector<float>& weights) {
-  const Expected e = expected(name);
+  const Expected e = hf_expected(name);
   auto be = make_cpu_backend();
   Generator gen(table, *be, Tensor(weights.data(), DType::F32, {table.local_numel()}), 64);
   const auto ids = e.meta["logits_tokens"].get<std::vector<int32_t>>();
@@ -272,7 +259,7 @@ TEST_CASE("hf: keel's Llama 3 RoPE frequencies are HF's fp32 bits", "[hf][rope]"
   // under 64/4), interpolated, and divided by the factor (over 64/1).
   const HfCheckpoint hf = HfCheckpoint::open(kHf + "llama3_rope");
   const std::vector<float> ours = rope_inv_freq(hf.model().head_dim(), hf.model().rope());
-  const json bits = expected("llama3_rope").meta.at("rope_inv_freq_fp32_bits");
+  const json bits = hf_expected("llama3_rope").meta.at("rope_inv_freq_fp32_bits");
   REQUIRE(ours.size() == bits.size());
   REQUIRE(ours.size() == 8);
   for (size_t i = 0; i < ours.size(); ++i) {
@@ -438,7 +425,7 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
 // Lose the pretrained weights in the fp32 masters (the bug: masters left at their init) and the
 // loss jumps after the first update; keel builds the masters from the loaded weights.
 TEST_CASE("hf: finetuning converted weights continues from the pretrained loss (seed 000)", "[hf][seed000]") {
-  const Expected e = expected("llama_trained");
+  const Expected e = hf_expected("llama_trained");
   const double hf_loss = e.meta["train_loss"]["loss"].get<double>();
   const HfCheckpoint hf = HfCheckpoint::open(kHf + "llama_trained");
   json j = finetune_config_json(hf, "unused");
