@@ -151,6 +151,8 @@ int64_t Transformer::auto_logits_chunk_rows(int64_t rows, int64_t vocab_local, i
   return fit >= 128 ? fit / 128 * 128 : std::max<int64_t>(1, fit);
 }
 
+Tensor Transformer::row_losses(int slot) const { return slots_.at(static_cast<size_t>(slot)).row_loss; }
+
 Tensor Transformer::logits(int slot) const {
   if (head_chunked())
     throw std::logic_error("Transformer::logits: the head computes its logits in chunks of " +

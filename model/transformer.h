@@ -131,6 +131,9 @@ class Transformer {
 
   // [B*T, V_local] after forward, before backward; only when the head is not chunked.
   Tensor logits(int slot = 0) const;
+  // [B*T] fp32 after forward, on the stage with the head: each token's loss, -log p(target),
+  // 0 where the target is < 0 (the same on every TP rank).
+  Tensor row_losses(int slot = 0) const;
   int64_t logits_chunk_rows() const { return head_rows_; }  // N_ when not chunked
   bool head_chunked() const { return head_rows_ < N_; }
   // The automatic chunk: every row when the [rows, vocab_local] logits take at most

@@ -40,7 +40,14 @@ Documents are shuffled with --seed and --val-fraction of them held out. Outputs:
   OUT/train_000.mask ...                  (--loss-mask prompt: one sidecar per shard)
   OUT/meta.json                           vocab size, token counts, tokenizer, source
   OUT/tokenizer.json                      (BPE only)
+  OUT/val_choices.jsonl                   (--choice-items) multiple-choice items from held-out
+                                          documents, for keel train's choice_eval / keel eval
 The same inputs and arguments give byte-identical outputs.
+
+Choice items (--choice-items N, default 200; 0: none): from held-out documents of 6 to 60 words,
+"which ending finishes this document": the context is the document up to the word boundary
+nearest its middle, the endings its own rest and the rests of three other such documents, in a
+random order. A model that learned the corpus picks its own rest more often than chance (0.25).
 
 Examples:
   python3 scripts/prepare_data.py                        # fortunes -> data/fortunes
@@ -369,6 +376,36 @@ class ShardWriter:
 
 # ----------------------------------------------------------------------------
 
+def choice_items(docs: list, n: int, seed: int) -> list:
+    """Up to n "which ending finishes this document" items (see the top) from held-out documents."""
+    def halves(doc: str):
+        words = list(re.finditer(r"\S+", doc))
+        if not 6 <= len(words) <= 60:
+            return None
+        # split before the word whose start is nearest the middle of the text
+        mid = min(range(1, len(words)), key=lambda i: abs(words[i].start() - len(doc) / 2))
+        cut = words[mid].start()
+        return doc[:cut].rstrip(), " " + doc[cut:].strip()
+    pairs, seen = [], set()
+    for d in docs:
+        h = halves(d)
+        if h and h[1] not in seen:  # no two items share an ending
+            seen.add(h[1])
+            pairs.append(h)
+    if len(pairs) < 4:
+        return []
+    rng = random.Random(seed)
+    items = []
+    for i in range(min(n, len(pairs))):
+        context, right = pairs[i]
+        others = [j for j in rng.sample(range(len(pairs)), 4) if j != i][:3]
+        endings = [pairs[j][1] for j in others]
+        label = rng.randrange(4)
+        endings.insert(label, right)
+        items.append({"context": context, "endings": endings, "label": label})
+    return items
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
@@ -395,6 +432,9 @@ def parse_args(argv=None):
     ap.add_argument("--loss-mask", choices=["none", "prompt"], default="none",
                     help="'prompt': --jsonl records are prompt/response pairs; only the response (and the "
                          "end of text) count in the loss, recorded in a .mask sidecar per shard")
+    ap.add_argument("--choice-items", type=int, default=200,
+                    help="multiple-choice items from held-out documents to write to OUT/val_choices.jsonl "
+                         "(default 200; 0: none)")
     ap.add_argument("--prompt-key", default="prompt", help="JSONL prompt field for --loss-mask prompt")
     ap.add_argument("--response-key", default="response", help="JSONL response field for --loss-mask prompt")
     args = ap.parse_args(argv)
@@ -409,6 +449,8 @@ def parse_args(argv=None):
     args.eot_explicit = args.eot_token is not None
     if args.eot_token is None:
         args.eot_token = EOT_TOKEN
+    if args.choice_items < 0:
+        ap.error("--choice-items must be >= 0")
     if args.tokenizer and args.bytes:
         ap.error("--tokenizer and --bytes exclude each other")
     return args
@@ -539,6 +581,16 @@ def main(argv=None) -> int:
             print(f"WARNING: decode(encode(doc)) differs from the document: {d[:60]!r}")
             break
 
+    # 6. multiple-choice items from held-out documents (plain documents only)
+    choices_path = os.path.join(args.out, "val_choices.jsonl")
+    items = choice_items(val_docs, args.choice_items, args.seed + 1) if args.choice_items and not masked else []
+    if items:
+        with open(choices_path, "w") as f:
+            for it in items:
+                f.write(json.dumps(it, ensure_ascii=False) + "\n")
+    elif os.path.exists(choices_path):
+        os.remove(choices_path)
+
     meta = {
         "format": "llm.c token shards: 256 x int32 header (magic, version, n_tokens), then tokens",
         "magic": magic,
@@ -564,6 +616,9 @@ def main(argv=None) -> int:
             "val_in_loss": sum(s["mask"]["in_loss"] for s in splits["val"]["shards"]),
         },
         "add_special_tokens": args.add_special_tokens,
+        "choices": {"file": "val_choices.jsonl", "items": len(items),
+                    "kind": "which ending finishes this held-out document (context: its first half; "
+                            "endings: its rest and three other documents' rests)"} if items else None,
         "generated_by": "scripts/prepare_data.py"
                         + (f" with tokenizers {tokenizers.__version__}" if HAVE_TOKENIZERS else "")
                         + f", numpy {np.__version__}",
@@ -576,6 +631,8 @@ def main(argv=None) -> int:
         sp = splits[name]
         files = ", ".join(s["file"] for s in sp["shards"]) or "-"
         print(f"{name}: {sp['documents']} documents, {sp['tokens']} tokens  [{files}]")
+    if items:
+        print(f"choices: {len(items)} items from held-out documents [val_choices.jsonl]")
     if splits["train"]["tokens"]:
         print(f"{n_chars / (splits['train']['tokens'] + splits['val']['tokens']):.2f} characters per token")
     print(f"wrote {args.out}/ in {time.time() - t0:.2f}s")

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "train/config.h"
+#include "train/parallel/host_values.h"
 
 namespace keel {
 
@@ -28,7 +29,8 @@ std::vector<int32_t> id_list(const json& j, const std::string& where, int64_t vo
 
 }  // namespace
 
-std::vector<ChoiceItem> read_choice_items(const std::string& path, const data::Tokenizer* tok, int64_t vocab_size) {
+std::vector<ChoiceItem> read_choice_items(const std::string& path, const data::Tokenizer* tok, int64_t vocab_size,
+                                          const std::string& how_to_give_tokenizer) {
   std::ifstream in(path);
   if (!in) throw ConfigError("choice file " + path + " cannot be read");
   std::vector<ChoiceItem> items;
@@ -56,7 +58,7 @@ std::vector<ChoiceItem> read_choice_items(const std::string& path, const data::T
       if (!j.contains("context") || !j["context"].is_string() || !j.contains("endings") || !j["endings"].is_array())
         throw ConfigError(where + ": an item needs \"context\" (a string) and \"endings\" (a list of strings), or "
                           "\"context_ids\" and \"ending_ids\"");
-      if (!tok) throw ConfigError(where + ": a text item needs the model's tokenizer (pass --tokenizer)");
+      if (!tok) throw ConfigError(where + ": a text item needs the model's tokenizer (" + how_to_give_tokenizer + ")");
       item.context = tok->encode(j["context"].get<std::string>(), /*add_special_tokens=*/true);
       for (size_t e = 0; e < j["endings"].size(); ++e) {
         if (!j["endings"][e].is_string())
@@ -74,6 +76,16 @@ std::vector<ChoiceItem> read_choice_items(const std::string& path, const data::T
     if (item.label < 0 || item.label >= static_cast<int>(item.endings.size()))
       throw ConfigError(where + ": label " + std::to_string(item.label) + " is not an ending index (0 .. " +
                         std::to_string(item.endings.size() - 1) + ")");
+    // Text encoded by a tokenizer with more ids than the model (another model's tokenizer).
+    auto check_ids = [&](const std::vector<int32_t>& ids, const std::string& what) {
+      for (int32_t id : ids)
+        if (id >= vocab_size)
+          throw ConfigError(where + ": the " + what + " encodes to token id " + std::to_string(id) +
+                            ", beyond the model's vocabulary (0 .. " + std::to_string(vocab_size - 1) +
+                            "): is the tokenizer the model's?");
+    };
+    check_ids(item.context, "context");
+    for (size_t e = 0; e < item.endings.size(); ++e) check_ids(item.endings[e], "ending " + std::to_string(e));
     if (item.context.empty())
       throw ConfigError(where + ": the context has no tokens (the first ending token needs something to follow)");
     for (size_t e = 0; e < item.endings.size(); ++e)
@@ -105,24 +117,132 @@ ChoiceScore score_choice(Generator& gen, const ChoiceItem& item) {
   gen.reset();
   const std::vector<float> last = gen.forward(item.context.data(), static_cast<int>(item.context.size()));
   const int64_t ctx = gen.position();
-  ChoiceScore s;
-  std::vector<double> per_token, per_byte;
-  for (size_t e = 0; e < item.endings.size(); ++e) {
-    const std::vector<int32_t>& end = item.endings[e];
+  std::vector<double> logprob;
+  for (const std::vector<int32_t>& end : item.endings) {
     double lp = log_prob(last.data(), vocab, end[0]);
     if (end.size() > 1) {  // rows 0 .. k-2 predict tokens 1 .. k-1
       gen.rewind(ctx);
       const std::vector<float> rows = gen.forward(end.data(), static_cast<int>(end.size()) - 1, /*all_rows=*/true);
       for (size_t i = 1; i < end.size(); ++i) lp += log_prob(rows.data() + (i - 1) * vocab, vocab, end[i]);
     }
-    s.logprob.push_back(lp);
-    per_token.push_back(lp / static_cast<double>(end.size()));
-    if (!item.ending_bytes.empty()) per_byte.push_back(lp / static_cast<double>(std::max<int64_t>(1, item.ending_bytes[e])));
+    logprob.push_back(lp);
   }
+  return choice_score(item, std::move(logprob));
+}
+
+ChoiceScore choice_score(const ChoiceItem& item, std::vector<double> logprob) {
+  ChoiceScore s;
+  std::vector<double> per_token, per_byte;
+  for (size_t e = 0; e < item.endings.size(); ++e) {
+    per_token.push_back(logprob[e] / static_cast<double>(item.endings[e].size()));
+    if (!item.ending_bytes.empty())
+      per_byte.push_back(logprob[e] / static_cast<double>(std::max<int64_t>(1, item.ending_bytes[e])));
+  }
+  s.logprob = std::move(logprob);
   s.pick = argmax(s.logprob);
   s.pick_per_token = argmax(per_token);
   if (!per_byte.empty()) s.pick_per_byte = argmax(per_byte);
   return s;
+}
+
+json choice_score_record(const ChoiceItem& item, const ChoiceScore& s) {
+  json rec = {{"line", item.line}, {"label", item.label}, {"logprob", s.logprob}, {"pick", s.pick},
+              {"pick_per_token", s.pick_per_token}};
+  std::vector<size_t> lengths;
+  for (const auto& e : item.endings) lengths.push_back(e.size());
+  rec["ending_tokens"] = lengths;
+  if (s.pick_per_byte >= 0) rec["pick_per_byte"] = s.pick_per_byte;
+  return rec;
+}
+
+void check_choices_fit(const std::vector<ChoiceItem>& items, int64_t seq_len, const std::string& path) {
+  for (const ChoiceItem& item : items)
+    for (size_t e = 0; e < item.endings.size(); ++e)
+      if (static_cast<int64_t>(item.endings[e].size()) > seq_len)
+        throw ConfigError(path + ":" + std::to_string(item.line) + " ending " + std::to_string(e) + " has " +
+                          std::to_string(item.endings[e].size()) + " tokens, more than train.seq_len (" +
+                          std::to_string(seq_len) + "): it cannot be scored in one row");
+}
+
+namespace {
+// Context tokens that fit in a row with `ending` (at least one: the ending's first token is
+// predicted from it).
+size_t context_kept(const ChoiceItem& item, size_t ending_tokens, int64_t seq_len) {
+  return std::min(item.context.size(), static_cast<size_t>(seq_len) + 1 - ending_tokens);
+}
+}  // namespace
+
+int64_t choice_contexts_cut(const std::vector<ChoiceItem>& items, int64_t seq_len) {
+  int64_t n = 0;
+  for (const ChoiceItem& item : items) {
+    bool cut = false;
+    for (const auto& end : item.endings) cut |= context_kept(item, end.size(), seq_len) < item.context.size();
+    n += cut;
+  }
+  return n;
+}
+
+void choice_row(const ChoiceItem& item, size_t e, int64_t seq_len, int32_t* inputs, int32_t* targets) {
+  const std::vector<int32_t>& end = item.endings[e];
+  const size_t k = context_kept(item, end.size(), seq_len);
+  std::vector<int32_t> seq(item.context.end() - static_cast<std::ptrdiff_t>(k), item.context.end());
+  seq.insert(seq.end(), end.begin(), end.end());
+  // seq has k + |end| <= seq_len + 1 tokens; position i predicts seq[i + 1].
+  for (int64_t i = 0; i < seq_len; ++i) {
+    const size_t next = static_cast<size_t>(i) + 1;
+    inputs[i] = next < seq.size() ? seq[next - 1] : 0;
+    targets[i] = next < seq.size() && next >= k ? seq[next] : -1;
+  }
+}
+
+std::vector<ChoiceScore> score_choices(Trainer& tr, const std::vector<ChoiceItem>& items) {
+  const RunConfig& cfg = tr.config();
+  const int64_t B = cfg.train.micro_batch, T = cfg.train.seq_len;
+  const int dp = tr.grid().dp_size(), dp_rank = tr.grid().dp_rank();
+  // Row r of the whole evaluation is ending rows[r].second of item rows[r].first.
+  std::vector<std::pair<size_t, size_t>> rows;
+  for (size_t i = 0; i < items.size(); ++i)
+    for (size_t e = 0; e < items[i].endings.size(); ++e) rows.emplace_back(i, e);
+  const int64_t n_rows = static_cast<int64_t>(rows.size());
+  const int64_t n_mbs = (n_rows + B - 1) / B;
+  // This rank's micro-batches: m = dp_rank, dp_rank + dp, ...; a group of them at a time keeps
+  // the host batches small.
+  const int64_t group = std::max<int64_t>(8, 2 * tr.grid().pp_size());
+  std::vector<double> logprob(rows.size(), 0.0);  // this rank's entries; zeros elsewhere
+  std::vector<int64_t> mine;
+  for (int64_t m = dp_rank; m < n_mbs; m += dp) mine.push_back(m);
+  for (size_t g0 = 0; g0 < mine.size(); g0 += static_cast<size_t>(group)) {
+    const size_t g1 = std::min(mine.size(), g0 + static_cast<size_t>(group));
+    std::vector<MicroBatch> mbs(g1 - g0);
+    for (size_t j = 0; j < mbs.size(); ++j) {
+      MicroBatch& mb = mbs[j];
+      mb.inputs.assign(static_cast<size_t>(B * T), 0);
+      mb.targets.assign(static_cast<size_t>(B * T), -1);  // rows past the last ending stay padding
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t r = mine[g0 + j] * B + b;
+        if (r < n_rows)
+          choice_row(items[rows[static_cast<size_t>(r)].first], rows[static_cast<size_t>(r)].second, T,
+                     mb.inputs.data() + b * T, mb.targets.data() + b * T);
+      }
+    }
+    const std::vector<double> loss = tr.sequence_losses(mbs);
+    for (size_t j = 0; j < mbs.size(); ++j)
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t r = mine[g0 + j] * B + b;
+        if (r < n_rows) logprob[static_cast<size_t>(r)] = -loss[j * static_cast<size_t>(B) + static_cast<size_t>(b)];
+      }
+  }
+  // Each row is held by one DP rank (zeros on the others): the sum is exact.
+  logprob = parallel::sum_over_ranks(*tr.comms().dp, tr.backend(), logprob);
+  std::vector<ChoiceScore> scores;
+  size_t r = 0;
+  for (const ChoiceItem& item : items) {
+    std::vector<double> lp(logprob.begin() + static_cast<std::ptrdiff_t>(r),
+                           logprob.begin() + static_cast<std::ptrdiff_t>(r + item.endings.size()));
+    r += item.endings.size();
+    scores.push_back(choice_score(item, std::move(lp)));
+  }
+  return scores;
 }
 
 void ChoiceTotals::add(const ChoiceItem& item, const ChoiceScore& s) {

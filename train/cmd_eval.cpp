@@ -58,15 +58,7 @@ int cmd_eval(const EvalArgs& a) {
   for (const ChoiceItem& item : items) {
     const ChoiceScore s = score_choice(gen, item);
     t.add(item, s);
-    if (scores.is_open()) {
-      json rec = {{"line", item.line}, {"label", item.label}, {"logprob", s.logprob}, {"pick", s.pick},
-                  {"pick_per_token", s.pick_per_token}};
-      std::vector<size_t> lengths;
-      for (const auto& e : item.endings) lengths.push_back(e.size());
-      rec["ending_tokens"] = lengths;
-      if (s.pick_per_byte >= 0) rec["pick_per_byte"] = s.pick_per_byte;
-      scores << rec.dump() << '\n';
-    }
+    if (scores.is_open()) scores << choice_score_record(item, s).dump() << '\n';
     const auto now = std::chrono::steady_clock::now();
     if (std::chrono::duration<double>(now - last_report).count() > 10) {
       std::fprintf(stderr, "keel: %lld/%zu items, acc %.4f so far\n", static_cast<long long>(t.items), items.size(),

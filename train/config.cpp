@@ -484,6 +484,24 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     if (c.data.train.empty()) errors.push_back("data.train: missing (required: token files or glob patterns)");
   }
 
+  {
+    top.raw("choice_eval");
+    Fields f(child(doc, "choice_eval"), "choice_eval", errors);
+    ChoiceEvalConfig& e = c.choice_eval;
+    e.file = f.string("file", "");
+    e.interval = f.integer("interval", 0, 0);
+    e.items = f.integer("items", 0, 0);
+    e.at_start = f.boolean("at_start", false);
+    e.tokenizer = f.string("tokenizer", "");
+    e.write_scores = f.boolean("write_scores", false);
+    f.finish();
+    // An empty file turns it off (--set choice_eval.file= on a config that has one); other
+    // fields with no file named are a mistake.
+    const json* section = child(doc, "choice_eval");
+    if (section && section->is_object() && !section->empty() && !section->contains("file"))
+      errors.push_back("choice_eval.file: missing (the JSONL items to score; the other choice_eval fields need it)");
+  }
+
   // ---- log, checkpoint ----
   {
     top.raw("log");
@@ -659,6 +677,11 @@ json to_json(const RunConfig& c) {
   if (c.data.document_masking) j["data"]["document_masking"] = true;
   if (c.data.eod_mask_loss) j["data"]["eod_mask_loss"] = true;
   if (c.data.eod_token >= 0) j["data"]["eod_token"] = c.data.eod_token;
+  if (!c.choice_eval.file.empty()) {
+    const ChoiceEvalConfig& e = c.choice_eval;
+    j["choice_eval"] = {{"file", e.file},         {"interval", e.interval},   {"items", e.items},
+                        {"at_start", e.at_start}, {"tokenizer", e.tokenizer}, {"write_scores", e.write_scores}};
+  }
   j["log"] = {{"interval", c.log.interval}, {"timers", c.log.timers}, {"timers_interval_s", c.log.timers_interval_s}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},
                      {"keep_last", c.checkpoint.keep_last},

@@ -120,6 +120,17 @@ struct DataConfig {
   int64_t loss_mask_eod() const { return eod_mask_loss ? eod_token : -1; }
 };
 
+// Multiple-choice accuracy during training (train/choice_eval.h: HellaSwag-style items scored
+// by the training forward, under any layout).
+struct ChoiceEvalConfig {
+  std::string file;        // JSONL items (keel eval's format); empty: off
+  int64_t interval = 0;    // steps between evaluations; 0: train.eval_interval (and at the end)
+  int64_t items = 0;       // the first N items; 0: all
+  bool at_start = false;   // also before the first step this run trains (the loaded model's score)
+  std::string tokenizer;   // tokenizer.json (or its directory) for text items; empty: beside data.train
+  bool write_scores = false;  // <out>/choice_scores/step_<N>.jsonl: each item's log-likelihoods and picks
+};
+
 struct LogConfig {
   int64_t interval = 1;  // steps between log lines
   // Phase and communication timers (train/step_timers.h): a step is timed when at least
@@ -203,6 +214,7 @@ struct RunConfig {
   ScheduleConfig schedule;
   TrainConfig train;
   DataConfig data;
+  ChoiceEvalConfig choice_eval;
   LogConfig log;
   CheckpointConfig checkpoint;
   ParallelConfig parallel;

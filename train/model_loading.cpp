@@ -100,18 +100,17 @@ std::unique_ptr<Backend> inference_backend(const std::string& device) {
   return guard_backend_memory_requested() ? make_guarded_backend(make_cpu_backend()) : make_cpu_backend();
 }
 
+std::string locate_tokenizer(const std::vector<fs::path>& dirs, const std::string& explicit_path) {
+  if (!explicit_path.empty())
+    return fs::is_directory(explicit_path) ? (fs::path(explicit_path) / "tokenizer.json").string() : explicit_path;
+  for (const fs::path& d : dirs)
+    if (!d.empty() && fs::exists(d / "tokenizer.json")) return (d / "tokenizer.json").string();
+  return "";
+}
+
 std::optional<data::Tokenizer> find_tokenizer(const LoadedModel& lm, const std::string& explicit_path, bool required,
                                               const std::string& hint) {
-  std::string path;
-  if (!explicit_path.empty()) {
-    path = fs::is_directory(explicit_path) ? (fs::path(explicit_path) / "tokenizer.json").string() : explicit_path;
-  } else {
-    for (const fs::path& d : lm.tokenizer_dirs)
-      if (!d.empty() && fs::exists(d / "tokenizer.json")) {
-        path = (d / "tokenizer.json").string();
-        break;
-      }
-  }
+  const std::string path = locate_tokenizer(lm.tokenizer_dirs, explicit_path);
   if (path.empty()) {
     if (!required) return std::nullopt;
     std::string looked;

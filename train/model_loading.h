@@ -39,6 +39,10 @@ DType parse_inference_dtype(const std::string& name);
 std::unique_ptr<Backend> inference_backend(const std::string& device);
 
 // `explicit_path` (a tokenizer.json or its directory) when given, else the first tokenizer.json
+// in `dirs`; empty when there is none.
+std::string locate_tokenizer(const std::vector<std::filesystem::path>& dirs, const std::string& explicit_path);
+
+// `explicit_path` (a tokenizer.json or its directory) when given, else the first tokenizer.json
 // among the model's tokenizer_dirs; logs which. None found: nullopt, or when `required` a
 // ConfigError listing where it looked, followed by `hint`.
 std::optional<data::Tokenizer> find_tokenizer(const LoadedModel& lm, const std::string& explicit_path, bool required,

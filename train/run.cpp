@@ -30,10 +30,12 @@
 #include "kernels/cuda/cuda_backend.h"
 #endif
 #include "train/checkpoint.h"
+#include "train/choice_eval.h"
 #include "train/format.h"
 #include "train/health.h"
 #include "train/hf_format.h"
 #include "train/metrics.h"
+#include "train/model_loading.h"
 #include "train/parallel/mpi_comm.h"
 #include "train/plan.h"
 #include "train/schedule.h"
@@ -240,6 +242,73 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
   std::fflush(stdout);
 }
 
+// choice_eval: the items, read and checked (ids in the vocabulary, endings within seq_len)
+// before the run directory is touched. Text items are encoded with choice_eval.tokenizer, else
+// the tokenizer.json beside the training data.
+struct ChoiceEvalSet {
+  std::vector<ChoiceItem> items;
+  std::string tokenizer;  // the file used, if any
+  int64_t contexts_cut = 0;
+  std::string describe(const RunConfig& cfg) const {
+    const int64_t every = cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
+    std::string s = "choice eval: " + std::to_string(items.size()) + " items from " + cfg.choice_eval.file;
+    if (!tokenizer.empty()) s += " (tokenizer " + tokenizer + ")";
+    s += every > 0 ? ", every " + std::to_string(every) + " steps and at the end" : ", at the end";
+    if (cfg.choice_eval.at_start) s += ", and before the first step";
+    if (contexts_cut > 0)
+      s += "; " + std::to_string(contexts_cut) + " contexts lose their first tokens to fit train.seq_len " +
+           std::to_string(cfg.train.seq_len);
+    return s;
+  }
+};
+
+ChoiceEvalSet open_choice_eval(const RunConfig& cfg) {
+  ChoiceEvalSet set;
+  const ChoiceEvalConfig& c = cfg.choice_eval;
+  if (c.file.empty()) return set;
+  std::vector<fs::path> dirs;
+  for (const std::string& pattern : cfg.data.train) dirs.push_back(fs::path(pattern).parent_path());
+  set.tokenizer = locate_tokenizer(dirs, c.tokenizer);
+  std::optional<data::Tokenizer> tok;
+  if (!set.tokenizer.empty()) tok = data::Tokenizer::from_file(set.tokenizer);
+  set.items = read_choice_items(c.file, tok ? &*tok : nullptr, cfg.model.vocab_size,
+                                "set choice_eval.tokenizer, or keep tokenizer.json beside the data.train files");
+  if (c.items > 0 && static_cast<int64_t>(set.items.size()) > c.items) set.items.resize(static_cast<size_t>(c.items));
+  check_choices_fit(set.items, cfg.train.seq_len, c.file);
+  set.contexts_cut = choice_contexts_cut(set.items, cfg.train.seq_len);
+  return set;
+}
+
+// On the lead rank: the log line, the metrics record and (choice_eval.write_scores) the scores file.
+void report_choice_eval(const RunConfig& cfg, const ChoiceEvalSet& set, const std::vector<ChoiceScore>& scores,
+                        int64_t it, double secs, bool quiet, MetricsWriter& metrics) {
+  ChoiceTotals t;
+  for (size_t i = 0; i < scores.size(); ++i) t.add(set.items[i], scores[i]);
+  const double n = static_cast<double>(t.items);
+  nlohmann::json rec = {{"step", it},
+                        {"choice_acc", static_cast<double>(t.correct) / n},
+                        {"choice_acc_per_token", static_cast<double>(t.correct_per_token) / n},
+                        {"choice_items", t.items}};
+  if (t.byte_items > 0) rec["choice_acc_per_byte"] = static_cast<double>(t.correct_per_byte) / t.byte_items;
+  if (cfg.choice_eval.write_scores) {
+    const fs::path dir = fs::path(cfg.out) / "choice_scores";
+    fs::create_directories(dir);
+    const fs::path file = dir / ("step_" + std::to_string(it) + ".jsonl");
+    std::ofstream out(file);
+    for (size_t i = 0; i < scores.size(); ++i) out << choice_score_record(set.items[i], scores[i]).dump() << '\n';
+    out.close();
+    if (!out) throw std::runtime_error("cannot write choice scores to " + file.string());
+    rec["choice_scores"] = file.string();
+  }
+  metrics.write(rec);
+  if (quiet) return;
+  std::printf(" choice eval at iteration %lld | acc %.4f | acc_per_token %.4f |", static_cast<long long>(it),
+              rec["choice_acc"].get<double>(), rec["choice_acc_per_token"].get<double>());
+  if (t.byte_items > 0) std::printf(" acc_per_byte %.4f |", rec["choice_acc_per_byte"].get<double>());
+  std::printf(" chance %.4f | %lld items in %.1f s |\n", t.chance / n, static_cast<long long>(t.items), secs);
+  std::fflush(stdout);
+}
+
 // Validation: the first eval_batches micro-batches of the (unshuffled) validation set, always
 // the same ones; DP rank r evaluates batches r, r + dp, ... and the losses are summed.
 double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, const parallel::Grid& grid) {
@@ -391,6 +460,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     val.emplace(data::TokenDataset::open(data::expand_paths(cfg.data.val, "data.val"), T, vocab), cfg.train.seed, false);
     val->dataset().check_vocab(kVocabScanLimit);
   }
+  const ChoiceEvalSet choices = open_choice_eval(cfg);
   Trainer tr(cfg, *backend, &grid, &comms);
   RankPlace place;
   place.tp_rank = grid.tp_rank();
@@ -524,6 +594,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     }
     metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string());
     print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
+    if (!choices.items.empty()) std::printf("keel: %s\n", choices.describe(cfg).c_str());
     std::printf("keel: %s\n", grid.layout().c_str());
     if (grid.pp_size() > 1)  // the step's pipeline: ticks, idle ticks (the bubble)
       std::printf("keel: pipeline %s\n",
@@ -556,6 +627,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;
   int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
   double last_val = std::nan("");
+  auto choice_eval = [&](int64_t it) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<ChoiceScore> scores = score_choices(tr, choices.items);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (lead) report_choice_eval(cfg, choices, scores, it, secs, quiet, *metrics);
+  };
+  if (cfg.choice_eval.at_start && !choices.items.empty() && progress.iteration < cfg.train.steps)
+    choice_eval(progress.iteration);
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
   auto finish_pending_save = [&] {
@@ -690,6 +769,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (!quiet) std::printf(" validation at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
                               static_cast<long long>(it), last_val, std::exp(last_val));
     }
+
+    const int64_t choice_interval = cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
+    if (!choices.items.empty() && ((choice_interval > 0 && it % choice_interval == 0) || it == cfg.train.steps))
+      choice_eval(it);
 
     const bool last = it == cfg.train.steps;
     const bool scheduled = cfg.checkpoint.interval > 0 && it % cfg.checkpoint.interval == 0;

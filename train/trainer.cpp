@@ -14,6 +14,7 @@
 #include "data/checksum.h"
 #include "train/schedule.h"
 #include "train/pipeline_schedule.h"
+#include "train/parallel/host_values.h"
 
 namespace keel {
 
@@ -164,21 +165,39 @@ const PipeSchedule& Trainer::schedule(int micro_batches, bool training) {
   return *cached;
 }
 
-double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward) {
-  if (chunks_.size() == 1) return run_1f1b(mbs, dloss, backward);
-  if (backward) return run_interleaved(mbs.data(), static_cast<int>(mbs.size()), dloss, true);
+double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* seq_losses) {
+  if (backward && seq_losses) throw std::logic_error("run_pipeline: per-sequence losses are for evaluation only");
+  if (chunks_.size() == 1) return run_1f1b(mbs, dloss, backward, seq_losses);
+  if (backward) return run_interleaved(mbs.data(), static_cast<int>(mbs.size()), dloss, true, nullptr);
   // Evaluation: pp micro-batches at a time (the slots are sized for that).
   double loss_sum = 0;
   const int M = static_cast<int>(mbs.size()), P = grid_.pp_size();
   for (int first = 0; first < M; first += P)
-    loss_sum += run_interleaved(mbs.data() + first, std::min(P, M - first), 0.0f, false);
+    loss_sum += run_interleaved(mbs.data() + first, std::min(P, M - first), 0.0f, false,
+                                seq_losses ? seq_losses + static_cast<int64_t>(first) * cfg_.train.micro_batch : nullptr);
   return loss_sum;
+}
+
+void Trainer::add_sequence_losses(const Transformer& m, int slot, double* out) {
+  const Tensor rows = m.row_losses(slot);
+  std::vector<float> host(static_cast<size_t>(rows.numel()));
+  be_.copy_to_host(host.data(), rows);
+  const int64_t T = m.seq_len();
+  for (int b = 0; b < m.micro_batch(); ++b)
+    for (int64_t t = 0; t < T; ++t) out[b] += static_cast<double>(host[static_cast<size_t>(b * T + t)]);
+}
+
+std::vector<double> Trainer::sequence_losses(const std::vector<MicroBatch>& micro_batches) {
+  std::vector<double> out(micro_batches.size() * static_cast<size_t>(cfg_.train.micro_batch), 0.0);
+  run_pipeline(micro_batches, 0.0f, false, out.data());
+  // Only the last stage holds them (the others add zeros): exact at double precision.
+  return parallel::sum_over_ranks(*comms_->pp, be_, out);
 }
 
 // The schedule's ticks (train/pipeline_schedule.h): compute this rank's op, then the tick's
 // forward-direction move (to the next rank, from the previous) and its backward-direction move.
 // Every rank moves in the same order, so each move's partner is in the same move.
-double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward) {
+double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward, double* seq_losses) {
   const PipeSchedule& sc = schedule(M, backward);
   const int P = grid_.pp_size(), s = grid_.pp_rank(), V = P * static_cast<int>(chunks_.size());
   const int next = (s + 1) % P, prev = (s + P - 1) % P;
@@ -202,6 +221,8 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
                               vs == V - 1 ? b.targets.data() : nullptr, head_dloss,
                               b.positions.empty() ? nullptr : b.positions.data())
                         .loss_sum;
+        if (seq_losses && vs == V - 1)
+          add_sequence_losses(m, slot(k.op.chunk, mb), seq_losses + static_cast<int64_t>(mb) * m.micro_batch());
         if (k.send_forward) send_fwd = m.stage_output(slot(k.op.chunk, mb));
       } else {
         if (vs != V - 1) be_.convert(m.grad_output(), grad_buffer(k.op.chunk, mb));
@@ -219,7 +240,7 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
   return loss_sum;
 }
 
-double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward) {
+double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* seq_losses) {
   Transformer* const model = chunks_.front().get();
   const int M = static_cast<int>(mbs.size());
   const int P = grid_.pp_size(), s = grid_.pp_rank();
@@ -235,6 +256,7 @@ double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool b
     auto r = model->forward(mb % slots, first ? mbs[mb].inputs.data() : nullptr, last ? mbs[mb].targets.data() : nullptr,
                              head_dloss, mbs[mb].positions.empty() ? nullptr : mbs[mb].positions.data());
     loss_sum += r.loss_sum;
+    if (seq_losses && last) add_sequence_losses(*model, mb % slots, seq_losses + static_cast<int64_t>(mb) * model->micro_batch());
   };
   auto recv_forward = [&](int mb) {
     if (!first) pp.recv(model->stage_input(mb % slots), s - 1);
@@ -332,8 +354,8 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   double loss_sum = run_pipeline(micro_batches, dloss, true);
   if (collect_stats) {
     set_probe(nullptr);
-    st.act_max = all_reduce_max(*comms_->world, act_max);
-    st.grad_max = all_reduce_max(*comms_->world, grad_max);
+    st.act_max = parallel::max_over_ranks(*comms_->world, be_, act_max);
+    st.grad_max = parallel::max_over_ranks(*comms_->world, be_, grad_max);
   }
   loss_sum = all_reduce_sum(*comms_->pp, loss_sum);  // the last stage's loss, to every stage
   loss_sum = all_reduce_sum(dp, loss_sum);
@@ -453,7 +475,7 @@ std::vector<RankTimes> Trainer::gather_timers(double step_ms) {
     text += b;
   }
   std::vector<RankTimes> all;
-  const std::vector<std::string> texts = gather_text(*comms_->world, text);
+  const std::vector<std::string> texts = parallel::gather_text(*comms_->world, be_, text);
   for (int r = 0; r < static_cast<int>(texts.size()); ++r) {
     RankTimes t;
     t.world_rank = r;

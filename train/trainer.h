@@ -94,6 +94,10 @@ class Trainer {
 
   // Mean loss over the micro-batches of all DP ranks, without touching gradients or weights.
   double evaluate(const std::vector<MicroBatch>& micro_batches);
+  // Per sequence (row of each of this DP rank's micro-batches, in order): the sum of its token
+  // losses, i.e. minus the log-likelihood of its valid targets; every stage gets them
+  // (collective over PP). Gradients and weights are untouched.
+  std::vector<double> sequence_losses(const std::vector<MicroBatch>& micro_batches);
 
   // Replica consistency (seed 001): the tied embedding's two copies (first and last stage) and
   // every tensor replicated over TP ranks must hold bitwise-identical working weights. Compares
@@ -141,20 +145,21 @@ class Trainer {
  private:
   // Runs forward (and backward unless eval) over the micro-batches in 1F1B order (interleaved
   // with several chunks); returns the sum of this rank's losses (non-zero on the last stage only).
-  double run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward);
-  double run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward);
-  double run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward);
+  // seq_losses (evaluation only): where the last stage adds each sequence's summed token losses,
+  // micro_batch entries per micro-batch.
+  double run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* seq_losses = nullptr);
+  double run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* seq_losses);
+  double run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward, double* seq_losses);
+  // Adds the slot's per-token losses, summed per sequence, to out[0 .. micro_batch).
+  void add_sequence_losses(const Transformer& m, int slot, double* out);
   // The same probe on every chunk (told which chunk called); nullptr clears it.
   void set_probe(const std::function<void(int chunk, const Transformer::OpProbe&)>& fn);
   void sync_tied_embedding();
   // Test hook for the straggler report: KEEL_FAULT_SLOW_RANK="rank=R,ms=N" makes world rank R
   // sleep N ms per micro-batch of a training step, as a slow GPU would compute.
   void slow_rank_fault(int micro_batches);
-  double all_reduce_sum(parallel::Comm& c, double x);  // in fp32 pairs: ~2^-48 relative
+  double all_reduce_sum(parallel::Comm& c, double x);  // in fp32 pairs: see parallel::sum_over_ranks
   int64_t all_reduce_sum(parallel::Comm& c, int64_t x);
-  std::vector<double> all_reduce_sum(parallel::Comm& c, const std::vector<double>& x);
-  std::vector<float> all_reduce_max(parallel::Comm& c, const std::vector<float>& x);
-  std::vector<std::string> gather_text(parallel::Comm& c, const std::string& mine);  // every rank's text
   std::string localize_nonfinite(const std::vector<MicroBatch>& mbs, float dloss);
   void check_frozen(StepStats& st);
 

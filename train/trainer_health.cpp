@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "data/checksum.h"
+#include "train/parallel/host_values.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
 
@@ -23,53 +24,6 @@ std::string hex_of(double x) {
   return buf;
 }
 }  // namespace
-
-std::vector<double> Trainer::all_reduce_sum(parallel::Comm& c, const std::vector<double>& x) {
-  if (c.size() == 1 || x.empty()) return x;
-  // Each double as hi + lo fp32 parts (see the scalar version).
-  std::vector<float> parts(2 * x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    parts[2 * i] = static_cast<float>(x[i]);
-    parts[2 * i + 1] = static_cast<float>(x[i] - static_cast<float>(x[i]));
-  }
-  Tensor t(be_.allocate(parts.size() * 4), DType::F32, {static_cast<int64_t>(parts.size())}, be_.device());
-  be_.copy_from_host(t, parts.data());
-  c.all_reduce(t);
-  be_.copy_to_host(parts.data(), t);
-  be_.release(t.data);
-  std::vector<double> out(x.size());
-  for (size_t i = 0; i < x.size(); ++i) out[i] = static_cast<double>(parts[2 * i]) + parts[2 * i + 1];
-  return out;
-}
-
-std::vector<float> Trainer::all_reduce_max(parallel::Comm& c, const std::vector<float>& x) {
-  if (c.size() == 1 || x.empty()) return x;
-  std::vector<float> out = x;
-  Tensor t(be_.allocate(out.size() * 4), DType::F32, {static_cast<int64_t>(out.size())}, be_.device());
-  be_.copy_from_host(t, out.data());
-  c.all_reduce(t, parallel::ReduceOp::Max);
-  be_.copy_to_host(out.data(), t);
-  be_.release(t.data);
-  return out;
-}
-
-std::vector<std::string> Trainer::gather_text(parallel::Comm& c, const std::string& mine) {
-  if (c.size() == 1) return {mine};
-  constexpr int64_t kBytes = 1024;
-  std::vector<char> buf(kBytes, 0);
-  std::memcpy(buf.data(), mine.data(), std::min<size_t>(mine.size(), kBytes - 1));
-  Tensor in(be_.allocate(kBytes), DType::I32, {kBytes / 4}, be_.device());
-  Tensor out(be_.allocate(kBytes * c.size()), DType::I32, {kBytes / 4 * c.size()}, be_.device());
-  be_.copy_from_host(in, buf.data());
-  c.all_gather(out, in);
-  std::vector<char> all(static_cast<size_t>(kBytes * c.size()));
-  be_.copy_to_host(all.data(), out);
-  be_.release(in.data);
-  be_.release(out.data);
-  std::vector<std::string> texts;
-  for (int r = 0; r < c.size(); ++r) texts.emplace_back(all.data() + r * kBytes);
-  return texts;
-}
 
 // Re-runs the step's micro-batches with the same loss scale and a check after every op of
 // forward and backward; the first op (in dataflow order across the pipeline) whose output holds
@@ -120,7 +74,7 @@ std::string Trainer::localize_nonfinite(const std::vector<MicroBatch>& mbs, floa
 
   std::string best;
   int64_t best_key = INT64_MAX;
-  for (const std::string& t : gather_text(*comms_->world, found ? text : std::string())) {
+  for (const std::string& t : parallel::gather_text(*comms_->world, be_, found ? text : std::string())) {
     if (t.empty()) continue;
     const int64_t k = std::stoll(t.substr(0, t.find('|')));
     if (k < best_key) best_key = k, best = t.substr(t.find('|') + 1);
@@ -140,8 +94,8 @@ void Trainer::check_frozen(StepStats& st) {
     flag[static_cast<size_t>(it - full_names_.begin())] = 1.0f;
     magnitude[static_cast<size_t>(it - full_names_.begin())] = mag;
   }
-  flag = all_reduce_max(*comms_->world, flag);
-  magnitude = all_reduce_max(*comms_->world, magnitude);
+  flag = parallel::max_over_ranks(*comms_->world, be_, flag);
+  magnitude = parallel::max_over_ranks(*comms_->world, be_, magnitude);
   const double lr = learning_rate(cfg_, st.iteration);
   for (size_t i = 0; i < flag.size(); ++i)
     if (flag[i] > 0)
@@ -167,8 +121,8 @@ HealthSnapshot Trainer::snapshot(const MicroBatch& probe) {
     const int64_t a = std::max(p.offset, ob), b = std::min(p.offset + p.numel, oe);
     if (state_->has_master() && a < b) s.master_sumsq[i] += be_.sum_squares(state_->flat_view(state_->master, a, b - a));
   }
-  s.working_sumsq = all_reduce_sum(*comms_->world, s.working_sumsq);
-  s.master_sumsq = all_reduce_sum(*comms_->world, s.master_sumsq);
+  s.working_sumsq = parallel::sum_over_ranks(*comms_->world, be_, s.working_sumsq);
+  s.master_sumsq = parallel::sum_over_ranks(*comms_->world, be_, s.master_sumsq);
   return s;
 }
 
@@ -247,8 +201,8 @@ std::vector<std::string> Trainer::check_master_consistency(bool stochastic) {
       total[i] += static_cast<double>(master.size());
     }
   }
-  bad = all_reduce_sum(*comms_->world, bad);
-  total = all_reduce_sum(*comms_->world, total);
+  bad = parallel::sum_over_ranks(*comms_->world, be_, bad);
+  total = parallel::sum_over_ranks(*comms_->world, be_, total);
   std::vector<std::string> out;
   for (size_t i = 0; i < bad.size(); ++i)
     if (bad[i] > 0)

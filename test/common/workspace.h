@@ -44,6 +44,33 @@ struct Workspace {
   }
 };
 
+// n multiple-choice token-id items (keel eval's JSONL) on the synthetic stream: a 3-token context
+// of it, its true 2-token continuation and the continuations of three other starts (none equal to
+// the true one), the true one at a random place. A model that learned the stream picks it.
+inline void write_stream_choice_items(const std::string& path, int n) {
+  std::mt19937 rng(7);
+  auto chain = [](uint32_t t, int len) {
+    std::vector<uint32_t> out;
+    for (int i = 0; i < len; ++i) out.push_back(t = (3 * t + 1) % 64);
+    return out;
+  };
+  std::ofstream out(path);
+  for (int i = 0; i < n; ++i) {
+    const uint32_t start = rng() % 64;
+    std::vector<uint32_t> context = {start};
+    for (uint32_t t : chain(start, 2)) context.push_back(t);
+    const std::vector<uint32_t> right = chain(context.back(), 2);
+    std::vector<std::vector<uint32_t>> endings;
+    while (endings.size() < 3) {
+      const std::vector<uint32_t> wrong = chain(rng() % 64, 2);
+      if (wrong != right) endings.push_back(wrong);
+    }
+    const int label = static_cast<int>(rng() % 4);
+    endings.insert(endings.begin() + label, right);
+    out << nlohmann::json{{"context_ids", context}, {"ending_ids", endings}, {"label", label}}.dump() << '\n';
+  }
+}
+
 // A whole file's bytes (empty when it cannot be read).
 inline std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

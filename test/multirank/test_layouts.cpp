@@ -316,6 +316,58 @@ TEST_CASE("HF GPT-2 and BLOOM weights (--init-from hf:DIR) train alike under TP,
   }
 }
 
+TEST_CASE("multiple-choice scores during training agree under TP, SP, PP (also interleaved) and DP (fp32)",
+          "[mpi][layouts][choice_train]") {
+  // Each ending is a row of the training forward: the last stage sums its token losses, PP
+  // shares them, and DP ranks score different micro-batches. Every ending's log-likelihood
+  // must match the single process: before training (the same weights: 1e-5 relative, the
+  // fp32 bound of a forward) and after the 6 steps (1e-4, the bound on later steps' trajectory).
+  for (const std::string family : {"llama", "gpt2"}) {
+    test::Workspace ws(model_patch(family));
+    test::write_stream_choice_items(ws.dir / "choices.jsonl", 21);  // 84 rows: a partial last micro-batch
+    const std::string choices = "--set choice_eval.file=" + (ws.dir / "choices.jsonl") +
+                                " --set choice_eval.at_start=true --set choice_eval.write_scores=true";
+    auto scores = [](const std::string& out, int step) {
+      std::vector<double> lp;
+      std::ifstream in(out + "/choice_scores/step_" + std::to_string(step) + ".jsonl");
+      std::string line;
+      while (std::getline(in, line)) {
+        const nlohmann::json rec = nlohmann::json::parse(line);
+        for (const auto& x : rec.at("logprob")) lp.push_back(x.get<double>());
+      }
+      return lp;
+    };
+    const std::string single = ws.dir / "single";
+    const Run ref = train(ws, single, {1, 1, 1}, choices);
+    INFO(ref.output);
+    REQUIRE(ref.code == 0);
+    REQUIRE(scores(single, 0).size() == 84);
+    const std::vector<std::pair<Layout, std::string>> layouts =
+        family == "llama" ? std::vector<std::pair<Layout, std::string>>{{{2, 2, 2}, kSequenceParallel},
+                                                                         {{1, 2, 2}, "--set parallel.virtual_stages=2"},
+                                                                         {{4, 1, 2}, ""}}
+                          : std::vector<std::pair<Layout, std::string>>{{{2, 2, 2}, ""}, {{1, 4, 2}, ""}};
+    for (const auto& [l, extra] : layouts) {
+      INFO(family << " " << l.str() << " " << extra);
+      const std::string out = ws.dir / l.dir("choice");
+      const Run got = train(ws, out, l, choices + " " + extra);
+      INFO(got.output);
+      REQUIRE(got.code == 0);
+      for (const auto& [step, tol] : {std::pair<int, double>{0, 1e-5}, {6, 1e-4}}) {
+        const std::vector<double> a = scores(single, step), b = scores(out, step);
+        REQUIRE(b.size() == a.size());
+        double worst = 0;
+        for (size_t k = 0; k < a.size(); ++k) {
+          const double rel = std::abs(b[k] - a[k]) / std::abs(a[k]);
+          worst = std::max(worst, rel);
+          CHECK(rel <= tol);
+        }
+        WARN(family << " " << l.str() << " " << extra << " step " << step << ": worst relative difference " << worst);
+      }
+    }
+  }
+}
+
 TEST_CASE("the interleaved pipeline (virtual stages) trains like plain 1F1B, and its checkpoints resume under 1F1B",
           "[mpi][layouts][interleaved]") {
   // The same layers, the same micro-batch order per layer and the same reductions: the losses

@@ -13,10 +13,12 @@
 
 #include "common/error_of.h"
 #include "common/fixture.h"
+#include "common/run_config.h"
 #include "common/temp_dir.h"
 #include "train/choice_eval.h"
 #include "train/config.h"
 #include "train/hf_format.h"
+#include "train/trainer.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -94,4 +96,122 @@ TEST_CASE("keel eval: a bad choice file names the file, the line and the field",
   CHECK_THAT(error_of([&] { read_choice_items(tmp / "missing.jsonl", &tok, 300); }), Catch::Contains("cannot be read"));
   std::ofstream(tmp / "t.jsonl") << ok;
   CHECK_THAT(error_of([&] { read_choice_items(tmp / "t.jsonl", nullptr, 300); }), Catch::Contains("needs the model's tokenizer"));
+}
+
+// ---- In-training scoring: the endings as rows of micro-batches through Trainer's forward ----
+
+namespace {
+
+// A single-process fp32 Trainer holding the HF fixture's weights, micro_batch rows of seq_len.
+struct HfTrainer {
+  HfCheckpoint hf;
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  std::unique_ptr<Trainer> tr;
+  HfTrainer(const std::string& model, int64_t micro_batch, int64_t seq_len) : hf(HfCheckpoint::open(kHf + model)) {
+    RunConfig cfg = test::make_config(test::tiny_run_json());
+    cfg.model = hf.model();
+    cfg.train.micro_batch = micro_batch;
+    cfg.train.global_batch = micro_batch;
+    cfg.train.seq_len = seq_len;
+    tr = std::make_unique<Trainer>(cfg, *be);
+    std::vector<float> w(static_cast<size_t>(tr->table().local_numel()));
+    for (const ParamSpec& p : tr->table().params()) hf.read_full(p.name, p.shape, DType::F32, w.data() + p.offset);
+    tr->state().load_fp32(w.data());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("in-training choice scoring (endings as micro-batch rows) gives HF's log-likelihoods", "[eval][choice_train]") {
+  // Same fixtures and tolerance as keel eval's test above; micro_batch 3 so endings of one item
+  // straddle micro-batches and the last micro-batch has padding rows.
+  for (const std::string model : {"llama_trained", "gpt2_tied"}) {
+    SECTION(model) {
+      const json e = test::hf_expected("choices_" + model).meta;
+      const data::Tokenizer tok = data::Tokenizer::from_file(kHf + model + "/tokenizer.json");
+      HfTrainer h(model, 3, 0);
+      const auto items = read_choice_items(kHf + e["file"].get<std::string>(), &tok, h.hf.model().vocab_size);
+      int64_t longest = 0;
+      for (const ChoiceItem& it : items)
+        for (const auto& end : it.endings)
+          longest = std::max<int64_t>(longest, static_cast<int64_t>(it.context.size() + end.size()) - 1);
+      HfTrainer t(model, 3, longest);  // every row fits without cutting the context
+      REQUIRE(choice_contexts_cut(items, longest) == 0);
+      REQUIRE(choice_contexts_cut(items, longest - 1) > 0);
+      const std::vector<ChoiceScore> scores = score_choices(*t.tr, items);
+      REQUIRE(scores.size() == items.size());
+      double worst = 0;
+      for (size_t i = 0; i < items.size(); ++i) {
+        const json& x = e["items"][i];
+        INFO(model << " item " << i);
+        REQUIRE(scores[i].logprob.size() == x["logprob"].size());
+        for (size_t k = 0; k < scores[i].logprob.size(); ++k) {
+          const double d = std::abs(scores[i].logprob[k] - x["logprob"][k].get<double>());
+          worst = std::max(worst, d);
+          CHECK(d <= 1e-4);
+        }
+        CHECK(scores[i].pick == x["pick"].get<int>());
+        CHECK(scores[i].pick_per_token == x["pick_per_token"].get<int>());
+        CHECK(scores[i].pick_per_byte == x.value("pick_per_byte", -1));
+      }
+      WARN(model << " (in training): worst log-likelihood difference from HF float64 " << worst);
+    }
+  }
+}
+
+TEST_CASE("in-training choice rows: layout, contexts cut from the front, endings too long", "[eval][choice_train]") {
+  ChoiceItem item;
+  item.context = {5, 6, 7, 8};
+  item.endings = {{10, 11}, {20, 21, 22}};
+  item.line = 7;
+  std::vector<int32_t> in(8), tg(8);
+  // Everything fits: inputs ctx ++ ending minus its last token, targets only the ending's tokens.
+  choice_row(item, 1, 8, in.data(), tg.data());
+  CHECK(in == std::vector<int32_t>{5, 6, 7, 8, 20, 21, 0, 0});
+  CHECK(tg == std::vector<int32_t>{-1, -1, -1, 20, 21, 22, -1, -1});
+  // seq_len 4: ending 1 keeps the last 2 context tokens, ending 0 the last 3.
+  in.resize(4), tg.resize(4);
+  choice_row(item, 1, 4, in.data(), tg.data());
+  CHECK(in == std::vector<int32_t>{7, 8, 20, 21});
+  CHECK(tg == std::vector<int32_t>{-1, 20, 21, 22});
+  choice_row(item, 0, 4, in.data(), tg.data());
+  CHECK(in == std::vector<int32_t>{6, 7, 8, 10});
+  CHECK(tg == std::vector<int32_t>{-1, -1, 10, 11});
+  CHECK(choice_contexts_cut({item}, 6) == 0);  // 4 + 3 tokens: 6 inputs
+  CHECK(choice_contexts_cut({item}, 5) == 1);
+  CHECK(error_of([&] { check_choices_fit({item}, 3, "c.jsonl"); }) == "no error");
+  CHECK_THAT(error_of([&] { check_choices_fit({item}, 2, "c.jsonl"); }),
+             Catch::Contains("c.jsonl:7 ending 1 has 3 tokens, more than train.seq_len (2)"));
+}
+
+TEST_CASE("in-training choice scoring with cut contexts equals scoring the cut items whole", "[eval][choice_train]") {
+  // seq_len 10 cuts most fortunes' contexts; each ending must score as if its item's context
+  // were only the tokens its row keeps (the Generator, with no cut, is the reference).
+  const std::string model = "llama_trained";
+  const data::Tokenizer tok = data::Tokenizer::from_file(kHf + model + "/tokenizer.json");
+  const int64_t T = 10;
+  HfTrainer t(model, 4, T);
+  auto items = read_choice_items(kHf + "choices/fortunes.jsonl", &tok, t.hf.model().vocab_size);
+  items.resize(6);
+  for (ChoiceItem& it : items)  // endings within seq_len
+    for (auto& end : it.endings) end.resize(std::min<size_t>(end.size(), 6));
+  REQUIRE(choice_contexts_cut(items, T) == 6);
+  const std::vector<ChoiceScore> scores = score_choices(*t.tr, items);
+  const ParamTable& table = t.tr->table();
+  std::vector<float> w(static_cast<size_t>(table.local_numel()));
+  t.tr->state().working_to_host(w.data());
+  Generator gen(table, *t.be, Tensor(w.data(), DType::F32, {table.local_numel()}), static_cast<int>(T));
+  double worst = 0;
+  for (size_t i = 0; i < items.size(); ++i)
+    for (size_t e = 0; e < items[i].endings.size(); ++e) {
+      ChoiceItem cut = items[i];
+      const size_t keep = std::min(cut.context.size(), static_cast<size_t>(T) + 1 - cut.endings[e].size());
+      cut.context.erase(cut.context.begin(), cut.context.end() - static_cast<std::ptrdiff_t>(keep));
+      cut.endings = {items[i].endings[e], items[i].endings[e]};
+      const double ref = score_choice(gen, cut).logprob[0];
+      INFO("item " << i << " ending " << e << ": " << scores[i].logprob[e] << " vs " << ref);
+      worst = std::max(worst, std::abs(scores[i].logprob[e] - ref));
+      CHECK(std::abs(scores[i].logprob[e] - ref) <= 1e-4);
+    }
+  WARN("cut contexts: worst difference from the Generator " << worst);
 }

@@ -1,0 +1,88 @@
+// keel train with choice_eval (multiple-choice accuracy during training) end to end: on the
+// synthetic stream next = 3t + 1 (mod 64) the right ending is the stream's continuation, which
+// the tiny model learns within 30 steps, so the accuracy climbs from near chance.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/process.h"
+#include "common/workspace.h"
+
+using namespace keel;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+
+TEST_CASE("keel train with choice_eval: the accuracy is logged, written and rises as the model learns",
+          "[cli][e2e][choice_train]") {
+  test::Workspace ws;
+  test::write_stream_choice_items(ws.dir / "choices.jsonl", 40);
+  const std::string out = ws.dir / "run";
+  const test::ProcessResult r =
+      test::run_keel("train --config " + ws.config + " --out " + out + " --set choice_eval.file=" +
+                     (ws.dir / "choices.jsonl") + " --set choice_eval.at_start=true --set choice_eval.write_scores=true");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("choice eval: 40 items from") && Catch::Contains("every 10 steps and at the end") &&
+                           Catch::Contains("and before the first step"));
+  CHECK_THAT(r.output, Catch::Contains(" choice eval at iteration 30 | acc "));
+  std::map<int64_t, json> evals;
+  for (const json& rec : test::read_metrics(out + "/metrics.jsonl"))
+    if (rec.contains("choice_acc")) evals[rec["step"].get<int64_t>()] = rec;
+  REQUIRE(evals.size() == 4);  // before step 1, at 10, 20 and 30
+  for (int64_t step : {0, 10, 20, 30}) REQUIRE(evals.count(step));
+  CHECK(evals[30]["choice_items"] == 40);
+  CHECK_FALSE(evals[30].contains("choice_acc_per_byte"));  // token-id items have no bytes
+  const double first = evals[0]["choice_acc"], last = evals[30]["choice_acc"];
+  CHECK(first < 0.6);
+  CHECK(last >= 0.9);
+  WARN("choice accuracy " << first << " before training, " << last << " after 30 steps");
+
+  // The scores file: one line per item, in file order, with the picks the accuracy counted.
+  std::ifstream scores(evals[30]["choice_scores"].get<std::string>());
+  std::string line;
+  int n = 0, right = 0;
+  while (std::getline(scores, line)) {
+    const json s = json::parse(line);
+    CHECK(s["logprob"].size() == 4);
+    CHECK(s["line"] == n + 1);
+    right += s["pick"] == s["label"];
+    ++n;
+  }
+  CHECK(n == 40);
+  CHECK(static_cast<double>(right) / n == last);
+}
+
+TEST_CASE("keel train with choice_eval: bad items stop the run before anything is written", "[cli][errors][choice_train]") {
+  test::Workspace ws;
+  const std::string out = ws.dir / "never";
+  auto run_with = [&](const std::string& items, const std::string& extra = "") {
+    std::ofstream(ws.dir / "c.jsonl") << items;
+    return test::run_keel("train --config " + ws.config + " --out " + out + " --set choice_eval.file=" +
+                          (ws.dir / "c.jsonl") + " " + extra);
+  };
+  SECTION("text items without a tokenizer say how to give one") {
+    const test::ProcessResult r = run_with(R"({"context": "a", "endings": [" b", " c"], "label": 0})");
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains("c.jsonl:1") && Catch::Contains("choice_eval.tokenizer"));
+  }
+  SECTION("an ending longer than seq_len names the line") {
+    const test::ProcessResult r = run_with(R"({"context_ids": [1], "ending_ids": [[2], [3, 4, 5, 6]], "label": 0})",
+                                           "--set train.seq_len=3");
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains("c.jsonl:1 ending 1 has 4 tokens, more than train.seq_len (3)"));
+  }
+  SECTION("ids beyond the vocabulary") {
+    const test::ProcessResult r = run_with(R"({"context_ids": [1], "ending_ids": [[2], [64]], "label": 0})");
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains("64 is not a token id of the model (0 .. 63)"));
+  }
+  SECTION("other choice_eval fields without a file") {
+    const test::ProcessResult r = test::run_keel("train --config " + ws.config + " --out " + out +
+                                                 " --set choice_eval.interval=5");
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains("choice_eval.file: missing"));
+  }
+  CHECK_FALSE(fs::exists(out));
+}
