@@ -18,6 +18,7 @@
 
 #include <csignal>
 
+#include "data/checksum.h"
 #include "data/loss_mask.h"
 #include "data/sampler.h"
 #include "kernels/document_positions.h"
@@ -240,6 +241,25 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
               static_cast<long long>(cfg.grad_accum_steps(cfg.train.global_batch)),
               static_cast<long long>(cfg.parallel.dp), static_cast<long long>(cfg.train.seq_len));
   std::fflush(stdout);
+}
+
+// Which keel build this is: the CRC-32C of the running binary. Only a checkpoint saved by this
+// very build must reproduce its probe loss bit for bit on a resume; a newer or older keel may
+// round differently (a kernel rewritten, another compiler), which is not a broken restore.
+constexpr const char* kUnknownBuild = "unknown";
+const std::string& build_id() {
+  static const std::string id = [] {
+    std::ifstream in("/proc/self/exe", std::ios::binary);
+    if (!in) return std::string(kUnknownBuild);
+    std::vector<char> buf(size_t{1} << 20);
+    uint32_t crc = 0;
+    while (in) {
+      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+      crc = data::crc32c(crc, buf.data(), static_cast<size_t>(in.gcount()));
+    }
+    return "crc32c " + data::crc32c_hex(crc);
+  }();
+  return id;
 }
 
 // choice_eval: the items, read and checked (ids in the vocabulary, endings within seq_len)
@@ -551,10 +571,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       const bool resumed = !resume_path.empty();  // else a weights-only load: masters rebuilt, not restored
       // Checkpoints from before the field existed were made on the CPU (no GPU had run keel).
       const std::string saved_arithmetic = loaded_health.value("arithmetic", std::string("cpu"));
-      const bool bitwise = same_topology && resumed && saved_arithmetic == arithmetic;
-      if (same_topology && resumed && !bitwise)
+      // Checkpoints from before the build was recorded: another build.
+      const std::string saved_build = loaded_health.value("build", std::string("unrecorded"));
+      const bool same_build = saved_build == build_id() && build_id() != kUnknownBuild;
+      const bool bitwise = same_topology && resumed && saved_arithmetic == arithmetic && same_build;
+      if (same_topology && resumed && saved_arithmetic != arithmetic)
         notes.push_back("the checkpoint was computed by " + saved_arithmetic + ", this run by " + arithmetic +
                         ": its probe loss must agree within rounding, not bit for bit");
+      else if (same_topology && resumed && !same_build)
+        notes.push_back("the checkpoint was saved by another keel build (" + saved_build + ", this one " + build_id() +
+                        "), whose kernels may round differently: its probe loss must agree within rounding, not bit "
+                        "for bit");
       const HealthSnapshot now = tr.snapshot(probe);
       auto diffs = tr.compare_snapshot(loaded_health, now, bitwise, resumed);
       problems.insert(problems.end(), diffs.begin(), diffs.end());
@@ -647,6 +674,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
     nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
     health["arithmetic"] = arithmetic;
+    health["build"] = build_id();
     checkpoints.begin_save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok, health, background);
     if (!background) finish_pending_save();
   };

@@ -173,9 +173,11 @@ TEST_CASE("a resume verifies the probe loss bit for bit; a tampered tensor is na
   CHECK_THAT(bad.output, Catch::Contains("restart verification failed") && Catch::Contains("layers.1.mlp_norm.weight"));
 }
 
-// A GPU model, cuBLASLt or NCCL version sums in its own order, so a resume on another one (the
-// same layout) cannot reproduce the probe loss's bits: it must agree within rounding instead.
-TEST_CASE("a resume on another arithmetic (device, libraries) verifies within rounding", "[health][restart][cli]") {
+// A GPU model, cuBLASLt or NCCL version sums in its own order, and another keel build may have
+// other kernels, so a resume on another one (the same layout) cannot reproduce the probe loss's
+// bits: it must agree within rounding instead.
+TEST_CASE("a resume on another arithmetic (device, libraries) or keel build verifies within rounding",
+          "[health][restart][cli]") {
   test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}, {"train", {{"steps", 20}}}});
   const std::string out = ws.dir / "run";
   REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q --stop-at 10").code == 4);
@@ -198,6 +200,24 @@ TEST_CASE("a resume on another arithmetic (device, libraries) verifies within ro
   CHECK(other.code == 4);
   CHECK_THAT(other.output, Catch::Contains("computed by cuda NVIDIA H100 80GB HBM3 sm_90 cublasLt 130000, this run by cpu") &&
                                Catch::Contains("restart verification passed"));
+  // A checkpoint of another keel build (or one from before builds were recorded) on the same
+  // arithmetic: kernels may have changed, so within rounding too.
+  meta["health"]["arithmetic"] = "cpu";
+  const std::string this_build = meta["health"]["build"];
+  CHECK_THAT(this_build, Catch::StartsWith("crc32c "));
+  for (const nlohmann::json& build : {nlohmann::json("crc32c 00000000"), nlohmann::json()}) {
+    if (build.is_null()) meta["health"].erase("build");
+    else meta["health"]["build"] = build;
+    std::ofstream(meta_path) << meta.dump(2);
+    auto rebuilt = test::run_keel("train --config " + ws.config + " --out " + out + " --resume " + out +
+                                  "/checkpoints/step_00000010 --stop-at 12");
+    INFO(rebuilt.output);
+    CHECK(rebuilt.code == 4);
+    CHECK_THAT(rebuilt.output, Catch::Contains("saved by another keel build (" +
+                                               (build.is_null() ? std::string("unrecorded") : build.get<std::string>()) +
+                                               ", this one " + this_build + ")") &&
+                                   Catch::Contains("restart verification passed"));
+  }
   // ... but a real difference is still caught
   meta["health"]["probe_loss"] = meta["health"]["probe_loss"].get<double>() * 1.1;
   std::ofstream(meta_path) << meta.dump(2);
