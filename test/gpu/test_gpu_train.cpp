@@ -184,8 +184,9 @@ TEST_CASE("gpu: cached decoding reproduces the oracle logits (Llama GQA, GPT-2, 
 }
 
 // Converted HF models on the GPU (keel sample / keel eval with --device cuda): logits of the
-// fixture tokens against HF float64 (1e-5, as on the CPU), and keel eval's ending
-// log-likelihoods against HF's (1e-4 absolute, as test_choice_eval.cpp on the CPU).
+// fixture tokens against HF float64 (1e-5, as on the CPU), and the ending log-likelihoods of
+// keel eval and of choice_eval (training forward) against HF's (1e-4 absolute, as
+// test_choice_eval.cpp on the CPU).
 TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores match HF float64", "[gpu][hf][eval]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
@@ -219,6 +220,30 @@ TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores
         CHECK(s.pick == c["items"][i]["pick"].get<int>());
       }
       KEEL_CHECK_ERR("eval log-likelihood vs HF float64 (abs)", name, worst, 1e-4);
+
+      // The same items scored during training (choice_eval): endings as rows of micro-batches of
+      // 3 through an fp32 Trainer's forward on the GPU.
+      int64_t longest = 0;
+      for (const ChoiceItem& it : items)
+        for (const auto& end : it.endings)
+          longest = std::max<int64_t>(longest, static_cast<int64_t>(it.context.size() + end.size()) - 1);
+      RunConfig cfg = make_config(tiny_run_json());
+      cfg.model = hf.model();
+      cfg.train.micro_batch = cfg.train.global_batch = 3;
+      cfg.train.seq_len = longest;
+      Trainer tr(cfg, be);
+      std::vector<float> laid_out(static_cast<size_t>(tr.table().local_numel()));
+      for (const ParamSpec& p : tr.table().params())
+        hf.read_full(p.name, p.shape, DType::F32, laid_out.data() + p.offset);
+      tr.state().load_fp32(laid_out.data());
+      const std::vector<ChoiceScore> in_training = score_choices(tr, items);
+      worst = 0;
+      for (size_t i = 0; i < items.size(); ++i) {
+        for (size_t k = 0; k < in_training[i].logprob.size(); ++k)
+          worst = std::max(worst, std::abs(in_training[i].logprob[k] - c["items"][i]["logprob"][k].get<double>()));
+        CHECK(in_training[i].pick == c["items"][i]["pick"].get<int>());
+      }
+      KEEL_CHECK_ERR("choice_eval (training forward) log-likelihood vs HF float64 (abs)", name, worst, 1e-4);
     }
     be.release(w.data);
   }
