@@ -182,57 +182,95 @@ int64_t choice_contexts_cut(const std::vector<ChoiceItem>& items, int64_t seq_le
   return n;
 }
 
-void choice_row(const ChoiceItem& item, size_t e, int64_t seq_len, int32_t* inputs, int32_t* targets) {
+int64_t choice_sequence(const ChoiceItem& item, size_t e, int64_t seq_len, int32_t* inputs, int32_t* targets) {
   const std::vector<int32_t>& end = item.endings[e];
   const size_t k = context_kept(item, end.size(), seq_len);
-  std::vector<int32_t> seq(item.context.end() - static_cast<std::ptrdiff_t>(k), item.context.end());
-  seq.insert(seq.end(), end.begin(), end.end());
-  // seq has k + |end| <= seq_len + 1 tokens; position i predicts seq[i + 1].
-  for (int64_t i = 0; i < seq_len; ++i) {
-    const size_t next = static_cast<size_t>(i) + 1;
-    inputs[i] = next < seq.size() ? seq[next - 1] : 0;
-    targets[i] = next < seq.size() && next >= k ? seq[next] : -1;
+  const int64_t L = static_cast<int64_t>(k + end.size()) - 1;
+  if (inputs) {
+    // (kept context ++ ending)[i] is input i and the target of i - 1.
+    auto token = [&](size_t i) { return i < k ? item.context[item.context.size() - k + i] : end[i - k]; };
+    for (int64_t i = 0; i < L; ++i) {
+      const size_t next = static_cast<size_t>(i) + 1;
+      inputs[i] = token(next - 1);
+      targets[i] = next >= k ? token(next) : -1;
+    }
   }
+  return L;
+}
+
+std::vector<ChoicePlace> place_choices(const std::vector<ChoiceItem>& items, int64_t seq_len, bool pack) {
+  std::vector<ChoicePlace> places;
+  int64_t rows = 0, fill = seq_len;  // as if a row were full: the first sequence opens row 0
+  for (size_t i = 0; i < items.size(); ++i)
+    for (size_t e = 0; e < items[i].endings.size(); ++e) {
+      const int64_t L = choice_sequence(items[i], e, seq_len);
+      if (!pack || fill + L > seq_len) ++rows, fill = 0;
+      places.push_back({i, e, L, rows - 1, fill});
+      fill += L;
+    }
+  return places;
 }
 
 std::vector<ChoiceScore> score_choices(Trainer& tr, const std::vector<ChoiceItem>& items) {
   const RunConfig& cfg = tr.config();
   const int64_t B = cfg.train.micro_batch, T = cfg.train.seq_len;
-  const int dp = tr.grid().dp_size(), dp_rank = tr.grid().dp_rank();
-  // Row r of the whole evaluation is ending rows[r].second of item rows[r].first.
-  std::vector<std::pair<size_t, size_t>> rows;
-  for (size_t i = 0; i < items.size(); ++i)
-    for (size_t e = 0; e < items[i].endings.size(); ++e) rows.emplace_back(i, e);
-  const int64_t n_rows = static_cast<int64_t>(rows.size());
-  const int64_t n_mbs = (n_rows + B - 1) / B;
+  const bool pack = tr.model().document_masking();
+  const std::vector<ChoicePlace> seqs = place_choices(items, T, pack);
+  const int64_t rows = seqs.empty() ? 0 : seqs.back().row + 1;
+  const int64_t n_mbs = (rows + B - 1) / B;
+  // Where each row's sequences start in `seqs` (they are in row order).
+  std::vector<size_t> row_first(static_cast<size_t>(rows) + 1, seqs.size());
+  for (size_t s = seqs.size(); s-- > 0;) row_first[static_cast<size_t>(seqs[s].row)] = s;
   // This rank's micro-batches: m = dp_rank, dp_rank + dp, ...; a group of them at a time keeps
   // the host batches small.
+  const int dp = tr.grid().dp_size(), dp_rank = tr.grid().dp_rank();
   const int64_t group = std::max<int64_t>(8, 2 * tr.grid().pp_size());
-  std::vector<double> logprob(rows.size(), 0.0);  // this rank's entries; zeros elsewhere
   std::vector<int64_t> mine;
   for (int64_t m = dp_rank; m < n_mbs; m += dp) mine.push_back(m);
+  std::vector<double> logprob(seqs.size(), 0.0);  // this rank's entries; zeros elsewhere
   for (size_t g0 = 0; g0 < mine.size(); g0 += static_cast<size_t>(group)) {
     const size_t g1 = std::min(mine.size(), g0 + static_cast<size_t>(group));
     std::vector<MicroBatch> mbs(g1 - g0);
     for (size_t j = 0; j < mbs.size(); ++j) {
       MicroBatch& mb = mbs[j];
-      mb.inputs.assign(static_cast<size_t>(B * T), 0);
-      mb.targets.assign(static_cast<size_t>(B * T), -1);  // rows past the last ending stay padding
+      mb.inputs.assign(static_cast<size_t>(B * T), 0);  // padding: token 0, no target, its own document
+      mb.targets.assign(static_cast<size_t>(B * T), -1);
+      if (pack) {
+        mb.positions.resize(static_cast<size_t>(B * T));
+        for (size_t n = 0; n < mb.positions.size(); ++n) mb.positions[n] = static_cast<int32_t>(n % static_cast<size_t>(T));
+      }
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t r = mine[g0 + j] * B + b;
-        if (r < n_rows)
-          choice_row(items[rows[static_cast<size_t>(r)].first], rows[static_cast<size_t>(r)].second, T,
-                     mb.inputs.data() + b * T, mb.targets.data() + b * T);
+        const int64_t row = mine[g0 + j] * B + b;
+        if (row >= rows) break;
+        for (size_t s = row_first[static_cast<size_t>(row)]; s < seqs.size() && seqs[s].row == row; ++s) {
+          const ChoicePlace& p = seqs[s];
+          const int64_t at = b * T + p.offset;
+          choice_sequence(items[p.item], p.ending, T, mb.inputs.data() + at, mb.targets.data() + at);
+          if (pack)
+            for (int64_t t = 0; t < p.length; ++t) mb.positions[static_cast<size_t>(at + t)] = static_cast<int32_t>(t);
+        }
+        // The padding after the last sequence starts a document of its own.
+        if (pack && row_first[static_cast<size_t>(row) + 1] > row_first[static_cast<size_t>(row)]) {
+          const ChoicePlace& last = seqs[row_first[static_cast<size_t>(row) + 1] - 1];
+          for (int64_t t = last.offset + last.length; t < T; ++t)
+            mb.positions[static_cast<size_t>(b * T + t)] = static_cast<int32_t>(t - last.offset - last.length);
+        }
       }
     }
-    const std::vector<double> loss = tr.sequence_losses(mbs);
+    const std::vector<double> loss = tr.token_losses(mbs);
     for (size_t j = 0; j < mbs.size(); ++j)
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t r = mine[g0 + j] * B + b;
-        if (r < n_rows) logprob[static_cast<size_t>(r)] = -loss[j * static_cast<size_t>(B) + static_cast<size_t>(b)];
+        const int64_t row = mine[g0 + j] * B + b;
+        if (row >= rows) break;
+        const double* row_loss = loss.data() + (j * static_cast<size_t>(B) + static_cast<size_t>(b)) * static_cast<size_t>(T);
+        for (size_t s = row_first[static_cast<size_t>(row)]; s < seqs.size() && seqs[s].row == row; ++s) {
+          double sum = 0;  // the context rows' losses are 0 (no target)
+          for (int64_t t = 0; t < seqs[s].length; ++t) sum += row_loss[seqs[s].offset + t];
+          logprob[s] = -sum;
+        }
       }
   }
-  // Each row is held by one DP rank (zeros on the others): the sum is exact.
+  // Each sequence is scored on one DP rank (zeros on the others): the sum is exact.
   logprob = parallel::sum_over_ranks(*tr.comms().dp, tr.backend(), logprob);
   std::vector<ChoiceScore> scores;
   size_t r = 0;

@@ -56,22 +56,34 @@ ChoiceScore choice_score(const ChoiceItem& item, std::vector<double> logprob);
 nlohmann::json choice_score_record(const ChoiceItem& item, const ChoiceScore& s);
 
 // ---- Scoring with the training forward: in-training evaluation under any TP/PP/DP layout ----
-// Each ending is one row of seq_len tokens: inputs are (context ++ ending) without its last
-// token, targets the next token where that is an ending token and -1 elsewhere (the context's
-// own predictions, the padding), so the row's summed loss is minus the ending's log-likelihood.
-// A context too long for the row loses tokens from its front (those nearest the ending stay,
-// as lm-evaluation-harness truncates).
+// Each ending is one sequence: inputs are (context ++ ending) without its last token, targets
+// the next token where that is an ending token and -1 where it is not (the context's own
+// predictions), so the sequence's summed loss is minus the ending's log-likelihood. A context
+// too long for seq_len loses tokens from its front (those nearest the ending stay, as
+// lm-evaluation-harness truncates).
 //
 // An ending longer than seq_len cannot be scored: ConfigError naming `path` and the line.
 void check_choices_fit(const std::vector<ChoiceItem>& items, int64_t seq_len, const std::string& path);
-// Items with an ending whose row cuts context tokens.
+// Items with an ending whose sequence cuts context tokens.
 int64_t choice_contexts_cut(const std::vector<ChoiceItem>& items, int64_t seq_len);
-// Writes the row of ending e (seq_len inputs and targets).
-void choice_row(const ChoiceItem& item, size_t e, int64_t seq_len, int32_t* inputs, int32_t* targets);
+// The sequence of ending e: its length L <= seq_len, and (when given) its L inputs and targets.
+int64_t choice_sequence(const ChoiceItem& item, size_t e, int64_t seq_len, int32_t* inputs = nullptr,
+                        int32_t* targets = nullptr);
 
-// Every item's score, on every rank (collective over the world): the endings packed one per row,
-// micro_batch rows to a micro-batch, the DP ranks taking micro-batches in turn; each DP rank's
-// log-likelihoods come from Trainer::sequence_losses and are then shared over DP.
+// Where each ending's sequence goes, item by item and ending by ending: packed into rows of
+// seq_len in order, as many as fit (pack), or one per row.
+struct ChoicePlace {
+  size_t item, ending;
+  int64_t length, row, offset;
+};
+std::vector<ChoicePlace> place_choices(const std::vector<ChoiceItem>& items, int64_t seq_len, bool pack);
+
+// Every item's score, on every rank (collective over the world). The endings' sequences are
+// packed into rows of seq_len, in order, as many as fit, each its own document (positions from
+// 0, attention within it; kernels/document_positions.h) when the model takes document
+// positions (RunConfig::takes_document_positions), else one per row. micro_batch rows make a
+// micro-batch, which the DP ranks take in turn; Trainer::token_losses scores them, and the
+// log-likelihoods are then shared over DP.
 std::vector<ChoiceScore> score_choices(Trainer& tr, const std::vector<ChoiceItem>& items);
 
 struct ChoiceTotals {

@@ -223,6 +223,9 @@ struct RunConfig {
   std::string out;              // run directory: logs, metrics, checkpoints
   std::string description;
 
+  // Whether the model takes document positions: data.document_masking's packed documents, and
+  // choice_eval's packed endings (train/choice_eval.h).
+  bool takes_document_positions() const { return data.document_masking || !choice_eval.file.empty(); }
   int64_t grad_accum_steps(int64_t global_batch) const {
     return global_batch / (train.micro_batch * parallel.dp);
   }

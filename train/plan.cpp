@@ -515,7 +515,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
       Lr += Lr_c;
       // token ids (embedding), targets (head), document positions (every stage, with masking)
       const double ids = (cs.has_embedding ? act.token_ids : 0) + (cs.has_head ? act.token_ids : 0) +
-                         (cfg.data.document_masking ? act.token_ids : 0);
+                         (cfg.takes_document_positions() ? act.token_ids : 0);
       const double head = cs.has_head ? act.head : 0;
       const double embed_norm = cs.has_embedding ? act.embed_norm : 0;
       // keel's Transformer keeps a stage output, the token ids / targets and the head's buffers

@@ -269,10 +269,13 @@ struct ChoiceEvalSet {
   std::vector<ChoiceItem> items;
   std::string tokenizer;  // the file used, if any
   int64_t contexts_cut = 0;
+  int64_t endings = 0, rows = 0;  // packed into rows of seq_len
   std::string describe(const RunConfig& cfg) const {
     const int64_t every = cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
     std::string s = "choice eval: " + std::to_string(items.size()) + " items from " + cfg.choice_eval.file;
-    if (!tokenizer.empty()) s += " (tokenizer " + tokenizer + ")";
+    s += " (" + std::to_string(endings) + " endings packed in " + std::to_string(rows) + " rows of " +
+         std::to_string(cfg.train.seq_len) + ")";
+    if (!tokenizer.empty()) s += ", tokenizer " + tokenizer;
     s += every > 0 ? ", every " + std::to_string(every) + " steps and at the end" : ", at the end";
     if (cfg.choice_eval.at_start) s += ", and before the first step";
     if (contexts_cut > 0)
@@ -296,6 +299,9 @@ ChoiceEvalSet open_choice_eval(const RunConfig& cfg) {
   if (c.items > 0 && static_cast<int64_t>(set.items.size()) > c.items) set.items.resize(static_cast<size_t>(c.items));
   check_choices_fit(set.items, cfg.train.seq_len, c.file);
   set.contexts_cut = choice_contexts_cut(set.items, cfg.train.seq_len);
+  const std::vector<ChoicePlace> places = place_choices(set.items, cfg.train.seq_len, cfg.takes_document_positions());
+  set.endings = static_cast<int64_t>(places.size());
+  set.rows = places.back().row + 1;
   return set;
 }
 

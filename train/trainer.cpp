@@ -98,7 +98,7 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
         table_.chunk(c), be_, activation_dtype(cfg.precision.mode), static_cast<int>(cfg.train.micro_batch),
         static_cast<int>(cfg.train.seq_len), slots[static_cast<size_t>(c)],
         grid_.tp_size() > 1 ? comms_->tp.get() : nullptr, recompute_left, cfg.parallel.sequence_parallel,
-        cfg.train.logits_chunk_rows, cfg.data.document_masking, c > 0 ? chunks_.front().get() : nullptr));
+        cfg.train.logits_chunk_rows, cfg.takes_document_positions(), c > 0 ? chunks_.front().get() : nullptr));
     recompute_left = std::max(0, recompute_left - (sh.end_layer - sh.first_layer));
     chunks_.back()->bind(state_->working, state_->grads);
     std::vector<Tensor> pool;
@@ -165,30 +165,28 @@ const PipeSchedule& Trainer::schedule(int micro_batches, bool training) {
   return *cached;
 }
 
-double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* seq_losses) {
-  if (backward && seq_losses) throw std::logic_error("run_pipeline: per-sequence losses are for evaluation only");
-  if (chunks_.size() == 1) return run_1f1b(mbs, dloss, backward, seq_losses);
+double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* token_losses) {
+  if (backward && token_losses) throw std::logic_error("run_pipeline: per-token losses are for evaluation only");
+  if (chunks_.size() == 1) return run_1f1b(mbs, dloss, backward, token_losses);
   if (backward) return run_interleaved(mbs.data(), static_cast<int>(mbs.size()), dloss, true, nullptr);
   // Evaluation: pp micro-batches at a time (the slots are sized for that).
   double loss_sum = 0;
   const int M = static_cast<int>(mbs.size()), P = grid_.pp_size();
   for (int first = 0; first < M; first += P)
     loss_sum += run_interleaved(mbs.data() + first, std::min(P, M - first), 0.0f, false,
-                                seq_losses ? seq_losses + static_cast<int64_t>(first) * cfg_.train.micro_batch : nullptr);
+                                token_losses ? token_losses + first * cfg_.train.micro_batch * cfg_.train.seq_len : nullptr);
   return loss_sum;
 }
 
-void Trainer::add_sequence_losses(const Transformer& m, int slot, double* out) {
+void Trainer::add_token_losses(const Transformer& m, int slot, double* out) {
   const Tensor rows = m.row_losses(slot);
   std::vector<float> host(static_cast<size_t>(rows.numel()));
   be_.copy_to_host(host.data(), rows);
-  const int64_t T = m.seq_len();
-  for (int b = 0; b < m.micro_batch(); ++b)
-    for (int64_t t = 0; t < T; ++t) out[b] += static_cast<double>(host[static_cast<size_t>(b * T + t)]);
+  for (size_t i = 0; i < host.size(); ++i) out[i] += static_cast<double>(host[i]);
 }
 
-std::vector<double> Trainer::sequence_losses(const std::vector<MicroBatch>& micro_batches) {
-  std::vector<double> out(micro_batches.size() * static_cast<size_t>(cfg_.train.micro_batch), 0.0);
+std::vector<double> Trainer::token_losses(const std::vector<MicroBatch>& micro_batches) {
+  std::vector<double> out(micro_batches.size() * static_cast<size_t>(cfg_.train.micro_batch * cfg_.train.seq_len), 0.0);
   run_pipeline(micro_batches, 0.0f, false, out.data());
   // Only the last stage holds them (the others add zeros): exact at double precision.
   return parallel::sum_over_ranks(*comms_->pp, be_, out);
@@ -197,7 +195,7 @@ std::vector<double> Trainer::sequence_losses(const std::vector<MicroBatch>& micr
 // The schedule's ticks (train/pipeline_schedule.h): compute this rank's op, then the tick's
 // forward-direction move (to the next rank, from the previous) and its backward-direction move.
 // Every rank moves in the same order, so each move's partner is in the same move.
-double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward, double* seq_losses) {
+double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward, double* token_losses) {
   const PipeSchedule& sc = schedule(M, backward);
   const int P = grid_.pp_size(), s = grid_.pp_rank(), V = P * static_cast<int>(chunks_.size());
   const int next = (s + 1) % P, prev = (s + P - 1) % P;
@@ -221,8 +219,8 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
                               vs == V - 1 ? b.targets.data() : nullptr, head_dloss,
                               b.positions.empty() ? nullptr : b.positions.data())
                         .loss_sum;
-        if (seq_losses && vs == V - 1)
-          add_sequence_losses(m, slot(k.op.chunk, mb), seq_losses + static_cast<int64_t>(mb) * m.micro_batch());
+        if (token_losses && vs == V - 1)
+          add_token_losses(m, slot(k.op.chunk, mb), token_losses + int64_t{mb} * m.micro_batch() * m.seq_len());
         if (k.send_forward) send_fwd = m.stage_output(slot(k.op.chunk, mb));
       } else {
         if (vs != V - 1) be_.convert(m.grad_output(), grad_buffer(k.op.chunk, mb));
@@ -240,7 +238,7 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
   return loss_sum;
 }
 
-double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* seq_losses) {
+double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* token_losses) {
   Transformer* const model = chunks_.front().get();
   const int M = static_cast<int>(mbs.size());
   const int P = grid_.pp_size(), s = grid_.pp_rank();
@@ -256,7 +254,8 @@ double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool b
     auto r = model->forward(mb % slots, first ? mbs[mb].inputs.data() : nullptr, last ? mbs[mb].targets.data() : nullptr,
                              head_dloss, mbs[mb].positions.empty() ? nullptr : mbs[mb].positions.data());
     loss_sum += r.loss_sum;
-    if (seq_losses && last) add_sequence_losses(*model, mb % slots, seq_losses + static_cast<int64_t>(mb) * model->micro_batch());
+    if (token_losses && last)
+      add_token_losses(*model, mb % slots, token_losses + int64_t{mb} * model->micro_batch() * model->seq_len());
   };
   auto recv_forward = [&](int mb) {
     if (!first) pp.recv(model->stage_input(mb % slots), s - 1);

@@ -94,10 +94,10 @@ class Trainer {
 
   // Mean loss over the micro-batches of all DP ranks, without touching gradients or weights.
   double evaluate(const std::vector<MicroBatch>& micro_batches);
-  // Per sequence (row of each of this DP rank's micro-batches, in order): the sum of its token
-  // losses, i.e. minus the log-likelihood of its valid targets; every stage gets them
-  // (collective over PP). Gradients and weights are untouched.
-  std::vector<double> sequence_losses(const std::vector<MicroBatch>& micro_batches);
+  // Per token of this DP rank's micro-batches (micro-batch, row, position order): its loss,
+  // -log p(target), 0 where the target is < 0; every stage gets them (collective over PP).
+  // Gradients and weights are untouched.
+  std::vector<double> token_losses(const std::vector<MicroBatch>& micro_batches);
 
   // Replica consistency (seed 001): the tied embedding's two copies (first and last stage) and
   // every tensor replicated over TP ranks must hold bitwise-identical working weights. Compares
@@ -145,13 +145,13 @@ class Trainer {
  private:
   // Runs forward (and backward unless eval) over the micro-batches in 1F1B order (interleaved
   // with several chunks); returns the sum of this rank's losses (non-zero on the last stage only).
-  // seq_losses (evaluation only): where the last stage adds each sequence's summed token losses,
-  // micro_batch entries per micro-batch.
-  double run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* seq_losses = nullptr);
-  double run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* seq_losses);
-  double run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward, double* seq_losses);
-  // Adds the slot's per-token losses, summed per sequence, to out[0 .. micro_batch).
-  void add_sequence_losses(const Transformer& m, int slot, double* out);
+  // token_losses (evaluation only): where the last stage adds each token's loss, micro_batch *
+  // seq_len entries per micro-batch.
+  double run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* token_losses = nullptr);
+  double run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* token_losses);
+  double run_interleaved(const MicroBatch* mbs, int M, float dloss, bool backward, double* token_losses);
+  // Adds the slot's per-token losses to out[0 .. micro_batch * seq_len).
+  void add_token_losses(const Transformer& m, int slot, double* out);
   // The same probe on every chunk (told which chunk called); nullptr clears it.
   void set_probe(const std::function<void(int chunk, const Transformer::OpProbe&)>& fn);
   void sync_tied_embedding();

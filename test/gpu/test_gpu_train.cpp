@@ -221,29 +221,34 @@ TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores
       }
       KEEL_CHECK_ERR("eval log-likelihood vs HF float64 (abs)", name, worst, 1e-4);
 
-      // The same items scored during training (choice_eval): endings as rows of micro-batches of
+      // The same items scored during training (choice_eval): endings in rows of micro-batches of
       // 3 through an fp32 Trainer's forward on the GPU.
       int64_t longest = 0;
       for (const ChoiceItem& it : items)
         for (const auto& end : it.endings)
           longest = std::max<int64_t>(longest, static_cast<int64_t>(it.context.size() + end.size()) - 1);
-      RunConfig cfg = make_config(tiny_run_json());
-      cfg.model = hf.model();
-      cfg.train.micro_batch = cfg.train.global_batch = 3;
-      cfg.train.seq_len = longest;
-      Trainer tr(cfg, be);
-      std::vector<float> laid_out(static_cast<size_t>(tr.table().local_numel()));
-      for (const ParamSpec& p : tr.table().params())
-        hf.read_full(p.name, p.shape, DType::F32, laid_out.data() + p.offset);
-      tr.state().load_fp32(laid_out.data());
-      const std::vector<ChoiceScore> in_training = score_choices(tr, items);
-      worst = 0;
-      for (size_t i = 0; i < items.size(); ++i) {
-        for (size_t k = 0; k < in_training[i].logprob.size(); ++k)
-          worst = std::max(worst, std::abs(in_training[i].logprob[k] - c["items"][i]["logprob"][k].get<double>()));
-        CHECK(in_training[i].pick == c["items"][i]["pick"].get<int>());
+      for (const bool pack : {false, true}) {  // one ending per row, or packed as documents of a row
+        RunConfig cfg = make_config(tiny_run_json());
+        cfg.model = hf.model();
+        cfg.train.micro_batch = cfg.train.global_batch = 3;
+        cfg.train.seq_len = longest;
+        if (pack) cfg.choice_eval.file = "items.jsonl";  // the model then takes document positions
+        Trainer tr(cfg, be);
+        std::vector<float> laid_out(static_cast<size_t>(tr.table().local_numel()));
+        for (const ParamSpec& p : tr.table().params())
+          hf.read_full(p.name, p.shape, DType::F32, laid_out.data() + p.offset);
+        tr.state().load_fp32(laid_out.data());
+        const std::vector<ChoiceScore> in_training = score_choices(tr, items);
+        worst = 0;
+        for (size_t i = 0; i < items.size(); ++i) {
+          for (size_t k = 0; k < in_training[i].logprob.size(); ++k)
+            worst = std::max(worst, std::abs(in_training[i].logprob[k] - c["items"][i]["logprob"][k].get<double>()));
+          CHECK(in_training[i].pick == c["items"][i]["pick"].get<int>());
+        }
+        KEEL_CHECK_ERR(pack ? "choice_eval packed (training forward) vs HF float64 (abs)"
+                            : "choice_eval (training forward) vs HF float64 (abs)",
+                       name, worst, 1e-4);
       }
-      KEEL_CHECK_ERR("choice_eval (training forward) log-likelihood vs HF float64 (abs)", name, worst, 1e-4);
     }
     be.release(w.data);
   }

@@ -107,9 +107,13 @@ struct HfTrainer {
   HfCheckpoint hf;
   std::unique_ptr<Backend> be = make_cpu_backend();
   std::unique_ptr<Trainer> tr;
-  HfTrainer(const std::string& model, int64_t micro_batch, int64_t seq_len) : hf(HfCheckpoint::open(kHf + model)) {
+  // pack: the model takes document positions (as with choice_eval set), so several endings
+  // share a row; else one ending per row.
+  HfTrainer(const std::string& model, int64_t micro_batch, int64_t seq_len, bool pack = false)
+      : hf(HfCheckpoint::open(kHf + model)) {
     RunConfig cfg = test::make_config(test::tiny_run_json());
     cfg.model = hf.model();
+    if (pack) cfg.choice_eval.file = "items.jsonl";
     cfg.train.micro_batch = micro_batch;
     cfg.train.global_batch = micro_batch;
     cfg.train.seq_len = seq_len;
@@ -122,20 +126,28 @@ struct HfTrainer {
 
 }  // namespace
 
-TEST_CASE("in-training choice scoring (endings as micro-batch rows) gives HF's log-likelihoods", "[eval][choice_train]") {
-  // Same fixtures and tolerance as keel eval's test above; micro_batch 3 so endings of one item
-  // straddle micro-batches and the last micro-batch has padding rows.
-  for (const std::string model : {"llama_trained", "gpt2_tied"}) {
-    SECTION(model) {
+TEST_CASE("in-training choice scoring (endings packed in micro-batch rows) gives HF's log-likelihoods",
+          "[eval][choice_train]") {
+  // Same fixtures and tolerance as keel eval's test above. One ending per row, and packed (each
+  // ending its own document of the row); micro_batch 3, so endings of one item straddle
+  // micro-batches and the last micro-batch has padding rows.
+  for (const std::string model : {"llama_trained", "gpt2_tied"})
+  for (const bool pack : {false, true}) {
+    SECTION(model + (pack ? " packed" : " one per row")) {
       const json e = test::hf_expected("choices_" + model).meta;
       const data::Tokenizer tok = data::Tokenizer::from_file(kHf + model + "/tokenizer.json");
-      HfTrainer h(model, 3, 0);
-      const auto items = read_choice_items(kHf + e["file"].get<std::string>(), &tok, h.hf.model().vocab_size);
+      const auto items = read_choice_items(kHf + e["file"].get<std::string>(), &tok,
+                                           HfCheckpoint::open(kHf + model).model().vocab_size);
       int64_t longest = 0;
       for (const ChoiceItem& it : items)
         for (const auto& end : it.endings)
           longest = std::max<int64_t>(longest, static_cast<int64_t>(it.context.size() + end.size()) - 1);
-      HfTrainer t(model, 3, longest);  // every row fits without cutting the context
+      const std::vector<ChoicePlace> places = place_choices(items, longest, pack);
+      const int64_t rows = places.back().row + 1;
+      if (pack) CHECK(rows < static_cast<int64_t>(places.size()));  // some rows hold two endings
+      else CHECK(rows == static_cast<int64_t>(places.size()));
+      HfTrainer t(model, 3, longest, pack);  // every ending fits without cutting the context
+      CHECK(t.tr->model().document_masking() == pack);
       REQUIRE(choice_contexts_cut(items, longest) == 0);
       REQUIRE(choice_contexts_cut(items, longest - 1) > 0);
       const std::vector<ChoiceScore> scores = score_choices(*t.tr, items);
@@ -154,29 +166,43 @@ TEST_CASE("in-training choice scoring (endings as micro-batch rows) gives HF's l
         CHECK(scores[i].pick_per_token == x["pick_per_token"].get<int>());
         CHECK(scores[i].pick_per_byte == x.value("pick_per_byte", -1));
       }
-      WARN(model << " (in training): worst log-likelihood difference from HF float64 " << worst);
+      WARN(model << (pack ? " (in training, packed)" : " (in training)")
+                 << ": worst log-likelihood difference from HF float64 " << worst);
     }
   }
 }
 
-TEST_CASE("in-training choice rows: layout, contexts cut from the front, endings too long", "[eval][choice_train]") {
+TEST_CASE("in-training choice sequences: layout, contexts cut from the front, endings too long", "[eval][choice_train]") {
   ChoiceItem item;
   item.context = {5, 6, 7, 8};
   item.endings = {{10, 11}, {20, 21, 22}};
   item.line = 7;
-  std::vector<int32_t> in(8), tg(8);
+  std::vector<int32_t> in(8, 99), tg(8, 99);
   // Everything fits: inputs ctx ++ ending minus its last token, targets only the ending's tokens.
-  choice_row(item, 1, 8, in.data(), tg.data());
-  CHECK(in == std::vector<int32_t>{5, 6, 7, 8, 20, 21, 0, 0});
-  CHECK(tg == std::vector<int32_t>{-1, -1, -1, 20, 21, 22, -1, -1});
+  CHECK(choice_sequence(item, 1, 8) == 6);
+  CHECK(choice_sequence(item, 1, 8, in.data(), tg.data()) == 6);
+  CHECK(in == std::vector<int32_t>{5, 6, 7, 8, 20, 21, 99, 99});  // only its 6 entries written
+  CHECK(tg == std::vector<int32_t>{-1, -1, -1, 20, 21, 22, 99, 99});
   // seq_len 4: ending 1 keeps the last 2 context tokens, ending 0 the last 3.
-  in.resize(4), tg.resize(4);
-  choice_row(item, 1, 4, in.data(), tg.data());
-  CHECK(in == std::vector<int32_t>{7, 8, 20, 21});
-  CHECK(tg == std::vector<int32_t>{-1, 20, 21, 22});
-  choice_row(item, 0, 4, in.data(), tg.data());
-  CHECK(in == std::vector<int32_t>{6, 7, 8, 10});
-  CHECK(tg == std::vector<int32_t>{-1, -1, 10, 11});
+  CHECK(choice_sequence(item, 1, 4, in.data(), tg.data()) == 4);
+  CHECK(std::vector<int32_t>(in.begin(), in.begin() + 4) == std::vector<int32_t>{7, 8, 20, 21});
+  CHECK(std::vector<int32_t>(tg.begin(), tg.begin() + 4) == std::vector<int32_t>{-1, 20, 21, 22});
+  CHECK(choice_sequence(item, 0, 4, in.data(), tg.data()) == 4);
+  CHECK(std::vector<int32_t>(in.begin(), in.begin() + 4) == std::vector<int32_t>{6, 7, 8, 10});
+  CHECK(std::vector<int32_t>(tg.begin(), tg.begin() + 4) == std::vector<int32_t>{-1, -1, 10, 11});
+  // Packing in order, as many as fit (lengths 5 and 6, twice); never reordered to fill a gap.
+  const std::vector<ChoiceItem> two = {item, item};
+  auto rows_offsets = [](const std::vector<ChoicePlace>& places) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (const ChoicePlace& p : places) out.emplace_back(p.row, p.offset);
+    return out;
+  };
+  using RO = std::vector<std::pair<int64_t, int64_t>>;
+  CHECK(rows_offsets(place_choices(two, 12, true)) == RO{{0, 0}, {0, 5}, {1, 0}, {1, 5}});
+  CHECK(rows_offsets(place_choices(two, 4, true)) == RO{{0, 0}, {1, 0}, {2, 0}, {3, 0}});
+  CHECK(rows_offsets(place_choices(two, 11, true)) == RO{{0, 0}, {0, 5}, {1, 0}, {1, 5}});
+  CHECK(rows_offsets(place_choices(two, 10, true)) == RO{{0, 0}, {1, 0}, {2, 0}, {3, 0}});
+  CHECK(rows_offsets(place_choices(two, 12, false)) == RO{{0, 0}, {1, 0}, {2, 0}, {3, 0}});
   CHECK(choice_contexts_cut({item}, 6) == 0);  // 4 + 3 tokens: 6 inputs
   CHECK(choice_contexts_cut({item}, 5) == 1);
   CHECK(error_of([&] { check_choices_fit({item}, 3, "c.jsonl"); }) == "no error");
@@ -186,11 +212,12 @@ TEST_CASE("in-training choice rows: layout, contexts cut from the front, endings
 
 TEST_CASE("in-training choice scoring with cut contexts equals scoring the cut items whole", "[eval][choice_train]") {
   // seq_len 10 cuts most fortunes' contexts; each ending must score as if its item's context
-  // were only the tokens its row keeps (the Generator, with no cut, is the reference).
+  // were only the tokens its sequence keeps (the Generator, with no cut, is the reference).
+  // Packed: short sequences share rows.
   const std::string model = "llama_trained";
   const data::Tokenizer tok = data::Tokenizer::from_file(kHf + model + "/tokenizer.json");
   const int64_t T = 10;
-  HfTrainer t(model, 4, T);
+  HfTrainer t(model, 4, T, /*pack=*/true);
   auto items = read_choice_items(kHf + "choices/fortunes.jsonl", &tok, t.hf.model().vocab_size);
   items.resize(6);
   for (ChoiceItem& it : items)  // endings within seq_len
