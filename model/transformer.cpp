@@ -4,6 +4,7 @@
 
 #include "kernels/alibi.h"
 #include "kernels/document_positions.h"
+#include "kernels/profile_range.h"
 #include "train/parallel/comm.h"
 
 namespace keel {
@@ -125,6 +126,9 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
     scratch(gathered_, &Transformer::gathered_, act_, {N_, d});
     scratch(row_sums_, &Transformer::row_sums_, act_, {rows_, d});
   }
+  for (int l = sh.first_layer; l < sh.end_layer; ++l)
+    for (const char* what : {"forward", "backward", "recompute"})
+      range_names_.push_back("layer " + std::to_string(l) + " " + what);
 }
 
 // Everything of a layer but its input.
@@ -388,6 +392,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   }
 
   if (sh.has_embedding) {
+    const ProfileRange range("embedding forward");
     if (!tokens) throw std::invalid_argument("Transformer::forward: the embedding stage needs tokens");
     be_.copy_from_host(s.tokens, tokens);
     // Vocab-parallel: each rank embeds the tokens of its slice (others give 0), the sum over TP
@@ -410,12 +415,14 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   }
 
   for (size_t l = 0; l < s.layers.size(); ++l) {
+    const ProfileRange range(range_name(l, 0));
     const Tensor& next = l + 1 < s.layers.size() ? s.layers[l + 1].res_in : s.res_final;
     layer_forward(acts(s, l), w_.layers[l], s.attn, sh.first_layer + static_cast<int>(l), &next);
   }
 
   LossSum r;
   if (!sh.has_head) return r;
+  const ProfileRange range(head_chunked() && dloss ? "head + loss forward and backward (chunked)" : "head + loss forward");
   if (!targets) throw std::invalid_argument("Transformer::forward: the head stage needs targets");
   be_.copy_from_host(s.targets, targets);
   norm_forward(s.normf, s.meanf, s.rstdf, s.res_final, w_.final_norm_w, w_.final_norm_b);
@@ -450,6 +457,7 @@ void Transformer::backward(int slot_index, float dloss) {
   const bool gpt2 = cfg_.is_gpt2();
 
   if (sh.has_head) {
+    const ProfileRange range("head backward");
     // loss -> logits (in place) -> head and final norm; a chunked head did its part in forward
     Tensor dnorm_partial = dnorm_;
     if (!head_chunked()) {
@@ -476,6 +484,7 @@ void Transformer::backward(int slot_index, float dloss) {
     const LayerParams& g = g_.layers[li];
     const int layer = sh.first_layer + static_cast<int>(li);
     if (recomputed(li)) {
+      const ProfileRange range(range_name(li, 2));
       recomputing_ = true;  // its forward already probed these ops
       struct Reset {
         bool& flag;
@@ -483,6 +492,7 @@ void Transformer::backward(int slot_index, float dloss) {
       } reset{recomputing_};
       layer_forward(a, w, s.attn, layer, nullptr);
     }
+    const ProfileRange range(range_name(li, 1));  // to the end of the layer's backward
 
     // MLP block (under SP, dres_all is the gathered rows until norm2 is gathered)
     const Tensor& dres_all = gather_rows(dres_);
@@ -528,6 +538,7 @@ void Transformer::backward(int slot_index, float dloss) {
   }
 
   if (sh.has_embedding) {
+    const ProfileRange range("embedding backward");
     Tensor dembed = dres_;
     if (cfg_.embedding_norm) {
       // dnorm_ is free once the layers are done; norm_backward accumulates, hence the fill.

@@ -232,6 +232,9 @@ class Transformer {
 
   ProbeFn probe_;
   bool recomputing_ = false;
+  // Profiler range names (kernels/profile_range.h): forward, backward, recompute of each layer.
+  std::vector<std::string> range_names_;
+  const char* range_name(size_t local_layer, int what) const { return range_names_[3 * local_layer + what].c_str(); }
   const ParamTable table_;
   const ModelConfig& cfg_;
   Backend& be_;

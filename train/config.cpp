@@ -330,6 +330,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     t.seed = static_cast<uint64_t>(f.integer("seed", 1234, 0));
     t.eval_interval = f.integer("eval_interval", 0, 0);
     t.eval_batches = f.integer("eval_batches", 8, 0);
+    t.eval_at_start = f.boolean("eval_at_start", false);
     t.recompute = f.choice("recompute", "none", {"none", "full"});
     t.recompute_layers = f.integer("recompute_layers", 0, 0, 1 << 20);
     t.logits_chunk_rows = f.integer("logits_chunk_rows", 0, 0);
@@ -491,7 +492,6 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     e.file = f.string("file", "");
     e.interval = f.integer("interval", 0, 0);
     e.items = f.integer("items", 0, 0);
-    e.at_start = f.boolean("at_start", false);
     e.tokenizer = f.string("tokenizer", "");
     e.write_scores = f.boolean("write_scores", false);
     f.finish();
@@ -668,9 +668,16 @@ json to_json(const RunConfig& c) {
                                                                                              : "1-sqrt";
   }
   const TrainConfig& t = c.train;
-  j["train"] = {{"steps", t.steps},         {"global_batch", t.global_batch}, {"micro_batch", t.micro_batch},
-                {"seq_len", t.seq_len},     {"seed", t.seed},                 {"eval_interval", t.eval_interval},
-                {"eval_batches", t.eval_batches}, {"recompute", t.recompute}, {"recompute_layers", t.recompute_layers},
+  j["train"] = {{"steps", t.steps},
+                {"global_batch", t.global_batch},
+                {"micro_batch", t.micro_batch},
+                {"seq_len", t.seq_len},
+                {"seed", t.seed},
+                {"eval_interval", t.eval_interval},
+                {"eval_batches", t.eval_batches},
+                {"eval_at_start", t.eval_at_start},
+                {"recompute", t.recompute},
+                {"recompute_layers", t.recompute_layers},
                 {"logits_chunk_rows", t.logits_chunk_rows}};
   j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
   if (!c.data.train_weights.empty()) j["data"]["train_weights"] = c.data.train_weights;
@@ -680,7 +687,7 @@ json to_json(const RunConfig& c) {
   if (!c.choice_eval.file.empty()) {
     const ChoiceEvalConfig& e = c.choice_eval;
     j["choice_eval"] = {{"file", e.file},         {"interval", e.interval},   {"items", e.items},
-                        {"at_start", e.at_start}, {"tokenizer", e.tokenizer}, {"write_scores", e.write_scores}};
+                        {"tokenizer", e.tokenizer}, {"write_scores", e.write_scores}};
   }
   j["log"] = {{"interval", c.log.interval}, {"timers", c.log.timers}, {"timers_interval_s", c.log.timers_interval_s}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},

@@ -81,6 +81,9 @@ struct TrainConfig {
   uint64_t seed = 1234;
   int64_t eval_interval = 0;  // 0: validate only at the end (if a validation set is given)
   int64_t eval_batches = 8;   // micro-batches per validation
+  // Also validate (and run choice_eval) before the first step this run trains: the loaded
+  // model's numbers, e.g. a finetune's starting loss next to the pretrained model's.
+  bool eval_at_start = false;
   // Activation recomputation (model/transformer.h): "none", or "full": a layer keeps only its
   // input and runs its forward again in backward. recompute_layers: with "full", how many
   // layers of each pipeline stage, from its first (Megatron's block method); 0: all of them.
@@ -124,9 +127,9 @@ struct DataConfig {
 // by the training forward, under any layout).
 struct ChoiceEvalConfig {
   std::string file;        // JSONL items (keel eval's format); empty: off
-  int64_t interval = 0;    // steps between evaluations; 0: train.eval_interval (and at the end)
+  int64_t interval = 0;    // steps between evaluations; 0: train.eval_interval (and at the end,
+                           // and with train.eval_at_start before the first step)
   int64_t items = 0;       // the first N items; 0: all
-  bool at_start = false;   // also before the first step this run trains (the loaded model's score)
   std::string tokenizer;   // tokenizer.json (or its directory) for text items; empty: beside data.train
   bool write_scores = false;  // <out>/choice_scores/step_<N>.jsonl: each item's log-likelihoods and picks
 };

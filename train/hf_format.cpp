@@ -662,7 +662,7 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
       {"schedule", {{"warmup_steps", 10}, {"decay", "cosine"}}},
       {"train",
        {{"steps", 1000}, {"global_batch", 32}, {"micro_batch", 1}, {"seq_len", seq}, {"seed", 1234},
-        {"eval_interval", 100}, {"eval_batches", 8}}},
+        {"eval_interval", 100}, {"eval_batches", 8}, {"eval_at_start", true}}},  // the loaded model's loss first
       {"data", {{"train", "data/finetune/train_*.bin"}, {"val", "data/finetune/val_*.bin"}}},
       {"log", {{"interval", 1}}},
       {"checkpoint", {{"interval", 200}, {"keep_last", 2}}},

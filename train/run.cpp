@@ -24,6 +24,7 @@
 #include "kernels/document_positions.h"
 #include "kernels/device.h"
 #include "kernels/guarded_backend.h"
+#include "kernels/profile_range.h"
 #include "train/parallel/nccl_comm.h"
 #ifdef KEEL_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -277,7 +278,7 @@ struct ChoiceEvalSet {
          std::to_string(cfg.train.seq_len) + ")";
     if (!tokenizer.empty()) s += ", tokenizer " + tokenizer;
     s += every > 0 ? ", every " + std::to_string(every) + " steps and at the end" : ", at the end";
-    if (cfg.choice_eval.at_start) s += ", and before the first step";
+    if (cfg.train.eval_at_start) s += ", and before the first step";
     if (contexts_cut > 0)
       s += "; " + std::to_string(contexts_cut) + " contexts lose their first tokens to fit train.seq_len " +
            std::to_string(cfg.train.seq_len);
@@ -661,13 +662,24 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
   double last_val = std::nan("");
   auto choice_eval = [&](int64_t it) {
+    const ProfileRange range("choice eval");
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<ChoiceScore> scores = score_choices(tr, choices.items);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (lead) report_choice_eval(cfg, choices, scores, it, secs, quiet, *metrics);
   };
-  if (cfg.choice_eval.at_start && !choices.items.empty() && progress.iteration < cfg.train.steps)
-    choice_eval(progress.iteration);
+  auto validation = [&](int64_t it) {
+    const ProfileRange range("validation");
+    last_val = validate(tr, *val, cfg, grid);
+    if (metrics) metrics->write({{"step", it}, {"val_loss", last_val}, {"consumed_tokens", consumed_tokens}});
+    if (!quiet) std::printf(" validation at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
+                            static_cast<long long>(it), last_val, std::exp(last_val));
+  };
+  // train.eval_at_start: the loaded (or initial) model's numbers before this run's first step.
+  if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) {
+    if (val && cfg.train.eval_batches > 0) validation(progress.iteration);
+    if (!choices.items.empty()) choice_eval(progress.iteration);
+  }
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
   auto finish_pending_save = [&] {
@@ -676,6 +688,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (lead) print_save(r);
   };
   auto save = [&](int64_t it, bool background) {
+    const ProfileRange range("checkpoint save");
     finish_pending_save();
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
     nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
@@ -797,12 +810,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
 
     const bool eval_now = val && cfg.train.eval_batches > 0 &&
                           ((cfg.train.eval_interval > 0 && it % cfg.train.eval_interval == 0) || it == cfg.train.steps);
-    if (eval_now) {
-      last_val = validate(tr, *val, cfg, grid);
-      if (metrics) metrics->write({{"step", it}, {"val_loss", last_val}, {"consumed_tokens", consumed_tokens}});
-      if (!quiet) std::printf(" validation at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
-                              static_cast<long long>(it), last_val, std::exp(last_val));
-    }
+    if (eval_now) validation(it);
 
     const int64_t choice_interval = cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
     if (!choices.items.empty() && ((choice_interval > 0 && it % choice_interval == 0) || it == cfg.train.steps))

@@ -24,8 +24,8 @@ std::string fmt_ms(double ms) {
 
 const std::vector<std::string>& StepTimers::columns() {
   static const std::vector<std::string> names = [] {
-    std::vector<std::string> n = {"step",        "data",      "forward-backward", "compute",
-                                  "grad-reduce", "grad-norm", "optimizer",        "param-gather"};
+    std::vector<std::string> n = {"step", phase_name(Data), phase_name(ForwardBackward), "compute"};
+    for (Phase p : {GradReduce, GradNorm, Optimizer, ParamGather}) n.push_back(phase_name(p));
     for (parallel::GroupKind g : parallel::kAllGroups) n.push_back(std::string(parallel::group_name(g)) + "-comm");
     return n;
   }();
@@ -40,7 +40,13 @@ void StepTimers::start_step(bool timed) {
   group_s_.fill(0);
 }
 
-StepTimers::Scope::Scope(StepTimers& t, Phase p) : t_(t.timed_ ? &t : nullptr), p_(p) {
+const char* StepTimers::phase_name(Phase p) {
+  static const char* const names[kPhases] = {"data", "forward-backward", "grad-reduce", "grad-norm", "optimizer",
+                                             "param-gather"};
+  return names[p];
+}
+
+StepTimers::Scope::Scope(StepTimers& t, Phase p) : range_(phase_name(p)), t_(t.timed_ ? &t : nullptr), p_(p) {
   if (!t_) return;
   t_->drain_();  // what was queued before belongs to the phase before
   t_->current_ = p;
@@ -70,8 +76,25 @@ std::vector<double> StepTimers::sample(double step_ms) const {
 
 // ---- TimedComm --------------------------------------------------------------------------------
 
+namespace {
+// A profiler range name for each collective (TimedComm::Op order) on each group ("tp all_reduce").
+const char* comm_range_name(parallel::GroupKind g, int op) {
+  static const char* const ops[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                    "send",       "recv",           "sendrecv",   "barrier"};
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n(StepTimers::kGroups * std::size(ops));
+    for (parallel::GroupKind k : parallel::kAllGroups)
+      for (size_t o = 0; o < std::size(ops); ++o)
+        n[static_cast<size_t>(group_index(k)) * std::size(ops) + o] = std::string(parallel::group_name(k)) + " " + ops[o];
+    return n;
+  }();
+  return names[static_cast<size_t>(group_index(g)) * std::size(ops) + static_cast<size_t>(op)].c_str();
+}
+}  // namespace
+
 template <class F>
-void TimedComm::timed(F&& call) {
+void TimedComm::timed(Op op, F&& call) {
+  const ProfileRange range(comm_range_name(group_, op));
   if (!timers_.timed() || inner_.size() == 1) {  // a group of one does not communicate
     call();
     return;
@@ -84,28 +107,28 @@ void TimedComm::timed(F&& call) {
 }
 
 void TimedComm::all_reduce(const Tensor& t, parallel::ReduceOp op) {
-  timed([&] { inner_.all_reduce(t, op); });
+  timed(AllReduce, [&] { inner_.all_reduce(t, op); });
 }
 void TimedComm::reduce_scatter(const Tensor& out, const Tensor& in) {
-  timed([&] { inner_.reduce_scatter(out, in); });
+  timed(ReduceScatter, [&] { inner_.reduce_scatter(out, in); });
 }
 void TimedComm::all_gather(const Tensor& out, const Tensor& in) {
-  timed([&] { inner_.all_gather(out, in); });
+  timed(AllGather, [&] { inner_.all_gather(out, in); });
 }
 void TimedComm::broadcast(const Tensor& t, int root) {
-  timed([&] { inner_.broadcast(t, root); });
+  timed(Broadcast, [&] { inner_.broadcast(t, root); });
 }
 void TimedComm::send(const Tensor& t, int peer) {
-  timed([&] { inner_.send(t, peer); });
+  timed(Send, [&] { inner_.send(t, peer); });
 }
 void TimedComm::recv(const Tensor& t, int peer) {
-  timed([&] { inner_.recv(t, peer); });
+  timed(Recv, [&] { inner_.recv(t, peer); });
 }
 void TimedComm::sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) {
-  timed([&] { inner_.sendrecv(send_t, send_peer, recv_t, recv_peer); });
+  timed(SendRecv, [&] { inner_.sendrecv(send_t, send_peer, recv_t, recv_peer); });
 }
 void TimedComm::barrier() {
-  timed([&] { inner_.barrier(); });
+  timed(Barrier, [&] { inner_.barrier(); });
 }
 
 parallel::CommGroups timed_comms(const parallel::CommGroups& comms, StepTimers& timers) {

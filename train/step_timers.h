@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/profile_range.h"
 #include "train/parallel/comm.h"
 #include "train/parallel/grid.h"
 
@@ -46,6 +47,7 @@ class StepTimers {
     Scope& operator=(const Scope&) = delete;
 
    private:
+    ProfileRange range_;  // on the profiler's timeline, timed step or not
     StepTimers* t_;
     Phase p_;
     std::chrono::steady_clock::time_point start_;
@@ -60,6 +62,7 @@ class StepTimers {
   // the communication per group.
   std::vector<double> sample(double step_ms) const;
   static const std::vector<std::string>& columns();
+  static const char* phase_name(Phase p);
 
  private:
   std::function<void()> drain_;
@@ -93,8 +96,9 @@ class TimedComm final : public parallel::Comm {
   void wait_idle() override { inner_.wait_idle(); }
 
  private:
+  enum Op : int { AllReduce, ReduceScatter, AllGather, Broadcast, Send, Recv, SendRecv, Barrier, kOps };
   template <class F>
-  void timed(F&& call);
+  void timed(Op op, F&& call);
   parallel::Comm& inner_;
   parallel::GroupKind group_;
   StepTimers& timers_;

@@ -326,7 +326,7 @@ TEST_CASE("multiple-choice scores during training agree under TP, SP, PP (also i
     test::Workspace ws(model_patch(family));
     test::write_stream_choice_items(ws.dir / "choices.jsonl", 21);  // 84 rows: a partial last micro-batch
     const std::string choices = "--set choice_eval.file=" + (ws.dir / "choices.jsonl") +
-                                " --set choice_eval.at_start=true --set choice_eval.write_scores=true";
+                                " --set train.eval_at_start=true --set choice_eval.write_scores=true";
     auto scores = [](const std::string& out, int step) {
       std::vector<double> lp;
       std::ifstream in(out + "/choice_scores/step_" + std::to_string(step) + ".jsonl");

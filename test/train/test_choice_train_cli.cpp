@@ -14,22 +14,27 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 
-TEST_CASE("keel train with choice_eval: the accuracy is logged, written and rises as the model learns",
+TEST_CASE("keel train with choice_eval and eval_at_start: the accuracy is logged, written and rises as the model learns",
           "[cli][e2e][choice_train]") {
   test::Workspace ws;
   test::write_stream_choice_items(ws.dir / "choices.jsonl", 40);
   const std::string out = ws.dir / "run";
   const test::ProcessResult r =
       test::run_keel("train --config " + ws.config + " --out " + out + " --set choice_eval.file=" +
-                     (ws.dir / "choices.jsonl") + " --set choice_eval.at_start=true --set choice_eval.write_scores=true");
+                     (ws.dir / "choices.jsonl") + " --set train.eval_at_start=true --set choice_eval.write_scores=true");
   INFO(r.output);
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("choice eval: 40 items from") && Catch::Contains("every 10 steps and at the end") &&
                            Catch::Contains("and before the first step"));
   CHECK_THAT(r.output, Catch::Contains(" choice eval at iteration 30 | acc "));
   std::map<int64_t, json> evals;
-  for (const json& rec : test::read_metrics(out + "/metrics.jsonl"))
+  std::vector<int64_t> val_steps;
+  for (const json& rec : test::read_metrics(out + "/metrics.jsonl")) {
     if (rec.contains("choice_acc")) evals[rec["step"].get<int64_t>()] = rec;
+    if (rec.contains("val_loss")) val_steps.push_back(rec["step"]);
+  }
+  CHECK(val_steps == std::vector<int64_t>{0, 10, 20, 30});  // train.eval_at_start validates before step 1 too
+  CHECK_THAT(r.output, Catch::Contains(" validation at iteration 0 | lm loss:"));
   REQUIRE(evals.size() == 4);  // before step 1, at 10, 20 and 30
   for (int64_t step : {0, 10, 20, 30}) REQUIRE(evals.count(step));
   CHECK(evals[30]["choice_items"] == 40);
