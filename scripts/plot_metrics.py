@@ -5,8 +5,11 @@
 
 keel writes one JSON object per line. Training records carry "step" and "loss" (and usually
 "lr", "grad_norm", "consumed_tokens", "loss_scale", "tokens_per_s", ...); validation records
-carry "step" and "val_loss" and no "loss". Three panels: loss (train solid, validation dashed
-with markers, one colour per file), gradient norm (log y) and learning rate. Missing fields,
+carry "step" and "val_loss" and no "loss"; choice_eval records carry "choice_acc",
+"choice_acc_per_token" and (text items) "choice_acc_per_byte". Three panels: loss (train solid,
+validation dashed with markers, one colour per file), gradient norm (log y) and learning rate;
+a fourth with the multiple-choice accuracies when any file has them (acc solid, per token
+dashed, per byte dotted). Missing fields,
 blank or broken lines and non-finite values are skipped; each file is labelled by its parent
 directory's name (or --labels).
 """
@@ -36,8 +39,15 @@ def _num(v):
     return f if math.isfinite(f) else None
 
 
+# choice_eval's accuracies and their line styles
+CHOICE_KEYS = ("choice_acc", "choice_acc_per_token", "choice_acc_per_byte")
+CHOICE_STYLES = {"choice_acc": "-o", "choice_acc_per_token": "--s", "choice_acc_per_byte": ":^"}
+
+
 def load_metrics(path: str) -> dict:
     series = {"train": [], "val": [], "grad_norm": [], "lr": [], "bad_lines": 0, "nonfinite": 0}
+    for k in CHOICE_KEYS:
+        series[k] = []
     with open(path, "r", encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
@@ -70,7 +80,11 @@ def load_metrics(path: str) -> dict:
                 vl = _num(rec["val_loss"])
                 if vl is not None:
                     series["val"].append((step, vl))
-    for k in ("train", "val", "grad_norm", "lr"):
+            for k in CHOICE_KEYS:
+                acc = _num(rec.get(k))
+                if acc is not None:
+                    series[k].append((step, acc))
+    for k in ("train", "val", "grad_norm", "lr") + CHOICE_KEYS:
         series[k].sort(key=lambda p: p[0])
     return series
 
@@ -90,8 +104,12 @@ def unique_labels(labels: list) -> list:
 
 
 def plot(runs: list, out: str, title: str | None = None, smooth: int = 1) -> None:
-    fig, (ax_loss, ax_gn, ax_lr) = plt.subplots(
-        3, 1, figsize=(10, 10), sharex=True, gridspec_kw={"height_ratios": [2, 1, 1]})
+    with_choice = any(s[k] for _, s in runs for k in CHOICE_KEYS)
+    ratios = [2, 1, 1] + ([1] if with_choice else [])
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(10, 10 + 3 * with_choice), sharex=True,
+                             gridspec_kw={"height_ratios": ratios})
+    ax_loss, ax_gn, ax_lr = axes[:3]
+    ax_choice = axes[3] if with_choice else None
     colours = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     gn_any = False
     for i, (label, s) in enumerate(runs):
@@ -111,6 +129,11 @@ def plot(runs: list, out: str, title: str | None = None, smooth: int = 1) -> Non
         if s["lr"]:
             x, y = zip(*s["lr"])
             ax_lr.plot(x, y, "-", color=c, lw=1.2, label=label)
+        for k in CHOICE_KEYS if with_choice else ():
+            if s[k]:
+                x, y = zip(*s[k])
+                ax_choice.plot(x, y, CHOICE_STYLES[k], color=c, lw=1.2, ms=4,
+                               label=f"{label} {k.replace('choice_', '')}")
 
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(title or "keel training curves")
@@ -118,9 +141,11 @@ def plot(runs: list, out: str, title: str | None = None, smooth: int = 1) -> Non
     if gn_any:
         ax_gn.set_yscale("log")
     ax_lr.set_ylabel("learning rate")
-    ax_lr.set_xlabel("step")
+    axes[-1].set_xlabel("step")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    for ax in (ax_loss, ax_gn, ax_lr):
+    if ax_choice is not None:
+        ax_choice.set_ylabel("choice accuracy")
+    for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="best")
@@ -169,7 +194,8 @@ def main(argv=None) -> int:
             note.append(f"{s['nonfinite']} non-finite losses")
         last = f", last loss {s['train'][-1][1]:.4f} at step {s['train'][-1][0]:g}" if s["train"] else ""
         lastv = f", last val_loss {s['val'][-1][1]:.4f}" if s["val"] else ""
-        print(f"{label}: {len(s['train'])} train / {len(s['val'])} val records{last}{lastv}"
+        lastc = f", last choice_acc {s['choice_acc'][-1][1]:.4f}" if s["choice_acc"] else ""
+        print(f"{label}: {len(s['train'])} train / {len(s['val'])} val records{last}{lastv}{lastc}"
               + (f" ({'; '.join(note)})" if note else ""))
         runs.append((label, s))
     if not runs:
