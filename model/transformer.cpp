@@ -184,15 +184,16 @@ Tensor Transformer::alloc(DType t, std::initializer_list<int64_t> dims) {
 }
 
 void Transformer::bind(const Tensor& weights, const Tensor& grads) {
-  if (weights.numel() < table_.local_numel() || grads.numel() < table_.local_numel())
+  const bool forward_only = grads.empty();
+  if (weights.numel() < table_.local_numel() || (!forward_only && grads.numel() < table_.local_numel()))
     throw std::invalid_argument("Transformer::bind: flat buffers have " + std::to_string(weights.numel()) + " / " +
                                 std::to_string(grads.numel()) + " elements, the parameter table needs " +
                                 std::to_string(table_.local_numel()));
-  if (grads.dtype != DType::F32) throw std::invalid_argument("Transformer::bind: gradients must be f32");
+  if (!forward_only && grads.dtype != DType::F32) throw std::invalid_argument("Transformer::bind: gradients must be f32");
   weights_ = weights;
   grads_ = grads;
   w_ = resolve(weights_);
-  g_ = resolve(grads_);
+  g_ = forward_only ? Params{} : resolve(grads_);
 }
 
 Transformer::Params Transformer::resolve(const Tensor& flat) const {
@@ -377,6 +378,7 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
 Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens, const int32_t* targets,
                                           std::optional<float> dloss, const int32_t* positions) {
   if (weights_.empty()) throw std::logic_error("Transformer::forward before bind()");
+  if (dloss && grads_.empty()) throw std::logic_error("Transformer::forward: a dloss (training) needs gradients to bind");
   Slot& s = slots_.at(static_cast<size_t>(slot_index));
   const ModelShard& sh = table_.shard();
   Tensor none;
@@ -452,6 +454,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
 }
 
 void Transformer::backward(int slot_index, float dloss) {
+  if (grads_.empty()) throw std::logic_error("Transformer::backward: bound without gradients (forward only)");
   Slot& s = slots_.at(static_cast<size_t>(slot_index));
   const ModelShard& sh = table_.shard();
   const bool gpt2 = cfg_.is_gpt2();

@@ -85,7 +85,8 @@ class Transformer {
   Transformer& operator=(const Transformer&) = delete;
 
   // Flat buffers laid out by the ParamTable: working weights (any float dtype) and fp32 grads.
-  // They may be longer than the table (padding); only the table's range is used.
+  // They may be longer than the table (padding); only the table's range is used. Empty grads:
+  // forward only (evaluation), and backward throws.
   void bind(const Tensor& weights, const Tensor& grads);
 
   struct LossSum {

@@ -155,12 +155,13 @@ json choice_score_record(const ChoiceItem& item, const ChoiceScore& s) {
   return rec;
 }
 
-void check_choices_fit(const std::vector<ChoiceItem>& items, int64_t seq_len, const std::string& path) {
+void check_choices_fit(const std::vector<ChoiceItem>& items, int64_t seq_len, const std::string& path,
+                       const std::string& seq_len_name) {
   for (const ChoiceItem& item : items)
     for (size_t e = 0; e < item.endings.size(); ++e)
       if (static_cast<int64_t>(item.endings[e].size()) > seq_len)
         throw ConfigError(path + ":" + std::to_string(item.line) + " ending " + std::to_string(e) + " has " +
-                          std::to_string(item.endings[e].size()) + " tokens, more than train.seq_len (" +
+                          std::to_string(item.endings[e].size()) + " tokens, more than " + seq_len_name + " (" +
                           std::to_string(seq_len) + "): it cannot be scored in one row");
 }
 
@@ -211,23 +212,20 @@ std::vector<ChoicePlace> place_choices(const std::vector<ChoiceItem>& items, int
   return places;
 }
 
-std::vector<ChoiceScore> score_choices(Trainer& tr, const std::vector<ChoiceItem>& items) {
-  const RunConfig& cfg = tr.config();
-  const int64_t B = cfg.train.micro_batch, T = cfg.train.seq_len;
-  const bool pack = tr.model().document_masking();
+std::vector<double> choice_logprobs(const std::vector<ChoiceItem>& items, int64_t B, int64_t T, bool pack,
+                                    int64_t first, int64_t stride, int64_t group, const TokenLossFn& token_losses) {
   const std::vector<ChoicePlace> seqs = place_choices(items, T, pack);
   const int64_t rows = seqs.empty() ? 0 : seqs.back().row + 1;
   const int64_t n_mbs = (rows + B - 1) / B;
   // Where each row's sequences start in `seqs` (they are in row order).
   std::vector<size_t> row_first(static_cast<size_t>(rows) + 1, seqs.size());
   for (size_t s = seqs.size(); s-- > 0;) row_first[static_cast<size_t>(seqs[s].row)] = s;
-  // This rank's micro-batches: m = dp_rank, dp_rank + dp, ...; a group of them at a time keeps
-  // the host batches small.
-  const int dp = tr.grid().dp_size(), dp_rank = tr.grid().dp_rank();
-  const int64_t group = std::max<int64_t>(8, 2 * tr.grid().pp_size());
+  auto row_seqs = [&](int64_t row) {
+    return std::pair<size_t, size_t>(row_first[static_cast<size_t>(row)], row_first[static_cast<size_t>(row) + 1]);
+  };
   std::vector<int64_t> mine;
-  for (int64_t m = dp_rank; m < n_mbs; m += dp) mine.push_back(m);
-  std::vector<double> logprob(seqs.size(), 0.0);  // this rank's entries; zeros elsewhere
+  for (int64_t m = first; m < n_mbs; m += stride) mine.push_back(m);
+  std::vector<double> logprob(seqs.size(), 0.0);
   for (size_t g0 = 0; g0 < mine.size(); g0 += static_cast<size_t>(group)) {
     const size_t g1 = std::min(mine.size(), g0 + static_cast<size_t>(group));
     std::vector<MicroBatch> mbs(g1 - g0);
@@ -242,7 +240,8 @@ std::vector<ChoiceScore> score_choices(Trainer& tr, const std::vector<ChoiceItem
       for (int64_t b = 0; b < B; ++b) {
         const int64_t row = mine[g0 + j] * B + b;
         if (row >= rows) break;
-        for (size_t s = row_first[static_cast<size_t>(row)]; s < seqs.size() && seqs[s].row == row; ++s) {
+        const auto [s0, s1] = row_seqs(row);
+        for (size_t s = s0; s < s1; ++s) {
           const ChoicePlace& p = seqs[s];
           const int64_t at = b * T + p.offset;
           choice_sequence(items[p.item], p.ending, T, mb.inputs.data() + at, mb.targets.data() + at);
@@ -250,37 +249,70 @@ std::vector<ChoiceScore> score_choices(Trainer& tr, const std::vector<ChoiceItem
             for (int64_t t = 0; t < p.length; ++t) mb.positions[static_cast<size_t>(at + t)] = static_cast<int32_t>(t);
         }
         // The padding after the last sequence starts a document of its own.
-        if (pack && row_first[static_cast<size_t>(row) + 1] > row_first[static_cast<size_t>(row)]) {
-          const ChoicePlace& last = seqs[row_first[static_cast<size_t>(row) + 1] - 1];
-          for (int64_t t = last.offset + last.length; t < T; ++t)
-            mb.positions[static_cast<size_t>(b * T + t)] = static_cast<int32_t>(t - last.offset - last.length);
-        }
+        if (pack && s1 > s0)
+          for (int64_t t = seqs[s1 - 1].offset + seqs[s1 - 1].length, p0 = t; t < T; ++t)
+            mb.positions[static_cast<size_t>(b * T + t)] = static_cast<int32_t>(t - p0);
       }
     }
-    const std::vector<double> loss = tr.token_losses(mbs);
+    const std::vector<double> loss = token_losses(mbs);
     for (size_t j = 0; j < mbs.size(); ++j)
       for (int64_t b = 0; b < B; ++b) {
         const int64_t row = mine[g0 + j] * B + b;
         if (row >= rows) break;
         const double* row_loss = loss.data() + (j * static_cast<size_t>(B) + static_cast<size_t>(b)) * static_cast<size_t>(T);
-        for (size_t s = row_first[static_cast<size_t>(row)]; s < seqs.size() && seqs[s].row == row; ++s) {
+        const auto [s0, s1] = row_seqs(row);
+        for (size_t s = s0; s < s1; ++s) {
           double sum = 0;  // the context rows' losses are 0 (no target)
           for (int64_t t = 0; t < seqs[s].length; ++t) sum += row_loss[seqs[s].offset + t];
           logprob[s] = -sum;
         }
       }
   }
-  // Each sequence is scored on one DP rank (zeros on the others): the sum is exact.
-  logprob = parallel::sum_over_ranks(*tr.comms().dp, tr.backend(), logprob);
+  return logprob;
+}
+
+std::vector<ChoiceScore> choice_scores(const std::vector<ChoiceItem>& items, const std::vector<double>& logprobs) {
   std::vector<ChoiceScore> scores;
   size_t r = 0;
   for (const ChoiceItem& item : items) {
-    std::vector<double> lp(logprob.begin() + static_cast<std::ptrdiff_t>(r),
-                           logprob.begin() + static_cast<std::ptrdiff_t>(r + item.endings.size()));
+    std::vector<double> lp(logprobs.begin() + static_cast<std::ptrdiff_t>(r),
+                           logprobs.begin() + static_cast<std::ptrdiff_t>(r + item.endings.size()));
     r += item.endings.size();
     scores.push_back(choice_score(item, std::move(lp)));
   }
   return scores;
+}
+
+std::vector<ChoiceScore> score_choices_packed(const ParamTable& table, Backend& be, const Tensor& weights,
+                                              const std::vector<ChoiceItem>& items, int64_t rows, int64_t seq_len) {
+  Transformer model(table, be, weights.dtype, static_cast<int>(rows), static_cast<int>(seq_len), /*slots=*/1,
+                    /*tp=*/nullptr, /*recompute_layers=*/0, /*sequence_parallel=*/false, /*logits_chunk_rows=*/0,
+                    /*document_masking=*/true);
+  model.bind(weights, Tensor());  // forward only
+  std::vector<float> host(static_cast<size_t>(rows * seq_len));
+  auto token_losses = [&](const std::vector<MicroBatch>& mbs) {
+    std::vector<double> out;
+    out.reserve(mbs.size() * host.size());
+    for (const MicroBatch& mb : mbs) {
+      model.forward(0, mb.inputs.data(), mb.targets.data(), std::nullopt, mb.positions.data());
+      be.copy_to_host(host.data(), model.row_losses(0));
+      out.insert(out.end(), host.begin(), host.end());
+    }
+    return out;
+  };
+  return choice_scores(items, choice_logprobs(items, rows, seq_len, /*pack=*/true, 0, 1, 8, token_losses));
+}
+
+std::vector<ChoiceScore> score_choices(Trainer& tr, const std::vector<ChoiceItem>& items) {
+  const RunConfig& cfg = tr.config();
+  // A group of micro-batches at a time keeps the host batches small, and fills the pipeline.
+  const int64_t group = std::max<int64_t>(8, 2 * tr.grid().pp_size());
+  const std::vector<double> mine =
+      choice_logprobs(items, cfg.train.micro_batch, cfg.train.seq_len, tr.model().document_masking(),
+                      tr.grid().dp_rank(), tr.grid().dp_size(), group,
+                      [&](const std::vector<MicroBatch>& mbs) { return tr.token_losses(mbs); });
+  // Each ending is scored on one DP rank (zeros on the others): the sum is exact.
+  return choice_scores(items, parallel::sum_over_ranks(*tr.comms().dp, tr.backend(), mine));
 }
 
 void ChoiceTotals::add(const ChoiceItem& item, const ChoiceScore& s) {

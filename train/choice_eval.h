@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -62,8 +63,10 @@ nlohmann::json choice_score_record(const ChoiceItem& item, const ChoiceScore& s)
 // too long for seq_len loses tokens from its front (those nearest the ending stay, as
 // lm-evaluation-harness truncates).
 //
-// An ending longer than seq_len cannot be scored: ConfigError naming `path` and the line.
-void check_choices_fit(const std::vector<ChoiceItem>& items, int64_t seq_len, const std::string& path);
+// An ending longer than seq_len cannot be scored: ConfigError naming `path`, the line and the
+// setting that gives seq_len.
+void check_choices_fit(const std::vector<ChoiceItem>& items, int64_t seq_len, const std::string& path,
+                       const std::string& seq_len_name = "train.seq_len");
 // Items with an ending whose sequence cuts context tokens.
 int64_t choice_contexts_cut(const std::vector<ChoiceItem>& items, int64_t seq_len);
 // The sequence of ending e: its length L <= seq_len, and (when given) its L inputs and targets.
@@ -78,12 +81,28 @@ struct ChoicePlace {
 };
 std::vector<ChoicePlace> place_choices(const std::vector<ChoiceItem>& items, int64_t seq_len, bool pack);
 
-// Every item's score, on every rank (collective over the world). The endings' sequences are
-// packed into rows of seq_len, in order, as many as fit, each its own document (positions from
-// 0, attention within it; kernels/document_positions.h) when the model takes document
-// positions (RunConfig::takes_document_positions), else one per row. micro_batch rows make a
-// micro-batch, which the DP ranks take in turn; Trainer::token_losses scores them, and the
-// log-likelihoods are then shared over DP.
+// Every ending's log-likelihood (item by item, ending by ending) from the packing above:
+// micro_batch rows of seq_len make a micro-batch (positions on each packed sequence when pack);
+// micro-batches first, first + stride, ... are built `group` at a time and handed to
+// token_losses, which returns each token's loss (micro-batch, row, position order). The endings
+// of other micro-batches stay 0.
+using TokenLossFn = std::function<std::vector<double>(const std::vector<MicroBatch>&)>;
+std::vector<double> choice_logprobs(const std::vector<ChoiceItem>& items, int64_t micro_batch, int64_t seq_len,
+                                    bool pack, int64_t first, int64_t stride, int64_t group,
+                                    const TokenLossFn& token_losses);
+// The items' scores from all their endings' log-likelihoods, in choice_logprobs's order.
+std::vector<ChoiceScore> choice_scores(const std::vector<ChoiceItem>& items, const std::vector<double>& logprobs);
+
+// keel eval --rows: every item's score from a forward-only Transformer over `weights` (laid out
+// by `table`, a single rank), the endings packed into rows of seq_len, `rows` rows per forward.
+// Activations in the weights' dtype.
+std::vector<ChoiceScore> score_choices_packed(const ParamTable& table, Backend& be, const Tensor& weights,
+                                              const std::vector<ChoiceItem>& items, int64_t rows, int64_t seq_len);
+
+// Every item's score, on every rank (collective over the world): packed when the model takes
+// document positions (RunConfig::takes_document_positions), else one ending per row; the DP
+// ranks take micro-batches in turn, Trainer::token_losses scores them, and the log-likelihoods
+// are then shared over DP.
 std::vector<ChoiceScore> score_choices(Trainer& tr, const std::vector<ChoiceItem>& items);
 
 struct ChoiceTotals {

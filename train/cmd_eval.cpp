@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 
 #include "train/choice_eval.h"
 #include "train/commands.h"
@@ -19,9 +20,65 @@ namespace {
 
 struct EvalArgs {
   std::string checkpoint, choices, tokenizer, scores, dtype = "fp32", device = "cpu";
-  int64_t limit = 0;
+  int64_t limit = 0, rows = 0, seq_len = 0;
   int threads = 0;
 };
+
+using AddScore = std::function<void(const ChoiceItem&, const ChoiceScore&)>;
+
+// The context once, then each ending from its cached keys and values (model/generator.h).
+void score_cached(const EvalArgs& a, const LoadedModel& lm, Backend& be, const std::vector<ChoiceItem>& items,
+                  const AddScore& add) {
+  const ModelConfig& m = lm.table->config();
+  size_t longest = 0;
+  for (const ChoiceItem& it : items) {
+    size_t end = 0;
+    for (const auto& e : it.endings) end = std::max(end, e.size());
+    const size_t need = it.context.size() + end - 1;
+    if (need > static_cast<size_t>(m.max_seq_len))
+      throw ConfigError(a.choices + ":" + std::to_string(it.line) + ": the context and its longest ending are " +
+                        std::to_string(need + 1) + " tokens, beyond the model's " + std::to_string(m.max_seq_len) +
+                        " positions");
+    longest = std::max(longest, need);
+  }
+  Generator gen(*lm.table, be, lm.weights, static_cast<int>(longest), DType::F32);
+  auto last_report = std::chrono::steady_clock::now();
+  int64_t done = 0, right = 0;
+  for (const ChoiceItem& item : items) {
+    const ChoiceScore s = score_choice(gen, item);
+    add(item, s);
+    ++done;
+    right += s.pick == item.label;
+    const auto now = std::chrono::steady_clock::now();
+    if (std::chrono::duration<double>(now - last_report).count() > 10) {
+      std::fprintf(stderr, "keel: %lld/%zu items, acc %.4f so far\n", static_cast<long long>(done), items.size(),
+                   static_cast<double>(right) / static_cast<double>(done));
+      last_report = now;
+    }
+  }
+}
+
+// --rows: the endings packed into rows of seq_len (train/choice_eval.h), `rows` of them per
+// forward of a forward-only Transformer, as keel train's choice_eval scores them. A context
+// too long for the row loses tokens from its front.
+void score_packed(const EvalArgs& a, const LoadedModel& lm, Backend& be, const std::vector<ChoiceItem>& items,
+                  const AddScore& add) {
+  const ModelConfig& m = lm.table->config();
+  const int64_t T = a.seq_len > 0 ? a.seq_len : std::min<int64_t>(m.max_seq_len, 1024);
+  if (T > m.max_seq_len)
+    throw ConfigError("--seq-len " + std::to_string(T) + " exceeds the model's " + std::to_string(m.max_seq_len) +
+                      " positions");
+  check_choices_fit(items, T, a.choices, "--seq-len");
+  if (const int64_t cut = choice_contexts_cut(items, T); cut > 0)
+    std::fprintf(stderr, "keel: %lld contexts lose their first tokens to fit --seq-len %lld\n",
+                 static_cast<long long>(cut), static_cast<long long>(T));
+  const std::vector<ChoicePlace> places = place_choices(items, T, true);
+  std::fprintf(stderr, "keel: %zu endings packed in %lld rows of %lld, %lld rows per forward\n", places.size(),
+               static_cast<long long>(places.back().row + 1), static_cast<long long>(T),
+               static_cast<long long>(a.rows));
+  const std::vector<ChoiceScore> scores = score_choices_packed(*lm.table, be, lm.weights, items, a.rows, T);
+  for (size_t i = 0; i < items.size(); ++i) add(items[i], scores[i]);
+}
 
 int cmd_eval(const EvalArgs& a) {
   if (a.threads > 0) omp_set_num_threads(a.threads);
@@ -34,38 +91,21 @@ int cmd_eval(const EvalArgs& a) {
   std::vector<ChoiceItem> items = read_choice_items(a.choices, tok ? &*tok : nullptr, m.vocab_size);
   if (a.limit > 0 && static_cast<int64_t>(items.size()) > a.limit) items.resize(static_cast<size_t>(a.limit));
 
-  size_t longest = 0;
-  for (const ChoiceItem& it : items) {
-    size_t end = 0;
-    for (const auto& e : it.endings) end = std::max(end, e.size());
-    const size_t need = it.context.size() + end - 1;
-    if (need > static_cast<size_t>(m.max_seq_len))
-      throw ConfigError(a.choices + ":" + std::to_string(it.line) + ": the context and its longest ending are " +
-                        std::to_string(need + 1) + " tokens, beyond the model's " + std::to_string(m.max_seq_len) +
-                        " positions");
-    longest = std::max(longest, need);
-  }
-  Generator gen(*lm.table, *be, lm.weights, static_cast<int>(longest), DType::F32);
-
   std::ofstream scores;
   if (!a.scores.empty()) {
     scores.open(a.scores);
     if (!scores) throw ConfigError("--scores " + a.scores + " cannot be written");
   }
   ChoiceTotals t;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto last_report = t0;
-  for (const ChoiceItem& item : items) {
-    const ChoiceScore s = score_choice(gen, item);
+  auto add = [&](const ChoiceItem& item, const ChoiceScore& s) {
     t.add(item, s);
     if (scores.is_open()) scores << choice_score_record(item, s).dump() << '\n';
-    const auto now = std::chrono::steady_clock::now();
-    if (std::chrono::duration<double>(now - last_report).count() > 10) {
-      std::fprintf(stderr, "keel: %lld/%zu items, acc %.4f so far\n", static_cast<long long>(t.items), items.size(),
-                   static_cast<double>(t.correct) / t.items);
-      last_report = now;
-    }
-  }
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  if (a.rows > 0)
+    score_packed(a, lm, *be, items, add);
+  else
+    score_cached(a, lm, *be, items, add);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   auto line = [&](const char* name, int64_t right, int64_t of, const char* note) {
     std::printf("  %-14s %.4f  (%lld/%lld)%s\n", name, of ? static_cast<double>(right) / of : 0.0,
@@ -94,6 +134,12 @@ Command add_eval_command(CLI::App& app) {
       ->required();
   c->add_option("--limit", s.limit, "Score only the first N items")->check(CLI::PositiveNumber);
   c->add_option("--scores", s.scores, "Write each item's ending log-likelihoods and picks to this JSONL file");
+  c->add_option("--rows", s.rows,
+                "Pack the endings into rows of --seq-len tokens and score this many rows per forward, as keel "
+                "train's choice_eval does (default: one item at a time, the context once, with a KV cache)")
+      ->check(CLI::PositiveNumber);
+  c->add_option("--seq-len", s.seq_len, "Row length for --rows (default: the model's positions, at most 1024)")
+      ->check(CLI::PositiveNumber);
   c->add_option("--tokenizer", s.tokenizer, "tokenizer.json (or its directory) for text items; default: the model's");
   c->add_option("--dtype", s.dtype, "Weights in memory: fp32 (default), bf16, fp16");
   c->add_option("--device", s.device, "cpu (default) or cuda");

@@ -249,6 +249,15 @@ TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores
                             : "choice_eval (training forward) vs HF float64 (abs)",
                        name, worst, 1e-4);
       }
+      // keel eval --rows: the same packing through a forward-only Transformer on the GPU weights.
+      const std::vector<ChoiceScore> packed = score_choices_packed(table, be, w, items, 3, longest);
+      worst = 0;
+      for (size_t i = 0; i < items.size(); ++i) {
+        for (size_t k = 0; k < packed[i].logprob.size(); ++k)
+          worst = std::max(worst, std::abs(packed[i].logprob[k] - c["items"][i]["logprob"][k].get<double>()));
+        CHECK(packed[i].pick == c["items"][i]["pick"].get<int>());
+      }
+      KEEL_CHECK_ERR("keel eval --rows (forward only) vs HF float64 (abs)", name, worst, 1e-4);
     }
     be.release(w.data);
   }

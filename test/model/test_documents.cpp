@@ -130,3 +130,20 @@ TEST_CASE("document positions are checked before they reach the kernels", "[mode
   CHECK_THROWS_WITH(plain.forward(tokens.data(), targets.data(), std::nullopt, positions.data()),
                     Catch::Contains("without document masking"));
 }
+
+TEST_CASE("a forward-only model (no gradients bound) gives the same losses and refuses backward", "[model][documents]") {
+  const test::Fixture fx("llama_tiny");
+  const ParamTable table(fx.model);
+  Weights w = weights_of(fx, table);
+  auto be = make_cpu_backend();
+  std::vector<float> grads(static_cast<size_t>(table.local_numel()), 0.0f);
+  const std::vector<int32_t> tokens = fx.inputs(), targets = fx.targets();
+  Transformer trained(table, *be, DType::F32, 2, 16), forward_only(table, *be, DType::F32, 2, 16);
+  trained.bind(w.view(DType::F32), Tensor(grads.data(), DType::F32, {table.local_numel()}));
+  forward_only.bind(w.view(DType::F32), Tensor());
+  const double a = trained.forward(tokens.data(), targets.data()).loss_sum;
+  const double b = forward_only.forward(tokens.data(), targets.data()).loss_sum;
+  CHECK(a == b);  // the same arithmetic, bit for bit
+  CHECK_THROWS_WITH(forward_only.backward(1.0f), Catch::Contains("bound without gradients"));
+  CHECK_THROWS_WITH(forward_only.forward(tokens.data(), targets.data(), 1.0f), Catch::Contains("needs gradients"));
+}

@@ -242,3 +242,44 @@ TEST_CASE("keel eval: multiple-choice accuracy of an HF model from a JSONL file"
   CHECK(r.code == 0);
   CHECK_THAT(r.output, !Catch::Contains("acc_per_byte"));
 }
+
+TEST_CASE("keel eval --rows: endings packed into rows score as the KV-cache path and HF do", "[hf][cli][eval]") {
+  // Every ending's log-likelihood within 1e-4 of HF float64 (as above), with the same picks and
+  // accuracy lines. The rows are the models' positions (128 and 64 tokens), which cut no
+  // context and pack some rows with several endings.
+  test::TempDir tmp("hfevalrows");
+  for (const std::string model : {"llama_trained", "gpt2_tied"}) {
+    const json e = expected("choices_" + model);
+    const std::string choices = kHf + e["file"].get<std::string>();
+    const std::string base = "eval --checkpoint hf:" + kHf + model + " --choices " + choices;
+    const auto cached = run_keel(base + " --scores " + tmp / "cached.jsonl");
+    const auto packed = run_keel(base + " --rows 3 --scores " + tmp / "packed.jsonl");
+    INFO(model << "\n" << packed.output);
+    REQUIRE(cached.code == 0);
+    REQUIRE(packed.code == 0);
+    CHECK_THAT(packed.output, Catch::Contains("endings packed in") && Catch::Contains("3 rows per forward") &&
+                                  !Catch::Contains("lose their first tokens"));
+    auto tail = [](const std::string& out) { return out.substr(out.find("keel eval ")); };  // the result lines
+    CHECK(tail(packed.output).substr(0, tail(packed.output).find("keel: scored")) ==
+          tail(cached.output).substr(0, tail(cached.output).find("keel: scored")));
+    std::ifstream in(tmp / "packed.jsonl");
+    std::string line;
+    size_t i = 0;
+    double worst = 0;
+    for (; std::getline(in, line); ++i) {
+      const json rec = json::parse(line);
+      const json& x = e["items"][i];
+      REQUIRE(rec["logprob"].size() == x["logprob"].size());
+      for (size_t k = 0; k < rec["logprob"].size(); ++k)
+        worst = std::max(worst, std::abs(rec["logprob"][k].get<double>() - x["logprob"][k].get<double>()));
+      CHECK(rec["pick"] == x["pick"]);
+    }
+    CHECK(i == e["items"].size());
+    CHECK(worst <= 1e-4);
+    WARN(model << " keel eval --rows: worst log-likelihood difference from HF float64 " << worst);
+  }
+  const auto too_long = run_keel("eval --checkpoint hf:" + kHf + "gpt2_tied --choices " + kHf +
+                                 "choices/gpt2_ids.jsonl --rows 2 --seq-len 4");
+  CHECK(too_long.code == 2);
+  CHECK_THAT(too_long.output, Catch::Contains("gpt2_ids.jsonl:1 ending 2 has 5 tokens, more than --seq-len (4)"));
+}
