@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "common/fixture.h"
@@ -35,6 +36,17 @@ Weights weights_of(const test::Fixture& fx, const ParamTable& table) {
   for (float x : w.w32) w.w16.push_back(f32_to_bf16(x));
   return w;
 }
+
+// The tiny Llama fixture's table, weights, a gradient buffer and its tokens and targets.
+struct TinyLlama {
+  test::Fixture fx{"llama_tiny"};
+  ParamTable table{fx.model};
+  Weights w = weights_of(fx, table);
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  std::vector<float> grads = std::vector<float>(static_cast<size_t>(table.local_numel()), 0.0f);
+  std::vector<int32_t> tokens = fx.inputs(), targets = fx.targets();
+  Tensor grad_view() { return Tensor(grads.data(), DType::F32, {table.local_numel()}); }
+};
 
 struct Result {
   std::vector<uint8_t> logits;  // bytes of every row's logits, in row order
@@ -108,42 +120,35 @@ TEST_CASE("packed documents with document masking compute what each document com
 }
 
 TEST_CASE("document positions are checked before they reach the kernels", "[model][documents]") {
-  const test::Fixture fx("llama_tiny");
-  const ParamTable table(fx.model);
-  Weights w = weights_of(fx, table);
-  auto be = make_cpu_backend();
-  std::vector<float> grads(static_cast<size_t>(table.local_numel()), 0.0f);
-  const std::vector<int32_t> tokens = fx.inputs(), targets = fx.targets();
+  TinyLlama m;
+  const ParamTable& table = m.table;
+  const std::vector<int32_t>& tokens = m.tokens;
+  const std::vector<int32_t>& targets = m.targets;
   std::vector<int32_t> positions(32);
   for (int n = 0; n < 32; ++n) positions[n] = n % 16;
   positions[20] = 7;  // row 20 follows position 3
   {
-    Transformer model(table, *be, DType::F32, 2, 16, 1, nullptr, 0, false, 0, true);
-    model.bind(w.view(DType::F32), Tensor(grads.data(), DType::F32, {table.local_numel()}));
+    Transformer model(table, *m.be, DType::F32, 2, 16, 1, nullptr, 0, false, 0, true);
+    model.bind(m.w.view(DType::F32), m.grad_view());
     CHECK_THROWS_WITH(model.forward(tokens.data(), targets.data(), std::nullopt, positions.data()),
                       Catch::Contains("positions[20] = 7 is not a document position"));
   }
   // A model built without document masking keeps no buffer for them.
-  Transformer plain(table, *be, DType::F32, 2, 16);
-  plain.bind(w.view(DType::F32), Tensor(grads.data(), DType::F32, {table.local_numel()}));
+  Transformer plain(table, *m.be, DType::F32, 2, 16);
+  plain.bind(m.w.view(DType::F32), m.grad_view());
   for (int n = 0; n < 32; ++n) positions[n] = n % 16;
   CHECK_THROWS_WITH(plain.forward(tokens.data(), targets.data(), std::nullopt, positions.data()),
                     Catch::Contains("without document masking"));
 }
 
 TEST_CASE("a forward-only model (no gradients bound) gives the same losses and refuses backward", "[model][documents]") {
-  const test::Fixture fx("llama_tiny");
-  const ParamTable table(fx.model);
-  Weights w = weights_of(fx, table);
-  auto be = make_cpu_backend();
-  std::vector<float> grads(static_cast<size_t>(table.local_numel()), 0.0f);
-  const std::vector<int32_t> tokens = fx.inputs(), targets = fx.targets();
-  Transformer trained(table, *be, DType::F32, 2, 16), forward_only(table, *be, DType::F32, 2, 16);
-  trained.bind(w.view(DType::F32), Tensor(grads.data(), DType::F32, {table.local_numel()}));
-  forward_only.bind(w.view(DType::F32), Tensor());
-  const double a = trained.forward(tokens.data(), targets.data()).loss_sum;
-  const double b = forward_only.forward(tokens.data(), targets.data()).loss_sum;
+  TinyLlama m;
+  Transformer trained(m.table, *m.be, DType::F32, 2, 16), forward_only(m.table, *m.be, DType::F32, 2, 16);
+  trained.bind(m.w.view(DType::F32), m.grad_view());
+  forward_only.bind(m.w.view(DType::F32), Tensor());
+  const double a = trained.forward(m.tokens.data(), m.targets.data()).loss_sum;
+  const double b = forward_only.forward(m.tokens.data(), m.targets.data()).loss_sum;
   CHECK(a == b);  // the same arithmetic, bit for bit
   CHECK_THROWS_WITH(forward_only.backward(1.0f), Catch::Contains("bound without gradients"));
-  CHECK_THROWS_WITH(forward_only.forward(tokens.data(), targets.data(), 1.0f), Catch::Contains("needs gradients"));
+  CHECK_THROWS_WITH(forward_only.forward(m.tokens.data(), m.targets.data(), 1.0f), Catch::Contains("needs gradients"));
 }
