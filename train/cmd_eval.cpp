@@ -1,7 +1,5 @@
 // `keel eval`: multiple-choice accuracy (HellaSwag-style) of a keel checkpoint or an HF model
 // (train/choice_eval.h), on the CPU or a GPU.
-#include <omp.h>
-
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -19,9 +17,9 @@ using json = nlohmann::json;
 namespace {
 
 struct EvalArgs {
-  std::string checkpoint, choices, tokenizer, scores, dtype = "fp32", device = "cpu";
+  InferenceModelArgs model;
+  std::string choices, scores;
   int64_t limit = 0, rows = 0, seq_len = 0;
-  int threads = 0;
 };
 
 using AddScore = std::function<void(const ChoiceItem&, const ChoiceScore&)>;
@@ -81,13 +79,10 @@ void score_packed(const EvalArgs& a, const LoadedModel& lm, Backend& be, const s
 }
 
 int cmd_eval(const EvalArgs& a) {
-  if (a.threads > 0) omp_set_num_threads(a.threads);
-  const DType dtype = parse_inference_dtype(a.dtype);
-  std::unique_ptr<Backend> be = inference_backend(a.device);
-  LoadedModel lm = load_model(a.checkpoint, dtype, *be);
-  std::fprintf(stderr, "keel: loaded %s\n", lm.summary().c_str());
+  const InferenceModel im(a.model);
+  const LoadedModel& lm = im.model;
   const ModelConfig& m = lm.table->config();
-  std::optional<data::Tokenizer> tok = find_tokenizer(lm, a.tokenizer, /*required=*/false, "");
+  std::optional<data::Tokenizer> tok = find_tokenizer(lm, a.model.tokenizer, /*required=*/false, "");
   std::vector<ChoiceItem> items = read_choice_items(a.choices, tok ? &*tok : nullptr, m.vocab_size);
   if (a.limit > 0 && static_cast<int64_t>(items.size()) > a.limit) items.resize(static_cast<size_t>(a.limit));
 
@@ -103,9 +98,9 @@ int cmd_eval(const EvalArgs& a) {
   };
   const auto t0 = std::chrono::steady_clock::now();
   if (a.rows > 0)
-    score_packed(a, lm, *be, items, add);
+    score_packed(a, lm, *im.backend, items, add);
   else
-    score_cached(a, lm, *be, items, add);
+    score_cached(a, lm, *im.backend, items, add);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   auto line = [&](const char* name, int64_t right, int64_t of, const char* note) {
     std::printf("  %-14s %.4f  (%lld/%lld)%s\n", name, of ? static_cast<double>(right) / of : 0.0,
@@ -118,7 +113,6 @@ int cmd_eval(const EvalArgs& a) {
   std::printf("  %-14s %.4f\n", "chance", t.chance / t.items);
   std::fflush(stdout);
   std::fprintf(stderr, "keel: scored %lld items in %.2f s\n", static_cast<long long>(t.items), secs);
-  be->release(lm.weights.data);
   return kExitOk;
 }
 
@@ -128,7 +122,7 @@ Command add_eval_command(CLI::App& app) {
   auto args = std::make_shared<EvalArgs>();
   EvalArgs& s = *args;
   CLI::App* c = app.add_subcommand("eval", "Multiple-choice accuracy (HellaSwag-style) of a checkpoint or HF model");
-  c->add_option("-c,--checkpoint", s.checkpoint, "keel checkpoint (step_* or checkpoints directory) or hf:DIR")->required();
+  add_inference_model_options(c, s.model, "tokenizer.json (or its directory) for text items; default: the model's");
   c->add_option("--choices", s.choices,
                 "JSONL items: {\"context\", \"endings\": [...], \"label\"} or {\"context_ids\", \"ending_ids\", \"label\"}")
       ->required();
@@ -140,10 +134,6 @@ Command add_eval_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   c->add_option("--seq-len", s.seq_len, "Row length for --rows (default: the model's positions, at most 1024)")
       ->check(CLI::PositiveNumber);
-  c->add_option("--tokenizer", s.tokenizer, "tokenizer.json (or its directory) for text items; default: the model's");
-  c->add_option("--dtype", s.dtype, "Weights in memory: fp32 (default), bf16, fp16");
-  c->add_option("--device", s.device, "cpu (default) or cuda");
-  c->add_option("--threads", s.threads, "CPU threads")->check(CLI::PositiveNumber);
   c->footer(
       "Examples:\n"
       "  keel eval --checkpoint out/gpt2-124m/checkpoints --choices data/hellaswag_val.jsonl\n"

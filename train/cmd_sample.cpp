@@ -1,7 +1,5 @@
 // `keel sample`: generate text from a keel checkpoint or an HF model directory, with a KV cache
 // (model/generator.h), encoding and decoding with the model's tokenizer.json in C++.
-#include <omp.h>
-
 #include <chrono>
 #include <cstdio>
 #include <sstream>
@@ -19,8 +17,9 @@ using json = nlohmann::json;
 namespace {
 
 struct SampleArgs {
-  std::string checkpoint, prompt, prompt_ids, tokenizer, dtype = "fp32", device = "cpu";
-  int max_new_tokens = 64, top_k = 0, threads = 0;
+  InferenceModelArgs model;
+  std::string prompt, prompt_ids;
+  int max_new_tokens = 64, top_k = 0;
   float temperature = 0.8f, top_p = 0.95f;
   uint64_t seed = 0;
   bool no_special = false, ignore_eos = false, show_ids = false;
@@ -50,18 +49,13 @@ std::string show_ids(const std::vector<int32_t>& ids) {
 }
 
 int cmd_sample(const SampleArgs& a) {
-  if (a.threads > 0) omp_set_num_threads(a.threads);
-  const DType dtype = parse_inference_dtype(a.dtype);
   if (!a.prompt.empty() && !a.prompt_ids.empty()) throw ConfigError("give --prompt or --prompt-ids, not both");
-
-  std::unique_ptr<Backend> be = inference_backend(a.device);
-  const auto t_load = std::chrono::steady_clock::now();
-  LoadedModel lm = load_model(a.checkpoint, dtype, *be);
+  InferenceModel im(a.model);
+  const LoadedModel& lm = im.model;
+  Backend* const be = im.backend.get();
   const ModelConfig& m = lm.table->config();
-  std::fprintf(stderr, "keel: loaded %s, in %.2f s\n", lm.summary().c_str(),
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
 
-  std::optional<data::Tokenizer> tok = find_tokenizer(lm, a.tokenizer, /*required=*/a.prompt_ids.empty(),
+  std::optional<data::Tokenizer> tok = find_tokenizer(lm, a.model.tokenizer, /*required=*/a.prompt_ids.empty(),
                                                       "pass --tokenizer PATH (or --prompt-ids to give token ids)");
 
   std::vector<int32_t> prompt = !a.prompt_ids.empty() ? parse_ids(a.prompt_ids) : tok->encode(a.prompt, !a.no_special);
@@ -123,7 +117,6 @@ int cmd_sample(const SampleArgs& a) {
   const bool stopped = !out.empty() && std::find(g.stop_ids.begin(), g.stop_ids.end(), out.back()) != g.stop_ids.end();
   std::fprintf(stderr, "keel: %zu new tokens in %.2f s (%.1f tokens/s)%s\n", out.size(), secs,
                secs > 0 ? out.size() / secs : 0.0, stopped ? ", stopped at end of sequence" : "");
-  be->release(lm.weights.data);
   return kExitOk;
 }
 
@@ -133,7 +126,10 @@ Command add_sample_command(CLI::App& app) {
   auto args = std::make_shared<SampleArgs>();
   SampleArgs& s = *args;
   CLI::App* c = app.add_subcommand("sample", "Generate text from a checkpoint or a Hugging Face model");
-  c->add_option("-c,--checkpoint", s.checkpoint, "keel checkpoint (step_* or checkpoints directory) or hf:DIR")->required();
+  add_inference_model_options(c, s.model,
+                              "tokenizer.json (or its directory); default: the checkpoint's, its HF source's, or its "
+                              "training data's",
+                              "Weights in memory: fp32 (default, matches HF fp32 logits), bf16, fp16");
   c->add_option("-p,--prompt", s.prompt, "Prompt text (encoded with the model's tokenizer, special tokens added)");
   c->add_option("--prompt-ids", s.prompt_ids, "Prompt as comma-separated token ids instead of text");
   c->add_option("-n,--max-new-tokens", s.max_new_tokens, "Tokens to generate (default 64)")->check(CLI::PositiveNumber);
@@ -143,12 +139,6 @@ Command add_sample_command(CLI::App& app) {
   c->add_option("--top-k", s.top_k, "Sample among the k most likely tokens (default 0 = off)")
       ->check(CLI::NonNegativeNumber);
   c->add_option("--seed", s.seed, "Random seed for sampling (default 0)");
-  c->add_option("--tokenizer", s.tokenizer,
-                "tokenizer.json (or its directory); default: the checkpoint's, its HF source's, or its training "
-                "data's");
-  c->add_option("--dtype", s.dtype, "Weights in memory: fp32 (default, matches HF fp32 logits), bf16, fp16");
-  c->add_option("--device", s.device, "cpu (default) or cuda");
-  c->add_option("--threads", s.threads, "CPU threads")->check(CLI::PositiveNumber);
   c->add_flag("--no-special-tokens", s.no_special, "Encode the prompt without the tokenizer's special tokens (BOS)");
   c->add_flag("--ignore-eos", s.ignore_eos, "Do not stop at the end-of-sequence token");
   c->add_flag("--show-ids", s.show_ids, "Also print the prompt and generated token ids (always printed without a tokenizer)");

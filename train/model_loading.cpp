@@ -1,5 +1,8 @@
 #include "train/model_loading.h"
 
+#include <omp.h>
+
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 
@@ -77,8 +80,37 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
     if (src.contains("hf_config") && lm.hf_config.is_null()) lm.hf_config = src["hf_config"];
     if (src.contains("path")) lm.tokenizer_dirs.push_back(src["path"].get<std::string>());
   }
-  for (const std::string& pattern : cfg.data.train) lm.tokenizer_dirs.push_back(fs::path(pattern).parent_path());
+  for (const fs::path& d : data_tokenizer_dirs(cfg)) lm.tokenizer_dirs.push_back(d);
   return lm;
+}
+
+std::vector<fs::path> data_tokenizer_dirs(const RunConfig& cfg) {
+  std::vector<fs::path> dirs;
+  for (const std::string& pattern : cfg.data.train) dirs.push_back(fs::path(pattern).parent_path());
+  return dirs;
+}
+
+void add_inference_model_options(CLI::App* c, InferenceModelArgs& a, const std::string& tokenizer_help,
+                                 const std::string& dtype_help) {
+  c->add_option("-c,--checkpoint", a.checkpoint, "keel checkpoint (step_* or checkpoints directory) or hf:DIR")->required();
+  c->add_option("--tokenizer", a.tokenizer, tokenizer_help);
+  c->add_option("--dtype", a.dtype, dtype_help);
+  c->add_option("--device", a.device, "cpu (default) or cuda");
+  c->add_option("--threads", a.threads, "CPU threads")->check(CLI::PositiveNumber);
+}
+
+InferenceModel::InferenceModel(const InferenceModelArgs& a) {
+  if (a.threads > 0) omp_set_num_threads(a.threads);
+  const DType dtype = parse_inference_dtype(a.dtype);
+  backend = inference_backend(a.device);
+  const auto t0 = std::chrono::steady_clock::now();
+  model = load_model(a.checkpoint, dtype, *backend);
+  std::fprintf(stderr, "keel: loaded %s, in %.2f s\n", model.summary().c_str(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+InferenceModel::~InferenceModel() {
+  if (model.weights.data) backend->release(model.weights.data);
 }
 
 DType parse_inference_dtype(const std::string& name) {

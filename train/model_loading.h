@@ -9,11 +9,13 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
 #include "kernels/backend.h"
 #include "model/param_table.h"
+#include "train/config.h"
 
 namespace keel {
 
@@ -37,6 +39,29 @@ DType parse_inference_dtype(const std::string& name);
 // --device cpu|cuda, checked: a CUDA request without a CUDA build or a visible GPU is a
 // ConfigError saying which.
 std::unique_ptr<Backend> inference_backend(const std::string& device);
+
+// The options keel sample and keel eval share: the model, its tokenizer, and where and how it
+// runs (-c/--checkpoint, --tokenizer, --dtype, --device, --threads).
+struct InferenceModelArgs {
+  std::string checkpoint, tokenizer, dtype = "fp32", device = "cpu";
+  int threads = 0;
+};
+void add_inference_model_options(CLI::App* c, InferenceModelArgs& a, const std::string& tokenizer_help,
+                                 const std::string& dtype_help = "Weights in memory: fp32 (default), bf16, fp16");
+
+// The model those options name, loaded on its backend (logged with the time it took); the
+// weights are released with it.
+struct InferenceModel {
+  std::unique_ptr<Backend> backend;
+  LoadedModel model;
+  explicit InferenceModel(const InferenceModelArgs& a);
+  ~InferenceModel();
+  InferenceModel(const InferenceModel&) = delete;
+  InferenceModel& operator=(const InferenceModel&) = delete;
+};
+
+// Where prepare_data.py puts tokenizer.json: the folders of the data.train files.
+std::vector<std::filesystem::path> data_tokenizer_dirs(const RunConfig& cfg);
 
 // `explicit_path` (a tokenizer.json or its directory) when given, else the first tokenizer.json
 // in `dirs`; empty when there is none.

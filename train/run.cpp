@@ -290,9 +290,7 @@ ChoiceEvalSet open_choice_eval(const RunConfig& cfg) {
   ChoiceEvalSet set;
   const ChoiceEvalConfig& c = cfg.choice_eval;
   if (c.file.empty()) return set;
-  std::vector<fs::path> dirs;
-  for (const std::string& pattern : cfg.data.train) dirs.push_back(fs::path(pattern).parent_path());
-  set.tokenizer = locate_tokenizer(dirs, c.tokenizer);
+  set.tokenizer = locate_tokenizer(data_tokenizer_dirs(cfg), c.tokenizer);
   std::optional<data::Tokenizer> tok;
   if (!set.tokenizer.empty()) tok = data::Tokenizer::from_file(set.tokenizer);
   set.items = read_choice_items(c.file, tok ? &*tok : nullptr, cfg.model.vocab_size,

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "common/fixture.h"
+#include "common/hf_weights.h"
 #include "common/run_config.h"
 #include "common/temp_dir.h"
 #include "common/batches.h"
@@ -194,8 +195,7 @@ TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores
   for (const std::string name : {"llama_trained", "gpt2_tied", "bloom_bf16"}) {
     const HfCheckpoint hf = HfCheckpoint::open(hf_dir + name);
     const ParamTable table(hf.model());
-    std::vector<float> host(static_cast<size_t>(table.local_numel()));
-    for (const ParamSpec& p : table.params()) hf.read_full(p.name, p.shape, DType::F32, host.data() + p.offset);
+    const std::vector<float> host = hf_weights(hf, table);
     Tensor w(nullptr, DType::F32, {table.local_numel()}, be.device());
     w.data = be.allocate(w.bytes());
     be.copy_from_host(w, host.data());
@@ -234,10 +234,7 @@ TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores
         cfg.train.seq_len = longest;
         if (pack) cfg.choice_eval.file = "items.jsonl";  // the model then takes document positions
         Trainer tr(cfg, be);
-        std::vector<float> laid_out(static_cast<size_t>(tr.table().local_numel()));
-        for (const ParamSpec& p : tr.table().params())
-          hf.read_full(p.name, p.shape, DType::F32, laid_out.data() + p.offset);
-        tr.state().load_fp32(laid_out.data());
+        tr.state().load_fp32(hf_weights(hf, tr.table()).data());
         const std::vector<ChoiceScore> in_training = score_choices(tr, items);
         worst = 0;
         for (size_t i = 0; i < items.size(); ++i) {

@@ -13,6 +13,7 @@
 
 #include "common/error_of.h"
 #include "common/fixture.h"
+#include "common/hf_weights.h"
 #include "common/run_config.h"
 #include "common/temp_dir.h"
 #include "train/choice_eval.h"
@@ -37,8 +38,7 @@ TEST_CASE("keel eval scores multiple-choice endings as HF does (text and token-i
       const json e = test::hf_expected("choices_" + model).meta;
       const HfCheckpoint hf = HfCheckpoint::open(kHf + model);
       const ParamTable table(hf.model());
-      std::vector<float> w(static_cast<size_t>(table.local_numel()));
-      for (const ParamSpec& p : table.params()) hf.read_full(p.name, p.shape, DType::F32, w.data() + p.offset);
+      std::vector<float> w = test::hf_weights(hf, table);
       auto be = make_cpu_backend();
       Generator gen(table, *be, Tensor(w.data(), DType::F32, {table.local_numel()}), hf.model().max_seq_len);
       const data::Tokenizer tok = data::Tokenizer::from_file(kHf + model + "/tokenizer.json");
@@ -118,9 +118,7 @@ struct HfTrainer {
     cfg.train.global_batch = micro_batch;
     cfg.train.seq_len = seq_len;
     tr = std::make_unique<Trainer>(cfg, *be);
-    std::vector<float> w(static_cast<size_t>(tr->table().local_numel()));
-    for (const ParamSpec& p : tr->table().params()) hf.read_full(p.name, p.shape, DType::F32, w.data() + p.offset);
-    tr->state().load_fp32(w.data());
+    tr->state().load_fp32(test::hf_weights(hf, tr->table()).data());
   }
 };
 

@@ -21,6 +21,7 @@
 
 #include "common/error_of.h"
 #include "common/fixture.h"
+#include "common/hf_weights.h"
 #include "common/temp_dir.h"
 #include "data/sampler.h"
 #include "model/generator.h"
@@ -38,11 +39,7 @@ const std::string kHf = test::hf_fixture_dir();
 using Expected = test::HfExpected;
 using test::hf_expected;
 
-std::vector<float> weights_from_hf(const HfCheckpoint& hf, const ParamTable& table) {
-  std::vector<float> w(static_cast<size_t>(table.local_numel()));
-  for (const ParamSpec& p : table.params()) hf.read_full(p.name, p.shape, DType::F32, w.data() + p.offset);
-  return w;
-}
+using test::hf_weights;
 
 std::vector<float> weights_from_keel(const Checkpoint& ck, const ParamTable& table) {
   std::vector<float> w(static_cast<size_t>(table.local_numel()));
@@ -220,7 +217,7 @@ TEST_CASE("hf: fused and transposed tensors read as keel's, whole and by TP rect
   for (const char* name : {"gpt2_tied", "bloom_bf16", "llama_trained"}) {
     const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
     const ParamTable full(hf.model());
-    const std::vector<float> whole = weights_from_hf(hf, full);
+    const std::vector<float> whole = hf_weights(hf, full);
     for (int tp : {2, 4}) {
       if (hf.model().n_heads % tp != 0 || hf.model().n_kv_heads % tp != 0 || hf.model().vocab_size % tp != 0) continue;
       for (int rank = 0; rank < tp; ++rank) {
@@ -278,7 +275,7 @@ TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]"
     SECTION(name) {
       const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
       const ParamTable table(hf.model());
-      auto direct = weights_from_hf(hf, table);
+      auto direct = hf_weights(hf, table);
       check_outputs(name, table, direct);
 
       // Through a keel checkpoint on disk: the same values, so the same outputs.
@@ -542,7 +539,7 @@ TEST_CASE("hf: GPT-2 and BLOOM files without the transformer. prefix, and GPT-2'
     const HfCheckpoint legacy = HfCheckpoint::open(d), saved = HfCheckpoint::open(kHf + name);
     CHECK(legacy.hf_name("layers.0.attn.wq").rfind("h.0.", 0) == 0);
     const ParamTable table(saved.model());
-    CHECK(weights_from_hf(legacy, table) == weights_from_hf(saved, table));
+    CHECK(hf_weights(legacy, table) == hf_weights(saved, table));
     if (std::string(name) == "gpt2_tied") {
       REQUIRE(legacy.notes().size() == 1);
       CHECK_THAT(legacy.notes()[0], Catch::Contains("ignored 4 attn.bias / attn.masked_bias buffers"));
