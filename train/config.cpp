@@ -509,6 +509,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     c.log.interval = f.integer("interval", 1, 1);
     c.log.timers = f.boolean("timers", c.log.timers);
     c.log.timers_interval_s = f.number("timers_interval_s", c.log.timers_interval_s, 0, 1e9);
+    c.log.tensorboard = f.boolean("tensorboard", c.log.tensorboard);
     f.finish();
   }
   {
@@ -689,7 +690,10 @@ json to_json(const RunConfig& c) {
     j["choice_eval"] = {{"file", e.file},         {"interval", e.interval},   {"items", e.items},
                         {"tokenizer", e.tokenizer}, {"write_scores", e.write_scores}};
   }
-  j["log"] = {{"interval", c.log.interval}, {"timers", c.log.timers}, {"timers_interval_s", c.log.timers_interval_s}};
+  j["log"] = {{"interval", c.log.interval},
+              {"timers", c.log.timers},
+              {"timers_interval_s", c.log.timers_interval_s},
+              {"tensorboard", c.log.tensorboard}};
   j["checkpoint"] = {{"interval", c.checkpoint.interval},
                      {"keep_last", c.checkpoint.keep_last},
                      {"keep_every", c.checkpoint.keep_every},

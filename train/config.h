@@ -141,6 +141,8 @@ struct LogConfig {
   // every run), and one line shows the spread over ranks. 0: every step is timed.
   bool timers = true;
   double timers_interval_s = 60;
+  // Also write every metrics record as TensorBoard scalars to OUT/tensorboard (train/tensorboard.h).
+  bool tensorboard = false;
 };
 
 struct CheckpointConfig {

@@ -51,8 +51,10 @@ nlohmann::json step_record(const StepReport& r) {
           {"tflops", r.tflops}};
 }
 
-MetricsWriter::MetricsWriter(const std::string& path) : path_(path), out_(path, std::ios::app) {
+MetricsWriter::MetricsWriter(const std::string& path, const std::string& tensorboard_dir)
+    : path_(path), out_(path, std::ios::app) {
   if (!out_) throw std::runtime_error("cannot open metrics file " + path + " for writing");
+  if (!tensorboard_dir.empty()) tensorboard_ = std::make_unique<TensorBoardWriter>(tensorboard_dir);
 }
 
 void MetricsWriter::write(const nlohmann::json& record) {
@@ -60,6 +62,7 @@ void MetricsWriter::write(const nlohmann::json& record) {
   out_ << record.dump() << '\n';
   out_.flush();
   if (!out_) throw std::runtime_error("writing " + path_ + " failed (disk full?)");
+  if (tensorboard_) tensorboard_->write(record);
 }
 
 }  // namespace keel

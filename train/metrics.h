@@ -4,10 +4,12 @@
 
 #include <cstdint>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "train/tensorboard.h"
 #include "train/trainer.h"
 
 namespace keel {
@@ -27,17 +29,20 @@ struct StepReport {
 std::string format_step_line(const StepReport& r);
 nlohmann::json step_record(const StepReport& r);
 
-// Appends JSON lines, flushed every line so a crash loses nothing already reported.
+// Appends JSON lines, flushed every line so a crash loses nothing already reported. With a
+// TensorBoard directory (log.tensorboard), every record also goes there as scalars.
 class MetricsWriter {
  public:
   MetricsWriter() = default;
-  explicit MetricsWriter(const std::string& path);
+  explicit MetricsWriter(const std::string& path, const std::string& tensorboard_dir = "");
   void write(const nlohmann::json& record);
   const std::string& path() const { return path_; }
+  const TensorBoardWriter* tensorboard() const { return tensorboard_.get(); }
 
  private:
   std::string path_;
   std::ofstream out_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 
 }  // namespace keel

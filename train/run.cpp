@@ -624,7 +624,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       std::ofstream c(fs::path(cfg.out) / "config.json");
       c << to_json(cfg).dump(2) << '\n';
     }
-    metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string());
+    metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
+                    cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
     print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
     if (!choices.items.empty()) std::printf("keel: %s\n", choices.describe(cfg).c_str());
     std::printf("keel: %s\n", grid.layout().c_str());
@@ -635,6 +636,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::printf("%s", plan::memory_breakdown_text(cfg, gpu_memory).c_str());
     std::printf("keel: run directory %s (metrics: %s, checkpoints: %s)\n", cfg.out.c_str(), metrics->path().c_str(),
                 cfg.checkpoint.dir.c_str());
+    if (const TensorBoardWriter* tb = metrics->tensorboard())
+      std::printf("keel: TensorBoard events: %s (tensorboard --logdir %s)\n", tb->path().c_str(), cfg.out.c_str());
     for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
     if (int n = checkpoints.clean_incomplete(); n > 0)
       std::printf("keel: removed %d incomplete save(s) left by an interrupted run\n", n);
