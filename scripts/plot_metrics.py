@@ -5,9 +5,11 @@
 
 keel writes one JSON object per line. Training records carry "step" and "loss" (and usually
 "lr", "grad_norm", "consumed_tokens", "loss_scale", "tokens_per_s", ...); validation records
-carry "step" and "val_loss" and no "loss"; choice_eval records carry "choice_acc",
+carry "step", "val_loss" (data.val) and "val_losses" ({name: loss} for data.val_sets) and no
+"loss"; choice_eval records carry "choice_acc",
 "choice_acc_per_token" and (text items) "choice_acc_per_byte". Three panels: loss (train solid,
-validation dashed with markers, one colour per file), gradient norm (log y) and learning rate;
+validation dashed with markers, one colour per file, each named validation set dotted with
+a marker of its own), gradient norm (log y) and learning rate;
 a fourth with the multiple-choice accuracies when any file has them (acc solid, per token
 dashed, per byte dotted). Missing fields,
 blank or broken lines and non-finite values are skipped; each file is labelled by its parent
@@ -42,10 +44,12 @@ def _num(v):
 # choice_eval's accuracies and their line styles
 CHOICE_KEYS = ("choice_acc", "choice_acc_per_token", "choice_acc_per_byte")
 CHOICE_STYLES = {"choice_acc": "-o", "choice_acc_per_token": "--s", "choice_acc_per_byte": ":^"}
+# one marker per named validation set (data.val_sets)
+VAL_SET_MARKERS = "sD^vP*X"
 
 
 def load_metrics(path: str) -> dict:
-    series = {"train": [], "val": [], "grad_norm": [], "lr": [], "bad_lines": 0, "nonfinite": 0}
+    series = {"train": [], "val": [], "val_sets": {}, "grad_norm": [], "lr": [], "bad_lines": 0, "nonfinite": 0}
     for k in CHOICE_KEYS:
         series[k] = []
     with open(path, "r", encoding="utf-8", errors="replace") as f:
@@ -80,12 +84,19 @@ def load_metrics(path: str) -> dict:
                 vl = _num(rec["val_loss"])
                 if vl is not None:
                     series["val"].append((step, vl))
+            if isinstance(rec.get("val_losses"), dict):
+                for name, v in rec["val_losses"].items():
+                    vl = _num(v)
+                    if vl is not None:
+                        series["val_sets"].setdefault(name, []).append((step, vl))
             for k in CHOICE_KEYS:
                 acc = _num(rec.get(k))
                 if acc is not None:
                     series[k].append((step, acc))
     for k in ("train", "val", "grad_norm", "lr") + CHOICE_KEYS:
         series[k].sort(key=lambda p: p[0])
+    for points in series["val_sets"].values():
+        points.sort(key=lambda p: p[0])
     return series
 
 
@@ -122,6 +133,10 @@ def plot(runs: list, out: str, title: str | None = None, smooth: int = 1) -> Non
         if s["val"]:
             x, y = zip(*s["val"])
             ax_loss.plot(x, y, "--o", color=c, lw=1.2, ms=4, label=f"{label} val")
+        for j, (name, points) in enumerate(sorted(s["val_sets"].items())):
+            x, y = zip(*points)
+            ax_loss.plot(x, y, ":" + VAL_SET_MARKERS[j % len(VAL_SET_MARKERS)], color=c, lw=1.2, ms=4,
+                         label=f"{label} val ({name})")
         if s["grad_norm"]:
             x, y = zip(*s["grad_norm"])
             ax_gn.plot(x, y, "-", color=c, lw=1.0, label=label)

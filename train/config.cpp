@@ -1,6 +1,7 @@
 #include "train/config.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -477,6 +478,22 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       }
     }
     c.data.val = f.strings("val");
+    if (const json* sets = f.raw("val_sets"); sets && !sets->is_null()) {
+      Fields set(sets, "data.val_sets", errors);  // an object of name: path or [paths]
+      if (sets->is_object())
+        for (const auto& [name, paths] : sets->items()) {
+          const bool good_name = !name.empty() && std::all_of(name.begin(), name.end(), [](char ch) {
+            return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_' || ch == '-' || ch == '.';
+          });
+          if (!good_name)
+            set.error(set.path(name), "the name is not allowed (allowed: letters, digits, '_', '-' and '.'; it "
+                                      "names the set in the log line, metrics.jsonl and TensorBoard)");
+          std::vector<std::string> files = set.strings(name);
+          if (files.empty() && (paths.is_string() || paths.is_array()))
+            set.error(set.path(name), "no files (expected a path or a list of paths)");
+          c.data.val_sets.emplace_back(name, std::move(files));
+        }
+    }
     c.data.shuffle = f.boolean("shuffle", true);
     c.data.document_masking = f.boolean("document_masking", false);
     c.data.eod_mask_loss = f.boolean("eod_mask_loss", false);
@@ -681,6 +698,7 @@ json to_json(const RunConfig& c) {
                 {"recompute_layers", t.recompute_layers},
                 {"logits_chunk_rows", t.logits_chunk_rows}};
   j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
+  for (const auto& [name, files] : c.data.val_sets) j["data"]["val_sets"][name] = files;
   if (!c.data.train_weights.empty()) j["data"]["train_weights"] = c.data.train_weights;
   if (c.data.document_masking) j["data"]["document_masking"] = true;
   if (c.data.eod_mask_loss) j["data"]["eod_mask_loss"] = true;

@@ -106,6 +106,9 @@ struct DataConfig {
   // file or a glob) a source of its own, read in those proportions (data/sampler.h: Blend).
   std::vector<double> train_weights;
   std::vector<std::string> val;
+  // Named validation sets besides `val` (Megatron's multiple validation sets), each validated
+  // like `val` and reported under its name: a blend's sources one by one, for instance.
+  std::vector<std::pair<std::string, std::vector<std::string>>> val_sets;
   bool shuffle = true;
   // Packed documents attend only within themselves, and positions restart at each document
   // (Megatron's reset_attention_mask + reset_position_ids; kernels/document_positions.h).
@@ -116,6 +119,7 @@ struct DataConfig {
   // The token that ends a document. -1: the "eot_id" that prepare_data.py records in meta.json
   // beside the shards (with_eod_token in run.cpp, when an option above needs it).
   int64_t eod_token = -1;
+  bool validates() const { return !val.empty() || !val_sets.empty(); }
   bool needs_eod() const { return document_masking || eod_mask_loss; }
   // The token that ends a document when document masking is on, else -1 (no masking).
   int64_t masking_eod() const { return document_masking ? eod_token : -1; }

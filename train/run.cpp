@@ -116,6 +116,8 @@ RunConfig with_eod_token(RunConfig cfg) {
   std::vector<std::string> files = data::expand_paths(cfg.data.train, "data.train");
   if (!cfg.data.val.empty())
     for (const std::string& f : data::expand_paths(cfg.data.val, "data.val")) files.push_back(f);
+  for (const auto& [name, patterns] : cfg.data.val_sets)
+    for (const std::string& f : data::expand_paths(patterns, "data.val_sets." + name)) files.push_back(f);
   std::set<std::string> dirs;
   for (const std::string& f : files) dirs.insert(fs::path(f).parent_path().string());
   for (const std::string& dir : dirs) {
@@ -172,10 +174,30 @@ std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first
   return out;
 }
 
+// A validation set: data.val (name empty) or one of data.val_sets.
+struct ValidationSet {
+  std::string name;
+  data::Sampler sampler;
+};
+
+std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vocab_scan_limit) {
+  const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
+  const int T = static_cast<int>(cfg.train.seq_len);
+  std::vector<ValidationSet> sets;
+  auto open = [&](const std::string& name, const std::vector<std::string>& patterns, const std::string& field) {
+    data::Sampler s(data::TokenDataset::open(data::expand_paths(patterns, field), T, vocab), cfg.train.seed, false);
+    s.dataset().check_vocab(vocab_scan_limit);
+    sets.push_back({name, std::move(s)});
+  };
+  if (!cfg.data.val.empty()) open("", cfg.data.val, "data.val");
+  for (const auto& [name, patterns] : cfg.data.val_sets) open(name, patterns, "data.val_sets." + name);
+  return sets;
+}
+
 // Start-up summary: the model, the precision policy and the optimizer's weight-decay groups,
 // so a norm or bias filed in the wrong group is visible on day one.
-void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler& train, const data::Sampler* val,
-                   const Backend& be) {
+void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler& train,
+                   const std::vector<ValidationSet>& vals, const Backend& be) {
   const ModelConfig& m = cfg.model;
   const ParamTable& t = tr.table();
   std::printf("keel: %s model, %s parameters (%d layers, d_model %d, %d heads / %d kv heads, ffn %d, vocab %lld%s%s%s)\n",
@@ -215,7 +237,11 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
                   static_cast<long long>(cfg.train.steps));
     }
   }
-  if (val) std::printf("keel: data: validation %lld windows\n", static_cast<long long>(val->num_windows()));
+  for (const ValidationSet& v : vals) {
+    const int64_t used = std::min(v.sampler.num_windows(), cfg.train.eval_batches * cfg.train.micro_batch);
+    std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
+                v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
+  }
   if (cfg.data.needs_eod()) {
     // How often the end-of-document token occurs in the first windows: a wrong data.eod_token
     // would make the masking a silent no-op.
@@ -473,18 +499,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (backend->device() == Device::CUDA && world_size > 1) arithmetic += " nccl " + parallel::nccl_version();
 
   // ---- everything that can fail on user input is checked before the run directory is touched ----
-  const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
   const int T = static_cast<int>(cfg.train.seq_len);
   const data::Sampler train = open_train_data(cfg);
   // Token ids beyond the vocabulary (data tokenized for another model) fail here for datasets
   // up to 4G tokens (a scan at memory speed); bigger ones are checked batch by batch.
   constexpr int64_t kVocabScanLimit = int64_t{1} << 32;
   for (size_t k = 0; k < train.num_sources(); ++k) train.source(k).check_vocab(kVocabScanLimit);
-  std::optional<data::Sampler> val;
-  if (!cfg.data.val.empty()) {
-    val.emplace(data::TokenDataset::open(data::expand_paths(cfg.data.val, "data.val"), T, vocab), cfg.train.seed, false);
-    val->dataset().check_vocab(kVocabScanLimit);
-  }
+  const std::vector<ValidationSet> vals = open_validation_data(cfg, kVocabScanLimit);
   const ChoiceEvalSet choices = open_choice_eval(cfg);
   Trainer tr(cfg, *backend, &grid, &comms);
   RankPlace place;
@@ -626,7 +647,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     }
     metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
                     cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
-    print_summary(cfg, tr, train, val ? &*val : nullptr, *backend);
+    print_summary(cfg, tr, train, vals, *backend);
     if (!choices.items.empty()) std::printf("keel: %s\n", choices.describe(cfg).c_str());
     std::printf("keel: %s\n", grid.layout().c_str());
     if (grid.pp_size() > 1)  // the step's pipeline: ticks, idle ticks (the bubble)
@@ -669,16 +690,24 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (lead) report_choice_eval(cfg, choices, scores, it, secs, quiet, *metrics);
   };
+  // One metrics record per evaluation: "val_loss" (data.val) and "val_losses" {name: loss}.
   auto validation = [&](int64_t it) {
     const ProfileRange range("validation");
-    last_val = validate(tr, *val, cfg, grid);
-    if (metrics) metrics->write({{"step", it}, {"val_loss", last_val}, {"consumed_tokens", consumed_tokens}});
-    if (!quiet) std::printf(" validation at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
-                            static_cast<long long>(it), last_val, std::exp(last_val));
+    nlohmann::json rec = {{"step", it}, {"consumed_tokens", consumed_tokens}};
+    for (const ValidationSet& v : vals) {
+      const double loss = validate(tr, v.sampler, cfg, grid);
+      if (v.name.empty()) last_val = loss, rec["val_loss"] = loss;
+      else rec["val_losses"][v.name] = loss;
+      if (!quiet)
+        std::printf(" validation%s%s%s at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
+                    v.name.empty() ? "" : " (", v.name.c_str(), v.name.empty() ? "" : ")", static_cast<long long>(it),
+                    loss, std::exp(loss));
+    }
+    if (metrics) metrics->write(rec);
   };
   // train.eval_at_start: the loaded (or initial) model's numbers before this run's first step.
   if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) {
-    if (val && cfg.train.eval_batches > 0) validation(progress.iteration);
+    if (!vals.empty() && cfg.train.eval_batches > 0) validation(progress.iteration);
     if (!choices.items.empty()) choice_eval(progress.iteration);
   }
   // A background save (checkpoint.async) is published at the first step boundary where no
@@ -809,7 +838,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
 
     if (cfg.health.replica_check_interval > 0 && it % cfg.health.replica_check_interval == 0) tr.check_replicas();
 
-    const bool eval_now = val && cfg.train.eval_batches > 0 &&
+    const bool eval_now = !vals.empty() && cfg.train.eval_batches > 0 &&
                           ((cfg.train.eval_interval > 0 && it % cfg.train.eval_interval == 0) || it == cfg.train.steps);
     if (eval_now) validation(it);
 

@@ -146,7 +146,7 @@ TensorBoardScalars tensorboard_scalars(const nlohmann::json& record) {
   std::string kind = "train", strip;
   if (record.contains("event") && record["event"].is_string()) {
     kind = record["event"].get<std::string>();
-  } else if (record.contains("val_loss")) {
+  } else if (record.contains("val_loss") || record.contains("val_losses")) {
     kind = "val", strip = "val_";
   } else if (record.contains("choice_acc")) {
     kind = "choice_eval", strip = "choice_";

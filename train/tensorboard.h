@@ -32,7 +32,7 @@ std::string tensorboard_start_event(double wall_time, int64_t step);  // Session
 
 // The scalars of one metrics.jsonl record. Tags are "<kind>/<key>":
 //   step records        "train/loss", "train/lr", "train/grad_norm", ... ("train/act_max/07": layer 7)
-//   validation          "val/loss"                (the record's "val_" prefix dropped)
+//   validation          "val/loss", "val/losses/<set>"   (the record's "val_" prefix dropped)
 //   choice_eval         "choice_eval/acc", ...    (its "choice_" prefix dropped)
 //   events              "<event>/..." ("timers/ms/step/max": nested objects extend the tag)
 // "step" is the event's step, not a scalar. Array indices are zero-padded so TensorBoard sorts

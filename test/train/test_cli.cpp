@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "common/process.h"
 #include "common/run_config.h"
@@ -95,6 +96,46 @@ TEST_CASE("keel train on a weighted blend of two sources: start-up shows the sha
   REQUIRE(second.code == 0);
   CHECK(test::losses_by_step(read_metrics(ws.dir / "resumed/metrics.jsonl")) ==
         test::losses_by_step(read_metrics(ws.dir / "straight/metrics.jsonl")));
+}
+
+TEST_CASE("keel train with data.val_sets: each named set validated and reported beside data.val", "[cli][e2e]") {
+  Workspace ws;
+  // "same" is data.val again, so its losses must be data.val's bit for bit; "noise" is uniform
+  // random tokens, which no model predicts better than ln 64 = 4.16 nats.
+  std::mt19937 rng(11);
+  std::vector<uint32_t> noise(4000);
+  for (uint32_t& t : noise) t = rng() % 64;
+  data::write_llmc_shard(ws.dir / "noise.bin", noise, false);
+  Result r = run_keel("train --config " + ws.config + " --out " + (ws.dir / "run") + " --set log.tensorboard=true" +
+                      " --set 'data.val_sets={\"same\": \"" + (ws.dir / "val.bin") + "\", \"noise\": [\"" +
+                      (ws.dir / "noise.bin") + "\"]}'");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("keel: data: validation set noise: 124 windows, 8 of them per evaluation") &&
+                           Catch::Contains(" validation (same) at iteration 10 | lm loss: ") &&
+                           Catch::Contains(" validation (noise) at iteration 30 | lm loss: "));
+  int evaluations = 0;
+  double last_val = 0, last_noise = 0;
+  for (const nlohmann::json& rec : read_metrics(ws.dir / "run/metrics.jsonl")) {
+    if (!rec.contains("val_loss")) continue;
+    ++evaluations;
+    REQUIRE(rec.contains("val_losses"));
+    CHECK(rec["val_losses"]["same"].get<double>() == rec["val_loss"].get<double>());
+    last_val = rec["val_loss"].get<double>();
+    last_noise = rec["val_losses"]["noise"].get<double>();
+  }
+  CHECK(evaluations == 3);
+  CHECK(last_val < 3.0);
+  CHECK(last_noise > 4.0);  // learning the stream makes random tokens no easier
+  // The resolved config keeps the sets.
+  const nlohmann::json resolved = nlohmann::json::parse(test::read_file(ws.dir / "run/config.json"));
+  CHECK(resolved["data"]["val_sets"]["noise"] == nlohmann::json::array({ws.dir / "noise.bin"}));
+  // A set whose files do not exist is named before anything is written.
+  Result missing = run_keel("train --config " + ws.config + " --out " + (ws.dir / "missing") +
+                            " --set 'data.val_sets={\"code\": \"" + (ws.dir / "code_*.bin") + "\"}'");
+  CHECK(missing.code == 3);
+  CHECK_THAT(missing.output, Catch::Contains("data.val_sets.code"));
+  CHECK(!fs::exists(ws.dir / "missing"));
 }
 
 TEST_CASE("keel train with document masking: the end-of-document token from meta.json, a resume is bit-identical",

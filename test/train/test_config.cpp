@@ -136,6 +136,13 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
              "data.train_weights: expected a list of numbers");
   fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", {1e6, 1}}}}},
              "data.train_weights[1]: 1 is 0.000001 of the total, below the smallest share a blend gives (1/65536)");
+  fails_with({{"data", {{"val_sets", "val.bin"}}}}, "data.val_sets: expected an object {...}, got \"val.bin\"");
+  fails_with({{"data", {{"val_sets", {{"web site", "w.bin"}}}}}},
+             "data.val_sets.web site: the name is not allowed (allowed: letters, digits, '_', '-' and '.';");
+  fails_with({{"data", {{"val_sets", {{"code", 3}}}}}}, "data.val_sets.code: expected a path or a list of paths, got 3");
+  fails_with({{"data", {{"val_sets", {{"code", nlohmann::json::array()}}}}}},
+             "data.val_sets.code: no files (expected a path or a list of paths)");
+  fails_with({{"log", {{"tensorboard", "yes"}}}}, "log.tensorboard: expected true or false, got \"yes\"");
   fails_with({{"data", {{"document_masking", "yes"}}}}, "data.document_masking: expected");
   fails_with({{"data", {{"eod_mask_loss", 1}}}}, "data.eod_mask_loss: expected");
   fails_with({{"checkpoint", {{"async", "on"}}}}, "checkpoint.async: expected");

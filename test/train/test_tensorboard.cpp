@@ -172,6 +172,9 @@ TEST_CASE("metrics records become TensorBoard scalars under their kind's tags", 
 
   const TensorBoardScalars v = tensorboard_scalars({{"step", 10}, {"val_loss", 3.25}, {"consumed_tokens", 640}});
   CHECK(v == TensorBoardScalars{{"val/consumed_tokens", 640.0f}, {"val/loss", 3.25f}});
+  // data.val_sets alone (no data.val): still a validation record.
+  CHECK(tensorboard_scalars({{"step", 10}, {"val_losses", {{"web", 2.0}, {"code", 1.5}}}}) ==
+        TensorBoardScalars{{"val/losses/code", 1.5f}, {"val/losses/web", 2.0f}});
 
   const TensorBoardScalars c = tensorboard_scalars(
       {{"step", 10}, {"choice_acc", 0.5}, {"choice_acc_per_token", 0.25}, {"choice_items", 8}, {"choice_scores", "f"}});
