@@ -174,7 +174,7 @@ memcheck_train() {
     --config "$ROOT/configs/llama-tiny.json" --device cuda --out "$dir/run" --steps 3 \
     --set "data.train=[\"$dir/train_000.bin\"]" --set 'data.val=[]' --set schedule.warmup_steps=1 \
     --set model.n_heads=2 --set model.n_kv_heads=1 --set train.eval_interval=0 --set log.interval=1 \
-    --set choice_eval.file= \
+    --set choice_eval.file= --set sample.interval=0 \
     > "$RES/memcheck-train.log" 2>&1
   rc=$?
   grep -E 'ERROR SUMMARY|lm loss' "$RES/memcheck-train.log" | tail -2 | tee -a "$SUMMARY"

@@ -63,6 +63,7 @@ def main():
     cfg["train"].update({"global_batch": 16, "micro_batch": 2, "seq_len": 64, "eval_interval": 0, "eval_batches": 0})
     cfg["data"] = {"train": "data/fortunes/train_*.bin"}
     cfg.pop("choice_eval", None)
+    cfg.pop("sample", None)  # generation during training needs tp = pp = 1
     cfg["checkpoint"] = {"interval": 0, "save_at_end": False}
     cfg["log"] = {"interval": 1}
     work = tempfile.mkdtemp(prefix="keel-layouts-")

@@ -503,6 +503,25 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   }
 
   {
+    top.raw("sample");
+    Fields f(child(doc, "sample"), "sample", errors);
+    SampleConfig& g = c.sample;
+    g.interval = f.integer("interval", 0, 0);
+    g.prompt = f.string("prompt", "");
+    g.tokens = f.integer("tokens", g.tokens, 1, std::max<int64_t>(c.model.max_seq_len - 1, 1));
+    g.temperature = f.number("temperature", g.temperature, 0, 100);
+    g.top_p = f.number("top_p", g.top_p, 0, 1, /*lo_open=*/true);
+    g.top_k = f.integer("top_k", g.top_k, 0);
+    g.seed = f.integer("seed", g.seed, 0);
+    g.tokenizer = f.string("tokenizer", "");
+    f.finish();
+    if (g.interval > 0 && (c.parallel.tp > 1 || c.parallel.pp > 1))
+      errors.push_back("sample.interval: generating during training needs the whole model on each rank "
+                       "(parallel.tp = 1 and parallel.pp = 1; here tp = " + std::to_string(c.parallel.tp) +
+                       ", pp = " + std::to_string(c.parallel.pp) +
+                       "). Sample a checkpoint with keel sample instead, or set sample.interval to 0");
+  }
+  {
     top.raw("choice_eval");
     Fields f(child(doc, "choice_eval"), "choice_eval", errors);
     ChoiceEvalConfig& e = c.choice_eval;
@@ -707,6 +726,12 @@ json to_json(const RunConfig& c) {
     const ChoiceEvalConfig& e = c.choice_eval;
     j["choice_eval"] = {{"file", e.file},         {"interval", e.interval},   {"items", e.items},
                         {"tokenizer", e.tokenizer}, {"write_scores", e.write_scores}};
+  }
+  if (c.sample.interval > 0) {
+    const SampleConfig& g = c.sample;
+    j["sample"] = {{"interval", g.interval}, {"prompt", g.prompt}, {"tokens", g.tokens},
+                   {"temperature", g.temperature}, {"top_p", g.top_p}, {"top_k", g.top_k},
+                   {"seed", g.seed}, {"tokenizer", g.tokenizer}};
   }
   j["log"] = {{"interval", c.log.interval},
               {"timers", c.log.timers},

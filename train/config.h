@@ -127,6 +127,20 @@ struct DataConfig {
   int64_t loss_mask_eod() const { return eod_mask_loss ? eod_token : -1; }
 };
 
+// Text generated during training, as llm.c does: every `interval` steps the lead rank samples
+// a continuation of `prompt` from its working weights (model/generator.h). The whole model must
+// be on each rank (tp = pp = 1); keel sample covers a checkpoint of any layout.
+struct SampleConfig {
+  int64_t interval = 0;      // steps between samples (and at the end); 0: off
+  std::string prompt;        // encoded with special tokens (a BOS); empty: the end-of-text token
+  int64_t tokens = 64;       // new tokens per sample
+  double temperature = 0.8;  // 0: greedy
+  double top_p = 0.95;
+  int64_t top_k = 0;
+  int64_t seed = 0;          // the same random stream every time, so samples differ by the model only
+  std::string tokenizer;     // tokenizer.json (or its directory); empty: beside data.train
+};
+
 // Multiple-choice accuracy during training (train/choice_eval.h: HellaSwag-style items scored
 // by the training forward, under any layout).
 struct ChoiceEvalConfig {
@@ -224,6 +238,7 @@ struct RunConfig {
   TrainConfig train;
   DataConfig data;
   ChoiceEvalConfig choice_eval;
+  SampleConfig sample;
   LogConfig log;
   CheckpointConfig checkpoint;
   ParallelConfig parallel;

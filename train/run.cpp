@@ -42,6 +42,7 @@
 #include "train/plan.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
+#include "train/training_sample.h"
 
 namespace keel {
 
@@ -507,6 +508,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   for (size_t k = 0; k < train.num_sources(); ++k) train.source(k).check_vocab(kVocabScanLimit);
   const std::vector<ValidationSet> vals = open_validation_data(cfg, kVocabScanLimit);
   const ChoiceEvalSet choices = open_choice_eval(cfg);
+  const TrainingSampler sampler(cfg);
   Trainer tr(cfg, *backend, &grid, &comms);
   RankPlace place;
   place.tp_rank = grid.tp_rank();
@@ -649,6 +651,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                     cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
     print_summary(cfg, tr, train, vals, *backend);
     if (!choices.items.empty()) std::printf("keel: %s\n", choices.describe(cfg).c_str());
+    if (sampler.on()) std::printf("keel: %s\n", sampler.describe().c_str());
     std::printf("keel: %s\n", grid.layout().c_str());
     if (grid.pp_size() > 1)  // the step's pipeline: ticks, idle ticks (the bubble)
       std::printf("keel: pipeline %s\n",
@@ -690,6 +693,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (lead) report_choice_eval(cfg, choices, scores, it, secs, quiet, *metrics);
   };
+  // sample: the lead rank generates from its replica; the others go on to the next step.
+  auto sample_text = [&](int64_t it) {
+    if (!lead) return;
+    const ProfileRange range("sample");
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string text = sampler.sample(tr.table(), *backend, tr.state().working);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    metrics->write({{"event", "sample"}, {"step", it}, {"text", text}});
+    if (!quiet) std::printf(" sample at iteration %lld (%.2f s):\n%s\n", static_cast<long long>(it), secs, text.c_str());
+    std::fflush(stdout);
+  };
   // One metrics record per evaluation: "val_loss" (data.val) and "val_losses" {name: loss}.
   auto validation = [&](int64_t it) {
     const ProfileRange range("validation");
@@ -709,6 +723,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) {
     if (!vals.empty() && cfg.train.eval_batches > 0) validation(progress.iteration);
     if (!choices.items.empty()) choice_eval(progress.iteration);
+    if (sampler.on()) sample_text(progress.iteration);
   }
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
@@ -845,6 +860,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const int64_t choice_interval = cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
     if (!choices.items.empty() && ((choice_interval > 0 && it % choice_interval == 0) || it == cfg.train.steps))
       choice_eval(it);
+    if (sampler.due(it, cfg.train.steps)) sample_text(it);
 
     const bool last = it == cfg.train.steps;
     const bool scheduled = cfg.checkpoint.interval > 0 && it % cfg.checkpoint.interval == 0;

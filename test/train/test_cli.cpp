@@ -10,6 +10,7 @@
 #include "common/run_config.h"
 #include "common/workspace.h"
 #include "data/sampler.h"
+#include "data/tokenizer.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -136,6 +137,39 @@ TEST_CASE("keel train with data.val_sets: each named set validated and reported 
   CHECK(missing.code == 3);
   CHECK_THAT(missing.output, Catch::Contains("data.val_sets.code"));
   CHECK(!fs::exists(ws.dir / "missing"));
+}
+
+TEST_CASE("keel train with sample: text at each interval, the stream's rule, and keel sample's text from the checkpoint",
+          "[cli][e2e][sample]") {
+  Workspace ws;
+  // A byte-level tokenizer whose ids 1-63 are single characters (id 0 is <|endoftext|>).
+  fs::copy_file(std::string(KEEL_FIXTURE_DIR) + "/tokenizers/gpt2.json", ws.dir / "tokenizer.json");
+  const std::string sample = " --set sample.interval=10 --set sample.prompt=ABC --set sample.tokens=12 --set sample.temperature=0";
+  Result r = run_keel("train --config " + ws.config + " --out " + (ws.dir / "run") + sample);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("keel: sample: 3-token prompt, 12 tokens every 10 steps and at the end") &&
+                           Catch::Contains(" sample at iteration 20 ("));
+  std::vector<std::string> texts;
+  for (const nlohmann::json& rec : read_metrics(ws.dir / "run/metrics.jsonl"))
+    if (rec.value("event", "") == "sample") texts.push_back(rec["text"].get<std::string>());
+  REQUIRE(texts.size() == 3);  // steps 10, 20, 30
+  // Greedy after training follows next = 3t + 1 (mod 64) from the prompt's last id (C = 35).
+  const data::Tokenizer tok = data::Tokenizer::from_file(ws.dir / "tokenizer.json");
+  std::vector<int32_t> want = tok.encode("ABC");
+  REQUIRE(want == std::vector<int32_t>{33, 34, 35});
+  for (int i = 0; i < 12; ++i) want.push_back((3 * want.back() + 1) % 64);
+  CHECK(texts.back() == tok.decode(want, true));
+  // keel sample on the final checkpoint continues the prompt the same way.
+  Result offline = run_keel("sample --checkpoint " + (ws.dir / "run/checkpoints") + " --prompt ABC -n 12 -t 0");
+  INFO(offline.output);
+  REQUIRE(offline.code == 0);
+  CHECK_THAT(offline.output, Catch::Contains(texts.back() + "\n"));
+  // Layouts that split the model are refused by name.
+  Result split = run_keel("train --config " + ws.config + " --out " + (ws.dir / "split") + sample +
+                          " --set parallel.tp=2");
+  CHECK(split.code == 2);
+  CHECK_THAT(split.output, Catch::Contains("sample.interval: generating during training needs the whole model"));
 }
 
 TEST_CASE("keel train with document masking: the end-of-document token from meta.json, a resume is bit-identical",
