@@ -512,7 +512,7 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   std::ifstream in(path);
   if (!in) throw std::runtime_error("cannot read metrics file " + path);
   std::map<int64_t, StepRec> by_step;  // a replayed step keeps its last record
-  std::vector<std::pair<int64_t, double>> vals;
+  std::map<std::string, std::vector<std::pair<int64_t, double>>> vals;  // "": data.val, else data.val_sets' names
   struct Resume {
     int64_t step;
     std::string checkpoint;
@@ -560,8 +560,11 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     }
     if (!rec.contains("step")) continue;
     const int64_t step = rec["step"].get<int64_t>();
-    if (auto v = number_of(rec, "val_loss")) {
-      vals.push_back({step, *v});
+    if (rec.contains("val_loss") || rec.contains("val_losses")) {
+      if (auto v = number_of(rec, "val_loss")) vals[""].push_back({step, *v});
+      if (rec.contains("val_losses") && rec["val_losses"].is_object())
+        for (const auto& [name, x] : rec["val_losses"].items())
+          if (auto v = number_of(rec["val_losses"], name.c_str())) vals[name].push_back({step, *v});
       continue;
     }
     auto loss = number_of(rec, "loss");
@@ -704,20 +707,20 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     s += l + "\n";
   }
 
-  // Validation trend.
-  if (vals.empty()) {
-    s += "  validation: none\n";
-  } else {
-    auto best = std::min_element(vals.begin(), vals.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
-    s += "  validation: " + std::to_string(vals.size()) + " evaluation(s): " + num(vals.front().second) + " at step " +
-         std::to_string(vals.front().first) + " -> " + num(vals.back().second) + " at step " +
-         std::to_string(vals.back().first) + ", best " + num(best->second) + " at step " + std::to_string(best->first);
-    if (vals.size() >= 2) {
-      const double rise = vals.back().second - best->second;
+  // Validation trends: data.val, then each named set.
+  if (vals.empty()) s += "  validation: none\n";
+  for (const auto& [name, series] : vals) {
+    auto best = std::min_element(series.begin(), series.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
+    s += "  validation" + (name.empty() ? std::string() : " (" + name + ")") + ": " + std::to_string(series.size()) +
+         " evaluation(s): " + num(series.front().second) + " at step " + std::to_string(series.front().first) + " -> " +
+         num(series.back().second) + " at step " + std::to_string(series.back().first) + ", best " +
+         num(best->second) + " at step " + std::to_string(best->first);
+    if (series.size() >= 2) {
+      const double rise = series.back().second - best->second;
       if (rise > 0.02 * std::fabs(best->second))
         s += " (rising since step " + std::to_string(best->first) + ": +" + num(rise) + ", overfitting or diverging)";
       else
-        s += vals.back().second < vals.front().second ? " (falling)" : " (flat)";
+        s += series.back().second < series.front().second ? " (falling)" : " (flat)";
     }
     s += "\n";
   }

@@ -203,7 +203,11 @@ std::string write_metrics(const std::string& path, int steps, bool sick) {
     if (skipped) rec["grad_norm"] = "nan";
     out << rec.dump() << "\n";
     if (sick && (s == 31 || s == 90)) scale /= 2;  // the scaler's hysteresis: cut after the second overflow
-    if (s % 50 == 0) out << nlohmann::json{{"step", s}, {"val_loss", 2.1 + 4.0 * std::exp(-s / 50.0)}}.dump() << "\n";
+    // A named validation set (data.val_sets) that falls, or in the sick run turns up after step 100.
+    const double code = sick && s > 100 ? 1.0 + 0.01 * s : 1.5 + 2.0 * std::exp(-s / 50.0);
+    if (s % 50 == 0)
+      out << nlohmann::json{{"step", s}, {"val_loss", 2.1 + 4.0 * std::exp(-s / 50.0)}, {"val_losses", {{"code", code}}}}.dump()
+          << "\n";
   }
   return path;
 }
@@ -222,9 +226,13 @@ TEST_CASE("doctor metrics: spikes, restart spikes, skipped and nan steps, loss-s
   CHECK(healthy.text.find("verdict: healthy") != std::string::npos);
   CHECK(healthy.text.find("validation: 6 evaluation(s)") != std::string::npos);
   CHECK(healthy.text.find("(falling)") != std::string::npos);
+  CHECK(healthy.text.find("validation (code): 6 evaluation(s)") != std::string::npos);
+  CHECK(healthy.text.find("rising") == std::string::npos);
 
   const doctor::MetricsReport sick = doctor::summarize_metrics(write_metrics(dir / "sick.jsonl", 300, true));
   INFO(sick.text);
+  CHECK(sick.text.find("validation (code): 6 evaluation(s): 2.236 at step 50 -> 4 at step 300, best 1.771 at step 100 "
+                       "(rising since step 100: +2.229, overfitting or diverging)") != std::string::npos);
   REQUIRE(sick.loss_spikes.size() == 2);
   CHECK(sick.loss_spikes[0].step == 120);
   CHECK(sick.loss_spikes[0].value == 9.0);
