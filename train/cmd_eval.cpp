@@ -1,13 +1,17 @@
 // `keel eval`: multiple-choice accuracy (HellaSwag-style) of a keel checkpoint or an HF model
-// (train/choice_eval.h), on the CPU or a GPU.
+// (train/choice_eval.h), on the CPU or a GPU. Under mpirun/srun it is data-parallel: every rank
+// loads the whole model (on its local rank's GPU) and scores items rank, rank + n, ...; the lead
+// gathers the log-likelihoods, bit for bit, and reports.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <functional>
+#include <algorithm>
+#include <string>
 
 #include "train/choice_eval.h"
 #include "train/commands.h"
 #include "train/model_loading.h"
+#include "train/parallel/mpi_comm.h"
 #include "train/run.h"
 
 namespace keel {
@@ -22,11 +26,10 @@ struct EvalArgs {
   int64_t limit = 0, rows = 0, seq_len = 0;
 };
 
-using AddScore = std::function<void(const ChoiceItem&, const ChoiceScore&)>;
-
 // The context once, then each ending from its cached keys and values (model/generator.h).
-void score_cached(const EvalArgs& a, const LoadedModel& lm, Backend& be, const std::vector<ChoiceItem>& items,
-                  const AddScore& add) {
+// `report`: progress lines on stderr.
+std::vector<ChoiceScore> score_cached(const EvalArgs& a, const LoadedModel& lm, Backend& be,
+                                      const std::vector<ChoiceItem>& items, bool report) {
   const ModelConfig& m = lm.table->config();
   size_t longest = 0;
   for (const ChoiceItem& it : items) {
@@ -39,43 +42,71 @@ void score_cached(const EvalArgs& a, const LoadedModel& lm, Backend& be, const s
                         " positions");
     longest = std::max(longest, need);
   }
+  std::vector<ChoiceScore> out;
+  if (items.empty()) return out;
   Generator gen(*lm.table, be, lm.weights, static_cast<int>(longest), DType::F32);
   auto last_report = std::chrono::steady_clock::now();
   int64_t done = 0, right = 0;
   for (const ChoiceItem& item : items) {
-    const ChoiceScore s = score_choice(gen, item);
-    add(item, s);
+    out.push_back(score_choice(gen, item));
     ++done;
-    right += s.pick == item.label;
+    right += out.back().pick == item.label;
     const auto now = std::chrono::steady_clock::now();
-    if (std::chrono::duration<double>(now - last_report).count() > 10) {
+    if (report && std::chrono::duration<double>(now - last_report).count() > 10) {
       std::fprintf(stderr, "keel: %lld/%zu items, acc %.4f so far\n", static_cast<long long>(done), items.size(),
                    static_cast<double>(right) / static_cast<double>(done));
       last_report = now;
     }
   }
+  return out;
 }
 
 // --rows: the endings packed into rows of seq_len (train/choice_eval.h), `rows` of them per
 // forward of a forward-only Transformer, as keel train's choice_eval scores them. A context
 // too long for the row loses tokens from its front.
-void score_packed(const EvalArgs& a, const LoadedModel& lm, Backend& be, const std::vector<ChoiceItem>& items,
-                  const AddScore& add) {
+std::vector<ChoiceScore> score_packed(const EvalArgs& a, const LoadedModel& lm, Backend& be,
+                                      const std::vector<ChoiceItem>& items, bool report) {
   const ModelConfig& m = lm.table->config();
   const int64_t T = a.seq_len > 0 ? a.seq_len : std::min<int64_t>(m.max_seq_len, 1024);
   if (T > m.max_seq_len)
     throw ConfigError("--seq-len " + std::to_string(T) + " exceeds the model's " + std::to_string(m.max_seq_len) +
                       " positions");
   check_choices_fit(items, T, a.choices, "--seq-len");
-  if (const int64_t cut = choice_contexts_cut(items, T); cut > 0)
+  if (items.empty()) return {};
+  if (const int64_t cut = choice_contexts_cut(items, T); cut > 0 && report)
     std::fprintf(stderr, "keel: %lld contexts lose their first tokens to fit --seq-len %lld\n",
                  static_cast<long long>(cut), static_cast<long long>(T));
   const std::vector<ChoicePlace> places = place_choices(items, T, true);
-  std::fprintf(stderr, "keel: %zu endings packed in %lld rows of %lld, %lld rows per forward\n", places.size(),
-               static_cast<long long>(places.back().row + 1), static_cast<long long>(T),
-               static_cast<long long>(a.rows));
-  const std::vector<ChoiceScore> scores = score_choices_packed(*lm.table, be, lm.weights, items, a.rows, T);
-  for (size_t i = 0; i < items.size(); ++i) add(items[i], scores[i]);
+  if (report)
+    std::fprintf(stderr, "keel: %zu endings packed in %lld rows of %lld, %lld rows per forward\n", places.size(),
+                 static_cast<long long>(places.back().row + 1), static_cast<long long>(T),
+                 static_cast<long long>(a.rows));
+  return score_choices_packed(*lm.table, be, lm.weights, items, a.rows, T);
+}
+
+// Every item's log-likelihoods on every rank, in item order; rank r scored items r, r + n, ....
+// The doubles travel as their bits (int32 pairs), so the lead reports exactly what each rank
+// computed.
+std::vector<std::vector<double>> gather_logprobs(parallel::Comm& world, const std::vector<ChoiceItem>& items,
+                                                 const std::vector<ChoiceScore>& mine) {
+  const int n = world.size();
+  std::vector<int64_t> count(static_cast<size_t>(n), 0);  // doubles per rank
+  for (size_t i = 0; i < items.size(); ++i) count[i % n] += static_cast<int64_t>(items[i].endings.size());
+  const int64_t width = std::max<int64_t>(1, *std::max_element(count.begin(), count.end()));
+  std::vector<double> send(static_cast<size_t>(width), 0.0), all(static_cast<size_t>(width * n));
+  size_t k = 0;
+  for (const ChoiceScore& s : mine)
+    for (double x : s.logprob) send[k++] = x;
+  world.all_gather(Tensor(all.data(), DType::I32, {2 * width * n}), Tensor(send.data(), DType::I32, {2 * width}));
+  std::vector<std::vector<double>> out(items.size());
+  std::vector<int64_t> at(static_cast<size_t>(n), 0);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const size_t r = i % n;
+    const double* from = all.data() + r * width + at[r];
+    out[i].assign(from, from + items[i].endings.size());
+    at[r] += static_cast<int64_t>(items[i].endings.size());
+  }
+  return out;
 }
 
 int cmd_eval(const EvalArgs& a) {
@@ -86,22 +117,37 @@ int cmd_eval(const EvalArgs& a) {
   std::vector<ChoiceItem> items = read_choice_items(a.choices, tok ? &*tok : nullptr, m.vocab_size);
   if (a.limit > 0 && static_cast<int64_t>(items.size()) > a.limit) items.resize(static_cast<size_t>(a.limit));
 
+  // Data parallel under a launcher: this rank's share of the items.
+  const parallel::MpiRuntime* rt = process_runtime();
+  const int world_size = rt && rt->active() ? rt->world_size() : 1, rank = world_size > 1 ? rt->world_rank() : 0;
+  const bool lead = rank == 0;
+  std::vector<ChoiceItem> mine;
+  for (size_t i = rank; i < items.size(); i += world_size) mine.push_back(items[i]);
+
   std::ofstream scores;
-  if (!a.scores.empty()) {
+  if (lead && !a.scores.empty()) {
     scores.open(a.scores);
     if (!scores) throw ConfigError("--scores " + a.scores + " cannot be written");
   }
-  ChoiceTotals t;
-  auto add = [&](const ChoiceItem& item, const ChoiceScore& s) {
-    t.add(item, s);
-    if (scores.is_open()) scores << choice_score_record(item, s).dump() << '\n';
-  };
   const auto t0 = std::chrono::steady_clock::now();
-  if (a.rows > 0)
-    score_packed(a, lm, *im.backend, items, add);
-  else
-    score_cached(a, lm, *im.backend, items, add);
+  const std::vector<ChoiceScore> my_scores =
+      a.rows > 0 ? score_packed(a, lm, *im.backend, mine, lead) : score_cached(a, lm, *im.backend, mine, lead);
+  std::vector<ChoiceScore> all_scores;
+  if (world_size == 1) {
+    all_scores = my_scores;
+  } else {
+    const parallel::Grid grid(world_size, rank, 1, 1, world_size);
+    const parallel::CommGroups comms = parallel::make_host_comms(grid, *rt);
+    const std::vector<std::vector<double>> logprobs = gather_logprobs(*comms.world, items, my_scores);
+    for (size_t i = 0; i < items.size(); ++i) all_scores.push_back(choice_score(items[i], logprobs[i]));
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!lead) return kExitOk;
+  ChoiceTotals t;
+  for (size_t i = 0; i < items.size(); ++i) {
+    t.add(items[i], all_scores[i]);
+    if (scores.is_open()) scores << choice_score_record(items[i], all_scores[i]).dump() << '\n';
+  }
   auto line = [&](const char* name, int64_t right, int64_t of, const char* note) {
     std::printf("  %-14s %.4f  (%lld/%lld)%s\n", name, of ? static_cast<double>(right) / of : 0.0,
                 static_cast<long long>(right), static_cast<long long>(of), note);
@@ -112,7 +158,8 @@ int cmd_eval(const EvalArgs& a) {
   if (t.byte_items > 0) line("acc_per_byte", t.correct_per_byte, t.byte_items, "  lm-evaluation-harness's acc_norm");
   std::printf("  %-14s %.4f\n", "chance", t.chance / t.items);
   std::fflush(stdout);
-  std::fprintf(stderr, "keel: scored %lld items in %.2f s\n", static_cast<long long>(t.items), secs);
+  const std::string ranks = world_size > 1 ? std::string(" on ") + std::to_string(world_size) + " ranks" : "";
+  std::fprintf(stderr, "keel: scored %lld items in %.2f s%s\n", static_cast<long long>(t.items), secs, ranks.c_str());
   return kExitOk;
 }
 

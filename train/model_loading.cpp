@@ -11,6 +11,8 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/hf_format.h"
+#include "train/parallel/mpi_comm.h"
+#include "train/run.h"
 
 namespace keel {
 
@@ -127,7 +129,9 @@ std::unique_ptr<Backend> inference_backend(const std::string& device) {
   if (device == "cuda" && cuda_device_count() == 0)
     throw ConfigError("--device cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES / nvidia-smi)");
 #ifdef KEEL_HAVE_CUDA
-  if (device == "cuda") return make_cuda_backend(0);
+  // Under mpirun (keel eval's data parallelism) each rank takes its local rank's GPU.
+  const parallel::MpiRuntime* rt = process_runtime();
+  if (device == "cuda") return make_cuda_backend(rt ? rt->launch().local_rank % cuda_device_count() : 0);
 #endif
   return guard_backend_memory_requested() ? make_guarded_backend(make_cpu_backend()) : make_cpu_backend();
 }

@@ -1,0 +1,44 @@
+// keel eval under mpirun: data-parallel scoring. Every rank loads the whole model and scores its
+// share of the items; the lead's report and scores file must be the single process's, byte for
+// byte (each item's log-likelihoods are computed alone, whichever rank computes them, and travel
+// as their bits), on both paths: the KV cache and --rows packing.
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include "common/process.h"
+#include "common/temp_dir.h"
+#include "common/workspace.h"
+
+using namespace keel;
+
+TEST_CASE("keel eval under mpirun splits the items over the ranks and reports the single process's scores",
+          "[eval][mpi]") {
+  test::TempDir tmp("eval-ranks");
+  const std::string hf = std::string(KEEL_FIXTURE_DIR) + "/hf/";
+  const std::string base = "eval --checkpoint hf:" + hf + "llama_trained --choices " + hf + "choices/fortunes.jsonl";
+  for (const std::string rows : {"", " --rows 3"}) {
+    INFO("path:" << (rows.empty() ? " KV cache" : rows));
+    const test::ProcessResult one = test::run_keel(base + rows + " --scores " + tmp / "one.jsonl");
+    INFO(one.output);
+    REQUIRE(one.code == 0);
+    // 3 ranks for 24 items: 8 each; 5 ranks: 5, 5, 5, 5, 4.
+    for (int np : {3, 5}) {
+      const std::string file = tmp / ("np" + std::to_string(np) + ".jsonl");
+      const test::ProcessResult many = test::run_keel_mpi(np, base + rows + " --scores " + file);
+      INFO(many.output);
+      REQUIRE(many.code == 0);
+      CHECK_THAT(many.output, Catch::Contains("scored 24 items in") &&
+                                  Catch::Contains(" on " + std::to_string(np) + " ranks"));
+      auto report = [](const std::string& out) {  // the accuracy lines, printed once, by the lead
+        const size_t at = out.find("keel eval ");
+        return out.substr(at, out.find("chance", at) - at);
+      };
+      CHECK(report(many.output) == report(one.output));
+      CHECK(many.output.find("keel eval ") == many.output.rfind("keel eval "));
+      const std::string scores = test::read_file(file);
+      CHECK(!scores.empty());
+      CHECK(scores == test::read_file(tmp / "one.jsonl"));
+    }
+  }
+}
