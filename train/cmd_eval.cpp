@@ -27,9 +27,11 @@ struct EvalArgs {
 };
 
 // The context once, then each ending from its cached keys and values (model/generator.h).
+// Scores `mine`; `items` (all of them) are checked, so every rank refuses the same bad item.
 // `report`: progress lines on stderr.
 std::vector<ChoiceScore> score_cached(const EvalArgs& a, const LoadedModel& lm, Backend& be,
-                                      const std::vector<ChoiceItem>& items, bool report) {
+                                      const std::vector<ChoiceItem>& items, const std::vector<ChoiceItem>& mine,
+                                      bool report) {
   const ModelConfig& m = lm.table->config();
   size_t longest = 0;
   for (const ChoiceItem& it : items) {
@@ -43,17 +45,17 @@ std::vector<ChoiceScore> score_cached(const EvalArgs& a, const LoadedModel& lm, 
     longest = std::max(longest, need);
   }
   std::vector<ChoiceScore> out;
-  if (items.empty()) return out;
+  if (mine.empty()) return out;
   Generator gen(*lm.table, be, lm.weights, static_cast<int>(longest), DType::F32);
   auto last_report = std::chrono::steady_clock::now();
   int64_t done = 0, right = 0;
-  for (const ChoiceItem& item : items) {
+  for (const ChoiceItem& item : mine) {
     out.push_back(score_choice(gen, item));
     ++done;
     right += out.back().pick == item.label;
     const auto now = std::chrono::steady_clock::now();
     if (report && std::chrono::duration<double>(now - last_report).count() > 10) {
-      std::fprintf(stderr, "keel: %lld/%zu items, acc %.4f so far\n", static_cast<long long>(done), items.size(),
+      std::fprintf(stderr, "keel: %lld/%zu items, acc %.4f so far\n", static_cast<long long>(done), mine.size(),
                    static_cast<double>(right) / static_cast<double>(done));
       last_report = now;
     }
@@ -65,23 +67,24 @@ std::vector<ChoiceScore> score_cached(const EvalArgs& a, const LoadedModel& lm, 
 // forward of a forward-only Transformer, as keel train's choice_eval scores them. A context
 // too long for the row loses tokens from its front.
 std::vector<ChoiceScore> score_packed(const EvalArgs& a, const LoadedModel& lm, Backend& be,
-                                      const std::vector<ChoiceItem>& items, bool report) {
+                                      const std::vector<ChoiceItem>& items, const std::vector<ChoiceItem>& mine,
+                                      bool report) {
   const ModelConfig& m = lm.table->config();
   const int64_t T = a.seq_len > 0 ? a.seq_len : std::min<int64_t>(m.max_seq_len, 1024);
   if (T > m.max_seq_len)
     throw ConfigError("--seq-len " + std::to_string(T) + " exceeds the model's " + std::to_string(m.max_seq_len) +
                       " positions");
   check_choices_fit(items, T, a.choices, "--seq-len");
-  if (items.empty()) return {};
+  if (mine.empty()) return {};
   if (const int64_t cut = choice_contexts_cut(items, T); cut > 0 && report)
     std::fprintf(stderr, "keel: %lld contexts lose their first tokens to fit --seq-len %lld\n",
                  static_cast<long long>(cut), static_cast<long long>(T));
-  const std::vector<ChoicePlace> places = place_choices(items, T, true);
+  const std::vector<ChoicePlace> places = place_choices(mine, T, true);
   if (report)
     std::fprintf(stderr, "keel: %zu endings packed in %lld rows of %lld, %lld rows per forward\n", places.size(),
                  static_cast<long long>(places.back().row + 1), static_cast<long long>(T),
                  static_cast<long long>(a.rows));
-  return score_choices_packed(*lm.table, be, lm.weights, items, a.rows, T);
+  return score_choices_packed(*lm.table, be, lm.weights, mine, a.rows, T);
 }
 
 // Every item's log-likelihoods on every rank, in item order; rank r scored items r, r + n, ....
@@ -131,7 +134,7 @@ int cmd_eval(const EvalArgs& a) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<ChoiceScore> my_scores =
-      a.rows > 0 ? score_packed(a, lm, *im.backend, mine, lead) : score_cached(a, lm, *im.backend, mine, lead);
+      a.rows > 0 ? score_packed(a, lm, *im.backend, items, mine, lead) : score_cached(a, lm, *im.backend, items, mine, lead);
   std::vector<ChoiceScore> all_scores;
   if (world_size == 1) {
     all_scores = my_scores;
