@@ -73,9 +73,7 @@ int cmd_sample(const SampleArgs& a) {
       if (e.is_array())
         for (const json& x : e) g.stop_ids.push_back(x.get<int32_t>());
     }
-    if (g.stop_ids.empty() && tok)
-      for (const char* name : {"</s>", "<|end_of_text|>", "<|eot_id|>", "<|endoftext|>"})
-        if (auto id = tok->token_to_id(name)) g.stop_ids.push_back(*id);
+    if (g.stop_ids.empty() && tok) g.stop_ids = end_of_text_ids(*tok);
   }
   const int64_t max_len = static_cast<int64_t>(prompt.size()) + a.max_new_tokens;
   if (max_len > m.max_seq_len)

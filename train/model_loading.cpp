@@ -136,6 +136,13 @@ std::unique_ptr<Backend> inference_backend(const std::string& device) {
   return guard_backend_memory_requested() ? make_guarded_backend(make_cpu_backend()) : make_cpu_backend();
 }
 
+std::vector<int32_t> end_of_text_ids(const data::Tokenizer& tok) {
+  std::vector<int32_t> ids;
+  for (const char* name : {"</s>", "<|end_of_text|>", "<|eot_id|>", "<|endoftext|>"})
+    if (auto id = tok.token_to_id(name)) ids.push_back(*id);
+  return ids;
+}
+
 std::string locate_tokenizer(const std::vector<fs::path>& dirs, const std::string& explicit_path) {
   if (!explicit_path.empty())
     return fs::is_directory(explicit_path) ? (fs::path(explicit_path) / "tokenizer.json").string() : explicit_path;

@@ -63,6 +63,10 @@ struct InferenceModel {
 // Where prepare_data.py puts tokenizer.json: the folders of the data.train files.
 std::vector<std::filesystem::path> data_tokenizer_dirs(const RunConfig& cfg);
 
+// The ids of the tokenizer's well-known end-of-text tokens (</s>, <|end_of_text|>, <|eot_id|>,
+// <|endoftext|>) that it has: where generation stops when nothing else says.
+std::vector<int32_t> end_of_text_ids(const data::Tokenizer& tok);
+
 // `explicit_path` (a tokenizer.json or its directory) when given, else the first tokenizer.json
 // in `dirs`; empty when there is none.
 std::string locate_tokenizer(const std::vector<std::filesystem::path>& dirs, const std::string& explicit_path);

@@ -298,8 +298,15 @@ struct ChoiceEvalSet {
   std::string tokenizer;  // the file used, if any
   int64_t contexts_cut = 0;
   int64_t endings = 0, rows = 0;  // packed into rows of seq_len
+  // Steps between evaluations: choice_eval.interval, else train.eval_interval (0: at the end only).
+  static int64_t every(const RunConfig& cfg) {
+    return cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
+  }
+  bool due(int64_t step, const RunConfig& cfg) const {
+    return !items.empty() && ((every(cfg) > 0 && step % every(cfg) == 0) || step == cfg.train.steps);
+  }
   std::string describe(const RunConfig& cfg) const {
-    const int64_t every = cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
+    const int64_t every = ChoiceEvalSet::every(cfg);
     std::string s = "choice eval: " + std::to_string(items.size()) + " items from " + cfg.choice_eval.file;
     s += " (" + std::to_string(endings) + " endings packed in " + std::to_string(rows) + " rows of " +
          std::to_string(cfg.train.seq_len) + ")";
@@ -857,9 +864,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                           ((cfg.train.eval_interval > 0 && it % cfg.train.eval_interval == 0) || it == cfg.train.steps);
     if (eval_now) validation(it);
 
-    const int64_t choice_interval = cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
-    if (!choices.items.empty() && ((choice_interval > 0 && it % choice_interval == 0) || it == cfg.train.steps))
-      choice_eval(it);
+    if (choices.due(it, cfg)) choice_eval(it);
     if (sampler.due(it, cfg.train.steps)) sample_text(it);
 
     const bool last = it == cfg.train.steps;

@@ -16,8 +16,7 @@ TrainingSampler::TrainingSampler(const RunConfig& cfg) : cfg_(cfg.sample) {
   tokenizer_ = data::Tokenizer::from_file(tokenizer_path_);
   // A sample ends at an end-of-text token: the data's, else a well-known one of the tokenizer.
   if (cfg.data.eod_token >= 0) stop_ids_.push_back(static_cast<int32_t>(cfg.data.eod_token));
-  for (const char* name : {"<|endoftext|>", "</s>", "<|end_of_text|>", "<|eot_id|>"})
-    if (auto id = tokenizer_->token_to_id(name)) stop_ids_.push_back(*id);
+  for (int32_t id : end_of_text_ids(*tokenizer_)) stop_ids_.push_back(id);
   prompt_ = tokenizer_->encode(cfg_.prompt, /*add_special_tokens=*/true);
   if (prompt_.empty()) {  // no prompt and no BOS: start after an end of text, as llm.c does
     if (stop_ids_.empty())
