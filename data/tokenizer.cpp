@@ -222,13 +222,17 @@ struct AddedToken {
   int32_t id;
   std::string content;
   bool single_word = false, lstrip = false, rstrip = false, normalized = false, special = false;
+  // What is looked for in the text: content, or for a normalized token content normalized,
+  // since it is matched after the normalizer.
+  std::string match;
 };
 
 struct NormalizerStep {
-  enum Kind { Prepend, Replace, Strip } kind;
+  enum Kind { Prepend, Replace, Strip, Unicode } kind;
   std::string text;     // Prepend: what; Replace: content
   Pattern pattern;      // Replace
   bool left = false, right = false;  // Strip
+  uc::NormalForm form = uc::NormalForm::NFC;  // Unicode (NFC, NFD, NFKC, NFKD)
 };
 
 struct PreTokenizerStep {
@@ -325,8 +329,13 @@ struct Tokenizer::Impl {
       step.kind = NormalizerStep::Strip;
       step.left = n.value("strip_left", false);
       step.right = n.value("strip_right", false);
+    } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+      step.kind = NormalizerStep::Unicode;
+      step.form = type == "NFC" ? uc::NormalForm::NFC : type == "NFD" ? uc::NormalForm::NFD
+                : type == "NFKC" ? uc::NormalForm::NFKC : uc::NormalForm::NFKD;
     } else {
-      fail("normalizer \"" + type + "\" is not supported (keel supports Prepend, Replace, Strip and Sequence)");
+      fail("normalizer \"" + type +
+           "\" is not supported (keel supports NFC, NFD, NFKC, NFKD, Prepend, Replace, Strip and Sequence)");
     }
     component_names.push_back("normalizer " + type);
     normalizer.push_back(std::move(step));
@@ -531,6 +540,12 @@ struct Tokenizer::Impl {
     }
 
     load_normalizer(doc.value("normalizer", json()));
+    // A normalized added token is looked for in normalized text, so as its normalized content;
+    // HF also decodes it (and names it) so: "ﬁx" under NFKC is "fix" both ways.
+    for (AddedToken& t : added) {
+      t.match = t.normalized ? normalize(t.content) : t.content;
+      id_to_token[static_cast<size_t>(t.id)] = t.match;
+    }
     load_pre_tokenizer(doc.value("pre_tokenizer", json()));
     load_post_processor(doc.value("post_processor", json()));
     load_decoder(doc.value("decoder", json()));
@@ -570,6 +585,9 @@ struct Tokenizer::Impl {
           s = std::move(out);
           break;
         }
+        case NormalizerStep::Unicode:
+          s = uc::normalize(s, n.form);
+          break;
       }
     }
     return s;
@@ -585,7 +603,7 @@ struct Tokenizer::Impl {
   void split_added(std::vector<Piece>& pieces, bool normalized_tokens) const {
     std::vector<const AddedToken*> tokens;
     for (const AddedToken& t : added)
-      if (t.normalized == normalized_tokens && !t.content.empty()) tokens.push_back(&t);
+      if (t.normalized == normalized_tokens && !t.match.empty()) tokens.push_back(&t);
     if (tokens.empty()) return;
     std::vector<Piece> out;
     for (Piece& p : pieces) {
@@ -600,18 +618,18 @@ struct Tokenizer::Impl {
         size_t best_at = std::string::npos, best_len = 0;
         const AddedToken* best = nullptr;
         for (const AddedToken* t : tokens) {
-          size_t at = s.find(t->content, pos);
+          size_t at = s.find(t->match, pos);
           while (at != std::string::npos && t->single_word) {
             // single_word: no word character directly before or after
-            const std::u32string before = to_u32(s.substr(0, at)), after = to_u32(s.substr(at + t->content.size()));
+            const std::u32string before = to_u32(s.substr(0, at)), after = to_u32(s.substr(at + t->match.size()));
             const bool ok = (before.empty() || !is_word_char(before.back())) && (after.empty() || !is_word_char(after.front()));
             if (ok) break;
-            at = s.find(t->content, at + 1);
+            at = s.find(t->match, at + 1);
           }
           if (at == std::string::npos) continue;
-          if (at < best_at || (at == best_at && t->content.size() > best_len)) {
+          if (at < best_at || (at == best_at && t->match.size() > best_len)) {
             best_at = at;
-            best_len = t->content.size();
+            best_len = t->match.size();
             best = t;
           }
         }

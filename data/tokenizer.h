@@ -1,17 +1,22 @@
 // Hugging Face tokenizer.json, encode and decode, in C++ (keel sample's prompts, tools).
 //
-// Covers the BPE tokenizers of the Llama family and GPT-2:
-//   byte-level BPE (GPT-2, Llama 3): ByteLevel pre-tokenizer (GPT-2 regex or a Split regex
-//     before it), merges by rank, ignore_merges, added/special tokens;
+// Covers the BPE tokenizers of the Llama family, GPT-2 and Qwen2:
+//   byte-level BPE (GPT-2, Llama 3, Qwen2/2.5/3): ByteLevel pre-tokenizer (GPT-2 regex or a
+//     Split regex before it), merges by rank, ignore_merges, added/special tokens, an NFC
+//     normalizer;
 //   SentencePiece-style BPE (Llama 2, Mistral): "▁" for spaces via Prepend/Replace normalizers
 //     or a Metaspace pre-tokenizer, byte fallback to <0xXX> tokens, unk fusing.
-// Components: normalizers Prepend, Replace, Strip, Sequence; pre-tokenizers ByteLevel, Split,
-// Metaspace, Digits, Whitespace, WhitespaceSplit, Sequence; post-processors TemplateProcessing,
-// ByteLevel, BertProcessing/RobertaProcessing (single sequence), Sequence; decoders ByteLevel,
-// Replace, ByteFallback, Fuse, Strip, Metaspace, Sequence. Anything else is refused when the
+// Components: normalizers NFC, NFD, NFKC, NFKD (Unicode normalization, data/unicode.h),
+// Prepend, Replace, Strip, Sequence; pre-tokenizers ByteLevel, Split, Metaspace, Digits,
+// Whitespace, WhitespaceSplit, Sequence; post-processors TemplateProcessing, ByteLevel,
+// BertProcessing/RobertaProcessing (single sequence), Sequence; decoders ByteLevel, Replace,
+// ByteFallback, Fuse, Strip, Metaspace, Sequence. Anything else is refused when the
 // file is loaded, with an error naming the component, so keel never tokenizes differently from
 // the library in silence. The behaviour is checked id for id against the HF `tokenizers`
-// library on a multilingual corpus (test/data/test_tokenizer.cpp).
+// library on a multilingual corpus (test/data/test_tokenizer.cpp). One known difference: the
+// normalizers follow Unicode 14.0 (Python's unicodedata), while HF's tables are older and
+// leave alone the 73 code points whose decompositions are newer (U+32FF, U+A7F2..U+A7F4,
+// U+10781.., U+11938, ...).
 #pragma once
 
 #include <cstdint>

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <unordered_map>
 
 namespace keel::data::unicode {
 
@@ -9,6 +10,10 @@ namespace detail {
 extern const char kUnicodeVersion[];
 extern const size_t kCategoryRunCount;
 extern const uint32_t kCategoryRuns[];
+extern const size_t kCombiningClassRunCount;
+extern const uint32_t kCombiningClassRuns[];
+extern const size_t kDecompositionSize;
+extern const uint32_t kDecompositions[];
 }  // namespace detail
 
 Category category(char32_t c) {
@@ -63,6 +68,137 @@ char32_t fold_case(char32_t c) {
   if (c >= 0x410 && c <= 0x42F) return c + 32;  // Cyrillic capitals
   if (c >= 0x400 && c <= 0x40F) return c + 80;
   return c;
+}
+
+uint8_t combining_class(char32_t c) {
+  if (c > 0x10FFFF) return 0;
+  // Runs are (start << 8 | ccc); the first starts at 0, as in category().
+  const uint32_t key = (static_cast<uint32_t>(c) << 8) | 0xFFu;
+  const uint32_t* end = detail::kCombiningClassRuns + detail::kCombiningClassRunCount;
+  return static_cast<uint8_t>(std::upper_bound(detail::kCombiningClassRuns, end, key)[-1] & 0xFFu);
+}
+
+namespace {
+
+// Hangul syllables, arithmetically (The Unicode Standard, 3.12): S = SBase + (L * VCount + V) *
+// TCount + T, with L, V, T the indices of the leading consonant, vowel and trailing consonant
+// jamo (T = 0: none, so TBase is one below the first trailing jamo).
+constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
+constexpr char32_t kLCount = 19, kVCount = 21, kTCount = 28, kSCount = kLCount * kVCount * kTCount;
+
+// kDecompositions indexed for lookup, and its primary composites as a pair -> composite map.
+struct NormalizationTables {
+  std::vector<char32_t> mapped;   // code points with a mapping, ascending
+  std::vector<uint32_t> header;   // the offset of each one's header in kDecompositions
+  std::unordered_map<uint64_t, char32_t> composite;
+
+  static uint64_t pair_key(char32_t a, char32_t b) { return (static_cast<uint64_t>(a) << 21) | b; }
+
+  NormalizationTables() {
+    for (size_t pos = 0; pos < detail::kDecompositionSize;) {
+      const uint32_t h = detail::kDecompositions[pos];
+      mapped.push_back(h >> 8);
+      header.push_back(static_cast<uint32_t>(pos));
+      if (h & 1u) {  // a primary composite: a pair to compose
+        const char32_t a = detail::kDecompositions[pos + 1], b = detail::kDecompositions[pos + 2];
+        composite.emplace(pair_key(a, b), h >> 8);
+      }
+      pos += 1 + ((h >> 2) & 63u);
+    }
+  }
+
+  // Appends the full decomposition of c: its mapping, applied again to each code point of it
+  // (the table holds one level, as UnicodeData.txt does).
+  void decompose(char32_t c, bool compat, std::u32string& out) const {
+    if (c >= kSBase && c < kSBase + kSCount) {
+      const char32_t s = c - kSBase;
+      out += static_cast<char32_t>(kLBase + s / (kVCount * kTCount));
+      out += static_cast<char32_t>(kVBase + (s % (kVCount * kTCount)) / kTCount);
+      if (s % kTCount) out += static_cast<char32_t>(kTBase + s % kTCount);
+      return;
+    }
+    const auto it = std::lower_bound(mapped.begin(), mapped.end(), c);
+    if (it == mapped.end() || *it != c) {
+      out += c;
+      return;
+    }
+    const uint32_t* h = detail::kDecompositions + header[static_cast<size_t>(it - mapped.begin())];
+    if (((*h >> 1) & 1u) && !compat) {  // a compatibility mapping, and NFD / NFC keep c
+      out += c;
+      return;
+    }
+    const uint32_t n = (*h >> 2) & 63u;
+    for (uint32_t k = 1; k <= n; ++k) decompose(h[k], compat, out);
+  }
+
+  // The primary composite of a + b, or 0 when there is none.
+  char32_t compose(char32_t a, char32_t b) const {
+    if (a >= kLBase && a < kLBase + kLCount && b >= kVBase && b < kVBase + kVCount)
+      return kSBase + ((a - kLBase) * kVCount + (b - kVBase)) * kTCount;  // L + V -> LV
+    if (a >= kSBase && a < kSBase + kSCount && (a - kSBase) % kTCount == 0 && b > kTBase && b < kTBase + kTCount)
+      return a + (b - kTBase);  // LV + T -> LVT
+    const auto it = composite.find(pair_key(a, b));
+    return it == composite.end() ? 0 : it->second;
+  }
+};
+
+const NormalizationTables& normalization_tables() {
+  static const NormalizationTables t;
+  return t;
+}
+
+}  // namespace
+
+std::string normalize(std::string_view utf8, NormalForm form) {
+  if (std::all_of(utf8.begin(), utf8.end(), [](char b) { return static_cast<unsigned char>(b) < 0x80; }))
+    return std::string(utf8);  // ASCII is invariant under every form
+  const NormalizationTables& t = normalization_tables();
+  const bool compat = form == NormalForm::NFKC || form == NormalForm::NFKD;
+  std::u32string d;
+  d.reserve(utf8.size());
+  for (char32_t c : decode_utf8(utf8, "text to normalize")) t.decompose(c, compat, d);
+
+  // Canonical ordering: each run of non-starters sorted by combining class, stably (marks of
+  // one class keep their order; they do not commute).
+  struct Char {
+    char32_t c;
+    uint8_t ccc;
+  };
+  std::vector<Char> chars(d.size());
+  for (size_t i = 0; i < d.size(); ++i) chars[i] = {d[i], combining_class(d[i])};
+  for (size_t i = 0; i < chars.size();) {
+    size_t j = i;
+    while (j < chars.size() && chars[j].ccc != 0) ++j;
+    if (j - i > 1)
+      std::stable_sort(chars.begin() + i, chars.begin() + j, [](const Char& a, const Char& b) { return a.ccc < b.ccc; });
+    i = j + 1;
+  }
+
+  // Canonical composition: each character joins the last starter when a primary composite of
+  // the two exists and nothing between them blocks it. Between them stand only non-starters in
+  // ascending class order, so the last kept one has the highest class: c is blocked when that
+  // class is >= its own (a starter c is blocked by any).
+  size_t kept = chars.size();
+  if (form == NormalForm::NFC || form == NormalForm::NFKC) {
+    constexpr size_t kNone = static_cast<size_t>(-1);
+    size_t starter = kNone;
+    kept = 0;
+    for (size_t i = 0; i < chars.size(); ++i) {
+      const Char ch = chars[i];
+      if (starter != kNone && (kept == starter + 1 || chars[kept - 1].ccc < ch.ccc)) {
+        if (const char32_t comp = t.compose(chars[starter].c, ch.c)) {
+          chars[starter].c = comp;  // primary composites are starters
+          continue;
+        }
+      }
+      if (ch.ccc == 0) starter = kept;
+      chars[kept++] = ch;
+    }
+  }
+  std::string out;
+  out.reserve(utf8.size() + utf8.size() / 2);
+  for (size_t i = 0; i < kept; ++i) append_utf8(out, chars[i].c);
+  return out;
 }
 
 void append_utf8(std::string& out, char32_t c) {

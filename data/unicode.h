@@ -1,6 +1,7 @@
 // The bits of Unicode the tokenizer needs: general categories (for the \p{L}, \p{N}, ...
 // classes of pre-tokenization regexes), the White_Space property (\s), a little case folding
-// ((?i:...) groups), and UTF-8 encoding and decoding.
+// ((?i:...) groups), the normalization forms NFC, NFD, NFKC and NFKD (normalizers), and UTF-8
+// encoding and decoding.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,7 @@ enum class Category : uint8_t {
 };
 
 Category category(char32_t c);
-const char* unicode_version();  // of the category table, e.g. "14.0.0"
+const char* unicode_version();  // of the tables (categories, normalization), e.g. "14.0.0"
 
 // "L" (any letter), "Lu", "N", "Nd", ... -> the set of categories it names, as a bit mask over
 // Category values; 0 when the name is not a general category (or one-letter group).
@@ -33,6 +34,17 @@ bool is_white_space(char32_t c);
 // Cyrillic basic letters, and the two compatibility characters that fold to ASCII (U+017F long
 // s -> s, U+212A Kelvin sign -> k).
 char32_t fold_case(char32_t c);
+
+// The Unicode normalization forms of UAX #15: canonical (NFD) or compatibility (NFKD)
+// decomposition, then canonical ordering, and for NFC and NFKC canonical composition.
+enum class NormalForm { NFC, NFD, NFKC, NFKD };
+
+// The canonical combining class of c (0 for starters; 230 for most accents above).
+uint8_t combining_class(char32_t c);
+
+// utf8 in the given normal form, by the tables of unicode_version(). Pure ASCII comes back
+// unchanged without a look at the tables. Throws std::invalid_argument on invalid UTF-8.
+std::string normalize(std::string_view utf8, NormalForm form);
 
 // Appends the UTF-8 encoding of c.
 void append_utf8(std::string& out, char32_t c);

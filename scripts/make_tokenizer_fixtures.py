@@ -18,6 +18,12 @@ Tokenizers (trained here on Debian's fortunes plus the multilingual text below):
                contiguous, invert), Digits, Strip and regex Replace normalizers, byte-level model
   metaspace_unk  Metaspace (prepend_scheme "always", split) with <unk> for unknown characters
   whitespace   WhitespaceSplit + Whitespace pre-tokenizers, no decoder
+  qwen2        byte-level BPE, Qwen2 / Qwen2.5 / Qwen3 style: NFC normalizer, Split(Qwen2 regex:
+               single digits) + ByteLevel(no regex), <|endoftext|> <|im_start|> <|im_end|>, no BOS
+  nfkc         byte-level BPE behind normalizers NFD, Replace(\p{Mn} -> "") and NFKC (accents
+               stripped, compatibility characters folded), a normalized added token "ﬁx"
+               (matched and decoded as "fix", its normalized form) and a non-normalized one
+               "e\u0301!" (matched in the raw text only)
 
 Outputs (test/fixtures/tokenizers/): <name>.json (tokenizer.json files) and cases.json:
   {"strings": [...], "tokenizers": {name: {"file", "vocab_size", "encode": [[ids]...],
@@ -51,6 +57,8 @@ N_FORTUNE_TESTS = 160
 N_SPECIAL = 40
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # Multilingual text for training and testing (so merges exist beyond ASCII).
 MULTILINGUAL = [
@@ -91,6 +99,25 @@ EDGE_CASES = [
 ]
 
 
+# Text that Unicode normalization changes: decomposed accents, compatibility characters, Hangul
+# jamo, marks in non-canonical order, exclusions and singletons, special tokens next to marks.
+# Test strings only (not training text), appended after the others.
+NORMALIZATION_CASES = [
+    "e\u0301", "cafe\u0301 caf\u00e9", "A\u030angstr\u00f6m \u212bngstr\u00f6m \u00c5ngstro\u0308m",
+    "\ufb01x fix \ufb01", "\ufb03ce \ufb02ow", "\u2460\u2461\u2462 \u2474",
+    "\uff21\uff22\uff23 \uff41\uff42\uff43 \uff11\uff12\uff13",
+    "\u1100\u1161\u11a8 \u1112\u1161\u11ab\u1100\u116e\u11a8\u110b\u1165", "\uac00\u11a8 \ud55c\uad6d\uc5b4",
+    "Tie\u0302\u0301ng Vie\u0323\u0302t co\u0301 da\u0302\u0301u", "Nguye\u0302\u0303n Va\u0306n A",
+    "a\u0316\u0301 a\u0301\u0316 a\u0300\u0301", "\u1e9b\u0323 \u1e0b\u0323 q\u0307\u0323",
+    "\u0958\u0959 \u0915\u093c", "x\u00b2 + y\u00b3 = \u00bd \u2153", "\u2122 \u2103 \u216b \u33cf \u2026",
+    "\uff76\uff9e\uff8a\uff9f \u30ab\u3099", "\u01c4 \u01c5 \u0149 \u017f\u0307", "\u2126 \u212a \u0344 \u0f73",
+    "\u00a0\u3000\u2002 spaces", "<|im_start|>user\nCaf\u0065\u0301?<|im_end|>\n", "<|im_start|>\u0301<|im_end|>",
+    "<|endoftext|>\u0308a", "\u0301\u0301\u0301", "\U0001d400\U0001d401 \U0001d7ce\U0001d7cf",
+    "\u3131\u314f \u321d \u327e", "na\u00efve nai\u0308ve \u00e9t\u00e9 e\u0301te\u0301",
+    "cafe\u0301! caf\u00e9! \ufb01x!", "e\u0301!e\u0301!",
+]
+
+
 def read_fortunes(names: list) -> list:
     docs = []
     for name in names:
@@ -109,11 +136,13 @@ def test_strings() -> list:
     rng = random.Random(7)
     picked = rng.sample(docs, N_FORTUNE_TESTS)
     picked = [d[:300] for d in picked]  # keep the fixture small
-    return EDGE_CASES + MULTILINGUAL + picked
+    return EDGE_CASES + MULTILINGUAL + picked + NORMALIZATION_CASES
 
 
-def train_bytelevel(corpus, vocab_size, pre_tok, special):
+def train_bytelevel(corpus, vocab_size, pre_tok, special, normalizer=None):
     tok = Tokenizer(models.BPE())
+    if normalizer is not None:
+        tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tok
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=special,
@@ -144,6 +173,33 @@ def make_llama3(corpus):
         processors.ByteLevel(trim_offsets=False),
         processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
                                       special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])])
+    return tok
+
+
+def make_qwen2(corpus):
+    """Qwen2's tokenizer.json: NFC, the Qwen2 regex (digits one by one) then ByteLevel without
+    its own regex, ByteLevel decoder and post-processor, ChatML special tokens, no BOS."""
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok = train_bytelevel(corpus, 800, pre, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                          normalizer=normalizers.NFC())
+    # The decoder and post-processor as Qwen2's file has them (the Python decoder takes no options).
+    doc = json.loads(tok.to_str())
+    doc["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tok = Tokenizer.from_str(json.dumps(doc))
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    return tok
+
+
+def make_nfkc(corpus):
+    """Accents stripped (NFD, then combining marks removed), then NFKC: checks NFD and NFKC
+    through HF, and added tokens matched before (normalized=False) or after the normalizer."""
+    norm = normalizers.Sequence([normalizers.NFD(), normalizers.Replace(Regex(r"\p{Mn}"), ""), normalizers.NFKC()])
+    tok = train_bytelevel(corpus, 500, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                          ["<|endoftext|>"], normalizer=norm)
+    tok.add_tokens([AddedToken("\ufb01x", normalized=True, special=False),
+                    AddedToken("e\u0301!", normalized=False, special=False)])
     return tok
 
 
@@ -249,6 +305,8 @@ def build(out_dir: str) -> dict:
         "splits": make_splits(corpus),
         "metaspace_unk": make_unk_bpe(corpus, metaspace=True),
         "whitespace": make_unk_bpe(corpus, metaspace=False),
+        "qwen2": make_qwen2(corpus),
+        "nfkc": make_nfkc(corpus),
     }
     strings = test_strings()
     files = {}

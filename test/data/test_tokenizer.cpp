@@ -1,11 +1,17 @@
 // keel's C++ tokenizer against the HF `tokenizers` library: the fixtures of
-// scripts/make_tokenizer_fixtures.py hold eight tokenizer.json files (GPT-2 / Llama 3 /
+// scripts/make_tokenizer_fixtures.py hold ten tokenizer.json files (GPT-2 / Llama 3 / Qwen2 /
 // RoBERTa-style byte-level BPE, Llama 2-style SentencePiece BPE with byte fallback, its
-// Metaspace variant, and three that exercise the remaining components) and the ids and texts
-// HF produced for ~280 strings (multilingual text, emoji, digits, whitespace runs, code,
-// special tokens inside text). Encode and decode must agree exactly.
+// Metaspace variant, and four that exercise the remaining components, NFD and NFKC among them)
+// and the ids and texts HF produced for ~300 strings (multilingual text, emoji, digits,
+// whitespace runs, code, special tokens inside text, text that normalization changes). Encode
+// and decode must agree exactly.
+// Unicode normalization (NFC, NFD, NFKC, NFKD) against Python's unicodedata: the fixture of
+// scripts/make_unicode_tables.py holds a CRC-32 of every code point normalized alone and a few
+// hundred combining sequences with their four forms.
 #include <catch2/catch.hpp>
 
+#include <array>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -98,6 +104,13 @@ TEST_CASE("tokenizer: <unk> without byte fallback, Metaspace with split, Whitesp
   check_tokenizer("whitespace");
 }
 
+TEST_CASE("tokenizer: Qwen2 style byte-level BPE (NFC, Qwen2 regex, ChatML tokens) matches HF", "[tokenizer][unicode]") {
+  check_tokenizer("qwen2");
+}
+TEST_CASE("tokenizer: NFD, Replace and NFKC normalizers and normalized added tokens match HF", "[tokenizer][unicode]") {
+  check_tokenizer("nfkc");
+}
+
 TEST_CASE("tokenizer: unsupported components and bad input give errors that name them", "[tokenizer]") {
   std::ifstream in(kDir + "gpt2.json");
   nlohmann::json doc = nlohmann::json::parse(in);
@@ -110,8 +123,9 @@ TEST_CASE("tokenizer: unsupported components and bad input give errors that name
     return std::string("no error");
   };
   nlohmann::json d = doc;
-  d["normalizer"] = {{"type", "NFKC"}};
-  CHECK_THAT(error_of(d), Catch::Contains("my/tokenizer.json") && Catch::Contains("normalizer \"NFKC\""));
+  d["normalizer"] = {{"type", "BertNormalizer"}};
+  CHECK_THAT(error_of(d), Catch::Contains("my/tokenizer.json") && Catch::Contains("normalizer \"BertNormalizer\"") &&
+                              Catch::Contains("NFC, NFD, NFKC, NFKD"));
   d = doc;
   d["model"]["type"] = "Unigram";
   CHECK_THAT(error_of(d), Catch::Contains("model type \"Unigram\""));
@@ -161,4 +175,160 @@ TEST_CASE("unicode: categories and white space", "[tokenizer]") {
   CHECK(is_white_space(0x3000));
   CHECK_FALSE(is_white_space(0x200B));
   CHECK_FALSE(is_white_space(0x1C));
+}
+
+namespace {
+
+using keel::data::unicode::NormalForm;
+
+const nlohmann::json& normalization_fixture() {
+  static const nlohmann::json j = [] {
+    std::ifstream in(std::string(KEEL_FIXTURE_DIR) + "/unicode/normalization.json");
+    return nlohmann::json::parse(in);
+  }();
+  return j;
+}
+
+constexpr std::array<std::pair<const char*, NormalForm>, 4> kForms{
+    {{"NFC", NormalForm::NFC}, {"NFD", NormalForm::NFD}, {"NFKC", NormalForm::NFKC}, {"NFKD", NormalForm::NFKD}}};
+
+// zlib's CRC-32 (reflected polynomial 0xEDB88320), which the generator takes from Python's zlib.
+class Crc32 {
+ public:
+  void update(std::string_view bytes) {
+    static const std::array<uint32_t, 256> table = [] {
+      std::array<uint32_t, 256> t{};
+      for (uint32_t i = 0; i < 256; ++i) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        t[i] = c;
+      }
+      return t;
+    }();
+    for (unsigned char b : bytes) state_ = table[(state_ ^ b) & 0xFFu] ^ (state_ >> 8);
+  }
+  uint32_t value() const { return ~state_; }
+
+ private:
+  uint32_t state_ = 0xFFFFFFFFu;
+};
+
+std::string hex_code_points(std::string_view utf8) {
+  std::string out;
+  for (char32_t c : keel::data::unicode::decode_utf8(utf8)) {
+    char buf[12];
+    std::snprintf(buf, sizeof buf, "%s%04X", out.empty() ? "" : " ", static_cast<unsigned>(c));
+    out += buf;
+  }
+  return out;
+}
+
+// "0065 0301" -> UTF-8
+std::string from_hex_code_points(const std::string& hex) {
+  std::string out;
+  std::istringstream in(hex);
+  std::string word;
+  while (in >> word) keel::data::unicode::append_utf8(out, static_cast<char32_t>(std::stoul(word, nullptr, 16)));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("unicode: every code point normalized alone matches Python's unicodedata under NFC, NFD, NFKC and NFKD",
+          "[tokenizer][unicode]") {
+  using namespace keel::data::unicode;
+  const auto& fx = normalization_fixture();
+  REQUIRE(fx["unicode_version"].get<std::string>() == unicode_version());
+  Crc32 check;
+  check.update("123456789");
+  REQUIRE(check.value() == 0xCBF43926u);  // the CRC-32 check value: the digest is zlib's
+
+  // Per form, per block of code points: the CRC-32 of each code point's normal form followed by
+  // 0xFF (never in UTF-8), as scripts/make_unicode_tables.py computes it with unicodedata.
+  const auto block = fx["digest_block"].get<uint32_t>();
+  for (const auto& [name, form] : kForms) {
+    const auto want = fx["digests"][name].get<std::vector<uint32_t>>();
+    REQUIRE(want.size() * block == 0x110000);
+    std::string bad;
+    for (uint32_t b = 0; b < want.size(); ++b) {
+      Crc32 crc;
+      for (uint32_t c = b * block; c < (b + 1) * block; ++c) {
+        if (c >= 0xD800 && c <= 0xDFFF) continue;  // surrogates are not text
+        std::string in;
+        append_utf8(in, c);
+        crc.update(normalize(in, form));
+        crc.update("\xFF");
+      }
+      if (crc.value() != want[b]) {
+        char range[40];
+        std::snprintf(range, sizeof range, " U+%04X..U+%04X", b * block, (b + 1) * block - 1);
+        bad += range;
+      }
+    }
+    INFO(name << " differs from unicodedata in the blocks" << bad);
+    CHECK(bad.empty());
+  }
+}
+
+TEST_CASE("unicode: combining sequences, Hangul jamo, exclusions and compatibility characters match unicodedata",
+          "[tokenizer][unicode]") {
+  using namespace keel::data::unicode;
+  const auto& cases = normalization_fixture()["cases"];
+  REQUIRE(cases.size() >= 300);
+  // Each case is "source;NFC;NFD;NFKC;NFKD" (c1..c5). Besides the forms of the source, the
+  // invariants of Unicode's NormalizationTest.txt: c2 = NFC(c1..c3), c4 = NFC(c4, c5),
+  // c3 = NFD(c1..c3), c5 = NFD(c4, c5), c4 = NFKC(c1..c5), c5 = NFKD(c1..c5).
+  struct Invariant {
+    NormalForm form;
+    const char* name;
+    size_t want;
+    std::vector<size_t> from;  // columns, 0-based
+  };
+  const std::vector<Invariant> invariants{
+      {NormalForm::NFC, "NFC", 1, {0, 1, 2}},
+      {NormalForm::NFC, "NFC", 3, {3, 4}},
+      {NormalForm::NFD, "NFD", 2, {0, 1, 2}},
+      {NormalForm::NFD, "NFD", 4, {3, 4}},
+      {NormalForm::NFKC, "NFKC", 3, {0, 1, 2, 3, 4}},
+      {NormalForm::NFKD, "NFKD", 4, {0, 1, 2, 3, 4}},
+  };
+  int failures = 0;
+  for (const auto& item : cases) {
+    std::array<std::string, 5> c;
+    std::istringstream fields(item.get<std::string>());
+    for (std::string& x : c) {
+      std::string hex;
+      std::getline(fields, hex, ';');
+      x = from_hex_code_points(hex);
+    }
+    for (const Invariant& inv : invariants) {
+      for (size_t from : inv.from) {
+        const std::string got = normalize(c[from], inv.form);
+        if (got != c[inv.want] && ++failures <= 10) {
+          INFO(inv.name << " of c" << from + 1 << " [" << hex_code_points(c[from]) << "]: want c" << inv.want + 1 << " ["
+                        << hex_code_points(c[inv.want]) << "], got [" << hex_code_points(got) << "]");
+          CHECK(got == c[inv.want]);
+        }
+      }
+    }
+  }
+  CHECK(failures == 0);
+}
+
+TEST_CASE("unicode: combining classes, the ASCII fast path and invalid UTF-8", "[tokenizer][unicode]") {
+  using namespace keel::data::unicode;
+  // Every code point's class, one byte each, against the CRC-32 unicodedata.combining gives.
+  Crc32 crc;
+  for (char32_t c = 0; c <= 0x10FFFF; ++c) crc.update(std::string(1, static_cast<char>(combining_class(c))));
+  CHECK(crc.value() == normalization_fixture()["combining_class_crc"].get<uint32_t>());
+  CHECK(combining_class(U'a') == 0);
+  CHECK(combining_class(0x301) == 230);  // acute above
+  CHECK(combining_class(0x316) == 220);  // grave below
+  CHECK(combining_class(0x1D16E) == 216);
+  CHECK(combining_class(0x10FFFF) == 0);
+  const std::string ascii = "plain ASCII text\n\t~";
+  for (const auto& [name, form] : kForms) CHECK(normalize(ascii, form) == ascii);
+  CHECK(normalize("", NormalForm::NFKC).empty());
+  CHECK_THROWS_WITH(normalize("ok \xC3", NormalForm::NFC),
+                    Catch::Contains("not valid UTF-8") && Catch::Contains("byte 3"));
 }
