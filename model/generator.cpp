@@ -121,8 +121,9 @@ std::vector<float> Generator::forward(const int32_t* tokens, int n, bool all_row
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     norm(h, x, p + "attn_norm", n);
-    Tensor bqkv = gpt2 ? fused(p + "attn.bq", q + 2 * kv, 0) : Tensor();
-    be_.matmul(qkv, h, fused(p + "attn.wq", q + 2 * kv, d), false, true, false, gpt2 ? &bqkv : nullptr);
+    Tensor bqkv = cfg_.has_qkv_bias() ? fused(p + "attn.bq", q + 2 * kv, 0) : Tensor();
+    be_.matmul(qkv, h, fused(p + "attn.wq", q + 2 * kv, d), false, true, false,
+               cfg_.has_qkv_bias() ? &bqkv : nullptr);
     be_.attention_decode(attn, qkv, k_cache_[l], v_cache_[l], shape, pos_, cfg_.rope());
     Tensor bo = gpt2 ? view(p + "attn.bo") : Tensor();
     be_.matmul(proj, attn, view(p + "attn.wo"), false, true, false, gpt2 ? &bo : nullptr);

@@ -8,6 +8,9 @@
 //   embedding_norm: the family's norm applied to the embedding output (embed_norm.weight/.bias),
 //                   which the BigScience 104B runs added against loss spikes. A norm: never
 //                   weight-decayed (model/param_table.h).
+// One llama option (Megatron's --add-qkv-bias):
+//   qkv_bias:       biases on the q, k and v projections (attn.bq/bk/bv), as in Qwen2 / Qwen2.5;
+//                   gpt2 always has them.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +40,7 @@ struct ModelConfig {
   bool tied_embeddings = false;
   bool alibi = false;
   bool embedding_norm = false;
+  bool qkv_bias = false;  // llama only; see has_qkv_bias()
   float init_std = 0.02f;
 
   bool is_gpt2() const { return family == Family::GPT2; }
@@ -47,11 +51,15 @@ struct ModelConfig {
   int kv_dim() const { return n_kv_heads * head_dim(); }
   // The positions' rotation: Llama's RoPE, none for GPT-2 (learned positions) or ALiBi.
   Rope rope() const { return is_llama() && !alibi ? Rope(rope_theta, rope_scaling) : Rope(); }
+  bool has_qkv_bias() const { return is_gpt2() || qkv_bias; }
   bool learned_positions() const { return is_gpt2() && !alibi; }  // a pos_embed table
   // "learned", "rope" or "alibi" (the config's model.position_embedding)
   std::string position_embedding() const { return alibi ? "alibi" : is_gpt2() ? "learned" : "rope"; }
 };
 
 std::string family_name(Family f);
+// The options beyond the family's defaults, each as ", name" (e.g. ", ALiBi, q/k/v biases"), for
+// the one-line model descriptions of keel train, plan, sample and eval.
+std::string option_names(const ModelConfig& m);
 
 }  // namespace keel

@@ -9,6 +9,14 @@ namespace keel {
 
 std::string family_name(Family f) { return f == Family::GPT2 ? "gpt2" : "llama"; }
 
+std::string option_names(const ModelConfig& m) {
+  std::string s;
+  if (m.alibi) s += ", ALiBi";
+  if (m.embedding_norm) s += ", embedding norm";
+  if (m.is_llama() && m.qkv_bias) s += ", q/k/v biases";
+  return s;
+}
+
 std::string role_name(Role r) {
   switch (r) {
     case Role::Matrix: return "matrix";
@@ -102,7 +110,7 @@ void ParamTable::add_chunk(const ModelShard& shard) {
     add(p + "attn.wq", {q, d}, Role::Matrix, TpSplit::Rows, i, std);
     add(p + "attn.wk", {kv, d}, Role::Matrix, TpSplit::Rows, i, std);
     add(p + "attn.wv", {kv, d}, Role::Matrix, TpSplit::Rows, i, std);
-    if (gpt2) {
+    if (cfg.has_qkv_bias()) {
       add(p + "attn.bq", {q}, Role::Bias, TpSplit::Rows, i, 0);
       add(p + "attn.bk", {kv}, Role::Bias, TpSplit::Rows, i, 0);
       add(p + "attn.bv", {kv}, Role::Bias, TpSplit::Rows, i, 0);

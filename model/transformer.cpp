@@ -218,11 +218,11 @@ Transformer::Params Transformer::resolve(const Tensor& flat) const {
     LayerParams l;
     l.attn_norm_w = v(n + "attn_norm.weight");
     l.wqkv = fused(flat, n + "attn.wq", q_ + 2 * kv_, d);
+    if (cfg_.has_qkv_bias()) l.bqkv = fused(flat, n + "attn.bq", q_ + 2 * kv_, 0);
     l.wo = v(n + "attn.wo");
     l.mlp_norm_w = v(n + "mlp_norm.weight");
     if (gpt2) {
       l.attn_norm_b = v(n + "attn_norm.bias");
-      l.bqkv = fused(flat, n + "attn.bq", q_ + 2 * kv_, 0);
       l.bo = v(n + "attn.bo");
       l.mlp_norm_b = v(n + "mlp_norm.bias");
       l.w_in = v(n + "mlp.w_fc");
@@ -339,7 +339,7 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
   // attention block: res_mid = res_in + wo(attn(rope(qkv(norm(res_in)))))
   norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, w.attn_norm_w, w.attn_norm_b);
   probe(false, layer, "attn_norm", a.norm1);
-  be_.matmul(a.qkv, gather_rows(a.norm1), w.wqkv, false, true, false, gpt2 ? &w.bqkv : nullptr);
+  be_.matmul(a.qkv, gather_rows(a.norm1), w.wqkv, false, true, false, cfg_.has_qkv_bias() ? &w.bqkv : nullptr);
   probe(false, layer, "qkv projection", a.qkv);
   if (cfg_.rope().rotates()) {
     be_.rope_forward(a.qkv, shape, cfg_.rope());
@@ -533,7 +533,7 @@ void Transformer::backward(int slot_index, float dloss) {
     }
     be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);
     be_.matmul(g.wqkv, dqkv_, gather_rows(a.norm1), true, false, true);
-    if (gpt2) be_.bias_backward(g.bqkv, dqkv_);
+    if (cfg_.has_qkv_bias()) be_.bias_backward(g.bqkv, dqkv_);
     const Tensor& dnorm1 = reduce_rows(dnorm_);
     probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm1);
     norm_backward(dres_, dnorm1, a.res_in, a.mean1, a.rstd1, w.attn_norm_w, g.attn_norm_w, g.attn_norm_b);

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Build keel's oracle fixtures from tiny random Hugging Face models.
 
-For each tiny model (GPT-2, Llama, and BLOOM: keel's gpt2 family with ALiBi and an
-embedding LayerNorm) this script
+For each tiny model (GPT-2, Llama, BLOOM: keel's gpt2 family with ALiBi and an
+embedding LayerNorm, Qwen2: llama with q/k/v biases, and Qwen3: llama with per-head q/k
+RMSNorms and a head size other than d_model / n_heads) this script
 
   1. builds the model with HF transformers and re-initialises every parameter
      (in keel's naming and layout, float32, fixed seed),
@@ -57,9 +58,12 @@ import torch.nn.functional as F
 import safetensors
 import transformers
 from safetensors.torch import save_file
-from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 from transformers.models.bloom import modeling_bloom
 from transformers.models.llama import modeling_llama
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "test", "fixtures")
@@ -123,12 +127,15 @@ class ModelSpec:
     seed: int
     alibi: bool = False           # ALiBi biases instead of learned positions (BLOOM)
     embedding_norm: bool = False  # LayerNorm after the embedding (BLOOM's word_embeddings_layernorm)
-    hf_arch: str = ""             # the HF model class: gpt2, llama or bloom
+    qkv_bias: bool = False        # llama with biases on q/k/v (Qwen2)
+    qk_norm: bool = False         # llama with per-head RMSNorms of q and k before RoPE (Qwen3)
+    head_dim_override: int = 0    # head size when not d_model / n_heads (Qwen3)
+    hf_arch: str = ""             # the HF model class: gpt2, llama, bloom, qwen2 or qwen3
     params: list = field(default_factory=list)
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim_override or self.d_model // self.n_heads
 
 
 def role_from_name(name: str) -> str:
@@ -165,8 +172,10 @@ def keel_param_table(s: ModelSpec) -> list:
         if gpt2:
             rows.append((p + "attn_norm.bias", (d,)))
         rows += [(p + "attn.wq", (q_out, d)), (p + "attn.wk", (kv_out, d)), (p + "attn.wv", (kv_out, d))]
-        if gpt2:
+        if gpt2 or s.qkv_bias:
             rows += [(p + "attn.bq", (q_out,)), (p + "attn.bk", (kv_out,)), (p + "attn.bv", (kv_out,))]
+        if s.qk_norm:
+            rows += [(p + "attn.q_norm.weight", (hd,)), (p + "attn.k_norm.weight", (hd,))]
         rows.append((p + "attn.wo", (d, q_out)))
         if gpt2:
             rows.append((p + "attn.bo", (d,)))
@@ -259,6 +268,12 @@ def llama_mapping(s: ModelSpec) -> list:
             (h + "self_attn.q_proj.weight", "copy", [k + "attn.wq"]),
             (h + "self_attn.k_proj.weight", "copy", [k + "attn.wk"]),
             (h + "self_attn.v_proj.weight", "copy", [k + "attn.wv"]),
+        ]
+        if s.qkv_bias:
+            m += [(h + f"self_attn.{x}_proj.bias", "copy", [k + f"attn.b{x}"]) for x in "qkv"]
+        if s.qk_norm:
+            m += [(h + f"self_attn.{x}_norm.weight", "copy", [k + f"attn.{x}_norm.weight"]) for x in "qk"]
+        m += [
             (h + "self_attn.o_proj.weight", "copy", [k + "attn.wo"]),
             (h + "post_attention_layernorm.weight", "copy", [k + "mlp_norm.weight"]),
             (h + "mlp.gate_proj.weight", "copy", [k + "mlp.w_gate"]),
@@ -373,10 +388,26 @@ def make_specs() -> dict:
                       n_heads=6, n_kv_heads=6, ffn_hidden=192, norm_eps=1e-5, rope_theta=10000.0,
                       max_seq_len=32, tied_embeddings=True, seed=20240603, alibi=True,
                       embedding_norm=True, hf_arch="bloom")
+    # Qwen2: llama with q/k/v biases (GQA 4/2, tied head as in the small Qwen2.5 models). rope_theta
+    # stays at 10000, not Qwen's 1e6: over T = 16 positions the slowest pairs of a head of 8 would
+    # barely turn, so those parts of attn.bk would shift every score of a row alike and their
+    # gradient would nearly cancel; AdamW's m / sqrt(v) then turns roundoff into full-size updates
+    # and the five-step trajectory measures noise (GPT-2's attn.bk, whose gradient is exactly
+    # zero, is the extreme case: see its fixture's zero_gradients note).
+    qwen2 = ModelSpec(name="qwen2_tiny", family="llama", vocab_size=VOCAB, d_model=32, n_layers=2,
+                      n_heads=4, n_kv_heads=2, ffn_hidden=64, norm_eps=1e-6, rope_theta=10000.0,
+                      max_seq_len=64, tied_embeddings=True, seed=20240604, qkv_bias=True, hf_arch="qwen2")
+    # Qwen3: per-head q/k RMSNorms, and 4 heads of 16 = 64 wide on a d_model of 32 (the small
+    # Qwen3 models' head_dim 128 is also not hidden_size / heads).
+    qwen3 = ModelSpec(name="qwen3_tiny", family="llama", vocab_size=VOCAB, d_model=32, n_layers=2,
+                      n_heads=4, n_kv_heads=2, ffn_hidden=64, norm_eps=1e-6, rope_theta=1000000.0,
+                      max_seq_len=64, tied_embeddings=False, seed=20240605, qk_norm=True,
+                      head_dim_override=16, hf_arch="qwen3")
     gpt2.hf_arch, llama.hf_arch = "gpt2", "llama"
-    for s in (gpt2, llama, bloom):
+    specs = (gpt2, llama, bloom, qwen2, qwen3)
+    for s in specs:
         s.params = keel_param_table(s)
-    return {s.name: s for s in (gpt2, llama, bloom)}
+    return {s.name: s for s in specs}
 
 
 def build_hf_model(s: ModelSpec):
@@ -401,6 +432,22 @@ def build_hf_model(s: ModelSpec):
             attn_implementation="eager")
         model = GPT2LMHeadModel(cfg)
         mapping = gpt2_mapping(s)
+    elif s.hf_arch in ("qwen2", "qwen3"):
+        common = dict(
+            vocab_size=s.vocab_size, hidden_size=s.d_model, intermediate_size=s.ffn_hidden,
+            num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads,
+            num_key_value_heads=s.n_kv_heads, hidden_act="silu", rms_norm_eps=s.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+            max_position_embeddings=s.max_seq_len, tie_word_embeddings=s.tied_embeddings,
+            use_sliding_window=False, attention_dropout=0.0, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, attn_implementation="eager")
+        if s.hf_arch == "qwen2":
+            model = Qwen2ForCausalLM(Qwen2Config(**common))
+        else:
+            model = Qwen3ForCausalLM(Qwen3Config(head_dim=s.head_dim, attention_bias=False, **common))
+        mapping = llama_mapping(s)
+        if s.tied_embeddings:
+            mapping = [e for e in mapping if e[0] != "lm_head.weight"]  # the same Parameter as embed_tokens
     else:
         cfg = LlamaConfig(
             vocab_size=s.vocab_size, hidden_size=s.d_model, intermediate_size=s.ffn_hidden,
@@ -502,18 +549,25 @@ def _eager_attention_keep_dtype(module, query, key, value, attention_mask, scali
     return out, w
 
 
+# Llama's code and its copies in Qwen2 / Qwen3 (each module has its own RMSNorm class and
+# eager attention function, so each is patched in its own module).
+LLAMA_LIKE_MODULES = {"llama": (modeling_llama, "LlamaRMSNorm"), "qwen2": (modeling_qwen2, "Qwen2RMSNorm"),
+                      "qwen3": (modeling_qwen3, "Qwen3RMSNorm")}
+
+
 @contextlib.contextmanager
 def llama_float64_patches(model):
-    rms_cls = modeling_llama.LlamaRMSNorm
-    saved = (rms_cls.forward, modeling_llama.eager_attention_forward)
+    module, rms_name = LLAMA_LIKE_MODULES[model.config.model_type]
+    rms_cls = getattr(module, rms_name)
+    saved = (rms_cls.forward, module.eager_attention_forward)
     rotary = model.model.rotary_emb
     rms_cls.forward = _rmsnorm_keep_dtype
-    modeling_llama.eager_attention_forward = _eager_attention_keep_dtype
+    module.eager_attention_forward = _eager_attention_keep_dtype
     rotary.forward = _rotary_keep_dtype.__get__(rotary)
     try:
         yield
     finally:
-        rms_cls.forward, modeling_llama.eager_attention_forward = saved
+        rms_cls.forward, module.eager_attention_forward = saved
         del rotary.forward  # back to the class method
 
 
@@ -603,7 +657,7 @@ def reference_logits(s: ModelSpec, P: dict, idx: torch.Tensor) -> torch.Tensor:
         def norm(x, pfx):
             return F.layer_norm(x, (s.d_model,), P[pfx + ".weight"], P[pfx + ".bias"], s.norm_eps)
     else:
-        def norm(x, pfx):
+        def norm(x, pfx):  # over the last dimension: d_model, or head_dim for q_norm / k_norm
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + s.norm_eps) * P[pfx + ".weight"]
 
     x = P["tok_embed"][idx]
@@ -616,9 +670,11 @@ def reference_logits(s: ModelSpec, P: dict, idx: torch.Tensor) -> torch.Tensor:
         L = f"layers.{i}."
         h = norm(x, L + "attn_norm")
         q, k, v = h @ P[L + "attn.wq"].t(), h @ P[L + "attn.wk"].t(), h @ P[L + "attn.wv"].t()
-        if s.family == "gpt2":
+        if s.family == "gpt2" or s.qkv_bias:
             q, k, v = q + P[L + "attn.bq"], k + P[L + "attn.bk"], v + P[L + "attn.bv"]
         q, k, v = heads(q, H), heads(k, KV), heads(v, KV)
+        if s.qk_norm:
+            q, k = norm(q, L + "attn.q_norm"), norm(k, L + "attn.k_norm")
         if s.family == "llama":
             q, k = _rope_half(q, s.rope_theta), _rope_half(k, s.rope_theta)
         rep = H // KV  # query head h reads kv head h // rep
@@ -815,6 +871,12 @@ def fixture_json(s: ModelSpec, results: dict) -> dict:
         model["position_embedding"] = "alibi"
     if s.embedding_norm:
         model["embedding_norm"] = True
+    if s.qkv_bias:
+        model["qkv_bias"] = True
+    if s.qk_norm:
+        model["qk_norm"] = True
+    if s.head_dim_override:
+        model["head_dim"] = s.head_dim_override
     if s.family == "gpt2":
         conventions = {
             "norm": "layernorm (weight, bias)",
@@ -830,8 +892,17 @@ def fixture_json(s: ModelSpec, results: dict) -> dict:
             "rope": "HF rotate_half layout: within a head, dims j and j + head_dim/2 form a pair, "
                     "rotated by pos * rope_theta^(-2j/head_dim), positions start at 0",
             "gqa": "query head h attends with kv head h // (n_heads / n_kv_heads)",
-            "lm_head": "untied",
+            "lm_head": "tied to tok_embed" if s.tied_embeddings else "untied",
         }
+        if s.qkv_bias:
+            conventions["qkv_bias"] = "q, k, v = h wq^T + bq, h wk^T + bk, h wv^T + bv (oracle: HF Qwen2ForCausalLM)"
+        if s.qk_norm:
+            conventions["qk_norm"] = ("each head of q and k: rmsnorm over head_dim with attn.q_norm.weight / "
+                                      "attn.k_norm.weight (shared by all heads), before RoPE (oracle: HF "
+                                      "Qwen3ForCausalLM)")
+        if s.head_dim_override:
+            conventions["head_dim"] = (f"head_dim {s.head_dim} is not d_model / n_heads: wq is "
+                                       f"[n_heads * head_dim, d_model], wo [d_model, n_heads * head_dim]")
     if s.alibi:
         conventions["position"] = (
             "ALiBi (oracle: HF BloomForCausalLM): no pos_embed; score(i, j) += m_h * (j - i) with "

@@ -2,8 +2,9 @@
 """Build the Hugging Face model fixtures for keel's conversion, sampling and finetuning tests
 (test/train/test_hf_convert.cpp, test/train/test_hf_cli.cpp).
 
-Four tiny LlamaForCausalLM models, a GPT2LMHeadModel and a BloomForCausalLM, saved with
-save_pretrained exactly as transformers writes them, each with a tokenizer.json:
+Four tiny LlamaForCausalLM models, a GPT2LMHeadModel, a BloomForCausalLM, a Qwen2ForCausalLM and
+a Qwen3ForCausalLM, saved with save_pretrained exactly as transformers writes them, each with a
+tokenizer.json:
 
   llama_trained   fp32, GQA (4 query / 2 kv heads), untied head, Llama 2 style tokenizer
                   (SentencePiece BPE with byte fallback, vocab 512); trained here with AdamW on
@@ -21,6 +22,10 @@ save_pretrained exactly as transformers writes them, each with a tokenizer.json:
   bloom_bf16      bf16, random BloomForCausalLM (ALiBi with 6 heads, so the slopes take the
                   non-power-of-two path; word_embeddings_layernorm; query_key_value fused per
                   head as [q_h; k_h; v_h]), byte-level tokenizer (vocab 300)
+  qwen2_bf16      bf16, random Qwen2ForCausalLM (q/k/v biases, GQA 4/2, tied head, rope_theta
+                  1e6, eps 1e-6), Qwen2-style tokenizer (NFC, Qwen2 regex, byte-level BPE, vocab 800)
+  qwen3_fp32      fp32, random Qwen3ForCausalLM (per-head q_norm / k_norm, head_dim 16 with 4 heads
+                  on hidden_size 32, GQA 4/2, untied), the same tokenizer
 Norm gains, norm biases and (GPT-2, BLOOM) linear biases are drawn away from HF's 1 and 0, so a
 mixed-up norm or bias shows in the logits.
 
@@ -69,7 +74,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM)
+                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_fixtures  # noqa: E402  (float64 patches of HF Llama)
@@ -90,6 +95,10 @@ def bytelevel_tokenizer():
                                   ["<|endoftext|>"])
 
 
+def qwen_tokenizer():
+    return tokfix.make_qwen2(tokfix.read_fortunes(tokfix.TRAIN_FILES))
+
+
 def sp_tokenizer():
     corpus = tokfix.read_fortunes(tokfix.TRAIN_FILES)
     vocab, merges = tokfix.sp_model(corpus, 512 - 258)
@@ -105,6 +114,19 @@ def llama(vocab, d, layers, heads, kv, ffn, tied, theta, eps, init, seed, bos=No
                       attention_bias=False, mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
                       attn_implementation="eager")
     return perturb_norms_and_biases(LlamaForCausalLM(cfg))
+
+
+def qwen(arch, vocab, d, layers, heads, kv, ffn, tied, init, seed, head_dim=None):
+    """Qwen2 (q/k/v biases) or Qwen3 (q/k norms, head_dim), with Qwen's theta and eps."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=tied,
+                  initializer_range=init, use_sliding_window=False, bos_token_id=None, eos_token_id=0,
+                  pad_token_id=None, attn_implementation="eager")
+    if arch == "qwen2":
+        return perturb_norms_and_biases(Qwen2ForCausalLM(Qwen2Config(**common)))
+    return perturb_norms_and_biases(Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, attention_bias=False, **common)))
 
 
 def perturb_norms_and_biases(model):
@@ -139,7 +161,7 @@ def bloom(vocab, d, layers, heads, init, seed):
 
 def precision_patches(model):
     """make_fixtures.py's float64 patches for the model's architecture."""
-    if model.config.model_type == "llama":
+    if model.config.model_type in make_fixtures.LLAMA_LIKE_MODULES:
         return make_fixtures.llama_float64_patches(model)
     if model.config.model_type == "bloom":
         return make_fixtures.bloom_float64_patches()
@@ -225,6 +247,7 @@ def build(out: str, only=None) -> None:
 
     sp = sp_tokenizer()
     bl = bytelevel_tokenizer()
+    qt = qwen_tokenizer()
     # The trained model's data: fortunes through the SentencePiece-style tokenizer, documents
     # separated by </s>.
     docs = tokfix.read_fortunes(tokfix.TRAIN_FILES)
@@ -255,6 +278,11 @@ def build(out: str, only=None) -> None:
                           model=lambda: gpt2(bl.get_vocab_size(), 32, 2, 4, 64, 0.3, 1005)),
         "bloom_bf16": dict(tok=bl, dtype=torch.bfloat16, shard=None,
                            model=lambda: bloom(bl.get_vocab_size(), 48, 2, 6, 0.3, 1008)),
+        "qwen2_bf16": dict(tok=qt, dtype=torch.bfloat16, shard=None,
+                           model=lambda: qwen("qwen2", qt.get_vocab_size(), 32, 2, 4, 2, 64, True, 0.3, 1009)),
+        "qwen3_fp32": dict(tok=qt, dtype=torch.float32, shard=None,
+                           model=lambda: qwen("qwen3", qt.get_vocab_size(), 32, 2, 4, 2, 64, False, 0.3, 1010,
+                                              head_dim=16)),
     }
     for name, spec in specs.items():
         if only and name not in only:

@@ -231,6 +231,10 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       errors.push_back("model.position_embedding: llama takes \"rope\" or \"alibi\", got \"learned\" (a "
                        "position table is gpt2's)");
     m.embedding_norm = f.boolean("embedding_norm", false);
+    m.qkv_bias = f.boolean("qkv_bias", m.is_gpt2());
+    if (m.is_gpt2() && !m.qkv_bias)
+      errors.push_back("model.qkv_bias: gpt2 always has q/k/v biases (must be true, or leave the field out)");
+    if (m.is_gpt2()) m.qkv_bias = false;  // has_qkv_bias() says true for the family
     m.init_std = static_cast<float>(f.number("init_std", 0.02, 0, 10, true));
     if (const json* rs_doc = f.raw("rope_scaling"); rs_doc && !rs_doc->is_null()) {
       // Llama 3.1's frequency scaling (kernels/rope_frequencies.h), as in HF's rope_scaling.
@@ -673,6 +677,7 @@ json to_json(const RunConfig& c) {
   // Written only when not the family's default, so checkpoints from before these options match.
   if (m.alibi) j["model"]["position_embedding"] = m.position_embedding();
   if (m.embedding_norm) j["model"]["embedding_norm"] = true;
+  if (m.qkv_bias) j["model"]["qkv_bias"] = true;
   const LossScaleConfig& s = c.precision.loss_scale;
   j["precision"] = {{"mode", precision_name(c.precision.mode)},
                     {"stochastic_rounding", c.precision.stochastic_rounding},

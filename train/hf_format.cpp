@@ -156,6 +156,7 @@ std::string hf_arch_name(HfArch a) {
   switch (a) {
     case HfArch::GPT2: return "GPT2LMHeadModel";
     case HfArch::Bloom: return "BloomForCausalLM";
+    case HfArch::Qwen2: return "Qwen2ForCausalLM";
     default: return "LlamaForCausalLM";
   }
 }
@@ -166,7 +167,7 @@ HfArch hf_arch_for(const ModelConfig& m, const std::string& who) {
       throw CheckpointError(who + " holds a Llama with " +
                             (m.alibi ? "ALiBi (model.position_embedding \"alibi\")" : "an embedding norm") +
                             "; Hugging Face's Llama has neither, so it has no Hugging Face architecture");
-    return HfArch::Llama;
+    return m.qkv_bias ? HfArch::Qwen2 : HfArch::Llama;
   }
   if (!m.alibi && !m.embedding_norm) return HfArch::GPT2;
   if (m.alibi && m.embedding_norm) {
@@ -200,10 +201,12 @@ void throw_problems(const std::vector<std::string>& problems, const std::string&
   throw CheckpointError(msg);
 }
 
-ModelConfig llama_config_from_hf(const json& c, const std::string& where) {
+// Llama and Qwen2: keel's llama family (Qwen2 adds biases to the q, k and v projections).
+ModelConfig llama_config_from_hf(const json& c, const std::string& where, HfArch arch) {
   std::vector<std::string> problems;
   ModelConfig m;
   m.family = Family::Llama;
+  m.qkv_bias = arch == HfArch::Qwen2;
   m.vocab_size = int_field(c, {"vocab_size"}, problems);
   m.d_model = static_cast<int>(int_field(c, {"hidden_size"}, problems));
   m.n_layers = static_cast<int>(int_field(c, {"num_hidden_layers"}, problems));
@@ -247,10 +250,18 @@ ModelConfig llama_config_from_hf(const json& c, const std::string& where) {
   }
   m.rope_theta = static_cast<float>(theta);
 
-  if (c.value("attention_bias", false)) problems.push_back("attention_bias = true (biases on q/k/v/o) is not supported");
+  if (c.value("attention_bias", false))
+    problems.push_back("attention_bias = true (biases on q/k/v and o) is not supported (keel's qkv_bias is Qwen2's: "
+                       "q/k/v only)");
   if (c.value("mlp_bias", false)) problems.push_back("mlp_bias = true is not supported");
   if (c.contains("sliding_window") && !c["sliding_window"].is_null() && c.value("use_sliding_window", true))
     problems.push_back("sliding_window attention (" + c["sliding_window"].dump() + ") is not supported");
+  if (c.contains("layer_types") && c["layer_types"].is_array())
+    for (const json& t : c["layer_types"])
+      if (t != "full_attention") {
+        problems.push_back("layer_types holds " + t.dump() + " layers; keel supports \"full_attention\" only");
+        break;
+      }
   const std::string act = c.value("hidden_act", std::string("silu"));
   if (act != "silu") problems.push_back("hidden_act \"" + act + "\" is not supported (keel's SwiGLU uses silu)");
   if (m.n_heads > 0 && m.d_model % m.n_heads == 0 && c.contains("head_dim") && c["head_dim"].is_number_integer() &&
@@ -313,11 +324,12 @@ HfArch hf_arch_of_config(const json& c, const std::string& source) {
   const std::string type = c.value("model_type", "");
   auto is = [&](const char* a, const char* t) { return arch == a || (arch.empty() && type == t); };
   if (is("LlamaForCausalLM", "llama") || is("MistralForCausalLM", "mistral")) return HfArch::Llama;
+  if (is("Qwen2ForCausalLM", "qwen2")) return HfArch::Qwen2;
   if (is("GPT2LMHeadModel", "gpt2")) return HfArch::GPT2;
   if (is("BloomForCausalLM", "bloom")) return HfArch::Bloom;
   throw CheckpointError(source + ": architecture \"" + (arch.empty() ? "?" : arch) + "\" (model_type \"" + type +
                         "\") is not supported; keel converts LlamaForCausalLM (and Mistral-style configs without "
-                        "sliding windows), GPT2LMHeadModel and BloomForCausalLM");
+                        "sliding windows), Qwen2ForCausalLM, GPT2LMHeadModel and BloomForCausalLM");
 }
 
 }  // namespace
@@ -325,7 +337,8 @@ HfArch hf_arch_of_config(const json& c, const std::string& source) {
 ModelConfig model_config_from_hf(const json& c, const std::string& source) {
   const HfArch arch = hf_arch_of_config(c, source);
   const std::string where = source + " (" + hf_arch_name(arch) + ")";
-  ModelConfig m = arch == HfArch::Llama ? llama_config_from_hf(c, where) : gpt2_config_from_hf(c, where, arch);
+  const bool llama = arch == HfArch::Llama || arch == HfArch::Qwen2;
+  ModelConfig m = llama ? llama_config_from_hf(c, where, arch) : gpt2_config_from_hf(c, where, arch);
   m.pad_vocab_multiple = 1;
   m.init_std = static_cast<float>(num(c, "initializer_range", 0.02));
   std::vector<std::string> problems;
@@ -343,7 +356,7 @@ std::vector<HfTensorSlice> hf_tensor_layout(const ModelConfig& m, const std::str
   auto whole = [&](std::string keel, std::string hf, std::vector<int64_t> shape) {
     out.push_back({std::move(keel), std::move(hf), std::move(shape)});
   };
-  if (arch == HfArch::Llama) {
+  if (arch == HfArch::Llama || arch == HfArch::Qwen2) {
     const int64_t q = m.q_dim(), kv = m.kv_dim();
     whole("tok_embed", "model.embed_tokens.weight", {V, d});
     for (int i = 0; i < m.n_layers; ++i) {
@@ -352,6 +365,11 @@ std::vector<HfTensorSlice> hf_tensor_layout(const ModelConfig& m, const std::str
       whole(k + "attn.wq", h + "self_attn.q_proj.weight", {q, d});
       whole(k + "attn.wk", h + "self_attn.k_proj.weight", {kv, d});
       whole(k + "attn.wv", h + "self_attn.v_proj.weight", {kv, d});
+      if (m.qkv_bias) {
+        whole(k + "attn.bq", h + "self_attn.q_proj.bias", {q});
+        whole(k + "attn.bk", h + "self_attn.k_proj.bias", {kv});
+        whole(k + "attn.bv", h + "self_attn.v_proj.bias", {kv});
+      }
       whole(k + "attn.wo", h + "self_attn.o_proj.weight", {d, q});
       whole(k + "mlp_norm.weight", h + "post_attention_layernorm.weight", {d});
       whole(k + "mlp.w_gate", h + "mlp.gate_proj.weight", {f, d});
@@ -480,7 +498,7 @@ HfCheckpoint HfCheckpoint::open(const std::string& dir_in) {
   // Every tensor the model needs, with the shape the config implies; nothing unexpected.
   // GPT-2 and BLOOM files from save_pretrained prefix "transformer."; the hub's originals do not.
   std::string prefix = "transformer.";
-  if (hf.arch_ != HfArch::Llama && !found.count("transformer.wte.weight") &&
+  if ((hf.arch_ == HfArch::GPT2 || hf.arch_ == HfArch::Bloom) && !found.count("transformer.wte.weight") &&
       !found.count("transformer.word_embeddings.weight") && (found.count("wte.weight") || found.count("word_embeddings.weight")))
     prefix = "";
   std::vector<std::string> problems;
@@ -647,6 +665,7 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
   }
   if (m.alibi) model["position_embedding"] = m.position_embedding();
   if (m.embedding_norm) model["embedding_norm"] = true;
+  if (m.qkv_bias) model["qkv_bias"] = true;
   const std::string name = fs::path(out_dir).filename().string().empty() ? "model" : fs::path(out_dir).filename().string();
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
@@ -814,8 +833,8 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
   if (c.contains("dtype")) c["dtype"] = torch_dtype_name(dtype);
   if (!c.contains("initializer_range")) c["initializer_range"] = m.init_std;
   c["use_cache"] = true;
-  if (arch == HfArch::Llama) {
-    c["model_type"] = "llama";
+  if (arch == HfArch::Llama || arch == HfArch::Qwen2) {
+    c["model_type"] = arch == HfArch::Qwen2 ? "qwen2" : "llama";
     c["hidden_size"] = m.d_model;
     c["intermediate_size"] = m.ffn_hidden;
     c["num_hidden_layers"] = m.n_layers;
@@ -834,8 +853,12 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
       c["rope_scaling"] = scaling;
     }
     c["hidden_act"] = "silu";
-    c["attention_bias"] = false;
-    c["mlp_bias"] = false;
+    if (arch == HfArch::Llama) {
+      c["attention_bias"] = false;
+      c["mlp_bias"] = false;
+    } else {
+      c["use_sliding_window"] = false;  // Qwen2's biases are fixed by the architecture
+    }
     if (c.contains("head_dim")) c["head_dim"] = m.head_dim();
   } else if (arch == HfArch::GPT2) {
     for (const char* k : {"hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"}) c.erase(k);

@@ -3,8 +3,9 @@
 //
 // An HF checkpoint directory holds config.json, model.safetensors or
 // model-0000X-of-0000N.safetensors with model.safetensors.index.json (bf16, fp16 or fp32), and
-// usually tokenizer.json. Three architectures map onto keel's model:
+// usually tokenizer.json. Four architectures map onto keel's model:
 //   LlamaForCausalLM (and Mistral-style configs without sliding windows) -> family llama
+//   Qwen2ForCausalLM (Qwen2, Qwen2.5; no sliding windows)                -> llama with qkv_bias
 //   GPT2LMHeadModel                                                      -> family gpt2
 //   BloomForCausalLM -> family gpt2 with position_embedding "alibi" and embedding_norm
 //
@@ -12,6 +13,7 @@
 //   Llama  model.embed_tokens.weight                  tok_embed
 //          model.layers.{i}.input_layernorm.weight    layers.{i}.attn_norm.weight
 //          model.layers.{i}.self_attn.{q,k,v,o}_proj  layers.{i}.attn.{wq,wk,wv,wo}
+//          model.layers.{i}.self_attn.{q,k,v}_proj.bias  layers.{i}.attn.{bq,bk,bv} (Qwen2)
 //          model.layers.{i}.post_attention_layernorm  layers.{i}.mlp_norm.weight
 //          model.layers.{i}.mlp.{gate,up,down}_proj   layers.{i}.mlp.{w_gate,w_up,w_down}
 //          model.norm.weight                          final_norm.weight
@@ -53,8 +55,8 @@ namespace keel {
 // "hf:/models/x" -> "/models/x"; nullopt when spec does not start with "hf:".
 std::optional<std::string> hf_path(const std::string& spec);
 
-enum class HfArch { Llama, GPT2, Bloom };
-// "LlamaForCausalLM", "GPT2LMHeadModel", "BloomForCausalLM"
+enum class HfArch { Llama, Qwen2, GPT2, Bloom };
+// "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel", "BloomForCausalLM"
 std::string hf_arch_name(HfArch a);
 // The HF architecture a keel model exports as. Throws CheckpointError naming what has no HF
 // counterpart (ALiBi on a Llama, an embedding norm with learned positions, BLOOM's MLP width).

@@ -21,8 +21,8 @@ using json = nlohmann::json;
 
 std::string LoadedModel::summary() const {
   const ModelConfig& m = table->config();
-  return description + ": " + family_name(m.family) + " model" + (m.alibi ? ", ALiBi" : "") +
-         (m.embedding_norm ? ", embedding norm" : "") + ", " + std::to_string(table->logical_numel()) + " parameters";
+  return description + ": " + family_name(m.family) + " model" + option_names(m) + ", " +
+         std::to_string(table->logical_numel()) + " parameters";
 }
 
 LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {

@@ -913,7 +913,7 @@ std::string plan_text(const RunConfig& cfg, const PlanResult& r, const PlanOptio
   o << "keel plan: " << cfg.name << " (" << cfg.source << ")\n";
   o << "model: " << family_name(m.family) << ", " << m.n_layers << " layers x d_model " << m.d_model << ", "
     << m.n_heads << " heads (" << m.n_kv_heads << " kv), head_dim " << m.head_dim() << ", ffn " << m.ffn_hidden
-    << ", vocab " << m.vocab_size << (m.alibi ? ", ALiBi" : "") << (m.embedding_norm ? ", embedding norm" : "");
+    << ", vocab " << m.vocab_size << option_names(m);
   if (c.padded_vocab != m.vocab_size) o << " (padded to " << c.padded_vocab << " at tp=" << cfg.parallel.tp << ")";
   o << ", seq " << cfg.train.seq_len << (m.tied_embeddings ? ", tied head" : "") << "\n";
   o << "parameters (exact, the trainer's ParamTable): " << grouped(c.exact) << " (" << human_count(double(c.exact))

@@ -201,10 +201,10 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
                    const std::vector<ValidationSet>& vals, const Backend& be) {
   const ModelConfig& m = cfg.model;
   const ParamTable& t = tr.table();
-  std::printf("keel: %s model, %s parameters (%d layers, d_model %d, %d heads / %d kv heads, ffn %d, vocab %lld%s%s%s)\n",
+  std::printf("keel: %s model, %s parameters (%d layers, d_model %d, %d heads / %d kv heads, ffn %d, vocab %lld%s%s)\n",
               family_name(m.family).c_str(), human_count(static_cast<double>(t.logical_numel())).c_str(), m.n_layers,
               m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, static_cast<long long>(m.vocab_size),
-              m.tied_embeddings ? ", tied head" : "", m.alibi ? ", ALiBi" : "", m.embedding_norm ? ", embedding norm" : "");
+              m.tied_embeddings ? ", tied head" : "", option_names(m).c_str());
   std::printf("keel: backend %s, precision %s: working weights %s, activations %s, grads f32, %s\n",
               be.name().c_str(), precision_name(cfg.precision.mode).c_str(),
               std::string(dtype_name(working_dtype(cfg.precision.mode))).c_str(),

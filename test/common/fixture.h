@@ -73,6 +73,7 @@ struct Fixture {
     model.tied_embeddings = m["tied_embeddings"];
     model.alibi = m.value("position_embedding", "") == "alibi";
     model.embedding_norm = m.value("embedding_norm", false);
+    model.qkv_bias = m.value("qkv_bias", false);
     B = meta["batch"]["B"];
     T = meta["batch"]["T"];
   }

@@ -1,6 +1,7 @@
 // keel's CPU model against the PyTorch/HF oracle (scripts/make_fixtures.py): logits, loss and
-// every parameter gradient of a tiny GPT-2, a tiny Llama with GQA and a tiny BLOOM (gpt2 blocks
-// with ALiBi over 6 heads and an embedding LayerNorm; HF's BloomForCausalLM), in fp32.
+// every parameter gradient of a tiny GPT-2, a tiny Llama with GQA, a tiny BLOOM (gpt2 blocks
+// with ALiBi over 6 heads and an embedding LayerNorm; HF's BloomForCausalLM) and a tiny Qwen2
+// (llama with q/k/v biases and a tied head; HF's Qwen2ForCausalLM), in fp32.
 //
 // Tolerances: the oracle is float64; keel computes in fp32 with sums of at most a few hundred
 // terms, so relative errors are a few 1e-7. We require ||keel - oracle|| / ||oracle|| <= 1e-5
@@ -58,6 +59,11 @@ TEST_CASE("tiny Llama with GQA matches the HF oracle: logits, loss, every gradie
 TEST_CASE("tiny BLOOM (ALiBi, embedding LayerNorm) matches the HF oracle: logits, loss, every gradient",
           "[model][oracle]") {
   check_fixture("bloom_tiny");
+}
+
+TEST_CASE("tiny Qwen2 (q/k/v biases, tied head) matches the HF oracle: logits, loss, every gradient",
+          "[model][oracle][qwen]") {
+  check_fixture("qwen2_tiny");
 }
 
 TEST_CASE("parameter table: names, roles, decay by role, fused groups back to back", "[model][params]") {

@@ -236,7 +236,8 @@ TEST_CASE("a chunked head trains like the whole head under TP, SP and PP (fp32, 
 namespace {
 
 // An option that changes the computation (`option`: --set flags), for one family: the
-// single-process run with it differs from the one without (the option is on), and each layout
+// single-process run with it differs from the one without by the last step (the option is on;
+// zero-initialised biases change nothing before the first update), and each layout
 // with it tracks the single process with it (fp32 bounds of check_family).
 void check_option_layouts(const std::string& family, const std::string& option,
                           const std::vector<std::pair<Layout, std::string>>& layouts) {
@@ -247,7 +248,7 @@ void check_option_layouts(const std::string& family, const std::string& option,
   REQUIRE(ref.records.size() == 6);
   const Run plain = train(ws, ws.dir / "plain", {1, 1, 1});
   REQUIRE(plain.code == 0);
-  CHECK(plain.records[0]["loss"].get<double>() != ref.records[0]["loss"].get<double>());
+  CHECK(plain.records.back()["loss"].get<double>() != ref.records.back()["loss"].get<double>());
   for (const auto& [l, extra] : layouts) {
     INFO(family << " " << l.str() << " " << option << " " << extra);
     const Run got = train(ws, ws.dir / l.dir("opt"), l, option + " " + extra);
@@ -280,23 +281,31 @@ TEST_CASE("ALiBi and the embedding norm (BLOOM's options) train alike under TP, 
   check_option_layouts("llama", bloom, {{{4, 2, 1}, kSequenceParallel}});
 }
 
-TEST_CASE("HF GPT-2 and BLOOM weights (--init-from hf:DIR) train alike under TP, SP, PP and DP (fp32)",
+TEST_CASE("Qwen2's q/k/v biases train alike under TP, SP, PP and DP (fp32)", "[mpi][layouts][qwen]") {
+  // The biases are split over TP with their projections' rows (each rank its heads' part).
+  check_option_layouts("llama", "--set model.qkv_bias=true",
+                       {{{4, 2, 1}, kSequenceParallel}, {{2, 2, 2}, ""}, {{8, 1, 1}, ""}});
+}
+
+TEST_CASE("HF GPT-2, BLOOM and Qwen2 weights (--init-from hf:DIR) train alike under TP, SP, PP and DP (fp32)",
           "[mpi][layouts][hf]") {
   // Each rank reads its own rectangles straight from the HF file: slices of GPT-2's transposed
-  // Conv1D weights and fused c_attn, and of BLOOM's per-head query_key_value (6 heads, so tp=3
-  // too). A wrong slice shows in the step-1 loss.
+  // Conv1D weights and fused c_attn, of BLOOM's per-head query_key_value (6 heads, so tp=3
+  // too), and of Qwen2's q/k/v biases. A wrong slice shows in the step-1 loss.
   struct Case {
     const char* name;
     std::vector<std::pair<Layout, std::string>> layouts;
   };
   for (const Case& c : {Case{"gpt2_tied", {{{4, 2, 1}, kSequenceParallel}, {{2, 2, 2}, ""}}},
-                        Case{"bloom_bf16", {{{2, 2, 2}, kSequenceParallel}, {{3, 2, 1}, ""}}}}) {
+                        Case{"bloom_bf16", {{{2, 2, 2}, kSequenceParallel}, {{3, 2, 1}, ""}}},
+                        Case{"qwen2_bf16", {{{2, 2, 2}, kSequenceParallel}}}}) {
     const std::string hf = std::string(KEEL_FIXTURE_DIR) + "/hf/" + c.name;
     const test::ProcessResult printed = test::run_keel("convert --print-config hf:" + hf);
     REQUIRE(printed.code == 0);
-    nlohmann::json patch = model_patch("gpt2");
-    patch["model"] = nlohmann::json::parse(printed.output).at("model");
-    patch["model"]["n_kv_heads"] = patch["model"]["n_heads"];  // merged over the tiny config's
+    const nlohmann::json model = nlohmann::json::parse(printed.output).at("model");
+    nlohmann::json patch = model_patch(model.at("family"));
+    patch["model"] = model;
+    if (!model.contains("n_kv_heads")) patch["model"]["n_kv_heads"] = model["n_heads"];  // merged over the tiny config's
     test::Workspace ws(patch);
     const std::string init = "--init-from hf:" + hf;
     const Run ref = train(ws, ws.dir / "single", {1, 1, 1}, init);

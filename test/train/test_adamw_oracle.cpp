@@ -73,3 +73,7 @@ TEST_CASE("AdamW steps of tiny Llama match torch.optim.AdamW", "[train][oracle]"
 TEST_CASE("AdamW steps of tiny BLOOM (ALiBi, embedding norm) match torch.optim.AdamW", "[train][oracle]") {
   check_adamw("bloom_tiny");
 }
+TEST_CASE("AdamW steps of tiny Qwen2 (q/k/v biases in the no-decay group) match torch.optim.AdamW",
+          "[train][oracle][qwen]") {
+  check_adamw("qwen2_tiny");
+}

@@ -85,6 +85,28 @@ TEST_CASE("model.position_embedding and model.embedding_norm: per family, round 
   fails_with("gpt2", {{"embedding_norm", "yes"}}, "model.embedding_norm");
 }
 
+TEST_CASE("model.qkv_bias (Qwen2): llama's option, round trip, tensors, errors", "[config][qwen]") {
+  const RunConfig q = test::make_config(test::tiny_run_json("llama"), {{"model", {{"qkv_bias", true}}}});
+  CHECK(q.model.has_qkv_bias());
+  CHECK(parse_config(to_json(q), "again").model.qkv_bias);
+  CHECK_FALSE(to_json(test::make_config(test::tiny_run_json("llama"))).at("model").contains("qkv_bias"));
+  // gpt2 always has them; the field may say so but not the opposite.
+  const RunConfig g = test::make_config(test::tiny_run_json("gpt2"), {{"model", {{"qkv_bias", true}}}});
+  CHECK(g.model.has_qkv_bias());
+  CHECK_FALSE(to_json(g).at("model").contains("qkv_bias"));
+  CHECK_THROWS_WITH(test::make_config(test::tiny_run_json("gpt2"), {{"model", {{"qkv_bias", false}}}}),
+                    Catch::Contains("model.qkv_bias: gpt2 always has q/k/v biases"));
+  // The biases: split over TP with their projections' rows, never decayed.
+  const ParamTable t(q.model, ModelShard{1, 2});
+  for (const char* b : {"layers.0.attn.bq", "layers.0.attn.bk", "layers.0.attn.bv"}) {
+    CHECK(t.at(b).role == Role::Bias);
+    CHECK_FALSE(t.at(b).decay);
+    CHECK(t.at(b).split == TpSplit::Rows);
+  }
+  CHECK(t.at("layers.0.attn.bk").local_shape[0] * 2 == q.model.kv_dim());
+  CHECK(t.at("layers.0.attn.bq").shard_begin == q.model.q_dim() / 2);
+}
+
 TEST_CASE("config errors name the field, the bad value and the allowed values", "[config]") {
   auto base = test::tiny_run_json();
   auto fails_with = [&](const nlohmann::json& patch, const std::string& needle) {

@@ -147,6 +147,15 @@ TEST_CASE("hf: config.json maps to keel's model (GQA, tied head, rope_theta, eps
   CHECK(bl.hf_name("layers.0.attn.bv") == "transformer.h.0.self_attention.query_key_value.bias");
   REQUIRE(bl.notes().size() == 1);
   CHECK_THAT(bl.notes()[0], Catch::Contains("ALiBi has no position limit: model.max_seq_len 2048"));
+  const HfCheckpoint q2 = HfCheckpoint::open(kHf + "qwen2_bf16");
+  CHECK(q2.arch() == HfArch::Qwen2);
+  CHECK(q2.model().is_llama());
+  CHECK(q2.model().qkv_bias);
+  CHECK(q2.model().tied_embeddings);
+  CHECK(q2.model().rope_theta == 1e6f);
+  CHECK(q2.model().n_kv_heads == 2);
+  CHECK(q2.hf_name("layers.1.attn.bk") == "model.layers.1.self_attn.k_proj.bias");
+  CHECK(q2.common_dtype() == DType::BF16);
 }
 
 // GPT-2's Conv1D weights (read transposed, a column block of c_attn) and BLOOM's per-head fused
@@ -271,7 +280,8 @@ TEST_CASE("hf: keel's Llama 3 RoPE frequencies are HF's fp32 bits", "[hf][rope]"
 }
 
 TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]") {
-  for (const char* name : {"llama_trained", "llama_tied", "llama_sharded", "llama3_rope", "gpt2_tied", "bloom_bf16"}) {
+  for (const char* name :
+       {"llama_trained", "llama_tied", "llama_sharded", "llama3_rope", "gpt2_tied", "bloom_bf16", "qwen2_bf16"}) {
     SECTION(name) {
       const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
       const ParamTable table(hf.model());
@@ -305,6 +315,7 @@ TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]"
       CHECK(cfg.model.max_seq_len == hf.model().max_seq_len);
       CHECK(cfg.model.position_embedding() == hf.model().position_embedding());
       CHECK(cfg.model.embedding_norm == hf.model().embedding_norm);
+      CHECK(cfg.model.qkv_bias == hf.model().qkv_bias);
     }
   }
 }
@@ -317,7 +328,8 @@ TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
   };
   for (Case c : {Case{"llama_trained", DType::F32, int64_t{5} << 30}, Case{"llama_tied", DType::BF16, int64_t{5} << 30},
                  Case{"llama_sharded", DType::F16, 30000}, Case{"llama3_rope", DType::F32, int64_t{5} << 30},
-                 Case{"gpt2_tied", DType::F32, int64_t{5} << 30}, Case{"bloom_bf16", DType::BF16, 20000}}) {
+                 Case{"gpt2_tied", DType::F32, int64_t{5} << 30}, Case{"bloom_bf16", DType::BF16, 20000},
+                 Case{"qwen2_bf16", DType::BF16, int64_t{5} << 30}}) {
     SECTION(c.name) {
       test::TempDir tmp("hfrt");
       convert_hf_to_keel(kHf + c.name, tmp / "keel", std::nullopt, false);
@@ -366,10 +378,22 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
     std::ofstream(dir + "/config.json") << c.dump(2);
   };
 
-  std::string d = copy("qwen");
-  edit_config(d, [](json& c) { c["architectures"] = {"Qwen2ForCausalLM"}; c["model_type"] = "qwen2"; });
+  std::string d = copy("gemma");
+  edit_config(d, [](json& c) { c["architectures"] = {"GemmaForCausalLM"}; c["model_type"] = "gemma"; });
   CHECK_THAT(error_of([&] { HfCheckpoint::open(d); }),
-             Catch::Contains("Qwen2ForCausalLM") && Catch::Contains("qwen2") && Catch::Contains("not supported"));
+             Catch::Contains("GemmaForCausalLM") && Catch::Contains("gemma") && Catch::Contains("not supported"));
+  // Qwen2 with sliding windows (use_sliding_window, or layer types that say so).
+  d = copy("qwen2_swa");
+  edit_config(d, [](json& c) {
+    c["architectures"] = {"Qwen2ForCausalLM"};
+    c["model_type"] = "qwen2";
+    c["use_sliding_window"] = true;
+    c["sliding_window"] = 4096;
+    c["layer_types"] = {"full_attention", "sliding_attention"};
+  });
+  CHECK_THAT(error_of([&] { HfCheckpoint::open(d); }),
+             Catch::Contains("sliding_window attention (4096) is not supported") &&
+                 Catch::Contains("layer_types holds \"sliding_attention\" layers"));
 
   d = copy("scaled");
   edit_config(d, [](json& c) {
