@@ -144,6 +144,9 @@ class GuardedBackend final : public Backend {
   void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) override {
     KEEL_GUARDED(rope_backward(dqkv, s, rope));
   }
+  void qk_heads_copy(const Tensor& heads, const Tensor& qkv, const AttnShape& s, bool to_heads) override {
+    KEEL_GUARDED(qk_heads_copy(heads, qkv, s, to_heads));
+  }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) override {
     KEEL_GUARDED(attention_forward(out, lse, qkv, s));
   }

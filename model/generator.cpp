@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "kernels/alibi.h"
+#include "model/qk_norm.h"
 
 namespace keel {
 
@@ -34,6 +35,12 @@ Generator::Generator(const ParamTable& table, Backend& backend, const Tensor& we
   mean_ = alloc(DType::F32, {L});
   rstd_ = alloc(DType::F32, {L});
   logits_ = alloc(DType::F32, {L, cfg_.embed_rows()});
+  if (cfg_.qk_norm) {
+    const int64_t qk_rows = L * (cfg_.n_heads + cfg_.n_kv_heads);
+    qk_in_ = alloc(act_, {qk_rows, cfg_.head_dim()});
+    qk_scratch_ = alloc(act_, {qk_rows, cfg_.head_dim()});
+    qk_rstd_ = alloc(DType::F32, {qk_rows});
+  }
   if (cfg_.alibi) {
     alibi_slopes_ = alloc(DType::F32, {cfg_.n_heads});
     be_.copy_from_host(alibi_slopes_, alibi_slopes(cfg_.n_heads).data());
@@ -124,6 +131,11 @@ std::vector<float> Generator::forward(const int32_t* tokens, int n, bool all_row
     Tensor bqkv = cfg_.has_qkv_bias() ? fused(p + "attn.bq", q + 2 * kv, 0) : Tensor();
     be_.matmul(qkv, h, fused(p + "attn.wq", q + 2 * kv, d), false, true, false,
                cfg_.has_qkv_bias() ? &bqkv : nullptr);
+    if (cfg_.qk_norm) {
+      const int64_t r = static_cast<int64_t>(n) * (cfg_.n_heads + cfg_.n_kv_heads);
+      qk_norm_forward(be_, qkv, shape, view(p + "attn.q_norm.weight"), view(p + "attn.k_norm.weight"), cfg_.norm_eps,
+                      {qk_in_.row_slice(0, r), qk_rstd_.elements(0, r), qk_scratch_.row_slice(0, r), {}});
+    }
     be_.attention_decode(attn, qkv, k_cache_[l], v_cache_[l], shape, pos_, cfg_.rope());
     Tensor bo = gpt2 ? view(p + "attn.bo") : Tensor();
     be_.matmul(proj, attn, view(p + "attn.wo"), false, true, false, gpt2 ? &bo : nullptr);

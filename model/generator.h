@@ -58,6 +58,7 @@ class Generator {
   std::vector<void*> allocations_;
   Tensor tokens_, x_, normed_, qkv_, attn_, proj_, fc_, act_out_, mean_, rstd_, logits_;
   Tensor alibi_slopes_;  // model.alibi: F32 [n_heads]
+  Tensor qk_in_, qk_scratch_, qk_rstd_;  // model.qk_norm (model/qk_norm.h), for max_len rows
   std::vector<Tensor> k_cache_, v_cache_;
 };
 

@@ -8,9 +8,14 @@
 //   embedding_norm: the family's norm applied to the embedding output (embed_norm.weight/.bias),
 //                   which the BigScience 104B runs added against loss spikes. A norm: never
 //                   weight-decayed (model/param_table.h).
-// One llama option (Megatron's --add-qkv-bias):
+// Three llama options (Megatron's --add-qkv-bias, --qk-layernorm, --kv-channels):
 //   qkv_bias:       biases on the q, k and v projections (attn.bq/bk/bv), as in Qwen2 / Qwen2.5;
 //                   gpt2 always has them.
+//   qk_norm:        each head of q and of k goes through an RMSNorm over head_dim (weights
+//                   attn.q_norm.weight / attn.k_norm.weight [head_dim], shared by the heads)
+//                   before RoPE, as in Qwen3. Norms: never weight-decayed.
+//   head_dim:       the head size when it is not d_model / n_heads (Qwen3: 128 for any width);
+//                   q is then n_heads * head_dim wide and wo maps it back to d_model.
 #pragma once
 
 #include <cstdint>
@@ -41,12 +46,14 @@ struct ModelConfig {
   bool alibi = false;
   bool embedding_norm = false;
   bool qkv_bias = false;  // llama only; see has_qkv_bias()
+  bool qk_norm = false;   // llama only
+  int explicit_head_dim = 0;  // model.head_dim; 0: d_model / n_heads
   float init_std = 0.02f;
 
   bool is_gpt2() const { return family == Family::GPT2; }
   bool is_llama() const { return family == Family::Llama; }
   int64_t embed_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
-  int head_dim() const { return d_model / n_heads; }
+  int head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : d_model / n_heads; }
   int q_dim() const { return n_heads * head_dim(); }
   int kv_dim() const { return n_kv_heads * head_dim(); }
   // The positions' rotation: Llama's RoPE, none for GPT-2 (learned positions) or ALiBi.

@@ -14,6 +14,8 @@ std::string option_names(const ModelConfig& m) {
   if (m.alibi) s += ", ALiBi";
   if (m.embedding_norm) s += ", embedding norm";
   if (m.is_llama() && m.qkv_bias) s += ", q/k/v biases";
+  if (m.qk_norm) s += ", q/k norms";
+  if (m.explicit_head_dim > 0) s += ", head_dim " + std::to_string(m.explicit_head_dim);
   return s;
 }
 
@@ -114,6 +116,10 @@ void ParamTable::add_chunk(const ModelShard& shard) {
       add(p + "attn.bq", {q}, Role::Bias, TpSplit::Rows, i, 0);
       add(p + "attn.bk", {kv}, Role::Bias, TpSplit::Rows, i, 0);
       add(p + "attn.bv", {kv}, Role::Bias, TpSplit::Rows, i, 0);
+    }
+    if (cfg.qk_norm) {  // shared by all heads, so every TP rank holds them whole
+      add(p + "attn.q_norm.weight", {cfg.head_dim()}, Role::Norm, TpSplit::None, i, 0, 1.0f);
+      add(p + "attn.k_norm.weight", {cfg.head_dim()}, Role::Norm, TpSplit::None, i, 0, 1.0f);
     }
     add(p + "attn.wo", {d, q}, Role::Matrix, TpSplit::Cols, i, resid_std);
     if (gpt2) add(p + "attn.bo", {d}, Role::Bias, TpSplit::None, i, 0);

@@ -8,6 +8,7 @@
 //   tok_embed [V, d]                      pos_embed [max_seq, d] (gpt2 without alibi)
 //   embed_norm.weight/.bias (model.embedding_norm)
 //   layers.{i}.attn_norm.weight/.bias      layers.{i}.attn.wq/wk/wv [heads*hd, d], .bq/.bk/.bv (gpt2, qkv_bias)
+//   layers.{i}.attn.q_norm.weight/k_norm.weight [hd] (qk_norm)
 //   layers.{i}.attn.wo [d, n_heads*hd]     layers.{i}.attn.bo (gpt2)
 //   layers.{i}.mlp_norm.weight/.bias       llama: layers.{i}.mlp.w_gate/w_up [ffn, d], w_down [d, ffn]
 //                                          gpt2:  layers.{i}.mlp.w_fc [ffn, d], b_fc, w_proj [d, ffn], b_proj

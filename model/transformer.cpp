@@ -5,6 +5,7 @@
 #include "kernels/alibi.h"
 #include "kernels/document_positions.h"
 #include "kernels/profile_range.h"
+#include "model/qk_norm.h"
 #include "train/parallel/comm.h"
 
 namespace keel {
@@ -118,6 +119,11 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
     scratch(dattn_, &Transformer::dattn_, act_, {N_, q_});
     scratch(dfc_, &Transformer::dfc_, act_, {N_, fc_cols});
     scratch(dact_, &Transformer::dact_, act_, {N_, ffn_});
+    if (cfg_.qk_norm) {
+      const int64_t qk_rows = N_ * (attn_shape_.n_heads + attn_shape_.n_kv_heads);
+      scratch(qk_scratch_, &Transformer::qk_scratch_, act_, {qk_rows, hd});
+      scratch(dqk_scratch_, &Transformer::dqk_scratch_, act_, {qk_rows, hd});
+    }
   }
   // proj_out_: row-parallel outputs, and under SP the embedding's partial sums before the scatter.
   if (sh.end_layer > sh.first_layer || (sp_ && sh.has_embedding))
@@ -138,6 +144,11 @@ void Transformer::alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_col
   if (layernorm) a.mean1 = alloc(DType::F32, {rows_});
   a.rstd1 = alloc(DType::F32, {rows_});
   a.qkv = alloc(act_, {N_, qkv_cols});
+  if (cfg_.qk_norm) {
+    const int64_t qk_rows = N_ * (attn_shape_.n_heads + attn_shape_.n_kv_heads);
+    a.qk_in = alloc(act_, {qk_rows, cfg_.head_dim()});
+    a.qk_rstd = alloc(DType::F32, {qk_rows});
+  }
   a.attn = alloc(act_, {N_, q_});
   a.lse = alloc(DType::F32, {B_, attn_shape_.n_heads, T_});
   a.res_mid = alloc(act_, {rows_, d});
@@ -219,6 +230,10 @@ Transformer::Params Transformer::resolve(const Tensor& flat) const {
     l.attn_norm_w = v(n + "attn_norm.weight");
     l.wqkv = fused(flat, n + "attn.wq", q_ + 2 * kv_, d);
     if (cfg_.has_qkv_bias()) l.bqkv = fused(flat, n + "attn.bq", q_ + 2 * kv_, 0);
+    if (cfg_.qk_norm) {
+      l.q_norm_w = v(n + "attn.q_norm.weight");
+      l.k_norm_w = v(n + "attn.k_norm.weight");
+    }
     l.wo = v(n + "attn.wo");
     l.mlp_norm_w = v(n + "mlp_norm.weight");
     if (gpt2) {
@@ -285,14 +300,18 @@ const Tensor& Transformer::reduce_rows(const Tensor& partial) {
   return row_sums_;
 }
 
-void Transformer::sum_sequence_parallel_grads() {
-  if (!sp_) return;
+void Transformer::sum_tp_partial_grads() {
+  if (!tensor_parallel_) return;
   auto sum = [&](const Tensor& g) {
     if (!g.empty()) tp_->all_reduce(g);
   };
-  for (const LayerParams& g : g_.layers)
-    for (const Tensor* t : {&g.attn_norm_w, &g.attn_norm_b, &g.mlp_norm_w, &g.mlp_norm_b}) sum(*t);
-  for (const Tensor* t : {&g_.embed_norm_w, &g_.embed_norm_b, &g_.final_norm_w, &g_.final_norm_b}) sum(*t);
+  for (const LayerParams& g : g_.layers) {
+    if (sp_)
+      for (const Tensor* t : {&g.attn_norm_w, &g.attn_norm_b, &g.mlp_norm_w, &g.mlp_norm_b}) sum(*t);
+    for (const Tensor* t : {&g.q_norm_w, &g.k_norm_w}) sum(*t);  // empty without qk_norm
+  }
+  if (sp_)
+    for (const Tensor* t : {&g_.embed_norm_w, &g_.embed_norm_b, &g_.final_norm_w, &g_.final_norm_b}) sum(*t);
 }
 
 // din += d(norm)/d(in) applied to dout (din is the residual gradient, so it accumulates).
@@ -341,6 +360,10 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
   probe(false, layer, "attn_norm", a.norm1);
   be_.matmul(a.qkv, gather_rows(a.norm1), w.wqkv, false, true, false, cfg_.has_qkv_bias() ? &w.bqkv : nullptr);
   probe(false, layer, "qkv projection", a.qkv);
+  if (cfg_.qk_norm) {
+    qk_norm_forward(be_, a.qkv, shape, w.q_norm_w, w.k_norm_w, cfg_.norm_eps, {a.qk_in, a.qk_rstd, qk_scratch_, {}});
+    probe(false, layer, "q/k norms", a.qkv);
+  }
   if (cfg_.rope().rotates()) {
     be_.rope_forward(a.qkv, shape, cfg_.rope());
     probe(false, layer, "rope", a.qkv);
@@ -530,6 +553,11 @@ void Transformer::backward(int slot_index, float dloss) {
     if (cfg_.rope().rotates()) {
       be_.rope_backward(dqkv_, s.attn, cfg_.rope());
       probe(true, layer, "d qkv (rope backward)", dqkv_);
+    }
+    if (cfg_.qk_norm) {
+      qk_norm_backward(be_, dqkv_, s.attn, w.q_norm_w, w.k_norm_w, g.q_norm_w, g.k_norm_w,
+                       {a.qk_in, a.qk_rstd, qk_scratch_, dqk_scratch_});
+      probe(true, layer, "d qkv (q/k norms backward)", dqkv_);
     }
     be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);
     be_.matmul(g.wqkv, dqkv_, gather_rows(a.norm1), true, false, true);

@@ -13,7 +13,7 @@
 // is all-gathered, and a row-parallel output is reduce-scattered instead of all-reduced (the
 // same bytes moved); in backward the reverse. Activations that were replicated on every TP
 // rank are stored once, split; the norm gradients are then partial sums over TP, which
-// sum_sequence_parallel_grads() completes after the micro-batches.
+// sum_tp_partial_grads() completes after the micro-batches.
 //
 // Pipeline parallelism: a stage without the embedding reads its input from stage_input(slot)
 // (the trainer receives it there); a stage without the head leaves its output in
@@ -152,9 +152,10 @@ class Transformer {
   int recompute_layers() const { return recompute_layers_; }  // after clamping to the stage's layers
   bool sequence_parallel() const { return sp_; }
   bool document_masking() const { return document_masking_; }
-  // Under sequence parallelism, after all micro-batches' backward: all-reduce over TP the
-  // gradients each rank summed over its rows only (the norms'). No-op otherwise.
-  void sum_sequence_parallel_grads();
+  // After all micro-batches' backward: all-reduce over TP the gradients of replicated tensors
+  // that each rank summed over its part only: under sequence parallelism the norms' (its rows),
+  // with qk_norm the q/k norms' (its heads). No-op without TP.
+  void sum_tp_partial_grads();
   // Training FLOPs per token of the whole model (forward + backward), see transformer.cpp.
   double flops_per_token() const;
 
@@ -165,6 +166,7 @@ class Transformer {
     Tensor res_in;              // residual stream entering the layer [N, d]
     Tensor norm1, mean1, rstd1; // attention-norm output and its saved stats
     Tensor qkv;                 // [N, (nh + 2 nkv) hd] (local heads), after RoPE
+    Tensor qk_in, qk_rstd;      // qk_norm: the q and k heads before it [N (nh + nkv), hd], 1/rms
     Tensor attn, lse;           // attention output [N, nh hd], log-sum-exp [B, nh, T]
     Tensor res_mid;             // residual after the attention block
     Tensor norm2, mean2, rstd2;
@@ -175,7 +177,7 @@ class Transformer {
   // so a step never looks a tensor up by name. wqkv / w_in are the fused operands
   // (wq|wk|wv, w_gate|w_up); absent tensors (GPT-2 only, or Llama only) stay empty.
   struct LayerParams {
-    Tensor attn_norm_w, attn_norm_b, wqkv, bqkv, wo, bo;
+    Tensor attn_norm_w, attn_norm_b, wqkv, bqkv, q_norm_w, k_norm_w, wo, bo;
     Tensor mlp_norm_w, mlp_norm_b, w_in, b_in, w_out, b_out;
   };
   struct Params {
@@ -260,6 +262,7 @@ class Transformer {
   Tensor head_logits_;  // chunked head: [head_rows_, V_local], shared by every slot
   // backward scratch, shared by every slot and layer
   Tensor dres_, dnorm_, dqkv_, dattn_, dfc_, dact_, proj_out_;
+  Tensor qk_scratch_, dqk_scratch_;  // qk_norm: [N (nh + nkv), hd] each
   Tensor gathered_, row_sums_;  // sequence parallelism: [N, d] and [rows, d]
 };
 

@@ -235,6 +235,14 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     if (m.is_gpt2() && !m.qkv_bias)
       errors.push_back("model.qkv_bias: gpt2 always has q/k/v biases (must be true, or leave the field out)");
     if (m.is_gpt2()) m.qkv_bias = false;  // has_qkv_bias() says true for the family
+    m.qk_norm = f.boolean("qk_norm", false);
+    if (m.is_gpt2() && m.qk_norm) errors.push_back("model.qk_norm: true is a llama option (Qwen3's RMSNorms of q and k)");
+    if (f.has("head_dim")) m.explicit_head_dim = static_cast<int>(f.integer("head_dim", 0, 1, 1 << 16));
+    // The derived size written out is no option: keep one spelling, so checkpoints compare equal.
+    if (m.n_heads > 0 && m.d_model % m.n_heads == 0 && m.explicit_head_dim == m.d_model / m.n_heads)
+      m.explicit_head_dim = 0;
+    if (m.is_gpt2() && m.explicit_head_dim > 0)
+      errors.push_back("model.head_dim: gpt2's heads are d_model / n_heads wide (head_dim is a llama option)");
     m.init_std = static_cast<float>(f.number("init_std", 0.02, 0, 10, true));
     if (const json* rs_doc = f.raw("rope_scaling"); rs_doc && !rs_doc->is_null()) {
       // Llama 3.1's frequency scaling (kernels/rope_frequencies.h), as in HF's rope_scaling.
@@ -256,9 +264,9 @@ RunConfig parse_config(const json& doc, const std::string& source) {
         errors.push_back("model.rope_scaling: position_embedding \"alibi\" has no RoPE to scale (remove the field)");
     }
     f.finish();
-    if (m.d_model > 0 && m.n_heads > 0 && m.d_model % m.n_heads != 0)
+    if (m.d_model > 0 && m.n_heads > 0 && m.d_model % m.n_heads != 0 && m.explicit_head_dim == 0)
       errors.push_back("model.n_heads: " + std::to_string(m.n_heads) + " does not divide model.d_model (" +
-                       std::to_string(m.d_model) + ")");
+                       std::to_string(m.d_model) + "); set model.head_dim for heads of another size");
     if (m.n_kv_heads > 0 && m.n_heads % m.n_kv_heads != 0)
       errors.push_back("model.n_kv_heads: " + std::to_string(m.n_kv_heads) + " does not divide model.n_heads (" +
                        std::to_string(m.n_heads) + ")");
@@ -267,9 +275,10 @@ RunConfig parse_config(const json& doc, const std::string& source) {
                        std::to_string(m.n_heads) + ")");
     if (m.is_gpt2() && !m.tied_embeddings)
       errors.push_back("model.tied_embeddings: gpt2 ties its head to the token embedding (must be true)");
-    if (m.is_llama() && m.n_heads > 0 && m.d_model % m.n_heads == 0 && m.head_dim() % 2 != 0)
-      errors.push_back("model.d_model / model.n_heads: RoPE needs an even head dimension, got " +
-                       std::to_string(m.head_dim()));
+    if (m.is_llama() && m.n_heads > 0 && (m.d_model % m.n_heads == 0 || m.explicit_head_dim > 0) &&
+        m.head_dim() % 2 != 0)
+      errors.push_back(std::string(m.explicit_head_dim > 0 ? "model.head_dim" : "model.d_model / model.n_heads") +
+                       ": RoPE needs an even head dimension, got " + std::to_string(m.head_dim()));
   }
 
   // ---- precision ----
@@ -678,6 +687,8 @@ json to_json(const RunConfig& c) {
   if (m.alibi) j["model"]["position_embedding"] = m.position_embedding();
   if (m.embedding_norm) j["model"]["embedding_norm"] = true;
   if (m.qkv_bias) j["model"]["qkv_bias"] = true;
+  if (m.qk_norm) j["model"]["qk_norm"] = true;
+  if (m.explicit_head_dim > 0) j["model"]["head_dim"] = m.explicit_head_dim;
   const LossScaleConfig& s = c.precision.loss_scale;
   j["precision"] = {{"mode", precision_name(c.precision.mode)},
                     {"stochastic_rounding", c.precision.stochastic_rounding},

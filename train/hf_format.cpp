@@ -157,6 +157,7 @@ std::string hf_arch_name(HfArch a) {
     case HfArch::GPT2: return "GPT2LMHeadModel";
     case HfArch::Bloom: return "BloomForCausalLM";
     case HfArch::Qwen2: return "Qwen2ForCausalLM";
+    case HfArch::Qwen3: return "Qwen3ForCausalLM";
     default: return "LlamaForCausalLM";
   }
 }
@@ -167,7 +168,10 @@ HfArch hf_arch_for(const ModelConfig& m, const std::string& who) {
       throw CheckpointError(who + " holds a Llama with " +
                             (m.alibi ? "ALiBi (model.position_embedding \"alibi\")" : "an embedding norm") +
                             "; Hugging Face's Llama has neither, so it has no Hugging Face architecture");
-    return m.qkv_bias ? HfArch::Qwen2 : HfArch::Llama;
+    if (m.qkv_bias && m.qk_norm)
+      throw CheckpointError(who + " holds a Llama with both q/k/v biases (Qwen2's) and q/k norms (Qwen3's); no "
+                            "Hugging Face architecture has both");
+    return m.qkv_bias ? HfArch::Qwen2 : m.qk_norm ? HfArch::Qwen3 : HfArch::Llama;
   }
   if (!m.alibi && !m.embedding_norm) return HfArch::GPT2;
   if (m.alibi && m.embedding_norm) {
@@ -201,12 +205,14 @@ void throw_problems(const std::vector<std::string>& problems, const std::string&
   throw CheckpointError(msg);
 }
 
-// Llama and Qwen2: keel's llama family (Qwen2 adds biases to the q, k and v projections).
+// Llama, Qwen2 and Qwen3: keel's llama family (Qwen2 adds biases to the q, k and v projections,
+// Qwen3 RMSNorms of each q and k head).
 ModelConfig llama_config_from_hf(const json& c, const std::string& where, HfArch arch) {
   std::vector<std::string> problems;
   ModelConfig m;
   m.family = Family::Llama;
   m.qkv_bias = arch == HfArch::Qwen2;
+  m.qk_norm = arch == HfArch::Qwen3;
   m.vocab_size = int_field(c, {"vocab_size"}, problems);
   m.d_model = static_cast<int>(int_field(c, {"hidden_size"}, problems));
   m.n_layers = static_cast<int>(int_field(c, {"num_hidden_layers"}, problems));
@@ -264,10 +270,10 @@ ModelConfig llama_config_from_hf(const json& c, const std::string& where, HfArch
       }
   const std::string act = c.value("hidden_act", std::string("silu"));
   if (act != "silu") problems.push_back("hidden_act \"" + act + "\" is not supported (keel's SwiGLU uses silu)");
-  if (m.n_heads > 0 && m.d_model % m.n_heads == 0 && c.contains("head_dim") && c["head_dim"].is_number_integer() &&
-      c["head_dim"].get<int>() != m.d_model / m.n_heads)
-    problems.push_back("head_dim " + c["head_dim"].dump() + " differs from hidden_size / num_attention_heads = " +
-                       std::to_string(m.d_model / m.n_heads) + " (keel derives the head size)");
+  // head_dim: Qwen3 and some Mistrals set it apart from hidden_size / num_attention_heads.
+  if (c.contains("head_dim") && c["head_dim"].is_number_integer() && c["head_dim"].get<int>() > 0 && m.n_heads > 0 &&
+      (m.d_model % m.n_heads != 0 || c["head_dim"].get<int>() != m.d_model / m.n_heads))
+    m.explicit_head_dim = c["head_dim"].get<int>();
   if (m.n_kv_heads <= 0 || (m.n_heads > 0 && m.n_heads % m.n_kv_heads != 0))
     problems.push_back("num_key_value_heads " + std::to_string(m.n_kv_heads) + " does not divide num_attention_heads " +
                        std::to_string(m.n_heads));
@@ -325,11 +331,12 @@ HfArch hf_arch_of_config(const json& c, const std::string& source) {
   auto is = [&](const char* a, const char* t) { return arch == a || (arch.empty() && type == t); };
   if (is("LlamaForCausalLM", "llama") || is("MistralForCausalLM", "mistral")) return HfArch::Llama;
   if (is("Qwen2ForCausalLM", "qwen2")) return HfArch::Qwen2;
+  if (is("Qwen3ForCausalLM", "qwen3")) return HfArch::Qwen3;
   if (is("GPT2LMHeadModel", "gpt2")) return HfArch::GPT2;
   if (is("BloomForCausalLM", "bloom")) return HfArch::Bloom;
   throw CheckpointError(source + ": architecture \"" + (arch.empty() ? "?" : arch) + "\" (model_type \"" + type +
                         "\") is not supported; keel converts LlamaForCausalLM (and Mistral-style configs without "
-                        "sliding windows), Qwen2ForCausalLM, GPT2LMHeadModel and BloomForCausalLM");
+                        "sliding windows), Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel and BloomForCausalLM");
 }
 
 }  // namespace
@@ -337,12 +344,12 @@ HfArch hf_arch_of_config(const json& c, const std::string& source) {
 ModelConfig model_config_from_hf(const json& c, const std::string& source) {
   const HfArch arch = hf_arch_of_config(c, source);
   const std::string where = source + " (" + hf_arch_name(arch) + ")";
-  const bool llama = arch == HfArch::Llama || arch == HfArch::Qwen2;
+  const bool llama = arch == HfArch::Llama || arch == HfArch::Qwen2 || arch == HfArch::Qwen3;
   ModelConfig m = llama ? llama_config_from_hf(c, where, arch) : gpt2_config_from_hf(c, where, arch);
   m.pad_vocab_multiple = 1;
   m.init_std = static_cast<float>(num(c, "initializer_range", 0.02));
   std::vector<std::string> problems;
-  if (m.n_heads <= 0 || m.d_model % m.n_heads != 0)
+  if (m.n_heads <= 0 || (m.d_model % m.n_heads != 0 && m.explicit_head_dim == 0))
     problems.push_back("the hidden size " + std::to_string(m.d_model) + " is not a multiple of the head count " +
                        std::to_string(m.n_heads));
   throw_problems(problems, where + " uses features keel cannot represent:");
@@ -356,7 +363,7 @@ std::vector<HfTensorSlice> hf_tensor_layout(const ModelConfig& m, const std::str
   auto whole = [&](std::string keel, std::string hf, std::vector<int64_t> shape) {
     out.push_back({std::move(keel), std::move(hf), std::move(shape)});
   };
-  if (arch == HfArch::Llama || arch == HfArch::Qwen2) {
+  if (arch == HfArch::Llama || arch == HfArch::Qwen2 || arch == HfArch::Qwen3) {
     const int64_t q = m.q_dim(), kv = m.kv_dim();
     whole("tok_embed", "model.embed_tokens.weight", {V, d});
     for (int i = 0; i < m.n_layers; ++i) {
@@ -369,6 +376,10 @@ std::vector<HfTensorSlice> hf_tensor_layout(const ModelConfig& m, const std::str
         whole(k + "attn.bq", h + "self_attn.q_proj.bias", {q});
         whole(k + "attn.bk", h + "self_attn.k_proj.bias", {kv});
         whole(k + "attn.bv", h + "self_attn.v_proj.bias", {kv});
+      }
+      if (m.qk_norm) {
+        whole(k + "attn.q_norm.weight", h + "self_attn.q_norm.weight", {hd});
+        whole(k + "attn.k_norm.weight", h + "self_attn.k_norm.weight", {hd});
       }
       whole(k + "attn.wo", h + "self_attn.o_proj.weight", {d, q});
       whole(k + "mlp_norm.weight", h + "post_attention_layernorm.weight", {d});
@@ -666,6 +677,8 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
   if (m.alibi) model["position_embedding"] = m.position_embedding();
   if (m.embedding_norm) model["embedding_norm"] = true;
   if (m.qkv_bias) model["qkv_bias"] = true;
+  if (m.qk_norm) model["qk_norm"] = true;
+  if (m.explicit_head_dim > 0) model["head_dim"] = m.explicit_head_dim;
   const std::string name = fs::path(out_dir).filename().string().empty() ? "model" : fs::path(out_dir).filename().string();
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
@@ -833,8 +846,8 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
   if (c.contains("dtype")) c["dtype"] = torch_dtype_name(dtype);
   if (!c.contains("initializer_range")) c["initializer_range"] = m.init_std;
   c["use_cache"] = true;
-  if (arch == HfArch::Llama || arch == HfArch::Qwen2) {
-    c["model_type"] = arch == HfArch::Qwen2 ? "qwen2" : "llama";
+  if (arch == HfArch::Llama || arch == HfArch::Qwen2 || arch == HfArch::Qwen3) {
+    c["model_type"] = arch == HfArch::Qwen2 ? "qwen2" : arch == HfArch::Qwen3 ? "qwen3" : "llama";
     c["hidden_size"] = m.d_model;
     c["intermediate_size"] = m.ffn_hidden;
     c["num_hidden_layers"] = m.n_layers;
@@ -853,13 +866,10 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
       c["rope_scaling"] = scaling;
     }
     c["hidden_act"] = "silu";
-    if (arch == HfArch::Llama) {
-      c["attention_bias"] = false;
-      c["mlp_bias"] = false;
-    } else {
-      c["use_sliding_window"] = false;  // Qwen2's biases are fixed by the architecture
-    }
-    if (c.contains("head_dim")) c["head_dim"] = m.head_dim();
+    if (arch != HfArch::Qwen2) c["attention_bias"] = false;  // Qwen2's biases are fixed by the architecture
+    if (arch == HfArch::Llama) c["mlp_bias"] = false;
+    else c["use_sliding_window"] = false;
+    if (c.contains("head_dim") || arch == HfArch::Qwen3 || m.explicit_head_dim > 0) c["head_dim"] = m.head_dim();
   } else if (arch == HfArch::GPT2) {
     for (const char* k : {"hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"}) c.erase(k);
     c["model_type"] = "gpt2";

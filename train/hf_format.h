@@ -6,6 +6,7 @@
 // usually tokenizer.json. Four architectures map onto keel's model:
 //   LlamaForCausalLM (and Mistral-style configs without sliding windows) -> family llama
 //   Qwen2ForCausalLM (Qwen2, Qwen2.5; no sliding windows)                -> llama with qkv_bias
+//   Qwen3ForCausalLM (dense Qwen3)                                -> llama with qk_norm, head_dim
 //   GPT2LMHeadModel                                                      -> family gpt2
 //   BloomForCausalLM -> family gpt2 with position_embedding "alibi" and embedding_norm
 //
@@ -14,6 +15,7 @@
 //          model.layers.{i}.input_layernorm.weight    layers.{i}.attn_norm.weight
 //          model.layers.{i}.self_attn.{q,k,v,o}_proj  layers.{i}.attn.{wq,wk,wv,wo}
 //          model.layers.{i}.self_attn.{q,k,v}_proj.bias  layers.{i}.attn.{bq,bk,bv} (Qwen2)
+//          model.layers.{i}.self_attn.{q,k}_norm        layers.{i}.attn.{q,k}_norm.weight (Qwen3)
 //          model.layers.{i}.post_attention_layernorm  layers.{i}.mlp_norm.weight
 //          model.layers.{i}.mlp.{gate,up,down}_proj   layers.{i}.mlp.{w_gate,w_up,w_down}
 //          model.norm.weight                          final_norm.weight
@@ -55,8 +57,8 @@ namespace keel {
 // "hf:/models/x" -> "/models/x"; nullopt when spec does not start with "hf:".
 std::optional<std::string> hf_path(const std::string& spec);
 
-enum class HfArch { Llama, Qwen2, GPT2, Bloom };
-// "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel", "BloomForCausalLM"
+enum class HfArch { Llama, Qwen2, Qwen3, GPT2, Bloom };
+// "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel", "BloomForCausalLM"
 std::string hf_arch_name(HfArch a);
 // The HF architecture a keel model exports as. Throws CheckpointError naming what has no HF
 // counterpart (ALiBi on a Llama, an embedding norm with learned positions, BLOOM's MLP width).
@@ -64,7 +66,7 @@ HfArch hf_arch_for(const ModelConfig& m, const std::string& who);
 
 // The keel model an HF config.json describes. Throws CheckpointError naming the file and what
 // keel cannot represent: another architecture, rope_scaling, attention/MLP biases on a Llama,
-// sliding windows, a head_dim other than hidden_size / num_attention_heads, another activation,
+// sliding windows, another activation,
 // GPT-2's per-layer attention scaling, BLOOM's post-layernorm residual.
 ModelConfig model_config_from_hf(const nlohmann::json& config, const std::string& source);
 

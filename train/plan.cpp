@@ -267,6 +267,9 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   // res_in, norm1, res_mid, norm2 [rows, d]; mean/rstd x2 [rows] f32; qkv, attn, fc, act [N, split];
   // lse [B, nh/tp, T] f32
   r.per_layer_full = rows * (a * 4 * d + 4 * 2 * stats) + N * (a * (qkv + q + fc + F) / t + 4 * nh / t);
+  // qk_norm keeps the q and k heads before it and their 1/rms: [N (nh + nkv) / tp] rows of hd.
+  const double qk_heads = static_cast<double>(m.n_heads + m.n_kv_heads);
+  if (m.qk_norm) r.per_layer_full += N * qk_heads / t * (a * m.head_dim() + 4);
   r.per_layer_input = rows * a * d;
   r.attn_scores = mem.attn_score_bytes * mbs * (nh / t) * double(seq) * double(seq);
   // normf [rows, d], meanf/rstdf [rows], logits [N, V/tp] (+ fp32 copy), row_max/sumexp/target_logit/lse/row_loss [N]
@@ -290,6 +293,7 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   // dres [rows, d], dnorm and proj_out [N, d]; dqkv, dattn, dfc, dact split; with SP also the
   // gathered rows [N, d] and the scattered sums [rows, d]
   r.backward_scratch = a * (rows * d + 2 * N * d + N * (qkv + q + fc + F) / t) + (rows < N ? a * (N + rows) * d : 0);
+  if (m.qk_norm) r.backward_scratch += 2 * N * qk_heads / t * a * m.head_dim();  // the two qk_norm scratch sets
   return r;
 }
 

@@ -365,7 +365,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), n);
   {
     const StepTimers::Scope timed = timers_.phase(StepTimers::GradReduce);
-    for (auto& m : chunks_) m->sum_sequence_parallel_grads();
+    for (auto& m : chunks_) m->sum_tp_partial_grads();
     sync_tied_embedding();
     if (grid_.dp_size() > 1) {
       // This rank's block of the summed gradient lands in place in its own shard.

@@ -54,6 +54,7 @@ class CpuBackend final : public Backend {
 
   void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) override;
   void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) override;
+  void qk_heads_copy(const Tensor& heads, const Tensor& qkv, const AttnShape& s, bool to_heads) override;
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) override;
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, const AttnShape& s) override;

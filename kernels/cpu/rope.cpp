@@ -11,6 +11,7 @@
 // Products and sums are rounded one by one as in PyTorch (no fused multiply-add), hence the
 // pragma below.
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
@@ -73,6 +74,27 @@ void CpuBackend::rope_forward(const Tensor& qkv, const AttnShape& s, const Rope&
 void CpuBackend::rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) {
   cpu::check_attn("rope_backward", s, {"dqkv", dqkv});
   cpu::rope_rotate(dqkv, s, rope_table(s.T, s.head_dim, rope), true);
+}
+
+void CpuBackend::qk_heads_copy(const Tensor& heads, const Tensor& qkv, const AttnShape& s, bool to_heads) {
+  const char* op = "qk_heads_copy";
+  cpu::check_attn(op, s, {"qkv", qkv});
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
+  if (heads.dtype != qkv.dtype || heads.numel() != rows * (nh + nkv) * hd || heads.cols() != hd)
+    cpu::fail(op, "heads must be [B*T*(n_heads + n_kv_heads), head_dim] of qkv's dtype for " + cpu::attn_str(s),
+              {{"heads", heads}, {"qkv", qkv}});
+  const size_t es = dtype_size(qkv.dtype), head_bytes = static_cast<size_t>(hd) * es;
+  char* const hb = static_cast<char*>(heads.data);
+  char* const qb = static_cast<char*>(qkv.data);
+#pragma omp parallel for schedule(static) if (rows * (nh + nkv) * hd >= cpu::kMinParallelWork)
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t h = 0; h < nh + nkv; ++h) {
+      const int64_t r = h < nh ? n * nh + h : rows * nh + n * nkv + (h - nh);
+      char* a = hb + static_cast<size_t>(r) * head_bytes;
+      char* b = qb + (static_cast<size_t>(n * s.qkv_cols() + h * hd)) * es;
+      if (to_heads) std::memcpy(a, b, head_bytes);
+      else std::memcpy(b, a, head_bytes);
+    }
 }
 
 }  // namespace keel

@@ -92,6 +92,7 @@ class CudaBackend final : public Backend {
 
   void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) override;  // rope.cu
   void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) override;
+  void qk_heads_copy(const Tensor& heads, const Tensor& qkv, const AttnShape& s, bool to_heads) override;
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) override;
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, const AttnShape& s) override;  // attention.cu

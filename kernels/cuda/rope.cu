@@ -52,6 +52,26 @@ __global__ void rope_kernel(T* qkv, const float* __restrict__ table, const int32
   });
 }
 
+// Element e of rows * (nh + nkv) * hd is (row n, head h, element i); U is the storage dtype's
+// bit pattern (a copy, so exact).
+template <class U>
+__global__ void qk_heads_copy_kernel(U* heads, U* qkv, int64_t rows, int nh, int nkv, int hd, int64_t cols,
+                                     bool to_heads) {
+  const int64_t total = rows * (nh + nkv) * hd;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total; e += stride) {
+    const int i = static_cast<int>(e % hd);
+    const int64_t rest = e / hd;
+    const int h = static_cast<int>(rest % (nh + nkv));
+    const int64_t n = rest / (nh + nkv);
+    const int64_t r = h < nh ? n * nh + h : rows * nh + n * nkv + (h - nh);
+    U* a = heads + r * hd + i;
+    U* b = qkv + n * cols + static_cast<int64_t>(h) * hd + i;
+    if (to_heads) *a = *b;
+    else *b = *a;
+  }
+}
+
 }  // namespace
 
 void launch_rope(CudaBackend& be, const Tensor& qkv, const AttnShape& s, const float* table, bool inverse,
@@ -90,6 +110,25 @@ void CudaBackend::rope_backward(const Tensor& dqkv, const AttnShape& s, const Ro
   cuda::check_attn(op, s, {"dqkv", dqkv});
   cuda::launch_rope(*this, dqkv, s, rope_table(s.T, s.head_dim, rope), true, op);
   cuda::check_launch(*this, op, {{"dqkv", dqkv}});
+}
+
+void CudaBackend::qk_heads_copy(const Tensor& heads, const Tensor& qkv, const AttnShape& s, bool to_heads) {
+  const char* op = "qk_heads_copy";
+  cuda::check_attn(op, s, {"qkv", qkv});
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
+  if (heads.dtype != qkv.dtype || heads.numel() != rows * (nh + nkv) * hd || heads.cols() != hd)
+    cuda::fail(op, "heads must be [B*T*(n_heads + n_kv_heads), head_dim] of qkv's dtype",
+               {{"heads", heads}, {"qkv", qkv}});
+  const int64_t total = rows * (nh + nkv) * hd;
+  if (total == 0) return;
+  const unsigned blocks = cuda::grid_for(total, 256);
+  if (dtype_size(qkv.dtype) == 2)
+    cuda::qk_heads_copy_kernel<uint16_t><<<blocks, 256, 0, stream_>>>(
+        heads.as<uint16_t>(), qkv.as<uint16_t>(), rows, s.n_heads, s.n_kv_heads, s.head_dim, s.qkv_cols(), to_heads);
+  else
+    cuda::qk_heads_copy_kernel<uint32_t><<<blocks, 256, 0, stream_>>>(
+        heads.as<uint32_t>(), qkv.as<uint32_t>(), rows, s.n_heads, s.n_kv_heads, s.head_dim, s.qkv_cols(), to_heads);
+  cuda::check_launch(*this, op, {{"heads", heads}, {"qkv", qkv}});
 }
 
 }  // namespace keel

@@ -74,6 +74,8 @@ struct Fixture {
     model.alibi = m.value("position_embedding", "") == "alibi";
     model.embedding_norm = m.value("embedding_norm", false);
     model.qkv_bias = m.value("qkv_bias", false);
+    model.qk_norm = m.value("qk_norm", false);
+    model.explicit_head_dim = m.value("head_dim", 0);
     B = meta["batch"]["B"];
     T = meta["batch"]["T"];
   }

@@ -429,6 +429,26 @@ TEST_CASE("gpu: packed and one-element paths of the elementwise ops give the sam
   }
 }
 
+TEST_CASE("gpu: qk_heads_copy is the CPU's bit for bit, both ways", "[gpu][qk_norm]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const AttnShape s{2, 37, 8, 2, 128};  // Qwen3's head size, GQA 8/2
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T, hrows = rows * (s.n_heads + s.n_kv_heads);
+  for (DType dt : kFloatTypes) {
+    INFO(dname(dt));
+    HostTensor qkv = rand_tensor(dt, {rows, s.qkv_cols()}, 21), heads = rand_tensor(dt, {hrows, s.head_dim}, 22);
+    HostTensor cpu_heads = nan_tensor(dt, {hrows, s.head_dim});
+    cpu().qk_heads_copy(cpu_heads.t, qkv.t, s, true);
+    DeviceTensor dq = DeviceTensor::of(be, qkv), dh = DeviceTensor::of(be, nan_tensor(dt, {hrows, s.head_dim}));
+    be.qk_heads_copy(dh.t, dq.t, s, true);
+    KEEL_CHECK_BITS("qk_heads_copy", std::string(dname(dt)) + " to heads", dh.host(), cpu_heads);
+    DeviceTensor dh2 = DeviceTensor::of(be, heads);
+    be.qk_heads_copy(dh2.t, dq.t, s, false);
+    cpu().qk_heads_copy(heads.t, qkv.t, s, false);
+    KEEL_CHECK_BITS("qk_heads_copy", std::string(dname(dt)) + " from heads", dq.host(), qkv);
+  }
+}
+
 TEST_CASE("gpu: embedding forward and backward are bit-identical to the CPU (vocab shard)", "[gpu][embedding]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();

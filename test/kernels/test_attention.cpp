@@ -93,6 +93,39 @@ TEST_CASE("rope forward matches a double reference and leaves v alone", "[rope]"
   }
 }
 
+TEST_CASE("qk_heads_copy lays the q and k heads out one per row and back, leaving v alone", "[rope][qk_norm]") {
+  auto be = make_cpu_backend();
+  const AttnShape s{2, 5, 4, 2, 6};
+  const int64_t rows = s.B * s.T, cols = s.qkv_cols(), hd = s.head_dim, nh = s.n_heads, nkv = s.n_kv_heads;
+  for (DType dt : {DType::F32, DType::BF16}) {
+    CAPTURE(dtype_name(dt));
+    HostTensor qkv = make(dt, {rows, cols}, randn(rows * cols, 3));
+    HostTensor heads = make(dt, {rows * (nh + nkv), hd}, std::vector<float>(rows * (nh + nkv) * hd, 0.0f));
+    be->qk_heads_copy(heads.t, qkv.t, s, true);
+    // q head h of row n at row n * nh + h; k head h at rows * nh + n * nkv + h (bit for bit).
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t h = 0; h < nh + nkv; ++h)
+        for (int64_t i = 0; i < hd; ++i) {
+          const int64_t r = h < nh ? n * nh + h : rows * nh + n * nkv + (h - nh);
+          REQUIRE(heads.bits(r * hd + i) == qkv.bits(n * cols + h * hd + i));
+        }
+    // Back: changed heads land in q and k; v keeps its bits.
+    HostTensor back = make(dt, {rows, cols}, randn(rows * cols, 4));
+    std::vector<uint32_t> v_before;
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t c = (nh + nkv) * hd; c < cols; ++c) v_before.push_back(back.bits(n * cols + c));
+    be->qk_heads_copy(heads.t, back.t, s, false);
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t c = 0; c < cols; ++c) {
+        if (c < (nh + nkv) * hd) REQUIRE(back.bits(n * cols + c) == qkv.bits(n * cols + c));
+        else REQUIRE(back.bits(n * cols + c) == v_before[static_cast<size_t>(n * (cols - (nh + nkv) * hd) + c - (nh + nkv) * hd)]);
+      }
+    HostTensor wrong = make(dt, {rows * nh, hd}, std::vector<float>(rows * nh * hd, 0.0f));
+    CHECK_THROWS_WITH(be->qk_heads_copy(wrong.t, qkv.t, s, true), Catch::Contains("qk_heads_copy") &&
+                                                                      Catch::Contains("heads must be"));
+  }
+}
+
 // Hugging Face's recipe in fp32: inv_freq = 1 / theta ** (arange(0, hd, 2).float() / hd),
 // freqs = pos.float() * inv_freq, cos/sin of freqs, q*cos + rotate_half(q)*sin with each product
 // and sum rounded to fp32. At positions up to 4095 the fp32 angle differs from the exact one by

@@ -1,7 +1,8 @@
 // keel's CPU model against the PyTorch/HF oracle (scripts/make_fixtures.py): logits, loss and
 // every parameter gradient of a tiny GPT-2, a tiny Llama with GQA, a tiny BLOOM (gpt2 blocks
 // with ALiBi over 6 heads and an embedding LayerNorm; HF's BloomForCausalLM) and a tiny Qwen2
-// (llama with q/k/v biases and a tied head; HF's Qwen2ForCausalLM), in fp32.
+// (llama with q/k/v biases and a tied head; HF's Qwen2ForCausalLM) and a tiny Qwen3 (per-head q/k
+// RMSNorms before RoPE, 4 heads of 16 on a d_model of 32; HF's Qwen3ForCausalLM), in fp32.
 //
 // Tolerances: the oracle is float64; keel computes in fp32 with sums of at most a few hundred
 // terms, so relative errors are a few 1e-7. We require ||keel - oracle|| / ||oracle|| <= 1e-5
@@ -64,6 +65,12 @@ TEST_CASE("tiny BLOOM (ALiBi, embedding LayerNorm) matches the HF oracle: logits
 TEST_CASE("tiny Qwen2 (q/k/v biases, tied head) matches the HF oracle: logits, loss, every gradient",
           "[model][oracle][qwen]") {
   check_fixture("qwen2_tiny");
+}
+
+TEST_CASE("tiny Qwen3 (q/k norms, head_dim apart from d_model / n_heads) matches the HF oracle: logits, loss, every "
+          "gradient",
+          "[model][oracle][qwen]") {
+  check_fixture("qwen3_tiny");
 }
 
 TEST_CASE("parameter table: names, roles, decay by role, fused groups back to back", "[model][params]") {

@@ -39,6 +39,14 @@ TEST_CASE("generator: cached decoding reproduces the oracle logits (BLOOM: ALiBi
   check_cached_logits("bloom_tiny", 6);
 }
 
+TEST_CASE("generator: cached decoding reproduces the oracle logits (Qwen2 biases, Qwen3 q/k norms and head_dim)",
+          "[generator][qwen]") {
+  for (const char* name : {"qwen2_tiny", "qwen3_tiny"}) {
+    check_cached_logits(name, 1);
+    check_cached_logits(name, 6);
+  }
+}
+
 TEST_CASE("generator: greedy and seeded sampling", "[generator]") {
   test::Fixture fx("llama_tiny");
   ParamTable table(fx.model);

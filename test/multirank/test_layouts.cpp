@@ -281,9 +281,14 @@ TEST_CASE("ALiBi and the embedding norm (BLOOM's options) train alike under TP, 
   check_option_layouts("llama", bloom, {{{4, 2, 1}, kSequenceParallel}});
 }
 
-TEST_CASE("Qwen2's q/k/v biases train alike under TP, SP, PP and DP (fp32)", "[mpi][layouts][qwen]") {
-  // The biases are split over TP with their projections' rows (each rank its heads' part).
+TEST_CASE("Qwen2's q/k/v biases and Qwen3's q/k norms with head_dim train alike under TP, SP, PP and DP (fp32)",
+          "[mpi][layouts][qwen]") {
+  // The biases are split over TP with their projections' rows (each rank its heads' part). The
+  // q/k norm weights are shared by the heads, which TP splits: each rank's gradient is a partial
+  // sum over its heads, all-reduced over TP after the micro-batches.
   check_option_layouts("llama", "--set model.qkv_bias=true",
+                       {{{4, 2, 1}, kSequenceParallel}, {{2, 2, 2}, ""}, {{8, 1, 1}, ""}});
+  check_option_layouts("llama", "--set model.qk_norm=true --set model.head_dim=8",
                        {{{4, 2, 1}, kSequenceParallel}, {{2, 2, 2}, ""}, {{8, 1, 1}, ""}});
 }
 

@@ -77,3 +77,6 @@ TEST_CASE("AdamW steps of tiny Qwen2 (q/k/v biases in the no-decay group) match 
           "[train][oracle][qwen]") {
   check_adamw("qwen2_tiny");
 }
+TEST_CASE("AdamW steps of tiny Qwen3 (q/k norms in the no-decay group) match torch.optim.AdamW", "[train][oracle][qwen]") {
+  check_adamw("qwen3_tiny");
+}

@@ -107,6 +107,39 @@ TEST_CASE("model.qkv_bias (Qwen2): llama's option, round trip, tensors, errors",
   CHECK(t.at("layers.0.attn.bq").shard_begin == q.model.q_dim() / 2);
 }
 
+TEST_CASE("model.qk_norm and model.head_dim (Qwen3): llama's options, round trip, tensors, errors", "[config][qwen]") {
+  const RunConfig q = test::make_config(test::tiny_run_json("llama"),
+                                        {{"model", {{"qk_norm", true}, {"head_dim", 24}, {"n_heads", 4}, {"n_kv_heads", 2}}}});
+  CHECK(q.model.head_dim() == 24);
+  CHECK(q.model.q_dim() == 96);
+  const RunConfig again = parse_config(to_json(q), "again");
+  CHECK((again.model.qk_norm && again.model.head_dim() == 24));
+  // The derived size, written out, is no option (checkpoints compare equal).
+  const int derived = q.model.d_model / 4;
+  CHECK_FALSE(to_json(test::make_config(test::tiny_run_json("llama"), {{"model", {{"head_dim", derived}, {"n_heads", 4}}}}))
+                  .at("model")
+                  .contains("head_dim"));
+  // The norms: one weight of head_dim, whole on every TP rank, never decayed; wq / wo widen.
+  const ParamTable t(q.model, ModelShard{0, 2});
+  for (const char* n : {"layers.1.attn.q_norm.weight", "layers.1.attn.k_norm.weight"}) {
+    CHECK(t.at(n).role == Role::Norm);
+    CHECK_FALSE(t.at(n).decay);
+    CHECK(t.at(n).split == TpSplit::None);
+    CHECK(t.at(n).local_shape == std::vector<int64_t>{24});
+  }
+  CHECK(t.at("layers.0.attn.wq").shape == std::vector<int64_t>{96, q.model.d_model});
+  CHECK(t.at("layers.0.attn.wo").shape == std::vector<int64_t>{q.model.d_model, 96});
+  auto fails_with = [](const std::string& family, const nlohmann::json& model, const std::string& needle) {
+    INFO(family << " " << model.dump() << " should fail mentioning " << needle);
+    CHECK_THROWS_WITH(test::make_config(test::tiny_run_json(family), {{"model", model}}), Catch::Contains(needle));
+  };
+  fails_with("gpt2", {{"qk_norm", true}}, "model.qk_norm: true is a llama option");
+  fails_with("gpt2", {{"head_dim", 16}}, "model.head_dim: gpt2's heads are d_model / n_heads wide");
+  fails_with("llama", {{"head_dim", 7}}, "model.head_dim: RoPE needs an even head dimension, got 7");
+  fails_with("llama", {{"head_dim", 0}}, "model.head_dim");
+  fails_with("llama", {{"n_heads", 5}}, "set model.head_dim for heads of another size");
+}
+
 TEST_CASE("config errors name the field, the bad value and the allowed values", "[config]") {
   auto base = test::tiny_run_json();
   auto fails_with = [&](const nlohmann::json& patch, const std::string& needle) {

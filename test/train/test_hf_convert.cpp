@@ -156,6 +156,13 @@ TEST_CASE("hf: config.json maps to keel's model (GQA, tied head, rope_theta, eps
   CHECK(q2.model().n_kv_heads == 2);
   CHECK(q2.hf_name("layers.1.attn.bk") == "model.layers.1.self_attn.k_proj.bias");
   CHECK(q2.common_dtype() == DType::BF16);
+  const HfCheckpoint q3 = HfCheckpoint::open(kHf + "qwen3_fp32");
+  CHECK(q3.arch() == HfArch::Qwen3);
+  CHECK(q3.model().qk_norm);
+  CHECK_FALSE(q3.model().qkv_bias);
+  CHECK(q3.model().head_dim() == 16);  // 4 heads of 16 on a hidden size of 32
+  CHECK(q3.model().q_dim() == 64);
+  CHECK(q3.hf_name("layers.0.attn.k_norm.weight") == "model.layers.0.self_attn.k_norm.weight");
 }
 
 // GPT-2's Conv1D weights (read transposed, a column block of c_attn) and BLOOM's per-head fused
@@ -281,7 +288,8 @@ TEST_CASE("hf: keel's Llama 3 RoPE frequencies are HF's fp32 bits", "[hf][rope]"
 
 TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]") {
   for (const char* name :
-       {"llama_trained", "llama_tied", "llama_sharded", "llama3_rope", "gpt2_tied", "bloom_bf16", "qwen2_bf16"}) {
+       {"llama_trained", "llama_tied", "llama_sharded", "llama3_rope", "gpt2_tied", "bloom_bf16", "qwen2_bf16",
+        "qwen3_fp32"}) {
     SECTION(name) {
       const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
       const ParamTable table(hf.model());
@@ -316,6 +324,8 @@ TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]"
       CHECK(cfg.model.position_embedding() == hf.model().position_embedding());
       CHECK(cfg.model.embedding_norm == hf.model().embedding_norm);
       CHECK(cfg.model.qkv_bias == hf.model().qkv_bias);
+      CHECK(cfg.model.qk_norm == hf.model().qk_norm);
+      CHECK(cfg.model.head_dim() == hf.model().head_dim());
     }
   }
 }
@@ -329,7 +339,7 @@ TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
   for (Case c : {Case{"llama_trained", DType::F32, int64_t{5} << 30}, Case{"llama_tied", DType::BF16, int64_t{5} << 30},
                  Case{"llama_sharded", DType::F16, 30000}, Case{"llama3_rope", DType::F32, int64_t{5} << 30},
                  Case{"gpt2_tied", DType::F32, int64_t{5} << 30}, Case{"bloom_bf16", DType::BF16, 20000},
-                 Case{"qwen2_bf16", DType::BF16, int64_t{5} << 30}}) {
+                 Case{"qwen2_bf16", DType::BF16, int64_t{5} << 30}, Case{"qwen3_fp32", DType::F32, 40000}}) {
     SECTION(c.name) {
       test::TempDir tmp("hfrt");
       convert_hf_to_keel(kHf + c.name, tmp / "keel", std::nullopt, false);

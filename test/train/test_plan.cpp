@@ -304,9 +304,11 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
   // Transformer makes and per-block headers: a 1% tolerance. Allocations stay on the heap (no
   // mmap page rounding) under a high mmap threshold.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  for (const char* family : {"gpt2", "llama", "bloom"}) {  // bloom: gpt2 + ALiBi + the embedding norm
-    const bool bloom = std::string(family) == "bloom";
-    nlohmann::json j = test::tiny_run_json(bloom ? "gpt2" : family);
+  // bloom: gpt2 + ALiBi + the embedding norm; qwen3: llama + q/k norms (their kept inputs and
+  // scratch) with heads of 48 (q 192 wide on a d_model of 128)
+  for (const char* family : {"gpt2", "llama", "bloom", "qwen3"}) {
+    const bool bloom = std::string(family) == "bloom", qwen3 = std::string(family) == "qwen3";
+    nlohmann::json j = test::tiny_run_json(bloom ? "gpt2" : qwen3 ? "llama" : family);
     if (bloom) {
       j["model"]["position_embedding"] = "alibi";
       j["model"]["embedding_norm"] = true;
@@ -314,8 +316,13 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
     j["model"]["d_model"] = 128;
     j["model"]["n_layers"] = 4;
     j["model"]["n_heads"] = 4;
-    j["model"]["n_kv_heads"] = std::string(family) == "llama" ? 2 : 4;
-    j["model"]["ffn_hidden"] = std::string(family) == "llama" ? 256 : 512;
+    const bool llama = j["model"]["family"] == "llama";
+    j["model"]["n_kv_heads"] = llama ? 2 : 4;
+    j["model"]["ffn_hidden"] = llama ? 256 : 512;
+    if (qwen3) {
+      j["model"]["qk_norm"] = true;
+      j["model"]["head_dim"] = 48;
+    }
     j["model"]["vocab_size"] = 512;
     j["model"]["max_seq_len"] = 64;
     j["train"]["seq_len"] = 64;
