@@ -280,8 +280,9 @@ def llama_mapping(s: ModelSpec) -> list:
             (h + "mlp.up_proj.weight", "copy", [k + "mlp.w_up"]),
             (h + "mlp.down_proj.weight", "copy", [k + "mlp.w_down"]),
         ]
-    m += [("model.norm.weight", "copy", ["final_norm.weight"]),
-          ("lm_head.weight", "copy", ["lm_head"])]
+    m.append(("model.norm.weight", "copy", ["final_norm.weight"]))
+    if not s.tied_embeddings:  # tied: lm_head.weight is embed_tokens.weight
+        m.append(("lm_head.weight", "copy", ["lm_head"]))
     return m
 
 
@@ -448,8 +449,6 @@ def build_hf_model(s: ModelSpec):
         else:
             model = Qwen3ForCausalLM(Qwen3Config(head_dim=s.head_dim, attention_bias=False, **common))
         mapping = llama_mapping(s)
-        if s.tied_embeddings:
-            mapping = [e for e in mapping if e[0] != "lm_head.weight"]  # the same Parameter as embed_tokens
     else:
         cfg = LlamaConfig(
             vocab_size=s.vocab_size, hidden_size=s.d_model, intermediate_size=s.ffn_hidden,

@@ -231,10 +231,11 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       errors.push_back("model.position_embedding: llama takes \"rope\" or \"alibi\", got \"learned\" (a "
                        "position table is gpt2's)");
     m.embedding_norm = f.boolean("embedding_norm", false);
-    m.qkv_bias = f.boolean("qkv_bias", m.is_gpt2());
-    if (m.is_gpt2() && !m.qkv_bias)
+    // The option is llama's; gpt2 always has the biases (has_qkv_bias()), so may only say so.
+    const bool qkv_bias = f.boolean("qkv_bias", m.is_gpt2());
+    if (m.is_gpt2() && !qkv_bias)
       errors.push_back("model.qkv_bias: gpt2 always has q/k/v biases (must be true, or leave the field out)");
-    if (m.is_gpt2()) m.qkv_bias = false;  // has_qkv_bias() says true for the family
+    m.qkv_bias = m.is_llama() && qkv_bias;
     m.qk_norm = f.boolean("qk_norm", false);
     if (m.is_gpt2() && m.qk_norm) errors.push_back("model.qk_norm: true is a llama option (Qwen3's RMSNorms of q and k)");
     if (f.has("head_dim")) m.explicit_head_dim = static_cast<int>(f.integer("head_dim", 0, 1, 1 << 16));

@@ -162,6 +162,11 @@ std::string hf_arch_name(HfArch a) {
   }
 }
 
+namespace {
+// Llama and its relatives that keel's llama family (with options) represents.
+bool llama_like(HfArch a) { return a == HfArch::Llama || a == HfArch::Qwen2 || a == HfArch::Qwen3; }
+}  // namespace
+
 HfArch hf_arch_for(const ModelConfig& m, const std::string& who) {
   if (m.is_llama()) {
     if (m.alibi || m.embedding_norm)
@@ -344,8 +349,7 @@ HfArch hf_arch_of_config(const json& c, const std::string& source) {
 ModelConfig model_config_from_hf(const json& c, const std::string& source) {
   const HfArch arch = hf_arch_of_config(c, source);
   const std::string where = source + " (" + hf_arch_name(arch) + ")";
-  const bool llama = arch == HfArch::Llama || arch == HfArch::Qwen2 || arch == HfArch::Qwen3;
-  ModelConfig m = llama ? llama_config_from_hf(c, where, arch) : gpt2_config_from_hf(c, where, arch);
+  ModelConfig m = llama_like(arch) ? llama_config_from_hf(c, where, arch) : gpt2_config_from_hf(c, where, arch);
   m.pad_vocab_multiple = 1;
   m.init_std = static_cast<float>(num(c, "initializer_range", 0.02));
   std::vector<std::string> problems;
@@ -363,7 +367,7 @@ std::vector<HfTensorSlice> hf_tensor_layout(const ModelConfig& m, const std::str
   auto whole = [&](std::string keel, std::string hf, std::vector<int64_t> shape) {
     out.push_back({std::move(keel), std::move(hf), std::move(shape)});
   };
-  if (arch == HfArch::Llama || arch == HfArch::Qwen2 || arch == HfArch::Qwen3) {
+  if (llama_like(arch)) {
     const int64_t q = m.q_dim(), kv = m.kv_dim();
     whole("tok_embed", "model.embed_tokens.weight", {V, d});
     for (int i = 0; i < m.n_layers; ++i) {
@@ -846,7 +850,7 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
   if (c.contains("dtype")) c["dtype"] = torch_dtype_name(dtype);
   if (!c.contains("initializer_range")) c["initializer_range"] = m.init_std;
   c["use_cache"] = true;
-  if (arch == HfArch::Llama || arch == HfArch::Qwen2 || arch == HfArch::Qwen3) {
+  if (llama_like(arch)) {
     c["model_type"] = arch == HfArch::Qwen2 ? "qwen2" : arch == HfArch::Qwen3 ? "qwen3" : "llama";
     c["hidden_size"] = m.d_model;
     c["intermediate_size"] = m.ffn_hidden;

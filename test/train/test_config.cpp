@@ -49,6 +49,15 @@ TEST_CASE("model.rope_scaling: Llama 3's scaling round-trips, GPT-2 has no RoPE 
                     Catch::Contains("model.rope_scaling: gpt2 has learned positions"));
 }
 
+namespace {
+// A tiny config of `family` with `model` merged into its model section must be refused, the
+// error mentioning `needle`.
+void model_fails_with(const std::string& family, const nlohmann::json& model, const std::string& needle) {
+  INFO(family << " " << model.dump() << " should fail mentioning " << needle);
+  CHECK_THROWS_WITH(test::make_config(test::tiny_run_json(family), {{"model", model}}), Catch::Contains(needle));
+}
+}  // namespace
+
 TEST_CASE("model.position_embedding and model.embedding_norm: per family, round trip, errors", "[config][alibi]") {
   const RunConfig bloom = test::make_config(test::tiny_run_json("gpt2"),
                                             {{"model", {{"position_embedding", "alibi"}, {"embedding_norm", true}}}});
@@ -72,17 +81,13 @@ TEST_CASE("model.position_embedding and model.embedding_norm: per family, round 
   CHECK_FALSE(t.at("embed_norm.weight").decay);
   CHECK_FALSE(t.at("embed_norm.bias").decay);
 
-  auto fails_with = [](const std::string& family, const nlohmann::json& model, const std::string& needle) {
-    INFO(family << " " << model.dump() << " should fail mentioning " << needle);
-    CHECK_THROWS_WITH(test::make_config(test::tiny_run_json(family), {{"model", model}}), Catch::Contains(needle));
-  };
-  fails_with("gpt2", {{"position_embedding", "rope"}}, "model.position_embedding: gpt2 takes \"learned\" or \"alibi\"");
-  fails_with("llama", {{"position_embedding", "learned"}}, "model.position_embedding: llama takes \"rope\" or \"alibi\"");
-  fails_with("llama", {{"position_embedding", "sinusoidal"}},
+  model_fails_with("gpt2", {{"position_embedding", "rope"}}, "model.position_embedding: gpt2 takes \"learned\" or \"alibi\"");
+  model_fails_with("llama", {{"position_embedding", "learned"}}, "model.position_embedding: llama takes \"rope\" or \"alibi\"");
+  model_fails_with("llama", {{"position_embedding", "sinusoidal"}},
              "model.position_embedding: \"sinusoidal\" is not allowed (allowed: learned, rope, alibi)");
-  fails_with("llama", {{"position_embedding", "alibi"}, {"rope_scaling", {{"type", "llama3"}}}},
+  model_fails_with("llama", {{"position_embedding", "alibi"}, {"rope_scaling", {{"type", "llama3"}}}},
              "model.rope_scaling: position_embedding \"alibi\" has no RoPE to scale");
-  fails_with("gpt2", {{"embedding_norm", "yes"}}, "model.embedding_norm");
+  model_fails_with("gpt2", {{"embedding_norm", "yes"}}, "model.embedding_norm");
 }
 
 TEST_CASE("model.qkv_bias (Qwen2): llama's option, round trip, tensors, errors", "[config][qwen]") {
@@ -94,8 +99,7 @@ TEST_CASE("model.qkv_bias (Qwen2): llama's option, round trip, tensors, errors",
   const RunConfig g = test::make_config(test::tiny_run_json("gpt2"), {{"model", {{"qkv_bias", true}}}});
   CHECK(g.model.has_qkv_bias());
   CHECK_FALSE(to_json(g).at("model").contains("qkv_bias"));
-  CHECK_THROWS_WITH(test::make_config(test::tiny_run_json("gpt2"), {{"model", {{"qkv_bias", false}}}}),
-                    Catch::Contains("model.qkv_bias: gpt2 always has q/k/v biases"));
+  model_fails_with("gpt2", {{"qkv_bias", false}}, "model.qkv_bias: gpt2 always has q/k/v biases");
   // The biases: split over TP with their projections' rows, never decayed.
   const ParamTable t(q.model, ModelShard{1, 2});
   for (const char* b : {"layers.0.attn.bq", "layers.0.attn.bk", "layers.0.attn.bv"}) {
@@ -129,15 +133,11 @@ TEST_CASE("model.qk_norm and model.head_dim (Qwen3): llama's options, round trip
   }
   CHECK(t.at("layers.0.attn.wq").shape == std::vector<int64_t>{96, q.model.d_model});
   CHECK(t.at("layers.0.attn.wo").shape == std::vector<int64_t>{q.model.d_model, 96});
-  auto fails_with = [](const std::string& family, const nlohmann::json& model, const std::string& needle) {
-    INFO(family << " " << model.dump() << " should fail mentioning " << needle);
-    CHECK_THROWS_WITH(test::make_config(test::tiny_run_json(family), {{"model", model}}), Catch::Contains(needle));
-  };
-  fails_with("gpt2", {{"qk_norm", true}}, "model.qk_norm: true is a llama option");
-  fails_with("gpt2", {{"head_dim", 16}}, "model.head_dim: gpt2's heads are d_model / n_heads wide");
-  fails_with("llama", {{"head_dim", 7}}, "model.head_dim: RoPE needs an even head dimension, got 7");
-  fails_with("llama", {{"head_dim", 0}}, "model.head_dim");
-  fails_with("llama", {{"n_heads", 5}}, "set model.head_dim for heads of another size");
+  model_fails_with("gpt2", {{"qk_norm", true}}, "model.qk_norm: true is a llama option");
+  model_fails_with("gpt2", {{"head_dim", 16}}, "model.head_dim: gpt2's heads are d_model / n_heads wide");
+  model_fails_with("llama", {{"head_dim", 7}}, "model.head_dim: RoPE needs an even head dimension, got 7");
+  model_fails_with("llama", {{"head_dim", 0}}, "model.head_dim");
+  model_fails_with("llama", {{"n_heads", 5}}, "set model.head_dim for heads of another size");
 }
 
 TEST_CASE("config errors name the field, the bad value and the allowed values", "[config]") {
