@@ -36,10 +36,16 @@ namespace keel {
 // fp32 as float(j - i) * m_h after the scaled dot product (and in attention_decode with i the
 // new row's absolute position). j - i is the same within a document, so it composes with
 // document masking. Empty: no bias.
+//
+// Sliding window (Mistral's sliding_window, Megatron's --window-size): `window` > 0 limits row i
+// to the `window` keys ending at i, j > i - window, on top of the above (kernels/attention_window.h
+// gives each row's first key). In attention_decode i is the new row's absolute position. 0: no
+// limit.
 struct AttnShape {
   int B = 0, T = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
   Tensor positions{};
   Tensor alibi_slopes{};
+  int window = 0;
   int64_t qkv_cols() const { return static_cast<int64_t>(n_heads + 2 * n_kv_heads) * head_dim; }
 };
 
@@ -161,7 +167,7 @@ class Backend {
   //   2. writes their k and v into rows pos .. pos+n-1 of k_cache and v_cache
   //      ([max_len, n_kv_heads * head_dim] each, any float dtype),
   //   3. out[n, n_heads * head_dim] = softmax(q k^T / sqrt(hd)) v per head, new row i attending
-  //      to cache rows 0 .. pos+i.
+  //      to cache rows 0 .. pos+i (with s.window, the last `window` of them).
   // Row for row this equals rope_forward + attention_forward over the whole sequence.
   virtual void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
                                 const AttnShape& s, int64_t pos, const Rope& rope) = 0;

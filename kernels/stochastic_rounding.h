@@ -13,11 +13,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define KEEL_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define KEEL_HOST_DEVICE inline
-#endif
+#include "kernels/host_device.h"
 
 namespace keel {
 

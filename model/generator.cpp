@@ -125,6 +125,7 @@ std::vector<float> Generator::forward(const int32_t* tokens, int n, bool all_row
 
   AttnShape shape{1, n, cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim()};
   shape.alibi_slopes = alibi_slopes_;
+  shape.window = cfg_.sliding_window;
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     norm(h, x, p + "attn_norm", n);

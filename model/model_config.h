@@ -16,6 +16,9 @@
 //                   before RoPE, as in Qwen3. Norms: never weight-decayed.
 //   head_dim:       the head size when it is not d_model / n_heads (Qwen3: 128 for any width);
 //                   q is then n_heads * head_dim wide and wo maps it back to d_model.
+// And for either family (Mistral's sliding_window, Megatron's --window-size):
+//   sliding_window: each token attends only the sliding_window tokens ending at itself (keys
+//                   j > i - W; kernels/attention_window.h), in every layer. 0: no limit.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +51,7 @@ struct ModelConfig {
   bool qkv_bias = false;  // llama only; see has_qkv_bias()
   bool qk_norm = false;   // llama only
   int explicit_head_dim = 0;  // model.head_dim; 0: d_model / n_heads
+  int sliding_window = 0;     // model.sliding_window; 0: none
   float init_std = 0.02f;
 
   bool is_gpt2() const { return family == Family::GPT2; }
@@ -56,6 +60,11 @@ struct ModelConfig {
   int head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : d_model / n_heads; }
   int q_dim() const { return n_heads * head_dim(); }
   int kv_dim() const { return n_kv_heads * head_dim(); }
+  // The keys the FLOP count gives each query of a sequence of `seq` (keel counts them all, without
+  // the causal halving: the PaLM / llm.c convention), at most the window.
+  int64_t attended_keys(int64_t seq) const {
+    return sliding_window > 0 && sliding_window < seq ? sliding_window : seq;
+  }
   // The positions' rotation: Llama's RoPE, none for GPT-2 (learned positions) or ALiBi.
   Rope rope() const { return is_llama() && !alibi ? Rope(rope_theta, rope_scaling) : Rope(); }
   bool has_qkv_bias() const { return is_gpt2() || qkv_bias; }

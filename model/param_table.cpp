@@ -16,6 +16,7 @@ std::string option_names(const ModelConfig& m) {
   if (m.is_llama() && m.qkv_bias) s += ", q/k/v biases";
   if (m.qk_norm) s += ", q/k norms";
   if (m.explicit_head_dim > 0) s += ", head_dim " + std::to_string(m.explicit_head_dim);
+  if (m.sliding_window > 0) s += ", sliding window " + std::to_string(m.sliding_window);
   return s;
 }
 

@@ -45,6 +45,7 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   vocab_local_ = cfg_.embed_rows() / tp_size;
   vocab_start_ = vocab_local_ * sh.tp_rank;
   attn_shape_ = {B_, T_, cfg_.n_heads / tp_size, cfg_.n_kv_heads / tp_size, hd};
+  attn_shape_.window = cfg_.sliding_window;
   const int64_t qkv_cols = attn_shape_.qkv_cols();
   const int64_t fc_cols = cfg_.is_llama() ? 2 * ffn_ : ffn_;
   const bool ln = cfg_.is_gpt2();
@@ -596,7 +597,7 @@ double Transformer::flops_per_token() const {
   const double mlp = cfg_.is_llama() ? 3 * d * F : 2 * d * F;
   const double per_layer = d * (q + 2 * kv) + q * d + mlp;
   const double matmul_params = cfg_.n_layers * per_layer + static_cast<double>(cfg_.embed_rows()) * d;
-  return 6 * matmul_params + 12.0 * cfg_.n_layers * T_ * q;
+  return 6 * matmul_params + 12.0 * cfg_.n_layers * static_cast<double>(cfg_.attended_keys(T_)) * q;
 }
 
 }  // namespace keel

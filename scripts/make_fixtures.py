@@ -59,9 +59,11 @@ import safetensors
 import transformers
 from safetensors.torch import save_file
 from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 from transformers.models.bloom import modeling_bloom
 from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -130,7 +132,8 @@ class ModelSpec:
     qkv_bias: bool = False        # llama with biases on q/k/v (Qwen2)
     qk_norm: bool = False         # llama with per-head RMSNorms of q and k before RoPE (Qwen3)
     head_dim_override: int = 0    # head size when not d_model / n_heads (Qwen3)
-    hf_arch: str = ""             # the HF model class: gpt2, llama, bloom, qwen2 or qwen3
+    sliding_window: int = 0       # keys j > i - sliding_window only (Mistral); 0: none
+    hf_arch: str = ""             # the HF model class: gpt2, llama, bloom, qwen2, qwen3 or mistral
     params: list = field(default_factory=list)
 
     @property
@@ -406,8 +409,14 @@ def make_specs() -> dict:
                       n_heads=4, n_kv_heads=2, ffn_hidden=64, norm_eps=1e-6, rope_theta=10000.0,
                       max_seq_len=64, tied_embeddings=False, seed=20240605, qk_norm=True,
                       head_dim_override=16, hf_arch="qwen3")
+    # Mistral: llama with a sliding window of 5 keys over T = 16 positions, so most rows lose
+    # keys to it (rows 5 and on) and the first ones do not.
+    mistral = ModelSpec(name="mistral_tiny", family="llama", vocab_size=VOCAB, d_model=32, n_layers=2,
+                        n_heads=4, n_kv_heads=2, ffn_hidden=64, norm_eps=1e-5, rope_theta=10000.0,
+                        max_seq_len=64, tied_embeddings=False, seed=20240606, sliding_window=5,
+                        hf_arch="mistral")
     gpt2.hf_arch, llama.hf_arch = "gpt2", "llama"
-    specs = (gpt2, llama, bloom, qwen2, qwen3)
+    specs = (gpt2, llama, bloom, qwen2, qwen3, mistral)
     for s in specs:
         s.params = keel_param_table(s)
     return {s.name: s for s in specs}
@@ -448,6 +457,16 @@ def build_hf_model(s: ModelSpec):
             model = Qwen2ForCausalLM(Qwen2Config(**common))
         else:
             model = Qwen3ForCausalLM(Qwen3Config(head_dim=s.head_dim, attention_bias=False, **common))
+        mapping = llama_mapping(s)
+    elif s.hf_arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(
+            vocab_size=s.vocab_size, hidden_size=s.d_model, intermediate_size=s.ffn_hidden,
+            num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads,
+            num_key_value_heads=s.n_kv_heads, hidden_act="silu", rms_norm_eps=s.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+            max_position_embeddings=s.max_seq_len, tie_word_embeddings=s.tied_embeddings,
+            sliding_window=s.sliding_window, attention_dropout=0.0, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, attn_implementation="eager"))
         mapping = llama_mapping(s)
     else:
         cfg = LlamaConfig(
@@ -553,7 +572,7 @@ def _eager_attention_keep_dtype(module, query, key, value, attention_mask, scali
 # Llama's code and its copies in Qwen2 / Qwen3 (each module has its own RMSNorm class and
 # eager attention function, so each is patched in its own module).
 LLAMA_LIKE_MODULES = {"llama": (modeling_llama, "LlamaRMSNorm"), "qwen2": (modeling_qwen2, "Qwen2RMSNorm"),
-                      "qwen3": (modeling_qwen3, "Qwen3RMSNorm")}
+                      "qwen3": (modeling_qwen3, "Qwen3RMSNorm"), "mistral": (modeling_mistral, "MistralRMSNorm")}
 
 
 @contextlib.contextmanager
@@ -622,8 +641,8 @@ def alibi_slopes(n: int) -> list:
     return slopes
 
 
-def _causal_attention(q, k, v, slopes=None):
-    # q: [B, H, T, hd], k/v: [B, H, T, hd] (kv heads already expanded)
+def _causal_attention(q, k, v, slopes=None, window=0):
+    # q: [B, H, T, hd], k/v: [B, H, T, hd] (kv heads already expanded); window > 0: keys j > i - window
     hd = q.shape[-1]
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
     Tq = q.shape[-2]
@@ -631,6 +650,8 @@ def _causal_attention(q, k, v, slopes=None):
         dist = torch.arange(Tq, dtype=q.dtype)[None, :] - torch.arange(Tq, dtype=q.dtype)[:, None]
         scores = scores + torch.tensor(slopes, dtype=q.dtype)[:, None, None] * dist
     mask = torch.ones(Tq, Tq, dtype=torch.bool).triu(1)
+    if window:
+        mask |= torch.ones(Tq, Tq, dtype=torch.bool).tril(-window)
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
@@ -680,7 +701,7 @@ def reference_logits(s: ModelSpec, P: dict, idx: torch.Tensor) -> torch.Tensor:
             q, k = _rope_half(q, s.rope_theta), _rope_half(k, s.rope_theta)
         rep = H // KV  # query head h reads kv head h // rep
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = _causal_attention(q, k, v, slopes).transpose(1, 2).reshape(Bn, Tn, H * hd)
+        o = _causal_attention(q, k, v, slopes, s.sliding_window).transpose(1, 2).reshape(Bn, Tn, H * hd)
         o = o @ P[L + "attn.wo"].t()
         if s.family == "gpt2":
             o = o + P[L + "attn.bo"]
@@ -878,6 +899,8 @@ def fixture_json(s: ModelSpec, results: dict) -> dict:
         model["qk_norm"] = True
     if s.head_dim_override:
         model["head_dim"] = s.head_dim_override
+    if s.sliding_window:
+        model["sliding_window"] = s.sliding_window
     if s.family == "gpt2":
         conventions = {
             "norm": "layernorm (weight, bias)",
@@ -901,6 +924,9 @@ def fixture_json(s: ModelSpec, results: dict) -> dict:
             conventions["qk_norm"] = ("each head of q and k: rmsnorm over head_dim with attn.q_norm.weight / "
                                       "attn.k_norm.weight (shared by all heads), before RoPE (oracle: HF "
                                       "Qwen3ForCausalLM)")
+        if s.sliding_window:
+            conventions["sliding_window"] = (f"query i attends keys j with i - {s.sliding_window} < j <= i "
+                                             f"(oracle: HF MistralForCausalLM, sliding_window {s.sliding_window})")
         if s.head_dim_override:
             conventions["head_dim"] = (f"head_dim {s.head_dim} is not d_model / n_heads: wq is "
                                        f"[n_heads * head_dim, d_model], wo [d_model, n_heads * head_dim]")

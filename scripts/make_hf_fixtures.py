@@ -2,8 +2,8 @@
 """Build the Hugging Face model fixtures for keel's conversion, sampling and finetuning tests
 (test/train/test_hf_convert.cpp, test/train/test_hf_cli.cpp).
 
-Four tiny LlamaForCausalLM models, a GPT2LMHeadModel, a BloomForCausalLM, a Qwen2ForCausalLM and
-a Qwen3ForCausalLM, saved with save_pretrained exactly as transformers writes them, each with a
+Four tiny LlamaForCausalLM models, a GPT2LMHeadModel, a BloomForCausalLM, a Qwen2ForCausalLM, a
+Qwen3ForCausalLM and a MistralForCausalLM, saved with save_pretrained exactly as transformers writes them, each with a
 tokenizer.json:
 
   llama_trained   fp32, GQA (4 query / 2 kv heads), untied head, Llama 2 style tokenizer
@@ -26,6 +26,9 @@ tokenizer.json:
                   1e6, eps 1e-6), Qwen2-style tokenizer (NFC, Qwen2 regex, byte-level BPE, vocab 800)
   qwen3_fp32      fp32, random Qwen3ForCausalLM (per-head q_norm / k_norm, head_dim 16 with 4 heads
                   on hidden_size 32, GQA 4/2, untied), the same tokenizer
+  mistral_bf16    bf16, random MistralForCausalLM with a sliding window of 6 keys (shorter than
+                  the 16 logit positions and the 21 of greedy decoding), GQA 4/2, untied,
+                  byte-level tokenizer (vocab 300)
 Norm gains, norm biases and (GPT-2, BLOOM) linear biases are drawn away from HF's 1 and 0, so a
 mixed-up norm or bias shows in the logits.
 
@@ -74,7 +77,8 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_fixtures  # noqa: E402  (float64 patches of HF Llama)
@@ -127,6 +131,16 @@ def qwen(arch, vocab, d, layers, heads, kv, ffn, tied, init, seed, head_dim=None
     if arch == "qwen2":
         return perturb_norms_and_biases(Qwen2ForCausalLM(Qwen2Config(**common)))
     return perturb_norms_and_biases(Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, attention_bias=False, **common)))
+
+
+def mistral(vocab, d, layers, heads, kv, ffn, window, init, seed):
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=128,
+                        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        tie_word_embeddings=False, initializer_range=init, sliding_window=window, bos_token_id=None,
+                        eos_token_id=None, pad_token_id=None, attn_implementation="eager")
+    return perturb_norms_and_biases(MistralForCausalLM(cfg))
 
 
 def perturb_norms_and_biases(model):
@@ -283,6 +297,8 @@ def build(out: str, only=None) -> None:
         "qwen3_fp32": dict(tok=qt, dtype=torch.float32, shard=None,
                            model=lambda: qwen("qwen3", qt.get_vocab_size(), 32, 2, 4, 2, 64, False, 0.3, 1010,
                                               head_dim=16)),
+        "mistral_bf16": dict(tok=bl, dtype=torch.bfloat16, shard=None,
+                             model=lambda: mistral(bl.get_vocab_size(), 32, 2, 4, 2, 64, 6, 0.3, 1011)),
     }
     for name, spec in specs.items():
         if only and name not in only:

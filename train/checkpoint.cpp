@@ -857,15 +857,23 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
 }
 
 namespace {
-// Llama weights trained with RoPE load into an ALiBi model and back (the same tensors; a change
-// of embedding_norm, or gpt2's position table, is a tensor mismatch), but they meet another
-// network: say so, since restart verification will then see another loss.
-std::string position_change_note(const Checkpoint& ck, const ModelConfig& now) {
+// Llama weights trained with RoPE load into an ALiBi model and back, and weights load with
+// another sliding window or none (the same tensors; a change of embedding_norm, or gpt2's
+// position table, is a tensor mismatch), but they meet another network: say so, since restart
+// verification will then see another loss.
+std::string attention_change_note(const Checkpoint& ck, const ModelConfig& now) {
   const json saved = ck.meta().value("config", json::object()).value("model", json::object());
+  std::string note;
   const std::string before = saved.value("position_embedding", now.is_gpt2() ? "learned" : "rope");
-  if (before == now.position_embedding()) return "";
-  return "; NOTE: the checkpoint was trained with model.position_embedding \"" + before + "\", this run uses \"" +
-         now.position_embedding() + "\"";
+  if (before != now.position_embedding())
+    note += "; NOTE: the checkpoint was trained with model.position_embedding \"" + before + "\", this run uses \"" +
+            now.position_embedding() + "\"";
+  auto window = [](int64_t w) { return w > 0 ? std::to_string(w) : std::string("none"); };
+  const int64_t saved_window = saved.value("sliding_window", int64_t{0});
+  if (saved_window != now.sliding_window)
+    note += "; NOTE: the checkpoint was trained with model.sliding_window " + window(saved_window) +
+            ", this run uses " + window(now.sliding_window);
+  return note;
 }
 }  // namespace
 
@@ -893,7 +901,7 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
          "; fp32 masters = their exact values, working weights rounded to " +
          std::string(dtype_name(state.working.dtype)) +
          "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules; the checkpoint's optimizer "
-         "state (if any) is not used" + position_change_note(ck, table.config());
+         "state (if any) is not used" + attention_change_note(ck, table.config());
 }
 
 // ======================================================================================

@@ -244,6 +244,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       m.explicit_head_dim = 0;
     if (m.is_gpt2() && m.explicit_head_dim > 0)
       errors.push_back("model.head_dim: gpt2's heads are d_model / n_heads wide (head_dim is a llama option)");
+    if (f.has("sliding_window")) m.sliding_window = static_cast<int>(f.integer("sliding_window", 0, 1, 1 << 30));
     m.init_std = static_cast<float>(f.number("init_std", 0.02, 0, 10, true));
     if (const json* rs_doc = f.raw("rope_scaling"); rs_doc && !rs_doc->is_null()) {
       // Llama 3.1's frequency scaling (kernels/rope_frequencies.h), as in HF's rope_scaling.
@@ -667,6 +668,15 @@ json rope_scaling_json(const RopeScaling& s, const char* type_key) {
           {"original_max_position_embeddings", s.original_max_position}};
 }
 
+void add_model_options(json& model, const ModelConfig& m) {
+  if (m.alibi) model["position_embedding"] = m.position_embedding();
+  if (m.embedding_norm) model["embedding_norm"] = true;
+  if (m.qkv_bias) model["qkv_bias"] = true;
+  if (m.qk_norm) model["qk_norm"] = true;
+  if (m.explicit_head_dim > 0) model["head_dim"] = m.explicit_head_dim;
+  if (m.sliding_window > 0) model["sliding_window"] = m.sliding_window;
+}
+
 json to_json(const RunConfig& c) {
   const ModelConfig& m = c.model;
   json j;
@@ -684,12 +694,7 @@ json to_json(const RunConfig& c) {
                 {"tied_embeddings", m.tied_embeddings},
                 {"init_std", m.init_std}};
   if (m.rope_scaling.kind != RopeScaling::Kind::None) j["model"]["rope_scaling"] = rope_scaling_json(m.rope_scaling);
-  // Written only when not the family's default, so checkpoints from before these options match.
-  if (m.alibi) j["model"]["position_embedding"] = m.position_embedding();
-  if (m.embedding_norm) j["model"]["embedding_norm"] = true;
-  if (m.qkv_bias) j["model"]["qkv_bias"] = true;
-  if (m.qk_norm) j["model"]["qk_norm"] = true;
-  if (m.explicit_head_dim > 0) j["model"]["head_dim"] = m.explicit_head_dim;
+  add_model_options(j["model"], m);
   const LossScaleConfig& s = c.precision.loss_scale;
   j["precision"] = {{"mode", precision_name(c.precision.mode)},
                     {"stochastic_rounding", c.precision.stochastic_rounding},

@@ -264,6 +264,10 @@ RunConfig parse_config(const nlohmann::json& doc, const std::string& source);
 void apply_override(nlohmann::json& doc, const std::string& assignment);
 // The fully resolved config (defaults filled in) as JSON: what the run really used.
 nlohmann::json to_json(const RunConfig& cfg);
+// The model options beyond the family's defaults (position_embedding "alibi", embedding_norm,
+// qkv_bias, qk_norm, head_dim, sliding_window) added to a "model" object, each only when set,
+// so configs and checkpoints from before an option still compare equal.
+void add_model_options(nlohmann::json& model, const ModelConfig& m);
 // model.rope_scaling as keel's config writes it (null for none). HF names the type field
 // "rope_type" and otherwise uses the same names: type_key chooses.
 nlohmann::json rope_scaling_json(const RopeScaling& s, const char* type_key = "type");

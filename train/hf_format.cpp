@@ -158,13 +158,16 @@ std::string hf_arch_name(HfArch a) {
     case HfArch::Bloom: return "BloomForCausalLM";
     case HfArch::Qwen2: return "Qwen2ForCausalLM";
     case HfArch::Qwen3: return "Qwen3ForCausalLM";
+    case HfArch::Mistral: return "MistralForCausalLM";
     default: return "LlamaForCausalLM";
   }
 }
 
 namespace {
 // Llama and its relatives that keel's llama family (with options) represents.
-bool llama_like(HfArch a) { return a == HfArch::Llama || a == HfArch::Qwen2 || a == HfArch::Qwen3; }
+bool llama_like(HfArch a) {
+  return a == HfArch::Llama || a == HfArch::Mistral || a == HfArch::Qwen2 || a == HfArch::Qwen3;
+}
 }  // namespace
 
 HfArch hf_arch_for(const ModelConfig& m, const std::string& who) {
@@ -176,8 +179,12 @@ HfArch hf_arch_for(const ModelConfig& m, const std::string& who) {
     if (m.qkv_bias && m.qk_norm)
       throw CheckpointError(who + " holds a Llama with both q/k/v biases (Qwen2's) and q/k norms (Qwen3's); no "
                             "Hugging Face architecture has both");
-    return m.qkv_bias ? HfArch::Qwen2 : m.qk_norm ? HfArch::Qwen3 : HfArch::Llama;
+    // Mistral is Llama with a sliding window; Qwen2 and Qwen3 have one as an option.
+    return m.qkv_bias ? HfArch::Qwen2 : m.qk_norm ? HfArch::Qwen3 : m.sliding_window > 0 ? HfArch::Mistral : HfArch::Llama;
   }
+  if (m.sliding_window > 0)
+    throw CheckpointError(who + " holds a gpt2 model with a sliding window (model.sliding_window " +
+                          std::to_string(m.sliding_window) + "); Hugging Face's GPT-2 and BLOOM have none");
   if (!m.alibi && !m.embedding_norm) return HfArch::GPT2;
   if (m.alibi && m.embedding_norm) {
     if (m.ffn_hidden != 4 * m.d_model)
@@ -210,8 +217,56 @@ void throw_problems(const std::vector<std::string>& problems, const std::string&
   throw CheckpointError(msg);
 }
 
-// Llama, Qwen2 and Qwen3: keel's llama family (Qwen2 adds biases to the q, k and v projections,
-// Qwen3 RMSNorms of each q and k head).
+// model.sliding_window from an HF config. keel's window applies to every layer:
+//   Mistral: sliding_window (null: none);
+//   Qwen2 / Qwen3: sliding_window when use_sliding_window, in the layers that layer_types marks
+//     "sliding_attention" (transformers 5 writes them), else in layers >= max_window_layers;
+//   Llama: none (LlamaForCausalLM ignores a sliding_window field, so keel refuses one).
+void read_sliding_window(const json& c, HfArch arch, ModelConfig& m, std::vector<std::string>& problems) {
+  const bool has_window = c.contains("sliding_window") && !c["sliding_window"].is_null();
+  if (arch == HfArch::Llama) {
+    if (has_window)
+      problems.push_back("sliding_window " + c["sliding_window"].dump() + " on a LlamaForCausalLM, which ignores it; "
+                         "say MistralForCausalLM (or drop the field)");
+    return;
+  }
+  const bool qwen = arch == HfArch::Qwen2 || arch == HfArch::Qwen3;
+  const bool typed = qwen && c.contains("layer_types") && c["layer_types"].is_array();
+  if (typed)
+    for (const json& t : c["layer_types"])
+      if (t != "sliding_attention" && t != "full_attention") {
+        problems.push_back("layer_types holds " + t.dump() + " layers; keel knows \"full_attention\" and "
+                           "\"sliding_attention\"");
+        return;
+      }
+  if (!has_window || (qwen && !c.value("use_sliding_window", false))) return;
+  if (!c["sliding_window"].is_number_integer() || c["sliding_window"].get<int64_t>() < 1 ||
+      c["sliding_window"].get<int64_t>() > (1 << 30)) {
+    problems.push_back("sliding_window " + c["sliding_window"].dump() + " is not a positive integer");
+    return;
+  }
+  const int window = c["sliding_window"].get<int>();
+  int sliding = m.n_layers, n_types = m.n_layers;  // layers with the window, of how many
+  if (typed) {
+    n_types = static_cast<int>(c["layer_types"].size());
+    sliding = static_cast<int>(std::count(c["layer_types"].begin(), c["layer_types"].end(), "sliding_attention"));
+  } else if (qwen) {
+    const int64_t first = c.contains("max_window_layers") && c["max_window_layers"].is_number_integer()
+                              ? c["max_window_layers"].get<int64_t>()
+                              : 28;  // transformers' default
+    sliding = static_cast<int>(std::clamp<int64_t>(m.n_layers - first, 0, m.n_layers));
+  }
+  if (sliding == 0) return;  // the window is in no layer
+  if (sliding != n_types)
+    problems.push_back("sliding_window attention in " + std::to_string(sliding) + " of " + std::to_string(n_types) +
+                       " layers (layer_types / max_window_layers); keel's model.sliding_window applies to every "
+                       "layer");
+  else m.sliding_window = window;
+}
+
+// Llama, Mistral, Qwen2 and Qwen3: keel's llama family (Qwen2 adds biases to the q, k and v
+// projections, Qwen3 RMSNorms of each q and k head; Mistral and both Qwens may have a sliding
+// window).
 ModelConfig llama_config_from_hf(const json& c, const std::string& where, HfArch arch) {
   std::vector<std::string> problems;
   ModelConfig m;
@@ -265,14 +320,7 @@ ModelConfig llama_config_from_hf(const json& c, const std::string& where, HfArch
     problems.push_back("attention_bias = true (biases on q/k/v and o) is not supported (keel's qkv_bias is Qwen2's: "
                        "q/k/v only)");
   if (c.value("mlp_bias", false)) problems.push_back("mlp_bias = true is not supported");
-  if (c.contains("sliding_window") && !c["sliding_window"].is_null() && c.value("use_sliding_window", true))
-    problems.push_back("sliding_window attention (" + c["sliding_window"].dump() + ") is not supported");
-  if (c.contains("layer_types") && c["layer_types"].is_array())
-    for (const json& t : c["layer_types"])
-      if (t != "full_attention") {
-        problems.push_back("layer_types holds " + t.dump() + " layers; keel supports \"full_attention\" only");
-        break;
-      }
+  read_sliding_window(c, arch, m, problems);
   const std::string act = c.value("hidden_act", std::string("silu"));
   if (act != "silu") problems.push_back("hidden_act \"" + act + "\" is not supported (keel's SwiGLU uses silu)");
   // head_dim: Qwen3 and some Mistrals set it apart from hidden_size / num_attention_heads.
@@ -334,14 +382,15 @@ HfArch hf_arch_of_config(const json& c, const std::string& source) {
                                : "";
   const std::string type = c.value("model_type", "");
   auto is = [&](const char* a, const char* t) { return arch == a || (arch.empty() && type == t); };
-  if (is("LlamaForCausalLM", "llama") || is("MistralForCausalLM", "mistral")) return HfArch::Llama;
+  if (is("LlamaForCausalLM", "llama")) return HfArch::Llama;
+  if (is("MistralForCausalLM", "mistral")) return HfArch::Mistral;
   if (is("Qwen2ForCausalLM", "qwen2")) return HfArch::Qwen2;
   if (is("Qwen3ForCausalLM", "qwen3")) return HfArch::Qwen3;
   if (is("GPT2LMHeadModel", "gpt2")) return HfArch::GPT2;
   if (is("BloomForCausalLM", "bloom")) return HfArch::Bloom;
   throw CheckpointError(source + ": architecture \"" + (arch.empty() ? "?" : arch) + "\" (model_type \"" + type +
-                        "\") is not supported; keel converts LlamaForCausalLM (and Mistral-style configs without "
-                        "sliding windows), Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel and BloomForCausalLM");
+                        "\") is not supported; keel converts LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                        "Qwen3ForCausalLM, GPT2LMHeadModel and BloomForCausalLM");
 }
 
 }  // namespace
@@ -678,11 +727,7 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
   } else {
     model["norm_eps"] = num(c, "layer_norm_epsilon", 1e-5);
   }
-  if (m.alibi) model["position_embedding"] = m.position_embedding();
-  if (m.embedding_norm) model["embedding_norm"] = true;
-  if (m.qkv_bias) model["qkv_bias"] = true;
-  if (m.qk_norm) model["qk_norm"] = true;
-  if (m.explicit_head_dim > 0) model["head_dim"] = m.explicit_head_dim;
+  add_model_options(model, m);
   const std::string name = fs::path(out_dir).filename().string().empty() ? "model" : fs::path(out_dir).filename().string();
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
@@ -826,10 +871,8 @@ json same_or(const json& tmpl, const char* key, float value) {
   return static_cast<double>(value);
 }
 
-// config.json of an exported model: the template's fields (token ids, dropout, ...) when it
-// describes the same architecture, else only its token ids, with every model field keel knows
-// written over them. Alias spellings (n_embed, hidden_size on GPT-2, ...) are dropped so they
-// cannot override the fields written.
+}  // namespace
+
 json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType dtype) {
   json c = json::object();
   if (tmpl.is_object()) {
@@ -851,7 +894,10 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
   if (!c.contains("initializer_range")) c["initializer_range"] = m.init_std;
   c["use_cache"] = true;
   if (llama_like(arch)) {
-    c["model_type"] = arch == HfArch::Qwen2 ? "qwen2" : arch == HfArch::Qwen3 ? "qwen3" : "llama";
+    c["model_type"] = arch == HfArch::Qwen2     ? "qwen2"
+                      : arch == HfArch::Qwen3   ? "qwen3"
+                      : arch == HfArch::Mistral ? "mistral"
+                                                : "llama";
     c["hidden_size"] = m.d_model;
     c["intermediate_size"] = m.ffn_hidden;
     c["num_hidden_layers"] = m.n_layers;
@@ -870,9 +916,21 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
       c["rope_scaling"] = scaling;
     }
     c["hidden_act"] = "silu";
-    if (arch != HfArch::Qwen2) c["attention_bias"] = false;  // Qwen2's biases are fixed by the architecture
+    if (arch == HfArch::Llama || arch == HfArch::Qwen3) c["attention_bias"] = false;  // Qwen2: fixed; Mistral: none
     if (arch == HfArch::Llama) c["mlp_bias"] = false;
-    else c["use_sliding_window"] = false;
+    const json window = m.sliding_window > 0 ? json(m.sliding_window) : json(nullptr);
+    if (arch == HfArch::Mistral) c["sliding_window"] = window;
+    if (arch == HfArch::Qwen2 || arch == HfArch::Qwen3) {
+      // keel's window is in every layer: layer_types says so, and max_window_layers agrees
+      c["use_sliding_window"] = m.sliding_window > 0;
+      if (m.sliding_window > 0) {
+        c["sliding_window"] = window;
+        c["max_window_layers"] = 0;
+      }
+      if (c.contains("layer_types") || m.sliding_window > 0)
+        c["layer_types"] = std::vector<std::string>(static_cast<size_t>(m.n_layers),
+                                                    m.sliding_window > 0 ? "sliding_attention" : "full_attention");
+    }
     if (c.contains("head_dim") || arch == HfArch::Qwen3 || m.explicit_head_dim > 0) c["head_dim"] = m.head_dim();
   } else if (arch == HfArch::GPT2) {
     for (const char* k : {"hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"}) c.erase(k);
@@ -901,8 +959,6 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
   }
   return c;
 }
-
-}  // namespace
 
 ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& out_dir, const ExportOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();

@@ -3,12 +3,16 @@
 //
 // An HF checkpoint directory holds config.json, model.safetensors or
 // model-0000X-of-0000N.safetensors with model.safetensors.index.json (bf16, fp16 or fp32), and
-// usually tokenizer.json. Four architectures map onto keel's model:
-//   LlamaForCausalLM (and Mistral-style configs without sliding windows) -> family llama
-//   Qwen2ForCausalLM (Qwen2, Qwen2.5; no sliding windows)                -> llama with qkv_bias
-//   Qwen3ForCausalLM (dense Qwen3)                                -> llama with qk_norm, head_dim
-//   GPT2LMHeadModel                                                      -> family gpt2
-//   BloomForCausalLM -> family gpt2 with position_embedding "alibi" and embedding_norm
+// usually tokenizer.json. These architectures map onto keel's model:
+//   LlamaForCausalLM                                 -> family llama
+//   MistralForCausalLM                               -> llama, with sliding_window when it has one
+//   Qwen2ForCausalLM (Qwen2, Qwen2.5)                -> llama with qkv_bias
+//   Qwen3ForCausalLM (dense Qwen3)                   -> llama with qk_norm, head_dim
+//   (the Qwens' sliding windows when every layer has one: use_sliding_window and layer_types)
+//   GPT2LMHeadModel                                  -> family gpt2
+//   BloomForCausalLM                                 -> gpt2 with position_embedding "alibi", embedding_norm
+// A keel llama exports as Qwen2 with qkv_bias, Qwen3 with qk_norm, else Mistral with a sliding
+// window, else Llama.
 //
 // Tensor names (HF -> keel; keel's Linear weights are [out, in]):
 //   Llama  model.embed_tokens.weight                  tok_embed
@@ -57,18 +61,26 @@ namespace keel {
 // "hf:/models/x" -> "/models/x"; nullopt when spec does not start with "hf:".
 std::optional<std::string> hf_path(const std::string& spec);
 
-enum class HfArch { Llama, Qwen2, Qwen3, GPT2, Bloom };
-// "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel", "BloomForCausalLM"
+enum class HfArch { Llama, Mistral, Qwen2, Qwen3, GPT2, Bloom };
+// "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
+// "BloomForCausalLM"
 std::string hf_arch_name(HfArch a);
 // The HF architecture a keel model exports as. Throws CheckpointError naming what has no HF
-// counterpart (ALiBi on a Llama, an embedding norm with learned positions, BLOOM's MLP width).
+// counterpart (ALiBi on a Llama, an embedding norm with learned positions, BLOOM's MLP width, a
+// sliding window on GPT-2).
 HfArch hf_arch_for(const ModelConfig& m, const std::string& who);
 
 // The keel model an HF config.json describes. Throws CheckpointError naming the file and what
 // keel cannot represent: another architecture, rope_scaling, attention/MLP biases on a Llama,
-// sliding windows, another activation,
+// sliding windows in only some layers, another activation,
 // GPT-2's per-layer attention scaling, BLOOM's post-layernorm residual.
 ModelConfig model_config_from_hf(const nlohmann::json& config, const std::string& source);
+
+// config.json of an exported model: the template's fields (token ids, dropout, ...) when it
+// describes the same architecture, else only its token ids, with every model field keel knows
+// written over them (the inverse of model_config_from_hf). Alias spellings (n_embed, hidden_size
+// on GPT-2, ...) are dropped so they cannot override the fields written.
+nlohmann::json hf_config_json(const ModelConfig& m, HfArch arch, const nlohmann::json& tmpl, DType dtype);
 
 // Where one keel tensor lives in an HF checkpoint. Keel row r (element r of a 1-D tensor) is
 // row hf_row(r) of the HF tensor, or of its transpose when `transposed` (GPT-2's Conv1D weights

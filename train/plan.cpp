@@ -390,12 +390,13 @@ Cost linear_cost(double M, double out, double in, const Hardware& hw, bool forwa
 }
 
 // keel's model FLOPs per token (Transformer::flops_per_token): 6 x matmul parameters (head
-// included) + 12 x layers x seq x q, forward + backward, no recomputation counted.
+// included) + 12 x layers x keys x q (keys: seq, or the sliding window when shorter), forward +
+// backward, no recomputation counted.
 double model_flops_per_token(const ModelConfig& m, int64_t seq) {
   const double d = m.d_model, q = m.q_dim(), kv = m.kv_dim(), F = m.ffn_hidden;
   const double mlp = m.is_llama() ? 3 * d * F : 2 * d * F;
   const double per_layer = d * (q + 2 * kv) + q * d + mlp;
-  return 6 * (m.n_layers * per_layer + static_cast<double>(m.embed_rows()) * d) + 12.0 * m.n_layers * seq * q;
+  return 6 * (m.n_layers * per_layer + static_cast<double>(m.embed_rows()) * d) + 12.0 * m.n_layers * static_cast<double>(m.attended_keys(seq)) * q;
 }
 
 }  // namespace
@@ -560,8 +561,8 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
 
   // ---- time of one micro-batch on each stage ----
   // compute: every block matmul forward + data grad + weight grad (+ a forward again when
-  //   recomputing), attention 4*seq*q/tp flops per token forward and twice that backward (keel's
-  //   count, no causal halving), element-wise ops at HBM bandwidth, the head's matmuls on the
+  //   recomputing), attention 4*keys*q/tp flops per token forward and twice that backward (keel's
+  //   count, no causal halving; keys = seq or the sliding window), element-wise ops at HBM bandwidth, the head's matmuls on the
   //   last stage;
   // TP: two all-reduces of [tokens, d] per block forward and two backward (+2 when recomputing),
   //   one for the vocab-parallel embedding and one for the head's input gradient;
@@ -581,7 +582,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   // QK^T and PV contract over / produce head_dim: off the tensor cores unless it is a multiple of
   // 8 (the seed: head_dim 150 and 108 ran 35-38% slower than 144 and 216, which attention at
   // 1/16 of the rate on 2-3% of the flops reproduces).
-  const double attn_fwd_flops = 4 * M * seq * m.q_dim() / double(l.tp);
+  const double attn_fwd_flops = 4 * M * static_cast<double>(m.attended_keys(seq)) * m.q_dim() / double(l.tp);
   const double attn_rate = rate * (m.head_dim() % 8 == 0 ? 1 : hw.no_tensor_core_ratio);
   const double ideal = (layer_fwd.flops + layer_bwd.flops) / rate;
   p.time.gemm_efficiency = ideal / (layer_fwd.seconds + layer_bwd.seconds);

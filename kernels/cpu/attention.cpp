@@ -1,8 +1,9 @@
 // Causal self-attention with grouped-query heads, flash-attention style: the forward keeps only
 // the log-sum-exp of each score row; the backward recomputes probabilities from it.
 //
-// For one query head h (key/value head h / group) and query position i, keys j <= i (and j in
-// i's document, under document masking: j >= i - positions[i]):
+// For one query head h (key/value head h / group) and query position i, keys j <= i from the
+// row's first key on (kernels/attention_window.h: its document's start under document masking,
+// and no more than `window` keys back with a sliding window):
 //   S_ij = (q_i . k_j) / sqrt(hd) [+ m_h (j - i) with ALiBi],  lse_i = log sum_j exp(S_ij),
 //   P_ij = exp(S_ij - lse_i)
 //   o_i = sum_j P_ij v_j
@@ -10,12 +11,13 @@
 //   dP_ij = dO_i . v_j,  dS_ij = P_ij (dP_ij - D_i)
 //   dq_i = sum_j dS_ij k_j / sqrt(hd)
 //   dk_j = sum_{h in group} sum_{i >= j} dS_ij q_i / sqrt(hd),  dv_j = sum_{h in group} sum_{i >= j} P_ij dO_i
-//   (i up to the end of j's document under document masking)
+//   (i up to the last row whose first key is at most j)
 // dq is computed per query row and dk/dv per key row (each by one thread, heads of the group in
 // order, then i in order), so nothing is accumulated across threads.
 #include <cmath>
 #include <vector>
 
+#include "kernels/attention_window.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/document_positions.h"
 // last: the score's product and sum round separately, as in attention_decode.cpp
@@ -29,13 +31,16 @@ namespace cpu {
 
 std::string attn_str(const AttnShape& s) {
   return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " n_heads=" + std::to_string(s.n_heads) +
-         " n_kv_heads=" + std::to_string(s.n_kv_heads) + " head_dim=" + std::to_string(s.head_dim);
+         " n_kv_heads=" + std::to_string(s.n_kv_heads) + " head_dim=" + std::to_string(s.head_dim) +
+         (s.window != 0 ? std::string(" window=") + std::to_string(s.window) : std::string());
 }
 
 void check_attn(const char* op, const AttnShape& s, Named qkv) {
   if (s.B <= 0 || s.T <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 || s.head_dim <= 0 || s.head_dim % 2 != 0 ||
-      s.n_heads % s.n_kv_heads != 0)
-    fail(op, "invalid attention shape " + attn_str(s) + " (all positive, head_dim even, n_heads % n_kv_heads == 0)",
+      s.n_heads % s.n_kv_heads != 0 || s.window < 0)
+    fail(op,
+         "invalid attention shape " + attn_str(s) +
+             " (all positive, head_dim even, n_heads % n_kv_heads == 0, window 0 (none) or positive)",
          {qkv});
   check_float(op, qkv);
   if (cpu::rows(qkv.t) != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())
@@ -140,7 +145,7 @@ void CpuBackend::attention_forward(const Tensor& out, const Tensor& lse, const T
       const float* q = heads.q.data() + idx * hd;
       const float* k = heads.k.data() + (b * nkv + h / group) * T * hd;
       const float* v = heads.v.data() + (b * nkv + h / group) * T * hd;
-      const int64_t j0 = pos ? i - pos[b * T + i] : 0;  // the document's first row
+      const int64_t j0 = attention_first_key(pos ? pos + b * T : nullptr, i, s.window);
       float m = -INFINITY;
       for (int64_t j = j0; j <= i; ++j) {
         p[j] = score(q, k + j * hd, hd, scale, cpu::alibi_bias(slopes, h, i, j));
@@ -214,7 +219,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
       const float* k = heads.k.data() + (b * nkv + h / group) * T * hd;
       const float* v = heads.v.data() + (b * nkv + h / group) * T * hd;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = pos ? i - pos[b * T + i] : 0; j <= i; ++j) {
+      for (int64_t j = attention_first_key(pos ? pos + b * T : nullptr, i, s.window); j <= i; ++j) {
         const float p = prob(q, k + j * hd, hd, scale, cpu::alibi_bias(slopes, h, i, j), lse_in[idx]);
         const float ds = p * (cpu::dot(dy, v + j * hd, hd) - D[idx]);
         cpu::axpy(ds, k + j * hd, acc.data(), hd);
@@ -223,7 +228,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
       cpu::store_f32(dqkv, (b * T + i) * cols + h * hd, hd, acc.data());
     }
     // pass 2: dk_j and dv_j, one (b, kv head, j) key row per iteration; the group's query
-    // heads in order, then i = j .. in order up to the end of j's document (or sequence)
+    // heads in order, then i = j .. in order while i attends j
 #pragma omp for schedule(dynamic, 8)
     for (int64_t kdx = 0; kdx < B * nkv * T; ++kdx) {
       const int64_t b = kdx / (nkv * T), kvh = (kdx / T) % nkv, j = kdx % T;
@@ -233,7 +238,7 @@ void CpuBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
       std::fill(acc2.begin(), acc2.end(), 0.0f);  // dv
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
-        for (int64_t i = j; i < T && (i == j || !pos || pos[b * T + i] != 0); ++i) {
+        for (int64_t i = j; i < T && attention_first_key(pos ? pos + b * T : nullptr, i, s.window) <= j; ++i) {
           const int64_t idx = (b * nh + h) * T + i;
           const float* q = heads.q.data() + idx * hd;
           const float* dy = dO.data() + idx * hd;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/attention_window.h"
 #include "kernels/cpu/cpu_backend.h"
 // last: the score's product and sum round separately, as in attention.cpp
 #include "kernels/fp_contract_off.h"
@@ -78,21 +79,22 @@ void CpuBackend::attention_decode(const Tensor& out, const Tensor& qkv, const Te
 #pragma omp for schedule(static)
     for (int64_t idx = 0; idx < n * nh; ++idx) {
       const int64_t r = idx / nh, h = idx % nh, last = pos + r;
+      const int64_t first = attention_first_key(nullptr, last, s.window);
       cpu::load_f32(qkv, r * cols + h * hd, hd, q.data());
       const float* kh = k.data() + (h / group) * len * hd;
       const float* vh = v.data() + (h / group) * len * hd;
       float m = -INFINITY;
-      for (int64_t j = 0; j <= last; ++j) {
+      for (int64_t j = first; j <= last; ++j) {
         p[j] = cpu::dot(q.data(), kh + j * hd, hd) * scale + cpu::alibi_bias(slopes, h, last, j);
         m = std::max(m, p[j]);
       }
       float l = 0;
-      for (int64_t j = 0; j <= last; ++j) {
+      for (int64_t j = first; j <= last; ++j) {
         p[j] = std::exp(p[j] - m);
         l += p[j];
       }
       std::fill(o.begin(), o.end(), 0.0f);
-      for (int64_t j = 0; j <= last; ++j) cpu::axpy(p[j], vh + j * hd, o.data(), hd);
+      for (int64_t j = first; j <= last; ++j) cpu::axpy(p[j], vh + j * hd, o.data(), hd);
       for (int64_t d = 0; d < hd; ++d) o[d] /= l;
       cpu::store_f32(out, r * nh * hd + h * hd, hd, o.data());
     }

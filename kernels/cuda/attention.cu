@@ -14,8 +14,10 @@
 //   dq_i = sum_j dS_ij k_j / sqrt(hd),  dk_j = sum_{h in group} sum_{i>=j} dS_ij q_i / sqrt(hd),
 //   dv_j = sum_{h in group} sum_{i>=j} P_ij dO_i
 //
-// Under document masking (AttnShape::positions) the key range of row i starts at its document's
-// first row, i - positions[i], and the query range of key j ends with j's document.
+// The key range of row i starts at its first key (kernels/attention_window.h: its document's
+// first row under document masking, i - positions[i], and no more than AttnShape::window keys
+// back with a sliding window); the query range of key j ends at the last row whose first key is
+// at most j.
 // ALiBi (AttnShape::alibi_slopes): the plain kernels add the bias exactly as the CPU reference,
 // S = round(dot * scale) + round(float(j - i) * m_h) (__fmul_rn / __fadd_rn: no contraction into
 // an fma), in the forward and in both backward recomputations of P; there is no gradient for it.
@@ -32,6 +34,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/attention_window.h"
 #include "kernels/cuda/attention_flash.cuh"
 
 namespace keel {
@@ -49,9 +52,9 @@ constexpr int kPerLane = kMaxHeadDim / 32;
 // Where the rows of a plain attention call live. Query row r of sequence b, head h:
 // q + (b * Tq + r) * q_stride + h * hd; key/value row j of sequence b, kv head kvh:
 // k + (b * Tk + j) * k_stride + kvh * hd (v likewise); output out + (b * Tq + r) * out_stride + h * hd.
-// Row r attends keys 0 .. key_offset + r, or with document positions pos ([B*Tq], training only:
-// Tk == Tq, key_offset 0) keys r - pos[r] .. r. Row r's absolute position, the i of ALiBi's
-// m_h (j - i), is key_offset + r (its last key).
+// Row r is at absolute position i = key_offset + r (its last key, the i of ALiBi's m_h (j - i))
+// and attends keys attention_first_key(i) .. i: from 0, from its document's start with document
+// positions pos ([B*Tq], training only: Tk == Tq, key_offset 0), and within `window` keys.
 struct PlainAttn {
   const void* q;
   const void* k;
@@ -63,6 +66,7 @@ struct PlainAttn {
   int B, Tq, Tk, nh, nkv, hd;
   int64_t key_offset;
   const int32_t* pos;
+  int window;  // 0: none
   float scale;
 };
 
@@ -88,7 +92,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncwarp();
   const int64_t kv_row0 = static_cast<int64_t>(b) * a.Tk;
   const int64_t last = a.key_offset + r;
-  const int64_t first = a.pos ? r - a.pos[static_cast<int64_t>(b) * a.Tq + r] : 0;
+  const int64_t first = attention_first_key(a.pos ? a.pos + static_cast<int64_t>(b) * a.Tq : nullptr, last, a.window);
   float o[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) o[k] = 0.0f;
@@ -155,6 +159,7 @@ struct PlainBwd {
   const float* lse;
   const float* delta;
   const int32_t* pos;  // document positions [B*T], or null
+  int window;          // sliding window, 0: none
   DType qkv_dt, dout_dt, dqkv_dt;
   int B, T, nh, nkv, hd;
   float scale;
@@ -186,7 +191,8 @@ __global__ void __launch_bounds__(kThreads)
   float dq[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) dq[k] = 0.0f;
-  const int first = a.pos ? i - a.pos[row] : 0;
+  const int first =
+      static_cast<int>(attention_first_key(a.pos ? a.pos + static_cast<int64_t>(b) * a.T : nullptr, i, a.window));
   for (int j0 = first; j0 <= i; j0 += 32) {
     const int j = j0 + lane;
     float ds = 0.0f;
@@ -250,11 +256,12 @@ __global__ void __launch_bounds__(kThreads)
     const float slope = kAlibi ? slopes[h] : 0.0f;
     for (int i0 = j; i0 < a.T; i0 += 32) {
       const int i = i0 + lane;
-      // queries of j's document only: i's start i - pos[i] at most j (a prefix of the lanes,
-      // as starts never decrease)
-      const bool in_doc = i < a.T && (!a.pos || i - a.pos[static_cast<int64_t>(b) * a.T + i] <= j);
+      // queries that attend j only: i's first key at most j (a prefix of the lanes, as first
+      // keys never decrease)
+      const bool in_doc =
+          i < a.T && attention_first_key(a.pos ? a.pos + static_cast<int64_t>(b) * a.T : nullptr, i, a.window) <= j;
       const unsigned lanes = __ballot_sync(0xffffffffu, in_doc);
-      if (lanes == 0) break;  // the document ended before i0
+      if (lanes == 0) break;  // j's document or window ended before i0
       float p = 0.0f, ds = 0.0f;
       if (in_doc) {
         const int64_t row_i = static_cast<int64_t>(b) * a.T + i;
@@ -364,6 +371,7 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
     a.B = s.B, a.Tq = s.T, a.Tk = s.T, a.nh = s.n_heads, a.nkv = s.n_kv_heads, a.hd = s.head_dim;
     a.key_offset = 0;
     a.pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
+    a.window = s.window;
     a.scale = cuda::softmax_scale(s.head_dim);
     cuda::launch_plain_forward(a, cuda::check_alibi(op, s), B * nh * T, stream_);
   }
@@ -400,6 +408,7 @@ void CudaBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, con
     a.qkv_dt = qkv.dtype, a.dout_dt = dout.dtype, a.dqkv_dt = dqkv.dtype;
     a.B = s.B, a.T = s.T, a.nh = s.n_heads, a.nkv = s.n_kv_heads, a.hd = s.head_dim;
     a.pos = s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
+    a.window = s.window;
     a.scale = cuda::softmax_scale(s.head_dim);
     cuda::launch_plain_backward(a, cuda::check_alibi(op, s), stream_);
   }
@@ -444,7 +453,7 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& qkv, const T
     cuda::append_kv_kernel<<<cuda::grid_for(n * kv_cols, 256), 256, 0, stream_>>>(
         k_cache.data, k_cache.dtype, v_cache.data, v_cache.dtype, qkv.data, qkv.dtype, n, cols, nh * hd,
         (nh + nkv) * hd, kv_cols, pos);
-  // 3. attention of the new rows over cache rows 0 .. pos + i
+  // 3. attention of the new rows over cache rows 0 .. pos + i (the last s.window of them)
   cuda::PlainAttn a{};
   a.q = qkv.data;
   a.k = k_cache.data;
@@ -457,6 +466,7 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& qkv, const T
   a.hd = s.head_dim;
   a.key_offset = pos;  // row r is at position pos + r: ALiBi's i
   a.pos = nullptr;
+  a.window = s.window;
   a.scale = cuda::softmax_scale(s.head_dim);
   if (n > 0) cuda::launch_plain_forward(a, cuda::check_alibi(op, s), n * nh, stream_);
   cuda::check_launch(*this, op, {{"out", out}, {"qkv", qkv}, {"k_cache", k_cache}});

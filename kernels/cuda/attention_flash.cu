@@ -38,11 +38,12 @@
 //            S^T = K Q^T, dP^T = V dO^T, dS^T, dV += P^T dO, dK += dS^T Q. One block owns each
 //            dk/dv row, and the loop order is fixed: deterministic, no atomics.
 // Tiles beyond T are zero-filled and masked; causal masking applies on tiles crossing the diagonal.
-// Document masking (AttnShape::positions, pos): row i attends keys from start_i = i - pos[i]. The
-// starts never decrease with i (document positions), so a query tile's keys begin at the tile
-// of its first row's start (forward, dq: earlier key tiles are skipped), a key tile's queries
-// end where a row's start passes the tile's last key (dk-dv: the later query tiles are
-// skipped), and tiles where some start falls inside are masked element by element.
+// Document masking (AttnShape::positions, pos) and sliding windows (AttnShape::window): row i
+// attends keys from start_i = attention_first_key(i) (kernels/attention_window.h: i - pos[i],
+// and at least i - window + 1). The starts never decrease with i, so a query tile's keys begin
+// at the tile of its first row's start (forward, dq: earlier key tiles are skipped), a key
+// tile's queries end where a row's start passes the tile's last key (dk-dv: the later query
+// tiles are skipped), and tiles where some start falls inside are masked element by element.
 // P and dS are rounded to the storage type for the second product of each pair (as
 // FlashAttention does); all sums are fp32.
 #include <cuda_bf16.h>
@@ -51,6 +52,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/attention_window.h"
 #include "kernels/cuda/attention_flash.cuh"
 
 namespace keel::cuda {
@@ -215,7 +217,7 @@ __device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int 
   }
 }
 
-// ---- document masking ----
+// ---- document masking and sliding windows ----
 
 const int32_t* positions_of(const AttnShape& s) {
   return s.positions.empty() ? nullptr : s.positions.as<const int32_t>();
@@ -226,30 +228,35 @@ const float* slopes_of(const AttnShape& s) {
   return s.alibi_slopes.empty() ? nullptr : s.alibi_slopes.as<const float>();
 }
 
-// A query tile's document starts (start_i = i - pos[i]; all 0 without document masking): the
-// lane's two rows, the tile's first row (where its keys begin) and its last row.
+// Row i's first key, start_i (p: the sequence's document positions, or null).
+__device__ __forceinline__ int row_start(const int32_t* p, int i, int window) {
+  return static_cast<int>(attention_first_key(p, i, window));
+}
+
+// A query tile's starts (all 0 for plain causal attention): the lane's two rows, the tile's
+// first row (where its keys begin) and its last row.
 struct DocStarts {
   int start[2] = {0, 0};  // rows row_a, row_b (rows past T: 0, they are masked anyway)
   int first_key = 0;      // start of row q0
   int last_start = 0;     // start of row q_last
-  __device__ DocStarts(const int32_t* pos, int b, int T_len, int q0, int q_last, int row_a, int row_b) {
-    if (!pos) return;
-    const int32_t* p = pos + static_cast<int64_t>(b) * T_len;
-    start[0] = row_a < T_len ? row_a - p[row_a] : 0;
-    start[1] = row_b < T_len ? row_b - p[row_b] : 0;
-    first_key = q0 - p[q0];
-    last_start = q_last - p[q_last];
+  __device__ DocStarts(const int32_t* pos, int window, int b, int T_len, int q0, int q_last, int row_a, int row_b) {
+    if (!pos && window == 0) return;
+    const int32_t* p = pos ? pos + static_cast<int64_t>(b) * T_len : nullptr;
+    start[0] = row_a < T_len ? row_start(p, row_a, window) : 0;
+    start[1] = row_b < T_len ? row_start(p, row_b, window) : 0;
+    first_key = row_start(p, q0, window);
+    last_start = row_start(p, q_last, window);
   }
 };
 
-// One past the last query row whose document start is at most key j (p: one sequence's
-// positions; starts never decrease, so a binary search over rows j .. T-1; row j itself
-// qualifies). Every thread of the block computes it alike (a few cached loads).
-__device__ int queries_end(const int32_t* p, int T_len, int j) {
+// One past the last query row whose start is at most key j (p: one sequence's positions, or
+// null; starts never decrease, so a binary search over rows j .. T-1; row j itself qualifies).
+// Every thread of the block computes it alike (a few cached loads).
+__device__ int queries_end(const int32_t* p, int window, int T_len, int j) {
   int lo = j + 1, hi = T_len;  // rows < lo qualify; rows >= hi do not
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (mid - p[mid] <= j)
+    if (row_start(p, mid, window) <= j)
       lo = mid + 1;
     else
       hi = mid;
@@ -273,8 +280,8 @@ __device__ __forceinline__ float score_log2(float qk, float scale_log2, int j_mi
 template <class T, int HD, bool kAlibi>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse,
-                         const int32_t* __restrict__ pos, const float* __restrict__ slopes, int T_len, int nh, int nkv,
-                         float scale_log2) {
+                         const int32_t* __restrict__ pos, int window, const float* __restrict__ slopes, int T_len,
+                         int nh, int nkv, float scale_log2) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;  // k-steps over the head dimension
   constexpr int NT = HD / 8;   // n-tiles of the output
@@ -298,7 +305,7 @@ __global__ void __launch_bounds__(kThreads)
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
   const int q_last = min(q0 + kBlockQ - 1, T_len - 1);
   const int n_kt = q_last / kBlockK + 1;
-  const DocStarts docs(pos, b, T_len, q0, q_last, row_a, row_b);
+  const DocStarts docs(pos, window, b, T_len, q0, q_last, row_a, row_b);
   const int kt_first = docs.first_key / kBlockK;
   const float slope_log2 = kAlibi ? slopes[h] * kLog2e : 0.0f;  // ALiBi's m_h in log2 units
 
@@ -414,7 +421,7 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int HD, bool kAlibi>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_dq_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
-                             const float* __restrict__ delta, const int32_t* __restrict__ pos,
+                             const float* __restrict__ delta, const int32_t* __restrict__ pos, int window,
                              const float* __restrict__ slopes, T* __restrict__ dqkv, int T_len, int nh, int nkv,
                              float scale_log2, float scale) {
   constexpr int LD = HD + kPad;
@@ -441,7 +448,7 @@ __global__ void __launch_bounds__(kThreads)
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
   const int q_last = min(q0 + kBlockQ - 1, T_len - 1);
   const int n_kt = q_last / kBlockK + 1;
-  const DocStarts docs(pos, b, T_len, q0, q_last, row_a, row_b);
+  const DocStarts docs(pos, window, b, T_len, q0, q_last, row_a, row_b);
   const int kt_first = docs.first_key / kBlockK;
   const int64_t stat = (static_cast<int64_t>(b) * nh + h) * T_len;
   // per row: lse in log2 units, and D
@@ -526,7 +533,7 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int HD, bool kAlibi>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_dkdv_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
-                               const float* __restrict__ delta, const int32_t* __restrict__ pos,
+                               const float* __restrict__ delta, const int32_t* __restrict__ pos, int window,
                                const float* __restrict__ slopes, T* __restrict__ dqkv, int T_len, int nh, int nkv,
                                float scale_log2, float scale) {
   constexpr int LD = HD + kPad;
@@ -540,7 +547,7 @@ __global__ void __launch_bounds__(kThreads)
   T* sdO = sQ + 2 * kBlockQBwd * LD;   // [2][kBlockQBwd][LD]
   float* sL = reinterpret_cast<float*>(sdO + 2 * kBlockQBwd * LD);  // [2][kBlockQBwd] lse (log2 units)
   float* sD = sL + 2 * kBlockQBwd;                                  // [2][kBlockQBwd]
-  int* sS = reinterpret_cast<int*>(sD + 2 * kBlockQBwd);            // [2][kBlockQBwd] document starts
+  int* sS = reinterpret_cast<int*>(sD + 2 * kBlockQBwd);            // [2][kBlockQBwd] row starts
 
   const int kt = blockIdx.z;  // small kt = most query tiles: started first, for every (kv head, batch)
   const int kvh = blockIdx.x, b = blockIdx.y;
@@ -555,10 +562,10 @@ __global__ void __launch_bounds__(kThreads)
   const int k0 = kt * kBlockK;
   const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
   const int qi_first = k0 / kBlockQBwd;
-  // Queries that see a key of this tile: i from k0 up to, with document masking, the last row
-  // whose start is at most the tile's last key (starts never decrease).
-  const int q_end = pos ? queries_end(pos + static_cast<int64_t>(b) * T_len, T_len, min(k0 + kBlockK, T_len) - 1)
-                        : T_len;
+  // Queries that see a key of this tile: i from k0 up to, with document masking or a window, the
+  // last row whose start is at most the tile's last key (starts never decrease).
+  const int32_t* seq_pos = pos ? pos + static_cast<int64_t>(b) * T_len : nullptr;
+  const int q_end = pos || window > 0 ? queries_end(seq_pos, window, T_len, min(k0 + kBlockK, T_len) - 1) : T_len;
   const int n_q = (q_end + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
   const int n_it = group * n_q;
 
@@ -573,7 +580,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t stat = (static_cast<int64_t>(b) * nh + h) * T_len;
       sL[buf * kBlockQBwd + threadIdx.x] = i < T_len ? lse[stat + i] * kLog2e : 0.0f;
       sD[buf * kBlockQBwd + threadIdx.x] = i < T_len ? delta[stat + i] : 0.0f;
-      sS[buf * kBlockQBwd + threadIdx.x] = pos && i < T_len ? i - pos[static_cast<int64_t>(b) * T_len + i] : 0;
+      sS[buf * kBlockQBwd + threadIdx.x] = i < T_len ? row_start(seq_pos, i, window) : 0;
     }
   };
 
@@ -689,8 +696,8 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
   const dim3 grid(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
                   static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
   flash_forward_kernel<T, HD, kAlibi><<<grid, kThreads, smem, be.stream()>>>(
-      qkv.as<const T>(), out.as<T>(), lse.as<float>(), positions_of(s), slopes_of(s), s.T, s.n_heads, s.n_kv_heads,
-      scale * kLog2e);
+      qkv.as<const T>(), out.as<T>(), lse.as<float>(), positions_of(s), s.window, slopes_of(s), s.T, s.n_heads,
+      s.n_kv_heads, scale * kLog2e);
 }
 
 template <class T, int HD, bool kAlibi>
@@ -703,13 +710,13 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   const dim3 grid_q(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
                     static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
   flash_backward_dq_kernel<T, HD, kAlibi><<<grid_q, kThreads, smem_dq, be.stream()>>>(
-      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), slopes_of(s), dqkv.as<T>(),
-      s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
+      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
+      dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
   const dim3 grid_k(static_cast<unsigned>(s.n_kv_heads), static_cast<unsigned>(s.B),
                     static_cast<unsigned>(ceil_div(s.T, kBlockK)));
   flash_backward_dkdv_kernel<T, HD, kAlibi><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
-      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), slopes_of(s), dqkv.as<T>(),
-      s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
+      qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
+      dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
 }
 
 // head_dim dispatch of the launchers

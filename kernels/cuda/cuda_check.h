@@ -84,7 +84,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline std::string attn_str(const AttnShape& s) {
   return "B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " n_heads=" + std::to_string(s.n_heads) +
-         " n_kv_heads=" + std::to_string(s.n_kv_heads) + " head_dim=" + std::to_string(s.head_dim);
+         " n_kv_heads=" + std::to_string(s.n_kv_heads) + " head_dim=" + std::to_string(s.head_dim) +
+         (s.window != 0 ? std::string(" window=") + std::to_string(s.window) : std::string());
 }
 
 // Document positions (AttnShape::positions): empty, or a CUDA I32 tensor of N elements in whole
@@ -115,8 +116,10 @@ inline const float* check_alibi(const char* op, const AttnShape& s) {
 // [B*T, qkv_cols()]; positions and alibi_slopes empty or well formed.
 inline void check_attn(const char* op, const AttnShape& s, Named qkv) {
   if (s.B <= 0 || s.T <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 || s.head_dim <= 0 || s.head_dim % 2 != 0 ||
-      s.n_heads % s.n_kv_heads != 0)
-    fail(op, "invalid attention shape " + attn_str(s) + " (all positive, head_dim even, n_heads % n_kv_heads == 0)",
+      s.n_heads % s.n_kv_heads != 0 || s.window < 0)
+    fail(op,
+         "invalid attention shape " + attn_str(s) +
+             " (all positive, head_dim even, n_heads % n_kv_heads == 0, window 0 (none) or positive)",
          {qkv});
   check_float(op, qkv);
   if (rows(qkv.t) != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())

@@ -76,6 +76,7 @@ struct Fixture {
     model.qkv_bias = m.value("qkv_bias", false);
     model.qk_norm = m.value("qk_norm", false);
     model.explicit_head_dim = m.value("head_dim", 0);
+    model.sliding_window = m.value("sliding_window", 0);
     B = meta["batch"]["B"];
     T = meta["batch"]["T"];
   }

@@ -5,7 +5,7 @@ It checks the part of the fused kernels that review alone cannot: which shared-m
 lands in which lane's register for every mma.sync operand (ldmatrix emulated from the PTX ISA's
 address and distribution rules, checked first against the fragment layouts below), the P/dS register reuse, the masks and
 the tile loops (GQA, ragged T, double-buffered K/V tiles and query steps, with the kernels'
-buffer parity), document masking (the skipped
+buffer parity), document masking and sliding windows (the skipped
 key and query tiles, the masks inside tiles a boundary crosses) and the ALiBi bias (each
 accumulator element's query row and key column, the head of each step), against a float64 reference. Keep it
 in step with the .cu file when the kernels' indexing changes. Expected output: errors ~2e-3
@@ -164,9 +164,11 @@ def tile(src_head, row0, nrows, T, HD, PAD=8):
     return s
 
 
-def doc_starts(T, pos):
-    """start_i = i - pos[i]: the first key row i may attend (0 without document positions)."""
-    return np.zeros(T, dtype=np.int64) if pos is None else np.arange(T) - pos
+def doc_starts(T, pos, window=0):
+    """start_i = kernels/attention_window.h's first key of row i: i - pos[i] with document
+    positions (else 0), and at least i - window + 1 with a sliding window."""
+    starts = np.zeros(T, dtype=np.int64) if pos is None else np.arange(T) - pos
+    return starts if window == 0 else np.maximum(starts, np.arange(T) - window + 1)
 
 
 def starts_of(starts, rows, T):
@@ -207,14 +209,14 @@ def queries_end(starts, T, j):
     return lo
 
 
-def forward(q, k, v, T, nh, nkv, HD, pos=None, slopes=None):
+def forward(q, k, v, T, nh, nkv, HD, pos=None, slopes=None, window=0):
     """q [nh, T, HD], k/v [nkv, T, HD] (bf16 values); pos: document positions [T] or None; slopes:
-    ALiBi slopes [nh] or None. Returns out [nh, T, HD], lse [nh, T]."""
+    ALiBi slopes [nh] or None; window: sliding window (0: none). Returns out [nh, T, HD], lse [nh, T]."""
     scale = 1 / np.sqrt(HD)
     scale_log2 = np.float32(scale * 1.4426950408889634)
     out = np.full((nh, T, HD), np.nan)
     lse = np.full((nh, T), np.nan)
-    starts = doc_starts(T, pos)
+    starts = doc_starts(T, pos, window)
     nqt = (T + 63) // 64
     for bx in range(nqt):
         qt = nqt - 1 - bx
@@ -300,11 +302,11 @@ def forward(q, k, v, T, nh, nkv, HD, pos=None, slopes=None):
     return out, lse
 
 
-def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None):
+def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None, window=0):
     scale = 1 / np.sqrt(HD)
     scale_log2 = scale * 1.4426950408889634
     dq_out = np.full((nh, T, HD), np.nan)
-    starts = doc_starts(T, pos)
+    starts = doc_starts(T, pos, window)
     nqt = (T + 63) // 64
     for bx in range(nqt):
         qt = nqt - 1 - bx
@@ -366,13 +368,13 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None):
     return dq_out
 
 
-def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None):
+def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None, window=0):
     scale = 1 / np.sqrt(HD)
     scale_log2 = scale * 1.4426950408889634
     dk_out = np.full((nkv, T, HD), np.nan)
     dv_out = np.full((nkv, T, HD), np.nan)
     group = nh // nkv
-    starts = doc_starts(T, pos)
+    starts = doc_starts(T, pos, window)
     nkt = (T + 63) // 64
     for kt in range(nkt):
         for kvh in range(nkv):
@@ -380,7 +382,7 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None
             sK = tile(k[kvh], k0, 64, T, HD)
             sV = tile(v[kvh], k0, 64, T, HD)
             qi_first = k0 // 32
-            q_end = T if pos is None else queries_end(starts, T, min(k0 + 64, T) - 1)
+            q_end = T if pos is None and window == 0 else queries_end(starts, T, min(k0 + 64, T) - 1)
             n_q = (q_end + 31) // 32 - qi_first
             n_it = group * n_q
             def stage(it):  # the kernel's stage(it, buf): Q, dO, lse, D and starts of step it
@@ -388,7 +390,7 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None
                 i0 = (qi_first + it % n_q) * 32
                 sL = np.array([lse[h, i0 + x] * 1.4426950408889634 if i0 + x < T else 0 for x in range(32)])
                 sD = np.array([delta[h, i0 + x] if i0 + x < T else 0 for x in range(32)])
-                sS = np.array([starts[i0 + x] if pos is not None and i0 + x < T else 0 for x in range(32)])
+                sS = np.array([starts[i0 + x] if i0 + x < T else 0 for x in range(32)])
                 return tile(q[h], i0, 32, T, HD), tile(do[h], i0, 32, T, HD), sL, sD, sS
             for warp in range(4):
                 key_a = k0 + warp * 16 + G
@@ -437,7 +439,7 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None
     return dk_out, dv_out
 
 
-def reference(q, k, v, do, T, nh, nkv, HD, pos=None, slopes=None):
+def reference(q, k, v, do, T, nh, nkv, HD, pos=None, slopes=None, window=0):
     group = nh // nkv
     scale = 1 / np.sqrt(HD)
     out = np.zeros((nh, T, HD))
@@ -446,6 +448,8 @@ def reference(q, k, v, do, T, nh, nkv, HD, pos=None, slopes=None):
     dk = np.zeros((nkv, T, HD))
     dv = np.zeros((nkv, T, HD))
     mask = np.tril(np.ones((T, T), dtype=bool)) & (np.arange(T)[None, :] >= doc_starts(T, pos)[:, None])
+    if window:  # written out, not through doc_starts: key j > i - window
+        mask &= np.arange(T)[None, :] > np.arange(T)[:, None] - window
     for h in range(nh):
         kvh = h // group
         S = q[h] @ k[kvh].T * scale
@@ -503,19 +507,25 @@ if __name__ == "__main__":
              (150, 2, 2, 128, positions(150, [100, 1, 1, 40]), None), (70, 2, 1, 64, positions(70, [1]), None),
              (130, 6, 2, 64, None, alibi_slopes(12)[6:]), (100, 4, 2, 128, None, alibi_slopes(4)),
              (150, 4, 1, 64, positions(150, [100, 1, 1, 40]), alibi_slopes(4))]
-    for (T, nh, nkv, HD, pos, slopes) in cases:
+    cases = [c + (0,) for c in cases]
+    # Sliding windows: within a tile, one tile, across tile edges, of one key; with documents
+    # and with ALiBi
+    cases += [(200, 4, 2, 64, None, None, 16), (200, 2, 1, 64, None, None, 64), (150, 2, 2, 128, None, None, 100),
+              (70, 2, 1, 64, None, None, 1), (200, 2, 1, 64, positions(200, [1, 63, 64, 65, 3]), None, 40),
+              (130, 4, 2, 64, None, alibi_slopes(4), 50)]
+    for (T, nh, nkv, HD, pos, slopes, window) in cases:
         q = bf16(rng.standard_normal((nh, T, HD)) * 1.5)
         k = bf16(rng.standard_normal((nkv, T, HD)) * 1.5)
         v = bf16(rng.standard_normal((nkv, T, HD)))
         do = bf16(rng.standard_normal((nh, T, HD)))
-        ro, rl, rdq, rdk, rdv = reference(q, k, v, do, T, nh, nkv, HD, pos, slopes)
-        out, lse = forward(q, k, v, T, nh, nkv, HD, pos, slopes)
+        ro, rl, rdq, rdk, rdv = reference(q, k, v, do, T, nh, nkv, HD, pos, slopes, window)
+        out, lse = forward(q, k, v, T, nh, nkv, HD, pos, slopes, window)
         delta = (do * bf16(ro)).sum(axis=2)
-        dq = backward_dq(q, k, v, do, rl, delta, T, nh, nkv, HD, pos, slopes)
-        dk, dv = backward_dkdv(q, k, v, do, rl, delta, T, nh, nkv, HD, pos, slopes)
+        dq = backward_dq(q, k, v, do, rl, delta, T, nh, nkv, HD, pos, slopes, window)
+        dk, dv = backward_dkdv(q, k, v, do, rl, delta, T, nh, nkv, HD, pos, slopes, window)
         errs = {"out": rel(out, ro), "lse": rel(lse, rl), "dq": rel(dq, rdq), "dk": rel(dk, rdk), "dv": rel(dv, rdv)}
         name = (f"T={T} nh={nh} nkv={nkv} HD={HD}" + ("" if pos is None else f" {int((pos == 0).sum())} documents")
-                + ("" if slopes is None else " alibi"))
+                + ("" if slopes is None else " alibi") + ("" if window == 0 else f" window {window}"))
         print(f"{name}: " + " ".join(f"{k} {e:.2e}" for k, e in errs.items()))
         sys.stdout.flush()
         failed += [f"{name} {k} {e:.2e} > {BOUNDS[k]:.0e}" for k, e in errs.items() if not e <= BOUNDS[k]]

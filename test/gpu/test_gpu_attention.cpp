@@ -287,12 +287,14 @@ TEST_CASE("gpu: fused attention at training lengths (T = 1024, 2048)", "[gpu][at
   }
 }
 
-TEST_CASE("gpu: attention_decode matches the CPU call for call, caches bit for bit", "[gpu][attention][decode]") {
+// With a sliding window of 7 too: the prefill of 20 and the later rows cross it.
+TEST_CASE("gpu: attention_decode matches the CPU call for call, caches bit for bit", "[gpu][attention][decode][window]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
+  for (int window : {0, 7})
   for (DType dt : {DType::F32, DType::BF16})
     for (const Rope& theta : {Rope(10000.0f), Rope(0.0f), llama3_rope()}) {
-      INFO(dname(dt) << " rope " << theta.str());
+      INFO(dname(dt) << " rope " << theta.str() << " window " << window);
       const int nh = 4, nkv = 2, hd = 64;
       const int64_t max_len = 40, kv_cols = nkv * hd;
       HostTensor kc(dt, {max_len, kv_cols}), vc(dt, {max_len, kv_cols});
@@ -301,7 +303,7 @@ TEST_CASE("gpu: attention_decode matches the CPU call for call, caches bit for b
       uint32_t seed = 30;
       for (int n : {20, 1, 1, 5, 13}) {
         INFO("pos " << pos << " n " << n);
-        const AttnShape s{1, n, nh, nkv, hd};
+        const AttnShape s{1, n, nh, nkv, hd, {}, {}, window};
         HostTensor qkv = rand_tensor(dt, {n, s.qkv_cols()}, ++seed);
         HostTensor out = filled(dt, {n, nh * hd}, NAN);
         DeviceTensor dq = DeviceTensor::of(be, qkv), dout = DeviceTensor::of(be, out);
@@ -370,6 +372,57 @@ TEST_CASE("gpu: ALiBi attention forward and backward match the CPU (plain and fu
         HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 51, 1.5f), dy = rand_tensor(dt, {N, ocols}, 52);
         check_attention_vs_cpu(be, qkv, dy, s, sd, fused, what, true);
       }
+}
+
+// Sliding windows (AttnShape::window, Mistral): within one tile, exactly one tile, across tile
+// edges, of one key, longer than T (= causal), with documents and with ALiBi; plain and fused
+// kernels, and a training length. Same tolerances as plain causal attention; each call again
+// gives the same bits. (Decoding with a window: the attention_decode test.)
+TEST_CASE("gpu: sliding-window attention matches the CPU (plain and fused kernels)", "[gpu][attention][window]") {
+  KEEL_GPU_OR_SKIP();
+  struct Case {
+    AttnShape s;
+    int window;
+    std::vector<int> lengths;  // documents; empty: none
+    bool alibi;
+  };
+  const std::vector<Case> cases = {
+      {{2, 200, 4, 2, 64}, 16, {}, false},  {{2, 200, 2, 1, 64}, 64, {}, false},
+      {{1, 257, 8, 2, 128}, 100, {}, false}, {{2, 70, 2, 1, 64}, 1, {}, false},
+      {{2, 37, 4, 2, 8}, 5, {}, false},      {{2, 100, 4, 2, 64}, 1000, {}, false},
+      {{2, 300, 4, 2, 64}, 40, {1, 63, 64, 65, 3, 130, 7}, false},
+      {{2, 130, 4, 2, 64}, 50, {}, true},    {{1, 2048, 2, 1, 128}, 512, {}, false},
+  };
+  for (DType dt : {DType::F32, DType::BF16})
+    for (const Case& c : cases)
+      for (int simple = 0; simple < 2; ++simple) {
+        Backend& be = simple ? gpu_simple_attention() : gpu();
+        AttnShape s0 = c.s;
+        s0.window = c.window;
+        if (s0.T > 1000 && (simple || dt == DType::F32)) continue;  // the long case on the fused kernels only
+        const bool fused = !simple && fused_applies(s0, dt);
+        const std::string what = std::string(dname(dt)) + (fused ? " fused" : " plain") + " window " +
+                                 std::to_string(c.window) + (c.lengths.empty() ? "" : " documents") +
+                                 (c.alibi ? " alibi" : "");
+        INFO(shape_name(s0) << " " << what);
+        const int64_t N = static_cast<int64_t>(s0.B) * s0.T, ocols = s0.n_heads * s0.head_dim;
+        HostTensor positions(DType::I32, {N});
+        if (!c.lengths.empty()) positions.set_i32(document_positions_of(s0.B, s0.T, c.lengths));
+        const HostTensor slopes = alibi_host(s0.n_heads, 0, s0.n_heads);
+        DeviceTensor dpositions = DeviceTensor::of(be, positions), dslopes = DeviceTensor::of(be, slopes);
+        AttnShape s = s0, sd = s0;
+        if (!c.lengths.empty()) {
+          s.positions = positions.t;
+          sd.positions = dpositions.t;
+        }
+        if (c.alibi) {
+          s.alibi_slopes = slopes.t;
+          sd.alibi_slopes = dslopes.t;
+        }
+        HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 71, 1.5f), dy = rand_tensor(dt, {N, ocols}, 72);
+        check_attention_vs_cpu(be, qkv, dy, s, sd, fused, what, s0.T < 1000);
+      }
+
 }
 
 // ALiBi at a training length: the bias reaches -m_h (T - 1) ~ -512 on the steepest head (slope

@@ -32,7 +32,8 @@ struct AttnRef {
 };
 
 // Causal softmax attention per (b, h, i) in double; query head h reads kv head h / group.
-// slopes: ALiBi's slope per query head (score += slope * (j - i)), or empty.
+// slopes: ALiBi's slope per query head (score += slope * (j - i)), or empty. With s.window > 0
+// row i sees keys j > i - window only (a sliding window).
 AttnRef ref_attention(const HostTensor& qkv, const AttnShape& s, const std::vector<float>& slopes = {}) {
   const int64_t B = s.B, T = s.T, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim, cols = s.qkv_cols();
   AttnRef r;
@@ -49,7 +50,8 @@ AttnRef ref_attention(const HostTensor& qkv, const AttnShape& s, const std::vect
         };
         std::vector<double> sc(i + 1);
         double m = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
+        const int64_t j0 = s.window > 0 ? std::max<int64_t>(0, i - s.window + 1) : 0;
+        for (int64_t j = j0; j <= i; ++j) {
           double dot = 0;
           for (int64_t d = 0; d < hd; ++d) dot += q(d) * k(j, d);
           sc[j] = dot / std::sqrt(static_cast<double>(hd));
@@ -57,10 +59,10 @@ AttnRef ref_attention(const HostTensor& qkv, const AttnShape& s, const std::vect
           m = std::max(m, sc[j]);
         }
         double l = 0;
-        for (int64_t j = 0; j <= i; ++j) l += std::exp(sc[j] - m);
+        for (int64_t j = j0; j <= i; ++j) l += std::exp(sc[j] - m);
         for (int64_t d = 0; d < hd; ++d) {
           double o = 0;
-          for (int64_t j = 0; j <= i; ++j) o += std::exp(sc[j] - m) / l * v(j, d);
+          for (int64_t j = j0; j <= i; ++j) o += std::exp(sc[j] - m) / l * v(j, d);
           r.out[(b * T + i) * nh * hd + h * hd + d] = o;
         }
         r.lse[(b * nh + h) * T + i] = m + std::log(l);
@@ -202,16 +204,60 @@ TEST_CASE("attention forward matches a double reference (GQA and MHA)", "[attent
     }
 }
 
+// A sliding window of W keys (Mistral): the same tolerances as plain causal attention (fewer
+// terms per row). W = 1 is each row's own value; W >= T is plain causal attention, bit for bit.
+TEST_CASE("attention forward with a sliding window matches a double reference", "[attention][window]") {
+  auto be = make_cpu_backend();
+  for (AttnShape s : {AttnShape{2, 13, 4, 2, 16}, AttnShape{1, 9, 3, 3, 8}, AttnShape{2, 17, 4, 1, 6}})
+    for (int window : {1, 3, 8})
+      for (DType dt : {DType::F32, DType::BF16}) {
+        s.window = window;
+        CAPTURE(s.B, s.T, s.n_heads, s.n_kv_heads, s.head_dim, window, dtype_name(dt));
+        const int64_t rows = s.B * s.T, cols = s.qkv_cols(), ocols = static_cast<int64_t>(s.n_heads) * s.head_dim;
+        HostTensor qkv = make(dt, {rows, cols}, randn(rows * cols, 1, 1.5f));
+        HostTensor out(DType::F32, {rows, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T});
+        be->attention_forward(out.t, lse.t, qkv.t, s);
+        const AttnRef ref = ref_attention(qkv, s);
+        CHECK(rel_error(out.values(), ref.out) < 1e-5);
+        CHECK(rel_error(lse.values(), ref.lse) < 1e-6);
+        // the window matters (the test can fail): plain causal attention differs
+        AttnShape causal = s;
+        causal.window = 0;
+        CHECK(rel_error(out.values(), ref_attention(qkv, causal).out) > 1e-2);
+        if (window == 1) {  // softmax over one key: the row's own value head
+          const int64_t group = s.n_heads / s.n_kv_heads;
+          for (int64_t n = 0; n < rows; ++n)
+            for (int64_t h = 0; h < s.n_heads; ++h)
+              for (int64_t d = 0; d < s.head_dim; ++d)
+                CHECK(out.at(n * ocols + h * s.head_dim + d) ==
+                      Approx(qkv.at(n * cols + (s.n_heads + s.n_kv_heads + h / group) * s.head_dim + d)).epsilon(1e-6));
+        }
+      }
+  // W >= T: no row reaches the window's edge, so it is plain causal attention bit for bit
+  AttnShape s{2, 9, 4, 2, 8};
+  const int64_t rows = s.B * s.T, cols = s.qkv_cols(), ocols = static_cast<int64_t>(s.n_heads) * s.head_dim;
+  HostTensor qkv = make(DType::BF16, {rows, cols}, randn(rows * cols, 3, 1.5f));
+  HostTensor a(DType::BF16, {rows, ocols}), b(DType::BF16, {rows, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T});
+  be->attention_forward(a.t, lse.t, qkv.t, s);
+  s.window = 9;
+  be->attention_forward(b.t, lse.t, qkv.t, s);
+  CHECK(bits_differ(a, b) == 0);
+  s.window = -1;
+  CHECK_THROWS_WITH(be->attention_forward(b.t, lse.t, qkv.t, s),
+                    Catch::Contains("attention_forward") && Catch::Contains("window=-1") &&
+                        Catch::Contains("window 0 (none) or positive"));
+}
+
 // L = sum(out * R) w.r.t. every q, k and v value. h = 1/32; one input moves up to T * hd outputs
 // (~ sqrt(40) * 6e-8 * 1.5/h ~ 2e-5 noise relative); tolerance 1e-4. With ALiBi too (slopes up
 // to 0.5 over T <= 7 keep the scores O(1)), 6 heads being a non-power-of-two count.
-TEST_CASE("attention backward matches finite differences (GQA and MHA, with and without ALiBi)",
-          "[attention][grad][alibi]") {
+TEST_CASE("attention backward matches finite differences (GQA and MHA, with and without ALiBi, a sliding window)",
+          "[attention][grad][alibi][window]") {
   auto be = make_cpu_backend();
   for (const bool alibi : {false, true})
     for (AttnShape s : {AttnShape{2, 5, 4, 2, 8}, AttnShape{2, 5, 2, 2, 8}, AttnShape{1, 6, 4, 1, 4},
-                        AttnShape{1, 7, 6, 3, 4}}) {
-    CAPTURE(alibi, s.n_heads, s.n_kv_heads);
+                        AttnShape{1, 7, 6, 3, 4}, AttnShape{2, 7, 4, 2, 4, {}, {}, 3}}) {
+    CAPTURE(alibi, s.n_heads, s.n_kv_heads, s.window);
     const HostTensor slopes = make(DType::F32, {s.n_heads}, alibi_slopes(s.n_heads));
     if (alibi) s.alibi_slopes = slopes.t;
     const int64_t rows = s.B * s.T, cols = s.qkv_cols(), ocols = static_cast<int64_t>(s.n_heads) * s.head_dim;

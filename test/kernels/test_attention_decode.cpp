@@ -76,6 +76,22 @@ TEST_CASE("attention_decode with ALiBi equals attention_forward row for row, bit
       }
 }
 
+// A sliding window: the new row at absolute position i sees cache rows i - window + 1 .. i, as
+// the training forward's row i does. Windows shorter than the prompt, than the whole sequence,
+// and of one key.
+TEST_CASE("attention_decode with a sliding window equals attention_forward row for row, bit for bit",
+          "[attention][decode][window]") {
+  for (int window : {1, 4, 11})
+    for (DType dt : {DType::F32, DType::BF16})
+      for (int64_t prefill : {int64_t{1}, int64_t{6}}) {
+        AttnShape s{1, 13, 4, 2, 16};
+        s.window = window;
+        CAPTURE(window, dtype_name(dt), prefill);
+        check_decode_equals_forward(s, dt, Rope(10000.0f), prefill);
+        check_decode_equals_forward(s, dt, Rope(0.0f), prefill, true);  // with ALiBi
+      }
+}
+
 TEST_CASE("attention_decode checks its shapes and positions", "[attention][decode]") {
   auto be = make_cpu_backend();
   AttnShape s{1, 2, 2, 1, 4};

@@ -58,8 +58,10 @@ TEST_CASE("document positions restart after each end-of-document token and at ea
                                                        "starts at 0)");
 }
 
+// With a sliding window too (window 4, shorter than most documents): a document alone with the
+// same window, as the window and the document bound compose (kernels/attention_window.h).
 TEST_CASE("rope and attention with document positions compute each document as if alone, bit for bit",
-          "[documents][attention][rope]") {
+          "[documents][attention][rope][window]") {
   auto be = make_cpu_backend();
   // Sequence 0: documents of 5, 1, 11 and 7 rows; sequence 1: 9 and 15 (T = 24), GQA.
   const std::vector<std::vector<int>> docs = {{5, 1, 11, 7}, {9, 15}};
@@ -73,9 +75,11 @@ TEST_CASE("rope and attention with document positions compute each document as i
   RopeScaling llama3;
   llama3.kind = RopeScaling::Kind::Llama3;
   llama3.original_max_position = 8;  // so that the three frequency bands show up at head_dim 8
+  for (const int window : {0, 4})
   for (const Rope& rope : {Rope(10000.0f), Rope{500000.0f, llama3}})
     for (DType dt : {DType::F32, DType::BF16}) {
-      CAPTURE(dtype_name(dt), rope.scaling.kind == RopeScaling::Kind::Llama3);
+      CAPTURE(window, dtype_name(dt), rope.scaling.kind == RopeScaling::Kind::Llama3);
+      s.window = window;
       const HostTensor qkv = make(dt, {rows, cols}, randn(rows * cols, 21, 1.5f));
       const HostTensor dout = make(dt, {rows, ocols}, randn(rows * ocols, 22));
       AttnShape masked = s;
@@ -86,7 +90,7 @@ TEST_CASE("rope and attention with document positions compute each document as i
       for (size_t b = 0; b < docs.size(); ++b)
         for (int len : docs[b]) {
           CAPTURE(b, r0, len);
-          const AttnShape one{1, len, s.n_heads, s.n_kv_heads, s.head_dim};
+          const AttnShape one{1, len, s.n_heads, s.n_kv_heads, s.head_dim, {}, {}, window};
           const HostTensor dout_doc = rows_of(dout, r0, r0 + len);
           const AttnPass alone = attention_pass(*be, rows_of(qkv, r0, r0 + len), dout_doc, one, rope);
           CHECK(row_bits(packed.out, r0, len) == all_bits(alone.out));

@@ -73,6 +73,11 @@ TEST_CASE("tiny Qwen3 (q/k norms, head_dim apart from d_model / n_heads) matches
   check_fixture("qwen3_tiny");
 }
 
+// A sliding window of 5 keys over 16 positions.
+TEST_CASE("tiny Mistral (sliding window) matches the HF oracle: logits, loss, every gradient", "[model][oracle][window]") {
+  check_fixture("mistral_tiny");
+}
+
 TEST_CASE("parameter table: names, roles, decay by role, fused groups back to back", "[model][params]") {
   ModelConfig c;
   c.family = Family::Llama;

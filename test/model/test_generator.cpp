@@ -47,6 +47,12 @@ TEST_CASE("generator: cached decoding reproduces the oracle logits (Qwen2 biases
   }
 }
 
+// Prefill 1 and 6 rows, then one at a time: rows past the window of 5 drop the oldest keys.
+TEST_CASE("generator: cached decoding reproduces the oracle logits (Mistral's sliding window)", "[generator][window]") {
+  check_cached_logits("mistral_tiny", 1);
+  check_cached_logits("mistral_tiny", 6);
+}
+
 TEST_CASE("generator: greedy and seeded sampling", "[generator]") {
   test::Fixture fx("llama_tiny");
   ParamTable table(fx.model);

@@ -292,6 +292,20 @@ TEST_CASE("Qwen2's q/k/v biases and Qwen3's q/k norms with head_dim train alike 
                        {{{4, 2, 1}, kSequenceParallel}, {{2, 2, 2}, ""}, {{8, 1, 1}, ""}});
 }
 
+TEST_CASE("a sliding window with document masking trains alike under TP, SP, PP and DP (fp32)",
+          "[mpi][layouts][window]") {
+  // Each row's first key is the later of its document's start and the window's: per row, so TP
+  // (heads), SP (rows gathered before attention), PP and DP see the single process's attention.
+  check_option_layouts("llama",
+                       "--set model.sliding_window=3 --set data.document_masking=true --set data.eod_token=5",
+                       {{{4, 2, 1}, kSequenceParallel}, {{2, 2, 2}, ""}});
+  // gpt2 at lr 3e-3: at the tiny config's 1e-2 a window of 3 makes steps 4-6 unstable (loss up,
+  // grad norm up), and any layout's fp32 rounding grows tenfold per step there (1.7e-4 at step 6
+  // for tp=2 alone); at 3e-3 layouts agree to ~4e-7, as without the window.
+  check_option_layouts("gpt2", "--set model.sliding_window=3 --set optimizer.lr=0.003",
+                       {{{2, 2, 2}, kSequenceParallel}, {{2, 1, 4}, ""}});
+}
+
 TEST_CASE("HF GPT-2, BLOOM and Qwen2 weights (--init-from hf:DIR) train alike under TP, SP, PP and DP (fp32)",
           "[mpi][layouts][hf]") {
   // Each rank reads its own rectangles straight from the HF file: slices of GPT-2's transposed

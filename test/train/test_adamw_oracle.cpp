@@ -80,3 +80,6 @@ TEST_CASE("AdamW steps of tiny Qwen2 (q/k/v biases in the no-decay group) match 
 TEST_CASE("AdamW steps of tiny Qwen3 (q/k norms in the no-decay group) match torch.optim.AdamW", "[train][oracle][qwen]") {
   check_adamw("qwen3_tiny");
 }
+TEST_CASE("AdamW steps of tiny Mistral (a sliding window) match torch.optim.AdamW", "[train][oracle][window]") {
+  check_adamw("mistral_tiny");
+}

@@ -86,6 +86,40 @@ TEST_CASE("stop at N/2, resume, N/2 more: the same losses bit for bit and bitwis
   CHECK_FALSE(fs::exists(ws.dir / "split/checkpoints/step_00000032"));
 }
 
+// A sliding window changes no tensor but the network: a run with one resumes exactly, a
+// checkpoint is not resumed without it (naming the field), and --init-from across it says so.
+TEST_CASE("a sliding window resumes exactly, and a checkpoint is not resumed across it", "[ckpt][cli][resume][window]") {
+  test::Workspace ws(kRun);
+  const std::string window = "--set model.sliding_window=5 --steps 8 ";
+  auto straight = run_keel(train_args(ws, ws.dir / "straight", window));
+  INFO(straight.output);
+  REQUIRE(straight.code == 0);
+  CHECK_THAT(straight.output, Catch::Contains("sliding window 5"));
+  REQUIRE(run_keel(train_args(ws, ws.dir / "split", window + "--stop-at 4")).code == 4);
+  auto second = run_keel(train_args(ws, ws.dir / "split", window));
+  INFO(second.output);
+  REQUIRE(second.code == 0);
+  const auto a = test::losses_by_step(test::read_metrics(ws.dir / "straight/metrics.jsonl"));
+  REQUIRE(a.size() == 8);
+  CHECK(a == test::losses_by_step(test::read_metrics(ws.dir / "split/metrics.jsonl")));
+  // The window matters: without it the same run's losses differ.
+  REQUIRE(run_keel(train_args(ws, ws.dir / "plain", "--steps 8")).code == 0);
+  CHECK(a != test::losses_by_step(test::read_metrics(ws.dir / "plain/metrics.jsonl")));
+
+  const std::string ck = ws.dir / "straight/checkpoints/step_00000008";
+  auto refused = run_keel(train_args(ws, ws.dir / "nowindow", "--steps 12 --resume " + ck));
+  INFO(refused.output);
+  CHECK(refused.code == 5);
+  CHECK_THAT(refused.output, Catch::Contains("saved for another model") &&
+                                 Catch::Contains("model.sliding_window: checkpoint 5, config -"));
+  CHECK(run_keel("ckpt verify " + ck).code == 0);
+  auto init = run_keel(train_args(ws, ws.dir / "init", "--set model.sliding_window=3 --steps 2 --init-from " + ck));
+  INFO(init.output);
+  CHECK(init.code == 0);
+  CHECK_THAT(init.output,
+             Catch::Contains("NOTE: the checkpoint was trained with model.sliding_window 5, this run uses 3"));
+}
+
 // BLOOM's options change the network (ALiBi has no position table in gpt2 and no RoPE in llama:
 // the same tensors): resuming across them is refused by field, in both directions.
 TEST_CASE("ALiBi and the embedding norm resume exactly, and a checkpoint is not resumed across them",

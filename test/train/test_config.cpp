@@ -140,6 +140,26 @@ TEST_CASE("model.qk_norm and model.head_dim (Qwen3): llama's options, round trip
   model_fails_with("llama", {{"n_heads", 5}}, "set model.head_dim for heads of another size");
 }
 
+TEST_CASE("model.sliding_window: either family, round trip, FLOP count, errors", "[config][window]") {
+  for (const char* family : {"llama", "gpt2"}) {
+    INFO(family);
+    const RunConfig w = test::make_config(test::tiny_run_json(family), {{"model", {{"sliding_window", 4}}}});
+    CHECK(w.model.sliding_window == 4);
+    CHECK(parse_config(to_json(w), "again").model.sliding_window == 4);
+    CHECK_THAT(option_names(w.model), Catch::Contains("sliding window 4"));
+    // attention counts at most the window's keys per query
+    CHECK(w.model.attended_keys(16) == 4);
+    CHECK(w.model.attended_keys(3) == 3);
+    const RunConfig plain = test::make_config(test::tiny_run_json(family));
+    CHECK(plain.model.sliding_window == 0);
+    CHECK(plain.model.attended_keys(16) == 16);
+    CHECK_FALSE(to_json(plain).at("model").contains("sliding_window"));  // older checkpoints compare equal
+  }
+  model_fails_with("llama", {{"sliding_window", 0}}, "model.sliding_window");
+  model_fails_with("llama", {{"sliding_window", -3}}, "model.sliding_window");
+  model_fails_with("gpt2", {{"sliding_window", "4k"}}, "model.sliding_window");
+}
+
 TEST_CASE("config errors name the field, the bad value and the allowed values", "[config]") {
   auto base = test::tiny_run_json();
   auto fails_with = [&](const nlohmann::json& patch, const std::string& needle) {

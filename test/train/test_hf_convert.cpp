@@ -163,6 +163,108 @@ TEST_CASE("hf: config.json maps to keel's model (GQA, tied head, rope_theta, eps
   CHECK(q3.model().head_dim() == 16);  // 4 heads of 16 on a hidden size of 32
   CHECK(q3.model().q_dim() == 64);
   CHECK(q3.hf_name("layers.0.attn.k_norm.weight") == "model.layers.0.self_attn.k_norm.weight");
+  CHECK(q3.model().sliding_window == 0);  // use_sliding_window false
+  const HfCheckpoint mi = HfCheckpoint::open(kHf + "mistral_bf16");
+  CHECK(mi.arch() == HfArch::Mistral);
+  CHECK(mi.model().is_llama());
+  CHECK(mi.model().sliding_window == 6);
+  CHECK_FALSE(mi.model().qkv_bias);
+  CHECK(mi.hf_name("layers.1.attn.wk") == "model.layers.1.self_attn.k_proj.weight");
+}
+
+// Which HF configs give keel's sliding window (every layer, or none) and which are refused: a
+// Mistral's sliding_window (null: none); a Qwen's only with use_sliding_window, in the layers
+// layer_types marks (else those from max_window_layers on); and exported configs read back.
+TEST_CASE("hf: sliding windows from Mistral and Qwen configs, and back", "[hf][window]") {
+  auto open = [](const std::string& name, const std::function<void(json&)>& f) {
+    std::ifstream in(kHf + name + "/config.json");
+    json c = json::parse(in);
+    f(c);
+    return c;
+  };
+  auto window_of = [&](const std::string& name, const std::function<void(json&)>& f) {
+    return model_config_from_hf(open(name, f), "config.json").sliding_window;
+  };
+  auto error = [&](const std::string& name, const std::function<void(json&)>& f) {
+    return error_of([&] { model_config_from_hf(open(name, f), "config.json"); });
+  };
+  CHECK(window_of("mistral_bf16", [](json&) {}) == 6);
+  CHECK(window_of("mistral_bf16", [](json& c) { c["sliding_window"] = nullptr; }) == 0);  // Mistral v0.2 on
+  CHECK(window_of("mistral_bf16", [](json& c) { c.erase("sliding_window"); }) == 0);
+  CHECK_THAT(error("mistral_bf16", [](json& c) { c["sliding_window"] = 0; }),
+             Catch::Contains("sliding_window 0 is not a positive integer"));
+  // A Llama ignores the field in transformers: refused rather than silently dropped or applied.
+  CHECK_THAT(error("llama_tied", [](json& c) { c["sliding_window"] = 4096; }),
+             Catch::Contains("(LlamaForCausalLM)") && Catch::Contains("sliding_window 4096") &&
+                 Catch::Contains("MistralForCausalLM"));
+  for (const char* qwen : {"qwen2_bf16", "qwen3_fp32"}) {
+    INFO(qwen);
+    CHECK(window_of(qwen, [](json& c) { c["sliding_window"] = 64; }) == 0);  // use_sliding_window false
+    CHECK(window_of(qwen, [](json& c) {
+            c["use_sliding_window"] = true;
+            c["sliding_window"] = 64;
+            c["layer_types"] = {"sliding_attention", "sliding_attention"};
+          }) == 64);
+    CHECK(window_of(qwen, [](json& c) {
+            c["use_sliding_window"] = true;
+            c["sliding_window"] = 64;
+            c["layer_types"] = {"full_attention", "full_attention"};
+          }) == 0);
+    CHECK(window_of(qwen, [](json& c) {  // no layer_types: layers >= max_window_layers
+            c["use_sliding_window"] = true;
+            c["sliding_window"] = 64;
+            c.erase("layer_types");
+            c["max_window_layers"] = 0;
+          }) == 64);
+    CHECK(window_of(qwen, [](json& c) {
+            c["use_sliding_window"] = true;
+            c["sliding_window"] = 64;
+            c.erase("layer_types");
+            c["max_window_layers"] = 28;  // transformers' default: beyond these 2 layers
+          }) == 0);
+    CHECK_THAT(error(qwen, [](json& c) {
+                 c["use_sliding_window"] = true;
+                 c["sliding_window"] = 4096;
+                 c["layer_types"] = {"full_attention", "sliding_attention"};
+               }),
+               Catch::Contains("sliding_window attention in 1 of 2 layers") &&
+                   Catch::Contains("applies to every layer"));
+    CHECK_THAT(error(qwen, [](json& c) {
+                 c["use_sliding_window"] = true;
+                 c["sliding_window"] = 64;
+                 c.erase("layer_types");
+                 c["max_window_layers"] = 1;
+               }),
+               Catch::Contains("sliding_window attention in 1 of 2 layers"));
+    CHECK_THAT(error(qwen, [](json& c) {
+                 c["use_sliding_window"] = true;
+                 c["layer_types"] = {"chunked_attention", "full_attention"};
+               }),
+               Catch::Contains("layer_types holds \"chunked_attention\" layers"));
+  }
+
+  // Export: the architecture that carries the window, and a config that reads back with it.
+  for (const char* name : {"llama_tied", "qwen2_bf16", "qwen3_fp32"}) {
+    INFO(name);
+    ModelConfig m = HfCheckpoint::open(kHf + name).model();
+    m.sliding_window = 7;
+    const HfArch arch = hf_arch_for(m, "checkpoint X");
+    CHECK(arch == (m.qkv_bias ? HfArch::Qwen2 : m.qk_norm ? HfArch::Qwen3 : HfArch::Mistral));
+    const json c = hf_config_json(m, arch, json(), DType::BF16);
+    CHECK(model_config_from_hf(c, "exported").sliding_window == 7);
+    if (arch != HfArch::Mistral) {
+      CHECK(c["use_sliding_window"] == true);
+      CHECK(c["layer_types"] == json({"sliding_attention", "sliding_attention"}));
+    }
+    m.sliding_window = 0;
+    CHECK(hf_arch_for(m, "checkpoint X") == (m.qkv_bias ? HfArch::Qwen2 : m.qk_norm ? HfArch::Qwen3 : HfArch::Llama));
+    CHECK(model_config_from_hf(hf_config_json(m, hf_arch_for(m, "X"), json(), DType::BF16), "exported")
+              .sliding_window == 0);
+  }
+  ModelConfig g = HfCheckpoint::open(kHf + "gpt2_tied").model();
+  g.sliding_window = 7;
+  CHECK_THAT(error_of([&] { hf_arch_for(g, "checkpoint X"); }),
+             Catch::Contains("checkpoint X holds a gpt2 model with a sliding window (model.sliding_window 7)"));
 }
 
 // GPT-2's Conv1D weights (read transposed, a column block of c_attn) and BLOOM's per-head fused
@@ -289,7 +391,7 @@ TEST_CASE("hf: keel's Llama 3 RoPE frequencies are HF's fp32 bits", "[hf][rope]"
 TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]") {
   for (const char* name :
        {"llama_trained", "llama_tied", "llama_sharded", "llama3_rope", "gpt2_tied", "bloom_bf16", "qwen2_bf16",
-        "qwen3_fp32"}) {
+        "qwen3_fp32", "mistral_bf16"}) {
     SECTION(name) {
       const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
       const ParamTable table(hf.model());
@@ -326,6 +428,7 @@ TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]"
       CHECK(cfg.model.qkv_bias == hf.model().qkv_bias);
       CHECK(cfg.model.qk_norm == hf.model().qk_norm);
       CHECK(cfg.model.head_dim() == hf.model().head_dim());
+      CHECK(cfg.model.sliding_window == hf.model().sliding_window);
     }
   }
 }
@@ -339,7 +442,8 @@ TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
   for (Case c : {Case{"llama_trained", DType::F32, int64_t{5} << 30}, Case{"llama_tied", DType::BF16, int64_t{5} << 30},
                  Case{"llama_sharded", DType::F16, 30000}, Case{"llama3_rope", DType::F32, int64_t{5} << 30},
                  Case{"gpt2_tied", DType::F32, int64_t{5} << 30}, Case{"bloom_bf16", DType::BF16, 20000},
-                 Case{"qwen2_bf16", DType::BF16, int64_t{5} << 30}, Case{"qwen3_fp32", DType::F32, 40000}}) {
+                 Case{"qwen2_bf16", DType::BF16, int64_t{5} << 30}, Case{"qwen3_fp32", DType::F32, 40000},
+                 Case{"mistral_bf16", DType::BF16, int64_t{5} << 30}}) {
     SECTION(c.name) {
       test::TempDir tmp("hfrt");
       convert_hf_to_keel(kHf + c.name, tmp / "keel", std::nullopt, false);
@@ -392,7 +496,7 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
   edit_config(d, [](json& c) { c["architectures"] = {"GemmaForCausalLM"}; c["model_type"] = "gemma"; });
   CHECK_THAT(error_of([&] { HfCheckpoint::open(d); }),
              Catch::Contains("GemmaForCausalLM") && Catch::Contains("gemma") && Catch::Contains("not supported"));
-  // Qwen2 with sliding windows (use_sliding_window, or layer types that say so).
+  // Qwen2 with a sliding window in some layers only (the whole matrix: "[window]" above).
   d = copy("qwen2_swa");
   edit_config(d, [](json& c) {
     c["architectures"] = {"Qwen2ForCausalLM"};
@@ -401,9 +505,7 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
     c["sliding_window"] = 4096;
     c["layer_types"] = {"full_attention", "sliding_attention"};
   });
-  CHECK_THAT(error_of([&] { HfCheckpoint::open(d); }),
-             Catch::Contains("sliding_window attention (4096) is not supported") &&
-                 Catch::Contains("layer_types holds \"sliding_attention\" layers"));
+  CHECK_THAT(error_of([&] { HfCheckpoint::open(d); }), Catch::Contains("sliding_window attention in 1 of 2 layers"));
 
   d = copy("scaled");
   edit_config(d, [](json& c) {
