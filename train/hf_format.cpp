@@ -975,7 +975,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   const Checkpoint ck = Checkpoint::open(ckpt_path);
   const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
   const ModelConfig& m = cfg.model;
-  const HfArch arch = hf_arch_for(m, "checkpoint " + ck.path());
+  HfArch arch = hf_arch_for(m, "checkpoint " + ck.path());
   const ParamTable table(m);
   // The best copy of the weights: fp32 masters when every tensor has them.
   bool have_master = true;
@@ -1010,6 +1010,8 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
     if (!src.empty() && fs::is_directory(src)) like = src;
   }
 
+  // A Mistral without a window (v0.2 on) is a Llama to keel; it goes back as the Mistral it was.
+  if (arch == HfArch::Llama && tmpl.is_object() && tmpl.value("model_type", "") == "mistral") arch = HfArch::Mistral;
   const json c = hf_config_json(m, arch, tmpl, opts.dtype);
 
   // The HF tensors, each with the keel slices that make it, in the layout's order; the shards:

@@ -261,6 +261,21 @@ TEST_CASE("hf: sliding windows from Mistral and Qwen configs, and back", "[hf][w
     CHECK(model_config_from_hf(hf_config_json(m, hf_arch_for(m, "X"), json(), DType::BF16), "exported")
               .sliding_window == 0);
   }
+  // Mistral v0.2 on (no window) is a Llama to keel, and goes back as the Mistral it was.
+  test::TempDir tmp("hfwin");
+  fs::copy(kHf + "mistral_bf16", tmp / "v02", fs::copy_options::recursive);
+  {
+    json c = open("mistral_bf16", [](json& c) { c["sliding_window"] = nullptr; });
+    std::ofstream(tmp / "v02/config.json") << c.dump(2);
+  }
+  convert_hf_to_keel(tmp / "v02", tmp / "keel", std::nullopt, false);
+  export_keel_to_hf(tmp / "keel", tmp / "back", ExportOptions{});
+  std::ifstream back_in(tmp / "back/config.json");
+  const json back = json::parse(back_in);
+  CHECK(back["architectures"] == json({"MistralForCausalLM"}));
+  CHECK(back["model_type"] == "mistral");
+  CHECK(back["sliding_window"].is_null());
+
   ModelConfig g = HfCheckpoint::open(kHf + "gpt2_tied").model();
   g.sliding_window = 7;
   CHECK_THAT(error_of([&] { hf_arch_for(g, "checkpoint X"); }),
