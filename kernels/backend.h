@@ -147,8 +147,9 @@ class Backend {
   virtual void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) = 0;
   // The q and k heads of qkv copied to (to_heads) or from `heads` [B*T*(n_heads + n_kv_heads),
   // head_dim], one head per row: q head h of row n at row n * n_heads + h, then k head h of row n
-  // at row B*T*n_heads + n * n_kv_heads + h; v is left alone. Same dtype, exact. Per-head ops
-  // (Qwen3's QK-norm: rmsnorm over each head) then run as plain row ops on the q and k rows.
+  // at row B*T*n_heads + n * n_kv_heads + h (kernels/qk_heads.h); v is left alone. Same dtype,
+  // exact. Per-head ops (Qwen3's QK-norm: rmsnorm over each head) then run as plain row ops on
+  // the q and k rows.
   virtual void qk_heads_copy(const Tensor& heads, const Tensor& qkv, const AttnShape& s, bool to_heads) = 0;
   // out[B*T, n_heads*hd] = causal softmax(q k^T / sqrt(hd)) v, per head (within each document
   // when s.positions is given); lse[B, n_heads, T] is the log-sum-exp of each score row (all

@@ -77,5 +77,10 @@ std::string family_name(Family f);
 // The options beyond the family's defaults, each as ", name" (e.g. ", ALiBi, q/k/v biases"), for
 // the one-line model descriptions of keel train, plan, sample and eval.
 std::string option_names(const ModelConfig& m);
+// Training FLOPs per token (forward + backward) at sequence length `seq`, the PaLM / llm.c
+// convention of MFU: 6 x (parameters that enter a matmul, the head included; not the embedding
+// lookups) + 12 x n_layers x attended_keys(seq) x (n_heads x head_dim) (QK^T and PV, without the
+// causal halving). Used by keel train's TFLOPs and keel plan alike.
+double flops_per_token(const ModelConfig& m, int64_t seq);
 
 }  // namespace keel

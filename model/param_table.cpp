@@ -20,6 +20,14 @@ std::string option_names(const ModelConfig& m) {
   return s;
 }
 
+double flops_per_token(const ModelConfig& m, int64_t seq) {
+  const double d = m.d_model, q = m.q_dim(), kv = m.kv_dim(), F = m.ffn_hidden;
+  const double mlp = m.is_llama() ? 3 * d * F : 2 * d * F;
+  const double per_layer = d * (q + 2 * kv) + q * d + mlp;
+  const double matmul_params = m.n_layers * per_layer + static_cast<double>(m.embed_rows()) * d;
+  return 6 * matmul_params + 12.0 * m.n_layers * static_cast<double>(m.attended_keys(seq)) * q;
+}
+
 std::string role_name(Role r) {
   switch (r) {
     case Role::Matrix: return "matrix";

@@ -588,16 +588,6 @@ void Transformer::backward(int slot_index, float dloss) {
   // else: dres_ (grad_input()) now holds d(loss)/d(stage input) for the previous stage.
 }
 
-// Training FLOPs per token of the whole model, the PaLM / llm.c convention used for MFU:
-//   6 * (parameters that enter a matmul, incl. the head; not the embedding lookups)
-//   + 12 * n_layers * seq_len * (n_heads * head_dim)   (QK^T and PV, forward + backward,
-//                                                       counted without the causal halving)
-double Transformer::flops_per_token() const {
-  const double d = cfg_.d_model, q = cfg_.q_dim(), kv = cfg_.kv_dim(), F = cfg_.ffn_hidden;
-  const double mlp = cfg_.is_llama() ? 3 * d * F : 2 * d * F;
-  const double per_layer = d * (q + 2 * kv) + q * d + mlp;
-  const double matmul_params = cfg_.n_layers * per_layer + static_cast<double>(cfg_.embed_rows()) * d;
-  return 6 * matmul_params + 12.0 * cfg_.n_layers * static_cast<double>(cfg_.attended_keys(T_)) * q;
-}
+double Transformer::flops_per_token() const { return keel::flops_per_token(cfg_, T_); }
 
 }  // namespace keel

@@ -156,7 +156,7 @@ class Transformer {
   // that each rank summed over its part only: under sequence parallelism the norms' (its rows),
   // with qk_norm the q/k norms' (its heads). No-op without TP.
   void sum_tp_partial_grads();
-  // Training FLOPs per token of the whole model (forward + backward), see transformer.cpp.
+  // Training FLOPs per token of the whole model (forward + backward) at this T: keel::flops_per_token.
   double flops_per_token() const;
 
  private:

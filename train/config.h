@@ -228,6 +228,11 @@ struct ParallelConfig {
   int64_t world() const { return tp * pp * dp; }
 };
 
+// Whether a task run every `interval` steps (0: never) and after the last step runs at `step`.
+inline bool due_every(int64_t step, int64_t interval, int64_t last_step) {
+  return (interval > 0 && step % interval == 0) || step == last_step;
+}
+
 struct RunConfig {
   std::string source;  // where it came from (file path), for messages
   std::string name;    // config file stem

@@ -389,16 +389,6 @@ Cost linear_cost(double M, double out, double in, const Hardware& hw, bool forwa
   return c;
 }
 
-// keel's model FLOPs per token (Transformer::flops_per_token): 6 x matmul parameters (head
-// included) + 12 x layers x keys x q (keys: seq, or the sliding window when shorter), forward +
-// backward, no recomputation counted.
-double model_flops_per_token(const ModelConfig& m, int64_t seq) {
-  const double d = m.d_model, q = m.q_dim(), kv = m.kv_dim(), F = m.ffn_hidden;
-  const double mlp = m.is_llama() ? 3 * d * F : 2 * d * F;
-  const double per_layer = d * (q + 2 * kv) + q * d + mlp;
-  return 6 * (m.n_layers * per_layer + static_cast<double>(m.embed_rows()) * d) + 12.0 * m.n_layers * static_cast<double>(m.attended_keys(seq)) * q;
-}
-
 }  // namespace
 
 std::vector<std::string> quantization_warnings(const ModelConfig& m, const Layout& l, const Hardware& hw, int64_t seq) {
@@ -562,8 +552,8 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   // ---- time of one micro-batch on each stage ----
   // compute: every block matmul forward + data grad + weight grad (+ a forward again when
   //   recomputing), attention 4*keys*q/tp flops per token forward and twice that backward (keel's
-  //   count, no causal halving; keys = seq or the sliding window), element-wise ops at HBM bandwidth, the head's matmuls on the
-  //   last stage;
+  //   count, no causal halving; keys = seq or the sliding window), element-wise ops at HBM
+  //   bandwidth, the head's matmuls on the last stage;
   // TP: two all-reduces of [tokens, d] per block forward and two backward (+2 when recomputing),
   //   one for the vocab-parallel embedding and one for the head's input gradient;
   // PP: one [tokens, d] send forward and one backward per stage boundary.
@@ -659,7 +649,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   p.time.dp_comm_s = p.comm.dp / bw_dp;
   p.time.step_s = pipe + tied_s + p.time.dp_comm_s;
   const double tokens = static_cast<double>(cfg.train.global_batch) * seq;
-  p.time.model_tflops = model_flops_per_token(m, seq) * tokens / (double(l.gpus()) * p.time.step_s) / 1e12;
+  p.time.model_tflops = flops_per_token(m, seq) * tokens / (double(l.gpus()) * p.time.step_s) / 1e12;
 
   p.warnings = quantization_warnings(m, l, hw, seq);
   if (p.micro_batches < l.pp)

@@ -303,7 +303,7 @@ struct ChoiceEvalSet {
     return cfg.choice_eval.interval > 0 ? cfg.choice_eval.interval : cfg.train.eval_interval;
   }
   bool due(int64_t step, const RunConfig& cfg) const {
-    return !items.empty() && ((every(cfg) > 0 && step % every(cfg) == 0) || step == cfg.train.steps);
+    return !items.empty() && due_every(step, every(cfg), cfg.train.steps);
   }
   std::string describe(const RunConfig& cfg) const {
     const int64_t every = ChoiceEvalSet::every(cfg);
@@ -860,8 +860,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
 
     if (cfg.health.replica_check_interval > 0 && it % cfg.health.replica_check_interval == 0) tr.check_replicas();
 
-    const bool eval_now = !vals.empty() && cfg.train.eval_batches > 0 &&
-                          ((cfg.train.eval_interval > 0 && it % cfg.train.eval_interval == 0) || it == cfg.train.steps);
+    const bool eval_now =
+        !vals.empty() && cfg.train.eval_batches > 0 && due_every(it, cfg.train.eval_interval, cfg.train.steps);
     if (eval_now) validation(it);
 
     if (choices.due(it, cfg)) choice_eval(it);

@@ -24,7 +24,7 @@ class TrainingSampler {
   explicit TrainingSampler(const RunConfig& cfg);
   bool on() const { return cfg_.interval > 0; }
   bool due(int64_t step, int64_t last_step) const {
-    return on() && (step % cfg_.interval == 0 || step == last_step);
+    return on() && due_every(step, cfg_.interval, last_step);
   }
   std::string describe() const;  // the start-up line
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/qk_heads.h"
 
 #include "kernels/fp_contract_off.h"  // last: no fused multiply-add below
 
@@ -89,8 +90,7 @@ void CpuBackend::qk_heads_copy(const Tensor& heads, const Tensor& qkv, const Att
 #pragma omp parallel for schedule(static) if (rows * (nh + nkv) * hd >= cpu::kMinParallelWork)
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t h = 0; h < nh + nkv; ++h) {
-      const int64_t r = h < nh ? n * nh + h : rows * nh + n * nkv + (h - nh);
-      char* a = hb + static_cast<size_t>(r) * head_bytes;
+      char* a = hb + static_cast<size_t>(qk_head_row(n, h, rows, nh, nkv)) * head_bytes;
       char* b = qb + (static_cast<size_t>(n * s.qkv_cols() + h * hd)) * es;
       if (to_heads) std::memcpy(a, b, head_bytes);
       else std::memcpy(b, a, head_bytes);

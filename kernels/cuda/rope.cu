@@ -11,6 +11,7 @@
 // the CPU and PyTorch do, so fp32 results are bitwise equal to the CPU's.
 // Packs of consecutive pairs i per thread (cuda_common.cuh, for_each_pack).
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/qk_heads.h"
 
 namespace keel {
 
@@ -64,8 +65,7 @@ __global__ void qk_heads_copy_kernel(U* heads, U* qkv, int64_t rows, int nh, int
     const int64_t rest = e / hd;
     const int h = static_cast<int>(rest % (nh + nkv));
     const int64_t n = rest / (nh + nkv);
-    const int64_t r = h < nh ? n * nh + h : rows * nh + n * nkv + (h - nh);
-    U* a = heads + r * hd + i;
+    U* a = heads + qk_head_row(n, h, rows, nh, nkv) * hd + i;
     U* b = qkv + n * cols + static_cast<int64_t>(h) * hd + i;
     if (to_heads) *a = *b;
     else *b = *a;
