@@ -353,7 +353,8 @@ struct Regex::Impl {
   };
 
   // ---------------------------------------------------------------- matching
-  const std::u32string* text = nullptr;
+  // The text is passed down every call, never stored: one Regex matches in many threads at
+  // once (keel tokenize encodes in parallel with one Tokenizer).
 
   bool single(const Node& n) const { return n.kind == Kind::Char || n.kind == Kind::Set || n.kind == Kind::Any; }
 
@@ -366,31 +367,30 @@ struct Regex::Impl {
     }
   }
 
-  bool match(int id, size_t i, const Cont& k) const {
+  bool match(const std::u32string& t, int id, size_t i, const Cont& k) const {
     const Node& n = nodes[static_cast<size_t>(id)];
-    const std::u32string& t = *text;
     switch (n.kind) {
       case Kind::Char:
       case Kind::Set:
       case Kind::Any:
         return i < t.size() && step(n, t[i]) && k(i + 1);
       case Kind::Seq:
-        return match_seq(n, 0, i, k);
+        return match_seq(t, n, 0, i, k);
       case Kind::Alt:
         for (int alt : n.kids)
-          if (match(alt, i, k)) return true;
+          if (match(t, alt, i, k)) return true;
         return false;
       case Kind::Group:
-        return match(n.kids[0], i, k);
+        return match(t, n.kids[0], i, k);
       case Kind::Atomic: {
         size_t end = 0;
-        if (!match(n.kids[0], i, [&](size_t j) { end = j; return true; })) return false;
+        if (!match(t, n.kids[0], i, [&](size_t j) { end = j; return true; })) return false;
         return k(end);
       }
       case Kind::LookAhead:
-        return match(n.kids[0], i, [](size_t) { return true; }) && k(i);
+        return match(t, n.kids[0], i, [](size_t) { return true; }) && k(i);
       case Kind::NegLookAhead:
-        return !match(n.kids[0], i, [](size_t) { return true; }) && k(i);
+        return !match(t, n.kids[0], i, [](size_t) { return true; }) && k(i);
       case Kind::LineStart:
         return (i == 0 || t[i - 1] == '\n') && k(i);
       case Kind::LineEnd:
@@ -402,24 +402,23 @@ struct Regex::Impl {
       case Kind::TextEndNewline:
         return (i == t.size() || (i + 1 == t.size() && t[i] == '\n')) && k(i);
       case Kind::Repeat:
-        return match_repeat(n, i, k);
+        return match_repeat(t, n, i, k);
     }
     return false;
   }
 
-  bool match_seq(const Node& n, size_t idx, size_t i, const Cont& k) const {
+  bool match_seq(const std::u32string& t, const Node& n, size_t idx, size_t i, const Cont& k) const {
     if (idx == n.kids.size()) return k(i);
-    return match(n.kids[idx], i, [&](size_t j) { return match_seq(n, idx + 1, j, k); });
+    return match(t, n.kids[idx], i, [&](size_t j) { return match_seq(t, n, idx + 1, j, k); });
   }
 
-  bool match_repeat(const Node& n, size_t i, const Cont& k) const {
+  bool match_repeat(const std::u32string& t, const Node& n, size_t i, const Cont& k) const {
     const Node& child = nodes[static_cast<size_t>(n.kids[0])];
     const size_t max = n.max < 0 ? std::numeric_limits<size_t>::max() : static_cast<size_t>(n.max);
     const size_t min = static_cast<size_t>(n.min);
     if (single(child)) {
       // Runs of one character class: count the longest run, then try the lengths in the order
       // the quantifier prefers, no recursion.
-      const std::u32string& t = *text;
       size_t run = 0;
       while (run < max && i + run < t.size() && step(child, t[i + run])) ++run;
       if (run < min) return false;
@@ -439,18 +438,18 @@ struct Regex::Impl {
     }
     if (n.mode == Mode::Possessive) {
       size_t end = 0;
-      if (!repeat_general(n, Mode::Greedy, i, 0, min, max, [&](size_t j) { end = j; return true; })) return false;
+      if (!repeat_general(t, n, Mode::Greedy, i, 0, min, max, [&](size_t j) { end = j; return true; })) return false;
       return k(end);
     }
-    return repeat_general(n, n.mode, i, 0, min, max, k);
+    return repeat_general(t, n, n.mode, i, 0, min, max, k);
   }
 
-  bool repeat_general(const Node& n, Mode mode, size_t i, size_t count, size_t min, size_t max, const Cont& k) const {
+  bool repeat_general(const std::u32string& t, const Node& n, Mode mode, size_t i, size_t count, size_t min, size_t max, const Cont& k) const {
     auto more = [&]() {
       if (count >= max) return false;
-      return match(n.kids[0], i, [&](size_t j) {
+      return match(t, n.kids[0], i, [&](size_t j) {
         if (j == i && count >= min) return false;  // an empty iteration cannot make progress
-        return repeat_general(n, mode, j, count + 1, min, max, k);
+        return repeat_general(t, n, mode, j, count + 1, min, max, k);
       });
     };
     if (mode == Mode::Lazy) {
@@ -476,11 +475,10 @@ Regex::Regex(Regex&&) noexcept = default;
 Regex& Regex::operator=(Regex&&) noexcept = default;
 
 bool Regex::search(const std::u32string& text, size_t from, size_t& begin, size_t& end) const {
-  impl_->text = &text;
   for (size_t start = from; start < text.size(); ++start) {
     size_t found = 0;
     // The first match the backtracking order finds is Perl's (and Oniguruma's) match.
-    if (impl_->match(impl_->root, start, [&](size_t j) {
+    if (impl_->match(text, impl_->root, start, [&](size_t j) {
           if (j == start) return false;
           found = j;
           return true;

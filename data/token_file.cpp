@@ -343,54 +343,59 @@ void write_llmc_shard(const std::string& path, const std::vector<uint32_t>& toke
   out.close();
 }
 
-void write_megatron_dataset(const std::string& prefix, const std::vector<std::vector<uint32_t>>& docs,
-                            MegatronDtype dtype) {
-  const int token_bytes = dtype == MegatronDtype::uint16 ? 2 : 4;
-  const uint32_t max_token = dtype == MegatronDtype::uint16 ? 0xffffu : 0x7fffffffu;
-  const std::string bin_path = prefix + ".bin";
-  const std::string idx_path = prefix + ".idx";
+MegatronDatasetWriter::MegatronDatasetWriter(const std::string& prefix, MegatronDtype dtype)
+    : bin_path_(prefix + ".bin"), idx_path_(prefix + ".idx"), dtype_(dtype),
+      bin_(std::make_unique<detail::FileWriter>(bin_path_)) {}
 
-  std::vector<int32_t> lengths;
-  std::vector<int64_t> pointers;
-  std::vector<int64_t> doc_indices{0};
-  detail::FileWriter bin(bin_path);
-  int64_t offset = 0;
-  for (size_t d = 0; d < docs.size(); ++d) {
-    const std::vector<uint32_t>& doc = docs[d];
-    if (doc.size() > 0x7fffffffu) throw DataError("cannot write " + quoted(bin_path) + ": document too long");
-    for (size_t k = 0; k < doc.size(); ++k) {
-      if (doc[k] > max_token) {
-        throw DataError("cannot write " + quoted(bin_path) + ": token " + std::to_string(doc[k]) + " in document " +
-                        std::to_string(d) + " does not fit " + numpy_name_of_code(static_cast<uint8_t>(dtype)));
-      }
+MegatronDatasetWriter::~MegatronDatasetWriter() = default;
+
+void MegatronDatasetWriter::add_document(const uint32_t* tokens, size_t n) {
+  const int token_bytes = dtype_ == MegatronDtype::uint16 ? 2 : 4;
+  const uint32_t max_token = dtype_ == MegatronDtype::uint16 ? 0xffffu : 0x7fffffffu;
+  const size_t d = lengths_.size();
+  if (n > 0x7fffffffu) throw DataError("cannot write " + quoted(bin_path_) + ": document too long");
+  for (size_t k = 0; k < n; ++k) {
+    if (tokens[k] > max_token) {
+      throw DataError("cannot write " + quoted(bin_path_) + ": token " + std::to_string(tokens[k]) + " in document " +
+                      std::to_string(d) + " does not fit " + numpy_name_of_code(static_cast<uint8_t>(dtype_)));
     }
-    if (token_bytes == 4) {
-      bin.write(doc.data(), doc.size() * 4);
-    } else {
-      std::vector<uint16_t> narrow(doc.begin(), doc.end());
-      bin.write(narrow.data(), narrow.size() * 2);
-    }
-    lengths.push_back(static_cast<int32_t>(doc.size()));
-    pointers.push_back(offset);
-    offset += static_cast<int64_t>(doc.size()) * token_bytes;
-    doc_indices.push_back(static_cast<int64_t>(lengths.size()));
   }
-  bin.close();
+  if (token_bytes == 4) {
+    bin_->write(tokens, n * 4);
+  } else {
+    std::vector<uint16_t> narrow(tokens, tokens + n);
+    bin_->write(narrow.data(), narrow.size() * 2);
+  }
+  lengths_.push_back(static_cast<int32_t>(n));
+  pointers_.push_back(offset_);
+  offset_ += static_cast<int64_t>(n) * token_bytes;
+}
 
-  detail::FileWriter idx(idx_path);
+void MegatronDatasetWriter::close() {
+  bin_->close();
+  std::vector<int64_t> doc_indices(lengths_.size() + 1);  // one sequence per document
+  for (size_t k = 0; k < doc_indices.size(); ++k) doc_indices[k] = static_cast<int64_t>(k);
+  detail::FileWriter idx(idx_path_);
   const uint64_t version = 1;
-  const uint8_t code = static_cast<uint8_t>(dtype);
-  const uint64_t seq_count = lengths.size();
+  const uint8_t code = static_cast<uint8_t>(dtype_);
+  const uint64_t seq_count = lengths_.size();
   const uint64_t doc_index_count = doc_indices.size();  // documents + 1, as Megatron writes it
   idx.write(kIdxMagic, sizeof kIdxMagic);
   idx.write(&version, 8);
   idx.write(&code, 1);
   idx.write(&seq_count, 8);
   idx.write(&doc_index_count, 8);
-  idx.write(lengths.data(), lengths.size() * 4);
-  idx.write(pointers.data(), pointers.size() * 8);
+  idx.write(lengths_.data(), lengths_.size() * 4);
+  idx.write(pointers_.data(), pointers_.size() * 8);
   idx.write(doc_indices.data(), doc_indices.size() * 8);
   idx.close();
+}
+
+void write_megatron_dataset(const std::string& prefix, const std::vector<std::vector<uint32_t>>& docs,
+                            MegatronDtype dtype) {
+  MegatronDatasetWriter w(prefix, dtype);
+  for (const auto& doc : docs) w.add_document(doc.data(), doc.size());
+  w.close();
 }
 
 }  // namespace keel::data

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -92,5 +93,25 @@ void write_llmc_shard(const std::string& path, const std::vector<uint32_t>& toke
 // Megatron dataset prefix.bin + prefix.idx with one sequence per document.
 void write_megatron_dataset(const std::string& prefix, const std::vector<std::vector<uint32_t>>& docs,
                             MegatronDtype dtype);
+
+// The same, a document at a time: the tokens stream to prefix.bin, and close() writes
+// prefix.idx (lengths, byte offsets, document indices) from what was added.
+class MegatronDatasetWriter {
+ public:
+  MegatronDatasetWriter(const std::string& prefix, MegatronDtype dtype);
+  ~MegatronDatasetWriter();
+  void add_document(const uint32_t* tokens, size_t n);
+  void close();
+  const std::string& bin_path() const { return bin_path_; }
+  const std::string& idx_path() const { return idx_path_; }
+
+ private:
+  std::string bin_path_, idx_path_;
+  MegatronDtype dtype_;
+  std::unique_ptr<detail::FileWriter> bin_;
+  std::vector<int32_t> lengths_;
+  std::vector<int64_t> pointers_;
+  int64_t offset_ = 0;
+};
 
 }  // namespace keel::data

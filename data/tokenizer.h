@@ -40,6 +40,8 @@ class Tokenizer {
   // Text (UTF-8; invalid UTF-8 throws DataError) to token ids, as HF's
   // tokenizer.encode(text, add_special_tokens=...).ids. add_special_tokens applies the
   // post-processor (e.g. Llama's BOS).
+  // Keeps no state between calls: one Tokenizer may encode from many threads at once
+  // (keel tokenize does).
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
   // Ids to text, as HF's tokenizer.decode(ids, skip_special_tokens=...). Ids outside the
   // vocabulary are skipped.

@@ -58,6 +58,8 @@ bool is_white_space(char32_t c) {
   }
 }
 
+bool is_python_space(char32_t c) { return is_white_space(c) || (c >= 0x1C && c <= 0x1F); }
+
 char32_t fold_case(char32_t c) {
   if (c >= 'A' && c <= 'Z') return c + 32;
   if (c == 0x017F) return 's';  // long s
@@ -248,6 +250,58 @@ int32_t next_utf8(std::string_view s, size_t& pos) {
   }
   pos += len;
   return static_cast<int32_t>(cp);
+}
+
+namespace {
+
+// Length of the well-formed UTF-8 sequence at s[pos], or minus the length of its maximal
+// subpart (at least 1) when it is ill-formed. The allowed second bytes follow Unicode's table
+// of well-formed byte sequences (E0: A0..BF, ED: 80..9F, F0: 90..BF, F4: 80..8F).
+int utf8_sequence_length(std::string_view s, size_t pos) {
+  const auto b0 = static_cast<unsigned char>(s[pos]);
+  if (b0 < 0x80) return 1;
+  int len = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // range of the second byte
+  if (b0 >= 0xC2 && b0 <= 0xDF) len = 2;
+  else if (b0 == 0xE0) len = 3, lo = 0xA0;
+  else if (b0 >= 0xE1 && b0 <= 0xEF) len = 3, hi = b0 == 0xED ? 0x9F : 0xBF;
+  else if (b0 == 0xF0) len = 4, lo = 0x90;
+  else if (b0 >= 0xF1 && b0 <= 0xF3) len = 4;
+  else if (b0 == 0xF4) len = 4, hi = 0x8F;
+  else return -1;  // 80..C1, F5..FF never start a sequence
+  for (int k = 1; k < len; ++k) {
+    if (pos + k >= s.size()) return -k;
+    const auto b = static_cast<unsigned char>(s[pos + k]);
+    if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xBF)) return -k;
+  }
+  return len;
+}
+
+}  // namespace
+
+bool is_valid_utf8(std::string_view s) {
+  for (size_t pos = 0; pos < s.size();) {
+    const int n = utf8_sequence_length(s, pos);
+    if (n < 0) return false;
+    pos += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+std::string replace_invalid_utf8(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t pos = 0; pos < s.size();) {
+    const int n = utf8_sequence_length(s, pos);
+    if (n > 0) {
+      out.append(s.substr(pos, static_cast<size_t>(n)));
+      pos += static_cast<size_t>(n);
+    } else {
+      out += "\xEF\xBF\xBD";  // U+FFFD
+      pos += static_cast<size_t>(-n);
+    }
+  }
+  return out;
 }
 
 std::vector<char32_t> decode_utf8(std::string_view s, const std::string& what) {

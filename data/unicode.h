@@ -29,6 +29,9 @@ inline bool in_mask(uint32_t mask, char32_t c) { return (mask >> static_cast<uns
 // tokenizers): \t \n \v \f \r, space, U+0085, U+00A0, U+1680, U+2000..U+200A, U+2028, U+2029,
 // U+202F, U+205F, U+3000.
 bool is_white_space(char32_t c);
+// Python's str.isspace() (and its re module's \s): White_Space plus U+001C..U+001F, which
+// Python counts by their bidirectional class (B, S). What prepare_data.py's strip() removes.
+bool is_python_space(char32_t c);
 
 // Simple case folding for case-insensitive literals: ASCII and Latin-1 letters, Greek and
 // Cyrillic basic letters, and the two compatibility characters that fold to ASCII (U+017F long
@@ -53,6 +56,13 @@ void append_utf8(std::string& out, char32_t c);
 // truncated sequences (overlong forms, surrogates, values above U+10FFFF) return -1 and
 // advance by one byte.
 int32_t next_utf8(std::string_view s, size_t& pos);
+
+// s with every ill-formed part replaced by U+FFFD, one per maximal subpart (the longest start
+// of a well-formed sequence, else one byte), as Python's bytes.decode("utf-8", "replace") and
+// Unicode's recommended practice (chapter 3, "U+FFFD Substitution of Maximal Subparts") do.
+// Valid UTF-8 comes back unchanged.
+std::string replace_invalid_utf8(std::string_view s);
+bool is_valid_utf8(std::string_view s);
 
 // The whole string as code points; throws std::invalid_argument naming the byte offset of
 // the first invalid sequence.

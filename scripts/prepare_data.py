@@ -43,6 +43,8 @@ Documents are shuffled with --seed and --val-fraction of them held out. Outputs:
   OUT/val_choices.jsonl                   (--choice-items) multiple-choice items from held-out
                                           documents, for keel train's choice_eval / keel eval
 The same inputs and arguments give byte-identical outputs.
+`keel tokenize` (C++, no Python) writes the same token files and masks for the same inputs and an
+existing tokenizer (--jsonl/--text, not --fortunes; no BPE training, no choice items).
 
 Choice items (--choice-items N, default 200; 0: none): from held-out documents of 6 to 60 words,
 "which ending finishes this document": the context is the document up to the word boundary

@@ -20,5 +20,6 @@ Command add_convert_command(CLI::App& app);  // train/cmd_convert.cpp
 Command add_sample_command(CLI::App& app);   // train/cmd_sample.cpp
 Command add_doctor_command(CLI::App& app);   // train/cmd_doctor.cpp
 Command add_eval_command(CLI::App& app);     // train/cmd_eval.cpp
+Command add_tokenize_command(CLI::App& app); // train/cmd_tokenize.cpp
 
 }  // namespace keel

@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   std::vector<keel::Command> commands = {keel::add_train_command(app), keel::add_plan_command(app),
                                          keel::add_ckpt_command(app), keel::add_convert_command(app),
                                          keel::add_sample_command(app), keel::add_doctor_command(app),
-                                         keel::add_eval_command(app)};
+                                         keel::add_eval_command(app), keel::add_tokenize_command(app)};
 
   try {
     app.parse(argc, argv);

@@ -283,3 +283,47 @@ TEST_CASE("keel eval --rows: endings packed into rows score as the KV-cache path
   CHECK(too_long.code == 2);
   CHECK_THAT(too_long.output, Catch::Contains("gpt2_ids.jsonl:1 ending 2 has 5 tokens, more than --seq-len (4)"));
 }
+
+TEST_CASE("keel tokenize + keel train: instruction data with the model's own tokenizer, no Python", "[hf][cli][tokenize]") {
+  test::TempDir tmp("hftok");
+  {
+    std::ofstream sft(tmp / "sft.jsonl");
+    const char* subjects[] = {"the sea", "a cat", "old books", "the moon", "rain", "bread"};
+    for (int k = 0; k < 60; ++k)
+      sft << json{{"prompt", std::string("Q: tell me about ") + subjects[k % 6] + " (" + std::to_string(k) + ")\nA:"},
+                  {"response", std::string(" It is said that ") + subjects[(k * 5) % 6] + " keeps its own counsel."}}
+                 .dump()
+          << "\n";
+  }
+  const std::string kHfModel = kHf + "llama_trained";
+  auto r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --loss-mask prompt --add-special-tokens --tokenizer hf:" +
+                    kHfModel + " --out " + tmp / "sft" + " --val-fraction 0.1 -j 2");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("train: 54 documents") && Catch::Contains("val: 6 documents") &&
+                           Catch::Contains("in the loss") && Catch::Contains("eot </s> = 2"));
+  for (const char* f : {"train_000.bin", "train_000.mask", "val_000.bin", "val_000.mask", "meta.json", "tokenizer.json"})
+    CHECK(fs::exists(fs::path(tmp / "sft") / f));
+
+  // Finetune on it: document masking finds the end of text in meta.json, the masks are picked up.
+  auto cfg = run_keel("convert --print-config hf:" + kHfModel);
+  REQUIRE(cfg.code == 0);
+  std::ofstream(tmp / "ft.json") << cfg.output;
+  r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + kHfModel + " --out " + tmp / "run" +
+               " --steps 2 --set 'data.train=" + tmp / "sft/train_*.bin' --set 'data.val=" + tmp / "sft/val_*.bin'" +
+               " --set data.document_masking=true --set train.seq_len=64 --set train.global_batch=4"
+               " --set train.micro_batch=2 --set schedule.warmup_steps=0");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("loss masks on 1 of 1 files") && Catch::Contains("documents end at token 2"));
+
+  // Bad options exit 2 and name the option; the output folder is left alone.
+  r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --tokenizer hf:" + kHfModel + " --out " + tmp / "sft" +
+               " --val-fraction 1");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--val-fraction"));
+  r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --tokenizer " + tmp / "nowhere.json" + " --out " + tmp / "sft");
+  CHECK(r.code == 3);
+  CHECK_THAT(r.output, Catch::Contains("nowhere.json"));
+  CHECK(fs::exists(fs::path(tmp / "sft") / "train_000.mask"));
+}

@@ -1,0 +1,258 @@
+#include "data/corpus.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "data/token_file.h"
+#include "data/unicode.h"
+
+namespace keel::data {
+
+namespace uc = unicode;
+namespace fs = std::filesystem;
+
+namespace {
+
+// The code point that ends at s[end - 1] and where it starts (s is valid UTF-8).
+char32_t last_code_point(std::string_view s, size_t end, size_t& start) {
+  start = end - 1;
+  while (start > 0 && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) --start;
+  size_t pos = start;
+  return static_cast<char32_t>(uc::next_utf8(s, pos));
+}
+
+int64_t count_code_points(std::string_view s) {
+  int64_t n = 0;
+  for (char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return n;
+}
+
+std::string quoted(const std::string& path) { return "'" + path + "'"; }
+
+// prepare_data.py's add_doc: strip("\n"), then rstrip(); kept when strip() leaves something.
+std::string_view trim_document(std::string_view s) {
+  while (!s.empty() && s.front() == '\n') s.remove_prefix(1);
+  s = python_rstrip(s);
+  return python_strip(s).empty() ? std::string_view() : s;
+}
+
+// One line of a JSON-lines file as Python reads it: invalid UTF-8 replaced (into `storage`),
+// whitespace stripped. The result points into `raw` or `storage`.
+std::string_view clean_line(std::string_view raw, std::string& storage) {
+  if (uc::is_valid_utf8(raw)) return python_strip(raw);
+  storage = uc::replace_invalid_utf8(raw);
+  return python_strip(storage);
+}
+
+const nlohmann::json* string_field(const nlohmann::json& obj, const std::string& key) {
+  if (!obj.is_object()) return nullptr;
+  auto it = obj.find(key);
+  return it != obj.end() && it->is_string() ? &*it : nullptr;
+}
+
+}  // namespace
+
+std::string_view python_strip(std::string_view s) {
+  size_t b = 0;
+  while (b < s.size()) {
+    size_t pos = b;
+    if (!uc::is_python_space(static_cast<char32_t>(uc::next_utf8(s, pos)))) break;
+    b = pos;
+  }
+  return python_rstrip(s.substr(b));
+}
+
+std::string_view python_rstrip(std::string_view s) {
+  size_t e = s.size();
+  while (e > 0) {
+    size_t start = 0;
+    if (!uc::is_python_space(last_code_point(s, e, start))) break;
+    e = start;
+  }
+  return s.substr(0, e);
+}
+
+std::vector<std::string_view> split_paragraphs(std::string_view text) {
+  // At each "\n", the separator runs to the last "\n" of the whitespace that follows it (the
+  // greedy \s* backing off to a "\n"); with no "\n" in that run there is no separator here.
+  std::vector<std::string_view> out;
+  size_t piece = 0, i = 0;
+  while (i < text.size()) {
+    if (text[i] != '\n') {
+      ++i;
+      continue;
+    }
+    size_t j = i + 1, last_newline = std::string_view::npos;
+    while (j < text.size()) {
+      size_t pos = j;
+      const int32_t c = uc::next_utf8(text, pos);
+      if (c < 0 || !uc::is_python_space(static_cast<char32_t>(c))) break;
+      if (c == '\n') last_newline = j;
+      j = pos;
+    }
+    if (last_newline == std::string_view::npos) {
+      ++i;
+      continue;
+    }
+    out.push_back(text.substr(piece, i - piece));
+    piece = i = last_newline + 1;
+  }
+  out.push_back(text.substr(piece));
+  return out;
+}
+
+Corpus Corpus::jsonl(const std::vector<std::string>& files, const std::string& text_key, int threads) {
+  return read_jsonl(files, text_key, "", false, threads);
+}
+
+Corpus Corpus::jsonl_pairs(const std::vector<std::string>& files, const std::string& prompt_key,
+                           const std::string& response_key, int threads) {
+  return read_jsonl(files, prompt_key, response_key, true, threads);
+}
+
+Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::string& key1, const std::string& key2,
+                          bool pairs, int threads) {
+  Corpus c;
+  c.json_ = true;
+  c.pairs_ = pairs;
+  c.key1_ = key1;
+  c.key2_ = key2;
+  // Every non-blank line, in order. A line ends at \n, \r\n or \r (Python's universal newlines).
+  std::vector<Span> lines;
+  for (size_t f = 0; f < files.size(); ++f) {
+    std::error_code ec;
+    const auto bytes = fs::file_size(files[f], ec);
+    if (!ec && bytes == 0 && fs::is_regular_file(files[f])) {
+      c.files_.emplace_back();  // an empty file holds no records
+      continue;
+    }
+    c.files_.push_back(detail::MappedFile::open(files[f], "JSON-lines file"));
+    const std::string_view all(reinterpret_cast<const char*>(c.files_.back().data()),
+                               static_cast<size_t>(c.files_.back().size()));
+    uint64_t line = 0;
+    for (size_t pos = 0; pos < all.size();) {
+      size_t end = all.find_first_of("\r\n", pos);
+      if (end == std::string_view::npos) end = all.size();
+      ++line;
+      if (end > pos) lines.push_back({static_cast<uint32_t>(f), line, static_cast<int64_t>(pos), static_cast<int64_t>(end - pos)});
+      pos = end + 1;
+      if (end + 1 < all.size() && all[end] == '\r' && all[end + 1] == '\n') ++pos;
+    }
+  }
+
+  // Parse in parallel: each thread a contiguous range of lines; the results are merged in order.
+  enum : uint8_t { kBlank, kSkipped, kDocument };
+  std::vector<uint8_t> kind(lines.size(), kBlank);
+  std::vector<int64_t> chars(lines.size(), 0);
+  const size_t nthreads = std::clamp<size_t>(threads > 0 ? static_cast<size_t>(threads) : 1, 1,
+                                             std::max<size_t>(1, lines.size() / 1024));
+  std::vector<std::string> errors(nthreads);
+  auto parse_range = [&](size_t t) {
+    const size_t begin = lines.size() * t / nthreads, end = lines.size() * (t + 1) / nthreads;
+    for (size_t k = begin; k < end; ++k) {
+      const Span& s = lines[k];
+      const auto* data = reinterpret_cast<const char*>(c.files_[s.source].data()) + s.offset;
+      std::string storage;
+      const std::string_view line = clean_line(std::string_view(data, static_cast<size_t>(s.size)), storage);
+      if (line.empty()) continue;
+      nlohmann::json obj;
+      try {
+        obj = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception& e) {
+        errors[t] = files[s.source] + ":" + std::to_string(s.line) + ": invalid JSON (" + e.what() + ")";
+        return;
+      }
+      const nlohmann::json* a = string_field(obj, key1);
+      const nlohmann::json* b = pairs ? string_field(obj, key2) : nullptr;
+      if (!a || (pairs && (!b || python_strip(b->get_ref<const std::string&>()).empty()))) {
+        kind[k] = kSkipped;
+        continue;
+      }
+      const std::string& text = a->get_ref<const std::string&>();
+      if (!pairs && python_strip(text).empty()) continue;  // a blank document: dropped, not counted
+      kind[k] = kDocument;
+      chars[k] = count_code_points(text) + (pairs ? count_code_points(b->get_ref<const std::string&>()) : 0);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < nthreads; ++t) pool.emplace_back(parse_range, t);
+  parse_range(0);
+  for (auto& th : pool) th.join();
+  for (const std::string& e : errors)
+    if (!e.empty()) throw DataError(e);  // the first bad line in file order
+
+  for (size_t k = 0; k < lines.size(); ++k) {
+    c.skipped_ += kind[k] == kSkipped;
+    if (kind[k] != kDocument) continue;
+    c.docs_.push_back(lines[k]);
+    c.characters_ += chars[k];
+  }
+  for (size_t f = 0; f < c.files_.size(); ++f) {
+    const auto& m = c.files_[f];
+    if (m.size() && !uc::is_valid_utf8(std::string_view(reinterpret_cast<const char*>(m.data()), static_cast<size_t>(m.size()))))
+      ++c.bad_utf8_files_;
+  }
+  return c;
+}
+
+Corpus Corpus::text(const std::vector<std::string>& files, DocSplit split) {
+  Corpus c;
+  for (const std::string& path : files) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw DataError("cannot read text file " + quoted(path) + (fs::exists(path) ? "" : ": it does not exist"));
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    std::string text = ss.str();
+    if (!uc::is_valid_utf8(text)) {
+      text = uc::replace_invalid_utf8(text);
+      ++c.bad_utf8_files_;
+    }
+    std::string unix_text;  // \r\n -> \n
+    unix_text.reserve(text.size());
+    for (size_t k = 0; k < text.size(); ++k)
+      if (!(text[k] == '\r' && k + 1 < text.size() && text[k + 1] == '\n')) unix_text += text[k];
+    c.texts_.push_back(std::move(unix_text));
+    const std::string_view all = c.texts_.back();
+    const auto source = static_cast<uint32_t>(c.texts_.size() - 1);
+
+    auto add = [&](std::string_view piece) {
+      const std::string_view doc = trim_document(piece);
+      if (doc.empty()) return;
+      c.docs_.push_back({source, 0, static_cast<int64_t>(doc.data() - all.data()), static_cast<int64_t>(doc.size())});
+      c.characters_ += count_code_points(doc);
+    };
+    if (split == DocSplit::file) {
+      add(all);
+    } else if (split == DocSplit::paragraph) {
+      for (std::string_view p : split_paragraphs(all)) add(p);
+    } else {
+      for (size_t pos = 0;;) {
+        const size_t end = all.find('\n', pos);
+        add(all.substr(pos, end == std::string_view::npos ? std::string_view::npos : end - pos));
+        if (end == std::string_view::npos) break;
+        pos = end + 1;
+      }
+    }
+  }
+  return c;
+}
+
+Document Corpus::document(size_t i) const {
+  const Span& s = docs_.at(i);
+  if (!json_) return {texts_[s.source].substr(static_cast<size_t>(s.offset), static_cast<size_t>(s.size)), {}};
+  const auto* data = reinterpret_cast<const char*>(files_[s.source].data()) + s.offset;
+  std::string storage;
+  const nlohmann::json obj = nlohmann::json::parse(clean_line(std::string_view(data, static_cast<size_t>(s.size)), storage));
+  // (parsed once already when the corpus was read: cannot fail)
+  Document d;
+  d.text = obj.at(key1_).get<std::string>();
+  if (pairs_) d.response = obj.at(key2_).get<std::string>();
+  return d;
+}
+
+}  // namespace keel::data

@@ -1,0 +1,370 @@
+#include "data/tokenize_corpus.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <stdexcept>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "data/checksum.h"
+#include "data/loss_mask.h"
+#include "data/python_random.h"
+#include "data/token_file.h"
+#include "data/tokenizer.h"
+
+namespace keel::data {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr const char* kDefaultEot = "<|endoftext|>";
+constexpr const char* kEotFallbacks[] = {"</s>", "<|end_of_text|>", "<|eot_id|>"};
+
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
+// Token files of an earlier run in `out` (both formats), replaced by a successful run.
+bool is_token_output_name(const std::string& name) {
+  static const std::regex re(R"((train|val)(_\d{3,})?\.(bin|idx|mask))");
+  return std::regex_match(name, re);
+}
+
+int32_t end_of_text_id(const Tokenizer& tok, const std::string& requested, std::string& chosen) {
+  if (!requested.empty()) {
+    if (auto id = tok.token_to_id(requested)) return chosen = requested, *id;
+    throw std::invalid_argument("--eot-token: the tokenizer has no token " + quoted(requested));
+  }
+  if (auto id = tok.token_to_id(kDefaultEot)) return chosen = kDefaultEot, *id;
+  for (const char* t : kEotFallbacks)  // Llama 2 ends documents with </s>, Llama 3 with <|end_of_text|>
+    if (auto id = tok.token_to_id(t)) return chosen = t, *id;
+  throw std::invalid_argument(std::string("the tokenizer has none of the end-of-text tokens ") + kDefaultEot +
+                              ", </s>, <|end_of_text|>, <|eot_id|>: pass --eot-token");
+}
+
+struct Encoded {
+  std::vector<uint32_t> ids;  // document (prompt + response) and the end of text
+  size_t prompt = 0;          // leading tokens out of the loss
+};
+
+// One split's token files in the staging folder: llm.c shards of at most shard_tokens (a
+// document may straddle two), or one Megatron dataset; and the loss-mask sidecars.
+class SplitWriter {
+ public:
+  SplitWriter(const fs::path& dir, std::string prefix, const TokenizeOptions& o, bool u32, TokenizedSplit& out)
+      : dir_(dir), prefix_(std::move(prefix)), o_(o), u32_(u32), out_(out) {
+    if (o.format == TokenOutputFormat::megatron)
+      megatron_ = std::make_unique<MegatronDatasetWriter>((dir_ / prefix_).string(),
+                                                          u32 ? MegatronDtype::int32 : MegatronDtype::uint16);
+  }
+
+  void add(const Encoded& e) {
+    ++out_.documents;
+    out_.tokens += static_cast<int64_t>(e.ids.size());
+    if (o_.prompt_loss_mask) {
+      mask_.insert(mask_.end(), e.prompt, 0);
+      mask_.insert(mask_.end(), e.ids.size() - e.prompt, 1);
+      out_.in_loss += static_cast<int64_t>(e.ids.size() - e.prompt);
+    }
+    if (megatron_) {
+      megatron_->add_document(e.ids.data(), e.ids.size());
+      return;
+    }
+    tokens_.insert(tokens_.end(), e.ids.begin(), e.ids.end());
+    while (static_cast<int64_t>(tokens_.size()) >= o_.shard_tokens) flush(static_cast<size_t>(o_.shard_tokens));
+  }
+
+  void close() {
+    if (megatron_) {
+      megatron_->close();
+      out_.files.push_back(prefix_ + ".bin");
+      out_.files.push_back(prefix_ + ".idx");
+      if (o_.prompt_loss_mask) write_loss_mask((dir_ / (prefix_ + ".mask")).string(), mask_);
+      return;
+    }
+    if (!tokens_.empty() || out_.files.empty()) flush(tokens_.size());
+  }
+
+ private:
+  void flush(size_t n) {
+    char name[64];
+    std::snprintf(name, sizeof name, "%s_%03zu.bin", prefix_.c_str(), out_.files.size());
+    const std::string path = (dir_ / name).string();
+    write_llmc_shard(path, std::vector<uint32_t>(tokens_.begin(), tokens_.begin() + static_cast<ptrdiff_t>(n)), u32_);
+    tokens_.erase(tokens_.begin(), tokens_.begin() + static_cast<ptrdiff_t>(n));
+    if (o_.prompt_loss_mask) {
+      write_loss_mask(LossMask::sidecar_path(path), std::vector<uint8_t>(mask_.begin(), mask_.begin() + static_cast<ptrdiff_t>(n)));
+      mask_.erase(mask_.begin(), mask_.begin() + static_cast<ptrdiff_t>(n));
+    }
+    out_.files.push_back(name);
+  }
+
+  fs::path dir_;
+  std::string prefix_;
+  const TokenizeOptions& o_;
+  bool u32_;
+  TokenizedSplit& out_;
+  std::vector<uint32_t> tokens_;
+  std::vector<uint8_t> mask_;
+  std::unique_ptr<MegatronDatasetWriter> megatron_;
+};
+
+// Removes the staging folder unless the run got to the end.
+struct StagingFolder {
+  fs::path path;
+  bool keep = false;
+  ~StagingFolder() {
+    std::error_code ec;
+    if (!keep && !path.empty()) fs::remove_all(path, ec);
+  }
+};
+
+std::string crc_of_file(const fs::path& p) {
+  const auto m = detail::MappedFile::open(p.string(), "written file");
+  return crc32c_hex(crc32c(0, m.data(), static_cast<size_t>(m.size())));
+}
+
+void check_options(const TokenizeOptions& o) {
+  if (o.jsonl.empty() == o.text.empty()) throw std::invalid_argument("give the corpus as --jsonl FILE... or --text FILE..., one of them");
+  if (!(o.val_fraction >= 0.0 && o.val_fraction < 1.0))
+    throw std::invalid_argument("--val-fraction: " + std::to_string(o.val_fraction) + " must be in [0, 1)");
+  if (o.shard_tokens < 1) throw std::invalid_argument("--shard-tokens must be positive");
+  if (o.shard_tokens >= (int64_t{1} << 31)) throw std::invalid_argument("--shard-tokens: llm.c shards hold fewer than 2^31 tokens");
+  if (o.prompt_loss_mask && o.jsonl.empty())
+    throw std::invalid_argument("--loss-mask prompt needs --jsonl (records with --prompt-key and --response-key)");
+  if (o.out.empty()) throw std::invalid_argument("--out: the output folder is required");
+  if (o.tokenizer.empty()) throw std::invalid_argument("--tokenizer: a tokenizer.json (or its folder) is required");
+}
+
+}  // namespace
+
+TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<void(const std::string&)>& log) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  auto seconds_since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
+  auto say = [&](const char* fmt, auto... args) {
+    char buf[512];
+    std::snprintf(buf, sizeof buf, fmt, args...);
+    log(buf);
+  };
+  check_options(o);
+  const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+
+  // 1. The tokenizer and its end of text.
+  const fs::path tok_path = fs::is_directory(o.tokenizer) ? fs::path(o.tokenizer) / "tokenizer.json" : fs::path(o.tokenizer);
+  const Tokenizer tok = Tokenizer::from_file(tok_path.string());
+  TokenizeResult r;
+  r.eot_id = end_of_text_id(tok, o.eot_token, r.eot_token);
+  r.vocab_size = tok.vocab_size();
+  r.u32 = r.vocab_size >= 65536;
+
+  // Inputs must survive the replacement of earlier outputs.
+  const fs::path out(o.out);
+  for (const auto& files : {o.jsonl, o.text})
+    for (const std::string& f : files) {
+      std::error_code ec;
+      if (fs::equivalent(fs::path(f).parent_path().empty() ? "." : fs::path(f).parent_path(), out, ec) &&
+          (is_token_output_name(fs::path(f).filename().string()) || fs::path(f).filename() == "meta.json"))
+        throw std::invalid_argument("input " + quoted(f) + " is in --out " + quoted(o.out) +
+                                    " under a name keel tokenize replaces; move it or pick another --out");
+    }
+
+  // 2. Documents.
+  const Corpus corpus = !o.text.empty()            ? Corpus::text(o.text, o.doc_split)
+                        : o.prompt_loss_mask ? Corpus::jsonl_pairs(o.jsonl, o.prompt_key, o.response_key, threads)
+                                             : Corpus::jsonl(o.jsonl, o.text_key, threads);
+  if (corpus.size() == 0)
+    throw DataError("no documents found" + (o.prompt_loss_mask ? " (records need string fields " + quoted(o.prompt_key) +
+                                                                    " and " + quoted(o.response_key) + ")"
+                                                              : o.jsonl.empty() ? "" : " (records need a string field " + quoted(o.text_key) + ")"));
+  r.characters = corpus.characters();
+  say("keel tokenize: %zu documents (%lld characters) in %.2f s%s", corpus.size(), static_cast<long long>(r.characters),
+      seconds_since(t0),
+      corpus.skipped_records() ? (", " + std::to_string(corpus.skipped_records()) + " records skipped").c_str() : "");
+
+  // 3. Shuffle by document and hold out the first val_fraction, as prepare_data.py does.
+  std::vector<uint64_t> order(corpus.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  PythonRandom(o.seed).shuffle(order);
+  size_t n_val = 0;
+  if (o.val_fraction > 0) {
+    if (corpus.size() < 2)
+      throw DataError("only one document: nothing to hold out (try --doc-split paragraph or --val-fraction 0)");
+    // Python's round(): half to even, which nearbyint gives in the default rounding mode.
+    const auto wanted = static_cast<size_t>(std::nearbyint(static_cast<double>(corpus.size()) * o.val_fraction));
+    n_val = std::min(corpus.size() - 1, std::max<size_t>(1, wanted));
+  }
+
+  // 4. Encode in parallel, write in order, into a staging folder inside `out`.
+  fs::create_directories(out);
+  StagingFolder stage{out / (".keel-tokenize-" + std::to_string(::getpid()))};
+  fs::remove_all(stage.path);
+  fs::create_directory(stage.path);
+  const bool pairs = corpus.pairs();
+  auto encode = [&](uint64_t doc) {
+    const Document d = corpus.document(doc);
+    Encoded e;
+    std::vector<int32_t> first = tok.encode(d.text, o.add_special_tokens);
+    std::vector<int32_t> second = pairs ? tok.encode(d.response, false) : std::vector<int32_t>();
+    e.prompt = pairs ? first.size() : 0;
+    e.ids.reserve(first.size() + second.size() + 1);
+    for (int32_t id : first) e.ids.push_back(static_cast<uint32_t>(id));
+    for (int32_t id : second) e.ids.push_back(static_cast<uint32_t>(id));
+    e.ids.push_back(static_cast<uint32_t>(r.eot_id));
+    return e;
+  };
+  const auto t_encode = clock::now();
+  auto last_report = t_encode;
+  int64_t tokens_done = 0;
+  for (int s = 0; s < 2; ++s) {
+    const bool train = s == 0;
+    const size_t begin = train ? n_val : 0, end = train ? order.size() : n_val;
+    TokenizedSplit& split = train ? r.train : r.val;
+    if (begin == end) continue;
+    SplitWriter writer(stage.path, train ? "train" : "val", o, r.u32, split);
+    const size_t batch = 256 * static_cast<size_t>(threads);
+    std::vector<Encoded> encoded;
+    for (size_t b = begin; b < end; b += batch) {
+      const size_t n = std::min(batch, end - b);
+      encoded.assign(n, Encoded());
+      std::vector<std::thread> pool;
+      std::vector<std::exception_ptr> failed(static_cast<size_t>(threads));
+      for (int t = 0; t < threads; ++t)
+        pool.emplace_back([&, t] {
+          try {
+            for (size_t k = n * static_cast<size_t>(t) / threads; k < n * static_cast<size_t>(t + 1) / threads; ++k)
+              encoded[k] = encode(order[b + k]);
+          } catch (...) {
+            failed[static_cast<size_t>(t)] = std::current_exception();
+          }
+        });
+      for (auto& th : pool) th.join();
+      for (auto& f : failed)
+        if (f) std::rethrow_exception(f);
+      for (const Encoded& e : encoded) {
+        writer.add(e);
+        tokens_done += static_cast<int64_t>(e.ids.size());
+      }
+      if (seconds_since(last_report) >= 10.0) {
+        last_report = clock::now();
+        say("keel tokenize: %s %zu / %zu documents, %lld tokens (%.2fM tokens/s)", train ? "train" : "val", b + n - begin,
+            end - begin, static_cast<long long>(tokens_done), tokens_done / seconds_since(t_encode) / 1e6);
+      }
+    }
+    writer.close();
+  }
+  const double encode_s = seconds_since(t_encode);
+
+  // 5. Check what was written: every token file opens with its count, every mask matches it.
+  json shards_meta = json::object();
+  for (int s = 0; s < 2; ++s) {
+    const TokenizedSplit& split = s == 0 ? r.train : r.val;
+    json list = json::array();
+    int64_t total = 0;
+    for (const std::string& name : split.files) {
+      if (name.ends_with(".idx")) continue;
+      const fs::path p = stage.path / name;
+      const TokenFile f = TokenFile::open(p.string());
+      total += f.num_tokens();
+      json e = {{"file", name}, {"tokens", f.num_tokens()}, {"crc32c", crc_of_file(p)}};
+      if (o.format == TokenOutputFormat::megatron) {
+        e["documents"] = static_cast<int64_t>(f.doc_starts().size());
+        e["idx_crc32c"] = crc_of_file(stage.path / (name.substr(0, name.size() - 4) + ".idx"));
+      }
+      if (o.prompt_loss_mask) {
+        const auto m = LossMask::open_for(f);
+        if (!m) throw DataError("internal error: no loss mask written for " + quoted(p.string()));
+        e["mask"] = {{"file", fs::path(m->path()).filename().string()}, {"in_loss", m->count_in_loss()},
+                     {"crc32c", crc_of_file(m->path())}};
+      }
+      list.push_back(std::move(e));
+    }
+    if (total != split.tokens)
+      throw DataError("internal error: " + std::to_string(total) + " tokens written, " + std::to_string(split.tokens) + " encoded");
+    shards_meta[s == 0 ? "train" : "val"] = std::move(list);
+  }
+  // A decode round trip of the first documents (responses of pairs), as the script warns.
+  for (size_t k = n_val; k < std::min(order.size(), n_val + 50); ++k) {
+    const Document d = corpus.document(order[k]);
+    const std::string& text = pairs ? d.response : d.text;
+    if (tok.decode(tok.encode(text, false)) != text) {
+      say("WARNING: decode(encode(document)) differs from the document: %.60s", text.c_str());
+      break;
+    }
+  }
+
+  // 6. meta.json and the tokenizer beside the data.
+  json meta = {
+      {"format", o.format == TokenOutputFormat::llmc
+                     ? "llm.c token shards: 256 x int32 header (magic, version, n_tokens), then tokens"
+                     : "Megatron indexed dataset (MMIDIDX .bin + .idx), one sequence per document"},
+      {"token_dtype", r.u32 ? (o.format == TokenOutputFormat::llmc ? "uint32" : "int32") : "uint16"},
+      {"vocab_size", r.vocab_size},
+      {"eot_id", r.eot_id},
+      {"eot_placement", "after every document"},
+      {"tokenizer", {{"kind", "file"}, {"source", fs::absolute(tok_path).string()}, {"path", "tokenizer.json"},
+                     {"eot_token", r.eot_token}, {"vocab_size", r.vocab_size}, {"eot_id", r.eot_id},
+                     {"describe", tok.describe()}}},
+      {"source", !o.text.empty() ? json{{"kind", "text"}, {"files", o.text},
+                                        {"doc_split", o.doc_split == DocSplit::file ? "file" : o.doc_split == DocSplit::paragraph ? "paragraph" : "line"}}
+                 : o.prompt_loss_mask ? json{{"kind", "jsonl prompt/response pairs"}, {"files", o.jsonl},
+                                             {"prompt_key", o.prompt_key}, {"response_key", o.response_key}}
+                                      : json{{"kind", "jsonl"}, {"files", o.jsonl}, {"text_key", o.text_key}}},
+      {"split", {{"seed", o.seed}, {"val_fraction", o.val_fraction}, {"unit", "document"}, {"shuffled", true}}},
+      {"train", {{"documents", r.train.documents}, {"tokens", r.train.tokens}, {"files", shards_meta["train"]}}},
+      {"val", {{"documents", r.val.documents}, {"tokens", r.val.tokens}, {"files", shards_meta["val"]}}},
+      {"train_tokens", r.train.tokens},
+      {"val_tokens", r.val.tokens},
+      {"add_special_tokens", o.add_special_tokens},
+      {"generated_by", "keel tokenize (" + std::to_string(threads) + " threads)"},
+  };
+  if (o.format == TokenOutputFormat::llmc) meta["shard_tokens"] = o.shard_tokens;
+  if (corpus.skipped_records()) meta["source"]["jsonl_skipped"] = corpus.skipped_records();
+  if (corpus.files_with_bad_utf8()) meta["source"]["files_with_bad_utf8"] = corpus.files_with_bad_utf8();
+  meta["loss_mask"] = o.prompt_loss_mask ? json{{"kind", "prompt: prompt tokens are out of the loss, response and end of text in"},
+                                                {"format", "sidecar <token file>.mask: 256 x int32 header (magic 20240917, version 1, "
+                                                           "n_tokens), then one uint8 per token (1 = in the loss as a target)"},
+                                                {"train_in_loss", r.train.in_loss},
+                                                {"val_in_loss", r.val.in_loss}}
+                                         : json();
+  {
+    std::ofstream m(stage.path / "meta.json");
+    m << meta.dump(2) << "\n";
+    if (!m.flush()) throw DataError("cannot write " + quoted((stage.path / "meta.json").string()));
+  }
+  const bool same_tokenizer = fs::exists(out / "tokenizer.json") && fs::equivalent(tok_path, out / "tokenizer.json");
+  if (!same_tokenizer) fs::copy_file(tok_path, stage.path / "tokenizer.json");
+
+  // 7. Replace the earlier outputs with the new ones.
+  std::vector<fs::path> stale, staged;  // listed first: a folder is not changed while it is iterated
+  for (const auto& entry : fs::directory_iterator(out))
+    if (entry.is_regular_file() && is_token_output_name(entry.path().filename().string())) stale.push_back(entry.path());
+  for (const auto& entry : fs::directory_iterator(stage.path)) staged.push_back(entry.path());
+  for (const fs::path& p : stale) fs::remove(p);
+  for (const fs::path& p : staged) fs::rename(p, out / p.filename());
+  detail::sync_directory(out.string());
+
+  say("keel tokenize: encoded %lld tokens in %.2f s (%.2fM tokens/s, %d threads); vocab %lld (eot %s = %d), %s tokens",
+      static_cast<long long>(r.train.tokens + r.val.tokens), encode_s, (r.train.tokens + r.val.tokens) / std::max(encode_s, 1e-9) / 1e6,
+      threads, static_cast<long long>(r.vocab_size), r.eot_token.c_str(), r.eot_id, r.u32 ? "4-byte" : "2-byte");
+  for (int s = 0; s < 2; ++s) {
+    const TokenizedSplit& split = s == 0 ? r.train : r.val;
+    std::string files;
+    for (const std::string& f : split.files) files += (files.empty() ? "" : ", ") + f;
+    say("%s: %lld documents, %lld tokens%s  [%s]", s == 0 ? "train" : "val", static_cast<long long>(split.documents),
+        static_cast<long long>(split.tokens),
+        o.prompt_loss_mask ? (", " + std::to_string(split.in_loss) + " in the loss").c_str() : "",
+        files.empty() ? "-" : files.c_str());
+  }
+  say("wrote %s/ in %.2f s", o.out.c_str(), seconds_since(t0));
+  return r;
+}
+
+}  // namespace keel::data

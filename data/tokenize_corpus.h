@@ -1,0 +1,69 @@
+// keel tokenize: a raw corpus (JSON lines or plain text) to token files keel trains on, with a
+// tokenizer.json, in C++ and in parallel. It is scripts/prepare_data.py with an existing
+// tokenizer, without Python: the same documents (data/corpus.h), the same seeded shuffle and
+// train/val split (data/python_random.h), the same tokens and the same llm.c shards and loss-mask
+// sidecars, byte for byte (test/data/test_tokenize_corpus.cpp checks the script's outputs).
+// It does not train tokenizers or write multiple-choice items; the script does.
+//
+// Outputs in `out`:
+//   llmc format:     train_000.bin, train_001.bin, ... (at most shard_tokens each), val_000.bin
+//                    (uint16 tokens when every id fits, else uint32: data/token_file.h)
+//   megatron format: train.bin + train.idx, val.bin + val.idx (one sequence per document)
+//   with the prompt loss mask: a sidecar per token file (train_000.mask, train.mask: data/loss_mask.h)
+//   meta.json (vocab size, eot_id, counts, checksums, the source), tokenizer.json (a copy)
+// Every document is followed by the end-of-text token. With the prompt loss mask the document
+// is prompt tokens + response tokens + end of text, and only the last two count in the loss.
+//
+// Nothing in `out` changes until everything is written and checked: the files are written to a
+// staging folder inside it, then token files of an earlier run (train_NNN / val_NNN .bin and
+// .mask, train / val .bin, .idx and .mask) are removed and the new ones moved in. An error
+// leaves `out` as it was.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "data/corpus.h"
+
+namespace keel::data {
+
+enum class TokenOutputFormat { llmc, megatron };
+
+struct TokenizeOptions {
+  std::vector<std::string> jsonl, text;  // exactly one of them
+  std::string text_key = "text";
+  DocSplit doc_split = DocSplit::file;  // plain text only
+  bool prompt_loss_mask = false;        // JSON lines of prompt/response pairs
+  std::string prompt_key = "prompt", response_key = "response";
+  std::string tokenizer;                // tokenizer.json, or a folder that holds one
+  std::string eot_token;                // empty: <|endoftext|>, else the first of </s>, <|end_of_text|>, <|eot_id|>
+  bool add_special_tokens = false;      // encode each document (prompt) with the post-processor (BOS)
+  uint64_t seed = 1337;                 // document shuffle, as random.Random(seed).shuffle
+  double val_fraction = 0.05;           // documents held out, in [0, 1)
+  int64_t shard_tokens = 100'000'000;   // llmc: tokens per shard
+  TokenOutputFormat format = TokenOutputFormat::llmc;
+  int threads = 0;                      // 0: every core
+  std::string out;
+};
+
+struct TokenizedSplit {
+  int64_t documents = 0, tokens = 0, in_loss = 0;  // in_loss: targets the mask keeps (masked runs)
+  std::vector<std::string> files;                  // token files, names inside `out`
+};
+
+struct TokenizeResult {
+  TokenizedSplit train, val;
+  int64_t vocab_size = 0, characters = 0;
+  int32_t eot_id = -1;
+  std::string eot_token;
+  bool u32 = false;  // 4-byte tokens
+};
+
+// Throws ConfigError-like std::invalid_argument for bad options (naming the option and the
+// allowed values) and DataError for unreadable inputs or unwritable outputs. `log` gets the
+// progress and summary lines.
+TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<void(const std::string&)>& log);
+
+}  // namespace keel::data

@@ -1,0 +1,310 @@
+// keel tokenize (data/tokenize_corpus.h) against scripts/prepare_data.py: the fixtures in
+// test/fixtures/tokenize are the script's token files for small corpora with every awkward
+// input we know of (scripts/make_tokenize_fixtures.py), and keel must write them byte for byte.
+// Also the Python behaviour it rests on: random.Random's shuffle, UTF-8 replacement,
+// str.isspace and re.split of paragraphs.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "data/corpus.h"
+#include "data/loss_mask.h"
+#include "data/python_random.h"
+#include "data/token_file.h"
+#include "data/tokenize_corpus.h"
+#include "data/tokenizer.h"
+#include "data/unicode.h"
+#include "data_test_util.h"
+
+namespace keel::data {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using test::read_bytes;
+using test::TempDir;
+
+const std::string kDir = std::string(KEEL_FIXTURE_DIR) + "/tokenize/";
+const std::string kTokenizers = std::string(KEEL_FIXTURE_DIR) + "/tokenizers/";
+
+json load(const std::string& name) {
+  std::ifstream in(kDir + name);
+  REQUIRE(in);
+  return json::parse(in);
+}
+
+std::vector<unsigned char> unhex(const std::string& h) {
+  std::vector<unsigned char> out;
+  for (size_t k = 0; k + 1 < h.size(); k += 2) out.push_back(static_cast<unsigned char>(std::stoi(h.substr(k, 2), nullptr, 16)));
+  return out;
+}
+
+// prepare_data.py's arguments (as cases.json lists them) as TokenizeOptions.
+TokenizeOptions options_of(const json& args, const std::string& out, int threads) {
+  TokenizeOptions o;
+  o.out = out;
+  o.threads = threads;
+  std::vector<std::string>* list = nullptr;
+  for (size_t k = 0; k < args.size(); ++k) {
+    const std::string a = args[k];
+    auto next = [&] { return args.at(++k).get<std::string>(); };
+    if (a == "--jsonl") list = &o.jsonl;
+    else if (a == "--text") list = &o.text;
+    else if (a.rfind("--", 0) != 0 && list) list->push_back(kDir + a);
+    else {
+      list = nullptr;
+      if (a == "--tokenizer") o.tokenizer = kTokenizers + next();
+      else if (a == "--shard-tokens") o.shard_tokens = std::stoll(next());
+      else if (a == "--seed") o.seed = std::stoull(next());
+      else if (a == "--val-fraction") o.val_fraction = std::stod(next());
+      else if (a == "--add-special-tokens") o.add_special_tokens = true;
+      else if (a == "--loss-mask") o.prompt_loss_mask = next() == "prompt";
+      else if (a == "--doc-split") {
+        const std::string s = next();
+        o.doc_split = s == "paragraph" ? DocSplit::paragraph : s == "line" ? DocSplit::line : DocSplit::file;
+      } else FAIL("unknown argument in cases.json: " << a);
+    }
+  }
+  return o;
+}
+
+void quiet(const std::string&) {}
+
+std::vector<std::string> token_outputs(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n.ends_with(".bin") || n.ends_with(".idx") || n.ends_with(".mask")) names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST_CASE("PythonRandom draws what random.Random(seed) draws", "[tokenize]") {
+  for (const json& c : load("python.json")["random"]) {
+    const uint64_t seed = c["seed"];
+    INFO("seed " << seed);
+    PythonRandom r(seed);
+    for (size_t k = 0; k < c["getrandbits"].size(); ++k)
+      CHECK(r.getrandbits(c["getrandbits_k"][k].get<int>()) == std::stoull(c["getrandbits"][k].get<std::string>()));
+    std::vector<int> small(10);
+    for (int k = 0; k < 10; ++k) small[k] = k;
+    PythonRandom(seed).shuffle(small);
+    CHECK(small == c["shuffle10"].get<std::vector<int>>());
+    std::vector<uint64_t> large(100000);
+    for (size_t k = 0; k < large.size(); ++k) large[k] = k;
+    PythonRandom(seed).shuffle(large);
+    CHECK(std::vector<uint64_t>(large.begin(), large.begin() + 20) == c["shuffle100000_head"].get<std::vector<uint64_t>>());
+    unsigned __int128 weighted = 0;
+    for (size_t k = 0; k < large.size(); ++k) weighted += static_cast<unsigned __int128>(k) * large[k];
+    CHECK(static_cast<uint64_t>(weighted % ((uint64_t{1} << 61) - 1)) == c["shuffle100000_weighted"].get<uint64_t>());
+  }
+}
+
+TEST_CASE("Invalid UTF-8 is replaced as Python's errors=\"replace\" replaces it", "[tokenize]") {
+  for (const json& c : load("python.json")["utf8_replace"]) {
+    const auto raw = unhex(c["bytes"]);
+    const std::string bytes(raw.begin(), raw.end());
+    INFO("bytes " << c["bytes"].get<std::string>());
+    CHECK(unicode::replace_invalid_utf8(bytes) == c["text"].get<std::string>());
+    CHECK(unicode::is_valid_utf8(bytes) == (bytes == c["text"].get<std::string>()));
+  }
+}
+
+TEST_CASE("is_python_space is str.isspace() over every code point", "[tokenize]") {
+  const auto spaces = load("python.json")["isspace"].get<std::vector<uint32_t>>();
+  size_t next = 0, mismatches = 0;
+  for (char32_t c = 0; c < 0x110000; ++c) {
+    const bool python = next < spaces.size() && spaces[next] == c;
+    next += python;
+    mismatches += unicode::is_python_space(c) != python;
+  }
+  CHECK(next == spaces.size());
+  CHECK(mismatches == 0);
+}
+
+TEST_CASE("split_paragraphs is re.split(r\"\\n\\s*\\n\")", "[tokenize]") {
+  for (const json& c : load("python.json")["paragraphs"]) {
+    const std::string text = c["text"];
+    INFO(text);
+    std::vector<std::string> pieces;
+    for (std::string_view p : split_paragraphs(text)) pieces.emplace_back(p);
+    CHECK(pieces == c["pieces"].get<std::vector<std::string>>());
+  }
+}
+
+TEST_CASE("keel tokenize writes prepare_data.py's token files byte for byte", "[tokenize]") {
+  const json cases = load("cases.json");
+  for (const auto& [name, c] : cases.items()) {
+    for (int threads : {1, 3}) {
+      INFO(name << ", " << threads << " threads");
+      TempDir dir;
+      const TokenizeOptions o = options_of(c["args"], dir / "out", threads);
+      const TokenizeResult r = tokenize_corpus(o, quiet);
+      CHECK(r.eot_id == c["eot_id"].get<int>());
+      CHECK(r.vocab_size == c["vocab_size"].get<int64_t>());
+      CHECK(r.train.documents == c["train"]["documents"].get<int64_t>());
+      CHECK(r.train.tokens == c["train"]["tokens"].get<int64_t>());
+      CHECK(r.val.documents == c["val"]["documents"].get<int64_t>());
+      CHECK(r.val.tokens == c["val"]["tokens"].get<int64_t>());
+      if (o.prompt_loss_mask) {
+        CHECK(r.train.in_loss == c["train"]["in_loss"].get<int64_t>());
+        CHECK(r.val.in_loss == c["val"]["in_loss"].get<int64_t>());
+      }
+      const auto expected = c["files"].get<std::vector<std::string>>();
+      REQUIRE(token_outputs(dir / "out") == expected);
+      for (const std::string& f : expected) {
+        INFO(f);
+        CHECK(read_bytes(dir / ("out/" + f)) == read_bytes(kDir + name + "/" + f));
+      }
+      // meta.json names the end of text (keel train's document masking reads it) and the
+      // tokenizer comes along.
+      std::ifstream in(dir / "out/meta.json");
+      CHECK(json::parse(in)["eot_id"] == c["eot_id"]);
+      CHECK(fs::exists(dir / "out/tokenizer.json"));
+      CHECK(!fs::exists(dir / ("out/.keel-tokenize-" + std::to_string(::getpid()))));
+    }
+  }
+}
+
+TEST_CASE("keel tokenize --format megatron: the same token stream with document boundaries", "[tokenize]") {
+  const json c = load("cases.json")["pairs_llama2"];
+  TempDir dir;
+  TokenizeOptions o = options_of(c["args"], dir / "out", 2);
+  o.format = TokenOutputFormat::megatron;
+  const TokenizeResult r = tokenize_corpus(o, quiet);
+  CHECK(token_outputs(dir / "out") ==
+        std::vector<std::string>{"train.bin", "train.idx", "train.mask", "val.bin", "val.idx", "val.mask"});
+  for (const std::string split : {"train", "val"}) {
+    INFO(split);
+    const TokenFile f = TokenFile::open(dir / ("out/" + split + ".bin"));
+    const auto mask = LossMask::open_for(f);
+    REQUIRE(mask);
+    // The llm.c shards of prepare_data.py, concatenated, are the same tokens and mask bytes.
+    std::vector<uint32_t> shard_tokens;
+    std::vector<bool> shard_mask;
+    for (const std::string& name : c["files"].get<std::vector<std::string>>()) {
+      if (!name.starts_with(split + "_") || !name.ends_with(".bin")) continue;
+      const TokenFile s = TokenFile::open(kDir + "pairs_llama2/" + name);
+      const auto m = LossMask::open_for(s);
+      for (int64_t i = 0; i < s.num_tokens(); ++i) shard_tokens.push_back(s.token(i)), shard_mask.push_back(m->in_loss(i));
+    }
+    REQUIRE(f.num_tokens() == static_cast<int64_t>(shard_tokens.size()));
+    size_t token_diffs = 0, mask_diffs = 0, eot_ends = 0;
+    for (int64_t i = 0; i < f.num_tokens(); ++i) {
+      token_diffs += f.token(i) != shard_tokens[static_cast<size_t>(i)];
+      mask_diffs += mask->in_loss(i) != shard_mask[static_cast<size_t>(i)];
+    }
+    CHECK(token_diffs == 0);
+    CHECK(mask_diffs == 0);
+    // One sequence per document, each ending with the end of text.
+    const auto& starts = f.doc_starts();
+    const TokenizedSplit& s = split == "train" ? r.train : r.val;
+    CHECK(static_cast<int64_t>(starts.size()) == s.documents);
+    for (size_t d = 0; d < starts.size(); ++d) {
+      const int64_t end = d + 1 < starts.size() ? starts[d + 1] : f.num_tokens();
+      eot_ends += f.token(end - 1) == static_cast<uint32_t>(r.eot_id);
+    }
+    CHECK(eot_ends == starts.size());
+  }
+}
+
+TEST_CASE("keel tokenize changes nothing in --out until it succeeds", "[tokenize]") {
+  TempDir dir;
+  const std::string out = dir / "out";
+  fs::create_directories(out);
+  const std::vector<unsigned char> old_shard{1, 2, 3}, notes{'h', 'i'};
+  test::write_bytes(out + "/train_000.bin", old_shard);
+  test::write_bytes(out + "/train_007.bin", old_shard);
+  test::write_bytes(out + "/val.idx", old_shard);
+  test::write_bytes(out + "/notes.txt", notes);
+  const json c = load("cases.json")["jsonl_gpt2"];
+  auto unchanged = [&] {
+    CHECK(token_outputs(out) == std::vector<std::string>{"train_000.bin", "train_007.bin", "val.idx"});
+    CHECK(read_bytes(out + "/train_000.bin") == old_shard);
+    std::vector<std::string> hidden;
+    for (const auto& e : fs::directory_iterator(out))
+      if (e.path().filename().string().starts_with(".")) hidden.push_back(e.path().filename().string());
+    CHECK(hidden.empty());  // no staging folder left behind
+  };
+
+  SECTION("an unknown end-of-text token") {
+    TokenizeOptions o = options_of(c["args"], out, 2);
+    o.eot_token = "<nope>";
+    CHECK_THROWS_WITH(tokenize_corpus(o, quiet), Catch::Contains("--eot-token") && Catch::Contains("<nope>"));
+    unchanged();
+  }
+  SECTION("a line that is not JSON names the file and the line") {
+    std::ofstream(dir / "bad.jsonl") << "{\"text\": \"fine\"}\n\n{\"text\": \"also fine\"}\n{\"text\": broken}\n";
+    TokenizeOptions o = options_of(c["args"], out, 2);
+    o.jsonl = {dir / "bad.jsonl"};
+    const std::string msg = test::data_error_of([&] { tokenize_corpus(o, quiet); });
+    CHECK_THAT(msg, Catch::Contains(dir / "bad.jsonl:4: invalid JSON"));
+    unchanged();
+  }
+  SECTION("no documents") {
+    std::ofstream(dir / "empty.jsonl") << "{\"txt\": \"wrong field\"}\n";
+    TokenizeOptions o = options_of(c["args"], out, 2);
+    o.jsonl = {dir / "empty.jsonl"};
+    CHECK_THAT(test::data_error_of([&] { tokenize_corpus(o, quiet); }),
+               Catch::Contains("no documents found") && Catch::Contains("'text'"));
+    unchanged();
+  }
+  SECTION("an input that the run would replace") {
+    std::ofstream(out + "/train_000.jsonl") << "{\"text\": \"x\"}\n";
+    fs::copy_file(kDir + "corpus.jsonl", out + "/val_001.mask");
+    TokenizeOptions o = options_of(c["args"], out, 2);
+    o.jsonl = {out + "/val_001.mask"};
+    CHECK_THROWS_WITH(tokenize_corpus(o, quiet), Catch::Contains("val_001.mask") && Catch::Contains("move it"));
+    fs::remove(out + "/val_001.mask");
+    unchanged();
+  }
+  SECTION("success replaces the earlier token files and keeps everything else") {
+    tokenize_corpus(options_of(c["args"], out, 2), quiet);
+    CHECK(token_outputs(out) == c["files"].get<std::vector<std::string>>());
+    CHECK(read_bytes(out + "/notes.txt") == notes);
+  }
+}
+
+TEST_CASE("Options are checked by name", "[tokenize]") {
+  TempDir dir;
+  const json c = load("cases.json")["jsonl_gpt2"];
+  TokenizeOptions o = options_of(c["args"], dir / "out", 1);
+  o.val_fraction = 1.0;
+  CHECK_THROWS_WITH(tokenize_corpus(o, quiet), Catch::Contains("--val-fraction") && Catch::Contains("[0, 1)"));
+  o = options_of(c["args"], dir / "out", 1);
+  o.text = {kDir + "corpus.txt"};
+  CHECK_THROWS_WITH(tokenize_corpus(o, quiet), Catch::Contains("--jsonl") && Catch::Contains("--text"));
+  o = options_of(c["args"], dir / "out", 1);
+  o.shard_tokens = 0;
+  CHECK_THROWS_WITH(tokenize_corpus(o, quiet), Catch::Contains("--shard-tokens"));
+  CHECK(!fs::exists(dir / "out"));
+}
+
+TEST_CASE("One Tokenizer encodes from several threads at once", "[tokenize][tokenizer]") {
+  // The regex matcher once kept the text it scanned in the shared Regex: two threads
+  // encoding at once read each other's text (and crashed). Every thread must get the ids
+  // that one thread alone gets.
+  const Tokenizer tok = Tokenizer::from_file(kTokenizers + "gpt2.json");
+  std::vector<std::string> texts;
+  const Corpus corpus = Corpus::jsonl({kDir + "corpus.jsonl"}, "text", 1);
+  for (size_t k = 0; k < corpus.size(); ++k) texts.push_back(corpus.document(k).text);
+  std::vector<std::vector<int32_t>> serial;
+  for (const std::string& t : texts) serial.push_back(tok.encode(t));
+  std::vector<size_t> wrong(4, 0);
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < wrong.size(); ++t)
+    pool.emplace_back([&, t] {
+      for (int round = 0; round < 20; ++round)
+        for (size_t k = 0; k < texts.size(); ++k) wrong[t] += tok.encode(texts[(k + t * 7) % texts.size()]) != serial[(k + t * 7) % texts.size()];
+    });
+  for (auto& th : pool) th.join();
+  CHECK(wrong == std::vector<size_t>(4, 0));
+}
+
+}  // namespace
+}  // namespace keel::data

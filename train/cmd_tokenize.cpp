@@ -1,0 +1,83 @@
+// `keel tokenize`: a JSON-lines or plain-text corpus to the token files keel trains on, with the
+// model's tokenizer.json, in parallel and without Python (data/tokenize_corpus.h).
+#include <cstdio>
+
+#include "data/tokenize_corpus.h"
+#include "train/commands.h"
+#include "train/config.h"
+#include "train/run.h"
+
+namespace keel {
+
+namespace {
+
+struct TokenizeArgs {
+  data::TokenizeOptions o;
+  std::string doc_split = "file", loss_mask = "none", format = "llmc";
+};
+
+int cmd_tokenize(TokenizeArgs a) {
+  data::TokenizeOptions& o = a.o;
+  o.doc_split = a.doc_split == "paragraph" ? data::DocSplit::paragraph
+                : a.doc_split == "line"    ? data::DocSplit::line
+                                           : data::DocSplit::file;
+  o.prompt_loss_mask = a.loss_mask == "prompt";
+  o.format = a.format == "megatron" ? data::TokenOutputFormat::megatron : data::TokenOutputFormat::llmc;
+  if (o.tokenizer.starts_with("hf:")) o.tokenizer = o.tokenizer.substr(3);
+  if (!o.jsonl.empty() && a.doc_split != "file") throw ConfigError("--doc-split applies to --text only");
+  try {
+    data::tokenize_corpus(o, [](const std::string& line) {
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    });
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Command add_tokenize_command(CLI::App& app) {
+  auto args = std::make_shared<TokenizeArgs>();
+  TokenizeArgs& a = *args;
+  data::TokenizeOptions& o = a.o;
+  CLI::App* c = app.add_subcommand(
+      "tokenize", "Tokenize a JSON-lines or text corpus into token files for keel train (prepare_data.py in C++)");
+  auto* jsonl = c->add_option("--jsonl", o.jsonl, "JSON-lines files: one object per line, the document in --text-key");
+  c->add_option("--text", o.text, "Plain text files (one document per file, paragraph or line: --doc-split)")
+      ->excludes(jsonl);
+  c->add_option("--tokenizer", o.tokenizer, "tokenizer.json, or a folder holding one (a converted checkpoint, hf:DIR)")
+      ->required();
+  c->add_option("-o,--out", o.out, "Output folder (token files, meta.json, tokenizer.json)")->required();
+  c->add_option("--text-key", o.text_key, "JSON field holding the document (default: text)");
+  c->add_option("--doc-split", a.doc_split, "--text: file, paragraph (blank-line separated) or line (default: file)")
+      ->check(CLI::IsMember({"file", "paragraph", "line"}));
+  c->add_option("--loss-mask", a.loss_mask,
+                "prompt: records are prompt/response pairs and only the response and end of text count in the loss "
+                "(a .mask sidecar per token file); none (default)")
+      ->check(CLI::IsMember({"none", "prompt"}));
+  c->add_option("--prompt-key", o.prompt_key, "JSON prompt field for --loss-mask prompt (default: prompt)");
+  c->add_option("--response-key", o.response_key, "JSON response field for --loss-mask prompt (default: response)");
+  c->add_option("--eot-token", o.eot_token,
+                "End-of-text token after every document (default <|endoftext|>, else </s>, <|end_of_text|>, <|eot_id|>)");
+  c->add_flag("--add-special-tokens", o.add_special_tokens,
+              "Encode each document (prompt) with the tokenizer's post-processor, e.g. Llama's BOS in front");
+  c->add_option("--seed", o.seed, "Document shuffle seed (default 1337; the same split as prepare_data.py)");
+  c->add_option("--val-fraction", o.val_fraction, "Fraction of documents held out for validation (default 0.05)");
+  c->add_option("--shard-tokens", o.shard_tokens, "llmc: tokens per shard (default 100000000)");
+  c->add_option("--format", a.format, "llmc (llm.c shards, default) or megatron (.bin + .idx per split)")
+      ->check(CLI::IsMember({"llmc", "megatron"}));
+  c->add_option("-j,--threads", o.threads, "Encoding threads (default: every core)")->check(CLI::NonNegativeNumber);
+  c->footer(
+      "Examples:\n"
+      "  keel tokenize --jsonl web.jsonl --tokenizer ckpt/llama2-7b --out data/web\n"
+      "  keel tokenize --jsonl sft.jsonl --loss-mask prompt --add-special-tokens --tokenizer hf:/models/Llama-3.2-1B --out data/sft\n"
+      "  keel tokenize --text book.txt --doc-split paragraph --tokenizer data/fortunes/tokenizer.json --out data/book\n"
+      "Documents are shuffled with --seed and --val-fraction of them held out, as scripts/prepare_data.py does:\n"
+      "with the same inputs and tokenizer both write the same token files byte for byte. The output folder\n"
+      "changes only once everything is written and checked.");
+  return {c, [args] { return cmd_tokenize(*args); }};
+}
+
+}  // namespace keel
