@@ -116,13 +116,13 @@ class SplitWriter {
   std::unique_ptr<MegatronDatasetWriter> megatron_;
 };
 
-// Removes the staging folder unless the run got to the end.
+// The folder the outputs are written to before they replace the earlier ones; removed when the
+// run ends either way (empty after a success, the partial outputs after an error).
 struct StagingFolder {
   fs::path path;
-  bool keep = false;
   ~StagingFolder() {
     std::error_code ec;
-    if (!keep && !path.empty()) fs::remove_all(path, ec);
+    if (!path.empty()) fs::remove_all(path, ec);
   }
 };
 

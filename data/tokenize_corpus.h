@@ -61,9 +61,9 @@ struct TokenizeResult {
   bool u32 = false;  // 4-byte tokens
 };
 
-// Throws ConfigError-like std::invalid_argument for bad options (naming the option and the
-// allowed values) and DataError for unreadable inputs or unwritable outputs. `log` gets the
-// progress and summary lines.
+// Throws std::invalid_argument for bad options (naming the option and what is allowed; keel
+// tokenize turns it into a ConfigError, exit 2) and DataError for unreadable inputs or
+// unwritable outputs (exit 3). `log` gets the progress and summary lines.
 TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<void(const std::string&)>& log);
 
 }  // namespace keel::data
