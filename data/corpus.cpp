@@ -15,6 +15,7 @@ namespace keel::data {
 
 namespace uc = unicode;
 namespace fs = std::filesystem;
+using detail::quoted;
 
 namespace {
 
@@ -31,8 +32,6 @@ int64_t count_code_points(std::string_view s) {
   for (char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
   return n;
 }
-
-std::string quoted(const std::string& path) { return "'" + path + "'"; }
 
 // prepare_data.py's add_doc: strip("\n"), then rstrip(); kept when strip() leaves something.
 std::string_view trim_document(std::string_view s) {
@@ -149,6 +148,7 @@ Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::stri
   enum : uint8_t { kBlank, kSkipped, kDocument };
   std::vector<uint8_t> kind(lines.size(), kBlank);
   std::vector<int64_t> chars(lines.size(), 0);
+  std::vector<uint8_t> bad_utf8(lines.size(), 0);
   const size_t nthreads = std::clamp<size_t>(threads > 0 ? static_cast<size_t>(threads) : 1, 1,
                                              std::max<size_t>(1, lines.size() / 1024));
   std::vector<std::string> errors(nthreads);
@@ -159,6 +159,7 @@ Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::stri
       const auto* data = reinterpret_cast<const char*>(c.files_[s.source].data()) + s.offset;
       std::string storage;
       const std::string_view line = clean_line(std::string_view(data, static_cast<size_t>(s.size)), storage);
+      bad_utf8[k] = !storage.empty();  // storage holds the repaired line only when there was something to repair
       if (line.empty()) continue;
       nlohmann::json obj;
       try {
@@ -192,11 +193,10 @@ Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::stri
     c.docs_.push_back(lines[k]);
     c.characters_ += chars[k];
   }
-  for (size_t f = 0; f < c.files_.size(); ++f) {
-    const auto& m = c.files_[f];
-    if (m.size() && !uc::is_valid_utf8(std::string_view(reinterpret_cast<const char*>(m.data()), static_cast<size_t>(m.size()))))
-      ++c.bad_utf8_files_;
-  }
+  // Line ends are ASCII, so every invalid byte sits in some line: a file is bad if a line is.
+  std::vector<uint8_t> file_bad(c.files_.size(), 0);
+  for (size_t k = 0; k < lines.size(); ++k) file_bad[lines[k].source] |= bad_utf8[k];
+  for (uint8_t b : file_bad) c.bad_utf8_files_ += b;
   return c;
 }
 

@@ -11,6 +11,9 @@ namespace keel::data::detail {
 // strerror(err) as a std::string ("No space left on device").
 std::string errno_text(int err);
 
+// 'path': how messages of data/ show a file name (or a token, a field).
+inline std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
 // A read-only mapping of a whole regular file. Missing, unreadable, non-regular and empty
 // files throw DataError naming the path; `kind` says what the file should be ("token file").
 class MappedFile {

@@ -13,6 +13,8 @@ namespace keel::data {
 // The formats are little-endian and we read them in place.
 static_assert(std::endian::native == std::endian::little, "keel::data assumes a little-endian host");
 
+using detail::quoted;
+
 namespace {
 
 constexpr int32_t kLlmcMagicU16 = 20240520;  // GPT-2 shards, version 1
@@ -37,8 +39,6 @@ bool ends_with(const std::string& s, const char* suffix) {
   size_t n = std::strlen(suffix);
   return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
 }
-
-std::string quoted(const std::string& path) { return "'" + path + "'"; }
 
 // Shows bytes of an unknown header readably: printable ASCII as is, the rest as \xNN.
 std::string escape_bytes(const unsigned char* p, size_t n) {

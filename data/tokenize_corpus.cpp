@@ -23,13 +23,9 @@ namespace keel::data {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using detail::quoted;
 
 namespace {
-
-constexpr const char* kDefaultEot = "<|endoftext|>";
-constexpr const char* kEotFallbacks[] = {"</s>", "<|end_of_text|>", "<|eot_id|>"};
-
-std::string quoted(const std::string& s) { return "'" + s + "'"; }
 
 // Token files of an earlier run in `out` (both formats), replaced by a successful run.
 bool is_token_output_name(const std::string& name) {
@@ -42,11 +38,12 @@ int32_t end_of_text_id(const Tokenizer& tok, const std::string& requested, std::
     if (auto id = tok.token_to_id(requested)) return chosen = requested, *id;
     throw std::invalid_argument("--eot-token: the tokenizer has no token " + quoted(requested));
   }
-  if (auto id = tok.token_to_id(kDefaultEot)) return chosen = kDefaultEot, *id;
-  for (const char* t : kEotFallbacks)  // Llama 2 ends documents with </s>, Llama 3 with <|end_of_text|>
+  std::string names;
+  for (const char* t : kEndOfTextTokens) {  // the first the tokenizer has
     if (auto id = tok.token_to_id(t)) return chosen = t, *id;
-  throw std::invalid_argument(std::string("the tokenizer has none of the end-of-text tokens ") + kDefaultEot +
-                              ", </s>, <|end_of_text|>, <|eot_id|>: pass --eot-token");
+    names += (names.empty() ? "" : ", ") + std::string(t);
+  }
+  throw std::invalid_argument("the tokenizer has none of the end-of-text tokens " + names + ": pass --eot-token");
 }
 
 struct Encoded {

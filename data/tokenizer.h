@@ -28,6 +28,10 @@
 
 namespace keel::data {
 
+// The well-known end-of-text tokens, in prepare_data.py's order of preference: GPT-2 and Qwen's,
+// Llama 2 and Mistral's, Llama 3's two.
+inline constexpr const char* kEndOfTextTokens[] = {"<|endoftext|>", "</s>", "<|end_of_text|>", "<|eot_id|>"};
+
 class Tokenizer {
  public:
   // Throws DataError naming the file and the unsupported or malformed part.

@@ -138,7 +138,7 @@ std::unique_ptr<Backend> inference_backend(const std::string& device) {
 
 std::vector<int32_t> end_of_text_ids(const data::Tokenizer& tok) {
   std::vector<int32_t> ids;
-  for (const char* name : {"</s>", "<|end_of_text|>", "<|eot_id|>", "<|endoftext|>"})
+  for (const char* name : data::kEndOfTextTokens)
     if (auto id = tok.token_to_id(name)) ids.push_back(*id);
   return ids;
 }

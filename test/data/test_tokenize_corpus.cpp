@@ -285,6 +285,24 @@ TEST_CASE("Options are checked by name", "[tokenize]") {
   CHECK(!fs::exists(dir / "out"));
 }
 
+TEST_CASE("Corpus counts records, characters and files with invalid UTF-8 as the script does", "[tokenize]") {
+  const json cases = load("cases.json");
+  // corpus.jsonl has one line of invalid UTF-8 (the script does not count JSON-lines files, so
+  // this count is keel's own); corpus.txt is invalid UTF-8 and the script counts it.
+  const Corpus docs = Corpus::jsonl({kDir + "corpus.jsonl"}, "text", 3);
+  CHECK(docs.skipped_records() == cases["jsonl_gpt2"]["skipped"].get<int64_t>());
+  CHECK(docs.files_with_bad_utf8() == 1);
+  CHECK(static_cast<int64_t>(docs.size()) ==
+        cases["jsonl_gpt2"]["train"]["documents"].get<int64_t>() + cases["jsonl_gpt2"]["val"]["documents"].get<int64_t>());
+  TempDir dir;
+  std::ofstream(dir / "clean.jsonl") << "{\"text\": \"caf\u00e9 \\u00e9\"}\n";
+  const Corpus clean = Corpus::jsonl({dir / "clean.jsonl"}, "text", 1);
+  CHECK(clean.files_with_bad_utf8() == 0);
+  CHECK(clean.characters() == 6);  // "café é"
+  const Corpus text = Corpus::text({kDir + "corpus.txt", kDir + "corpus.txt"}, DocSplit::paragraph);
+  CHECK(text.files_with_bad_utf8() == cases["text_llama3"]["bad_utf8_files"].get<int64_t>());
+}
+
 TEST_CASE("One Tokenizer encodes from several threads at once", "[tokenize][tokenizer]") {
   // The regex matcher once kept the text it scanned in the shared Regex: two threads
   // encoding at once read each other's text (and crashed). Every thread must get the ids
