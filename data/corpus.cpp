@@ -54,6 +54,19 @@ const nlohmann::json* string_field(const nlohmann::json& obj, const std::string&
   return it != obj.end() && it->is_string() ? &*it : nullptr;
 }
 
+// Why `messages` is not a conversation ("" when it is one); counts its content's code points.
+std::string conversation_problem(const nlohmann::json& messages, int64_t& chars) {
+  if (!messages.is_array()) return std::string("must be a list of messages, not ") + messages.type_name();
+  if (messages.empty()) return "is an empty list";
+  for (size_t m = 0; m < messages.size(); ++m) {
+    const nlohmann::json& msg = messages[m];
+    if (!msg.is_object() || !msg.contains("role") || !msg["role"].is_string())
+      return "item " + std::to_string(m) + " is not a message: expected an object with a string \"role\"";
+    if (msg.contains("content") && msg["content"].is_string()) chars += count_code_points(msg["content"].get_ref<const std::string&>());
+  }
+  return "";
+}
+
 }  // namespace
 
 std::string_view python_strip(std::string_view s) {
@@ -106,19 +119,24 @@ std::vector<std::string_view> split_paragraphs(std::string_view text) {
 }
 
 Corpus Corpus::jsonl(const std::vector<std::string>& files, const std::string& text_key, int threads) {
-  return read_jsonl(files, text_key, "", false, threads);
+  return read_jsonl(files, text_key, "", Mode::text, threads);
 }
 
 Corpus Corpus::jsonl_pairs(const std::vector<std::string>& files, const std::string& prompt_key,
                            const std::string& response_key, int threads) {
-  return read_jsonl(files, prompt_key, response_key, true, threads);
+  return read_jsonl(files, prompt_key, response_key, Mode::pairs, threads);
+}
+
+Corpus Corpus::jsonl_chat(const std::vector<std::string>& files, const std::string& messages_key, int threads) {
+  return read_jsonl(files, messages_key, "", Mode::chat, threads);
 }
 
 Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::string& key1, const std::string& key2,
-                          bool pairs, int threads) {
+                          Mode mode, int threads) {
   Corpus c;
   c.json_ = true;
-  c.pairs_ = pairs;
+  c.mode_ = mode;
+  const bool pairs = mode == Mode::pairs;
   c.key1_ = key1;
   c.key2_ = key2;
   // Every non-blank line, in order. A line ends at \n, \r\n or \r (Python's universal newlines).
@@ -167,6 +185,21 @@ Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::stri
       } catch (const nlohmann::json::exception& e) {
         errors[t] = files[s.source] + ":" + std::to_string(s.line) + ": invalid JSON (" + e.what() + ")";
         return;
+      }
+      if (mode == Mode::chat) {
+        const auto it = obj.is_object() ? obj.find(key1) : obj.end();
+        if (it == obj.end()) {
+          kind[k] = kSkipped;
+          continue;
+        }
+        int64_t n = 0;
+        if (const std::string problem = conversation_problem(*it, n); !problem.empty()) {
+          errors[t] = files[s.source] + ":" + std::to_string(s.line) + ": " + quoted(key1) + " " + problem;
+          return;
+        }
+        kind[k] = kDocument;
+        chars[k] = n;
+        continue;
       }
       const nlohmann::json* a = string_field(obj, key1);
       const nlohmann::json* b = pairs ? string_field(obj, key2) : nullptr;
@@ -217,6 +250,7 @@ Corpus Corpus::text(const std::vector<std::string>& files, DocSplit split) {
     for (size_t k = 0; k < text.size(); ++k)
       if (!(text[k] == '\r' && k + 1 < text.size() && text[k + 1] == '\n')) unix_text += text[k];
     c.texts_.push_back(std::move(unix_text));
+    c.text_names_.push_back(path);
     const std::string_view all = c.texts_.back();
     const auto source = static_cast<uint32_t>(c.texts_.size() - 1);
 
@@ -242,16 +276,26 @@ Corpus Corpus::text(const std::vector<std::string>& files, DocSplit split) {
   return c;
 }
 
+std::string Corpus::where(size_t i) const {
+  const Span& s = docs_.at(i);
+  if (!json_) return text_names_.at(s.source);
+  return files_.at(s.source).path() + ":" + std::to_string(s.line);
+}
+
 Document Corpus::document(size_t i) const {
   const Span& s = docs_.at(i);
   if (!json_) return {texts_[s.source].substr(static_cast<size_t>(s.offset), static_cast<size_t>(s.size)), {}};
   const auto* data = reinterpret_cast<const char*>(files_[s.source].data()) + s.offset;
   std::string storage;
-  const nlohmann::json obj = nlohmann::json::parse(clean_line(std::string_view(data, static_cast<size_t>(s.size)), storage));
-  // (parsed once already when the corpus was read: cannot fail)
+  const std::string_view line = clean_line(std::string_view(data, static_cast<size_t>(s.size)), storage);
   Document d;
+  if (mode_ == Mode::chat) {  // the whole record: the chat template may use more than the messages (tools)
+    d.text = std::string(line);
+    return d;
+  }
+  const nlohmann::json obj = nlohmann::json::parse(line);  // parsed once already when the corpus was read: cannot fail
   d.text = obj.at(key1_).get<std::string>();
-  if (pairs_) d.response = obj.at(key2_).get<std::string>();
+  if (mode_ == Mode::pairs) d.response = obj.at(key2_).get<std::string>();
   return d;
 }
 

@@ -6,6 +6,10 @@
 //                Records whose field is missing or not a string are counted as skipped.
 //   prompt/response pairs   JSON lines whose prompt and response are strings, the response
 //                not blank (instruction data: the prompt leaves the loss).
+//   conversations   JSON lines whose messages field is a list of {"role": ..., "content": ...}
+//                objects (chat data, rendered by the model's chat template: data/chat_template.h);
+//                a record without the field is skipped, one whose field is not such a list is
+//                an error naming the file and line.
 //   plain text   one document per file, per paragraph (split at a newline, any whitespace,
 //                a newline: Python's re.split(r"\n\s*\n")) or per line; \r\n becomes \n;
 //                each piece loses its leading and trailing newlines and trailing whitespace
@@ -30,7 +34,7 @@ namespace keel::data {
 enum class DocSplit { file, paragraph, line };
 
 struct Document {
-  std::string text;      // the document, or the prompt of a pair
+  std::string text;      // the document, the prompt of a pair, or a conversation's whole JSON record
   std::string response;  // pairs only
 };
 
@@ -41,32 +45,39 @@ class Corpus {
   static Corpus jsonl(const std::vector<std::string>& files, const std::string& text_key, int threads);
   static Corpus jsonl_pairs(const std::vector<std::string>& files, const std::string& prompt_key,
                             const std::string& response_key, int threads);
+  static Corpus jsonl_chat(const std::vector<std::string>& files, const std::string& messages_key, int threads);
   static Corpus text(const std::vector<std::string>& files, DocSplit split);
 
   size_t size() const { return docs_.size(); }
-  bool pairs() const { return pairs_; }
+  bool pairs() const { return mode_ == Mode::pairs; }
+  bool conversations() const { return mode_ == Mode::chat; }
   // Document i, in the order of the files and of the records in them. Safe to call from
   // several threads at once.
   Document document(size_t i) const;
+  // Where document i comes from, for messages: "file:line" (JSON lines) or "file" (text).
+  std::string where(size_t i) const;
 
-  int64_t characters() const { return characters_; }  // code points of all documents (pairs: both parts)
+  // Code points of all documents (pairs: both parts; conversations: the messages' string contents).
+  int64_t characters() const { return characters_; }
   int64_t skipped_records() const { return skipped_; }  // JSON records without the field(s)
   int64_t files_with_bad_utf8() const { return bad_utf8_files_; }
 
  private:
   Corpus() = default;
+  enum class Mode { text, pairs, chat };
   static Corpus read_jsonl(const std::vector<std::string>& files, const std::string& key1, const std::string& key2,
-                           bool pairs, int threads);
+                           Mode mode, int threads);
 
   struct Span {
     uint32_t source;  // index into files_ (JSON lines) or texts_ (plain text)
     uint64_t line;    // 1-based line of a JSON record (for messages)
     int64_t offset, size;
   };
-  bool pairs_ = false, json_ = false;
+  Mode mode_ = Mode::text;
+  bool json_ = false;
   std::string key1_, key2_;  // text key, or prompt and response keys
   std::vector<detail::MappedFile> files_;
-  std::vector<std::string> texts_;
+  std::vector<std::string> texts_, text_names_;
   std::vector<Span> docs_;
   int64_t characters_ = 0, skipped_ = 0, bad_utf8_files_ = 0;
 };

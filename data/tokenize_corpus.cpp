@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/chat_template.h"
 #include "data/checksum.h"
 #include "data/loss_mask.h"
 #include "data/python_random.h"
@@ -46,9 +47,14 @@ int32_t end_of_text_id(const Tokenizer& tok, const std::string& requested, std::
   throw std::invalid_argument("the tokenizer has none of the end-of-text tokens " + names + ": pass --eot-token");
 }
 
+// Masked outputs: prompt/response pairs, or conversations with the assistant mask.
+bool masked(const TokenizeOptions& o) { return o.prompt_loss_mask || (o.chat && o.assistant_loss_mask); }
+
 struct Encoded {
-  std::vector<uint32_t> ids;  // document (prompt + response) and the end of text
-  size_t prompt = 0;          // leading tokens out of the loss
+  std::vector<uint32_t> ids;  // document (prompt + response, or a conversation) and the end of text
+  size_t prompt = 0;          // pairs: leading tokens out of the loss
+  std::vector<uint8_t> mask;  // conversations: per token, 1 = in the loss
+  int64_t unplaced_replies = 0;
 };
 
 // One split's token files in the staging folder: llm.c shards of at most shard_tokens (a
@@ -65,7 +71,13 @@ class SplitWriter {
   void add(const Encoded& e) {
     ++out_.documents;
     out_.tokens += static_cast<int64_t>(e.ids.size());
-    if (o_.prompt_loss_mask) {
+    out_.unplaced_replies += e.unplaced_replies;
+    if (o_.chat && o_.assistant_loss_mask) {
+      const auto in = static_cast<int64_t>(std::count(e.mask.begin(), e.mask.end(), uint8_t{1}));
+      mask_.insert(mask_.end(), e.mask.begin(), e.mask.end());
+      out_.in_loss += in;
+      out_.without_replies += in == 0;
+    } else if (o_.prompt_loss_mask) {
       mask_.insert(mask_.end(), e.prompt, 0);
       mask_.insert(mask_.end(), e.ids.size() - e.prompt, 1);
       out_.in_loss += static_cast<int64_t>(e.ids.size() - e.prompt);
@@ -83,7 +95,7 @@ class SplitWriter {
       megatron_->close();
       out_.files.push_back(prefix_ + ".bin");
       out_.files.push_back(prefix_ + ".idx");
-      if (o_.prompt_loss_mask) write_loss_mask((dir_ / (prefix_ + ".mask")).string(), mask_);
+      if (masked(o_)) write_loss_mask((dir_ / (prefix_ + ".mask")).string(), mask_);
       return;
     }
     if (!tokens_.empty() || out_.files.empty()) flush(tokens_.size());
@@ -96,7 +108,7 @@ class SplitWriter {
     const std::string path = (dir_ / name).string();
     write_llmc_shard(path, std::vector<uint32_t>(tokens_.begin(), tokens_.begin() + static_cast<ptrdiff_t>(n)), u32_);
     tokens_.erase(tokens_.begin(), tokens_.begin() + static_cast<ptrdiff_t>(n));
-    if (o_.prompt_loss_mask) {
+    if (masked(o_)) {
       write_loss_mask(LossMask::sidecar_path(path), std::vector<uint8_t>(mask_.begin(), mask_.begin() + static_cast<ptrdiff_t>(n)));
       mask_.erase(mask_.begin(), mask_.begin() + static_cast<ptrdiff_t>(n));
     }
@@ -136,6 +148,12 @@ void check_options(const TokenizeOptions& o) {
   if (o.shard_tokens >= (int64_t{1} << 31)) throw std::invalid_argument("--shard-tokens: llm.c shards hold fewer than 2^31 tokens");
   if (o.prompt_loss_mask && o.jsonl.empty())
     throw std::invalid_argument("--loss-mask prompt needs --jsonl (records with --prompt-key and --response-key)");
+  if (o.chat && o.jsonl.empty()) throw std::invalid_argument("--chat needs --jsonl (records with a --messages-key list)");
+  if (o.chat && o.prompt_loss_mask)
+    throw std::invalid_argument("--loss-mask prompt is for prompt/response pairs; with --chat use assistant (the default) or none");
+  if (o.chat && o.add_special_tokens)
+    throw std::invalid_argument("--add-special-tokens does not apply to --chat: the chat template writes the special tokens "
+                                "itself (transformers encodes its output without adding any), so a BOS would come twice");
   if (o.out.empty()) throw std::invalid_argument("--out: the output folder is required");
   if (o.tokenizer.empty()) throw std::invalid_argument("--tokenizer: a tokenizer.json (or its folder) is required");
 }
@@ -174,11 +192,27 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     }
 
   // 2. Documents.
+  // Conversations: the chat template, and a check that its special tokens are the tokenizer's
+  // (a template of another model family would otherwise be encoded as plain text, in silence).
+  std::optional<ChatTemplate> chat;
+  if (o.chat) {
+    chat = ChatTemplate::from_path(o.chat_template.empty() ? tok_path.parent_path().string() : o.chat_template);
+    for (const char* name : {"bos_token", "eos_token"}) {
+      const std::string t = chat->special_token(name);
+      if (!t.empty() && !tok.token_to_id(t))
+        throw DataError("the chat template's " + std::string(name) + " " + quoted(t) + " (" + chat->origin() +
+                        ") is not a token of " + quoted(tok_path.string()) + ": template and tokenizer are from different models");
+    }
+    say("keel tokenize: chat template of %s", chat->origin().c_str());
+  }
+
   const Corpus corpus = !o.text.empty()            ? Corpus::text(o.text, o.doc_split)
+                        : o.chat             ? Corpus::jsonl_chat(o.jsonl, o.messages_key, threads)
                         : o.prompt_loss_mask ? Corpus::jsonl_pairs(o.jsonl, o.prompt_key, o.response_key, threads)
                                              : Corpus::jsonl(o.jsonl, o.text_key, threads);
   if (corpus.size() == 0)
-    throw DataError("no documents found" + (o.prompt_loss_mask ? " (records need string fields " + quoted(o.prompt_key) +
+    throw DataError("no documents found" + (o.chat ? " (records need a list of messages in " + quoted(o.messages_key) + ")"
+                                            : o.prompt_loss_mask ? " (records need string fields " + quoted(o.prompt_key) +
                                                                     " and " + quoted(o.response_key) + ")"
                                                               : o.jsonl.empty() ? "" : " (records need a string field " + quoted(o.text_key) + ")"));
   r.characters = corpus.characters();
@@ -205,7 +239,33 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   fs::remove_all(stage.path);
   fs::create_directory(stage.path);
   const bool pairs = corpus.pairs();
+  auto encode_conversation = [&](uint64_t doc) {
+    Encoded e;
+    ChatTokens ct;
+    try {
+      const nlohmann::ordered_json record = nlohmann::ordered_json::parse(corpus.document(doc).text);
+      nlohmann::ordered_json variables = nlohmann::ordered_json::object();
+      if (record.contains("tools")) variables["tools"] = record["tools"];  // tool-calling data
+      if (o.assistant_loss_mask) {
+        ct = chat->tokenize(tok, record[o.messages_key], variables);
+      } else {  // no mask: one rendering, as apply_chat_template(tokenize=True)
+        ct.ids = tok.encode(chat->render(record[o.messages_key], false, variables), false);
+        ct.reply.assign(ct.ids.size(), 0);
+      }
+    } catch (const std::exception& err) {  // a template's raise_exception, or a template error
+      throw DataError(corpus.where(doc) + ": " + err.what());
+    }
+    e.unplaced_replies = ct.unplaced_replies;
+    for (int32_t id : ct.ids) e.ids.push_back(static_cast<uint32_t>(id));
+    e.mask = std::move(ct.reply);
+    if (e.ids.empty() || e.ids.back() != static_cast<uint32_t>(r.eot_id)) {
+      e.ids.push_back(static_cast<uint32_t>(r.eot_id));  // the document separator, out of the loss
+      e.mask.push_back(0);
+    }
+    return e;
+  };
   auto encode = [&](uint64_t doc) {
+    if (chat) return encode_conversation(doc);
     const Document d = corpus.document(doc);
     Encoded e;
     std::vector<int32_t> first = tok.encode(d.text, o.add_special_tokens);
@@ -275,7 +335,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
         e["documents"] = static_cast<int64_t>(f.doc_starts().size());
         e["idx_crc32c"] = crc_of_file(stage.path / (name.substr(0, name.size() - 4) + ".idx"));
       }
-      if (o.prompt_loss_mask) {
+      if (masked(o)) {
         const auto m = LossMask::open_for(f);
         if (!m) throw DataError("internal error: no loss mask written for " + quoted(p.string()));
         e["mask"] = {{"file", fs::path(m->path()).filename().string()}, {"in_loss", m->count_in_loss()},
@@ -288,7 +348,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     shards_meta[s == 0 ? "train" : "val"] = std::move(list);
   }
   // A decode round trip of the first documents (responses of pairs), as the script warns.
-  for (size_t k = n_val; k < std::min(order.size(), n_val + 50); ++k) {
+  for (size_t k = n_val; !chat && k < std::min(order.size(), n_val + 50); ++k) {
     const Document d = corpus.document(order[k]);
     const std::string& text = pairs ? d.response : d.text;
     if (tok.decode(tok.encode(text, false)) != text) {
@@ -305,12 +365,14 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       {"token_dtype", r.u32 ? (o.format == TokenOutputFormat::llmc ? "uint32" : "int32") : "uint16"},
       {"vocab_size", r.vocab_size},
       {"eot_id", r.eot_id},
-      {"eot_placement", "after every document"},
+      {"eot_placement", chat ? "after every conversation that does not end with it" : "after every document"},
       {"tokenizer", {{"kind", "file"}, {"source", fs::absolute(tok_path).string()}, {"path", "tokenizer.json"},
                      {"eot_token", r.eot_token}, {"vocab_size", r.vocab_size}, {"eot_id", r.eot_id},
                      {"describe", tok.describe()}}},
       {"source", !o.text.empty() ? json{{"kind", "text"}, {"files", o.text},
                                         {"doc_split", o.doc_split == DocSplit::file ? "file" : o.doc_split == DocSplit::paragraph ? "paragraph" : "line"}}
+                 : chat ? json{{"kind", "jsonl conversations"}, {"files", o.jsonl}, {"messages_key", o.messages_key},
+                               {"chat_template", chat->origin()}}
                  : o.prompt_loss_mask ? json{{"kind", "jsonl prompt/response pairs"}, {"files", o.jsonl},
                                              {"prompt_key", o.prompt_key}, {"response_key", o.response_key}}
                                       : json{{"kind", "jsonl"}, {"files", o.jsonl}, {"text_key", o.text_key}}},
@@ -325,7 +387,10 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   if (o.format == TokenOutputFormat::llmc) meta["shard_tokens"] = o.shard_tokens;
   if (corpus.skipped_records()) meta["source"]["jsonl_skipped"] = corpus.skipped_records();
   if (corpus.files_with_bad_utf8()) meta["source"]["files_with_bad_utf8"] = corpus.files_with_bad_utf8();
-  meta["loss_mask"] = o.prompt_loss_mask ? json{{"kind", "prompt: prompt tokens are out of the loss, response and end of text in"},
+  const char* mask_kind = chat ? "assistant: the assistant replies, as the chat template renders them, are in the loss; "
+                                 "everything else is out"
+                               : "prompt: prompt tokens are out of the loss, response and end of text in";
+  meta["loss_mask"] = masked(o) ? json{{"kind", mask_kind},
                                                 {"format", "sidecar <token file>.mask: 256 x int32 header (magic 20240917, version 1, "
                                                            "n_tokens), then one uint8 per token (1 = in the loss as a target)"},
                                                 {"train_in_loss", r.train.in_loss},
@@ -357,8 +422,15 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     for (const std::string& f : split.files) files += (files.empty() ? "" : ", ") + f;
     say("%s: %lld documents, %lld tokens%s  [%s]", s == 0 ? "train" : "val", static_cast<long long>(split.documents),
         static_cast<long long>(split.tokens),
-        o.prompt_loss_mask ? (", " + std::to_string(split.in_loss) + " in the loss").c_str() : "",
+        masked(o) ? (", " + std::to_string(split.in_loss) + " in the loss").c_str() : "",
         files.empty() ? "-" : files.c_str());
+    if (split.unplaced_replies)
+      say("  NOTE %lld assistant replies are out of the loss: the chat template renders them differently once later "
+          "messages follow (e.g. it drops their reasoning), so they could not be located",
+          static_cast<long long>(split.unplaced_replies));
+    if (split.without_replies)
+      say("  NOTE %lld conversations have nothing in the loss (no assistant reply that could be located)",
+          static_cast<long long>(split.without_replies));
   }
   say("wrote %s/ in %.2f s", o.out.c_str(), seconds_since(t0));
   return r;

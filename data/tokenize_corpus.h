@@ -13,6 +13,10 @@
 //   meta.json (vocab size, eot_id, counts, checksums, the source), tokenizer.json (a copy)
 // Every document is followed by the end-of-text token. With the prompt loss mask the document
 // is prompt tokens + response tokens + end of text, and only the last two count in the loss.
+// Conversations (chat) are rendered by the model's chat template (data/chat_template.h) and
+// encoded as transformers' apply_chat_template(tokenize=True) encodes them (no special tokens
+// added: the template writes them); the end of text follows unless the rendering already ends
+// with it. With the assistant loss mask only the assistant's replies count in the loss.
 //
 // Nothing in `out` changes until everything is written and checked: the files are written to a
 // staging folder inside it, then token files of an earlier run (train_NNN / val_NNN .bin and
@@ -37,6 +41,10 @@ struct TokenizeOptions {
   DocSplit doc_split = DocSplit::file;  // plain text only
   bool prompt_loss_mask = false;        // JSON lines of prompt/response pairs
   std::string prompt_key = "prompt", response_key = "response";
+  bool chat = false;                    // JSON lines of conversations, in messages_key
+  std::string messages_key = "messages";
+  std::string chat_template;            // a .jinja, tokenizer_config.json or model folder; empty: the tokenizer's folder
+  bool assistant_loss_mask = true;      // chat: only the assistant's replies in the loss
   std::string tokenizer;                // tokenizer.json, or a folder that holds one
   std::string eot_token;                // empty: <|endoftext|>, else the first of </s>, <|end_of_text|>, <|eot_id|>
   bool add_special_tokens = false;      // encode each document (prompt) with the post-processor (BOS)
@@ -50,6 +58,8 @@ struct TokenizeOptions {
 
 struct TokenizedSplit {
   int64_t documents = 0, tokens = 0, in_loss = 0;  // in_loss: targets the mask keeps (masked runs)
+  int64_t unplaced_replies = 0;                    // chat: assistant replies the mask could not locate
+  int64_t without_replies = 0;                     // chat: conversations with nothing in the loss
   std::vector<std::string> files;                  // token files, names inside `out`
 };
 

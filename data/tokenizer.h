@@ -31,6 +31,9 @@ namespace keel::data {
 // The well-known end-of-text tokens, in prepare_data.py's order of preference: GPT-2 and Qwen's,
 // Llama 2 and Mistral's, Llama 3's two.
 inline constexpr const char* kEndOfTextTokens[] = {"<|endoftext|>", "</s>", "<|end_of_text|>", "<|eot_id|>"};
+// The tokens that end a chat turn in the common chat templates: Llama 3 (and its tool-call
+// turn), ChatML (Qwen), Gemma, Phi-3.
+inline constexpr const char* kEndOfTurnTokens[] = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>"};
 
 class Tokenizer {
  public:

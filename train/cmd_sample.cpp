@@ -1,9 +1,14 @@
 // `keel sample`: generate text from a keel checkpoint or an HF model directory, with a KV cache
 // (model/generator.h), encoding and decoding with the model's tokenizer.json in C++.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 #include <sstream>
 
+#include "data/chat_template.h"
+#include "data/token_file.h"
 #include "data/tokenizer.h"
 #include "model/generator.h"
 #include "train/commands.h"
@@ -13,12 +18,14 @@
 namespace keel {
 
 using json = nlohmann::json;
+namespace fs = std::filesystem;
 
 namespace {
 
 struct SampleArgs {
   InferenceModelArgs model;
   std::string prompt, prompt_ids;
+  std::string chat, system, chat_template;  // --chat: a user message, rendered by the chat template
   int max_new_tokens = 64, top_k = 0;
   float temperature = 0.8f, top_p = 0.95f;
   uint64_t seed = 0;
@@ -48,8 +55,32 @@ std::string show_ids(const std::vector<int32_t>& ids) {
   return s + "]";
 }
 
+// The model's chat template: --chat-template, else the first of the model's tokenizer folders
+// (the tokenizer's own folder first) that has one.
+data::ChatTemplate find_chat_template(const LoadedModel& lm, const SampleArgs& a) {
+  if (!a.chat_template.empty())
+    return data::ChatTemplate::from_path(a.chat_template.starts_with("hf:") ? a.chat_template.substr(3) : a.chat_template);
+  std::vector<fs::path> dirs;
+  if (!a.model.tokenizer.empty())
+    dirs.push_back(fs::is_directory(a.model.tokenizer) ? fs::path(a.model.tokenizer) : fs::path(a.model.tokenizer).parent_path());
+  dirs.insert(dirs.end(), lm.tokenizer_dirs.begin(), lm.tokenizer_dirs.end());
+  std::string looked;
+  for (const fs::path& d : dirs) {
+    if (d.empty() || !fs::is_directory(d)) continue;
+    try {
+      return data::ChatTemplate::from_path(d.string());
+    } catch (const data::DataError&) {
+      looked += "\n  " + d.string();
+    }
+  }
+  throw ConfigError("--chat: no chat template found for " + lm.source + " (chat_template.jinja, or tokenizer_config.json's "
+                    "\"chat_template\"); looked in:" + looked + "\npass --chat-template FILE (a base model has none)");
+}
+
 int cmd_sample(const SampleArgs& a) {
-  if (!a.prompt.empty() && !a.prompt_ids.empty()) throw ConfigError("give --prompt or --prompt-ids, not both");
+  const int prompts = !a.prompt.empty() + !a.prompt_ids.empty() + !a.chat.empty();
+  if (prompts > 1) throw ConfigError("give one of --prompt, --prompt-ids and --chat");
+  if (!a.system.empty() && a.chat.empty()) throw ConfigError("--system goes with --chat");
   InferenceModel im(a.model);
   const LoadedModel& lm = im.model;
   Backend* const be = im.backend.get();
@@ -58,7 +89,20 @@ int cmd_sample(const SampleArgs& a) {
   std::optional<data::Tokenizer> tok = find_tokenizer(lm, a.model.tokenizer, /*required=*/a.prompt_ids.empty(),
                                                       "pass --tokenizer PATH (or --prompt-ids to give token ids)");
 
-  std::vector<int32_t> prompt = !a.prompt_ids.empty() ? parse_ids(a.prompt_ids) : tok->encode(a.prompt, !a.no_special);
+  std::vector<int32_t> prompt;
+  std::optional<data::ChatTemplate> chat;
+  if (!a.chat.empty()) {
+    // As apply_chat_template(add_generation_prompt=True, tokenize=True): the template writes the
+    // special tokens, so none are added.
+    chat = find_chat_template(lm, a);
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});
+    messages.push_back({{"role", "user"}, {"content", a.chat}});
+    prompt = tok->encode(chat->render(messages, true), false);
+    std::fprintf(stderr, "keel: chat template of %s; the prompt is %zu tokens\n", chat->origin().c_str(), prompt.size());
+  } else {
+    prompt = !a.prompt_ids.empty() ? parse_ids(a.prompt_ids) : tok->encode(a.prompt, !a.no_special);
+  }
   if (prompt.empty()) throw ConfigError("the prompt has no tokens");
 
   GenerateOptions g;
@@ -74,6 +118,13 @@ int cmd_sample(const SampleArgs& a) {
         for (const json& x : e) g.stop_ids.push_back(x.get<int32_t>());
     }
     if (g.stop_ids.empty() && tok) g.stop_ids = end_of_text_ids(*tok);
+    if (chat) {  // a reply ends at the template's eos_token or an end-of-turn token
+      std::vector<std::string> names(std::begin(data::kEndOfTurnTokens), std::end(data::kEndOfTurnTokens));
+      names.push_back(chat->special_token("eos_token"));
+      for (const std::string& n : names)
+        if (auto id = n.empty() ? std::nullopt : tok->token_to_id(n))
+          if (std::find(g.stop_ids.begin(), g.stop_ids.end(), *id) == g.stop_ids.end()) g.stop_ids.push_back(*id);
+    }
   }
   const int64_t max_len = static_cast<int64_t>(prompt.size()) + a.max_new_tokens;
   if (max_len > m.max_seq_len)
@@ -84,10 +135,11 @@ int cmd_sample(const SampleArgs& a) {
 
   // Stream the continuation: decode prompt + new tokens and print what is new (decoding the
   // whole keeps SentencePiece spaces and multi-byte characters right).
-  const std::string prompt_text = tok ? tok->decode(prompt, true) : "";
+  // A chat shows the reply only (the rendered prompt is the template's markup).
+  const std::string prompt_text = tok && !chat ? tok->decode(prompt, true) : "";
   std::printf("%s", prompt_text.c_str());
   std::fflush(stdout);
-  std::vector<int32_t> all = prompt;
+  std::vector<int32_t> all = chat ? std::vector<int32_t>() : prompt;
   size_t printed = prompt_text.size();
   const auto t0 = std::chrono::steady_clock::now();
   auto out = generate(gen, prompt, g, [&](int32_t id) {
@@ -130,6 +182,12 @@ Command add_sample_command(CLI::App& app) {
                               "Weights in memory: fp32 (default, matches HF fp32 logits), bf16, fp16");
   c->add_option("-p,--prompt", s.prompt, "Prompt text (encoded with the model's tokenizer, special tokens added)");
   c->add_option("--prompt-ids", s.prompt_ids, "Prompt as comma-separated token ids instead of text");
+  c->add_option("--chat", s.chat,
+                "A user message, rendered with the model's chat template (apply_chat_template with "
+                "add_generation_prompt); prints the assistant's reply");
+  c->add_option("--system", s.system, "--chat: a system message before the user's");
+  c->add_option("--chat-template", s.chat_template,
+                "--chat: a .jinja file, tokenizer_config.json or model folder (default: the model's)");
   c->add_option("-n,--max-new-tokens", s.max_new_tokens, "Tokens to generate (default 64)")->check(CLI::PositiveNumber);
   c->add_option("-t,--temperature", s.temperature, "Sampling temperature; 0 = greedy (default 0.8)")
       ->check(CLI::NonNegativeNumber);
@@ -144,6 +202,7 @@ Command add_sample_command(CLI::App& app) {
       "Examples:\n"
       "  keel sample --checkpoint hf:/models/Llama-2-7b-hf --prompt \"The capital of France is\" -t 0 -n 16\n"
       "  keel sample --checkpoint out/ft/checkpoints --prompt \"Q: why is the sky blue?\\nA:\" --top-p 0.9 --seed 3\n"
+      "  keel sample --checkpoint out/chat-ft/checkpoints --chat \"Name three primes.\" -t 0\n"
       "Generation uses a KV cache: the prompt in one forward, then one token per step.");
   return {c, [args] { return cmd_sample(*args); }};
 }

@@ -13,7 +13,7 @@ namespace {
 
 struct TokenizeArgs {
   data::TokenizeOptions o;
-  std::string doc_split = "file", loss_mask = "none", format = "llmc";
+  std::string doc_split = "file", loss_mask, format = "llmc";  // loss_mask "": none, or assistant with --chat
 };
 
 int cmd_tokenize(TokenizeArgs a) {
@@ -22,6 +22,9 @@ int cmd_tokenize(TokenizeArgs a) {
                 : a.doc_split == "line"    ? data::DocSplit::line
                                            : data::DocSplit::file;
   o.prompt_loss_mask = a.loss_mask == "prompt";
+  if (a.loss_mask == "assistant" && !o.chat) throw ConfigError("--loss-mask assistant is for conversations: add --chat");
+  o.assistant_loss_mask = a.loss_mask.empty() || a.loss_mask == "assistant";
+  if (o.chat_template.starts_with("hf:")) o.chat_template = o.chat_template.substr(3);
   o.format = a.format == "megatron" ? data::TokenOutputFormat::megatron : data::TokenOutputFormat::llmc;
   if (o.tokenizer.starts_with("hf:")) o.tokenizer = o.tokenizer.substr(3);
   if (!o.jsonl.empty() && a.doc_split != "file") throw ConfigError("--doc-split applies to --text only");
@@ -54,9 +57,16 @@ Command add_tokenize_command(CLI::App& app) {
   c->add_option("--doc-split", a.doc_split, "--text: file, paragraph (blank-line separated) or line (default: file)")
       ->check(CLI::IsMember({"file", "paragraph", "line"}));
   c->add_option("--loss-mask", a.loss_mask,
-                "prompt: records are prompt/response pairs and only the response and end of text count in the loss "
-                "(a .mask sidecar per token file); none (default)")
-      ->check(CLI::IsMember({"none", "prompt"}));
+                "prompt: records are prompt/response pairs and only the response and end of text count in the loss; "
+                "assistant (the default with --chat): only the assistant's replies count; none (the default otherwise). "
+                "Masks are .mask sidecars beside the token files")
+      ->check(CLI::IsMember({"none", "prompt", "assistant"}));
+  c->add_flag("--chat", o.chat,
+              "Records are conversations ({\"messages\": [{\"role\", \"content\"}, ...], optional \"tools\"}), "
+              "rendered with the model's chat template as transformers' apply_chat_template does");
+  c->add_option("--messages-key", o.messages_key, "--chat: JSON field holding the messages (default: messages)");
+  c->add_option("--chat-template", o.chat_template,
+                "--chat: a .jinja file, a tokenizer_config.json or a model folder (default: the tokenizer's folder)");
   c->add_option("--prompt-key", o.prompt_key, "JSON prompt field for --loss-mask prompt (default: prompt)");
   c->add_option("--response-key", o.response_key, "JSON response field for --loss-mask prompt (default: response)");
   c->add_option("--eot-token", o.eot_token,
@@ -74,6 +84,7 @@ Command add_tokenize_command(CLI::App& app) {
       "  keel tokenize --jsonl web.jsonl --tokenizer ckpt/llama2-7b --out data/web\n"
       "  keel tokenize --jsonl sft.jsonl --loss-mask prompt --add-special-tokens --tokenizer hf:/models/Llama-3.2-1B --out data/sft\n"
       "  keel tokenize --text book.txt --doc-split paragraph --tokenizer data/fortunes/tokenizer.json --out data/book\n"
+      "  keel tokenize --jsonl chats.jsonl --chat --tokenizer hf:/models/Llama-3.2-1B-Instruct --out data/chats\n"
       "Documents are shuffled with --seed and --val-fraction of them held out, as scripts/prepare_data.py does:\n"
       "with the same inputs and tokenizer both write the same token files byte for byte. The output folder\n"
       "changes only once everything is written and checked.");

@@ -138,8 +138,9 @@ std::vector<std::string> copy_side_files(const fs::path& from, const fs::path& t
 }  // namespace
 
 const std::vector<std::string>& hf_side_files() {
-  static const std::vector<std::string> files = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                                 "tokenizer.model", "generation_config.json"};
+  static const std::vector<std::string> files = {"tokenizer.json",          "tokenizer_config.json",
+                                                 "special_tokens_map.json", "tokenizer.model",
+                                                 "generation_config.json",  "chat_template.jinja"};
   return files;
 }
 

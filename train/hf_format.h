@@ -186,7 +186,8 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
 std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state);
 
 // Files copied along with a model: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
-// tokenizer.model, vocab.json, merges.txt, generation_config.json.
+// tokenizer.model, generation_config.json, chat_template.jinja (the chat template, when it is
+// not inside tokenizer_config.json).
 const std::vector<std::string>& hf_side_files();
 
 }  // namespace keel

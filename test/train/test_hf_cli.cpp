@@ -327,3 +327,84 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
   CHECK_THAT(r.output, Catch::Contains("nowhere.json"));
   CHECK(fs::exists(fs::path(tmp / "sft") / "train_000.mask"));
 }
+
+// Chat finetuning through the binary: the model folder gets a chat template (as an Instruct
+// model's tokenizer_config.json has one); keel tokenize --chat renders the conversations with
+// it and masks everything but the replies; keel sample --chat prompts through the same template,
+// which must equal prompting with the rendered text and no added special tokens.
+TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the model's chat template", "[hf][cli][chat]") {
+  test::TempDir tmp("hfchat");
+  const fs::path model = fs::path(tmp / "model");
+  fs::create_directories(model);
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"})
+    fs::copy_file(fs::path(kHf) / "llama_trained" / f, model / f);
+  const std::string tpl =
+      "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content | trim }} [/INST]"
+      "{% elif m.role == 'assistant' %} {{ m.content | trim }} {{ eos_token }}{% endif %}{% endfor %}";
+  std::ofstream(model / "tokenizer_config.json")
+      << json{{"chat_template", tpl}, {"bos_token", "<s>"}, {"eos_token", "</s>"}}.dump();
+  {
+    std::ofstream chats(tmp / "chats.jsonl");
+    const char* subjects[] = {"the sea", "a cat", "old books", "the moon", "rain", "bread"};
+    for (int k = 0; k < 40; ++k)
+      chats << json{{"messages",
+                     {{{"role", "user"}, {"content", std::string("tell me about ") + subjects[k % 6]}},
+                      {{"role", "assistant"}, {"content", std::string("It is said that ") + subjects[(k * 5) % 6] + " keeps quiet."}},
+                      {{"role", "user"}, {"content", "and then? (" + std::to_string(k) + ")"}},
+                      {{"role", "assistant"}, {"content", "Then it rains."}}}}}
+                   .dump()
+            << "\n";
+  }
+  auto r = run_keel("tokenize --jsonl " + tmp / "chats.jsonl" + " --chat --tokenizer hf:" + model.string() + " --out " +
+                    tmp / "chat" + " --val-fraction 0.1 -j 2");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("chat template of") && Catch::Contains("train: 36 documents") &&
+                           Catch::Contains("in the loss"));
+  std::ifstream meta_in(tmp / "chat/meta.json");
+  const json meta = json::parse(meta_in);
+  const int64_t in_loss = meta["loss_mask"]["train_in_loss"], tokens = meta["train_tokens"];
+  CHECK(in_loss > tokens / 5);  // the replies: about a third of every conversation
+  CHECK(in_loss < tokens / 2);
+
+  // Finetune on it: the masks and document boundaries are picked up.
+  auto cfg = run_keel("convert --print-config hf:" + model.string());
+  REQUIRE(cfg.code == 0);
+  std::ofstream(tmp / "ft.json") << cfg.output;
+  r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + model.string() + " --out " + tmp / "run" +
+               " --steps 2 --set 'data.train=" + tmp / "chat/train_*.bin' --set 'data.val=" + tmp / "chat/val_*.bin'" +
+               " --set data.document_masking=true --set train.seq_len=64 --set train.global_batch=4"
+               " --set train.micro_batch=2 --set schedule.warmup_steps=0");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("loss masks on 1 of 1 files"));
+
+  // keel sample --chat: the template's rendering, encoded without added special tokens.
+  const auto chat = run_keel("sample --checkpoint hf:" + model.string() + " --chat \"tell me about rain\" -t 0 -n 8 --show-ids");
+  INFO(chat.output);
+  REQUIRE(chat.code == 0);
+  CHECK_THAT(chat.output, Catch::Contains("chat template of"));
+  const auto plain = run_keel("sample --checkpoint hf:" + model.string() +
+                              " --prompt \"<s>[INST] tell me about rain [/INST]\" --no-special-tokens -t 0 -n 8 --show-ids");
+  REQUIRE(plain.code == 0);
+  CHECK(ids_after(chat.output, "prompt ids") == ids_after(plain.output, "prompt ids"));
+  CHECK(!ids_after(chat.output, "generated ids").empty());
+  CHECK(ids_after(chat.output, "generated ids") == ids_after(plain.output, "generated ids"));
+
+  // keel convert carries the template along (tokenizer_config.json, chat_template.jinja): the
+  // converted checkpoint chats the same.
+  REQUIRE(run_keel("convert hf:" + model.string() + " " + tmp / "ckpt").code == 0);
+  const auto converted = run_keel("sample --checkpoint " + tmp / "ckpt" + " --chat \"tell me about rain\" -t 0 -n 8 --show-ids");
+  REQUIRE(converted.code == 0);
+  CHECK(ids_after(converted.output, "prompt ids") == ids_after(chat.output, "prompt ids"));
+
+  // A base model has no template: the error says where it looked and what to pass.
+  const auto none = run_keel("sample --checkpoint hf:" + kHf + "llama_trained --chat hi");
+  CHECK(none.code == 2);
+  CHECK_THAT(none.output, Catch::Contains("no chat template") && Catch::Contains("--chat-template"));
+  // --add-special-tokens would put a second BOS in front of the template's.
+  r = run_keel("tokenize --jsonl " + tmp / "chats.jsonl" + " --chat --add-special-tokens --tokenizer hf:" + model.string() +
+               " --out " + tmp / "chat2");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("BOS would come twice"));
+}

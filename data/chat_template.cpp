@@ -1,0 +1,216 @@
+#include "data/chat_template.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "data/file_io.h"
+#include "data/token_file.h"
+#include "data/tokenizer.h"
+
+namespace keel::data {
+
+namespace fs = std::filesystem;
+using ojson = nlohmann::ordered_json;
+using detail::quoted;
+
+namespace {
+
+std::string read_text(const fs::path& p, const char* what) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw DataError(std::string("cannot read ") + what + " " + quoted(p.string()));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+ojson read_json(const fs::path& p) {
+  try {
+    return ojson::parse(read_text(p, "tokenizer config"));
+  } catch (const nlohmann::json::exception& e) {
+    throw DataError(quoted(p.string()) + " is not valid JSON (" + e.what() + ")");
+  }
+}
+
+// The number of leading entries a and b share.
+size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t k = 0;
+  while (k < n && a[k] == b[k]) ++k;
+  return k;
+}
+
+ojson first_messages(const ojson& messages, size_t n) {
+  ojson out = ojson::array();
+  for (size_t k = 0; k < n; ++k) out.push_back(messages[k]);
+  return out;
+}
+
+}  // namespace
+
+ChatTemplate ChatTemplate::from_source(const std::string& source, const ojson& config, const std::string& origin) {
+  ChatTemplate t;
+  t.origin_ = origin;
+  t.templates_.emplace_back("default", jinja::Template::parse(source, "chat template (" + origin + ")"));
+  if (config.is_object()) {
+    for (const auto& [key, v] : config.items()) {
+      if (key.size() > 6 && key.ends_with("_token")) {
+        if (v.is_string()) t.special_tokens_[key] = v;
+        else if (v.is_object() && v.contains("content") && v["content"].is_string()) t.special_tokens_[key] = v["content"];
+      } else if (key == "additional_special_tokens" && v.is_array()) {
+        ojson list = ojson::array();
+        for (const ojson& x : v) {
+          if (x.is_string()) list.push_back(x);
+          else if (x.is_object() && x.contains("content") && x["content"].is_string()) list.push_back(x["content"]);
+        }
+        t.special_tokens_[key] = list;
+      }
+    }
+  }
+  return t;
+}
+
+ChatTemplate ChatTemplate::from_path(const std::string& path) {
+  const fs::path p(path);
+  fs::path config_path, jinja_path;
+  if (fs::is_directory(p)) {
+    if (fs::exists(p / "chat_template.jinja")) jinja_path = p / "chat_template.jinja";
+    if (fs::exists(p / "tokenizer_config.json")) config_path = p / "tokenizer_config.json";
+  } else if (!fs::exists(p)) {
+    throw DataError("chat template " + quoted(path) + " does not exist");
+  } else if (p.extension() == ".json") {
+    config_path = p;
+  } else {
+    jinja_path = p;
+    if (fs::exists(p.parent_path() / "tokenizer_config.json")) config_path = p.parent_path() / "tokenizer_config.json";
+  }
+  const ojson config = config_path.empty() ? ojson() : read_json(config_path);
+  if (!jinja_path.empty()) return from_source(read_text(jinja_path, "chat template"), config, jinja_path.string());
+
+  const ojson* tpl = config.is_object() && config.contains("chat_template") ? &config["chat_template"] : nullptr;
+  if (!tpl || tpl->is_null())
+    throw DataError("no chat template in " + quoted(path) +
+                    (fs::is_directory(p) ? ": looked for chat_template.jinja and tokenizer_config.json's \"chat_template\""
+                                         : ": it has no \"chat_template\"") +
+                    " (a base model has none; pass --chat-template FILE.jinja)");
+  const std::string origin = config_path.string();
+  if (tpl->is_string()) return from_source(tpl->get<std::string>(), config, origin);
+  if (!tpl->is_array())
+    throw DataError(quoted(origin) + ": \"chat_template\" must be a string or a list of {\"name\", \"template\"}");
+  // A list of named templates: "default" first, the others (e.g. "tool_use") after it.
+  std::vector<std::pair<std::string, std::string>> named;
+  for (const ojson& e : *tpl) {
+    if (!e.is_object() || !e.contains("name") || !e["name"].is_string() || !e.contains("template") || !e["template"].is_string())
+      throw DataError(quoted(origin) + ": each entry of \"chat_template\" needs a string \"name\" and \"template\"");
+    named.emplace_back(e["name"].get<std::string>(), e["template"].get<std::string>());
+  }
+  std::stable_partition(named.begin(), named.end(), [](const auto& n) { return n.first == "default"; });
+  if (named.empty() || named[0].first != "default")
+    throw DataError(quoted(origin) + ": \"chat_template\" lists several templates and none is named \"default\"");
+  ChatTemplate t = from_source(named[0].second, config, origin);
+  for (size_t k = 1; k < named.size(); ++k)
+    t.templates_.emplace_back(named[k].first,
+                              jinja::Template::parse(named[k].second, "chat template '" + named[k].first + "' (" + origin + ")"));
+  return t;
+}
+
+std::string ChatTemplate::special_token(const std::string& name) const {
+  auto it = special_tokens_.find(name);
+  return it != special_tokens_.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+// As transformers: the "tool_use" template when tools are given and there is one.
+const jinja::Template& ChatTemplate::pick(const ojson& variables) const {
+  const bool tools = variables.contains("tools") && !variables["tools"].is_null();
+  if (tools)
+    for (const auto& [name, t] : templates_)
+      if (name == "tool_use") return t;
+  return templates_.front().second;
+}
+
+ojson ChatTemplate::context(const ojson& messages, bool add_generation_prompt, const ojson& variables) const {
+  if (!messages.is_array()) throw std::invalid_argument("messages must be a list, not " + std::string(messages.type_name()));
+  for (size_t k = 0; k < messages.size(); ++k)  // roles are the template's business, as in transformers
+    if (!messages[k].is_object()) throw std::invalid_argument("message " + std::to_string(k) + " must be an object");
+  // As apply_chat_template: message fields that are null are dropped, and reasoning given as
+  // reasoning_content, thinking or reasoning is offered under the first two names as well.
+  ojson msgs = ojson::array();
+  for (const ojson& m : messages) {
+    ojson kept = ojson::object();
+    const ojson* reasoning = nullptr;
+    for (const char* key : {"reasoning_content", "thinking", "reasoning"})
+      if (!reasoning && m.contains(key) && !m[key].is_null()) reasoning = &m[key];
+    if (reasoning) kept["thinking"] = *reasoning;
+    for (const auto& [k, v] : m.items())
+      if (!v.is_null()) kept[k] = v;
+    if (reasoning) kept["reasoning_content"] = *reasoning;
+    msgs.push_back(std::move(kept));
+  }
+  ojson ctx = special_tokens_;
+  ctx["messages"] = std::move(msgs);
+  ctx["tools"] = nullptr;
+  ctx["documents"] = nullptr;
+  ctx["add_generation_prompt"] = add_generation_prompt;
+  for (const auto& [k, v] : variables.items()) ctx[k] = v;
+  return ctx;
+}
+
+std::string ChatTemplate::render(const ojson& messages, bool add_generation_prompt, const ojson& variables) const {
+  return pick(variables).render(context(messages, add_generation_prompt, variables));
+}
+
+ChatRendering ChatTemplate::render_with_replies(const ojson& messages, const ojson& variables) const {
+  ChatRendering r;
+  r.text = render(messages, false, variables);
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (!messages[i].is_object() || messages[i].value("role", "") != "assistant") continue;
+    const std::string before = render(first_messages(messages, i), true, variables);
+    std::string through = render(first_messages(messages, i + 1), false, variables);
+    // A template may close a conversation with the eos_token (Phi-3): not part of a reply that
+    // more messages follow.
+    const std::string eos = special_token("eos_token");
+    if (!r.text.starts_with(through) && !eos.empty() && through.ends_with(eos))
+      through.resize(through.size() - eos.size());
+    if (through.size() > before.size() && through.starts_with(before) && r.text.starts_with(through))
+      r.replies.emplace_back(before.size(), through.size());
+    else
+      ++r.unplaced_replies;
+  }
+  return r;
+}
+
+ChatTokens ChatTemplate::tokenize(const Tokenizer& tok, const ojson& messages, const ojson& variables) const {
+  const ChatRendering r = render_with_replies(messages, variables);
+  ChatTokens out;
+  out.unplaced_replies = r.unplaced_replies;
+  out.ids = tok.encode(r.text, false);
+  out.reply.assign(out.ids.size(), 0);
+  if (r.replies.empty()) return out;
+
+  // Token index of each reply boundary. Fast path: the pieces between boundaries, encoded
+  // alone, give the whole text's tokens (boundaries fall on token boundaries). Else each
+  // boundary is where encode(text[:boundary]) stops agreeing with the whole text's tokens.
+  std::vector<size_t> cuts;
+  for (const auto& [b, e] : r.replies) cuts.push_back(b), cuts.push_back(e);
+  std::vector<size_t> at(cuts.size());
+  std::vector<int32_t> joined;
+  size_t prev = 0;
+  for (size_t k = 0; k < cuts.size(); ++k) {
+    const std::vector<int32_t> piece = tok.encode(std::string_view(r.text).substr(prev, cuts[k] - prev), false);
+    joined.insert(joined.end(), piece.begin(), piece.end());
+    at[k] = joined.size();
+    prev = cuts[k];
+  }
+  const std::vector<int32_t> rest = tok.encode(std::string_view(r.text).substr(prev), false);
+  joined.insert(joined.end(), rest.begin(), rest.end());
+  if (joined != out.ids)
+    for (size_t k = 0; k < cuts.size(); ++k)
+      at[k] = common_prefix(tok.encode(std::string_view(r.text).substr(0, cuts[k]), false), out.ids);
+  for (size_t k = 0; k + 1 < at.size(); k += 2)
+    for (size_t t = at[k]; t < at[k + 1] && t < out.reply.size(); ++t) out.reply[t] = 1;
+  return out;
+}
+
+}  // namespace keel::data

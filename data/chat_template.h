@@ -1,0 +1,87 @@
+// A model's chat template: how a conversation (a list of {"role", "content", ...} messages)
+// becomes the text the model was trained on, as transformers' apply_chat_template renders it
+// (data/jinja.h), and which parts of that text are the assistant's replies (the loss mask of
+// chat finetuning).
+//
+// Where the template comes from, as transformers reads a model folder:
+//   chat_template.jinja                  (newer transformers), else
+//   tokenizer_config.json "chat_template": a string, or a list of {"name", "template"}: the one
+//                                        named "default", or "tool_use" when tools are given
+// The variables a template sees are HF's: messages, tools (null without), documents (null),
+// add_generation_prompt, the special tokens of tokenizer_config.json (bos_token, eos_token, ...;
+// strings or {"content": ...} entries), and any extra variables (e.g. enable_thinking).
+//
+// The assistant's parts are found the way a template defines them, by rendering prefixes:
+// reply i spans from the end of render(messages[:i], add_generation_prompt=true) to the end of
+// render(messages[:i+1]) (less a closing eos_token that later messages replace, as Phi-3's).
+// That holds for any template that renders a conversation as the concatenation of its turns. A template may instead rewrite earlier replies once later
+// messages follow (Qwen3 drops the reasoning of earlier turns): such replies are not located,
+// stay out of the loss, and are counted (ChatRendering::unplaced_replies).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/jinja.h"
+
+namespace keel::data {
+
+class Tokenizer;
+
+struct ChatRendering {
+  std::string text;                                   // render(messages), no generation prompt
+  std::vector<std::pair<size_t, size_t>> replies;     // byte ranges of text that are assistant replies
+  int64_t unplaced_replies = 0;                       // assistant messages whose text could not be located
+};
+
+struct ChatTokens {
+  std::vector<int32_t> ids;    // encode(text) without added special tokens, as apply_chat_template(tokenize=True)
+  std::vector<uint8_t> reply;  // per token: 1 where it belongs to an assistant reply
+  int64_t unplaced_replies = 0;
+};
+
+class ChatTemplate {
+ public:
+  // `path`: a model folder, a tokenizer_config.json, or a .jinja file (special tokens then come
+  // from a tokenizer_config.json beside it, if there is one). Throws DataError naming the file
+  // when there is no template, and jinja::TemplateError when it does not parse.
+  static ChatTemplate from_path(const std::string& path);
+  // From the template text and tokenizer_config.json's contents (null: no special tokens).
+  static ChatTemplate from_source(const std::string& source, const nlohmann::ordered_json& tokenizer_config,
+                                  const std::string& origin);
+
+  // The text of `messages` (a JSON array); `variables` adds to or overrides the template's
+  // variables (tools, enable_thinking, ...). Throws jinja::TemplateError (a template's
+  // raise_exception included) and std::invalid_argument for messages that are not a list of
+  // objects.
+  std::string render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                     const nlohmann::ordered_json& variables = nlohmann::ordered_json::object()) const;
+  ChatRendering render_with_replies(const nlohmann::ordered_json& messages,
+                                    const nlohmann::ordered_json& variables = nlohmann::ordered_json::object()) const;
+  // render_with_replies, encoded: a token is a reply's when it starts inside the reply's text
+  // (exact wherever the token boundaries of the whole text fall on the reply's ends, which they
+  // do in the chat templates of Llama 3, Qwen, Gemma, Phi-3 and Mistral: a reply starts after
+  // a header and ends with a special token).
+  ChatTokens tokenize(const Tokenizer& tok, const nlohmann::ordered_json& messages,
+                      const nlohmann::ordered_json& variables = nlohmann::ordered_json::object()) const;
+
+  const std::string& origin() const { return origin_; }  // "tokenizer_config.json of DIR", ...
+  // A special token's text (bos_token, eos_token, ...), or "" when the config has none.
+  std::string special_token(const std::string& name) const;
+
+ private:
+  ChatTemplate() = default;
+  const jinja::Template& pick(const nlohmann::ordered_json& variables) const;
+  nlohmann::ordered_json context(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                 const nlohmann::ordered_json& variables) const;
+
+  std::vector<std::pair<std::string, jinja::Template>> templates_;  // (name, template); "default" first
+  nlohmann::ordered_json special_tokens_ = nlohmann::ordered_json::object();
+  std::string origin_;
+};
+
+}  // namespace keel::data

@@ -1,0 +1,318 @@
+// Chat templates (data/jinja.h, data/chat_template.h) against jinja2 and transformers: the
+// fixtures in test/fixtures/chat are what HF's Jinja environment renders for ~400 small
+// templates, and what apply_chat_template renders and tokenizes for chat templates in the style
+// of Llama 3 / 3.1, ChatML, Qwen 2.5 / 3, Mistral, Llama 2, Gemma and Phi-3
+// (scripts/make_chat_fixtures.py). Rendered text must match character for character and token
+// ids exactly; a template that raises must raise here too, with its message.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "data/chat_template.h"
+#include "data/corpus.h"
+#include "data/jinja.h"
+#include "data/loss_mask.h"
+#include "data/python_random.h"
+#include "data/token_file.h"
+#include "data/tokenize_corpus.h"
+#include "data/tokenizer.h"
+#include "data_test_util.h"
+
+namespace keel::data {
+namespace {
+
+namespace fs = std::filesystem;
+using ojson = nlohmann::ordered_json;
+using test::TempDir;
+
+const std::string kDir = std::string(KEEL_FIXTURE_DIR) + "/chat/";
+
+ojson load(const std::string& name) {
+  std::ifstream in(kDir + name);
+  REQUIRE(in);
+  return ojson::parse(in);
+}
+
+std::string show(const std::string& s) { return ojson(s).dump(); }  // quoted, escapes visible
+
+const Tokenizer& fixture_tokenizer() {
+  static const Tokenizer tok = Tokenizer::from_file(kDir + "tokenizer.json");
+  return tok;
+}
+
+// The template variables of a fixture conversation: tools and extra, as the script passed them.
+ojson variables_of(const ojson& conv) {
+  ojson v = ojson::object();
+  if (conv.contains("tools")) v["tools"] = conv["tools"];
+  if (conv.contains("extra"))
+    for (const auto& [k, x] : conv["extra"].items()) v[k] = x;
+  return v;
+}
+
+TEST_CASE("jinja: the fixture cases render as jinja2 renders them", "[chat][jinja]") {
+  const ojson cases = load("jinja_cases.json")["cases"];
+  REQUIRE(cases.size() > 300);
+  std::vector<std::string> failures;
+  int errors = 0;
+  for (const ojson& c : cases) {
+    const std::string name = c["name"];
+    std::string got, error;
+    try {
+      got = jinja::Template::parse(c["template"].get<std::string>(), name).render(c["context"]);
+    } catch (const jinja::TemplateError& e) {
+      error = e.what();
+    }
+    if (c.contains("output")) {
+      if (!error.empty()) failures.push_back(name + ": threw " + error);
+      else if (got != c["output"]) failures.push_back(name + ": got " + show(got) + ", jinja2 " + c["output"].dump());
+      continue;
+    }
+    ++errors;
+    // jinja2 raised: so must keel; a template's own message (raise_exception) must come through.
+    if (error.empty()) failures.push_back(name + ": rendered " + show(got) + ", jinja2 raised " + c["error"].dump());
+    else if (c["error_type"] == "TemplateError" && error.find(c["error"].get<std::string>()) == std::string::npos)
+      failures.push_back(name + ": message " + show(error) + " lacks " + c["error"].dump());
+  }
+  for (const std::string& f : failures) UNSCOPED_INFO(f);
+  CHECK(failures.empty());
+  CHECK(errors > 20);
+}
+
+TEST_CASE("jinja: errors name the template and the line", "[chat][jinja]") {
+  try {
+    jinja::Template::parse("line one\n{% if x %}\n{{ x.y.z }}\n{% endif %}", "my template").render(ojson{{"x", {{"a", 1}}}});
+    FAIL("no error");
+  } catch (const jinja::TemplateError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("my template, line 3") && Catch::Contains("'y'"));
+  }
+  try {
+    jinja::Template::parse("a\nb {% for x in y %}", "t");
+    FAIL("no error");
+  } catch (const jinja::TemplateError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("'for'") && Catch::Contains("endfor"));
+  }
+  CHECK_THROWS_WITH(jinja::Template::parse("{% call foo() %}{% endcall %}", "t"), Catch::Contains("not supported"));
+  CHECK_THROWS_WITH(jinja::Template::parse("{{ 'abc }}", "t"), Catch::Contains("unterminated string"));
+  // strftime_now reads the injected clock (reproducible data); 2024-07-26 12:00 UTC.
+  const std::string day = jinja::Template::parse("{{ strftime_now('%Y-%m') }}").render(ojson::object(), [] { return std::time_t{1721995200}; });
+  CHECK(day == "2024-07");
+}
+
+TEST_CASE("chat templates render and tokenize as apply_chat_template", "[chat]") {
+  const ojson fx = load("templates.json");
+  const Tokenizer& tok = fixture_tokenizer();
+  int conversations = 0, raised = 0;
+  for (const auto& [name, t] : fx["templates"].items()) {
+    const ChatTemplate chat = ChatTemplate::from_source(t["template"], t["special_tokens"], name);
+    for (const ojson& conv : t["conversations"]) {
+      INFO(name << " / " << conv["name"].get<std::string>());
+      const ojson vars = variables_of(conv);
+      if (conv.contains("error")) {
+        ++raised;
+        CHECK_THROWS_WITH(chat.render(conv["messages"], conv["add_generation_prompt"], vars),
+                          Catch::Contains(conv["error"].get<std::string>()));
+        continue;
+      }
+      ++conversations;
+      const std::string text = chat.render(conv["messages"], conv["add_generation_prompt"], vars);
+      CHECK(text == conv["text"].get<std::string>());
+      CHECK(tok.encode(text, false) == conv["ids"].get<std::vector<int32_t>>());
+    }
+  }
+  CHECK(conversations >= 40);
+  CHECK(raised >= 10);
+}
+
+// The replies: every answered conversation's assistant messages are found, their text is the
+// message's content as the template writes it, and the rest of the rendering is out.
+TEST_CASE("chat templates: the assistant replies of a rendering", "[chat]") {
+  const ojson fx = load("templates.json");
+  const Tokenizer& tok = fixture_tokenizer();
+  int checked = 0;
+  for (const auto& [name, t] : fx["templates"].items()) {
+    const ChatTemplate chat = ChatTemplate::from_source(t["template"], t["special_tokens"], name);
+    for (const ojson& conv : t["conversations"]) {
+      if (conv.contains("error") || conv["add_generation_prompt"].get<bool>()) continue;
+      INFO(name << " / " << conv["name"].get<std::string>());
+      const ojson vars = variables_of(conv);
+      const ojson& messages = conv["messages"];
+      const ChatRendering r = chat.render_with_replies(messages, vars);
+      CHECK(r.text == conv["text"].get<std::string>());
+      std::vector<std::string> contents;
+      for (const ojson& m : messages)
+        if (m["role"] == "assistant") contents.push_back(m.contains("content") && m["content"].is_string() ? m["content"].get<std::string>() : "");
+      // Qwen 3 rewrites earlier replies (their reasoning is dropped): those are not placed.
+      const bool rewrites = name == "qwen3_think";
+      if (!rewrites) CHECK(r.unplaced_replies == 0);
+      CHECK(r.replies.size() + static_cast<size_t>(r.unplaced_replies) == contents.size());
+      for (size_t k = 0; k < r.replies.size(); ++k) {
+        const auto [b, e] = r.replies[k];
+        const std::string reply = r.text.substr(b, e - b);
+        const std::string& content = contents[contents.size() - r.replies.size() + k];
+        // The content, stripped of the whitespace templates trim, lies inside the reply.
+        const std::string core(python_strip(content));
+        CHECK_THAT(reply, Catch::Contains(core));
+      }
+      // Tokens: the reply tokens decode to exactly the reply texts.
+      const ChatTokens ct = chat.tokenize(tok, messages, vars);
+      CHECK(ct.ids == conv["ids"].get<std::vector<int32_t>>());
+      // Decoded run by run: a character's bytes may span tokens.
+      std::string in_loss, expected;
+      std::vector<int32_t> run;
+      for (size_t i = 0; i <= ct.ids.size(); ++i) {
+        if (i < ct.ids.size() && ct.reply[i]) {
+          run.push_back(ct.ids[i]);
+        } else if (!run.empty()) {
+          in_loss += tok.decode(run);
+          run.clear();
+        }
+      }
+      for (const auto& [b, e] : r.replies) expected += r.text.substr(b, e - b);
+      CHECK(in_loss == expected);
+      ++checked;
+    }
+  }
+  CHECK(checked >= 12);
+}
+
+TEST_CASE("chat templates load from tokenizer_config.json and chat_template.jinja", "[chat]") {
+  const ojson fx = load("config_cases.json");
+  TempDir dir;
+  fs::copy_file(kDir + "tokenizer_config.json", dir / "tokenizer_config.json");
+  // A string template, bos_token as a string and eos_token as an AddedToken object.
+  const ChatTemplate plain = ChatTemplate::from_path(dir.str());
+  CHECK(plain.special_token("bos_token") == "<|begin_of_text|>");
+  CHECK(plain.special_token("eos_token") == "<|eot_id|>");
+  CHECK(plain.special_token("unk_token").empty());
+  for (const ojson& c : fx["cases"]) {
+    const ChatTemplate chat = ChatTemplate::from_path(kDir + c["file"].get<std::string>());
+    for (const ojson& r : c["renders"]) {
+      INFO(c["file"].get<std::string>() << " / " << r["name"].get<std::string>());
+      CHECK(chat.render(r["messages"], r["add_generation_prompt"], variables_of(r)) == r["text"].get<std::string>());
+    }
+  }
+  // chat_template.jinja wins over tokenizer_config.json, which still gives the special tokens.
+  {
+    std::ofstream(dir / "chat_template.jinja") << "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{% endfor %}\n";
+  }
+  const ChatTemplate jinja_file = ChatTemplate::from_path(dir.str());
+  CHECK(jinja_file.render(ojson::parse(R"([{"role":"user","content":"x"}])"), false) == "<|begin_of_text|>[user]");
+  // No template: the error names the folder and what was looked for.
+  TempDir empty;
+  CHECK_THROWS_WITH(ChatTemplate::from_path(empty.str()), Catch::Contains("no chat template") && Catch::Contains("chat_template.jinja"));
+}
+
+// keel tokenize --chat over chat.jsonl: the token stream is the conversations in the shuffled
+// order, each as apply_chat_template(tokenize=True) gives it plus the end of text; the mask
+// keeps exactly the assistant replies as the template writes them.
+struct ChatRun {
+  std::string template_name;  // in templates.json / chat_rendered.json
+  std::string reply_end;      // what the template writes after a reply's content
+  bool jinja_file;            // --chat-template FILE.jinja, else the tokenizer folder's config
+};
+
+TEST_CASE("keel tokenize --chat: apply_chat_template's tokens, the assistant replies in the loss", "[chat][tokenize]") {
+  const ojson rendered = load("chat_rendered.json")["templates"];
+  std::vector<ojson> records;
+  {
+    std::ifstream in(kDir + "chat.jsonl");
+    for (std::string line; std::getline(in, line);) records.push_back(ojson::parse(line));
+  }
+  const Tokenizer& tok = fixture_tokenizer();
+  const int32_t eot = *tok.token_to_id("<|endoftext|>");
+  for (const ChatRun& run : {ChatRun{"llama3", "<|eot_id|>", false}, ChatRun{"chatml_qwen25", "<|im_end|>\n", true}}) {
+    INFO(run.template_name);
+    TempDir dir;
+    TokenizeOptions o;
+    o.jsonl = {kDir + "chat.jsonl"};
+    o.chat = true;
+    o.tokenizer = kDir;  // tokenizer.json and tokenizer_config.json (the llama3 template)
+    if (run.jinja_file) {
+      std::ofstream(dir / "t.jinja") << load("templates.json")["templates"][run.template_name]["template"].get<std::string>();
+      o.chat_template = dir / "t.jinja";
+    }
+    o.val_fraction = 0;
+    o.threads = 2;
+    o.out = dir / "out";
+    const TokenizeResult r = tokenize_corpus(o, [](const std::string&) {});
+    REQUIRE(r.train.documents == static_cast<int64_t>(records.size()));
+    CHECK(r.train.unplaced_replies == 0);
+    CHECK(r.train.without_replies == 0);
+
+    std::vector<uint64_t> order(records.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    PythonRandom(o.seed).shuffle(order);
+    std::vector<int32_t> want_ids;
+    std::string want_in_loss;
+    for (uint64_t k : order) {
+      const ojson& oracle = rendered[run.template_name][k];
+      for (int32_t id : oracle["ids"].get<std::vector<int32_t>>()) want_ids.push_back(id);
+      want_ids.push_back(eot);
+      for (const ojson& m : records[k]["messages"])
+        if (m["role"] == "assistant")
+          want_in_loss += std::string(run.template_name == "llama3" ? python_strip(m["content"].get<std::string>())
+                                                                    : m["content"].get<std::string>()) + run.reply_end;
+    }
+    const TokenFile f = TokenFile::open(dir / "out/train_000.bin");
+    std::vector<int32_t> got(static_cast<size_t>(f.num_tokens()));
+    f.read(0, f.num_tokens(), got.data());
+    CHECK(got == want_ids);
+    const auto mask = LossMask::open_for(f);
+    REQUIRE(mask);
+    std::string in_loss;
+    std::vector<int32_t> span;
+    for (int64_t i = 0; i <= f.num_tokens(); ++i) {
+      if (i < f.num_tokens() && mask->in_loss(i)) {
+        span.push_back(got[static_cast<size_t>(i)]);
+      } else if (!span.empty()) {
+        in_loss += tok.decode(span);
+        span.clear();
+      }
+    }
+    CHECK(in_loss == want_in_loss);
+    CHECK(r.train.in_loss == mask->count_in_loss());
+    std::ifstream meta_in(dir / "out/meta.json");
+    const auto meta = nlohmann::json::parse(meta_in);
+    CHECK(meta["source"]["kind"] == "jsonl conversations");
+    CHECK_THAT(meta["loss_mask"]["kind"].get<std::string>(), Catch::StartsWith("assistant"));
+  }
+}
+
+TEST_CASE("keel tokenize --chat: bad records and mismatched templates are named", "[chat][tokenize]") {
+  TempDir dir;
+  TokenizeOptions o;
+  o.chat = true;
+  o.tokenizer = kDir;
+  o.val_fraction = 0;
+  o.out = dir / "out";
+  // A record whose messages is not a list: the file and line.
+  o.jsonl = {kDir + "chat_bad.jsonl"};
+  CHECK_THROWS_WITH(tokenize_corpus(o, [](const std::string&) {}),
+                    Catch::Contains("chat_bad.jsonl:2") && Catch::Contains("'messages' must be a list"));
+  CHECK(!fs::exists(dir / "out/train_000.bin"));
+  // A conversation the template refuses: its raise_exception message, with the file and line.
+  {
+    std::ofstream(dir / "gemma.jinja") << load("templates.json")["templates"]["gemma"]["template"].get<std::string>();
+    std::ofstream(dir / "sys.jsonl") << R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})" << "\n"
+                                     << R"({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]})" << "\n";
+  }
+  o.jsonl = {dir / "sys.jsonl"};
+  o.chat_template = dir / "gemma.jinja";
+  CHECK_THROWS_WITH(tokenize_corpus(o, [](const std::string&) {}), Catch::Contains("sys.jsonl:2") && Catch::Contains("ystem role"));
+  // A template whose special tokens the tokenizer lacks: another model's template.
+  o.jsonl = {kDir + "chat.jsonl"};
+  o.chat_template = kDir + "tokenizer_config.json";
+  o.tokenizer = std::string(KEEL_FIXTURE_DIR) + "/tokenizers/gpt2.json";
+  CHECK_THROWS_WITH(tokenize_corpus(o, [](const std::string&) {}),
+                    Catch::Contains("<|begin_of_text|>") && Catch::Contains("different models"));
+  // A second BOS would come from --add-special-tokens.
+  o.tokenizer = kDir;
+  o.add_special_tokens = true;
+  CHECK_THROWS_WITH(tokenize_corpus(o, [](const std::string&) {}), Catch::Contains("BOS would come twice"));
+}
+
+}  // namespace
+}  // namespace keel::data
