@@ -95,8 +95,8 @@ std::string to_case(const std::string& s, Case to) {
   for (const std::string& cp : code_points(s)) out += map_case(code_point(cp), to);
   return out;
 }
-std::string ascii_upper(const std::string& s) { return to_case(s, Case::upper); }
-std::string ascii_lower(const std::string& s) { return to_case(s, Case::lower); }
+std::string to_upper(const std::string& s) { return to_case(s, Case::upper); }
+std::string to_lower(const std::string& s) { return to_case(s, Case::lower); }
 
 // str.capitalize(): the first character in title case, the rest lower.
 std::string capitalize(const std::string& s) {
@@ -384,8 +384,8 @@ Value string_method(const std::string& s, const std::string& name) {
   if (name == "upper" || name == "lower" || name == "title" || name == "capitalize")
     return method([s, name](Args& a) {
       a.done();
-      return Value::string(name == "upper"   ? ascii_upper(s)
-                           : name == "lower" ? ascii_lower(s)
+      return Value::string(name == "upper"   ? to_upper(s)
+                           : name == "lower" ? to_lower(s)
                            : name == "title" ? python_title(s)
                                              : capitalize(s));
     });
@@ -521,7 +521,7 @@ Value attribute_of(const Value& item, const std::string& attr) {
 
 // Sort key for sort/unique/min/max: strings compared case-insensitively unless asked.
 Value sort_key(const Value& v, bool case_sensitive) {
-  return v.is_string() && !case_sensitive ? Value::string(ascii_lower(v.s)) : v;
+  return v.is_string() && !case_sensitive ? Value::string(to_lower(v.s)) : v;
 }
 
 Value select_items(const Value& seq, Args& a, bool by_attribute, bool keep) {
@@ -600,8 +600,8 @@ std::map<std::string, Filter> make_filters() {
     a.done();
     return Value::integer(length(v));
   };
-  f["lower"] = [](const Value& v, Args& a) { a.done(); return Value::string(ascii_lower(soft_str(v))); };
-  f["upper"] = [](const Value& v, Args& a) { a.done(); return Value::string(ascii_upper(soft_str(v))); };
+  f["lower"] = [](const Value& v, Args& a) { a.done(); return Value::string(to_lower(soft_str(v))); };
+  f["upper"] = [](const Value& v, Args& a) { a.done(); return Value::string(to_upper(soft_str(v))); };
   f["title"] = [](const Value& v, Args& a) { a.done(); return Value::string(title(soft_str(v))); };
   f["capitalize"] = [](const Value& v, Args& a) { a.done(); return Value::string(capitalize(soft_str(v))); };
   f["string"] = [](const Value& v, Args& a) { a.done(); return Value::string(to_str(v)); };

@@ -149,6 +149,7 @@ void check_options(const TokenizeOptions& o) {
   if (o.prompt_loss_mask && o.jsonl.empty())
     throw std::invalid_argument("--loss-mask prompt needs --jsonl (records with --prompt-key and --response-key)");
   if (o.chat && o.jsonl.empty()) throw std::invalid_argument("--chat needs --jsonl (records with a --messages-key list)");
+  if (!o.chat && !o.chat_template.empty()) throw std::invalid_argument("--chat-template applies to --chat only");
   if (o.chat && o.prompt_loss_mask)
     throw std::invalid_argument("--loss-mask prompt is for prompt/response pairs; with --chat use assistant (the default) or none");
   if (o.chat && o.add_special_tokens)

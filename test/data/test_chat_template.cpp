@@ -312,6 +312,11 @@ TEST_CASE("keel tokenize --chat: bad records and mismatched templates are named"
   o.tokenizer = kDir;
   o.add_special_tokens = true;
   CHECK_THROWS_WITH(tokenize_corpus(o, [](const std::string&) {}), Catch::Contains("BOS would come twice"));
+  // A template without --chat would be ignored: refused instead.
+  o.add_special_tokens = false;
+  o.chat = false;
+  CHECK_THROWS_WITH(tokenize_corpus(o, [](const std::string&) {}), Catch::Contains("--chat-template applies to --chat only"));
+  CHECK(!fs::exists(dir / "out/train_000.bin"));
 }
 
 }  // namespace
