@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <stdexcept>
 
 #include "data/file_io.h"
@@ -18,17 +16,9 @@ using detail::quoted;
 
 namespace {
 
-std::string read_text(const fs::path& p, const char* what) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) throw DataError(std::string("cannot read ") + what + " " + quoted(p.string()));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 ojson read_json(const fs::path& p) {
   try {
-    return ojson::parse(read_text(p, "tokenizer config"));
+    return ojson::parse(detail::read_file(p.string(), "tokenizer config"));
   } catch (const nlohmann::json::exception& e) {
     throw DataError(quoted(p.string()) + " is not valid JSON (" + e.what() + ")");
   }
@@ -87,7 +77,7 @@ ChatTemplate ChatTemplate::from_path(const std::string& path) {
     if (fs::exists(p.parent_path() / "tokenizer_config.json")) config_path = p.parent_path() / "tokenizer_config.json";
   }
   const ojson config = config_path.empty() ? ojson() : read_json(config_path);
-  if (!jinja_path.empty()) return from_source(read_text(jinja_path, "chat template"), config, jinja_path.string());
+  if (!jinja_path.empty()) return from_source(detail::read_file(jinja_path.string(), "chat template"), config, jinja_path.string());
 
   const ojson* tpl = config.is_object() && config.contains("chat_template") ? &config["chat_template"] : nullptr;
   if (!tpl || tpl->is_null())

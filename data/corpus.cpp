@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -69,14 +67,16 @@ std::string conversation_problem(const nlohmann::json& messages, int64_t& chars)
 
 }  // namespace
 
-std::string_view python_strip(std::string_view s) {
+std::string_view python_strip(std::string_view s) { return python_rstrip(python_lstrip(s)); }
+
+std::string_view python_lstrip(std::string_view s) {
   size_t b = 0;
   while (b < s.size()) {
     size_t pos = b;
     if (!uc::is_python_space(static_cast<char32_t>(uc::next_utf8(s, pos)))) break;
     b = pos;
   }
-  return python_rstrip(s.substr(b));
+  return s.substr(b);
 }
 
 std::string_view python_rstrip(std::string_view s) {
@@ -236,11 +236,7 @@ Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::stri
 Corpus Corpus::text(const std::vector<std::string>& files, DocSplit split) {
   Corpus c;
   for (const std::string& path : files) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw DataError("cannot read text file " + quoted(path) + (fs::exists(path) ? "" : ": it does not exist"));
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    std::string text = ss.str();
+    std::string text = detail::read_file(path, "text file");
     if (!uc::is_valid_utf8(text)) {
       text = uc::replace_invalid_utf8(text);
       ++c.bad_utf8_files_;

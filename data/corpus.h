@@ -82,8 +82,10 @@ class Corpus {
   int64_t characters_ = 0, skipped_ = 0, bad_utf8_files_ = 0;
 };
 
-// Python's str.strip() / rstrip() of whitespace (unicode::is_python_space) on valid UTF-8.
+// Python's str.strip() / lstrip() / rstrip() of whitespace (unicode::is_python_space) on
+// valid UTF-8.
 std::string_view python_strip(std::string_view s);
+std::string_view python_lstrip(std::string_view s);
 std::string_view python_rstrip(std::string_view s);
 // The pieces re.split(r"\n\s*\n", text) returns (Python's \s: is_python_space).
 std::vector<std::string_view> split_paragraphs(std::string_view text);

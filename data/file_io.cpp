@@ -8,12 +8,27 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "data/token_file.h"
 
 namespace keel::data::detail {
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+std::string read_file(const std::string& path, const std::string& kind) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    if (err == ENOENT) throw DataError(kind + " '" + path + "' does not exist");
+    throw DataError("cannot read " + kind + " '" + path + "': " + errno_text(err));
+  }
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) throw DataError("cannot read " + kind + " '" + path + "': " + errno_text(errno));
+  return ss.str();
+}
 
 MappedFile MappedFile::open(const std::string& path, const std::string& kind) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -14,6 +14,10 @@ std::string errno_text(int err);
 // 'path': how messages of data/ show a file name (or a token, a field).
 inline std::string quoted(const std::string& s) { return "'" + s + "'"; }
 
+// The whole file (a small text: a tokenizer, a template, a text corpus file); throws DataError
+// naming the path and the reason.
+std::string read_file(const std::string& path, const std::string& kind);
+
 // A read-only mapping of a whole regular file. Missing, unreadable, non-regular and empty
 // files throw DataError naming the path; `kind` says what the file should be ("token file").
 class MappedFile {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "data/corpus.h"
 #include "data/jinja_value.h"
 #include "data/unicode.h"
 
@@ -35,33 +36,11 @@ struct Piece {
   int line = 0;
 };
 
-bool is_space_at(const std::string& s, size_t pos, size_t* next) {
-  size_t p = pos;
-  const int32_t c = unicode::next_utf8(s, p);
-  if (c < 0 || !unicode::is_python_space(static_cast<char32_t>(c))) return false;
-  *next = p;
-  return true;
-}
-
-// Python's str.rstrip() / lstrip() (Unicode whitespace).
-std::string rstrip_space(const std::string& s) {
-  size_t keep = 0, pos = 0;
-  while (pos < s.size()) {
-    size_t next = 0;
-    if (is_space_at(s, pos, &next)) {
-      pos = next;
-    } else {
-      unicode::next_utf8(s, pos);
-      keep = pos;
-    }
-  }
-  return s.substr(0, keep);
-}
+// Whitespace as jinja's regexes (\s) and Python's strip see it: data/corpus.h's python_*strip.
+std::string rstrip_space(const std::string& s) { return std::string(python_rstrip(s)); }
 
 size_t skip_space(const std::string& s, size_t pos) {
-  size_t next = 0;
-  while (pos < s.size() && is_space_at(s, pos, &next)) pos = next;
-  return pos;
+  return pos >= s.size() ? pos : s.size() - python_lstrip(std::string_view(s).substr(pos)).size();
 }
 
 bool all_space(const std::string& s, size_t from) {
@@ -391,6 +370,11 @@ struct Expr {
   ExprPtr a, b, c, d;  // Attr/Item/Slice/Call/Filter/Test: a is the object; Item: b the key; Slice: b, c, d;
                        // unary: a; Binary/And/Or: a, b; Cond: a if b else c
   bool negated = false;  // Test: is not
+  // Filter, Test: the builtin, looked up once here (null: unknown, an error only if it runs,
+  // as in jinja), and the name errors give it ("filter 'join'"); Call: "call".
+  const jinja::Filter* filter_fn = nullptr;
+  const jinja::Test* test_fn = nullptr;
+  std::string what;
 };
 
 struct Node;
@@ -917,6 +901,7 @@ class Parser {
       } else if (peek_op("(")) {
         const int line = next().line;
         ExprPtr e = make(Expr::Call, line);
+        e->what = "call";
         e->a = std::move(node);
         call_args(*e);
         node = std::move(e);
@@ -981,6 +966,8 @@ class Parser {
         ExprPtr e = make(Expr::Filter, line);
         e->a = std::move(node);
         e->name = name.text;
+        e->filter_fn = find_filter(name.text);
+        e->what = "filter '" + name.text + "'";
         if (peek_op("(")) {
           ++at_;
           call_args(*e);
@@ -1000,6 +987,8 @@ class Parser {
                                                                      name.text == "<=" || name.text == ">=")))
           fail(name.line, "expected a test name after 'is'");
         e->name = name.text;
+        e->test_fn = find_test(name.text);
+        e->what = "test '" + name.text + "'";
         const Token& t = peek();
         if (peek_op("(")) {
           ++at_;
@@ -1219,11 +1208,17 @@ class Renderer {
     });
   }
 
-  Value call(const Value& fn, const Expr& e, const std::string& what) {
+  // The arguments of a call, filter or test, evaluated.
+  Args args_of(const Expr& e) {
     Args a;
-    a.what = what;
+    a.what = e.what;
     for (const auto& x : e.items) a.pos.push_back(eval(*x));
     for (const auto& [k, x] : e.kwargs) a.kw.emplace_back(k, eval(*x));
+    return a;
+  }
+
+  Value call(const Value& fn, const Expr& e) {
+    Args a = args_of(e);
     if (fn.is_undefined()) throw RenderError(fn.s.empty() ? "call of an undefined value" : fn.s);
     if (fn.kind != Value::Kind::Function) throw RenderError("'" + type_name(fn) + "' object is not callable");
     return (*fn.fn)(a);
@@ -1261,26 +1256,18 @@ class Renderer {
         auto opt = [&](const ExprPtr& p) { return p ? eval(*p) : Value::none(); };
         return slice(obj, opt(e.b), opt(e.c), opt(e.d));
       }
-      case Expr::Call: return call(eval(*e.a), e, "call");
+      case Expr::Call: return call(eval(*e.a), e);
       case Expr::Filter: {
         Value v = eval(*e.a);
-        Args a;
-        a.what = "filter '" + e.name + "'";
-        for (const auto& x : e.items) a.pos.push_back(eval(*x));
-        for (const auto& [k, x] : e.kwargs) a.kw.emplace_back(k, eval(*x));
-        const Filter* f = find_filter(e.name);  // checked here: jinja fails only when the filter runs
-        if (!f) throw RenderError("no filter named '" + e.name + "'");
-        return (*f)(v, a);
+        Args a = args_of(e);
+        if (!e.filter_fn) throw RenderError("no filter named '" + e.name + "'");
+        return (*e.filter_fn)(v, a);
       }
       case Expr::Test: {
         Value v = eval(*e.a);
-        Args a;
-        a.what = "test '" + e.name + "'";
-        for (const auto& x : e.items) a.pos.push_back(eval(*x));
-        for (const auto& [k, x] : e.kwargs) a.kw.emplace_back(k, eval(*x));
-        const Test* t = find_test(e.name);
-        if (!t) throw RenderError("no test named '" + e.name + "'");
-        return Value::boolean((*t)(v, a) != e.negated);
+        Args a = args_of(e);
+        if (!e.test_fn) throw RenderError("no test named '" + e.name + "'");
+        return Value::boolean((*e.test_fn)(v, a) != e.negated);
       }
       case Expr::Not: return Value::boolean(!truthy(eval(*e.a)));
       case Expr::Neg: case Expr::Pos: {

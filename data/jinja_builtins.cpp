@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 
+#include "data/corpus.h"
 #include "data/jinja_value.h"
 #include "data/unicode.h"
 
@@ -41,15 +42,17 @@ char32_t code_point(const std::string& s) {
 
 bool is_space(const std::string& cp) { return unicode::is_python_space(code_point(cp)); }
 
-// str.strip / lstrip / rstrip: whitespace, or any code point of `chars`.
+// str.strip / lstrip / rstrip: whitespace (data/corpus.h's python_*strip: the common case,
+// |trim on every message, without splitting into code points), or any code point of `chars`.
 std::string strip(const std::string& s, const Value& chars, bool left, bool right) {
-  const std::vector<std::string> cps = code_points(s);
-  std::vector<std::string> set;
-  const bool by_chars = chars.is_string();
-  if (by_chars) set = code_points(chars.s);
-  auto strippable = [&](const std::string& cp) {
-    return by_chars ? std::find(set.begin(), set.end(), cp) != set.end() : is_space(cp);
-  };
+  if (!chars.is_string()) {
+    std::string_view v = s;
+    if (left) v = python_lstrip(v);
+    if (right) v = python_rstrip(v);
+    return std::string(v);
+  }
+  const std::vector<std::string> cps = code_points(s), set = code_points(chars.s);
+  auto strippable = [&](const std::string& cp) { return std::find(set.begin(), set.end(), cp) != set.end(); };
   size_t b = 0, e = cps.size();
   if (left)
     while (b < e && strippable(cps[b])) ++b;
@@ -249,39 +252,10 @@ bool starts_or_ends(const std::string& s, const Value& arg, bool start) {
   return one(arg);
 }
 
+// A JSON string as json.dumps writes it (\uXXXX in lower-case hex for control characters and,
+// with ensure_ascii, for non-ASCII ones as surrogate pairs): nlohmann's escaping is the same.
 std::string json_string(const std::string& s, bool ensure_ascii) {
-  std::string out = "\"";
-  size_t pos = 0;
-  char buf[16];
-  while (pos < s.size()) {
-    const size_t start = pos;
-    const int32_t c = unicode::next_utf8(s, pos);
-    switch (c) {
-      case '"': out += "\\\""; continue;
-      case '\\': out += "\\\\"; continue;
-      case '\n': out += "\\n"; continue;
-      case '\r': out += "\\r"; continue;
-      case '\t': out += "\\t"; continue;
-      case '\b': out += "\\b"; continue;
-      case '\f': out += "\\f"; continue;
-      default: break;
-    }
-    if (c >= 0 && c < 0x20) {
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else if (ensure_ascii && c >= 0x80) {
-      if (c >= 0x10000) {
-        const int32_t v = c - 0x10000;
-        std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x", 0xD800 + (v >> 10), 0xDC00 + (v & 0x3FF));
-      } else {
-        std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      }
-      out += buf;
-    } else {
-      out += s.substr(start, pos - start);
-    }
-  }
-  return out + "\"";
+  return nlohmann::json(s).dump(-1, ' ', ensure_ascii, nlohmann::json::error_handler_t::replace);
 }
 
 std::string repr_string(const std::string& s) {
@@ -1191,7 +1165,8 @@ std::vector<Value> iterate(const Value& v) {
 int64_t length(const Value& v) {
   switch (v.kind) {
     case Value::Kind::Undefined: return 0;
-    case Value::Kind::String: return static_cast<int64_t>(code_points(v.s).size());
+    case Value::Kind::String:  // code points: the bytes that do not continue a UTF-8 sequence
+      return std::count_if(v.s.begin(), v.s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
     case Value::Kind::List: return static_cast<int64_t>(v.list->size());
     case Value::Kind::Dict: return static_cast<int64_t>(v.dict->items.size());
     default: fail("object of type '" + type_name(v) + "' has no len()");

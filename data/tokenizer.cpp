@@ -1,9 +1,7 @@
 #include "data/tokenizer.h"
 
 #include <algorithm>
-#include <fstream>
 #include <queue>
-#include <sstream>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -981,11 +979,7 @@ Tokenizer Tokenizer::from_json(std::string_view json_text, const std::string& so
 }
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError("cannot read tokenizer " + path + ": no such file or not readable");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return from_json(ss.str(), path);
+  return from_json(detail::read_file(path, "tokenizer"), path);
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {

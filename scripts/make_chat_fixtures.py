@@ -49,8 +49,6 @@ a temporary folder and compares bytes, exit status 1 on any difference.
 
 from __future__ import annotations
 
-import argparse
-import filecmp
 import json
 import os
 import random
@@ -64,6 +62,9 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import _compile_jinja_template
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixture_cli  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -1214,26 +1215,5 @@ def build(out: str) -> None:
     write(os.path.join(out, "chat_rendered.json"), dumps(chat_rendered(tok_path, jsonl)))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(ROOT, "test", "fixtures", "chat"))
-    ap.add_argument("--check", action="store_true", help="compare a fresh build with the files in --out")
-    args = ap.parse_args()
-    if not args.check:
-        build(args.out)
-        print(f"wrote {args.out}")
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        build(tmp)
-        cmp = filecmp.dircmp(tmp, args.out)
-        _, mismatch, errors = filecmp.cmpfiles(tmp, args.out, cmp.common_files, shallow=False)
-        bad = sorted(set(cmp.left_only + cmp.right_only + mismatch + errors))
-        if bad:
-            print("check FAILED: differ: " + ", ".join(bad))
-            return 1
-        print(f"check ok: {args.out}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fixture_cli.main(build, os.path.join(ROOT, "test", "fixtures", "chat"), __doc__))

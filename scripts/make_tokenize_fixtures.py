@@ -24,8 +24,6 @@ Deterministic: --check rebuilds into a temporary folder and compares bytes.
 
 from __future__ import annotations
 
-import argparse
-import filecmp
 import json
 import os
 import random
@@ -37,6 +35,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import fixture_cli  # noqa: E402
 import prepare_data  # noqa: E402
 
 TOKENIZERS = os.path.join(ROOT, "test", "fixtures", "tokenizers")
@@ -148,33 +147,5 @@ def build(out: str) -> None:
         f.write("\n")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(ROOT, "test", "fixtures", "tokenize"))
-    ap.add_argument("--check", action="store_true", help="compare a fresh build with the files in --out")
-    args = ap.parse_args()
-    if not args.check:
-        build(args.out)
-        print(f"wrote {args.out}")
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        build(tmp)
-        cmp = filecmp.dircmp(tmp, args.out)
-        bad = []
-
-        def walk(c, prefix=""):
-            bad.extend(prefix + f for f in c.left_only + c.right_only + c.diff_files)
-            _, mismatch, errors = filecmp.cmpfiles(c.left, c.right, c.common_files, shallow=False)
-            bad.extend(prefix + f for f in mismatch + errors)
-            for name, sub in c.subdirs.items():
-                walk(sub, prefix + name + "/")
-        walk(cmp)
-        if bad:
-            print("check FAILED: differ: " + ", ".join(sorted(set(bad))))
-            return 1
-        print(f"check ok: {args.out}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fixture_cli.main(build, os.path.join(ROOT, "test", "fixtures", "tokenize"), __doc__))
