@@ -49,6 +49,13 @@ int32_t end_of_text_id(const Tokenizer& tok, const std::string& requested, std::
 
 // Masked outputs: prompt/response pairs, or conversations with the assistant mask.
 bool masked(const TokenizeOptions& o) { return o.prompt_loss_mask || (o.chat && o.assistant_loss_mask); }
+// Mask sidecars are written for masked outputs, and for packed ones (their padding is out of the loss).
+bool writes_masks(const TokenizeOptions& o) { return masked(o) || o.pack > 0; }
+
+PackOverflow pack_overflow_of(const TokenizeOptions& o) {
+  if (o.pack_overflow) return *o.pack_overflow;
+  return o.chat || o.prompt_loss_mask ? PackOverflow::drop : PackOverflow::split;
+}
 
 struct Encoded {
   std::vector<uint32_t> ids;  // document (prompt + response, or a conversation) and the end of text
@@ -58,29 +65,27 @@ struct Encoded {
 };
 
 // One split's token files in the staging folder: llm.c shards of at most shard_tokens (a
-// document may straddle two), or one Megatron dataset; and the loss-mask sidecars.
+// document may straddle two), or one Megatron dataset, or packed shards of whole windows; and
+// the loss-mask sidecars.
 class SplitWriter {
  public:
-  SplitWriter(const fs::path& dir, std::string prefix, const TokenizeOptions& o, bool u32, TokenizedSplit& out)
-      : dir_(dir), prefix_(std::move(prefix)), o_(o), u32_(u32), out_(out) {
+  SplitWriter(const fs::path& dir, std::string prefix, const TokenizeOptions& o, bool u32, uint32_t eot, TokenizedSplit& out)
+      : dir_(dir), prefix_(std::move(prefix)), o_(o), u32_(u32), eot_(eot), out_(out) {
     if (o.format == TokenOutputFormat::megatron)
       megatron_ = std::make_unique<MegatronDatasetWriter>((dir_ / prefix_).string(),
                                                           u32 ? MegatronDtype::int32 : MegatronDtype::uint16);
   }
 
   void add(const Encoded& e) {
+    out_.unplaced_replies += e.unplaced_replies;
+    if (o_.chat && o_.assistant_loss_mask) out_.without_replies += std::count(e.mask.begin(), e.mask.end(), uint8_t{1}) == 0;
+    if (o_.pack > 0) return pack(e);
     ++out_.documents;
     out_.tokens += static_cast<int64_t>(e.ids.size());
-    out_.unplaced_replies += e.unplaced_replies;
-    if (o_.chat && o_.assistant_loss_mask) {
-      const auto in = static_cast<int64_t>(std::count(e.mask.begin(), e.mask.end(), uint8_t{1}));
-      mask_.insert(mask_.end(), e.mask.begin(), e.mask.end());
-      out_.in_loss += in;
-      out_.without_replies += in == 0;
-    } else if (o_.prompt_loss_mask) {
-      mask_.insert(mask_.end(), e.prompt, 0);
-      mask_.insert(mask_.end(), e.ids.size() - e.prompt, 1);
-      out_.in_loss += static_cast<int64_t>(e.ids.size() - e.prompt);
+    if (masked(o_)) {
+      const std::vector<uint8_t> m = mask_of(e);
+      mask_.insert(mask_.end(), m.begin(), m.end());
+      out_.in_loss += std::count(m.begin(), m.end(), uint8_t{1});
     }
     if (megatron_) {
       megatron_->add_document(e.ids.data(), e.ids.size());
@@ -98,20 +103,122 @@ class SplitWriter {
       if (masked(o_)) write_loss_mask((dir_ / (prefix_ + ".mask")).string(), mask_);
       return;
     }
+    if (o_.pack > 0) {
+      pack_pool();
+      if (windows_pending_ > 0) flush_windows();
+      else if (out_.files.empty()) flush(0);  // every document dropped: an empty shard
+      return;
+    }
     if (!tokens_.empty() || out_.files.empty()) flush(tokens_.size());
   }
 
  private:
+  // Per token, 1 = in the loss as a target.
+  std::vector<uint8_t> mask_of(const Encoded& e) const {
+    if (o_.chat && o_.assistant_loss_mask) return e.mask;
+    std::vector<uint8_t> m(e.ids.size(), 1);
+    if (o_.prompt_loss_mask) std::fill_n(m.begin(), e.prompt, uint8_t{0});
+    return m;
+  }
+
+  // ---- packing: documents gather in a pool of about one shard; the pool is packed into windows ----
+  struct Piece {
+    std::vector<uint32_t> ids;
+    std::vector<uint8_t> mask;
+  };
+
+  int64_t window_tokens() const { return o_.pack; }
+  int64_t windows_per_shard() const { return (o_.shard_tokens - 1) / o_.pack; }
+
+  void pack(const Encoded& e) {
+    const int64_t T = window_tokens(), n = static_cast<int64_t>(e.ids.size());
+    std::vector<uint8_t> m = mask_of(e);
+    if (n <= T) {
+      ++out_.documents;
+      add_piece({e.ids, std::move(m)});
+      return;
+    }
+    ++out_.long_documents;
+    out_.longest = std::max(out_.longest, n);
+    const PackOverflow how = pack_overflow_of(o_);
+    if (how == PackOverflow::drop) {
+      out_.tokens_left_out += n;
+      return;
+    }
+    ++out_.documents;
+    // Pieces of T - 1 tokens and an end of text out of the loss (the document does not end
+    // there, and document masking needs the boundary); the last piece keeps the real ending.
+    int64_t at = 0;
+    while (n - at > T) {
+      Piece p{{e.ids.begin() + at, e.ids.begin() + at + T - 1}, {m.begin() + at, m.begin() + at + T - 1}};
+      p.ids.push_back(eot_);
+      p.mask.push_back(0);
+      add_piece(std::move(p));
+      at += T - 1;
+      if (how == PackOverflow::truncate) {
+        out_.tokens_left_out += n - at;
+        return;
+      }
+      ++out_.pieces;
+    }
+    add_piece({{e.ids.begin() + at, e.ids.end()}, {m.begin() + at, m.end()}});
+    ++out_.pieces;
+  }
+
+  void add_piece(Piece p) {
+    pool_tokens_ += static_cast<int64_t>(p.ids.size());
+    pool_.push_back(std::move(p));
+    if (pool_tokens_ >= windows_per_shard() * window_tokens()) pack_pool();
+  }
+
+  void pack_pool() {
+    if (pool_.empty()) return;
+    std::vector<int64_t> lengths;
+    for (const Piece& p : pool_) lengths.push_back(static_cast<int64_t>(p.ids.size()));
+    std::vector<std::vector<size_t>> windows = best_fit_decreasing(lengths, window_tokens());
+    // Best-fit decreasing opens windows longest document first; shuffle them, so that the
+    // first windows (which validation reads) are not the longest documents.
+    PythonRandom(o_.seed + static_cast<uint64_t>(pools_++)).shuffle(windows);
+    for (const auto& w : windows) {
+      const size_t start = tokens_.size();
+      for (size_t i : w) {
+        tokens_.insert(tokens_.end(), pool_[i].ids.begin(), pool_[i].ids.end());
+        mask_.insert(mask_.end(), pool_[i].mask.begin(), pool_[i].mask.end());
+      }
+      const size_t used = tokens_.size() - start;
+      tokens_.resize(start + static_cast<size_t>(window_tokens()), eot_);
+      mask_.resize(tokens_.size(), 0);
+      out_.pad_tokens += static_cast<int64_t>(tokens_.size() - start - used);
+      mask_[start] = 0;  // the target of the previous window's last position, which is not its document
+      ++out_.windows;
+      if (++windows_pending_ == windows_per_shard()) flush_windows();
+    }
+    pool_.clear();
+    pool_tokens_ = 0;
+  }
+
+  // A shard of the pending windows, plus one padding token: the last window's final target.
+  void flush_windows() {
+    tokens_.push_back(eot_);
+    mask_.push_back(0);
+    ++out_.pad_tokens;
+    windows_pending_ = 0;
+    flush(tokens_.size());
+  }
+
   void flush(size_t n) {
     char name[64];
     std::snprintf(name, sizeof name, "%s_%03zu.bin", prefix_.c_str(), out_.files.size());
     const std::string path = (dir_ / name).string();
     write_llmc_shard(path, std::vector<uint32_t>(tokens_.begin(), tokens_.begin() + static_cast<ptrdiff_t>(n)), u32_);
     tokens_.erase(tokens_.begin(), tokens_.begin() + static_cast<ptrdiff_t>(n));
-    if (masked(o_)) {
-      write_loss_mask(LossMask::sidecar_path(path), std::vector<uint8_t>(mask_.begin(), mask_.begin() + static_cast<ptrdiff_t>(n)));
+    if (writes_masks(o_)) {
+      const std::vector<uint8_t> m(mask_.begin(), mask_.begin() + static_cast<ptrdiff_t>(n));
+      write_loss_mask(LossMask::sidecar_path(path), m);
       mask_.erase(mask_.begin(), mask_.begin() + static_cast<ptrdiff_t>(n));
+      if (o_.pack > 0) out_.in_loss += std::count(m.begin(), m.end(), uint8_t{1});
     }
+    if (o_.pack > 0) out_.tokens += static_cast<int64_t>(n);
     out_.files.push_back(name);
   }
 
@@ -119,10 +226,14 @@ class SplitWriter {
   std::string prefix_;
   const TokenizeOptions& o_;
   bool u32_;
+  uint32_t eot_;
   TokenizedSplit& out_;
   std::vector<uint32_t> tokens_;
   std::vector<uint8_t> mask_;
   std::unique_ptr<MegatronDatasetWriter> megatron_;
+  std::vector<Piece> pool_;
+  int64_t pool_tokens_ = 0, windows_pending_ = 0;
+  int pools_ = 0;
 };
 
 // The folder the outputs are written to before they replace the earlier ones; removed when the
@@ -155,6 +266,14 @@ void check_options(const TokenizeOptions& o) {
   if (o.chat && o.add_special_tokens)
     throw std::invalid_argument("--add-special-tokens does not apply to --chat: the chat template writes the special tokens "
                                 "itself (transformers encodes its output without adding any), so a BOS would come twice");
+  if (o.pack < 0 || o.pack == 1) throw std::invalid_argument("--pack: a window of " + std::to_string(o.pack) + " tokens cannot hold a document and its end of text; give train.seq_len");
+  if (o.pack > 0 && o.format == TokenOutputFormat::megatron)
+    throw std::invalid_argument("--pack writes llm.c shards of whole windows; with --format megatron the reader (Megatron-LM) "
+                                "builds its own samples from the documents, so the packing would not survive");
+  if (o.pack > 0 && o.shard_tokens < o.pack + 1)
+    throw std::invalid_argument("--shard-tokens " + std::to_string(o.shard_tokens) + " cannot hold one window of --pack " +
+                                std::to_string(o.pack) + " tokens plus its final target (" + std::to_string(o.pack + 1) + ")");
+  if (o.pack_overflow && o.pack == 0) throw std::invalid_argument("--pack-overflow applies to --pack only");
   if (o.out.empty()) throw std::invalid_argument("--out: the output folder is required");
   if (o.tokenizer.empty()) throw std::invalid_argument("--tokenizer: a tokenizer.json (or its folder) is required");
 }
@@ -286,7 +405,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     const size_t begin = train ? n_val : 0, end = train ? order.size() : n_val;
     TokenizedSplit& split = train ? r.train : r.val;
     if (begin == end) continue;
-    SplitWriter writer(stage.path, train ? "train" : "val", o, r.u32, split);
+    SplitWriter writer(stage.path, train ? "train" : "val", o, r.u32, static_cast<uint32_t>(r.eot_id), split);
     const size_t batch = 256 * static_cast<size_t>(threads);
     std::vector<Encoded> encoded;
     for (size_t b = begin; b < end; b += batch) {
@@ -336,7 +455,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
         e["documents"] = static_cast<int64_t>(f.doc_starts().size());
         e["idx_crc32c"] = crc_of_file(stage.path / (name.substr(0, name.size() - 4) + ".idx"));
       }
-      if (masked(o)) {
+      if (writes_masks(o)) {
         const auto m = LossMask::open_for(f);
         if (!m) throw DataError("internal error: no loss mask written for " + quoted(p.string()));
         e["mask"] = {{"file", fs::path(m->path()).filename().string()}, {"in_loss", m->count_in_loss()},
@@ -386,12 +505,27 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       {"generated_by", "keel tokenize (" + std::to_string(threads) + " threads)"},
   };
   if (o.format == TokenOutputFormat::llmc) meta["shard_tokens"] = o.shard_tokens;
+  if (o.pack > 0) {
+    auto split_of = [](const TokenizedSplit& sp) {
+      return json{{"windows", sp.windows}, {"documents", sp.documents}, {"pad_tokens", sp.pad_tokens},
+                  {"long_documents", sp.long_documents}, {"longest", sp.longest}, {"pieces", sp.pieces},
+                  {"tokens_left_out", sp.tokens_left_out}};
+    };
+    meta["pack"] = {{"seq_len", o.pack},
+                    {"layout", "whole documents per window of seq_len tokens, then end-of-text padding out of the loss; "
+                               "shards of whole windows plus one padding token; best-fit decreasing per pool of about "
+                               "one shard, windows shuffled with the seed"},
+                    {"overflow", std::string(pack_overflow_name(pack_overflow_of(o)))},
+                    {"train", split_of(r.train)},
+                    {"val", split_of(r.val)}};
+  }
   if (corpus.skipped_records()) meta["source"]["jsonl_skipped"] = corpus.skipped_records();
   if (corpus.files_with_bad_utf8()) meta["source"]["files_with_bad_utf8"] = corpus.files_with_bad_utf8();
-  const char* mask_kind = chat ? "assistant: the assistant replies, as the chat template renders them, are in the loss; "
+  std::string mask_kind = chat ? "assistant: the assistant replies, as the chat template renders them, are in the loss; "
                                  "everything else is out"
                                : "prompt: prompt tokens are out of the loss, response and end of text in";
-  meta["loss_mask"] = masked(o) ? json{{"kind", mask_kind},
+  if (!masked(o) && o.pack > 0) mask_kind = "pack: every target is in the loss but the padding and each window's first token";
+  meta["loss_mask"] = writes_masks(o) ? json{{"kind", mask_kind},
                                                 {"format", "sidecar <token file>.mask: 256 x int32 header (magic 20240917, version 1, "
                                                            "n_tokens), then one uint8 per token (1 = in the loss as a target)"},
                                                 {"train_in_loss", r.train.in_loss},
@@ -423,8 +557,22 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     for (const std::string& f : split.files) files += (files.empty() ? "" : ", ") + f;
     say("%s: %lld documents, %lld tokens%s  [%s]", s == 0 ? "train" : "val", static_cast<long long>(split.documents),
         static_cast<long long>(split.tokens),
-        masked(o) ? (", " + std::to_string(split.in_loss) + " in the loss").c_str() : "",
+        writes_masks(o) ? (", " + std::to_string(split.in_loss) + " in the loss").c_str() : "",
         files.empty() ? "-" : files.c_str());
+    if (o.pack > 0 && split.windows > 0)
+      say("  packed into %lld windows of %lld tokens: %.1f%% of the positions hold documents, %.1f%% padding",
+          static_cast<long long>(split.windows), static_cast<long long>(o.pack),
+          100.0 * static_cast<double>(split.tokens - split.pad_tokens) / static_cast<double>(split.tokens),
+          100.0 * static_cast<double>(split.pad_tokens) / static_cast<double>(split.tokens));
+    if (split.long_documents) {
+      const PackOverflow how = pack_overflow_of(o);
+      say("  NOTE %lld documents are longer than a window of %lld tokens (the longest has %lld): %s%s",
+          static_cast<long long>(split.long_documents), static_cast<long long>(o.pack), static_cast<long long>(split.longest),
+          how == PackOverflow::drop       ? ("dropped, " + std::to_string(split.tokens_left_out) + " tokens").c_str()
+          : how == PackOverflow::truncate ? ("truncated, " + std::to_string(split.tokens_left_out) + " tokens left out").c_str()
+                                          : ("split into " + std::to_string(split.pieces) + " pieces").c_str(),
+          how == PackOverflow::split ? "" : " (--pack-overflow split keeps every token; a longer train.seq_len keeps them whole)");
+    }
     if (split.unplaced_replies)
       say("  NOTE %lld assistant replies are out of the loss: the chat template renders them differently once later "
           "messages follow (e.g. it drops their reasoning), so they could not be located",

@@ -18,6 +18,14 @@
 // added: the template writes them); the end of text follows unless the rendering already ends
 // with it. With the assistant loss mask only the assistant's replies count in the loss.
 //
+// With pack = T (llmc only), documents are packed whole into windows of T tokens, the
+// train.seq_len that reads them (data/packing.h): each window holds whole documents and then
+// padding (end-of-text tokens out of the loss); a shard holds whole windows plus one padding
+// token, the last window's final target. Every token file then gets a mask sidecar: padding and
+// the first token of each window (the previous window's last target) are out of the loss.
+// Documents longer than a window are handled by pack_overflow. meta.json records the packing,
+// and keel train refuses the data under another train.seq_len.
+//
 // Nothing in `out` changes until everything is written and checked: the files are written to a
 // staging folder inside it, then token files of an earlier run (train_NNN / val_NNN .bin and
 // .mask, train / val .bin, .idx and .mask) are removed and the new ones moved in. An error
@@ -26,10 +34,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "data/corpus.h"
+#include "data/packing.h"
 
 namespace keel::data {
 
@@ -52,6 +62,8 @@ struct TokenizeOptions {
   double val_fraction = 0.05;           // documents held out, in [0, 1)
   int64_t shard_tokens = 100'000'000;   // llmc: tokens per shard
   TokenOutputFormat format = TokenOutputFormat::llmc;
+  int64_t pack = 0;                     // > 0: whole documents in windows of this many tokens (llmc only)
+  std::optional<PackOverflow> pack_overflow;  // unset: split plain documents, drop pairs and conversations
   int threads = 0;                      // 0: every core
   std::string out;
 };
@@ -60,6 +72,10 @@ struct TokenizedSplit {
   int64_t documents = 0, tokens = 0, in_loss = 0;  // in_loss: targets the mask keeps (masked runs)
   int64_t unplaced_replies = 0;                    // chat: assistant replies the mask could not locate
   int64_t without_replies = 0;                     // chat: conversations with nothing in the loss
+  // Packing: windows written, padding tokens among `tokens`, documents longer than a window (the
+  // longest of them, in tokens with its end of text), the pieces that split made of them, and
+  // the tokens that drop and truncate left out. `documents` counts what was written.
+  int64_t windows = 0, pad_tokens = 0, long_documents = 0, longest = 0, pieces = 0, tokens_left_out = 0;
   std::vector<std::string> files;                  // token files, names inside `out`
 };
 

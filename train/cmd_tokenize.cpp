@@ -14,6 +14,7 @@ namespace {
 struct TokenizeArgs {
   data::TokenizeOptions o;
   std::string doc_split = "file", loss_mask, format = "llmc";  // loss_mask "": none, or assistant with --chat
+  std::string pack_overflow;                                  // "": the default of data/tokenize_corpus.h
 };
 
 int cmd_tokenize(TokenizeArgs a) {
@@ -26,6 +27,10 @@ int cmd_tokenize(TokenizeArgs a) {
   o.assistant_loss_mask = a.loss_mask.empty() || a.loss_mask == "assistant";
   if (o.chat_template.starts_with("hf:")) o.chat_template = o.chat_template.substr(3);
   o.format = a.format == "megatron" ? data::TokenOutputFormat::megatron : data::TokenOutputFormat::llmc;
+  if (!a.pack_overflow.empty())
+    o.pack_overflow = a.pack_overflow == "drop"       ? data::PackOverflow::drop
+                      : a.pack_overflow == "truncate" ? data::PackOverflow::truncate
+                                                      : data::PackOverflow::split;
   if (o.tokenizer.starts_with("hf:")) o.tokenizer = o.tokenizer.substr(3);
   if (!o.jsonl.empty() && a.doc_split != "file") throw ConfigError("--doc-split applies to --text only");
   try {
@@ -78,13 +83,20 @@ Command add_tokenize_command(CLI::App& app) {
   c->add_option("--shard-tokens", o.shard_tokens, "llmc: tokens per shard (default 100000000)");
   c->add_option("--format", a.format, "llmc (llm.c shards, default) or megatron (.bin + .idx per split)")
       ->check(CLI::IsMember({"llmc", "megatron"}));
+  c->add_option("--pack", o.pack,
+                "Pack whole documents into windows of this many tokens, the train.seq_len that will read them, with "
+                "padding out of the loss: no document is cut by a window boundary (instruction data); llmc only");
+  c->add_option("--pack-overflow", a.pack_overflow,
+                "--pack: documents longer than a window are dropped, truncated, or split into window-sized pieces "
+                "(default: split plain documents, drop prompt/response pairs and conversations)")
+      ->check(CLI::IsMember({"drop", "truncate", "split"}));
   c->add_option("-j,--threads", o.threads, "Encoding threads (default: every core)")->check(CLI::NonNegativeNumber);
   c->footer(
       "Examples:\n"
       "  keel tokenize --jsonl web.jsonl --tokenizer ckpt/llama2-7b --out data/web\n"
       "  keel tokenize --jsonl sft.jsonl --loss-mask prompt --add-special-tokens --tokenizer hf:/models/Llama-3.2-1B --out data/sft\n"
       "  keel tokenize --text book.txt --doc-split paragraph --tokenizer data/fortunes/tokenizer.json --out data/book\n"
-      "  keel tokenize --jsonl chats.jsonl --chat --tokenizer hf:/models/Llama-3.2-1B-Instruct --out data/chats\n"
+      "  keel tokenize --jsonl chats.jsonl --chat --tokenizer hf:/models/Llama-3.2-1B-Instruct --out data/chats --pack 2048\n"
       "Documents are shuffled with --seed and --val-fraction of them held out, as scripts/prepare_data.py does:\n"
       "with the same inputs and tokenizer both write the same token files byte for byte. The output folder\n"
       "changes only once everything is written and checked.");

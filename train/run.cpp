@@ -119,6 +119,43 @@ data::Sampler open_train_data(const RunConfig& cfg) {
                        cfg.data.shuffle);
 }
 
+// The meta.json (prepare_data.py's, keel tokenize's) of each folder that data.train, data.val
+// and data.val_sets read from, by its path; not an object where the folder has none.
+std::map<std::string, nlohmann::json> data_folder_metas(const RunConfig& cfg) {
+  std::vector<std::string> files = data::expand_paths(cfg.data.train, "data.train");
+  if (!cfg.data.val.empty())
+    for (const std::string& f : data::expand_paths(cfg.data.val, "data.val")) files.push_back(f);
+  for (const auto& [name, patterns] : cfg.data.val_sets)
+    for (const std::string& f : data::expand_paths(patterns, "data.val_sets." + name)) files.push_back(f);
+  std::map<std::string, nlohmann::json> metas;
+  for (const std::string& f : files) {
+    const std::string dir = fs::path(f).parent_path().string();
+    const std::string meta = (fs::path(dir.empty() ? "." : dir) / "meta.json").string();
+    if (metas.contains(meta)) continue;
+    std::ifstream in(meta);
+    metas[meta] = in ? nlohmann::json::parse(in, nullptr, false) : nlohmann::json();
+  }
+  return metas;
+}
+
+// Data packed by keel tokenize --pack T holds whole documents only in windows of T tokens: read
+// under another train.seq_len, the windows would cut documents apart again. Returns the meta.json
+// files of packed data (empty: none is packed).
+std::vector<std::string> check_packed_data(const RunConfig& cfg) {
+  std::vector<std::string> packed;
+  for (const auto& [meta, j] : data_folder_metas(cfg)) {
+    if (!j.is_object() || !j.contains("pack") || !j["pack"].is_object() || !j["pack"].contains("seq_len")) continue;
+    const int64_t T = j["pack"]["seq_len"].is_number_integer() ? j["pack"]["seq_len"].get<int64_t>() : -1;
+    if (T != cfg.train.seq_len)
+      throw ConfigError("train.seq_len " + std::to_string(cfg.train.seq_len) + " does not match the data's packing: " + meta +
+                        " says its windows of " + std::to_string(T) + " tokens hold whole documents (keel tokenize --pack " +
+                        std::to_string(T) + "), and windows of another length would cut them apart. Set train.seq_len to " +
+                        std::to_string(T) + ", or tokenize again with --pack " + std::to_string(cfg.train.seq_len) + ".");
+    packed.push_back(meta);
+  }
+  return packed;
+}
+
 // data.eod_token when document masking or eod_mask_loss is on and it is not set: the "eot_id"
 // prepare_data.py writes to meta.json beside the shards, which every data.train and data.val
 // folder must agree on.
@@ -127,21 +164,11 @@ RunConfig with_eod_token(RunConfig cfg) {
   const std::string option = cfg.data.document_masking ? "data.document_masking" : "data.eod_mask_loss";
   std::map<int64_t, std::string> found;  // eot_id -> a meta.json that says so
   std::set<std::string> without;          // folders with no usable meta.json
-  std::vector<std::string> files = data::expand_paths(cfg.data.train, "data.train");
-  if (!cfg.data.val.empty())
-    for (const std::string& f : data::expand_paths(cfg.data.val, "data.val")) files.push_back(f);
-  for (const auto& [name, patterns] : cfg.data.val_sets)
-    for (const std::string& f : data::expand_paths(patterns, "data.val_sets." + name)) files.push_back(f);
-  std::set<std::string> dirs;
-  for (const std::string& f : files) dirs.insert(fs::path(f).parent_path().string());
-  for (const std::string& dir : dirs) {
-    const fs::path meta = fs::path(dir.empty() ? "." : dir) / "meta.json";
-    std::ifstream in(meta);
-    const nlohmann::json j = in ? nlohmann::json::parse(in, nullptr, false) : nlohmann::json();
+  for (const auto& [meta, j] : data_folder_metas(cfg)) {
     if (j.is_object() && j.contains("eot_id") && j["eot_id"].is_number_integer())
-      found.emplace(j["eot_id"].get<int64_t>(), meta.string());
+      found.emplace(j["eot_id"].get<int64_t>(), meta);
     else
-      without.insert(meta.string());
+      without.insert(meta);
   }
   const std::string hint = " Set data.eod_token to the token id that ends each document in the data.";
   if (found.empty())
@@ -211,7 +238,7 @@ std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vo
 // Start-up summary: the model, the precision policy and the optimizer's weight-decay groups,
 // so a norm or bias filed in the wrong group is visible on day one.
 void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler& train,
-                   const std::vector<ValidationSet>& vals, const Backend& be) {
+                   const std::vector<ValidationSet>& vals, const std::vector<std::string>& packed, const Backend& be) {
   const ModelConfig& m = cfg.model;
   const ParamTable& t = tr.table();
   std::printf("keel: %s model, %s parameters (%d layers, d_model %d, %d heads / %d kv heads, ffn %d, vocab %lld%s%s)\n",
@@ -256,6 +283,15 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     const int64_t used = std::min(v.sampler.num_windows(), cfg.train.eval_batches * cfg.train.micro_batch);
     std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
                 v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
+  }
+  if (!packed.empty()) {
+    std::printf("keel: data: packed (keel tokenize --pack %lld): whole documents in each window, then padding out of "
+                "the loss (%s%s)\n",
+                static_cast<long long>(cfg.train.seq_len), packed.front().c_str(), packed.size() > 1 ? ", ..." : "");
+    if (!cfg.data.document_masking)
+      std::printf("keel: WARNING the data is packed, several documents to a window, and data.document_masking is off: "
+                  "each document attends to the documents before it in its window. Set data.document_masking=true to "
+                  "train each one as if it were alone.\n");
   }
   if (cfg.data.needs_eod()) {
     // How often the end-of-document token occurs in the first windows: a wrong data.eod_token
@@ -466,6 +502,7 @@ const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 
 int run_training(const RunConfig& config, const RunOptions& opts) {
   const RunConfig cfg = with_eod_token(config);
+  const std::vector<std::string> packed = check_packed_data(cfg);
   // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
   const int world_size = opts.mpi ? opts.mpi->world_size() : 1;
   const int world_rank = opts.mpi ? opts.mpi->world_rank() : 0;
@@ -670,7 +707,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     }
     metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
                     cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
-    print_summary(cfg, tr, train, vals, *backend);
+    print_summary(cfg, tr, train, vals, packed, *backend);
     if (!choices.items.empty()) std::printf("keel: %s\n", choices.describe(cfg).c_str());
     if (sampler.on()) std::printf("keel: %s\n", sampler.describe().c_str());
     std::printf("keel: %s\n", grid.layout().c_str());

@@ -317,6 +317,30 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("loss masks on 1 of 1 files") && Catch::Contains("documents end at token 2"));
 
+  // Packed (--pack 64): whole examples per window, read under train.seq_len 64 only.
+  r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --loss-mask prompt --add-special-tokens --tokenizer hf:" +
+               kHfModel + " --out " + tmp / "packed" + " --val-fraction 0.1 --pack 64");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("train: 54 documents") && Catch::Contains("windows of 64 tokens"));
+  const std::string packed_data = " --set 'data.train=" + tmp / "packed/train_*.bin' --set 'data.val=" + tmp / "packed/val_*.bin'" +
+                                  " --set train.global_batch=4 --set train.micro_batch=2 --set schedule.warmup_steps=0";
+  r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + kHfModel + " --out " + tmp / "run_packed" +
+               " --steps 2 --set data.document_masking=true --set train.seq_len=64" + packed_data);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("packed (keel tokenize --pack 64)") && !Catch::Contains("WARNING the data is packed"));
+  r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + kHfModel + " --out " + tmp / "run_packed2" +
+               " --steps 1 --set train.seq_len=64" + packed_data);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("WARNING the data is packed") && Catch::Contains("data.document_masking=true"));
+  r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + kHfModel + " --out " + tmp / "run_packed3" +
+               " --steps 1 --set train.seq_len=32" + packed_data);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("train.seq_len 32 does not match the data's packing") &&
+                           Catch::Contains("--pack 64") && Catch::Contains("packed/meta.json"));
+  CHECK(!fs::exists(tmp / "run_packed3"));
+
   // Bad options exit 2 and name the option; the output folder is left alone.
   r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --tokenizer hf:" + kHfModel + " --out " + tmp / "sft" +
                " --val-fraction 1");
