@@ -38,7 +38,65 @@ ojson first_messages(const ojson& messages, size_t n) {
   return out;
 }
 
+// An assistant message's "weight" (axolotl's per-turn flag): whether the reply is in the loss.
+// Only 0 and 1 (or false and true) mean something; a weight on another role can only be 0, since
+// only assistant replies are located.
+bool in_loss_by_weight(const ojson& m, size_t k) {
+  const auto it = m.find("weight");
+  if (it == m.end() || it->is_null()) return true;
+  const bool one = (it->is_number() && it->get<double>() == 1.0) || (it->is_boolean() && it->get<bool>());
+  const bool zero = (it->is_number() && it->get<double>() == 0.0) || (it->is_boolean() && !it->get<bool>());
+  if (!one && !zero)
+    throw std::invalid_argument("message " + std::to_string(k) + ": \"weight\" " + it->dump() +
+                                " must be 0 (out of the loss) or 1 (in the loss)");
+  if (one && m.value("role", "") != "assistant")
+    throw std::invalid_argument("message " + std::to_string(k) + " (role " + quoted(m.value("role", "")) +
+                                ") has \"weight\": 1, but only assistant replies can be in the loss");
+  return one;
+}
+
 }  // namespace
+
+const ojson* conversation_messages(const ojson& record, const std::vector<std::string>& keys) {
+  if (!record.is_object()) return nullptr;
+  for (const std::string& k : keys)
+    if (auto it = record.find(k); it != record.end()) return &*it;
+  return nullptr;
+}
+
+ojson chat_messages(const ojson& messages) {
+  if (!messages.is_array()) return messages;  // the template's context says what is wrong
+  static const std::vector<std::pair<std::string, std::vector<std::string>>> kRoles = {
+      {"user", {"human", "user"}},
+      {"assistant", {"gpt", "assistant", "model", "chatgpt", "bard", "bing"}},
+      {"system", {"system"}},
+      {"tool", {"tool", "function", "observation", "ipython"}}};
+  ojson out = ojson::array();
+  for (size_t k = 0; k < messages.size(); ++k) {
+    const ojson& m = messages[k];
+    if (!m.is_object() || m.contains("role") || !m.contains("from")) {
+      out.push_back(m);
+      continue;
+    }
+    const std::string from = m["from"].is_string() ? m["from"].get<std::string>() : m["from"].dump();
+    std::string role, known;
+    for (const auto& [r, names] : kRoles)
+      for (const std::string& n : names) {
+        if (n == from) role = r;
+        known += (known.empty() ? "" : ", ") + n;
+      }
+    if (role.empty())
+      throw std::invalid_argument("message " + std::to_string(k) + ": ShareGPT \"from\" " + quoted(from) +
+                                  " is not a role keel knows (" + known + ")");
+    ojson mapped = ojson::object();
+    mapped["role"] = role;
+    for (const auto& [key, v] : m.items())
+      if (key == "value") mapped["content"] = v;
+      else if (key != "from") mapped[key] = v;
+    out.push_back(std::move(mapped));
+  }
+  return out;
+}
 
 ChatTemplate ChatTemplate::from_source(const std::string& source, const ojson& config, const std::string& origin) {
   ChatTemplate t;
@@ -155,7 +213,12 @@ ChatRendering ChatTemplate::render_with_replies(const ojson& messages, const ojs
   ChatRendering r;
   r.text = render(messages, false, variables);
   for (size_t i = 0; i < messages.size(); ++i) {
-    if (!messages[i].is_object() || messages[i].value("role", "") != "assistant") continue;
+    if (!messages[i].is_object()) continue;
+    if (!in_loss_by_weight(messages[i], i)) {
+      r.weight0_replies += messages[i].value("role", "") == "assistant";
+      continue;
+    }
+    if (messages[i].value("role", "") != "assistant") continue;
     const std::string before = render(first_messages(messages, i), true, variables);
     std::string through = render(first_messages(messages, i + 1), false, variables);
     // A template may close a conversation with the eos_token (Phi-3): not part of a reply that
@@ -175,6 +238,7 @@ ChatTokens ChatTemplate::tokenize(const Tokenizer& tok, const ojson& messages, c
   const ChatRendering r = render_with_replies(messages, variables);
   ChatTokens out;
   out.unplaced_replies = r.unplaced_replies;
+  out.weight0_replies = r.weight0_replies;
   out.ids = tok.encode(r.text, false);
   out.reply.assign(out.ids.size(), 0);
   if (r.replies.empty()) return out;

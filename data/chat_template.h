@@ -16,7 +16,8 @@
 // render(messages[:i+1]) (less a closing eos_token that later messages replace, as Phi-3's).
 // That holds for any template that renders a conversation as the concatenation of its turns. A template may instead rewrite earlier replies once later
 // messages follow (Qwen3 drops the reasoning of earlier turns): such replies are not located,
-// stay out of the loss, and are counted (ChatRendering::unplaced_replies).
+// stay out of the loss, and are counted (ChatRendering::unplaced_replies). An assistant message
+// with "weight": 0 (axolotl's per-turn flag) stays out of the loss too: context, not a target.
 #pragma once
 
 #include <cstdint>
@@ -36,13 +37,23 @@ struct ChatRendering {
   std::string text;                                   // render(messages), no generation prompt
   std::vector<std::pair<size_t, size_t>> replies;     // byte ranges of text that are assistant replies
   int64_t unplaced_replies = 0;                       // assistant messages whose text could not be located
+  int64_t weight0_replies = 0;                        // assistant messages with "weight": 0, left out
 };
 
 struct ChatTokens {
   std::vector<int32_t> ids;    // encode(text) without added special tokens, as apply_chat_template(tokenize=True)
   std::vector<uint8_t> reply;  // per token: 1 where it belongs to an assistant reply
-  int64_t unplaced_replies = 0;
+  int64_t unplaced_replies = 0, weight0_replies = 0;
 };
+
+// The messages of a conversation record: the first of `keys` the record holds (nullptr: none).
+const nlohmann::ordered_json* conversation_messages(const nlohmann::ordered_json& record, const std::vector<std::string>& keys);
+
+// Messages as chat templates take them, {"role", "content", ...}. ShareGPT's messages,
+// {"from", "value", ...}, are mapped: human and user to user; gpt, assistant, model, chatgpt,
+// bard and bing to assistant; system; tool, function, observation and ipython to tool. Other
+// fields are kept. Throws std::invalid_argument naming the message for a "from" not in that list.
+nlohmann::ordered_json chat_messages(const nlohmann::ordered_json& messages);
 
 class ChatTemplate {
  public:

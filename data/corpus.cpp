@@ -58,9 +58,12 @@ std::string conversation_problem(const nlohmann::json& messages, int64_t& chars)
   if (messages.empty()) return "is an empty list";
   for (size_t m = 0; m < messages.size(); ++m) {
     const nlohmann::json& msg = messages[m];
-    if (!msg.is_object() || !msg.contains("role") || !msg["role"].is_string())
-      return "item " + std::to_string(m) + " is not a message: expected an object with a string \"role\"";
-    if (msg.contains("content") && msg["content"].is_string()) chars += count_code_points(msg["content"].get_ref<const std::string&>());
+    const bool sharegpt = msg.is_object() && !msg.contains("role") && msg.contains("from");
+    const char* role = sharegpt ? "from" : "role";
+    const char* content = sharegpt ? "value" : "content";
+    if (!msg.is_object() || !msg.contains(role) || !msg[role].is_string())
+      return "item " + std::to_string(m) + " is not a message: expected an object with a string \"role\" (or ShareGPT's \"from\")";
+    if (msg.contains(content) && msg[content].is_string()) chars += count_code_points(msg[content].get_ref<const std::string&>());
   }
   return "";
 }
@@ -127,12 +130,12 @@ Corpus Corpus::jsonl_pairs(const std::vector<std::string>& files, const std::str
   return read_jsonl(files, prompt_key, response_key, Mode::pairs, threads);
 }
 
-Corpus Corpus::jsonl_chat(const std::vector<std::string>& files, const std::string& messages_key, int threads) {
-  return read_jsonl(files, messages_key, "", Mode::chat, threads);
+Corpus Corpus::jsonl_chat(const std::vector<std::string>& files, const std::vector<std::string>& messages_keys, int threads) {
+  return read_jsonl(files, "", "", Mode::chat, threads, messages_keys);
 }
 
 Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::string& key1, const std::string& key2,
-                          Mode mode, int threads) {
+                          Mode mode, int threads, const std::vector<std::string>& messages_keys) {
   Corpus c;
   c.json_ = true;
   c.mode_ = mode;
@@ -187,14 +190,17 @@ Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::stri
         return;
       }
       if (mode == Mode::chat) {
-        const auto it = obj.is_object() ? obj.find(key1) : obj.end();
+        auto it = obj.end();
+        std::string key;
+        for (const std::string& name : messages_keys)
+          if (it == obj.end() && obj.is_object() && (it = obj.find(name)) != obj.end()) key = name;
         if (it == obj.end()) {
           kind[k] = kSkipped;
           continue;
         }
         int64_t n = 0;
         if (const std::string problem = conversation_problem(*it, n); !problem.empty()) {
-          errors[t] = files[s.source] + ":" + std::to_string(s.line) + ": " + quoted(key1) + " " + problem;
+          errors[t] = files[s.source] + ":" + std::to_string(s.line) + ": " + detail::quoted(key) + " " + problem;
           return;
         }
         kind[k] = kDocument;

@@ -7,7 +7,8 @@
 //   prompt/response pairs   JSON lines whose prompt and response are strings, the response
 //                not blank (instruction data: the prompt leaves the loss).
 //   conversations   JSON lines whose messages field is a list of {"role": ..., "content": ...}
-//                objects (chat data, rendered by the model's chat template: data/chat_template.h);
+//                objects, or ShareGPT's {"from": ..., "value": ...} (chat data, rendered by the
+//                model's chat template: data/chat_template.h);
 //                a record without the field is skipped, one whose field is not such a list is
 //                an error naming the file and line.
 //   plain text   one document per file, per paragraph (split at a newline, any whitespace,
@@ -45,7 +46,8 @@ class Corpus {
   static Corpus jsonl(const std::vector<std::string>& files, const std::string& text_key, int threads);
   static Corpus jsonl_pairs(const std::vector<std::string>& files, const std::string& prompt_key,
                             const std::string& response_key, int threads);
-  static Corpus jsonl_chat(const std::vector<std::string>& files, const std::string& messages_key, int threads);
+  // Conversations: the messages are in the first of `messages_keys` a record has.
+  static Corpus jsonl_chat(const std::vector<std::string>& files, const std::vector<std::string>& messages_keys, int threads);
   static Corpus text(const std::vector<std::string>& files, DocSplit split);
 
   size_t size() const { return docs_.size(); }
@@ -66,7 +68,7 @@ class Corpus {
   Corpus() = default;
   enum class Mode { text, pairs, chat };
   static Corpus read_jsonl(const std::vector<std::string>& files, const std::string& key1, const std::string& key2,
-                           Mode mode, int threads);
+                           Mode mode, int threads, const std::vector<std::string>& messages_keys = {});
 
   struct Span {
     uint32_t source;  // index into files_ (JSON lines) or texts_ (plain text)

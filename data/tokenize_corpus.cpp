@@ -61,8 +61,14 @@ struct Encoded {
   std::vector<uint32_t> ids;  // document (prompt + response, or a conversation) and the end of text
   size_t prompt = 0;          // pairs: leading tokens out of the loss
   std::vector<uint8_t> mask;  // conversations: per token, 1 = in the loss
-  int64_t unplaced_replies = 0;
+  int64_t unplaced_replies = 0, weight0_replies = 0;
 };
+
+// Where conversations are read from: --messages-key, and by default also ShareGPT's field.
+std::vector<std::string> messages_keys(const TokenizeOptions& o) {
+  if (o.messages_key == "messages") return {"messages", "conversations"};
+  return {o.messages_key};
+}
 
 // One split's token files in the staging folder: llm.c shards of at most shard_tokens (a
 // document may straddle two), or one Megatron dataset, or packed shards of whole windows; and
@@ -78,6 +84,7 @@ class SplitWriter {
 
   void add(const Encoded& e) {
     out_.unplaced_replies += e.unplaced_replies;
+    out_.weight0_replies += e.weight0_replies;
     if (o_.chat && o_.assistant_loss_mask) out_.without_replies += std::count(e.mask.begin(), e.mask.end(), uint8_t{1}) == 0;
     if (o_.pack > 0) return pack(e);
     ++out_.documents;
@@ -327,11 +334,12 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   }
 
   const Corpus corpus = !o.text.empty()            ? Corpus::text(o.text, o.doc_split)
-                        : o.chat             ? Corpus::jsonl_chat(o.jsonl, o.messages_key, threads)
+                        : o.chat             ? Corpus::jsonl_chat(o.jsonl, messages_keys(o), threads)
                         : o.prompt_loss_mask ? Corpus::jsonl_pairs(o.jsonl, o.prompt_key, o.response_key, threads)
                                              : Corpus::jsonl(o.jsonl, o.text_key, threads);
   if (corpus.size() == 0)
-    throw DataError("no documents found" + (o.chat ? " (records need a list of messages in " + quoted(o.messages_key) + ")"
+    throw DataError("no documents found" + (o.chat ? " (records need a list of messages in " + quoted(o.messages_key) +
+                                                         (messages_keys(o).size() > 1 ? " or 'conversations'" : "") + ")"
                                             : o.prompt_loss_mask ? " (records need string fields " + quoted(o.prompt_key) +
                                                                     " and " + quoted(o.response_key) + ")"
                                                               : o.jsonl.empty() ? "" : " (records need a string field " + quoted(o.text_key) + ")"));
@@ -366,16 +374,18 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       const nlohmann::ordered_json record = nlohmann::ordered_json::parse(corpus.document(doc).text);
       nlohmann::ordered_json variables = nlohmann::ordered_json::object();
       if (record.contains("tools")) variables["tools"] = record["tools"];  // tool-calling data
+      const nlohmann::ordered_json messages = chat_messages(*conversation_messages(record, messages_keys(o)));
       if (o.assistant_loss_mask) {
-        ct = chat->tokenize(tok, record[o.messages_key], variables);
+        ct = chat->tokenize(tok, messages, variables);
       } else {  // no mask: one rendering, as apply_chat_template(tokenize=True)
-        ct.ids = tok.encode(chat->render(record[o.messages_key], false, variables), false);
+        ct.ids = tok.encode(chat->render(messages, false, variables), false);
         ct.reply.assign(ct.ids.size(), 0);
       }
     } catch (const std::exception& err) {  // a template's raise_exception, or a template error
       throw DataError(corpus.where(doc) + ": " + err.what());
     }
     e.unplaced_replies = ct.unplaced_replies;
+    e.weight0_replies = ct.weight0_replies;
     for (int32_t id : ct.ids) e.ids.push_back(static_cast<uint32_t>(id));
     e.mask = std::move(ct.reply);
     if (e.ids.empty() || e.ids.back() != static_cast<uint32_t>(r.eot_id)) {
@@ -577,6 +587,8 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       say("  NOTE %lld assistant replies are out of the loss: the chat template renders them differently once later "
           "messages follow (e.g. it drops their reasoning), so they could not be located",
           static_cast<long long>(split.unplaced_replies));
+    if (split.weight0_replies)
+      say("  %lld assistant replies have \"weight\": 0 and are out of the loss", static_cast<long long>(split.weight0_replies));
     if (split.without_replies)
       say("  NOTE %lld conversations have nothing in the loss (no assistant reply that could be located)",
           static_cast<long long>(split.without_replies));

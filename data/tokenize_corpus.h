@@ -52,7 +52,7 @@ struct TokenizeOptions {
   bool prompt_loss_mask = false;        // JSON lines of prompt/response pairs
   std::string prompt_key = "prompt", response_key = "response";
   bool chat = false;                    // JSON lines of conversations, in messages_key
-  std::string messages_key = "messages";
+  std::string messages_key = "messages";  // the default also reads ShareGPT's "conversations"
   std::string chat_template;            // a .jinja, tokenizer_config.json or model folder; empty: the tokenizer's folder
   bool assistant_loss_mask = true;      // chat: only the assistant's replies in the loss
   std::string tokenizer;                // tokenizer.json, or a folder that holds one
@@ -72,6 +72,7 @@ struct TokenizedSplit {
   int64_t documents = 0, tokens = 0, in_loss = 0;  // in_loss: targets the mask keeps (masked runs)
   int64_t unplaced_replies = 0;                    // chat: assistant replies the mask could not locate
   int64_t without_replies = 0;                     // chat: conversations with nothing in the loss
+  int64_t weight0_replies = 0;                     // chat: assistant replies left out by "weight": 0
   // Packing: windows written, padding tokens among `tokens`, documents longer than a window (the
   // longest of them, in tokens with its end of text), the pieces that split made of them, and
   // the tokens that drop and truncate left out. `documents` counts what was written.

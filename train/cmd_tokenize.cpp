@@ -69,7 +69,7 @@ Command add_tokenize_command(CLI::App& app) {
   c->add_flag("--chat", o.chat,
               "Records are conversations ({\"messages\": [{\"role\", \"content\"}, ...], optional \"tools\"}), "
               "rendered with the model's chat template as transformers' apply_chat_template does");
-  c->add_option("--messages-key", o.messages_key, "--chat: JSON field holding the messages (default: messages)");
+  c->add_option("--messages-key", o.messages_key, "--chat: JSON field holding the messages (default: messages, else ShareGPT's conversations)");
   c->add_option("--chat-template", o.chat_template,
                 "--chat: a .jinja file, a tokenizer_config.json or a model folder (default: the tokenizer's folder)");
   c->add_option("--prompt-key", o.prompt_key, "JSON prompt field for --loss-mask prompt (default: prompt)");

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -205,6 +206,26 @@ TEST_CASE("chat templates load from tokenizer_config.json and chat_template.jinj
   CHECK_THROWS_WITH(ChatTemplate::from_path(empty.str()), Catch::Contains("no chat template") && Catch::Contains("chat_template.jinja"));
 }
 
+// The text of a token file's in-loss spans, decoded span by span and concatenated.
+std::string decoded_in_loss(const std::string& bin, const Tokenizer& tok) {
+  const TokenFile f = TokenFile::open(bin);
+  std::vector<int32_t> ids(static_cast<size_t>(f.num_tokens()));
+  f.read(0, f.num_tokens(), ids.data());
+  const auto mask = LossMask::open_for(f);
+  REQUIRE(mask);
+  std::string text;
+  std::vector<int32_t> span;
+  for (int64_t i = 0; i <= f.num_tokens(); ++i) {
+    if (i < f.num_tokens() && mask->in_loss(i)) {
+      span.push_back(ids[static_cast<size_t>(i)]);
+    } else if (!span.empty()) {
+      text += tok.decode(span);
+      span.clear();
+    }
+  }
+  return text;
+}
+
 // keel tokenize --chat over chat.jsonl: the token stream is the conversations in the shuffled
 // order, each as apply_chat_template(tokenize=True) gives it plus the end of text; the mask
 // keeps exactly the assistant replies as the template writes them.
@@ -260,25 +281,112 @@ TEST_CASE("keel tokenize --chat: apply_chat_template's tokens, the assistant rep
     std::vector<int32_t> got(static_cast<size_t>(f.num_tokens()));
     f.read(0, f.num_tokens(), got.data());
     CHECK(got == want_ids);
-    const auto mask = LossMask::open_for(f);
-    REQUIRE(mask);
-    std::string in_loss;
-    std::vector<int32_t> span;
-    for (int64_t i = 0; i <= f.num_tokens(); ++i) {
-      if (i < f.num_tokens() && mask->in_loss(i)) {
-        span.push_back(got[static_cast<size_t>(i)]);
-      } else if (!span.empty()) {
-        in_loss += tok.decode(span);
-        span.clear();
-      }
-    }
-    CHECK(in_loss == want_in_loss);
-    CHECK(r.train.in_loss == mask->count_in_loss());
+    CHECK(decoded_in_loss(dir / "out/train_000.bin", tok) == want_in_loss);
+    CHECK(r.train.in_loss == LossMask::open_for(f)->count_in_loss());
     std::ifstream meta_in(dir / "out/meta.json");
     const auto meta = nlohmann::json::parse(meta_in);
     CHECK(meta["source"]["kind"] == "jsonl conversations");
     CHECK_THAT(meta["loss_mask"]["kind"].get<std::string>(), Catch::StartsWith("assistant"));
   }
+}
+
+// ShareGPT records ({"conversations": [{"from", "value"}]}) are the same conversations; an
+// assistant message with "weight": 0 is context, out of the loss.
+TEST_CASE("keel tokenize --chat: ShareGPT records and per-turn weights", "[chat][tokenize]") {
+  std::vector<ojson> records;
+  {
+    std::ifstream in(kDir + "chat.jsonl");
+    for (std::string line; std::getline(in, line);) records.push_back(ojson::parse(line));
+  }
+  TempDir dir;
+  const std::map<std::string, std::string> from_of{{"user", "human"}, {"assistant", "gpt"}, {"system", "system"}, {"tool", "tool"}};
+  int64_t weighted = 0;
+  std::string want_in_loss;  // the replies that keep weight 1, in the shuffled order (llama3: stripped, then <|eot_id|>)
+  {
+    std::ofstream sharegpt(dir / "sharegpt.jsonl"), weights(dir / "weights.jsonl");
+    for (const ojson& r : records) {
+      ojson conv = ojson::array(), msgs = ojson::array();
+      bool first_reply = true;
+      for (ojson m : r["messages"]) {
+        ojson sg = ojson::object();
+        sg["from"] = from_of.at(m["role"].get<std::string>());
+        sg["value"] = m["content"];
+        for (const auto& [k, v] : m.items())
+          if (k != "role" && k != "content") sg[k] = v;
+        conv.push_back(sg);
+        if (m["role"] == "assistant" && first_reply && r["messages"].size() > 3) {  // the first of several replies
+          m["weight"] = weighted % 2 ? ojson(false) : ojson(0);
+          ++weighted;
+        } else if (m["role"] == "assistant") {
+          m["weight"] = 1;
+        }
+        if (m["role"] == "assistant") first_reply = false;
+        msgs.push_back(m);
+      }
+      ojson rec = r;
+      rec.erase("messages");
+      rec["conversations"] = conv;
+      sharegpt << rec.dump() << "\n";
+      rec.erase("conversations");
+      rec["messages"] = msgs;
+      weights << rec.dump() << "\n";
+    }
+  }
+  REQUIRE(weighted > 2);
+  TokenizeOptions o;
+  o.chat = true;
+  o.tokenizer = kDir;
+  o.val_fraction = 0;
+  o.jsonl = {kDir + "chat.jsonl"};
+  o.out = dir / "messages";
+  const TokenizeResult plain = tokenize_corpus(o, [](const std::string&) {});
+  o.jsonl = {dir / "sharegpt.jsonl"};
+  o.out = dir / "sharegpt";
+  const TokenizeResult sharegpt = tokenize_corpus(o, [](const std::string&) {});
+  CHECK(sharegpt.train.documents == plain.train.documents);
+  for (const char* f : {"/train_000.bin", "/train_000.mask"})
+    CHECK(test::read_bytes(dir / "sharegpt" + f) == test::read_bytes(dir / "messages" + f));
+
+  o.jsonl = {dir / "weights.jsonl"};
+  o.out = dir / "weights";
+  const TokenizeResult w = tokenize_corpus(o, [](const std::string&) {});
+  CHECK(w.train.weight0_replies == weighted);
+  CHECK(test::read_bytes(dir / "weights/train_000.bin") == test::read_bytes(dir / "messages/train_000.bin"));
+  std::vector<uint64_t> order(records.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  PythonRandom(o.seed).shuffle(order);
+  std::ifstream in(dir / "weights.jsonl");
+  std::vector<ojson> weighted_records;
+  for (std::string line; std::getline(in, line);) weighted_records.push_back(ojson::parse(line));
+  for (uint64_t k : order)
+    for (const ojson& m : weighted_records[k]["messages"])
+      if (m["role"] == "assistant" && m.value("weight", ojson(1)) != ojson(0) && m.value("weight", ojson(1)) != ojson(false))
+        want_in_loss += std::string(python_strip(m["content"].get<std::string>())) + "<|eot_id|>";
+  CHECK(decoded_in_loss(dir / "weights/train_000.bin", fixture_tokenizer()) == want_in_loss);
+  CHECK(w.train.in_loss < plain.train.in_loss);
+
+  // What is refused, with the file and line: a ShareGPT role keel does not know, a weight that
+  // is neither 0 nor 1, and a weight of 1 on a message that is not a reply.
+  auto refused = [&](const std::string& record) {
+    std::ofstream(dir / "bad.jsonl") << R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})"
+                                     << "\n" << record << "\n";
+    o.jsonl = {dir / "bad.jsonl"};
+    o.out = dir / "bad";
+    std::string msg;
+    try {
+      tokenize_corpus(o, [](const std::string&) {});
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    CHECK(!fs::exists(dir / "bad/train_000.bin"));
+    return msg;
+  };
+  CHECK_THAT(refused(R"({"conversations": [{"from": "narrator", "value": "a"}]})"),
+             Catch::Contains("bad.jsonl:2") && Catch::Contains("'narrator'") && Catch::Contains("human"));
+  CHECK_THAT(refused(R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0.5}]})"),
+             Catch::Contains("bad.jsonl:2") && Catch::Contains("\"weight\" 0.5 must be 0"));
+  CHECK_THAT(refused(R"({"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "b"}]})"),
+             Catch::Contains("bad.jsonl:2") && Catch::Contains("only assistant replies"));
 }
 
 TEST_CASE("keel tokenize --chat: bad records and mismatched templates are named", "[chat][tokenize]") {
