@@ -25,6 +25,7 @@ struct TrainArgs {
   std::string init_from;
   int64_t stop_at = 0;
   double time_limit_min = 0;
+  bool eval_only = false;
 };
 
 int cmd_train(const TrainArgs& a) {
@@ -47,6 +48,7 @@ int cmd_train(const TrainArgs& a) {
   opts.init_from = a.init_from;
   opts.stop_at = a.stop_at;
   opts.time_limit_s = a.time_limit_min * 60;
+  opts.eval_only = a.eval_only;
   return run_training(cfg, opts);
 }
 
@@ -80,6 +82,10 @@ Command add_train_command(CLI::App& app) {
   train->add_option("--time-limit", ta.time_limit_min,
                     "Minutes of wall time this job may use: save and stop (exit code 4) before they run out")
       ->check(CLI::PositiveNumber);
+  train->add_flag("--eval-only", ta.eval_only,
+                  "Evaluate the model this run would start from (latest checkpoint, --resume, --init-from, or the "
+                  "initialisation) on data.val, data.val_sets and choice_eval under the config's layout, print the "
+                  "numbers and exit; nothing is trained or written");
   train->add_flag("--print-config", ta.print_config, "Validate the config, print it fully resolved, and exit");
   train->add_flag("-q,--quiet", ta.quiet, "No per-step log lines (metrics.jsonl is still written)");
   train->footer(

@@ -389,8 +389,9 @@ ChoiceEvalSet open_choice_eval(const RunConfig& cfg) {
 }
 
 // On the lead rank: the log line, the metrics record and (choice_eval.write_scores) the scores file.
+// (metrics null: --eval-only, which writes nothing.)
 void report_choice_eval(const RunConfig& cfg, const ChoiceEvalSet& set, const std::vector<ChoiceScore>& scores,
-                        int64_t it, double secs, bool quiet, MetricsWriter& metrics) {
+                        int64_t it, double secs, bool quiet, MetricsWriter* metrics) {
   ChoiceTotals t;
   for (size_t i = 0; i < scores.size(); ++i) t.add(set.items[i], scores[i]);
   const double n = static_cast<double>(t.items);
@@ -399,7 +400,7 @@ void report_choice_eval(const RunConfig& cfg, const ChoiceEvalSet& set, const st
                         {"choice_acc_per_token", static_cast<double>(t.correct_per_token) / n},
                         {"choice_items", t.items}};
   if (t.byte_items > 0) rec["choice_acc_per_byte"] = static_cast<double>(t.correct_per_byte) / t.byte_items;
-  if (cfg.choice_eval.write_scores) {
+  if (cfg.choice_eval.write_scores && metrics) {
     const fs::path dir = fs::path(cfg.out) / "choice_scores";
     fs::create_directories(dir);
     const fs::path file = dir / ("step_" + std::to_string(it) + ".jsonl");
@@ -409,7 +410,7 @@ void report_choice_eval(const RunConfig& cfg, const ChoiceEvalSet& set, const st
     if (!out) throw std::runtime_error("cannot write choice scores to " + file.string());
     rec["choice_scores"] = file.string();
   }
-  metrics.write(rec);
+  if (metrics) metrics->write(rec);
   if (quiet) return;
   std::printf(" choice eval at iteration %lld | acc %.4f | acc_per_token %.4f |", static_cast<long long>(it),
               rec["choice_acc"].get<double>(), rec["choice_acc_per_token"].get<double>());
@@ -567,6 +568,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   const std::vector<ValidationSet> vals = open_validation_data(cfg, kVocabScanLimit);
   const ChoiceEvalSet choices = open_choice_eval(cfg);
   const TrainingSampler sampler(cfg);
+  if (opts.eval_only && (vals.empty() || cfg.train.eval_batches == 0) && choices.items.empty() && !sampler.on())
+    throw ConfigError("--eval-only: nothing to evaluate: set data.val or data.val_sets (with train.eval_batches > 0), "
+                      "choice_eval.file or sample.interval");
   Trainer tr(cfg, *backend, &grid, &comms);
   RankPlace place;
   place.tp_rank = grid.tp_rank();
@@ -621,7 +625,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_from = ck.path();
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
     const auto& topo = ck.meta()["topology"];
-    notes.insert(notes.begin(), "resuming from " + ck.path() + " at iteration " + std::to_string(progress.iteration) +
+    notes.insert(notes.begin(), (opts.eval_only ? "loaded " : "resuming from ") + ck.path() + " at iteration " + std::to_string(progress.iteration) +
                                     ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
                                     std::to_string(tr.state().adam_step) + " (saved under tp=" +
                                     std::to_string(topo.value("tp", 1)) + " pp=" + std::to_string(topo.value("pp", 1)) +
@@ -687,7 +691,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                                 : probe_compared     ? ", probe loss and per-tensor norms as saved"
                                                      : ", per-tensor norms as saved"));
   }
-  if (progress.iteration >= cfg.train.steps) {
+  if (progress.iteration >= cfg.train.steps && !opts.eval_only) {
     if (lead)
       std::printf("keel: the checkpoint is at iteration %lld and train.steps is %lld: nothing to do\n",
                   static_cast<long long>(progress.iteration), static_cast<long long>(cfg.train.steps));
@@ -697,7 +701,12 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // ---- run directory (rank 0 writes it; every rank writes its checkpoint files) ----
   std::optional<MetricsWriter> metrics;
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
-  if (lead) {
+  if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
+    print_summary(cfg, tr, train, vals, packed, *backend);
+    std::printf("keel: %s\n", grid.layout().c_str());
+    for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
+    std::fflush(stdout);
+  } else if (lead) {
     std::error_code ec;
     fs::create_directories(cfg.out, ec);
     if (ec) throw std::runtime_error("cannot create run directory " + cfg.out + ": " + ec.message());
@@ -749,7 +758,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<ChoiceScore> scores = score_choices(tr, choices.items);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (lead) report_choice_eval(cfg, choices, scores, it, secs, quiet, *metrics);
+    if (lead) report_choice_eval(cfg, choices, scores, it, secs, quiet, metrics ? &*metrics : nullptr);
   };
   // sample: the lead rank generates from its replica; the others go on to the next step.
   auto sample_text = [&](int64_t it) {
@@ -758,7 +767,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::string text = sampler.sample(tr.table(), *backend, tr.state().working);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    metrics->write({{"event", "sample"}, {"step", it}, {"text", text}});
+    if (metrics) metrics->write({{"event", "sample"}, {"step", it}, {"text", text}});
     if (!quiet) std::printf(" sample at iteration %lld (%.2f s):\n%s\n", static_cast<long long>(it), secs, text.c_str());
     std::fflush(stdout);
   };
@@ -777,6 +786,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     }
     if (metrics) metrics->write(rec);
   };
+  if (opts.eval_only) {
+    if (!vals.empty() && cfg.train.eval_batches > 0) validation(progress.iteration);
+    if (!choices.items.empty()) choice_eval(progress.iteration);
+    if (sampler.on()) sample_text(progress.iteration);
+    if (lead)
+      std::printf("keel: --eval-only: evaluated %s at iteration %lld under tp=%lld pp=%lld dp=%lld; nothing was written\n",
+                  loaded_from.empty() ? "the initialisation" : loaded_from.c_str(), static_cast<long long>(progress.iteration),
+                  static_cast<long long>(cfg.parallel.tp), static_cast<long long>(cfg.parallel.pp),
+                  static_cast<long long>(cfg.parallel.dp));
+    return kExitOk;
+  }
   // train.eval_at_start: the loaded (or initial) model's numbers before this run's first step.
   if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) {
     if (!vals.empty() && cfg.train.eval_batches > 0) validation(progress.iteration);

@@ -30,6 +30,10 @@ struct RunOptions {
   std::string init_from;    // weights-only initialisation for a fresh run (finetuning)
   int64_t stop_at = 0;      // save and stop after this iteration (0: run to train.steps)
   double time_limit_s = 0;  // save and stop once this much wall time has passed (0: none)
+  // Evaluate the model the run would start from (validation sets, choice_eval, sample) under
+  // the config's layout, print the numbers, and stop: nothing is trained or written (Megatron's
+  // --skip-train). The model-parallel way to evaluate a model too large for keel eval.
+  bool eval_only = false;
 };
 
 int run_training(const RunConfig& cfg, const RunOptions& opts = {});

@@ -13,6 +13,44 @@
 
 using namespace keel;
 
+// keel train --eval-only under mpirun: a model too large for one device is evaluated under a
+// model-parallel layout. A single-process checkpoint, evaluated under tp=2 pp=2 and pp=2 dp=2,
+// gives the single process's validation loss and choice log-likelihoods within fp32 summation
+// order (1e-5 relative, the bound of the layout tests' first forward), and writes nothing.
+TEST_CASE("keel train --eval-only evaluates a checkpoint under TP, PP and DP like one process", "[eval][mpi]") {
+  test::Workspace ws;
+  test::write_stream_choice_items(ws.dir / "choices.jsonl", 21);
+  const std::string out = ws.dir / "run";
+  const std::string args = "train --config " + ws.config + " --out " + out + " --steps 10 --set choice_eval.file=" +
+                           (ws.dir / "choices.jsonl") + " --set choice_eval.write_scores=true";
+  const test::ProcessResult one = test::run_keel(args);
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  double val = 0;
+  for (const nlohmann::json& rec : test::read_metrics(out + "/metrics.jsonl"))
+    if (rec.contains("val_loss") && rec["step"] == 10) val = rec["val_loss"];
+  REQUIRE(val > 0);
+  const size_t acc_at = one.output.find(" choice eval at iteration 10 | acc ");
+  REQUIRE(acc_at != std::string::npos);
+  const std::string acc_line = one.output.substr(acc_at, one.output.find(" | chance", acc_at) - acc_at);  // acc, acc_per_token
+  const std::string metrics = test::read_file(out + "/metrics.jsonl");
+  const std::string scores = test::read_file(out + "/choice_scores/step_10.jsonl");
+  REQUIRE(!scores.empty());
+  for (const std::string layout : {"--set parallel.tp=2 --set parallel.pp=2", "--set parallel.pp=2 --set parallel.dp=2"}) {
+    INFO(layout);
+    const test::ProcessResult many = test::run_keel_mpi(4, args + " --eval-only " + layout);
+    INFO(many.output);
+    REQUIRE(many.code == 0);
+    const size_t at = many.output.find(" validation at iteration 10 | lm loss: ");
+    REQUIRE(at != std::string::npos);
+    const double got = std::stod(many.output.substr(at + 39, 12));
+    CHECK(std::abs(got - val) <= 1e-5 * val);
+    CHECK_THAT(many.output, Catch::Contains(acc_line) && Catch::Contains("nothing was written"));
+    CHECK(test::read_file(out + "/metrics.jsonl") == metrics);
+    CHECK(test::read_file(out + "/choice_scores/step_10.jsonl") == scores);  // write_scores is not acted on
+  }
+}
+
 TEST_CASE("keel eval under mpirun splits the items over the ranks and reports the single process's scores",
           "[eval][mpi]") {
   test::TempDir tmp("eval-ranks");

@@ -57,6 +57,48 @@ TEST_CASE("keel train with choice_eval and eval_at_start: the accuracy is logged
   }
   CHECK(n == 40);
   CHECK(static_cast<double>(right) / n == last);
+
+  // --eval-only: the numbers of the model the run would start from, printed as the run printed
+  // them (same layout, same bits), and nothing written. The finished run is its step-30
+  // checkpoint; a new run directory is the initialisation, which eval_at_start measured.
+  auto line_of = [](const std::string& out, const std::string& start) {
+    const size_t at = out.find(start);
+    return at == std::string::npos ? std::string("(no line " + start + ")") : out.substr(at, out.find('\n', at) - at);
+  };
+  auto listing = [](const std::string& dir) {
+    std::vector<std::string> files;
+    for (const auto& e : fs::recursive_directory_iterator(dir))
+      files.push_back(e.path().string() + " " + (e.is_regular_file() ? std::to_string(e.file_size()) : "dir") + " " +
+                      std::to_string(e.last_write_time().time_since_epoch().count()));
+    std::sort(files.begin(), files.end());
+    return files;
+  };
+  const std::vector<std::string> before = listing(out);
+  const std::string eval_only = "train --config " + ws.config + " --set choice_eval.file=" + (ws.dir / "choices.jsonl") +
+                                " --set choice_eval.write_scores=true --eval-only --out ";
+  const test::ProcessResult e = test::run_keel(eval_only + out);
+  INFO(e.output);
+  REQUIRE(e.code == 0);
+  CHECK(line_of(e.output, " validation at iteration 30 |") == line_of(r.output, " validation at iteration 30 |"));
+  // The choice line ends with the time it took.
+  auto without_time = [](const std::string& l) { return l.substr(0, l.rfind(" items in ")); };
+  CHECK(without_time(line_of(e.output, " choice eval at iteration 30 |")) ==
+        without_time(line_of(r.output, " choice eval at iteration 30 |")));
+  CHECK_THAT(e.output, Catch::Contains("--eval-only: evaluated " + out + "/checkpoints/step_00000030 at iteration 30 under "
+                                       "tp=1 pp=1 dp=1; nothing was written"));
+  CHECK(listing(out) == before);
+  const test::ProcessResult fresh = test::run_keel(eval_only + (ws.dir / "fresh"));
+  INFO(fresh.output);
+  REQUIRE(fresh.code == 0);
+  CHECK(line_of(fresh.output, " validation at iteration 0 |") == line_of(r.output, " validation at iteration 0 |"));
+  CHECK(without_time(line_of(fresh.output, " choice eval at iteration 0 |")) ==
+        without_time(line_of(r.output, " choice eval at iteration 0 |")));
+  CHECK_THAT(fresh.output, Catch::Contains("evaluated the initialisation at iteration 0"));
+  CHECK(!fs::exists(ws.dir / "fresh"));
+  const test::ProcessResult nothing =
+      test::run_keel("train --config " + ws.config + " --set data.val=null --eval-only --out " + out);
+  CHECK(nothing.code == 2);
+  CHECK_THAT(nothing.output, Catch::Contains("--eval-only: nothing to evaluate"));
 }
 
 TEST_CASE("keel train with choice_eval: bad items stop the run before anything is written", "[cli][errors][choice_train]") {
