@@ -273,7 +273,9 @@ void check_options(const TokenizeOptions& o) {
   if (o.chat && o.add_special_tokens)
     throw std::invalid_argument("--add-special-tokens does not apply to --chat: the chat template writes the special tokens "
                                 "itself (transformers encodes its output without adding any), so a BOS would come twice");
-  if (o.pack < 0 || o.pack == 1) throw std::invalid_argument("--pack: a window of " + std::to_string(o.pack) + " tokens cannot hold a document and its end of text; give train.seq_len");
+  if (o.pack < 0 || o.pack == 1)
+    throw std::invalid_argument("--pack: a window of " + std::to_string(o.pack) +
+                                " tokens cannot hold a document and its end of text; give train.seq_len");
   if (o.pack > 0 && o.format == TokenOutputFormat::megatron)
     throw std::invalid_argument("--pack writes llm.c shards of whole windows; with --format megatron the reader (Megatron-LM) "
                                 "builds its own samples from the documents, so the packing would not survive");
@@ -590,7 +592,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     if (split.weight0_replies)
       say("  %lld assistant replies have \"weight\": 0 and are out of the loss", static_cast<long long>(split.weight0_replies));
     if (split.without_replies)
-      say("  NOTE %lld conversations have nothing in the loss (no assistant reply that could be located)",
+      say("  NOTE %lld conversations have nothing in the loss (no assistant reply that could be located and has weight 1)",
           static_cast<long long>(split.without_replies));
   }
   say("wrote %s/ in %.2f s", o.out.c_str(), seconds_since(t0));

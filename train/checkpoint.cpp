@@ -827,8 +827,10 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
   const int64_t n = table.local_numel();
   const int64_t ob = state.optim_begin(), oe = std::min(state.optim_end(), n);
   for (const ParamSpec& p : table.params()) {
-    read_into(ck, "adam_m", p, state, state.m, ob, oe, backend);
-    read_into(ck, "adam_v", p, state, state.v, ob, oe, backend);
+    if (!state.m.empty()) {  // (a state for evaluation only has no moments)
+      read_into(ck, "adam_m", p, state, state.m, ob, oe, backend);
+      read_into(ck, "adam_v", p, state, state.v, ob, oe, backend);
+    }
     if (needs_master) read_into(ck, *master_from, p, state, state.master, ob, oe, backend);
     // Working weights: the stored ones when their dtype matches (bit-exact), else the masters'.
     const std::string wsrc =

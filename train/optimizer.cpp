@@ -15,7 +15,8 @@ DType working_dtype(PrecisionMode mode) {
 
 DType activation_dtype(PrecisionMode mode) { return working_dtype(mode); }
 
-ParamState::ParamState(const ParamTable& table, Backend& backend, PrecisionMode mode, int dp_size, int dp_rank)
+ParamState::ParamState(const ParamTable& table, Backend& backend, PrecisionMode mode, int dp_size, int dp_rank,
+                       bool optimizer)
     : table_(table), be_(backend) {
   const int64_t n = table.local_numel();
   // ZeRO-1: the flat space is padded so the DP ranks' shards are equal; rank r owns
@@ -31,15 +32,17 @@ ParamState::ParamState(const ParamTable& table, Backend& backend, PrecisionMode 
     return x;
   };
   working = make(working_dtype(mode), padded_);
-  grads = make(DType::F32, padded_);
+  if (optimizer) grads = make(DType::F32, padded_);
   if (mode == PrecisionMode::FP32) {
     master = flat_view(working, optim_begin_, shard);
     master_is_working_ = true;
   } else if (mode != PrecisionMode::BF16UnsafeNoMaster) {
     master = make(DType::F32, shard);
   }
-  m = make(DType::F32, shard);
-  v = make(DType::F32, shard);
+  if (optimizer) {
+    m = make(DType::F32, shard);
+    v = make(DType::F32, shard);
+  }
 }
 
 ParamState::~ParamState() {
@@ -70,8 +73,8 @@ void ParamState::load_fp32(const float* values) {
     if (end > optim_begin_)
       be_.copy_from_host(flat_view(master, optim_begin_, end - optim_begin_), values + optim_begin_);
   }
-  be_.fill(m, 0.0f);
-  be_.fill(v, 0.0f);
+  if (!m.empty()) be_.fill(m, 0.0f);
+  if (!v.empty()) be_.fill(v, 0.0f);
   adam_step = 0;
 }
 

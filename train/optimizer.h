@@ -8,7 +8,8 @@
 //            optim_end) of the flat space (a view of `working` in fp32 mode; absent in the
 //            unsafe bf16-only mode, where updates smaller than bf16's spacing round away)
 //   m, v     fp32 Adam moments of the shard
-// With one DP rank the shard is everything.
+// With one DP rank the shard is everything. A state for evaluation only (optimizer = false) has
+// no grads and no moments: working weights and masters, which loading and restart verification use.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +25,8 @@ DType activation_dtype(PrecisionMode mode);
 
 class ParamState {
  public:
-  ParamState(const ParamTable& table, Backend& backend, PrecisionMode mode, int dp_size = 1, int dp_rank = 0);
+  ParamState(const ParamTable& table, Backend& backend, PrecisionMode mode, int dp_size = 1, int dp_rank = 0,
+             bool optimizer = true);
   ~ParamState();
   ParamState(const ParamState&) = delete;
   ParamState& operator=(const ParamState&) = delete;

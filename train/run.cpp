@@ -571,7 +571,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (opts.eval_only && (vals.empty() || cfg.train.eval_batches == 0) && choices.items.empty() && !sampler.on())
     throw ConfigError("--eval-only: nothing to evaluate: set data.val or data.val_sets (with train.eval_batches > 0), "
                       "choice_eval.file or sample.interval");
-  Trainer tr(cfg, *backend, &grid, &comms);
+  Trainer tr(cfg, *backend, &grid, &comms, /*forward_only=*/opts.eval_only);
   RankPlace place;
   place.tp_rank = grid.tp_rank();
   place.pp_rank = grid.pp_rank();
@@ -625,7 +625,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_from = ck.path();
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
     const auto& topo = ck.meta()["topology"];
-    notes.insert(notes.begin(), (opts.eval_only ? "loaded " : "resuming from ") + ck.path() + " at iteration " + std::to_string(progress.iteration) +
+    notes.insert(notes.begin(), (opts.eval_only ? "loaded " : "resuming from ") + ck.path() + " at iteration " +
+                                    std::to_string(progress.iteration) +
                                     ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
                                     std::to_string(tr.state().adam_step) + " (saved under tp=" +
                                     std::to_string(topo.value("tp", 1)) + " pp=" + std::to_string(topo.value("pp", 1)) +

@@ -53,7 +53,8 @@ void transfer(parallel::Comm& pp, const std::optional<Tensor>& send, int to, con
 }
 }  // namespace
 
-Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* grid, parallel::CommGroups* comms)
+Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* grid, parallel::CommGroups* comms,
+                 bool forward_only)
     : cfg_(cfg),
       be_(backend),
       grid_(grid ? *grid : single_rank()),
@@ -66,7 +67,7 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
       spikes_(cfg.health) {
   if (grid_.tp_size() != cfg.parallel.tp || grid_.pp_size() != cfg.parallel.pp || grid_.dp_size() != cfg.parallel.dp)
     throw std::invalid_argument("Trainer: the grid (" + grid_.layout() + ") does not match parallel.tp/pp/dp of the config");
-  state_ = std::make_unique<ParamState>(table_, be_, cfg.precision.mode, grid_.dp_size(), grid_.dp_rank());
+  state_ = std::make_unique<ParamState>(table_, be_, cfg.precision.mode, grid_.dp_size(), grid_.dp_rank(), !forward_only);
   const int n_chunks = table_.num_chunks();
   std::vector<int> slots(static_cast<size_t>(n_chunks), 1), grad_slots(static_cast<size_t>(n_chunks), 0);
   if (n_chunks == 1) {
@@ -315,6 +316,7 @@ void Trainer::sync_tied_embedding() {
 }
 
 StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t iteration, bool collect_stats) {
+  if (state_->grads.empty()) throw std::logic_error("Trainer::step: this trainer was built for evaluation only");
   StepStats st;
   st.iteration = iteration;
   parallel::Comm& dp = *comms_->dp;

@@ -78,8 +78,11 @@ struct HealthSnapshot {
 class Trainer {
  public:
   // grid/comms: this rank's place and communicators; without them, a world of one rank.
+  // forward_only: for evaluation (keel train --eval-only): no gradients and no Adam moments are
+  // allocated, so a model takes 6 bytes per parameter in bf16 (weights and masters), not 18;
+  // step() is refused.
   Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* grid = nullptr,
-          parallel::CommGroups* comms = nullptr);
+          parallel::CommGroups* comms = nullptr, bool forward_only = false);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;

@@ -95,6 +95,15 @@ TEST_CASE("keel train with choice_eval and eval_at_start: the accuracy is logged
         without_time(line_of(r.output, " choice eval at iteration 0 |")));
   CHECK_THAT(fresh.output, Catch::Contains("evaluated the initialisation at iteration 0"));
   CHECK(!fs::exists(ws.dir / "fresh"));
+  // --init-from the finished run's checkpoint: its weights (fp32 here: masters = weights), the
+  // same numbers at iteration 0 of a new run.
+  const test::ProcessResult init =
+      test::run_keel(eval_only + (ws.dir / "init") + " --init-from " + out + "/checkpoints/step_00000030");
+  INFO(init.output);
+  REQUIRE(init.code == 0);
+  const std::string v30 = line_of(r.output, " validation at iteration 30 |");
+  CHECK(line_of(init.output, " validation at iteration 0 |").substr(29) == v30.substr(30));
+  CHECK(!fs::exists(ws.dir / "init"));
   const test::ProcessResult nothing =
       test::run_keel("train --config " + ws.config + " --set data.val=null --eval-only --out " + out);
   CHECK(nothing.code == 2);
