@@ -982,4 +982,24 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
   }
 }
 
+void check_new_output(const fs::path& out, bool force) {
+  if (fs::exists(out) && !force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+}
+
+fs::path temp_dir_for(const fs::path& out) {
+  fs::path tmp = out;
+  tmp += ".tmp-keel-" + std::to_string(::getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  return tmp;
+}
+
+void publish(const fs::path& tmp, const fs::path& out, bool force) {
+  if (fs::exists(out)) {
+    if (!force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+    fs::remove_all(out);
+  }
+  fs::rename(tmp, out);
+}
+
 }  // namespace keel

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -221,5 +222,12 @@ using TensorFill = std::function<void(const ParamSpec& p, DType dtype, void* out
 // renamed when complete) is the caller's. Throws CheckpointError naming the file on I/O errors.
 SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg, DType dtype, const TensorFill& fill,
                                     const nlohmann::json& source = nlohmann::json::object());
+
+// The output folder of a conversion (keel convert, keel ckpt average), written whole or not at
+// all: check_new_output refuses an existing `out` unless forced, the files go to temp_dir_for(out)
+// (a fresh sibling folder), and publish renames it into place (replacing `out` when forced).
+void check_new_output(const std::filesystem::path& out, bool force);
+std::filesystem::path temp_dir_for(const std::filesystem::path& out);
+void publish(const std::filesystem::path& tmp, const std::filesystem::path& out, bool force);
 
 }  // namespace keel

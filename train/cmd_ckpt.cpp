@@ -1,11 +1,17 @@
-// `keel ckpt inspect|diff|verify`: what is in a checkpoint, where two differ, whether one is sound.
+// `keel ckpt inspect|diff|verify|average`: what is in a checkpoint, where two differ, whether
+// one is sound, and the mean of several.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 
+#include "kernels/dtype.h"
 #include "train/checkpoint.h"
 #include "train/commands.h"
+#include "train/hf_format.h"
+#include "train/model_loading.h"
 #include "train/run.h"
 
 namespace keel {
@@ -150,9 +156,108 @@ int cmd_verify(const std::string& path) {
   return kExitCheckpointError;
 }
 
+// keel ckpt average: the element-wise mean of checkpoints of one model, a weights-only
+// checkpoint. Averaging the last checkpoints of a run (Polyak averaging; Llama 3 averaged its
+// annealing checkpoints) or finetunes of one base ("model soups") usually scores better than any
+// one of them. Each checkpoint gives its fp32 masters when it has them, else its stored weights;
+// each element's mean is summed in double in the order given and rounded once to `dtype`.
+// Everything is checked before anything is written: every checkpoint verified (checksums), the
+// same model (a differing field is named with both values), every tensor present with its shape.
+// The output is written whole or not at all, and never over one of the inputs.
+int cmd_average(const std::vector<std::string>& paths, const std::string& out_path, const std::string& dtype_name,
+                bool force) {
+  namespace fs = std::filesystem;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (paths.size() < 2) throw ConfigError("keel ckpt average needs at least two checkpoints, got " + std::to_string(paths.size()));
+  const DType dtype = parse_inference_dtype(dtype_name);
+  std::vector<Checkpoint> cks;
+  for (const std::string& p : paths) {
+    cks.push_back(Checkpoint::open(p));
+    if (const auto problems = cks.back().verify(); !problems.empty()) {
+      std::string msg = "refusing to average a damaged checkpoint " + cks.back().path() + ":";
+      for (const auto& pr : problems) msg += "\n  " + pr;
+      throw CheckpointError(msg);
+    }
+  }
+  const RunConfig cfg = parse_config(cks[0].meta().at("config"), cks[0].path() + "/meta.json");
+  const nlohmann::json model = to_json(cfg).at("model");
+  const ParamTable table(cfg.model);
+  std::vector<std::string> states;
+  for (const Checkpoint& ck : cks) {
+    const nlohmann::json other = to_json(parse_config(ck.meta().at("config"), ck.path() + "/meta.json")).at("model");
+    for (const auto& [k, v] : model.items())
+      if (other.value(k, nlohmann::json()) != v)
+        throw CheckpointError(ck.path() + " is another model than " + cks[0].path() + ": model." + k + " " +
+                              other.value(k, nlohmann::json()).dump() + " vs " + v.dump());
+    bool masters = true;
+    for (const ParamSpec& p : table.params()) masters &= ck.has("master", p.name);
+    states.push_back(masters ? "master" : "weight");
+    check_tensors_match(ck, states.back(), table);
+  }
+  const fs::path out(out_path);
+  for (const Checkpoint& ck : cks) {
+    std::error_code ec;
+    const fs::path rel = fs::relative(fs::weakly_canonical(ck.path()), fs::weakly_canonical(out), ec);
+    if (!ec && !rel.empty() && *rel.begin() != "..")
+      throw ConfigError("--out " + out_path + " would replace the input " + ck.path() + ": pick another folder");
+  }
+  check_new_output(out, force);
+
+  const fs::path tmp = temp_dir_for(out);
+  int64_t parameters = 0;
+  try {
+    std::vector<double> sum;
+    std::vector<float> part;
+    const TensorFill fill = [&](const ParamSpec& p, DType dt, void* dst) {
+      const int64_t n = p.logical_numel();
+      sum.assign(static_cast<size_t>(n), 0.0);
+      part.resize(static_cast<size_t>(n));
+      TensorRegion whole;
+      whole.shape = p.shape;
+      whole.offset.assign(p.shape.size(), 0);
+      for (size_t k = 0; k < cks.size(); ++k) {
+        cks[k].read(states[k], p.name, whole, DType::F32, part.data());
+        cks[k].release(states[k], p.name);
+        for (int64_t i = 0; i < n; ++i) sum[static_cast<size_t>(i)] += part[static_cast<size_t>(i)];
+      }
+      const double inv = 1.0 / static_cast<double>(cks.size());
+      for (int64_t i = 0; i < n; ++i) {
+        const auto mean = static_cast<float>(sum[static_cast<size_t>(i)] * inv);
+        if (dt == DType::F32) static_cast<float*>(dst)[i] = mean;
+        else static_cast<uint16_t*>(dst)[i] = dt == DType::BF16 ? f32_to_bf16(mean) : f32_to_f16(mean);
+      }
+      parameters += n;
+    };
+    nlohmann::json source = {{"kind", "average"}, {"checkpoints", nlohmann::json::array()}};
+    for (size_t k = 0; k < cks.size(); ++k)
+      source["checkpoints"].push_back(
+          {{"path", cks[k].path()}, {"iteration", cks[k].progress().iteration}, {"state", states[k]}});
+    const SaveResult saved = write_weights_checkpoint(tmp.string(), cfg, dtype, fill, source);
+    // The tokenizer and HF side files of the first checkpoint come along (keel sample, convert).
+    copy_side_files(cks[0].path(), tmp);
+    if (fs::exists(fs::path(cks[0].path()) / "hf_config.json"))
+      fs::copy_file(fs::path(cks[0].path()) / "hf_config.json", tmp / "hf_config.json");
+    publish(tmp, out, force);
+    std::printf("keel: averaged %zu checkpoints into %s: %zu tensors, %lld parameters, %s, %.1f MB in %.2f s\n",
+                cks.size(), out_path.c_str(), table.params().size(), static_cast<long long>(parameters),
+                std::string(keel::dtype_name(dtype)).c_str(), static_cast<double>(saved.bytes) / 1e6,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    for (size_t k = 0; k < cks.size(); ++k)
+      std::printf("  %s (iteration %lld, %s)\n", cks[k].path().c_str(), static_cast<long long>(cks[k].progress().iteration),
+                  states[k] == "master" ? "fp32 masters" : "weights");
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  return kExitOk;
+}
+
 struct CkptArgs {
-  std::string path, other, state = "weight";
+  std::string path, other, state = "weight", out, dtype = "fp32";
+  std::vector<std::string> paths;
   int max_report = 20;
+  bool force = false;
 };
 
 }  // namespace
@@ -170,10 +275,17 @@ Command add_ckpt_command(CLI::App& app) {
   diff->add_option("--max", args->max_report, "Differing tensors to list");
   CLI::App* verify = ckpt->add_subcommand("verify", "Checksums and completeness (exit 5 if damaged)");
   verify->add_option("path", args->path, "Checkpoint")->required();
-  return {ckpt, [args, inspect, diff, verify]() -> int {
+  CLI::App* average = ckpt->add_subcommand(
+      "average", "Element-wise mean of checkpoints of one model (fp32 masters when saved) as a weights-only checkpoint");
+  average->add_option("checkpoints", args->paths, "Checkpoints to average (step_* directories)")->required();
+  average->add_option("-o,--out", args->out, "Output folder (a weights-only checkpoint)")->required();
+  average->add_option("--dtype", args->dtype, "Stored weights: fp32 (default), bf16 or fp16");
+  average->add_flag("--force", args->force, "Replace --out if it exists");
+  return {ckpt, [args, inspect, diff, verify, average]() -> int {
             if (inspect->parsed()) return cmd_inspect(args->path, args->state);
             if (diff->parsed()) return cmd_diff(args->path, args->other, args->max_report);
             if (verify->parsed()) return cmd_verify(args->path);
+            if (average->parsed()) return cmd_average(args->paths, args->out, args->dtype, args->force);
             return kExitConfigError;
           }};
 }

@@ -103,26 +103,13 @@ void write_json_file(const fs::path& p, const json& j) {
   if (!out) throw CheckpointError("cannot write " + p.string());
 }
 
-// Moves the finished temporary directory into place (replacing `out` when forced).
-void publish(const fs::path& tmp, const fs::path& out, bool force) {
-  if (fs::exists(out)) {
-    if (!force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
-    fs::remove_all(out);
-  }
-  fs::rename(tmp, out);
-}
+}  // namespace
 
-fs::path temp_dir_for(const fs::path& out) {
-  fs::path tmp = out;
-  tmp += ".tmp-keel-" + std::to_string(::getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  return tmp;
-}
-
-void check_new_output(const fs::path& out, bool force) {
-  if (fs::exists(out) && !force)
-    throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+const std::vector<std::string>& hf_side_files() {
+  static const std::vector<std::string> files = {"tokenizer.json",          "tokenizer_config.json",
+                                                 "special_tokens_map.json", "tokenizer.model",
+                                                 "generation_config.json",  "chat_template.jinja"};
+  return files;
 }
 
 std::vector<std::string> copy_side_files(const fs::path& from, const fs::path& to) {
@@ -133,15 +120,6 @@ std::vector<std::string> copy_side_files(const fs::path& from, const fs::path& t
     copied.push_back(f);
   }
   return copied;
-}
-
-}  // namespace
-
-const std::vector<std::string>& hf_side_files() {
-  static const std::vector<std::string> files = {"tokenizer.json",          "tokenizer_config.json",
-                                                 "special_tokens_map.json", "tokenizer.model",
-                                                 "generation_config.json",  "chat_template.jinja"};
-  return files;
 }
 
 std::optional<std::string> hf_path(const std::string& spec) {

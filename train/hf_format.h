@@ -189,5 +189,7 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
 // tokenizer.model, generation_config.json, chat_template.jinja (the chat template, when it is
 // not inside tokenizer_config.json).
 const std::vector<std::string>& hf_side_files();
+// Copies those of them that `from` has into `to` (replacing); returns their names.
+std::vector<std::string> copy_side_files(const std::filesystem::path& from, const std::filesystem::path& to);
 
 }  // namespace keel

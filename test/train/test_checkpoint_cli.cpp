@@ -13,6 +13,8 @@
 #include "common/process.h"
 #include "common/workspace.h"
 #include "data/safetensors.h"
+#include "kernels/dtype.h"
+#include "train/checkpoint.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -438,4 +440,68 @@ TEST_CASE("a save that hits a write error reports it, removes its partial files 
   CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000008"));
   CHECK_FALSE(fs::exists(out + "/checkpoints/.tmp-step_00000008"));
   CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000004\n");
+}
+
+// keel ckpt average: each element is the mean of the inputs' fp32 masters, summed in double and
+// rounded once (bit for bit, in fp32 and in bf16); the result is a weights-only checkpoint that
+// verifies and loads; bad inputs and outputs are refused before anything is written.
+TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpoint that loads", "[ckpt][cli][average]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 12 --set checkpoint.keep_last=3")).code == 4);
+  std::vector<std::string> in;
+  for (const char* step : {"00000004", "00000008", "00000012"}) in.push_back(out + "/checkpoints/step_" + step);
+  const std::string list = in[0] + " " + in[1] + " " + in[2];
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    INFO(dtype);
+    const std::string avg = ws.dir / ("avg_" + dtype);
+    const auto r = run_keel("ckpt average " + list + " --out " + avg + " --dtype " + dtype);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK_THAT(r.output, Catch::Contains("averaged 3 checkpoints") && Catch::Contains("(iteration 8, fp32 masters)"));
+    CHECK(run_keel("ckpt verify " + avg).code == 0);
+    const Checkpoint a = Checkpoint::open(avg);
+    CHECK(a.meta()["source"]["kind"] == "average");
+    std::vector<Checkpoint> cks;
+    for (const std::string& p : in) cks.push_back(Checkpoint::open(p));
+    const ParamTable table(parse_config(a.meta().at("config"), "meta.json").model);
+    int64_t wrong = 0, elements = 0;
+    for (const ParamSpec& p : table.params()) {
+      CHECK(a.stored_dtype("weight", p.name) == (dtype == "fp32" ? DType::F32 : DType::BF16));
+      const std::vector<float> got = a.read_full("weight", p.name);
+      std::vector<double> sum(got.size(), 0.0);
+      for (const Checkpoint& ck : cks) {
+        const std::vector<float> m = ck.read_full("master", p.name);
+        for (size_t i = 0; i < m.size(); ++i) sum[i] += m[i];
+      }
+      for (size_t i = 0; i < got.size(); ++i, ++elements)
+        wrong += got[i] != round_to(dtype == "fp32" ? DType::F32 : DType::BF16, static_cast<float>(sum[i] / 3.0));
+    }
+    CHECK(elements == table.logical_numel());
+    CHECK(wrong == 0);
+    // It loads: a new run from it (restart verification: masters = the stored values).
+    const auto e = run_keel(train_args(ws, ws.dir / ("from_" + dtype), "--init-from " + avg + " --eval-only --set train.eval_batches=2"));
+    INFO(e.output);
+    CHECK(e.code == 0);
+  }
+  // Refused, with nothing written: one checkpoint, an existing --out, an --out that is an input
+  // (even with --force), another model, a damaged input.
+  auto refused = [&](const std::string& args, int code, const std::string& says) {
+    const auto r = run_keel("ckpt average " + args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == code);
+    CHECK_THAT(r.output, Catch::Contains(says));
+  };
+  refused(in[0] + " --out " + ws.dir / "one", 2, "at least two checkpoints");
+  CHECK(!fs::exists(ws.dir / "one"));
+  refused(list + " --out " + ws.dir / "avg_fp32", 5, "already exists (pass --force");
+  refused(list + " --out " + in[1] + " --force", 2, "would replace the input");
+  CHECK(run_keel("ckpt verify " + in[1]).code == 0);
+  test::Workspace other(nlohmann::json{{"model", {{"d_model", 48}}}, {"train", {{"steps", 2}}}});
+  REQUIRE(run_keel(train_args(other, other.dir / "run")).code == 0);
+  refused(in[0] + " " + other.dir / "run/checkpoints/step_00000002 --out " + ws.dir / "mixed", 5, "model.d_model 48 vs 32");
+  CHECK(!fs::exists(ws.dir / "mixed"));
+  flip_byte_in(in[2] + "/model-tp00-pp00.safetensors", "weight/layers.1.attn.wq");
+  refused(list + " --out " + ws.dir / "damaged", 5, "refusing to average a damaged checkpoint");
+  CHECK(!fs::exists(ws.dir / "damaged"));
 }
