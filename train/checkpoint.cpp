@@ -982,7 +982,14 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
   }
 }
 
-void check_new_output(const fs::path& out, bool force) {
+void check_new_output(const fs::path& out, bool force, const std::vector<std::string>& inputs) {
+  for (const std::string& in : inputs) {
+    if (in.empty()) continue;
+    std::error_code ec;
+    const fs::path rel = fs::relative(fs::weakly_canonical(in, ec), fs::weakly_canonical(out, ec), ec);
+    if (!ec && !rel.empty() && *rel.begin() != "..")
+      throw ConfigError("the output " + out.string() + " would replace the input " + in + ": pick another folder");
+  }
   if (fs::exists(out) && !force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
 }
 

@@ -224,9 +224,11 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
                                     const nlohmann::json& source = nlohmann::json::object());
 
 // The output folder of a conversion (keel convert, keel ckpt average), written whole or not at
-// all: check_new_output refuses an existing `out` unless forced, the files go to temp_dir_for(out)
-// (a fresh sibling folder), and publish renames it into place (replacing `out` when forced).
-void check_new_output(const std::filesystem::path& out, bool force);
+// all: check_new_output refuses an existing `out` unless forced (CheckpointError), and an `out`
+// that is or holds one of the `inputs` even when forced (ConfigError: replacing it would destroy
+// the input); the files go to temp_dir_for(out) (a fresh sibling folder), and publish renames it
+// into place (replacing `out` when forced).
+void check_new_output(const std::filesystem::path& out, bool force, const std::vector<std::string>& inputs = {});
 std::filesystem::path temp_dir_for(const std::filesystem::path& out);
 void publish(const std::filesystem::path& tmp, const std::filesystem::path& out, bool force);
 

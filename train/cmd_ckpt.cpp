@@ -195,13 +195,9 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
     check_tensors_match(ck, states.back(), table);
   }
   const fs::path out(out_path);
-  for (const Checkpoint& ck : cks) {
-    std::error_code ec;
-    const fs::path rel = fs::relative(fs::weakly_canonical(ck.path()), fs::weakly_canonical(out), ec);
-    if (!ec && !rel.empty() && *rel.begin() != "..")
-      throw ConfigError("--out " + out_path + " would replace the input " + ck.path() + ": pick another folder");
-  }
-  check_new_output(out, force);
+  std::vector<std::string> inputs;
+  for (const Checkpoint& ck : cks) inputs.push_back(ck.path());
+  check_new_output(out, force, inputs);
 
   const fs::path tmp = temp_dir_for(out);
   int64_t parameters = 0;

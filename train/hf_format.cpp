@@ -740,7 +740,7 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
   const auto t0 = std::chrono::steady_clock::now();
   const HfCheckpoint hf = HfCheckpoint::open(hf_dir);
   const fs::path out(out_dir);
-  check_new_output(out, force);
+  check_new_output(out, force, {hf.dir()});
   const json run_json = finetune_config_json(hf, out_dir);
   const RunConfig cfg = parse_config(run_json, (out / "config.json").string());
   const DType wdt = dtype.value_or(hf.common_dtype());
@@ -1022,7 +1022,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   }
 
   const fs::path out(out_dir);
-  check_new_output(out, opts.force);
+  check_new_output(out, opts.force, {ckpt_path, opts.like});
   const fs::path tmp = temp_dir_for(out);
   ConvertStats st;
   try {

@@ -566,6 +566,17 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
   fs::create_directories(tmp / "taken");
   CHECK_THAT(error_of([&] { convert_hf_to_keel(kHf + "llama_tied", tmp / "taken", std::nullopt, false); }),
              Catch::Contains("already exists"));
+  // Nor replaced when it is the input (or holds it), even with force: that would destroy it.
+  d = copy("self");
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(d, d, std::nullopt, true); }), Catch::Contains("would replace the input"));
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(d, tmp.path.string(), std::nullopt, true); }), Catch::Contains("would replace the input"));
+  CHECK(fs::exists(d + "/model.safetensors"));
+  ExportOptions over;
+  over.force = true;
+  over.like = d;
+  convert_hf_to_keel(d, tmp / "self_keel", std::nullopt, false);
+  CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", d, over); }), Catch::Contains("would replace the input"));
+  CHECK(fs::exists(d + "/model.safetensors"));
 }
 
 // Seed 000: finetuning converted weights in bf16 must continue from the pretrained loss. The
