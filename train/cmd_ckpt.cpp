@@ -158,18 +158,19 @@ int cmd_verify(const std::string& path) {
 
 // keel ckpt average: the element-wise mean of checkpoints of one model, a weights-only
 // checkpoint. Averaging the last checkpoints of a run (Polyak averaging; Llama 3 averaged its
-// annealing checkpoints) or finetunes of one base ("model soups") usually scores better than any
+// annealing checkpoints) or finetunes of one base ("model soups") often scores better than any
 // one of them. Each checkpoint gives its fp32 masters when it has them, else its stored weights;
 // each element's mean is summed in double in the order given and rounded once to `dtype`.
 // Everything is checked before anything is written: every checkpoint verified (checksums), the
 // same model (a differing field is named with both values), every tensor present with its shape.
 // The output is written whole or not at all, and never over one of the inputs.
-int cmd_average(const std::vector<std::string>& paths, const std::string& out_path, const std::string& dtype_name,
+int cmd_average(const std::vector<std::string>& paths, const std::string& out_path, const std::string& dtype_option,
                 bool force) {
   namespace fs = std::filesystem;
   const auto t0 = std::chrono::steady_clock::now();
-  if (paths.size() < 2) throw ConfigError("keel ckpt average needs at least two checkpoints, got " + std::to_string(paths.size()));
-  const DType dtype = parse_inference_dtype(dtype_name);
+  if (paths.size() < 2)
+    throw ConfigError("keel ckpt average needs at least two checkpoints, got " + std::to_string(paths.size()));
+  const DType dtype = parse_inference_dtype(dtype_option);
   std::vector<Checkpoint> cks;
   for (const std::string& p : paths) {
     cks.push_back(Checkpoint::open(p));
@@ -185,10 +186,11 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
   std::vector<std::string> states;
   for (const Checkpoint& ck : cks) {
     const nlohmann::json other = to_json(parse_config(ck.meta().at("config"), ck.path() + "/meta.json")).at("model");
-    for (const auto& [k, v] : model.items())
-      if (other.value(k, nlohmann::json()) != v)
-        throw CheckpointError(ck.path() + " is another model than " + cks[0].path() + ": model." + k + " " +
-                              other.value(k, nlohmann::json()).dump() + " vs " + v.dump());
+    for (const nlohmann::json* fields : {&model, &other})  // both ways: a field may be written only when set
+      for (const auto& field : fields->items())
+        if (const std::string& k = field.key(); other.value(k, nlohmann::json()) != model.value(k, nlohmann::json()))
+          throw CheckpointError(ck.path() + " is another model than " + cks[0].path() + ": model." + k + " " +
+                                other.value(k, nlohmann::json()).dump() + " vs " + model.value(k, nlohmann::json()).dump());
     bool masters = true;
     for (const ParamSpec& p : table.params()) masters &= ck.has("master", p.name);
     states.push_back(masters ? "master" : "weight");
@@ -236,7 +238,7 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
     publish(tmp, out, force);
     std::printf("keel: averaged %zu checkpoints into %s: %zu tensors, %lld parameters, %s, %.1f MB in %.2f s\n",
                 cks.size(), out_path.c_str(), table.params().size(), static_cast<long long>(parameters),
-                std::string(keel::dtype_name(dtype)).c_str(), static_cast<double>(saved.bytes) / 1e6,
+                std::string(dtype_name(dtype)).c_str(), static_cast<double>(saved.bytes) / 1e6,
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     for (size_t k = 0; k < cks.size(); ++k)
       std::printf("  %s (iteration %lld, %s)\n", cks[k].path().c_str(), static_cast<long long>(cks[k].progress().iteration),
