@@ -235,6 +235,38 @@ std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vo
   return sets;
 }
 
+// Masked (instruction) data read in windows that cut examples apart: of the in-loss targets of the
+// first windows, the share that belongs to an example which began in an earlier window, so its
+// prompt is out of view (a reply trained without the question). `eod` ends an example. Scans up
+// to 64 windows in file order; 0 when the data has no masks.
+double cut_example_share(const data::TokenDataset& d, int64_t eod) {
+  if (d.num_masked_files() == 0 || eod < 0) return 0;
+  const int T = d.seq_len();
+  std::vector<int32_t> in(static_cast<size_t>(T)), tgt(in.size());
+  int64_t in_loss = 0, cut = 0;
+  for (int64_t w = 0; w < std::min<int64_t>(64, d.num_windows()); ++w) {
+    d.read_window(w, in.data(), tgt.data());
+    const auto at = d.locate(w);
+    // The window starts an example when it starts the file or follows an end of example.
+    const bool starts = at.start == 0 || d.file(at.file).token(at.start - 1) == static_cast<uint32_t>(eod);
+    const auto first_end = std::find(in.begin(), in.end(), static_cast<int32_t>(eod)) - in.begin();
+    for (int k = 0; k < T; ++k) {
+      if (tgt[static_cast<size_t>(k)] < 0) continue;
+      ++in_loss;
+      cut += !starts && k < first_end;  // predicted inside the example the window cut into
+    }
+  }
+  return in_loss ? static_cast<double>(cut) / static_cast<double>(in_loss) : 0;
+}
+
+// The end-of-document token for the start-up checks: data.eod_token, else the data's meta.json.
+int64_t data_eot_id(const RunConfig& cfg) {
+  if (cfg.data.eod_token >= 0) return cfg.data.eod_token;
+  for (const auto& [meta, j] : data_folder_metas(cfg))
+    if (j.is_object() && j.contains("eot_id") && j["eot_id"].is_number_integer()) return j["eot_id"].get<int64_t>();
+  return -1;
+}
+
 // Start-up summary: the model, the precision policy and the optimizer's weight-decay groups,
 // so a norm or bias filed in the wrong group is visible on day one.
 void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler& train,
@@ -284,7 +316,16 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
                 v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
   }
-  if (!packed.empty()) {
+  if (packed.empty()) {
+    const int64_t eod = data_eot_id(cfg);
+    for (size_t k = 0; k < train.num_sources(); ++k)
+      if (const double share = cut_example_share(train.source(k), eod); share > 0)
+        std::printf("keel: WARNING %s: %.1f%% of the in-loss targets in its first windows belong to examples that began "
+                    "in an earlier window, so their beginning (the prompt, earlier turns) is out of view. "
+                    "Tokenize with keel tokenize --pack %lld to keep every example whole in a window.\n",
+                    train.num_sources() > 1 ? cfg.data.train[k].c_str() : "data.train", 100 * share,
+                    static_cast<long long>(cfg.train.seq_len));
+  } else {
     std::printf("keel: data: packed (keel tokenize --pack %lld): whole documents in each window, then padding out of "
                 "the loss (%s%s)\n",
                 static_cast<long long>(cfg.train.seq_len), packed.front().c_str(), packed.size() > 1 ? ", ..." : "");

@@ -316,6 +316,8 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
   INFO(r.output);
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("loss masks on 1 of 1 files") && Catch::Contains("documents end at token 2"));
+  CHECK_THAT(r.output, Catch::Contains("belong to examples that began in an earlier window") &&
+                           Catch::Contains("keel tokenize --pack 64"));  // unpacked: cut examples, reported
 
   // Packed (--pack 64): whole examples per window, read under train.seq_len 64 only.
   r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --loss-mask prompt --add-special-tokens --tokenizer hf:" +
@@ -329,7 +331,8 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
                " --steps 2 --set data.document_masking=true --set train.seq_len=64" + packed_data);
   INFO(r.output);
   REQUIRE(r.code == 0);
-  CHECK_THAT(r.output, Catch::Contains("packed (keel tokenize --pack 64)") && !Catch::Contains("WARNING the data is packed"));
+  CHECK_THAT(r.output, Catch::Contains("packed (keel tokenize --pack 64)") && !Catch::Contains("WARNING the data is packed") &&
+                           !Catch::Contains("began in an earlier window"));
   r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + kHfModel + " --out " + tmp / "run_packed2" +
                " --steps 1 --set train.seq_len=64" + packed_data);
   CHECK(r.code == 0);
