@@ -369,6 +369,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   fs::remove_all(stage.path);
   fs::create_directory(stage.path);
   const bool pairs = corpus.pairs();
+  const std::vector<std::string> conversation_keys = messages_keys(o);
   auto encode_conversation = [&](uint64_t doc) {
     Encoded e;
     ChatTokens ct;
@@ -376,7 +377,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       const nlohmann::ordered_json record = nlohmann::ordered_json::parse(corpus.document(doc).text);
       nlohmann::ordered_json variables = nlohmann::ordered_json::object();
       if (record.contains("tools")) variables["tools"] = record["tools"];  // tool-calling data
-      const nlohmann::ordered_json messages = chat_messages(*conversation_messages(record, messages_keys(o)));
+      const nlohmann::ordered_json messages = chat_messages(*conversation_messages(record, conversation_keys));
       if (o.assistant_loss_mask) {
         ct = chat->tokenize(tok, messages, variables);
       } else {  // no mask: one rendering, as apply_chat_template(tokenize=True)

@@ -768,7 +768,8 @@ void read_into(const Checkpoint& ck, const std::string& state, const ParamSpec& 
   }
 }
 
-// Which saved state holds fp32 master values: "master", or "weight" when the run was fp32.
+}  // namespace
+
 std::optional<std::string> master_source(const Checkpoint& ck, const ParamTable& table) {
   auto covers = [&](const std::string& state) {
     for (const ParamSpec& p : table.params())
@@ -783,7 +784,28 @@ std::optional<std::string> master_source(const Checkpoint& ck, const ParamTable&
   return std::nullopt;
 }
 
-}  // namespace
+std::vector<std::string> model_differences(const json& a, const json& b, const std::string& a_name,
+                                           const std::string& b_name) {
+  std::vector<std::string> diffs;
+  auto side = [](const json& m, const std::string& k) { return m.contains(k) ? m[k].dump() : std::string("-"); };
+  for (const json* fields : {&a, &b})  // both ways: fields written only when set may be missing on either side
+    for (const auto& field : fields->items()) {
+      const std::string& k = field.key();
+      if (fields == &b && a.contains(k)) continue;  // compared in the first pass
+      if (!a.contains(k) || !b.contains(k) || a[k] != b[k])
+        diffs.push_back("model." + k + ": " + a_name + " " + side(a, k) + ", " + b_name + " " + side(b, k));
+    }
+  return diffs;
+}
+
+void require_undamaged(const std::string& path, const std::string& what) {
+  const Checkpoint ck = Checkpoint::open(path);
+  if (auto problems = ck.verify(); !problems.empty()) {
+    std::string msg = "refusing to " + what + " a damaged checkpoint " + ck.path() + ":";
+    for (const auto& p : problems) msg += "\n  " + p;
+    throw CheckpointError(msg);
+  }
+}
 
 TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, const ParamTable& table,
                                  ParamState& state, Backend& backend, LossScaler& scaler, const RankPlace& place,
@@ -791,15 +813,7 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
   // The model must be the same network.
   const json saved = ck.meta().at("config");
   const json now = to_json(cfg);
-  std::vector<std::string> diffs;
-  for (const auto& [k, v] : now["model"].items())
-    if (!saved["model"].contains(k) || saved["model"][k] != v)
-      diffs.push_back("model." + k + ": checkpoint " + (saved["model"].contains(k) ? saved["model"][k].dump() : "-") +
-                      ", config " + v.dump());
-  // Fields written only when set (rope_scaling, position_embedding, embedding_norm) may be
-  // missing from the config's side.
-  for (const auto& [k, v] : saved["model"].items())
-    if (!now["model"].contains(k)) diffs.push_back("model." + k + ": checkpoint " + v.dump() + ", config -");
+  const std::vector<std::string> diffs = model_differences(saved["model"], now["model"], "checkpoint", "config");
   if (!diffs.empty()) {
     std::string msg = "checkpoint " + ck.path() + " was saved for another model, it cannot be resumed with this config:";
     for (const auto& d : diffs) msg += "\n  " + d;

@@ -208,6 +208,21 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
 // the tensor and both shapes.
 void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table);
 
+// Which saved state holds fp32 values of every tensor: "master", or "weight" when the weights
+// are fp32 (an fp32 run, an fp32 conversion); none otherwise.
+std::optional<std::string> master_source(const Checkpoint& ck, const ParamTable& table);
+
+// The fields in which two model sections of a run config (to_json(cfg)["model"]) differ, both
+// ways (a field written only when set may be missing on one side: "-"), each as
+// "model.<field>: <a_name> <a's value>, <b_name> <b's value>".
+std::vector<std::string> model_differences(const nlohmann::json& a, const nlohmann::json& b, const std::string& a_name,
+                                           const std::string& b_name);
+
+// Checks every checksum of the checkpoint at `path` with a reader of its own, dropped before
+// returning (verifying touches every page; the caller's own reader then streams the tensors).
+// Throws CheckpointError "refusing to <what> a damaged checkpoint <path>:" and the problems.
+void require_undamaged(const std::string& path, const std::string& what);
+
 // ---- weights-only checkpoints from another source (format conversion) ------------------
 
 // Fills `out` with the whole logical tensor p (p.logical_numel() elements of `dtype`).

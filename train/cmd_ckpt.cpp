@@ -173,12 +173,8 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
   const DType dtype = parse_inference_dtype(dtype_option);
   std::vector<Checkpoint> cks;
   for (const std::string& p : paths) {
+    require_undamaged(p, "average");
     cks.push_back(Checkpoint::open(p));
-    if (const auto problems = cks.back().verify(); !problems.empty()) {
-      std::string msg = "refusing to average a damaged checkpoint " + cks.back().path() + ":";
-      for (const auto& pr : problems) msg += "\n  " + pr;
-      throw CheckpointError(msg);
-    }
   }
   const RunConfig cfg = parse_config(cks[0].meta().at("config"), cks[0].path() + "/meta.json");
   const nlohmann::json model = to_json(cfg).at("model");
@@ -186,14 +182,12 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
   std::vector<std::string> states;
   for (const Checkpoint& ck : cks) {
     const nlohmann::json other = to_json(parse_config(ck.meta().at("config"), ck.path() + "/meta.json")).at("model");
-    for (const nlohmann::json* fields : {&model, &other})  // both ways: a field may be written only when set
-      for (const auto& field : fields->items())
-        if (const std::string& k = field.key(); other.value(k, nlohmann::json()) != model.value(k, nlohmann::json()))
-          throw CheckpointError(ck.path() + " is another model than " + cks[0].path() + ": model." + k + " " +
-                                other.value(k, nlohmann::json()).dump() + " vs " + model.value(k, nlohmann::json()).dump());
-    bool masters = true;
-    for (const ParamSpec& p : table.params()) masters &= ck.has("master", p.name);
-    states.push_back(masters ? "master" : "weight");
+    if (const auto diffs = model_differences(other, model, "this one", "the first"); !diffs.empty()) {
+      std::string msg = ck.path() + " is another model than " + cks[0].path() + ":";
+      for (const auto& d : diffs) msg += "\n  " + d;
+      throw CheckpointError(msg);
+    }
+    states.push_back(master_source(ck, table).value_or("weight"));  // fp32 values when saved
     check_tensors_match(ck, states.back(), table);
   }
   const fs::path out(out_path);
@@ -205,16 +199,11 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
   int64_t parameters = 0;
   try {
     std::vector<double> sum;
-    std::vector<float> part;
     const TensorFill fill = [&](const ParamSpec& p, DType dt, void* dst) {
       const int64_t n = p.logical_numel();
       sum.assign(static_cast<size_t>(n), 0.0);
-      part.resize(static_cast<size_t>(n));
-      TensorRegion whole;
-      whole.shape = p.shape;
-      whole.offset.assign(p.shape.size(), 0);
       for (size_t k = 0; k < cks.size(); ++k) {
-        cks[k].read(states[k], p.name, whole, DType::F32, part.data());
+        const std::vector<float> part = cks[k].read_full(states[k], p.name);
         cks[k].release(states[k], p.name);
         for (int64_t i = 0; i < n; ++i) sum[static_cast<size_t>(i)] += part[static_cast<size_t>(i)];
       }

@@ -941,16 +941,7 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
 
 ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& out_dir, const ExportOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();
-  {
-    // Checksums first, with a reader of its own: verifying touches every page, and dropping
-    // this reader afterwards lets them go before the export streams the tensors.
-    const Checkpoint check = Checkpoint::open(ckpt_path);
-    if (auto problems = check.verify(); !problems.empty()) {
-      std::string msg = "refusing to export a damaged checkpoint " + check.path() + ":";
-      for (const auto& p : problems) msg += "\n  " + p;
-      throw CheckpointError(msg);
-    }
-  }
+  require_undamaged(ckpt_path, "export");
   const Checkpoint ck = Checkpoint::open(ckpt_path);
   const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
   const ModelConfig& m = cfg.model;

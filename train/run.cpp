@@ -119,6 +119,12 @@ data::Sampler open_train_data(const RunConfig& cfg) {
                        cfg.data.shuffle);
 }
 
+// The "eot_id" a data folder's meta.json names, if it names one.
+std::optional<int64_t> meta_eot_id(const nlohmann::json& meta) {
+  if (meta.is_object() && meta.contains("eot_id") && meta["eot_id"].is_number_integer()) return meta["eot_id"].get<int64_t>();
+  return std::nullopt;
+}
+
 // The meta.json (prepare_data.py's, keel tokenize's) of each folder that data.train, data.val
 // and data.val_sets read from, by its path; not an object where the folder has none.
 std::map<std::string, nlohmann::json> data_folder_metas(const RunConfig& cfg) {
@@ -165,10 +171,8 @@ RunConfig with_eod_token(RunConfig cfg) {
   std::map<int64_t, std::string> found;  // eot_id -> a meta.json that says so
   std::set<std::string> without;          // folders with no usable meta.json
   for (const auto& [meta, j] : data_folder_metas(cfg)) {
-    if (j.is_object() && j.contains("eot_id") && j["eot_id"].is_number_integer())
-      found.emplace(j["eot_id"].get<int64_t>(), meta);
-    else
-      without.insert(meta);
+    if (const auto id = meta_eot_id(j)) found.emplace(*id, meta);
+    else without.insert(meta);
   }
   const std::string hint = " Set data.eod_token to the token id that ends each document in the data.";
   if (found.empty())
@@ -263,7 +267,7 @@ double cut_example_share(const data::TokenDataset& d, int64_t eod) {
 int64_t data_eot_id(const RunConfig& cfg) {
   if (cfg.data.eod_token >= 0) return cfg.data.eod_token;
   for (const auto& [meta, j] : data_folder_metas(cfg))
-    if (j.is_object() && j.contains("eot_id") && j["eot_id"].is_number_integer()) return j["eot_id"].get<int64_t>();
+    if (const auto id = meta_eot_id(j)) return *id;
   return -1;
 }
 
@@ -828,10 +832,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     }
     if (metrics) metrics->write(rec);
   };
+  // Every evaluation the config asks for, on the current weights: train.eval_at_start, --eval-only.
+  auto evaluate_all = [&](int64_t it) {
+    if (!vals.empty() && cfg.train.eval_batches > 0) validation(it);
+    if (!choices.items.empty()) choice_eval(it);
+    if (sampler.on()) sample_text(it);
+  };
   if (opts.eval_only) {
-    if (!vals.empty() && cfg.train.eval_batches > 0) validation(progress.iteration);
-    if (!choices.items.empty()) choice_eval(progress.iteration);
-    if (sampler.on()) sample_text(progress.iteration);
+    evaluate_all(progress.iteration);
     if (lead)
       std::printf("keel: --eval-only: evaluated %s at iteration %lld under tp=%lld pp=%lld dp=%lld; nothing was written\n",
                   loaded_from.empty() ? "the initialisation" : loaded_from.c_str(), static_cast<long long>(progress.iteration),
@@ -840,11 +848,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     return kExitOk;
   }
   // train.eval_at_start: the loaded (or initial) model's numbers before this run's first step.
-  if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) {
-    if (!vals.empty() && cfg.train.eval_batches > 0) validation(progress.iteration);
-    if (!choices.items.empty()) choice_eval(progress.iteration);
-    if (sampler.on()) sample_text(progress.iteration);
-  }
+  if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) evaluate_all(progress.iteration);
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
   auto finish_pending_save = [&] {

@@ -499,7 +499,7 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
   CHECK(run_keel("ckpt verify " + in[1]).code == 0);
   test::Workspace other(nlohmann::json{{"model", {{"d_model", 48}}}, {"train", {{"steps", 2}}}});
   REQUIRE(run_keel(train_args(other, other.dir / "run")).code == 0);
-  refused(in[0] + " " + other.dir / "run/checkpoints/step_00000002 --out " + ws.dir / "mixed", 5, "model.d_model 48 vs 32");
+  refused(in[0] + " " + other.dir / "run/checkpoints/step_00000002 --out " + ws.dir / "mixed", 5, "model.d_model: this one 48, the first 32");
   CHECK(!fs::exists(ws.dir / "mixed"));
   flip_byte_in(in[2] + "/model-tp00-pp00.safetensors", "weight/layers.1.attn.wq");
   refused(list + " --out " + ws.dir / "damaged", 5, "refusing to average a damaged checkpoint");
