@@ -55,6 +55,13 @@
 #include "kernels/attention_window.h"
 #include "kernels/cuda/attention_flash.cuh"
 
+// The launch's dynamic shared memory as bytes (16-byte aligned).
+#ifdef KEEL_CUDA_EMULATOR
+#define KEEL_DYNAMIC_SHARED(name) unsigned char* name = ::keel_emu::dynamic_shared()
+#else
+#define KEEL_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 namespace keel::cuda {
 
 namespace {
@@ -99,15 +106,23 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 template <>
 __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                                         uint32_t b1) {
+#ifdef KEEL_CUDA_EMULATOR
+  keel_emu::mma_m16n8k16(c, a, b0, b1, true);
+#else
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 template <>
 __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef KEEL_CUDA_EMULATOR
+  keel_emu::mma_m16n8k16(c, a, b0, b1, false);
+#else
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // Fragments come from shared memory by ldmatrix (sm_75+): one instruction loads four 8x8 b16
@@ -118,16 +133,24 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
 // Rows of the padded tiles start 144 (hd 64) or 272 (hd 128) bytes apart, so the 8 rows a
 // phase reads fall in 8 distinct 4-bank groups: conflict-free.
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
+#ifdef KEEL_CUDA_EMULATOR
+  keel_emu::ldmatrix_x4(r, row, false);
+#else
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
+#endif
 }
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) {
+#ifdef KEEL_CUDA_EMULATOR
+  keel_emu::ldmatrix_x4(r, row, true);
+#else
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
+#endif
 }
 
 // A fragment of the 16x16 block at `base` of a row-major shared array with row stride ld.
@@ -191,6 +214,16 @@ __device__ __forceinline__ void store_acc_row(T* dst, const float (&c)[N][4], in
 
 // ---- asynchronous tile copies (cp.async, sm_80+) ----
 
+#ifdef KEEL_CUDA_EMULATOR
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  keel_emu::cp_async16(smem, gmem, valid ? 16 : 0);
+}
+__device__ __forceinline__ void cp_async_commit() { keel_emu::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  keel_emu::cp_async_wait(N);
+}
+#else
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
@@ -201,6 +234,7 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+#endif
 
 // Rows [row0, row0 + kRows) of one head (HD contiguous elements at g_head + row * cols) into
 // shared rows of stride HD + kPad; rows >= T_len are zero-filled.
@@ -285,7 +319,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;  // k-steps over the head dimension
   constexpr int NT = HD / 8;   // n-tiles of the output
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  KEEL_DYNAMIC_SHARED(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kBlockQ * LD;       // [2][kBlockK][LD]
   T* sV = sK + 2 * kBlockK * LD;   // [2][kBlockK][LD]
@@ -427,7 +461,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  KEEL_DYNAMIC_SHARED(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sdO = sQ + kBlockQ * LD;
   T* sK = sdO + kBlockQ * LD;      // [2][kBlockK][LD]
@@ -540,7 +574,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
   constexpr int QN = kBlockQBwd / 8;  // n-tiles of S^T (queries)
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  KEEL_DYNAMIC_SHARED(smem_raw);
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlockK * LD;
   T* sQ = sV + kBlockK * LD;           // [2][kBlockQBwd][LD]

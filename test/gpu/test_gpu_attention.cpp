@@ -276,7 +276,7 @@ TEST_CASE("gpu: document-masked rope and attention match the CPU (plain and fuse
       }
 }
 
-TEST_CASE("gpu: fused attention at training lengths (T = 1024, 2048)", "[gpu][attention]") {
+TEST_CASE("gpu: fused attention at training lengths (T = 1024, 2048)", "[gpu][attention][long]") {
   KEEL_GPU_OR_SKIP();
   for (const AttnShape& s : {AttnShape{1, 1024, 2, 1, 128}, AttnShape{1, 2048, 2, 2, 64}}) {
     INFO(shape_name(s));
@@ -427,7 +427,7 @@ TEST_CASE("gpu: sliding-window attention matches the CPU (plain and fused kernel
 
 // ALiBi at a training length: the bias reaches -m_h (T - 1) ~ -512 on the steepest head (slope
 // 1/4), where most of a row's keys underflow to P = 0, while the weakest (1/256) still sees all.
-TEST_CASE("gpu: fused ALiBi attention at a training length (T = 2048)", "[gpu][attention][alibi]") {
+TEST_CASE("gpu: fused ALiBi attention at a training length (T = 2048)", "[gpu][attention][alibi][long]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
   AttnShape s{1, 2048, 4, 2, 64};

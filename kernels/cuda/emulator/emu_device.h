@@ -1,0 +1,216 @@
+// The CUDA emulator's device side: what a kernel source needs to compile with g++ and run on
+// the CPU. Force-included (-include) into every kernels/cuda/*.cu after translate_launches.py
+// has turned its <<<...>>> launches into ::keel_emu::config(...).run(kernel, args...).
+//
+// Execution model: a launch runs its blocks one after another; within a block every CUDA thread
+// is a fiber (its own stack), and the fibers take turns, each running until it reaches a
+// barrier or returns. __syncthreads waits for every live thread of the block; the warp-level
+// operations (__syncwarp, shuffles, ldmatrix, mma.sync) wait for the lanes of the mask, then
+// exchange values through a per-warp buffer. So the kernels' indexing, their shared-memory
+// traffic, their barriers and their warp-level data movement are exercised exactly; what is
+// not reproduced is timing (no race shows up unless a barrier is missing: cp.async copies land
+// only at cp.async.wait_group, so a read before the wait sees stale shared memory), the GPU's
+// transcendental functions' last bits (the host libm's are used) and FMA contraction (the
+// emulated build compiles with -ffp-contract=off). A deadlock (a barrier some threads never
+// reach) is reported with the kernel's block and the waiting threads, then aborts.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+// ---- CUDA's declaration specifiers: plain C++ here ----
+#undef __global__
+#undef __device__
+#undef __host__
+#undef __forceinline__
+#undef __shared__
+#undef __launch_bounds__
+#undef __constant__
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __constant__ static
+// Blocks run one at a time on one host thread (launches are serialized), so a function-local
+// static is exactly "one copy per block".
+#define __shared__ static
+
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+
+namespace keel_emu {
+
+// The running CUDA thread's coordinates.
+struct ThreadCoords {
+  uint3 thread_idx{0, 0, 0};
+  uint3 block_idx{0, 0, 0};
+  dim3 block_dim;
+  dim3 grid_dim;
+};
+const ThreadCoords& coords();
+
+// Barriers: the whole block, or the lanes of `mask` in the calling thread's warp.
+void block_barrier();
+void warp_barrier(unsigned mask);
+// The calling thread's lane (0..31) and the warp's 32 exchange slots of 32 bytes.
+int lane_id();
+unsigned char* warp_slot(int lane);
+// Dynamic shared memory of the running block (the launch's smem bytes, 16-byte aligned).
+unsigned char* dynamic_shared();
+
+// Value exchange within a warp: every lane of `mask` publishes v, then reads lane src's.
+template <class T>
+T exchange(unsigned mask, T v, int src) {
+  static_assert(sizeof(T) <= 16 && std::is_trivially_copyable_v<T>, "shuffle of a value wider than 16 bytes");
+  std::memcpy(warp_slot(lane_id()), &v, sizeof(T));
+  warp_barrier(mask);
+  T r;
+  std::memcpy(&r, warp_slot(src), sizeof(T));
+  warp_barrier(mask);  // nobody overwrites a slot before every lane has read it
+  return r;
+}
+
+// Runs f() on every thread of every block of the grid; returns when all have finished.
+void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& f);
+
+struct LaunchConfig {
+  dim3 grid, block;
+  size_t smem;
+  cudaStream_t stream;
+
+  template <class... P, class... A>
+  void run(void (*kernel)(P...), A&&... args) const {
+    static_assert(sizeof...(P) == sizeof...(A), "kernel launched with the wrong number of arguments");
+    // Arguments are converted to the parameter types at the launch, as the real one copies them.
+    std::tuple<std::decay_t<P>...> params(static_cast<std::decay_t<P>>(std::forward<A>(args))...);
+    run_grid(grid, block, smem, [&] { std::apply(kernel, params); });
+  }
+};
+inline LaunchConfig config(dim3 grid, dim3 block, size_t smem = 0, cudaStream_t stream = nullptr) {
+  return {grid, block, smem, stream};
+}
+
+// ---- tensor-core and asynchronous-copy instructions (attention_flash.cu) ----
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the address of row l % 8 of
+// matrix l / 8; register i of lane l receives matrix i's (row l / 4, cols 2(l % 4), +1), or with
+// .trans its (rows 2(l % 4), +1; col l / 4).
+void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans);
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32, c += A B (fragment layouts in
+// attention_flash.cu); products and sums in fp32.
+void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
+// cp.async.cg.shared.global of 16 bytes (zeros when src_bytes == 0); the copy is made when the
+// group holding it is waited for.
+void cp_async16(void* smem, const void* gmem, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int keep_pending);
+
+}  // namespace keel_emu
+
+// ---- built-in variables ----
+#define threadIdx (::keel_emu::coords().thread_idx)
+#define blockIdx (::keel_emu::coords().block_idx)
+#define blockDim (::keel_emu::coords().block_dim)
+#define gridDim (::keel_emu::coords().grid_dim)
+inline constexpr int warpSize = 32;
+
+// ---- synchronization and warp primitives ----
+inline void __syncthreads() { keel_emu::block_barrier(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { keel_emu::warp_barrier(mask); }
+template <class T>
+T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  const int lane = keel_emu::lane_id();
+  return keel_emu::exchange(mask, v, (lane & ~(width - 1)) + (src & (width - 1)));
+}
+template <class T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  const int lane = keel_emu::lane_id();
+  const int src = lane ^ lane_mask;
+  return keel_emu::exchange(mask, v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+}
+template <class T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  const int lane = keel_emu::lane_id();
+  const int src = lane + static_cast<int>(delta);
+  return keel_emu::exchange(mask, v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+}
+template <class T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  const int lane = keel_emu::lane_id();
+  const int src = lane - static_cast<int>(delta);
+  return keel_emu::exchange(mask, v, src >= (lane & ~(width - 1)) ? src : lane);
+}
+
+template <class T>
+unsigned __ballot_sync(unsigned mask, T predicate) {
+  const int lane = keel_emu::lane_id();
+  const unsigned char mine = predicate ? 1 : 0;
+  *keel_emu::warp_slot(lane) = mine;
+  keel_emu::warp_barrier(mask);
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l)
+    if ((mask >> l & 1u) && *keel_emu::warp_slot(l)) bits |= 1u << l;
+  keel_emu::warp_barrier(mask);
+  return bits;
+}
+
+// Device min/max of mixed integer and float types (CUDA's math headers overload them).
+template <class A, class B>
+inline std::common_type_t<A, B> min(A a, B b) {
+  using C = std::common_type_t<A, B>;
+  return static_cast<C>(b) < static_cast<C>(a) ? static_cast<C>(b) : static_cast<C>(a);
+}
+template <class A, class B>
+inline std::common_type_t<A, B> max(A a, B b) {
+  using C = std::common_type_t<A, B>;
+  return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(b) : static_cast<C>(a);
+}
+
+// cudaFuncSetAttribute(kernel, ...) with the kernel's own pointer type (cuda_runtime.h's
+// template overload is for nvcc only).
+template <class... P>
+inline cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, int value) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), attr, value);
+}
+
+// ---- arithmetic intrinsics: IEEE round-to-nearest, as their _rn names say ----
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __powf(float a, float b) { return std::pow(a, b); }
+inline float __tanhf(float x) { return std::tanh(x); }
+inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
+inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
+inline long long __double_as_longlong(double x) { long long i; std::memcpy(&i, &x, 8); return i; }
+inline double __longlong_as_double(long long x) { double d; std::memcpy(&d, &x, 8); return d; }
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }

@@ -1,0 +1,398 @@
+// The CUDA emulator's thread scheduler: each CUDA thread of a block is a fiber, run in turn
+// until it reaches a barrier or returns; barriers are released when every thread they wait for
+// has arrived. Warp-level instructions (shuffles, ldmatrix, mma.sync) exchange values through a
+// per-warp buffer between two warp barriers.
+//
+// Fibers switch by a dozen instructions on x86-64 (callee-saved registers and the stack
+// pointer: a switch is a function call, so the ABI says nothing else survives it); elsewhere by
+// ucontext, whose swapcontext also saves the signal mask with a system call, ~10x slower. The
+// kernels switch at every barrier and every warp-level instruction, so this is what an emulated
+// test's time goes to.
+#if !defined(__x86_64__) || defined(KEEL_EMU_UCONTEXT)
+#include <ucontext.h>
+#endif
+
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kernels/cuda/emulator/emu_device.h"
+
+#if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
+// keel_emu_switch(save, to): pushes the callee-saved registers, stores the stack pointer in
+// *save, loads `to` as the stack pointer and pops the registers saved there.
+extern "C" void keel_emu_switch(void** save, void* to);
+asm(R"(
+  .text
+  .globl keel_emu_switch
+  .type keel_emu_switch, @function
+keel_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size keel_emu_switch, .-keel_emu_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+#endif
+
+namespace keel_emu {
+
+namespace {
+
+// A saved execution context: a stack pointer (x86-64) or a ucontext.
+struct Context {
+#if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
+  void* sp = nullptr;
+#else
+  ucontext_t uc{};
+#endif
+};
+
+void switch_context(Context& save, Context& to) {
+#if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
+  keel_emu_switch(&save.sp, to.sp);
+#else
+  swapcontext(&save.uc, &to.uc);
+#endif
+}
+
+enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
+
+struct PendingCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+  int group;  // -1: not yet committed
+};
+
+struct Fiber {
+  Context ctx;
+  State state = State::Ready;
+  unsigned warp_mask = 0;
+  ThreadCoords coords;
+  std::vector<PendingCopy> copies;  // cp.async copies not yet landed
+  int committed_groups = 0;
+};
+
+constexpr size_t kStackBytes = size_t{256} << 10;
+constexpr int kMaxThreads = 1024;
+constexpr int kSlotBytes = 32;  // per lane: a shuffled value, or mma.sync's six fragment registers
+
+struct Scheduler {
+  std::mutex launch_mutex;  // one launch at a time: __shared__ statics are per process
+  Context main_ctx;
+  std::vector<Fiber> fibers;
+  std::vector<std::unique_ptr<char[]>> stacks;
+  std::vector<unsigned char> dynamic_smem;
+  unsigned char warp_slots[kMaxThreads / 32][32][kSlotBytes] = {};
+  const std::function<void()>* body = nullptr;
+  int current = -1;
+  int threads = 0;
+};
+
+Scheduler& sched() {
+  static Scheduler s;
+  return s;
+}
+
+Fiber& self() {
+  Scheduler& s = sched();
+  if (s.current < 0) {
+    std::fprintf(stderr, "keel CUDA emulator: a device function was called outside a kernel launch\n");
+    std::abort();
+  }
+  return s.fibers[static_cast<size_t>(s.current)];
+}
+
+void yield_to_scheduler(State st) {
+  Fiber& f = self();
+  f.state = st;
+  switch_context(f.ctx, sched().main_ctx);
+}
+
+void fiber_entry() {
+  Scheduler& s = sched();
+  (*s.body)();
+  Fiber& f = s.fibers[static_cast<size_t>(s.current)];
+  f.state = State::Done;
+  switch_context(f.ctx, s.main_ctx);
+  std::abort();  // a finished fiber is never resumed
+}
+
+// Makes ctx start fiber_entry on the stack [stack, stack + bytes).
+void start_context(Context& ctx, char* stack, size_t bytes) {
+#if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
+  // keel_emu_switch pops six registers, then returns into fiber_entry; at a function's entry
+  // the stack pointer is 8 below a multiple of 16 (as if `call` had pushed a return address).
+  auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t{15};
+  auto* sp = reinterpret_cast<void**>(top - 16);  // 16-byte aligned: fiber_entry's return slot
+  sp[1] = nullptr;                                // fiber_entry never returns
+  sp[0] = reinterpret_cast<void*>(&fiber_entry);
+  sp -= 6;
+  for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+  ctx.sp = sp;
+#else
+  getcontext(&ctx.uc);
+  ctx.uc.uc_stack.ss_sp = stack;
+  ctx.uc.uc_stack.ss_size = bytes;
+  ctx.uc.uc_link = nullptr;
+  makecontext(&ctx.uc, fiber_entry, 0);
+#endif
+}
+
+const char* state_name(State st) {
+  switch (st) {
+    case State::Ready: return "running";
+    case State::AtBlockBarrier: return "__syncthreads";
+    case State::AtWarpBarrier: return "a warp-level barrier (__syncwarp, shuffle, ldmatrix, mma)";
+    default: return "done";
+  }
+}
+
+[[noreturn]] void report_deadlock(const Scheduler& s, const uint3& block) {
+  std::fprintf(stderr, "keel CUDA emulator: deadlock in block (%u, %u, %u): no thread can go on\n", block.x, block.y,
+               block.z);
+  for (int i = 0; i < s.threads; ++i) {
+    const Fiber& f = s.fibers[static_cast<size_t>(i)];
+    if (f.state == State::Done) continue;
+    std::fprintf(stderr, "  thread %d (warp %d lane %d) waits at %s", i, i / 32, i % 32, state_name(f.state));
+    if (f.state == State::AtWarpBarrier) std::fprintf(stderr, " mask 0x%08x", f.warp_mask);
+    std::fprintf(stderr, "\n");
+  }
+  std::abort();
+}
+
+// Releases the barriers whose threads have all arrived; false when none could be released.
+bool release_barriers(Scheduler& s) {
+  bool released = false;
+  // Warp barriers: every lane in the mask has arrived at a warp barrier (or has exited).
+  for (int w = 0; w * 32 < s.threads; ++w) {
+    unsigned waiting = 0, mask = 0;
+    for (int l = 0; l < 32 && w * 32 + l < s.threads; ++l) {
+      const Fiber& f = s.fibers[static_cast<size_t>(w * 32 + l)];
+      if (f.state == State::AtWarpBarrier) {
+        waiting |= 1u << l;
+        mask |= f.warp_mask;
+      }
+    }
+    if (!waiting) continue;
+    bool all = true;
+    for (int l = 0; l < 32; ++l) {
+      if (!(mask >> l & 1u)) continue;
+      const int t = w * 32 + l;
+      if (t >= s.threads) continue;  // lanes past the block size do not exist
+      const State st = s.fibers[static_cast<size_t>(t)].state;
+      if (st != State::AtWarpBarrier && st != State::Done) all = false;
+    }
+    if (!all) continue;
+    for (int l = 0; l < 32; ++l)
+      if (waiting >> l & 1u) s.fibers[static_cast<size_t>(w * 32 + l)].state = State::Ready;
+    released = true;
+  }
+  if (released) return true;
+  // The block barrier: every live thread has arrived.
+  bool any = false;
+  for (int i = 0; i < s.threads; ++i) {
+    const State st = s.fibers[static_cast<size_t>(i)].state;
+    if (st == State::AtBlockBarrier) any = true;
+    else if (st != State::Done) return false;
+  }
+  if (!any) return false;
+  for (int i = 0; i < s.threads; ++i) {
+    Fiber& f = s.fibers[static_cast<size_t>(i)];
+    if (f.state == State::AtBlockBarrier) f.state = State::Ready;
+  }
+  return true;
+}
+
+void run_block(Scheduler& s, const ThreadCoords& base) {
+  for (int i = 0; i < s.threads; ++i) {
+    Fiber& f = s.fibers[static_cast<size_t>(i)];
+    f.state = State::Ready;
+    f.copies.clear();
+    f.committed_groups = 0;
+    f.coords = base;
+    const unsigned bx = base.block_dim.x, by = base.block_dim.y;
+    f.coords.thread_idx = {i % bx, (i / bx) % by, i / (bx * by)};
+    start_context(f.ctx, s.stacks[static_cast<size_t>(i)].get(), kStackBytes);
+  }
+  while (true) {
+    for (int i = 0; i < s.threads; ++i) {
+      Fiber& f = s.fibers[static_cast<size_t>(i)];
+      if (f.state != State::Ready) continue;
+      s.current = i;
+      switch_context(s.main_ctx, f.ctx);
+    }
+    s.current = -1;
+    bool all_done = true;
+    for (int i = 0; i < s.threads; ++i) all_done = all_done && s.fibers[static_cast<size_t>(i)].state == State::Done;
+    if (all_done) return;
+    if (!release_barriers(s)) report_deadlock(s, base.block_idx);
+  }
+}
+
+}  // namespace
+
+const ThreadCoords& coords() { return self().coords; }
+
+void block_barrier() { yield_to_scheduler(State::AtBlockBarrier); }
+
+void warp_barrier(unsigned mask) {
+  self().warp_mask = mask;
+  yield_to_scheduler(State::AtWarpBarrier);
+}
+
+int lane_id() { return sched().current % 32; }
+
+unsigned char* warp_slot(int lane) {
+  Scheduler& s = sched();
+  return s.warp_slots[s.current / 32][lane & 31];
+}
+
+unsigned char* dynamic_shared() { return sched().dynamic_smem.data(); }
+
+void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& f) {
+  Scheduler& s = sched();
+  std::lock_guard<std::mutex> lock(s.launch_mutex);
+  const long long threads = static_cast<long long>(block.x) * block.y * block.z;
+  if (threads < 1 || threads > kMaxThreads || grid.x < 1 || grid.y < 1 || grid.z < 1) {
+    std::fprintf(stderr, "keel CUDA emulator: invalid launch: grid (%u, %u, %u), block (%u, %u, %u)\n", grid.x, grid.y,
+                 grid.z, block.x, block.y, block.z);
+    std::abort();
+  }
+  s.threads = static_cast<int>(threads);
+  if (s.fibers.size() < static_cast<size_t>(s.threads)) s.fibers.resize(static_cast<size_t>(s.threads));
+  while (s.stacks.size() < static_cast<size_t>(s.threads)) s.stacks.emplace_back(new char[kStackBytes]);
+  // Real shared memory starts uninitialized; a fixed garbage pattern makes reads of unwritten
+  // bytes show up as wrong results rather than as lucky zeros.
+  s.dynamic_smem.assign(smem_bytes + 16, 0xA5);
+  s.body = &f;
+  ThreadCoords base;
+  base.block_dim = block;
+  base.grid_dim = grid;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        base.block_idx = {x, y, z};
+        run_block(s, base);
+      }
+  s.body = nullptr;
+}
+
+// ---- ldmatrix / mma.sync ----
+
+void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  const int lane = lane_id();
+  // Publish this lane's row address, then read the four matrices' rows from their owners.
+  const unsigned char* rows[32];
+  const void* mine = row;
+  std::memcpy(warp_slot(lane), &mine, sizeof mine);
+  warp_barrier(0xffffffffu);
+  for (int l = 0; l < 32; ++l) std::memcpy(&rows[l], warp_slot(l), sizeof rows[l]);
+  warp_barrier(0xffffffffu);
+  for (int m = 0; m < 4; ++m) {
+    uint16_t lo, hi;
+    if (!trans) {
+      // (row lane / 4, cols 2 (lane % 4), +1) of matrix m
+      const unsigned char* p = rows[m * 8 + lane / 4] + 4 * (lane % 4);
+      std::memcpy(&lo, p, 2);
+      std::memcpy(&hi, p + 2, 2);
+    } else {
+      // (rows 2 (lane % 4), +1; col lane / 4) of matrix m
+      std::memcpy(&lo, rows[m * 8 + 2 * (lane % 4)] + 2 * (lane / 4), 2);
+      std::memcpy(&hi, rows[m * 8 + 2 * (lane % 4) + 1] + 2 * (lane / 4), 2);
+    }
+    r[m] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+  }
+}
+
+namespace {
+float half_bits_to_float(uint16_t bits, bool bf16) {
+  if (bf16) {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+}  // namespace
+
+void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16) {
+  // Every lane publishes its fragments (a0..a3, b0, b1), then reads the two rows of A and the
+  // two columns of B its outputs need (g = lane / 4, t = lane % 4):
+  //   A(r, k) is in lane 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2
+  //   B(k, n) is in lane 4 n + (k % 8) / 2, register 4 + (k >= 8), half k % 2
+  const int lane = lane_id();
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  std::memcpy(warp_slot(lane), mine, sizeof mine);
+  warp_barrier(0xffffffffu);
+  auto element = [&](int owner, int reg, int half) {
+    uint32_t word;
+    std::memcpy(&word, warp_slot(owner) + 4 * reg, 4);
+    return half_bits_to_float(static_cast<uint16_t>(word >> (16 * half)), bf16);
+  };
+  const int g = lane / 4, t = lane % 4;
+  float A[2][16], B[2][16];  // rows g, g + 8 of A; columns 2t, 2t + 1 of B
+  for (int k = 0; k < 16; ++k) {
+    for (int r = 0; r < 2; ++r) A[r][k] = element(4 * g + (k % 8) / 2, r + 2 * (k >= 8), k % 2);
+    for (int n = 0; n < 2; ++n) B[n][k] = element(4 * (2 * t + n) + (k % 8) / 2, 4 + (k >= 8), k % 2);
+  }
+  warp_barrier(0xffffffffu);  // nobody overwrites a slot before every lane has read it
+  // c0, c1 = (row g, cols 2t, 2t+1); c2, c3 = (row g+8, cols 2t, 2t+1)
+  for (int i = 0; i < 4; ++i) {
+    float sum = 0.0f;
+    for (int k = 0; k < 16; ++k) sum += A[i / 2][k] * B[i % 2][k];
+    c[i] += sum;
+  }
+}
+
+// ---- cp.async ----
+
+void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  self().copies.push_back({smem, gmem, src_bytes, -1});
+}
+
+void cp_async_commit() {
+  Fiber& f = self();
+  for (PendingCopy& c : f.copies)
+    if (c.group < 0) c.group = f.committed_groups;
+  ++f.committed_groups;
+}
+
+void cp_async_wait(int keep_pending) {
+  // Lands every copy of the groups older than the newest `keep_pending` committed ones.
+  Fiber& f = self();
+  const int land_below = f.committed_groups - keep_pending;
+  std::vector<PendingCopy> still;
+  for (const PendingCopy& c : f.copies) {
+    if (c.group >= 0 && c.group < land_below) {
+      unsigned char buf[16] = {};
+      if (c.bytes > 0) std::memcpy(buf, c.src, static_cast<size_t>(c.bytes));
+      std::memcpy(c.dst, buf, 16);
+    } else {
+      still.push_back(c);
+    }
+  }
+  f.copies.swap(still);
+}
+
+}  // namespace keel_emu
