@@ -40,16 +40,13 @@ void CpuBackend::xent_stats(const Tensor& row_max, const Tensor& sumexp, const T
       const float* x = cpu::read_f32(logits, n * V, V, buf.data());
       float m = -INFINITY;
       for (int64_t j = 0; j < V; ++j) m = x[j] > m ? x[j] : m;
-      // sum of exp(x - m) as 8 interleaved partial sums combined in a fixed tree, in double:
-      // fp32 running sums of V / 8 terms drift by ~sqrt(V / 8) ulps (7e-6 relative at V = 50304),
-      // more than the GPU kernel's tree of short sums, and this is the reference it is held to.
-      double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      // sum of exp(x - m) as 8 interleaved partial sums combined in a fixed tree
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       int64_t j = 0;
       for (; j + 8 <= V; j += 8)
         for (int l = 0; l < 8; ++l) acc[l] += std::exp(x[j + l] - m);
-      double sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-      for (; j < V; ++j) sum += std::exp(x[j] - m);
-      const float se = static_cast<float>(sum);
+      float se = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      for (; j < V; ++j) se += std::exp(x[j] - m);
       const int64_t local = static_cast<int64_t>(tgt[n]) - vocab_start;
       row_max.as<float>()[n] = m;
       sumexp.as<float>()[n] = se;
