@@ -12,7 +12,9 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cuda/cuda_check.h"  // alignment_of
 #include "kernels/cuda/emulator/emu_device.h"
+#include "kernels/dtype.h"
 
 namespace {
 
@@ -42,26 +44,23 @@ Preference* pref(cublasLtMatmulPreference_t p) { return reinterpret_cast<Prefere
 
 bool supported(cudaDataType t) { return t == CUDA_R_32F || t == CUDA_R_16BF || t == CUDA_R_16F; }
 
+// Widening is exact; narrowing rounds to nearest even (kernels/dtype.h, as the CPU reference).
 float load(const void* p, cudaDataType t, int64_t i) {
   switch (t) {
-    case CUDA_R_16BF: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case CUDA_R_16F: return __half2float(static_cast<const __half*>(p)[i]);
+    case CUDA_R_16BF: return keel::bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case CUDA_R_16F: return keel::f16_to_f32(static_cast<const uint16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
   }
 }
 void store(void* p, cudaDataType t, int64_t i, float v) {
   switch (t) {
-    case CUDA_R_16BF: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
-    case CUDA_R_16F: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    case CUDA_R_16BF: static_cast<uint16_t*>(p)[i] = keel::f32_to_bf16(v); break;
+    case CUDA_R_16F: static_cast<uint16_t*>(p)[i] = keel::f32_to_f16(v); break;
     default: static_cast<float*>(p)[i] = v; break;
   }
 }
 
-uint32_t alignment(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t lowest_bit = a & (~a + 1);
-  return a == 0 || lowest_bit > 256 ? 256u : static_cast<uint32_t>(lowest_bit);
-}
+uint32_t alignment(const void* p) { return p ? keel::cuda::alignment_of(p) : 256u; }
 
 }  // namespace
 

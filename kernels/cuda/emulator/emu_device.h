@@ -74,7 +74,7 @@ unsigned char* dynamic_shared();
 // Value exchange within a warp: every lane of `mask` publishes v, then reads lane src's.
 template <class T>
 T exchange(unsigned mask, T v, int src) {
-  static_assert(sizeof(T) <= 16 && std::is_trivially_copyable_v<T>, "shuffle of a value wider than 16 bytes");
+  static_assert(sizeof(T) <= 32 && std::is_trivially_copyable_v<T>, "shuffle of a value wider than a slot");
   std::memcpy(warp_slot(lane_id()), &v, sizeof(T));
   warp_barrier(mask);
   T r;
@@ -85,6 +85,10 @@ T exchange(unsigned mask, T v, int src) {
 
 // Runs f() on every thread of every block of the grid; returns when all have finished.
 void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& f);
+// The launch contract on dynamic shared memory (emu_runtime.cpp): above 48 KiB a kernel needs
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) first. False (and the error recorded for
+// cudaGetLastError, as a failed launch) when it was not raised that far.
+bool dynamic_shared_allowed(const void* kernel, size_t smem_bytes);
 
 struct LaunchConfig {
   dim3 grid, block;
@@ -96,6 +100,7 @@ struct LaunchConfig {
     static_assert(sizeof...(P) == sizeof...(A), "kernel launched with the wrong number of arguments");
     // Arguments are converted to the parameter types at the launch, as the real one copies them.
     std::tuple<std::decay_t<P>...> params(static_cast<std::decay_t<P>>(std::forward<A>(args))...);
+    if (!dynamic_shared_allowed(reinterpret_cast<const void*>(kernel), smem)) return;
     run_grid(grid, block, smem, [&] { std::apply(kernel, params); });
   }
 };

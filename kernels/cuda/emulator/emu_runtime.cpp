@@ -33,7 +33,11 @@ struct Memory {
   size_t device_bytes = 0;
   cudaError_t last_error = cudaSuccess;
   CUmemPoolHandle_st pool{0};
+  std::map<const void*, int> max_dynamic_shared;  // kernel -> cudaFuncAttributeMaxDynamicSharedMemorySize
 };
+
+constexpr size_t kDefaultDynamicShared = 48 << 10;
+constexpr int kMaxDynamicShared = 227 << 10;  // sm_90's opt-in maximum
 
 Memory& mem() {
   static Memory m;
@@ -254,10 +258,21 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
   return cudaSuccess;
 }
 
-cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute attr, int value) {
-  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize && value > (227 << 10))
-    return record(cudaErrorInvalidValue);
+cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+  if (value < 0 || value > kMaxDynamicShared) return record(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> lock(mem().mutex);
+  mem().max_dynamic_shared[kernel] = value;
   return cudaSuccess;
 }
 
 }  // extern "C"
+
+bool keel_emu::dynamic_shared_allowed(const void* kernel, size_t smem_bytes) {
+  if (smem_bytes <= kDefaultDynamicShared) return true;
+  std::lock_guard<std::mutex> lock(mem().mutex);
+  auto it = mem().max_dynamic_shared.find(kernel);
+  if (it != mem().max_dynamic_shared.end() && smem_bytes <= static_cast<size_t>(it->second)) return true;
+  mem().last_error = cudaErrorInvalidValue;
+  return false;
+}

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/cuda/emulator/emu_device.h"
+#include "kernels/dtype.h"
 
 #if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
 // keel_emu_switch(save, to): pushes the callee-saved registers, stores the stack pointer in
@@ -322,20 +323,6 @@ void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
   }
 }
 
-namespace {
-float half_bits_to_float(uint16_t bits, bool bf16) {
-  if (bf16) {
-    const uint32_t u = static_cast<uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  __half_raw raw;
-  raw.x = bits;
-  return __half2float(__half(raw));
-}
-}  // namespace
-
 void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16) {
   // Every lane publishes its fragments (a0..a3, b0, b1), then reads the two rows of A and the
   // two columns of B its outputs need (g = lane / 4, t = lane % 4):
@@ -348,7 +335,8 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b
   auto element = [&](int owner, int reg, int half) {
     uint32_t word;
     std::memcpy(&word, warp_slot(owner) + 4 * reg, 4);
-    return half_bits_to_float(static_cast<uint16_t>(word >> (16 * half)), bf16);
+    const auto bits = static_cast<uint16_t>(word >> (16 * half));
+    return bf16 ? keel::bf16_to_f32(bits) : keel::f16_to_f32(bits);
   };
   const int g = lane / 4, t = lane % 4;
   float A[2][16], B[2][16];  // rows g, g + 8 of A; columns 2t, 2t + 1 of B
