@@ -132,6 +132,23 @@ class Backend {
   // GELU, tanh approximation (GPT-2's "gelu_new"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
   virtual void gelu_forward(const Tensor& out, const Tensor& in) = 0;
   virtual void gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) = 0;
+  // A linear layer into GELU (GPT-2's MLP input projection), which a backend may fuse (the CUDA
+  // backend: cuBLASLt's GELU epilogues, saving a read and a write of the activation each way):
+  //   matmul_gelu:          pre = op(a) @ op(b) (+ bias), as matmul;  act = gelu(pre)
+  //   matmul_gelu_backward: din = gelu'(pre) * (op(a) @ op(b))       (written, like gelu_backward)
+  // The reference composes the unfused ops, so it rounds pre (or the product) to its dtype
+  // before the GELU; a fused backend applies the GELU to the fp32 value, within one storage
+  // rounding of the reference.
+  virtual void matmul_gelu(const Tensor& act, const Tensor& pre, const Tensor& a, const Tensor& b, bool trans_a,
+                           bool trans_b, const Tensor* bias = nullptr) {
+    matmul(pre, a, b, trans_a, trans_b, false, bias);
+    gelu_forward(act, pre);
+  }
+  virtual void matmul_gelu_backward(const Tensor& din, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                                    const Tensor& pre) {
+    matmul(din, a, b, trans_a, trans_b);
+    gelu_backward(din, din, pre);
+  }
   // SwiGLU on a packed [N, 2F] input (gate columns first, then up): out = silu(gate) * up.
   virtual void swiglu_forward(const Tensor& out, const Tensor& in) = 0;
   virtual void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) = 0;

@@ -136,6 +136,14 @@ class GuardedBackend final : public Backend {
   void gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override {
     KEEL_GUARDED(gelu_backward(din, dout, in));
   }
+  void matmul_gelu(const Tensor& act, const Tensor& pre, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                   const Tensor* bias) override {
+    KEEL_GUARDED(matmul_gelu(act, pre, a, b, trans_a, trans_b, bias));
+  }
+  void matmul_gelu_backward(const Tensor& din, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                            const Tensor& pre) override {
+    KEEL_GUARDED(matmul_gelu_backward(din, a, b, trans_a, trans_b, pre));
+  }
   void swiglu_forward(const Tensor& out, const Tensor& in) override { KEEL_GUARDED(swiglu_forward(out, in)); }
   void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override {
     KEEL_GUARDED(swiglu_backward(din, dout, in));

@@ -119,7 +119,7 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
     scratch(dqkv_, &Transformer::dqkv_, act_, {N_, qkv_cols});
     scratch(dattn_, &Transformer::dattn_, act_, {N_, q_});
     scratch(dfc_, &Transformer::dfc_, act_, {N_, fc_cols});
-    scratch(dact_, &Transformer::dact_, act_, {N_, ffn_});
+    if (!ln) scratch(dact_, &Transformer::dact_, act_, {N_, ffn_});  // GPT-2's MLP backward fuses it away
     if (cfg_.qk_norm) {
       const int64_t qk_rows = N_ * (attn_shape_.n_heads + attn_shape_.n_kv_heads);
       scratch(qk_scratch_, &Transformer::qk_scratch_, act_, {qk_rows, hd});
@@ -381,12 +381,12 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
   // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
   norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, w.mlp_norm_w, w.mlp_norm_b);
   probe(false, layer, "mlp_norm", a.norm2);
-  be_.matmul(a.fc, gather_rows(a.norm2), w.w_in, false, true, false, gpt2 ? &w.b_in : nullptr);
   if (gpt2) {
+    be_.matmul_gelu(a.act, a.fc, gather_rows(a.norm2), w.w_in, false, true, &w.b_in);  // fc, then gelu(fc)
     probe(false, layer, "mlp input projection", a.fc);
-    be_.gelu_forward(a.act, a.fc);
     probe(false, layer, "gelu", a.act);
   } else {
+    be_.matmul(a.fc, gather_rows(a.norm2), w.w_in, false, true, false, nullptr);
     probe(false, layer, "mlp gate/up projection", a.fc);
     be_.swiglu_forward(a.act, a.fc);
     probe(false, layer, "swiglu", a.act);
@@ -523,14 +523,14 @@ void Transformer::backward(int slot_index, float dloss) {
 
     // MLP block (under SP, dres_all is the gathered rows until norm2 is gathered)
     const Tensor& dres_all = gather_rows(dres_);
-    be_.matmul(dact_, dres_all, w.w_out, false, false);
     be_.matmul(g.w_out, dres_all, a.act, true, false, true);
     if (gpt2) {
       be_.bias_backward(g.b_out, dres_all);
-      probe(true, layer, "d gelu output (mlp output projection backward)", dact_);
-      be_.gelu_backward(dfc_, dact_, a.fc);
-      probe(true, layer, "d mlp input projection (gelu backward)", dfc_);
+      // d fc = gelu'(fc) * (dres W_out): the output projection's input gradient through the GELU
+      be_.matmul_gelu_backward(dfc_, dres_all, w.w_out, false, false, a.fc);
+      probe(true, layer, "d mlp input projection (output projection and gelu backward)", dfc_);
     } else {
+      be_.matmul(dact_, dres_all, w.w_out, false, false);
       probe(true, layer, "d swiglu output (mlp output projection backward)", dact_);
       be_.swiglu_backward(dfc_, dact_, a.fc);
       probe(true, layer, "d gate/up projection (swiglu backward)", dfc_);

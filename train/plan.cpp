@@ -129,6 +129,7 @@ std::string Layout::str() const {
 MemoryModel keel_memory_model(PrecisionMode mode) {
   MemoryModel m;
   m.chunked_logits = true;
+  m.fused_gelu_backward = true;
   StateBytes& s = m.state;
   switch (mode) {
     case PrecisionMode::FP32:
@@ -290,9 +291,10 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   r.stage_output = rows * a * d;
   r.token_ids = N * 4;
   r.embed_norm = m.embedding_norm ? rows * (a * d + 4 * stats) : 0;  // embed [rows, d], mean/rstd [rows]
-  // dres [rows, d], dnorm and proj_out [N, d]; dqkv, dattn, dfc, dact split; with SP also the
-  // gathered rows [N, d] and the scattered sums [rows, d]
-  r.backward_scratch = a * (rows * d + 2 * N * d + N * (qkv + q + fc + F) / t) + (rows < N ? a * (N + rows) * d : 0);
+  // dres [rows, d], dnorm and proj_out [N, d]; dqkv, dattn, dfc, dact split (no dact where the
+  // GELU backward is fused); with SP also the gathered rows [N, d] and the scattered sums [rows, d]
+  const double dact = m.is_gpt2() && mem.fused_gelu_backward ? 0 : F;
+  r.backward_scratch = a * (rows * d + 2 * N * d + N * (qkv + q + fc + dact) / t) + (rows < N ? a * (N + rows) * d : 0);
   if (m.qk_norm) r.backward_scratch += 2 * N * qk_heads / t * a * m.head_dim();  // the two qk_norm scratch sets
   return r;
 }

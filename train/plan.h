@@ -66,6 +66,8 @@ struct MemoryModel {
                                   // (an fp32 copy for the loss: 4)
   bool chunked_logits = false;    // logits beyond a chunk are computed a chunk of rows at a time
                                   // (keel's chunked head, model/transformer.h)
+  bool fused_gelu_backward = false;  // GELU's input gradient comes straight out of the output
+                                     // projection's matmul: no [tokens, ffn/tp] scratch for it
   bool keeps_stage_output = false;  // the pipeline keeps each in-flight micro-batch's stage output
                                     // until its backward (DeepSpeed's pipe_buffers['outputs'])
   double cuda_context_bytes = 1.5 * kGiB;  // context, cuBLAS workspace, kernels (seed: 1271-1573 MiB)

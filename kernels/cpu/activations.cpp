@@ -1,8 +1,9 @@
-// GELU (tanh approximation) and SwiGLU.
+// GELU (tanh approximation, kernels/gelu.h) and SwiGLU.
 #include <cmath>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/gelu.h"
 
 namespace keel {
 
@@ -11,22 +12,6 @@ using cpu::Named;
 namespace {
 
 constexpr int64_t kChunk = 2048;
-constexpr float kSqrt2OverPi = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kGeluCubic = 0.044715f;
-
-// gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)   (HF "gelu_new" order)
-inline float gelu(float x) {
-  const float u = kSqrt2OverPi * (x + kGeluCubic * (x * x * x));
-  return 0.5f * x * (1.0f + std::tanh(u));
-}
-
-// d gelu/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2),  t = tanh(u)
-inline float gelu_grad(float x) {
-  const float u = kSqrt2OverPi * (x + kGeluCubic * (x * x * x));
-  const float t = std::tanh(u);
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-}
-
 void check_same(const char* op, Named a, Named b) {
   cpu::check_float(op, a);
   cpu::check_float(op, b);

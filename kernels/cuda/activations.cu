@@ -1,12 +1,11 @@
-// GELU (tanh approximation, GPT-2's "gelu_new") and SwiGLU, forward and backward.
+// GELU (tanh approximation, GPT-2's "gelu_new"; kernels/gelu.h) and SwiGLU, forward and backward.
 // Elementwise in fp32 with the CPU reference's formulas (no reductions):
-//   gelu(x)   = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
-//   gelu'(x)  = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2),  t = tanh(u)
 //   swiglu: in [N, 2F] = gate | up, out = silu(gate) * up, silu(g) = g / (1 + exp(-g));
 //   with s = sigmoid(g): d gate = dy * up * s (1 + g (1 - s)),  d up = dy * g s
 // tanhf and expf are CUDA's accurate versions (<= 2 ulp), so results agree with the CPU to a few
 // fp32 ulps before the output rounding.
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/gelu.h"
 
 namespace keel {
 
@@ -16,20 +15,6 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCubic = 0.044715f;
-
-__device__ __forceinline__ float gelu(float x) {
-  const float u = kSqrt2OverPi * (x + kGeluCubic * (x * x * x));
-  return 0.5f * x * (1.0f + tanhf(u));
-}
-
-__device__ __forceinline__ float gelu_grad(float x) {
-  const float u = kSqrt2OverPi * (x + kGeluCubic * (x * x * x));
-  const float t = tanhf(u);
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-}
-
 // Elementwise in packs of V (cuda_common.cuh): V = kPack<T> when every pointer is 16-byte
 // aligned (and, for SwiGLU, F % V == 0, so a pack never straddles the gate | up boundary).
 template <class T, int V>

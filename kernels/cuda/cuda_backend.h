@@ -15,7 +15,9 @@
 //
 // Debugging: KEEL_CUDA_SYNC=1 synchronizes after every op, so that an asynchronous fault is
 // reported by the op that caused it (with its shapes). KEEL_ATTENTION=simple selects the plain
-// fp32 attention kernels instead of the fused tensor-core ones. KEEL_CUDA_PROFILE=1 times every
+// fp32 attention kernels instead of the fused tensor-core ones. KEEL_GELU_EPILOGUE=0 makes
+// matmul_gelu(_backward) run matmul and the GELU kernel instead of cuBLASLt's GELU epilogues
+// (to time or rule out the fusion). KEEL_CUDA_PROFILE=1 times every
 // op with CUDA events and prints the device time per op (and per op and shapes) to stderr when
 // the backend is destroyed; KEEL_CUDA_PROFILE=<file> writes it there instead. The GPU time
 // between a host synchronisation and the first op after it is booked as idle, not to that op.
@@ -68,6 +70,10 @@ class CudaBackend final : public Backend {
 
   void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
               bool accumulate = false, const Tensor* bias = nullptr) override;  // matmul.cu
+  void matmul_gelu(const Tensor& act, const Tensor& pre, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                   const Tensor* bias = nullptr) override;  // matmul.cu
+  void matmul_gelu_backward(const Tensor& din, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                            const Tensor& pre) override;
   void bias_backward(const Tensor& dbias, const Tensor& dout) override;          // norms.cu
 
   void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed, const Tensor& pos_embed,
@@ -156,6 +162,7 @@ class CudaBackend final : public Backend {
   bool use_pool_ = true;           // cudaMallocAsync available
   bool sync_each_op_ = false;      // KEEL_CUDA_SYNC
   bool simple_attention_ = false;  // KEEL_ATTENTION=simple
+  bool gelu_epilogue_ = true;      // KEEL_GELU_EPILOGUE (not 0)
   size_t smem_optin_ = 0;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results
   size_t live_bytes_ = 0, peak_bytes_ = 0;

@@ -13,6 +13,14 @@
 // With beta 1 the product is summed in fp32 and added to the old value before one rounding, as
 // the contract says.
 //
+// GELU (matmul_gelu, matmul_gelu_backward): cuBLASLt's GELU_AUX(_BIAS) epilogue writes pre (the
+// product plus bias, rounded) as its auxiliary matrix and gelu of the fp32 value as D; DGELU
+// multiplies the fp32 product by gelu'(pre) read from the auxiliary matrix. cuBLASLt's GELU is
+// the tanh approximation (kernels/gelu.h). The auxiliary matrix has D's layout (col-major
+// N x M, ld N: cuBLASLt wants ld % 8 == 0) and D's dtype. Where the fused call cannot run
+// (other dtypes, N % 8 != 0, pre unaligned, no algorithm, or KEEL_GELU_EPILOGUE=0) the ops fall
+// back to matmul followed by the GELU kernel.
+//
 // Natively supported (fast path): a and b of one dtype, and
 //   f32 x f32 -> f32;  bf16 x bf16 -> bf16 or f32;  f16 x f16 -> f16 or f32; bias of out's dtype.
 // Anything else (mixed input dtypes, f32 inputs into a bf16 output, a bias of another dtype):
@@ -59,9 +67,16 @@ cudaDataType_t cuda_type(DType t) {
   }
 }
 
-// (M, N, K, trans_a, trans_b, ab dtype, out dtype, bias, beta, align a, b, out, bias)
+// What the epilogue does besides the optional bias.
+enum class Epilogue : int {
+  kNone = 0,
+  kGeluAux = 1,  // D = gelu(x), aux = x  (x = product + bias)
+  kDGelu = 2,    // D = product * gelu'(aux)
+};
+
+// (M, N, K, trans_a, trans_b, ab dtype, out dtype, bias, beta, align a, b, out, bias, epilogue, align aux)
 using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int, bool, bool, unsigned, unsigned, unsigned,
-                           unsigned>;
+                           unsigned, int, unsigned>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -109,9 +124,11 @@ struct MatmulCache {
     p.desc = nullptr;
   }
 
-  // The plan for out[M,N] (dtype dt_out) = op(a) @ op(b) with a, b of dtype dt_ab.
+  // The plan for out[M,N] (dtype dt_out) = op(a) @ op(b) with a, b of dtype dt_ab; aux is the
+  // GELU epilogues' auxiliary matrix (null for kNone).
   Plan& plan(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, DType dt_ab, DType dt_out, const void* a,
-             const void* b, const void* out, const void* bias, bool beta_one, const ShapesFn& shapes) {
+             const void* b, const void* out, const void* bias, bool beta_one, const ShapesFn& shapes,
+             Epilogue epilogue = Epilogue::kNone, const void* aux = nullptr) {
     const PlanKey key{M,
                       N,
                       K,
@@ -124,12 +141,14 @@ struct MatmulCache {
                       alignment_of(a),
                       alignment_of(b),
                       alignment_of(out),
-                      bias ? alignment_of(bias) : 256u};
+                      bias ? alignment_of(bias) : 256u,
+                      static_cast<int>(epilogue),
+                      aux ? alignment_of(aux) : 256u};
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
     Plan p;
     try {
-      build(p, key, bias, shapes);
+      build(p, key, bias, aux, shapes);
     } catch (...) {
       destroy(p);  // a failed cuBLASLt call must not leak the descriptors made before it
       throw;
@@ -137,7 +156,7 @@ struct MatmulCache {
     return plans.emplace(key, p).first->second;
   }
 
-  void build(Plan& p, const PlanKey& key, const void* bias, const ShapesFn& shapes) {
+  void build(Plan& p, const PlanKey& key, const void* bias, const void* aux, const ShapesFn& shapes) {
     const int64_t M = std::get<0>(key), N = std::get<1>(key), K = std::get<2>(key);
     const bool trans_a = std::get<3>(key), trans_b = std::get<4>(key);
     const DType dt_ab = static_cast<DType>(std::get<5>(key)), dt_out = static_cast<DType>(std::get<6>(key));
@@ -149,13 +168,25 @@ struct MatmulCache {
              "cublasLtMatmulDescSetAttribute(TRANSA)", shapes);
     check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_lt_b, sizeof op_lt_b),
              "cublasLtMatmulDescSetAttribute(TRANSB)", shapes);
-    if (bias) {
-      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    cublasLtEpilogue_t epi = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    switch (static_cast<Epilogue>(std::get<13>(key))) {
+      case Epilogue::kNone: break;
+      case Epilogue::kGeluAux: epi = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX; break;
+      case Epilogue::kDGelu: epi = CUBLASLT_EPILOGUE_DGELU; break;
+    }
+    if (epi != CUBLASLT_EPILOGUE_DEFAULT)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
                "cublasLtMatmulDescSetAttribute(EPILOGUE)", shapes);
-      // The heuristic reads the pointer's alignment from here (it never dereferences it).
+    // The heuristic reads the pointers' alignment from here (it never dereferences them).
+    if (bias)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", shapes);
+    if (aux) {
+      const int64_t aux_ld = N;  // D's layout
+      check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)", shapes);
+      check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld),
+               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD)", shapes);
     }
     // cuBLASLt A = b: stored col-major (trans_b ? K x N : N x K)
     const uint64_t a_rows = trans_b ? K : N, a_cols = trans_b ? N : K;
@@ -221,11 +252,15 @@ struct MatmulCache {
     }
   }
 
-  // Runs a plan: out = op(a) @ op(b) (+ bias) (+ out when beta_one).
-  void run(Plan& p, const void* a, const void* b, void* out, const void* bias, bool beta_one, const ShapesFn& shapes) {
+  // Runs a plan: out = op(a) @ op(b) (+ bias) (+ out when beta_one), through its epilogue.
+  void run(Plan& p, const void* a, const void* b, void* out, const void* bias, bool beta_one, const ShapesFn& shapes,
+           const void* aux = nullptr) {
     if (bias)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", shapes);
+    if (aux)
+      check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)", shapes);
     const float alpha = 1.0f, beta = beta_one ? 1.0f : 0.0f;
     check_lt(cublasLtMatmul(lt, p.desc, &alpha, b, p.la, a, p.lb, &beta, out, p.lc, out, p.lc, &p.algo, workspace,
                             kWorkspaceBytes, be.stream()),
@@ -257,64 +292,102 @@ bool natively_supported(DType ab, DType out) {
   }
 }
 
+// out[M,N] = op(a)[M,K] @ op(b)[K,N]: checked, and the shapes text for errors.
+struct MatmulShape {
+  int64_t M, N, K;
+  ShapesFn shapes;
+};
+
+MatmulShape check_matmul(const char* op, const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a,
+                         bool trans_b, bool accumulate, const Tensor* bias) {
+  check_float(op, {"out", out});
+  check_float(op, {"a", a});
+  check_float(op, {"b", b});
+  // Every tensor is seen as (rows, cols): leading dimensions fold into rows.
+  const int64_t M = trans_a ? a.cols() : rows(a);
+  const int64_t K = trans_a ? rows(a) : a.cols();
+  const int64_t Kb = trans_b ? b.cols() : rows(b);
+  const int64_t N = trans_b ? rows(b) : b.cols();
+  auto flags = [trans_a, trans_b]() {
+    return std::string(" (trans_a=") + (trans_a ? "1" : "0") + ", trans_b=" + (trans_b ? "1" : "0") + ")";
+  };
+  if (K != Kb) fail(op, "inner dimensions differ" + flags(), {{"out", out}, {"a", a}, {"b", b}});
+  if (rows(out) != M || out.cols() != N)
+    fail(op, "out must be [" + std::to_string(M) + ", " + std::to_string(N) + "]" + flags(),
+         {{"out", out}, {"a", a}, {"b", b}});
+  const bool has_bias = bias && !bias->empty();
+  if (has_bias) {
+    check_float(op, {"bias", *bias});
+    if (bias->numel() != N) fail(op, "bias must have N elements", {{"out", out}, {"bias", *bias}});
+  }
+  // Formed only if an error needs it, while the caller's tensors are alive.
+  ShapesFn shapes = [&out, &a, &b, flags, bias = has_bias ? bias : nullptr, accumulate]() {
+    std::string s = describe({{"out", out}, {"a", a}, {"b", b}}) + flags();
+    if (bias) s += ", bias=" + bias->shape_str();
+    if (accumulate) s += ", accumulate";
+    return s;
+  };
+  return {M, N, K, std::move(shapes)};
+}
+
+// pre (the GELU input) must be out's shape and dtype, a separate buffer.
+void check_gelu_input(const char* op, const char* out_name, const Tensor& out, const Tensor& pre) {
+  check_float(op, {"pre", pre});
+  if (pre.numel() != out.numel() || pre.cols() != out.cols() || pre.dtype != out.dtype)
+    fail(op, std::string("pre must have ") + out_name + "'s shape and dtype", {{out_name, out}, {"pre", pre}});
+  if (pre.data == out.data) fail(op, std::string("pre and ") + out_name + " must be different buffers", {{out_name, out}, {"pre", pre}});
+}
+
 }  // namespace
+
+// The native cuBLASLt call when the operands allow it: a and b of one dtype natively supported
+// into out's dtype, a bias of out's dtype, K > 0, and for the GELU epilogues an auxiliary matrix
+// of out's dtype at a 16-byte aligned address with N % 8 == 0. Returns false, having done
+// nothing, when they do not or cuBLASLt has no algorithm: the caller takes another path.
+bool native_matmul(CudaBackend& be, MatmulCache& mc, const MatmulShape& sh, const Tensor& out, const Tensor& a,
+                   const Tensor& b, bool trans_a, bool trans_b, bool accumulate, const Tensor* bias,
+                   Epilogue epilogue = Epilogue::kNone, const Tensor* aux = nullptr) {
+  const char* op = "matmul";
+  const bool has_bias = bias && !bias->empty();
+  if (sh.K == 0 || a.dtype != b.dtype || !natively_supported(a.dtype, out.dtype) ||
+      (has_bias && bias->dtype != out.dtype))
+    return false;
+  if (aux && (aux->dtype != out.dtype || sh.N % 8 != 0 || alignment_of(aux->data) < 16)) return false;
+  // A bias sliced out of a flat parameter buffer may sit at any element offset: the epilogue
+  // reads it from an aligned copy (N elements) when it is not 16-byte aligned.
+  const void* bias_ptr = has_bias ? bias->data : nullptr;
+  void* bias_copy = nullptr;
+  if (has_bias && alignment_of(bias_ptr) < 16) {
+    bias_copy = be.scratch(bias->bytes(), op);
+    check_cuda(cudaMemcpyAsync(bias_copy, bias_ptr, bias->bytes(), cudaMemcpyDeviceToDevice, be.stream()), op,
+               "cudaMemcpyAsync (bias)");
+  }
+  const void* epilogue_bias = bias_copy ? bias_copy : bias_ptr;
+  const void* aux_ptr = aux ? aux->data : nullptr;
+  Plan& p = mc.plan(sh.M, sh.N, sh.K, trans_a, trans_b, a.dtype, out.dtype, a.data, b.data, out.data, epilogue_bias,
+                    accumulate, sh.shapes, epilogue, aux_ptr);
+  if (p.found) mc.run(p, a.data, b.data, out.data, epilogue_bias, accumulate, sh.shapes, aux_ptr);
+  if (bias_copy) be.release(bias_copy);
+  return p.found;
+}
+
 }  // namespace cuda
 
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                          bool accumulate, const Tensor* bias) {
   const char* op = "matmul";
-  cuda::check_float(op, {"out", out});
-  cuda::check_float(op, {"a", a});
-  cuda::check_float(op, {"b", b});
-  // Every tensor is seen as (rows, cols): leading dimensions fold into rows.
-  const int64_t M = trans_a ? a.cols() : cuda::rows(a);
-  const int64_t K = trans_a ? cuda::rows(a) : a.cols();
-  const int64_t Kb = trans_b ? b.cols() : cuda::rows(b);
-  const int64_t N = trans_b ? cuda::rows(b) : b.cols();
-  auto flags = [&]() {
-    return std::string(" (trans_a=") + (trans_a ? "1" : "0") + ", trans_b=" + (trans_b ? "1" : "0") + ")";
-  };
-  if (K != Kb) cuda::fail(op, "inner dimensions differ" + flags(), {{"out", out}, {"a", a}, {"b", b}});
-  if (cuda::rows(out) != M || out.cols() != N)
-    cuda::fail(op, "out must be [" + std::to_string(M) + ", " + std::to_string(N) + "]" + flags(),
-               {{"out", out}, {"a", a}, {"b", b}});
-  const bool has_bias = bias && !bias->empty();
-  if (has_bias) {
-    cuda::check_float(op, {"bias", *bias});
-    if (bias->numel() != N) cuda::fail(op, "bias must have N elements", {{"out", out}, {"bias", *bias}});
-  }
+  const cuda::MatmulShape sh = cuda::check_matmul(op, out, a, b, trans_a, trans_b, accumulate, bias);
+  const int64_t M = sh.M, N = sh.N, K = sh.K;
   if (M == 0 || N == 0) return;
-  const cuda::ShapesFn shapes = [&]() {
-    std::string s = cuda::describe({{"out", out}, {"a", a}, {"b", b}}) + flags();
-    if (has_bias) s += ", bias=" + bias->shape_str();
-    if (accumulate) s += ", accumulate";
-    return s;
-  };
+  const bool has_bias = bias && !bias->empty();
   cuda::MatmulCache& mc = *matmul_;
-  const void* bias_ptr = has_bias ? bias->data : nullptr;
-
-  if (K > 0 && a.dtype == b.dtype && cuda::natively_supported(a.dtype, out.dtype) &&
-      (!has_bias || bias->dtype == out.dtype)) {
-    // A bias sliced out of a flat parameter buffer may sit at any element offset: the epilogue
-    // reads it from an aligned copy (N elements) when it is not 16-byte aligned.
-    void* bias_copy = nullptr;
-    if (has_bias && cuda::alignment_of(bias_ptr) < 16) {
-      bias_copy = scratch(bias->bytes(), op);
-      cuda::check_cuda(cudaMemcpyAsync(bias_copy, bias_ptr, bias->bytes(), cudaMemcpyDeviceToDevice, stream_), op,
-                       "cudaMemcpyAsync (bias)");
-    }
-    const void* epilogue_bias = bias_copy ? bias_copy : bias_ptr;
-    cuda::Plan& p = mc.plan(M, N, K, trans_a, trans_b, a.dtype, out.dtype, a.data, b.data, out.data, epilogue_bias,
-                            accumulate, shapes);
-    if (p.found) mc.run(p, a.data, b.data, out.data, epilogue_bias, accumulate, shapes);
-    if (bias_copy) release(bias_copy);
-    if (p.found) {
-      cuda::check_launch(*this, op, {{"out", out}, {"a", a}, {"b", b}});
-      return;
-    }
+  if (cuda::native_matmul(*this, mc, sh, out, a, b, trans_a, trans_b, accumulate, bias)) {
+    cuda::check_launch(*this, op, {{"out", out}, {"a", a}, {"b", b}});
+    return;
   }
 
   // Generic path: fp32 product into scratch, then the epilogue rounds once into out.
+  const void* bias_ptr = has_bias ? bias->data : nullptr;
   float* product = nullptr;
   void* a32 = nullptr;
   void* b32 = nullptr;
@@ -335,10 +408,11 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
       pb = b32;
     }
     product = static_cast<float*>(scratch(static_cast<size_t>(M * N) * 4, op));
-    cuda::Plan& p = mc.plan(M, N, K, trans_a, trans_b, DType::F32, DType::F32, pa, pb, product, nullptr, false, shapes);
+    cuda::Plan& p = mc.plan(M, N, K, trans_a, trans_b, DType::F32, DType::F32, pa, pb, product, nullptr, false, sh.shapes);
     if (!p.found)
-      throw std::runtime_error("CudaBackend::matmul: cuBLASLt has no algorithm for this fp32 product [" + shapes() + "]");
-    mc.run(p, pa, pb, product, nullptr, false, shapes);
+      throw std::runtime_error("CudaBackend::matmul: cuBLASLt has no algorithm for this fp32 product [" + sh.shapes() +
+                               "]");
+    mc.run(p, pa, pb, product, nullptr, false, sh.shapes);
   }
   const int64_t total = M * N;
   const unsigned blocks = cuda::grid_for(total, 256, 4);
@@ -350,6 +424,34 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
   if (product) release(product);
   if (a32) release(a32);
   if (b32) release(b32);
+}
+
+void CudaBackend::matmul_gelu(const Tensor& act, const Tensor& pre, const Tensor& a, const Tensor& b, bool trans_a,
+                              bool trans_b, const Tensor* bias) {
+  const char* op = "matmul_gelu";
+  const cuda::MatmulShape sh = cuda::check_matmul(op, act, a, b, trans_a, trans_b, false, bias);
+  cuda::check_gelu_input(op, "act", act, pre);
+  if (sh.M == 0 || sh.N == 0) return;
+  if (gelu_epilogue_ && cuda::native_matmul(*this, *matmul_, sh, act, a, b, trans_a, trans_b, false, bias,
+                                            cuda::Epilogue::kGeluAux, &pre)) {
+    cuda::check_launch(*this, op, {{"act", act}, {"pre", pre}, {"a", a}, {"b", b}});
+    return;
+  }
+  Backend::matmul_gelu(act, pre, a, b, trans_a, trans_b, bias);  // matmul, then the GELU kernel
+}
+
+void CudaBackend::matmul_gelu_backward(const Tensor& din, const Tensor& a, const Tensor& b, bool trans_a,
+                                       bool trans_b, const Tensor& pre) {
+  const char* op = "matmul_gelu_backward";
+  const cuda::MatmulShape sh = cuda::check_matmul(op, din, a, b, trans_a, trans_b, false, nullptr);
+  cuda::check_gelu_input(op, "din", din, pre);
+  if (sh.M == 0 || sh.N == 0) return;
+  if (gelu_epilogue_ && cuda::native_matmul(*this, *matmul_, sh, din, a, b, trans_a, trans_b, false, nullptr,
+                                            cuda::Epilogue::kDGelu, &pre)) {
+    cuda::check_launch(*this, op, {{"din", din}, {"pre", pre}, {"a", a}, {"b", b}});
+    return;
+  }
+  Backend::matmul_gelu_backward(din, a, b, trans_a, trans_b, pre);
 }
 
 }  // namespace keel

@@ -270,6 +270,96 @@ TEST_CASE("gpu: bias_backward sums rows like the CPU", "[gpu][matmul]") {
     }
 }
 
+// matmul_gelu / matmul_gelu_backward. Where cuBLASLt's GELU epilogues run (N % 8 == 0, pre
+// 16-byte aligned) the GELU is applied to the fp32 product, so the reference is that: the CPU's
+// product in fp32, then the CPU's GELU rounding once into the output dtype. The fallback (N % 8
+// != 0, or pre at an odd offset) is matmul then the GELU kernel, which rounds pre (or the
+// product) first, so its reference is the CPU's own composition. The tolerances are the
+// matmul's on both paths (the fused path against the other reference measures 2-3e-3 in bf16:
+// the references differ by one storage rounding). In fp32 the 1e-5 bound also tells cuBLASLt's
+// GELU from the exact erf GELU, which differs from the tanh form by up to 5e-4.
+TEST_CASE("gpu: matmul_gelu and matmul_gelu_backward match the CPU (GELU epilogues and fallback)", "[gpu][matmul]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  struct Shape {
+    int64_t M, N, K, pre_offset;
+  };
+  // fused; N % 8 != 0; pre at an odd element offset; a single row
+  const Shape shapes[] = {{300, 264, 96, 0}, {129, 36, 70, 0}, {64, 96, 40, 1}, {1, 8, 16, 0}};
+  uint32_t seed = 500;
+  for (DType dt : kFloatTypes)
+    for (const Shape& sh : shapes)
+      for (int ta = 0; ta < 2; ++ta)
+        for (int tb = 0; tb < 2; ++tb)
+          for (int bias = 0; bias < 2; ++bias) {
+            const auto [M, N, K, off] = sh;
+            const std::string what = std::string(dname(dt)) + " M " + std::to_string(M) + " N " + std::to_string(N) +
+                                     " K " + std::to_string(K) + (off ? " pre unaligned" : "") + " trans " +
+                                     std::to_string(ta) + std::to_string(tb) + (bias ? " bias" : "");
+            INFO(what);
+            HostTensor a = ta ? rand_tensor(dt, {K, M}, ++seed) : rand_tensor(dt, {M, K}, ++seed);
+            HostTensor b = tb ? rand_tensor(dt, {N, K}, ++seed, 0.3f) : rand_tensor(dt, {K, N}, ++seed, 0.3f);
+            HostTensor bv = rand_tensor(dt, {N}, ++seed);
+            const Tensor* bias_h = bias ? &bv.t : nullptr;
+            const bool fused = N % 8 == 0 && off == 0;
+            // fused reference: fp32 product (+ bias), pre rounded once, act = gelu(fp32 pre) rounded
+            // once; fallback: pre rounded, act = gelu(pre)
+            HostTensor pre32 = nan_tensor(DType::F32, {M, N}), pre_ref = nan_tensor(dt, {M, N});
+            HostTensor act_ref = nan_tensor(dt, {M, N});
+            cpu().matmul(pre32.t, a.t, b.t, ta, tb, false, bias_h);
+            cpu().convert(pre_ref.t, pre32.t);
+            cpu().gelu_forward(act_ref.t, fused ? pre32.t : pre_ref.t);
+
+            DeviceTensor da = DeviceTensor::of(be, a), db = DeviceTensor::of(be, b), dbias = DeviceTensor::of(be, bv);
+            DeviceTensor dact = DeviceTensor::of(be, nan_tensor(dt, {M, N}));
+            DeviceTensor pre_buf = DeviceTensor::of(be, nan_tensor(dt, {M * N + off}));
+            const Tensor pre(static_cast<char*>(pre_buf.t.data) + off * dtype_size(dt), dt, {M, N}, Device::CUDA);
+            be.matmul_gelu(dact.t, pre, da.t, db.t, ta, tb, bias ? &dbias.t : nullptr);
+            const double tol = storage_tol(dt, dt == DType::F32 ? 1e-5 : 1e-4);
+            HostTensor pre_got = host_like(pre), act_got = dact.host();
+            be.copy_to_host(pre_got.t.data, pre);
+            KEEL_CHECK_ERR("matmul_gelu (pre)", what, rel_err(pre_got, pre_ref), tol);
+            KEEL_CHECK_ERR("matmul_gelu (act)", what, rel_err(act_got, act_ref), tol);
+            be.matmul_gelu(dact.t, pre, da.t, db.t, ta, tb, bias ? &dbias.t : nullptr);  // again: same bits
+            CHECK(bits_differ(dact.host(), act_got) == 0);
+
+            // backward: din = gelu'(pre) * (op(g) @ op(w)), with g [M, K2] and w giving N columns
+            const int64_t K2 = K + 8;
+            HostTensor g = ta ? rand_tensor(dt, {K2, M}, ++seed) : rand_tensor(dt, {M, K2}, ++seed);
+            HostTensor w = tb ? rand_tensor(dt, {N, K2}, ++seed, 0.3f) : rand_tensor(dt, {K2, N}, ++seed, 0.3f);
+            HostTensor prod32 = nan_tensor(DType::F32, {M, N}), din_ref = nan_tensor(dt, {M, N});
+            if (fused) {
+              cpu().matmul(prod32.t, g.t, w.t, ta, tb);
+              cpu().gelu_backward(din_ref.t, prod32.t, pre_got.t);  // gelu' of the pre the GPU stored
+            } else {
+              cpu().matmul_gelu_backward(din_ref.t, g.t, w.t, ta, tb, pre_got.t);
+            }
+            DeviceTensor dg = DeviceTensor::of(be, g), dw = DeviceTensor::of(be, w);
+            DeviceTensor ddin = DeviceTensor::of(be, nan_tensor(dt, {M, N}));
+            be.matmul_gelu_backward(ddin.t, dg.t, dw.t, ta, tb, pre);
+            const HostTensor din_got = ddin.host();
+            KEEL_CHECK_ERR("matmul_gelu_backward", what, rel_err(din_got, din_ref), tol);
+            ddin.upload(nan_tensor(dt, {M, N}));
+            be.matmul_gelu_backward(ddin.t, dg.t, dw.t, ta, tb, pre);
+            CHECK(bits_differ(ddin.host(), din_got) == 0);
+          }
+}
+
+TEST_CASE("gpu: matmul_gelu rejects a pre of another shape or aliasing its output, naming both", "[gpu][errors]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  using Catch::Contains;
+  DeviceTensor a(be, HostTensor(DType::BF16, {4, 8}).t), w(be, HostTensor(DType::BF16, {16, 8}).t);
+  DeviceTensor act(be, HostTensor(DType::BF16, {4, 16}).t), pre(be, HostTensor(DType::BF16, {4, 8}).t);
+  CHECK_THROWS_WITH(be.matmul_gelu(act.t, pre.t, a.t, w.t, false, true),
+                    Contains("matmul_gelu") && Contains("act=[4, 16] bf16") && Contains("pre=[4, 8] bf16"));
+  CHECK_THROWS_WITH(be.matmul_gelu(act.t, act.t, a.t, w.t, false, true),
+                    Contains("matmul_gelu") && Contains("different buffers"));
+  DeviceTensor pre32(be, HostTensor(DType::F32, {4, 16}).t), dx(be, HostTensor(DType::BF16, {4, 8}).t);
+  CHECK_THROWS_WITH(be.matmul_gelu_backward(act.t, dx.t, w.t, false, true, pre32.t),
+                    Contains("matmul_gelu_backward") && Contains("pre=[4, 16] f32"));
+}
+
 TEST_CASE("gpu: layernorm and rmsnorm forward and backward match the CPU", "[gpu][norms]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();

@@ -1,11 +1,16 @@
 // The CUDA emulator's cuBLASLt: the calls kernels/cuda/matmul.cu makes, with cuBLASLt's
 // column-major semantics computed on the host:
 //   D (m x n) = alpha op(A) op(B) + beta C (+ bias, one value per row of D), rounded once to D's type,
-// op(A) m x k, products summed in fp32 in k order. Layouts are (type, rows, cols, ld), element
+// op(A) m x k, products summed in fp32 in k order. The GELU epilogues (tanh GELU, kernels/gelu.h)
+// on that fp32 value x: GELU_AUX(_BIAS) stores x rounded into the auxiliary matrix and gelu(x) in
+// D; DGELU stores x * gelu'(aux) in D. The auxiliary matrix has D's type and the layout
+// (D's rows, cols, EPILOGUE_AUX_LD). Layouts are (type, rows, cols, ld), element
 // (r, c) at r + c ld. What a real cuBLASLt would refuse is refused the same way
 // (CUBLAS_STATUS_INVALID_VALUE): shapes that do not chain, ld < rows, a C layout unlike D's, and
 // operand pointers less aligned than the preference's minimum alignments the algorithm was
-// chosen for (the real one may fault or read wrong data there).
+// chosen for (the real one may fault or read wrong data there), a GELU epilogue without its
+// auxiliary pointer or with an AUX_LD that is not a multiple of 8 at least D's rows, and an
+// auxiliary pointer less aligned at the call than when the algorithm was chosen.
 #include <cublasLt.h>
 
 #include <cstdint>
@@ -15,6 +20,7 @@
 #include "kernels/cuda/cuda_check.h"  // alignment_of
 #include "kernels/cuda/emulator/emu_device.h"
 #include "kernels/dtype.h"
+#include "kernels/gelu.h"
 
 namespace {
 
@@ -27,6 +33,8 @@ struct Desc {
   cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   const void* bias = nullptr;
+  const void* aux = nullptr;
+  int64_t aux_ld = 0;
 };
 struct Preference {
   uint32_t align[4] = {256, 256, 256, 256};  // A, B, C, D minimum alignments (bytes)
@@ -35,6 +43,7 @@ struct Preference {
 struct AlgoInfo {
   uint32_t magic;
   uint32_t align[4];
+  uint32_t aux_align;
 };
 constexpr uint32_t kMagic = 0x6b65656cu;
 
@@ -61,6 +70,10 @@ void store(void* p, cudaDataType t, int64_t i, float v) {
 }
 
 uint32_t alignment(const void* p) { return p ? keel::cuda::alignment_of(p) : 256u; }
+
+bool is_gelu_aux(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
+bool has_bias(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
+bool needs_aux(cublasLtEpilogue_t e) { return is_gelu_aux(e) || e == CUBLASLT_EPILOGUE_DGELU; }
 
 }  // namespace
 
@@ -112,12 +125,20 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
     case CUBLASLT_MATMUL_DESC_EPILOGUE:
       if (bytes != sizeof(cublasLtEpilogue_t)) return CUBLAS_STATUS_INVALID_VALUE;
       std::memcpy(&p->epilogue, buf, bytes);
-      if (p->epilogue != CUBLASLT_EPILOGUE_DEFAULT && p->epilogue != CUBLASLT_EPILOGUE_BIAS)
+      if (p->epilogue != CUBLASLT_EPILOGUE_DEFAULT && !has_bias(p->epilogue) && !needs_aux(p->epilogue))
         return CUBLAS_STATUS_NOT_SUPPORTED;
       return CUBLAS_STATUS_SUCCESS;
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
       if (bytes != sizeof(void*)) return CUBLAS_STATUS_INVALID_VALUE;
       std::memcpy(&p->bias, buf, bytes);
+      return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER:
+      if (bytes != sizeof(void*)) return CUBLAS_STATUS_INVALID_VALUE;
+      std::memcpy(&p->aux, buf, bytes);
+      return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD:
+      if (bytes != sizeof(int64_t)) return CUBLAS_STATUS_INVALID_VALUE;
+      std::memcpy(&p->aux_ld, buf, bytes);
       return CUBLAS_STATUS_SUCCESS;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
   }
@@ -175,8 +196,13 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
   const uint64_t m = ds.trans_a == CUBLAS_OP_N ? A.rows : A.cols, k = ds.trans_a == CUBLAS_OP_N ? A.cols : A.rows;
   const uint64_t kb = ds.trans_b == CUBLAS_OP_N ? B.rows : B.cols, n = ds.trans_b == CUBLAS_OP_N ? B.cols : B.rows;
   if (k != kb || D.rows != m || D.cols != n || C.rows != D.rows || C.cols != D.cols) return CUBLAS_STATUS_INVALID_VALUE;
+  if (needs_aux(ds.epilogue) &&
+      (!ds.aux || ds.aux_ld % 8 != 0 || ds.aux_ld < static_cast<int64_t>(D.rows)))
+    return CUBLAS_STATUS_INVALID_VALUE;
   results[0] = cublasLtMatmulHeuristicResult_t{};
-  AlgoInfo info{kMagic, {pref(p)->align[0], pref(p)->align[1], pref(p)->align[2], pref(p)->align[3]}};
+  AlgoInfo info{kMagic,
+                {pref(p)->align[0], pref(p)->align[1], pref(p)->align[2], pref(p)->align[3]},
+                needs_aux(ds.epilogue) ? alignment(ds.aux) : 0u};
   static_assert(sizeof(AlgoInfo) <= sizeof(cublasLtMatmulAlgo_t));
   std::memcpy(&results[0].algo, &info, sizeof info);
   results[0].state = CUBLAS_STATUS_SUCCESS;
@@ -218,6 +244,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
   if (alignment(a_p) < info.align[0] || alignment(b_p) < info.align[1] || alignment(c_p) < info.align[2] ||
       alignment(d_p) < info.align[3])
     return CUBLAS_STATUS_INVALID_VALUE;
+  const bool gelu_aux = is_gelu_aux(ds.epilogue), dgelu = ds.epilogue == CUBLASLT_EPILOGUE_DGELU;
+  if ((gelu_aux || dgelu) && (!ds.aux || alignment(ds.aux) < info.aux_align)) return CUBLAS_STATUS_INVALID_VALUE;
   const bool ta = ds.trans_a != CUBLAS_OP_N, tb = ds.trans_b != CUBLAS_OP_N;
   const int64_t m = static_cast<int64_t>(ta ? A.cols : A.rows), k = static_cast<int64_t>(ta ? A.rows : A.cols);
   const int64_t n = static_cast<int64_t>(tb ? B.rows : B.cols);
@@ -227,7 +255,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
   float alpha, beta;
   std::memcpy(&alpha, alpha_p, 4);
   std::memcpy(&beta, beta_p, 4);
-  const bool bias = ds.epilogue == CUBLASLT_EPILOGUE_BIAS;
+  const bool bias = has_bias(ds.epilogue);
   if (bias && !ds.bias) return CUBLAS_STATUS_INVALID_VALUE;
   // op(A) as m rows of k and op(B) as n rows of k, widened once, so each output is one
   // contiguous dot product.
@@ -246,6 +274,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
       float v = alpha * sum;
       if (beta != 0.0f) v += beta * load(c_p, C.type, i + j * C.ld);
       if (bias) v += load(ds.bias, D.type, i);
+      if (gelu_aux) {
+        store(const_cast<void*>(ds.aux), D.type, i + j * ds.aux_ld, v);
+        v = keel::gelu(v);
+      } else if (dgelu) {
+        v *= keel::gelu_grad(load(ds.aux, D.type, i + j * ds.aux_ld));
+      }
       out[static_cast<size_t>(i + j * m)] = v;
     }
   for (int64_t j = 0; j < n; ++j)
