@@ -80,22 +80,6 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over a block of kThreads threads (a multiple of 32); every thread gets the result.
-// `shared` holds kThreads / 32 values. Warps' partial sums are added in warp order.
-template <int kThreads, class V>
-__device__ __forceinline__ V block_sum(V v, V* shared) {
-  constexpr int kWarps = kThreads / 32;
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // `shared` may still be read by a previous call
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  V total = shared[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) total += shared[w];
-  return total;
-}
-
 // ---- vectorized elementwise loops ----
 //
 // Elementwise kernels move their operands in packs of kPack<T> elements (16 bytes: one 128-bit

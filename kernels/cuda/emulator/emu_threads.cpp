@@ -3,6 +3,17 @@
 // has arrived. Warp-level instructions (shuffles, ldmatrix, mma.sync) exchange values through a
 // per-warp buffer between two warp barriers.
 //
+// A block runs warp by warp: one warp's lanes run, and its warp barriers are released as they
+// fill, until each lane waits at __syncthreads or has returned; then the next warp runs. Between
+// two block barriers each warp thus runs its whole stretch before the next starts (warp-level
+// instructions do not hold the warps in step, as nothing does on a GPU). The order of the warps,
+// of the lanes within a warp, and of the blocks is KEEL_EMU_SCHEDULE's: "forward" (default:
+// first to last), "reverse" (last to first) or "random[:SEED]" (a new permutation every time).
+// Each is an extreme interleaving: forward exposes a read of shared or global memory that a
+// later warp writes before the barrier that should separate them, reverse one that an earlier
+// warp writes (and a write over what an earlier warp has yet to read), random mixes both. A
+// kernel free of races gives the same bits under each.
+//
 // Fibers switch by a dozen instructions on x86-64 (callee-saved registers and the stack
 // pointer: a switch is a function call, so the ABI says nothing else survives it); elsewhere by
 // ucontext, whose swapcontext also saves the signal mask with a system call, ~10x slower. The
@@ -12,11 +23,14 @@
 #include <ucontext.h>
 #endif
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <vector>
 
 #include "kernels/cuda/emulator/emu_device.h"
@@ -105,7 +119,60 @@ struct Scheduler {
   const std::function<void()>* body = nullptr;
   int current = -1;
   int threads = 0;
+  std::vector<int> warp_order, lane_order;  // this round's running orders
+  uint64_t random_state = 0;
 };
+
+enum class Order { kForward, kReverse, kRandom };
+struct Schedule {
+  Order order = Order::kForward;
+  uint64_t seed = 1;
+};
+
+// KEEL_EMU_SCHEDULE, read once.
+const Schedule& schedule() {
+  static const Schedule sch = [] {
+    Schedule r;
+    const char* env = std::getenv("KEEL_EMU_SCHEDULE");
+    if (!env || !*env || std::strcmp(env, "forward") == 0) return r;
+    if (std::strcmp(env, "reverse") == 0) {
+      r.order = Order::kReverse;
+      return r;
+    }
+    if (std::strncmp(env, "random", 6) == 0 && (env[6] == '\0' || env[6] == ':')) {
+      r.order = Order::kRandom;
+      char* end = nullptr;
+      if (env[6] == ':') r.seed = std::strtoull(env + 7, &end, 10);
+      if (env[6] != ':' || (end != env + 7 && *end == '\0')) return r;
+    }
+    std::fprintf(stderr, "keel CUDA emulator: KEEL_EMU_SCHEDULE='%s' is not one of forward, reverse, random, random:SEED\n",
+                 env);
+    std::exit(2);
+  }();
+  return sch;
+}
+
+// SplitMix64: the random schedule's generator.
+uint64_t next_random(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// order = 0 .. n-1 in the schedule's order (a fresh permutation each call when random).
+void schedule_order(std::vector<int>& order, int n, uint64_t& state) {
+  order.resize(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  switch (schedule().order) {
+    case Order::kForward: break;
+    case Order::kReverse: std::reverse(order.begin(), order.end()); break;
+    case Order::kRandom:
+      for (int i = n - 1; i > 0; --i)
+        std::swap(order[static_cast<size_t>(i)], order[next_random(state) % static_cast<uint64_t>(i + 1)]);
+      break;
+  }
+}
 
 Scheduler& sched() {
   static Scheduler s;
@@ -179,35 +246,32 @@ const char* state_name(State st) {
   std::abort();
 }
 
-// Releases the barriers whose threads have all arrived; false when none could be released.
-bool release_barriers(Scheduler& s) {
-  bool released = false;
-  // Warp barriers: every lane in the mask has arrived at a warp barrier (or has exited).
-  for (int w = 0; w * 32 < s.threads; ++w) {
-    unsigned waiting = 0, mask = 0;
-    for (int l = 0; l < 32 && w * 32 + l < s.threads; ++l) {
-      const Fiber& f = s.fibers[static_cast<size_t>(w * 32 + l)];
-      if (f.state == State::AtWarpBarrier) {
-        waiting |= 1u << l;
-        mask |= f.warp_mask;
-      }
+// Releases warp w's warp barrier when every lane in the mask has arrived at one (or has
+// exited); false when it cannot be released.
+bool release_warp_barrier(Scheduler& s, int w) {
+  unsigned waiting = 0, mask = 0;
+  for (int l = 0; l < 32 && w * 32 + l < s.threads; ++l) {
+    const Fiber& f = s.fibers[static_cast<size_t>(w * 32 + l)];
+    if (f.state == State::AtWarpBarrier) {
+      waiting |= 1u << l;
+      mask |= f.warp_mask;
     }
-    if (!waiting) continue;
-    bool all = true;
-    for (int l = 0; l < 32; ++l) {
-      if (!(mask >> l & 1u)) continue;
-      const int t = w * 32 + l;
-      if (t >= s.threads) continue;  // lanes past the block size do not exist
-      const State st = s.fibers[static_cast<size_t>(t)].state;
-      if (st != State::AtWarpBarrier && st != State::Done) all = false;
-    }
-    if (!all) continue;
-    for (int l = 0; l < 32; ++l)
-      if (waiting >> l & 1u) s.fibers[static_cast<size_t>(w * 32 + l)].state = State::Ready;
-    released = true;
   }
-  if (released) return true;
-  // The block barrier: every live thread has arrived.
+  if (!waiting) return false;
+  for (int l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    const int t = w * 32 + l;
+    if (t >= s.threads) continue;  // lanes past the block size do not exist
+    const State st = s.fibers[static_cast<size_t>(t)].state;
+    if (st != State::AtWarpBarrier && st != State::Done) return false;
+  }
+  for (int l = 0; l < 32; ++l)
+    if (waiting >> l & 1u) s.fibers[static_cast<size_t>(w * 32 + l)].state = State::Ready;
+  return true;
+}
+
+// Releases the block barrier when every live thread has arrived; false when it cannot.
+bool release_block_barrier(Scheduler& s) {
   bool any = false;
   for (int i = 0; i < s.threads; ++i) {
     const State st = s.fibers[static_cast<size_t>(i)].state;
@@ -233,18 +297,27 @@ void run_block(Scheduler& s, const ThreadCoords& base) {
     f.coords.thread_idx = {i % bx, (i / bx) % by, i / (bx * by)};
     start_context(f.ctx, s.stacks[static_cast<size_t>(i)].get(), kStackBytes);
   }
+  const int warps = (s.threads + 31) / 32;
   while (true) {
-    for (int i = 0; i < s.threads; ++i) {
-      Fiber& f = s.fibers[static_cast<size_t>(i)];
-      if (f.state != State::Ready) continue;
-      s.current = i;
-      switch_context(s.main_ctx, f.ctx);
+    // Each warp in turn, as far as it can go: to __syncthreads, its end, or a deadlock.
+    schedule_order(s.warp_order, warps, s.random_state);
+    for (int w : s.warp_order) {
+      const int lanes = std::min(32, s.threads - w * 32);
+      do {
+        schedule_order(s.lane_order, lanes, s.random_state);
+        for (int l : s.lane_order) {
+          Fiber& f = s.fibers[static_cast<size_t>(w * 32 + l)];
+          if (f.state != State::Ready) continue;
+          s.current = w * 32 + l;
+          switch_context(s.main_ctx, f.ctx);
+        }
+        s.current = -1;
+      } while (release_warp_barrier(s, w));
     }
-    s.current = -1;
     bool all_done = true;
     for (int i = 0; i < s.threads; ++i) all_done = all_done && s.fibers[static_cast<size_t>(i)].state == State::Done;
     if (all_done) return;
-    if (!release_barriers(s)) report_deadlock(s, base.block_idx);
+    if (!release_block_barrier(s)) report_deadlock(s, base.block_idx);
   }
 }
 
@@ -287,12 +360,19 @@ void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void
   ThreadCoords base;
   base.block_dim = block;
   base.grid_dim = grid;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        base.block_idx = {x, y, z};
-        run_block(s, base);
-      }
+  const long long blocks = static_cast<long long>(grid.x) * grid.y * grid.z;
+  if (blocks > (1ll << 31) - 1) {
+    std::fprintf(stderr, "keel CUDA emulator: a grid of %lld blocks is more than it can run\n", blocks);
+    std::abort();
+  }
+  s.random_state = schedule().seed;
+  std::vector<int> block_order;
+  schedule_order(block_order, static_cast<int>(blocks), s.random_state);
+  for (int b : block_order) {
+    const unsigned ub = static_cast<unsigned>(b);
+    base.block_idx = {ub % grid.x, (ub / grid.x) % grid.y, ub / (grid.x * grid.y)};
+    run_block(s, base);
+  }
   s.body = nullptr;
 }
 
@@ -355,8 +435,25 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b
 
 // ---- cp.async ----
 
+namespace {
+// A copy lands: 16 bytes, the first `bytes` from the source and the rest zeros (cp.async's
+// src-size form).
+void land(const PendingCopy& c) {
+  unsigned char buf[16] = {};
+  if (c.bytes > 0) std::memcpy(buf, c.src, static_cast<size_t>(c.bytes));
+  std::memcpy(c.dst, buf, 16);
+}
+}  // namespace
+
+// A copy may land at any moment between its issue and the wait for its group. Forward and
+// reverse schedules land it as late as allowed (at the wait: a read before the wait sees stale
+// data); the random one lands each copy either then or at once, at random (at once: a copy into
+// a buffer that another warp is still reading, for want of a barrier, overwrites it).
 void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  self().copies.push_back({smem, gmem, src_bytes, -1});
+  Scheduler& s = sched();
+  const PendingCopy c{smem, gmem, src_bytes, -1};
+  if (schedule().order == Order::kRandom && (next_random(s.random_state) & 1u)) land(c);
+  else self().copies.push_back(c);
 }
 
 void cp_async_commit() {
@@ -373,9 +470,7 @@ void cp_async_wait(int keep_pending) {
   std::vector<PendingCopy> still;
   for (const PendingCopy& c : f.copies) {
     if (c.group >= 0 && c.group < land_below) {
-      unsigned char buf[16] = {};
-      if (c.bytes > 0) std::memcpy(buf, c.src, static_cast<size_t>(c.bytes));
-      std::memcpy(c.dst, buf, 16);
+      land(c);
     } else {
       still.push_back(c);
     }
