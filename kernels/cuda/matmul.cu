@@ -335,19 +335,17 @@ void check_gelu_input(const char* op, const char* out_name, const Tensor& out, c
   check_float(op, {"pre", pre});
   if (pre.numel() != out.numel() || pre.cols() != out.cols() || pre.dtype != out.dtype)
     fail(op, std::string("pre must have ") + out_name + "'s shape and dtype", {{out_name, out}, {"pre", pre}});
-  if (pre.data == out.data) fail(op, std::string("pre and ") + out_name + " must be different buffers", {{out_name, out}, {"pre", pre}});
+  if (pre.data == out.data)
+    fail(op, std::string("pre and ") + out_name + " must be different buffers", {{out_name, out}, {"pre", pre}});
 }
-
-}  // namespace
 
 // The native cuBLASLt call when the operands allow it: a and b of one dtype natively supported
 // into out's dtype, a bias of out's dtype, K > 0, and for the GELU epilogues an auxiliary matrix
 // of out's dtype at a 16-byte aligned address with N % 8 == 0. Returns false, having done
 // nothing, when they do not or cuBLASLt has no algorithm: the caller takes another path.
-bool native_matmul(CudaBackend& be, MatmulCache& mc, const MatmulShape& sh, const Tensor& out, const Tensor& a,
-                   const Tensor& b, bool trans_a, bool trans_b, bool accumulate, const Tensor* bias,
+bool native_matmul(CudaBackend& be, MatmulCache& mc, const char* op, const MatmulShape& sh, const Tensor& out,
+                   const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, bool accumulate, const Tensor* bias,
                    Epilogue epilogue = Epilogue::kNone, const Tensor* aux = nullptr) {
-  const char* op = "matmul";
   const bool has_bias = bias && !bias->empty();
   if (sh.K == 0 || a.dtype != b.dtype || !natively_supported(a.dtype, out.dtype) ||
       (has_bias && bias->dtype != out.dtype))
@@ -371,6 +369,7 @@ bool native_matmul(CudaBackend& be, MatmulCache& mc, const MatmulShape& sh, cons
   return p.found;
 }
 
+}  // namespace
 }  // namespace cuda
 
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
@@ -381,7 +380,7 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
   if (M == 0 || N == 0) return;
   const bool has_bias = bias && !bias->empty();
   cuda::MatmulCache& mc = *matmul_;
-  if (cuda::native_matmul(*this, mc, sh, out, a, b, trans_a, trans_b, accumulate, bias)) {
+  if (cuda::native_matmul(*this, mc, op, sh, out, a, b, trans_a, trans_b, accumulate, bias)) {
     cuda::check_launch(*this, op, {{"out", out}, {"a", a}, {"b", b}});
     return;
   }
@@ -432,7 +431,7 @@ void CudaBackend::matmul_gelu(const Tensor& act, const Tensor& pre, const Tensor
   const cuda::MatmulShape sh = cuda::check_matmul(op, act, a, b, trans_a, trans_b, false, bias);
   cuda::check_gelu_input(op, "act", act, pre);
   if (sh.M == 0 || sh.N == 0) return;
-  if (gelu_epilogue_ && cuda::native_matmul(*this, *matmul_, sh, act, a, b, trans_a, trans_b, false, bias,
+  if (gelu_epilogue_ && cuda::native_matmul(*this, *matmul_, op, sh, act, a, b, trans_a, trans_b, false, bias,
                                             cuda::Epilogue::kGeluAux, &pre)) {
     cuda::check_launch(*this, op, {{"act", act}, {"pre", pre}, {"a", a}, {"b", b}});
     return;
@@ -446,7 +445,7 @@ void CudaBackend::matmul_gelu_backward(const Tensor& din, const Tensor& a, const
   const cuda::MatmulShape sh = cuda::check_matmul(op, din, a, b, trans_a, trans_b, false, nullptr);
   cuda::check_gelu_input(op, "din", din, pre);
   if (sh.M == 0 || sh.N == 0) return;
-  if (gelu_epilogue_ && cuda::native_matmul(*this, *matmul_, sh, din, a, b, trans_a, trans_b, false, nullptr,
+  if (gelu_epilogue_ && cuda::native_matmul(*this, *matmul_, op, sh, din, a, b, trans_a, trans_b, false, nullptr,
                                             cuda::Epilogue::kDGelu, &pre)) {
     cuda::check_launch(*this, op, {{"din", din}, {"pre", pre}, {"a", a}, {"b", b}});
     return;
