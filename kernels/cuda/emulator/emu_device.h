@@ -3,16 +3,16 @@
 // has turned its <<<...>>> launches into ::keel_emu::config(...).run(kernel, args...).
 //
 // Execution model: a launch runs its blocks one after another; within a block every CUDA thread
-// is a fiber (its own stack), and the fibers take turns, each running until it reaches a
-// barrier or returns. __syncthreads waits for every live thread of the block; the warp-level
-// operations (__syncwarp, shuffles, ldmatrix, mma.sync) wait for the lanes of the mask, then
-// exchange values through a per-warp buffer. So the kernels' indexing, their shared-memory
-// traffic, their barriers and their warp-level data movement are exercised exactly; what is
-// not reproduced is timing (no race shows up unless a barrier is missing: cp.async copies land
-// only at cp.async.wait_group, so a read before the wait sees stale shared memory), the GPU's
-// transcendental functions' last bits (the host libm's are used) and FMA contraction (the
-// emulated build compiles with -ffp-contract=off). A deadlock (a barrier some threads never
-// reach) is reported with the kernel's block and the waiting threads, then aborts.
+// is a fiber (its own stack), each running until it reaches a barrier or returns, in the order
+// of emu_threads.cpp's schedules (KEEL_EMU_SCHEDULE). __syncthreads waits for every live thread
+// of the block; the warp-level operations (__syncwarp, shuffles, ldmatrix, mma.sync) wait for
+// the lanes of the mask, then exchange values through a per-warp buffer. So the kernels'
+// indexing, their shared-memory traffic, their barriers and their warp-level data movement are
+// exercised exactly; what is not reproduced is timing (a race shows up only as a missing
+// barrier under some schedule), the GPU's transcendental functions' last bits (the host libm's
+// are used) and FMA contraction (the emulated build compiles with -ffp-contract=off). A
+// deadlock (a barrier some threads never reach) is reported with the kernel's block and the
+// waiting threads, then aborts.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -116,8 +116,8 @@ void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans);
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32, c += A B (fragment layouts in
 // attention_flash.cu); products and sums in fp32.
 void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
-// cp.async.cg.shared.global of 16 bytes (zeros when src_bytes == 0); the copy is made when the
-// group holding it is waited for.
+// cp.async.cg.shared.global of 16 bytes (zeros when src_bytes == 0); the copy lands by the wait
+// for its group (when exactly: the schedule's choice, emu_threads.cpp).
 void cp_async16(void* smem, const void* gmem, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int keep_pending);
@@ -134,6 +134,13 @@ inline constexpr int warpSize = 32;
 // ---- synchronization and warp primitives ----
 inline void __syncthreads() { keel_emu::block_barrier(); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { keel_emu::warp_barrier(mask); }
+namespace keel_emu {
+// The lane a relative shuffle reads: src when it lies in the caller's segment of `width` lanes,
+// else the caller's own lane (its value comes back unchanged).
+inline int segment_source(int lane, int src, int width) {
+  return (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane;
+}
+}  // namespace keel_emu
 template <class T>
 T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
   const int lane = keel_emu::lane_id();
@@ -142,20 +149,17 @@ T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
 template <class T>
 T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   const int lane = keel_emu::lane_id();
-  const int src = lane ^ lane_mask;
-  return keel_emu::exchange(mask, v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+  return keel_emu::exchange(mask, v, keel_emu::segment_source(lane, lane ^ lane_mask, width));
 }
 template <class T>
 T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   const int lane = keel_emu::lane_id();
-  const int src = lane + static_cast<int>(delta);
-  return keel_emu::exchange(mask, v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+  return keel_emu::exchange(mask, v, keel_emu::segment_source(lane, lane + static_cast<int>(delta), width));
 }
 template <class T>
 T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   const int lane = keel_emu::lane_id();
-  const int src = lane - static_cast<int>(delta);
-  return keel_emu::exchange(mask, v, src >= (lane & ~(width - 1)) ? src : lane);
+  return keel_emu::exchange(mask, v, keel_emu::segment_source(lane, lane - static_cast<int>(delta), width));
 }
 
 template <class T>

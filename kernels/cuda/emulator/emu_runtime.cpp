@@ -25,6 +25,9 @@ struct CUmemPoolHandle_st {
 namespace {
 
 constexpr size_t kDeviceBytes = size_t{8} << 30;
+constexpr int kMultiprocessors = 132;
+constexpr size_t kDefaultDynamicShared = 48 << 10;
+constexpr int kMaxDynamicShared = 227 << 10;  // sm_90's opt-in maximum
 
 struct Memory {
   std::mutex mutex;
@@ -36,9 +39,6 @@ struct Memory {
   std::map<const void*, int> max_dynamic_shared;  // kernel -> cudaFuncAttributeMaxDynamicSharedMemorySize
 };
 
-constexpr size_t kDefaultDynamicShared = 48 << 10;
-constexpr int kMaxDynamicShared = 227 << 10;  // sm_90's opt-in maximum
-
 Memory& mem() {
   static Memory m;
   return m;
@@ -49,25 +49,30 @@ cudaError_t record(cudaError_t e) {
   return e;
 }
 
-// True when [p, p + bytes) lies inside one device allocation.
-bool is_device(const void* p, size_t bytes) {
-  Memory& m = mem();
-  std::lock_guard<std::mutex> lock(m.mutex);
+// True when [p, p + bytes) lies inside one of the allocations (start -> bytes). Under the mutex.
+bool inside(const std::map<const char*, size_t>& allocations, const void* p, size_t bytes) {
   const char* c = static_cast<const char*>(p);
-  auto it = m.device.upper_bound(c);
-  if (it == m.device.begin()) return false;
+  auto it = allocations.upper_bound(c);
+  if (it == allocations.begin()) return false;
   --it;
   return c >= it->first && c + bytes <= it->first + it->second;
 }
+
+bool is_device(const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mem().mutex);
+  return inside(mem().device, p, bytes);
+}
+
+// An allocation's host block: whole 256-byte units, 256-byte aligned as cudaMalloc's.
+size_t block_bytes(size_t bytes) { return (std::max<size_t>(bytes, 1) + 255) / 256 * 256; }
 
 cudaError_t device_alloc(void** p, size_t bytes) {
   Memory& m = mem();
   std::lock_guard<std::mutex> lock(m.mutex);
   if (m.device_bytes + bytes > kDeviceBytes) return cudaErrorMemoryAllocation;
-  const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
-  char* q = static_cast<char*>(std::aligned_alloc(256, rounded));
+  char* q = static_cast<char*>(std::aligned_alloc(256, block_bytes(bytes)));
   if (!q) return cudaErrorMemoryAllocation;
-  std::memset(q, 0xA5, rounded);  // device memory starts as garbage, not zeros
+  std::memset(q, 0xA5, block_bytes(bytes));  // device memory starts as garbage, not zeros
   m.device[q] = bytes;
   m.device_bytes += bytes;
   *p = q;
@@ -122,9 +127,9 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->major = 9;
   prop->minor = 0;
   prop->totalGlobalMem = kDeviceBytes;
-  prop->multiProcessorCount = 132;
-  prop->sharedMemPerBlock = 48 << 10;
-  prop->sharedMemPerBlockOptin = 227 << 10;
+  prop->multiProcessorCount = kMultiprocessors;
+  prop->sharedMemPerBlock = kDefaultDynamicShared;
+  prop->sharedMemPerBlockOptin = kMaxDynamicShared;
   prop->maxThreadsPerBlock = 1024;
   prop->warpSize = 32;
   return cudaSuccess;
@@ -135,14 +140,15 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
     case cudaDevAttrMemoryPoolsSupported: *value = 1; break;
     case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
     case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
-    case cudaDevAttrMultiProcessorCount: *value = 132; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 << 10; break;
+    case cudaDevAttrMultiProcessorCount: *value = kMultiprocessors; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = kMaxDynamicShared; break;
     default: *value = 0; break;
   }
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
+  std::lock_guard<std::mutex> lock(mem().mutex);
   *total = kDeviceBytes;
   *free_bytes = kDeviceBytes - mem().device_bytes;
   return cudaSuccess;
@@ -179,7 +185,7 @@ cudaError_t cudaFree(void* p) { return record(device_free(p)); }
 cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) { return record(device_alloc(p, bytes)); }
 cudaError_t cudaFreeAsync(void* p, cudaStream_t) { return record(device_free(p)); }
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
-  *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+  *p = std::aligned_alloc(256, block_bytes(bytes));
   if (!*p) return record(cudaErrorMemoryAllocation);
   std::lock_guard<std::mutex> lock(mem().mutex);
   mem().pinned[static_cast<const char*>(*p)] = bytes;
@@ -217,9 +223,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* p)
     attr->devicePointer = const_cast<void*>(p);
   } else {
     std::lock_guard<std::mutex> lock(mem().mutex);
-    auto& pinned = mem().pinned;
-    auto it = pinned.upper_bound(static_cast<const char*>(p));
-    const bool is_pinned = it != pinned.begin() && static_cast<const char*>(p) < std::prev(it)->first + std::prev(it)->second;
+    const bool is_pinned = inside(mem().pinned, p, 1);
     attr->type = is_pinned ? cudaMemoryTypeHost : cudaMemoryTypeUnregistered;
     if (is_pinned) attr->hostPointer = const_cast<void*>(p);
   }

@@ -119,7 +119,7 @@ struct Scheduler {
   const std::function<void()>* body = nullptr;
   int current = -1;
   int threads = 0;
-  std::vector<int> warp_order, lane_order;  // this round's running orders
+  std::vector<int> block_order, warp_order, lane_order;  // this launch's and round's running orders
   uint64_t random_state = 0;
 };
 
@@ -366,9 +366,8 @@ void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void
     std::abort();
   }
   s.random_state = schedule().seed;
-  std::vector<int> block_order;
-  schedule_order(block_order, static_cast<int>(blocks), s.random_state);
-  for (int b : block_order) {
+  schedule_order(s.block_order, static_cast<int>(blocks), s.random_state);
+  for (int b : s.block_order) {
     const unsigned ub = static_cast<unsigned>(b);
     base.block_idx = {ub % grid.x, (ub / grid.x) % grid.y, ub / (grid.x * grid.y)};
     run_block(s, base);
