@@ -102,7 +102,8 @@ class Backend {
   // its backward is matmul(dx, dy, W, false, false) and matmul(dW, dy, x, true, false, true).
   virtual void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                       bool accumulate = false, const Tensor* bias = nullptr) = 0;
-  virtual void bias_backward(const Tensor& dbias, const Tensor& dout) = 0;  // dbias[N] += sum_rows dout
+  // dbias[N] = sum_rows dout, added to dbias when accumulate (a gradient's later contributions).
+  virtual void bias_backward(const Tensor& dbias, const Tensor& dout, bool accumulate) = 0;
 
   // ---- embedding ----
   // out[n,:] = tok_embed[tokens[n] - vocab_start, :] when that row is local (vocab-parallel
@@ -118,15 +119,19 @@ class Backend {
   // LayerNorm: out = (x - mean) * rstd * weight + bias, rstd = 1/sqrt(var + eps) (biased var).
   virtual void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in,
                                  const Tensor& weight, const Tensor& bias, float eps) = 0;
-  // din is written, or added to when accumulate_din (the residual stream's gradient).
+  // din is written, or added to when accumulate_din (the residual stream's gradient). The
+  // parameter gradients dweight = sum_rows dout * xhat and dbias = sum_rows dout are written, or
+  // added to when accumulate_dparams.
   virtual void layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias,
                                   const Tensor& dout, const Tensor& in, const Tensor& weight,
-                                  const Tensor& mean, const Tensor& rstd, bool accumulate_din) = 0;
+                                  const Tensor& mean, const Tensor& rstd, bool accumulate_din,
+                                  bool accumulate_dparams) = 0;
   // RMSNorm: out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
   virtual void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
                                float eps) = 0;
   virtual void rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
-                                const Tensor& weight, const Tensor& rstd, bool accumulate_din) = 0;
+                                const Tensor& weight, const Tensor& rstd, bool accumulate_din,
+                                bool accumulate_dparams) = 0;
 
   // ---- activations ----
   // GELU, tanh approximation (GPT-2's "gelu_new"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).

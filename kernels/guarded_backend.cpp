@@ -106,7 +106,9 @@ class GuardedBackend final : public Backend {
               const Tensor* bias) override {
     KEEL_GUARDED(matmul(out, a, b, trans_a, trans_b, accumulate, bias));
   }
-  void bias_backward(const Tensor& dbias, const Tensor& dout) override { KEEL_GUARDED(bias_backward(dbias, dout)); }
+  void bias_backward(const Tensor& dbias, const Tensor& dout, bool accumulate) override {
+    KEEL_GUARDED(bias_backward(dbias, dout, accumulate));
+  }
   void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed, const Tensor& pos_embed,
                          int T, int64_t vocab_start, const Tensor& positions) override {
     KEEL_GUARDED(embedding_forward(out, tokens, tok_embed, pos_embed, T, vocab_start, positions));
@@ -121,16 +123,18 @@ class GuardedBackend final : public Backend {
   }
   void layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                           const Tensor& in, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                          bool accumulate_din) override {
-    KEEL_GUARDED(layernorm_backward(din, dweight, dbias, dout, in, weight, mean, rstd, accumulate_din));
+                          bool accumulate_din, bool accumulate_dparams) override {
+    KEEL_GUARDED(
+        layernorm_backward(din, dweight, dbias, dout, in, weight, mean, rstd, accumulate_din, accumulate_dparams));
   }
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
                        float eps) override {
     KEEL_GUARDED(rmsnorm_forward(out, rstd, in, weight, eps));
   }
   void rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
-                        const Tensor& weight, const Tensor& rstd, bool accumulate_din) override {
-    KEEL_GUARDED(rmsnorm_backward(din, dweight, dout, in, weight, rstd, accumulate_din));
+                        const Tensor& weight, const Tensor& rstd, bool accumulate_din,
+                        bool accumulate_dparams) override {
+    KEEL_GUARDED(rmsnorm_backward(din, dweight, dout, in, weight, rstd, accumulate_din, accumulate_dparams));
   }
   void gelu_forward(const Tensor& out, const Tensor& in) override { KEEL_GUARDED(gelu_forward(out, in)); }
   void gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override {

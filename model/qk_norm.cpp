@@ -18,13 +18,13 @@ void qk_norm_forward(Backend& be, const Tensor& qkv, const AttnShape& s, const T
 }
 
 void qk_norm_backward(Backend& be, const Tensor& dqkv, const AttnShape& s, const Tensor& q_w, const Tensor& k_w,
-                      const Tensor& dq_w, const Tensor& dk_w, const QkNormBuffers& b) {
+                      const Tensor& dq_w, const Tensor& dk_w, const QkNormBuffers& b, bool accumulate) {
   const int64_t nq = q_rows(s), n = all_rows(s);
   be.qk_heads_copy(b.scratch, dqkv, s, true);
   be.rmsnorm_backward(b.dscratch.row_slice(0, nq), dq_w, b.scratch.row_slice(0, nq), b.in.row_slice(0, nq), q_w,
-                      b.rstd.elements(0, nq), false);
+                      b.rstd.elements(0, nq), false, accumulate);
   be.rmsnorm_backward(b.dscratch.row_slice(nq, n), dk_w, b.scratch.row_slice(nq, n), b.in.row_slice(nq, n), k_w,
-                      b.rstd.elements(nq, n), false);
+                      b.rstd.elements(nq, n), false, accumulate);
   be.qk_heads_copy(b.dscratch, dqkv, s, false);
 }
 

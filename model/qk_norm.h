@@ -23,8 +23,9 @@ struct QkNormBuffers {
 // In place on qkv's q and k heads.
 void qk_norm_forward(Backend& be, const Tensor& qkv, const AttnShape& s, const Tensor& q_w, const Tensor& k_w,
                      float eps, const QkNormBuffers& b);
-// In place on dqkv's q and k heads (d normalised -> d input); dq_w, dk_w accumulate.
+// In place on dqkv's q and k heads (d normalised -> d input); dq_w, dk_w are written, or added
+// to when accumulate.
 void qk_norm_backward(Backend& be, const Tensor& dqkv, const AttnShape& s, const Tensor& q_w, const Tensor& k_w,
-                      const Tensor& dq_w, const Tensor& dk_w, const QkNormBuffers& b);
+                      const Tensor& dq_w, const Tensor& dk_w, const QkNormBuffers& b, bool accumulate);
 
 }  // namespace keel

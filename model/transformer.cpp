@@ -195,7 +195,7 @@ Tensor Transformer::alloc(DType t, std::initializer_list<int64_t> dims) {
   return x;
 }
 
-void Transformer::bind(const Tensor& weights, const Tensor& grads) {
+void Transformer::bind(const Tensor& weights, const Tensor& grads, GradWrites* writes) {
   const bool forward_only = grads.empty();
   if (weights.numel() < table_.local_numel() || (!forward_only && grads.numel() < table_.local_numel()))
     throw std::invalid_argument("Transformer::bind: flat buffers have " + std::to_string(weights.numel()) + " / " +
@@ -206,6 +206,13 @@ void Transformer::bind(const Tensor& weights, const Tensor& grads) {
   grads_ = grads;
   w_ = resolve(weights_);
   g_ = forward_only ? Params{} : resolve(grads_);
+  writes_ = forward_only ? nullptr : writes;
+}
+
+bool Transformer::must_add(std::initializer_list<Tensor> grads) { return !writes_ || writes_->must_add(grads); }
+
+void Transformer::weight_grad(const Tensor& dw, const Tensor& dout, const Tensor& in) {
+  be_.matmul(dw, dout, in, true, false, must_add({dw}));
 }
 
 Transformer::Params Transformer::resolve(const Tensor& flat) const {
@@ -315,13 +322,16 @@ void Transformer::sum_tp_partial_grads() {
     for (const Tensor* t : {&g_.embed_norm_w, &g_.embed_norm_b, &g_.final_norm_w, &g_.final_norm_b}) sum(*t);
 }
 
-// din += d(norm)/d(in) applied to dout (din is the residual gradient, so it accumulates).
+// din += d(norm)/d(in) applied to dout (din is the residual gradient, so it accumulates),
+// or din = it.
 void Transformer::norm_backward(const Tensor& din, const Tensor& dout, const Tensor& in, const Tensor& mean,
-                                const Tensor& rstd, const Tensor& w, const Tensor& dw, const Tensor& db) {
+                                const Tensor& rstd, const Tensor& w, const Tensor& dw, const Tensor& db,
+                                bool accumulate_din) {
+  const bool add = must_add({dw, db});
   if (cfg_.is_gpt2())
-    be_.layernorm_backward(din, dw, db, dout, in, w, mean, rstd, true);
+    be_.layernorm_backward(din, dw, db, dout, in, w, mean, rstd, accumulate_din, add);
   else
-    be_.rmsnorm_backward(din, dw, dout, in, w, rstd, true);
+    be_.rmsnorm_backward(din, dw, dout, in, w, rstd, accumulate_din, add);
 }
 
 // Vocab-parallel cross-entropy: each TP rank holds the logits of its vocab slice. The row max
@@ -350,7 +360,7 @@ void Transformer::head_backward(Slot& s, const Tensor& logits, const Tensor& x, 
   const Tensor& dlogits = logits;
   probe(true, -1, "d logits (loss gradient x loss scale)", dlogits);
   be_.matmul(dnorm, dlogits, w_.head, false, false);
-  be_.matmul(g_.head, dlogits, x.row_slice(r0, r1), true, false, true);
+  weight_grad(g_.head, dlogits, x.row_slice(r0, r1));
 }
 
 void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const AttnShape& shape, int layer,
@@ -498,8 +508,8 @@ void Transformer::backward(int slot_index, float dloss) {
     }
     const Tensor& dnormf = reduce_rows(dnorm_partial);  // each rank saw only its vocab slice
     probe(true, -1, "d final_norm output (head backward)", dnormf);
-    be_.fill(dres_, 0.0f);
-    norm_backward(dres_, dnormf, s.res_final, s.meanf, s.rstdf, w_.final_norm_w, g_.final_norm_w, g_.final_norm_b);
+    norm_backward(dres_, dnormf, s.res_final, s.meanf, s.rstdf, w_.final_norm_w, g_.final_norm_w, g_.final_norm_b,
+                  false);
     probe(true, -1, "d final_norm input", dres_);
   }
   // else: the caller has put d(loss)/d(stage output) into dres_ (grad_output()).
@@ -523,9 +533,9 @@ void Transformer::backward(int slot_index, float dloss) {
 
     // MLP block (under SP, dres_all is the gathered rows until norm2 is gathered)
     const Tensor& dres_all = gather_rows(dres_);
-    be_.matmul(g.w_out, dres_all, a.act, true, false, true);
+    weight_grad(g.w_out, dres_all, a.act);
     if (gpt2) {
-      be_.bias_backward(g.b_out, dres_all);
+      be_.bias_backward(g.b_out, dres_all, must_add({g.b_out}));
       // d fc = gelu'(fc) * (dres W_out): the output projection's input gradient through the GELU
       be_.matmul_gelu_backward(dfc_, dres_all, w.w_out, false, false, a.fc);
       probe(true, layer, "d mlp input projection (output projection and gelu backward)", dfc_);
@@ -536,8 +546,8 @@ void Transformer::backward(int slot_index, float dloss) {
       probe(true, layer, "d gate/up projection (swiglu backward)", dfc_);
     }
     be_.matmul(dnorm_, dfc_, w.w_in, false, false);
-    be_.matmul(g.w_in, dfc_, gather_rows(a.norm2), true, false, true);
-    if (gpt2) be_.bias_backward(g.b_in, dfc_);
+    weight_grad(g.w_in, dfc_, gather_rows(a.norm2));
+    if (gpt2) be_.bias_backward(g.b_in, dfc_, must_add({g.b_in}));
     const Tensor& dnorm2 = reduce_rows(dnorm_);  // column-parallel input gradient: partial over TP
     probe(true, layer, "d mlp_norm output (mlp input projection backward)", dnorm2);
     norm_backward(dres_, dnorm2, a.res_mid, a.mean2, a.rstd2, w.mlp_norm_w, g.mlp_norm_w, g.mlp_norm_b);
@@ -546,8 +556,8 @@ void Transformer::backward(int slot_index, float dloss) {
     // attention block
     const Tensor& dmid_all = gather_rows(dres_);
     be_.matmul(dattn_, dmid_all, w.wo, false, false);
-    be_.matmul(g.wo, dmid_all, a.attn, true, false, true);
-    if (gpt2) be_.bias_backward(g.bo, dmid_all);
+    weight_grad(g.wo, dmid_all, a.attn);
+    if (gpt2) be_.bias_backward(g.bo, dmid_all, must_add({g.bo}));
     probe(true, layer, "d attention output (output projection backward)", dattn_);
     be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, s.attn);
     probe(true, layer, "d qkv (attention backward)", dqkv_);
@@ -557,12 +567,12 @@ void Transformer::backward(int slot_index, float dloss) {
     }
     if (cfg_.qk_norm) {
       qk_norm_backward(be_, dqkv_, s.attn, w.q_norm_w, w.k_norm_w, g.q_norm_w, g.k_norm_w,
-                       {a.qk_in, a.qk_rstd, qk_scratch_, dqk_scratch_});
+                       {a.qk_in, a.qk_rstd, qk_scratch_, dqk_scratch_}, must_add({g.q_norm_w, g.k_norm_w}));
       probe(true, layer, "d qkv (q/k norms backward)", dqkv_);
     }
     be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);
-    be_.matmul(g.wqkv, dqkv_, gather_rows(a.norm1), true, false, true);
-    if (cfg_.has_qkv_bias()) be_.bias_backward(g.bqkv, dqkv_);
+    weight_grad(g.wqkv, dqkv_, gather_rows(a.norm1));
+    if (cfg_.has_qkv_bias()) be_.bias_backward(g.bqkv, dqkv_, must_add({g.bqkv}));
     const Tensor& dnorm1 = reduce_rows(dnorm_);
     probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm1);
     norm_backward(dres_, dnorm1, a.res_in, a.mean1, a.rstd1, w.attn_norm_w, g.attn_norm_w, g.attn_norm_b);
@@ -573,15 +583,17 @@ void Transformer::backward(int slot_index, float dloss) {
     const ProfileRange range("embedding backward");
     Tensor dembed = dres_;
     if (cfg_.embedding_norm) {
-      // dnorm_ is free once the layers are done; norm_backward accumulates, hence the fill.
-      dembed = dnorm_.row_slice(0, rows_);
-      be_.fill(dembed, 0.0f);
+      dembed = dnorm_.row_slice(0, rows_);  // free once the layers are done
       norm_backward(dembed, dres_, s.embed, s.embed_mean, s.embed_rstd, w_.embed_norm_w, g_.embed_norm_w,
-                    g_.embed_norm_b);
+                    g_.embed_norm_b, false);
       probe(true, -1, "d embedding (embed_norm backward)", dembed);
     }
     // Every TP rank accumulates the rows of its vocab slice, and the (replicated) position
     // gradient in full, so all replicas of pos_embed see the same gradient.
+    if (writes_) {  // a scatter-add: rows no token hit keep their value
+      writes_->prepare_to_add(g_.tok_embed);
+      writes_->prepare_to_add(g_.pos_embed);
+    }
     be_.embedding_backward(g_.tok_embed, g_.pos_embed, gather_rows(dembed), s.tokens, T_, vocab_start_,
                            s.attn.positions);
   }

@@ -48,10 +48,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "model/grad_writes.h"
 #include "model/param_table.h"
 
 namespace keel {
@@ -86,8 +88,11 @@ class Transformer {
 
   // Flat buffers laid out by the ParamTable: working weights (any float dtype) and fp32 grads.
   // They may be longer than the table (padding); only the table's range is used. Empty grads:
-  // forward only (evaluation), and backward throws.
-  void bind(const Tensor& weights, const Tensor& grads);
+  // forward only (evaluation), and backward throws. writes (optional, over the same grads): the
+  // step's record of written gradients, so that the first contribution to a gradient stores
+  // it and later ones add (model/grad_writes.h); without it every contribution adds, and the
+  // caller zero-fills the gradients before a step.
+  void bind(const Tensor& weights, const Tensor& grads, GradWrites* writes = nullptr);
 
   struct LossSum {
     double loss_sum = 0;  // sum of per-token losses over the valid (target >= 0) rows
@@ -206,8 +211,14 @@ class Transformer {
   Tensor view(const Tensor& flat, const std::string& name) const;
   void norm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& in, const Tensor& w,
                     const Tensor& b);
+  // din is added to (the residual stream's gradient) unless accumulate_din is false.
   void norm_backward(const Tensor& din, const Tensor& dout, const Tensor& in, const Tensor& mean, const Tensor& rstd,
-                     const Tensor& w, const Tensor& dw, const Tensor& db);
+                     const Tensor& w, const Tensor& dw, const Tensor& db, bool accumulate_din = true);
+  // Must an op producing these gradients add to them, or may it store (the step's first
+  // contribution)? See model/grad_writes.h; without a GradWrites, always add.
+  bool must_add(std::initializer_list<Tensor> grads);
+  // A weight gradient dW (+)= op(a)^T b, stored by the step's first contribution.
+  void weight_grad(const Tensor& dw, const Tensor& dout, const Tensor& in);
   void tp_sum(const Tensor& t);  // all-reduce over the TP group (no-op without TP)
   // Sequence parallelism's two moves (identities without it): the full [N, d] of this rank's
   // rows (all-gathered into gathered_), and the rows of a [N, d] partial sum over TP that this
@@ -256,6 +267,7 @@ class Transformer {
   AttnShape attn_shape_;  // without positions (each slot has its own copy); ALiBi's slopes of the local heads
   Tensor weights_, grads_;
   Params w_, g_;  // views of weights_ and grads_
+  GradWrites* writes_ = nullptr;
   std::vector<void*> allocations_;
   std::vector<Slot> slots_;
   LayerActs scratch_;  // intermediates of the recomputed layers (res_in left empty)

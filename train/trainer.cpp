@@ -68,6 +68,7 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
   if (grid_.tp_size() != cfg.parallel.tp || grid_.pp_size() != cfg.parallel.pp || grid_.dp_size() != cfg.parallel.dp)
     throw std::invalid_argument("Trainer: the grid (" + grid_.layout() + ") does not match parallel.tp/pp/dp of the config");
   state_ = std::make_unique<ParamState>(table_, be_, cfg.precision.mode, grid_.dp_size(), grid_.dp_rank(), !forward_only);
+  if (!forward_only) grad_writes_ = std::make_unique<GradWrites>(be_, state_->grads);
   const int n_chunks = table_.num_chunks();
   std::vector<int> slots(static_cast<size_t>(n_chunks), 1), grad_slots(static_cast<size_t>(n_chunks), 0);
   if (n_chunks == 1) {
@@ -101,7 +102,7 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
         grid_.tp_size() > 1 ? comms_->tp.get() : nullptr, recompute_left, cfg.parallel.sequence_parallel,
         cfg.train.logits_chunk_rows, cfg.takes_document_positions(), c > 0 ? chunks_.front().get() : nullptr));
     recompute_left = std::max(0, recompute_left - (sh.end_layer - sh.first_layer));
-    chunks_.back()->bind(state_->working, state_->grads);
+    chunks_.back()->bind(state_->working, state_->grads, grad_writes_.get());
     std::vector<Tensor> pool;
     for (int i = 0; i < grad_slots[static_cast<size_t>(c)]; ++i) {
       Tensor t = chunks_.back()->grad_output();
@@ -333,8 +334,9 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
 
   // The step's loss is the mean over every valid target token of the global batch, so each
   // token's loss enters the gradient with weight 1/valid_tokens (times the fp16 loss scale),
-  // and the DP reduction of the gradients is a plain sum.
-  be_.fill(state_->grads, 0.0f);
+  // and the DP reduction of the gradients is a plain sum. Each gradient's first contribution
+  // stores it; what none wrote is zero-filled after the pipeline (no fill of the whole buffer).
+  grad_writes_->begin_step();
   const float dloss = st.valid_tokens > 0 ? st.loss_scale / static_cast<float>(st.valid_tokens) : 0.0f;
   // Per-layer headroom: max |layer output| in forward, max |layer input gradient| in backward.
   std::vector<float> act_max, grad_max;
@@ -353,6 +355,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   }
   slow_rank_fault(static_cast<int>(micro_batches.size()));
   double loss_sum = run_pipeline(micro_batches, dloss, true);
+  grad_writes_->finish_step();
   if (collect_stats) {
     set_probe(nullptr);
     st.act_max = parallel::max_over_ranks(*comms_->world, be_, act_max);

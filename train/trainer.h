@@ -7,6 +7,8 @@
 //   1. forward/backward of this rank's DP micro-batches through the pipeline, 1F1B order
 //      (interleaved over the rank's model chunks with parallel.virtual_stages > 1),
 //      activations and their gradients passed between stages (send/recv on the PP group);
+//      each parameter gradient's first contribution stores it, later ones add, and what no op
+//      wrote is zero-filled after (model/grad_writes.h: no fill of the whole buffer);
 //   2. the tied embedding's gradient summed over its two copies (first and last stage);
 //   3. gradients reduce-scattered over DP: each rank owns one shard of masters and moments;
 //   4. the global gradient norm over all ranks (each parameter counted once), non-finite check;
@@ -175,6 +177,7 @@ class Trainer {
   parallel::CommGroups* comms_;       // &timed_comms_: what every step uses
   ParamTable table_;
   std::unique_ptr<ParamState> state_;
+  std::unique_ptr<GradWrites> grad_writes_;  // over state_->grads (training only)
   // This rank's model chunks (one without virtual_stages); chunks after the first share its
   // backward scratch.
   std::vector<std::unique_ptr<Transformer>> chunks_;

@@ -30,7 +30,7 @@ class CpuBackend final : public Backend {
 
   void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
               bool accumulate = false, const Tensor* bias = nullptr) override;
-  void bias_backward(const Tensor& dbias, const Tensor& dout) override;
+  void bias_backward(const Tensor& dbias, const Tensor& dout, bool accumulate) override;
 
   void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed, const Tensor& pos_embed,
                          int T, int64_t vocab_start, const Tensor& positions) override;
@@ -41,11 +41,12 @@ class CpuBackend final : public Backend {
                          const Tensor& weight, const Tensor& bias, float eps) override;
   void layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                           const Tensor& in, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                          bool accumulate_din) override;
+                          bool accumulate_din, bool accumulate_dparams) override;
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
                        float eps) override;
   void rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
-                        const Tensor& weight, const Tensor& rstd, bool accumulate_din) override;
+                        const Tensor& weight, const Tensor& rstd, bool accumulate_din,
+                        bool accumulate_dparams) override;
 
   void gelu_forward(const Tensor& out, const Tensor& in) override;
   void gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override;

@@ -141,13 +141,14 @@ void for_chunks(int64_t n, int64_t chunk, Fn&& fn) {
   }
 }
 
-// dst[c] += sum over b in order of partial[b][c] (partial is [nblocks, n]); parallel over c.
-inline void add_block_partials(float* dst, const float* partial, int64_t nblocks, int64_t n) {
+// dst[c] = s, or dst[c] += s when accumulating, where s = the sum over b in order of partial[b][c]
+// (partial is [nblocks, n]); parallel over c.
+inline void add_block_partials(float* dst, const float* partial, int64_t nblocks, int64_t n, bool accumulate) {
 #pragma omp parallel for schedule(static) if (nblocks * n >= kMinParallelWork)
   for (int64_t c = 0; c < n; ++c) {
     float s = 0;
     for (int64_t b = 0; b < nblocks; ++b) s += partial[b * n + c];
-    dst[c] += s;
+    dst[c] = accumulate ? dst[c] + s : s;
   }
 }
 

@@ -180,7 +180,7 @@ void CpuBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, boo
 }
 
 // dbias[c] += sum over rows of dout[., c]: per block of kRowBlock rows in order, then blocks in order.
-void CpuBackend::bias_backward(const Tensor& dbias, const Tensor& dout) {
+void CpuBackend::bias_backward(const Tensor& dbias, const Tensor& dout, bool accumulate) {
   const char* op = "bias_backward";
   cpu::check_dtype(op, {"dbias", dbias}, DType::F32);
   cpu::check_float(op, {"dout", dout});
@@ -200,7 +200,7 @@ void CpuBackend::bias_backward(const Tensor& dbias, const Tensor& dout) {
       }
     }
   }
-  cpu::add_block_partials(dbias.as<float>(), partial.data(), nblocks, N);
+  cpu::add_block_partials(dbias.as<float>(), partial.data(), nblocks, N, accumulate);
 }
 
 }  // namespace keel

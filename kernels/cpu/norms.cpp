@@ -83,7 +83,7 @@ void CpuBackend::layernorm_forward(const Tensor& out, const Tensor& mean, const 
 
 void CpuBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias,
                                     const Tensor& dout, const Tensor& in, const Tensor& weight, const Tensor& mean,
-                                    const Tensor& rstd, bool accumulate_din) {
+                                    const Tensor& rstd, bool accumulate_din, bool accumulate_dparams) {
   const char* op = "layernorm_backward";
   cpu::check_float(op, {"weight", weight});
   cpu::check_dtype(op, {"dweight", dweight}, DType::F32);
@@ -123,8 +123,8 @@ void CpuBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, co
       }
     }
   }
-  cpu::add_block_partials(dweight.as<float>(), dw_part.data(), nblocks, C);
-  if (!dbias.empty()) cpu::add_block_partials(dbias.as<float>(), db_part.data(), nblocks, C);
+  cpu::add_block_partials(dweight.as<float>(), dw_part.data(), nblocks, C, accumulate_dparams);
+  if (!dbias.empty()) cpu::add_block_partials(dbias.as<float>(), db_part.data(), nblocks, C, accumulate_dparams);
 }
 
 void CpuBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
@@ -149,7 +149,8 @@ void CpuBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Te
 }
 
 void CpuBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
-                                  const Tensor& weight, const Tensor& rstd, bool accumulate_din) {
+                                  const Tensor& weight, const Tensor& rstd, bool accumulate_din,
+                                  bool accumulate_dparams) {
   const char* op = "rmsnorm_backward";
   cpu::check_float(op, {"weight", weight});
   cpu::check_dtype(op, {"dweight", dweight}, DType::F32);
@@ -185,7 +186,7 @@ void CpuBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, cons
       }
     }
   }
-  cpu::add_block_partials(dweight.as<float>(), dw_part.data(), nblocks, C);
+  cpu::add_block_partials(dweight.as<float>(), dw_part.data(), nblocks, C, accumulate_dparams);
 }
 
 }  // namespace keel

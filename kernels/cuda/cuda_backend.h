@@ -74,7 +74,7 @@ class CudaBackend final : public Backend {
                    const Tensor* bias = nullptr) override;  // matmul.cu
   void matmul_gelu_backward(const Tensor& din, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                             const Tensor& pre) override;
-  void bias_backward(const Tensor& dbias, const Tensor& dout) override;          // norms.cu
+  void bias_backward(const Tensor& dbias, const Tensor& dout, bool accumulate) override;          // norms.cu
 
   void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed, const Tensor& pos_embed,
                          int T, int64_t vocab_start, const Tensor& positions) override;  // embedding.cu
@@ -85,11 +85,12 @@ class CudaBackend final : public Backend {
                          const Tensor& weight, const Tensor& bias, float eps) override;  // norms.cu
   void layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                           const Tensor& in, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                          bool accumulate_din) override;
+                          bool accumulate_din, bool accumulate_dparams) override;
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& in, const Tensor& weight,
                        float eps) override;
   void rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
-                        const Tensor& weight, const Tensor& rstd, bool accumulate_din) override;
+                        const Tensor& weight, const Tensor& rstd, bool accumulate_din,
+                        bool accumulate_dparams) override;
 
   void gelu_forward(const Tensor& out, const Tensor& in) override;  // activations.cu
   void gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override;

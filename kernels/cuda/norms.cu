@@ -10,13 +10,14 @@
 //   LayerNorm: dx = rstd * (g - mean(g) - xhat*mean(g*xhat))
 //   RMSNorm:   dx = rstd * (g - xhat*mean(g*xhat))
 //   (dx is added to din when accumulating: the residual stream's gradient)
-// Parameter gradients dw += sum_rows dy*xhat, db += sum_rows dy (and bias_backward's
-// dbias += sum_rows dout) are column sums over all rows, done without atomics in two passes:
+// Parameter gradients dw = sum_rows dy*xhat, db = sum_rows dy (and bias_backward's
+// dbias = sum_rows dout), each stored or added to the gradient, are column sums over all rows,
+// done without atomics in two passes:
 //   1. column_partials: block (column group of 32, row blocks of kRowBlock rows); thread (c, ty)
 //      sums rows ty, ty+8, ... of its row block in order; the 8 partials of a column are added
 //      in ty order -> partial[row block][c];
-//   2. column_finish: dst[c] += the sum over row blocks of partial[rb][c], in 16 interleaved
-//      strands (rb = ty mod 16, each in order) added in strand order.
+//   2. column_finish: dst[c] = (or +=) the sum over row blocks of partial[rb][c], in 16
+//      interleaved strands (rb = ty mod 16, each in order) added in strand order.
 // Both orders depend on the shapes only.
 #include <cmath>
 
@@ -205,14 +206,16 @@ __global__ void __launch_bounds__(kColGroup * kRowLanes)
   }
 }
 
-// Pass 2: dst[c] += the sum of partial[rb][c] over the row blocks. Block (column group of 32,
-// kFinishLanes lanes along the row blocks): thread (c, ty) sums rb = ty, ty + kFinishLanes, ...
-// in order (coalesced across c), and the kFinishLanes sums of a column are added in ty order.
+// Pass 2: dst[c] = the sum of partial[rb][c] over the row blocks (+= when accumulating).
+// Block (column group of 32, kFinishLanes lanes along the row blocks): thread (c, ty) sums
+// rb = ty, ty + kFinishLanes, ... in order (coalesced across c), and the kFinishLanes sums of a
+// column are added in ty order.
 // The order depends on the shapes only. (One thread per column summing all row blocks serially
 // took tens of microseconds per call: 512 dependent L2 loads at GPT-2's 32K rows.)
 constexpr int kFinishLanes = 16;
 __global__ void __launch_bounds__(kColGroup * kFinishLanes)
-    column_finish_kernel(float* __restrict__ dst, const float* __restrict__ partial, int64_t blocks, int64_t C) {
+    column_finish_kernel(float* __restrict__ dst, const float* __restrict__ partial, int64_t blocks, int64_t C,
+                         bool accumulate) {
   __shared__ float part[kFinishLanes][kColGroup];
   const int tx = threadIdx.x % kColGroup, ty = threadIdx.x / kColGroup;
   const int64_t c = blockIdx.x * static_cast<int64_t>(kColGroup) + tx;
@@ -227,14 +230,14 @@ __global__ void __launch_bounds__(kColGroup * kFinishLanes)
     float total = part[0][tx];
 #pragma unroll
     for (int k = 1; k < kFinishLanes; ++k) total += part[k][tx];
-    dst[c] += total;
+    dst[c] = accumulate ? dst[c] + total : total;
   }
 }
 
 // Runs both passes for one kind of column sum into dw (and db for LayerNorm).
 template <class T, ColMode kMode>
 void column_sums(CudaBackend& be, const char* op, const T* dy, const T* x, const float* mean, const float* rstd,
-                 int64_t N, int64_t C, float* dw, float* db) {
+                 int64_t N, int64_t C, float* dw, float* db, bool accumulate) {
   if (N == 0 || C == 0) return;
   const int64_t blocks = ceil_div(N, kRowBlock);
   const int nbuf = kMode == ColMode::LayerNorm ? 2 : 1;
@@ -244,8 +247,9 @@ void column_sums(CudaBackend& be, const char* op, const T* dy, const T* x, const
   column_partials_kernel<T, kMode><<<grid, kColGroup * kRowLanes, 0, be.stream()>>>(dy, x, mean, rstd, N, C, partial,
                                                                                      partial_b);
   const unsigned fin = static_cast<unsigned>(ceil_div(C, kColGroup));
-  column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(dw, partial, blocks, C);
-  if (db) column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(db, partial_b, blocks, C);
+  column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(dw, partial, blocks, C, accumulate);
+  if (db)
+    column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(db, partial_b, blocks, C, accumulate);
   be.release(partial);
 }
 
@@ -306,7 +310,7 @@ void CudaBackend::layernorm_forward(const Tensor& out, const Tensor& mean, const
 
 void CudaBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                                      const Tensor& in, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                                     bool accumulate_din) {
+                                     bool accumulate_din, bool accumulate_dparams) {
   const char* op = "layernorm_backward";
   cuda::check_float(op, {"weight", weight});
   cuda::check_dtype(op, {"dweight", dweight}, DType::F32);
@@ -323,7 +327,8 @@ void CudaBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, c
     // Parameter gradients first: they read dout, which may be din itself (written below).
     cuda::column_sums<T, cuda::ColMode::LayerNorm>(*this, op, u[1].as<const T>(), u[2].as<const T>(),
                                                    mean.as<const float>(), rstd.as<const float>(), N, C,
-                                                   dweight.as<float>(), dbias.empty() ? nullptr : dbias.as<float>());
+                                                   dweight.as<float>(), dbias.empty() ? nullptr : dbias.as<float>(),
+                                                   accumulate_dparams);
     const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
     cuda::with_pack_width<T>(packed, [&](auto v) {
       cuda::norm_backward_dx_kernel<T, true, decltype(v)::value>
@@ -357,7 +362,8 @@ void CudaBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const T
 }
 
 void CudaBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, const Tensor& dout, const Tensor& in,
-                                   const Tensor& weight, const Tensor& rstd, bool accumulate_din) {
+                                   const Tensor& weight, const Tensor& rstd, bool accumulate_din,
+                                   bool accumulate_dparams) {
   const char* op = "rmsnorm_backward";
   cuda::check_float(op, {"weight", weight});
   cuda::check_dtype(op, {"dweight", dweight}, DType::F32);
@@ -371,7 +377,8 @@ void CudaBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, con
                     {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
     cuda::column_sums<T, cuda::ColMode::RmsNorm>(*this, op, u[1].as<const T>(), u[2].as<const T>(), nullptr,
-                                                 rstd.as<const float>(), N, C, dweight.as<float>(), nullptr);
+                                                 rstd.as<const float>(), N, C, dweight.as<float>(), nullptr,
+                                                 accumulate_dparams);
     const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
     cuda::with_pack_width<T>(packed, [&](auto v) {
       cuda::norm_backward_dx_kernel<T, false, decltype(v)::value>
@@ -384,7 +391,7 @@ void CudaBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, con
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
 }
 
-void CudaBackend::bias_backward(const Tensor& dbias, const Tensor& dout) {
+void CudaBackend::bias_backward(const Tensor& dbias, const Tensor& dout, bool accumulate) {
   const char* op = "bias_backward";
   cuda::check_dtype(op, {"dbias", dbias}, DType::F32);
   cuda::check_float(op, {"dout", dout});
@@ -392,7 +399,7 @@ void CudaBackend::bias_backward(const Tensor& dbias, const Tensor& dout) {
   if (dbias.numel() != C) cuda::fail(op, "dbias must have dout.cols() elements", {{"dbias", dbias}, {"dout", dout}});
   KEEL_DISPATCH_FLOAT(dout.dtype, op, T, {
     cuda::column_sums<T, cuda::ColMode::Sum>(*this, op, dout.as<const T>(), nullptr, nullptr, nullptr, N, C,
-                                             dbias.as<float>(), nullptr);
+                                             dbias.as<float>(), nullptr, accumulate);
   });
   cuda::check_launch(*this, op, {{"dbias", dbias}, {"dout", dout}});
 }

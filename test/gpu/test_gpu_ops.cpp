@@ -254,20 +254,23 @@ TEST_CASE("gpu: bias_backward sums rows like the CPU", "[gpu][matmul]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
   for (DType dt : kFloatTypes)
-    for (int64_t rows : {1, 63, 64, 1000, 4099}) {
-      INFO(dname(dt) << " rows " << rows);
-      const int64_t C = 300;
-      HostTensor dout = rand_tensor(dt, {rows, C}, 5), db = rand_tensor(DType::F32, {C}, 6);
-      HostTensor ref = clone(db);
-      cpu().bias_backward(ref.t, dout.t);
-      DeviceTensor dd = DeviceTensor::of(be, dout), ddb = DeviceTensor::of(be, db);
-      be.bias_backward(ddb.t, dd.t);
-      HostTensor got = ddb.host();
-      KEEL_CHECK_ERR("bias_backward", std::string(dname(dt)) + "->f32", rel_err(got, ref), 1e-5);
-      ddb.upload(db);
-      be.bias_backward(ddb.t, dd.t);
-      CHECK(bits_differ(ddb.host(), got) == 0);
-    }
+    for (int64_t rows : {1, 63, 64, 1000, 4099})
+      for (bool acc : {true, false}) {
+        INFO(dname(dt) << " rows " << rows << " accumulate " << acc);
+        const int64_t C = 300;
+        // Written (not accumulating) over NaN: an element left unwritten shows.
+        HostTensor dout = rand_tensor(dt, {rows, C}, 5);
+        HostTensor db = acc ? rand_tensor(DType::F32, {C}, 6) : nan_tensor(DType::F32, {C});
+        HostTensor ref = clone(db);
+        cpu().bias_backward(ref.t, dout.t, acc);
+        DeviceTensor dd = DeviceTensor::of(be, dout), ddb = DeviceTensor::of(be, db);
+        be.bias_backward(ddb.t, dd.t, acc);
+        HostTensor got = ddb.host();
+        KEEL_CHECK_ERR("bias_backward", std::string(dname(dt)) + "->f32", rel_err(got, ref), 1e-5);
+        ddb.upload(db);
+        be.bias_backward(ddb.t, dd.t, acc);
+        CHECK(bits_differ(ddb.host(), got) == 0);
+      }
 }
 
 // matmul_gelu / matmul_gelu_backward. Where cuBLASLt's GELU epilogues run (N % 8 == 0, pre
@@ -383,13 +386,15 @@ TEST_CASE("gpu: layernorm and rmsnorm forward and backward match the CPU", "[gpu
         KEEL_CHECK_ERR("layernorm_forward rstd", dname(dt), rel_err(drstd.host(), rstd), 1e-6);
         // LayerNorm backward (from the CPU's stats, so that only the backward is compared)
         HostTensor din0 = acc ? rand_tensor(dt, {N, C}, 7) : nan_tensor(dt, {N, C});
-        HostTensor gw0 = rand_tensor(DType::F32, {C}, 8), gb0 = rand_tensor(DType::F32, {C}, 9);
+        // Not accumulating, the gradients are written: NaN where they start shows an unwritten one.
+        HostTensor gw0 = acc ? rand_tensor(DType::F32, {C}, 8) : nan_tensor(DType::F32, {C});
+        HostTensor gb0 = acc ? rand_tensor(DType::F32, {C}, 9) : nan_tensor(DType::F32, {C});
         HostTensor din = clone(din0), gw = clone(gw0), gb = clone(gb0);
-        cpu().layernorm_backward(din.t, gw.t, gb.t, dy.t, x.t, w.t, mean.t, rstd.t, acc);
+        cpu().layernorm_backward(din.t, gw.t, gb.t, dy.t, x.t, w.t, mean.t, rstd.t, acc, acc);
         DeviceTensor ddin = DeviceTensor::of(be, din0), dgw = DeviceTensor::of(be, gw0), dgb = DeviceTensor::of(be, gb0);
         dmean.upload(mean);
         drstd.upload(rstd);
-        be.layernorm_backward(ddin.t, dgw.t, dgb.t, ddy.t, dx.t, dw.t, dmean.t, drstd.t, acc);
+        be.layernorm_backward(ddin.t, dgw.t, dgb.t, ddy.t, dx.t, dw.t, dmean.t, drstd.t, acc, acc);
         KEEL_CHECK_ERR("layernorm_backward din", dname(dt), rel_err(ddin.host(), din), storage_tol(dt, 1e-5));
         KEEL_CHECK_ERR("layernorm_backward dweight", dname(dt), rel_err(dgw.host(), gw), 1e-5);
         KEEL_CHECK_ERR("layernorm_backward dbias", dname(dt), rel_err(dgb.host(), gb), 1e-5);
@@ -398,7 +403,7 @@ TEST_CASE("gpu: layernorm and rmsnorm forward and backward match the CPU", "[gpu
           ddin.upload(din0);
           dgw.upload(gw0);
           dgb.upload(gb0);
-          be.layernorm_backward(ddin.t, dgw.t, dgb.t, ddy.t, dx.t, dw.t, dmean.t, drstd.t, acc);
+          be.layernorm_backward(ddin.t, dgw.t, dgb.t, ddy.t, dx.t, dw.t, dmean.t, drstd.t, acc, acc);
           CHECK(bits_differ(ddin.host(), got_din) == 0);
           CHECK(bits_differ(dgw.host(), got_gw) == 0);
           CHECK(bits_differ(dgb.host(), got_gb) == 0);
@@ -412,18 +417,18 @@ TEST_CASE("gpu: layernorm and rmsnorm forward and backward match the CPU", "[gpu
         KEEL_CHECK_ERR("rmsnorm_forward out", dname(dt), rel_err(dout.host(), rout), storage_tol(dt, 1e-6));
         KEEL_CHECK_ERR("rmsnorm_forward rstd", dname(dt), rel_err(drstd.host(), rrstd), 1e-6);
         HostTensor rdin = clone(din0), rgw = clone(gw0);
-        cpu().rmsnorm_backward(rdin.t, rgw.t, dy.t, x.t, w.t, rrstd.t, acc);
+        cpu().rmsnorm_backward(rdin.t, rgw.t, dy.t, x.t, w.t, rrstd.t, acc, acc);
         ddin.upload(din0);
         dgw.upload(gw0);
         drstd.upload(rrstd);
-        be.rmsnorm_backward(ddin.t, dgw.t, ddy.t, dx.t, dw.t, drstd.t, acc);
+        be.rmsnorm_backward(ddin.t, dgw.t, ddy.t, dx.t, dw.t, drstd.t, acc, acc);
         const HostTensor got_din = ddin.host(), got_gw = dgw.host();
         KEEL_CHECK_ERR("rmsnorm_backward din", dname(dt), rel_err(got_din, rdin), storage_tol(dt, 1e-5));
         KEEL_CHECK_ERR("rmsnorm_backward dweight", dname(dt), rel_err(got_gw, rgw), 1e-5);
         // determinism
         ddin.upload(din0);
         dgw.upload(gw0);
-        be.rmsnorm_backward(ddin.t, dgw.t, ddy.t, dx.t, dw.t, drstd.t, acc);
+        be.rmsnorm_backward(ddin.t, dgw.t, ddy.t, dx.t, dw.t, drstd.t, acc, acc);
         CHECK(bits_differ(ddin.host(), got_din) == 0);
         CHECK(bits_differ(dgw.host(), got_gw) == 0);
       }

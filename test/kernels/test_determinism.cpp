@@ -39,7 +39,7 @@ TEST_CASE("matmul is independent of the thread count", "[determinism]") {
     HostTensor out = make(DType::F32, {M, N}, randn(M * N, 4));
     be->matmul(out.t, a.t, b.t, true, true, true, &bias.t);
     HostTensor dbias(DType::F32, {N});
-    be->bias_backward(dbias.t, out.t);
+    be->bias_backward(dbias.t, out.t, false);
     return bits_of({&out, &dbias});
   });
 }
@@ -53,9 +53,9 @@ TEST_CASE("norm backward is independent of the thread count", "[determinism]") {
     HostTensor out(DType::F32, {N, C}), mean(DType::F32, {N}), rstd(DType::F32, {N}), din(DType::F32, {N, C});
     HostTensor dw(DType::F32, {C}), db(DType::F32, {C}), rdin(DType::F32, {N, C}), rdw(DType::F32, {C});
     be->layernorm_forward(out.t, mean.t, rstd.t, x.t, w.t, b.t, 1e-5f);
-    be->layernorm_backward(din.t, dw.t, db.t, dy.t, x.t, w.t, mean.t, rstd.t, false);
+    be->layernorm_backward(din.t, dw.t, db.t, dy.t, x.t, w.t, mean.t, rstd.t, false, false);
     be->rmsnorm_forward(out.t, rstd.t, x.t, w.t, 1e-5f);
-    be->rmsnorm_backward(rdin.t, rdw.t, dy.t, x.t, w.t, rstd.t, true);
+    be->rmsnorm_backward(rdin.t, rdw.t, dy.t, x.t, w.t, rstd.t, true, true);
     return bits_of({&din, &dw, &db, &rdin, &rdw});
   });
 }

@@ -1,5 +1,6 @@
 // matmul (all transpose combinations, bias, accumulate) and bias_backward.
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <cstdio>
 
@@ -117,7 +118,7 @@ TEST_CASE("matmul gradients (all transposes, accumulate) match finite difference
         be->matmul(db.t, a.t, R.t, !ta, false, true);  // dB = op(a)^T R
       else
         be->matmul(db.t, R.t, a.t, true, ta, true);    // dB^T = R^T op(a)
-      be->bias_backward(dbias.t, R.t);
+      be->bias_backward(dbias.t, R.t, true);
 
       auto added = [](const HostTensor& g, const std::vector<float>& g0) {
         std::vector<double> d(g0.size());
@@ -133,21 +134,24 @@ TEST_CASE("matmul gradients (all transposes, accumulate) match finite difference
     }
 }
 
-// bias_backward: dbias += column sums. 300 rows span several 64-row blocks. Tolerance 1e-6: an
-// fp32 sum of 300 O(1) values (blocked) has rounding error of a few 1e-7 relative at most.
+// bias_backward: dbias = (or +=) column sums. 300 rows span several 64-row blocks. Tolerance
+// 1e-6: an fp32 sum of 300 O(1) values (blocked) has rounding error of a few 1e-7 relative at most.
 TEST_CASE("bias_backward sums rows into dbias", "[matmul]") {
   auto be = make_cpu_backend();
   const int64_t rows = 300, N = 19;
-  for (DType dt : {DType::F32, DType::BF16}) {
-    HostTensor dout = make(dt, {3, 100, N}, randn(rows * N, 20));
-    const std::vector<float> g0 = randn(N, 21);
-    HostTensor dbias = make(DType::F32, {N}, g0);
-    be->bias_backward(dbias.t, dout.t);
-    std::vector<double> expect(N);
-    for (int64_t c = 0; c < N; ++c) {
-      expect[c] = g0[c];
-      for (int64_t n = 0; n < rows; ++n) expect[c] += dout.at(n * N + c);
+  for (DType dt : {DType::F32, DType::BF16})
+    for (bool accumulate : {true, false}) {
+      CAPTURE(accumulate);
+      HostTensor dout = make(dt, {3, 100, N}, randn(rows * N, 20));
+      // Written over NaN when not accumulating: an element left unwritten shows.
+      const std::vector<float> g0 = accumulate ? randn(N, 21) : std::vector<float>(N, std::nanf(""));
+      HostTensor dbias = make(DType::F32, {N}, g0);
+      be->bias_backward(dbias.t, dout.t, accumulate);
+      std::vector<double> expect(N);
+      for (int64_t c = 0; c < N; ++c) {
+        expect[c] = accumulate ? g0[c] : 0.0;
+        for (int64_t n = 0; n < rows; ++n) expect[c] += dout.at(n * N + c);
+      }
+      CHECK(rel_error(dbias.values(), expect) < 1e-6);
     }
-    CHECK(rel_error(dbias.values(), expect) < 1e-6);
-  }
 }

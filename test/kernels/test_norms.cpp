@@ -1,10 +1,13 @@
 // layernorm and rmsnorm: forward against double references, backward against finite differences.
+#include <cmath>
+
 #include "kernel_test_util.h"
 
 using namespace keel;
 using namespace keel::test;
 
 namespace {
+const float kNaN = std::nanf("");
 
 constexpr float kEps = 1e-5f;
 
@@ -87,10 +90,13 @@ TEST_CASE("layernorm backward matches finite differences", "[norms][grad]") {
     loss();
     HostTensor dout = make(DType::F32, {N, C}, r);
     const std::vector<float> din0 = accumulate ? randn(N * C, 14) : std::vector<float>(N * C, 0.0f);
-    const std::vector<float> dw0 = randn(C, 15), db0 = randn(C, 16);
-    HostTensor din = make(DType::F32, {N, C}, accumulate ? din0 : randn(N * C, 17));  // garbage when written
-    HostTensor dw = make(DType::F32, {C}, dw0), db = make(DType::F32, {C}, db0);
-    be->layernorm_backward(din.t, dw.t, db.t, dout.t, in.t, w.t, mean.t, rstd.t, accumulate);
+    const std::vector<float> dw0 = accumulate ? randn(C, 15) : std::vector<float>(C, 0.0f);
+    const std::vector<float> db0 = accumulate ? randn(C, 16) : std::vector<float>(C, 0.0f);
+    // Garbage where written (NaN for the parameter gradients: one left unwritten shows).
+    HostTensor din = make(DType::F32, {N, C}, accumulate ? din0 : randn(N * C, 17));
+    HostTensor dw = make(DType::F32, {C}, accumulate ? dw0 : std::vector<float>(C, kNaN));
+    HostTensor db = make(DType::F32, {C}, accumulate ? db0 : std::vector<float>(C, kNaN));
+    be->layernorm_backward(din.t, dw.t, db.t, dout.t, in.t, w.t, mean.t, rstd.t, accumulate, accumulate);
 
     CHECK(rel_error(minus(din, din0), numeric_grad(in.t.as<float>(), N * C, loss, kStepSmooth)) < 1e-4);
     CHECK(rel_error(minus(dw, dw0), numeric_grad(w.t.as<float>(), C, loss, kStepLinear)) < 1e-5);
@@ -114,10 +120,10 @@ TEST_CASE("rmsnorm backward matches finite differences", "[norms][grad]") {
     loss();
     HostTensor dout = make(DType::F32, {N, C}, r);
     const std::vector<float> din0 = accumulate ? randn(N * C, 24) : std::vector<float>(N * C, 0.0f);
-    const std::vector<float> dw0 = randn(C, 25);
+    const std::vector<float> dw0 = accumulate ? randn(C, 25) : std::vector<float>(C, 0.0f);
     HostTensor din = make(DType::F32, {N, C}, accumulate ? din0 : randn(N * C, 27));
-    HostTensor dw = make(DType::F32, {C}, dw0);
-    be->rmsnorm_backward(din.t, dw.t, dout.t, in.t, w.t, rstd.t, accumulate);
+    HostTensor dw = make(DType::F32, {C}, accumulate ? dw0 : std::vector<float>(C, kNaN));
+    be->rmsnorm_backward(din.t, dw.t, dout.t, in.t, w.t, rstd.t, accumulate, accumulate);
 
     CHECK(rel_error(minus(din, din0), numeric_grad(in.t.as<float>(), N * C, loss, kStepSmooth)) < 1e-4);
     CHECK(rel_error(minus(dw, dw0), numeric_grad(w.t.as<float>(), C, loss, kStepLinear)) < 1e-5);
@@ -133,9 +139,10 @@ TEST_CASE("norm parameter gradients over many rows match double sums", "[norms]"
   HostTensor w = make(DType::F32, {C}, randn(C, 31)), b = make(DType::F32, {C}, randn(C, 32));
   HostTensor dout = make(DType::F32, {N, C}, randn(N * C, 33));
   HostTensor out(DType::F32, {N, C}), mean(DType::F32, {N}), rstd(DType::F32, {N}), din(DType::F32, {N, C});
-  HostTensor dw(DType::F32, {C}), db(DType::F32, {C});
+  HostTensor dw = make(DType::F32, {C}, std::vector<float>(C, kNaN));
+  HostTensor db = make(DType::F32, {C}, std::vector<float>(C, kNaN));
   be->layernorm_forward(out.t, mean.t, rstd.t, in.t, w.t, b.t, kEps);
-  be->layernorm_backward(din.t, dw.t, db.t, dout.t, in.t, w.t, mean.t, rstd.t, false);
+  be->layernorm_backward(din.t, dw.t, db.t, dout.t, in.t, w.t, mean.t, rstd.t, false, false);  // written over NaN
   const NormRef ref = ref_norm(in, w, &b, N, C, false);
   std::vector<double> dw_ref(C, 0.0), db_ref(C, 0.0);
   for (int64_t n = 0; n < N; ++n)

@@ -42,8 +42,8 @@ TEST_CASE("bf16 and fp16 outputs are the fp32 result rounded to nearest even", "
     be->layernorm_forward(low.t, mean.t, rstd.t, x.t, w.t, bias.t, 1e-5f);
     CHECK(not_rounded(ref, low) == 0);
 
-    be->layernorm_backward(ref.t, dw.t, db.t, dy.t, x.t, w.t, mean.t, rstd.t, false);
-    be->layernorm_backward(low.t, dw.t, db.t, dy.t, x.t, w.t, mean.t, rstd.t, false);
+    be->layernorm_backward(ref.t, dw.t, db.t, dy.t, x.t, w.t, mean.t, rstd.t, false, false);
+    be->layernorm_backward(low.t, dw.t, db.t, dy.t, x.t, w.t, mean.t, rstd.t, false, false);
     CHECK(not_rounded(ref, low) == 0);
 
     be->rmsnorm_forward(ref.t, rstd.t, x.t, w.t, 1e-5f);
