@@ -82,27 +82,35 @@ FrozenDetector::FrozenDetector(const ParamTable& table, const ParamState& state,
     uint64_t h = 1469598103934665603ull;
     for (unsigned char c : p.name) h = (h ^ c) * 1099511628211ull;
     t.begin = a + static_cast<int64_t>(h % static_cast<uint64_t>(b - a - t.n + 1));
+    t.staged_at = samples_;
+    samples_ += t.n;
     tracks_.push_back(std::move(t));
   }
 }
 
+FrozenDetector::~FrozenDetector() {
+  if (staging_backend_) staging_backend_->release(staging_.data);
+}
+
 FrozenDetector::Result FrozenDetector::check(const ParamState& state, Backend& be) {
   Result r;
+  if (tracks_.empty()) return r;
   const Tensor& values = state.has_master() ? state.master : state.working;
-  std::vector<float> cur, grad;
-  std::vector<uint16_t> raw;
+  if (!staging_backend_) {
+    staging_ = Tensor(nullptr, DType::F32, {2 * samples_}, values.device);
+    staging_.data = be.allocate(staging_.bytes());
+    staging_backend_ = &be;
+  }
+  for (const Track& t : tracks_) {  // bf16/fp16 values widen exactly
+    be.convert(staging_.elements(t.staged_at, t.staged_at + t.n), state.flat_view(values, t.begin, t.n));
+    be.convert(staging_.elements(samples_ + t.staged_at, samples_ + t.staged_at + t.n),
+               state.flat_view(state.grads, t.begin, t.n));
+  }
+  std::vector<float> staged(static_cast<size_t>(2 * samples_));
+  be.copy_to_host(staged.data(), staging_);
   for (Track& t : tracks_) {
-    cur.resize(static_cast<size_t>(t.n));
-    grad.resize(static_cast<size_t>(t.n));
-    Tensor v = state.flat_view(values, t.begin, t.n);
-    if (v.dtype == DType::F32) {
-      be.copy_to_host(cur.data(), v);
-    } else {
-      raw.resize(static_cast<size_t>(t.n));
-      be.copy_to_host(raw.data(), v);
-      for (size_t i = 0; i < raw.size(); ++i) cur[i] = v.dtype == DType::BF16 ? bf16_to_f32(raw[i]) : f16_to_f32(raw[i]);
-    }
-    be.copy_to_host(grad.data(), state.flat_view(state.grads, t.begin, t.n));
+    const auto at = staged.begin() + t.staged_at;
+    const std::vector<float> cur(at, at + t.n), grad(at + samples_, at + samples_ + t.n);
     if (t.primed) {
       int64_t with_grad = 0, stuck = 0;
       for (size_t i = 0; i < cur.size(); ++i) {

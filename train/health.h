@@ -37,6 +37,9 @@ std::vector<std::string> audit_param_groups(const std::vector<ParamSpec>& params
 class FrozenDetector {
  public:
   FrozenDetector(const ParamTable& table, const ParamState& state, const HealthConfig& cfg);
+  ~FrozenDetector();
+  FrozenDetector(const FrozenDetector&) = delete;
+  FrozenDetector& operator=(const FrozenDetector&) = delete;
   // Reads the samples (masters when the state has them, else the working weights) and the
   // gradients of the last step. Returns, per local tensor index in the table, whether it is
   // frozen (reported once) and its typical |value|; call after an applied update.
@@ -48,13 +51,19 @@ class FrozenDetector {
  private:
   struct Track {
     std::string name;
-    int64_t begin = 0, n = 0;
+    int64_t begin = 0, n = 0;  // the sample: flat elements [begin, begin + n)
+    int64_t staged_at = 0;     // where its values sit in staging_ (its gradients: + samples_)
     std::vector<float> prev;
     int64_t frozen_checks = 0;
     bool reported = false, primed = false;
   };
   std::vector<Track> tracks_;
   HealthConfig cfg_;
+  // The samples' values and then their gradients, gathered as F32 on the state's device and
+  // read back in one copy: one host sync per check, not two per tensor (hundreds on a GPU).
+  Backend* staging_backend_ = nullptr;
+  Tensor staging_;
+  int64_t samples_ = 0;
 };
 
 // The explanation of a frozen tensor: the typical update (Adam moves by about lr per step)
