@@ -11,6 +11,7 @@
 //   oracle      loss, logits and every gradient 1e-5 (fp32 against the float64 oracle, the same
 //               bound as the CPU's test)
 //   repeats and resume: bit for bit
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <tuple>
@@ -290,6 +291,39 @@ TEST_CASE("gpu: the same run twice, and with activation recomputation, gives bit
       CHECK(std::memcmp(losses[0].data(), losses[run].data(), losses[0].size() * sizeof(double)) == 0);
       CHECK(std::memcmp(weights[0].data(), weights[run].data(), weights[0].size() * sizeof(float)) == 0);
     }
+  }
+}
+
+// Each gradient's first contribution of a step stores it (model/grad_writes.h): a step must not
+// depend on what the device's gradient buffer held. NaN before every step would make a step
+// that reads an unwritten element non-finite. The frozen-parameter check runs after every step
+// here, so its gather on the device and single read-back run too.
+TEST_CASE("gpu: a step's gradient does not depend on what the gradient buffer held before it", "[gpu][gradients]") {
+  KEEL_GPU_OR_SKIP();
+  for (const Case& c : training_cases()) {
+    if (c.mode != "bf16") continue;
+    INFO(c.name);
+    const RunConfig cfg =
+        make_config(c.json, {{"precision", {{"mode", c.mode}}}, {"health", {{"frozen_check_interval", 1}}}});
+    const int T = static_cast<int>(cfg.train.seq_len), mbs = static_cast<int>(cfg.train.micro_batch);
+    const int n_micro = static_cast<int>(cfg.train.global_batch / cfg.train.micro_batch);
+    std::vector<std::vector<double>> stats(2);
+    std::vector<std::vector<float>> weights(2);
+    for (int poison = 0; poison < 2; ++poison) {
+      Trainer tr(cfg, gpu());
+      tr.init_weights();
+      for (int step = 1; step <= 3; ++step) {
+        if (poison) gpu().fill(tr.state().grads, std::nanf(""));
+        const StepStats st =
+            tr.step(synthetic_batches(n_micro, mbs, T, static_cast<int>(cfg.model.vocab_size), 7 + step), step);
+        CHECK_FALSE(st.skipped);
+        stats[poison].push_back(st.loss);
+        stats[poison].push_back(st.grad_norm);
+      }
+      weights[poison] = working_weights(tr);
+    }
+    CHECK(std::memcmp(stats[0].data(), stats[1].data(), stats[0].size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(weights[0].data(), weights[1].data(), weights[0].size() * sizeof(float)) == 0);
   }
 }
 
