@@ -36,7 +36,10 @@ void GradWrites::mark(Range r) {
   if (r.begin >= r.end) return;
   // Merge with every range that overlaps or touches [r.begin, r.end).
   auto it = written_.upper_bound(r.begin);
-  if (it != written_.begin() && std::prev(it)->second >= r.begin) --it;
+  if (it != written_.begin() && std::prev(it)->second >= r.begin) {
+    if (std::prev(it)->second >= r.end) return;  // already covered: every later contribution
+    --it;
+  }
   while (it != written_.end() && it->first <= r.end) {
     r.begin = std::min(r.begin, it->first);
     r.end = std::max(r.end, it->second);
