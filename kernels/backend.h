@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 
+#include "kernels/op_check.h"
 #include "kernels/rope_frequencies.h"
 #include "kernels/tensor.h"
 
@@ -102,8 +103,32 @@ class Backend {
   // its backward is matmul(dx, dy, W, false, false) and matmul(dW, dy, x, true, false, true).
   virtual void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                       bool accumulate = false, const Tensor* bias = nullptr) = 0;
+  // A linear layer added to the residual stream (the blocks' output projections without TP):
+  //   out = residual + (op(a) @ op(b) (+ bias)),  out and residual separate buffers.
+  // The reference composes matmul and add, so it rounds the projection to out's dtype before the
+  // add; a fused backend (the CUDA backend: cuBLASLt reading residual as C with beta 1) sums in
+  // fp32 and rounds once, within one storage rounding of the reference. Saves the add's pass
+  // over three [rows, d] tensors.
+  virtual void matmul_residual(const Tensor& out, const Tensor& residual, const Tensor& a, const Tensor& b,
+                               bool trans_a, bool trans_b, const Tensor* bias = nullptr) {
+    if (out.data == residual.data && out.numel() > 0)  // the matmul would overwrite the residual first
+      fail_op("Backend", "matmul_residual", "out and residual must be different buffers",
+              {{"out", out}, {"residual", residual}});
+    matmul(out, a, b, trans_a, trans_b, false, bias);
+    add(out, residual, out);
+  }
   // dbias[N] = sum_rows dout, added to dbias when accumulate (a gradient's later contributions).
   virtual void bias_backward(const Tensor& dbias, const Tensor& dout, bool accumulate) = 0;
+  // A linear layer's parameter gradients from its output gradient dout [rows, out] and input
+  // in [rows, in]: dweight[out, in] = dout^T @ in, as matmul(dweight, dout, in, true, false,
+  // accumulate_w), and dbias[out] = sum_rows dout, as bias_backward(dbias, dout, accumulate_b).
+  // A backend may form both in one pass over dout (the CUDA backend: cuBLASLt's BGRADB epilogue
+  // sums dout's columns while the product reads them), saving bias_backward's read of dout.
+  virtual void matmul_bias_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dout, const Tensor& in,
+                                bool accumulate_w, bool accumulate_b) {
+    matmul(dweight, dout, in, true, false, accumulate_w);
+    bias_backward(dbias, dout, accumulate_b);
+  }
 
   // ---- embedding ----
   // out[n,:] = tok_embed[tokens[n] - vocab_start, :] when that row is local (vocab-parallel

@@ -148,6 +148,14 @@ class GuardedBackend final : public Backend {
                             const Tensor& pre) override {
     KEEL_GUARDED(matmul_gelu_backward(din, a, b, trans_a, trans_b, pre));
   }
+  void matmul_residual(const Tensor& out, const Tensor& residual, const Tensor& a, const Tensor& b, bool trans_a,
+                       bool trans_b, const Tensor* bias) override {
+    KEEL_GUARDED(matmul_residual(out, residual, a, b, trans_a, trans_b, bias));
+  }
+  void matmul_bias_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dout, const Tensor& in,
+                        bool accumulate_w, bool accumulate_b) override {
+    KEEL_GUARDED(matmul_bias_grad(dweight, dbias, dout, in, accumulate_w, accumulate_b));
+  }
   void swiglu_forward(const Tensor& out, const Tensor& in) override { KEEL_GUARDED(swiglu_forward(out, in)); }
   void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override {
     KEEL_GUARDED(swiglu_backward(din, dout, in));

@@ -126,8 +126,9 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
       scratch(dqk_scratch_, &Transformer::dqk_scratch_, act_, {qk_rows, hd});
     }
   }
-  // proj_out_: row-parallel outputs, and under SP the embedding's partial sums before the scatter.
-  if (sh.end_layer > sh.first_layer || (sp_ && sh.has_embedding))
+  // proj_out_: row-parallel outputs (TP only: without it the projections add straight into the
+  // residual stream), and under SP the embedding's partial sums before the scatter.
+  if ((tensor_parallel_ && sh.end_layer > sh.first_layer) || (sp_ && sh.has_embedding))
     scratch(proj_out_, &Transformer::proj_out_, act_, {N_, d});
   if (sp_) {
     scratch(gathered_, &Transformer::gathered_, act_, {N_, d});
@@ -211,8 +212,12 @@ void Transformer::bind(const Tensor& weights, const Tensor& grads, GradWrites* w
 
 bool Transformer::must_add(std::initializer_list<Tensor> grads) { return !writes_ || writes_->must_add(grads); }
 
-void Transformer::weight_grad(const Tensor& dw, const Tensor& dout, const Tensor& in) {
-  be_.matmul(dw, dout, in, true, false, must_add({dw}));
+void Transformer::weight_grad(const Tensor& dw, const Tensor& dout, const Tensor& in, const Tensor* db) {
+  const bool add_w = must_add({dw});
+  if (db)
+    be_.matmul_bias_grad(dw, *db, dout, in, add_w, must_add({*db}));
+  else
+    be_.matmul(dw, dout, in, true, false, add_w);
 }
 
 Transformer::Params Transformer::resolve(const Tensor& flat) const {
@@ -363,6 +368,21 @@ void Transformer::head_backward(Slot& s, const Tensor& logits, const Tensor& x, 
   weight_grad(g_.head, dlogits, x.row_slice(r0, r1));
 }
 
+// res_out = res_in + x W^T (+ b). Without TP one fused op (no projection tensor: the probe sees
+// only the sum). With TP the row-parallel partial products are summed over the group (or
+// reduce-scattered under SP) first, and the replicated bias is added once (TP rank 0).
+void Transformer::output_projection(const Tensor& res_out, const Tensor& res_in, const Tensor& x, const Tensor& w,
+                                    const Tensor* bias, int layer, const char* what) {
+  if (!tensor_parallel_) {
+    be_.matmul_residual(res_out, res_in, x, w, false, true, bias);
+    return;
+  }
+  be_.matmul(proj_out_, x, w, false, true, false, tp_lead() ? bias : nullptr);
+  const Tensor& projected = reduce_rows(proj_out_);
+  probe(false, layer, what, projected);
+  be_.add(res_out, res_in, projected);
+}
+
 void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const AttnShape& shape, int layer,
                                 const Tensor* out) {
   const bool gpt2 = cfg_.is_gpt2();
@@ -381,11 +401,7 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
   }
   be_.attention_forward(a.attn, a.lse, a.qkv, shape);
   probe(false, layer, "attention", a.attn);
-  // Row-parallel output: partial sums over TP; the replicated bias is added once (TP rank 0).
-  be_.matmul(proj_out_, a.attn, w.wo, false, true, false, gpt2 && tp_lead() ? &w.bo : nullptr);
-  const Tensor& attn_out = reduce_rows(proj_out_);
-  probe(false, layer, "attention output projection", attn_out);
-  be_.add(a.res_mid, a.res_in, attn_out);
+  output_projection(a.res_mid, a.res_in, a.attn, w.wo, gpt2 ? &w.bo : nullptr, layer, "attention output projection");
   probe(false, layer, "attention residual add", a.res_mid);
 
   // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
@@ -402,10 +418,7 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
     probe(false, layer, "swiglu", a.act);
   }
   if (!out) return;  // recomputing: backward needs nothing further
-  be_.matmul(proj_out_, a.act, w.w_out, false, true, false, gpt2 && tp_lead() ? &w.b_out : nullptr);
-  const Tensor& mlp_out = reduce_rows(proj_out_);
-  probe(false, layer, "mlp output projection", mlp_out);
-  be_.add(*out, a.res_mid, mlp_out);
+  output_projection(*out, a.res_mid, a.act, w.w_out, gpt2 ? &w.b_out : nullptr, layer, "mlp output projection");
   probe(false, layer, "layer output (residual add)", *out);
 }
 
@@ -533,9 +546,8 @@ void Transformer::backward(int slot_index, float dloss) {
 
     // MLP block (under SP, dres_all is the gathered rows until norm2 is gathered)
     const Tensor& dres_all = gather_rows(dres_);
-    weight_grad(g.w_out, dres_all, a.act);
+    weight_grad(g.w_out, dres_all, a.act, gpt2 ? &g.b_out : nullptr);
     if (gpt2) {
-      be_.bias_backward(g.b_out, dres_all, must_add({g.b_out}));
       // d fc = gelu'(fc) * (dres W_out): the output projection's input gradient through the GELU
       be_.matmul_gelu_backward(dfc_, dres_all, w.w_out, false, false, a.fc);
       probe(true, layer, "d mlp input projection (output projection and gelu backward)", dfc_);
@@ -546,8 +558,7 @@ void Transformer::backward(int slot_index, float dloss) {
       probe(true, layer, "d gate/up projection (swiglu backward)", dfc_);
     }
     be_.matmul(dnorm_, dfc_, w.w_in, false, false);
-    weight_grad(g.w_in, dfc_, gather_rows(a.norm2));
-    if (gpt2) be_.bias_backward(g.b_in, dfc_, must_add({g.b_in}));
+    weight_grad(g.w_in, dfc_, gather_rows(a.norm2), gpt2 ? &g.b_in : nullptr);
     const Tensor& dnorm2 = reduce_rows(dnorm_);  // column-parallel input gradient: partial over TP
     probe(true, layer, "d mlp_norm output (mlp input projection backward)", dnorm2);
     norm_backward(dres_, dnorm2, a.res_mid, a.mean2, a.rstd2, w.mlp_norm_w, g.mlp_norm_w, g.mlp_norm_b);
@@ -556,8 +567,7 @@ void Transformer::backward(int slot_index, float dloss) {
     // attention block
     const Tensor& dmid_all = gather_rows(dres_);
     be_.matmul(dattn_, dmid_all, w.wo, false, false);
-    weight_grad(g.wo, dmid_all, a.attn);
-    if (gpt2) be_.bias_backward(g.bo, dmid_all, must_add({g.bo}));
+    weight_grad(g.wo, dmid_all, a.attn, gpt2 ? &g.bo : nullptr);
     probe(true, layer, "d attention output (output projection backward)", dattn_);
     be_.attention_backward(dqkv_, dattn_, a.qkv, a.attn, a.lse, s.attn);
     probe(true, layer, "d qkv (attention backward)", dqkv_);
@@ -571,8 +581,7 @@ void Transformer::backward(int slot_index, float dloss) {
       probe(true, layer, "d qkv (q/k norms backward)", dqkv_);
     }
     be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);
-    weight_grad(g.wqkv, dqkv_, gather_rows(a.norm1));
-    if (cfg_.has_qkv_bias()) be_.bias_backward(g.bqkv, dqkv_, must_add({g.bqkv}));
+    weight_grad(g.wqkv, dqkv_, gather_rows(a.norm1), cfg_.has_qkv_bias() ? &g.bqkv : nullptr);
     const Tensor& dnorm1 = reduce_rows(dnorm_);
     probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm1);
     norm_backward(dres_, dnorm1, a.res_in, a.mean1, a.rstd1, w.attn_norm_w, g.attn_norm_w, g.attn_norm_b);

@@ -217,8 +217,9 @@ class Transformer {
   // Must an op producing these gradients add to them, or may it store (the step's first
   // contribution)? See model/grad_writes.h; without a GradWrites, always add.
   bool must_add(std::initializer_list<Tensor> grads);
-  // A weight gradient dW (+)= op(a)^T b, stored by the step's first contribution.
-  void weight_grad(const Tensor& dw, const Tensor& dout, const Tensor& in);
+  // A weight gradient dW (+)= dout^T in, and with db the bias gradient db (+)= sum_rows dout
+  // (one op: a backend may read dout once for both); each stored by the step's first contribution.
+  void weight_grad(const Tensor& dw, const Tensor& dout, const Tensor& in, const Tensor* db = nullptr);
   void tp_sum(const Tensor& t);  // all-reduce over the TP group (no-op without TP)
   // Sequence parallelism's two moves (identities without it): the full [N, d] of this rank's
   // rows (all-gathered into gathered_), and the rows of a [N, d] partial sum over TP that this
@@ -226,6 +227,10 @@ class Transformer {
   const Tensor& gather_rows(const Tensor& local);
   const Tensor& reduce_rows(const Tensor& partial);
   bool tp_lead() const { return table_.shard().tp_rank == 0; }
+  // A block's output projection into the residual stream: res_out = res_in + x w^T (+ bias);
+  // `what` names the projection for the probe (TP only: without TP it is fused into the add).
+  void output_projection(const Tensor& res_out, const Tensor& res_in, const Tensor& x, const Tensor& w,
+                         const Tensor* bias, int layer, const char* what);
   // Rows [r0, r1) of the loss from their logits (vocab-parallel), and its backward: dlogits in
   // place, the final-norm output gradient into dnorm (rows r0.. of x's), the head's weight
   // gradient accumulated. x: the final-norm output of all N rows (gathered under SP).

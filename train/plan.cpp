@@ -130,6 +130,7 @@ MemoryModel keel_memory_model(PrecisionMode mode) {
   MemoryModel m;
   m.chunked_logits = true;
   m.fused_gelu_backward = true;
+  m.fused_residual_projection = true;
   StateBytes& s = m.state;
   switch (mode) {
     case PrecisionMode::FP32:
@@ -291,10 +292,13 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   r.stage_output = rows * a * d;
   r.token_ids = N * 4;
   r.embed_norm = m.embedding_norm ? rows * (a * d + 4 * stats) : 0;  // embed [rows, d], mean/rstd [rows]
-  // dres [rows, d], dnorm and proj_out [N, d]; dqkv, dattn, dfc, dact split (no dact where the
-  // GELU backward is fused); with SP also the gathered rows [N, d] and the scattered sums [rows, d]
+  // dres [rows, d], dnorm and proj_out [N, d] (no proj_out where the projections add into the
+  // residual stream); dqkv, dattn, dfc, dact split (no dact where the GELU backward is fused);
+  // with SP also the gathered rows [N, d] and the scattered sums [rows, d]
   const double dact = m.is_gpt2() && mem.fused_gelu_backward ? 0 : F;
-  r.backward_scratch = a * (rows * d + 2 * N * d + N * (qkv + q + fc + dact) / t) + (rows < N ? a * (N + rows) * d : 0);
+  const double proj_out = tp == 1 && mem.fused_residual_projection ? 0 : N * d;
+  r.backward_scratch =
+      a * (rows * d + N * d + proj_out + N * (qkv + q + fc + dact) / t) + (rows < N ? a * (N + rows) * d : 0);
   if (m.qk_norm) r.backward_scratch += 2 * N * qk_heads / t * a * m.head_dim();  // the two qk_norm scratch sets
   return r;
 }

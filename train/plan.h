@@ -68,6 +68,9 @@ struct MemoryModel {
                                   // (keel's chunked head, model/transformer.h)
   bool fused_gelu_backward = false;  // GELU's input gradient comes straight out of the output
                                      // projection's matmul: no [tokens, ffn/tp] scratch for it
+  bool fused_residual_projection = false;  // without TP the blocks' output projections add
+                                          // straight into the residual stream: no [tokens, d]
+                                          // projection buffer
   bool keeps_stage_output = false;  // the pipeline keeps each in-flight micro-batch's stage output
                                     // until its backward (DeepSpeed's pipe_buffers['outputs'])
   double cuda_context_bytes = 1.5 * kGiB;  // context, cuBLAS workspace, kernels (seed: 1271-1573 MiB)

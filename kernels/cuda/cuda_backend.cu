@@ -226,8 +226,13 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   sync_each_op_ = sync && *sync && std::strcmp(sync, "0") != 0;
   const char* attn = std::getenv("KEEL_ATTENTION");
   simple_attention_ = attn && std::strcmp(attn, "simple") == 0;
-  const char* gelu = std::getenv("KEEL_GELU_EPILOGUE");
-  gelu_epilogue_ = !(gelu && std::strcmp(gelu, "0") == 0);
+  auto not_off = [](const char* var) {
+    const char* v = std::getenv(var);
+    return !(v && std::strcmp(v, "0") == 0);
+  };
+  gelu_epilogue_ = not_off("KEEL_GELU_EPILOGUE");
+  residual_epilogue_ = not_off("KEEL_RESIDUAL_EPILOGUE");
+  bgrad_epilogue_ = not_off("KEEL_BGRAD_EPILOGUE");
   matmul_ = cuda::create_matmul_cache(*this);
   if (const char* prof = std::getenv("KEEL_CUDA_PROFILE"); prof && *prof && std::strcmp(prof, "0") != 0) {
     profiler_ = std::make_unique<Profiler>();

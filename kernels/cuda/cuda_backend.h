@@ -16,8 +16,11 @@
 // Debugging: KEEL_CUDA_SYNC=1 synchronizes after every op, so that an asynchronous fault is
 // reported by the op that caused it (with its shapes). KEEL_ATTENTION=simple selects the plain
 // fp32 attention kernels instead of the fused tensor-core ones. KEEL_GELU_EPILOGUE=0 makes
-// matmul_gelu(_backward) run matmul and the GELU kernel instead of cuBLASLt's GELU epilogues
-// (to time or rule out the fusion). KEEL_CUDA_PROFILE=1 times every
+// matmul_gelu(_backward) run matmul and the GELU kernel instead of cuBLASLt's GELU epilogues,
+// KEEL_RESIDUAL_EPILOGUE=0 makes matmul_residual run matmul then add instead of reading the
+// residual as cuBLASLt's C, and KEEL_BGRAD_EPILOGUE=0 makes matmul_bias_grad run matmul then
+// bias_backward instead of the BGRADB epilogue (each to time or rule out its fusion).
+// KEEL_CUDA_PROFILE=1 times every
 // op with CUDA events and prints the device time per op (and per op and shapes) to stderr when
 // the backend is destroyed; KEEL_CUDA_PROFILE=<file> writes it there instead. The GPU time
 // between a host synchronisation and the first op after it is booked as idle, not to that op.
@@ -74,6 +77,10 @@ class CudaBackend final : public Backend {
                    const Tensor* bias = nullptr) override;  // matmul.cu
   void matmul_gelu_backward(const Tensor& din, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
                             const Tensor& pre) override;
+  void matmul_residual(const Tensor& out, const Tensor& residual, const Tensor& a, const Tensor& b, bool trans_a,
+                       bool trans_b, const Tensor* bias = nullptr) override;  // matmul.cu
+  void matmul_bias_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dout, const Tensor& in,
+                        bool accumulate_w, bool accumulate_b) override;  // matmul.cu
   void bias_backward(const Tensor& dbias, const Tensor& dout, bool accumulate) override;          // norms.cu
 
   void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& tok_embed, const Tensor& pos_embed,
@@ -164,6 +171,8 @@ class CudaBackend final : public Backend {
   bool sync_each_op_ = false;      // KEEL_CUDA_SYNC
   bool simple_attention_ = false;  // KEEL_ATTENTION=simple
   bool gelu_epilogue_ = true;      // KEEL_GELU_EPILOGUE (not 0)
+  bool residual_epilogue_ = true;  // KEEL_RESIDUAL_EPILOGUE (not 0)
+  bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)
   size_t smem_optin_ = 0;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results
   size_t live_bytes_ = 0, peak_bytes_ = 0;

@@ -21,6 +21,19 @@
 // (other dtypes, N % 8 != 0, pre unaligned, no algorithm, or KEEL_GELU_EPILOGUE=0) the ops fall
 // back to matmul followed by the GELU kernel.
 //
+// Residual (matmul_residual): the residual is cuBLASLt's C, read with beta 1 into a separate D,
+// so D = (product + residual) + bias in fp32, rounded once. C shares D's layout and dtype; the
+// plan's output alignment is the smaller of the two. Where it cannot run (a residual of another
+// dtype, no algorithm, or KEEL_RESIDUAL_EPILOGUE=0) the op is matmul, then add.
+//
+// Bias gradient (matmul_bias_grad): dW = dout^T @ in is cuBLASLt's D (col-major in x out) =
+// A (in) times op(B) with B = dout transposed, so the bias gradient sum_rows dout is the sum of
+// op(B) over k: the BGRADB epilogue, which stores it (in D's dtype, fp32 for the gradients) at
+// the bias pointer. It never adds, so a later contribution (or a bias gradient at an address
+// that is not 16-byte aligned) goes to an aligned scratch vector and is then added (or copied).
+// Without an algorithm, for other dtypes or with KEEL_BGRAD_EPILOGUE=0: matmul, then
+// bias_backward.
+//
 // Natively supported (fast path): a and b of one dtype, and
 //   f32 x f32 -> f32;  bf16 x bf16 -> bf16 or f32;  f16 x f16 -> f16 or f32; bias of out's dtype.
 // Anything else (mixed input dtypes, f32 inputs into a bf16 output, a bias of another dtype):
@@ -36,6 +49,7 @@
 // buffer and never rounded to bf16 first.
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <tuple>
@@ -72,6 +86,7 @@ enum class Epilogue : int {
   kNone = 0,
   kGeluAux = 1,  // D = gelu(x), aux = x  (x = product + bias)
   kDGelu = 2,    // D = product * gelu'(aux)
+  kBGradB = 3,   // bias (an output) = the sums of op(B) over k; D = product
 };
 
 // (M, N, K, trans_a, trans_b, ab dtype, out dtype, bias, beta, align a, b, out, bias, epilogue, align aux)
@@ -125,10 +140,11 @@ struct MatmulCache {
   }
 
   // The plan for out[M,N] (dtype dt_out) = op(a) @ op(b) with a, b of dtype dt_ab; aux is the
-  // GELU epilogues' auxiliary matrix (null for kNone).
+  // GELU epilogues' auxiliary matrix (null for kNone); c the addend read with beta 1 when it is
+  // not out itself (null: out).
   Plan& plan(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, DType dt_ab, DType dt_out, const void* a,
              const void* b, const void* out, const void* bias, bool beta_one, const ShapesFn& shapes,
-             Epilogue epilogue = Epilogue::kNone, const void* aux = nullptr) {
+             Epilogue epilogue = Epilogue::kNone, const void* aux = nullptr, const void* c = nullptr) {
     const PlanKey key{M,
                       N,
                       K,
@@ -140,7 +156,7 @@ struct MatmulCache {
                       beta_one,
                       alignment_of(a),
                       alignment_of(b),
-                      alignment_of(out),
+                      c ? std::min(alignment_of(out), alignment_of(c)) : alignment_of(out),
                       bias ? alignment_of(bias) : 256u,
                       static_cast<int>(epilogue),
                       aux ? alignment_of(aux) : 256u};
@@ -173,6 +189,7 @@ struct MatmulCache {
       case Epilogue::kNone: break;
       case Epilogue::kGeluAux: epi = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX; break;
       case Epilogue::kDGelu: epi = CUBLASLT_EPILOGUE_DGELU; break;
+      case Epilogue::kBGradB: epi = CUBLASLT_EPILOGUE_BGRADB; break;
     }
     if (epi != CUBLASLT_EPILOGUE_DEFAULT)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
@@ -229,8 +246,8 @@ struct MatmulCache {
     st = cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.la, p.lb, p.lc, p.lc, pref, kCandidates, results, &count);
     cublasLtMatmulPreferenceDestroy(pref);
     // NOT_SUPPORTED (or no result) means no algorithm for this combination: the caller falls back.
-    // A GELU epilogue is an optional fusion: whatever the heuristic says against it, the caller
-    // falls back to matmul and the GELU kernel (the profile then shows those ops, not matmul_gelu).
+    // An epilogue other than a plain bias is an optional fusion: whatever the heuristic says
+    // against it, the caller falls back to the unfused ops (the profile then shows those ops).
     const bool optional = static_cast<Epilogue>(std::get<13>(key)) != Epilogue::kNone;
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && !optional)
       check_lt(st, "cublasLtMatmulAlgoGetHeuristic", shapes);
@@ -256,9 +273,10 @@ struct MatmulCache {
     }
   }
 
-  // Runs a plan: out = op(a) @ op(b) (+ bias) (+ out when beta_one), through its epilogue.
+  // Runs a plan: out = op(a) @ op(b) (+ bias) (+ c when beta_one; c null: out), through its
+  // epilogue.
   void run(Plan& p, const void* a, const void* b, void* out, const void* bias, bool beta_one, const ShapesFn& shapes,
-           const void* aux = nullptr) {
+           const void* aux = nullptr, const void* c = nullptr) {
     if (bias)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", shapes);
@@ -266,7 +284,7 @@ struct MatmulCache {
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
                "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)", shapes);
     const float alpha = 1.0f, beta = beta_one ? 1.0f : 0.0f;
-    check_lt(cublasLtMatmul(lt, p.desc, &alpha, b, p.la, a, p.lb, &beta, out, p.lc, out, p.lc, &p.algo, workspace,
+    check_lt(cublasLtMatmul(lt, p.desc, &alpha, b, p.la, a, p.lb, &beta, c ? c : out, p.lc, out, p.lc, &p.algo, workspace,
                             kWorkspaceBytes, be.stream()),
              "cublasLtMatmul", shapes);
   }
@@ -344,17 +362,21 @@ void check_gelu_input(const char* op, const char* out_name, const Tensor& out, c
 }
 
 // The native cuBLASLt call when the operands allow it: a and b of one dtype natively supported
-// into out's dtype, a bias of out's dtype, K > 0, and for the GELU epilogues an auxiliary matrix
-// of out's dtype at a 16-byte aligned address with N % 8 == 0. Returns false, having done
-// nothing, when they do not or cuBLASLt has no algorithm: the caller takes another path.
+// into out's dtype, a bias of out's dtype, K > 0, for the GELU epilogues an auxiliary matrix
+// of out's dtype at a 16-byte aligned address with N % 8 == 0, and a residual (added with beta
+// 1, in place of out's old value) of out's dtype. Returns false, having done nothing, when they
+// do not or cuBLASLt has no algorithm: the caller takes another path.
 bool native_matmul(CudaBackend& be, MatmulCache& mc, const char* op, const MatmulShape& sh, const Tensor& out,
                    const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, bool accumulate, const Tensor* bias,
-                   Epilogue epilogue = Epilogue::kNone, const Tensor* aux = nullptr) {
+                   Epilogue epilogue = Epilogue::kNone, const Tensor* aux = nullptr,
+                   const Tensor* residual = nullptr) {
   const bool has_bias = bias && !bias->empty();
   if (sh.K == 0 || a.dtype != b.dtype || !natively_supported(a.dtype, out.dtype) ||
-      (has_bias && bias->dtype != out.dtype))
+      (has_bias && bias->dtype != out.dtype) || (residual && residual->dtype != out.dtype))
     return false;
   if (aux && (aux->dtype != out.dtype || sh.N % 8 != 0 || alignment_of(aux->data) < 16)) return false;
+  // BGRADB writes the bias pointer: never through the aligned read copy below.
+  if (epilogue == Epilogue::kBGradB && (!has_bias || alignment_of(bias->data) < 16)) return false;
   // A bias sliced out of a flat parameter buffer may sit at any element offset: the epilogue
   // reads it from an aligned copy (N elements) when it is not 16-byte aligned.
   const void* bias_ptr = has_bias ? bias->data : nullptr;
@@ -366,9 +388,11 @@ bool native_matmul(CudaBackend& be, MatmulCache& mc, const char* op, const Matmu
   }
   const void* epilogue_bias = bias_copy ? bias_copy : bias_ptr;
   const void* aux_ptr = aux ? aux->data : nullptr;
+  const void* c_ptr = residual ? residual->data : nullptr;
+  const bool beta_one = accumulate || residual;
   Plan& p = mc.plan(sh.M, sh.N, sh.K, trans_a, trans_b, a.dtype, out.dtype, a.data, b.data, out.data, epilogue_bias,
-                    accumulate, sh.shapes, epilogue, aux_ptr);
-  if (p.found) mc.run(p, a.data, b.data, out.data, epilogue_bias, accumulate, sh.shapes, aux_ptr);
+                    beta_one, sh.shapes, epilogue, aux_ptr, c_ptr);
+  if (p.found) mc.run(p, a.data, b.data, out.data, epilogue_bias, beta_one, sh.shapes, aux_ptr, c_ptr);
   if (bias_copy) be.release(bias_copy);
   return p.found;
 }
@@ -455,6 +479,55 @@ void CudaBackend::matmul_gelu_backward(const Tensor& din, const Tensor& a, const
     return;
   }
   Backend::matmul_gelu_backward(din, a, b, trans_a, trans_b, pre);
+}
+
+void CudaBackend::matmul_residual(const Tensor& out, const Tensor& residual, const Tensor& a, const Tensor& b,
+                                  bool trans_a, bool trans_b, const Tensor* bias) {
+  const char* op = "matmul_residual";
+  const cuda::MatmulShape sh = cuda::check_matmul(op, out, a, b, trans_a, trans_b, false, bias);
+  cuda::check_float(op, {"residual", residual});
+  if (residual.numel() != out.numel() || residual.cols() != out.cols())
+    cuda::fail(op, "residual must have out's shape", {{"out", out}, {"residual", residual}});
+  if (residual.data == out.data && out.numel() > 0)
+    cuda::fail(op, "out and residual must be different buffers", {{"out", out}, {"residual", residual}});
+  if (sh.M == 0 || sh.N == 0) return;
+  if (residual_epilogue_ && cuda::native_matmul(*this, *matmul_, op, sh, out, a, b, trans_a, trans_b, false, bias,
+                                                cuda::Epilogue::kNone, nullptr, &residual)) {
+    cuda::check_launch(*this, op, {{"out", out}, {"residual", residual}, {"a", a}, {"b", b}});
+    return;
+  }
+  Backend::matmul_residual(out, residual, a, b, trans_a, trans_b, bias);  // matmul, then add
+}
+
+void CudaBackend::matmul_bias_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dout, const Tensor& in,
+                                   bool accumulate_w, bool accumulate_b) {
+  const char* op = "matmul_bias_grad";
+  const cuda::MatmulShape sh = cuda::check_matmul(op, dweight, dout, in, true, false, accumulate_w, nullptr);
+  cuda::check_float(op, {"dbias", dbias});
+  if (dbias.numel() != sh.M)
+    cuda::fail(op, "dbias must have one element per column of dout", {{"dbias", dbias}, {"dout", dout}});
+  if (bgrad_epilogue_ && sh.N > 0 && dbias.dtype == dweight.dtype) {
+    // BGRADB stores the sums: straight into dbias for a first contribution at an aligned address,
+    // else into aligned scratch, then added (or copied) into dbias.
+    const bool direct = !accumulate_b && cuda::alignment_of(dbias.data) >= 16;
+    void* staged = direct ? nullptr : scratch(dbias.bytes(), op);
+    const Tensor sums(direct ? dbias.data : staged, dbias.dtype, {sh.M}, Device::CUDA);
+    const bool fused = cuda::native_matmul(*this, *matmul_, op, sh, dweight, dout, in, true, false, accumulate_w,
+                                           &sums, cuda::Epilogue::kBGradB);
+    if (fused && staged) {
+      if (accumulate_b)
+        add(dbias, dbias, sums);
+      else
+        cuda::check_cuda(cudaMemcpyAsync(dbias.data, staged, dbias.bytes(), cudaMemcpyDeviceToDevice, stream_), op,
+                         "cudaMemcpyAsync (bias gradient)");
+    }
+    if (staged) release(staged);
+    if (fused) {
+      cuda::check_launch(*this, op, {{"dweight", dweight}, {"dbias", dbias}, {"dout", dout}, {"in", in}});
+      return;
+    }
+  }
+  Backend::matmul_bias_grad(dweight, dbias, dout, in, accumulate_w, accumulate_b);  // matmul, then bias_backward
 }
 
 }  // namespace keel

@@ -348,6 +348,138 @@ TEST_CASE("gpu: matmul_gelu and matmul_gelu_backward match the CPU (GELU epilogu
           }
 }
 
+// matmul_residual: out = residual + (op(a) @ op(b) (+ bias)). Where cuBLASLt reads the residual
+// as C (residual of out's dtype) the sum is formed in fp32 and rounded once, so the reference is
+// the CPU's fp32 product (+ bias) plus the residual, rounded once; a residual of another dtype
+// takes the composition (matmul, then add), whose reference is the CPU's own. A residual at an
+// odd element offset may run either way (cuBLASLt may or may not have an algorithm for a 2-byte
+// aligned C), so there the nearer of the two references is held to the tolerance. Tolerances
+// are the matmul's: the two references differ by one storage rounding (2-3e-3 in bf16).
+TEST_CASE("gpu: matmul_residual matches the CPU (residual as cuBLASLt's C, and the composition)", "[gpu][matmul]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  struct Shape {
+    int64_t M, N, K, res_offset;
+  };
+  const Shape shapes[] = {{300, 264, 96, 0}, {129, 36, 70, 0}, {64, 96, 40, 1}, {1, 8, 16, 0}};
+  uint32_t seed = 900;
+  for (DType dt : kFloatTypes)
+    for (int mixed = 0; mixed < 2; ++mixed) {
+      if (mixed && dt == DType::F32) continue;
+      const DType res_dt = mixed ? DType::F32 : dt;  // an fp32 residual stream into bf16/fp16: composed
+      for (const Shape& sh : shapes)
+        for (int ta = 0; ta < 2; ++ta)
+          for (int bias = 0; bias < 2; ++bias) {
+            const auto [M, N, K, off] = sh;
+            const std::string what = std::string(dname(dt)) + " residual " + dname(res_dt) + " M " +
+                                     std::to_string(M) + " N " + std::to_string(N) + " K " + std::to_string(K) +
+                                     (off ? " residual unaligned" : "") + " trans_a " + std::to_string(ta) +
+                                     (bias ? " bias" : "");
+            INFO(what);
+            HostTensor a = ta ? rand_tensor(dt, {K, M}, ++seed) : rand_tensor(dt, {M, K}, ++seed);
+            HostTensor w = rand_tensor(dt, {N, K}, ++seed, 0.3f);  // a linear layer's weight: trans_b
+            HostTensor bv = rand_tensor(dt, {N}, ++seed);
+            HostTensor res = rand_tensor(res_dt, {M * N + off}, ++seed, 2.0f);
+            const Tensor res_h(static_cast<char*>(res.t.data) + off * dtype_size(res_dt), res_dt, {M, N}, Device::CPU);
+            const Tensor* bias_h = bias ? &bv.t : nullptr;
+            // fused: fp32 product (+ bias) + residual, rounded once; composed: the CPU's own op
+            HostTensor prod32 = nan_tensor(DType::F32, {M, N}), fused_ref = nan_tensor(dt, {M, N});
+            cpu().matmul(prod32.t, a.t, w.t, ta, true, false, bias_h);
+            cpu().add(fused_ref.t, prod32.t, res_h);
+            HostTensor composed_ref = nan_tensor(dt, {M, N});
+            cpu().matmul_residual(composed_ref.t, res_h, a.t, w.t, ta, true, bias_h);
+
+            DeviceTensor da = DeviceTensor::of(be, a), dw = DeviceTensor::of(be, w), dbias = DeviceTensor::of(be, bv);
+            DeviceTensor dres = DeviceTensor::of(be, res), dout = DeviceTensor::of(be, nan_tensor(dt, {M, N}));
+            const Tensor res_d(static_cast<char*>(dres.t.data) + off * dtype_size(res_dt), res_dt, {M, N},
+                               Device::CUDA);
+            be.matmul_residual(dout.t, res_d, da.t, dw.t, ta, true, bias ? &dbias.t : nullptr);
+            const HostTensor got = dout.host();
+            const double tol = storage_tol(dt, dt == DType::F32 ? 1e-5 : 1e-4);
+            const double err_fused = rel_err(got, fused_ref), err_composed = rel_err(got, composed_ref);
+            if (res_dt != dt)
+              KEEL_CHECK_ERR("matmul_residual (composed)", what, err_composed, tol);
+            else if (off == 0)
+              KEEL_CHECK_ERR("matmul_residual", what, err_fused, tol);
+            else
+              KEEL_CHECK_ERR("matmul_residual (either path)", what, std::min(err_fused, err_composed), tol);
+            CHECK(bits_differ(dres.host(), res) == 0);  // the residual is read, never written
+            dout.upload(nan_tensor(dt, {M, N}));
+            be.matmul_residual(dout.t, res_d, da.t, dw.t, ta, true, bias ? &dbias.t : nullptr);  // same bits
+            CHECK(bits_differ(dout.host(), got) == 0);
+          }
+    }
+}
+
+// matmul_bias_grad: dW (+)= dout^T in and db (+)= sum_rows dout, through cuBLASLt's BGRADB
+// epilogue where it runs (else matmul, then bias_backward). Either way each output is an fp32 sum
+// of the same products or values in another order, so the tolerances are the matmul's for dW
+// (1e-5 from fp32 inputs, 1e-4 from bf16/fp16) and bias_backward's (1e-5) for db. Both are
+// stored over NaN on a first contribution, and added to random values when accumulating; a db
+// at an odd element offset (not 16-byte aligned) takes the staged path.
+TEST_CASE("gpu: matmul_bias_grad matches matmul and bias_backward on the CPU", "[gpu][matmul]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  struct Shape {
+    int64_t rows, out, in, db_offset;
+  };
+  const Shape shapes[] = {{1000, 264, 96, 0}, {4099, 36, 40, 0}, {64, 96, 72, 1}, {1, 8, 16, 0}};
+  uint32_t seed = 1300;
+  for (DType dt : kFloatTypes)
+    for (const Shape& sh : shapes)
+      for (int acc_w = 0; acc_w < 2; ++acc_w)
+        for (int acc_b = 0; acc_b < 2; ++acc_b) {
+          const auto [R, O, I, off] = sh;
+          const std::string what = std::string(dname(dt)) + " rows " + std::to_string(R) + " out " +
+                                   std::to_string(O) + " in " + std::to_string(I) + (off ? " db unaligned" : "") +
+                                   (acc_w ? " accumulate dW" : "") + (acc_b ? " accumulate db" : "");
+          INFO(what);
+          HostTensor dout = rand_tensor(dt, {R, O}, ++seed), in = rand_tensor(dt, {R, I}, ++seed);
+          HostTensor w0 = acc_w ? rand_tensor(DType::F32, {O, I}, ++seed) : nan_tensor(DType::F32, {O, I});
+          // the element before an unaligned db is finite, and must come back unchanged
+          std::vector<float> b_init = randn(O + off, ++seed);
+          if (!acc_b) std::fill(b_init.begin() + off, b_init.end(), NAN);
+          HostTensor b0 = make(DType::F32, {O + off}, b_init);
+          HostTensor w_ref = clone(w0), b_ref = clone(b0);
+          const Tensor b_ref_view(static_cast<float*>(b_ref.t.data) + off, DType::F32, {O}, Device::CPU);
+          cpu().matmul(w_ref.t, dout.t, in.t, true, false, acc_w);
+          cpu().bias_backward(b_ref_view, dout.t, acc_b);
+
+          DeviceTensor ddout = DeviceTensor::of(be, dout), din = DeviceTensor::of(be, in);
+          DeviceTensor dw = DeviceTensor::of(be, w0), db = DeviceTensor::of(be, b0);
+          const Tensor db_view(static_cast<float*>(db.t.data) + off, DType::F32, {O}, Device::CUDA);
+          be.matmul_bias_grad(dw.t, db_view, ddout.t, din.t, acc_w, acc_b);
+          const HostTensor w_got = dw.host(), b_got = db.host();
+          KEEL_CHECK_ERR("matmul_bias_grad (dweight)", what, rel_err(w_got, w_ref), dt == DType::F32 ? 1e-5 : 1e-4);
+          KEEL_CHECK_ERR("matmul_bias_grad (dbias)", what, rel_err(b_got, b_ref), 1e-5);
+          dw.upload(w0);
+          db.upload(b0);
+          be.matmul_bias_grad(dw.t, db_view, ddout.t, din.t, acc_w, acc_b);  // again: same bits
+          CHECK(bits_differ(dw.host(), w_got) == 0);
+          CHECK(bits_differ(db.host(), b_got) == 0);
+        }
+}
+
+TEST_CASE("gpu: matmul_residual rejects a residual of another shape or aliasing its output, naming both",
+          "[gpu][errors]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  using Catch::Contains;
+  DeviceTensor out = DeviceTensor::of(be, nan_tensor(DType::BF16, {4, 16})),
+               res = DeviceTensor::of(be, nan_tensor(DType::BF16, {4, 8})),
+               a = DeviceTensor::of(be, rand_tensor(DType::BF16, {4, 32}, 1)),
+               w = DeviceTensor::of(be, rand_tensor(DType::BF16, {16, 32}, 2));
+  CHECK_THROWS_WITH(be.matmul_residual(out.t, res.t, a.t, w.t, false, true),
+                    Contains("matmul_residual") && Contains("out=[4, 16] bf16") && Contains("residual=[4, 8] bf16"));
+  CHECK_THROWS_WITH(be.matmul_residual(out.t, out.t, a.t, w.t, false, true),
+                    Contains("matmul_residual") && Contains("different buffers"));
+  // the CPU reference refuses the alias too: its matmul would overwrite the residual first
+  HostTensor h_out = nan_tensor(DType::F32, {4, 16}), h_a = rand_tensor(DType::F32, {4, 32}, 3),
+             h_w = rand_tensor(DType::F32, {16, 32}, 4);
+  CHECK_THROWS_WITH(cpu().matmul_residual(h_out.t, h_out.t, h_a.t, h_w.t, false, true),
+                    Contains("matmul_residual") && Contains("different buffers"));
+}
+
 TEST_CASE("gpu: matmul_gelu rejects a pre of another shape or aliasing its output, naming both", "[gpu][errors]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();

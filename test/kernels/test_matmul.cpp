@@ -155,3 +155,56 @@ TEST_CASE("bias_backward sums rows into dbias", "[matmul]") {
       CHECK(rel_error(dbias.values(), expect) < 1e-6);
     }
 }
+
+// The reference matmul_residual is the composition it replaces in the Transformer: the
+// projection rounded to out's dtype, then the add, so a CPU run's bits do not depend on whether
+// the layer calls it or the two ops. Checked against a double reference too, at the bf16
+// tolerance of two roundings.
+TEST_CASE("matmul_residual is matmul then add, and refuses a residual aliasing out", "[matmul]") {
+  auto be = make_cpu_backend();
+  const int64_t M = 37, N = 24, K = 50;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (bool bias : {false, true}) {
+      CAPTURE(dtype_name(dt), bias);
+      HostTensor a = make(dt, {M, K}, randn(M * K, 30)), w = make(dt, {N, K}, randn(N * K, 31, 0.3f));
+      HostTensor b = make(dt, {N}, randn(N, 32)), res = make(dt, {M, N}, randn(M * N, 33, 2.0f));
+      HostTensor got = make(dt, {M, N}, std::vector<float>(M * N, std::nanf("")));
+      HostTensor proj = make(dt, {M, N}, std::vector<float>(M * N, std::nanf("")));
+      HostTensor composed = make(dt, {M, N}, std::vector<float>(M * N, std::nanf("")));
+      be->matmul_residual(got.t, res.t, a.t, w.t, false, true, bias ? &b.t : nullptr);
+      be->matmul(proj.t, a.t, w.t, false, true, false, bias ? &b.t : nullptr);
+      be->add(composed.t, res.t, proj.t);
+      CHECK(bits_differ(got, composed) == 0);
+      std::vector<double> expect = ref_matmul(a, w, M, N, K, false, true);
+      for (int64_t i = 0; i < M * N; ++i) expect[i] += res.at(i) + (bias ? b.at(i % N) : 0.0);
+      CHECK(rel_error(got.values(), expect) < (dt == DType::F32 ? 1e-6 : 8e-3));
+      CHECK(bits_differ(res, make(dt, {M, N}, randn(M * N, 33, 2.0f))) == 0);  // read, not written
+    }
+  HostTensor x = make(DType::F32, {4, 16}, randn(64, 1)), a = make(DType::F32, {4, 8}, randn(32, 2)),
+             w = make(DType::F32, {16, 8}, randn(128, 3));
+  CHECK_THROWS_WITH(be->matmul_residual(x.t, x.t, a.t, w.t, false, true),
+                    Catch::Contains("matmul_residual") && Catch::Contains("different buffers") &&
+                        Catch::Contains("residual=[4, 16] f32"));
+}
+
+// The reference matmul_bias_grad is the two ops it stands for (a CPU run's bits do not depend on
+// whether the layer calls it or them), in both modes: stored over NaN, and added.
+TEST_CASE("matmul_bias_grad is matmul then bias_backward", "[matmul]") {
+  auto be = make_cpu_backend();
+  const int64_t R = 150, O = 24, I = 40;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (bool accumulate : {false, true}) {
+      CAPTURE(dtype_name(dt), accumulate);
+      HostTensor dout = make(dt, {R, O}, randn(R * O, 40)), in = make(dt, {R, I}, randn(R * I, 41));
+      const std::vector<float> w0 = accumulate ? randn(O * I, 42) : std::vector<float>(O * I, std::nanf(""));
+      const std::vector<float> b0 = accumulate ? randn(O, 43) : std::vector<float>(O, std::nanf(""));
+      HostTensor dw = make(DType::F32, {O, I}, w0), db = make(DType::F32, {O}, b0);
+      HostTensor dw_ref = make(DType::F32, {O, I}, w0), db_ref = make(DType::F32, {O}, b0);
+      be->matmul_bias_grad(dw.t, db.t, dout.t, in.t, accumulate, accumulate);
+      be->matmul(dw_ref.t, dout.t, in.t, true, false, accumulate);
+      be->bias_backward(db_ref.t, dout.t, accumulate);
+      CHECK(bits_differ(dw, dw_ref) == 0);
+      CHECK(bits_differ(db, db_ref) == 0);
+      CHECK(std::isfinite(db.values()[0]));
+    }
+}

@@ -3,7 +3,8 @@
 //   D (m x n) = alpha op(A) op(B) + beta C (+ bias, one value per row of D), rounded once to D's type,
 // op(A) m x k, products summed in fp32 in k order. The GELU epilogues (tanh GELU, kernels/gelu.h)
 // on that fp32 value x: GELU_AUX(_BIAS) stores x rounded into the auxiliary matrix and gelu(x) in
-// D; DGELU stores x * gelu'(aux) in D. The auxiliary matrix has D's type and the layout
+// D; DGELU stores x * gelu'(aux) in D. BGRADB stores the sums of op(B) over k (one per column of
+// D, in k order, fp32) rounded to D's type at the bias pointer, and D as without an epilogue. The auxiliary matrix has D's type and the layout
 // (D's rows, cols, EPILOGUE_AUX_LD). Layouts are (type, rows, cols, ld), element
 // (r, c) at r + c ld. What a real cuBLASLt would refuse is refused the same way
 // (CUBLAS_STATUS_INVALID_VALUE): shapes that do not chain, ld < rows, a C layout unlike D's, and
@@ -74,6 +75,9 @@ uint32_t alignment(const void* p) { return p ? keel::cuda::alignment_of(p) : 256
 bool is_gelu_aux(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
 bool has_bias(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
 bool needs_aux(cublasLtEpilogue_t e) { return is_gelu_aux(e) || e == CUBLASLT_EPILOGUE_DGELU; }
+bool known(cublasLtEpilogue_t e) {
+  return e == CUBLASLT_EPILOGUE_DEFAULT || has_bias(e) || needs_aux(e) || e == CUBLASLT_EPILOGUE_BGRADB;
+}
 
 }  // namespace
 
@@ -125,8 +129,7 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
     case CUBLASLT_MATMUL_DESC_EPILOGUE:
       if (bytes != sizeof(cublasLtEpilogue_t)) return CUBLAS_STATUS_INVALID_VALUE;
       std::memcpy(&p->epilogue, buf, bytes);
-      if (p->epilogue != CUBLASLT_EPILOGUE_DEFAULT && !has_bias(p->epilogue) && !needs_aux(p->epilogue))
-        return CUBLAS_STATUS_NOT_SUPPORTED;
+      if (!known(p->epilogue)) return CUBLAS_STATUS_NOT_SUPPORTED;
       return CUBLAS_STATUS_SUCCESS;
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
       if (bytes != sizeof(void*)) return CUBLAS_STATUS_INVALID_VALUE;
@@ -255,8 +258,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
   float alpha, beta;
   std::memcpy(&alpha, alpha_p, 4);
   std::memcpy(&beta, beta_p, 4);
-  const bool bias = has_bias(ds.epilogue);
-  if (bias && !ds.bias) return CUBLAS_STATUS_INVALID_VALUE;
+  const bool bias = has_bias(ds.epilogue), bgrad = ds.epilogue == CUBLASLT_EPILOGUE_BGRADB;
+  if ((bias || bgrad) && !ds.bias) return CUBLAS_STATUS_INVALID_VALUE;
   // op(A) as m rows of k and op(B) as n rows of k, widened once, so each output is one
   // contiguous dot product.
   std::vector<float> opa(static_cast<size_t>(m * k)), opb(static_cast<size_t>(n * k));
@@ -284,6 +287,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
     }
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < m; ++i) store(d_p, D.type, i + j * D.ld, out[static_cast<size_t>(i + j * m)]);
+  if (bgrad)
+    for (int64_t j = 0; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t l = 0; l < k; ++l) sum += opb[static_cast<size_t>(j * k + l)];
+      store(const_cast<void*>(ds.bias), D.type, j, sum);
+    }
   return CUBLAS_STATUS_SUCCESS;
 }
 
