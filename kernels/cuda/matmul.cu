@@ -352,13 +352,16 @@ MatmulShape check_matmul(const char* op, const Tensor& out, const Tensor& a, con
   return {M, N, K, std::move(shapes)};
 }
 
-// pre (the GELU input) must be out's shape and dtype, a separate buffer.
-void check_gelu_input(const char* op, const char* out_name, const Tensor& out, const Tensor& pre) {
-  check_float(op, {"pre", pre});
-  if (pre.numel() != out.numel() || pre.cols() != out.cols() || pre.dtype != out.dtype)
-    fail(op, std::string("pre must have ") + out_name + "'s shape and dtype", {{out_name, out}, {"pre", pre}});
-  if (pre.data == out.data)
-    fail(op, std::string("pre and ") + out_name + " must be different buffers", {{out_name, out}, {"pre", pre}});
+// A matrix the epilogue reads or writes beside out (GELU's pre, the residual): out's shape (and,
+// when same_dtype, its dtype), in a separate buffer.
+void check_beside_out(const char* op, const char* out_name, const Tensor& out, const char* name, const Tensor& t,
+                      bool same_dtype) {
+  check_float(op, {name, t});
+  if (t.numel() != out.numel() || t.cols() != out.cols() || (same_dtype && t.dtype != out.dtype))
+    fail(op, std::string(name) + " must have " + out_name + "'s shape" + (same_dtype ? " and dtype" : ""),
+         {{out_name, out}, {name, t}});
+  if (t.data == out.data && out.numel() > 0)
+    fail(op, std::string(name) + " and " + out_name + " must be different buffers", {{out_name, out}, {name, t}});
 }
 
 // The native cuBLASLt call when the operands allow it: a and b of one dtype natively supported
@@ -457,7 +460,7 @@ void CudaBackend::matmul_gelu(const Tensor& act, const Tensor& pre, const Tensor
                               bool trans_b, const Tensor* bias) {
   const char* op = "matmul_gelu";
   const cuda::MatmulShape sh = cuda::check_matmul(op, act, a, b, trans_a, trans_b, false, bias);
-  cuda::check_gelu_input(op, "act", act, pre);
+  cuda::check_beside_out(op, "act", act, "pre", pre, true);
   if (sh.M == 0 || sh.N == 0) return;
   if (gelu_epilogue_ && cuda::native_matmul(*this, *matmul_, op, sh, act, a, b, trans_a, trans_b, false, bias,
                                             cuda::Epilogue::kGeluAux, &pre)) {
@@ -471,7 +474,7 @@ void CudaBackend::matmul_gelu_backward(const Tensor& din, const Tensor& a, const
                                        bool trans_b, const Tensor& pre) {
   const char* op = "matmul_gelu_backward";
   const cuda::MatmulShape sh = cuda::check_matmul(op, din, a, b, trans_a, trans_b, false, nullptr);
-  cuda::check_gelu_input(op, "din", din, pre);
+  cuda::check_beside_out(op, "din", din, "pre", pre, true);
   if (sh.M == 0 || sh.N == 0) return;
   if (gelu_epilogue_ && cuda::native_matmul(*this, *matmul_, op, sh, din, a, b, trans_a, trans_b, false, nullptr,
                                             cuda::Epilogue::kDGelu, &pre)) {
@@ -485,11 +488,7 @@ void CudaBackend::matmul_residual(const Tensor& out, const Tensor& residual, con
                                   bool trans_a, bool trans_b, const Tensor* bias) {
   const char* op = "matmul_residual";
   const cuda::MatmulShape sh = cuda::check_matmul(op, out, a, b, trans_a, trans_b, false, bias);
-  cuda::check_float(op, {"residual", residual});
-  if (residual.numel() != out.numel() || residual.cols() != out.cols())
-    cuda::fail(op, "residual must have out's shape", {{"out", out}, {"residual", residual}});
-  if (residual.data == out.data && out.numel() > 0)
-    cuda::fail(op, "out and residual must be different buffers", {{"out", out}, {"residual", residual}});
+  cuda::check_beside_out(op, "out", out, "residual", residual, false);  // any float dtype: else composed
   if (sh.M == 0 || sh.N == 0) return;
   if (residual_epilogue_ && cuda::native_matmul(*this, *matmul_, op, sh, out, a, b, trans_a, trans_b, false, bias,
                                                 cuda::Epilogue::kNone, nullptr, &residual)) {

@@ -29,6 +29,14 @@ HostTensor rand_tensor(DType dt, std::initializer_list<int64_t> shape, uint32_t 
 
 HostTensor nan_tensor(DType dt, std::initializer_list<int64_t> shape) { return filled(dt, shape, NAN); }
 
+// Shapes for the fused-epilogue matmuls (matmul_gelu, matmul_residual): out [M, N] = [M, K] x
+// [K, N], the matrix beside out (pre, residual) at `offset` elements. Fused; N % 8 != 0; the
+// side matrix at an odd element offset (not 16-byte aligned); a single row.
+struct EpilogueShape {
+  int64_t M, N, K, offset;
+};
+constexpr EpilogueShape kEpilogueShapes[] = {{300, 264, 96, 0}, {129, 36, 70, 0}, {64, 96, 40, 1}, {1, 8, 16, 0}};
+
 }  // namespace
 
 TEST_CASE("gpu: allocate gives zeroed aligned memory; copies are raw bytes", "[gpu][memory]") {
@@ -284,14 +292,9 @@ TEST_CASE("gpu: bias_backward sums rows like the CPU", "[gpu][matmul]") {
 TEST_CASE("gpu: matmul_gelu and matmul_gelu_backward match the CPU (GELU epilogues and fallback)", "[gpu][matmul]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
-  struct Shape {
-    int64_t M, N, K, pre_offset;
-  };
-  // fused; N % 8 != 0; pre at an odd element offset; a single row
-  const Shape shapes[] = {{300, 264, 96, 0}, {129, 36, 70, 0}, {64, 96, 40, 1}, {1, 8, 16, 0}};
   uint32_t seed = 500;
   for (DType dt : kFloatTypes)
-    for (const Shape& sh : shapes)
+    for (const EpilogueShape& sh : kEpilogueShapes)
       for (int ta = 0; ta < 2; ++ta)
         for (int tb = 0; tb < 2; ++tb)
           for (int bias = 0; bias < 2; ++bias) {
@@ -358,16 +361,12 @@ TEST_CASE("gpu: matmul_gelu and matmul_gelu_backward match the CPU (GELU epilogu
 TEST_CASE("gpu: matmul_residual matches the CPU (residual as cuBLASLt's C, and the composition)", "[gpu][matmul]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
-  struct Shape {
-    int64_t M, N, K, res_offset;
-  };
-  const Shape shapes[] = {{300, 264, 96, 0}, {129, 36, 70, 0}, {64, 96, 40, 1}, {1, 8, 16, 0}};
   uint32_t seed = 900;
   for (DType dt : kFloatTypes)
     for (int mixed = 0; mixed < 2; ++mixed) {
       if (mixed && dt == DType::F32) continue;
       const DType res_dt = mixed ? DType::F32 : dt;  // an fp32 residual stream into bf16/fp16: composed
-      for (const Shape& sh : shapes)
+      for (const EpilogueShape& sh : kEpilogueShapes)
         for (int ta = 0; ta < 2; ++ta)
           for (int bias = 0; bias < 2; ++bias) {
             const auto [M, N, K, off] = sh;
