@@ -7,7 +7,8 @@
 #                                       #           racecheck of the attention kernels
 #   scripts/gpu_session.sh STAGE...     # any of: env build test memcheck racecheck bench profile
 #                                       # recompute (Llama 1B with train.recompute "full": memory
-#                                       # and ms/step against the bench stage's run)
+#                                       # and ms/step against the bench stage's run) unfused (the
+#                                       # profiles with every optional fusion off)
 #
 # Binaries: build-gpu/carry/bin (from gpu_prebuild.sh) when present, else the `build` stage
 # compiles keel and test_gpu on the device with the carried header-only dependencies
@@ -42,8 +43,8 @@ for a in "$@"; do
   case "$a" in
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
-    env | build | test | memcheck | racecheck | bench | profile | recompute) stages+=("$a") ;;
-    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, profile, recompute)" >&2; exit 2 ;;
+    env | build | test | memcheck | racecheck | bench | profile | recompute | unfused) stages+=("$a") ;;
+    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, profile, recompute, unfused)" >&2; exit 2 ;;
   esac
 done
 
@@ -221,27 +222,35 @@ stage_recompute() {
 }
 
 # Device time per op (KEEL_CUDA_PROFILE) over a few steps of each benchmark shape.
+# $1: a name suffix and $2..: environment settings for the run (stage_unfused).
 stage_profile() {
   ensure_bins
-  local m cfg T mbs dir
+  local suffix=${1:-} m cfg T mbs dir
+  local -a envs=("${@:2}")
   for m in gpt2 llama1b; do
     case $m in
       gpt2) cfg=$ROOT/configs/gpt2-124m.json T=1024 mbs=${MBS_GPT2:-32} ;;
       llama1b) cfg=$ROOT/configs/llama-1b.json T=2048 mbs=${MBS_LLAMA:-4} ;;
     esac
-    dir=$RES/profile-$m
+    dir=$RES/profile-$m$suffix
     mkdir -p "$dir"
     local shard
     shard=$(ls "$RES"/bench/keel-$m/train_000.bin 2>/dev/null | head -1)
     if [ -z "$shard" ]; then say "profile $m: no token shard (run the bench stage first)"; continue; fi
-    KEEL_CUDA_PROFILE="$RES/profile-$m.txt" timeout "$(limit 90)" "$BIN/keel" train --config "$cfg" --out "$dir/run" \
+    env "${envs[@]}" KEEL_CUDA_PROFILE="$RES/profile-$m$suffix.txt" timeout "$(limit 90)" "$BIN/keel" train --config "$cfg" --out "$dir/run" \
       --device cuda --steps 6 --set "data.train=[\"$shard\"]" --set 'data.val=[]' --set data.shuffle=false \
       --set train.micro_batch="$mbs" --set train.global_batch="$mbs" --set train.seq_len="$T" \
       --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.save_at_end=false \
       --set log.interval=1 > "$dir/log.txt" 2>&1 || { say "profile $m: keel failed"; tail -5 "$dir/log.txt"; continue; }
-    say "profile $m (6 steps, B=$mbs T=$T):"
-    head -14 "$RES/profile-$m.txt" | tee -a "$SUMMARY"
+    say "profile $m$suffix (6 steps, B=$mbs T=$T${envs[*]:+, ${envs[*]}}):"
+    head -14 "$RES/profile-$m$suffix.txt" | tee -a "$SUMMARY"
   done
+}
+
+# The same profiles with every optional fusion off (cuBLASLt's GELU, residual and BGRADB
+# epilogues; the attention backward's staged dS): what each one is worth, per op.
+stage_unfused() {
+  stage_profile -unfused KEEL_GELU_EPILOGUE=0 KEEL_RESIDUAL_EPILOGUE=0 KEEL_BGRAD_EPILOGUE=0 KEEL_ATTN_DS_MB=0
 }
 
 setup_libs

@@ -131,6 +131,7 @@ MemoryModel keel_memory_model(PrecisionMode mode) {
   m.chunked_logits = true;
   m.fused_gelu_backward = true;
   m.fused_residual_projection = true;
+  m.attention_ds_budget = kGiB;  // CudaBackend::attention_ds_budget's default (KEEL_ATTN_DS_MB)
   StateBytes& s = m.state;
   switch (mode) {
     case PrecisionMode::FP32:
@@ -301,6 +302,15 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
       a * (rows * d + N * d + proj_out + N * (qkv + q + fc + dact) / t) + (rows < N ? a * (N + rows) * d : 0);
   if (m.qk_norm) r.backward_scratch += 2 * N * qk_heads / t * a * m.head_dim();  // the two qk_norm scratch sets
   return r;
+}
+
+// The fused attention backward's staged dS (kernels/cuda/attention_flash.cu), transient within a
+// layer's backward: the causal 64 x 64 tiles of every local query head of the micro-batch, 2
+// bytes each, at most the budget (it launches in chunks that fit), 0 without 16-bit activations.
+double attention_ds_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq) {
+  if (mem.attention_ds_budget <= 0 || mem.act_bytes != 2) return 0;
+  const double tiles = static_cast<double>((seq + 63) / 64), heads = static_cast<double>(m.n_heads / tp);
+  return std::min(mem.attention_ds_budget, static_cast<double>(mbs) * heads * tiles * (tiles + 1) / 2 * 64 * 64 * 2);
 }
 
 std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOptions& opt) {
@@ -536,7 +546,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     st.act_full += once;
     st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : 0) + once;
     st.act_recompute = st.act_stored_recompute + st.act_working_recompute;
-    st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes;
+    st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes + attention_ds_bytes(m, mem, l.tp, l.mbs, seq);
     p.stages.push_back(st);
   }
   p.usable_bytes = hw.gpu_mem_bytes * (1 - mem.headroom);
@@ -871,7 +881,7 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
       [&](const StageMemory& s) { return gib(s.act_stored_recompute); });
   add("  one layer rebuilt + scratch", [&](const StageMemory& s) { return gib(s.act_working_recompute); });
   if (p.stages[0].overhead > 0)
-    add("CUDA context + comm buffers", [&](const StageMemory& s) { return gib(s.overhead); });
+    add("CUDA context, comm buffers, attention dS", [&](const StageMemory& s) { return gib(s.overhead); });
   add("total, no recompute", [&](const StageMemory& s) { return gib(s.total(false)); });
   add("total, " + rc_name, [&](const StageMemory& s) { return gib(s.total(true)); });
   o << t.str();

@@ -74,6 +74,9 @@ struct MemoryModel {
   bool keeps_stage_output = false;  // the pipeline keeps each in-flight micro-batch's stage output
                                     // until its backward (DeepSpeed's pipe_buffers['outputs'])
   double cuda_context_bytes = 1.5 * kGiB;  // context, cuBLAS workspace, kernels (seed: 1271-1573 MiB)
+  double attention_ds_budget = 0;  // most bytes of dS tiles the fused attention backward stages
+                                   // while a layer's backward runs (keel: CudaBackend's default
+                                   // budget, 1 GiB; it takes less when the layer's dS is smaller)
   double comm_buffer_bytes = 0;   // persistent communication buckets
   double headroom = 0.05;         // fraction of the GPU kept free (fragmentation, transient peaks)
 };
@@ -205,7 +208,7 @@ struct StageMemory {
   // Parts of act_recompute: per micro-batch in flight, the recomputed layers' inputs and the
   // other layers' activations; once, one layer's intermediates rebuilt, the head, the scratch.
   double act_stored_recompute = 0, act_working_recompute = 0;
-  double overhead = 0;         // CUDA context + communication buffers
+  double overhead = 0;         // CUDA context + communication buffers + attention backward's dS
   double state() const { return weights + grads + master + moments + grad_shard; }
   double total(bool recompute) const { return state() + (recompute ? act_recompute : act_full) + overhead; }
 };

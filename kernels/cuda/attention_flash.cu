@@ -37,6 +37,14 @@
 //            order and, for each, over query tiles of 32 rows from the diagonal to the end:
 //            S^T = K Q^T, dP^T = V dO^T, dS^T, dV += P^T dO, dK += dS^T Q. One block owns each
 //            dk/dv row, and the loop order is fixed: deterministic, no atomics.
+// The backward has two ways to get dq. Counting a 64x64xhd tile product as one unit U:
+//   staged (default) the dk-dv kernel runs first and also stores its rounded dS tiles (64 keys x
+//            64 queries, 8 KiB in bf16) to scratch; then dq_staged, per query tile, loops over
+//            key tiles: dQ += dS K. 4U + 1U, plus a write and a read of the causal half of dS
+//            (B * nh * T^2 / 2 * 2 bytes, launched in chunks of heads and sequences that fit
+//            the budget CudaBackend::attention_ds_budget).
+//   recompute the dq kernel above, before the dk-dv kernel: S, dP and dS again, 3U + 4U.
+// Both sum dq over key tiles in a fixed order in one block: deterministic either way.
 // Tiles beyond T are zero-filled and masked; causal masking applies on tiles crossing the diagonal.
 // Document masking (AttnShape::positions, pos) and sliding windows (AttnShape::window): row i
 // attends keys from start_i = attention_first_key(i) (kernels/attention_window.h: i - pos[i],
@@ -71,6 +79,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBlockQ = 64;      // query rows per block (forward, dq)
 constexpr int kBlockK = 64;      // key rows per tile / per dk-dv block
 constexpr int kBlockQBwd = 32;   // query rows per step of the dk-dv kernel
+constexpr int kDsTile = kBlockQ * kBlockK;  // elements of one staged dS tile
 constexpr int kPad = 8;          // shared-memory row padding (elements): conflict-free fragment loads
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -249,6 +258,21 @@ __device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int 
     const T* src = g_head + static_cast<int64_t>(valid ? row : 0) * cols + ch * 8;
     cp_async16(s + r * LD + ch * 8, src, valid);
   }
+}
+
+// Double buffering over a loop's steps: with a step after this one, stage it (stage(next, buf))
+// into the other buffer and wait for all but that newest copy group; at the last step wait for
+// everything. Then a barrier, after which the block may read the current buffer.
+template <class Stage>
+__device__ __forceinline__ void stage_next_and_wait(bool more, const Stage& stage, int next, int buf) {
+  if (more) {
+    stage(next, buf);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
 }
 
 // ---- document masking and sliding windows ----
@@ -564,12 +588,23 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward: dk, dv ----
 
-template <class T, int HD, bool kAlibi>
+// Staged dS tiles: per (sequence, query head) of a launch's chunk, the causal tiles (qt, kt),
+// kt <= qt, in row order: tile index qt (qt + 1) / 2 + kt, each [64 keys][64 queries].
+__device__ __forceinline__ int64_t ds_tile_index(int64_t head_in_chunk, int n_tri, int qt, int kt) {
+  return head_in_chunk * n_tri + qt * (qt + 1) / 2 + kt;
+}
+
+// kStoreDS: also store dS (rounded to T, as the dK product takes it) to `ds` for
+// flash_backward_dq_staged_kernel; the grid then covers one chunk, kv heads kv0 + blockIdx.x and
+// sequences b0 + blockIdx.y, and the query loop runs to whole 64-row tiles, so that every row
+// below T of a tile the dq kernel reads is stored (the rows past the last one a key tile
+// reaches store zeros).
+template <class T, int HD, bool kAlibi, bool kStoreDS>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_dkdv_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                                const float* __restrict__ delta, const int32_t* __restrict__ pos, int window,
-                               const float* __restrict__ slopes, T* __restrict__ dqkv, int T_len, int nh, int nkv,
-                               float scale_log2, float scale) {
+                               const float* __restrict__ slopes, T* __restrict__ dqkv, T* __restrict__ ds, int kv0,
+                               int b0, int T_len, int nh, int nkv, float scale_log2, float scale) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
@@ -584,7 +619,7 @@ __global__ void __launch_bounds__(kThreads)
   int* sS = reinterpret_cast<int*>(sD + 2 * kBlockQBwd);            // [2][kBlockQBwd] row starts
 
   const int kt = blockIdx.z;  // small kt = most query tiles: started first, for every (kv head, batch)
-  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int kvh = kv0 + blockIdx.x, b = b0 + blockIdx.y;
   const int group = nh / nkv;
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
   const int64_t out_cols = static_cast<int64_t>(nh) * HD;
@@ -599,8 +634,10 @@ __global__ void __launch_bounds__(kThreads)
   // Queries that see a key of this tile: i from k0 up to, with document masking or a window, the
   // last row whose start is at most the tile's last key (starts never decrease).
   const int32_t* seq_pos = pos ? pos + static_cast<int64_t>(b) * T_len : nullptr;
-  const int q_end = pos || window > 0 ? queries_end(seq_pos, window, T_len, min(k0 + kBlockK, T_len) - 1) : T_len;
+  int q_end = pos || window > 0 ? queries_end(seq_pos, window, T_len, min(k0 + kBlockK, T_len) - 1) : T_len;
+  if (kStoreDS) q_end = min((q_end + kBlockQ - 1) / kBlockQ * kBlockQ, (T_len + kBlockQBwd - 1) / kBlockQBwd * kBlockQBwd);
   const int n_q = (q_end + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
+  const int n_tri = kStoreDS ? ((T_len + kBlockQ - 1) / kBlockQ) * ((T_len + kBlockQ - 1) / kBlockQ + 1) / 2 : 0;
   const int n_it = group * n_q;
 
   // Stage step `it` (query head h = kvh * group + it / n_q, query tile qi_first + it % n_q) into buffer `buf`.
@@ -631,14 +668,7 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int it = 0; it < n_it; ++it) {
     const int buf = it & 1;
-    if (it + 1 < n_it) {
-      stage(it + 1, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    stage_next_and_wait(it + 1 < n_it, stage, it + 1, buf ^ 1);
     const T* q_s = sQ + buf * kBlockQBwd * LD;
     const T* do_s = sdO + buf * kBlockQBwd * LD;
     const float* l_s = sL + buf * kBlockQBwd;
@@ -676,6 +706,17 @@ __global__ void __launch_bounds__(kThreads)
         st[n][e] = p;
         dpt[n][e] = p * (dpt[n][e] - d_s[ci]);  // dpt now holds dS^T
       }
+    if constexpr (kStoreDS) {
+      // the lane's keys (rows g, g + 8 of the warp's 16) x its query pairs, as 4-byte stores
+      const int64_t head_in_chunk = static_cast<int64_t>(blockIdx.y) * gridDim.x * group + blockIdx.x * group + it / n_q;
+      T* tile = ds + ds_tile_index(head_in_chunk, n_tri, i0 / kBlockQ, kt) * kDsTile;
+      T* dst = tile + (warp * 16 + g) * kBlockQ + i0 % kBlockQ + 2 * t;
+#pragma unroll
+      for (int n = 0; n < QN; ++n) {
+        *reinterpret_cast<uint32_t*>(dst + n * 8) = pack2<T>(dpt[n][0], dpt[n][1]);
+        *reinterpret_cast<uint32_t*>(dst + 8 * kBlockQ + n * 8) = pack2<T>(dpt[n][2], dpt[n][3]);
+      }
+    }
     // dV += P^T dO and dK += dS^T Q (k = the 32 queries)
 #pragma unroll
     for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
@@ -698,6 +739,75 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- backward: dq from the staged dS ----
+
+// Block (query tile of 64 rows, query head h0 + blockIdx.x, sequence b0 + blockIdx.y); per warp
+// 16 rows: dQ += dS K over key tiles from the tile of the first row's start to the diagonal, in
+// order. dS comes from scratch as stored by the dk-dv kernel ([key][query] per tile, so its A
+// fragments are loaded transposed); K from qkv. Both double-buffered by cp.async.
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads)
+    flash_backward_dq_staged_kernel(const T* __restrict__ qkv, const T* __restrict__ ds,
+                                    const int32_t* __restrict__ pos, int window, T* __restrict__ dqkv, int h0, int b0,
+                                    int T_len, int nh, int nkv, float scale) {
+  constexpr int LD = HD + kPad;
+  constexpr int LDS = kBlockQ + kPad;  // a staged tile's rows: 64 queries
+  constexpr int NT = HD / 8;
+  KEEL_DYNAMIC_SHARED(smem_raw);
+  T* sS = reinterpret_cast<T*>(smem_raw);  // [2][kBlockK][LDS]
+  T* sK = sS + 2 * kBlockK * LDS;         // [2][kBlockK][LD]
+
+  const int qt = gridDim.z - 1 - blockIdx.z;  // longest first, as in the forward
+  const int h = h0 + blockIdx.x, b = b0 + blockIdx.y;
+  const int kvh = h / (nh / nkv);
+  const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
+  const T* k_head = qkv + static_cast<int64_t>(b) * T_len * cols + (nh + kvh) * HD;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int q0 = qt * kBlockQ;
+  const int32_t* seq_pos = pos ? pos + static_cast<int64_t>(b) * T_len : nullptr;
+  const int kt_first = pos || window > 0 ? row_start(seq_pos, q0, window) / kBlockK : 0;
+  const int n_qt = (T_len + kBlockQ - 1) / kBlockQ;
+  const int64_t head_in_chunk = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const T* tiles = ds + ds_tile_index(head_in_chunk, n_qt * (n_qt + 1) / 2, qt, 0) * kDsTile;
+
+  auto stage = [&](int kt, int buf) {
+    async_tile<T, kBlockQ, kBlockK>(sS + buf * kBlockK * LDS, tiles + static_cast<int64_t>(kt) * kDsTile, 0, kBlockK,
+                                    kBlockQ);
+    async_tile<T, HD, kBlockK>(sK + buf * kBlockK * LD, k_head, kt * kBlockK, T_len, cols);
+  };
+  stage(kt_first, 0);
+  cp_async_commit();
+
+  float dq[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+
+  for (int kt = kt_first; kt <= qt; ++kt) {
+    const int buf = (kt - kt_first) & 1;
+    stage_next_and_wait(kt < qt, stage, kt + 1, buf ^ 1);
+    const T* s_s = sS + buf * kBlockK * LDS;
+    const T* k_s = sK + buf * kBlockK * LD;
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      // A = dS (16 query rows x 16 keys) from the [key][query] tile: .trans of matrices (keys
+      // 0-7 | 8-15) x (queries 0-7 | 8-15), lane l giving key row l % 8 + 8 (l / 16), query
+      // column 8 ((l / 8) % 2), which yields a[0..3] in the A fragment order.
+      uint32_t a[4];
+      ldsm_x4_trans(a, s_s + (kk * 16 + lane % 8 + (lane / 16) * 8) * LDS + warp * 16 + (lane & 8));
+      mma_b_kmajor<T>(dq, a, k_s + (kk * 16) * LD, LD, lane);
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = q0 + warp * 16 + g + 8 * r;
+    if (row >= T_len) continue;
+    T* drow = dqkv + (static_cast<int64_t>(b) * T_len + row) * cols + h * HD;
+    store_acc_row<T>(drow, dq, r, scale, t);
+  }
+}
+
 // ---- launchers ----
 
 template <class T, int HD>
@@ -707,6 +817,10 @@ size_t forward_smem() {
 template <class T, int HD>
 size_t dq_smem() {
   return static_cast<size_t>(2 * kBlockQ + 4 * kBlockK) * (HD + kPad) * sizeof(T);
+}
+template <class T, int HD>
+size_t dq_staged_smem() {
+  return static_cast<size_t>(2 * kBlockK) * (kBlockQ + kPad + HD + kPad) * sizeof(T);
 }
 template <class T, int HD>
 size_t dkdv_smem() {
@@ -734,23 +848,63 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
       s.n_kv_heads, scale * kLog2e);
 }
 
+// How a staged backward splits into launches: kv heads and sequences per chunk (whole groups of
+// query heads), each chunk's dS within the budget. chunks == 0: no chunk of one kv head fits.
+struct DsChunks {
+  int kv = 0, seqs = 0;
+  size_t bytes = 0;  // scratch of one chunk
+};
+DsChunks ds_chunks(const AttnShape& s, size_t elem_bytes, size_t budget) {
+  const int64_t n_qt = ceil_div(s.T, static_cast<int64_t>(kBlockQ));
+  const size_t per_head = static_cast<size_t>(n_qt * (n_qt + 1) / 2) * kDsTile * elem_bytes;
+  const size_t per_kv = per_head * static_cast<size_t>(s.n_heads / s.n_kv_heads);
+  DsChunks c;
+  if (per_kv == 0 || budget < per_kv) return c;
+  c.kv = static_cast<int>(std::min<size_t>(s.n_kv_heads, budget / per_kv));
+  c.seqs = c.kv < s.n_kv_heads ? 1 : static_cast<int>(std::min<size_t>(s.B, budget / (per_kv * s.n_kv_heads)));
+  c.bytes = per_kv * c.kv * c.seqs;
+  return c;
+}
+
 template <class T, int HD, bool kAlibi>
 void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                    const float* delta, const AttnShape& s) {
-  const size_t smem_dq = dq_smem<T, HD>(), smem_dkdv = dkdv_smem<T, HD>();
-  allow_smem(flash_backward_dq_kernel<T, HD, kAlibi>, smem_dq, "attention_backward");
-  allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi>, smem_dkdv, "attention_backward");
+  const char* op = "attention_backward";
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
-  const dim3 grid_q(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
-                    static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
+  const int group = s.n_heads / s.n_kv_heads;
+  const unsigned n_tiles = static_cast<unsigned>(ceil_div(s.T, kBlockK));  // = query tiles (kBlockQ == kBlockK)
+  const size_t smem_dkdv = dkdv_smem<T, HD>();
+  const DsChunks chunks = ds_chunks(s, sizeof(T), be.attention_ds_budget());
+  if (chunks.kv > 0) {
+    const size_t smem_dq = dq_staged_smem<T, HD>();
+    allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi, true>, smem_dkdv, op);
+    allow_smem(flash_backward_dq_staged_kernel<T, HD>, smem_dq, op);
+    T* ds = static_cast<T*>(be.scratch(chunks.bytes, op));
+    for (int b0 = 0; b0 < s.B; b0 += chunks.seqs)
+      for (int kv0 = 0; kv0 < s.n_kv_heads; kv0 += chunks.kv) {
+        const int kv = std::min(chunks.kv, s.n_kv_heads - kv0), seqs = std::min(chunks.seqs, s.B - b0);
+        flash_backward_dkdv_kernel<T, HD, kAlibi, true>
+            <<<dim3(kv, seqs, n_tiles), kThreads, smem_dkdv, be.stream()>>>(
+                qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window,
+                slopes_of(s), dqkv.as<T>(), ds, kv0, b0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
+        flash_backward_dq_staged_kernel<T, HD><<<dim3(kv * group, seqs, n_tiles), kThreads, smem_dq, be.stream()>>>(
+            qkv.as<const T>(), ds, positions_of(s), s.window, dqkv.as<T>(), kv0 * group, b0, s.T, s.n_heads,
+            s.n_kv_heads, scale);
+      }
+    be.release(ds);
+    return;
+  }
+  const size_t smem_dq = dq_smem<T, HD>();
+  allow_smem(flash_backward_dq_kernel<T, HD, kAlibi>, smem_dq, op);
+  allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi, false>, smem_dkdv, op);
+  const dim3 grid_q(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B), n_tiles);
   flash_backward_dq_kernel<T, HD, kAlibi><<<grid_q, kThreads, smem_dq, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
       dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
-  const dim3 grid_k(static_cast<unsigned>(s.n_kv_heads), static_cast<unsigned>(s.B),
-                    static_cast<unsigned>(ceil_div(s.T, kBlockK)));
-  flash_backward_dkdv_kernel<T, HD, kAlibi><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
+  const dim3 grid_k(static_cast<unsigned>(s.n_kv_heads), static_cast<unsigned>(s.B), n_tiles);
+  flash_backward_dkdv_kernel<T, HD, kAlibi, false><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
-      dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
+      dqkv.as<T>(), nullptr, 0, 0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
 }
 
 // head_dim dispatch of the launchers
@@ -782,9 +936,11 @@ bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
   // kernel at head_dim 128 (102 KiB) cannot launch. Those calls take the plain kernels.
   size_t need = 0;
   if (s.head_dim == 64)
-    need = backward ? std::max(dq_smem<__half, 64>(), dkdv_smem<__half, 64>()) : forward_smem<__half, 64>();
+    need = backward ? std::max({dq_smem<__half, 64>(), dq_staged_smem<__half, 64>(), dkdv_smem<__half, 64>()})
+                    : forward_smem<__half, 64>();
   else
-    need = backward ? std::max(dq_smem<__half, 128>(), dkdv_smem<__half, 128>()) : forward_smem<__half, 128>();
+    need = backward ? std::max({dq_smem<__half, 128>(), dq_staged_smem<__half, 128>(), dkdv_smem<__half, 128>()})
+                    : forward_smem<__half, 128>();
   return need <= be.max_smem_per_block();
 }
 

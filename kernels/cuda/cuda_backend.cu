@@ -1,11 +1,14 @@
 // CudaBackend: construction, memory, host<->device copies, convert / fill / add / scale, the
 // dtype staging helper and the RoPE table cache. The other ops live in their own files.
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -188,8 +191,24 @@ void CudaBackend::profile_harvest() {
 
 // ---- construction ----
 
+// KEEL_ATTN_DS_MB as bytes (unset or empty: `fallback`); a value that is not a whole number of
+// MiB is refused naming the variable.
+static size_t attention_ds_budget_from_env(size_t fallback) {
+  const char* mb = std::getenv("KEEL_ATTN_DS_MB");
+  if (!mb || !*mb) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(mb, &end, 10);
+  if (*end != '\0' || errno != 0 || !std::isdigit(static_cast<unsigned char>(mb[0])) || v > (1ull << 24))
+    throw std::invalid_argument(std::string("KEEL_ATTN_DS_MB must be a whole number of MiB from 0 to 16777216 (the "
+                                            "fused attention backward's dS scratch; 0: recompute instead), got '") +
+                                mb + "'");
+  return static_cast<size_t>(v) << 20;
+}
+
 CudaBackend::CudaBackend(int device) : device_(device) {
   const char* op = "CudaBackend";
+  attn_ds_budget_ = attention_ds_budget_from_env(attn_ds_budget_);  // before anything is taken: it may throw
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {

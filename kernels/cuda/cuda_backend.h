@@ -20,6 +20,8 @@
 // KEEL_RESIDUAL_EPILOGUE=0 makes matmul_residual run matmul then add instead of reading the
 // residual as cuBLASLt's C, and KEEL_BGRAD_EPILOGUE=0 makes matmul_bias_grad run matmul then
 // bias_backward instead of the BGRADB epilogue (each to time or rule out its fusion).
+// KEEL_ATTN_DS_MB=<MiB> bounds the scratch of the fused attention backward's staged dS (default
+// 1024; 0 makes it recompute the probabilities for dq instead).
 // KEEL_CUDA_PROFILE=1 times every
 // op with CUDA events and prints the device time per op (and per op and shapes) to stderr when
 // the backend is destroyed; KEEL_CUDA_PROFILE=<file> writes it there instead. The GPU time
@@ -156,6 +158,12 @@ class CudaBackend final : public Backend {
   bool profiling() const { return profiler_ != nullptr; }
   void profile_mark(const char* op, const std::string& shapes);
   bool simple_attention() const { return simple_attention_; }
+  // Scratch the fused attention backward may take to stage its dS tiles (attention_flash.cu:
+  // 5 tile products instead of 7, launched in chunks of heads and sequences that fit):
+  // KEEL_ATTN_DS_MB, default 1024 MiB. Below one kv head's tiles (T^2 / 2 * group * 2 bytes),
+  // and with 0, its dq kernel recomputes the probabilities instead.
+  size_t attention_ds_budget() const { return attn_ds_budget_; }
+  void set_attention_ds_budget(size_t bytes) { attn_ds_budget_ = bytes; }
   // Shared memory one block may opt in to on this device (bytes; read once at construction).
   size_t max_smem_per_block() const { return smem_optin_; }
   cuda::MatmulCache& matmul_cache() { return *matmul_; }
@@ -173,6 +181,7 @@ class CudaBackend final : public Backend {
   bool gelu_epilogue_ = true;      // KEEL_GELU_EPILOGUE (not 0)
   bool residual_epilogue_ = true;  // KEEL_RESIDUAL_EPILOGUE (not 0)
   bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)
+  size_t attn_ds_budget_ = size_t{1024} << 20;  // KEEL_ATTN_DS_MB
   size_t smem_optin_ = 0;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results
   size_t live_bytes_ = 0, peak_bytes_ = 0;

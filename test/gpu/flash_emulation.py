@@ -24,6 +24,11 @@ The kernel bodies are transcribed from the .cu file; the result is compared with
 reference of causal GQA attention and its gradients.
 One sequence (B = 1) per call: the per-sequence pointer offsets (b * T) are left to the GPU
 tests (test/gpu/test_gpu_attention.cpp, B = 2 and 3).
+The backward transcribed here is the recomputing one (KEEL_ATTN_DS_MB=0). The default staged
+path (the dk-dv kernel's dS stores, flash_backward_dq_staged_kernel's transposed A loads and
+its chunks) is not transcribed: the C++ emulator (kernels/cuda/emulator, the emulated_gpu ctest
+groups) runs those kernels' own code, with device memory that starts as NaN, so an element the
+dq kernel reads that the dk-dv kernel did not store shows.
 """
 import sys
 

@@ -18,6 +18,7 @@
 
 #include "gpu_test_util.h"
 #include "kernels/alibi.h"
+#include "kernels/cuda/cuda_backend.h"
 
 using namespace keel;
 using namespace keel::test;
@@ -220,6 +221,102 @@ TEST_CASE("gpu: attention backward matches the CPU (plain and fused kernels)", "
         be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, s);
         CHECK(bits_differ(ddq.host(), got) == 0);
       }
+}
+
+// The fused backward's two ways to dq (kernels/cuda/attention_flash.cu): staged (the dk-dv kernel
+// stores its rounded dS tiles to scratch, and a dq kernel multiplies them by K; launched in
+// chunks of kv heads x sequences that fit CudaBackend::attention_ds_budget) and recompute (the
+// dq kernel computes S, P and dS again; budget 0, or below one kv head's tiles). What is checked:
+//   - every budget: dq, dk, dv against the CPU within the fused bound 2e-2, all of dqkv written
+//     (it starts as NaN);
+//   - chunks change only which blocks a launch holds: the same bits as one launch, for chunks
+//     of one kv head and one sequence, of ragged kv-head groups, and of ragged sequence groups;
+//   - dk and dv come from the same kernel either way (the staged one runs its query loop on to
+//     whole 64-row tiles, which adds exact zeros): the same bits;
+//   - dq: the two kernels round the same fp32 dS, computed as K Q^T there and Q K^T here, to the
+//     storage type: within the storage tolerance of each other (bf16 4e-3, f16 1e-3).
+// One kv head's staged tiles, the unit of a chunk: ceil(T/64) (ceil(T/64) + 1) / 2 tiles of
+// 64 x 64 two-byte elements per query head, times the group.
+TEST_CASE("gpu: fused attention backward: staged dS in chunks and the recomputing dq kernel agree",
+          "[gpu][attention][documents][window][alibi]") {
+  KEEL_GPU_OR_SKIP();
+  struct Case {
+    AttnShape s;
+    int window;
+    DType dt;
+    std::vector<int> lengths;  // documents; empty: none
+    bool alibi;
+  };
+  const std::vector<Case> cases = {
+      {{3, 130, 6, 3, 64}, 0, DType::BF16, {}, false},                  // 3 kv heads, 3 sequences, ragged T
+      {{2, 200, 4, 2, 128}, 50, DType::F16, {1, 63, 64, 65, 7}, true},  // window, documents, ALiBi
+      {{1, 257, 8, 2, 64}, 0, DType::BF16, {100, 1, 1, 40, 200}, false},  // group of 4, documents
+  };
+  for (const Case& c : cases) {
+    AttnShape s0 = c.s;
+    s0.window = c.window;
+    const DType dt = c.dt;
+    INFO(shape_name(s0) << " window " << s0.window << " " << dname(dt) << (c.lengths.empty() ? "" : " documents")
+                        << (c.alibi ? " alibi" : ""));
+    const int64_t N = static_cast<int64_t>(s0.B) * s0.T, ocols = s0.n_heads * s0.head_dim;
+    const size_t n_qt = static_cast<size_t>((s0.T + 63) / 64);
+    const size_t per_kv = n_qt * (n_qt + 1) / 2 * 64 * 64 * 2 * static_cast<size_t>(s0.n_heads / s0.n_kv_heads);
+    const size_t one_launch = per_kv * s0.n_kv_heads * s0.B;
+    struct Budget {
+      size_t bytes;
+      const char* what;
+      bool staged;
+    };
+    const std::vector<Budget> budgets = {
+        {one_launch, "staged, one launch", true},
+        {per_kv, "staged, chunks of one kv head and one sequence", true},
+        {2 * per_kv, "staged, chunks of two kv heads (ragged when nkv is odd)", true},
+        {2 * per_kv * s0.n_kv_heads, "staged, chunks of two sequences (ragged when B is odd)", true},
+        {per_kv - 1, "recompute (budget below one kv head)", false},
+        {0, "recompute (budget 0)", false},
+    };
+
+    HostTensor positions(DType::I32, {N});
+    if (!c.lengths.empty()) positions.set_i32(document_positions_of(s0.B, s0.T, c.lengths));
+    const HostTensor slopes = alibi_host(s0.n_heads, 0, s0.n_heads);
+    AttnShape s = s0;
+    if (!c.lengths.empty()) s.positions = positions.t;
+    if (c.alibi) s.alibi_slopes = slopes.t;
+    HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 81, 1.5f), dy = rand_tensor(dt, {N, ocols}, 82);
+    HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
+    cpu().attention_forward(out.t, lse.t, qkv.t, s);
+    cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+
+    std::unique_ptr<HostTensor> first;  // the one-launch staged result
+    for (const Budget& budget : budgets) {
+      INFO(budget.what << " (" << budget.bytes << " bytes)");
+      std::unique_ptr<Backend> owned = make_cuda_backend(0);
+      dynamic_cast<CudaBackend&>(*owned).set_attention_ds_budget(budget.bytes);
+      Backend& be = *owned;
+      DeviceTensor dpositions = DeviceTensor::of(be, positions), dslopes = DeviceTensor::of(be, slopes);
+      AttnShape sd = s0;
+      if (!c.lengths.empty()) sd.positions = dpositions.t;
+      if (c.alibi) sd.alibi_slopes = dslopes.t;
+      DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy), dout = DeviceTensor::of(be, out);
+      DeviceTensor dlse = DeviceTensor::of(be, lse), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
+      be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+      const HostTensor got = ddq.host();
+      const std::string what = std::string(dname(dt)) + " " + budget.what;
+      for (int part = 0; part < 3; ++part)
+        KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what, part_err(got, dqkv, s, part), 2e-2);
+      if (!first) {
+        first = std::make_unique<HostTensor>(clone(got));
+        continue;
+      }
+      if (budget.staged) {
+        CHECK(bits_differ(got, *first) == 0);
+      } else {
+        for (int part = 1; part < 3; ++part) CHECK(part_err(got, *first, s, part) == 0.0);
+        KEEL_CHECK_ERR("attention_backward dq, recompute vs staged", what, part_err(got, *first, s, 0),
+                       storage_tol(dt, 1e-5));
+      }
+    }
+  }
 }
 
 // Document masking: the fused kernels skip the key tiles before a query tile's first document

@@ -72,7 +72,9 @@ cudaError_t device_alloc(void** p, size_t bytes) {
   if (m.device_bytes + bytes > kDeviceBytes) return cudaErrorMemoryAllocation;
   char* q = static_cast<char*>(std::aligned_alloc(256, block_bytes(bytes)));
   if (!q) return cudaErrorMemoryAllocation;
-  std::memset(q, 0xA5, block_bytes(bytes));  // device memory starts as garbage, not zeros
+  // device memory starts as garbage, not zeros: all-ones bytes, NaN in every float type, so a
+  // kernel that reads what nothing wrote (and does not mask it out) makes its result NaN
+  std::memset(q, 0xFF, block_bytes(bytes));
   m.device[q] = bytes;
   m.device_bytes += bytes;
   *p = q;
