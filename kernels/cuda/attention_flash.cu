@@ -59,6 +59,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <mutex>
 
 #include "kernels/attention_window.h"
 #include "kernels/cuda/attention_flash.cuh"
@@ -590,8 +592,13 @@ __global__ void __launch_bounds__(kThreads)
 
 // Staged dS tiles: per (sequence, query head) of a launch's chunk, the causal tiles (qt, kt),
 // kt <= qt, in row order: tile index qt (qt + 1) / 2 + kt, each [64 keys][64 queries].
-__device__ __forceinline__ int64_t ds_tile_index(int64_t head_in_chunk, int n_tri, int qt, int kt) {
-  return head_in_chunk * n_tri + qt * (qt + 1) / 2 + kt;
+__device__ __forceinline__ int64_t ds_tile_index(int64_t head_in_chunk, int64_t n_tri, int qt, int kt) {
+  return head_in_chunk * n_tri + static_cast<int64_t>(qt) * (qt + 1) / 2 + kt;
+}
+// Causal tiles of one head: n (n + 1) / 2 for n = ceil(T / 64) query (and key) tiles.
+__host__ __device__ __forceinline__ int64_t ds_tiles_per_head(int64_t T_len) {
+  const int64_t n = (T_len + kBlockQ - 1) / kBlockQ;
+  return n * (n + 1) / 2;
 }
 
 // kStoreDS: also store dS (rounded to T, as the dK product takes it) to `ds` for
@@ -637,7 +644,7 @@ __global__ void __launch_bounds__(kThreads)
   int q_end = pos || window > 0 ? queries_end(seq_pos, window, T_len, min(k0 + kBlockK, T_len) - 1) : T_len;
   if (kStoreDS) q_end = min((q_end + kBlockQ - 1) / kBlockQ * kBlockQ, (T_len + kBlockQBwd - 1) / kBlockQBwd * kBlockQBwd);
   const int n_q = (q_end + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
-  const int n_tri = kStoreDS ? ((T_len + kBlockQ - 1) / kBlockQ) * ((T_len + kBlockQ - 1) / kBlockQ + 1) / 2 : 0;
+  const int64_t n_tri = kStoreDS ? ds_tiles_per_head(T_len) : 0;
   const int n_it = group * n_q;
 
   // Stage step `it` (query head h = kvh * group + it / n_q, query tile qi_first + it % n_q) into buffer `buf`.
@@ -766,9 +773,8 @@ __global__ void __launch_bounds__(kThreads)
   const int q0 = qt * kBlockQ;
   const int32_t* seq_pos = pos ? pos + static_cast<int64_t>(b) * T_len : nullptr;
   const int kt_first = pos || window > 0 ? row_start(seq_pos, q0, window) / kBlockK : 0;
-  const int n_qt = (T_len + kBlockQ - 1) / kBlockQ;
   const int64_t head_in_chunk = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-  const T* tiles = ds + ds_tile_index(head_in_chunk, n_qt * (n_qt + 1) / 2, qt, 0) * kDsTile;
+  const T* tiles = ds + ds_tile_index(head_in_chunk, ds_tiles_per_head(T_len), qt, 0) * kDsTile;
 
   auto stage = [&](int kt, int buf) {
     async_tile<T, kBlockQ, kBlockK>(sS + buf * kBlockK * LDS, tiles + static_cast<int64_t>(kt) * kDsTile, 0, kBlockK,
@@ -849,14 +855,13 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
 }
 
 // How a staged backward splits into launches: kv heads and sequences per chunk (whole groups of
-// query heads), each chunk's dS within the budget. chunks == 0: no chunk of one kv head fits.
+// query heads), each chunk's dS within the budget. kv == 0: not even one kv head's tiles fit.
 struct DsChunks {
   int kv = 0, seqs = 0;
   size_t bytes = 0;  // scratch of one chunk
 };
 DsChunks ds_chunks(const AttnShape& s, size_t elem_bytes, size_t budget) {
-  const int64_t n_qt = ceil_div(s.T, static_cast<int64_t>(kBlockQ));
-  const size_t per_head = static_cast<size_t>(n_qt * (n_qt + 1) / 2) * kDsTile * elem_bytes;
+  const size_t per_head = static_cast<size_t>(ds_tiles_per_head(s.T)) * kDsTile * elem_bytes;
   const size_t per_kv = per_head * static_cast<size_t>(s.n_heads / s.n_kv_heads);
   DsChunks c;
   if (per_kv == 0 || budget < per_kv) return c;
@@ -875,11 +880,20 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   const unsigned n_tiles = static_cast<unsigned>(ceil_div(s.T, kBlockK));  // = query tiles (kBlockQ == kBlockK)
   const size_t smem_dkdv = dkdv_smem<T, HD>();
   const DsChunks chunks = ds_chunks(s, sizeof(T), be.attention_ds_budget());
-  if (chunks.kv > 0) {
+  T* ds = chunks.kv > 0 ? static_cast<T*>(be.scratch_if_free(chunks.bytes, op)) : nullptr;
+  if (chunks.kv > 0 && !ds) {
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      std::fprintf(stderr,
+                   "keel: attention_backward: no device memory for %.1f MiB of staged dS tiles: recomputing them "
+                   "instead (slower; KEEL_ATTN_DS_MB bounds the staging, 0 turns it off)\n",
+                   chunks.bytes / 1048576.0);
+    });
+  }
+  if (ds) {
     const size_t smem_dq = dq_staged_smem<T, HD>();
     allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi, true>, smem_dkdv, op);
     allow_smem(flash_backward_dq_staged_kernel<T, HD>, smem_dq, op);
-    T* ds = static_cast<T*>(be.scratch(chunks.bytes, op));
     for (int b0 = 0; b0 < s.B; b0 += chunks.seqs)
       for (int kv0 = 0; kv0 < s.n_kv_heads; kv0 += chunks.kv) {
         const int kv = std::min(chunks.kv, s.n_kv_heads - kv0), seqs = std::min(chunks.seqs, s.B - b0);

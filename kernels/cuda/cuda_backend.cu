@@ -320,12 +320,13 @@ size_t CudaBackend::used_bytes() const { return live_bytes_; }
 
 // ---- memory ----
 
-void* CudaBackend::raw_alloc(size_t bytes, const char* op) {
+void* CudaBackend::raw_alloc(size_t bytes, const char* op, bool null_if_out_of_memory) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
   void* p = nullptr;
   cudaError_t e = use_pool_ ? cudaMallocAsync(&p, rounded, stream_) : cudaMalloc(&p, rounded);
   if (e != cudaSuccess) {
     cudaGetLastError();  // out of memory is not sticky: clear it
+    if (null_if_out_of_memory && e == cudaErrorMemoryAllocation) return nullptr;
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
     char buf[320];
@@ -354,6 +355,7 @@ void* CudaBackend::allocate(size_t bytes) {
 }
 
 void* CudaBackend::scratch(size_t bytes, const char* op) { return raw_alloc(bytes, op); }
+void* CudaBackend::scratch_if_free(size_t bytes, const char* op) { return raw_alloc(bytes, op, true); }
 
 void CudaBackend::release(void* p) {
   if (!p) return;

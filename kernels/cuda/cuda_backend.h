@@ -143,6 +143,8 @@ class CudaBackend final : public Backend {
   // Stream-ordered scratch memory, not zeroed; give it back with release() (also stream-ordered,
   // so it may be released right after the last kernel that uses it is enqueued).
   void* scratch(size_t bytes, const char* op);
+  // The same, or nullptr where the device is out of memory (for work that has a way without it).
+  void* scratch_if_free(size_t bytes, const char* op);
   // The value `bytes` bytes at device address src, copied to the host (synchronizes).
   void read_back(void* dst, const void* src, size_t bytes, const char* op);
   // Waits until the stream has drained; errors name `op` (and `shapes`). With a device wait
@@ -161,7 +163,8 @@ class CudaBackend final : public Backend {
   // Scratch the fused attention backward may take to stage its dS tiles (attention_flash.cu:
   // 5 tile products instead of 7, launched in chunks of heads and sequences that fit):
   // KEEL_ATTN_DS_MB, default 1024 MiB. Below one kv head's tiles (T^2 / 2 * group * 2 bytes),
-  // and with 0, its dq kernel recomputes the probabilities instead.
+  // with 0, and where the device has no memory for a chunk's tiles (said once on stderr), its
+  // dq kernel recomputes the probabilities instead.
   size_t attention_ds_budget() const { return attn_ds_budget_; }
   void set_attention_ds_budget(size_t bytes) { attn_ds_budget_ = bytes; }
   // Shared memory one block may opt in to on this device (bytes; read once at construction).
@@ -169,7 +172,7 @@ class CudaBackend final : public Backend {
   cuda::MatmulCache& matmul_cache() { return *matmul_; }
 
  private:
-  void* raw_alloc(size_t bytes, const char* op);
+  void* raw_alloc(size_t bytes, const char* op, bool null_if_out_of_memory = false);
   struct Profiler;  // cuda_backend.cu
   void profile_harvest();  // after the stream has drained: book the marks' times
   std::unique_ptr<Profiler> profiler_;
