@@ -1,5 +1,6 @@
 #include "train/plan.h"
 
+#include "kernels/cuda/cuda_backend.h"  // kDefaultAttentionDsBudget (a plain C++ header)
 #include "model/transformer.h"
 #include "train/format.h"
 #include "train/pipeline_schedule.h"
@@ -131,7 +132,7 @@ MemoryModel keel_memory_model(PrecisionMode mode) {
   m.chunked_logits = true;
   m.fused_gelu_backward = true;
   m.fused_residual_projection = true;
-  m.attention_ds_budget = kGiB;  // CudaBackend::attention_ds_budget's default (KEEL_ATTN_DS_MB)
+  m.attention_ds_budget = static_cast<double>(kDefaultAttentionDsBudget);  // KEEL_ATTN_DS_MB unset
   StateBytes& s = m.state;
   switch (mode) {
     case PrecisionMode::FP32:

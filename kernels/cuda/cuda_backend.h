@@ -51,6 +51,9 @@ MatmulCache* create_matmul_cache(CudaBackend& be);
 void destroy_matmul_cache(MatmulCache* cache) noexcept;
 }
 
+// CudaBackend::attention_ds_budget's default (KEEL_ATTN_DS_MB unset); keel plan counts it too.
+inline constexpr size_t kDefaultAttentionDsBudget = size_t{1024} << 20;
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device);
@@ -184,7 +187,7 @@ class CudaBackend final : public Backend {
   bool gelu_epilogue_ = true;      // KEEL_GELU_EPILOGUE (not 0)
   bool residual_epilogue_ = true;  // KEEL_RESIDUAL_EPILOGUE (not 0)
   bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)
-  size_t attn_ds_budget_ = size_t{1024} << 20;  // KEEL_ATTN_DS_MB
+  size_t attn_ds_budget_ = kDefaultAttentionDsBudget;  // KEEL_ATTN_DS_MB
   size_t smem_optin_ = 0;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results
   size_t live_bytes_ = 0, peak_bytes_ = 0;

@@ -319,6 +319,35 @@ TEST_CASE("gpu: fused attention backward: staged dS in chunks and the recomputin
   }
 }
 
+// KEEL_ATTN_DS_MB, read when a backend is made: whole MiB, 0 turning the staging off; anything
+// else is refused naming the variable and the value (before the backend takes anything).
+TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget; a bad value is refused naming it",
+          "[gpu][attention]") {
+  KEEL_GPU_OR_SKIP();
+  const char* old = std::getenv("KEEL_ATTN_DS_MB");
+  const std::string saved = old ? old : "";
+  auto make_with = [](const char* value) {
+    if (value) setenv("KEEL_ATTN_DS_MB", value, 1);
+    else unsetenv("KEEL_ATTN_DS_MB");
+    return make_cuda_backend(0);
+  };
+  auto budget_with = [&](const char* value) {
+    const std::unique_ptr<Backend> be = make_with(value);
+    return dynamic_cast<CudaBackend&>(*be).attention_ds_budget();
+  };
+  CHECK(budget_with(nullptr) == kDefaultAttentionDsBudget);
+  CHECK(budget_with("") == kDefaultAttentionDsBudget);
+  CHECK(budget_with("0") == 0);
+  CHECK(budget_with("64") == size_t{64} << 20);
+  for (const char* bad : {"abc", "-1", "12MB", " 8", "99999999999999999999", "16777217"}) {
+    INFO("KEEL_ATTN_DS_MB=" << bad);
+    CHECK_THROWS_WITH(make_with(bad), Catch::Matchers::Contains("KEEL_ATTN_DS_MB must be a whole number of MiB") &&
+                                          Catch::Matchers::Contains(std::string("got '") + bad + "'"));
+  }
+  if (old) setenv("KEEL_ATTN_DS_MB", saved.c_str(), 1);
+  else unsetenv("KEEL_ATTN_DS_MB");
+}
+
 // Document masking: the fused kernels skip the key tiles before a query tile's first document
 // and the query tiles after a key tile's last one, and mask inside tiles that a boundary
 // crosses; the plain kernels start and stop their loops at the boundaries. Documents of 1 row,
