@@ -517,8 +517,7 @@ void CudaBackend::matmul_bias_grad(const Tensor& dweight, const Tensor& dbias, c
       if (accumulate_b)
         add(dbias, dbias, sums);
       else
-        cuda::check_cuda(cudaMemcpyAsync(dbias.data, staged, dbias.bytes(), cudaMemcpyDeviceToDevice, stream_), op,
-                         "cudaMemcpyAsync (bias gradient)");
+        convert(dbias, sums);  // same dtype: a copy
     }
     if (staged) release(staged);
     if (fused) {
