@@ -5,7 +5,8 @@
 #   scripts/gpu_session.sh check        # <= 9 min: env, GPU tests + per-op error table, memcheck
 #   scripts/gpu_session.sh bench        # <= 9 min: keel vs PyTorch (both shapes), op profiles,
 #                                       #           racecheck of the attention kernels
-#   scripts/gpu_session.sh STAGE...     # any of: env build test memcheck racecheck bench profile
+#   scripts/gpu_session.sh STAGE...     # any of: env build test memcheck racecheck throughput
+#                                       # (bench's timings alone, BENCH_STAGES) profile
 #                                       # recompute (Llama 1B with train.recompute "full": memory
 #                                       # and ms/step against the bench stage's run) unfused (the
 #                                       # profiles with every optional fusion off)
@@ -15,14 +16,19 @@
 # (build-gpu/carry/deps), or with system ones where the device has them.
 #
 # Output: a short summary on stdout (the device call returns its tail); logs and tables under
-# $OUT (or /tmp/keel-gpu): env.txt, test_gpu.log, error_table.md, memcheck.log, racecheck.log,
-# bench/results.md (the section for bench/RESULTS.md), profile-<model>.txt.
+# /tmp/keel-gpu (RES): env.txt, test_gpu.log, error_table.md, memcheck.log, racecheck.log,
+# bench/results.md (the section for bench/RESULTS.md), profile-<model>.txt. On a device call
+# ($OUT set) they come back packed as $OUT/keel-gpu.tgz (less the token shards): the tool
+# returns at most 8 files.
+#
+# Knobs: BUDGET (seconds, default 560), BENCH_STAGES (the bench stage's scripts/bench_gpu.sh
+# stages with their seconds, default "peak:60 keel:180 torch:300 report:30").
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CARRY=${CARRY:-$ROOT/build-gpu/carry}
 BIN=${BIN:-$CARRY/bin}
-RES=${OUT:-/tmp/keel-gpu}
+RES=${RES:-/tmp/keel-gpu}
 PY=${PYTHON:-python3}
 mkdir -p "$RES"
 SUMMARY=$RES/summary.txt
@@ -43,8 +49,9 @@ for a in "$@"; do
   case "$a" in
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
-    env | build | test | memcheck | racecheck | bench | profile | recompute | unfused) stages+=("$a") ;;
-    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, profile, recompute, unfused)" >&2; exit 2 ;;
+    throughput) stages+=(bench) ;;
+    env | build | test | memcheck | racecheck | profile | recompute | unfused) stages+=("$a") ;;
+    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused)" >&2; exit 2 ;;
   esac
 done
 
@@ -195,7 +202,7 @@ stage_bench() {
   local commit
   commit=$(head -1 "$CARRY/STAMP" 2>/dev/null | sed 's/^commit //')
   # stage:seconds wanted (torch.compile's warm-up dominates the PyTorch stage)
-  for s in peak:60 keel:180 torch:300 report:30; do
+  for s in ${BENCH_STAGES:-peak:60 keel:180 torch:300 report:30}; do
     BUILD="$BIN" BENCH_OUT="$RES/bench" KEEL_COMMIT="${commit:-}" timeout "$(limit "${s#*:}")" \
       bash "$ROOT/scripts/bench_gpu.sh" "${s%%:*}" > "$RES/bench-${s%%:*}.log" 2>&1 || tail -20 "$RES/bench-${s%%:*}.log"
   done
@@ -236,7 +243,10 @@ stage_profile() {
     mkdir -p "$dir"
     local shard
     shard=$(ls "$RES"/bench/keel-$m/train_000.bin 2>/dev/null | head -1)
-    if [ -z "$shard" ]; then say "profile $m: no token shard (run the bench stage first)"; continue; fi
+    if [ -z "$shard" ]; then  # no bench stage in this call: random tokens for the 6 steps
+      shard=$RES/profile-shard-$m.bin
+      [ -f "$shard" ] || "$PY" "$ROOT/scripts/random_shard.py" "$shard" $((8 * mbs * (T + 1) + 4096)) --config "$cfg"
+    fi
     env "${envs[@]}" KEEL_CUDA_PROFILE="$RES/profile-$m$suffix.txt" timeout "$(limit 90)" "$BIN/keel" train --config "$cfg" --out "$dir/run" \
       --device cuda --steps 6 --set "data.train=[\"$shard\"]" --set 'data.val=[]' --set data.shuffle=false \
       --set train.micro_batch="$mbs" --set train.global_batch="$mbs" --set train.seq_len="$T" \
@@ -258,6 +268,9 @@ for s in "${stages[@]}"; do
   if [ $((BUDGET - SECONDS)) -lt 30 ]; then say "$s: skipped, the ${BUDGET} s budget is spent"; continue; fi
   "stage_$s"
 done
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/keel-gpu.tgz" -C "$RES" --exclude='*.bin' --exclude='run' . || say "packing $RES into \$OUT failed"
+fi
 echo
 echo "==== summary ($RES/summary.txt)"
 cat "$SUMMARY"
