@@ -130,6 +130,19 @@ inline double rel_err(const HostTensor& got, const HostTensor& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// ||got - ref|| / ||scale|| over the values (double), for results whose own norm can be far
+// below their inputs' (a derivative near its zero); +inf as rel_err.
+inline double err_over(const HostTensor& got, const HostTensor& ref, const HostTensor& scale) {
+  REQUIRE(scale.numel() == ref.numel());
+  double ref2 = 0, scale2 = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    ref2 += static_cast<double>(ref.at(i)) * ref.at(i);
+    scale2 += static_cast<double>(scale.at(i)) * scale.at(i);
+  }
+  const double e = rel_err(got, ref);
+  return scale2 > 0 && ref2 > 0 ? e * std::sqrt(ref2 / scale2) : e;
+}
+
 // ---- the per-op error log ----
 // Every comparison below is also appended to the file named by KEEL_GPU_ERRORS, one TSV line
 // per comparison: op, case, measured, tolerance, kind ("rel": ||gpu - cpu|| / ||cpu||; "bits":
