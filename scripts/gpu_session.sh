@@ -9,7 +9,9 @@
 #                                       # (bench's timings alone, BENCH_STAGES) profile
 #                                       # recompute (Llama 1B with train.recompute "full": memory
 #                                       # and ms/step against the bench stage's run) unfused (the
-#                                       # profiles with every optional fusion off)
+#                                       # profiles with every optional fusion off) ncu (Nsight
+#                                       # Compute on the attention kernels; NCU_KERNELS, NCU_COUNT,
+#                                       # NCU_SKIP)
 #
 # Binaries: build-gpu/carry/bin (from gpu_prebuild.sh) when present, else the `build` stage
 # compiles keel and test_gpu on the device with the carried header-only dependencies
@@ -50,7 +52,7 @@ for a in "$@"; do
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
     throughput) stages+=(bench) ;;
-    env | build | test | memcheck | racecheck | profile | recompute | unfused) stages+=("$a") ;;
+    env | build | test | memcheck | racecheck | profile | recompute | unfused | ncu) stages+=("$a") ;;
     *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused)" >&2; exit 2 ;;
   esac
 done
@@ -193,7 +195,7 @@ stage_memcheck() {
   sanitize memcheck '[gpu]~[train]~[oracle]~[determinism]~[ckpt]' 150
   memcheck_train
 }
-stage_racecheck() { sanitize racecheck '[attention]~[decode]' 120; }
+stage_racecheck() { sanitize racecheck "${RACECHECK_FILTER:-[attention]~[decode]}" "${RACECHECK_S:-120}"; }
 
 stage_bench() {
   ensure_bins
@@ -251,9 +253,39 @@ stage_profile() {
       --device cuda --steps 6 --set "data.train=[\"$shard\"]" --set 'data.val=[]' --set data.shuffle=false \
       --set train.micro_batch="$mbs" --set train.global_batch="$mbs" --set train.seq_len="$T" \
       --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.save_at_end=false \
-      --set log.interval=1 > "$dir/log.txt" 2>&1 || { say "profile $m: keel failed"; tail -5 "$dir/log.txt"; continue; }
+      --set schedule.warmup_steps=1 --set log.interval=1 > "$dir/log.txt" 2>&1 || { say "profile $m: keel failed"; tail -5 "$dir/log.txt"; continue; }
     say "profile $m$suffix (6 steps, B=$mbs T=$T${envs[*]:+, ${envs[*]}}):"
     head -14 "$RES/profile-$m$suffix.txt" | tee -a "$SUMMARY"
+  done
+}
+
+# Nsight Compute on the attention kernels of each benchmark shape (first step's launches: ncu
+# replays each kernel, so warm-up does not colour them): duration, throughput, occupancy, warp
+# stalls. --clock-control none: the card's clocks are left as they are.
+stage_ncu() {
+  ensure_bins
+  command -v ncu > /dev/null || { say "ncu: not found"; return; }
+  local m cfg T mbs shard dir
+  for m in gpt2 llama1b; do
+    case $m in
+      gpt2) cfg=$ROOT/configs/gpt2-124m.json T=1024 mbs=${MBS_GPT2:-32} ;;
+      llama1b) cfg=$ROOT/configs/llama-1b.json T=2048 mbs=${MBS_LLAMA:-4} ;;
+    esac
+    dir=$RES/ncu-$m
+    mkdir -p "$dir"
+    shard=$RES/profile-shard-$m.bin
+    [ -f "$shard" ] || "$PY" "$ROOT/scripts/random_shard.py" "$shard" $((8 * mbs * (T + 1) + 4096)) --config "$cfg"
+    timeout "$(limit 150)" ncu --clock-control none -k "regex:${NCU_KERNELS:-flash_|attention_delta}" --launch-count "${NCU_COUNT:-4}" \
+      --launch-skip "${NCU_SKIP:-$([ $m = gpt2 ] && echo 11 || echo 15)}" \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
+      "$BIN/keel" train --config "$cfg" --out "$dir/run" --device cuda --steps 1 --set "data.train=[\"$shard\"]" \
+      --set 'data.val=[]' --set data.shuffle=false --set train.micro_batch="$mbs" --set train.global_batch="$mbs" \
+      --set train.seq_len="$T" --set train.eval_interval=0 --set checkpoint.interval=0 \
+      --set checkpoint.save_at_end=false --set schedule.warmup_steps=1 > "$RES/ncu-$m.txt" 2>&1 ||
+      say "ncu $m: exit $? (see ncu-$m.txt)"
+    say "ncu $m:"
+    grep -E '^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Issued Ipc|No Eligible' "$RES/ncu-$m.txt" | tee -a "$SUMMARY"
   done
 }
 

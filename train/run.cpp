@@ -884,6 +884,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const bool collect_stats = cfg.health.stats_interval > 0 && it % cfg.health.stats_interval == 0;
     StepStats st = tr.step(batches, it, collect_stats);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+#ifdef KEEL_HAVE_CUDA
+    if (it == progress.iteration + 1 && backend->device() == Device::CUDA) cuda_profile_restart(*backend);
+#endif
 
     consumed_samples += gbs;
     consumed_tokens += gbs * T;

@@ -27,8 +27,9 @@
 // A C fragment pair (n-tiles 2k, 2k+1) of probabilities is exactly the A fragment of the k-th
 // 16-wide slice of P, which is how P (and dS) feed the next product without leaving registers.
 //
-// Kernels and their parallel decomposition (4 warps per block, each warp owns 16 rows; grids are
-// (head, batch, tile) with the tile on z, so the blocks with the most work start first):
+// Kernels and their parallel decomposition (4 warps per block, each warp owns 16 rows; the blocks
+// of a grid are (tile, head, batch) in one of two orders, BlockCoord, with the tiles that have the
+// most work first):
 //   forward  block (query tile of 64 rows, head, batch); loops over key tiles 0..diagonal with K/V
 //            double-buffered by cp.async; per warp: S = Q K^T (16x64), online softmax, O += P V.
 //   dq       block (query tile of 64 rows, head, batch); loops over key tiles 0..diagonal:
@@ -64,13 +65,6 @@
 
 #include "kernels/attention_window.h"
 #include "kernels/cuda/attention_flash.cuh"
-
-// The launch's dynamic shared memory as bytes (16-byte aligned).
-#ifdef KEEL_CUDA_EMULATOR
-#define KEEL_DYNAMIC_SHARED(name) unsigned char* name = ::keel_emu::dynamic_shared()
-#else
-#define KEEL_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
-#endif
 
 namespace keel::cuda {
 
@@ -335,13 +329,44 @@ __device__ __forceinline__ float score_log2(float qk, float scale_log2, int j_mi
   else return qk * scale_log2;
 }
 
+// ---- block order ----
+
+// A block's tile, head and sequence, from its place in the grid (grid_of). Blocks start in
+// linear order, x fastest. Heads fastest (tiles on z): each tile index runs across every head
+// and sequence at once, so the longest tiles of all heads start first and the tail is short.
+// Tiles fastest: one head's tiles run together and share its K and V in L2, which pays where the
+// K and V of all heads outgrow L2 (kv_outgrow_l2): with heads fastest, each wave then read them
+// all from DRAM again (GPT-2 at B 32, 100 MB: the forward moved 2.6x its minimal bytes on an
+// H100, and with tiles fastest ran 13% faster; the 1B Llama's 17 MB fit, and it ran 7% slower).
+struct BlockCoord {
+  int tile, head, seq;
+  int tiles, heads;  // the grid's extent in each
+};
+__device__ __forceinline__ BlockCoord block_coord(bool tiles_fastest) {
+  if (tiles_fastest)
+    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z),
+            static_cast<int>(gridDim.x), static_cast<int>(gridDim.y)};
+  return {static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
+          static_cast<int>(gridDim.z), static_cast<int>(gridDim.x)};
+}
+dim3 grid_of(bool tiles_fastest, int64_t tiles, int64_t heads, int64_t seqs) {
+  const auto u = [](int64_t v) { return static_cast<unsigned>(v); };
+  return tiles_fastest ? dim3(u(tiles), u(heads), u(seqs)) : dim3(u(heads), u(seqs), u(tiles));
+}
+// Whether the K and V of all sequences and kv heads exceed half of L2 (the rest is the other
+// operands' and the outputs').
+bool kv_outgrow_l2(const CudaBackend& be, const AttnShape& s, size_t elem_bytes) {
+  const size_t kv_bytes = static_cast<size_t>(s.B) * s.T * s.n_kv_heads * s.head_dim * 2 * elem_bytes;
+  return kv_bytes > be.l2_bytes() / 2;
+}
+
 // ---- forward ----
 
 template <class T, int HD, bool kAlibi>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse,
                          const int32_t* __restrict__ pos, int window, const float* __restrict__ slopes, int T_len,
-                         int nh, int nkv, float scale_log2) {
+                         int nh, int nkv, float scale_log2, bool tiles_fastest) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;  // k-steps over the head dimension
   constexpr int NT = HD / 8;   // n-tiles of the output
@@ -350,10 +375,9 @@ __global__ void __launch_bounds__(kThreads)
   T* sK = sQ + kBlockQ * LD;       // [2][kBlockK][LD]
   T* sV = sK + 2 * kBlockK * LD;   // [2][kBlockK][LD]
 
-  // Blocks start in linear order (x fastest): every (head, batch) of the last query tile, the
-  // longest, first; then the next. Longest-first across the whole grid keeps the tail short.
-  const int qt = gridDim.z - 1 - blockIdx.z;
-  const int h = blockIdx.x, b = blockIdx.y;
+  const BlockCoord c = block_coord(tiles_fastest);
+  const int qt = c.tiles - 1 - c.tile;  // longest first
+  const int h = c.head, b = c.seq;
   const int kvh = h / (nh / nkv);
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
   const T* base = qkv + static_cast<int64_t>(b) * T_len * cols;
@@ -483,7 +507,7 @@ __global__ void __launch_bounds__(kThreads)
     flash_backward_dq_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                              const float* __restrict__ delta, const int32_t* __restrict__ pos, int window,
                              const float* __restrict__ slopes, T* __restrict__ dqkv, int T_len, int nh, int nkv,
-                             float scale_log2, float scale) {
+                             float scale_log2, float scale, bool tiles_fastest) {
   constexpr int LD = HD + kPad;
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
@@ -493,8 +517,9 @@ __global__ void __launch_bounds__(kThreads)
   T* sK = sdO + kBlockQ * LD;      // [2][kBlockK][LD]
   T* sV = sK + 2 * kBlockK * LD;   // [2][kBlockK][LD]
 
-  const int qt = gridDim.z - 1 - blockIdx.z;  // longest first, as in the forward
-  const int h = blockIdx.x, b = blockIdx.y;
+  const BlockCoord c = block_coord(tiles_fastest);
+  const int qt = c.tiles - 1 - c.tile;  // longest first, as in the forward
+  const int h = c.head, b = c.seq;
   const int kvh = h / (nh / nkv);
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
   const int64_t out_cols = static_cast<int64_t>(nh) * HD;
@@ -602,8 +627,8 @@ __host__ __device__ __forceinline__ int64_t ds_tiles_per_head(int64_t T_len) {
 }
 
 // kStoreDS: also store dS (rounded to T, as the dK product takes it) to `ds` for
-// flash_backward_dq_staged_kernel; the grid then covers one chunk, kv heads kv0 + blockIdx.x and
-// sequences b0 + blockIdx.y, and the query loop runs to whole 64-row tiles, so that every row
+// flash_backward_dq_staged_kernel; the grid then covers one chunk, kv heads kv0 + c.head and
+// sequences b0 + c.seq, and the query loop runs to whole 64-row tiles, so that every row
 // below T of a tile the dq kernel reads is stored (the rows past the last one a key tile
 // reaches store zeros).
 template <class T, int HD, bool kAlibi, bool kStoreDS>
@@ -625,8 +650,9 @@ __global__ void __launch_bounds__(kThreads)
   float* sD = sL + 2 * kBlockQBwd;                                  // [2][kBlockQBwd]
   int* sS = reinterpret_cast<int*>(sD + 2 * kBlockQBwd);            // [2][kBlockQBwd] row starts
 
-  const int kt = blockIdx.z;  // small kt = most query tiles: started first, for every (kv head, batch)
-  const int kvh = kv0 + blockIdx.x, b = b0 + blockIdx.y;
+  const BlockCoord c = block_coord(false);
+  const int kt = c.tile;  // small kt = most query tiles: started first, for every (kv head, batch)
+  const int kvh = kv0 + c.head, b = b0 + c.seq;
   const int group = nh / nkv;
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
   const int64_t out_cols = static_cast<int64_t>(nh) * HD;
@@ -715,7 +741,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     if constexpr (kStoreDS) {
       // the lane's keys (rows g, g + 8 of the warp's 16) x its query pairs, as 4-byte stores
-      const int64_t head_in_chunk = static_cast<int64_t>(blockIdx.y) * gridDim.x * group + blockIdx.x * group + it / n_q;
+      const int64_t head_in_chunk = (static_cast<int64_t>(c.seq) * c.heads + c.head) * group + it / n_q;
       T* tile = ds + ds_tile_index(head_in_chunk, n_tri, i0 / kBlockQ, kt) * kDsTile;
       T* dst = tile + (warp * 16 + g) * kBlockQ + i0 % kBlockQ + 2 * t;
 #pragma unroll
@@ -748,7 +774,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- backward: dq from the staged dS ----
 
-// Block (query tile of 64 rows, query head h0 + blockIdx.x, sequence b0 + blockIdx.y); per warp
+// Block (query tile of 64 rows, query head h0 + c.head, sequence b0 + c.seq); per warp
 // 16 rows: dQ += dS K over key tiles from the tile of the first row's start to the diagonal, in
 // order. dS comes from scratch as stored by the dk-dv kernel ([key][query] per tile, so its A
 // fragments are loaded transposed); K from qkv. Both double-buffered by cp.async.
@@ -756,7 +782,7 @@ template <class T, int HD>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_dq_staged_kernel(const T* __restrict__ qkv, const T* __restrict__ ds,
                                     const int32_t* __restrict__ pos, int window, T* __restrict__ dqkv, int h0, int b0,
-                                    int T_len, int nh, int nkv, float scale) {
+                                    int T_len, int nh, int nkv, float scale, bool tiles_fastest) {
   constexpr int LD = HD + kPad;
   constexpr int LDS = kBlockQ + kPad;  // a staged tile's rows: 64 queries
   constexpr int NT = HD / 8;
@@ -764,8 +790,9 @@ __global__ void __launch_bounds__(kThreads)
   T* sS = reinterpret_cast<T*>(smem_raw);  // [2][kBlockK][LDS]
   T* sK = sS + 2 * kBlockK * LDS;         // [2][kBlockK][LD]
 
-  const int qt = gridDim.z - 1 - blockIdx.z;  // longest first, as in the forward
-  const int h = h0 + blockIdx.x, b = b0 + blockIdx.y;
+  const BlockCoord c = block_coord(tiles_fastest);
+  const int qt = c.tiles - 1 - c.tile;  // longest first, as in the forward
+  const int h = h0 + c.head, b = b0 + c.seq;
   const int kvh = h / (nh / nkv);
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
   const T* k_head = qkv + static_cast<int64_t>(b) * T_len * cols + (nh + kvh) * HD;
@@ -773,7 +800,7 @@ __global__ void __launch_bounds__(kThreads)
   const int q0 = qt * kBlockQ;
   const int32_t* seq_pos = pos ? pos + static_cast<int64_t>(b) * T_len : nullptr;
   const int kt_first = pos || window > 0 ? row_start(seq_pos, q0, window) / kBlockK : 0;
-  const int64_t head_in_chunk = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t head_in_chunk = static_cast<int64_t>(c.seq) * c.heads + c.head;
   const T* tiles = ds + ds_tile_index(head_in_chunk, ds_tiles_per_head(T_len), qt, 0) * kDsTile;
 
   auto stage = [&](int kt, int buf) {
@@ -847,11 +874,11 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
   const size_t smem = forward_smem<T, HD>();
   allow_smem(flash_forward_kernel<T, HD, kAlibi>, smem, "attention_forward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
-  const dim3 grid(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B),
-                  static_cast<unsigned>(ceil_div(s.T, kBlockQ)));
+  const bool tiles_fastest = kv_outgrow_l2(be, s, sizeof(T));
+  const dim3 grid = grid_of(tiles_fastest, ceil_div(s.T, kBlockQ), s.n_heads, s.B);
   flash_forward_kernel<T, HD, kAlibi><<<grid, kThreads, smem, be.stream()>>>(
       qkv.as<const T>(), out.as<T>(), lse.as<float>(), positions_of(s), s.window, slopes_of(s), s.T, s.n_heads,
-      s.n_kv_heads, scale * kLog2e);
+      s.n_kv_heads, scale * kLog2e, tiles_fastest);
 }
 
 // How a staged backward splits into launches: kv heads and sequences per chunk (whole groups of
@@ -879,6 +906,9 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   const int group = s.n_heads / s.n_kv_heads;
   const unsigned n_tiles = static_cast<unsigned>(ceil_div(s.T, kBlockK));  // = query tiles (kBlockQ == kBlockK)
   const size_t smem_dkdv = dkdv_smem<T, HD>();
+  // the dq kernels by kv_outgrow_l2; the dk-dv kernel always heads fastest: its blocks are few
+  // and long where GQA groups heads (2.6 waves on the 1B Llama), and the tail decides
+  const bool tiles_fastest = kv_outgrow_l2(be, s, sizeof(T));
   const DsChunks chunks = ds_chunks(s, sizeof(T), be.attention_ds_budget());
   T* ds = chunks.kv > 0 ? static_cast<T*>(be.scratch_if_free(chunks.bytes, op)) : nullptr;
   if (chunks.kv > 0 && !ds) {
@@ -898,12 +928,13 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
       for (int kv0 = 0; kv0 < s.n_kv_heads; kv0 += chunks.kv) {
         const int kv = std::min(chunks.kv, s.n_kv_heads - kv0), seqs = std::min(chunks.seqs, s.B - b0);
         flash_backward_dkdv_kernel<T, HD, kAlibi, true>
-            <<<dim3(kv, seqs, n_tiles), kThreads, smem_dkdv, be.stream()>>>(
+            <<<grid_of(false, n_tiles, kv, seqs), kThreads, smem_dkdv, be.stream()>>>(
                 qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window,
                 slopes_of(s), dqkv.as<T>(), ds, kv0, b0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
-        flash_backward_dq_staged_kernel<T, HD><<<dim3(kv * group, seqs, n_tiles), kThreads, smem_dq, be.stream()>>>(
+        flash_backward_dq_staged_kernel<T, HD>
+            <<<grid_of(tiles_fastest, n_tiles, kv * group, seqs), kThreads, smem_dq, be.stream()>>>(
             qkv.as<const T>(), ds, positions_of(s), s.window, dqkv.as<T>(), kv0 * group, b0, s.T, s.n_heads,
-            s.n_kv_heads, scale);
+            s.n_kv_heads, scale, tiles_fastest);
       }
     be.release(ds);
     return;
@@ -911,11 +942,11 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   const size_t smem_dq = dq_smem<T, HD>();
   allow_smem(flash_backward_dq_kernel<T, HD, kAlibi>, smem_dq, op);
   allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi, false>, smem_dkdv, op);
-  const dim3 grid_q(static_cast<unsigned>(s.n_heads), static_cast<unsigned>(s.B), n_tiles);
+  const dim3 grid_q = grid_of(tiles_fastest, n_tiles, s.n_heads, s.B);
   flash_backward_dq_kernel<T, HD, kAlibi><<<grid_q, kThreads, smem_dq, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
-      dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
-  const dim3 grid_k(static_cast<unsigned>(s.n_kv_heads), static_cast<unsigned>(s.B), n_tiles);
+      dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale, tiles_fastest);
+  const dim3 grid_k = grid_of(false, n_tiles, s.n_kv_heads, s.B);
   flash_backward_dkdv_kernel<T, HD, kAlibi, false><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
       dqkv.as<T>(), nullptr, 0, 0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
@@ -941,8 +972,9 @@ bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
                      std::initializer_list<const Tensor*> operands, bool backward) {
   if (dtype != DType::BF16 && dtype != DType::F16) return false;
   if (s.head_dim != 64 && s.head_dim != 128) return false;
-  // Grid (heads, batch, tiles): y and z are limited to 65535.
-  if (s.B > 65535 || ceil_div(s.T, static_cast<int64_t>(std::min(kBlockQ, kBlockK))) > 65535) return false;
+  // Grids (grid_of) put tiles, heads and sequences on y or z, which are limited to 65535.
+  if (s.B > 65535 || s.n_heads > 65535 || ceil_div(s.T, static_cast<int64_t>(std::min(kBlockQ, kBlockK))) > 65535)
+    return false;
   for (const Tensor* t : operands)
     if (t->dtype != dtype || alignment_of(t->data) < 16) return false;
   // The blocks' shared memory (bf16 and f16 are both 2 bytes) within the device's opt-in limit:

@@ -137,6 +137,7 @@ struct CudaBackend::Profiler {
   std::vector<Mark> marks;         // recorded, not yet read
   cudaEvent_t base = nullptr;      // the interval start of the first pending mark
   bool after_drain = true;
+  bool restarted = false;  // the table starts after the trainer's first step
   std::chrono::steady_clock::time_point drained_at = std::chrono::steady_clock::now();
   OpTimeTable table;
 
@@ -189,6 +190,13 @@ void CudaBackend::profile_harvest() {
   p.drained_at = std::chrono::steady_clock::now();
 }
 
+void CudaBackend::profile_restart() {
+  if (!profiler_) return;
+  wait_for_stream("profile_restart");  // books the pending marks, then they are dropped
+  profiler_->table = OpTimeTable();
+  profiler_->restarted = true;
+}
+
 // ---- construction ----
 
 // KEEL_ATTN_DS_MB as bytes (unset or empty: `fallback`); a value that is not a whole number of
@@ -226,6 +234,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
                              std::to_string(prop.major * 10 + prop.minor) +
                              ") is older than sm_80: keel's kernels need Ampere (A100) or newer");
   smem_optin_ = prop.sharedMemPerBlockOptin;
+  l2_bytes_ = static_cast<size_t>(prop.l2CacheSize);
   cudaStream_t s = nullptr;
   // A blocking stream: work on the legacy default stream (a LocalComm made without this stream)
   // waits for it and it for them.
@@ -271,7 +280,9 @@ CudaBackend::~CudaBackend() {
   if (profiler_) {
     try {
       profile_harvest();
-      const std::string report = "keel cuda profile (device " + std::to_string(device_) + ")\n" + profiler_->table.report();
+      const std::string report = "keel cuda profile (device " + std::to_string(device_) + ")" +
+                                 (profiler_->restarted ? ", steps after the first" : "") + "\n" +
+                                 profiler_->table.report();
       FILE* f = profiler_->path.empty() ? stderr : std::fopen(profiler_->path.c_str(), "w");
       if (f) {
         std::fputs(report.c_str(), f);
@@ -532,6 +543,10 @@ const float* CudaBackend::rope_table(int T, int head_dim, const Rope& rope) {
 // ---- factory ----
 
 std::unique_ptr<Backend> make_cuda_backend(int device) { return std::make_unique<CudaBackend>(device); }
+
+void cuda_profile_restart(Backend& backend) {
+  if (auto* cuda_be = dynamic_cast<CudaBackend*>(&backend)) cuda_be->profile_restart();
+}
 
 CUstream_st* cuda_stream_of(Backend& backend) {
   auto* cuda_be = dynamic_cast<CudaBackend*>(&backend);

@@ -162,6 +162,10 @@ class CudaBackend final : public Backend {
   // KEEL_CUDA_PROFILE: called once per op after its last launch (cuda::check_launch).
   bool profiling() const { return profiler_ != nullptr; }
   void profile_mark(const char* op, const std::string& shapes);
+  // Drain the stream and forget what was timed so far: the trainer calls it after its first
+  // step, whose one-time costs (lazy module loading, cuBLASLt heuristics, pool growth) would
+  // otherwise sit in the means. No-op without KEEL_CUDA_PROFILE.
+  void profile_restart();
   bool simple_attention() const { return simple_attention_; }
   // Scratch the fused attention backward may take to stage its dS tiles (attention_flash.cu:
   // 5 tile products instead of 7, launched in chunks of heads and sequences that fit):
@@ -172,6 +176,10 @@ class CudaBackend final : public Backend {
   void set_attention_ds_budget(size_t bytes) { attn_ds_budget_ = bytes; }
   // Shared memory one block may opt in to on this device (bytes; read once at construction).
   size_t max_smem_per_block() const { return smem_optin_; }
+  // L2 cache of this device (bytes; read once at construction). The fused attention picks its
+  // block order by it (attention_flash.cu, kv_outgrow_l2); tests set it to take either order.
+  size_t l2_bytes() const { return l2_bytes_; }
+  void set_l2_bytes(size_t bytes) { l2_bytes_ = bytes; }
   cuda::MatmulCache& matmul_cache() { return *matmul_; }
 
  private:
@@ -189,6 +197,7 @@ class CudaBackend final : public Backend {
   bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)
   size_t attn_ds_budget_ = kDefaultAttentionDsBudget;  // KEEL_ATTN_DS_MB
   size_t smem_optin_ = 0;
+  size_t l2_bytes_ = 0;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results
   size_t live_bytes_ = 0, peak_bytes_ = 0;
   std::map<void*, size_t> sizes_;  // live allocations (for the memory report)
@@ -199,5 +208,7 @@ class CudaBackend final : public Backend {
 // The stream of a CudaBackend (for NcclComm / LocalComm); throws std::invalid_argument for
 // any other backend.
 CUstream_st* cuda_stream_of(Backend& backend);
+// CudaBackend::profile_restart for a CudaBackend; nothing for any other backend.
+void cuda_profile_restart(Backend& backend);
 
 }  // namespace keel

@@ -15,6 +15,13 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
 
+// The launch's dynamic shared memory as bytes (16-byte aligned).
+#ifdef KEEL_CUDA_EMULATOR
+#define KEEL_DYNAMIC_SHARED(name) unsigned char* name = ::keel_emu::dynamic_shared()
+#else
+#define KEEL_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 namespace keel::cuda {
 
 // ---- storage types: read as fp32, write rounded to nearest even (cvt.rn, as the CPU emulates) ----

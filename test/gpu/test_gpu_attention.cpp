@@ -234,7 +234,9 @@ TEST_CASE("gpu: attention backward matches the CPU (plain and fused kernels)", "
 //   - dk and dv come from the same kernel either way (the staged one runs its query loop on to
 //     whole 64-row tiles, which adds exact zeros): the same bits;
 //   - dq: the two kernels round the same fp32 dS, computed as K Q^T there and Q K^T here, to the
-//     storage type: within the storage tolerance of each other (bf16 4e-3, f16 1e-3).
+//     storage type: within the storage tolerance of each other (bf16 4e-3, f16 1e-3);
+//   - the two block orders (heads or tiles fastest, chosen by the L2 size) change only when
+//     each block runs: the same bits, forward and backward.
 // One kv head's staged tiles, the unit of a chunk: ceil(T/64) (ceil(T/64) + 1) / 2 tiles of
 // 64 x 64 two-byte elements per query head, times the group.
 TEST_CASE("gpu: fused attention backward: staged dS in chunks and the recomputing dq kernel agree",
@@ -299,8 +301,29 @@ TEST_CASE("gpu: fused attention backward: staged dS in chunks and the recomputin
       if (c.alibi) sd.alibi_slopes = dslopes.t;
       DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy), dout = DeviceTensor::of(be, out);
       DeviceTensor dlse = DeviceTensor::of(be, lse), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
+      auto& cuda_be = dynamic_cast<CudaBackend&>(be);
+      const size_t l2 = cuda_be.l2_bytes();
+      cuda_be.set_l2_bytes(size_t{1} << 40);  // heads fastest
       be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
       const HostTensor got = ddq.host();
+      cuda_be.set_l2_bytes(0);  // tiles fastest
+      ddq.upload(filled(dt, {N, s.qkv_cols()}, NAN));
+      be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+      CHECK(bits_differ(ddq.host(), got) == 0);
+      if (!first) {  // the forward, once per case: both orders
+        DeviceTensor o1 = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
+        DeviceTensor o2 = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
+        DeviceTensor l1 = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+        DeviceTensor l2t = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+        be.attention_forward(o1.t, l1.t, dq.t, sd);
+        cuda_be.set_l2_bytes(size_t{1} << 40);
+        be.attention_forward(o2.t, l2t.t, dq.t, sd);
+        CHECK(bits_differ(o1.host(), o2.host()) == 0);
+        CHECK(bits_differ(l1.host(), l2t.host()) == 0);
+        KEEL_CHECK_ERR("attention_forward", std::string(dname(dt)) + " both block orders", rel_err(o1.host(), out),
+                       2e-2);
+      }
+      cuda_be.set_l2_bytes(l2);
       const std::string what = std::string(dname(dt)) + " " + budget.what;
       for (int part = 0; part < 3; ++part)
         KEEL_CHECK_ERR(std::string("attention_backward d") + "qkv"[part], what, part_err(got, dqkv, s, part), 2e-2);

@@ -132,6 +132,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->multiProcessorCount = kMultiprocessors;
   prop->sharedMemPerBlock = kDefaultDynamicShared;
   prop->sharedMemPerBlockOptin = kMaxDynamicShared;
+  prop->l2CacheSize = 50 << 20;  // an H100's
   prop->maxThreadsPerBlock = 1024;
   prop->warpSize = 32;
   return cudaSuccess;
