@@ -18,9 +18,12 @@
 //      in ty order -> partial[row block][c];
 //   2. column_finish: dst[c] = (or +=) the sum over row blocks of partial[rb][c], in 16
 //      interleaved strands (rb = ty mod 16, each in order) added in strand order.
-// Both orders depend on the shapes only. The norms' backwards run pass 1 and their dx kernel
-// alternately over chunks of rows (whole row blocks, about 16 MB of dy and x: column_sums), so
-// the dx kernel reads the chunk from L2; that changes no partial.
+// Both orders depend on the shapes only. Where a row block's partials of every column fit in
+// shared memory (C up to kFusedMaxC), the norms' backwards do pass 1 inside their dx kernel
+// (norm_backward_fused_kernel: warp ty takes rows ty, ty+8, ... of a row block, the order of
+// pass 1, so the same partials), reading dy and x from DRAM once. Wider rows run pass 1 and the
+// dx kernel alternately over chunks of rows (whole row blocks, about 16 MB of dy and x:
+// column_sums), so the dx kernel reads the chunk from L2; that changes no partial either.
 #include <cmath>
 #include <type_traits>
 
@@ -162,6 +165,102 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 
 enum class ColMode { Sum, LayerNorm, RmsNorm };
 
+// dx as norm_backward_dx_kernel, and pass 1 of the parameter gradients' column sums, in one
+// kernel: block = row block rb of kRowBlock rows, warp w = its rows w, w + 8, ... (the rows
+// thread (c, ty = w) sums in column_partials_kernel, in the same order, so the partials are its
+// bits). Each warp adds dy*xhat (and dy: LayerNorm) of its rows into its own shared-memory row of
+// C sums while it reads them for dx; then thread c adds the 8 rows of sums in order into
+// partial[rb][c]. A row's dy is read before its dx is written, by the same warp: din may be
+// dout. A warp's sums sit lane-minor (fused_slot): a lane's V columns of a pack are V different
+// words of one bank, not V banks of every fourth lane (an 8-way conflict on each add at V 8).
+// Dynamic shared memory: (1 + kLayerNorm) * 8 * fused_width(C) floats.
+static_assert(kWarpsPerBlock == kRowLanes && kRowBlock % kWarpsPerBlock == 0,
+              "the fused norm backward's warps are column_partials' row lanes");
+constexpr int64_t kFusedMaxC = 3072;  // RMSNorm: 96 KiB of sums; LayerNorm takes half the width
+// Sums per warp: C rounded up to whole passes of the warp (32 lanes x V columns).
+template <int V>
+__host__ __device__ constexpr int64_t fused_width(int64_t C) {
+  return (C + 32 * V - 1) / (32 * V) * (32 * V);
+}
+// Column c = 32V j + V lane + k (pass j, lane, element k of the lane's pack) at word
+// (j V + k) 32 + lane.
+template <int V>
+__device__ __forceinline__ int fused_slot(int c) {
+  const int j = c / (32 * V), r = c % (32 * V);
+  return (j * V + r % V) * 32 + r / V;
+}
+template <class T, bool kLayerNorm, int V>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    norm_backward_fused_kernel(T* din, const T* dout, const T* __restrict__ in, const T* __restrict__ weight,
+                               const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N, int C,
+                               bool accumulate, float* __restrict__ partial_w, float* __restrict__ partial_b) {
+  KEEL_DYNAMIC_SHARED(smem_raw);
+  float* sums = reinterpret_cast<float*>(smem_raw);  // [kLayerNorm + 1][8 warps][fused_width]: dy*xhat, then dy
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int W = static_cast<int>(fused_width<V>(C));
+  float* sw = sums + static_cast<int64_t>(warp) * W;
+  float* sb = kLayerNorm ? sums + static_cast<int64_t>(kWarpsPerBlock + warp) * W : nullptr;
+  for (int i = lane; i < W; i += 32) {
+    sw[i] = 0.0f;
+    if (kLayerNorm) sb[i] = 0.0f;
+  }
+  __syncwarp();
+  const int64_t rb = blockIdx.x, r0 = rb * kRowBlock;
+  for (int64_t row = r0 + warp; row < min(N, r0 + kRowBlock); row += kWarpsPerBlock) {
+    const T* x = in + row * C;
+    const T* dy = dout + row * C;
+    const float mu = kLayerNorm ? mean[row] : 0.0f;
+    const float rs = rstd[row];
+    float sg = 0, sgx = 0;
+    for (int c = lane * V; c < C; c += 32 * V) {
+      float xv[V], g[V], w[V];
+      load_pack<V>(xv, x + c);
+      load_pack<V>(g, dy + c);
+      load_pack<V>(w, weight + c);
+      const int slot0 = c / (32 * V) * V * 32 + lane;  // fused_slot(c + k) = slot0 + 32 k
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float xhat = (xv[k] - mu) * rs;
+        const float gk = g[k] * w[k];
+        sg += gk;
+        sgx += gk * xhat;
+        sw[slot0 + 32 * k] += g[k] * xhat;  // column_partials: g * ((x - mean) * rstd), or g * (x * rstd)
+        if (kLayerNorm) sb[slot0 + 32 * k] += g[k];
+      }
+    }
+    const float mean_g = kLayerNorm ? warp_sum(sg) / static_cast<float>(C) : 0.0f;
+    const float mean_gx = warp_sum(sgx) / static_cast<float>(C);
+    T* dx = din + row * C;
+    for (int c = lane * V; c < C; c += 32 * V) {
+      float xv[V], g[V], w[V], prev[V];
+      load_pack<V>(xv, x + c);
+      load_pack<V>(g, dy + c);
+      load_pack<V>(w, weight + c);
+      if (accumulate) load_pack<V>(prev, dx + c);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float xhat = (xv[k] - mu) * rs;
+        float d = rs * (g[k] * w[k] - mean_g - xhat * mean_gx);
+        if (accumulate) d += prev[k];
+        xv[k] = d;
+      }
+      store_pack<V>(dx + c, xv);
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += kWarpsPerBlock * 32) {
+    const int slot = fused_slot<V>(c);
+    float w = sums[slot], b = kLayerNorm ? sums[kWarpsPerBlock * W + slot] : 0.0f;
+#pragma unroll
+    for (int k = 1; k < kWarpsPerBlock; ++k) {
+      w += sums[k * W + slot];
+      if (kLayerNorm) b += sums[(kWarpsPerBlock + k) * W + slot];
+    }
+    partial_w[rb * C + c] = w;
+    if (kLayerNorm) partial_b[rb * C + c] = b;
+  }
+}
+
 // Pass 1 of the column sums (see the file comment). kMode Sum: partial_w = sum dy.
 // LayerNorm: partial_w = sum dy*xhat, partial_b = sum dy. RmsNorm: partial_w = sum dy*xhat.
 template <class T, ColMode kMode>
@@ -281,6 +380,35 @@ void column_sums(CudaBackend& be, const char* op, const T* dy, const T* x, const
   be.release(partial);
 }
 
+// The norms' backward where the row block's sums fit (C <= kFusedMaxC, half that for LayerNorm):
+// norm_backward_fused_kernel, then pass 2. False (nothing done) where they do not.
+template <class T, bool kLayerNorm>
+bool norm_backward_fused(CudaBackend& be, const char* op, T* din, const T* dout, const T* in, const T* weight,
+                         const float* mean, const float* rstd, int64_t N, int64_t C, bool packed, float* dw,
+                         float* db, bool accumulate_din, bool accumulate_dparams) {
+  if (C > (kLayerNorm ? kFusedMaxC / 2 : kFusedMaxC)) return false;
+  const int64_t blocks = ceil_div(N, kRowBlock);
+  const int nbuf = kLayerNorm ? 2 : 1;
+  auto* partial = static_cast<float*>(be.scratch(static_cast<size_t>(nbuf * blocks * C) * sizeof(float), op));
+  float* partial_b = kLayerNorm ? partial + blocks * C : nullptr;
+  with_pack_width<T>(packed, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    auto* kernel = norm_backward_fused_kernel<T, kLayerNorm, V>;
+    const size_t smem = static_cast<size_t>(nbuf * kWarpsPerBlock * fused_width<V>(C)) * sizeof(float);
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
+               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    kernel<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, smem, be.stream()>>>(
+        din, dout, in, weight, mean, rstd, N, static_cast<int>(C), accumulate_din, partial, partial_b);
+  });
+  const unsigned fin = static_cast<unsigned>(ceil_div(C, kColGroup));
+  column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(dw, partial, blocks, C, accumulate_dparams);
+  if (db)
+    column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(db, partial_b, blocks, C,
+                                                                           accumulate_dparams);
+  be.release(partial);
+  return true;
+}
+
 struct NormDims {
   int64_t N, C;
 };
@@ -353,20 +481,24 @@ void CudaBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, c
                     {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
     const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
-    // Per chunk of rows the parameter gradients' partials first: they read dout, which may be
-    // din itself (written by the dx kernel after them).
-    cuda::column_sums<T, cuda::ColMode::LayerNorm>(
-        *this, op, u[1].as<const T>(), u[2].as<const T>(), mean.as<const float>(), rstd.as<const float>(), N, C,
-        dweight.as<float>(), dbias.empty() ? nullptr : dbias.as<float>(), accumulate_dparams,
-        [&](int64_t r0, int64_t n) {
-          cuda::with_pack_width<T>(packed, [&](auto v) {
-            cuda::norm_backward_dx_kernel<T, true, decltype(v)::value>
-                <<<cuda::row_blocks(n), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
-                    u[0].as<T>() + r0 * C, u[1].as<const T>() + r0 * C, u[2].as<const T>() + r0 * C,
-                    u[3].as<const T>(), mean.as<const float>() + r0, rstd.as<const float>() + r0, n,
-                    static_cast<int>(C), accumulate_din);
+    float* db = dbias.empty() ? nullptr : dbias.as<float>();
+    if (!cuda::norm_backward_fused<T, true>(*this, op, u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(),
+                                            u[3].as<const T>(), mean.as<const float>(), rstd.as<const float>(), N,
+                                            C, packed, dweight.as<float>(), db, accumulate_din, accumulate_dparams)) {
+      // Per chunk of rows the parameter gradients' partials first: they read dout, which may be
+      // din itself (written by the dx kernel after them).
+      cuda::column_sums<T, cuda::ColMode::LayerNorm>(
+          *this, op, u[1].as<const T>(), u[2].as<const T>(), mean.as<const float>(), rstd.as<const float>(), N, C,
+          dweight.as<float>(), db, accumulate_dparams, [&](int64_t r0, int64_t n) {
+            cuda::with_pack_width<T>(packed, [&](auto v) {
+              cuda::norm_backward_dx_kernel<T, true, decltype(v)::value>
+                  <<<cuda::row_blocks(n), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+                      u[0].as<T>() + r0 * C, u[1].as<const T>() + r0 * C, u[2].as<const T>() + r0 * C,
+                      u[3].as<const T>(), mean.as<const float>() + r0, rstd.as<const float>() + r0, n,
+                      static_cast<int>(C), accumulate_din);
+            });
           });
-        });
+    }
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
@@ -408,17 +540,22 @@ void CudaBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, con
                     {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
     const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
-    // per chunk of rows: dweight's partials, then dx (which may overwrite dout), as LayerNorm's
-    cuda::column_sums<T, cuda::ColMode::RmsNorm>(
-        *this, op, u[1].as<const T>(), u[2].as<const T>(), nullptr, rstd.as<const float>(), N, C, dweight.as<float>(),
-        nullptr, accumulate_dparams, [&](int64_t r0, int64_t n) {
-          cuda::with_pack_width<T>(packed, [&](auto v) {
-            cuda::norm_backward_dx_kernel<T, false, decltype(v)::value>
-                <<<cuda::row_blocks(n), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
-                    u[0].as<T>() + r0 * C, u[1].as<const T>() + r0 * C, u[2].as<const T>() + r0 * C,
-                    u[3].as<const T>(), nullptr, rstd.as<const float>() + r0, n, static_cast<int>(C), accumulate_din);
+    if (!cuda::norm_backward_fused<T, false>(*this, op, u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(),
+                                             u[3].as<const T>(), nullptr, rstd.as<const float>(), N, C, packed,
+                                             dweight.as<float>(), nullptr, accumulate_din, accumulate_dparams)) {
+      // per chunk of rows: dweight's partials, then dx (which may overwrite dout), as LayerNorm's
+      cuda::column_sums<T, cuda::ColMode::RmsNorm>(
+          *this, op, u[1].as<const T>(), u[2].as<const T>(), nullptr, rstd.as<const float>(), N, C,
+          dweight.as<float>(), nullptr, accumulate_dparams, [&](int64_t r0, int64_t n) {
+            cuda::with_pack_width<T>(packed, [&](auto v) {
+              cuda::norm_backward_dx_kernel<T, false, decltype(v)::value>
+                  <<<cuda::row_blocks(n), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
+                      u[0].as<T>() + r0 * C, u[1].as<const T>() + r0 * C, u[2].as<const T>() + r0 * C,
+                      u[3].as<const T>(), nullptr, rstd.as<const float>() + r0, n, static_cast<int>(C),
+                      accumulate_din);
+            });
           });
-        });
+    }
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
