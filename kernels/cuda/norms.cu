@@ -116,15 +116,32 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   if (lane == 0) rstd[row] = rs;
 }
 
-// dx of one row per warp; kLayerNorm selects the mean(g) term and the centring by mean.
-template <class T, bool kLayerNorm, int V>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    norm_backward_dx_kernel(T* din, const T* dout, const T* __restrict__ in, const T* __restrict__ weight,
-                            const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N, int C,
-                            bool accumulate) {
-  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+// Sums per warp of norm_backward_fused_kernel: C rounded up to whole passes of the warp (32
+// lanes x V columns).
+template <int V>
+__host__ __device__ constexpr int64_t fused_width(int64_t C) {
+  return (C + 32 * V - 1) / (32 * V) * (32 * V);
+}
+// Where column c's sum sits in a warp's row of them: c = 32V j + V lane + k (pass j, lane,
+// element k of the lane's pack) at word (j V + k) 32 + lane. A lane's V columns of a pack are
+// then V words of one bank, not V banks shared with every fourth lane (an 8-way conflict on each
+// add at V 8).
+template <int V>
+__device__ __forceinline__ int fused_slot(int c) {
+  const int j = c / (32 * V), r = c % (32 * V);
+  return (j * V + r % V) * 32 + r / V;
+}
+
+// dx of one row by one warp; kLayerNorm selects the mean(g) term and the centring by mean.
+// kSums: also add the row's dy*xhat (and dy: LayerNorm) into the warp's sums sw (sb) at
+// fused_slot, as column_partials_kernel forms them (g * ((x - mean) * rstd), or g * (x * rstd)).
+// The row's dy is read before its dx is written: din may be dout.
+template <class T, bool kLayerNorm, int V, bool kSums>
+__device__ __forceinline__ void norm_backward_row(T* din, const T* dout, const T* __restrict__ in,
+                                                  const T* __restrict__ weight, const float* __restrict__ mean,
+                                                  const float* __restrict__ rstd, int64_t row, int C, bool accumulate,
+                                                  float* sw, float* sb) {
   const int lane = threadIdx.x % 32;
-  if (row >= N) return;
   const T* x = in + row * C;
   const T* dy = dout + row * C;
   const float mu = kLayerNorm ? mean[row] : 0.0f;
@@ -135,12 +152,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     load_pack<V>(xv, x + c);
     load_pack<V>(g, dy + c);
     load_pack<V>(w, weight + c);
+    const int slot0 = c / (32 * V) * V * 32 + lane;  // fused_slot(c + k) = slot0 + 32 k
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const float xhat = (xv[k] - mu) * rs;
       const float gk = g[k] * w[k];
       sg += gk;
       sgx += gk * xhat;
+      if constexpr (kSums) {
+        sw[slot0 + 32 * k] += g[k] * xhat;
+        if (kLayerNorm) sb[slot0 + 32 * k] += g[k];
+      }
     }
   }
   const float mean_g = kLayerNorm ? warp_sum(sg) / static_cast<float>(C) : 0.0f;
@@ -163,39 +185,34 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
-enum class ColMode { Sum, LayerNorm, RmsNorm };
+// dx of one row per warp.
+template <class T, bool kLayerNorm, int V>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    norm_backward_dx_kernel(T* din, const T* dout, const T* __restrict__ in, const T* __restrict__ weight,
+                            const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N, int C,
+                            bool accumulate) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  if (row >= N) return;
+  norm_backward_row<T, kLayerNorm, V, false>(din, dout, in, weight, mean, rstd, row, C, accumulate, nullptr,
+                                             nullptr);
+}
 
 // dx as norm_backward_dx_kernel, and pass 1 of the parameter gradients' column sums, in one
 // kernel: block = row block rb of kRowBlock rows, warp w = its rows w, w + 8, ... (the rows
 // thread (c, ty = w) sums in column_partials_kernel, in the same order, so the partials are its
 // bits). Each warp adds dy*xhat (and dy: LayerNorm) of its rows into its own shared-memory row of
-// C sums while it reads them for dx; then thread c adds the 8 rows of sums in order into
-// partial[rb][c]. A row's dy is read before its dx is written, by the same warp: din may be
-// dout. A warp's sums sit lane-minor (fused_slot): a lane's V columns of a pack are V different
-// words of one bank, not V banks of every fourth lane (an 8-way conflict on each add at V 8).
-// Dynamic shared memory: (1 + kLayerNorm) * 8 * fused_width(C) floats.
+// sums while it reads them for dx; then thread c adds the 8 rows of sums in order into
+// partial[rb][c]. Dynamic shared memory: (1 + kLayerNorm) * 8 * fused_width(C) floats.
 static_assert(kWarpsPerBlock == kRowLanes && kRowBlock % kWarpsPerBlock == 0,
               "the fused norm backward's warps are column_partials' row lanes");
 constexpr int64_t kFusedMaxC = 3072;  // RMSNorm: 96 KiB of sums; LayerNorm takes half the width
-// Sums per warp: C rounded up to whole passes of the warp (32 lanes x V columns).
-template <int V>
-__host__ __device__ constexpr int64_t fused_width(int64_t C) {
-  return (C + 32 * V - 1) / (32 * V) * (32 * V);
-}
-// Column c = 32V j + V lane + k (pass j, lane, element k of the lane's pack) at word
-// (j V + k) 32 + lane.
-template <int V>
-__device__ __forceinline__ int fused_slot(int c) {
-  const int j = c / (32 * V), r = c % (32 * V);
-  return (j * V + r % V) * 32 + r / V;
-}
 template <class T, bool kLayerNorm, int V>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     norm_backward_fused_kernel(T* din, const T* dout, const T* __restrict__ in, const T* __restrict__ weight,
                                const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N, int C,
                                bool accumulate, float* __restrict__ partial_w, float* __restrict__ partial_b) {
   KEEL_DYNAMIC_SHARED(smem_raw);
-  float* sums = reinterpret_cast<float*>(smem_raw);  // [kLayerNorm + 1][8 warps][fused_width]: dy*xhat, then dy
+  float* sums = reinterpret_cast<float*>(smem_raw);  // [kLayerNorm + 1][8 warps][W]: dy*xhat, then dy
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = static_cast<int>(fused_width<V>(C));
   float* sw = sums + static_cast<int64_t>(warp) * W;
@@ -206,47 +223,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
   __syncwarp();
   const int64_t rb = blockIdx.x, r0 = rb * kRowBlock;
-  for (int64_t row = r0 + warp; row < min(N, r0 + kRowBlock); row += kWarpsPerBlock) {
-    const T* x = in + row * C;
-    const T* dy = dout + row * C;
-    const float mu = kLayerNorm ? mean[row] : 0.0f;
-    const float rs = rstd[row];
-    float sg = 0, sgx = 0;
-    for (int c = lane * V; c < C; c += 32 * V) {
-      float xv[V], g[V], w[V];
-      load_pack<V>(xv, x + c);
-      load_pack<V>(g, dy + c);
-      load_pack<V>(w, weight + c);
-      const int slot0 = c / (32 * V) * V * 32 + lane;  // fused_slot(c + k) = slot0 + 32 k
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const float xhat = (xv[k] - mu) * rs;
-        const float gk = g[k] * w[k];
-        sg += gk;
-        sgx += gk * xhat;
-        sw[slot0 + 32 * k] += g[k] * xhat;  // column_partials: g * ((x - mean) * rstd), or g * (x * rstd)
-        if (kLayerNorm) sb[slot0 + 32 * k] += g[k];
-      }
-    }
-    const float mean_g = kLayerNorm ? warp_sum(sg) / static_cast<float>(C) : 0.0f;
-    const float mean_gx = warp_sum(sgx) / static_cast<float>(C);
-    T* dx = din + row * C;
-    for (int c = lane * V; c < C; c += 32 * V) {
-      float xv[V], g[V], w[V], prev[V];
-      load_pack<V>(xv, x + c);
-      load_pack<V>(g, dy + c);
-      load_pack<V>(w, weight + c);
-      if (accumulate) load_pack<V>(prev, dx + c);
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const float xhat = (xv[k] - mu) * rs;
-        float d = rs * (g[k] * w[k] - mean_g - xhat * mean_gx);
-        if (accumulate) d += prev[k];
-        xv[k] = d;
-      }
-      store_pack<V>(dx + c, xv);
-    }
-  }
+  for (int64_t row = r0 + warp; row < min(N, r0 + kRowBlock); row += kWarpsPerBlock)
+    norm_backward_row<T, kLayerNorm, V, true>(din, dout, in, weight, mean, rstd, row, C, accumulate, sw, sb);
   __syncthreads();
   for (int c = threadIdx.x; c < C; c += kWarpsPerBlock * 32) {
     const int slot = fused_slot<V>(c);
@@ -260,6 +238,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     if (kLayerNorm) partial_b[rb * C + c] = b;
   }
 }
+
+enum class ColMode { Sum, LayerNorm, RmsNorm };
 
 // Pass 1 of the column sums (see the file comment). kMode Sum: partial_w = sum dy.
 // LayerNorm: partial_w = sum dy*xhat, partial_b = sum dy. RmsNorm: partial_w = sum dy*xhat.
