@@ -53,7 +53,7 @@ for a in "$@"; do
     bench) stages+=(env bench profile racecheck) ;;
     throughput) stages+=(bench) ;;
     env | build | test | memcheck | racecheck | profile | recompute | unfused | ncu) stages+=("$a") ;;
-    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused)" >&2; exit 2 ;;
+    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused, ncu)" >&2; exit 2 ;;
   esac
 done
 
