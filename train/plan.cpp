@@ -1,6 +1,6 @@
 #include "train/plan.h"
 
-#include "kernels/cuda/cuda_backend.h"  // kDefaultAttentionDsBudget (a plain C++ header)
+#include "kernels/cuda/cuda_backend.h"  // kDefaultAttentionDsBudget, attention_ds_tiles_per_head (plain C++)
 #include "model/transformer.h"
 #include "train/format.h"
 #include "train/pipeline_schedule.h"
@@ -310,8 +310,10 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
 // bytes each, at most the budget (it launches in chunks that fit), 0 without 16-bit activations.
 double attention_ds_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq) {
   if (mem.attention_ds_budget <= 0 || mem.act_bytes != 2) return 0;
-  const double tiles = static_cast<double>((seq + 63) / 64), heads = static_cast<double>(m.n_heads / tp);
-  return std::min(mem.attention_ds_budget, static_cast<double>(mbs) * heads * tiles * (tiles + 1) / 2 * 64 * 64 * 2);
+  const double tiles = static_cast<double>(attention_ds_tiles_per_head(seq));
+  const double heads = static_cast<double>(m.n_heads / tp);
+  const double tile_bytes = static_cast<double>(kAttentionDsTileRows * kAttentionDsTileRows * 2);
+  return std::min(mem.attention_ds_budget, static_cast<double>(mbs) * heads * tiles * tile_bytes);
 }
 
 std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOptions& opt) {

@@ -620,11 +620,9 @@ __global__ void __launch_bounds__(kThreads)
 __device__ __forceinline__ int64_t ds_tile_index(int64_t head_in_chunk, int64_t n_tri, int qt, int kt) {
   return head_in_chunk * n_tri + static_cast<int64_t>(qt) * (qt + 1) / 2 + kt;
 }
-// Causal tiles of one head: n (n + 1) / 2 for n = ceil(T / 64) query (and key) tiles.
-__host__ __device__ __forceinline__ int64_t ds_tiles_per_head(int64_t T_len) {
-  const int64_t n = (T_len + kBlockQ - 1) / kBlockQ;
-  return n * (n + 1) / 2;
-}
+// The causal tiles of one head: attention_ds_tiles_per_head (cuda_backend.h, which keel plan
+// shares).
+static_assert(kBlockQ == kAttentionDsTileRows && kBlockK == kAttentionDsTileRows, "a staged dS tile is 64 x 64");
 
 // kStoreDS: also store dS (rounded to T, as the dK product takes it) to `ds` for
 // flash_backward_dq_staged_kernel; the grid then covers one chunk, kv heads kv0 + c.head and
@@ -670,7 +668,7 @@ __global__ void __launch_bounds__(kThreads)
   int q_end = pos || window > 0 ? queries_end(seq_pos, window, T_len, min(k0 + kBlockK, T_len) - 1) : T_len;
   if (kStoreDS) q_end = min((q_end + kBlockQ - 1) / kBlockQ * kBlockQ, (T_len + kBlockQBwd - 1) / kBlockQBwd * kBlockQBwd);
   const int n_q = (q_end + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
-  const int64_t n_tri = kStoreDS ? ds_tiles_per_head(T_len) : 0;
+  const int64_t n_tri = kStoreDS ? attention_ds_tiles_per_head(T_len) : 0;
   const int n_it = group * n_q;
 
   // Stage step `it` (query head h = kvh * group + it / n_q, query tile qi_first + it % n_q) into buffer `buf`.
@@ -801,7 +799,7 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* seq_pos = pos ? pos + static_cast<int64_t>(b) * T_len : nullptr;
   const int kt_first = pos || window > 0 ? row_start(seq_pos, q0, window) / kBlockK : 0;
   const int64_t head_in_chunk = static_cast<int64_t>(c.seq) * c.heads + c.head;
-  const T* tiles = ds + ds_tile_index(head_in_chunk, ds_tiles_per_head(T_len), qt, 0) * kDsTile;
+  const T* tiles = ds + ds_tile_index(head_in_chunk, attention_ds_tiles_per_head(T_len), qt, 0) * kDsTile;
 
   auto stage = [&](int kt, int buf) {
     async_tile<T, kBlockQ, kBlockK>(sS + buf * kBlockK * LDS, tiles + static_cast<int64_t>(kt) * kDsTile, 0, kBlockK,
@@ -888,7 +886,7 @@ struct DsChunks {
   size_t bytes = 0;  // scratch of one chunk
 };
 DsChunks ds_chunks(const AttnShape& s, size_t elem_bytes, size_t budget) {
-  const size_t per_head = static_cast<size_t>(ds_tiles_per_head(s.T)) * kDsTile * elem_bytes;
+  const size_t per_head = static_cast<size_t>(attention_ds_tiles_per_head(s.T)) * kDsTile * elem_bytes;
   const size_t per_kv = per_head * static_cast<size_t>(s.n_heads / s.n_kv_heads);
   DsChunks c;
   if (per_kv == 0 || budget < per_kv) return c;

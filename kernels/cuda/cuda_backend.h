@@ -53,6 +53,13 @@ void destroy_matmul_cache(MatmulCache* cache) noexcept;
 
 // CudaBackend::attention_ds_budget's default (KEEL_ATTN_DS_MB unset); keel plan counts it too.
 inline constexpr size_t kDefaultAttentionDsBudget = size_t{1024} << 20;
+// The fused attention backward's staged dS of one query head (attention_flash.cu; keel plan
+// counts it): the causal tiles of 64 keys x 64 queries, n (n + 1) / 2 for n = ceil(T / 64).
+inline constexpr int64_t kAttentionDsTileRows = 64;
+inline constexpr int64_t attention_ds_tiles_per_head(int64_t T) {
+  const int64_t n = (T + kAttentionDsTileRows - 1) / kAttentionDsTileRows;
+  return n * (n + 1) / 2;
+}
 
 class CudaBackend final : public Backend {
  public:

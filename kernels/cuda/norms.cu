@@ -41,6 +41,9 @@ constexpr int kRowBlock = 64;      // rows per partial sum of the column reducti
 constexpr int kColGroup = 32;      // columns per column-reduction block (one per lane)
 constexpr int kRowLanes = 8;       // threads along rows in a column-reduction block
 
+// Blocks of the row kernels for N rows (one warp per row).
+unsigned row_blocks(int64_t N) { return static_cast<unsigned>(std::max<int64_t>(1, ceil_div(N, kWarpsPerBlock))); }
+
 // Row kernels: lane l takes the packs of V columns starting at l*V, l*V + 32V, ... (V =
 // kPack<T> when C is a multiple of it and every pointer is 16-byte aligned, else 1).
 template <class T, int V>
@@ -316,6 +319,16 @@ __global__ void __launch_bounds__(kColGroup * kFinishLanes)
   }
 }
 
+// Pass 2 into dw (and db, from partial_b) over `blocks` row blocks of partials, then the
+// partials' scratch (partial, which partial_b lies in) goes back.
+void finish_columns(CudaBackend& be, float* partial, float* partial_b, int64_t blocks, int64_t C, float* dw,
+                    float* db, bool accumulate) {
+  const unsigned fin = static_cast<unsigned>(ceil_div(C, kColGroup));
+  column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(dw, partial, blocks, C, accumulate);
+  if (db) column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(db, partial_b, blocks, C, accumulate);
+  be.release(partial);
+}
+
 // Rows per chunk of a norm backward (a multiple of kRowBlock): the chunk's dy and x, about
 // kL2ChunkBytes, stay in L2 (50 MB on H100, 40 MB on A100) between the column partials kernel,
 // which reads them first, and the dx kernel, which reads them again right after. Unchunked, a
@@ -353,20 +366,30 @@ void column_sums(CudaBackend& be, const char* op, const T* dy, const T* x, const
         partial + rb0 * C, partial_b ? partial_b + rb0 * C : nullptr);
     per_chunk(r0, n);
   }
-  const unsigned fin = static_cast<unsigned>(ceil_div(C, kColGroup));
-  column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(dw, partial, blocks, C, accumulate);
-  if (db)
-    column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(db, partial_b, blocks, C, accumulate);
-  be.release(partial);
+  finish_columns(be, partial, partial_b, blocks, C, dw, db, accumulate);
 }
 
-// The norms' backward where the row block's sums fit (C <= kFusedMaxC, half that for LayerNorm):
-// norm_backward_fused_kernel, then pass 2. False (nothing done) where they do not.
+// A norm's backward (kLayerNorm: LayerNorm, with mean and db; else RMSNorm): dx into din, and
+// dweight (dbias) stored or added. Where a row block's sums fit in shared memory (C <=
+// kFusedMaxC, half that for LayerNorm) norm_backward_fused_kernel, else column_sums with the dx
+// kernel per chunk of rows; then pass 2. Either way dout is read before din (which may be dout)
+// is written over it.
 template <class T, bool kLayerNorm>
-bool norm_backward_fused(CudaBackend& be, const char* op, T* din, const T* dout, const T* in, const T* weight,
-                         const float* mean, const float* rstd, int64_t N, int64_t C, bool packed, float* dw,
-                         float* db, bool accumulate_din, bool accumulate_dparams) {
-  if (C > (kLayerNorm ? kFusedMaxC / 2 : kFusedMaxC)) return false;
+void norm_backward(CudaBackend& be, const char* op, T* din, const T* dout, const T* in, const T* weight,
+                   const float* mean, const float* rstd, int64_t N, int64_t C, bool packed, float* dw, float* db,
+                   bool accumulate_din, bool accumulate_dparams) {
+  if (C > (kLayerNorm ? kFusedMaxC / 2 : kFusedMaxC)) {
+    constexpr ColMode kMode = kLayerNorm ? ColMode::LayerNorm : ColMode::RmsNorm;
+    column_sums<T, kMode>(be, op, dout, in, mean, rstd, N, C, dw, db, accumulate_dparams, [&](int64_t r0, int64_t n) {
+      with_pack_width<T>(packed, [&](auto v) {
+        norm_backward_dx_kernel<T, kLayerNorm, decltype(v)::value>
+            <<<row_blocks(n), kWarpsPerBlock * 32, 0, be.stream()>>>(din + r0 * C, dout + r0 * C, in + r0 * C, weight,
+                                                                     mean ? mean + r0 : nullptr, rstd + r0, n,
+                                                                     static_cast<int>(C), accumulate_din);
+      });
+    });
+    return;
+  }
   const int64_t blocks = ceil_div(N, kRowBlock);
   const int nbuf = kLayerNorm ? 2 : 1;
   auto* partial = static_cast<float*>(be.scratch(static_cast<size_t>(nbuf * blocks * C) * sizeof(float), op));
@@ -380,13 +403,7 @@ bool norm_backward_fused(CudaBackend& be, const char* op, T* din, const T* dout,
     kernel<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, smem, be.stream()>>>(
         din, dout, in, weight, mean, rstd, N, static_cast<int>(C), accumulate_din, partial, partial_b);
   });
-  const unsigned fin = static_cast<unsigned>(ceil_div(C, kColGroup));
-  column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(dw, partial, blocks, C, accumulate_dparams);
-  if (db)
-    column_finish_kernel<<<fin, kColGroup * kFinishLanes, 0, be.stream()>>>(db, partial_b, blocks, C,
-                                                                           accumulate_dparams);
-  be.release(partial);
-  return true;
+  finish_columns(be, partial, partial_b, blocks, C, dw, db, accumulate_dparams);
 }
 
 struct NormDims {
@@ -414,8 +431,6 @@ NormDims check_norm(const char* op, const Tensor& x, std::initializer_list<Named
   if (C > (int64_t{1} << 30)) fail(op, "rows longer than 2^30 are not supported", {{"in", x}});
   return {N, C};
 }
-
-unsigned row_blocks(int64_t N) { return static_cast<unsigned>(std::max<int64_t>(1, ceil_div(N, kWarpsPerBlock))); }
 
 }  // namespace
 }  // namespace cuda
@@ -461,24 +476,9 @@ void CudaBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, c
                     {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
     const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
-    float* db = dbias.empty() ? nullptr : dbias.as<float>();
-    if (!cuda::norm_backward_fused<T, true>(*this, op, u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(),
-                                            u[3].as<const T>(), mean.as<const float>(), rstd.as<const float>(), N,
-                                            C, packed, dweight.as<float>(), db, accumulate_din, accumulate_dparams)) {
-      // Per chunk of rows the parameter gradients' partials first: they read dout, which may be
-      // din itself (written by the dx kernel after them).
-      cuda::column_sums<T, cuda::ColMode::LayerNorm>(
-          *this, op, u[1].as<const T>(), u[2].as<const T>(), mean.as<const float>(), rstd.as<const float>(), N, C,
-          dweight.as<float>(), db, accumulate_dparams, [&](int64_t r0, int64_t n) {
-            cuda::with_pack_width<T>(packed, [&](auto v) {
-              cuda::norm_backward_dx_kernel<T, true, decltype(v)::value>
-                  <<<cuda::row_blocks(n), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
-                      u[0].as<T>() + r0 * C, u[1].as<const T>() + r0 * C, u[2].as<const T>() + r0 * C,
-                      u[3].as<const T>(), mean.as<const float>() + r0, rstd.as<const float>() + r0, n,
-                      static_cast<int>(C), accumulate_din);
-            });
-          });
-    }
+    cuda::norm_backward<T, true>(*this, op, u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), u[3].as<const T>(),
+                                 mean.as<const float>(), rstd.as<const float>(), N, C, packed, dweight.as<float>(),
+                                 dbias.empty() ? nullptr : dbias.as<float>(), accumulate_din, accumulate_dparams);
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
@@ -520,22 +520,9 @@ void CudaBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, con
                     {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
     const bool packed = C % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
-    if (!cuda::norm_backward_fused<T, false>(*this, op, u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(),
-                                             u[3].as<const T>(), nullptr, rstd.as<const float>(), N, C, packed,
-                                             dweight.as<float>(), nullptr, accumulate_din, accumulate_dparams)) {
-      // per chunk of rows: dweight's partials, then dx (which may overwrite dout), as LayerNorm's
-      cuda::column_sums<T, cuda::ColMode::RmsNorm>(
-          *this, op, u[1].as<const T>(), u[2].as<const T>(), nullptr, rstd.as<const float>(), N, C,
-          dweight.as<float>(), nullptr, accumulate_dparams, [&](int64_t r0, int64_t n) {
-            cuda::with_pack_width<T>(packed, [&](auto v) {
-              cuda::norm_backward_dx_kernel<T, false, decltype(v)::value>
-                  <<<cuda::row_blocks(n), cuda::kWarpsPerBlock * 32, 0, stream_>>>(
-                      u[0].as<T>() + r0 * C, u[1].as<const T>() + r0 * C, u[2].as<const T>() + r0 * C,
-                      u[3].as<const T>(), nullptr, rstd.as<const float>() + r0, n, static_cast<int>(C),
-                      accumulate_din);
-            });
-          });
-    }
+    cuda::norm_backward<T, false>(*this, op, u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(),
+                                  u[3].as<const T>(), nullptr, rstd.as<const float>(), N, C, packed,
+                                  dweight.as<float>(), nullptr, accumulate_din, accumulate_dparams);
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
