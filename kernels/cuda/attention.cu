@@ -152,6 +152,32 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) delta[(n / T * nh + h) * T + n % T] = s;
 }
 
+// The same D with each row read in 16-byte packs of V elements: G = head_dim / V consecutive
+// lanes per row (a power of two dividing 32), each summing its pack in order, then a butterfly
+// over the G lanes (a fixed pairing: deterministic). Rows [B*T*nh] of head_dim contiguous elements.
+template <class T, int V>
+__global__ void __launch_bounds__(kThreads)
+    attention_delta_packed_kernel(float* __restrict__ delta, const T* __restrict__ dout, const T* __restrict__ out,
+                                  int64_t rows, int T_len, int nh, int lanes_per_row) {
+  const int64_t g = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  const int64_t row = g / lanes_per_row;  // (b, i, h) in memory order
+  const int part = static_cast<int>(g % lanes_per_row);
+  float s = 0.0f;
+  if (row < rows) {
+    const int64_t off = (row * lanes_per_row + part) * V;
+    float a[V], o[V];
+    load_pack<V>(a, dout + off);
+    load_pack<V>(o, out + off);
+#pragma unroll
+    for (int k = 0; k < V; ++k) s = fmaf(a[k], o[k], s);
+  }
+  for (int m = lanes_per_row / 2; m > 0; m /= 2) s += __shfl_xor_sync(0xffffffffu, s, m);  // all lanes take part
+  if (row < rows && part == 0) {
+    const int64_t n = row / nh, h = row % nh;  // n = b * T + i
+    delta[(n / T_len * nh + h) * T_len + n % T_len] = s;
+  }
+}
+
 struct PlainBwd {
   const void* qkv;
   const void* dout;
@@ -322,6 +348,32 @@ void check_head_dim(const char* op, const AttnShape& s, const Tensor& qkv) {
 
 unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::max<int64_t>(1, ceil_div(rows, kWarps))); }
 
+// D = dO . o by the packed kernel where dout and out share a type, are 16-byte aligned and
+// head_dim / V divides 32; else one warp per row.
+void launch_attention_delta(float* delta, const Tensor& dout, const Tensor& out, const AttnShape& s,
+                            cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T * s.n_heads;
+  const auto packed = [&](auto type) {
+    using T = decltype(type);
+    constexpr int V = kPack<T>;
+    const int lanes = s.head_dim / V;
+    if (s.head_dim % V != 0 || lanes > 32 || (lanes & (lanes - 1)) != 0 || !aligned16({dout.data, out.data}))
+      return false;
+    const int64_t threads = rows * lanes;
+    attention_delta_packed_kernel<T, V><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0,
+                                          stream>>>(delta, dout.as<const T>(), out.as<const T>(), rows, s.T,
+                                                    s.n_heads, lanes);
+    return true;
+  };
+  if (dout.dtype == out.dtype) {
+    if (dout.dtype == DType::BF16 && packed(__nv_bfloat16{})) return;
+    if (dout.dtype == DType::F16 && packed(__half{})) return;
+    if (dout.dtype == DType::F32 && packed(float{})) return;
+  }
+  attention_delta_kernel<<<row_blocks(rows), kThreads, 0, stream>>>(delta, dout.data, dout.dtype, out.data, out.dtype,
+                                                                    s.B, s.T, s.n_heads, s.head_dim);
+}
+
 // The plain kernels with ALiBi (slopes given) or without: the biasless instantiation keeps the
 // plain causal code and registers.
 void launch_plain_forward(const PlainAttn& a, const float* slopes, int64_t rows, cudaStream_t stream) {
@@ -394,8 +446,7 @@ void CudaBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, con
   cuda::check_head_dim(op, s, qkv);
 
   auto* delta = static_cast<float*>(scratch(static_cast<size_t>(B * nh * T) * sizeof(float), op));
-  cuda::attention_delta_kernel<<<cuda::row_blocks(B * T * nh), cuda::kThreads, 0, stream_>>>(
-      delta, dout.data, dout.dtype, out.data, out.dtype, s.B, s.T, s.n_heads, s.head_dim);
+  cuda::launch_attention_delta(delta, dout, out, s, stream_);
   if (!simple_attention_ && cuda::flash_supported(*this, s, qkv.dtype, {&qkv, &dqkv, &dout}, true)) {
     cuda::flash_backward(*this, dqkv, dout, qkv, lse, delta, s);
   } else {

@@ -7,8 +7,9 @@
 //   S_ij = (q_i . k_j) * scale,  scale = 1/sqrt(hd);  lse_i = log sum_j exp(S_ij);  P_ij = exp(S_ij - lse_i)
 //   O_i = sum_j P_ij v_j;  D_i = dO_i . O_i;  dS_ij = P_ij (dO_i . v_j - D_i)
 //   dq_i = scale sum_j dS_ij k_j;  dk_j = scale sum_{h in group} sum_i dS_ij q_i;  dv_j = sum_{h in group} sum_i P_ij dO_i
-// Exponentials are taken base 2 with scores pre-multiplied by scale * log2(e) (exp2f is one
-// instruction); lse is stored in natural-log units.
+// Exponentials are taken base 2 with scores pre-multiplied by scale * log2(e), by ex2.approx.ftz
+// (one MUFU instruction; exp2f adds four to keep subnormal results, probabilities below 2^-126
+// that no sum here can see); lse is stored in natural-log units.
 // ALiBi (AttnShape::alibi_slopes): S_ij += m_h (j - i). In log2 units that is
 // fma(float(j - i), m_h log2(e), S_ij scale log2(e)), from each accumulator element's (row, key)
 // the masks already compute; the forward's lse then includes the bias, and the backward's
@@ -62,6 +63,7 @@
 #include <cmath>
 #include <cstdio>
 #include <mutex>
+#include <type_traits>
 
 #include "kernels/attention_window.h"
 #include "kernels/cuda/attention_flash.cuh"
@@ -79,6 +81,10 @@ constexpr int kDsTile = kBlockQ * kBlockK;  // elements of one staged dS tile
 constexpr int kPad = 8;          // shared-memory row padding (elements): conflict-free fragment loads
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// Blocks per SM the forward and dk-dv kernels are compiled for: at head_dim 64 four (at most 128
+// registers a thread; both fit that without spills), at 128 whatever their accumulators allow.
+constexpr int min_blocks_per_sm(int head_dim) { return head_dim == 64 ? 4 : 1; }
 
 // ---- fragments and tensor-core products ----
 
@@ -243,24 +249,29 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // Rows [row0, row0 + kRows) of one head (HD contiguous elements at g_head + row * cols) into
 // shared rows of stride HD + kPad; rows >= T_len are zero-filled.
+// Thread x copies chunk x % kChunks of rows x / kChunks + p kThreads / kChunks, pass p (unrolled).
 template <class T, int HD, int kRows>
 __device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int T_len, int64_t cols) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
   constexpr int LD = HD + kPad;
-  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
-    const int r = c / kChunks, ch = c % kChunks;
-    const int row = row0 + r;
-    const bool valid = row < T_len;
-    const T* src = g_head + static_cast<int64_t>(valid ? row : 0) * cols + ch * 8;
-    cp_async16(s + r * LD + ch * 8, src, valid);
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "a tile is whole passes of the block");
+  const int r0 = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
+  const T* src = g_head + static_cast<int64_t>(row0 + r0) * cols + ch * 8;
+  T* dst = s + r0 * LD + ch * 8;
+#pragma unroll
+  for (int p = 0; p < kRows / kRowsPerPass; ++p) {
+    const bool valid = row0 + r0 + p * kRowsPerPass < T_len;
+    // rows past T read nothing, from an address inside the tensor
+    cp_async16(dst + p * kRowsPerPass * LD, valid ? src + p * kRowsPerPass * cols : g_head, valid);
   }
 }
 
 // Double buffering over a loop's steps: with a step after this one, stage it (stage(next, buf))
 // into the other buffer and wait for all but that newest copy group; at the last step wait for
 // everything. Then a barrier, after which the block may read the current buffer.
-template <class Stage>
-__device__ __forceinline__ void stage_next_and_wait(bool more, const Stage& stage, int next, int buf) {
+template <class Stage, class Step>
+__device__ __forceinline__ void stage_next_and_wait(bool more, const Stage& stage, const Step& next, int buf) {
   if (more) {
     stage(next, buf);
     cp_async_commit();
@@ -329,6 +340,43 @@ __device__ __forceinline__ float score_log2(float qk, float scale_log2, int j_mi
   else return qk * scale_log2;
 }
 
+// 2^x by the special-function unit: relative error about 2^-22, subnormal results flushed to 0,
+// ex2(-inf) = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef KEEL_CUDA_EMULATOR
+  const float r = exp2f(x);
+  return r < 1.17549435e-38f ? 0.0f : r;
+#else
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+#endif
+}
+
+// A tile step either masks element by element (keys past the diagonal or T, or before a row's
+// start) or needs no mask at all; the kernels branch once per step (uniformly) between the two
+// versions of their element-wise code, so interior tiles, most of the work, pay no index math.
+template <bool kMask>
+using MaskTag = std::integral_constant<bool, kMask>;
+template <class Body>
+__device__ __forceinline__ void with_mask(bool mask, const Body& body) {
+  if (mask) body(MaskTag<true>{});
+  else body(MaskTag<false>{});
+}
+
+// P_ij and dS_ij = P_ij (dP_ij - D_i) of one element in place: s holds q.k and becomes P, dp holds
+// dO.v and becomes dS. lse2: row i's lse in log2 units; in a masked step p is zeroed unless
+// valid (j_minus_i and valid are dead code where unused).
+template <bool kMask, bool kAlibi>
+__device__ __forceinline__ void prob_and_ds(float& s, float& dp, float lse2, float d, float scale_log2, int j_minus_i,
+                                            float slope_log2, bool valid) {
+  const float x = kAlibi ? score_log2<kAlibi>(s, scale_log2, j_minus_i, slope_log2) - lse2 : fmaf(s, scale_log2, -lse2);
+  float p = fast_exp2(x);
+  if constexpr (kMask) p = valid ? p : 0.0f;
+  s = p;
+  dp = p * (dp - d);
+}
+
 // ---- block order ----
 
 // A block's tile, head and sequence, from its place in the grid (grid_of). Blocks start in
@@ -363,7 +411,7 @@ bool kv_outgrow_l2(const CudaBackend& be, const AttnShape& s, size_t elem_bytes)
 // ---- forward ----
 
 template <class T, int HD, bool kAlibi>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse,
                          const int32_t* __restrict__ pos, int window, const float* __restrict__ slopes, int T_len,
                          int nh, int nkv, float scale_log2, bool tiles_fastest) {
@@ -430,28 +478,37 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) mma_b_nmajor<T>(s, qa[kk], k_s + kk * 16, LD, lane);
 
-    // scale to log2 units, mask, row max
+    // Row maxima in log2 units. A tile without mask or bias takes them over the raw scores
+    // (scale_log2 > 0 commutes with max, and with rounding), and its exponent below is then one
+    // fma: (s, scale_log2, -m); otherwise the scores become log2 units here, masked to -inf.
     const bool mask = k0 + kBlockK - 1 > q0 || k0 + kBlockK > T_len || k0 < docs.last_start;
+    const bool raw = !kAlibi && !mask;
     float mx[2] = {-INFINITY, -INFINITY};
+    with_mask(mask, [&](auto masked) {
+      constexpr bool kMask = decltype(masked)::value;
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = k0 + n * 8 + 2 * t + (e & 1);
-        const int row = e < 2 ? row_a : row_b;
-        float v = score_log2<kAlibi>(s[n][e], scale_log2, col - row, slope_log2);
-        if (mask && (col > row || col >= T_len || col < docs.start[e >> 1])) v = -INFINITY;
-        s[n][e] = v;
-        mx[e >> 1] = fmaxf(mx[e >> 1], v);
-      }
+        for (int e = 0; e < 4; ++e) {
+          if constexpr (kMask || kAlibi) {
+            const int col = k0 + n * 8 + 2 * t + (e & 1);
+            const int row = e < 2 ? row_a : row_b;
+            float v = score_log2<kAlibi>(s[n][e], scale_log2, col - row, slope_log2);
+            if (kMask && (col > row || col >= T_len || col < docs.start[e >> 1])) v = -INFINITY;
+            s[n][e] = v;
+          }
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+        }
+    });
+    const float mul = raw ? scale_log2 : 1.0f;  // from s to log2 units
     float m_use[2], alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m[r], mx[r]);
+      const float m_new = fmaxf(m[r], mx[r] * mul);
       m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing unmasked yet stays at 0
-      alpha[r] = exp2f(m[r] - m_use[r]);
+      alpha[r] = fast_exp2(m[r] - m_use[r]);
       m[r] = m_new;
     }
     // P = exp2(S - m), row sums
@@ -460,7 +517,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = exp2f(s[n][e] - m_use[e >> 1]);
+        const float p = fast_exp2(fmaf(s[n][e], mul, -m_use[e >> 1]));
         s[n][e] = p;
         rs[e >> 1] += p;
       }
@@ -581,24 +638,25 @@ __global__ void __launch_bounds__(kThreads)
       mma_b_nmajor<T>(s, qa, k_s + kk * 16, LD, lane);
       mma_b_nmajor<T>(dp, da, v_s + kk * 16, LD, lane);
     }
-    // P and dS = P (dP - D)
+    // P and dS = P (dP - D); valid where start_i <= col <= row < T (then col < T too)
+    const bool mask = k0 + kBlockK - 1 > q0 || q0 + kBlockQ > T_len || k0 < docs.last_start;
+    with_mask(mask, [&](auto masked) {
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = k0 + n * 8 + 2 * t + (e & 1);
-        const int row = e < 2 ? row_a : row_b;
-        // col <= row < T_len implies col < T_len
-        const bool valid = col <= row && row < T_len && col >= docs.start[e >> 1];
-        const float p = valid ? exp2f(score_log2<kAlibi>(s[n][e], scale_log2, col - row, slope_log2) - lse2[e >> 1])
-                              : 0.0f;
-        s[n][e] = p * (dp[n][e] - dd[e >> 1]);  // s now holds dS
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int col = k0 + n * 8 + 2 * t + (e & 1);
+          const int row = e < 2 ? row_a : row_b;
+          prob_and_ds<decltype(masked)::value, kAlibi>(s[n][e], dp[n][e], lse2[e >> 1], dd[e >> 1], scale_log2,
+                                                       col - row, slope_log2,
+                                                       col <= row && row < T_len && col >= docs.start[e >> 1]);
+        }
+    });
     // dQ += dS K
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       uint32_t a[4];
-      acc_to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
+      acc_to_a<T>(a, dp[2 * kk], dp[2 * kk + 1]);
       mma_b_kmajor<T>(dq, a, k_s + (kk * 16) * LD, LD, lane);
     }
     __syncthreads();
@@ -630,7 +688,7 @@ static_assert(kBlockQ == kAttentionDsTileRows && kBlockK == kAttentionDsTileRows
 // below T of a tile the dq kernel reads is stored (the rows past the last one a key tile
 // reaches store zeros).
 template <class T, int HD, bool kAlibi, bool kStoreDS>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     flash_backward_dkdv_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                                const float* __restrict__ delta, const int32_t* __restrict__ pos, int window,
                                const float* __restrict__ slopes, T* __restrict__ dqkv, T* __restrict__ ds, int kv0,
@@ -670,16 +728,29 @@ __global__ void __launch_bounds__(kThreads)
   const int n_q = (q_end + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
   const int64_t n_tri = kStoreDS ? attention_ds_tiles_per_head(T_len) : 0;
   const int n_it = group * n_q;
+  const int i_begin = qi_first * kBlockQBwd, i_stop = i_begin + n_q * kBlockQBwd;
+  const int64_t stat_seq = static_cast<int64_t>(b) * nh * T_len;
 
-  // Stage step `it` (query head h = kvh * group + it / n_q, query tile qi_first + it % n_q) into buffer `buf`.
-  auto stage = [&](int it, int buf) {
-    const int h = kvh * group + it / n_q;
-    const int i0 = (qi_first + it % n_q) * kBlockQBwd;
-    async_tile<T, HD, kBlockQBwd>(sQ + buf * kBlockQBwd * LD, base + h * HD, i0, T_len, cols);
-    async_tile<T, HD, kBlockQBwd>(sdO + buf * kBlockQBwd * LD, do_base + h * HD, i0, T_len, out_cols);
+  // A step's query head and first row: the group's heads in order, each over its query tiles
+  // from the diagonal on (counted up, no divisions).
+  struct QueryStep {
+    int h, i0;
+  };
+  const auto advance = [&](QueryStep q) {
+    q.i0 += kBlockQBwd;
+    if (q.i0 == i_stop) {
+      q.i0 = i_begin;
+      ++q.h;
+    }
+    return q;
+  };
+  // Stage step q into buffer `buf`: Q and dO rows, their lse (log2 units), D and starts.
+  const auto stage = [&](QueryStep q, int buf) {
+    async_tile<T, HD, kBlockQBwd>(sQ + buf * kBlockQBwd * LD, base + q.h * HD, q.i0, T_len, cols);
+    async_tile<T, HD, kBlockQBwd>(sdO + buf * kBlockQBwd * LD, do_base + q.h * HD, q.i0, T_len, out_cols);
     if (threadIdx.x < kBlockQBwd) {
-      const int i = i0 + threadIdx.x;
-      const int64_t stat = (static_cast<int64_t>(b) * nh + h) * T_len;
+      const int i = q.i0 + threadIdx.x;
+      const int64_t stat = stat_seq + static_cast<int64_t>(q.h) * T_len;
       sL[buf * kBlockQBwd + threadIdx.x] = i < T_len ? lse[stat + i] * kLog2e : 0.0f;
       sD[buf * kBlockQBwd + threadIdx.x] = i < T_len ? delta[stat + i] : 0.0f;
       sS[buf * kBlockQBwd + threadIdx.x] = i < T_len ? row_start(seq_pos, i, window) : 0;
@@ -688,7 +759,8 @@ __global__ void __launch_bounds__(kThreads)
 
   async_tile<T, HD, kBlockK>(sK, k_head, k0, T_len, cols);
   async_tile<T, HD, kBlockK>(sV, v_head, k0, T_len, cols);
-  stage(0, 0);
+  QueryStep cur{kvh * group, i_begin};
+  stage(cur, 0);
   cp_async_commit();
 
   float dk[NT][4], dv[NT][4];
@@ -699,15 +771,16 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int it = 0; it < n_it; ++it) {
     const int buf = it & 1;
-    stage_next_and_wait(it + 1 < n_it, stage, it + 1, buf ^ 1);
+    const QueryStep next = advance(cur);
+    stage_next_and_wait(it + 1 < n_it, stage, next, buf ^ 1);
     const T* q_s = sQ + buf * kBlockQBwd * LD;
     const T* do_s = sdO + buf * kBlockQBwd * LD;
     const float* l_s = sL + buf * kBlockQBwd;
     const float* d_s = sD + buf * kBlockQBwd;
     const int* start_s = sS + buf * kBlockQBwd;
-    const int i0 = (qi_first + it % n_q) * kBlockQBwd;
+    const int i0 = cur.i0;
     // the step's query head changes every n_q steps: its slope is a broadcast (cached) load
-    const float slope_log2 = kAlibi ? slopes[kvh * group + it / n_q] * kLog2e : 0.0f;
+    const float slope_log2 = kAlibi ? slopes[cur.h] * kLog2e : 0.0f;
 
     // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
     float st[QN][4], dpt[QN][4];
@@ -723,23 +796,29 @@ __global__ void __launch_bounds__(kThreads)
       mma_b_nmajor<T>(st, ka, q_s + kk * 16, LD, lane);
       mma_b_nmajor<T>(dpt, va, do_s + kk * 16, LD, lane);
     }
-    // P^T and dS^T; rows are keys j, columns queries i; valid when start_i <= j <= i < T (then
-    // j < T too)
+    // P^T and dS^T; rows are keys j, columns queries i; valid where start_i <= j <= i < T (then
+    // j < T too). Masked steps: queries before the tile's last key, past T, or whose start (the
+    // last row's is the largest) passes its first key.
+    const bool mask = i0 < k0 + kBlockK - 1 || i0 + kBlockQBwd > T_len || start_s[kBlockQBwd - 1] > k0;
+    with_mask(mask, [&](auto masked) {
 #pragma unroll
-    for (int n = 0; n < QN; ++n)
+      for (int n = 0; n < QN; ++n) {
+        const int ci = n * 8 + 2 * t;  // the lane's query pair ci, ci + 1
+        const float2 l2 = *reinterpret_cast<const float2*>(l_s + ci);
+        const float2 d2 = *reinterpret_cast<const float2*>(d_s + ci);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ci = n * 8 + 2 * t + (e & 1);
-        const int i = i0 + ci;
-        const int j = e < 2 ? key_a : key_b;
-        const bool valid = j <= i && i < T_len && j >= start_s[ci];
-        const float p = valid ? exp2f(score_log2<kAlibi>(st[n][e], scale_log2, j - i, slope_log2) - l_s[ci]) : 0.0f;
-        st[n][e] = p;
-        dpt[n][e] = p * (dpt[n][e] - d_s[ci]);  // dpt now holds dS^T
+        for (int e = 0; e < 4; ++e) {
+          const int i = i0 + ci + (e & 1);
+          const int j = e < 2 ? key_a : key_b;
+          prob_and_ds<decltype(masked)::value, kAlibi>(st[n][e], dpt[n][e], e & 1 ? l2.y : l2.x, e & 1 ? d2.y : d2.x,
+                                                       scale_log2, j - i, slope_log2,
+                                                       j <= i && i < T_len && j >= start_s[ci + (e & 1)]);
+        }
       }
+    });
     if constexpr (kStoreDS) {
       // the lane's keys (rows g, g + 8 of the warp's 16) x its query pairs, as 4-byte stores
-      const int64_t head_in_chunk = (static_cast<int64_t>(c.seq) * c.heads + c.head) * group + it / n_q;
+      const int64_t head_in_chunk = (static_cast<int64_t>(c.seq) * c.heads + c.head) * group + (cur.h - kvh * group);
       T* tile = ds + ds_tile_index(head_in_chunk, n_tri, i0 / kBlockQ, kt) * kDsTile;
       T* dst = tile + (warp * 16 + g) * kBlockQ + i0 % kBlockQ + 2 * t;
 #pragma unroll
@@ -757,6 +836,7 @@ __global__ void __launch_bounds__(kThreads)
       mma_b_kmajor<T>(dv, pa, do_s + (kk * 16) * LD, LD, lane);
       mma_b_kmajor<T>(dk, sa, q_s + (kk * 16) * LD, LD, lane);
     }
+    cur = next;
     __syncthreads();
   }
 

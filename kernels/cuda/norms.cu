@@ -37,9 +37,12 @@ namespace cuda {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;  // rows per block in the row kernels
-constexpr int kRowBlock = 64;      // rows per partial sum of the column reductions
-constexpr int kColGroup = 32;      // columns per column-reduction block (one per lane)
-constexpr int kRowLanes = 8;       // threads along rows in a column-reduction block
+// Rows per partial sum of the column reductions. 32 gives the fused norm backward of a 1B Llama
+// ([8192, 2048]) 256 blocks, two per SM of an H100; 64 gave it 128 blocks for 132 SMs, and it ran
+// at 12.6% occupancy, 73 us against a DRAM floor of 33 (session 25).
+constexpr int kRowBlock = 32;
+constexpr int kColGroup = 32;  // columns per column-reduction block (one per lane)
+constexpr int kRowLanes = 8;   // threads along rows in a column-reduction block
 
 // Blocks of the row kernels for N rows (one warp per row).
 unsigned row_blocks(int64_t N) { return static_cast<unsigned>(std::max<int64_t>(1, ceil_div(N, kWarpsPerBlock))); }

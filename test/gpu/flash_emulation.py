@@ -46,7 +46,8 @@ TT = LANE % 4
 def bf16(x):
     x = np.asarray(x, dtype=np.float32)
     u = x.view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    one, half, shift = np.uint64(1), np.uint64(0x7FFF), np.uint64(16)  # numpy 1.x: no int64 promotion
+    u = (u + half + ((u >> shift) & one)) & np.uint64(0xFFFF0000)
     return u.astype(np.uint32).view(np.float32)
 
 
@@ -257,28 +258,31 @@ def forward(q, k, v, T, nh, nkv, HD, pos=None, slopes=None, window=0):
                     for kk in range(HD // 16):
                         mma_b_nmajor(s, qa[kk], k_s, 0, kk * 16)
                     mask = (k0 + 63 > q0) or (k0 + 64 > T) or (k0 < last_start)
+                    raw = slopes is None and not mask  # maxima over the raw scores, one fma below
                     mx = [np.full(32, -np.inf), np.full(32, -np.inf)]
                     for n in range(8):
                         for e in range(4):
-                            col = k0 + n * 8 + 2 * TT + (e & 1)
-                            row = row_a if e < 2 else row_b
-                            val = score_log2(s[n][e], scale_log2, col - row, sl2, slopes)
-                            if mask:
-                                val = np.where((col > row) | (col >= T) | (col < start[e >> 1]), -np.inf, val)
-                            s[n][e] = val
-                            mx[e >> 1] = np.fmax(mx[e >> 1], val)
+                            if not raw:
+                                col = k0 + n * 8 + 2 * TT + (e & 1)
+                                row = row_a if e < 2 else row_b
+                                val = score_log2(s[n][e], scale_log2, col - row, sl2, slopes)
+                                if mask:
+                                    val = np.where((col > row) | (col >= T) | (col < start[e >> 1]), -np.inf, val)
+                                s[n][e] = val
+                            mx[e >> 1] = np.fmax(mx[e >> 1], s[n][e])
+                    mul = scale_log2 if raw else 1.0
                     m_use, alpha = [None, None], [None, None]
                     for r in range(2):
                         mx[r] = np.fmax(mx[r], shfl_xor(mx[r], 1))
                         mx[r] = np.fmax(mx[r], shfl_xor(mx[r], 2))
-                        m_new = np.fmax(m[r], mx[r])
+                        m_new = np.fmax(m[r], mx[r] * mul)
                         m_use[r] = np.where(m_new == -np.inf, 0.0, m_new)
                         alpha[r] = np.exp2(m[r] - m_use[r])
                         m[r] = m_new
                     rs = [np.zeros(32), np.zeros(32)]
                     for n in range(8):
                         for e in range(4):
-                            p = np.exp2(s[n][e] - m_use[e >> 1])
+                            p = np.exp2(s[n][e] * mul - m_use[e >> 1])
                             s[n][e] = p
                             rs[e >> 1] = rs[e >> 1] + p
                     for r in range(2):
@@ -323,6 +327,7 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None, 
             q_last = min(q0 + 63, T - 1)
             n_kt = q_last // 64 + 1
             kt_first = starts[q0] // 64
+            last_start = starts[q_last]
             sl2 = slope_log2(slopes, h)
             for warp in range(4):
                 row_a = q0 + warp * 16 + G
@@ -351,11 +356,12 @@ def backward_dq(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None, 
                         da = load_a(sdO, warp * 16, kk * 16)
                         mma_b_nmajor(s, qa, k_s, 0, kk * 16)
                         mma_b_nmajor(dp, da, v_s, 0, kk * 16)
+                    mask = (k0 + 63 > q0) or (q0 + 64 > T) or (k0 < last_start)  # else no element is masked
                     for n in range(8):
                         for e in range(4):
                             col = k0 + n * 8 + 2 * TT + (e & 1)
                             row = row_a if e < 2 else row_b
-                            valid = (col <= row) & (row < T) & (col >= start[e >> 1])
+                            valid = (col <= row) & (row < T) & (col >= start[e >> 1]) if mask else True
                             p = np.where(valid, np.exp2(score_log2(s[n][e], scale_log2, col - row, sl2, slopes)
                                                         - lse2[e >> 1]), 0)
                             s[n][e] = p * (dp[n][e] - dd[e >> 1])
@@ -417,12 +423,13 @@ def backward_dkdv(q, k, v, do, lse, delta, T, nh, nkv, HD, pos=None, slopes=None
                         va = load_a(sV, warp * 16, kk * 16)
                         mma_b_nmajor(st, ka, q_s, 0, kk * 16)
                         mma_b_nmajor(dpt, va, do_s, 0, kk * 16)
+                    mask = i0 < k0 + 63 or i0 + 32 > T or start_s[31] > k0  # else no element is masked
                     for n in range(4):
                         for e in range(4):
                             ci = n * 8 + 2 * TT + (e & 1)
                             i = i0 + ci
                             j = key_a if e < 2 else key_b
-                            valid = (j <= i) & (i < T) & (j >= start_s[ci])
+                            valid = (j <= i) & (i < T) & (j >= start_s[ci]) if mask else True
                             p = np.where(valid, np.exp2(score_log2(st[n][e], scale_log2, j - i, sl2, slopes) - l_s[ci]),
                                          0)
                             st[n][e] = p
