@@ -158,10 +158,11 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int V>
 __global__ void __launch_bounds__(kThreads)
     attention_delta_packed_kernel(float* __restrict__ delta, const T* __restrict__ dout, const T* __restrict__ out,
-                                  int64_t rows, int T_len, int nh, int lanes_per_row) {
+                                  int64_t rows, int T_len, int nh, int lanes_log2) {
+  const int lanes_per_row = 1 << lanes_log2;
   const int64_t g = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  const int64_t row = g / lanes_per_row;  // (b, i, h) in memory order
-  const int part = static_cast<int>(g % lanes_per_row);
+  const int64_t row = g >> lanes_log2;  // (b, i, h) in memory order
+  const int part = static_cast<int>(g & (lanes_per_row - 1));
   float s = 0.0f;
   if (row < rows) {
     const int64_t off = (row * lanes_per_row + part) * V;
@@ -362,7 +363,7 @@ void launch_attention_delta(float* delta, const Tensor& dout, const Tensor& out,
     const int64_t threads = rows * lanes;
     attention_delta_packed_kernel<T, V><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0,
                                           stream>>>(delta, dout.as<const T>(), out.as<const T>(), rows, s.T,
-                                                    s.n_heads, lanes);
+                                                    s.n_heads, __builtin_ctz(static_cast<unsigned>(lanes)));
     return true;
   };
   if (dout.dtype == out.dtype) {
