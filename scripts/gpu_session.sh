@@ -232,28 +232,44 @@ stage_recompute() {
 
 # Device time per op (KEEL_CUDA_PROFILE) over a few steps of each benchmark shape.
 # $1: a name suffix and $2..: environment settings for the run (stage_unfused).
+# A benchmark shape's config, sequence length and micro-batch: sets cfg, T and mbs.
+shape_of() {
+  case $1 in
+    gpt2) cfg=$ROOT/configs/gpt2-124m.json T=1024 mbs=${MBS_GPT2:-32} ;;
+    llama1b) cfg=$ROOT/configs/llama-1b.json T=2048 mbs=${MBS_LLAMA:-4} ;;
+  esac
+}
+# The tokens of a short run of shape $1 (after shape_of): the bench stage's shard when it ran in
+# this call, else random tokens for 8 steps, made once. Prints the path.
+shard_for() {
+  local shard
+  shard=$(ls "$RES"/bench/keel-$1/train_000.bin 2>/dev/null | head -1)
+  if [ -z "$shard" ]; then
+    shard=$RES/profile-shard-$1.bin
+    [ -f "$shard" ] || "$PY" "$ROOT/scripts/random_shard.py" "$shard" $((8 * mbs * (T + 1) + 4096)) --config "$cfg" >&2
+  fi
+  echo "$shard"
+}
+# `keel train` arguments of a short run of $2 steps on shard $1 (after shape_of) into run_args.
+short_run_args() {
+  run_args=(--config "$cfg" --device cuda --steps "$2" --set "data.train=[\"$1\"]" --set 'data.val=[]'
+    --set data.shuffle=false --set train.micro_batch="$mbs" --set train.global_batch="$mbs" --set train.seq_len="$T"
+    --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.save_at_end=false
+    --set schedule.warmup_steps=1)
+}
+
 stage_profile() {
   ensure_bins
   local suffix=${1:-} m cfg T mbs dir
-  local -a envs=("${@:2}")
+  local -a envs=("${@:2}") run_args
   for m in gpt2 llama1b; do
-    case $m in
-      gpt2) cfg=$ROOT/configs/gpt2-124m.json T=1024 mbs=${MBS_GPT2:-32} ;;
-      llama1b) cfg=$ROOT/configs/llama-1b.json T=2048 mbs=${MBS_LLAMA:-4} ;;
-    esac
+    shape_of $m
     dir=$RES/profile-$m$suffix
     mkdir -p "$dir"
-    local shard
-    shard=$(ls "$RES"/bench/keel-$m/train_000.bin 2>/dev/null | head -1)
-    if [ -z "$shard" ]; then  # no bench stage in this call: random tokens for the 6 steps
-      shard=$RES/profile-shard-$m.bin
-      [ -f "$shard" ] || "$PY" "$ROOT/scripts/random_shard.py" "$shard" $((8 * mbs * (T + 1) + 4096)) --config "$cfg"
-    fi
-    env "${envs[@]}" KEEL_CUDA_PROFILE="$RES/profile-$m$suffix.txt" timeout "$(limit 90)" "$BIN/keel" train --config "$cfg" --out "$dir/run" \
-      --device cuda --steps 6 --set "data.train=[\"$shard\"]" --set 'data.val=[]' --set data.shuffle=false \
-      --set train.micro_batch="$mbs" --set train.global_batch="$mbs" --set train.seq_len="$T" \
-      --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.save_at_end=false \
-      --set schedule.warmup_steps=1 --set log.interval=1 > "$dir/log.txt" 2>&1 || { say "profile $m: keel failed"; tail -5 "$dir/log.txt"; continue; }
+    short_run_args "$(shard_for $m)" 6
+    env "${envs[@]}" KEEL_CUDA_PROFILE="$RES/profile-$m$suffix.txt" timeout "$(limit 90)" "$BIN/keel" train \
+      "${run_args[@]}" --out "$dir/run" --set log.interval=1 > "$dir/log.txt" 2>&1 ||
+      { say "profile $m: keel failed"; tail -5 "$dir/log.txt"; continue; }
     say "profile $m$suffix (6 steps, B=$mbs T=$T${envs[*]:+, ${envs[*]}}):"
     head -14 "$RES/profile-$m$suffix.txt" | tee -a "$SUMMARY"
   done
@@ -265,24 +281,18 @@ stage_profile() {
 stage_ncu() {
   ensure_bins
   command -v ncu > /dev/null || { say "ncu: not found"; return; }
-  local m cfg T mbs shard dir
+  local m cfg T mbs dir
+  local -a run_args
   for m in gpt2 llama1b; do
-    case $m in
-      gpt2) cfg=$ROOT/configs/gpt2-124m.json T=1024 mbs=${MBS_GPT2:-32} ;;
-      llama1b) cfg=$ROOT/configs/llama-1b.json T=2048 mbs=${MBS_LLAMA:-4} ;;
-    esac
+    shape_of $m
     dir=$RES/ncu-$m
     mkdir -p "$dir"
-    shard=$RES/profile-shard-$m.bin
-    [ -f "$shard" ] || "$PY" "$ROOT/scripts/random_shard.py" "$shard" $((8 * mbs * (T + 1) + 4096)) --config "$cfg"
+    short_run_args "$(shard_for $m)" 1
     timeout "$(limit 150)" ncu --clock-control none -k "regex:${NCU_KERNELS:-flash_|attention_delta}" --launch-count "${NCU_COUNT:-4}" \
       --launch-skip "${NCU_SKIP:-$([ $m = gpt2 ] && echo 11 || echo 15)}" \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
-      "$BIN/keel" train --config "$cfg" --out "$dir/run" --device cuda --steps 1 --set "data.train=[\"$shard\"]" \
-      --set 'data.val=[]' --set data.shuffle=false --set train.micro_batch="$mbs" --set train.global_batch="$mbs" \
-      --set train.seq_len="$T" --set train.eval_interval=0 --set checkpoint.interval=0 \
-      --set checkpoint.save_at_end=false --set schedule.warmup_steps=1 > "$RES/ncu-$m.txt" 2>&1 ||
+      "$BIN/keel" train "${run_args[@]}" --out "$dir/run" > "$RES/ncu-$m.txt" 2>&1 ||
       say "ncu $m: exit $? (see ncu-$m.txt)"
     say "ncu $m:"
     grep -E '^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Issued Ipc|No Eligible' "$RES/ncu-$m.txt" | tee -a "$SUMMARY"

@@ -939,15 +939,6 @@ size_t dkdv_smem() {
   return static_cast<size_t>(2 * kBlockK + 4 * kBlockQBwd) * (HD + kPad) * sizeof(T) + 6 * kBlockQBwd * sizeof(float);
 }
 
-// Raises a kernel's dynamic shared-memory limit (above 48 KiB it must be asked for). Asked on
-// every launch, as FlashAttention does: the attribute belongs to the current device, so a
-// once-per-process flag would leave a second device (or backend) of the process without it.
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes, const char* op) {
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
-             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-}
-
 template <class T, int HD, bool kAlibi>
 void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
   const size_t smem = forward_smem<T, HD>();

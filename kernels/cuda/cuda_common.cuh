@@ -172,6 +172,15 @@ void with_pack_width(bool packed, Launch&& launch) {
 
 // ---- launch sizes ----
 
+// Raises a kernel's dynamic shared-memory limit (above 48 KiB it must be asked for). Asked on
+// every launch, as FlashAttention does: the attribute belongs to the current device, so a
+// once-per-process flag would leave a second device (or backend) of the process without it.
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes, const char* op) {
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+}
+
 // Blocks for a grid-stride loop over n items with `threads` threads each handling `per_thread`
 // items per pass; capped (the results never depend on the grid size for elementwise kernels).
 inline unsigned grid_for(int64_t n, int threads, int per_thread = 1) {

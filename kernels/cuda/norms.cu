@@ -401,8 +401,7 @@ void norm_backward(CudaBackend& be, const char* op, T* din, const T* dout, const
     constexpr int V = decltype(v)::value;
     auto* kernel = norm_backward_fused_kernel<T, kLayerNorm, V>;
     const size_t smem = static_cast<size_t>(nbuf * kWarpsPerBlock * fused_width<V>(C)) * sizeof(float);
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
-               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    allow_smem(kernel, smem, op);
     kernel<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, smem, be.stream()>>>(
         din, dout, in, weight, mean, rstd, N, static_cast<int>(C), accumulate_din, partial, partial_b);
   });

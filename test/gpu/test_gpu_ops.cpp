@@ -356,7 +356,7 @@ TEST_CASE("gpu: matmul_gelu and matmul_gelu_backward match the CPU (GELU epilogu
             // 1e-4 of this reference: bench/GPU_ERRORS.md).
             if (fused && dt != DType::F32)
               log_comparison("matmul_gelu_backward vs product rounded first (not checked)", what,
-                                   err_over(din_got, din_composed, prod32), tol, "rel");
+                             err_over(din_got, din_composed, prod32), tol, "rel");
             ddin.upload(nan_tensor(dt, {M, N}));
             be.matmul_gelu_backward(ddin.t, dg.t, dw.t, ta, tb, pre);
             CHECK(bits_differ(ddin.host(), din_got) == 0);

@@ -6,12 +6,12 @@
 // D; DGELU stores x * gelu'(aux) in D. BGRADB stores the sums of op(B) over k (one per column of
 // D, in k order, fp32) rounded to D's type at the bias pointer, and D as without an epilogue.
 // The auxiliary matrix has D's type and the layout (D's rows, cols, EPILOGUE_AUX_LD). Layouts
-// are (type, rows, cols, ld), element (r, c) at r + c ld. What a real cuBLASLt would refuse is refused the same way
-// (CUBLAS_STATUS_INVALID_VALUE): shapes that do not chain, ld < rows, a C layout unlike D's, and
-// operand pointers less aligned than the preference's minimum alignments the algorithm was
-// chosen for (the real one may fault or read wrong data there), a GELU epilogue without its
-// auxiliary pointer or with an AUX_LD that is not a multiple of 8 at least D's rows, and an
-// auxiliary pointer less aligned at the call than when the algorithm was chosen.
+// are (type, rows, cols, ld), element (r, c) at r + c ld. What a real cuBLASLt would refuse is
+// refused the same way (CUBLAS_STATUS_INVALID_VALUE): shapes that do not chain, ld < rows, a C
+// layout unlike D's, operand pointers less aligned than the preference's minimum alignments the
+// algorithm was chosen for (the real one may fault or read wrong data there), a GELU epilogue
+// without its auxiliary pointer or with an AUX_LD that is not a multiple of 8 at least D's rows,
+// and an auxiliary pointer less aligned at the call than when the algorithm was chosen.
 #include <cublasLt.h>
 
 #include <cstdint>
