@@ -9,7 +9,7 @@
 #
 # Stages (each can be run on its own, e.g. to fit a time limit per call; results accumulate in
 # $BENCH_OUT):
-#   build   cmake + build keel for sm_90 (Release, no tests) into $BUILD
+#   build   cmake + build keel for sm_90a (Release, no tests) into $BUILD
 #   peak    measured peak bf16 matmul TFLOP/s of this GPU (8192^3 products, PyTorch/cuBLAS)
 #   keel    synthetic token shards, then `keel train` for STEPS steps; median ms/step of the
 #           steps after the first WARMUP, tokens/s, MFU, peak memory (KEEL_CUDA_MEMSTATS)
@@ -54,12 +54,12 @@ mbs_of() { case "$1" in gpt2) echo "$MBS_GPT2" ;; llama1b) echo "$MBS_LLAMA" ;; 
 steps_of() { case "$1" in gpt2) echo "$STEPS_GPT2" ;; llama1b) echo "$STEPS_LLAMA" ;; esac; }
 
 stage_build() {
-  echo "== build keel (sm_90, Release) in $BUILD"
+  echo "== build keel (sm_90a, Release) in $BUILD"
   local t0=$SECONDS
   # Header-only dependencies carried from gpu_prebuild.sh, where the GPU machine has none.
   local prefix=()
   [ -d "$ROOT/build-gpu/carry/deps" ] && prefix=(-DCMAKE_PREFIX_PATH="$ROOT/build-gpu/carry/deps")
-  cmake -S "$ROOT" -B "$BUILD" "${prefix[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  cmake -S "$ROOT" -B "$BUILD" "${prefix[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DKEEL_TESTS=OFF -DKEEL_MPI=OFF > "$BENCH_OUT/cmake.log" 2>&1 || { tail -30 "$BENCH_OUT/cmake.log"; exit 1; }
   cmake --build "$BUILD" -j"$JOBS" --target keel > "$BENCH_OUT/build.log" 2>&1 || { tail -40 "$BENCH_OUT/build.log"; exit 1; }
   echo "   built in $((SECONDS - t0)) s: $(keel_bin)"

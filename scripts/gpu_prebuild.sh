@@ -5,7 +5,7 @@
 #   scripts/gpu_prebuild.sh            -> build-gpu/carry/  (about 25 MB)
 #
 # build-gpu/carry/ holds
-#   bin/keel, bin/test_gpu   Release, sm_90 (H100/H200), no MPI, generic x86-64 host code
+#   bin/keel, bin/test_gpu   Release, sm_90a (H100/H200), no MPI, generic x86-64 host code
 #                            (-DKEEL_NATIVE=OFF: the GPU machine's CPU may lack this one's
 #                            instructions); stripped
 #   deps/                    the header-only libraries keel's CMake needs (nlohmann-json, CLI11,
@@ -24,7 +24,7 @@ CARRY=$BUILD/carry
 JOBS=${JOBS:-$(nproc)}
 
 mkdir -p "$BUILD"
-cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DKEEL_EMULATED_GPU_TESTS=OFF \
+cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEL_EMULATED_GPU_TESTS=OFF \
   -DKEEL_MPI=OFF -DKEEL_NATIVE=OFF -DKEEL_TESTS=ON > "$BUILD/configure.log" 2>&1 ||
   { tail -30 "$BUILD/configure.log"; exit 1; }
 cmake --build "$BUILD" -j"$JOBS" --target keel test_gpu

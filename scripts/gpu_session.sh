@@ -9,7 +9,8 @@
 #                                       # (bench's timings alone, BENCH_STAGES) profile
 #                                       # recompute (Llama 1B with train.recompute "full": memory
 #                                       # and ms/step against the bench stage's run) unfused (the
-#                                       # profiles with every optional fusion off) ncu (Nsight
+#                                       # profiles with every optional fusion off) wgmma (the
+#                                       # profiles with the wgmma attention kernels) ncu (Nsight
 #                                       # Compute on the attention kernels; NCU_KERNELS, NCU_COUNT,
 #                                       # NCU_SKIP)
 #
@@ -52,8 +53,8 @@ for a in "$@"; do
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
     throughput) stages+=(bench) ;;
-    env | build | test | memcheck | racecheck | profile | recompute | unfused | ncu) stages+=("$a") ;;
-    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused, ncu)" >&2; exit 2 ;;
+    env | build | test | memcheck | racecheck | profile | recompute | unfused | wgmma | ncu) stages+=("$a") ;;
+    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused, wgmma, ncu)" >&2; exit 2 ;;
   esac
 done
 
@@ -98,7 +99,7 @@ stage_build() {
   [ -d "$CARRY/deps" ] && prefix=(-DCMAKE_PREFIX_PATH="$CARRY/deps")
   say "== build on the device in $b"
   if ! cmake -S "$ROOT" -B "$b" "${gen[@]}" "${prefix[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DKEEL_MPI=OFF -DKEEL_TESTS=ON > "$RES/cmake.log" 2>&1; then
+      -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEL_MPI=OFF -DKEEL_TESTS=ON > "$RES/cmake.log" 2>&1; then
     tail -30 "$RES/cmake.log"; say "build: cmake failed"; return 1
   fi
   if ! cmake --build "$b" -j"$(nproc)" --target keel test_gpu > "$RES/build.log" 2>&1; then
@@ -303,6 +304,13 @@ stage_ncu() {
 # epilogues; the attention backward's staged dS): what each one is worth, per op.
 stage_unfused() {
   stage_profile -unfused KEEL_GELU_EPILOGUE=0 KEEL_RESIDUAL_EPILOGUE=0 KEEL_BGRAD_EPILOGUE=0 KEEL_ATTN_DS_MB=0
+}
+
+# The same profiles with the fused attention forward and dk-dv kernels on wgmma
+# (KEEL_ATTN_WGMMA=1, off by default until measured): the attention rows against the profile
+# stage's.
+stage_wgmma() {
+  stage_profile -wgmma KEEL_ATTN_WGMMA=1
 }
 
 setup_libs

@@ -27,6 +27,11 @@
 // Each 32-bit register packs two 16-bit values, the lower column (or row) in the low half.
 // A C fragment pair (n-tiles 2k, 2k+1) of probabilities is exactly the A fragment of the k-th
 // 16-wide slice of P, which is how P (and dS) feed the next product without leaving registers.
+// On sm_90a the forward and dk-dv kernels also come in a wgmma version (template flag kWgmma,
+// CudaBackend::attention_wgmma; wgmma.cuh): the warpgroup's 64 rows are one instruction's M,
+// B (and the first product's A) read by the tensor cores from core-matrix tiles in shared
+// memory; its accumulators are laid out per thread exactly as the mma.sync ones above, so only
+// the products and the tile layout differ.
 //
 // Kernels and their parallel decomposition (4 warps per block, each warp owns 16 rows; the blocks
 // of a grid are (tile, head, batch) in one of two orders, BlockCoord, with the tiles that have the
@@ -67,6 +72,7 @@
 
 #include "kernels/attention_window.h"
 #include "kernels/cuda/attention_flash.cuh"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace keel::cuda {
 
@@ -224,29 +230,7 @@ __device__ __forceinline__ void store_acc_row(T* dst, const float (&c)[N][4], in
     *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t) = pack2<T>(c[n][2 * r] * mul, c[n][2 * r + 1] * mul);
 }
 
-// ---- asynchronous tile copies (cp.async, sm_80+) ----
-
-#ifdef KEEL_CUDA_EMULATOR
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  keel_emu::cp_async16(smem, gmem, valid ? 16 : 0);
-}
-__device__ __forceinline__ void cp_async_commit() { keel_emu::cp_async_commit(); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  keel_emu::cp_async_wait(N);
-}
-#else
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-#endif
+// ---- asynchronous tile copies ----
 
 // Rows [row0, row0 + kRows) of one head (HD contiguous elements at g_head + row * cols) into
 // shared rows of stride HD + kPad; rows >= T_len are zero-filled.
@@ -270,8 +254,9 @@ __device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int 
 
 // Double buffering over a loop's steps: with a step after this one, stage it (stage(next, buf))
 // into the other buffer and wait for all but that newest copy group; at the last step wait for
-// everything. Then a barrier, after which the block may read the current buffer.
-template <class Stage, class Step>
+// everything. Then a barrier, after which the block may read the current buffer (kAsyncProxy:
+// wgmma may, too).
+template <bool kAsyncProxy = false, class Stage, class Step>
 __device__ __forceinline__ void stage_next_and_wait(bool more, const Stage& stage, const Step& next, int buf) {
   if (more) {
     stage(next, buf);
@@ -280,6 +265,7 @@ __device__ __forceinline__ void stage_next_and_wait(bool more, const Stage& stag
   } else {
     cp_async_wait<0>();
   }
+  if constexpr (kAsyncProxy) fence_async_proxy();
   __syncthreads();
 }
 
@@ -411,12 +397,15 @@ bool kv_outgrow_l2(const CudaBackend& be, const AttnShape& s, size_t elem_bytes)
 
 // ---- forward ----
 
-template <class T, int HD, bool kAlibi>
+// kWgmma: both products on Hopper's warpgroup instructions (wgmma.cuh; sm_90a only), the
+// block's 64 query rows their M: S = Q K^T with A = Q and B = K K-major from shared memory,
+// O += P V with A = P from registers and B = V N-major; tiles stored as core matrices.
+template <class T, int HD, bool kAlibi, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse,
                          const int32_t* __restrict__ pos, int window, const float* __restrict__ slopes, int T_len,
                          int nh, int nkv, float scale_log2, bool tiles_fastest) {
-  constexpr int LD = HD + kPad;
+  constexpr int LD = kWgmma ? HD : HD + kPad;  // elements per tile row (core-matrix tiles: no padding)
   constexpr int KT = HD / 16;  // k-steps over the head dimension
   constexpr int NT = HD / 8;   // n-tiles of the output
   KEEL_DYNAMIC_SHARED(smem_raw);
@@ -442,9 +431,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   const int kt_first = docs.first_key / kBlockK;
   const float slope_log2 = kAlibi ? slopes[h] * kLog2e : 0.0f;  // ALiBi's m_h in log2 units
 
-  async_tile<T, HD, kBlockQ>(sQ, q_head, q0, T_len, cols);
-  async_tile<T, HD, kBlockK>(sK, k_head, kt_first * kBlockK, T_len, cols);
-  async_tile<T, HD, kBlockK>(sV, v_head, kt_first * kBlockK, T_len, cols);
+  // rows [row0, row0 + 64) of a head into a tile: padded rows, or core matrices for wgmma
+  const auto load_tile = [&](T* dst, const T* src, int row0) {
+    static_assert(kBlockQ == kBlockK, "one tile shape");
+    if constexpr (kWgmma) cm_tile_async<T, HD, kBlockK, kThreads>(dst, src, row0, T_len, cols);
+    else async_tile<T, HD, kBlockK>(dst, src, row0, T_len, cols);
+  };
+  load_tile(sQ, q_head, q0);
+  load_tile(sK, k_head, kt_first * kBlockK);
+  load_tile(sV, v_head, kt_first * kBlockK);
   cp_async_commit();
 
   uint32_t qa[KT][4];
@@ -456,15 +451,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   for (int kt = kt_first; kt < n_kt; ++kt) {
     const int buf = (kt - kt_first) & 1;
     if (kt + 1 < n_kt) {  // prefetch the next K/V tile into the other buffer
-      async_tile<T, HD, kBlockK>(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK, T_len, cols);
-      async_tile<T, HD, kBlockK>(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK, T_len, cols);
+      load_tile(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK);
+      load_tile(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
+    if constexpr (kWgmma) fence_async_proxy();
     __syncthreads();
-    if (kt == kt_first) {
+    if (!kWgmma && kt == kt_first) {
 #pragma unroll
       for (int kk = 0; kk < KT; ++kk) load_a(qa[kk], sQ + warp * 16 * LD + kk * 16, LD, lane);
     }
@@ -474,10 +470,21 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
 
     // S = Q K^T for the warp's 16 rows x 64 keys
     float s[8][4];
+    if constexpr (kWgmma) {
+      const uint64_t q_desc = desc_kmajor<HD>(sQ), k_desc = desc_kmajor<HD>(k_s);
+      wgmma_fence();
 #pragma unroll
-    for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      for (int kk = 0; kk < KT; ++kk)
+        WgmmaOp<T, kBlockK>::template ss<0>(s, kmajor_step(q_desc, kk), kmajor_step(k_desc, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_settle(s);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < KT; ++kk) mma_b_nmajor<T>(s, qa[kk], k_s + kk * 16, LD, lane);
+      for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < KT; ++kk) mma_b_nmajor<T>(s, qa[kk], k_s + kk * 16, LD, lane);
+    }
 
     // Row maxima in log2 units. A tile without mask or bias takes them over the raw scores
     // (scale_log2 > 0 commutes with max, and with rounding), and its exponent below is then one
@@ -536,11 +543,24 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
       o[n][3] *= alpha[1];
     }
     // O += P V
+    if constexpr (kWgmma) {
+      uint32_t pa[kBlockK / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      uint32_t pa[4];
-      acc_to_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
-      mma_b_kmajor<T>(o, pa, v_s + (kk * 16) * LD, LD, lane);
+      for (int kk = 0; kk < kBlockK / 16; ++kk) acc_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+      const uint64_t v_desc = desc_mnmajor<HD>(v_s);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) WgmmaOp<T, HD>::template rs<1>(o, pa[kk], mnmajor_step<HD>(v_desc, kk), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_settle(o);  // the next step rescales o: not before the products have landed
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        uint32_t pa[4];
+        acc_to_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
+        mma_b_kmajor<T>(o, pa, v_s + (kk * 16) * LD, LD, lane);
+      }
     }
     __syncthreads();  // all warps are done with this buffer before it is refilled
   }
@@ -688,13 +708,19 @@ static_assert(kBlockQ == kAttentionDsTileRows && kBlockK == kAttentionDsTileRows
 // sequences b0 + c.seq, and the query loop runs to whole 64-row tiles, so that every row
 // below T of a tile the dq kernel reads is stored (the rows past the last one a key tile
 // reaches store zeros).
-template <class T, int HD, bool kAlibi, bool kStoreDS>
+// kWgmma: the four products on Hopper's warpgroup instructions (wgmma.cuh; sm_90a only): the
+// block's 64 keys are the M of S^T = K Q^T and dP^T = V dO^T (A = K, V and B = Q, dO, all
+// K-major from shared memory) and of dV += P^T dO and dK += dS^T Q (A = P^T, dS^T from the
+// registers they were computed in, B = dO, Q N-major), with the tiles stored as core matrices
+// instead of padded rows; the accumulators have the same per-thread layout, so everything
+// between the products is the same code.
+template <class T, int HD, bool kAlibi, bool kStoreDS, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     flash_backward_dkdv_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                                const float* __restrict__ delta, const int32_t* __restrict__ pos, int window,
                                const float* __restrict__ slopes, T* __restrict__ dqkv, T* __restrict__ ds, int kv0,
                                int b0, int T_len, int nh, int nkv, float scale_log2, float scale) {
-  constexpr int LD = HD + kPad;
+  constexpr int LD = kWgmma ? HD : HD + kPad;  // elements per tile row (core-matrix tiles: no padding)
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
   constexpr int QN = kBlockQBwd / 8;  // n-tiles of S^T (queries)
@@ -745,10 +771,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     }
     return q;
   };
+  // rows [row0, row0 + kRows) of a head into a tile: padded rows, or core matrices for wgmma
+  const auto load_tile = [&](auto rows, T* dst, const T* src, int row0, int64_t ld) {
+    constexpr int kRows = decltype(rows)::value;
+    if constexpr (kWgmma) cm_tile_async<T, HD, kRows, kThreads>(dst, src, row0, T_len, ld);
+    else async_tile<T, HD, kRows>(dst, src, row0, T_len, ld);
+  };
+  using QueryRows = std::integral_constant<int, kBlockQBwd>;
+  using KeyRows = std::integral_constant<int, kBlockK>;
   // Stage step q into buffer `buf`: Q and dO rows, their lse (log2 units), D and starts.
   const auto stage = [&](QueryStep q, int buf) {
-    async_tile<T, HD, kBlockQBwd>(sQ + buf * kBlockQBwd * LD, base + q.h * HD, q.i0, T_len, cols);
-    async_tile<T, HD, kBlockQBwd>(sdO + buf * kBlockQBwd * LD, do_base + q.h * HD, q.i0, T_len, out_cols);
+    load_tile(QueryRows{}, sQ + buf * kBlockQBwd * LD, base + q.h * HD, q.i0, cols);
+    load_tile(QueryRows{}, sdO + buf * kBlockQBwd * LD, do_base + q.h * HD, q.i0, out_cols);
     if (threadIdx.x < kBlockQBwd) {
       const int i = q.i0 + threadIdx.x;
       const int64_t stat = stat_seq + static_cast<int64_t>(q.h) * T_len;
@@ -758,8 +792,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     }
   };
 
-  async_tile<T, HD, kBlockK>(sK, k_head, k0, T_len, cols);
-  async_tile<T, HD, kBlockK>(sV, v_head, k0, T_len, cols);
+  load_tile(KeyRows{}, sK, k_head, k0, cols);
+  load_tile(KeyRows{}, sV, v_head, k0, cols);
   QueryStep cur{kvh * group, i_begin};
   stage(cur, 0);
   cp_async_commit();
@@ -770,10 +804,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
+  const uint64_t k_desc = kWgmma ? desc_kmajor<HD>(sK) : 0, v_desc = kWgmma ? desc_kmajor<HD>(sV) : 0;
   for (int it = 0; it < n_it; ++it) {
     const int buf = it & 1;
     const QueryStep next = advance(cur);
-    stage_next_and_wait(it + 1 < n_it, stage, next, buf ^ 1);
+    stage_next_and_wait<kWgmma>(it + 1 < n_it, stage, next, buf ^ 1);
     const T* q_s = sQ + buf * kBlockQBwd * LD;
     const T* do_s = sdO + buf * kBlockQBwd * LD;
     const float* l_s = sL + buf * kBlockQBwd;
@@ -785,17 +820,34 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
 
     // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
     float st[QN][4], dpt[QN][4];
+    if constexpr (kWgmma) {
+      // the first k-step overwrites (accumulate 0): no zeroing, which would be register writes
+      // between the two batches that the compiler then fences with a wait
+      const uint64_t q_desc = desc_kmajor<HD>(q_s), do_desc = desc_kmajor<HD>(do_s);
+      wgmma_fence();
 #pragma unroll
-    for (int n = 0; n < QN; ++n)
+      for (int kk = 0; kk < KT; ++kk)
+        WgmmaOp<T, kBlockQBwd>::template ss<0>(st, kmajor_step(k_desc, kk), kmajor_step(q_desc, kk), kk > 0);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+      for (int kk = 0; kk < KT; ++kk)
+        WgmmaOp<T, kBlockQBwd>::template ss<0>(dpt, kmajor_step(v_desc, kk), kmajor_step(do_desc, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_settle(st);
+      wgmma_settle(dpt);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < KT; ++kk) {
-      uint32_t ka[4], va[4];
-      load_a(ka, sK + warp * 16 * LD + kk * 16, LD, lane);
-      load_a(va, sV + warp * 16 * LD + kk * 16, LD, lane);
-      mma_b_nmajor<T>(st, ka, q_s + kk * 16, LD, lane);
-      mma_b_nmajor<T>(dpt, va, do_s + kk * 16, LD, lane);
+      for (int n = 0; n < QN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < KT; ++kk) {
+        uint32_t ka[4], va[4];
+        load_a(ka, sK + warp * 16 * LD + kk * 16, LD, lane);
+        load_a(va, sV + warp * 16 * LD + kk * 16, LD, lane);
+        mma_b_nmajor<T>(st, ka, q_s + kk * 16, LD, lane);
+        mma_b_nmajor<T>(dpt, va, do_s + kk * 16, LD, lane);
+      }
     }
     // P^T and dS^T; rows are keys j, columns queries i; valid where start_i <= j <= i < T (then
     // j < T too). Masked steps: queries before the tile's last key, past T, or whose start (the
@@ -829,16 +881,39 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
       }
     }
     // dV += P^T dO and dK += dS^T Q (k = the 32 queries)
+    if constexpr (kWgmma) {
+      uint32_t pa[kBlockQBwd / 16][4], sa[kBlockQBwd / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
-      uint32_t pa[4], sa[4];
-      acc_to_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
-      acc_to_a<T>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
-      mma_b_kmajor<T>(dv, pa, do_s + (kk * 16) * LD, LD, lane);
-      mma_b_kmajor<T>(dk, sa, q_s + (kk * 16) * LD, LD, lane);
+      for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
+        acc_to_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
+        acc_to_a<T>(sa[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+      }
+      const uint64_t do_desc = desc_mnmajor<HD>(do_s), q_desc = desc_mnmajor<HD>(q_s);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockQBwd / 16; ++kk)
+        WgmmaOp<T, HD>::template rs<1>(dv, pa[kk], mnmajor_step<HD>(do_desc, kk), 1);
+#pragma unroll
+      for (int kk = 0; kk < kBlockQBwd / 16; ++kk)
+        WgmmaOp<T, HD>::template rs<1>(dk, sa[kk], mnmajor_step<HD>(q_desc, kk), 1);
+      wgmma_commit();
+      wgmma_wait<0>();  // the next step's staging refills these tiles
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
+        uint32_t pa[4], sa[4];
+        acc_to_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+        acc_to_a<T>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
+        mma_b_kmajor<T>(dv, pa, do_s + (kk * 16) * LD, LD, lane);
+        mma_b_kmajor<T>(dk, sa, q_s + (kk * 16) * LD, LD, lane);
+      }
     }
     cur = next;
     __syncthreads();
+  }
+  if constexpr (kWgmma) {
+    wgmma_settle(dk);
+    wgmma_settle(dv);
   }
 
 #pragma unroll
@@ -922,9 +997,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- launchers ----
 
-template <class T, int HD>
+template <class T, int HD, bool kWgmma = false>
 size_t forward_smem() {
-  return static_cast<size_t>(kBlockQ + 4 * kBlockK) * (HD + kPad) * sizeof(T);
+  return static_cast<size_t>(kBlockQ + 4 * kBlockK) * (kWgmma ? HD : HD + kPad) * sizeof(T);
 }
 template <class T, int HD>
 size_t dq_smem() {
@@ -934,19 +1009,20 @@ template <class T, int HD>
 size_t dq_staged_smem() {
   return static_cast<size_t>(2 * kBlockK) * (kBlockQ + kPad + HD + kPad) * sizeof(T);
 }
-template <class T, int HD>
+template <class T, int HD, bool kWgmma = false>
 size_t dkdv_smem() {
-  return static_cast<size_t>(2 * kBlockK + 4 * kBlockQBwd) * (HD + kPad) * sizeof(T) + 6 * kBlockQBwd * sizeof(float);
+  return static_cast<size_t>(2 * kBlockK + 4 * kBlockQBwd) * (kWgmma ? HD : HD + kPad) * sizeof(T) +
+         6 * kBlockQBwd * sizeof(float);
 }
 
-template <class T, int HD, bool kAlibi>
+template <class T, int HD, bool kAlibi, bool kWgmma>
 void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
-  const size_t smem = forward_smem<T, HD>();
-  allow_smem(flash_forward_kernel<T, HD, kAlibi>, smem, "attention_forward");
+  const size_t smem = forward_smem<T, HD, kWgmma>();
+  allow_smem(flash_forward_kernel<T, HD, kAlibi, kWgmma>, smem, "attention_forward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const bool tiles_fastest = kv_outgrow_l2(be, s, sizeof(T));
   const dim3 grid = grid_of(tiles_fastest, ceil_div(s.T, kBlockQ), s.n_heads, s.B);
-  flash_forward_kernel<T, HD, kAlibi><<<grid, kThreads, smem, be.stream()>>>(
+  flash_forward_kernel<T, HD, kAlibi, kWgmma><<<grid, kThreads, smem, be.stream()>>>(
       qkv.as<const T>(), out.as<T>(), lse.as<float>(), positions_of(s), s.window, slopes_of(s), s.T, s.n_heads,
       s.n_kv_heads, scale * kLog2e, tiles_fastest);
 }
@@ -968,14 +1044,14 @@ DsChunks ds_chunks(const AttnShape& s, size_t elem_bytes, size_t budget) {
   return c;
 }
 
-template <class T, int HD, bool kAlibi>
+template <class T, int HD, bool kAlibi, bool kWgmma>
 void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                    const float* delta, const AttnShape& s) {
   const char* op = "attention_backward";
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const int group = s.n_heads / s.n_kv_heads;
   const unsigned n_tiles = static_cast<unsigned>(ceil_div(s.T, kBlockK));  // = query tiles (kBlockQ == kBlockK)
-  const size_t smem_dkdv = dkdv_smem<T, HD>();
+  const size_t smem_dkdv = dkdv_smem<T, HD, kWgmma>();
   // the dq kernels by kv_outgrow_l2; the dk-dv kernel always heads fastest: its blocks are few
   // and long where GQA groups heads (2.6 waves on the 1B Llama), and the tail decides
   const bool tiles_fastest = kv_outgrow_l2(be, s, sizeof(T));
@@ -992,12 +1068,12 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   }
   if (ds) {
     const size_t smem_dq = dq_staged_smem<T, HD>();
-    allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi, true>, smem_dkdv, op);
+    allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi, true, kWgmma>, smem_dkdv, op);
     allow_smem(flash_backward_dq_staged_kernel<T, HD>, smem_dq, op);
     for (int b0 = 0; b0 < s.B; b0 += chunks.seqs)
       for (int kv0 = 0; kv0 < s.n_kv_heads; kv0 += chunks.kv) {
         const int kv = std::min(chunks.kv, s.n_kv_heads - kv0), seqs = std::min(chunks.seqs, s.B - b0);
-        flash_backward_dkdv_kernel<T, HD, kAlibi, true>
+        flash_backward_dkdv_kernel<T, HD, kAlibi, true, kWgmma>
             <<<grid_of(false, n_tiles, kv, seqs), kThreads, smem_dkdv, be.stream()>>>(
                 qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window,
                 slopes_of(s), dqkv.as<T>(), ds, kv0, b0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
@@ -1011,29 +1087,44 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   }
   const size_t smem_dq = dq_smem<T, HD>();
   allow_smem(flash_backward_dq_kernel<T, HD, kAlibi>, smem_dq, op);
-  allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi, false>, smem_dkdv, op);
+  allow_smem(flash_backward_dkdv_kernel<T, HD, kAlibi, false, kWgmma>, smem_dkdv, op);
   const dim3 grid_q = grid_of(tiles_fastest, n_tiles, s.n_heads, s.B);
   flash_backward_dq_kernel<T, HD, kAlibi><<<grid_q, kThreads, smem_dq, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
       dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale, tiles_fastest);
   const dim3 grid_k = grid_of(false, n_tiles, s.n_kv_heads, s.B);
-  flash_backward_dkdv_kernel<T, HD, kAlibi, false><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
+  flash_backward_dkdv_kernel<T, HD, kAlibi, false, kWgmma><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
       dqkv.as<T>(), nullptr, 0, 0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
 }
 
 // head_dim dispatch of the launchers
+// The fused kernels on wgmma where asked for (KEEL_ATTN_WGMMA=1) and the device runs sm_90a code.
+bool use_wgmma(const CudaBackend& be) { return be.attention_wgmma() && wgmma_available(be.device_index()); }
+
 template <class T, bool kAlibi>
 void forward_hd(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
-  if (s.head_dim == 64) forward_impl<T, 64, kAlibi>(be, out, lse, qkv, s);
-  else forward_impl<T, 128, kAlibi>(be, out, lse, qkv, s);
+  const bool wgmma = use_wgmma(be);
+  if (s.head_dim == 64) {
+    if (wgmma) forward_impl<T, 64, kAlibi, true>(be, out, lse, qkv, s);
+    else forward_impl<T, 64, kAlibi, false>(be, out, lse, qkv, s);
+  } else {
+    if (wgmma) forward_impl<T, 128, kAlibi, true>(be, out, lse, qkv, s);
+    else forward_impl<T, 128, kAlibi, false>(be, out, lse, qkv, s);
+  }
 }
 
 template <class T, bool kAlibi>
 void backward_hd(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                  const float* delta, const AttnShape& s) {
-  if (s.head_dim == 64) backward_impl<T, 64, kAlibi>(be, dqkv, dout, qkv, lse, delta, s);
-  else backward_impl<T, 128, kAlibi>(be, dqkv, dout, qkv, lse, delta, s);
+  const bool wgmma = use_wgmma(be);  // for the dk-dv kernel
+  if (s.head_dim == 64) {
+    if (wgmma) backward_impl<T, 64, kAlibi, true>(be, dqkv, dout, qkv, lse, delta, s);
+    else backward_impl<T, 64, kAlibi, false>(be, dqkv, dout, qkv, lse, delta, s);
+  } else {
+    if (wgmma) backward_impl<T, 128, kAlibi, true>(be, dqkv, dout, qkv, lse, delta, s);
+    else backward_impl<T, 128, kAlibi, false>(be, dqkv, dout, qkv, lse, delta, s);
+  }
 }
 
 }  // namespace

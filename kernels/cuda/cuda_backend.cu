@@ -261,6 +261,8 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   gelu_epilogue_ = not_off("KEEL_GELU_EPILOGUE");
   residual_epilogue_ = not_off("KEEL_RESIDUAL_EPILOGUE");
   bgrad_epilogue_ = not_off("KEEL_BGRAD_EPILOGUE");
+  const char* wgmma = std::getenv("KEEL_ATTN_WGMMA");
+  attn_wgmma_ = wgmma && std::strcmp(wgmma, "1") == 0;
   matmul_ = cuda::create_matmul_cache(*this);
   if (const char* prof = std::getenv("KEEL_CUDA_PROFILE"); prof && *prof && std::strcmp(prof, "0") != 0) {
     profiler_ = std::make_unique<Profiler>();

@@ -21,7 +21,9 @@
 // residual as cuBLASLt's C, and KEEL_BGRAD_EPILOGUE=0 makes matmul_bias_grad run matmul then
 // bias_backward instead of the BGRADB epilogue (each to time or rule out its fusion).
 // KEEL_ATTN_DS_MB=<MiB> bounds the scratch of the fused attention backward's staged dS (default
-// 1024; 0 makes it recompute the probabilities for dq instead).
+// 1024; 0 makes it recompute the probabilities for dq instead). KEEL_ATTN_WGMMA=1 runs the fused
+// attention forward and the backward's dk-dv kernel on Hopper's warpgroup instructions (sm_90a;
+// elsewhere it has no effect): off by default until it has been measured on an H100.
 // KEEL_CUDA_PROFILE=1 times every
 // op with CUDA events and prints the device time per op (and per op and shapes) to stderr when
 // the backend is destroyed; KEEL_CUDA_PROFILE=<file> writes it there instead. The GPU time
@@ -181,6 +183,10 @@ class CudaBackend final : public Backend {
   // dq kernel recomputes the probabilities instead.
   size_t attention_ds_budget() const { return attn_ds_budget_; }
   void set_attention_ds_budget(size_t bytes) { attn_ds_budget_ = bytes; }
+  // KEEL_ATTN_WGMMA=1: the fused attention forward and dk-dv kernels on wgmma where the device
+  // runs sm_90a code (attention_flash.cu); tests turn it on and off.
+  bool attention_wgmma() const { return attn_wgmma_; }
+  void set_attention_wgmma(bool on) { attn_wgmma_ = on; }
   // Shared memory one block may opt in to on this device (bytes; read once at construction).
   size_t max_smem_per_block() const { return smem_optin_; }
   // L2 cache of this device (bytes; read once at construction). The fused attention picks its
@@ -203,6 +209,7 @@ class CudaBackend final : public Backend {
   bool residual_epilogue_ = true;  // KEEL_RESIDUAL_EPILOGUE (not 0)
   bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)
   size_t attn_ds_budget_ = kDefaultAttentionDsBudget;  // KEEL_ATTN_DS_MB
+  bool attn_wgmma_ = false;        // KEEL_ATTN_WGMMA=1
   size_t smem_optin_ = 0;
   size_t l2_bytes_ = 0;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results

@@ -63,6 +63,31 @@ __device__ __forceinline__ void store_any(void* p, DType t, int64_t i, float v) 
   }
 }
 
+// ---- asynchronous copies global -> shared (cp.async, sm_80+): 16 bytes each, in groups ----
+
+#ifdef KEEL_CUDA_EMULATOR
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  keel_emu::cp_async16(smem, gmem, valid ? 16 : 0);
+}
+__device__ __forceinline__ void cp_async_commit() { keel_emu::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  keel_emu::cp_async_wait(N);
+}
+#else
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// wait until at most N of this thread's committed groups are still in flight
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+#endif
+
 // ---- deterministic reductions: butterfly over the warp (every lane gets the same value, the
 // pairing fixed by lane numbers), then warps in order through shared memory ----
 

@@ -20,6 +20,7 @@
 #include "gpu_test_util.h"
 #include "kernels/alibi.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/wgmma_check.h"
 
 using namespace keel;
 using namespace keel::test;
@@ -719,4 +720,145 @@ TEST_CASE("gpu: attention ops reject malformed ALiBi slopes naming the op and th
   s.alibi_slopes = host.t;  // not on the GPU
   CHECK_THROWS_WITH(be.attention_forward(o.t, lse.t, qkv.t, s),
                     Contains("attention_forward") && Contains("alibi_slopes is not a CUDA tensor"));
+}
+
+// The warpgroup products the wgmma dk-dv kernel is built from (kernels/cuda/wgmma.cuh), one
+// [64 x 64] x [64 x N] product per operand form, against a float64 product of the same 16-bit
+// values: A from shared memory or registers, B K-major or N-major, N 32, 64 and 128, bf16 and
+// f16. The products of two 16-bit values are exact in fp32 and each sum has 64 terms, so an
+// error beyond fp32 accumulation (about 1e-7 relative here) is a wrong element: a layout or
+// descriptor mistake gives errors of order 1. Bound 1e-5. Only where the device runs sm_90a
+// code (an H100, or the emulator).
+TEST_CASE("gpu: wgmma tile products match the CPU (shared-memory layouts, descriptors, fragments)",
+          "[gpu][attention][wgmma]") {
+  KEEL_GPU_OR_SKIP();
+  auto& be = dynamic_cast<CudaBackend&>(gpu());
+  if (!cuda::wgmma_supported(be)) {
+    WARN("skipped: this device does not run keel's sm_90a code (wgmma)");
+    return;
+  }
+  for (DType dt : {DType::BF16, DType::F16})
+    for (int n : {32, 64, 128})
+      for (int regs = 0; regs < 2; ++regs)
+        for (int n_major = 0; n_major < 2; ++n_major) {
+          const std::string what = std::string(dname(dt)) + " N " + std::to_string(n) +
+                                   (regs ? " A in registers" : " A in shared memory") +
+                                   (n_major ? ", B N-major" : ", B K-major");
+          INFO(what);
+          const HostTensor a = rand_tensor(dt, {64, 64}, 91);
+          const HostTensor b = n_major ? rand_tensor(dt, {64, n}, 92) : rand_tensor(dt, {n, 64}, 92);
+          HostTensor ref(DType::F32, {64, n});
+          for (int i = 0; i < 64; ++i)
+            for (int j = 0; j < n; ++j) {
+              double sum = 0;
+              for (int k = 0; k < 64; ++k) sum += static_cast<double>(a.at(i * 64 + k)) * b.at(n_major ? k * n + j : j * 64 + k);
+              ref.put(i * n + j, static_cast<float>(sum));
+            }
+          DeviceTensor da = DeviceTensor::of(be, a), db = DeviceTensor::of(be, b);
+          DeviceTensor dc = DeviceTensor::of(be, filled(DType::F32, {64, n}, NAN));
+          cuda::wgmma_tile_product(be, dc.t, da.t, db.t, regs != 0, n_major != 0);
+          KEEL_CHECK_ERR("wgmma_tile_product", what, rel_err(dc.host(), ref), 1e-5);
+        }
+}
+
+// The fused forward and the backward's dk-dv kernel on wgmma (CudaBackend::set_attention_wgmma,
+// KEEL_ATTN_WGMMA=1) against the CPU and against the mma.sync kernels on the same backend:
+//   - out and lse against the CPU within the fused bounds 1e-2 and 1e-5; dq, dk, dv within 2e-2
+//     (zero_ref_bound where a reference part is zero), staged and recomputing dq alike;
+//   - against the mma.sync kernels: out, dq, dk, dv within the storage tolerance (bf16 4e-3,
+//     f16 1e-3), lse within 1e-5: both sum the same products in fp32, in other orders on the
+//     GPU, and round P and dS to the storage type, where a last-bit difference may flip a
+//     rounding (the emulator sums in one order: identical there);
+//   - a second call gives the same bits.
+// Shapes: the fused ones of kShapes (GQA, ragged tiles, T = 1, one tile, multi-query, head_dim
+// 64 and 128) and, with documents, a sliding window and ALiBi, those of the staged-dS test.
+TEST_CASE("gpu: the wgmma attention kernels match the CPU and the mma.sync kernels", "[gpu][attention][wgmma]") {
+  KEEL_GPU_OR_SKIP();
+  if (!cuda::wgmma_supported(dynamic_cast<CudaBackend&>(gpu()))) {
+    WARN("skipped: this device does not run keel's sm_90a code (wgmma)");
+    return;
+  }
+  struct Case {
+    AttnShape s;
+    DType dt;
+    std::vector<int> lengths;  // documents; empty: none
+    bool alibi;
+  };
+  std::vector<Case> cases;
+  for (const AttnShape& s : kShapes)
+    if (fused_applies(s, DType::BF16)) cases.push_back({s, DType::BF16, {}, false});
+  AttnShape windowed{2, 200, 4, 2, 128};
+  windowed.window = 50;
+  cases.push_back({{3, 130, 6, 3, 64}, DType::F16, {}, false});
+  cases.push_back({windowed, DType::F16, {1, 63, 64, 65, 7}, true});
+  cases.push_back({{1, 257, 8, 2, 64}, DType::BF16, {100, 1, 1, 40, 200}, false});
+  for (const Case& c : cases) {
+    const AttnShape& s0 = c.s;
+    const DType dt = c.dt;
+    INFO(shape_name(s0) << " window " << s0.window << " " << dname(dt) << (c.lengths.empty() ? "" : " documents")
+                        << (c.alibi ? " alibi" : ""));
+    const int64_t N = static_cast<int64_t>(s0.B) * s0.T, ocols = s0.n_heads * s0.head_dim;
+    HostTensor positions(DType::I32, {N});
+    if (!c.lengths.empty()) positions.set_i32(document_positions_of(s0.B, s0.T, c.lengths));
+    const HostTensor slopes = alibi_host(s0.n_heads, 0, s0.n_heads);
+    AttnShape s = s0;
+    if (!c.lengths.empty()) s.positions = positions.t;
+    if (c.alibi) s.alibi_slopes = slopes.t;
+    HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 95, 1.5f), dy = rand_tensor(dt, {N, ocols}, 96);
+    HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
+    cpu().attention_forward(out.t, lse.t, qkv.t, s);
+    cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+
+    for (const bool staged : {true, false}) {
+      std::unique_ptr<Backend> owned = make_cuda_backend(0);
+      auto& be = dynamic_cast<CudaBackend&>(*owned);
+      if (!staged) be.set_attention_ds_budget(0);
+      const std::string what = std::string(dname(dt)) + (staged ? " wgmma dk-dv, staged dq" : " wgmma dk-dv, recomputed dq");
+      DeviceTensor dpositions = DeviceTensor::of(be, positions), dslopes = DeviceTensor::of(be, slopes);
+      AttnShape sd = s0;
+      if (!c.lengths.empty()) sd.positions = dpositions.t;
+      if (c.alibi) sd.alibi_slopes = dslopes.t;
+      DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy);
+      if (staged) {  // the forward, once per case
+        DeviceTensor o = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
+        DeviceTensor l = DeviceTensor::of(be, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+        be.set_attention_wgmma(false);
+        be.attention_forward(o.t, l.t, dq.t, sd);
+        const HostTensor mma_out = o.host(), mma_lse = l.host();
+        be.set_attention_wgmma(true);
+        be.attention_forward(o.t, l.t, dq.t, sd);
+        const HostTensor got_out = o.host(), got_lse = l.host();
+        const std::string fwd = std::string(dname(dt)) + " wgmma";
+        KEEL_CHECK_ERR("attention_forward out", fwd, rel_err(got_out, out), 1e-2);
+        KEEL_CHECK_ERR("attention_forward lse", fwd, rel_err(got_lse, lse), 1e-5);
+        KEEL_CHECK_ERR("attention_forward out, wgmma vs mma.sync", fwd, rel_err(got_out, mma_out), storage_tol(dt, 1e-5));
+        KEEL_CHECK_ERR("attention_forward lse, wgmma vs mma.sync", fwd, rel_err(got_lse, mma_lse), 1e-5);
+        be.attention_forward(o.t, l.t, dq.t, sd);
+        CHECK(bits_differ(o.host(), got_out) == 0);
+        CHECK(bits_differ(l.host(), got_lse) == 0);
+      }
+      DeviceTensor dout = DeviceTensor::of(be, out), dlse = DeviceTensor::of(be, lse);
+      DeviceTensor ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
+      be.set_attention_wgmma(false);
+      be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+      const HostTensor mma = ddq.host();
+      be.set_attention_wgmma(true);
+      ddq.upload(filled(dt, {N, s.qkv_cols()}, NAN));
+      be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+      const HostTensor got = ddq.host();
+      for (int part = 0; part < 3; ++part) {
+        bool zero = false;
+        const double e = part_err(got, dqkv, s, part, &zero);
+        const std::string name = std::string("attention_backward d") + "qkv"[part];
+        KEEL_CHECK_ERR(name, what + (zero ? " (abs, zero ref)" : ""), e, part_tol(2e-2, zero, qkv, dy, s, part));
+        bool mma_zero = false;
+        const double vs_mma = part_err(got, mma, s, part, &mma_zero);
+        KEEL_CHECK_ERR(name + ", wgmma vs mma.sync", what + (mma_zero ? " (abs, zero ref)" : ""), vs_mma,
+                       mma_zero ? 2 * zero_ref_bound(qkv, dy, s, part) : storage_tol(dt, 1e-5));
+      }
+      ddq.upload(filled(dt, {N, s.qkv_cols()}, NAN));
+      be.attention_backward(ddq.t, ddy.t, dq.t, dout.t, dlse.t, sd);
+      CHECK(bits_differ(ddq.host(), got) == 0);
+    }
+  }
 }

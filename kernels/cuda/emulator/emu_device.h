@@ -116,6 +116,14 @@ void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans);
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32, c += A B (fragment layouts in
 // attention_flash.cu); products and sums in fp32.
 void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} over a block of one warpgroup (128
+// threads, all calling): d (the thread's N / 2 accumulators, kernels/cuda/wgmma.cuh's layout)
+// = A B, or += with accumulate. A: the thread's 4 registers (a), or with a == nullptr from
+// shared memory by desc_a, K-major; B by desc_b, K-major or (trans_b) N-major. Descriptors are
+// swizzle-free, their addresses offsets into the block's dynamic shared memory. Computed at
+// the call (the asynchronous instruction's fence, commit and wait are no-ops here).
+void wgmma_m64k16(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool trans_b, bool accumulate,
+                  bool bf16);
 // cp.async.cg.shared.global of 16 bytes (zeros when src_bytes == 0); the copy lands by the wait
 // for its group (when exactly: the schedule's choice, emu_threads.cpp).
 void cp_async16(void* smem, const void* gmem, int src_bytes);

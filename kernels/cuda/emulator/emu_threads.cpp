@@ -432,6 +432,85 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b
   }
 }
 
+// ---- wgmma.mma_async (warpgroup) ----
+
+namespace {
+// What each of the block's 128 threads brings to the warpgroup instruction.
+struct WarpgroupOperands {
+  float* d[128];
+  const uint32_t* a[128];
+};
+WarpgroupOperands warpgroup;
+
+[[noreturn]] void wgmma_fail(const char* what) {
+  std::fprintf(stderr, "keel CUDA emulator: wgmma: %s\n", what);
+  std::abort();
+}
+
+// A swizzle-free descriptor's fields: start address, LBO and SBO in bytes.
+struct Descriptor {
+  uint32_t start, lbo, sbo;
+};
+Descriptor decode(uint64_t desc) {
+  if ((desc >> 62) != 0) wgmma_fail("descriptor asks for a swizzled layout (bits 62-63), which keel does not use");
+  if (((desc >> 49) & 7u) != 0) wgmma_fail("descriptor has a non-zero base offset (bits 49-51)");
+  return {static_cast<uint32_t>(desc & 0x3FFFu) << 4, static_cast<uint32_t>((desc >> 16) & 0x3FFFu) << 4,
+          static_cast<uint32_t>((desc >> 32) & 0x3FFFu) << 4};
+}
+}  // namespace
+
+void wgmma_m64k16(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool trans_b, bool accumulate,
+                  bool bf16) {
+  Scheduler& s = sched();
+  if (s.threads != 128) wgmma_fail("the emulation needs blocks of exactly one warpgroup (128 threads)");
+  if (n < 8 || n > 256 || n % 8 != 0) wgmma_fail("N must be a multiple of 8 from 8 to 256");
+  warpgroup.d[s.current] = d;
+  warpgroup.a[s.current] = a;
+  block_barrier();
+  if (s.current == 0) {
+    const size_t smem_size = s.dynamic_smem.size() - 16;
+    // Element (mn, k) of a swizzle-free shared-memory operand: core matrix (mn / 8, k / 8) at
+    // (mn / 8) SBO + (k / 8) LBO; inside it rows of 16 bytes along K (K-major) or MN (MN-major).
+    auto smem_elem = [&](const Descriptor& dsc, int mn, int k, bool mn_major) {
+      const uint32_t inner = mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2;
+      const size_t at = dsc.start + static_cast<size_t>(mn / 8) * dsc.sbo + static_cast<size_t>(k / 8) * dsc.lbo + inner;
+      if (at + 2 > smem_size) wgmma_fail("operand reaches past the block's dynamic shared memory");
+      uint16_t bits;
+      std::memcpy(&bits, s.dynamic_smem.data() + at, 2);
+      return bf16 ? keel::bf16_to_f32(bits) : keel::f16_to_f32(bits);
+    };
+    static float A[64][16], B[256][16];
+    const bool a_regs = warpgroup.a[0] != nullptr;
+    for (int t = 1; t < 128; ++t)
+      if ((warpgroup.a[t] != nullptr) != a_regs) wgmma_fail("threads disagree on where A comes from");
+    const Descriptor da = decode(desc_a), db = decode(desc_b);
+    for (int r = 0; r < 64; ++r)
+      for (int k = 0; k < 16; ++k) {
+        if (a_regs) {
+          // the m16n8k16 A fragment of warp r / 16: row g or g + 8, columns 2t, 2t+1 (+8)
+          const int rr = r % 16, lane = 4 * (rr % 8) + (k % 8) / 2, reg = (rr >= 8) + 2 * (k >= 8);
+          const auto bits = static_cast<uint16_t>(warpgroup.a[(r / 16) * 32 + lane][reg] >> (16 * (k % 2)));
+          A[r][k] = bf16 ? keel::bf16_to_f32(bits) : keel::f16_to_f32(bits);
+        } else {
+          A[r][k] = smem_elem(da, r, k, false);
+        }
+      }
+    for (int c = 0; c < n; ++c)
+      for (int k = 0; k < 16; ++k) B[c][k] = smem_elem(db, c, k, trans_b);
+    // thread (warp w, g, t): d[4i + e] = (row 16w + g + 8 (e / 2), col 8i + 2t + e % 2)
+    for (int th = 0; th < 128; ++th) {
+      const int w = th / 32, g = (th % 32) / 4, t = th % 4;
+      for (int i = 0; i < n / 2; ++i) {
+        const int row = 16 * w + g + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * t + i % 2;
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) sum += A[row][k] * B[col][k];
+        warpgroup.d[th][i] = accumulate ? warpgroup.d[th][i] + sum : sum;
+      }
+    }
+  }
+  block_barrier();  // every thread's accumulators are written before any reads them
+}
+
 // ---- cp.async ----
 
 namespace {
