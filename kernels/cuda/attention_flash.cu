@@ -221,6 +221,33 @@ __device__ __forceinline__ void mma_b_kmajor(float (&c)[N][4], const uint32_t (&
   }
 }
 
+// Two products over the head dimension (KT k-steps of 16) with mma.sync: c1 = A1 B1^T and
+// c2 = A2 B2^T, A1 and A2 the warp's 16 rows (row-major tiles from the row at a1, a2, stride
+// LD), B1 and B2 n-major tiles of 8N rows: S and dP of the dq kernel, S^T and dP^T of dk-dv.
+template <class T, int KT, int N, int LD>
+__device__ __forceinline__ void mma_pair_nmajor(float (&c1)[N][4], float (&c2)[N][4], const T* a1, const T* a2,
+                                                const T* b1, const T* b2, int lane) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c1[n][e] = c2[n][e] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    uint32_t f1[4], f2[4];
+    load_a(f1, a1 + kk * 16, LD, lane);
+    load_a(f2, a2 + kk * 16, LD, lane);
+    mma_b_nmajor<T>(c1, f1, b1 + kk * 16, LD, lane);
+    mma_b_nmajor<T>(c2, f2, b2 + kk * 16, LD, lane);
+  }
+}
+
+// The A fragments of all K / 16 k-steps of a 16 x K accumulator (P or dS), for wgmma.
+template <class T, int K16>
+__device__ __forceinline__ void acc_to_a_steps(uint32_t (&a)[K16][4], const float (&c)[2 * K16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < K16; ++kk) acc_to_a<T>(a[kk], c[2 * kk], c[2 * kk + 1]);
+}
+
 // Row r (0: the lane's row g, 1: row g + 8) of a 16 x 8N accumulator times mul, rounded to T,
 // to dst[0, 8N) (the lane writes its column pairs 2t, 2t+1 of each n-tile).
 template <class T, int N>
@@ -471,11 +498,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     // S = Q K^T for the warp's 16 rows x 64 keys
     float s[8][4];
     if constexpr (kWgmma) {
-      const uint64_t q_desc = desc_kmajor<HD>(sQ), k_desc = desc_kmajor<HD>(k_s);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < KT; ++kk)
-        WgmmaOp<T, kBlockK>::template ss<0>(s, kmajor_step(q_desc, kk), kmajor_step(k_desc, kk), kk > 0);
+      wgmma_ss_kmajor<T, kBlockK, KT>(s, desc_kmajor<HD>(sQ), desc_kmajor<HD>(k_s));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_settle(s);
@@ -545,12 +569,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     // O += P V
     if constexpr (kWgmma) {
       uint32_t pa[kBlockK / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) acc_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-      const uint64_t v_desc = desc_mnmajor<HD>(v_s);
+      acc_to_a_steps<T>(pa, s);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) WgmmaOp<T, HD>::template rs<1>(o, pa[kk], mnmajor_step<HD>(v_desc, kk), 1);
+      wgmma_rs_nmajor<T, HD>(o, pa, desc_mnmajor<HD>(v_s));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_settle(o);  // the next step rescales o: not before the products have landed
@@ -647,18 +668,7 @@ __global__ void __launch_bounds__(kThreads)
 
     // S = Q K^T and dP = dO V^T (16 rows x 64 keys per warp)
     float s[8][4], dp[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk) {
-      uint32_t qa[4], da[4];
-      load_a(qa, sQ + warp * 16 * LD + kk * 16, LD, lane);
-      load_a(da, sdO + warp * 16 * LD + kk * 16, LD, lane);
-      mma_b_nmajor<T>(s, qa, k_s + kk * 16, LD, lane);
-      mma_b_nmajor<T>(dp, da, v_s + kk * 16, LD, lane);
-    }
+    mma_pair_nmajor<T, KT, 8, LD>(s, dp, sQ + warp * 16 * LD, sdO + warp * 16 * LD, k_s, v_s, lane);
     // P and dS = P (dP - D); valid where start_i <= col <= row < T (then col < T too)
     const bool mask = k0 + kBlockK - 1 > q0 || q0 + kBlockQ > T_len || k0 < docs.last_start;
     with_mask(mask, [&](auto masked) {
@@ -821,33 +831,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
     float st[QN][4], dpt[QN][4];
     if constexpr (kWgmma) {
-      // the first k-step overwrites (accumulate 0): no zeroing, which would be register writes
-      // between the two batches that the compiler then fences with a wait
-      const uint64_t q_desc = desc_kmajor<HD>(q_s), do_desc = desc_kmajor<HD>(do_s);
+      // the first k-step overwrites: no zeroing, which would be register writes between the two
+      // batches that the compiler then separates with a wait
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < KT; ++kk)
-        WgmmaOp<T, kBlockQBwd>::template ss<0>(st, kmajor_step(k_desc, kk), kmajor_step(q_desc, kk), kk > 0);
-#pragma unroll
-      for (int kk = 0; kk < KT; ++kk)
-        WgmmaOp<T, kBlockQBwd>::template ss<0>(dpt, kmajor_step(v_desc, kk), kmajor_step(do_desc, kk), kk > 0);
+      wgmma_ss_kmajor<T, kBlockQBwd, KT>(st, k_desc, desc_kmajor<HD>(q_s));
+      wgmma_ss_kmajor<T, kBlockQBwd, KT>(dpt, v_desc, desc_kmajor<HD>(do_s));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_settle(st);
       wgmma_settle(dpt);
     } else {
-#pragma unroll
-      for (int n = 0; n < QN; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < KT; ++kk) {
-        uint32_t ka[4], va[4];
-        load_a(ka, sK + warp * 16 * LD + kk * 16, LD, lane);
-        load_a(va, sV + warp * 16 * LD + kk * 16, LD, lane);
-        mma_b_nmajor<T>(st, ka, q_s + kk * 16, LD, lane);
-        mma_b_nmajor<T>(dpt, va, do_s + kk * 16, LD, lane);
-      }
+      mma_pair_nmajor<T, KT, QN, LD>(st, dpt, sK + warp * 16 * LD, sV + warp * 16 * LD, q_s, do_s, lane);
     }
     // P^T and dS^T; rows are keys j, columns queries i; valid where start_i <= j <= i < T (then
     // j < T too). Masked steps: queries before the tile's last key, past T, or whose start (the
@@ -883,19 +877,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     // dV += P^T dO and dK += dS^T Q (k = the 32 queries)
     if constexpr (kWgmma) {
       uint32_t pa[kBlockQBwd / 16][4], sa[kBlockQBwd / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
-        acc_to_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
-        acc_to_a<T>(sa[kk], dpt[2 * kk], dpt[2 * kk + 1]);
-      }
-      const uint64_t do_desc = desc_mnmajor<HD>(do_s), q_desc = desc_mnmajor<HD>(q_s);
+      acc_to_a_steps<T>(pa, st);
+      acc_to_a_steps<T>(sa, dpt);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockQBwd / 16; ++kk)
-        WgmmaOp<T, HD>::template rs<1>(dv, pa[kk], mnmajor_step<HD>(do_desc, kk), 1);
-#pragma unroll
-      for (int kk = 0; kk < kBlockQBwd / 16; ++kk)
-        WgmmaOp<T, HD>::template rs<1>(dk, sa[kk], mnmajor_step<HD>(q_desc, kk), 1);
+      wgmma_rs_nmajor<T, HD>(dv, pa, desc_mnmajor<HD>(do_s));
+      wgmma_rs_nmajor<T, HD>(dk, sa, desc_mnmajor<HD>(q_s));
       wgmma_commit();
       wgmma_wait<0>();  // the next step's staging refills these tiles
     } else {

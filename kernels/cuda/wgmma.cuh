@@ -134,6 +134,20 @@ struct WgmmaOp {
 };
 #endif
 
+// D = A B over kSteps k-steps of 16, A and B K-major tiles (descriptors at k-step 0), and
+// D += A B with A from registers (a[kk]: k-step kk's fragment) and B an N-major tile of N
+// columns. Issued only: the caller fences before and commits and waits after the batch.
+template <class T, int N, int kSteps>
+__device__ __forceinline__ void wgmma_ss_kmajor(float (&d)[N / 8][4], uint64_t a, uint64_t b) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) WgmmaOp<T, N>::template ss<0>(d, kmajor_step(a, kk), kmajor_step(b, kk), kk > 0);
+}
+template <class T, int N, int kSteps>
+__device__ __forceinline__ void wgmma_rs_nmajor(float (&d)[N / 8][4], const uint32_t (&a)[kSteps][4], uint64_t b) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) WgmmaOp<T, N>::template rs<1>(d, a[kk], mnmajor_step<N>(b, kk), 1);
+}
+
 // Before the first wgmma of a batch: orders the warpgroup's register writes (accumulators,
 // A fragments) before the instructions read them.
 __device__ __forceinline__ void wgmma_fence() {

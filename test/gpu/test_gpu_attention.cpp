@@ -176,6 +176,42 @@ Rope llama3_rope() {
   return Rope(500000.0f, s);
 }
 
+// An attention call with documents (lengths; empty: none), the window of its shape and ALiBi
+// (or not) on random inputs (seeds `seed` and seed + 1), and the CPU's forward and backward
+// of it.
+struct MaskedCall {
+  AttnShape s0;  // the shape alone
+  AttnShape s;   // with the host positions and slopes
+  HostTensor positions, slopes, qkv, dy, out, lse, dqkv;
+
+  MaskedCall(const AttnShape& shape, DType dt, const std::vector<int>& lengths, bool alibi, uint32_t seed)
+      : s0(shape),
+        s(shape),
+        positions(DType::I32, {rows(shape)}),
+        slopes(alibi_host(shape.n_heads, 0, shape.n_heads)),
+        qkv(rand_tensor(dt, {rows(shape), shape.qkv_cols()}, seed, 1.5f)),
+        dy(rand_tensor(dt, {rows(shape), shape.n_heads * shape.head_dim}, seed + 1)),
+        out(dt, {rows(shape), shape.n_heads * shape.head_dim}),
+        lse(DType::F32, {shape.B, shape.n_heads, shape.T}),
+        dqkv(dt, {rows(shape), shape.qkv_cols()}) {
+    if (!lengths.empty()) {
+      positions.set_i32(document_positions_of(shape.B, shape.T, lengths));
+      s.positions = positions.t;
+    }
+    if (alibi) s.alibi_slopes = slopes.t;
+    cpu().attention_forward(out.t, lse.t, qkv.t, s);
+    cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+  }
+  static int64_t rows(const AttnShape& shape) { return static_cast<int64_t>(shape.B) * shape.T; }
+  // The call on a device: s0 with the device copies of whichever of positions and slopes it uses.
+  AttnShape on_device(const DeviceTensor& dpositions, const DeviceTensor& dslopes) const {
+    AttnShape sd = s0;
+    if (!s.positions.empty()) sd.positions = dpositions.t;
+    if (!s.alibi_slopes.empty()) sd.alibi_slopes = dslopes.t;
+    return sd;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("gpu: rope forward and backward are bit-identical to the CPU", "[gpu][rope]") {
@@ -315,16 +351,9 @@ TEST_CASE("gpu: fused attention backward: staged dS in chunks and the recomputin
         {0, "recompute (budget 0)", false},
     };
 
-    HostTensor positions(DType::I32, {N});
-    if (!c.lengths.empty()) positions.set_i32(document_positions_of(s0.B, s0.T, c.lengths));
-    const HostTensor slopes = alibi_host(s0.n_heads, 0, s0.n_heads);
-    AttnShape s = s0;
-    if (!c.lengths.empty()) s.positions = positions.t;
-    if (c.alibi) s.alibi_slopes = slopes.t;
-    HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 81, 1.5f), dy = rand_tensor(dt, {N, ocols}, 82);
-    HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
-    cpu().attention_forward(out.t, lse.t, qkv.t, s);
-    cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+    const MaskedCall call(s0, dt, c.lengths, c.alibi, 81);
+    const AttnShape& s = call.s;
+    const HostTensor &qkv = call.qkv, &dy = call.dy, &out = call.out, &lse = call.lse, &dqkv = call.dqkv;
 
     std::unique_ptr<HostTensor> first;  // the one-launch staged result
     for (const Budget& budget : budgets) {
@@ -332,10 +361,8 @@ TEST_CASE("gpu: fused attention backward: staged dS in chunks and the recomputin
       std::unique_ptr<Backend> owned = make_cuda_backend(0);
       dynamic_cast<CudaBackend&>(*owned).set_attention_ds_budget(budget.bytes);
       Backend& be = *owned;
-      DeviceTensor dpositions = DeviceTensor::of(be, positions), dslopes = DeviceTensor::of(be, slopes);
-      AttnShape sd = s0;
-      if (!c.lengths.empty()) sd.positions = dpositions.t;
-      if (c.alibi) sd.alibi_slopes = dslopes.t;
+      DeviceTensor dpositions = DeviceTensor::of(be, call.positions), dslopes = DeviceTensor::of(be, call.slopes);
+      const AttnShape sd = call.on_device(dpositions, dslopes);
       DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy), dout = DeviceTensor::of(be, out);
       DeviceTensor dlse = DeviceTensor::of(be, lse), ddq = DeviceTensor::of(be, filled(dt, {N, s.qkv_cols()}, NAN));
       auto& cuda_be = dynamic_cast<CudaBackend&>(be);
@@ -798,26 +825,17 @@ TEST_CASE("gpu: the wgmma attention kernels match the CPU and the mma.sync kerne
     INFO(shape_name(s0) << " window " << s0.window << " " << dname(dt) << (c.lengths.empty() ? "" : " documents")
                         << (c.alibi ? " alibi" : ""));
     const int64_t N = static_cast<int64_t>(s0.B) * s0.T, ocols = s0.n_heads * s0.head_dim;
-    HostTensor positions(DType::I32, {N});
-    if (!c.lengths.empty()) positions.set_i32(document_positions_of(s0.B, s0.T, c.lengths));
-    const HostTensor slopes = alibi_host(s0.n_heads, 0, s0.n_heads);
-    AttnShape s = s0;
-    if (!c.lengths.empty()) s.positions = positions.t;
-    if (c.alibi) s.alibi_slopes = slopes.t;
-    HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 95, 1.5f), dy = rand_tensor(dt, {N, ocols}, 96);
-    HostTensor out(dt, {N, ocols}), lse(DType::F32, {s.B, s.n_heads, s.T}), dqkv(dt, {N, s.qkv_cols()});
-    cpu().attention_forward(out.t, lse.t, qkv.t, s);
-    cpu().attention_backward(dqkv.t, dy.t, qkv.t, out.t, lse.t, s);
+    const MaskedCall call(s0, dt, c.lengths, c.alibi, 95);
+    const AttnShape& s = call.s;
+    const HostTensor &qkv = call.qkv, &dy = call.dy, &out = call.out, &lse = call.lse, &dqkv = call.dqkv;
 
     for (const bool staged : {true, false}) {
       std::unique_ptr<Backend> owned = make_cuda_backend(0);
       auto& be = dynamic_cast<CudaBackend&>(*owned);
       if (!staged) be.set_attention_ds_budget(0);
       const std::string what = std::string(dname(dt)) + (staged ? " wgmma dk-dv, staged dq" : " wgmma dk-dv, recomputed dq");
-      DeviceTensor dpositions = DeviceTensor::of(be, positions), dslopes = DeviceTensor::of(be, slopes);
-      AttnShape sd = s0;
-      if (!c.lengths.empty()) sd.positions = dpositions.t;
-      if (c.alibi) sd.alibi_slopes = dslopes.t;
+      DeviceTensor dpositions = DeviceTensor::of(be, call.positions), dslopes = DeviceTensor::of(be, call.slopes);
+      const AttnShape sd = call.on_device(dpositions, dslopes);
       DeviceTensor dq = DeviceTensor::of(be, qkv), ddy = DeviceTensor::of(be, dy);
       if (staged) {  // the forward, once per case
         DeviceTensor o = DeviceTensor::of(be, filled(dt, {N, ocols}, NAN));
