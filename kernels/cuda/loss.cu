@@ -5,8 +5,10 @@
 //   xent_loss      lse = row_max + log(sumexp); loss = lse - target_logit (0 for ignored rows)
 //   xent_backward  in place: x_j <- (exp(x_j - lse) - [j == target]) * dloss (0 for ignored rows)
 // xent_stats: one block per row, one pass over the row with an online (max, sum) pair per
-// thread (a new maximum rescales the thread's sum), the threads' pairs then combined in a fixed
-// tree: deterministic, and one read of the logits instead of two. xent_backward: one block per
+// thread, the threads' pairs then combined in a fixed tree: deterministic, and one read of the
+// logits instead of two. A thread takes its packs two at a time (both loads in flight before
+// either is used) and updates its maximum once per pack (a new pack maximum rescales the sum),
+// so the exponentials of a pack are independent of each other. xent_backward: one block per
 // row, elementwise. Both move 16-byte packs of logits when the rows allow it. The per-row ops on N values: one thread per row.
 #include <cmath>
 
@@ -41,20 +43,33 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t n = blockIdx.x;
   const T* x = logits + n * V;
   float m = -INFINITY, s = 0.0f;
-  for (int64_t j = threadIdx.x * W; j < V; j += kThreads * W) {
-    float xv[W];
-    load_pack<W>(xv, x + j);
+  // One pack into (m, s). fmaxf skips NaN, so m is the largest non-NaN value seen (-inf while
+  // there is none). Rescaling from m = -inf multiplies by exp(-inf) = 0 (a NaN sum stays NaN).
+  // -inf logits add nothing; a NaN adds NaN, and a +inf adds exp(inf - inf) = NaN, as on the CPU.
+  const auto take = [&](const float (&xv)[W]) {
+    float pm = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const float v = xv[k];
-      if (v > m) {
-        // m = -inf at first: 0 * 0 + 1. A +inf logit contributes exp(inf - inf) = NaN, as on the CPU.
-        s = s * expf(m - v) + (v == INFINITY ? __int_as_float(0x7fc00000) : 1.0f);
-        m = v;
-      } else if (v != -INFINITY) {
-        s += expf(v - m);  // NaN propagates through here
-      }
+    for (int k = 0; k < W; ++k) pm = fmaxf(pm, xv[k]);
+    if (pm > m) {
+      s *= expf(m - pm);
+      m = pm;
     }
+#pragma unroll
+    for (int k = 0; k < W; ++k) s += xv[k] == -INFINITY ? 0.0f : expf(xv[k] - m);
+  };
+  constexpr int64_t kStride = static_cast<int64_t>(kThreads) * W;
+  int64_t j = threadIdx.x * W;
+  for (; j + kStride < V; j += 2 * kStride) {
+    float a[W], b[W];
+    load_pack<W>(a, x + j);
+    load_pack<W>(b, x + j + kStride);
+    take(a);
+    take(b);
+  }
+  if (j < V) {
+    float a[W];
+    load_pack<W>(a, x + j);
+    take(a);
   }
   sm[threadIdx.x] = m;
   ss[threadIdx.x] = s;
