@@ -19,8 +19,8 @@
 # (build-gpu/carry/deps), or with system ones where the device has them.
 #
 # Output: a short summary on stdout (the device call returns its tail); logs and tables under
-# /tmp/keel-gpu (RES): env.txt, test_gpu.log, error_table.md, memcheck.log, racecheck.log,
-# bench/results.md (the section for bench/RESULTS.md), profile-<model>.txt. On a device call
+# /tmp/keel-gpu (RES): env.txt, test_gpu.log, test_gpu-wgmma.log, error_table.md, memcheck.log,
+# racecheck.log, bench/results.md (the section for bench/RESULTS.md), profile-<model>.txt. On a device call
 # ($OUT set) they come back packed as $OUT/keel-gpu.tgz (less the token shards): the tool
 # returns at most 8 files.
 #
@@ -142,22 +142,29 @@ stage_test() {
   ensure_bins
   local t0=$SECONDS rc
   rm -f "$RES/gpu_errors.tsv"
-  say "== test_gpu (KEEL_CUDA_SYNC=1)"
-  KEEL_CUDA_SYNC=1 KEEL_GPU_ERRORS="$RES/gpu_errors.tsv" KEEL_FIXTURE_DIR="$ROOT/test/fixtures" \
-    timeout "$(limit 270)" "$BIN/test_gpu" --durations yes > "$RES/test_gpu.log" 2>&1
-  rc=$?
-  grep -E '^(All tests passed|test cases:|assertions:)' "$RES/test_gpu.log" | tee -a "$SUMMARY"
-  [ $rc -eq 124 ] && say "test_gpu: stopped at its time limit (partial)"
-  if [ $rc -ne 0 ]; then
-    # The first failures with their context (Catch2 prints the expansion and INFO lines).
-    grep -n -B3 -A12 -m 8 'FAILED' "$RES/test_gpu.log" | head -150
-  fi
+  # The wgmma tests (kernels off by default until measured, KEEL_ATTN_WGMMA) in a process of
+  # their own, after the rest: a fault there cannot take the other results with it.
+  local spec log
+  for spec in '~[wgmma]' '[wgmma]'; do
+    log=$RES/test_gpu$([ "$spec" = '[wgmma]' ] && echo -wgmma).log
+    say "== test_gpu $spec (KEEL_CUDA_SYNC=1)"
+    KEEL_CUDA_SYNC=1 KEEL_GPU_ERRORS="$RES/gpu_errors.tsv" KEEL_FIXTURE_DIR="$ROOT/test/fixtures" \
+      timeout "$(limit 270)" "$BIN/test_gpu" "$spec" --durations yes > "$log" 2>&1
+    rc=$?
+    say "test_gpu $spec: exit $rc"
+    grep -E '^(All tests passed|test cases:|assertions:)' "$log" | tee -a "$SUMMARY"
+    [ $rc -eq 124 ] && say "test_gpu $spec: stopped at its time limit (partial)"
+    if [ $rc -ne 0 ]; then
+      # The first failures with their context (Catch2 prints the expansion and INFO lines).
+      grep -n -B3 -A12 -m 8 'FAILED' "$log" | head -150
+    fi
+  done
   if [ -s "$RES/gpu_errors.tsv" ]; then
     error_table "$RES/gpu_errors.tsv" > "$RES/error_table.md"
     cat "$RES/error_table.md"
     say "error table: $(grep -c '| yes |' "$RES/error_table.md") rows pass, $(grep -c '| NO |' "$RES/error_table.md") fail"
   fi
-  say "test_gpu: exit $rc, $((SECONDS - t0)) s"
+  say "test_gpu: $((SECONDS - t0)) s"
 }
 
 # compute-sanitizer over the op tests (not the training-step ones: the CPU side dominates them).

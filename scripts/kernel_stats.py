@@ -4,9 +4,10 @@
 For each kernel of one .cu file compiled for one architecture: registers, spills and (with
 cuobjdump) the instructions of its main loop, the largest backward branch, by opcode. A
 kernel's loop that is latency- or issue-bound shows here as instructions per tensor-core
-instruction (HMMA); the numbers are the code's, not a measurement of time.
+instruction (HMMA; the wgmma kernels list their HGMMA count instead); the numbers are the code's,
+not a measurement of time. The default architecture, sm_90a, is the build's for H100.
 
-  scripts/kernel_stats.py kernels/cuda/attention_flash.cu [--arch sm_90] [--filter dkdv] [--ops 12]
+  scripts/kernel_stats.py kernels/cuda/attention_flash.cu [--arch sm_80] [--filter dkdv] [--ops 12]
 
 cuobjdump is not in every CUDA toolkit install; `pip install nvidia-cuda-cuobjdump` ships it
 (the script looks on PATH, then in that package). Without it only registers are printed.
@@ -92,7 +93,7 @@ def loops(sass):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source")
-    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--filter", default="", help="only kernels whose name contains this")
     ap.add_argument("--ops", type=int, default=10, help="opcodes listed per loop")
     args = ap.parse_args()
@@ -118,8 +119,8 @@ def main():
         line = f"{short:58s} regs {r.get('regs', '?'):>3} spill {r.get('spill', 0):>4}"
         h = body.get(name)
         if h:
-            total, mma = sum(h.values()), h.get("HMMA", 0)
-            per = f"{total / mma:5.1f}/HMMA" if mma else ""
+            total, mma, wg = sum(h.values()), h.get("HMMA", 0), h.get("HGMMA", 0)
+            per = f"{total / mma:5.1f}/HMMA" if mma else f"{wg:3d} HGMMA " if wg else ""
             line += f"  loop {total:5d} instr {per}  " + ", ".join(f"{k} {v}" for k, v in h.most_common(args.ops))
         print(line)
 
