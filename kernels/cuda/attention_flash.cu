@@ -1084,10 +1084,10 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
       dqkv.as<T>(), nullptr, 0, 0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
 }
 
-// head_dim dispatch of the launchers
 // The fused kernels on wgmma where asked for (KEEL_ATTN_WGMMA=1) and the device runs sm_90a code.
 bool use_wgmma(const CudaBackend& be) { return be.attention_wgmma() && wgmma_available(be.device_index()); }
 
+// head_dim (and wgmma) dispatch of the launchers
 template <class T, bool kAlibi>
 void forward_hd(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
   const bool wgmma = use_wgmma(be);

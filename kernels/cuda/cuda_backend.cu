@@ -214,9 +214,21 @@ static size_t attention_ds_budget_from_env(size_t fallback) {
   return static_cast<size_t>(v) << 20;
 }
 
+// KEEL_ATTN_WGMMA: unset, empty or 0 off, 1 on; anything else is refused naming the variable.
+static bool attention_wgmma_from_env() {
+  const char* v = std::getenv("KEEL_ATTN_WGMMA");
+  if (!v || !*v || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") == 0) return true;
+  throw std::invalid_argument(std::string("KEEL_ATTN_WGMMA must be 0 or 1 (the fused attention kernels on Hopper's "
+                                          "warpgroup instructions), got '") +
+                              v + "'");
+}
+
 CudaBackend::CudaBackend(int device) : device_(device) {
   const char* op = "CudaBackend";
-  attn_ds_budget_ = attention_ds_budget_from_env(attn_ds_budget_);  // before anything is taken: it may throw
+  // the environment first, before anything is taken: a bad value throws
+  attn_ds_budget_ = attention_ds_budget_from_env(attn_ds_budget_);
+  attn_wgmma_ = attention_wgmma_from_env();
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -261,8 +273,6 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   gelu_epilogue_ = not_off("KEEL_GELU_EPILOGUE");
   residual_epilogue_ = not_off("KEEL_RESIDUAL_EPILOGUE");
   bgrad_epilogue_ = not_off("KEEL_BGRAD_EPILOGUE");
-  const char* wgmma = std::getenv("KEEL_ATTN_WGMMA");
-  attn_wgmma_ = wgmma && std::strcmp(wgmma, "1") == 0;
   matmul_ = cuda::create_matmul_cache(*this);
   if (const char* prof = std::getenv("KEEL_CUDA_PROFILE"); prof && *prof && std::strcmp(prof, "0") != 0) {
     profiler_ = std::make_unique<Profiler>();

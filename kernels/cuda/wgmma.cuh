@@ -187,7 +187,8 @@ __device__ __forceinline__ void fence_async_proxy() {
 #endif
 }
 
-// Whether this device runs the sm_90a code (probed once per device; wgmma_check.cu).
+// Whether this device runs the sm_90a code (probed once per device, which it makes current;
+// wgmma_check.cu).
 bool wgmma_available(int device);
 
 }  // namespace keel::cuda

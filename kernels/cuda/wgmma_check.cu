@@ -86,6 +86,7 @@ bool wgmma_available(int device) {
   std::lock_guard<std::mutex> lock(mu);
   if (const auto it = known.find(device); it != known.end()) return it->second;
   const char* op = "wgmma probe";
+  check_cuda(cudaSetDevice(device), op, "cudaSetDevice");
   int* flag = nullptr;
   check_cuda(cudaMalloc(&flag, sizeof(int)), op, "cudaMalloc");
   wgmma_probe_kernel<<<1, 1>>>(flag);
@@ -98,10 +99,7 @@ bool wgmma_available(int device) {
   return known[device] = host == 1;
 }
 
-bool wgmma_supported(CudaBackend& be) {
-  check_cuda(cudaSetDevice(be.device_index()), "wgmma probe", "cudaSetDevice");
-  return wgmma_available(be.device_index());
-}
+bool wgmma_supported(CudaBackend& be) { return wgmma_available(be.device_index()); }
 
 void wgmma_tile_product(CudaBackend& be, const Tensor& c, const Tensor& a, const Tensor& b, bool a_from_registers,
                         bool b_n_major) {

@@ -435,6 +435,35 @@ TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget; a bad v
   else unsetenv("KEEL_ATTN_DS_MB");
 }
 
+// KEEL_ATTN_WGMMA, read when a backend is made: unset, empty or 0 off, 1 on, anything else
+// refused naming the variable and the value.
+TEST_CASE("gpu: KEEL_ATTN_WGMMA turns the wgmma attention kernels on; a bad value is refused naming it",
+          "[gpu][attention][wgmma]") {
+  KEEL_GPU_OR_SKIP();
+  const char* old = std::getenv("KEEL_ATTN_WGMMA");
+  const std::string saved = old ? old : "";
+  auto make_with = [](const char* value) {
+    if (value) setenv("KEEL_ATTN_WGMMA", value, 1);
+    else unsetenv("KEEL_ATTN_WGMMA");
+    return make_cuda_backend(0);
+  };
+  auto on_with = [&](const char* value) {
+    const std::unique_ptr<Backend> be = make_with(value);
+    return dynamic_cast<CudaBackend&>(*be).attention_wgmma();
+  };
+  CHECK_FALSE(on_with(nullptr));
+  CHECK_FALSE(on_with(""));
+  CHECK_FALSE(on_with("0"));
+  CHECK(on_with("1"));
+  for (const char* bad : {"yes", "true", "2", " 1"}) {
+    INFO("KEEL_ATTN_WGMMA=" << bad);
+    CHECK_THROWS_WITH(make_with(bad), Catch::Matchers::Contains("KEEL_ATTN_WGMMA must be 0 or 1") &&
+                                          Catch::Matchers::Contains(std::string("got '") + bad + "'"));
+  }
+  if (old) setenv("KEEL_ATTN_WGMMA", saved.c_str(), 1);
+  else unsetenv("KEEL_ATTN_WGMMA");
+}
+
 // Document masking: the fused kernels skip the key tiles before a query tile's first document
 // and the query tiles after a key tile's last one, and mask inside tiles that a boundary
 // crosses; the plain kernels start and stop their loops at the boundaries. Documents of 1 row,
