@@ -26,8 +26,8 @@
 // The instruction reads shared memory through the async proxy: writes by ordinary or cp.async
 // stores become visible to it after fence.proxy.async (fence_async_proxy) and a barrier.
 //
-// The instructions exist only for sm_90a (and the CUDA emulator, which computes them at the
-// call); other targets compile the kernels with trapping stand-ins, and the host launches them
+// The instructions exist only for sm_90a (and the CUDA emulator, which executes them at the
+// wait, reading shared memory then); other targets compile the kernels with trapping stand-ins, and the host launches them
 // only where wgmma_available (wgmma_check.cu) found the sm_90a code running.
 #pragma once
 
@@ -158,13 +158,17 @@ __device__ __forceinline__ void wgmma_fence() {
 // Close the batch issued since the last commit, and wait until at most kPending batches are
 // still running (0: all done; their accumulators may be read and their shared memory reused).
 __device__ __forceinline__ void wgmma_commit() {
-#if KEEL_HAS_WGMMA && !defined(KEEL_CUDA_EMULATOR)
+#if defined(KEEL_CUDA_EMULATOR)
+  keel_emu::wgmma_commit();
+#elif KEEL_HAS_WGMMA
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
-#if KEEL_HAS_WGMMA && !defined(KEEL_CUDA_EMULATOR)
+#if defined(KEEL_CUDA_EMULATOR)
+  keel_emu::wgmma_wait(kPending);
+#elif KEEL_HAS_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 }

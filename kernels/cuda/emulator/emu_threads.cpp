@@ -286,6 +286,8 @@ bool release_block_barrier(Scheduler& s) {
   return true;
 }
 
+void wgmma_block_end();  // the wgmma section below
+
 void run_block(Scheduler& s, const ThreadCoords& base) {
   for (int i = 0; i < s.threads; ++i) {
     Fiber& f = s.fibers[static_cast<size_t>(i)];
@@ -316,7 +318,10 @@ void run_block(Scheduler& s, const ThreadCoords& base) {
     }
     bool all_done = true;
     for (int i = 0; i < s.threads; ++i) all_done = all_done && s.fibers[static_cast<size_t>(i)].state == State::Done;
-    if (all_done) return;
+    if (all_done) {
+      wgmma_block_end();
+      return;
+    }
     if (!release_block_barrier(s)) report_deadlock(s, base.block_idx);
   }
 }
@@ -435,12 +440,23 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b
 // ---- wgmma.mma_async (warpgroup) ----
 
 namespace {
-// What each of the block's 128 threads brings to the warpgroup instruction.
-struct WarpgroupOperands {
-  float* d[128];
-  const uint32_t* a[128];
+// An issued instruction: what each of the block's 128 threads brought to it (its accumulators'
+// address and, for A in registers, a copy of its four registers) and the shared one.
+struct PendingWgmma {
+  int n = 0, group = 0;  // group: the commits that came before its issue
+  uint64_t desc_a = 0, desc_b = 0;
+  bool trans_b = false, accumulate = false, bf16 = false, a_regs = false;
+  float* d[128] = {};
+  uint32_t a[128][4] = {};
 };
-WarpgroupOperands warpgroup;
+// The block's issued, not yet executed instructions (issue order), and per thread how many it
+// has issued (its next one's index, minus `erased`) and committed.
+struct WarpgroupQueue {
+  std::deque<PendingWgmma> pending;
+  int erased = 0;
+  int issued[128] = {}, commits[128] = {};
+};
+WarpgroupQueue wgq;
 
 [[noreturn]] void wgmma_fail(const char* what) {
   std::fprintf(stderr, "keel CUDA emulator: wgmma: %s\n", what);
@@ -457,6 +473,49 @@ Descriptor decode(uint64_t desc) {
   return {static_cast<uint32_t>(desc & 0x3FFFu) << 4, static_cast<uint32_t>((desc >> 16) & 0x3FFFu) << 4,
           static_cast<uint32_t>((desc >> 32) & 0x3FFFu) << 4};
 }
+
+// D (+)= A B of one instruction, reading shared memory now.
+void execute(Scheduler& s, const PendingWgmma& op) {
+  for (float* d : op.d)
+    if (!d) wgmma_fail("not every thread of the warpgroup issued the instruction it waits for");
+  const size_t smem_size = s.dynamic_smem.size() - 16;
+  const bool bf16 = op.bf16;
+  // Element (mn, k) of a swizzle-free shared-memory operand: core matrix (mn / 8, k / 8) at
+  // (mn / 8) SBO + (k / 8) LBO; inside it rows of 16 bytes along K (K-major) or MN (MN-major).
+  auto smem_elem = [&](const Descriptor& dsc, int mn, int k, bool mn_major) {
+    const uint32_t inner = mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2;
+    const size_t at = dsc.start + static_cast<size_t>(mn / 8) * dsc.sbo + static_cast<size_t>(k / 8) * dsc.lbo + inner;
+    if (at + 2 > smem_size) wgmma_fail("operand reaches past the block's dynamic shared memory");
+    uint16_t bits;
+    std::memcpy(&bits, s.dynamic_smem.data() + at, 2);
+    return bf16 ? keel::bf16_to_f32(bits) : keel::f16_to_f32(bits);
+  };
+  static float A[64][16], B[256][16];
+  const Descriptor da = decode(op.desc_a), db = decode(op.desc_b);
+  for (int r = 0; r < 64; ++r)
+    for (int k = 0; k < 16; ++k) {
+      if (op.a_regs) {
+        // the m16n8k16 A fragment of warp r / 16: row g or g + 8, columns 2t, 2t+1 (+8)
+        const int rr = r % 16, lane = 4 * (rr % 8) + (k % 8) / 2, reg = (rr >= 8) + 2 * (k >= 8);
+        const auto bits = static_cast<uint16_t>(op.a[(r / 16) * 32 + lane][reg] >> (16 * (k % 2)));
+        A[r][k] = bf16 ? keel::bf16_to_f32(bits) : keel::f16_to_f32(bits);
+      } else {
+        A[r][k] = smem_elem(da, r, k, false);
+      }
+    }
+  for (int c = 0; c < op.n; ++c)
+    for (int k = 0; k < 16; ++k) B[c][k] = smem_elem(db, c, k, op.trans_b);
+  // thread (warp w, g, t): d[4i + e] = (row 16w + g + 8 (e / 2), col 8i + 2t + e % 2)
+  for (int th = 0; th < 128; ++th) {
+    const int w = th / 32, g = (th % 32) / 4, t = th % 4;
+    for (int i = 0; i < op.n / 2; ++i) {
+      const int row = 16 * w + g + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * t + i % 2;
+      float sum = 0.0f;
+      for (int k = 0; k < 16; ++k) sum += A[row][k] * B[col][k];
+      op.d[th][i] = op.accumulate ? op.d[th][i] + sum : sum;
+    }
+  }
+}
 }  // namespace
 
 void wgmma_m64k16(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool trans_b, bool accumulate,
@@ -464,52 +523,51 @@ void wgmma_m64k16(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t 
   Scheduler& s = sched();
   if (s.threads != 128) wgmma_fail("the emulation needs blocks of exactly one warpgroup (128 threads)");
   if (n < 8 || n > 256 || n % 8 != 0) wgmma_fail("N must be a multiple of 8 from 8 to 256");
-  warpgroup.d[s.current] = d;
-  warpgroup.a[s.current] = a;
+  const int tid = s.current;
+  const int index = wgq.issued[tid]++ - wgq.erased;
+  if (index < 0) wgmma_fail("a thread issued an instruction the others had already waited for");
+  if (index == static_cast<int>(wgq.pending.size())) {  // the first thread to issue it
+    PendingWgmma op;
+    op.n = n, op.group = wgq.commits[tid], op.desc_a = desc_a, op.desc_b = desc_b;
+    op.trans_b = trans_b, op.accumulate = accumulate, op.bf16 = bf16, op.a_regs = a != nullptr;
+    wgq.pending.push_back(op);
+  }
+  PendingWgmma& op = wgq.pending[static_cast<size_t>(index)];
+  if (op.n != n || op.desc_a != desc_a || op.desc_b != desc_b || op.trans_b != trans_b ||
+      op.accumulate != accumulate || op.a_regs != (a != nullptr) || op.group != wgq.commits[tid])
+    wgmma_fail("the warpgroup's threads issued different instructions");
+  op.d[tid] = d;
+  if (a) std::memcpy(op.a[tid], a, sizeof op.a[tid]);  // registers are read at the issue
+}
+
+void wgmma_commit() { ++wgq.commits[sched().current]; }
+
+void wgmma_wait(int keep_pending) {
+  // Executes, in issue order, every instruction of the groups older than the newest
+  // `keep_pending` committed ones: shared memory is read now, at the latest moment the hardware
+  // may read it, so an overwrite before the wait shows as a wrong result, and so does a read of
+  // the accumulators before it (they still hold their old values).
+  Scheduler& s = sched();
   block_barrier();
   if (s.current == 0) {
-    const size_t smem_size = s.dynamic_smem.size() - 16;
-    // Element (mn, k) of a swizzle-free shared-memory operand: core matrix (mn / 8, k / 8) at
-    // (mn / 8) SBO + (k / 8) LBO; inside it rows of 16 bytes along K (K-major) or MN (MN-major).
-    auto smem_elem = [&](const Descriptor& dsc, int mn, int k, bool mn_major) {
-      const uint32_t inner = mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2;
-      const size_t at = dsc.start + static_cast<size_t>(mn / 8) * dsc.sbo + static_cast<size_t>(k / 8) * dsc.lbo + inner;
-      if (at + 2 > smem_size) wgmma_fail("operand reaches past the block's dynamic shared memory");
-      uint16_t bits;
-      std::memcpy(&bits, s.dynamic_smem.data() + at, 2);
-      return bf16 ? keel::bf16_to_f32(bits) : keel::f16_to_f32(bits);
-    };
-    static float A[64][16], B[256][16];
-    const bool a_regs = warpgroup.a[0] != nullptr;
-    for (int t = 1; t < 128; ++t)
-      if ((warpgroup.a[t] != nullptr) != a_regs) wgmma_fail("threads disagree on where A comes from");
-    const Descriptor da = decode(desc_a), db = decode(desc_b);
-    for (int r = 0; r < 64; ++r)
-      for (int k = 0; k < 16; ++k) {
-        if (a_regs) {
-          // the m16n8k16 A fragment of warp r / 16: row g or g + 8, columns 2t, 2t+1 (+8)
-          const int rr = r % 16, lane = 4 * (rr % 8) + (k % 8) / 2, reg = (rr >= 8) + 2 * (k >= 8);
-          const auto bits = static_cast<uint16_t>(warpgroup.a[(r / 16) * 32 + lane][reg] >> (16 * (k % 2)));
-          A[r][k] = bf16 ? keel::bf16_to_f32(bits) : keel::f16_to_f32(bits);
-        } else {
-          A[r][k] = smem_elem(da, r, k, false);
-        }
-      }
-    for (int c = 0; c < n; ++c)
-      for (int k = 0; k < 16; ++k) B[c][k] = smem_elem(db, c, k, trans_b);
-    // thread (warp w, g, t): d[4i + e] = (row 16w + g + 8 (e / 2), col 8i + 2t + e % 2)
-    for (int th = 0; th < 128; ++th) {
-      const int w = th / 32, g = (th % 32) / 4, t = th % 4;
-      for (int i = 0; i < n / 2; ++i) {
-        const int row = 16 * w + g + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * t + i % 2;
-        float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) sum += A[row][k] * B[col][k];
-        warpgroup.d[th][i] = accumulate ? warpgroup.d[th][i] + sum : sum;
-      }
+    const int done_below = wgq.commits[0] - keep_pending;
+    while (!wgq.pending.empty() && wgq.pending.front().group < done_below) {
+      execute(s, wgq.pending.front());
+      wgq.pending.pop_front();
+      ++wgq.erased;
     }
   }
-  block_barrier();  // every thread's accumulators are written before any reads them
+  block_barrier();
 }
+
+namespace {
+// A block's end: every instruction must have been waited for (its accumulators would hold
+// garbage on a GPU); then a clean queue for the next block.
+void wgmma_block_end() {
+  if (!wgq.pending.empty()) wgmma_fail("the block ended with instructions it never waited for (wgmma.wait_group)");
+  wgq = WarpgroupQueue();
+}
+}  // namespace
 
 // ---- cp.async ----
 
