@@ -279,6 +279,14 @@ __device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int 
   }
 }
 
+// Rows [row0, row0 + kRows) of a head into a tile as the kernel's products read it: padded
+// rows for mma.sync, core matrices for wgmma (wgmma.cuh); rows >= T_len zero-filled.
+template <class T, int HD, int kRows, bool kWgmma>
+__device__ __forceinline__ void load_head_tile(T* dst, const T* src, int row0, int T_len, int64_t ld) {
+  if constexpr (kWgmma) cm_tile_async<T, HD, kRows, kThreads>(dst, src, row0, T_len, ld);
+  else async_tile<T, HD, kRows>(dst, src, row0, T_len, ld);
+}
+
 // Double buffering over a loop's steps: with a step after this one, stage it (stage(next, buf))
 // into the other buffer and wait for all but that newest copy group; at the last step wait for
 // everything. Then a barrier, after which the block may read the current buffer (kAsyncProxy:
@@ -458,15 +466,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   const int kt_first = docs.first_key / kBlockK;
   const float slope_log2 = kAlibi ? slopes[h] * kLog2e : 0.0f;  // ALiBi's m_h in log2 units
 
-  // rows [row0, row0 + 64) of a head into a tile: padded rows, or core matrices for wgmma
-  const auto load_tile = [&](T* dst, const T* src, int row0) {
-    static_assert(kBlockQ == kBlockK, "one tile shape");
-    if constexpr (kWgmma) cm_tile_async<T, HD, kBlockK, kThreads>(dst, src, row0, T_len, cols);
-    else async_tile<T, HD, kBlockK>(dst, src, row0, T_len, cols);
-  };
-  load_tile(sQ, q_head, q0);
-  load_tile(sK, k_head, kt_first * kBlockK);
-  load_tile(sV, v_head, kt_first * kBlockK);
+  load_head_tile<T, HD, kBlockQ, kWgmma>(sQ, q_head, q0, T_len, cols);
+  load_head_tile<T, HD, kBlockK, kWgmma>(sK, k_head, kt_first * kBlockK, T_len, cols);
+  load_head_tile<T, HD, kBlockK, kWgmma>(sV, v_head, kt_first * kBlockK, T_len, cols);
   cp_async_commit();
 
   uint32_t qa[KT][4];
@@ -478,8 +480,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   for (int kt = kt_first; kt < n_kt; ++kt) {
     const int buf = (kt - kt_first) & 1;
     if (kt + 1 < n_kt) {  // prefetch the next K/V tile into the other buffer
-      load_tile(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK);
-      load_tile(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK);
+      load_head_tile<T, HD, kBlockK, kWgmma>(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK, T_len, cols);
+      load_head_tile<T, HD, kBlockK, kWgmma>(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK, T_len, cols);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -781,18 +783,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     }
     return q;
   };
-  // rows [row0, row0 + kRows) of a head into a tile: padded rows, or core matrices for wgmma
-  const auto load_tile = [&](auto rows, T* dst, const T* src, int row0, int64_t ld) {
-    constexpr int kRows = decltype(rows)::value;
-    if constexpr (kWgmma) cm_tile_async<T, HD, kRows, kThreads>(dst, src, row0, T_len, ld);
-    else async_tile<T, HD, kRows>(dst, src, row0, T_len, ld);
-  };
-  using QueryRows = std::integral_constant<int, kBlockQBwd>;
-  using KeyRows = std::integral_constant<int, kBlockK>;
   // Stage step q into buffer `buf`: Q and dO rows, their lse (log2 units), D and starts.
   const auto stage = [&](QueryStep q, int buf) {
-    load_tile(QueryRows{}, sQ + buf * kBlockQBwd * LD, base + q.h * HD, q.i0, cols);
-    load_tile(QueryRows{}, sdO + buf * kBlockQBwd * LD, do_base + q.h * HD, q.i0, out_cols);
+    load_head_tile<T, HD, kBlockQBwd, kWgmma>(sQ + buf * kBlockQBwd * LD, base + q.h * HD, q.i0, T_len, cols);
+    load_head_tile<T, HD, kBlockQBwd, kWgmma>(sdO + buf * kBlockQBwd * LD, do_base + q.h * HD, q.i0, T_len,
+                                              out_cols);
     if (threadIdx.x < kBlockQBwd) {
       const int i = q.i0 + threadIdx.x;
       const int64_t stat = stat_seq + static_cast<int64_t>(q.h) * T_len;
@@ -802,8 +797,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     }
   };
 
-  load_tile(KeyRows{}, sK, k_head, k0, cols);
-  load_tile(KeyRows{}, sV, v_head, k0, cols);
+  load_head_tile<T, HD, kBlockK, kWgmma>(sK, k_head, k0, T_len, cols);
+  load_head_tile<T, HD, kBlockK, kWgmma>(sV, v_head, k0, T_len, cols);
   QueryStep cur{kvh * group, i_begin};
   stage(cur, 0);
   cp_async_commit();
@@ -1084,13 +1079,10 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
       dqkv.as<T>(), nullptr, 0, 0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
 }
 
-// The fused kernels on wgmma where asked for (KEEL_ATTN_WGMMA=1) and the device runs sm_90a code.
-bool use_wgmma(const CudaBackend& be) { return be.attention_wgmma() && wgmma_available(be.device_index()); }
-
 // head_dim (and wgmma) dispatch of the launchers
 template <class T, bool kAlibi>
 void forward_hd(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
-  const bool wgmma = use_wgmma(be);
+  const bool wgmma = be.attention_wgmma();
   if (s.head_dim == 64) {
     if (wgmma) forward_impl<T, 64, kAlibi, true>(be, out, lse, qkv, s);
     else forward_impl<T, 64, kAlibi, false>(be, out, lse, qkv, s);
@@ -1103,7 +1095,7 @@ void forward_hd(CudaBackend& be, const Tensor& out, const Tensor& lse, const Ten
 template <class T, bool kAlibi>
 void backward_hd(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                  const float* delta, const AttnShape& s) {
-  const bool wgmma = use_wgmma(be);  // for the dk-dv kernel
+  const bool wgmma = be.attention_wgmma();  // for the dk-dv kernel
   if (s.head_dim == 64) {
     if (wgmma) backward_impl<T, 64, kAlibi, true>(be, dqkv, dout, qkv, lse, delta, s);
     else backward_impl<T, 64, kAlibi, false>(be, dqkv, dout, qkv, lse, delta, s);

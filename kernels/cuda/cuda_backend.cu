@@ -16,6 +16,7 @@
 #include <cublasLt.h>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/wgmma_check.h"
 #include "kernels/device.h"
 #include "kernels/op_time_table.h"
 
@@ -190,6 +191,8 @@ void CudaBackend::profile_harvest() {
   p.drained_at = std::chrono::steady_clock::now();
 }
 
+void CudaBackend::set_attention_wgmma(bool on) { attn_wgmma_ = on && cuda::wgmma_available(device_); }
+
 void CudaBackend::profile_restart() {
   if (!profiler_) return;
   wait_for_stream("profile_restart");  // books the pending marks, then they are dropped
@@ -228,7 +231,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   const char* op = "CudaBackend";
   // the environment first, before anything is taken: a bad value throws
   attn_ds_budget_ = attention_ds_budget_from_env(attn_ds_budget_);
-  attn_wgmma_ = attention_wgmma_from_env();
+  const bool wgmma = attention_wgmma_from_env();
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -273,6 +276,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   gelu_epilogue_ = not_off("KEEL_GELU_EPILOGUE");
   residual_epilogue_ = not_off("KEEL_RESIDUAL_EPILOGUE");
   bgrad_epilogue_ = not_off("KEEL_BGRAD_EPILOGUE");
+  set_attention_wgmma(wgmma);
   matmul_ = cuda::create_matmul_cache(*this);
   if (const char* prof = std::getenv("KEEL_CUDA_PROFILE"); prof && *prof && std::strcmp(prof, "0") != 0) {
     profiler_ = std::make_unique<Profiler>();

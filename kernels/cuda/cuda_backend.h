@@ -183,10 +183,11 @@ class CudaBackend final : public Backend {
   // dq kernel recomputes the probabilities instead.
   size_t attention_ds_budget() const { return attn_ds_budget_; }
   void set_attention_ds_budget(size_t bytes) { attn_ds_budget_ = bytes; }
-  // KEEL_ATTN_WGMMA=1: the fused attention forward and dk-dv kernels on wgmma where the device
-  // runs sm_90a code (attention_flash.cu); tests turn it on and off.
+  // The fused attention forward and dk-dv kernels on wgmma (attention_flash.cu): asked for
+  // (KEEL_ATTN_WGMMA=1 at construction, or by tests here) and the device runs sm_90a code,
+  // which the setter probes once, so the kernels' dispatch reads a flag.
   bool attention_wgmma() const { return attn_wgmma_; }
-  void set_attention_wgmma(bool on) { attn_wgmma_ = on; }
+  void set_attention_wgmma(bool on);
   // Shared memory one block may opt in to on this device (bytes; read once at construction).
   size_t max_smem_per_block() const { return smem_optin_; }
   // L2 cache of this device (bytes; read once at construction). The fused attention picks its
@@ -209,7 +210,7 @@ class CudaBackend final : public Backend {
   bool residual_epilogue_ = true;  // KEEL_RESIDUAL_EPILOGUE (not 0)
   bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)
   size_t attn_ds_budget_ = kDefaultAttentionDsBudget;  // KEEL_ATTN_DS_MB
-  bool attn_wgmma_ = false;        // KEEL_ATTN_WGMMA=1
+  bool attn_wgmma_ = false;        // KEEL_ATTN_WGMMA=1 on an sm_90a device
   size_t smem_optin_ = 0;
   size_t l2_bytes_ = 0;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results

@@ -28,7 +28,7 @@
 //
 // The instructions exist only for sm_90a (and the CUDA emulator, which executes them at the
 // wait, reading shared memory then); other targets compile the kernels with trapping stand-ins, and the host launches them
-// only where wgmma_available (wgmma_check.cu) found the sm_90a code running.
+// only where wgmma_available (wgmma_check.h) found the sm_90a code running.
 #pragma once
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -190,9 +190,5 @@ __device__ __forceinline__ void fence_async_proxy() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
-
-// Whether this device runs the sm_90a code (probed once per device, which it makes current;
-// wgmma_check.cu).
-bool wgmma_available(int device);
 
 }  // namespace keel::cuda

@@ -1,4 +1,4 @@
-// wgmma_supported and wgmma_tile_product (wgmma_check.h).
+// wgmma_available and wgmma_tile_product (wgmma_check.h).
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -99,8 +99,6 @@ bool wgmma_available(int device) {
   return known[device] = host == 1;
 }
 
-bool wgmma_supported(CudaBackend& be) { return wgmma_available(be.device_index()); }
-
 void wgmma_tile_product(CudaBackend& be, const Tensor& c, const Tensor& a, const Tensor& b, bool a_from_registers,
                         bool b_n_major) {
   const char* op = "wgmma_tile_product";
@@ -114,7 +112,7 @@ void wgmma_tile_product(CudaBackend& be, const Tensor& c, const Tensor& a, const
   check_dtype(op, {"c", c}, DType::F32);
   if ((a.dtype != DType::BF16 && a.dtype != DType::F16) || b.dtype != a.dtype)
     fail(op, "a and b must both be bf16 or both f16", {{"a", a}, {"b", b}});
-  if (!wgmma_supported(be)) fail(op, "this device does not run keel's sm_90a code (wgmma)", {});
+  if (!wgmma_available(be.device_index())) fail(op, "this device does not run keel's sm_90a code (wgmma)", {});
   const auto by_n = [&](auto tag) {
     using T = decltype(tag);
     if (n == 32) launch_tile<T, 32>(be, c, a, b, a_from_registers, b_n_major);

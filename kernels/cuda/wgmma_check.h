@@ -10,9 +10,9 @@ namespace keel {
 class CudaBackend;
 namespace cuda {
 
-// Whether the backend's device runs keel's sm_90a code (an H100 or H200 with a build for 90a;
-// always in the CUDA emulator). Probed by one launch the first time per device.
-bool wgmma_supported(CudaBackend& be);
+// Whether a device runs keel's sm_90a code (an H100 or H200 with a build for 90a; always in the
+// CUDA emulator). Probed by one launch the first time per device, which it makes current.
+bool wgmma_available(int device);
 
 // c [64, N] (f32) = a [64, 64] b with one warpgroup, k-step by k-step: b is [N, 64] (K-major:
 // each row one n) or, with b_n_major, [64, N] (each row one k); a comes to the instruction from

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/scoped_env.h"
 #include "kernels/backend.h"
 #include "kernels/device.h"
 #include "kernels/kernel_test_util.h"
@@ -41,13 +42,9 @@ inline Backend& gpu() {
 // read when a backend is made).
 inline Backend& gpu_simple_attention() {
   static std::unique_ptr<Backend> be = [] {
-    const char* old = std::getenv("KEEL_ATTENTION");
-    const std::string saved = old ? old : "";
-    setenv("KEEL_ATTENTION", "simple", 1);
-    auto b = make_cuda_backend(0);
-    if (old) setenv("KEEL_ATTENTION", saved.c_str(), 1);
-    else unsetenv("KEEL_ATTENTION");
-    return b;
+    const ScopedEnv attention("KEEL_ATTENTION");
+    attention.set("simple");
+    return make_cuda_backend(0);
   }();
   return *be;
 }

@@ -157,6 +157,13 @@ const AttnShape kShapes[] = {
     {2, 50, 4, 2, 32},    // head_dim 32: plain kernels
 };
 
+// A CUDA backend made with env's variable set to value (nullptr: unset): a backend reads its
+// environment when it is made.
+std::unique_ptr<Backend> backend_with(const ScopedEnv& env, const char* value) {
+  env.set(value);
+  return make_cuda_backend(0);
+}
+
 // ALiBi slopes of heads [offset, offset + n) of a model with `total` heads: a tensor-parallel
 // rank's contiguous slice of keel::alibi_slopes(total), as an F32 host tensor [n].
 HostTensor alibi_host(int total, int offset, int n) {
@@ -411,13 +418,8 @@ TEST_CASE("gpu: fused attention backward: staged dS in chunks and the recomputin
 TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget; a bad value is refused naming it",
           "[gpu][attention]") {
   KEEL_GPU_OR_SKIP();
-  const char* old = std::getenv("KEEL_ATTN_DS_MB");
-  const std::string saved = old ? old : "";
-  auto make_with = [](const char* value) {
-    if (value) setenv("KEEL_ATTN_DS_MB", value, 1);
-    else unsetenv("KEEL_ATTN_DS_MB");
-    return make_cuda_backend(0);
-  };
+  const ScopedEnv env("KEEL_ATTN_DS_MB");
+  const auto make_with = [&](const char* value) { return backend_with(env, value); };
   auto budget_with = [&](const char* value) {
     const std::unique_ptr<Backend> be = make_with(value);
     return dynamic_cast<CudaBackend&>(*be).attention_ds_budget();
@@ -431,22 +433,15 @@ TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget; a bad v
     CHECK_THROWS_WITH(make_with(bad), Catch::Matchers::Contains("KEEL_ATTN_DS_MB must be a whole number of MiB") &&
                                           Catch::Matchers::Contains(std::string("got '") + bad + "'"));
   }
-  if (old) setenv("KEEL_ATTN_DS_MB", saved.c_str(), 1);
-  else unsetenv("KEEL_ATTN_DS_MB");
 }
 
-// KEEL_ATTN_WGMMA, read when a backend is made: unset, empty or 0 off, 1 on, anything else
-// refused naming the variable and the value.
+// KEEL_ATTN_WGMMA, read when a backend is made: unset, empty or 0 off, 1 on (where the device
+// runs sm_90a code), anything else refused naming the variable and the value.
 TEST_CASE("gpu: KEEL_ATTN_WGMMA turns the wgmma attention kernels on; a bad value is refused naming it",
           "[gpu][attention][wgmma]") {
   KEEL_GPU_OR_SKIP();
-  const char* old = std::getenv("KEEL_ATTN_WGMMA");
-  const std::string saved = old ? old : "";
-  auto make_with = [](const char* value) {
-    if (value) setenv("KEEL_ATTN_WGMMA", value, 1);
-    else unsetenv("KEEL_ATTN_WGMMA");
-    return make_cuda_backend(0);
-  };
+  const ScopedEnv env("KEEL_ATTN_WGMMA");
+  const auto make_with = [&](const char* value) { return backend_with(env, value); };
   auto on_with = [&](const char* value) {
     const std::unique_ptr<Backend> be = make_with(value);
     return dynamic_cast<CudaBackend&>(*be).attention_wgmma();
@@ -454,14 +449,12 @@ TEST_CASE("gpu: KEEL_ATTN_WGMMA turns the wgmma attention kernels on; a bad valu
   CHECK_FALSE(on_with(nullptr));
   CHECK_FALSE(on_with(""));
   CHECK_FALSE(on_with("0"));
-  CHECK(on_with("1"));
+  CHECK(on_with("1") == cuda::wgmma_available(0));
   for (const char* bad : {"yes", "true", "2", " 1"}) {
     INFO("KEEL_ATTN_WGMMA=" << bad);
     CHECK_THROWS_WITH(make_with(bad), Catch::Matchers::Contains("KEEL_ATTN_WGMMA must be 0 or 1") &&
                                           Catch::Matchers::Contains(std::string("got '") + bad + "'"));
   }
-  if (old) setenv("KEEL_ATTN_WGMMA", saved.c_str(), 1);
-  else unsetenv("KEEL_ATTN_WGMMA");
 }
 
 // Document masking: the fused kernels skip the key tiles before a query tile's first document
@@ -789,7 +782,7 @@ TEST_CASE("gpu: wgmma tile products match the CPU (shared-memory layouts, descri
           "[gpu][attention][wgmma]") {
   KEEL_GPU_OR_SKIP();
   auto& be = dynamic_cast<CudaBackend&>(gpu());
-  if (!cuda::wgmma_supported(be)) {
+  if (!cuda::wgmma_available(be.device_index())) {
     WARN("skipped: this device does not run keel's sm_90a code (wgmma)");
     return;
   }
@@ -830,7 +823,7 @@ TEST_CASE("gpu: wgmma tile products match the CPU (shared-memory layouts, descri
 // 64 and 128) and, with documents, a sliding window and ALiBi, those of the staged-dS test.
 TEST_CASE("gpu: the wgmma attention kernels match the CPU and the mma.sync kernels", "[gpu][attention][wgmma]") {
   KEEL_GPU_OR_SKIP();
-  if (!cuda::wgmma_supported(dynamic_cast<CudaBackend&>(gpu()))) {
+  if (!cuda::wgmma_available(dynamic_cast<CudaBackend&>(gpu()).device_index())) {
     WARN("skipped: this device does not run keel's sm_90a code (wgmma)");
     return;
   }

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/scoped_env.h"
 #include "train/parallel/comm.h"
 #include "train/parallel/mpi_comm.h"
 
@@ -76,20 +77,15 @@ TEST_CASE("comm groups: a world of one without MPI", "[parallel][comm]") {
 }
 
 TEST_CASE("comm timeout: KEEL_COMM_TIMEOUT", "[parallel][comm]") {
-  const char* old = std::getenv("KEEL_COMM_TIMEOUT");
-  std::string saved = old ? old : "";
-  unsetenv("KEEL_COMM_TIMEOUT");
+  const keel::test::ScopedEnv env("KEEL_COMM_TIMEOUT");
+  env.set(nullptr);
   CHECK(default_comm_timeout() == 600.0);
-  setenv("KEEL_COMM_TIMEOUT", "2.5", 1);
+  env.set("2.5");
   CHECK(default_comm_timeout() == 2.5);
-  setenv("KEEL_COMM_TIMEOUT", "0", 1);
+  env.set("0");
   CHECK(default_comm_timeout() == 0.0);
-  setenv("KEEL_COMM_TIMEOUT", "ten", 1);
+  env.set("ten");
   CHECK_THROWS_WITH(default_comm_timeout(), Catch::Contains("KEEL_COMM_TIMEOUT=\"ten\""));
-  if (old)
-    setenv("KEEL_COMM_TIMEOUT", saved.c_str(), 1);
-  else
-    unsetenv("KEEL_COMM_TIMEOUT");
 }
 
 namespace {
