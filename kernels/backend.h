@@ -238,6 +238,17 @@ class Backend {
   // and 0 for ignored rows. dloss is d(total loss)/d(row loss), e.g. loss_scale / n_valid_tokens.
   virtual void xent_backward(const Tensor& logits, const Tensor& lse, const Tensor& targets, float dloss,
                              int64_t vocab_start) = 0;
+  // The loss and its gradient in one call when the whole vocabulary is local (no vocab
+  // parallelism, so nothing is combined across ranks between the two): xent_stats, xent_loss,
+  // then xent_backward in place, as composed here. A fused backend (the CUDA backend: one pass
+  // per row, the logits read once from memory and again from L2) gives the same bits.
+  virtual void xent_loss_backward(const Tensor& losses, const Tensor& lse, const Tensor& row_max,
+                                  const Tensor& sumexp, const Tensor& target_logit, const Tensor& logits,
+                                  const Tensor& targets, float dloss) {
+    xent_stats(row_max, sumexp, target_logit, logits, targets, 0);
+    xent_loss(losses, lse, row_max, sumexp, target_logit, targets);
+    xent_backward(logits, lse, targets, dloss, 0);
+  }
 
   // ---- optimizer and reductions ----
   // master (fp32) may be empty: then the working tensor itself is updated (the unsafe

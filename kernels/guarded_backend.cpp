@@ -193,6 +193,11 @@ class GuardedBackend final : public Backend {
                      int64_t vocab_start) override {
     KEEL_GUARDED(xent_backward(logits, lse, targets, dloss, vocab_start));
   }
+  void xent_loss_backward(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sumexp,
+                          const Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                          float dloss) override {
+    KEEL_GUARDED(xent_loss_backward(losses, lse, row_max, sumexp, target_logit, logits, targets, dloss));
+  }
   void adamw(const Tensor& master, const Tensor& working, const Tensor& grad, const Tensor& m, const Tensor& v,
              const AdamWParams& p) override {
     KEEL_GUARDED(adamw(master, working, grad, m, v, p));

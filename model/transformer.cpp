@@ -342,9 +342,14 @@ void Transformer::norm_backward(const Tensor& din, const Tensor& dout, const Ten
 // Vocab-parallel cross-entropy: each TP rank holds the logits of its vocab slice. The row max
 // and the softmax denominator are combined over TP (max, then the local sums rescaled to the
 // global max and added), and the target's logit comes from the rank that owns it.
-void Transformer::loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_t r1) {
+bool Transformer::loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_t r1, std::optional<float> dloss) {
   const Tensor row_max = s.row_max.elements(r0, r1), sumexp = s.sumexp.elements(r0, r1),
                target_logit = s.target_logit.elements(r0, r1), targets = s.targets.elements(r0, r1);
+  if (!tensor_parallel_ && dloss) {
+    be_.xent_loss_backward(s.row_loss.elements(r0, r1), s.lse_rows.elements(r0, r1), row_max, sumexp, target_logit,
+                           logits, targets, *dloss);
+    return true;
+  }
   if (!tensor_parallel_) {
     be_.xent_stats(row_max, sumexp, target_logit, logits, targets, 0);
   } else {
@@ -357,11 +362,13 @@ void Transformer::loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_
     tp_->all_reduce(target_logit);
   }
   be_.xent_loss(s.row_loss.elements(r0, r1), s.lse_rows.elements(r0, r1), row_max, sumexp, target_logit, targets);
+  return false;
 }
 
 void Transformer::head_backward(Slot& s, const Tensor& logits, const Tensor& x, int64_t r0, int64_t r1, float dloss,
-                                const Tensor& dnorm) {
-  be_.xent_backward(logits, s.lse_rows.elements(r0, r1), s.targets.elements(r0, r1), dloss, vocab_start_);
+                                const Tensor& dnorm, bool dlogits_ready) {
+  if (!dlogits_ready)
+    be_.xent_backward(logits, s.lse_rows.elements(r0, r1), s.targets.elements(r0, r1), dloss, vocab_start_);
   const Tensor& dlogits = logits;
   probe(true, -1, "d logits (loss gradient x loss scale)", dlogits);
   be_.matmul(dnorm, dlogits, w_.head, false, false);
@@ -489,8 +496,8 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
       const Tensor logits = head_logits_.row_slice(0, r1 - r0);
       be_.matmul(logits, x.row_slice(r0, r1), w_.head, false, true);
       probe(false, -1, "logits (head)", logits);
-      loss_forward(s, logits, r0, r1);
-      if (dloss) head_backward(s, logits, x, r0, r1, *dloss, s.dnormf.row_slice(r0, r1));
+      const bool dlogits_ready = loss_forward(s, logits, r0, r1, dloss);
+      if (dloss) head_backward(s, logits, x, r0, r1, *dloss, s.dnormf.row_slice(r0, r1), dlogits_ready);
     }
     s.head_dloss = dloss;
   }

@@ -234,9 +234,12 @@ class Transformer {
   // Rows [r0, r1) of the loss from their logits (vocab-parallel), and its backward: dlogits in
   // place, the final-norm output gradient into dnorm (rows r0.. of x's), the head's weight
   // gradient accumulated. x: the final-norm output of all N rows (gathered under SP).
-  void loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_t r1);
+  // Given dloss, loss_forward also turns the logits into dlogits where the whole vocabulary is
+  // local (one pass for both: Backend::xent_loss_backward) and returns true; head_backward is
+  // then told so (dlogits_ready).
+  bool loss_forward(Slot& s, const Tensor& logits, int64_t r0, int64_t r1, std::optional<float> dloss = std::nullopt);
   void head_backward(Slot& s, const Tensor& logits, const Tensor& x, int64_t r0, int64_t r1, float dloss,
-                     const Tensor& dnorm);
+                     const Tensor& dnorm, bool dlogits_ready = false);
   bool recomputed(size_t local_layer) const { return static_cast<int64_t>(local_layer) < recompute_layers_; }
   // The activations of a slot's local layer: its own, or scratch_ around its kept input.
   LayerActs acts(const Slot& s, size_t local_layer) const;

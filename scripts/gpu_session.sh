@@ -308,9 +308,10 @@ stage_ncu() {
 }
 
 # The same profiles with every optional fusion off (cuBLASLt's GELU, residual and BGRADB
-# epilogues; the attention backward's staged dS): what each one is worth, per op.
+# epilogues; the attention backward's staged dS; the fused cross-entropy): what each one is
+# worth, per op.
 stage_unfused() {
-  stage_profile -unfused KEEL_GELU_EPILOGUE=0 KEEL_RESIDUAL_EPILOGUE=0 KEEL_BGRAD_EPILOGUE=0 KEEL_ATTN_DS_MB=0
+  stage_profile -unfused KEEL_GELU_EPILOGUE=0 KEEL_RESIDUAL_EPILOGUE=0 KEEL_BGRAD_EPILOGUE=0 KEEL_ATTN_DS_MB=0 KEEL_XENT_FUSED=0
 }
 
 # The same profiles with the fused attention forward and dk-dv kernels on wgmma

@@ -250,6 +250,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
                              ") is older than sm_80: keel's kernels need Ampere (A100) or newer");
   smem_optin_ = prop.sharedMemPerBlockOptin;
   l2_bytes_ = static_cast<size_t>(prop.l2CacheSize);
+  sm_count_ = std::max(1, prop.multiProcessorCount);
   cudaStream_t s = nullptr;
   // A blocking stream: work on the legacy default stream (a LocalComm made without this stream)
   // waits for it and it for them.
@@ -276,6 +277,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   gelu_epilogue_ = not_off("KEEL_GELU_EPILOGUE");
   residual_epilogue_ = not_off("KEEL_RESIDUAL_EPILOGUE");
   bgrad_epilogue_ = not_off("KEEL_BGRAD_EPILOGUE");
+  xent_fused_ = not_off("KEEL_XENT_FUSED");
   set_attention_wgmma(wgmma);
   matmul_ = cuda::create_matmul_cache(*this);
   if (const char* prof = std::getenv("KEEL_CUDA_PROFILE"); prof && *prof && std::strcmp(prof, "0") != 0) {

@@ -19,7 +19,8 @@
 // matmul_gelu(_backward) run matmul and the GELU kernel instead of cuBLASLt's GELU epilogues,
 // KEEL_RESIDUAL_EPILOGUE=0 makes matmul_residual run matmul then add instead of reading the
 // residual as cuBLASLt's C, and KEEL_BGRAD_EPILOGUE=0 makes matmul_bias_grad run matmul then
-// bias_backward instead of the BGRADB epilogue (each to time or rule out its fusion).
+// bias_backward instead of the BGRADB epilogue, and KEEL_XENT_FUSED=0 makes xent_loss_backward
+// run its three kernels instead of the fused one (each to time or rule out its fusion).
 // KEEL_ATTN_DS_MB=<MiB> bounds the scratch of the fused attention backward's staged dS (default
 // 1024; 0 makes it recompute the probabilities for dq instead). KEEL_ATTN_WGMMA=1 runs the fused
 // attention forward and the backward's dk-dv kernel on Hopper's warpgroup instructions (sm_90a;
@@ -134,6 +135,9 @@ class CudaBackend final : public Backend {
                  const Tensor& target_logit, const Tensor& targets) override;
   void xent_backward(const Tensor& logits, const Tensor& lse, const Tensor& targets, float dloss,
                      int64_t vocab_start) override;
+  void xent_loss_backward(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sumexp,
+                          const Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                          float dloss) override;
 
   void adamw(const Tensor& master, const Tensor& working, const Tensor& grad, const Tensor& m, const Tensor& v,
              const AdamWParams& p) override;  // adamw.cu
@@ -191,7 +195,8 @@ class CudaBackend final : public Backend {
   // Shared memory one block may opt in to on this device (bytes; read once at construction).
   size_t max_smem_per_block() const { return smem_optin_; }
   // L2 cache of this device (bytes; read once at construction). The fused attention picks its
-  // block order by it (attention_flash.cu, kv_outgrow_l2); tests set it to take either order.
+  // block order by it (attention_flash.cu, kv_outgrow_l2) and the fused cross-entropy its rows
+  // in flight (loss.cu); tests set it to take either order, or few rows per block.
   size_t l2_bytes() const { return l2_bytes_; }
   void set_l2_bytes(size_t bytes) { l2_bytes_ = bytes; }
   cuda::MatmulCache& matmul_cache() { return *matmul_; }
@@ -209,10 +214,12 @@ class CudaBackend final : public Backend {
   bool gelu_epilogue_ = true;      // KEEL_GELU_EPILOGUE (not 0)
   bool residual_epilogue_ = true;  // KEEL_RESIDUAL_EPILOGUE (not 0)
   bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)
+  bool xent_fused_ = true;         // KEEL_XENT_FUSED (not 0)
   size_t attn_ds_budget_ = kDefaultAttentionDsBudget;  // KEEL_ATTN_DS_MB
   bool attn_wgmma_ = false;        // KEEL_ATTN_WGMMA=1 on an sm_90a device
   size_t smem_optin_ = 0;
   size_t l2_bytes_ = 0;
+  int sm_count_ = 1;
   void* host_scalar_ = nullptr;    // pinned staging for reduction results
   size_t live_bytes_ = 0, peak_bytes_ = 0;
   std::map<void*, size_t> sizes_;  // live allocations (for the memory report)

@@ -125,18 +125,51 @@ struct alignas(sizeof(T) * W) Pack {
   T e[W];
 };
 
-template <int W, class T>
+// 16-byte loads and stores that the caches evict first (ld.global.cs / st.global.cs: data read
+// or written for the last time, so it does not push out data that will be read again soon).
+// The emulator does plain ones.
+template <class P>
+__device__ __forceinline__ P load_evict_first(const P* p) {
+  static_assert(sizeof(P) == 16, "16-byte packs only");
+#ifdef KEEL_CUDA_EMULATOR
+  return *p;
+#else
+  const uint4 u = __ldcs(reinterpret_cast<const uint4*>(p));
+  P v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+#endif
+}
+template <class P>
+__device__ __forceinline__ void store_evict_first(P* p, const P& v) {
+  static_assert(sizeof(P) == 16, "16-byte packs only");
+#ifdef KEEL_CUDA_EMULATOR
+  *p = v;
+#else
+  uint4 u;
+  memcpy(&u, &v, sizeof u);
+  __stcs(reinterpret_cast<uint4*>(p), u);
+#endif
+}
+
+// kEvictFirst: a 16-byte pack moves evict-first (the hint only; narrower packs move plainly).
+template <int W, bool kEvictFirst = false, class T>
 __device__ __forceinline__ void load_pack(float (&f)[W], const T* p) {
-  const Pack<T, W> v = *reinterpret_cast<const Pack<T, W>*>(p);
+  using P = Pack<T, W>;
+  P v;
+  if constexpr (kEvictFirst && sizeof(P) == 16) v = load_evict_first(reinterpret_cast<const P*>(p));
+  else v = *reinterpret_cast<const P*>(p);
 #pragma unroll
   for (int k = 0; k < W; ++k) f[k] = to_f32(v.e[k]);
 }
-template <int W, class T>
+template <int W, bool kEvictFirst = false, class T>
 __device__ __forceinline__ void store_pack(T* p, const float (&f)[W]) {
-  Pack<T, W> v;
+  using P = Pack<T, W>;
+  P v;
 #pragma unroll
   for (int k = 0; k < W; ++k) v.e[k] = from_f32<T>(f[k]);
-  *reinterpret_cast<Pack<T, W>*>(p) = v;
+  if constexpr (kEvictFirst && sizeof(P) == 16) store_evict_first(reinterpret_cast<P*>(p), v);
+  else *reinterpret_cast<P*>(p) = v;
 }
 
 template <int W>

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "gpu_test_util.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/document_positions.h"
 
 using namespace keel;
@@ -855,6 +856,85 @@ TEST_CASE("gpu: cross-entropy statistics keep non-finite logits non-finite, as t
     for (int64_t n : {3, 4}) CHECK(std::abs(gse.at(n) - se.at(n)) <= 1e-6 * se.at(n));
     KEEL_CHECK_BITS("xent_stats row max", "non-finite rows", dmx.host(), mx);
   }
+}
+
+// xent_loss_backward, fused on the GPU (a block takes rows in turn, as many in flight as half
+// the L2 holds), gives the bits of xent_stats, xent_loss and xent_backward on the same device
+// for every grid: the device's L2 size, an L2 of six rows (three blocks, 25-26 rows each) and
+// none (one block takes every row). Against the CPU's composition: the sum of exponentials
+// drifts by up to 7e-6 in the CPU's fp32 sum at V = 50304 (see above), which moves lse and so
+// the loss (~log V) and each probability by up to 1e-5 relative: the bound for fp32; bf16 and
+// f16 gradients are held to their storage rounding.
+TEST_CASE("gpu: fused cross-entropy loss and gradient give the bits of its three kernels", "[gpu][xent]") {
+  KEEL_GPU_OR_SKIP();
+  auto& be = dynamic_cast<CudaBackend&>(gpu());
+  const size_t l2 = be.l2_bytes();
+  const float dloss = 0.01f;
+  for (DType dt : kFloatTypes)
+    for (int64_t V : {100, 101, 1000, 50304}) {  // 101: rows not 16-byte aligned
+      const int64_t N = 77;
+      HostTensor logits = rand_tensor(dt, {N, V}, 5, 4.0f);
+      std::vector<int32_t> tg(static_cast<size_t>(N));
+      std::mt19937 rng(7);
+      for (auto& t : tg) t = static_cast<int32_t>(rng() % V);
+      tg[3] = -1;  // ignored rows
+      tg[40] = -1;
+      tg[11] = 0;  // first and last column
+      tg[12] = static_cast<int32_t>(V - 1);
+      HostTensor targets(DType::I32, {N});
+      targets.set_i32(tg);
+      auto stat = [&] { return nan_tensor(DType::F32, {N}); };
+      // The non-finite rows (a NaN, a +inf, all -inf) go only into the comparison of bits.
+      HostTensor odd = clone(logits);
+      odd.put(20 * V + V / 2, NAN);
+      odd.put(21 * V + 1, INFINITY);
+      for (int64_t j = 0; j < V; ++j) odd.put(22 * V + j, -INFINITY);
+      for (const HostTensor* in : {&logits, &odd}) {
+        const bool finite = in == &logits;
+        const size_t row_bytes = static_cast<size_t>(V) * dtype_size(dt);
+        DeviceTensor dtg = DeviceTensor::of(be, targets);
+        DeviceTensor cl = DeviceTensor::of(be, *in), cmx = DeviceTensor::of(be, stat()),
+                     cse = DeviceTensor::of(be, stat()), ctl = DeviceTensor::of(be, stat()),
+                     closs = DeviceTensor::of(be, stat()), clse = DeviceTensor::of(be, stat());
+        be.xent_stats(cmx.t, cse.t, ctl.t, cl.t, dtg.t, 0);
+        be.xent_loss(closs.t, clse.t, cmx.t, cse.t, ctl.t, dtg.t);
+        be.xent_backward(cl.t, clse.t, dtg.t, dloss, 0);
+        for (size_t grid_l2 : {l2, 6 * row_bytes, size_t{0}}) {
+          INFO(dname(dt) << " V " << V << (finite ? "" : " non-finite rows") << ", L2 taken as " << grid_l2);
+          DeviceTensor fl = DeviceTensor::of(be, *in), fmx = DeviceTensor::of(be, stat()),
+                       fse = DeviceTensor::of(be, stat()), ftl = DeviceTensor::of(be, stat()),
+                       floss = DeviceTensor::of(be, stat()), flse = DeviceTensor::of(be, stat());
+          be.set_l2_bytes(grid_l2);
+          be.xent_loss_backward(floss.t, flse.t, fmx.t, fse.t, ftl.t, fl.t, dtg.t, dloss);
+          be.set_l2_bytes(l2);
+          const std::string what = std::string(dname(dt)) + (finite ? "" : " non-finite rows");
+          KEEL_CHECK_BITS("xent_loss_backward dlogits", what, fl.host(), cl.host());
+          KEEL_CHECK_BITS("xent_loss_backward losses", what, floss.host(), closs.host());
+          KEEL_CHECK_BITS("xent_loss_backward lse", what, flse.host(), clse.host());
+          KEEL_CHECK_BITS("xent_loss_backward row max", what, fmx.host(), cmx.host());
+          KEEL_CHECK_BITS("xent_loss_backward sumexp", what, fse.host(), cse.host());
+          KEEL_CHECK_BITS("xent_loss_backward target logit", what, ftl.host(), ctl.host());
+        }
+        if (!finite) {
+          const HostTensor l = closs.host(), g = cl.host();
+          for (int64_t n : {20, 21, 22}) {
+            INFO("row " << n);
+            CHECK(std::isnan(l.at(n)));
+            CHECK(std::isnan(g.at(n * V + 1)));
+          }
+          continue;
+        }
+        HostTensor grad = clone(logits), mx = stat(), se = stat(), tl = stat(), losses = stat(), lse = stat();
+        cpu().xent_loss_backward(losses.t, lse.t, mx.t, se.t, tl.t, grad.t, targets.t, dloss);
+        KEEL_CHECK_ERR("xent_loss_backward losses", dname(dt), rel_err(closs.host(), losses), 1e-5);
+        KEEL_CHECK_ERR("xent_loss_backward dlogits", dname(dt), rel_err(cl.host(), grad), storage_tol(dt, 1e-5));
+        CHECK(closs.host().at(3) == 0.0f);
+        const HostTensor g = cl.host();
+        int64_t nonzero = 0;  // an ignored row's gradient
+        for (int64_t j = 0; j < V; ++j) nonzero += g.at(3 * V + j) != 0.0f;
+        CHECK(nonzero == 0);
+      }
+    }
 }
 
 TEST_CASE("gpu: adamw is bit-identical to the CPU in every precision layout", "[gpu][adamw]") {
