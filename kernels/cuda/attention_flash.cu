@@ -31,7 +31,8 @@
 // CudaBackend::attention_wgmma; wgmma.cuh): the warpgroup's 64 rows are one instruction's M,
 // B (and the first product's A) read by the tensor cores from core-matrix tiles in shared
 // memory; its accumulators are laid out per thread exactly as the mma.sync ones above, so only
-// the products and the tile layout differ.
+// the products and the tile layout differ. The wgmma forward's blocks are two warpgroups, 128
+// query rows sharing each K and V tile (forward_groups).
 //
 // Kernels and their parallel decomposition (4 warps per block, each warp owns 16 rows; the blocks
 // of a grid are (tile, head, batch) in one of two orders, BlockCoord, with the tiles that have the
@@ -280,10 +281,12 @@ __device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int 
 }
 
 // Rows [row0, row0 + kRows) of a head into a tile as the kernel's products read it: padded
-// rows for mma.sync, core matrices for wgmma (wgmma.cuh); rows >= T_len zero-filled.
-template <class T, int HD, int kRows, bool kWgmma>
+// rows for mma.sync, core matrices for wgmma (wgmma.cuh); rows >= T_len zero-filled. Copied by
+// the block's kBlockThreads threads (kThreads unless a wgmma block has more warpgroups).
+template <class T, int HD, int kRows, bool kWgmma, int kBlockThreads = kThreads>
 __device__ __forceinline__ void load_head_tile(T* dst, const T* src, int row0, int T_len, int64_t ld) {
-  if constexpr (kWgmma) cm_tile_async<T, HD, kRows, kThreads>(dst, src, row0, T_len, ld);
+  static_assert(kWgmma || kBlockThreads == kThreads, "the mma.sync kernels' blocks are kThreads");
+  if constexpr (kWgmma) cm_tile_async<T, HD, kRows, kBlockThreads>(dst, src, row0, T_len, ld);
   else async_tile<T, HD, kRows>(dst, src, row0, T_len, ld);
 }
 
@@ -432,20 +435,30 @@ bool kv_outgrow_l2(const CudaBackend& be, const AttnShape& s, size_t elem_bytes)
 
 // ---- forward ----
 
-// kWgmma: both products on Hopper's warpgroup instructions (wgmma.cuh; sm_90a only), the
-// block's 64 query rows their M: S = Q K^T with A = Q and B = K K-major from shared memory,
-// O += P V with A = P from registers and B = V N-major; tiles stored as core matrices.
+// Warpgroups (4 warps, 64 query rows each) per forward block: the wgmma version's blocks take
+// 128 rows, two warpgroups sharing each K and V tile, which halves the K and V bytes each
+// product reads from L2 (64-row blocks read 16 bytes per 1 kFLOP: about 6 TB/s at 400 TFLOP/s).
+constexpr int forward_groups(bool wgmma) { return wgmma ? 2 : 1; }
+
+// kWgmma: both products on Hopper's warpgroup instructions (wgmma.cuh; sm_90a only), each
+// warpgroup's 64 query rows their M: S = Q K^T with A = Q and B = K K-major from shared memory,
+// O += P V with A = P from registers and B = V N-major; tiles stored as core matrices. A
+// warpgroup skips the steps whose keys are all masked for its rows (past its diagonal, or before
+// its first row's start), so a 128-row block does the 64-row blocks' products.
 template <class T, int HD, bool kAlibi, bool kWgmma>
-__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
+__global__ void __launch_bounds__(kThreads * forward_groups(kWgmma),
+                                  std::max(1, min_blocks_per_sm(HD) / forward_groups(kWgmma)))
     flash_forward_kernel(const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse,
                          const int32_t* __restrict__ pos, int window, const float* __restrict__ slopes, int T_len,
                          int nh, int nkv, float scale_log2, bool tiles_fastest) {
   constexpr int LD = kWgmma ? HD : HD + kPad;  // elements per tile row (core-matrix tiles: no padding)
   constexpr int KT = HD / 16;  // k-steps over the head dimension
   constexpr int NT = HD / 8;   // n-tiles of the output
+  constexpr int kRows = kBlockQ * forward_groups(kWgmma);           // query rows per block
+  constexpr int kBlockThreads = kThreads * forward_groups(kWgmma);
   KEEL_DYNAMIC_SHARED(smem_raw);
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kBlockQ * LD;       // [2][kBlockK][LD]
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [kRows][LD]
+  T* sK = sQ + kRows * LD;         // [2][kBlockK][LD]
   T* sV = sK + 2 * kBlockK * LD;   // [2][kBlockK][LD]
 
   const BlockCoord c = block_coord(tiles_fastest);
@@ -457,18 +470,24 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   const T* q_head = base + h * HD;
   const T* k_head = base + (nh + kvh) * HD;
   const T* v_head = base + (nh + nkv + kvh) * HD;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int q0 = qt * kBlockQ;
-  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
-  const int q_last = min(q0 + kBlockQ - 1, T_len - 1);
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wg = threadIdx.x / kThreads, warp = threadIdx.x / 32 % kWarps;  // warpgroup, warp in it
+  const int q0 = qt * kRows;                 // the block's first row
+  const int wq0 = q0 + wg * kBlockQ;         // the warpgroup's
+  const int row_a = wq0 + warp * 16 + g, row_b = row_a + 8;
+  const int q_last = min(q0 + kRows - 1, T_len - 1);
   const int n_kt = q_last / kBlockK + 1;
-  const DocStarts docs(pos, window, b, T_len, q0, q_last, row_a, row_b);
-  const int kt_first = docs.first_key / kBlockK;
+  const bool has_rows = wq0 < T_len;  // the last block's second group may have none
+  const int wq_last = has_rows ? min(wq0 + kBlockQ - 1, T_len - 1) : -1;  // -1: no steps
+  const DocStarts docs(pos, window, b, T_len, has_rows ? wq0 : q0, has_rows ? wq_last : q0, row_a, row_b);
+  const int kt_first =
+      (pos || window > 0 ? row_start(pos ? pos + static_cast<int64_t>(b) * T_len : nullptr, q0, window) : 0) /
+      kBlockK;
   const float slope_log2 = kAlibi ? slopes[h] * kLog2e : 0.0f;  // ALiBi's m_h in log2 units
 
-  load_head_tile<T, HD, kBlockQ, kWgmma>(sQ, q_head, q0, T_len, cols);
-  load_head_tile<T, HD, kBlockK, kWgmma>(sK, k_head, kt_first * kBlockK, T_len, cols);
-  load_head_tile<T, HD, kBlockK, kWgmma>(sV, v_head, kt_first * kBlockK, T_len, cols);
+  load_head_tile<T, HD, kRows, kWgmma, kBlockThreads>(sQ, q_head, q0, T_len, cols);
+  load_head_tile<T, HD, kBlockK, kWgmma, kBlockThreads>(sK, k_head, kt_first * kBlockK, T_len, cols);
+  load_head_tile<T, HD, kBlockK, kWgmma, kBlockThreads>(sV, v_head, kt_first * kBlockK, T_len, cols);
   cp_async_commit();
 
   uint32_t qa[KT][4];
@@ -480,8 +499,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   for (int kt = kt_first; kt < n_kt; ++kt) {
     const int buf = (kt - kt_first) & 1;
     if (kt + 1 < n_kt) {  // prefetch the next K/V tile into the other buffer
-      load_head_tile<T, HD, kBlockK, kWgmma>(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK, T_len, cols);
-      load_head_tile<T, HD, kBlockK, kWgmma>(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK, T_len, cols);
+      load_head_tile<T, HD, kBlockK, kWgmma, kBlockThreads>(sK + (buf ^ 1) * kBlockK * LD, k_head, (kt + 1) * kBlockK,
+                                                           T_len, cols);
+      load_head_tile<T, HD, kBlockK, kWgmma, kBlockThreads>(sV + (buf ^ 1) * kBlockK * LD, v_head, (kt + 1) * kBlockK,
+                                                           T_len, cols);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -496,95 +517,98 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     const T* k_s = sK + buf * kBlockK * LD;
     const T* v_s = sV + buf * kBlockK * LD;
     const int k0 = kt * kBlockK;
-
-    // S = Q K^T for the warp's 16 rows x 64 keys
-    float s[8][4];
-    if constexpr (kWgmma) {
-      wgmma_fence();
-      wgmma_ss_kmajor<T, kBlockK, KT>(s, desc_kmajor<HD>(sQ), desc_kmajor<HD>(k_s));
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_settle(s);
-    } else {
+    // Skip a step whose keys are all masked for the warpgroup's rows (uniform over the group;
+    // never for a one-group block, whose loop ends at its diagonal and starts at its first key).
+    if (forward_groups(kWgmma) == 1 || (k0 <= wq_last && k0 + kBlockK > docs.first_key)) {
+      // S = Q K^T for the warp's 16 rows x 64 keys
+      float s[8][4];
+      if constexpr (kWgmma) {
+        wgmma_fence();
+        wgmma_ss_kmajor<T, kBlockK, KT>(s, desc_kmajor<HD>(sQ + wg * kBlockQ * LD), desc_kmajor<HD>(k_s));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_settle(s);
+      } else {
 #pragma unroll
-      for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-      for (int kk = 0; kk < KT; ++kk) mma_b_nmajor<T>(s, qa[kk], k_s + kk * 16, LD, lane);
-    }
+        for (int kk = 0; kk < KT; ++kk) mma_b_nmajor<T>(s, qa[kk], k_s + kk * 16, LD, lane);
+      }
 
-    // Row maxima in log2 units. A tile without mask or bias takes them over the raw scores
-    // (scale_log2 > 0 commutes with max, and with rounding), and its exponent below is then one
-    // fma: (s, scale_log2, -m); otherwise the scores become log2 units here, masked to -inf.
-    const bool mask = k0 + kBlockK - 1 > q0 || k0 + kBlockK > T_len || k0 < docs.last_start;
-    const bool raw = !kAlibi && !mask;
-    float mx[2] = {-INFINITY, -INFINITY};
-    with_mask(mask, [&](auto masked) {
-      constexpr bool kMask = decltype(masked)::value;
+      // Row maxima in log2 units. A tile without mask or bias takes them over the raw scores
+      // (scale_log2 > 0 commutes with max, and with rounding), and its exponent below is then one
+      // fma: (s, scale_log2, -m); otherwise the scores become log2 units here, masked to -inf.
+      const bool mask = k0 + kBlockK - 1 > wq0 || k0 + kBlockK > T_len || k0 < docs.last_start;
+      const bool raw = !kAlibi && !mask;
+      float mx[2] = {-INFINITY, -INFINITY};
+      with_mask(mask, [&](auto masked) {
+        constexpr bool kMask = decltype(masked)::value;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if constexpr (kMask || kAlibi) {
+              const int col = k0 + n * 8 + 2 * t + (e & 1);
+              const int row = e < 2 ? row_a : row_b;
+              float v = score_log2<kAlibi>(s[n][e], scale_log2, col - row, slope_log2);
+              if (kMask && (col > row || col >= T_len || col < docs.start[e >> 1])) v = -INFINITY;
+              s[n][e] = v;
+            }
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+          }
+      });
+      const float mul = raw ? scale_log2 : 1.0f;  // from s to log2 units
+      float m_use[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m[r], mx[r] * mul);
+        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing unmasked yet stays at 0
+        alpha[r] = fast_exp2(m[r] - m_use[r]);
+        m[r] = m_new;
+      }
+      // P = exp2(S - m), row sums
+      float rs[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if constexpr (kMask || kAlibi) {
-            const int col = k0 + n * 8 + 2 * t + (e & 1);
-            const int row = e < 2 ? row_a : row_b;
-            float v = score_log2<kAlibi>(s[n][e], scale_log2, col - row, slope_log2);
-            if (kMask && (col > row || col >= T_len || col < docs.start[e >> 1])) v = -INFINITY;
-            s[n][e] = v;
-          }
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+          const float p = fast_exp2(fmaf(s[n][e], mul, -m_use[e >> 1]));
+          s[n][e] = p;
+          rs[e >> 1] += p;
         }
-    });
-    const float mul = raw ? scale_log2 : 1.0f;  // from s to log2 units
-    float m_use[2], alpha[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m[r], mx[r] * mul);
-      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing unmasked yet stays at 0
-      alpha[r] = fast_exp2(m[r] - m_use[r]);
-      m[r] = m_new;
-    }
-    // P = exp2(S - m), row sums
-    float rs[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = fast_exp2(fmaf(s[n][e], mul, -m_use[e >> 1]));
-        s[n][e] = p;
-        rs[e >> 1] += p;
+      for (int r = 0; r < 2; ++r) {
+        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
+        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
+        l[r] = l[r] * alpha[r] + rs[r];
       }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
-      rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
-      l[r] = l[r] * alpha[r] + rs[r];
-    }
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
-    // O += P V
-    if constexpr (kWgmma) {
-      uint32_t pa[kBlockK / 16][4];
-      acc_to_a_steps<T>(pa, s);
-      wgmma_fence();
-      wgmma_rs_nmajor<T, HD>(o, pa, desc_mnmajor<HD>(v_s));
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_settle(o);  // the next step rescales o: not before the products have landed
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        uint32_t pa[4];
-        acc_to_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
-        mma_b_kmajor<T>(o, pa, v_s + (kk * 16) * LD, LD, lane);
+      for (int n = 0; n < NT; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
       }
-    }
+      // O += P V
+      if constexpr (kWgmma) {
+        uint32_t pa[kBlockK / 16][4];
+        acc_to_a_steps<T>(pa, s);
+        wgmma_fence();
+        wgmma_rs_nmajor<T, HD>(o, pa, desc_mnmajor<HD>(v_s));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_settle(o);  // the next step rescales o: not before the products have landed
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          uint32_t pa[4];
+          acc_to_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
+          mma_b_kmajor<T>(o, pa, v_s + (kk * 16) * LD, LD, lane);
+        }
+      }
+    }  // the warpgroup's step
     __syncthreads();  // all warps are done with this buffer before it is refilled
   }
 
@@ -980,7 +1004,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class T, int HD, bool kWgmma = false>
 size_t forward_smem() {
-  return static_cast<size_t>(kBlockQ + 4 * kBlockK) * (kWgmma ? HD : HD + kPad) * sizeof(T);
+  return static_cast<size_t>(kBlockQ * forward_groups(kWgmma) + 4 * kBlockK) * (kWgmma ? HD : HD + kPad) * sizeof(T);
 }
 template <class T, int HD>
 size_t dq_smem() {
@@ -1002,8 +1026,9 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
   allow_smem(flash_forward_kernel<T, HD, kAlibi, kWgmma>, smem, "attention_forward");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const bool tiles_fastest = kv_outgrow_l2(be, s, sizeof(T));
-  const dim3 grid = grid_of(tiles_fastest, ceil_div(s.T, kBlockQ), s.n_heads, s.B);
-  flash_forward_kernel<T, HD, kAlibi, kWgmma><<<grid, kThreads, smem, be.stream()>>>(
+  constexpr int kGroups = forward_groups(kWgmma);
+  const dim3 grid = grid_of(tiles_fastest, ceil_div(s.T, kBlockQ * kGroups), s.n_heads, s.B);
+  flash_forward_kernel<T, HD, kAlibi, kWgmma><<<grid, kThreads * kGroups, smem, be.stream()>>>(
       qkv.as<const T>(), out.as<T>(), lse.as<float>(), positions_of(s), s.window, slopes_of(s), s.T, s.n_heads,
       s.n_kv_heads, scale * kLog2e, tiles_fastest);
 }

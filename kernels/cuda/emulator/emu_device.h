@@ -116,15 +116,16 @@ void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans);
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32, c += A B (fragment layouts in
 // attention_flash.cu); products and sums in fp32.
 void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
-// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} over a block of one warpgroup (128
-// threads, all issuing the same instructions): d (the thread's N / 2 accumulators,
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} over a warpgroup (threads 128w ..
+// 128w + 127 of a block of whole warpgroups, all issuing the same instructions; each group has
+// its own queue): d (the thread's N / 2 accumulators,
 // kernels/cuda/wgmma.cuh's layout) = A B, or += with accumulate. A: the thread's 4 registers
 // (a, read at the issue), or with a == nullptr from shared memory by desc_a, K-major; B by
 // desc_b, K-major or (trans_b) N-major. Descriptors are swizzle-free, their addresses offsets
 // into the block's dynamic shared memory. Asynchronous as on the GPU: wgmma_commit closes a
-// group, and wgmma_wait(n) (all threads) executes the groups older than the newest n, reading
-// shared memory and the accumulators then; a block that ends with instructions not waited for
-// aborts. (wgmma.fence has nothing to order here.)
+// group, and wgmma_wait(n) (the warpgroup's threads, which wait for each other there) executes
+// the groups older than the newest n, reading shared memory and the accumulators then; a block
+// that ends with instructions not waited for aborts. (wgmma.fence has nothing to order here.)
 void wgmma_m64k16(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool trans_b, bool accumulate,
                   bool bf16);
 void wgmma_commit();

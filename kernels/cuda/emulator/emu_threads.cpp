@@ -87,7 +87,9 @@ void switch_context(Context& save, Context& to) {
 #endif
 }
 
-enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
+enum class State { Ready, AtBlockBarrier, AtWarpBarrier, AtGroupBarrier, Done };
+
+constexpr int kGroupThreads = 128;  // a warpgroup: warps 4w .. 4w + 3
 
 struct PendingCopy {
   void* dst;
@@ -229,6 +231,7 @@ const char* state_name(State st) {
     case State::Ready: return "running";
     case State::AtBlockBarrier: return "__syncthreads";
     case State::AtWarpBarrier: return "a warp-level barrier (__syncwarp, shuffle, ldmatrix, mma)";
+    case State::AtGroupBarrier: return "a warpgroup barrier (wgmma.wait_group)";
     default: return "done";
   }
 }
@@ -268,6 +271,19 @@ bool release_warp_barrier(Scheduler& s, int w) {
   for (int l = 0; l < 32; ++l)
     if (waiting >> l & 1u) s.fibers[static_cast<size_t>(w * 32 + l)].state = State::Ready;
   return true;
+}
+
+// Releases each warpgroup whose threads have all arrived at its barrier; false when none can be.
+bool release_group_barriers(Scheduler& s) {
+  bool released = false;
+  for (int g0 = 0; g0 + kGroupThreads <= s.threads; g0 += kGroupThreads) {
+    bool all = true;
+    for (int i = g0; i < g0 + kGroupThreads && all; ++i) all = s.fibers[static_cast<size_t>(i)].state == State::AtGroupBarrier;
+    if (!all) continue;
+    for (int i = g0; i < g0 + kGroupThreads; ++i) s.fibers[static_cast<size_t>(i)].state = State::Ready;
+    released = true;
+  }
+  return released;
 }
 
 // Releases the block barrier when every live thread has arrived; false when it cannot.
@@ -322,7 +338,7 @@ void run_block(Scheduler& s, const ThreadCoords& base) {
       wgmma_block_end();
       return;
     }
-    if (!release_block_barrier(s)) report_deadlock(s, base.block_idx);
+    if (!release_group_barriers(s) && !release_block_barrier(s)) report_deadlock(s, base.block_idx);
   }
 }
 
@@ -331,6 +347,12 @@ void run_block(Scheduler& s, const ThreadCoords& base) {
 const ThreadCoords& coords() { return self().coords; }
 
 void block_barrier() { yield_to_scheduler(State::AtBlockBarrier); }
+
+namespace {
+// The running thread's warpgroup: its 128 threads wait for each other (as a wgmma.wait_group
+// waits for the whole group's instruction).
+void group_barrier() { yield_to_scheduler(State::AtGroupBarrier); }
+}  // namespace
 
 void warp_barrier(unsigned mask) {
   self().warp_mask = mask;
@@ -440,8 +462,9 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b
 // ---- wgmma.mma_async (warpgroup) ----
 
 namespace {
-// An issued instruction: what each of the block's 128 threads brought to it (its accumulators'
-// address and, for A in registers, a copy of its four registers) and the shared one.
+// An issued instruction: what each of the warpgroup's 128 threads brought to it (its
+// accumulators' address and, for A in registers, a copy of its four registers) and the shared
+// one.
 struct PendingWgmma {
   int n = 0, group = 0;  // group: the commits that came before its issue
   uint64_t desc_a = 0, desc_b = 0;
@@ -449,14 +472,19 @@ struct PendingWgmma {
   float* d[128] = {};
   uint32_t a[128][4] = {};
 };
-// The block's issued, not yet executed instructions (issue order), and per thread how many it
+// A warpgroup's issued, not yet executed instructions (issue order), and per thread how many it
 // has issued (its next one's index, minus `erased`) and committed.
 struct WarpgroupQueue {
   std::deque<PendingWgmma> pending;
   int erased = 0;
   int issued[128] = {}, commits[128] = {};
 };
-WarpgroupQueue wgq;
+std::vector<WarpgroupQueue> wg_queues;  // the running block's, one per warpgroup
+WarpgroupQueue& queue_of(const Scheduler& s) {
+  const size_t groups = static_cast<size_t>(s.threads / kGroupThreads);
+  if (wg_queues.size() < groups) wg_queues.resize(groups);
+  return wg_queues[static_cast<size_t>(s.current / kGroupThreads)];
+}
 
 [[noreturn]] void wgmma_fail(const char* what) {
   std::fprintf(stderr, "keel CUDA emulator: wgmma: %s\n", what);
@@ -521,9 +549,10 @@ void execute(Scheduler& s, const PendingWgmma& op) {
 void wgmma_m64k16(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool trans_b, bool accumulate,
                   bool bf16) {
   Scheduler& s = sched();
-  if (s.threads != 128) wgmma_fail("the emulation needs blocks of exactly one warpgroup (128 threads)");
+  if (s.threads % kGroupThreads != 0) wgmma_fail("the block is not whole warpgroups (multiples of 128 threads)");
   if (n < 8 || n > 256 || n % 8 != 0) wgmma_fail("N must be a multiple of 8 from 8 to 256");
-  const int tid = s.current;
+  WarpgroupQueue& wgq = queue_of(s);
+  const int tid = s.current % kGroupThreads;
   const int index = wgq.issued[tid]++ - wgq.erased;
   if (index < 0) wgmma_fail("a thread issued an instruction the others had already waited for");
   if (index == static_cast<int>(wgq.pending.size())) {  // the first thread to issue it
@@ -540,7 +569,10 @@ void wgmma_m64k16(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t 
   if (a) std::memcpy(op.a[tid], a, sizeof op.a[tid]);  // registers are read at the issue
 }
 
-void wgmma_commit() { ++wgq.commits[sched().current]; }
+void wgmma_commit() {
+  Scheduler& s = sched();
+  ++queue_of(s).commits[s.current % kGroupThreads];
+}
 
 void wgmma_wait(int keep_pending) {
   // Executes, in issue order, every instruction of the groups older than the newest
@@ -548,8 +580,9 @@ void wgmma_wait(int keep_pending) {
   // may read it, so an overwrite before the wait shows as a wrong result, and so does a read of
   // the accumulators before it (they still hold their old values).
   Scheduler& s = sched();
-  block_barrier();
-  if (s.current == 0) {
+  group_barrier();
+  if (s.current % kGroupThreads == 0) {
+    WarpgroupQueue& wgq = queue_of(s);
     const int done_below = wgq.commits[0] - keep_pending;
     while (!wgq.pending.empty() && wgq.pending.front().group < done_below) {
       execute(s, wgq.pending.front());
@@ -557,15 +590,16 @@ void wgmma_wait(int keep_pending) {
       ++wgq.erased;
     }
   }
-  block_barrier();
+  group_barrier();
 }
 
 namespace {
 // A block's end: every instruction must have been waited for (its accumulators would hold
 // garbage on a GPU); then a clean queue for the next block.
 void wgmma_block_end() {
-  if (!wgq.pending.empty()) wgmma_fail("the block ended with instructions it never waited for (wgmma.wait_group)");
-  wgq = WarpgroupQueue();
+  for (const WarpgroupQueue& q : wg_queues)
+    if (!q.pending.empty()) wgmma_fail("the block ended with instructions it never waited for (wgmma.wait_group)");
+  wg_queues.clear();
 }
 }  // namespace
 
