@@ -164,6 +164,13 @@ std::unique_ptr<Backend> backend_with(const ScopedEnv& env, const char* value) {
   return make_cuda_backend(0);
 }
 
+// What a setting of such a backend reads (get(CudaBackend&)) with env's variable set to value.
+template <class Get>
+auto setting_with(const ScopedEnv& env, const char* value, Get get) {
+  const std::unique_ptr<Backend> be = backend_with(env, value);
+  return get(dynamic_cast<CudaBackend&>(*be));
+}
+
 // ALiBi slopes of heads [offset, offset + n) of a model with `total` heads: a tensor-parallel
 // rank's contiguous slice of keel::alibi_slopes(total), as an F32 host tensor [n].
 HostTensor alibi_host(int total, int offset, int n) {
@@ -419,10 +426,8 @@ TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget; a bad v
           "[gpu][attention]") {
   KEEL_GPU_OR_SKIP();
   const ScopedEnv env("KEEL_ATTN_DS_MB");
-  const auto make_with = [&](const char* value) { return backend_with(env, value); };
-  auto budget_with = [&](const char* value) {
-    const std::unique_ptr<Backend> be = make_with(value);
-    return dynamic_cast<CudaBackend&>(*be).attention_ds_budget();
+  const auto budget_with = [&](const char* value) {
+    return setting_with(env, value, [](CudaBackend& be) { return be.attention_ds_budget(); });
   };
   CHECK(budget_with(nullptr) == kDefaultAttentionDsBudget);
   CHECK(budget_with("") == kDefaultAttentionDsBudget);
@@ -430,7 +435,7 @@ TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget; a bad v
   CHECK(budget_with("64") == size_t{64} << 20);
   for (const char* bad : {"abc", "-1", "12MB", " 8", "99999999999999999999", "16777217"}) {
     INFO("KEEL_ATTN_DS_MB=" << bad);
-    CHECK_THROWS_WITH(make_with(bad), Catch::Matchers::Contains("KEEL_ATTN_DS_MB must be a whole number of MiB") &&
+    CHECK_THROWS_WITH(backend_with(env, bad), Catch::Matchers::Contains("KEEL_ATTN_DS_MB must be a whole number of MiB") &&
                                           Catch::Matchers::Contains(std::string("got '") + bad + "'"));
   }
 }
@@ -441,10 +446,8 @@ TEST_CASE("gpu: KEEL_ATTN_WGMMA turns the wgmma attention kernels on; a bad valu
           "[gpu][attention][wgmma]") {
   KEEL_GPU_OR_SKIP();
   const ScopedEnv env("KEEL_ATTN_WGMMA");
-  const auto make_with = [&](const char* value) { return backend_with(env, value); };
-  auto on_with = [&](const char* value) {
-    const std::unique_ptr<Backend> be = make_with(value);
-    return dynamic_cast<CudaBackend&>(*be).attention_wgmma();
+  const auto on_with = [&](const char* value) {
+    return setting_with(env, value, [](CudaBackend& be) { return be.attention_wgmma(); });
   };
   CHECK_FALSE(on_with(nullptr));
   CHECK_FALSE(on_with(""));
@@ -452,7 +455,7 @@ TEST_CASE("gpu: KEEL_ATTN_WGMMA turns the wgmma attention kernels on; a bad valu
   CHECK(on_with("1") == cuda::wgmma_available(0));
   for (const char* bad : {"yes", "true", "2", " 1"}) {
     INFO("KEEL_ATTN_WGMMA=" << bad);
-    CHECK_THROWS_WITH(make_with(bad), Catch::Matchers::Contains("KEEL_ATTN_WGMMA must be 0 or 1") &&
+    CHECK_THROWS_WITH(backend_with(env, bad), Catch::Matchers::Contains("KEEL_ATTN_WGMMA must be 0 or 1") &&
                                           Catch::Matchers::Contains(std::string("got '") + bad + "'"));
   }
 }
