@@ -31,8 +31,9 @@
 // CudaBackend::attention_wgmma; wgmma.cuh): the warpgroup's 64 rows are one instruction's M,
 // B (and the first product's A) read by the tensor cores from core-matrix tiles in shared
 // memory; its accumulators are laid out per thread exactly as the mma.sync ones above, so only
-// the products and the tile layout differ. The wgmma forward's blocks are two warpgroups, 128
-// query rows sharing each K and V tile (forward_groups).
+// the products and the tile layout differ. The wgmma kernels' blocks are two warpgroups: the
+// forward's 128 query rows share each K and V tile (forward_groups), the dk-dv kernel's 128 keys
+// each step's Q and dO (dkdv_groups).
 //
 // Kernels and their parallel decomposition (4 warps per block, each warp owns 16 rows; the blocks
 // of a grid are (tile, head, batch) in one of two orders, BlockCoord, with the tiles that have the
@@ -41,7 +42,7 @@
 //            double-buffered by cp.async; per warp: S = Q K^T (16x64), online softmax, O += P V.
 //   dq       block (query tile of 64 rows, head, batch); loops over key tiles 0..diagonal:
 //            S, dP = dO V^T, dS, dQ += dS K. One block owns each dq row: no accumulation across blocks.
-//   dk, dv   block (key tile of 64 rows, kv head, batch); loops over the group's query heads in
+//   dk, dv   block (key tile of 64 rows, 128 with wgmma, kv head, batch); loops over the group's query heads in
 //            order and, for each, over query tiles of 32 rows from the diagonal to the end:
 //            S^T = K Q^T, dP^T = V dO^T, dS^T, dV += P^T dO, dK += dS^T Q. One block owns each
 //            dk/dv row, and the loop order is fixed: deterministic, no atomics.
@@ -439,6 +440,10 @@ bool kv_outgrow_l2(const CudaBackend& be, const AttnShape& s, size_t elem_bytes)
 // 128 rows, two warpgroups sharing each K and V tile, which halves the K and V bytes each
 // product reads from L2 (64-row blocks read 16 bytes per 1 kFLOP: about 6 TB/s at 400 TFLOP/s).
 constexpr int forward_groups(bool wgmma) { return wgmma ? 2 : 1; }
+// Warpgroups (4 warps, 64 keys each) per dk-dv block: likewise the wgmma version's blocks take
+// 128 keys sharing each step's Q and dO (64-key blocks read 8 KiB per 1 MFLOP: 3.9 TB/s of L2 at
+// 400 TFLOP/s).
+constexpr int dkdv_groups(bool wgmma) { return wgmma ? 2 : 1; }
 
 // kWgmma: both products on Hopper's warpgroup instructions (wgmma.cuh; sm_90a only), each
 // warpgroup's 64 query rows their M: S = Q K^T with A = Q and B = K K-major from shared memory,
@@ -749,9 +754,13 @@ static_assert(kBlockQ == kAttentionDsTileRows && kBlockK == kAttentionDsTileRows
 // K-major from shared memory) and of dV += P^T dO and dK += dS^T Q (A = P^T, dS^T from the
 // registers they were computed in, B = dO, Q N-major), with the tiles stored as core matrices
 // instead of padded rows; the accumulators have the same per-thread layout, so everything
-// between the products is the same code.
+// between the products is the same code. Its blocks are two warpgroups, 128 keys sharing each
+// Q and dO step (dkdv_groups); a warpgroup skips the steps whose queries all precede its first
+// key or come after the last that sees one, so each does, and stores, exactly what a 64-key
+// block of its keys would.
 template <class T, int HD, bool kAlibi, bool kStoreDS, bool kWgmma>
-__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
+__global__ void __launch_bounds__(kThreads * dkdv_groups(kWgmma),
+                                  std::max(1, min_blocks_per_sm(HD) / dkdv_groups(kWgmma)))
     flash_backward_dkdv_kernel(const T* __restrict__ qkv, const T* __restrict__ dout, const float* __restrict__ lse,
                                const float* __restrict__ delta, const int32_t* __restrict__ pos, int window,
                                const float* __restrict__ slopes, T* __restrict__ dqkv, T* __restrict__ ds, int kv0,
@@ -760,17 +769,20 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   constexpr int KT = HD / 16;
   constexpr int NT = HD / 8;
   constexpr int QN = kBlockQBwd / 8;  // n-tiles of S^T (queries)
+  constexpr int kGroups = dkdv_groups(kWgmma);
+  constexpr int kKeys = kBlockK * kGroups;  // keys per block
+  constexpr int kBlockThreads = kThreads * kGroups;
   KEEL_DYNAMIC_SHARED(smem_raw);
-  T* sK = reinterpret_cast<T*>(smem_raw);
-  T* sV = sK + kBlockK * LD;
-  T* sQ = sV + kBlockK * LD;           // [2][kBlockQBwd][LD]
+  T* sK = reinterpret_cast<T*>(smem_raw);  // [kKeys][LD]
+  T* sV = sK + kKeys * LD;                 // [kKeys][LD]
+  T* sQ = sV + kKeys * LD;             // [2][kBlockQBwd][LD]
   T* sdO = sQ + 2 * kBlockQBwd * LD;   // [2][kBlockQBwd][LD]
   float* sL = reinterpret_cast<float*>(sdO + 2 * kBlockQBwd * LD);  // [2][kBlockQBwd] lse (log2 units)
   float* sD = sL + 2 * kBlockQBwd;                                  // [2][kBlockQBwd]
   int* sS = reinterpret_cast<int*>(sD + 2 * kBlockQBwd);            // [2][kBlockQBwd] row starts
 
   const BlockCoord c = block_coord(false);
-  const int kt = c.tile;  // small kt = most query tiles: started first, for every (kv head, batch)
+  const int kt = c.tile;  // key block; small kt = most query tiles: started first, for every (kv head, batch)
   const int kvh = kv0 + c.head, b = b0 + c.seq;
   const int group = nh / nkv;
   const int64_t cols = static_cast<int64_t>(nh + 2 * nkv) * HD;
@@ -779,15 +791,24 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   const T* k_head = base + (nh + kvh) * HD;
   const T* v_head = base + (nh + nkv + kvh) * HD;
   const T* do_base = dout + static_cast<int64_t>(b) * T_len * out_cols;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int k0 = kt * kBlockK;
-  const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wg = threadIdx.x / kThreads, warp = threadIdx.x / 32 % kWarps;  // warpgroup, warp in it
+  const int k0 = kt * kKeys;          // the block's first key
+  const int wk0 = k0 + wg * kBlockK;  // the warpgroup's
+  const int key_a = wk0 + warp * 16 + g, key_b = key_a + 8;
   const int qi_first = k0 / kBlockQBwd;
-  // Queries that see a key of this tile: i from k0 up to, with document masking or a window, the
-  // last row whose start is at most the tile's last key (starts never decrease).
+  // Queries that see a key up to `last`: i from the first key up to, with document masking or a
+  // window, the last row whose start is at most `last` (starts never decrease); with kStoreDS
+  // to the end of its 64-row dS tile.
   const int32_t* seq_pos = pos ? pos + static_cast<int64_t>(b) * T_len : nullptr;
-  int q_end = pos || window > 0 ? queries_end(seq_pos, window, T_len, min(k0 + kBlockK, T_len) - 1) : T_len;
-  if (kStoreDS) q_end = min((q_end + kBlockQ - 1) / kBlockQ * kBlockQ, (T_len + kBlockQBwd - 1) / kBlockQBwd * kBlockQBwd);
+  const auto queries_to = [&](int last) {
+    const int end = pos || window > 0 ? queries_end(seq_pos, window, T_len, last) : T_len;
+    return kStoreDS ? min((end + kBlockQ - 1) / kBlockQ * kBlockQ, (T_len + kBlockQBwd - 1) / kBlockQBwd * kBlockQBwd)
+                    : end;
+  };
+  const int q_end = queries_to(min(k0 + kKeys, T_len) - 1);  // the block's: its last warpgroup's
+  // the warpgroup's steps: queries from its first key to its q_end (none if it has no keys)
+  const int wq_end = kGroups == 1 ? q_end : wk0 < T_len ? queries_to(min(wk0 + kBlockK, T_len) - 1) : 0;
   const int n_q = (q_end + kBlockQBwd - 1) / kBlockQBwd - qi_first;  // query tiles per head
   const int64_t n_tri = kStoreDS ? attention_ds_tiles_per_head(T_len) : 0;
   const int n_it = group * n_q;
@@ -809,9 +830,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
   };
   // Stage step q into buffer `buf`: Q and dO rows, their lse (log2 units), D and starts.
   const auto stage = [&](QueryStep q, int buf) {
-    load_head_tile<T, HD, kBlockQBwd, kWgmma>(sQ + buf * kBlockQBwd * LD, base + q.h * HD, q.i0, T_len, cols);
-    load_head_tile<T, HD, kBlockQBwd, kWgmma>(sdO + buf * kBlockQBwd * LD, do_base + q.h * HD, q.i0, T_len,
-                                              out_cols);
+    load_head_tile<T, HD, kBlockQBwd, kWgmma, kBlockThreads>(sQ + buf * kBlockQBwd * LD, base + q.h * HD, q.i0,
+                                                             T_len, cols);
+    load_head_tile<T, HD, kBlockQBwd, kWgmma, kBlockThreads>(sdO + buf * kBlockQBwd * LD, do_base + q.h * HD, q.i0,
+                                                             T_len, out_cols);
     if (threadIdx.x < kBlockQBwd) {
       const int i = q.i0 + threadIdx.x;
       const int64_t stat = stat_seq + static_cast<int64_t>(q.h) * T_len;
@@ -821,8 +843,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     }
   };
 
-  load_head_tile<T, HD, kBlockK, kWgmma>(sK, k_head, k0, T_len, cols);
-  load_head_tile<T, HD, kBlockK, kWgmma>(sV, v_head, k0, T_len, cols);
+  load_head_tile<T, HD, kKeys, kWgmma, kBlockThreads>(sK, k_head, k0, T_len, cols);
+  load_head_tile<T, HD, kKeys, kWgmma, kBlockThreads>(sV, v_head, k0, T_len, cols);
   QueryStep cur{kvh * group, i_begin};
   stage(cur, 0);
   cp_async_commit();
@@ -833,7 +855,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
-  const uint64_t k_desc = kWgmma ? desc_kmajor<HD>(sK) : 0, v_desc = kWgmma ? desc_kmajor<HD>(sV) : 0;
+  // the warpgroup's keys as the A operand of S^T and dP^T
+  const uint64_t k_desc = kWgmma ? desc_kmajor<HD>(sK + wg * kBlockK * LD) : 0;
+  const uint64_t v_desc = kWgmma ? desc_kmajor<HD>(sV + wg * kBlockK * LD) : 0;
   for (int it = 0; it < n_it; ++it) {
     const int buf = it & 1;
     const QueryStep next = advance(cur);
@@ -847,72 +871,77 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(HD))
     // the step's query head changes every n_q steps: its slope is a broadcast (cached) load
     const float slope_log2 = kAlibi ? slopes[cur.h] * kLog2e : 0.0f;
 
-    // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
-    float st[QN][4], dpt[QN][4];
-    if constexpr (kWgmma) {
-      // the first k-step overwrites: no zeroing, which would be register writes between the two
-      // batches that the compiler then separates with a wait
-      wgmma_fence();
-      wgmma_ss_kmajor<T, kBlockQBwd, KT>(st, k_desc, desc_kmajor<HD>(q_s));
-      wgmma_ss_kmajor<T, kBlockQBwd, KT>(dpt, v_desc, desc_kmajor<HD>(do_s));
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_settle(st);
-      wgmma_settle(dpt);
-    } else {
-      mma_pair_nmajor<T, KT, QN, LD>(st, dpt, sK + warp * 16 * LD, sV + warp * 16 * LD, q_s, do_s, lane);
-    }
-    // P^T and dS^T; rows are keys j, columns queries i; valid where start_i <= j <= i < T (then
-    // j < T too). Masked steps: queries before the tile's last key, past T, or whose start (the
-    // last row's is the largest) passes its first key.
-    const bool mask = i0 < k0 + kBlockK - 1 || i0 + kBlockQBwd > T_len || start_s[kBlockQBwd - 1] > k0;
-    with_mask(mask, [&](auto masked) {
+    // Skip a step whose queries all precede the warpgroup's first key (i0 and wk0 are multiples
+    // of 32) or follow the last query that sees one (uniform over the group; never for a
+    // one-group block, whose loop spans exactly its steps).
+    if (kGroups == 1 || (i0 >= wk0 && i0 < wq_end)) {
+      // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
+      float st[QN][4], dpt[QN][4];
+      if constexpr (kWgmma) {
+        // the first k-step overwrites: no zeroing, which would be register writes between the two
+        // batches that the compiler then separates with a wait
+        wgmma_fence();
+        wgmma_ss_kmajor<T, kBlockQBwd, KT>(st, k_desc, desc_kmajor<HD>(q_s));
+        wgmma_ss_kmajor<T, kBlockQBwd, KT>(dpt, v_desc, desc_kmajor<HD>(do_s));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_settle(st);
+        wgmma_settle(dpt);
+      } else {
+        mma_pair_nmajor<T, KT, QN, LD>(st, dpt, sK + warp * 16 * LD, sV + warp * 16 * LD, q_s, do_s, lane);
+      }
+      // P^T and dS^T; rows are keys j, columns queries i; valid where start_i <= j <= i < T (then
+      // j < T too). Masked steps: queries before the tile's last key, past T, or whose start (the
+      // last row's is the largest) passes its first key (all of the warpgroup's keys).
+      const bool mask = i0 < wk0 + kBlockK - 1 || i0 + kBlockQBwd > T_len || start_s[kBlockQBwd - 1] > wk0;
+      with_mask(mask, [&](auto masked) {
 #pragma unroll
-      for (int n = 0; n < QN; ++n) {
-        const int ci = n * 8 + 2 * t;  // the lane's query pair ci, ci + 1
-        const float2 l2 = *reinterpret_cast<const float2*>(l_s + ci);
-        const float2 d2 = *reinterpret_cast<const float2*>(d_s + ci);
+        for (int n = 0; n < QN; ++n) {
+          const int ci = n * 8 + 2 * t;  // the lane's query pair ci, ci + 1
+          const float2 l2 = *reinterpret_cast<const float2*>(l_s + ci);
+          const float2 d2 = *reinterpret_cast<const float2*>(d_s + ci);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = i0 + ci + (e & 1);
-          const int j = e < 2 ? key_a : key_b;
-          prob_and_ds<decltype(masked)::value, kAlibi>(st[n][e], dpt[n][e], e & 1 ? l2.y : l2.x, e & 1 ? d2.y : d2.x,
-                                                       scale_log2, j - i, slope_log2,
-                                                       j <= i && i < T_len && j >= start_s[ci + (e & 1)]);
+          for (int e = 0; e < 4; ++e) {
+            const int i = i0 + ci + (e & 1);
+            const int j = e < 2 ? key_a : key_b;
+            prob_and_ds<decltype(masked)::value, kAlibi>(st[n][e], dpt[n][e], e & 1 ? l2.y : l2.x, e & 1 ? d2.y : d2.x,
+                                                         scale_log2, j - i, slope_log2,
+                                                         j <= i && i < T_len && j >= start_s[ci + (e & 1)]);
+          }
+        }
+      });
+      if constexpr (kStoreDS) {
+        // the lane's keys (rows g, g + 8 of the warp's 16) x its query pairs, as 4-byte stores
+        const int64_t head_in_chunk = (static_cast<int64_t>(c.seq) * c.heads + c.head) * group + (cur.h - kvh * group);
+        T* tile = ds + ds_tile_index(head_in_chunk, n_tri, i0 / kBlockQ, wk0 / kBlockK) * kDsTile;
+        T* dst = tile + (warp * 16 + g) * kBlockQ + i0 % kBlockQ + 2 * t;
+#pragma unroll
+        for (int n = 0; n < QN; ++n) {
+          *reinterpret_cast<uint32_t*>(dst + n * 8) = pack2<T>(dpt[n][0], dpt[n][1]);
+          *reinterpret_cast<uint32_t*>(dst + 8 * kBlockQ + n * 8) = pack2<T>(dpt[n][2], dpt[n][3]);
         }
       }
-    });
-    if constexpr (kStoreDS) {
-      // the lane's keys (rows g, g + 8 of the warp's 16) x its query pairs, as 4-byte stores
-      const int64_t head_in_chunk = (static_cast<int64_t>(c.seq) * c.heads + c.head) * group + (cur.h - kvh * group);
-      T* tile = ds + ds_tile_index(head_in_chunk, n_tri, i0 / kBlockQ, kt) * kDsTile;
-      T* dst = tile + (warp * 16 + g) * kBlockQ + i0 % kBlockQ + 2 * t;
+      // dV += P^T dO and dK += dS^T Q (k = the 32 queries)
+      if constexpr (kWgmma) {
+        uint32_t pa[kBlockQBwd / 16][4], sa[kBlockQBwd / 16][4];
+        acc_to_a_steps<T>(pa, st);
+        acc_to_a_steps<T>(sa, dpt);
+        wgmma_fence();
+        wgmma_rs_nmajor<T, HD>(dv, pa, desc_mnmajor<HD>(do_s));
+        wgmma_rs_nmajor<T, HD>(dk, sa, desc_mnmajor<HD>(q_s));
+        wgmma_commit();
+        wgmma_wait<0>();  // the next step's staging refills these tiles
+      } else {
 #pragma unroll
-      for (int n = 0; n < QN; ++n) {
-        *reinterpret_cast<uint32_t*>(dst + n * 8) = pack2<T>(dpt[n][0], dpt[n][1]);
-        *reinterpret_cast<uint32_t*>(dst + 8 * kBlockQ + n * 8) = pack2<T>(dpt[n][2], dpt[n][3]);
+        for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
+          uint32_t pa[4], sa[4];
+          acc_to_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+          acc_to_a<T>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
+          mma_b_kmajor<T>(dv, pa, do_s + (kk * 16) * LD, LD, lane);
+          mma_b_kmajor<T>(dk, sa, q_s + (kk * 16) * LD, LD, lane);
+        }
       }
-    }
-    // dV += P^T dO and dK += dS^T Q (k = the 32 queries)
-    if constexpr (kWgmma) {
-      uint32_t pa[kBlockQBwd / 16][4], sa[kBlockQBwd / 16][4];
-      acc_to_a_steps<T>(pa, st);
-      acc_to_a_steps<T>(sa, dpt);
-      wgmma_fence();
-      wgmma_rs_nmajor<T, HD>(dv, pa, desc_mnmajor<HD>(do_s));
-      wgmma_rs_nmajor<T, HD>(dk, sa, desc_mnmajor<HD>(q_s));
-      wgmma_commit();
-      wgmma_wait<0>();  // the next step's staging refills these tiles
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kBlockQBwd / 16; ++kk) {
-        uint32_t pa[4], sa[4];
-        acc_to_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
-        acc_to_a<T>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
-        mma_b_kmajor<T>(dv, pa, do_s + (kk * 16) * LD, LD, lane);
-        mma_b_kmajor<T>(dk, sa, q_s + (kk * 16) * LD, LD, lane);
-      }
-    }
+    }  // the warpgroup's step
     cur = next;
     __syncthreads();
   }
@@ -1016,7 +1045,8 @@ size_t dq_staged_smem() {
 }
 template <class T, int HD, bool kWgmma = false>
 size_t dkdv_smem() {
-  return static_cast<size_t>(2 * kBlockK + 4 * kBlockQBwd) * (kWgmma ? HD : HD + kPad) * sizeof(T) +
+  return static_cast<size_t>(2 * kBlockK * dkdv_groups(kWgmma) + 4 * kBlockQBwd) * (kWgmma ? HD : HD + kPad) *
+             sizeof(T) +
          6 * kBlockQBwd * sizeof(float);
 }
 
@@ -1057,6 +1087,8 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const int group = s.n_heads / s.n_kv_heads;
   const unsigned n_tiles = static_cast<unsigned>(ceil_div(s.T, kBlockK));  // = query tiles (kBlockQ == kBlockK)
+  constexpr int kGroups = dkdv_groups(kWgmma);
+  const unsigned n_key_blocks = static_cast<unsigned>(ceil_div(s.T, kBlockK * kGroups));
   const size_t smem_dkdv = dkdv_smem<T, HD, kWgmma>();
   // the dq kernels by kv_outgrow_l2; the dk-dv kernel always heads fastest: its blocks are few
   // and long where GQA groups heads (2.6 waves on the 1B Llama), and the tail decides
@@ -1080,7 +1112,7 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
       for (int kv0 = 0; kv0 < s.n_kv_heads; kv0 += chunks.kv) {
         const int kv = std::min(chunks.kv, s.n_kv_heads - kv0), seqs = std::min(chunks.seqs, s.B - b0);
         flash_backward_dkdv_kernel<T, HD, kAlibi, true, kWgmma>
-            <<<grid_of(false, n_tiles, kv, seqs), kThreads, smem_dkdv, be.stream()>>>(
+            <<<grid_of(false, n_key_blocks, kv, seqs), kThreads * kGroups, smem_dkdv, be.stream()>>>(
                 qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window,
                 slopes_of(s), dqkv.as<T>(), ds, kv0, b0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
         flash_backward_dq_staged_kernel<T, HD>
@@ -1098,8 +1130,8 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   flash_backward_dq_kernel<T, HD, kAlibi><<<grid_q, kThreads, smem_dq, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
       dqkv.as<T>(), s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale, tiles_fastest);
-  const dim3 grid_k = grid_of(false, n_tiles, s.n_kv_heads, s.B);
-  flash_backward_dkdv_kernel<T, HD, kAlibi, false, kWgmma><<<grid_k, kThreads, smem_dkdv, be.stream()>>>(
+  const dim3 grid_k = grid_of(false, n_key_blocks, s.n_kv_heads, s.B);
+  flash_backward_dkdv_kernel<T, HD, kAlibi, false, kWgmma><<<grid_k, kThreads * kGroups, smem_dkdv, be.stream()>>>(
       qkv.as<const T>(), dout.as<const T>(), lse.as<const float>(), delta, positions_of(s), s.window, slopes_of(s),
       dqkv.as<T>(), nullptr, 0, 0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
 }
@@ -1144,14 +1176,15 @@ bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
   // The blocks' shared memory (bf16 and f16 are both 2 bytes) within the device's opt-in limit:
   // 227 KiB on sm_90, 163 KiB on sm_80, but 99 KiB on sm_86 / sm_89 (and sm_120), where the dq
   // kernel at head_dim 128 (102 KiB) cannot launch. Those calls take the plain kernels.
-  size_t need = 0;
-  if (s.head_dim == 64)
-    need = backward ? std::max({dq_smem<__half, 64>(), dq_staged_smem<__half, 64>(), dkdv_smem<__half, 64>()})
-                    : forward_smem<__half, 64>();
-  else
-    need = backward ? std::max({dq_smem<__half, 128>(), dq_staged_smem<__half, 128>(), dkdv_smem<__half, 128>()})
-                    : forward_smem<__half, 128>();
-  return need <= be.max_smem_per_block();
+  // The wgmma kernels (sm_90 only) take their own sizes.
+  const auto need = [&](auto hd) {
+    constexpr int HD = decltype(hd)::value;
+    if (!backward) return be.attention_wgmma() ? forward_smem<__half, HD, true>() : forward_smem<__half, HD>();
+    const size_t dkdv = be.attention_wgmma() ? dkdv_smem<__half, HD, true>() : dkdv_smem<__half, HD>();
+    return std::max({dq_smem<__half, HD>(), dq_staged_smem<__half, HD>(), dkdv});
+  };
+  const size_t bytes = s.head_dim == 64 ? need(std::integral_constant<int, 64>{}) : need(std::integral_constant<int, 128>{});
+  return bytes <= be.max_smem_per_block();
 }
 
 void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
