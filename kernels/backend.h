@@ -14,7 +14,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "kernels/op_check.h"
 #include "kernels/rope_frequencies.h"
@@ -55,8 +57,18 @@ struct AttnShape {
 //   p -= lr * weight_decay * p
 //   m = beta1 m + (1 - beta1) g ;  v = beta2 v + (1 - beta2) g^2
 //   p -= (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// A run of one call's elements that share a weight decay: [the previous run's end, end).
+struct AdamWDecayRun {
+  int64_t end = 0;
+  float weight_decay = 0;
+};
+
 struct AdamWParams {
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+  // Weight decay by runs of elements (ends ascending, the last one the call's element count),
+  // so that one call updates neighbouring tensors of both decay groups (adamw_update: one or
+  // two launches a step instead of one per run). Empty: weight_decay for every element.
+  std::span<const AdamWDecayRun> decay_runs;
   int64_t step = 1;  // 1-based Adam step count (bias correction)
   float grad_scale = 1;
   // Stochastic rounding of a bf16 working copy written from an fp32 master (off by default;
@@ -71,6 +83,15 @@ struct AdamWParams {
   uint64_t rounding_seed = 0;
   int64_t rounding_index0 = 0;
 };
+
+// The runs of an adamw call over n elements: p.decay_runs, or one run of p.weight_decay. Throws
+// std::invalid_argument naming the backend, the run and its end when the ends do not ascend
+// strictly to n.
+std::vector<AdamWDecayRun> adamw_decay_runs(const char* backend, const AdamWParams& p, int64_t n);
+// 1 - lr * weight_decay, formed in double and rounded once (what every backend multiplies by).
+inline float adamw_decay_factor(float lr, float weight_decay) {
+  return static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+}
 
 class Backend {
  public:

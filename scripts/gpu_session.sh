@@ -19,7 +19,7 @@
 # (build-gpu/carry/deps), or with system ones where the device has them.
 #
 # Output: a short summary on stdout (the device call returns its tail); logs and tables under
-# /tmp/keel-gpu (RES): env.txt, test_gpu.log, test_gpu-wgmma.log, error_table.md, memcheck.log,
+# /tmp/keel-gpu (RES): env.txt, test_gpu.log, test_gpu-wgmma.log, test_gpu-attention-wgmma.log, error_table.md, memcheck.log,
 # racecheck.log, bench/results.md (the section for bench/RESULTS.md), profile-<model>.txt. On a device call
 # ($OUT set) they come back packed as $OUT/keel-gpu.tgz (less the token shards): the tool
 # returns at most 8 files.
@@ -144,11 +144,17 @@ stage_test() {
   rm -f "$RES/gpu_errors.tsv"
   # The wgmma tests (kernels off by default until measured, KEEL_ATTN_WGMMA) in a process of
   # their own, after the rest: a fault there cannot take the other results with it.
-  local spec log
-  for spec in '~[wgmma]' '[wgmma]'; do
-    log=$RES/test_gpu$([ "$spec" = '[wgmma]' ] && echo -wgmma).log
-    say "== test_gpu $spec (KEEL_CUDA_SYNC=1)"
-    KEEL_CUDA_SYNC=1 KEEL_GPU_ERRORS="$RES/gpu_errors.tsv" KEEL_FIXTURE_DIR="$ROOT/test/fixtures" \
+  # Last, every other attention test with the wgmma kernels in place of the mma.sync ones
+  # (their errors not logged: the table is the default kernels').
+  local spec log errors wgmma
+  for spec in '~[wgmma]' '[wgmma]' '[attention]~[wgmma]'; do
+    case $spec in
+      '~[wgmma]') log=$RES/test_gpu.log wgmma=0 errors=$RES/gpu_errors.tsv ;;
+      '[wgmma]') log=$RES/test_gpu-wgmma.log wgmma=0 errors=$RES/gpu_errors.tsv ;;
+      *) log=$RES/test_gpu-attention-wgmma.log wgmma=1 errors= ;;
+    esac
+    say "== test_gpu $spec (KEEL_CUDA_SYNC=1, KEEL_ATTN_WGMMA=$wgmma)"
+    KEEL_CUDA_SYNC=1 KEEL_ATTN_WGMMA=$wgmma KEEL_GPU_ERRORS="$errors" KEEL_FIXTURE_DIR="$ROOT/test/fixtures" \
       timeout "$(limit 270)" "$BIN/test_gpu" "$spec" --durations yes > "$log" 2>&1
     rc=$?
     say "test_gpu $spec: exit $rc"

@@ -40,7 +40,7 @@ void CpuBackend::adamw(const Tensor& master, const Tensor& working, const Tensor
               {{"master", master}, {"working", working}, {"grad", grad}, {"m", m}, {"v", v}});
   if (p.step < 1) cpu::fail(op, "step must be >= 1 (1-based), got " + std::to_string(p.step), {});
 
-  const float decay = static_cast<float>(1.0 - static_cast<double>(p.lr) * p.weight_decay);
+  const std::vector<AdamWDecayRun> runs = adamw_decay_runs("CpuBackend", p, n);
   const float one_minus_b1 = static_cast<float>(1.0 - static_cast<double>(p.beta1));
   const float one_minus_b2 = static_cast<float>(1.0 - static_cast<double>(p.beta2));
   const double bias_correction1 = 1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step));
@@ -53,8 +53,9 @@ void CpuBackend::adamw(const Tensor& master, const Tensor& working, const Tensor
   const bool stochastic = p.stochastic_rounding && has_master && write_working && working.dtype == DType::BF16;
   const uint64_t sr_step = static_cast<uint64_t>(p.step), sr_index0 = static_cast<uint64_t>(p.rounding_index0);
 
+  // Elements [begin, begin + len) of one run, multiplied by its decay factor.
   constexpr int64_t kChunk = 1024;
-  cpu::for_chunks(n, kChunk, [&](int64_t begin, int64_t len) {
+  auto update = [&](int64_t begin, int64_t len, float decay) {
     float pv[kChunk], gv[kChunk];
     cpu::load_f32(param, begin, len, pv);
     cpu::load_f32(grad, begin, len, gv);
@@ -81,7 +82,14 @@ void CpuBackend::adamw(const Tensor& master, const Tensor& working, const Tensor
     } else if (write_working) {
       cpu::store_f32(working, begin, len, pv);
     }
-  });
+  };
+  int64_t run_begin = 0;
+  for (const AdamWDecayRun& run : runs) {
+    const float decay = adamw_decay_factor(p.lr, run.weight_decay);
+    cpu::for_chunks(run.end - run_begin, kChunk,
+                    [&, run_begin](int64_t chunk, int64_t len) { update(run_begin + chunk, len, decay); });
+    run_begin = run.end;
+  }
 }
 
 }  // namespace keel

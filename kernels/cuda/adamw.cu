@@ -8,6 +8,9 @@
 // device every product, quotient, sum and the square root is rounded on its own (__fmul_rn,
 // __fdiv_rn, __fadd_rn, __fsqrt_rn: no fused multiply-add), so masters, moments and the
 // working copy are bitwise equal to the CPU's. One thread per element (grid-stride loop).
+// A call's runs of weight decay (AdamWParams::decay_runs) go kMaxRuns to a launch, their ends
+// and decay factors in the kernel's parameters: the optimizer's whole shard is one or two
+// launches a step (GPT-2 small: about 100 runs, one per tensor or neighbouring few).
 //
 // Optional stochastic rounding of a bf16 working copy (AdamWParams::stochastic_rounding), with
 // the CPU's bits (kernels/stochastic_rounding.h).
@@ -23,8 +26,17 @@ using cuda::Named;
 namespace cuda {
 namespace {
 
+// Up to kMaxRuns runs of one launch: elements [end[r - 1], end[r]) (end[-1] = 0) are
+// multiplied by decay[r].
+constexpr int kMaxRuns = 64;
+struct DecayRuns {
+  int count;
+  int64_t end[kMaxRuns];
+  float decay[kMaxRuns];
+};
+
 struct AdamScalars {
-  float decay, beta1, beta2, one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps, grad_scale;
+  float beta1, beta2, one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps, grad_scale;
   uint64_t seed, step, index0;  // index0: index of element 0 within its tensor (the hash's counter)
 };
 
@@ -48,12 +60,16 @@ __device__ __forceinline__ void store_working<__nv_bfloat16>(__nv_bfloat16* w, i
 // working copy is the master itself.
 template <class T>
 __global__ void adamw_kernel(float* master, T* working, const void* grad, DType grad_dt, float* __restrict__ m,
-                             float* __restrict__ v, int64_t n, AdamScalars s, bool write_working, bool stochastic) {
+                             float* __restrict__ v, const __grid_constant__ DecayRuns runs, AdamScalars s,
+                             bool write_working, bool stochastic) {
+  const int64_t n = runs.end[runs.count - 1];
+  int r = 0;  // the run of element i: i only grows, so the search goes on from the last one
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    while (i >= runs.end[r]) ++r;
     const float p = master ? master[i] : to_f32(working[i]);
     const float g = __fmul_rn(load_any(grad, grad_dt, i), s.grad_scale);
-    float x = __fmul_rn(p, s.decay);
+    float x = __fmul_rn(p, runs.decay[r]);
     const float mi = __fadd_rn(__fmul_rn(s.beta1, m[i]), __fmul_rn(s.one_minus_b1, g));
     const float vi = __fadd_rn(__fmul_rn(s.beta2, v[i]), __fmul_rn(__fmul_rn(s.one_minus_b2, g), g));
     m[i] = mi;
@@ -82,11 +98,11 @@ void CudaBackend::adamw(const Tensor& master, const Tensor& working, const Tenso
     cuda::fail(op, "element counts differ",
                {{"master", master}, {"working", working}, {"grad", grad}, {"m", m}, {"v", v}});
   if (p.step < 1) cuda::fail(op, "step must be >= 1 (1-based), got " + std::to_string(p.step), {});
+  const std::vector<AdamWDecayRun> runs = adamw_decay_runs("CudaBackend", p, n);
   if (n == 0) return;
 
   // Host scalars exactly as kernels/cpu/adamw.cpp forms them.
   cuda::AdamScalars s{};
-  s.decay = static_cast<float>(1.0 - static_cast<double>(p.lr) * p.weight_decay);
   s.one_minus_b1 = static_cast<float>(1.0 - static_cast<double>(p.beta1));
   s.one_minus_b2 = static_cast<float>(1.0 - static_cast<double>(p.beta2));
   const double bias_correction1 = 1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step));
@@ -99,16 +115,28 @@ void CudaBackend::adamw(const Tensor& master, const Tensor& working, const Tenso
   s.grad_scale = p.grad_scale;
   s.seed = p.rounding_seed;
   s.step = static_cast<uint64_t>(p.step);
-  s.index0 = static_cast<uint64_t>(p.rounding_index0);
   const bool write_working = !has_master || working.data != master.data;
   const bool stochastic = p.stochastic_rounding && has_master && working.dtype == DType::BF16;
 
-  const unsigned blocks = cuda::grid_for(n, 256, 4);
-  KEEL_DISPATCH_FLOAT(working.dtype, op, T, {
-    cuda::adamw_kernel<T><<<blocks, 256, 0, stream_>>>(has_master ? master.as<float>() : nullptr, working.as<T>(),
-                                                       grad.data, grad.dtype, m.as<float>(), v.as<float>(), n, s,
-                                                       write_working, stochastic);
-  });
+  const size_t grad_bytes = dtype_size(grad.dtype);
+  for (size_t r0 = 0; r0 < runs.size(); r0 += cuda::kMaxRuns) {
+    // this launch's runs, its elements [begin, end) of the call
+    const int64_t begin = r0 == 0 ? 0 : runs[r0 - 1].end;
+    cuda::DecayRuns launch{};
+    launch.count = static_cast<int>(std::min<size_t>(cuda::kMaxRuns, runs.size() - r0));
+    for (int r = 0; r < launch.count; ++r) {
+      launch.end[r] = runs[r0 + r].end - begin;
+      launch.decay[r] = adamw_decay_factor(p.lr, runs[r0 + r].weight_decay);
+    }
+    s.index0 = static_cast<uint64_t>(p.rounding_index0 + begin);
+    const unsigned blocks = cuda::grid_for(launch.end[launch.count - 1], 256, 4);
+    KEEL_DISPATCH_FLOAT(working.dtype, op, T, {
+      cuda::adamw_kernel<T><<<blocks, 256, 0, stream_>>>(
+          has_master ? master.as<float>() + begin : nullptr, working.as<T>() + begin,
+          static_cast<const char*>(grad.data) + begin * grad_bytes, grad.dtype, m.as<float>() + begin,
+          v.as<float>() + begin, launch, s, write_working, stochastic);
+    });
+  }
   cuda::check_launch(*this, op, {{"master", master}, {"working", working}, {"grad", grad}});
 }
 

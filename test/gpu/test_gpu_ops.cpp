@@ -1014,6 +1014,47 @@ TEST_CASE("gpu: adamw stochastic rounding gives the CPU's bits", "[gpu][adamw]")
   }
 }
 
+// Weight decay by runs (AdamWParams::decay_runs): the CUDA backend launches kMaxRuns (64) runs
+// at a time, each launch at its own offset into the tensors and the rounding counter. 150 runs
+// of 1 to 1,400 elements (decays 0.1, 0 and 0.3, neighbours sometimes equal) over three launches
+// give the CPU's bits, with round-to-nearest and with stochastic rounding from an offset.
+TEST_CASE("gpu: adamw with decay runs over several launches gives the CPU's bits", "[gpu][adamw]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  std::vector<AdamWDecayRun> runs;
+  std::mt19937 rng(5);
+  int64_t n = 0;
+  for (int r = 0; r < 150; ++r) {
+    n += 1 + static_cast<int64_t>(rng() % 1400);
+    runs.push_back({n, (r % 3 == 0) ? 0.1f : (r % 3 == 1 ? 0.0f : (rng() % 2 ? 0.3f : 0.0f))});
+  }
+  for (const bool stochastic : {false, true}) {
+    INFO((stochastic ? "stochastic rounding" : "round to nearest") << ", " << n << " elements");
+    AdamWParams p;
+    p.lr = 2e-3f;
+    p.weight_decay = 0.7f;  // not used: the runs say
+    p.step = 4;
+    p.decay_runs = runs;
+    p.stochastic_rounding = stochastic;
+    p.rounding_seed = 99;
+    p.rounding_index0 = stochastic ? 17 : 0;
+    HostTensor master = rand_tensor(DType::F32, {n}, 1), grad = rand_tensor(DType::BF16, {n}, 2, 0.1f);
+    HostTensor m = rand_tensor(DType::F32, {n}, 3, 0.01f), v = rand_tensor(DType::F32, {n}, 4, 0.01f);
+    for (int64_t i = 0; i < n; ++i) v.put(i, std::abs(v.at(i)));
+    HostTensor working(DType::BF16, {n});
+    cpu().convert(working.t, master.t);
+    HostTensor cm = clone(master), cw = clone(working), cmm = clone(m), cv = clone(v);
+    cpu().adamw(cm.t, cw.t, grad.t, cmm.t, cv.t, p);
+    DeviceTensor dmaster = DeviceTensor::of(be, master), dw = DeviceTensor::of(be, working);
+    DeviceTensor dg = DeviceTensor::of(be, grad), dm = DeviceTensor::of(be, m), dv = DeviceTensor::of(be, v);
+    be.adamw(dmaster.t, dw.t, dg.t, dm.t, dv.t, p);
+    KEEL_CHECK_BITS("adamw decay runs master", "150 runs", dmaster.host(), cm);
+    KEEL_CHECK_BITS("adamw decay runs working", "150 runs", dw.host(), cw);
+    KEEL_CHECK_BITS("adamw decay runs m", "150 runs", dm.host(), cmm);
+    KEEL_CHECK_BITS("adamw decay runs v", "150 runs", dv.host(), cv);
+  }
+}
+
 TEST_CASE("gpu: ops reject wrong shapes and dtypes naming the op and the shapes", "[gpu][errors]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();

@@ -212,6 +212,62 @@ TEST_CASE("adamw: stochastic rounding of bf16 working copies is unbiased, reprod
   }
 }
 
+// One call with runs of weight decay updates each run as a call of its own would (and the runs'
+// decays, not weight_decay, apply); ends that do not ascend to the element count are refused,
+// naming the run.
+TEST_CASE("adamw: decay runs give each run the bits of its own call; bad runs are named", "[adamw]") {
+  auto be = make_cpu_backend();
+  const int64_t n = 3000;
+  const std::vector<AdamWDecayRun> runs = {{700, 0.1f}, {701, 0.0f}, {2000, 0.1f}, {3000, 0.0f}};
+  AdamWParams p;
+  p.lr = 1e-2f;
+  p.step = 2;
+  p.weight_decay = 0.5f;  // overridden by the runs
+  // Two copies of one starting state: masters, bf16 working copies, zero moments.
+  HostTensor grad(DType::F32, {n});
+  HostTensor master(DType::F32, {n}), w(DType::BF16, {n}), m(DType::F32, {n}), v(DType::F32, {n});
+  HostTensor one(DType::F32, {n}), one_w(DType::BF16, {n}), one_m(DType::F32, {n}), one_v(DType::F32, {n});
+  for (int64_t i = 0; i < n; ++i) {
+    master.put(i, 1.0f + 0.001f * static_cast<float>(i % 97));
+    one.put(i, master.at(i));
+    grad.put(i, 0.01f * static_cast<float>(i % 13) - 0.05f);
+  }
+  AdamWParams q = p;
+  q.decay_runs = runs;
+  be->adamw(one.t, one_w.t, grad.t, one_m.t, one_v.t, q);
+  int64_t begin = 0;
+  for (const AdamWDecayRun& r : runs) {
+    auto part = [&](HostTensor& t) {
+      return Tensor(static_cast<char*>(t.t.data) + begin * dtype_size(t.t.dtype), t.t.dtype, {r.end - begin});
+    };
+    AdamWParams single = p;
+    single.weight_decay = r.weight_decay;
+    be->adamw(part(master), part(w), part(grad), part(m), part(v), single);
+    begin = r.end;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    INFO("element " << i);
+    REQUIRE(std::bit_cast<uint32_t>(one.at(i)) == std::bit_cast<uint32_t>(master.at(i)));
+    REQUIRE(std::bit_cast<uint32_t>(one_m.at(i)) == std::bit_cast<uint32_t>(m.at(i)));
+    REQUIRE(std::bit_cast<uint32_t>(one_v.at(i)) == std::bit_cast<uint32_t>(v.at(i)));
+    REQUIRE(std::bit_cast<uint32_t>(one_w.at(i)) == std::bit_cast<uint32_t>(w.at(i)));
+  }
+  // elements 0, 1261 and 2522 start alike (value and gradient); the runs' decays, not
+  // weight_decay, apply: 0.1 for the first two, 0 for the third
+  CHECK(master.at(0) == master.at(1261));
+  CHECK(master.at(0) != master.at(2522));
+
+  for (const std::vector<AdamWDecayRun>& bad :
+       {std::vector<AdamWDecayRun>{{700, 0.1f}, {700, 0.0f}, {3000, 0.1f}},
+        std::vector<AdamWDecayRun>{{700, 0.1f}, {2999, 0.0f}}, std::vector<AdamWDecayRun>{{3001, 0.1f}}}) {
+    AdamWParams b = p;
+    b.decay_runs = bad;
+    CHECK_THROWS_WITH(be->adamw(one.t, one_w.t, grad.t, one_m.t, one_v.t, b),
+                      Catch::Contains("CpuBackend::adamw") && Catch::Contains("decay_runs[") &&
+                          Catch::Contains("element count (3000)"));
+  }
+}
+
 TEST_CASE("adamw rejects mismatched tensors", "[adamw][errors]") {
   auto be = make_cpu_backend();
   HostTensor p(DType::F32, {4}), g(DType::F32, {5}), m(DType::F32, {4}), v(DType::F32, {4});

@@ -37,12 +37,14 @@
 #undef __shared__
 #undef __launch_bounds__
 #undef __constant__
+#undef __grid_constant__
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __constant__ static
+#define __grid_constant__
 // Blocks run one at a time on one host thread (launches are serialized), so a function-local
 // static is exactly "one copy per block".
 #define __shared__ static
