@@ -10,7 +10,8 @@
 #                                       # recompute (Llama 1B with train.recompute "full": memory
 #                                       # and ms/step against the bench stage's run) unfused (the
 #                                       # profiles with every optional fusion off) wgmma (the
-#                                       # profiles with the wgmma attention kernels) ncu (Nsight
+#                                       # profiles with the wgmma attention kernels) splitk (the
+#                                       # profiles with KEEL_SPLITK_ANY=0) ncu (Nsight
 #                                       # Compute on the attention kernels; NCU_KERNELS, NCU_COUNT,
 #                                       # NCU_SKIP)
 #
@@ -53,8 +54,8 @@ for a in "$@"; do
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
     throughput) stages+=(bench) ;;
-    env | build | test | memcheck | racecheck | profile | recompute | unfused | wgmma | ncu) stages+=("$a") ;;
-    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused, wgmma, ncu)" >&2; exit 2 ;;
+    env | build | test | memcheck | racecheck | profile | recompute | unfused | wgmma | splitk | ncu) stages+=("$a") ;;
+    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused, wgmma, splitk, ncu)" >&2; exit 2 ;;
   esac
 done
 
@@ -325,6 +326,13 @@ stage_unfused() {
 # stage's.
 stage_wgmma() {
   stage_profile -wgmma KEEL_ATTN_WGMMA=1
+}
+
+# The same profiles with fp32-output matmuls (the weight gradients) held to the separate-pass
+# split-K scheme of bf16 outputs (KEEL_SPLITK_ANY=0; the default lets cuBLASLt's heuristic pick
+# any): the matmul rows against the profile stage's.
+stage_splitk() {
+  stage_profile -splitk KEEL_SPLITK_ANY=0
 }
 
 setup_libs

@@ -278,6 +278,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   residual_epilogue_ = not_off("KEEL_RESIDUAL_EPILOGUE");
   bgrad_epilogue_ = not_off("KEEL_BGRAD_EPILOGUE");
   xent_fused_ = not_off("KEEL_XENT_FUSED");
+  splitk_any_ = not_off("KEEL_SPLITK_ANY");
   set_attention_wgmma(wgmma);
   matmul_ = cuda::create_matmul_cache(*this);
   if (const char* prof = std::getenv("KEEL_CUDA_PROFILE"); prof && *prof && std::strcmp(prof, "0") != 0) {

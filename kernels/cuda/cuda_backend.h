@@ -20,7 +20,9 @@
 // KEEL_RESIDUAL_EPILOGUE=0 makes matmul_residual run matmul then add instead of reading the
 // residual as cuBLASLt's C, and KEEL_BGRAD_EPILOGUE=0 makes matmul_bias_grad run matmul then
 // bias_backward instead of the BGRADB epilogue, and KEEL_XENT_FUSED=0 makes xent_loss_backward
-// run its three kernels instead of the fused one (each to time or rule out its fusion).
+// run its three kernels instead of the fused one, and KEEL_SPLITK_ANY=0 holds fp32-output
+// matmuls (the weight gradients) to the split-K scheme of bf16 outputs, fp32 partials reduced
+// in a separate pass, instead of any (each to time or rule out its fusion or choice).
 // KEEL_ATTN_DS_MB=<MiB> bounds the scratch of the fused attention backward's staged dS (default
 // 1024; 0 makes it recompute the probabilities for dq instead). KEEL_ATTN_WGMMA=1 runs the fused
 // attention forward and the backward's dk-dv kernel on Hopper's warpgroup instructions (sm_90a;
@@ -180,6 +182,9 @@ class CudaBackend final : public Backend {
   // otherwise sit in the means. No-op without KEEL_CUDA_PROFILE.
   void profile_restart();
   bool simple_attention() const { return simple_attention_; }
+  // Split-K matmuls into fp32 outputs may use any reduction scheme (matmul.cu): KEEL_SPLITK_ANY
+  // not 0.
+  bool splitk_any() const { return splitk_any_; }
   // Scratch the fused attention backward may take to stage its dS tiles (attention_flash.cu:
   // 5 tile products instead of 7, launched in chunks of heads and sequences that fit):
   // KEEL_ATTN_DS_MB, default 1024 MiB. Below one kv head's tiles (T^2 / 2 * group * 2 bytes),
@@ -215,6 +220,7 @@ class CudaBackend final : public Backend {
   bool residual_epilogue_ = true;  // KEEL_RESIDUAL_EPILOGUE (not 0)
   bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)
   bool xent_fused_ = true;         // KEEL_XENT_FUSED (not 0)
+  bool splitk_any_ = true;         // KEEL_SPLITK_ANY (not 0)
   size_t attn_ds_budget_ = kDefaultAttentionDsBudget;  // KEEL_ATTN_DS_MB
   bool attn_wgmma_ = false;        // KEEL_ATTN_WGMMA=1 on an sm_90a device
   size_t smem_optin_ = 0;

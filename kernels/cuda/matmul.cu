@@ -43,10 +43,13 @@
 // Determinism: per (shape, transposes, dtypes, bias, beta, operand alignments) the heuristic is
 // asked once and one algorithm is kept for the life of the backend, so every call of a shape
 // runs the same kernel on the same workspace (cuBLAS is bitwise reproducible for a fixed
-// algorithm, GPU model and single stream). The heuristic is asked (REDUCTION_SCHEME_MASK) only
-// for candidates whose split-K reduction (if they split K) is CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
-// partial products kept in fp32 and reduced in a separate ordered pass, never in the output
-// buffer and never rounded to bf16 first.
+// algorithm, GPU model and single stream). For bf16 and fp16 outputs the heuristic is asked
+// (REDUCTION_SCHEME_MASK) only for candidates whose split-K reduction (if they split K) is
+// CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE: partial products kept in fp32 and reduced in a separate
+// ordered pass, never rounded to bf16 first. For fp32 outputs (the weight gradients, K = tokens,
+// where splitting K is what fills the GPU) every scheme keeps fp32 partials, so all are allowed:
+// INPLACE adds them into the output in an order its counters fix (cublasLt.h), OUTPUT_TYPE in a
+// separate pass, as PyTorch's unrestricted calls get; KEEL_SPLITK_ANY=0 restricts them too.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -219,11 +222,13 @@ struct MatmulCache {
     check_lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", shapes);
     const uint64_t ws = kWorkspaceBytes;
     const uint32_t al_a = std::get<10>(key), al_b = std::get<9>(key), al_d = std::get<11>(key);  // lt A = b, lt B = a
-    // Only split-K schemes that keep the partial sums in fp32 and reduce them in a separate pass
-    // (the mask admits REDUCTION_SCHEME_NONE always). Without this filter the heuristic's top
-    // candidates for a large-K shape (weight gradients: K = tokens) may all be INPLACE /
-    // OUTPUT_TYPE ones and be rejected below, leaving no algorithm at all.
-    const uint32_t reduction_mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    // Only split-K schemes that keep the partial sums in fp32 (the mask admits
+    // REDUCTION_SCHEME_NONE always): for a bf16 or fp16 output, those that reduce them in a
+    // separate pass. Without this filter the heuristic's top candidates for a large-K shape
+    // (weight gradients: K = tokens) may all be INPLACE / OUTPUT_TYPE ones and be rejected below,
+    // leaving no algorithm at all.
+    const uint32_t reduction_mask = dt_out == DType::F32 && be.splitk_any() ? CUBLASLT_REDUCTION_SCHEME_MASK
+                                                                             : CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
     if (st == CUBLAS_STATUS_SUCCESS)
       st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction_mask,
@@ -251,10 +256,10 @@ struct MatmulCache {
     const bool optional = static_cast<Epilogue>(std::get<13>(key)) != Epilogue::kNone;
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && !optional)
       check_lt(st, "cublasLtMatmulAlgoGetHeuristic", shapes);
-    // The best-ranked candidate whose split-K partial sums (if any) are kept in fp32 and reduced
-    // in a separate pass: not INPLACE or OUTPUT_TYPE, which add partials in the output dtype
-    // (bf16) - less accurate than the CPU's single rounding. (The mask above already asks for
-    // this; checked again here.)
+    // The best-ranked candidate whose split-K scheme (if it splits) the mask admits: for a bf16
+    // or fp16 output not INPLACE or OUTPUT_TYPE, which add partials in the output dtype - less
+    // accurate than the CPU's single rounding. (The mask above already asks for this; checked
+    // again here.)
     for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < count && !p.found; ++i) {
       if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
       int32_t splits = 1;
@@ -266,8 +271,7 @@ struct MatmulCache {
       check_lt(cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
                                                     sizeof scheme, &written),
                "cublasLtMatmulAlgoConfigGetAttribute(REDUCTION_SCHEME)", shapes);
-      if (splits > 1 && scheme != CUBLASLT_REDUCTION_SCHEME_NONE && scheme != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)
-        continue;
+      if (splits > 1 && scheme != CUBLASLT_REDUCTION_SCHEME_NONE && (scheme & reduction_mask) != scheme) continue;
       p.algo = results[i].algo;
       p.found = true;
     }

@@ -214,24 +214,37 @@ TEST_CASE("gpu: matmul matches the CPU for every transpose, dtype, bias and accu
 }
 
 // Weight-gradient shapes (K = tokens, small M and N) are where cuBLASLt's heuristics offer
-// split-K algorithms; only ones that reduce in fp32, in a separate ordered pass, are allowed.
+// split-K algorithms. Into bf16 only ones that reduce fp32 partials in a separate pass are
+// allowed; into fp32 any (KEEL_SPLITK_ANY, default on: INPLACE and OUTPUT_TYPE partials are fp32
+// there too), or with KEEL_SPLITK_ANY=0 the separate pass as well. Either way, written and
+// accumulated (the gradients' +=) into an fp32 output as into a bf16 one: within the CPU's
+// tolerance, and bit for bit again on a second call.
 TEST_CASE("gpu: matmul with a long K (split-K candidates) matches the CPU and repeats bit for bit", "[gpu][matmul]") {
   KEEL_GPU_OR_SKIP();
-  Backend& be = gpu();
   const int64_t M = 64, N = 96, K = 65536;
-  for (DType dt : {DType::F32, DType::BF16}) {
-    HostTensor a = rand_tensor(dt, {K, M}, 21), b = rand_tensor(dt, {K, N}, 22);  // dW = a^T b
-    for (DType out : {DType::F32, dt}) {
-      const std::string what = std::string(dname(dt)) + "->" + dname(out) + " K=65536";
-      HostTensor ref = nan_tensor(out, {M, N});
-      cpu().matmul(ref.t, a.t, b.t, true, false);
-      DeviceTensor da = DeviceTensor::of(be, a), db = DeviceTensor::of(be, b), dout = DeviceTensor::of(be, nan_tensor(out, {M, N}));
-      be.matmul(dout.t, da.t, db.t, true, false);
-      const HostTensor got = dout.host();
-      KEEL_CHECK_ERR("matmul", what, rel_err(got, ref), storage_tol(out, dt == DType::F32 ? 1e-5 : 1e-4));
-      dout.upload(nan_tensor(out, {M, N}));
-      be.matmul(dout.t, da.t, db.t, true, false);
-      CHECK(bits_differ(dout.host(), got) == 0);
+  const ScopedEnv env("KEEL_SPLITK_ANY");
+  for (const char* any : {"1", "0"}) {
+    env.set(any);
+    std::unique_ptr<Backend> owned = make_cuda_backend(0);
+    Backend& be = *owned;
+    REQUIRE(dynamic_cast<CudaBackend&>(be).splitk_any() == (any[0] == '1'));
+    for (DType dt : {DType::F32, DType::BF16}) {
+      HostTensor a = rand_tensor(dt, {K, M}, 21), b = rand_tensor(dt, {K, N}, 22);  // dW = a^T b
+      for (DType out : {DType::F32, dt})
+        for (const bool acc : {false, true}) {
+          const std::string what = std::string(dname(dt)) + "->" + dname(out) + " K=65536" +
+                                   (acc ? " accumulate" : "") + " KEEL_SPLITK_ANY=" + any;
+          HostTensor start = acc ? rand_tensor(out, {M, N}, 23, 4.0f) : nan_tensor(out, {M, N});
+          HostTensor ref = clone(start);
+          cpu().matmul(ref.t, a.t, b.t, true, false, acc);
+          DeviceTensor da = DeviceTensor::of(be, a), db = DeviceTensor::of(be, b), dout = DeviceTensor::of(be, start);
+          be.matmul(dout.t, da.t, db.t, true, false, acc);
+          const HostTensor got = dout.host();
+          KEEL_CHECK_ERR("matmul", what, rel_err(got, ref), storage_tol(out, dt == DType::F32 ? 1e-5 : 1e-4));
+          dout.upload(start);
+          be.matmul(dout.t, da.t, db.t, true, false, acc);
+          CHECK(bits_differ(dout.host(), got) == 0);
+        }
     }
   }
 }
