@@ -38,14 +38,15 @@ inline Backend& gpu() {
   static std::unique_ptr<Backend> be = make_cuda_backend(0);
   return *be;
 }
-// A second one that always takes the plain fp32 attention kernels (KEEL_ATTENTION=simple is
-// read when a backend is made).
+// A CUDA backend made with env's variable set to value (nullptr: unset): a backend reads its
+// environment when it is made.
+inline std::unique_ptr<Backend> backend_with(const ScopedEnv& env, const char* value) {
+  env.set(value);
+  return make_cuda_backend(0);
+}
+// A second one that always takes the plain fp32 attention kernels (KEEL_ATTENTION=simple).
 inline Backend& gpu_simple_attention() {
-  static std::unique_ptr<Backend> be = [] {
-    const ScopedEnv attention("KEEL_ATTENTION");
-    attention.set("simple");
-    return make_cuda_backend(0);
-  }();
+  static std::unique_ptr<Backend> be = backend_with(ScopedEnv("KEEL_ATTENTION"), "simple");
   return *be;
 }
 #endif

@@ -157,13 +157,6 @@ const AttnShape kShapes[] = {
     {2, 50, 4, 2, 32},    // head_dim 32: plain kernels
 };
 
-// A CUDA backend made with env's variable set to value (nullptr: unset): a backend reads its
-// environment when it is made.
-std::unique_ptr<Backend> backend_with(const ScopedEnv& env, const char* value) {
-  env.set(value);
-  return make_cuda_backend(0);
-}
-
 // What a setting of such a backend reads (get(CudaBackend&)) with env's variable set to value.
 template <class Get>
 auto setting_with(const ScopedEnv& env, const char* value, Get get) {
@@ -249,6 +242,8 @@ TEST_CASE("gpu: rope forward and backward are bit-identical to the CPU", "[gpu][
 
 TEST_CASE("gpu: attention forward matches the CPU (plain and fused kernels)", "[gpu][attention]") {
   KEEL_GPU_OR_SKIP();
+  REQUIRE(dynamic_cast<CudaBackend&>(gpu_simple_attention()).simple_attention());  // KEEL_ATTENTION=simple took
+  REQUIRE_FALSE(dynamic_cast<CudaBackend&>(gpu()).simple_attention());
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     for (const AttnShape& s : kShapes)
       for (int simple = 0; simple < 2; ++simple) {

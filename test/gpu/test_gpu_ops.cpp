@@ -224,8 +224,7 @@ TEST_CASE("gpu: matmul with a long K (split-K candidates) matches the CPU and re
   const int64_t M = 64, N = 96, K = 65536;
   const ScopedEnv env("KEEL_SPLITK_ANY");
   for (const char* any : {"1", "0"}) {
-    env.set(any);
-    std::unique_ptr<Backend> owned = make_cuda_backend(0);
+    const std::unique_ptr<Backend> owned = backend_with(env, any);
     Backend& be = *owned;
     REQUIRE(dynamic_cast<CudaBackend&>(be).splitk_any() == (any[0] == '1'));
     for (DType dt : {DType::F32, DType::BF16}) {
