@@ -991,6 +991,51 @@ TEST_CASE("gpu: adamw is bit-identical to the CPU in every precision layout", "[
     }
 }
 
+// The kernel takes packs of 4 elements from the first element where every operand is aligned
+// for them (after up to 3 alone), or every element alone where no such element exists. Each
+// way, with each gradient dtype, gives the CPU's bits. Shifts are in elements from an aligned
+// allocation: {1, 1, 1, 1, 1} packs from element 3; {1, 0, 2, 3, 0} has no aligned element.
+// The call updates the first n of n + 4 elements of each operand; the last 4 must stay as they
+// were (2 elements are fewer than the 3 before the first pack).
+TEST_CASE("gpu: adamw gives the CPU's bits however its operands are aligned", "[gpu][adamw]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  struct Shifts {
+    const char* name;
+    int64_t master, working, grad, m, v;
+  };
+  const Shifts shifts[] = {{"aligned", 0, 0, 0, 0, 0},
+                           {"packed after 3 alone", 1, 1, 1, 1, 1},
+                           {"every element alone", 1, 0, 2, 3, 0}};
+  const int64_t guard = 4;
+  const auto first = [](const Tensor& t, int64_t n) { return Tensor(t.data, t.dtype, {n}, t.device); };
+  for (const int64_t n : {5001, 2})
+    for (const DType grad_dt : {DType::F32, DType::BF16, DType::F16})
+      for (const Shifts& sh : shifts) {
+        INFO(sh.name << ", " << dname(grad_dt) << " gradients, " << n << " elements");
+        AdamWParams p;
+        p.lr = 1e-3f;
+        p.weight_decay = 0.1f;
+        p.step = 2;
+        const int64_t all = n + guard;
+        HostTensor master = rand_tensor(DType::F32, {all}, 1), grad = rand_tensor(grad_dt, {all}, 2, 0.1f);
+        HostTensor m = rand_tensor(DType::F32, {all}, 3, 0.01f), v = rand_tensor(DType::F32, {all}, 4, 0.01f);
+        for (int64_t i = 0; i < all; ++i) v.put(i, std::abs(v.at(i)));
+        HostTensor working(DType::BF16, {all});
+        cpu().convert(working.t, master.t);
+        HostTensor cm = clone(master), cw = clone(working), cmm = clone(m), cv = clone(v);
+        cpu().adamw(first(cm.t, n), first(cw.t, n), first(grad.t, n), first(cmm.t, n), first(cv.t, n), p);
+        DeviceTensor dmaster = DeviceTensor::of(be, master, sh.master), dw = DeviceTensor::of(be, working, sh.working);
+        DeviceTensor dg = DeviceTensor::of(be, grad, sh.grad), dm = DeviceTensor::of(be, m, sh.m);
+        DeviceTensor dv = DeviceTensor::of(be, v, sh.v);
+        be.adamw(first(dmaster.t, n), first(dw.t, n), first(dg.t, n), first(dm.t, n), first(dv.t, n), p);
+        KEEL_CHECK_BITS("adamw aligned or not, master", sh.name, dmaster.host(), cm);
+        KEEL_CHECK_BITS("adamw aligned or not, working", sh.name, dw.host(), cw);
+        KEEL_CHECK_BITS("adamw aligned or not, m", sh.name, dm.host(), cmm);
+        KEEL_CHECK_BITS("adamw aligned or not, v", sh.name, dv.host(), cv);
+      }
+}
+
 // The unbiasedness and split invariance are tested on the CPU (test_adamw.cpp); the GPU must
 // give the CPU's bits, for whole tensors and for calls over part of one (rounding_index0).
 TEST_CASE("gpu: adamw stochastic rounding gives the CPU's bits", "[gpu][adamw]") {
