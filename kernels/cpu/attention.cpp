@@ -36,17 +36,22 @@ std::string attn_str(const AttnShape& s) {
 }
 
 void check_attn(const char* op, const AttnShape& s, Named qkv) {
-  if (s.B <= 0 || s.T <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 || s.head_dim <= 0 || s.head_dim % 2 != 0 ||
+  if (s.B <= 0 || s.T <= 0 || s.n_heads <= 0 || s.n_kv_heads <= 0 || s.head_dim <= 0 ||
       s.n_heads % s.n_kv_heads != 0 || s.window < 0)
     fail(op,
          "invalid attention shape " + attn_str(s) +
-             " (all positive, head_dim even, n_heads % n_kv_heads == 0, window 0 (none) or positive)",
+             " (all positive, n_heads % n_kv_heads == 0, window 0 (none) or positive)",
          {qkv});
   check_float(op, qkv);
   if (cpu::rows(qkv.t) != static_cast<int64_t>(s.B) * s.T || qkv.t.cols() != s.qkv_cols())
     fail(op, std::string(qkv.name) + " must be [B*T, (n_heads + 2 n_kv_heads) * head_dim] for " + attn_str(s), {qkv});
   check_positions(op, s.positions, static_cast<int64_t>(s.B) * s.T, s.T);
   check_alibi(op, s);
+}
+
+void check_rope(const char* op, const AttnShape& s, Named qkv) {
+  check_attn(op, s, qkv);
+  if (s.head_dim % 2 != 0) fail(op, "RoPE needs an even head_dim: " + attn_str(s), {qkv});
 }
 
 const float* check_alibi(const char* op, const AttnShape& s) {

@@ -48,9 +48,11 @@ void check_float(const char* op, Named a);
 // A present CPU tensor of exactly this dtype.
 void check_dtype(const char* op, Named a, DType want);
 
-// AttnShape fields positive, head_dim even, n_heads a multiple of n_kv_heads, and qkv (or dqkv)
-// [B*T, qkv_cols()]. Defined in attention.cpp.
+// AttnShape fields positive, n_heads a multiple of n_kv_heads, and qkv (or dqkv)
+// [B*T, qkv_cols()]; check_rope also wants an even head_dim (RoPE rotates pairs of columns; a
+// model without it, BLOOM-104B's 145, may have odd heads). Defined in attention.cpp.
 void check_attn(const char* op, const AttnShape& s, Named qkv);
+void check_rope(const char* op, const AttnShape& s, Named qkv);
 std::string attn_str(const AttnShape& s);  // "B=2 T=16 n_heads=4 n_kv_heads=2 head_dim=8"
 // Document positions (AttnShape::positions): empty, or a CPU I32 tensor of N elements, N a
 // multiple of T, 0 at each sequence's first row and every other row 0 or one more than the

@@ -68,12 +68,12 @@ const std::vector<float>& CpuBackend::rope_table(int T, int head_dim, const Rope
 }
 
 void CpuBackend::rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) {
-  cpu::check_attn("rope_forward", s, {"qkv", qkv});
+  cpu::check_rope("rope_forward", s, {"qkv", qkv});
   cpu::rope_rotate(qkv, s, rope_table(s.T, s.head_dim, rope), false);
 }
 
 void CpuBackend::rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) {
-  cpu::check_attn("rope_backward", s, {"dqkv", dqkv});
+  cpu::check_rope("rope_backward", s, {"dqkv", dqkv});
   cpu::rope_rotate(dqkv, s, rope_table(s.T, s.head_dim, rope), true);
 }
 

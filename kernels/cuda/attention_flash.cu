@@ -268,16 +268,26 @@ template <class T, int HD, int kRows>
 __device__ __forceinline__ void async_tile(T* s, const T* g_head, int row0, int T_len, int64_t cols) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
   constexpr int LD = HD + kPad;
-  constexpr int kRowsPerPass = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "a tile is whole passes of the block");
-  const int r0 = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
-  const T* src = g_head + static_cast<int64_t>(row0 + r0) * cols + ch * 8;
-  T* dst = s + r0 * LD + ch * 8;
+  if constexpr (kThreads % kChunks != 0) {
+    static_assert(kRows * kChunks % kThreads == 0, "a tile is whole passes of the block");
 #pragma unroll
-  for (int p = 0; p < kRows / kRowsPerPass; ++p) {
-    const bool valid = row0 + r0 + p * kRowsPerPass < T_len;
-    // rows past T read nothing, from an address inside the tensor
-    cp_async16(dst + p * kRowsPerPass * LD, valid ? src + p * kRowsPerPass * cols : g_head, valid);
+    for (int p = 0; p < kRows * kChunks / kThreads; ++p) {
+      const int q = p * kThreads + static_cast<int>(threadIdx.x), r = q / kChunks, ch = q % kChunks;
+      const bool valid = row0 + r < T_len;
+      cp_async16(s + r * LD + ch * 8, valid ? g_head + static_cast<int64_t>(row0 + r) * cols + ch * 8 : g_head, valid);
+    }
+  } else {
+    constexpr int kRowsPerPass = kThreads / kChunks;
+    static_assert(kRows % kRowsPerPass == 0, "a tile is whole passes of the block");
+    const int r0 = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
+    const T* src = g_head + static_cast<int64_t>(row0 + r0) * cols + ch * 8;
+    T* dst = s + r0 * LD + ch * 8;
+#pragma unroll
+    for (int p = 0; p < kRows / kRowsPerPass; ++p) {
+      const bool valid = row0 + r0 + p * kRowsPerPass < T_len;
+      // rows past T read nothing, from an address inside the tensor
+      cp_async16(dst + p * kRowsPerPass * LD, valid ? src + p * kRowsPerPass * cols : g_head, valid);
+    }
   }
 }
 
@@ -1051,10 +1061,10 @@ size_t dkdv_smem() {
 }
 
 template <class T, int HD, bool kAlibi, bool kWgmma>
-void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
+void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s,
+                  float scale) {
   const size_t smem = forward_smem<T, HD, kWgmma>();
   allow_smem(flash_forward_kernel<T, HD, kAlibi, kWgmma>, smem, "attention_forward");
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const bool tiles_fastest = kv_outgrow_l2(be, s, sizeof(T));
   constexpr int kGroups = forward_groups(kWgmma);
   const dim3 grid = grid_of(tiles_fastest, ceil_div(s.T, kBlockQ * kGroups), s.n_heads, s.B);
@@ -1082,9 +1092,8 @@ DsChunks ds_chunks(const AttnShape& s, size_t elem_bytes, size_t budget) {
 
 template <class T, int HD, bool kAlibi, bool kWgmma>
 void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
-                   const float* delta, const AttnShape& s) {
+                   const float* delta, const AttnShape& s, float scale) {
   const char* op = "attention_backward";
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD)));
   const int group = s.n_heads / s.n_kv_heads;
   const unsigned n_tiles = static_cast<unsigned>(ceil_div(s.T, kBlockK));  // = query tiles (kBlockQ == kBlockK)
   constexpr int kGroups = dkdv_groups(kWgmma);
@@ -1136,30 +1145,88 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
       dqkv.as<T>(), nullptr, 0, 0, s.T, s.n_heads, s.n_kv_heads, scale * kLog2e, scale);
 }
 
-// head_dim (and wgmma) dispatch of the launchers
+// head_dim (and wgmma) dispatch of the launchers: s.head_dim is 64, 128 or 160 (the padded
+// width, padded_head_dim); scale = 1/sqrt(the real head_dim). There are no wgmma kernels at 160.
 template <class T, bool kAlibi>
-void forward_hd(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
+void forward_hd(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s,
+                float scale) {
   const bool wgmma = be.attention_wgmma();
   if (s.head_dim == 64) {
-    if (wgmma) forward_impl<T, 64, kAlibi, true>(be, out, lse, qkv, s);
-    else forward_impl<T, 64, kAlibi, false>(be, out, lse, qkv, s);
+    if (wgmma) forward_impl<T, 64, kAlibi, true>(be, out, lse, qkv, s, scale);
+    else forward_impl<T, 64, kAlibi, false>(be, out, lse, qkv, s, scale);
+  } else if (s.head_dim == 128) {
+    if (wgmma) forward_impl<T, 128, kAlibi, true>(be, out, lse, qkv, s, scale);
+    else forward_impl<T, 128, kAlibi, false>(be, out, lse, qkv, s, scale);
   } else {
-    if (wgmma) forward_impl<T, 128, kAlibi, true>(be, out, lse, qkv, s);
-    else forward_impl<T, 128, kAlibi, false>(be, out, lse, qkv, s);
+    forward_impl<T, 160, kAlibi, false>(be, out, lse, qkv, s, scale);
   }
 }
 
 template <class T, bool kAlibi>
 void backward_hd(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
-                 const float* delta, const AttnShape& s) {
+                 const float* delta, const AttnShape& s, float scale) {
   const bool wgmma = be.attention_wgmma();  // for the dk-dv kernel
   if (s.head_dim == 64) {
-    if (wgmma) backward_impl<T, 64, kAlibi, true>(be, dqkv, dout, qkv, lse, delta, s);
-    else backward_impl<T, 64, kAlibi, false>(be, dqkv, dout, qkv, lse, delta, s);
+    if (wgmma) backward_impl<T, 64, kAlibi, true>(be, dqkv, dout, qkv, lse, delta, s, scale);
+    else backward_impl<T, 64, kAlibi, false>(be, dqkv, dout, qkv, lse, delta, s, scale);
+  } else if (s.head_dim == 128) {
+    if (wgmma) backward_impl<T, 128, kAlibi, true>(be, dqkv, dout, qkv, lse, delta, s, scale);
+    else backward_impl<T, 128, kAlibi, false>(be, dqkv, dout, qkv, lse, delta, s, scale);
   } else {
-    if (wgmma) backward_impl<T, 128, kAlibi, true>(be, dqkv, dout, qkv, lse, delta, s);
-    else backward_impl<T, 128, kAlibi, false>(be, dqkv, dout, qkv, lse, delta, s);
+    backward_impl<T, 160, kAlibi, false>(be, dqkv, dout, qkv, lse, delta, s, scale);
   }
+}
+
+// ---- head dims between the kernels' widths ----
+//
+// A call whose head_dim is above 64 and not 128 or 160 (BLOOM-104B's 145, BLOOM-200B's 150,
+// phi's 80 and 96) runs the kernels of the next width up on copies of its operands with every
+// head's row zero-padded to that width: the padding adds zero products to every dot product,
+// so S, P and dS are the unpadded call's, and the padded columns of out, dq, dk and dv (sums of
+// zero rows) are dropped when copied back. The softmax scale stays 1/sqrt(head_dim). The
+// copies cost a few element-wise passes over qkv, next to products that grow with T.
+
+// The kernels' width for a head_dim they take (64 < hd <= 160 padded), or 0.
+int padded_head_dim(int hd) { return hd == 64 ? 64 : hd > 64 && hd <= 128 ? 128 : hd > 128 && hd <= 160 ? 160 : 0; }
+
+// dst [rows, heads * wide] from src [rows, heads * hd] (head h's row at h * hd), each head's
+// columns hd .. wide - 1 zero; or back (kToPadded false: src padded, dst [rows, heads * hd]).
+template <class T, bool kToPadded>
+__global__ void repad_heads_kernel(T* __restrict__ dst, const T* __restrict__ src, int64_t n, int hd, int wide) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    // e indexes the padded layout (to padded) or the unpadded one (back)
+    const int64_t head_row = e / (kToPadded ? wide : hd);
+    const int d = static_cast<int>(e % (kToPadded ? wide : hd));
+    if constexpr (kToPadded) dst[e] = d < hd ? src[head_row * hd + d] : from_f32<T>(0.0f);
+    else dst[e] = src[head_row * wide + d];
+  }
+}
+
+// A device scratch tensor of the padded width, released on scope exit.
+struct PaddedCopy {
+  CudaBackend& be;
+  Tensor t;
+  PaddedCopy(CudaBackend& b, DType dt, int64_t rows, int64_t heads, int wide, const char* op) : be(b) {
+    t = Tensor(be.scratch(static_cast<size_t>(rows * heads * wide) * dtype_size(dt), op), dt, {rows, heads * wide},
+               Device::CUDA);
+  }
+  ~PaddedCopy() { be.release(t.data); }
+  PaddedCopy(const PaddedCopy&) = delete;
+  PaddedCopy& operator=(const PaddedCopy&) = delete;
+};
+
+// dst <- src, padding (kToPadded) or unpadding each head row of hd elements to wide.
+template <bool kToPadded>
+void repad_heads(CudaBackend& be, const Tensor& dst, const Tensor& src, int hd, int wide) {
+  const int64_t n = dst.numel();
+  const unsigned blocks = grid_for(n, 256);
+  if (src.dtype == DType::BF16)
+    repad_heads_kernel<__nv_bfloat16, kToPadded>
+        <<<blocks, 256, 0, be.stream()>>>(dst.as<__nv_bfloat16>(), src.as<const __nv_bfloat16>(), n, hd, wide);
+  else
+    repad_heads_kernel<__half, kToPadded>
+        <<<blocks, 256, 0, be.stream()>>>(dst.as<__half>(), src.as<const __half>(), n, hd, wide);
 }
 
 }  // namespace
@@ -1167,47 +1234,83 @@ void backward_hd(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const 
 bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
                      std::initializer_list<const Tensor*> operands, bool backward) {
   if (dtype != DType::BF16 && dtype != DType::F16) return false;
-  if (s.head_dim != 64 && s.head_dim != 128) return false;
+  const int wide = padded_head_dim(s.head_dim);
+  if (wide == 0) return false;
   // Grids (grid_of) put tiles, heads and sequences on y or z, which are limited to 65535.
   if (s.B > 65535 || s.n_heads > 65535 || ceil_div(s.T, static_cast<int64_t>(std::min(kBlockQ, kBlockK))) > 65535)
     return false;
+  // (a padded call's kernels read its aligned copies)
   for (const Tensor* t : operands)
-    if (t->dtype != dtype || alignment_of(t->data) < 16) return false;
+    if (t->dtype != dtype || (wide == s.head_dim && alignment_of(t->data) < 16)) return false;
   // The blocks' shared memory (bf16 and f16 are both 2 bytes) within the device's opt-in limit:
   // 227 KiB on sm_90, 163 KiB on sm_80, but 99 KiB on sm_86 / sm_89 (and sm_120), where the dq
   // kernel at head_dim 128 (102 KiB) cannot launch. Those calls take the plain kernels.
   // The wgmma kernels (sm_90 only) take their own sizes.
   const auto need = [&](auto hd) {
     constexpr int HD = decltype(hd)::value;
-    if (!backward) return be.attention_wgmma() ? forward_smem<__half, HD, true>() : forward_smem<__half, HD>();
-    const size_t dkdv = be.attention_wgmma() ? dkdv_smem<__half, HD, true>() : dkdv_smem<__half, HD>();
+    const bool wgmma = be.attention_wgmma() && HD != 160;
+    if (!backward) return wgmma ? forward_smem<__half, HD, true>() : forward_smem<__half, HD>();
+    const size_t dkdv = wgmma ? dkdv_smem<__half, HD, true>() : dkdv_smem<__half, HD>();
     return std::max({dq_smem<__half, HD>(), dq_staged_smem<__half, HD>(), dkdv});
   };
-  const size_t bytes = s.head_dim == 64 ? need(std::integral_constant<int, 64>{}) : need(std::integral_constant<int, 128>{});
+  const size_t bytes = wide == 64    ? need(std::integral_constant<int, 64>{})
+                       : wide == 128 ? need(std::integral_constant<int, 128>{})
+                                     : need(std::integral_constant<int, 160>{});
   return bytes <= be.max_smem_per_block();
 }
 
 void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s) {
   const bool alibi = !s.alibi_slopes.empty();
-  if (qkv.dtype == DType::BF16) {
-    if (alibi) forward_hd<__nv_bfloat16, true>(be, out, lse, qkv, s);
-    else forward_hd<__nv_bfloat16, false>(be, out, lse, qkv, s);
-  } else {
-    if (alibi) forward_hd<__half, true>(be, out, lse, qkv, s);
-    else forward_hd<__half, false>(be, out, lse, qkv, s);
-  }
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+  const auto run = [&](const Tensor& o, const Tensor& x, const AttnShape& sx) {
+    if (x.dtype == DType::BF16) {
+      if (alibi) forward_hd<__nv_bfloat16, true>(be, o, lse, x, sx, scale);
+      else forward_hd<__nv_bfloat16, false>(be, o, lse, x, sx, scale);
+    } else {
+      if (alibi) forward_hd<__half, true>(be, o, lse, x, sx, scale);
+      else forward_hd<__half, false>(be, o, lse, x, sx, scale);
+    }
+  };
+  const int wide = padded_head_dim(s.head_dim);
+  if (wide == s.head_dim) return run(out, qkv, s);
+  const char* op = "attention_forward";
+  AttnShape sp = s;
+  sp.head_dim = wide;
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T;
+  PaddedCopy qkv_p(be, qkv.dtype, rows, s.n_heads + 2 * s.n_kv_heads, wide, op);
+  PaddedCopy out_p(be, out.dtype, rows, s.n_heads, wide, op);
+  repad_heads<true>(be, qkv_p.t, qkv, s.head_dim, wide);
+  run(out_p.t, qkv_p.t, sp);
+  repad_heads<false>(be, out, out_p.t, s.head_dim, wide);
 }
 
 void flash_backward(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                     const float* delta, const AttnShape& s) {
   const bool alibi = !s.alibi_slopes.empty();
-  if (qkv.dtype == DType::BF16) {
-    if (alibi) backward_hd<__nv_bfloat16, true>(be, dqkv, dout, qkv, lse, delta, s);
-    else backward_hd<__nv_bfloat16, false>(be, dqkv, dout, qkv, lse, delta, s);
-  } else {
-    if (alibi) backward_hd<__half, true>(be, dqkv, dout, qkv, lse, delta, s);
-    else backward_hd<__half, false>(be, dqkv, dout, qkv, lse, delta, s);
-  }
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+  const auto run = [&](const Tensor& dx, const Tensor& dy, const Tensor& x, const AttnShape& sx) {
+    if (x.dtype == DType::BF16) {
+      if (alibi) backward_hd<__nv_bfloat16, true>(be, dx, dy, x, lse, delta, sx, scale);
+      else backward_hd<__nv_bfloat16, false>(be, dx, dy, x, lse, delta, sx, scale);
+    } else {
+      if (alibi) backward_hd<__half, true>(be, dx, dy, x, lse, delta, sx, scale);
+      else backward_hd<__half, false>(be, dx, dy, x, lse, delta, sx, scale);
+    }
+  };
+  const int wide = padded_head_dim(s.head_dim);
+  if (wide == s.head_dim) return run(dqkv, dout, qkv, s);
+  // delta (dO . o per row) is the padded call's: the padded columns of both are zero
+  const char* op = "attention_backward";
+  AttnShape sp = s;
+  sp.head_dim = wide;
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T;
+  const int qkv_heads = s.n_heads + 2 * s.n_kv_heads;
+  PaddedCopy qkv_p(be, qkv.dtype, rows, qkv_heads, wide, op), dqkv_p(be, dqkv.dtype, rows, qkv_heads, wide, op);
+  PaddedCopy dout_p(be, dout.dtype, rows, s.n_heads, wide, op);
+  repad_heads<true>(be, qkv_p.t, qkv, s.head_dim, wide);
+  repad_heads<true>(be, dout_p.t, dout, s.head_dim, wide);
+  run(dqkv_p.t, dout_p.t, qkv_p.t, sp);
+  repad_heads<false>(be, dqkv, dqkv_p.t, s.head_dim, wide);
 }
 
 }  // namespace keel::cuda

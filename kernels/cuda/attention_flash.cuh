@@ -1,5 +1,6 @@
 // Fused causal attention on the tensor cores (attention_flash.cu), for bf16 / fp16 storage and
-// head_dim 64 or 128. attention.cu decides when to use it and falls back to the plain fp32
+// head_dim 64, 128 or 160, or between 64 and 160 on copies zero-padded to the next of those
+// (BLOOM's 145 and 150). attention.cu decides when to use it and falls back to the plain fp32
 // kernels otherwise.
 #pragma once
 
@@ -8,8 +9,9 @@
 namespace keel::cuda {
 
 // Can the fused kernels run this call (the forward, or with `backward` the dq and dk/dv
-// kernels)? dtype bf16 or f16 shared by all operands, head_dim 64 or 128, every base pointer
-// 16-byte aligned, and the kernels' shared memory within the device's per-block opt-in limit.
+// kernels)? dtype bf16 or f16 shared by all operands, head_dim 64 or in (64, 160], every base
+// pointer 16-byte aligned (unless padded copies are made), and the kernels' shared memory
+// within the device's per-block opt-in limit.
 bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
                      std::initializer_list<const Tensor*> operands, bool backward);
 

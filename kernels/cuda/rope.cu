@@ -100,14 +100,14 @@ void launch_rope(CudaBackend& be, const Tensor& qkv, const AttnShape& s, const f
 
 void CudaBackend::rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) {
   const char* op = "rope_forward";
-  cuda::check_attn(op, s, {"qkv", qkv});
+  cuda::check_rope(op, s, {"qkv", qkv});
   cuda::launch_rope(*this, qkv, s, rope_table(s.T, s.head_dim, rope), false, op);
   cuda::check_launch(*this, op, {{"qkv", qkv}});
 }
 
 void CudaBackend::rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) {
   const char* op = "rope_backward";
-  cuda::check_attn(op, s, {"dqkv", dqkv});
+  cuda::check_rope(op, s, {"dqkv", dqkv});
   cuda::launch_rope(*this, dqkv, s, rope_table(s.T, s.head_dim, rope), true, op);
   cuda::check_launch(*this, op, {{"dqkv", dqkv}});
 }

@@ -4,7 +4,7 @@
 //   rope                       bit-identical (same host-made cos/sin table, same unfused fp32 ops)
 //   plain kernels, f32         out, dqkv 1e-5; lse 1e-6 (fp32, other summation order)
 //   plain kernels, bf16/f16    4e-3 / 1e-3 (storage rounding flips)
-//   fused kernels (bf16/f16, head_dim 64/128): out 1e-2, lse 1e-5, dq/dk/dv 2e-2: the
+//   fused kernels (bf16/f16, head_dim 64 or in (64, 160]): out 1e-2, lse 1e-5, dq/dk/dv 2e-2: the
 //       probabilities (forward) and dS (backward) are rounded to the storage type before
 //       their second matrix product, as in FlashAttention; the observed errors should sit near
 //       3e-3 (out) and 6e-3 (gradients) - the bounds leave room for the worst shapes.
@@ -97,8 +97,10 @@ double part_tol(double tol, bool ref_zero, const HostTensor& qkv, const HostTens
   return ref_zero ? zero_ref_bound(qkv, dy, s, part) : tol;
 }
 
+// The fused kernels take head_dim 64, 128 and 160, and those between 64 and 160 padded to the
+// next of them.
 bool fused_applies(const AttnShape& s, DType dt) {
-  return (dt == DType::BF16 || dt == DType::F16) && (s.head_dim == 64 || s.head_dim == 128);
+  return (dt == DType::BF16 || dt == DType::F16) && (s.head_dim == 64 || (s.head_dim > 64 && s.head_dim <= 160));
 }
 
 // attention_forward and attention_backward of `be` on qkv (after RoPE, if any) against the CPU.
@@ -155,6 +157,9 @@ const AttnShape kShapes[] = {
     {1, 1, 2, 1, 64},     // a single position
     {3, 33, 4, 1, 128},   // multi-query
     {2, 50, 4, 2, 32},    // head_dim 32: plain kernels
+    {2, 70, 4, 2, 80},    // head_dim 80: the 128 kernels on zero-padded copies
+    {1, 130, 3, 3, 145},  // BLOOM-104B's head_dim: the 160 kernels on padded copies
+    {2, 65, 2, 1, 160},   // the 160 kernels on the operands themselves
 };
 
 // What a setting of such a backend reads (get(CudaBackend&)) with env's variable set to value.
@@ -552,8 +557,8 @@ TEST_CASE("gpu: attention_decode matches the CPU call for call, caches bit for b
 }
 
 // ALiBi: S_ij += m_h (j - i) before the softmax, on the plain kernels (f32, head sizes the fused
-// kernels do not take, KEEL_ATTENTION=simple) and the fused ones (bf16/f16, head_dim 64/128):
-// the forward (out and lse, which includes the bias) and the backward (the recomputed P includes
+// kernels do not take, KEEL_ATTENTION=simple) and the fused ones (bf16/f16, head_dim 64 or in
+// (64, 160]): the forward (out and lse, which includes the bias) and the backward (the recomputed P includes
 // the bias; the GPU gets the CPU's forward results). Slopes of a power-of-two head count, and
 // 6 heads sliced from a 12-head model at offset 6 (a tensor-parallel rank: slopes 2^-7, 2^-8,
 // then the interleaved 2^-0.5 .. 2^-3.5), with GQA, MQA and document masking. Same tolerances as
@@ -577,6 +582,7 @@ TEST_CASE("gpu: ALiBi attention forward and backward match the CPU (plain and fu
       {{2, 300, 4, 2, 64}, 4, 0, {1, 63, 64, 65, 3, 130, 7}},    // documents on and beside tile edges
       {{1, 257, 6, 2, 128}, 12, 6, {100, 1, 1, 40, 200}},        // documents, TP slice, group 3
       {{2, 130, 4, 1, 64}, 4, 0, {1}},                           // every row a document of its own
+      {{1, 150, 4, 4, 145}, 80, 8, {60, 90}},                    // BLOOM-104B's heads (TP slice), padded to 160
   };
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     for (const Case& c : cases)
@@ -833,7 +839,7 @@ TEST_CASE("gpu: the wgmma attention kernels match the CPU and the mma.sync kerne
   };
   std::vector<Case> cases;
   for (const AttnShape& s : kShapes)
-    if (fused_applies(s, DType::BF16)) cases.push_back({s, DType::BF16, {}, false});
+    if (s.head_dim == 64 || s.head_dim == 128) cases.push_back({s, DType::BF16, {}, false});  // wgmma's widths
   AttnShape windowed{2, 200, 4, 2, 128};
   windowed.window = 50;
   cases.push_back({{3, 130, 6, 3, 64}, DType::F16, {}, false});

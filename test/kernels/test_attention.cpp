@@ -95,6 +95,18 @@ TEST_CASE("rope forward matches a double reference and leaves v alone", "[rope]"
   }
 }
 
+// RoPE rotates column pairs (i, i + head_dim/2): an odd head_dim, which attention takes, is
+// refused naming the op and the shape.
+TEST_CASE("rope refuses an odd head_dim", "[rope][errors]") {
+  auto be = make_cpu_backend();
+  const AttnShape s{1, 4, 2, 2, 5};
+  HostTensor qkv = make(DType::F32, {4, s.qkv_cols()}, randn(4 * s.qkv_cols(), 1));
+  CHECK_THROWS_WITH(be->rope_forward(qkv.t, s, 10000.0f),
+                    Catch::Contains("rope_forward") && Catch::Contains("even head_dim") && Catch::Contains("head_dim=5"));
+  CHECK_THROWS_WITH(be->rope_backward(qkv.t, s, 10000.0f),
+                    Catch::Contains("rope_backward") && Catch::Contains("even head_dim"));
+}
+
 TEST_CASE("qk_heads_copy lays the q and k heads out one per row and back, leaving v alone", "[rope][qk_norm]") {
   auto be = make_cpu_backend();
   const AttnShape s{2, 5, 4, 2, 6};
@@ -190,7 +202,9 @@ TEST_CASE("rope backward matches finite differences and inverts forward", "[rope
 // to T terms: a few sqrt(n) * 6e-8); lse 1e-6 (max + log of an fp32 sum).
 TEST_CASE("attention forward matches a double reference (GQA and MHA)", "[attention]") {
   auto be = make_cpu_backend();
-  for (AttnShape s : {AttnShape{2, 13, 4, 2, 16}, AttnShape{1, 9, 3, 3, 8}, AttnShape{2, 7, 4, 1, 6}})
+  // head_dim 5: odd heads (BLOOM-104B's 145) are a model without RoPE's
+  for (AttnShape s : {AttnShape{2, 13, 4, 2, 16}, AttnShape{1, 9, 3, 3, 8}, AttnShape{2, 7, 4, 1, 6},
+                      AttnShape{1, 8, 2, 2, 5}})
     for (DType dt : {DType::F32, DType::BF16}) {
       CAPTURE(s.B, s.T, s.n_heads, s.n_kv_heads, s.head_dim, dtype_name(dt));
       const int64_t rows = s.B * s.T, cols = s.qkv_cols();
@@ -256,8 +270,8 @@ TEST_CASE("attention backward matches finite differences (GQA and MHA, with and 
   auto be = make_cpu_backend();
   for (const bool alibi : {false, true})
     for (AttnShape s : {AttnShape{2, 5, 4, 2, 8}, AttnShape{2, 5, 2, 2, 8}, AttnShape{1, 6, 4, 1, 4},
-                        AttnShape{1, 7, 6, 3, 4}, AttnShape{2, 7, 4, 2, 4, {}, {}, 3}}) {
-    CAPTURE(alibi, s.n_heads, s.n_kv_heads, s.window);
+                        AttnShape{1, 7, 6, 3, 4}, AttnShape{2, 7, 4, 2, 4, {}, {}, 3}, AttnShape{1, 6, 2, 2, 5}}) {
+    CAPTURE(alibi, s.n_heads, s.n_kv_heads, s.head_dim, s.window);
     const HostTensor slopes = make(DType::F32, {s.n_heads}, alibi_slopes(s.n_heads));
     if (alibi) s.alibi_slopes = slopes.t;
     const int64_t rows = s.B * s.T, cols = s.qkv_cols(), ocols = static_cast<int64_t>(s.n_heads) * s.head_dim;
