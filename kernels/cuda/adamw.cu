@@ -110,14 +110,16 @@ __global__ void adamw_kernel(float* master, T* working, const G* __restrict__ gr
   for_each_pack<V>(n - head, [&](auto width, int64_t i) { update(width, head + i); });
 }
 
-// Elements before the first from which every operand (given with its element size) is aligned
-// to a pack of kAdamPack elements, or -1 when no offset below kAdamPack aligns them all (then
-// the kernel takes the elements one by one).
-int packed_head(std::initializer_list<std::pair<const void*, size_t>> operands) {
+// Elements before the first from which every operand (empty ones ignored) is aligned to a pack
+// of kAdamPack elements, or -1 when no offset below kAdamPack aligns them all (then the kernel
+// takes the elements one by one).
+int packed_head(std::initializer_list<const Tensor*> operands) {
   for (int head = 0; head < kAdamPack; ++head) {
     bool aligned = true;
-    for (const auto& [p, size] : operands)
-      if (p && alignment_of(static_cast<const char*>(p) + head * size) < kAdamPack * size) aligned = false;
+    for (const Tensor* t : operands) {
+      const size_t size = dtype_size(t->dtype);
+      if (t->data && alignment_of(static_cast<const char*>(t->data) + head * size) < kAdamPack * size) aligned = false;
+    }
     if (aligned) return head;
   }
   return -1;
@@ -160,7 +162,6 @@ void CudaBackend::adamw(const Tensor& master, const Tensor& working, const Tenso
   const bool write_working = !has_master || working.data != master.data;
   const bool stochastic = p.stochastic_rounding && has_master && working.dtype == DType::BF16;
 
-  const size_t grad_bytes = dtype_size(grad.dtype), working_bytes = dtype_size(working.dtype);
   for (size_t r0 = 0; r0 < runs.size(); r0 += cuda::kMaxRuns) {
     // this launch's runs, its elements [begin, end) of the call
     const int64_t begin = r0 == 0 ? 0 : runs[r0 - 1].end;
@@ -171,19 +172,17 @@ void CudaBackend::adamw(const Tensor& master, const Tensor& working, const Tenso
       launch.decay[r] = adamw_decay_factor(p.lr, runs[r0 + r].weight_decay);
     }
     s.index0 = static_cast<uint64_t>(p.rounding_index0 + begin);
-    float* master_at = has_master ? master.as<float>() + begin : nullptr;
-    char* working_at = static_cast<char*>(working.data) + begin * working_bytes;
-    const char* grad_at = static_cast<const char*>(grad.data) + begin * grad_bytes;
-    float *m_at = m.as<float>() + begin, *v_at = v.as<float>() + begin;
-    const int head = cuda::packed_head(
-        {{master_at, 4}, {working_at, working_bytes}, {grad_at, grad_bytes}, {m_at, 4}, {v_at, 4}});
-    const unsigned blocks = cuda::grid_for(launch.end[launch.count - 1], 256, cuda::kAdamPack);
+    const int64_t end = runs[r0 + launch.count - 1].end;
+    const Tensor master_l = has_master ? master.elements(begin, end) : Tensor(), working_l = working.elements(begin, end),
+                 grad_l = grad.elements(begin, end), m_l = m.elements(begin, end), v_l = v.elements(begin, end);
+    const int head = cuda::packed_head({&master_l, &working_l, &grad_l, &m_l, &v_l});
+    const unsigned blocks = cuda::grid_for(end - begin, 256, cuda::kAdamPack);
     KEEL_DISPATCH_FLOAT(working.dtype, op, T, {
       KEEL_DISPATCH_FLOAT(grad.dtype, op, G, {
         const auto run = [&](auto kernel, int head_elements) {
-          kernel<<<blocks, 256, 0, stream_>>>(master_at, reinterpret_cast<T*>(working_at),
-                                              reinterpret_cast<const G*>(grad_at), m_at, v_at, launch, s,
-                                              head_elements, write_working, stochastic);
+          kernel<<<blocks, 256, 0, stream_>>>(master_l.as<float>(), working_l.as<T>(), grad_l.as<const G>(),
+                                              m_l.as<float>(), v_l.as<float>(), launch, s, head_elements,
+                                              write_working, stochastic);
         };
         if (head >= 0) run(cuda::adamw_kernel<T, G, cuda::kAdamPack>, head);
         else run(cuda::adamw_kernel<T, G, 1>, 0);

@@ -1008,7 +1008,6 @@ TEST_CASE("gpu: adamw gives the CPU's bits however its operands are aligned", "[
                            {"packed after 3 alone", 1, 1, 1, 1, 1},
                            {"every element alone", 1, 0, 2, 3, 0}};
   const int64_t guard = 4;
-  const auto first = [](const Tensor& t, int64_t n) { return Tensor(t.data, t.dtype, {n}, t.device); };
   for (const int64_t n : {5001, 2})
     for (const DType grad_dt : {DType::F32, DType::BF16, DType::F16})
       for (const Shifts& sh : shifts) {
@@ -1024,11 +1023,13 @@ TEST_CASE("gpu: adamw gives the CPU's bits however its operands are aligned", "[
         HostTensor working(DType::BF16, {all});
         cpu().convert(working.t, master.t);
         HostTensor cm = clone(master), cw = clone(working), cmm = clone(m), cv = clone(v);
-        cpu().adamw(first(cm.t, n), first(cw.t, n), first(grad.t, n), first(cmm.t, n), first(cv.t, n), p);
+        cpu().adamw(cm.t.elements(0, n), cw.t.elements(0, n), grad.t.elements(0, n), cmm.t.elements(0, n),
+                    cv.t.elements(0, n), p);
         DeviceTensor dmaster = DeviceTensor::of(be, master, sh.master), dw = DeviceTensor::of(be, working, sh.working);
         DeviceTensor dg = DeviceTensor::of(be, grad, sh.grad), dm = DeviceTensor::of(be, m, sh.m);
         DeviceTensor dv = DeviceTensor::of(be, v, sh.v);
-        be.adamw(first(dmaster.t, n), first(dw.t, n), first(dg.t, n), first(dm.t, n), first(dv.t, n), p);
+        be.adamw(dmaster.t.elements(0, n), dw.t.elements(0, n), dg.t.elements(0, n), dm.t.elements(0, n),
+                 dv.t.elements(0, n), p);
         KEEL_CHECK_BITS("adamw aligned or not, master", sh.name, dmaster.host(), cm);
         KEEL_CHECK_BITS("adamw aligned or not, working", sh.name, dw.host(), cw);
         KEEL_CHECK_BITS("adamw aligned or not, m", sh.name, dm.host(), cmm);
@@ -1059,9 +1060,7 @@ TEST_CASE("gpu: adamw stochastic rounding gives the CPU's bits", "[gpu][adamw]")
     DeviceTensor dw(be, HostTensor(DType::BF16, {n}).t);
     for (int64_t begin = 0; begin < n; begin += split) {
       const int64_t len = std::min(split, n - begin);
-      auto part = [&](const DeviceTensor& t) {
-        return Tensor(static_cast<char*>(t.t.data) + begin * dtype_size(t.t.dtype), t.t.dtype, {len}, Device::CUDA);
-      };
+      auto part = [&](const DeviceTensor& t) { return t.t.elements(begin, begin + len); };
       AdamWParams q = p;
       q.rounding_index0 = begin;
       be.adamw(part(dmaster), part(dw), part(dg), part(dm), part(dv), q);
