@@ -277,7 +277,8 @@ RunConfig parse_config(const json& doc, const std::string& source) {
                        std::to_string(m.n_heads) + ")");
     if (m.is_gpt2() && !m.tied_embeddings)
       errors.push_back("model.tied_embeddings: gpt2 ties its head to the token embedding (must be true)");
-    if (m.is_llama() && m.n_heads > 0 && (m.d_model % m.n_heads == 0 || m.explicit_head_dim > 0) &&
+    // RoPE rotates column pairs; ALiBi and learned positions take any head_dim
+    if (m.rope().rotates() && m.n_heads > 0 && (m.d_model % m.n_heads == 0 || m.explicit_head_dim > 0) &&
         m.head_dim() % 2 != 0)
       errors.push_back(std::string(m.explicit_head_dim > 0 ? "model.head_dim" : "model.d_model / model.n_heads") +
                        ": RoPE needs an even head dimension, got " + std::to_string(m.head_dim()));

@@ -2,9 +2,9 @@
 // attention over a KV cache (decode).
 //
 // Which kernels run: the fused tensor-core kernels of attention_flash.cu when the call allows
-// (bf16/fp16 storage shared by all operands, head_dim 64 or in (64, 160], aligned, the blocks'
+// (bf16/fp16 storage shared by all operands, head_dim up to 160, aligned, the blocks'
 // shared memory within the device's limit) and KEEL_ATTENTION is not "simple"; otherwise the plain
-// kernels below, which compute in fp32 from any storage dtype (fp32 mode, other head sizes, and
+// kernels below, which compute in fp32 from any storage dtype (fp32 mode, head sizes above 160, and
 // the reference the fused kernels are tested against).
 //
 // Math (per query head h, kv head h / group, query row i, keys j <= i):

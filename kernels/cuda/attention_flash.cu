@@ -1179,15 +1179,21 @@ void backward_hd(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const 
 
 // ---- head dims between the kernels' widths ----
 //
-// A call whose head_dim is above 64 and not 128 or 160 (BLOOM-104B's 145, BLOOM-200B's 150,
-// phi's 80 and 96) runs the kernels of the next width up on copies of its operands with every
+// A call whose head_dim is not 64, 128 or 160 (the tiny configs' 32, BLOOM-104B's 145,
+// BLOOM-200B's 150, phi's 80 and 96) runs the kernels of the next width up on copies of its operands with every
 // head's row zero-padded to that width: the padding adds zero products to every dot product,
 // so S, P and dS are the unpadded call's, and the padded columns of out, dq, dk and dv (sums of
 // zero rows) are dropped when copied back. The softmax scale stays 1/sqrt(head_dim). The
 // copies cost a few element-wise passes over qkv, next to products that grow with T.
 
-// The kernels' width for a head_dim they take (64 < hd <= 160 padded), or 0.
-int padded_head_dim(int hd) { return hd == 64 ? 64 : hd > 64 && hd <= 128 ? 128 : hd > 128 && hd <= 160 ? 160 : 0; }
+// The kernels' width for a head_dim they take (those below 64, or between the widths, padded),
+// or 0.
+int padded_head_dim(int hd) {
+  if (hd < 1) return 0;
+  if (hd <= 64) return 64;
+  if (hd <= 128) return 128;
+  return hd <= 160 ? 160 : 0;
+}
 
 // dst [rows, heads * wide] from src [rows, heads * hd] (head h's row at h * hd), each head's
 // columns hd .. wide - 1 zero; or back (kToPadded false: src padded, dst [rows, heads * hd]).

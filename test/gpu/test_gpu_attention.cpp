@@ -4,7 +4,7 @@
 //   rope                       bit-identical (same host-made cos/sin table, same unfused fp32 ops)
 //   plain kernels, f32         out, dqkv 1e-5; lse 1e-6 (fp32, other summation order)
 //   plain kernels, bf16/f16    4e-3 / 1e-3 (storage rounding flips)
-//   fused kernels (bf16/f16, head_dim 64 or in (64, 160]): out 1e-2, lse 1e-5, dq/dk/dv 2e-2: the
+//   fused kernels (bf16/f16, head_dim up to 160): out 1e-2, lse 1e-5, dq/dk/dv 2e-2: the
 //       probabilities (forward) and dS (backward) are rounded to the storage type before
 //       their second matrix product, as in FlashAttention; the observed errors should sit near
 //       3e-3 (out) and 6e-3 (gradients) - the bounds leave room for the worst shapes.
@@ -97,10 +97,10 @@ double part_tol(double tol, bool ref_zero, const HostTensor& qkv, const HostTens
   return ref_zero ? zero_ref_bound(qkv, dy, s, part) : tol;
 }
 
-// The fused kernels take head_dim 64, 128 and 160, and those between 64 and 160 padded to the
-// next of them.
+// The fused kernels take head_dim 64, 128 and 160, and the others up to 160 padded to the next
+// of them.
 bool fused_applies(const AttnShape& s, DType dt) {
-  return (dt == DType::BF16 || dt == DType::F16) && (s.head_dim == 64 || (s.head_dim > 64 && s.head_dim <= 160));
+  return (dt == DType::BF16 || dt == DType::F16) && s.head_dim >= 1 && s.head_dim <= 160;
 }
 
 // attention_forward and attention_backward of `be` on qkv (after RoPE, if any) against the CPU.
@@ -150,13 +150,13 @@ HostTensor check_attention_vs_cpu(Backend& be, const HostTensor& qkv, const Host
 }
 
 const AttnShape kShapes[] = {
-    {2, 37, 4, 2, 8},     // tiny heads: plain kernels
+    {2, 37, 4, 2, 8},     // tiny heads: the 64 kernels on zero-padded copies
     {2, 100, 4, 2, 64},   // GQA, T not a multiple of the tiles
     {1, 257, 8, 2, 128},  // group of 4, ragged last tile
     {2, 64, 2, 2, 64},    // exactly one tile, MHA
     {1, 1, 2, 1, 64},     // a single position
     {3, 33, 4, 1, 128},   // multi-query
-    {2, 50, 4, 2, 32},    // head_dim 32: plain kernels
+    {2, 50, 4, 2, 32},    // the tiny configs' head_dim: padded to 64
     {2, 70, 4, 2, 80},    // head_dim 80: the 128 kernels on zero-padded copies
     {1, 130, 3, 3, 145},  // BLOOM-104B's head_dim: the 160 kernels on padded copies
     {2, 65, 2, 1, 160},   // the 160 kernels on the operands themselves
@@ -556,10 +556,10 @@ TEST_CASE("gpu: attention_decode matches the CPU call for call, caches bit for b
     }
 }
 
-// ALiBi: S_ij += m_h (j - i) before the softmax, on the plain kernels (f32, head sizes the fused
-// kernels do not take, KEEL_ATTENTION=simple) and the fused ones (bf16/f16, head_dim 64 or in
-// (64, 160]): the forward (out and lse, which includes the bias) and the backward (the recomputed P includes
-// the bias; the GPU gets the CPU's forward results). Slopes of a power-of-two head count, and
+// ALiBi: S_ij += m_h (j - i) before the softmax, on the plain kernels (f32, head sizes above 160,
+// KEEL_ATTENTION=simple) and the fused ones (bf16/f16, head_dim up to 160): the forward (out and
+// lse, which includes the bias) and the backward (the recomputed P includes the bias; the GPU
+// gets the CPU's forward results). Slopes of a power-of-two head count, and
 // 6 heads sliced from a 12-head model at offset 6 (a tensor-parallel rank: slopes 2^-7, 2^-8,
 // then the interleaved 2^-0.5 .. 2^-3.5), with GQA, MQA and document masking. Same tolerances as
 // without ALiBi; each call again gives the same bits.
@@ -572,13 +572,13 @@ TEST_CASE("gpu: ALiBi attention forward and backward match the CPU (plain and fu
     std::vector<int> lengths;      // document lengths; empty: one sequence, plain causal
   };
   const std::vector<Case> cases = {
-      {{2, 37, 4, 2, 8}, 4, 0, {}},                              // tiny heads: plain kernels
+      {{2, 37, 4, 2, 8}, 4, 0, {}},                              // tiny heads, padded to 64
       {{2, 100, 4, 2, 64}, 4, 0, {}},                            // GQA, T not a multiple of the tiles
       {{1, 257, 8, 2, 128}, 8, 0, {}},                           // group of 4, ragged last tile
       {{3, 33, 4, 1, 128}, 4, 0, {}},                            // multi-query
       {{1, 1, 2, 1, 64}, 2, 0, {}},                              // a single position (bias 0)
       {{2, 130, 6, 2, 64}, 12, 6, {}},                           // 6 heads of 12 (TP rank 1 of 2), group 3
-      {{2, 50, 6, 3, 32}, 6, 0, {}},                             // 6 heads (non-power-of-two), hd 32: plain
+      {{2, 50, 6, 3, 32}, 6, 0, {}},                             // 6 heads (non-power-of-two), hd 32 padded
       {{2, 300, 4, 2, 64}, 4, 0, {1, 63, 64, 65, 3, 130, 7}},    // documents on and beside tile edges
       {{1, 257, 6, 2, 128}, 12, 6, {100, 1, 1, 40, 200}},        // documents, TP slice, group 3
       {{2, 130, 4, 1, 64}, 4, 0, {1}},                           // every row a document of its own

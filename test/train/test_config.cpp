@@ -136,6 +136,9 @@ TEST_CASE("model.qk_norm and model.head_dim (Qwen3): llama's options, round trip
   model_fails_with("gpt2", {{"qk_norm", true}}, "model.qk_norm: true is a llama option");
   model_fails_with("gpt2", {{"head_dim", 16}}, "model.head_dim: gpt2's heads are d_model / n_heads wide");
   model_fails_with("llama", {{"head_dim", 7}}, "model.head_dim: RoPE needs an even head dimension, got 7");
+  // without RoPE (ALiBi) any head_dim will do
+  CHECK(test::make_config(test::tiny_run_json("llama"), {{"model", {{"head_dim", 7}, {"position_embedding", "alibi"}}}})
+            .model.head_dim() == 7);
   model_fails_with("llama", {{"head_dim", 0}}, "model.head_dim");
   model_fails_with("llama", {{"n_heads", 5}}, "set model.head_dim for heads of another size");
 }
