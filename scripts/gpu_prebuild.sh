@@ -2,12 +2,14 @@
 # Builds, on this machine (no GPU needed), what a lent GPU machine runs, so that its device time
 # goes to tests and timings rather than to compiling:
 #
-#   scripts/gpu_prebuild.sh            -> build-gpu/carry/  (about 25 MB)
+#   scripts/gpu_prebuild.sh            -> build-gpu/carry/  (about 18 MB)
 #
 # build-gpu/carry/ holds
-#   bin/keel, bin/test_gpu   Release, sm_90a (H100/H200), no MPI, generic x86-64 host code
-#                            (-DKEEL_NATIVE=OFF: the GPU machine's CPU may lack this one's
-#                            instructions); stripped
+#   bin.tar.gz               bin/keel and bin/test_gpu: Release, sm_90a (H100/H200), no MPI,
+#                            generic x86-64 host code (-DKEEL_NATIVE=OFF: the GPU machine's CPU
+#                            may lack this one's instructions); stripped, and packed (46 MB ->
+#                            14): a device call's working tree, carried paths included, must
+#                            stay under 64 MiB. gpu_session.sh unpacks them.
 #   deps/                    the header-only libraries keel's CMake needs (nlohmann-json, CLI11,
 #                            Catch2) with their CMake package files, for a build on the GPU
 #                            machine itself (its image has none of them and cannot fetch them):
@@ -33,6 +35,7 @@ rm -rf "$CARRY"
 mkdir -p "$CARRY/bin" "$CARRY/deps/include" "$CARRY/deps/share/cmake" "$CARRY/deps/lib/cmake"
 cp "$BUILD/keel" "$BUILD/test/test_gpu" "$CARRY/bin/"
 strip "$CARRY/bin/keel" "$CARRY/bin/test_gpu"
+tar -C "$CARRY" -czf "$CARRY/bin.tar.gz" bin && rm -rf "$CARRY/bin"
 
 # Header-only dependencies, laid out as under /usr so that their CMake files (which locate
 # the headers relative to themselves) work from here.
@@ -54,3 +57,10 @@ copy_pkg include/nlohmann share/cmake/nlohmann_json include/CLI share/cmake/CLI1
 } > "$CARRY/STAMP"
 cat "$CARRY/STAMP"
 du -sh "$CARRY"
+# What a device call carries: the tracked files, shared/ and this folder (limit 64 MiB).
+tree_bytes=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 du -cb 2>/dev/null) | tail -1 | cut -f1)
+shared_bytes=$(du -sb "$ROOT/../shared" 2>/dev/null | cut -f1)
+carry_bytes=$(du -sb "$CARRY" | cut -f1)
+total=$((tree_bytes + ${shared_bytes:-0} + carry_bytes))
+echo "a device call carries about $((total / 1048576)) MiB (tracked files, shared/, build-gpu/carry; limit 64)"
+[ "$total" -lt $((60 * 1048576)) ] || echo "gpu_prebuild.sh: warning: that is close to or over the device's 64 MiB" >&2

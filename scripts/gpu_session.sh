@@ -15,7 +15,8 @@
 #                                       # Compute on the attention kernels; NCU_KERNELS, NCU_COUNT,
 #                                       # NCU_SKIP)
 #
-# Binaries: build-gpu/carry/bin (from gpu_prebuild.sh) when present, else the `build` stage
+# Binaries: build-gpu/carry/bin.tar.gz (from gpu_prebuild.sh; unpacked into /tmp/keel-bin) or
+# build-gpu/carry/bin when present, else the `build` stage
 # compiles keel and test_gpu on the device with the carried header-only dependencies
 # (build-gpu/carry/deps), or with system ones where the device has them.
 #
@@ -74,6 +75,9 @@ setup_libs() {
 }
 
 have_bins() { [ -x "$BIN/keel" ] && [ -x "$BIN/test_gpu" ]; }
+if ! have_bins && [ -f "$CARRY/bin.tar.gz" ]; then
+  mkdir -p /tmp/keel-bin && tar -C /tmp/keel-bin -xzf "$CARRY/bin.tar.gz" && BIN=/tmp/keel-bin/bin
+fi
 
 stage_env() {
   {
