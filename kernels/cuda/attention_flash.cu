@@ -1180,11 +1180,13 @@ void backward_hd(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const 
 // ---- head dims between the kernels' widths ----
 //
 // A call whose head_dim is not 64, 128 or 160 (the tiny configs' 32, BLOOM-104B's 145,
-// BLOOM-200B's 150, phi's 80 and 96) runs the kernels of the next width up on copies of its operands with every
-// head's row zero-padded to that width: the padding adds zero products to every dot product,
-// so S, P and dS are the unpadded call's, and the padded columns of out, dq, dk and dv (sums of
-// zero rows) are dropped when copied back. The softmax scale stays 1/sqrt(head_dim). The
-// copies cost a few element-wise passes over qkv, next to products that grow with T.
+// BLOOM-200B's 150, phi's 80 and 96) runs the kernels of the next width up on copies of its
+// operands with every head's row zero-padded to that width: the padding adds zero products to
+// every dot product, so S, P and dS are the unpadded call's, and the padded columns of out, dq,
+// dk and dv (sums of zero rows) are dropped when copied back. The softmax scale stays
+// 1/sqrt(head_dim). The copies cost a few element-wise passes over qkv, next to products that
+// grow with T (at head_dim 32 the products double: still tensor-core work, where the plain
+// kernels are one warp of fp32 FMAs per query row).
 
 // The kernels' width for a head_dim they take (those below 64, or between the widths, padded),
 // or 0.

@@ -75,7 +75,7 @@ std::vector<Case> training_cases() {
   cases.push_back({"wide-head llama bf16 (fused attention)", wide_head_llama(), "bf16"});
   cases.push_back({"wide-head llama fp16", wide_head_llama(), "fp16"});
   // BLOOM's architecture with heads of 29 (odd, like BLOOM-104B's 145): the fused kernels on
-  // copies padded to 64 in bf16 (the tiny configs' heads of 8 are padded too), the plain ones in fp32
+  // copies padded to 64 in bf16 (as the tiny configs' heads of 8 are), the plain ones in fp32
   nlohmann::json bloom = tiny_run_json("gpt2");
   bloom["model"].update({{"d_model", 116}, {"n_heads", 4}, {"n_kv_heads", 4}, {"ffn_hidden", 232},
                          {"position_embedding", "alibi"}, {"embedding_norm", true}});
