@@ -1,7 +1,7 @@
 // Fused causal attention on the tensor cores (attention_flash.cu), for bf16 / fp16 storage and
-// head_dim 64, 128 or 160, or between 64 and 160 on copies zero-padded to the next of those
-// (BLOOM's 145 and 150). attention.cu decides when to use it and falls back to the plain fp32
-// kernels otherwise.
+// head_dim 64, 128 or 160, and any other up to 160 on copies zero-padded to the next of those
+// (the tiny configs' 32, BLOOM's 145 and 150). attention.cu decides when to use it and falls
+// back to the plain fp32 kernels otherwise.
 #pragma once
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -9,7 +9,7 @@
 namespace keel::cuda {
 
 // Can the fused kernels run this call (the forward, or with `backward` the dq and dk/dv
-// kernels)? dtype bf16 or f16 shared by all operands, head_dim 64 or in (64, 160], every base
+// kernels)? dtype bf16 or f16 shared by all operands, head_dim up to 160, every base
 // pointer 16-byte aligned (unless padded copies are made), and the kernels' shared memory
 // within the device's per-block opt-in limit.
 bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,

@@ -949,6 +949,23 @@ TEST_CASE("gpu: fused cross-entropy loss and gradient give the bits of its three
     }
 }
 
+namespace {
+
+// A random AdamW starting state of n elements: fp32 master, gradients of grad_dt, moments
+// (v >= 0), and the working copy in `working` rounded from the master.
+struct AdamState {
+  HostTensor master, working, grad, m, v;
+};
+AdamState random_adam_state(int64_t n, DType working, DType grad_dt) {
+  AdamState st{rand_tensor(DType::F32, {n}, 1), HostTensor(working, {n}), rand_tensor(grad_dt, {n}, 2, 0.1f),
+               rand_tensor(DType::F32, {n}, 3, 0.01f), rand_tensor(DType::F32, {n}, 4, 0.01f)};
+  for (int64_t i = 0; i < n; ++i) st.v.put(i, std::abs(st.v.at(i)));
+  cpu().convert(st.working.t, st.master.t);
+  return st;
+}
+
+}  // namespace
+
 TEST_CASE("gpu: adamw is bit-identical to the CPU in every precision layout", "[gpu][adamw]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
@@ -971,11 +988,7 @@ TEST_CASE("gpu: adamw is bit-identical to the CPU in every precision layout", "[
       p.weight_decay = 0.1f;
       p.step = step;
       p.grad_scale = 0.5f;
-      HostTensor master = rand_tensor(DType::F32, {n}, 1), grad = rand_tensor(DType::F32, {n}, 2, 0.1f);
-      HostTensor m = rand_tensor(DType::F32, {n}, 3, 0.01f), v = rand_tensor(DType::F32, {n}, 4, 0.01f);
-      for (int64_t i = 0; i < n; ++i) v.put(i, std::abs(v.at(i)));
-      HostTensor working(L.working, {n});
-      cpu().convert(working.t, master.t);
+      const auto [master, working, grad, m, v] = random_adam_state(n, L.working, DType::F32);
       HostTensor cm = clone(master), cw = clone(working), cmm = clone(m), cv = clone(v);
       Tensor none;
       const Tensor& c_master = L.master ? (L.alias ? cw.t : cm.t) : none;
@@ -1017,11 +1030,7 @@ TEST_CASE("gpu: adamw gives the CPU's bits however its operands are aligned", "[
         p.weight_decay = 0.1f;
         p.step = 2;
         const int64_t all = n + guard;
-        HostTensor master = rand_tensor(DType::F32, {all}, 1), grad = rand_tensor(grad_dt, {all}, 2, 0.1f);
-        HostTensor m = rand_tensor(DType::F32, {all}, 3, 0.01f), v = rand_tensor(DType::F32, {all}, 4, 0.01f);
-        for (int64_t i = 0; i < all; ++i) v.put(i, std::abs(v.at(i)));
-        HostTensor working(DType::BF16, {all});
-        cpu().convert(working.t, master.t);
+        const auto [master, working, grad, m, v] = random_adam_state(all, DType::BF16, grad_dt);
         HostTensor cm = clone(master), cw = clone(working), cmm = clone(m), cv = clone(v);
         cpu().adamw(cm.t.elements(0, n), cw.t.elements(0, n), grad.t.elements(0, n), cmm.t.elements(0, n),
                     cv.t.elements(0, n), p);
@@ -1094,11 +1103,7 @@ TEST_CASE("gpu: adamw with decay runs over several launches gives the CPU's bits
     p.stochastic_rounding = stochastic;
     p.rounding_seed = 99;
     p.rounding_index0 = stochastic ? 17 : 0;
-    HostTensor master = rand_tensor(DType::F32, {n}, 1), grad = rand_tensor(DType::BF16, {n}, 2, 0.1f);
-    HostTensor m = rand_tensor(DType::F32, {n}, 3, 0.01f), v = rand_tensor(DType::F32, {n}, 4, 0.01f);
-    for (int64_t i = 0; i < n; ++i) v.put(i, std::abs(v.at(i)));
-    HostTensor working(DType::BF16, {n});
-    cpu().convert(working.t, master.t);
+    const auto [master, working, grad, m, v] = random_adam_state(n, DType::BF16, DType::BF16);
     HostTensor cm = clone(master), cw = clone(working), cmm = clone(m), cv = clone(v);
     cpu().adamw(cm.t, cw.t, grad.t, cmm.t, cv.t, p);
     DeviceTensor dmaster = DeviceTensor::of(be, master), dw = DeviceTensor::of(be, working);
