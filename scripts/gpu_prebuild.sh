@@ -29,6 +29,10 @@ mkdir -p "$BUILD"
 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKEEL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEL_EMULATED_GPU_TESTS=OFF \
   -DKEEL_MPI=OFF -DKEEL_NATIVE=OFF -DKEEL_TESTS=ON > "$BUILD/configure.log" 2>&1 ||
   { tail -30 "$BUILD/configure.log"; exit 1; }
+# cuDNN attention (KEEL_ATTENTION=cudnn) needs the frontend headers here (scripts/setup.sh fetches
+# them); the binaries open libcudnn.so.9 on the device (gpu_session.sh finds PyTorch's).
+grep -q 'cuDNN attention ON' "$BUILD/configure.log" ||
+  echo "gpu_prebuild.sh: warning: built without cuDNN attention: $(grep 'cuDNN attention' "$BUILD/configure.log")" >&2
 cmake --build "$BUILD" -j"$JOBS" --target keel test_gpu
 
 rm -rf "$CARRY"

@@ -10,7 +10,8 @@
 #                                       # recompute (Llama 1B with train.recompute "full": memory
 #                                       # and ms/step against the bench stage's run) unfused (the
 #                                       # profiles with every optional fusion off) wgmma (the
-#                                       # profiles with the wgmma attention kernels) splitk (the
+#                                       # profiles with the wgmma attention kernels) cudnn (the
+#                                       # profiles with cuDNN attention) splitk (the
 #                                       # profiles with KEEL_SPLITK_ANY=0) ncu (Nsight
 #                                       # Compute on the attention kernels; NCU_KERNELS, NCU_COUNT,
 #                                       # NCU_SKIP)
@@ -55,8 +56,8 @@ for a in "$@"; do
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
     throughput) stages+=(bench) ;;
-    env | build | test | memcheck | racecheck | profile | recompute | unfused | wgmma | splitk | ncu) stages+=("$a") ;;
-    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused, wgmma, splitk, ncu)" >&2; exit 2 ;;
+    env | build | test | memcheck | racecheck | profile | recompute | unfused | wgmma | cudnn | splitk | ncu) stages+=("$a") ;;
+    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused, wgmma, cudnn, splitk, ncu)" >&2; exit 2 ;;
   esac
 done
 
@@ -70,6 +71,9 @@ setup_libs() {
   d=$("$PY" -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
   [ -n "$d" ] && [ -d "$d" ] && extra="$extra:$d"
   d=$("$PY" -c 'import nvidia.cuda_runtime, os; print(os.path.join(list(nvidia.cuda_runtime.__path__)[0], "lib"))' 2>/dev/null || true)
+  [ -n "$d" ] && [ -d "$d" ] && extra="$extra:$d"
+  # libcudnn.so.9 for KEEL_ATTENTION=cudnn (opened at run time, not linked)
+  d=$("$PY" -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2>/dev/null || true)
   [ -n "$d" ] && [ -d "$d" ] && extra="$extra:$d"
   export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}$extra"
 }
@@ -89,6 +93,7 @@ stage_env() {
     command -v compute-sanitizer ncu ninja cmake 2>&1
     [ -f "$CARRY/STAMP" ] && cat "$CARRY/STAMP"
     if have_bins; then ldd "$BIN/keel" | grep -E 'not found|cublas|cudart|gomp'; fi
+    for d in ${LD_LIBRARY_PATH//:/ }; do ls "$d"/libcudnn.so.9* 2> /dev/null; done | head -1
   } > "$RES/env.txt" 2>&1
   cat "$RES/env.txt"
   head -1 "$RES/env.txt" >> "$SUMMARY"
@@ -159,7 +164,7 @@ stage_test() {
       *) log=$RES/test_gpu-attention-wgmma.log wgmma=1 errors= ;;
     esac
     say "== test_gpu $spec (KEEL_CUDA_SYNC=1, KEEL_ATTN_WGMMA=$wgmma)"
-    KEEL_CUDA_SYNC=1 KEEL_ATTN_WGMMA=$wgmma KEEL_GPU_ERRORS="$errors" KEEL_FIXTURE_DIR="$ROOT/test/fixtures" \
+    KEEL_CUDA_SYNC=1 KEEL_ATTN_WGMMA=$wgmma KEEL_REQUIRE_CUDNN=1 KEEL_GPU_ERRORS="$errors" KEEL_FIXTURE_DIR="$ROOT/test/fixtures" \
       timeout "$(limit 270)" "$BIN/test_gpu" "$spec" --durations yes > "$log" 2>&1
     rc=$?
     say "test_gpu $spec: exit $rc"
@@ -330,6 +335,13 @@ stage_unfused() {
 # stage's.
 stage_wgmma() {
   stage_profile -wgmma KEEL_ATTN_WGMMA=1
+}
+
+# The same profiles with attention on cuDNN's SDPA graphs (KEEL_ATTENTION=cudnn): its attention
+# rows and step time against the profile stage's keel kernels.
+stage_cudnn() {
+  stage_profile -cudnn KEEL_ATTENTION=cudnn
+  grep -h 'KEEL_ATTENTION=cudnn' "$RES"/profile-*-cudnn/log.txt 2> /dev/null | sort -u | head -5 | tee -a "$SUMMARY"
 }
 
 # The same profiles with fp32-output matmuls (the weight gradients) held to the separate-pass

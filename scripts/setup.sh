@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what keel needs on Debian/Ubuntu. Safe to run again (only installs what is missing).
 #   scripts/setup.sh          build and test dependencies (compiler, CMake, json, CLI11, Catch2, MPI,
-#                             numpy for the attention-kernel emulation test)
+#                             numpy for the attention-kernel emulation test) and, where nvcc is
+#                             found, the cuDNN frontend headers (scripts/fetch_cudnn_frontend.py)
 #   scripts/setup.sh --demo   also the demo corpus (Debian's fortunes) and a Python venv (.venv)
 #                             with the HF `tokenizers` package for scripts/prepare_data.py
 set -euo pipefail
@@ -23,6 +24,13 @@ if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# With the CUDA toolkit: the cuDNN frontend headers for KEEL_ATTENTION=cudnn (third_party/, from
+# PyPI). Without them keel builds without cuDNN attention, so a failure only warns.
+if command -v nvcc >/dev/null 2>&1 || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  python3 scripts/fetch_cudnn_frontend.py ||
+    echo "setup: warning: no cuDNN frontend headers: keel builds without cuDNN attention (KEEL_ATTENTION=cudnn)"
 fi
 
 if ((demo)); then

@@ -1,7 +1,8 @@
 // Causal self-attention with grouped-query heads: op entry points, the plain fp32 kernels, and
 // attention over a KV cache (decode).
 //
-// Which kernels run: the fused tensor-core kernels of attention_flash.cu when the call allows
+// Which kernels run: with KEEL_ATTENTION=cudnn, cuDNN's SDPA graphs where they take the call
+// (attention_cudnn.h); else the fused tensor-core kernels of attention_flash.cu when the call allows
 // (bf16/fp16 storage shared by all operands, head_dim up to 160, aligned, the blocks'
 // shared memory within the device's limit) and KEEL_ATTENTION is not "simple"; otherwise the plain
 // kernels below, which compute in fp32 from any storage dtype (fp32 mode, head sizes above 160, and
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "kernels/attention_window.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/attention_flash.cuh"
 
 namespace keel {
@@ -408,7 +410,9 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
     cuda::fail(op, "out must be [B*T, n_heads*head_dim] for " + cuda::attn_str(s), {{"out", out}, {"qkv", qkv}});
   if (lse.numel() != B * nh * T) cuda::fail(op, "lse must be [B, n_heads, T] for " + cuda::attn_str(s), {{"lse", lse}});
   cuda::check_head_dim(op, s, qkv);
-  if (!simple_attention_ && cuda::flash_supported(*this, s, qkv.dtype, {&qkv, &out}, false)) {
+  if (cudnn_ && cuda::cudnn_attention_forward(*cudnn_, out, lse, qkv, s)) {
+    // cuDNN's SDPA graph (KEEL_ATTENTION=cudnn, attention_cudnn.cpp)
+  } else if (!simple_attention_ && cuda::flash_supported(*this, s, qkv.dtype, {&qkv, &out}, false)) {
     cuda::flash_forward(*this, out, lse, qkv, s);
   } else {
     cuda::PlainAttn a{};
@@ -445,6 +449,10 @@ void CudaBackend::attention_backward(const Tensor& dqkv, const Tensor& dout, con
       cuda::fail(op, std::string(t.name) + " must be [B*T, n_heads*head_dim] for " + cuda::attn_str(s), {t});
   if (lse.numel() != B * nh * T) cuda::fail(op, "lse must be [B, n_heads, T] for " + cuda::attn_str(s), {{"lse", lse}});
   cuda::check_head_dim(op, s, qkv);
+  if (cudnn_ && cuda::cudnn_attention_backward(*cudnn_, dqkv, dout, qkv, out, lse, s)) {
+    cuda::check_launch(*this, op, {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}});
+    return;
+  }
 
   auto* delta = static_cast<float*>(scratch(static_cast<size_t>(B * nh * T) * sizeof(float), op));
   cuda::launch_attention_delta(delta, dout, out, s, stream_);

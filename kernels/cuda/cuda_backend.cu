@@ -15,6 +15,7 @@
 
 #include <cublasLt.h>
 
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/wgmma_check.h"
 #include "kernels/device.h"
@@ -217,6 +218,21 @@ static size_t attention_ds_budget_from_env(size_t fallback) {
   return static_cast<size_t>(v) << 20;
 }
 
+// KEEL_ATTENTION: unset, empty or "fused", "simple", "cudnn"; anything else is refused naming the
+// variable and its values.
+enum class AttentionKernels { Fused, Simple, Cudnn };
+static AttentionKernels attention_kernels_from_env() {
+  const char* v = std::getenv("KEEL_ATTENTION");
+  if (!v || !*v || std::strcmp(v, "fused") == 0) return AttentionKernels::Fused;
+  if (std::strcmp(v, "simple") == 0) return AttentionKernels::Simple;
+  if (std::strcmp(v, "cudnn") == 0) return AttentionKernels::Cudnn;
+  throw std::invalid_argument(std::string("KEEL_ATTENTION must be fused (keel's fused kernels, the default), simple "
+                                          "(the plain fp32 kernels) or cudnn (cuDNN's flash attention), got '") +
+                              v + "'");
+}
+
+int64_t CudaBackend::cudnn_attention_calls() const { return cuda::cudnn_attention_calls(cudnn_); }
+
 // KEEL_ATTN_WGMMA: unset, empty or 0 off, 1 on; anything else is refused naming the variable.
 static bool attention_wgmma_from_env() {
   const char* v = std::getenv("KEEL_ATTN_WGMMA");
@@ -232,6 +248,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // the environment first, before anything is taken: a bad value throws
   attn_ds_budget_ = attention_ds_budget_from_env(attn_ds_budget_);
   const bool wgmma = attention_wgmma_from_env();
+  const AttentionKernels attn = attention_kernels_from_env();
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -268,8 +285,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   check_cuda(cudaMallocHost(&host_scalar_, 64), op, "cudaMallocHost");
   const char* sync = std::getenv("KEEL_CUDA_SYNC");
   sync_each_op_ = sync && *sync && std::strcmp(sync, "0") != 0;
-  const char* attn = std::getenv("KEEL_ATTENTION");
-  simple_attention_ = attn && std::strcmp(attn, "simple") == 0;
+  simple_attention_ = attn == AttentionKernels::Simple;
   auto not_off = [](const char* var) {
     const char* v = std::getenv(var);
     return !(v && std::strcmp(v, "0") == 0);
@@ -281,6 +297,12 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   splitk_any_ = not_off("KEEL_SPLITK_ANY");
   set_attention_wgmma(wgmma);
   matmul_ = cuda::create_matmul_cache(*this);
+  if (attn == AttentionKernels::Cudnn) {
+    std::string why_not;
+    cudnn_ = cuda::create_cudnn_attention(*this, &why_not);
+    if (!cudnn_) std::fprintf(stderr, "keel: KEEL_ATTENTION=cudnn: no cuDNN (%s): keel's fused kernels run attention\n",
+                              why_not.c_str());
+  }
   if (const char* prof = std::getenv("KEEL_CUDA_PROFILE"); prof && *prof && std::strcmp(prof, "0") != 0) {
     profiler_ = std::make_unique<Profiler>();
     if (std::strcmp(prof, "1") != 0) profiler_->path = prof;
@@ -295,6 +317,7 @@ CudaBackend::~CudaBackend() {
   for (auto& [key, p] : rope_tables_) release(p);
   rope_tables_.clear();
   cuda::destroy_matmul_cache(matmul_);
+  cuda::destroy_cudnn_attention(cudnn_);
   cudaStreamSynchronize(stream_);
   if (profiler_) {
     try {

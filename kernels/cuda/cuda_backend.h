@@ -14,8 +14,11 @@
 // Memory comes from the device's stream-ordered pool (cudaMallocAsync), kept cached.
 //
 // Debugging: KEEL_CUDA_SYNC=1 synchronizes after every op, so that an asynchronous fault is
-// reported by the op that caused it (with its shapes). KEEL_ATTENTION=simple selects the plain
-// fp32 attention kernels instead of the fused tensor-core ones. KEEL_GELU_EPILOGUE=0 makes
+// reported by the op that caused it (with its shapes). KEEL_ATTENTION selects the attention
+// kernels: unset or "fused" keel's fused tensor-core ones, "simple" the plain fp32 ones, "cudnn"
+// cuDNN's SDPA graphs where they take the call (attention_cudnn.h; keel's fused kernels for the
+// rest, and for everything where cuDNN cannot be loaded, said once on stderr).
+// KEEL_GELU_EPILOGUE=0 makes
 // matmul_gelu(_backward) run matmul and the GELU kernel instead of cuBLASLt's GELU epilogues,
 // KEEL_RESIDUAL_EPILOGUE=0 makes matmul_residual run matmul then add instead of reading the
 // residual as cuBLASLt's C, and KEEL_BGRAD_EPILOGUE=0 makes matmul_bias_grad run matmul then
@@ -54,6 +57,7 @@ namespace cuda {
 struct MatmulCache;  // cuBLASLt handle, descriptors and chosen algorithms per shape (matmul.cu)
 MatmulCache* create_matmul_cache(CudaBackend& be);
 void destroy_matmul_cache(MatmulCache* cache) noexcept;
+struct CudnnAttention;  // attention_cudnn.h
 }
 
 // CudaBackend::attention_ds_budget's default (KEEL_ATTN_DS_MB unset); keel plan counts it too.
@@ -182,6 +186,10 @@ class CudaBackend final : public Backend {
   // otherwise sit in the means. No-op without KEEL_CUDA_PROFILE.
   void profile_restart();
   bool simple_attention() const { return simple_attention_; }
+  // KEEL_ATTENTION=cudnn and cuDNN loaded: attention calls go to cuDNN where it takes them.
+  cuda::CudnnAttention* cudnn_attention() const { return cudnn_; }
+  // Attention calls cuDNN has run on this backend (the tests check who answered).
+  int64_t cudnn_attention_calls() const;
   // Split-K matmuls into fp32 outputs may use any reduction scheme (matmul.cu): KEEL_SPLITK_ANY
   // not 0.
   bool splitk_any() const { return splitk_any_; }
@@ -216,6 +224,7 @@ class CudaBackend final : public Backend {
   bool use_pool_ = true;           // cudaMallocAsync available
   bool sync_each_op_ = false;      // KEEL_CUDA_SYNC
   bool simple_attention_ = false;  // KEEL_ATTENTION=simple
+  cuda::CudnnAttention* cudnn_ = nullptr;  // KEEL_ATTENTION=cudnn, owned (attention_cudnn.cpp)
   bool gelu_epilogue_ = true;      // KEEL_GELU_EPILOGUE (not 0)
   bool residual_epilogue_ = true;  // KEEL_RESIDUAL_EPILOGUE (not 0)
   bool bgrad_epilogue_ = true;     // KEEL_BGRAD_EPILOGUE (not 0)

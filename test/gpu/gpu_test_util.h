@@ -49,6 +49,18 @@ inline Backend& gpu_simple_attention() {
   static std::unique_ptr<Backend> be = backend_with(ScopedEnv("KEEL_ATTENTION"), "simple");
   return *be;
 }
+// A third that sends attention calls to cuDNN where it takes them (KEEL_ATTENTION=cudnn); where
+// cuDNN cannot be loaded (the emulator) it runs keel's fused kernels.
+inline Backend& gpu_cudnn_attention() {
+  static std::unique_ptr<Backend> be = backend_with(ScopedEnv("KEEL_ATTENTION"), "cudnn");
+  return *be;
+}
+// KEEL_REQUIRE_CUDNN=1 (scripts/gpu_session.sh sets it): a cuDNN test fails, rather than checks
+// the fallback, where cuDNN did not load.
+inline bool cudnn_required() {
+  const char* v = std::getenv("KEEL_REQUIRE_CUDNN");
+  return v && *v && std::string(v) != "0";
+}
 #endif
 
 inline Backend& cpu() {

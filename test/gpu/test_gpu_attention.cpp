@@ -19,6 +19,7 @@
 
 #include "gpu_test_util.h"
 #include "kernels/alibi.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/wgmma_check.h"
 
@@ -905,4 +906,195 @@ TEST_CASE("gpu: the wgmma attention kernels match the CPU and the mma.sync kerne
       CHECK(bits_differ(ddq.host(), got) == 0);
     }
   }
+}
+
+// ---- cuDNN attention (KEEL_ATTENTION=cudnn, kernels/cuda/attention_cudnn.h) ----
+
+// KEEL_ATTENTION, read when a backend is made: unset, empty or "fused" keel's fused kernels,
+// "simple" the plain ones, "cudnn" cuDNN where it takes a call; anything else refused naming the
+// variable, its values and the value given.
+TEST_CASE("gpu: KEEL_ATTENTION picks the attention kernels; a bad value is refused naming the choices",
+          "[gpu][attention][cudnn]") {
+  KEEL_GPU_OR_SKIP();
+  const ScopedEnv env("KEEL_ATTENTION");
+  const auto simple_with = [&](const char* value) {
+    return setting_with(env, value, [](CudaBackend& be) { return be.simple_attention(); });
+  };
+  const auto cudnn_with = [&](const char* value) {
+    return setting_with(env, value, [](CudaBackend& be) { return be.cudnn_attention() != nullptr; });
+  };
+  for (const char* fused : {static_cast<const char*>(nullptr), "", "fused"}) {
+    INFO("KEEL_ATTENTION=" << (fused ? fused : "(unset)"));
+    CHECK_FALSE(simple_with(fused));
+    CHECK_FALSE(cudnn_with(fused));
+  }
+  CHECK(simple_with("simple"));
+  CHECK_FALSE(cudnn_with("simple"));
+  CHECK_FALSE(simple_with("cudnn"));
+  if (cudnn_required()) CHECK(cudnn_with("cudnn"));
+  for (const char* bad : {"flash", "CUDNN", " simple", "cudnn ", "1"}) {
+    INFO("KEEL_ATTENTION=" << bad);
+    CHECK_THROWS_WITH(backend_with(env, bad), Catch::Matchers::Contains("KEEL_ATTENTION must be fused") &&
+                                                  Catch::Matchers::Contains("simple") &&
+                                                  Catch::Matchers::Contains("cudnn") &&
+                                                  Catch::Matchers::Contains(std::string("got '") + bad + "'"));
+  }
+}
+
+// What keel gives cuDNN (no device needed): bf16 and fp16 causal calls with GQA and windows, head
+// dims that are multiples of 8 up to 256; the rest is refused with the reason.
+TEST_CASE("gpu: cuDNN attention is given bf16/fp16 causal calls and refuses the rest naming why",
+          "[gpu][attention][cudnn]") {
+  using Catch::Matchers::Contains;
+  AttnShape s{2, 100, 4, 2, 64};
+  for (DType dt : {DType::BF16, DType::F16}) CHECK(cuda::cudnn_attention_refusal(s, dt, dt).empty());
+  s.window = 16;
+  CHECK(cuda::cudnn_attention_refusal(s, DType::BF16, DType::BF16).empty());
+  for (int hd : {8, 128, 256}) {
+    AttnShape h{1, 10, 2, 1, hd};
+    CHECK(cuda::cudnn_attention_refusal(h, DType::BF16, DType::BF16).empty());
+  }
+  CHECK_THAT(cuda::cudnn_attention_refusal(s, DType::F32, DType::F32), Contains("fp32"));
+  CHECK_THAT(cuda::cudnn_attention_refusal(s, DType::BF16, DType::F16), Contains("different dtypes"));
+  HostTensor positions(DType::I32, {200}), slopes(DType::F32, {4});
+  AttnShape docs = s, alibi = s;
+  docs.positions = positions.t;
+  alibi.alibi_slopes = slopes.t;
+  CHECK_THAT(cuda::cudnn_attention_refusal(docs, DType::BF16, DType::BF16), Contains("document masking"));
+  CHECK_THAT(cuda::cudnn_attention_refusal(alibi, DType::BF16, DType::BF16), Contains("ALiBi"));
+  for (int hd : {29, 36, 145, 264}) {
+    AttnShape h{1, 10, 2, 1, hd};
+    CHECK_THAT(cuda::cudnn_attention_refusal(h, DType::BF16, DType::BF16),
+               Contains("head_dim " + std::to_string(hd)) && Contains("multiples of 8 up to 256"));
+  }
+}
+
+// cuDNN's SDPA graphs against the CPU at the fused kernels' bounds (out 1e-2, lse 1e-5, dq/dk/dv
+// 2e-2: cuDNN too rounds P and dS to the storage type before their second products), each call
+// again bit for bit (the backward asks for cuDNN's deterministic algorithm). The lse check also
+// pins down that cuDNN's statistics are keel's natural-log log-sum-exp. The core training shapes
+// (head_dim 64 and 128, causal or windowed) must be taken by cuDNN: each takes 4 cuDNN calls
+// (forward and backward, twice). Calls it is not given (fp32, ALiBi, documents) run keel's
+// kernels at their own bounds with no cuDNN call. Without cuDNN (the emulator, or no library)
+// every call must be keel's fused kernels' bit for bit; with KEEL_REQUIRE_CUDNN=1 that fails.
+TEST_CASE("gpu: cuDNN attention matches the CPU and repeats bit for bit; what it is not given runs keel's kernels",
+          "[gpu][attention][cudnn]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu_cudnn_attention();
+  auto& cb = dynamic_cast<CudaBackend&>(be);
+  if (!cb.cudnn_attention()) {
+    if (cudnn_required()) FAIL("KEEL_REQUIRE_CUDNN is set but cuDNN did not load (its reason is on stderr)");
+    WARN("no cuDNN here: checking that KEEL_ATTENTION=cudnn runs keel's fused kernels");
+    const AttnShape s{2, 100, 4, 2, 64};
+    const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
+    HostTensor qkv = rand_tensor(DType::BF16, {N, s.qkv_cols()}, 81, 1.5f), dy = rand_tensor(DType::BF16, {N, ocols}, 82);
+    std::vector<HostTensor> results;
+    for (Backend* b : {&be, &gpu()}) {
+      DeviceTensor dq = DeviceTensor::of(*b, qkv), ddy = DeviceTensor::of(*b, dy);
+      DeviceTensor out = DeviceTensor::of(*b, filled(DType::BF16, {N, ocols}, NAN));
+      DeviceTensor lse = DeviceTensor::of(*b, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+      DeviceTensor ddq = DeviceTensor::of(*b, filled(DType::BF16, {N, s.qkv_cols()}, NAN));
+      b->attention_forward(out.t, lse.t, dq.t, s);
+      b->attention_backward(ddq.t, ddy.t, dq.t, out.t, lse.t, s);
+      results.push_back(out.host());
+      results.push_back(lse.host());
+      results.push_back(ddq.host());
+    }
+    for (int i = 0; i < 3; ++i) CHECK(bits_differ(results[i], results[i + 3]) == 0);
+    CHECK(cb.cudnn_attention_calls() == 0);
+    return;
+  }
+  struct Case {
+    AttnShape s;
+    bool must_take;  // a core training shape: cuDNN must run it
+  };
+  const auto windowed = [](AttnShape s, int w) {
+    s.window = w;
+    return s;
+  };
+  const std::vector<Case> cases = {
+      {{2, 100, 4, 2, 64}, true},                    // GQA, T not a multiple of any tile
+      {{1, 257, 8, 2, 128}, true},                   // group of 4
+      {{2, 64, 2, 2, 64}, true},                     // MHA
+      {{3, 33, 4, 1, 128}, true},                    // multi-query
+      {{1, 1, 2, 1, 64}, false},                     // a single position
+      {{2, 50, 4, 2, 32}, false},                    // the tiny configs' heads
+      {{2, 70, 4, 2, 80}, false},                    // head_dim 80
+      {{2, 37, 4, 2, 8}, false},                     // head_dim 8
+      {{1, 130, 2, 1, 256}, false},                  // the widest cuDNN may take
+      {windowed({2, 200, 4, 2, 64}, 16), true},      // sliding windows: within a tile,
+      {windowed({1, 257, 8, 2, 128}, 100), true},    // across tiles,
+      {windowed({2, 100, 4, 2, 64}, 1000), true},    // longer than T (= causal),
+      {windowed({2, 70, 2, 1, 64}, 1), false},       // one key
+      {{1, 2048, 4, 1, 128}, true},                  // a training length
+      {windowed({1, 2048, 2, 1, 128}, 512), true},
+  };
+  for (DType dt : {DType::BF16, DType::F16})
+    for (const Case& c : cases) {
+      const AttnShape& s = c.s;
+      if (s.T > 1000 && dt == DType::F16) continue;  // the long cases once
+      const std::string what = std::string(dname(dt)) + " cudnn" + (s.window ? " window" : "");
+      INFO(shape_name(s) << " window " << s.window << " " << what);
+      const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
+      HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 83, 1.5f), dy = rand_tensor(dt, {N, ocols}, 84);
+      const int64_t before = cb.cudnn_attention_calls();
+      check_attention_vs_cpu(be, qkv, dy, s, s, true, what, true);
+      const int64_t taken = cb.cudnn_attention_calls() - before;
+      if (c.must_take) CHECK(taken == 4);
+      else CHECK((taken == 0 || taken == 4));  // cuDNN's graph build decides; keel's kernels otherwise
+      if (!c.must_take) WARN(shape_name(s) << " window " << s.window << " " << dname(dt) << ": cuDNN "
+                                           << (taken ? "took it" : "refused it (keel's kernels ran)"));
+    }
+  // Not given to cuDNN: fp32, ALiBi, documents.
+  const AttnShape s0{2, 130, 4, 2, 64};
+  const int64_t N = static_cast<int64_t>(s0.B) * s0.T, ocols = s0.n_heads * s0.head_dim;
+  const HostTensor slopes = alibi_host(s0.n_heads, 0, s0.n_heads);
+  HostTensor positions(DType::I32, {N});
+  positions.set_i32(document_positions_of(s0.B, s0.T, {1, 63, 64, 2}));
+  DeviceTensor dslopes = DeviceTensor::of(be, slopes), dpositions = DeviceTensor::of(be, positions);
+  for (int which = 0; which < 3; ++which) {
+    const DType dt = which == 0 ? DType::F32 : DType::BF16;
+    AttnShape s = s0, sd = s0;
+    if (which == 1) s.alibi_slopes = slopes.t, sd.alibi_slopes = dslopes.t;
+    if (which == 2) s.positions = positions.t, sd.positions = dpositions.t;
+    const std::string what = std::string(dname(dt)) + (which == 0 ? " plain" : which == 1 ? " fused alibi" : " fused documents");
+    INFO(what << ", not given to cuDNN");
+    HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 85, 1.5f), dy = rand_tensor(dt, {N, ocols}, 86);
+    const int64_t before = cb.cudnn_attention_calls();
+    check_attention_vs_cpu(be, qkv, dy, s, sd, which != 0, what, false);
+    CHECK(cb.cudnn_attention_calls() == before);
+  }
+}
+
+// The graphs keel gives cuDNN pass the cuDNN frontend's own checks for an H100 (sm 90) and an
+// A100 (sm 80), with no device (so on machines without a GPU too, wherever libcudnn.so.9 loads):
+// the shapes the GPU test above requires cuDNN to take, in bf16 and fp16. Without cuDNN it says
+// why; with KEEL_REQUIRE_CUDNN=1 that fails.
+TEST_CASE("gpu: cuDNN's frontend accepts keel's attention graphs for sm_90 and sm_80 (no device needed)",
+          "[gpu][attention][cudnn]") {
+  const AttnShape probe{2, 100, 4, 2, 64};
+  const std::string loaded = cuda::cudnn_attention_check_graphs(probe, DType::BF16, 90);
+  if (loaded.rfind("no cuDNN", 0) == 0) {
+    if (cudnn_required()) FAIL(loaded);
+    WARN("skipped: " << loaded);
+    return;
+  }
+  const auto windowed = [](AttnShape s, int w) {
+    s.window = w;
+    return s;
+  };
+  for (int sm : {90, 80})
+    for (DType dt : {DType::BF16, DType::F16})
+      for (const AttnShape& s : {AttnShape{2, 100, 4, 2, 64}, AttnShape{1, 257, 8, 2, 128}, AttnShape{2, 64, 2, 2, 64},
+                                 AttnShape{3, 33, 4, 1, 128}, AttnShape{4, 2048, 32, 8, 64}, AttnShape{32, 1024, 12, 12, 64},
+                                 windowed({2, 200, 4, 2, 64}, 16), windowed({1, 2048, 2, 1, 128}, 512)}) {
+        INFO("sm " << sm << " " << dname(dt) << " " << shape_name(s) << " window " << s.window);
+        CHECK(cuda::cudnn_attention_check_graphs(s, dt, sm) == "");
+      }
+  // and the checks do refuse: a Volta, a single position (cuDNN has no backward for it: keel's
+  // kernels run it), GQA with a head count that is not a multiple
+  using Catch::Matchers::Contains;
+  CHECK_THAT(cuda::cudnn_attention_check_graphs(probe, DType::BF16, 70), Contains("SM80"));
+  CHECK_THAT(cuda::cudnn_attention_check_graphs(AttnShape{1, 1, 2, 1, 64}, DType::BF16, 90), Contains("backward"));
+  CHECK_THAT(cuda::cudnn_attention_check_graphs(AttnShape{1, 10, 3, 2, 64}, DType::BF16, 90), Contains("group-query"));
 }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <random>
 #include <tuple>
+#include <utility>
 
 #include "common/fixture.h"
 #include "common/hf_weights.h"
@@ -22,6 +23,7 @@
 #include "common/temp_dir.h"
 #include "common/batches.h"
 #include "gpu_test_util.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/document_positions.h"
 #include "common/cached_decoding.h"
 #include "model/transformer.h"
@@ -269,6 +271,50 @@ TEST_CASE("gpu: converted HF models (Llama, GPT-2, BLOOM) and keel eval's scores
 
 // Run 3 recomputes every layer's activations in backward (train.recompute "full"): the kernels
 // are deterministic, so it must give the same bits as runs 1 and 2.
+// The same comparison with attention on cuDNN (KEEL_ATTENTION=cudnn): a GQA Llama and a GPT-2 with
+// 64-wide heads in bf16 at the bf16 bounds above, every attention call run by cuDNN (its graphs
+// are given bf16 causal calls with head_dim 64), and a second run on the GPU bit for bit (cuDNN's
+// deterministic backward).
+TEST_CASE("gpu: training steps with cuDNN attention track the CPU and repeat bit for bit", "[gpu][train][cudnn]") {
+  KEEL_GPU_OR_SKIP();
+  auto& be = dynamic_cast<CudaBackend&>(gpu_cudnn_attention());
+  if (!be.cudnn_attention()) {
+    if (cudnn_required()) FAIL("KEEL_REQUIRE_CUDNN is set but cuDNN did not load (its reason is on stderr)");
+    WARN("skipped: no cuDNN here (the emulator, or no libcudnn.so.9)");
+    return;
+  }
+  nlohmann::json gpt2 = tiny_run_json("gpt2");
+  gpt2["model"].update({{"d_model", 128}, {"n_heads", 2}, {"n_kv_heads", 2}, {"ffn_hidden", 256}, {"max_seq_len", 96}});
+  gpt2["train"] = wide_head_llama()["train"];
+  for (const auto& [name, json] : {std::pair<std::string, nlohmann::json>{"wide-head llama bf16, cuDNN", wide_head_llama()},
+                                   std::pair<std::string, nlohmann::json>{"wide-head gpt2 bf16, cuDNN", gpt2}}) {
+    INFO(name);
+    const RunConfig cfg = make_config(json, {{"precision", {{"mode", "bf16"}}}});
+    const int T = static_cast<int>(cfg.train.seq_len), mbs = static_cast<int>(cfg.train.micro_batch);
+    const int n_micro = static_cast<int>(cfg.train.global_batch / cfg.train.micro_batch);
+    Trainer on_cpu(cfg, cpu()), on_gpu(cfg, be), again(cfg, be);
+    for (Trainer* tr : {&on_cpu, &on_gpu, &again}) tr->init_weights();
+    const int64_t calls_before = be.cudnn_attention_calls();
+    for (int step = 1; step <= 5; ++step) {
+      INFO("step " << step);
+      const auto batches = synthetic_batches(n_micro, mbs, T, static_cast<int>(cfg.model.vocab_size), 300 + step);
+      const StepStats a = on_cpu.step(batches, step), b = on_gpu.step(batches, step), c = again.step(batches, step);
+      const double loss_err = std::abs(b.loss - a.loss) / std::abs(a.loss);
+      INFO("loss cpu " << a.loss << " gpu " << b.loss);
+      KEEL_CHECK_ERR(step == 1 ? "training step 1 loss" : "training steps 2-5 loss", name, loss_err,
+                     step == 1 ? 5e-3 : 3e-2);
+      if (step == 1) KEEL_CHECK_ERR("training step 1 grad norm", name, std::abs(b.grad_norm - a.grad_norm) / a.grad_norm, 2e-2);
+      CHECK(std::memcmp(&b.loss, &c.loss, sizeof(double)) == 0);
+      CHECK(std::memcmp(&b.grad_norm, &c.grad_norm, sizeof(double)) == 0);
+    }
+    // 2 layers x (forward + backward) x micro-batches x steps x 2 runs
+    CHECK(be.cudnn_attention_calls() - calls_before == 2 * 2 * n_micro * 5 * 2);
+    const std::vector<float> w = working_weights(on_gpu);
+    KEEL_CHECK_ERR("training weights after 5 steps", name, rel(w, working_weights(on_cpu)), 3e-2);
+    CHECK(w == working_weights(again));
+  }
+}
+
 TEST_CASE("gpu: the same run twice, and with activation recomputation, gives bit-identical losses and weights",
           "[gpu][determinism][recompute]") {
   KEEL_GPU_OR_SKIP();
