@@ -22,8 +22,9 @@
 # (build-gpu/carry/deps), or with system ones where the device has them.
 #
 # Output: a short summary on stdout (the device call returns its tail); logs and tables under
-# /tmp/keel-gpu (RES): env.txt, test_gpu.log, test_gpu-wgmma.log, test_gpu-attention-wgmma.log, error_table.md, memcheck.log,
-# racecheck.log, bench/results.md (the section for bench/RESULTS.md), profile-<model>.txt. On a device call
+# /tmp/keel-gpu (RES): env.txt, test_gpu.log, test_gpu-wgmma.log, test_gpu-cudnn.log,
+# test_gpu-attention-wgmma.log, error_table.md, memcheck.log, racecheck.log, bench/results.md (the
+# section for bench/RESULTS.md), profile-<model>.txt. On a device call
 # ($OUT set) they come back packed as $OUT/keel-gpu.tgz (less the token shards): the tool
 # returns at most 8 files.
 #
@@ -152,15 +153,16 @@ stage_test() {
   ensure_bins
   local t0=$SECONDS rc
   rm -f "$RES/gpu_errors.tsv"
-  # The wgmma tests (kernels off by default until measured, KEEL_ATTN_WGMMA) in a process of
-  # their own, after the rest: a fault there cannot take the other results with it.
-  # Last, every other attention test with the wgmma kernels in place of the mma.sync ones
-  # (their errors not logged: the table is the default kernels').
+  # The wgmma tests and the cuDNN ones (both off by default until measured: KEEL_ATTN_WGMMA,
+  # KEEL_ATTENTION=cudnn) each in a process of their own, after the rest: a fault there cannot
+  # take the other results with it. Last, every other attention test with the wgmma kernels in
+  # place of the mma.sync ones (their errors not logged: the table is the default kernels').
   local spec log errors wgmma
-  for spec in '~[wgmma]' '[wgmma]' '[attention]~[wgmma]'; do
+  for spec in '~[wgmma]~[cudnn]' '[wgmma]' '[cudnn]' '[attention]~[wgmma]~[cudnn]'; do
     case $spec in
-      '~[wgmma]') log=$RES/test_gpu.log wgmma=0 errors=$RES/gpu_errors.tsv ;;
+      '~[wgmma]~[cudnn]') log=$RES/test_gpu.log wgmma=0 errors=$RES/gpu_errors.tsv ;;
       '[wgmma]') log=$RES/test_gpu-wgmma.log wgmma=0 errors=$RES/gpu_errors.tsv ;;
+      '[cudnn]') log=$RES/test_gpu-cudnn.log wgmma=0 errors=$RES/gpu_errors.tsv ;;
       *) log=$RES/test_gpu-attention-wgmma.log wgmma=1 errors= ;;
     esac
     say "== test_gpu $spec (KEEL_CUDA_SYNC=1, KEEL_ATTN_WGMMA=$wgmma)"

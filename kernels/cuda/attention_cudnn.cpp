@@ -4,10 +4,13 @@
 // a create_cudnn_attention that says why there is no cuDNN.
 #include "kernels/cuda/attention_cudnn.h"
 
+#include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 
 #if KEEL_WITH_CUDNN
 #include <dlfcn.h>
@@ -44,6 +47,19 @@ std::string cudnn_attention_refusal(const AttnShape& s, DType qkv, DType out) {
   return "";
 }
 
+int64_t cudnn_workspace_cap_from_env() {
+  const char* mb = std::getenv("KEEL_CUDNN_WORKSPACE_MB");
+  if (!mb || !*mb) return int64_t{4096} << 20;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(mb, &end, 10);
+  if (*end != '\0' || errno != 0 || !std::isdigit(static_cast<unsigned char>(mb[0])) || v > (1ull << 24))
+    throw std::invalid_argument(std::string("KEEL_CUDNN_WORKSPACE_MB must be a whole number of MiB from 0 to 16777216 "
+                                            "(the most workspace a cuDNN attention graph may take), got '") +
+                                mb + "'");
+  return static_cast<int64_t>(v) << 20;
+}
+
 #if !KEEL_WITH_CUDNN
 
 static const char* not_built() {
@@ -54,7 +70,7 @@ static const char* not_built() {
 #endif
 }
 
-CudnnAttention* create_cudnn_attention(CudaBackend&, std::string* why_not) {
+CudnnAttention* create_cudnn_attention(CudaBackend&, int64_t, std::string* why_not) {
   *why_not = not_built();
   return nullptr;
 }
@@ -159,6 +175,7 @@ struct CudnnAttention {
   CudaBackend& be;
   cudnnHandle_t handle = nullptr;
   bool deterministic = true;
+  int64_t workspace_cap = 0;  // bytes, KEEL_CUDNN_WORKSPACE_MB
   int64_t calls = 0;  // calls cuDNN ran (tests check that it was cuDNN)
   std::map<GraphKey, ShapeGraphs> graphs;
   std::set<std::string> told;  // reasons already written to stderr
@@ -211,6 +228,9 @@ struct CudnnAttention {
       if (!(r = step(graph->get_workspace_size(ws), "workspace")).empty()) return r;
       g.workspace = std::max(g.workspace, ws);
     }
+    if (g.workspace > workspace_cap)
+      return "its graphs need " + std::to_string(g.workspace >> 20) + " MiB of workspace, more than KEEL_CUDNN_WORKSPACE_MB (" +
+             std::to_string(workspace_cap >> 20) + ")";
     g.forward = std::move(p.forward);
     g.backward = std::move(p.backward);
     return "";
@@ -252,7 +272,7 @@ static bool open_cudnn(std::string* why_not) {
   return opened;
 }
 
-CudnnAttention* create_cudnn_attention(CudaBackend& be, std::string* why_not) {
+CudnnAttention* create_cudnn_attention(CudaBackend& be, int64_t workspace_cap, std::string* why_not) {
   if (!open_cudnn(why_not)) return nullptr;
   auto a = std::make_unique<CudnnAttention>(be);
   try {
@@ -270,6 +290,10 @@ CudnnAttention* create_cudnn_attention(CudaBackend& be, std::string* why_not) {
   }
   const char* det = std::getenv("KEEL_CUDNN_DETERMINISTIC");
   a->deterministic = !(det && std::strcmp(det, "0") == 0);
+  a->workspace_cap = workspace_cap;
+  // On Hopper, cuDNN (9.25 and later) serves a deterministic backward whose T x T dP workspace
+  // would pass the cap by an ordered dq accumulation instead, with workspace linear in T.
+  setenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT", std::to_string(a->workspace_cap).c_str(), 0);
   return a.release();
 }
 

@@ -13,7 +13,11 @@
 // keep). Causal mask aligned top-left (row i sees keys j <= i), scale 1/sqrt(hd); with
 // AttnShape::window, cuDNN's left bound keeps j + window > i, keel's j > i - window. The backward
 // is asked for cuDNN's deterministic algorithm (no atomics in dq) unless KEEL_CUDNN_DETERMINISTIC=0,
-// which gives up keel's bit-identical repeat runs for whatever that algorithm costs.
+// which gives up keel's bit-identical repeat runs for whatever that algorithm costs. On Hopper that
+// algorithm stages dP in a bf16 workspace of B x n_heads x T x T (1 GiB for the 1B Llama benchmark,
+// like keel's staged dS); a shape whose graphs need more workspace than KEEL_CUDNN_WORKSPACE_MB
+// (default 4096) is left to keel's kernels, said once, rather than risk running out of memory
+// (cuDNN 9.25 and later first switch to an ordered dq accumulation with workspace linear in T).
 //
 // What it is not given (keel's kernels run instead): fp32 storage, operands of different dtypes,
 // document masking (positions), ALiBi (cuDNN computes its own slopes, not a tensor-parallel
@@ -40,9 +44,14 @@ std::string cudnn_attention_refusal(const AttnShape& s, DType qkv, DType out);
 
 struct CudnnAttention;  // library handle, cuDNN handle, built graphs per shape (attention_cudnn.cpp)
 
-// The cuDNN attention of `be`, or nullptr with *why_not set where cuDNN cannot be used at all:
-// not built in (no frontend headers, the CUDA emulator) or the library not loadable.
-CudnnAttention* create_cudnn_attention(CudaBackend& be, std::string* why_not);
+// KEEL_CUDNN_WORKSPACE_MB in bytes (default 4096 MiB); a value that is not a whole number of MiB
+// is refused naming the variable.
+int64_t cudnn_workspace_cap_from_env();
+
+// The cuDNN attention of `be`, taking shapes whose graphs need at most workspace_cap bytes of
+// workspace, or nullptr with *why_not set where cuDNN cannot be used at all: not built in (no
+// frontend headers, the CUDA emulator) or the library not loadable.
+CudnnAttention* create_cudnn_attention(CudaBackend& be, int64_t workspace_cap, std::string* why_not);
 void destroy_cudnn_attention(CudnnAttention* a) noexcept;
 
 // Run the call through cuDNN and return true, or return false (nothing enqueued) where cuDNN

@@ -249,6 +249,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   attn_ds_budget_ = attention_ds_budget_from_env(attn_ds_budget_);
   const bool wgmma = attention_wgmma_from_env();
   const AttentionKernels attn = attention_kernels_from_env();
+  const int64_t cudnn_workspace = attn == AttentionKernels::Cudnn ? cuda::cudnn_workspace_cap_from_env() : 0;
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -299,7 +300,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   matmul_ = cuda::create_matmul_cache(*this);
   if (attn == AttentionKernels::Cudnn) {
     std::string why_not;
-    cudnn_ = cuda::create_cudnn_attention(*this, &why_not);
+    cudnn_ = cuda::create_cudnn_attention(*this, cudnn_workspace, &why_not);
     if (!cudnn_) std::fprintf(stderr, "keel: KEEL_ATTENTION=cudnn: no cuDNN (%s): keel's fused kernels run attention\n",
                               why_not.c_str());
   }

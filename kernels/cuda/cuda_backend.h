@@ -16,8 +16,9 @@
 // Debugging: KEEL_CUDA_SYNC=1 synchronizes after every op, so that an asynchronous fault is
 // reported by the op that caused it (with its shapes). KEEL_ATTENTION selects the attention
 // kernels: unset or "fused" keel's fused tensor-core ones, "simple" the plain fp32 ones, "cudnn"
-// cuDNN's SDPA graphs where they take the call (attention_cudnn.h; keel's fused kernels for the
-// rest, and for everything where cuDNN cannot be loaded, said once on stderr).
+// cuDNN's SDPA graphs where they take the call (attention_cudnn.h, which also says what
+// KEEL_CUDNN_DETERMINISTIC, KEEL_CUDNN_WORKSPACE_MB and KEEL_CUDNN_LIB do; keel's fused kernels for
+// the rest, and for everything where cuDNN cannot be loaded, said once on stderr).
 // KEEL_GELU_EPILOGUE=0 makes
 // matmul_gelu(_backward) run matmul and the GELU kernel instead of cuBLASLt's GELU epilogues,
 // KEEL_RESIDUAL_EPILOGUE=0 makes matmul_residual run matmul then add instead of reading the

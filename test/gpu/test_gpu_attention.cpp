@@ -910,6 +910,30 @@ TEST_CASE("gpu: the wgmma attention kernels match the CPU and the mma.sync kerne
 
 // ---- cuDNN attention (KEEL_ATTENTION=cudnn, kernels/cuda/attention_cudnn.h) ----
 
+namespace {
+
+// attention_forward and attention_backward of `be` and of gpu() (keel's fused kernels) on the
+// same random bf16 inputs of shape s: every output bit for bit the same.
+void check_runs_fused_kernels(Backend& be, const AttnShape& s, uint32_t seed) {
+  const int64_t n = static_cast<int64_t>(s.B) * s.T, oc = s.n_heads * s.head_dim;
+  HostTensor qkv = rand_tensor(DType::BF16, {n, s.qkv_cols()}, seed, 1.5f), dy = rand_tensor(DType::BF16, {n, oc}, seed + 1);
+  std::vector<HostTensor> results;
+  for (Backend* b : {&be, &gpu()}) {
+    DeviceTensor dq = DeviceTensor::of(*b, qkv), ddy = DeviceTensor::of(*b, dy);
+    DeviceTensor out = DeviceTensor::of(*b, filled(DType::BF16, {n, oc}, NAN));
+    DeviceTensor lse = DeviceTensor::of(*b, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
+    DeviceTensor ddq = DeviceTensor::of(*b, filled(DType::BF16, {n, s.qkv_cols()}, NAN));
+    b->attention_forward(out.t, lse.t, dq.t, s);
+    b->attention_backward(ddq.t, ddy.t, dq.t, out.t, lse.t, s);
+    results.push_back(out.host());
+    results.push_back(lse.host());
+    results.push_back(ddq.host());
+  }
+  for (int i = 0; i < 3; ++i) CHECK(bits_differ(results[i], results[i + 3]) == 0);
+}
+
+}  // namespace
+
 // KEEL_ATTENTION, read when a backend is made: unset, empty or "fused" keel's fused kernels,
 // "simple" the plain ones, "cudnn" cuDNN where it takes a call; anything else refused naming the
 // variable, its values and the value given.
@@ -942,8 +966,9 @@ TEST_CASE("gpu: KEEL_ATTENTION picks the attention kernels; a bad value is refus
 }
 
 // What keel gives cuDNN (no device needed): bf16 and fp16 causal calls with GQA and windows, head
-// dims that are multiples of 8 up to 256; the rest is refused with the reason.
-TEST_CASE("gpu: cuDNN attention is given bf16/fp16 causal calls and refuses the rest naming why",
+// dims that are multiples of 8 up to 256; the rest is refused with the reason. And the workspace
+// cap a cuDNN backend is made with (KEEL_CUDNN_WORKSPACE_MB).
+TEST_CASE("gpu: cuDNN attention is given bf16/fp16 causal calls and refuses the rest naming why; its workspace cap",
           "[gpu][attention][cudnn]") {
   using Catch::Matchers::Contains;
   AttnShape s{2, 100, 4, 2, 64};
@@ -967,6 +992,21 @@ TEST_CASE("gpu: cuDNN attention is given bf16/fp16 causal calls and refuses the 
     CHECK_THAT(cuda::cudnn_attention_refusal(h, DType::BF16, DType::BF16),
                Contains("head_dim " + std::to_string(hd)) && Contains("multiples of 8 up to 256"));
   }
+  // KEEL_CUDNN_WORKSPACE_MB: whole MiB, default 4096; anything else refused naming it
+  const ScopedEnv env("KEEL_CUDNN_WORKSPACE_MB");
+  env.set(nullptr);
+  CHECK(cuda::cudnn_workspace_cap_from_env() == int64_t{4096} << 20);
+  env.set("0");
+  CHECK(cuda::cudnn_workspace_cap_from_env() == 0);
+  env.set("1536");
+  CHECK(cuda::cudnn_workspace_cap_from_env() == int64_t{1536} << 20);
+  for (const char* bad : {"-1", "2GiB", " 8", "16777217", "abc"}) {
+    INFO("KEEL_CUDNN_WORKSPACE_MB=" << bad);
+    env.set(bad);
+    CHECK_THROWS_WITH(cuda::cudnn_workspace_cap_from_env(),
+                      Contains("KEEL_CUDNN_WORKSPACE_MB must be a whole number of MiB") &&
+                          Contains(std::string("got '") + bad + "'"));
+  }
 }
 
 // cuDNN's SDPA graphs against the CPU at the fused kernels' bounds (out 1e-2, lse 1e-5, dq/dk/dv
@@ -985,22 +1025,7 @@ TEST_CASE("gpu: cuDNN attention matches the CPU and repeats bit for bit; what it
   if (!cb.cudnn_attention()) {
     if (cudnn_required()) FAIL("KEEL_REQUIRE_CUDNN is set but cuDNN did not load (its reason is on stderr)");
     WARN("no cuDNN here: checking that KEEL_ATTENTION=cudnn runs keel's fused kernels");
-    const AttnShape s{2, 100, 4, 2, 64};
-    const int64_t N = static_cast<int64_t>(s.B) * s.T, ocols = s.n_heads * s.head_dim;
-    HostTensor qkv = rand_tensor(DType::BF16, {N, s.qkv_cols()}, 81, 1.5f), dy = rand_tensor(DType::BF16, {N, ocols}, 82);
-    std::vector<HostTensor> results;
-    for (Backend* b : {&be, &gpu()}) {
-      DeviceTensor dq = DeviceTensor::of(*b, qkv), ddy = DeviceTensor::of(*b, dy);
-      DeviceTensor out = DeviceTensor::of(*b, filled(DType::BF16, {N, ocols}, NAN));
-      DeviceTensor lse = DeviceTensor::of(*b, filled(DType::F32, {s.B, s.n_heads, s.T}, NAN));
-      DeviceTensor ddq = DeviceTensor::of(*b, filled(DType::BF16, {N, s.qkv_cols()}, NAN));
-      b->attention_forward(out.t, lse.t, dq.t, s);
-      b->attention_backward(ddq.t, ddy.t, dq.t, out.t, lse.t, s);
-      results.push_back(out.host());
-      results.push_back(lse.host());
-      results.push_back(ddq.host());
-    }
-    for (int i = 0; i < 3; ++i) CHECK(bits_differ(results[i], results[i + 3]) == 0);
+    check_runs_fused_kernels(be, AttnShape{2, 100, 4, 2, 64}, 81);
     CHECK(cb.cudnn_attention_calls() == 0);
     return;
   }
@@ -1052,6 +1077,17 @@ TEST_CASE("gpu: cuDNN attention matches the CPU and repeats bit for bit; what it
   HostTensor positions(DType::I32, {N});
   positions.set_i32(document_positions_of(s0.B, s0.T, {1, 63, 64, 2}));
   DeviceTensor dslopes = DeviceTensor::of(be, slopes), dpositions = DeviceTensor::of(be, positions);
+  // A workspace cap of 0 (KEEL_CUDNN_WORKSPACE_MB=0): no graph fits (the deterministic backward
+  // stages dP), so keel's fused kernels run every call, bit for bit as without cuDNN.
+  {
+    const ScopedEnv cap("KEEL_CUDNN_WORKSPACE_MB");
+    cap.set("0");
+    const std::unique_ptr<Backend> capped = backend_with(ScopedEnv("KEEL_ATTENTION"), "cudnn");
+    auto& cc = dynamic_cast<CudaBackend&>(*capped);
+    REQUIRE(cc.cudnn_attention() != nullptr);
+    check_runs_fused_kernels(*capped, AttnShape{2, 100, 4, 2, 64}, 87);
+    CHECK(cc.cudnn_attention_calls() == 0);
+  }
   for (int which = 0; which < 3; ++which) {
     const DType dt = which == 0 ? DType::F32 : DType::BF16;
     AttnShape s = s0, sd = s0;
