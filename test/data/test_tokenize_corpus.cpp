@@ -127,7 +127,8 @@ TEST_CASE("is_python_space is str.isspace() over every code point", "[tokenize]"
   CHECK(mismatches == 0);
 }
 
-TEST_CASE("split_paragraphs is re.split(r\"\\n\\s*\\n\")", "[tokenize]") {
+// Python's re.split(r"\n\s*\n", text) on the fixture's texts
+TEST_CASE("split_paragraphs splits where Python's re.split on newline, whitespace, newline does", "[tokenize]") {
   for (const json& c : load("python.json")["paragraphs"]) {
     const std::string text = c["text"];
     INFO(text);

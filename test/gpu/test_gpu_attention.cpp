@@ -423,7 +423,7 @@ TEST_CASE("gpu: fused attention backward: staged dS in chunks and the recomputin
 
 // KEEL_ATTN_DS_MB, read when a backend is made: whole MiB, 0 turning the staging off; anything
 // else is refused naming the variable and the value (before the backend takes anything).
-TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget; a bad value is refused naming it",
+TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget, a bad value is refused naming it",
           "[gpu][attention]") {
   KEEL_GPU_OR_SKIP();
   const ScopedEnv env("KEEL_ATTN_DS_MB");
@@ -443,7 +443,7 @@ TEST_CASE("gpu: KEEL_ATTN_DS_MB sets the attention backward's dS budget; a bad v
 
 // KEEL_ATTN_WGMMA, read when a backend is made: unset, empty or 0 off, 1 on (where the device
 // runs sm_90a code), anything else refused naming the variable and the value.
-TEST_CASE("gpu: KEEL_ATTN_WGMMA turns the wgmma attention kernels on; a bad value is refused naming it",
+TEST_CASE("gpu: KEEL_ATTN_WGMMA turns the wgmma attention kernels on, a bad value is refused naming it",
           "[gpu][attention][wgmma]") {
   KEEL_GPU_OR_SKIP();
   const ScopedEnv env("KEEL_ATTN_WGMMA");
@@ -937,7 +937,7 @@ void check_runs_fused_kernels(Backend& be, const AttnShape& s, uint32_t seed) {
 // KEEL_ATTENTION, read when a backend is made: unset, empty or "fused" keel's fused kernels,
 // "simple" the plain ones, "cudnn" cuDNN where it takes a call; anything else refused naming the
 // variable, its values and the value given.
-TEST_CASE("gpu: KEEL_ATTENTION picks the attention kernels; a bad value is refused naming the choices",
+TEST_CASE("gpu: KEEL_ATTENTION picks the attention kernels, a bad value is refused naming the choices",
           "[gpu][attention][cudnn]") {
   KEEL_GPU_OR_SKIP();
   const ScopedEnv env("KEEL_ATTENTION");
@@ -968,7 +968,7 @@ TEST_CASE("gpu: KEEL_ATTENTION picks the attention kernels; a bad value is refus
 // What keel gives cuDNN (no device needed): bf16 and fp16 causal calls with GQA and windows, head
 // dims that are multiples of 8 up to 256; the rest is refused with the reason. And the workspace
 // cap a cuDNN backend is made with (KEEL_CUDNN_WORKSPACE_MB).
-TEST_CASE("gpu: cuDNN attention is given bf16/fp16 causal calls and refuses the rest naming why; its workspace cap",
+TEST_CASE("gpu: cuDNN attention is given bf16/fp16 causal calls and refuses the rest naming why, its workspace cap",
           "[gpu][attention][cudnn]") {
   using Catch::Matchers::Contains;
   AttnShape s{2, 100, 4, 2, 64};
@@ -1017,7 +1017,7 @@ TEST_CASE("gpu: cuDNN attention is given bf16/fp16 causal calls and refuses the 
 // (forward and backward, twice). Calls it is not given (fp32, ALiBi, documents) run keel's
 // kernels at their own bounds with no cuDNN call. Without cuDNN (the emulator, or no library)
 // every call must be keel's fused kernels' bit for bit; with KEEL_REQUIRE_CUDNN=1 that fails.
-TEST_CASE("gpu: cuDNN attention matches the CPU and repeats bit for bit; what it is not given runs keel's kernels",
+TEST_CASE("gpu: cuDNN attention matches the CPU and repeats bit for bit, what it is not given runs keel's kernels",
           "[gpu][attention][cudnn]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu_cudnn_attention();

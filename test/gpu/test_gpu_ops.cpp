@@ -40,7 +40,7 @@ constexpr EpilogueShape kEpilogueShapes[] = {{300, 264, 96, 0}, {129, 36, 70, 0}
 
 }  // namespace
 
-TEST_CASE("gpu: allocate gives zeroed aligned memory; copies are raw bytes", "[gpu][memory]") {
+TEST_CASE("gpu: allocate gives zeroed aligned memory, copies are raw bytes", "[gpu][memory]") {
   KEEL_GPU_OR_SKIP();
   Backend& be = gpu();
   CHECK(be.device() == Device::CUDA);

@@ -105,7 +105,7 @@ void add_positions(std::vector<MicroBatch>& batches, const RunConfig& cfg) {
 
 }  // namespace
 
-TEST_CASE("gpu: training steps track the CPU backend (Llama, GPT-2; fp32, bf16, fp16)", "[gpu][train]") {
+TEST_CASE("gpu: training steps track the CPU backend (Llama, GPT-2, fp32, bf16, fp16)", "[gpu][train]") {
   KEEL_GPU_OR_SKIP();
   for (const Case& c : training_cases()) {
     INFO(c.name);

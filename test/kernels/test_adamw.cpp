@@ -215,7 +215,7 @@ TEST_CASE("adamw: stochastic rounding of bf16 working copies is unbiased, reprod
 // One call with runs of weight decay updates each run as a call of its own would (and the runs'
 // decays, not weight_decay, apply); ends that do not ascend to the element count are refused,
 // naming the run.
-TEST_CASE("adamw: decay runs give each run the bits of its own call; bad runs are named", "[adamw]") {
+TEST_CASE("adamw: decay runs give each run the bits of its own call, bad runs are named", "[adamw]") {
   auto be = make_cpu_backend();
   const int64_t n = 3000;
   const std::vector<AdamWDecayRun> runs = {{700, 0.1f}, {701, 0.0f}, {2000, 0.1f}, {3000, 0.0f}};

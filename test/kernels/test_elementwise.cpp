@@ -6,7 +6,7 @@
 using namespace keel;
 using namespace keel::test;
 
-TEST_CASE("allocate gives zeroed 64-byte aligned memory; copies are raw bytes", "[memory]") {
+TEST_CASE("allocate gives zeroed 64-byte aligned memory, copies are raw bytes", "[memory]") {
   auto be = make_cpu_backend();
   CHECK(be->device() == Device::CPU);
   for (size_t bytes : {size_t{1}, size_t{100}, size_t{4096}, size_t{100000}}) {

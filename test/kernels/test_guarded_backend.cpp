@@ -13,7 +13,7 @@
 
 using namespace keel;
 
-TEST_CASE("guarded backend: ops and copies work; the host touching its memory faults with a message",
+TEST_CASE("guarded backend: ops and copies work, the host touching its memory faults with a message",
           "[guard]") {
   auto be = make_guarded_backend(make_cpu_backend());
   CHECK(be->device() == Device::CPU);

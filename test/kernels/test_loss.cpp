@@ -29,7 +29,7 @@ HostTensor make_targets(const std::vector<int32_t>& t) {
 
 // Against double: lse = log sum exp(x), loss = lse - x[target]. Tolerance 1e-6 relative (an fp32
 // sum of V exponentials and one log); row_max and target_logit are copies, compared exactly.
-TEST_CASE("xent forward matches a double reference; ignored rows have loss 0", "[xent]") {
+TEST_CASE("xent forward matches a double reference, ignored rows have loss 0", "[xent]") {
   auto be = make_cpu_backend();
   const int64_t N = 6, V = 37;
   const std::vector<int32_t> tgt = {3, -1, 36, 0, -100, 20};

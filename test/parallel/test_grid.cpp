@@ -191,7 +191,7 @@ TEST_CASE("grid: a layout that does not fit the world is an error naming all fou
   CHECK_THROWS_AS(g.rank_of({2, 0, 0}), std::out_of_range);
 }
 
-TEST_CASE("launch info: ranks from mpirun, MPICH, srun; none without a launcher", "[parallel][grid]") {
+TEST_CASE("launch info: ranks from mpirun, MPICH, srun, none without a launcher", "[parallel][grid]") {
   auto from = [](std::map<std::string, std::string> env) {
     return LaunchInfo::from_lookup(
         [&](const char* name) -> const char* {

@@ -311,7 +311,7 @@ TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back un
   }
 }
 
-TEST_CASE("seed 000 in miniature: --init-from continues the pretrained loss; masters left random jump",
+TEST_CASE("seed 000 in miniature: --init-from continues the pretrained loss, masters left random jump",
           "[ckpt][finetune]") {
   // Pretrain a tiny model in bf16 until its loss is far below the random-init loss.
   test::TempDir dir("ckpt-finetune");

@@ -329,7 +329,7 @@ TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: e
   }
 }
 
-TEST_CASE("damaged checkpoints are refused by name; the run's other checkpoints are untouched", "[ckpt][cli][corrupt]") {
+TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints are untouched", "[ckpt][cli][corrupt]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
   REQUIRE(run_keel(train_args(ws, out, "--stop-at 8")).code == 4);  // saves step 4 and step 8

@@ -59,7 +59,7 @@ bool contains(const std::vector<std::string>& v, const std::string& s) {
 
 }  // namespace
 
-TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precision hint; with fp32 masters nothing is",
+TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precision hint, with fp32 masters nothing is",
           "[doctor][frozen]") {
   auto be = make_cpu_backend();
   for (const std::string mode : {"bf16-unsafe-no-master", "bf16"}) {
@@ -108,7 +108,7 @@ TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precisi
   }
 }
 
-TEST_CASE("doctor ckpt: a healthy checkpoint passes; masters from a fresh init are named tensor by tensor",
+TEST_CASE("doctor ckpt: a healthy checkpoint passes, masters from a fresh init are named tensor by tensor",
           "[doctor][ckpt]") {
   auto be = make_cpu_backend();
   test::TempDir dir("doctor-ckpt");
@@ -214,7 +214,7 @@ std::string write_metrics(const std::string& path, int steps, bool sick) {
 
 }  // namespace
 
-TEST_CASE("doctor metrics: spikes, restart spikes, skipped and nan steps, loss-scale cuts; a healthy run is quiet",
+TEST_CASE("doctor metrics: spikes, restart spikes, skipped and nan steps, loss-scale cuts, a healthy run is quiet",
           "[doctor][metrics]") {
   test::TempDir dir("doctor-metrics");
   const doctor::MetricsReport healthy = doctor::summarize_metrics(write_metrics(dir / "healthy.jsonl", 300, false));

@@ -106,7 +106,7 @@ TEST_CASE("per-layer activation and gradient magnitudes are collected on request
   }
 }
 
-TEST_CASE("spikes: a running z-score flags a jump, not a healthy falling curve; action skip skips the update",
+TEST_CASE("spikes: a running z-score flags a jump, not a healthy falling curve, action skip skips the update",
           "[health][spike]") {
   HealthConfig h;
   SpikeDetector healthy(h);
@@ -155,7 +155,7 @@ TEST_CASE("seed 000: a weights-only load whose masters are not the loaded weight
   CHECK_FALSE(std::filesystem::exists(ws.dir / "ft2/metrics.jsonl"));
 }
 
-TEST_CASE("a resume verifies the probe loss bit for bit; a tampered tensor is named", "[health][restart][cli]") {
+TEST_CASE("a resume verifies the probe loss bit for bit, a tampered tensor is named", "[health][restart][cli]") {
   test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}, {"train", {{"steps", 20}}}});
   const std::string out = ws.dir / "run";
   REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q --stop-at 10").code == 4);

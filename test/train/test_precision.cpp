@@ -27,7 +27,7 @@ std::vector<float> norm_gains(Trainer& tr, bool working) {
 
 }  // namespace
 
-TEST_CASE("bf16 without master weights freezes norm gains; the default bf16 policy trains them", "[train][precision]") {
+TEST_CASE("bf16 without master weights freezes norm gains, the default bf16 policy trains them", "[train][precision]") {
   // Constant lr 1e-4: Adam's update is ~lr per step, far below bf16's spacing at 1.0 (2^-7).
   const nlohmann::json patch = {{"optimizer", {{"lr", 1e-4}, {"min_lr", 1e-4}, {"weight_decay", 0.0}}},
                                 {"schedule", {{"warmup_steps", 0}, {"decay", "constant"}}}};
@@ -149,7 +149,7 @@ TEST_CASE("fp16 loss scale at its minimum with a persistent overflow is reported
   }
 }
 
-TEST_CASE("the same config and seed give bit-identical losses; another seed does not", "[train][determinism]") {
+TEST_CASE("the same config and seed give bit-identical losses, another seed does not", "[train][determinism]") {
   auto be = make_cpu_backend();
   auto run = [&](uint64_t seed, const char* mode) {
     Trainer tr(test::make_config(test::tiny_run_json(), {{"train", {{"seed", seed}}}, {"precision", {{"mode", mode}}}}),

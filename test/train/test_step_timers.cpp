@@ -73,7 +73,7 @@ RankTimes rank_times(int rank, int pp, double compute_ms, double dp_comm_ms = 1.
 
 }  // namespace
 
-TEST_CASE("a timed communicator call is booked to its group and its phase; untimed calls are not",
+TEST_CASE("a timed communicator call is booked to its group and its phase, untimed calls are not",
           "[timers]") {
   int drains = 0;
   StepTimers timers([&] { ++drains; });
