@@ -83,6 +83,7 @@ bool cudnn_attention_backward(CudnnAttention&, const Tensor&, const Tensor&, con
   return false;
 }
 int64_t cudnn_attention_calls(const CudnnAttention*) { return 0; }
+std::string cudnn_attention_describe(const CudnnAttention*) { return "cudnn (not built)"; }
 std::string cudnn_attention_check_graphs(const AttnShape&, DType, int) { return std::string("no cuDNN: ") + not_built(); }
 
 #else
@@ -314,6 +315,12 @@ std::string cudnn_attention_check_graphs(const AttnShape& s, DType dt, int sm) {
 }
 
 int64_t cudnn_attention_calls(const CudnnAttention* a) { return a ? a->calls : 0; }
+
+std::string cudnn_attention_describe(const CudnnAttention* a) {
+  std::string d = "cudnn " + std::to_string(fe::detail::get_backend_version());
+  if (a && !a->deterministic) d += " nondeterministic";
+  return d;
+}
 
 // The element `cols` columns into a packed matrix's first row.
 static void* at_col(const Tensor& t, int64_t cols) {

@@ -63,6 +63,9 @@ bool cudnn_attention_backward(CudnnAttention& a, const Tensor& dqkv, const Tenso
                               const Tensor& out, const Tensor& lse, const AttnShape& s);
 // Calls cuDNN has run (0 for nullptr): the tests check that it was cuDNN that answered.
 int64_t cudnn_attention_calls(const CudnnAttention* a);
+// What decides the bits of its results, for CudaBackend::arithmetic(): "cudnn <version>", and
+// " nondeterministic" with KEEL_CUDNN_DETERMINISTIC=0.
+std::string cudnn_attention_describe(const CudnnAttention* a);
 
 // The cuDNN frontend's checks (validate(): shapes, strides, masks, what the library version
 // supports) of the two graphs of shape s for a GPU of compute capability sm (90: H100), with no

@@ -365,8 +365,21 @@ std::string CudaBackend::arithmetic() const {
     return "cuda (unknown device)";
   }
   // cuBLASLt's version decides which algorithm (and so which summation order) each matmul gets.
+  // Settings that give other bits follow in brackets; the defaults add nothing, so checkpoints
+  // from before they were recorded still resume bit for bit.
+  std::string knobs;
+  auto add = [&](const std::string& what) { knobs += (knobs.empty() ? "" : ", ") + what; };
+  if (cudnn_) add("attention " + cuda::cudnn_attention_describe(cudnn_));
+  else if (simple_attention_) add("attention simple");
+  if (attn_wgmma_) add("attention wgmma");
+  if (attn_ds_budget_ != kDefaultAttentionDsBudget) add("attention dS " + std::to_string(attn_ds_budget_ >> 20) + " MiB");
+  if (!gelu_epilogue_) add("no gelu epilogue");
+  if (!residual_epilogue_) add("no residual epilogue");
+  if (!bgrad_epilogue_) add("no bgrad epilogue");
+  if (!xent_fused_) add("xent unfused");
+  if (!splitk_any_) add("split-k restricted");
   return std::string("cuda ") + prop.name + " sm_" + std::to_string(prop.major * 10 + prop.minor) + " cublasLt " +
-         std::to_string(cublasLtGetVersion());
+         std::to_string(cublasLtGetVersion()) + (knobs.empty() ? "" : " [" + knobs + "]");
 }
 
 size_t CudaBackend::peak_bytes() const { return peak_bytes_; }

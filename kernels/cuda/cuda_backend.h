@@ -80,7 +80,11 @@ class CudaBackend final : public Backend {
 
   Device device() const override { return Device::CUDA; }
   std::string name() const override;
-  std::string arithmetic() const override;  // "cuda <GPU model> sm_XY cublasLt <version>"
+  // "cuda <GPU model> sm_XY cublasLt <version>", then in brackets every setting above that gives
+  // other bits than the default kernels (KEEL_ATTENTION, KEEL_ATTN_WGMMA, KEEL_ATTN_DS_MB, the
+  // epilogues, KEEL_XENT_FUSED, KEEL_SPLITK_ANY): a resume under other settings is verified within
+  // rounding, not bit for bit (train/run.cpp).
+  std::string arithmetic() const override;
 
   void* allocate(size_t bytes) override;
   void release(void* p) override;

@@ -9,10 +9,12 @@
 //   sums           1e-12 (fp64 accumulation in both, different order)
 // Outputs are poisoned with NaN before each op (unless accumulated into), so an element the
 // GPU fails to write shows as an infinite error. Every op is also run twice: bit-identical.
+#include <array>
 #include <cstring>
 
 #include "gpu_test_util.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/wgmma_check.h"
 #include "kernels/document_positions.h"
 
 using namespace keel;
@@ -1135,3 +1137,44 @@ TEST_CASE("gpu: ops reject wrong shapes and dtypes naming the op and the shapes"
   DeviceTensor lse(be, HostTensor(DType::F32, {1, 4, 4}).t);
   CHECK_THROWS_WITH(be.attention_forward(o.t, lse.t, qkv.t, s), Contains("attention_forward") && Contains("n_kv_heads=3"));
 }
+
+// CudaBackend::arithmetic() is what a resume compares (train/run.cpp): with the same layout, build
+// and arithmetic, the probe loss must match bit for bit, else within rounding. So every setting
+// that gives other bits must show in it (or a resume under that setting would be refused for
+// differing bits), and the defaults must add nothing (or checkpoints saved before would lose
+// their bitwise check).
+TEST_CASE("gpu: arithmetic() names every setting that gives other bits, and the defaults add nothing", "[gpu]") {
+  KEEL_GPU_OR_SKIP();
+  const std::string plain = backend_with(ScopedEnv("KEEL_ATTENTION"), nullptr)->arithmetic();
+  CHECK(plain.rfind("cuda ", 0) == 0);
+  CHECK(plain.find('[') == std::string::npos);
+  const std::vector<std::array<const char*, 3>> settings = {
+      {"KEEL_ATTENTION", "simple", "attention simple"},      {"KEEL_ATTN_DS_MB", "0", "attention dS 0 MiB"},
+      {"KEEL_GELU_EPILOGUE", "0", "no gelu epilogue"},       {"KEEL_RESIDUAL_EPILOGUE", "0", "no residual epilogue"},
+      {"KEEL_BGRAD_EPILOGUE", "0", "no bgrad epilogue"},     {"KEEL_XENT_FUSED", "0", "xent unfused"},
+      {"KEEL_SPLITK_ANY", "0", "split-k restricted"},
+  };
+  for (const auto& [var, value, shown] : settings) {
+    INFO(var << "=" << value);
+    const ScopedEnv env(var);
+    CHECK(backend_with(env, value)->arithmetic() == plain + " [" + shown + "]");
+  }
+  {  // two at once, in a fixed order
+    const ScopedEnv gelu("KEEL_GELU_EPILOGUE"), xent("KEEL_XENT_FUSED");
+    gelu.set("0");
+    CHECK(backend_with(xent, "0")->arithmetic() == plain + " [no gelu epilogue, xent unfused]");
+  }
+  {  // the wgmma kernels where the device runs them (sm_90a); elsewhere the setting changes nothing
+    const ScopedEnv env("KEEL_ATTN_WGMMA");
+    CHECK(backend_with(env, "1")->arithmetic() == (cuda::wgmma_available(0) ? plain + " [attention wgmma]" : plain));
+  }
+  {  // cuDNN where it loaded, with its version; else keel's fused kernels run, the default bits
+    const ScopedEnv env("KEEL_ATTENTION");
+    const std::unique_ptr<Backend> be = backend_with(env, "cudnn");
+    if (dynamic_cast<CudaBackend&>(*be).cudnn_attention())
+      CHECK_THAT(be->arithmetic(), Catch::Matchers::StartsWith(plain + " [attention cudnn "));
+    else
+      CHECK(be->arithmetic() == plain);
+  }
+}
+
