@@ -20,7 +20,6 @@
 #include <map>
 #include <memory>
 #include <set>
-#include <stdexcept>
 #include <tuple>
 #include <unordered_map>
 
@@ -293,7 +292,8 @@ CudnnAttention* create_cudnn_attention(CudaBackend& be, int64_t workspace_cap, s
   a->deterministic = !(det && std::strcmp(det, "0") == 0);
   a->workspace_cap = workspace_cap;
   // On Hopper, cuDNN (9.25 and later) serves a deterministic backward whose T x T dP workspace
-  // would pass the cap by an ordered dq accumulation instead, with workspace linear in T.
+  // would pass this limit by an ordered dq accumulation instead, with workspace linear in T. The
+  // variable is the process's: the first cuDNN backend's cap (or the user's own setting) holds.
   setenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT", std::to_string(a->workspace_cap).c_str(), 0);
   return a.release();
 }
