@@ -4,13 +4,12 @@
 // a create_cudnn_attention that says why there is no cuDNN.
 #include "kernels/cuda/attention_cudnn.h"
 
-#include <cctype>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <stdexcept>
+
+#include "kernels/cuda/cuda_backend.h"
 
 #if KEEL_WITH_CUDNN
 #include <dlfcn.h>
@@ -25,7 +24,6 @@
 
 #include <cudnn_frontend.h>
 
-#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
 
 // The frontend's dynamic loading reads libcudnn's symbols through this handle (set below).
@@ -47,16 +45,8 @@ std::string cudnn_attention_refusal(const AttnShape& s, DType qkv, DType out) {
 }
 
 int64_t cudnn_workspace_cap_from_env() {
-  const char* mb = std::getenv("KEEL_CUDNN_WORKSPACE_MB");
-  if (!mb || !*mb) return int64_t{4096} << 20;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long v = std::strtoull(mb, &end, 10);
-  if (*end != '\0' || errno != 0 || !std::isdigit(static_cast<unsigned char>(mb[0])) || v > (1ull << 24))
-    throw std::invalid_argument(std::string("KEEL_CUDNN_WORKSPACE_MB must be a whole number of MiB from 0 to 16777216 "
-                                            "(the most workspace a cuDNN attention graph may take), got '") +
-                                mb + "'");
-  return static_cast<int64_t>(v) << 20;
+  return static_cast<int64_t>(mib_setting_from_env("KEEL_CUDNN_WORKSPACE_MB", size_t{4096} << 20,
+                                                   "the most workspace a cuDNN attention graph may take"));
 }
 
 #if !KEEL_WITH_CUDNN
@@ -94,8 +84,9 @@ namespace {
 // Tensor uids of the variant packs.
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
-// The shape of a graph: B, T, n_heads, n_kv_heads, head_dim, window, dtype.
-using GraphKey = std::tuple<int, int, int, int, int, int, DType>;
+// What decides a call's graphs, or why cuDNN is not given it: B, T, n_heads, n_kv_heads,
+// head_dim, window, the qkv and out dtypes, documents, ALiBi.
+using GraphKey = std::tuple<int, int, int, int, int, int, DType, DType, bool, bool>;
 
 // Both graphs of one shape, or why cuDNN did not take it.
 struct ShapeGraphs {
@@ -190,21 +181,26 @@ struct CudnnAttention {
     if (told.insert(what).second) std::fprintf(stderr, "keel: KEEL_ATTENTION=cudnn: %s\n", what.c_str());
   }
 
-  // The graphs of shape s (built on first use; a refusal is kept and told once).
-  const ShapeGraphs& graphs_for(const AttnShape& s, DType dt) {
-    const GraphKey key{s.B, s.T, s.n_heads, s.n_kv_heads, s.head_dim, s.window, dt};
+  // The graphs of a call (built on its shape's first call; a refusal, keel's or cuDNN's, is kept
+  // and told once), so that later calls of the shape cost one lookup.
+  const ShapeGraphs& graphs_for(const AttnShape& s, DType dt, DType out) {
+    const GraphKey key{s.B, s.T, s.n_heads, s.n_kv_heads, s.head_dim, s.window, dt, out,
+                       !s.positions.empty(), !s.alibi_slopes.empty()};
     auto it = graphs.find(key);
     if (it != graphs.end()) return it->second;
     ShapeGraphs g;
-    try {
-      g.refused = build(s, dt, g);
-    } catch (const std::exception& e) {  // the frontend throws where a symbol or library is missing
-      g.refused = e.what();
+    g.refused = cudnn_attention_refusal(s, dt, out);
+    if (g.refused.empty()) {
+      try {
+        if (std::string r = build(s, dt, g); !r.empty()) g.refused = "cuDNN refused it: " + r;
+      } catch (const std::exception& e) {  // the frontend throws where a symbol or library is missing
+        g.refused = std::string("cuDNN refused it: ") + e.what();
+      }
     }
     if (!g.refused.empty()) {
       g.forward.reset();
       g.backward.reset();
-      tell_once("cuDNN refused " + shape_text(s, dt) + ": " + g.refused + "; keel's kernels run it");
+      tell_once("keel's kernels run " + shape_text(s, dt) + ": " + g.refused);
     }
     return graphs.emplace(key, std::move(g)).first->second;
   }
@@ -237,17 +233,22 @@ struct CudnnAttention {
   }
 
  public:
-  // Runs `graph` with the variant pack; errors name the op and the shapes.
-  void execute(const fe::graph::Graph& graph, int64_t workspace, std::unordered_map<int64_t, void*>& pack,
-               const char* op, const std::string& shapes) {
+  // Runs `graph` on the pointers by uid; a failure names the op and the tensors' shapes.
+  void execute(const fe::graph::Graph& graph, int64_t workspace, std::initializer_list<std::pair<int64_t, void*>> ptrs,
+               const char* op, std::initializer_list<Named> tensors) {
+    pack.clear();  // kept between calls: no allocation once it has held a backward's
+    for (const auto& [uid, p] : ptrs) pack[uid] = p;
     void* ws = workspace > 0 ? be.scratch(static_cast<size_t>(workspace), op) : nullptr;
     fe::error_t e = graph.execute(handle, pack, ws);
     if (ws) be.release(ws);
     if (!e.is_good())
       throw std::runtime_error(std::string("CudaBackend::") + op + ": cuDNN's graph failed to run: " + e.get_message() +
-                               " (" + shapes + ")");
+                               " (" + describe(tensors) + ")");
     ++calls;
   }
+
+ private:
+  std::unordered_map<int64_t, void*> pack;  // the variant pack of the last call
 };
 
 // libcudnn, opened once for the process (KEEL_CUDNN_LIB: a path or name instead of libcudnn.so.9).
@@ -337,46 +338,36 @@ static bool aligned(std::initializer_list<const Tensor*> ts) {
 
 bool cudnn_attention_forward(CudnnAttention& a, const Tensor& out, const Tensor& lse, const Tensor& qkv,
                              const AttnShape& s) {
-  if (const std::string why = cudnn_attention_refusal(s, qkv.dtype, out.dtype); !why.empty()) {
-    a.tell_once(why + ": keel's kernels run these calls");
-    return false;
-  }
+  const ShapeGraphs& g = a.graphs_for(s, qkv.dtype, out.dtype);
+  if (!g.refused.empty()) return false;
   if (!aligned({&qkv, &out, &lse})) {
     a.tell_once("operands not 16-byte aligned: keel's kernels run these calls");
     return false;
   }
-  const ShapeGraphs& g = a.graphs_for(s, qkv.dtype);
-  if (!g.refused.empty()) return false;
-  const int64_t hd = s.head_dim;
-  std::unordered_map<int64_t, void*> pack{{kQ, qkv.data},
-                                          {kK, at_col(qkv, s.n_heads * hd)},
-                                          {kV, at_col(qkv, (s.n_heads + s.n_kv_heads) * hd)},
-                                          {kO, out.data},
-                                          {kStats, lse.data}};
-  a.execute(*g.forward, g.workspace, pack, "attention_forward", describe({{"out", out}, {"lse", lse}, {"qkv", qkv}}));
+  const int64_t k_col = s.n_heads * s.head_dim, v_col = (s.n_heads + s.n_kv_heads) * s.head_dim;
+  a.execute(*g.forward, g.workspace,
+            {{kQ, qkv.data}, {kK, at_col(qkv, k_col)}, {kV, at_col(qkv, v_col)}, {kO, out.data}, {kStats, lse.data}},
+            "attention_forward", {{"out", out}, {"lse", lse}, {"qkv", qkv}});
   return true;
 }
 
 bool cudnn_attention_backward(CudnnAttention& a, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv,
                               const Tensor& out, const Tensor& lse, const AttnShape& s) {
-  std::string why = cudnn_attention_refusal(s, qkv.dtype, out.dtype);
-  if (why.empty() && (dqkv.dtype != qkv.dtype || dout.dtype != qkv.dtype)) why = "operands of different dtypes";
-  if (!why.empty()) {
-    a.tell_once(why + ": keel's kernels run these calls");
+  const ShapeGraphs& g = a.graphs_for(s, qkv.dtype, out.dtype);
+  if (!g.refused.empty()) return false;
+  if (dqkv.dtype != qkv.dtype || dout.dtype != qkv.dtype) {
+    a.tell_once("dqkv or dout of another dtype than qkv: keel's kernels run these calls");
     return false;
   }
   if (!aligned({&dqkv, &dout, &qkv, &out, &lse})) {
     a.tell_once("operands not 16-byte aligned: keel's kernels run these calls");
     return false;
   }
-  const ShapeGraphs& g = a.graphs_for(s, qkv.dtype);
-  if (!g.refused.empty()) return false;
-  const int64_t hd = s.head_dim, k_col = s.n_heads * hd, v_col = (s.n_heads + s.n_kv_heads) * hd;
-  std::unordered_map<int64_t, void*> pack{{kQ, qkv.data},         {kK, at_col(qkv, k_col)},  {kV, at_col(qkv, v_col)},
-                                          {kO, out.data},         {kDO, dout.data},          {kStats, lse.data},
-                                          {kDQ, dqkv.data},       {kDK, at_col(dqkv, k_col)}, {kDV, at_col(dqkv, v_col)}};
-  a.execute(*g.backward, g.workspace, pack, "attention_backward",
-            describe({{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}}));
+  const int64_t k_col = s.n_heads * s.head_dim, v_col = (s.n_heads + s.n_kv_heads) * s.head_dim;
+  a.execute(*g.backward, g.workspace,
+            {{kQ, qkv.data}, {kK, at_col(qkv, k_col)}, {kV, at_col(qkv, v_col)}, {kO, out.data}, {kDO, dout.data},
+             {kStats, lse.data}, {kDQ, dqkv.data}, {kDK, at_col(dqkv, k_col)}, {kDV, at_col(dqkv, v_col)}},
+            "attention_backward", {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}});
   return true;
 }
 

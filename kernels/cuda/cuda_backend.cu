@@ -203,18 +203,15 @@ void CudaBackend::profile_restart() {
 
 // ---- construction ----
 
-// KEEL_ATTN_DS_MB as bytes (unset or empty: `fallback`); a value that is not a whole number of
-// MiB is refused naming the variable.
-static size_t attention_ds_budget_from_env(size_t fallback) {
-  const char* mb = std::getenv("KEEL_ATTN_DS_MB");
+size_t cuda::mib_setting_from_env(const char* var, size_t fallback, const char* meaning) {
+  const char* mb = std::getenv(var);
   if (!mb || !*mb) return fallback;
   char* end = nullptr;
   errno = 0;
   const unsigned long long v = std::strtoull(mb, &end, 10);
   if (*end != '\0' || errno != 0 || !std::isdigit(static_cast<unsigned char>(mb[0])) || v > (1ull << 24))
-    throw std::invalid_argument(std::string("KEEL_ATTN_DS_MB must be a whole number of MiB from 0 to 16777216 (the "
-                                            "fused attention backward's dS scratch; 0: recompute instead), got '") +
-                                mb + "'");
+    throw std::invalid_argument(std::string(var) + " must be a whole number of MiB from 0 to 16777216 (" + meaning +
+                                "), got '" + mb + "'");
   return static_cast<size_t>(v) << 20;
 }
 
@@ -246,7 +243,8 @@ static bool attention_wgmma_from_env() {
 CudaBackend::CudaBackend(int device) : device_(device) {
   const char* op = "CudaBackend";
   // the environment first, before anything is taken: a bad value throws
-  attn_ds_budget_ = attention_ds_budget_from_env(attn_ds_budget_);
+  attn_ds_budget_ = cuda::mib_setting_from_env("KEEL_ATTN_DS_MB", attn_ds_budget_,
+                                                "the fused attention backward's dS scratch; 0: recompute instead");
   const bool wgmma = attention_wgmma_from_env();
   const AttentionKernels attn = attention_kernels_from_env();
   const int64_t cudnn_workspace = attn == AttentionKernels::Cudnn ? cuda::cudnn_workspace_cap_from_env() : 0;

@@ -59,6 +59,9 @@ struct MatmulCache;  // cuBLASLt handle, descriptors and chosen algorithms per s
 MatmulCache* create_matmul_cache(CudaBackend& be);
 void destroy_matmul_cache(MatmulCache* cache) noexcept;
 struct CudnnAttention;  // attention_cudnn.h
+// An environment setting in whole MiB, as bytes (unset or empty: `fallback`); anything else is
+// refused naming the variable, its range and `meaning` (KEEL_ATTN_DS_MB, KEEL_CUDNN_WORKSPACE_MB).
+size_t mib_setting_from_env(const char* var, size_t fallback, const char* meaning);
 }
 
 // CudaBackend::attention_ds_budget's default (KEEL_ATTN_DS_MB unset); keel plan counts it too.
