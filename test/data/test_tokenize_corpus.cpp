@@ -85,7 +85,8 @@ std::vector<std::string> token_outputs(const std::string& dir) {
 }
 
 TEST_CASE("PythonRandom draws what random.Random(seed) draws", "[tokenize]") {
-  for (const json& c : load("python.json")["random"]) {
+  const json cases = load("python.json");
+  for (const json& c : cases.at("random")) {
     const uint64_t seed = c["seed"];
     INFO("seed " << seed);
     PythonRandom r(seed);
@@ -106,7 +107,8 @@ TEST_CASE("PythonRandom draws what random.Random(seed) draws", "[tokenize]") {
 }
 
 TEST_CASE("Invalid UTF-8 is replaced as Python's errors=\"replace\" replaces it", "[tokenize]") {
-  for (const json& c : load("python.json")["utf8_replace"]) {
+  const json cases = load("python.json");
+  for (const json& c : cases.at("utf8_replace")) {
     const auto raw = unhex(c["bytes"]);
     const std::string bytes(raw.begin(), raw.end());
     INFO("bytes " << c["bytes"].get<std::string>());
@@ -129,7 +131,8 @@ TEST_CASE("is_python_space is str.isspace() over every code point", "[tokenize]"
 
 // Python's re.split(r"\n\s*\n", text) on the fixture's texts
 TEST_CASE("split_paragraphs splits where Python's re.split on newline, whitespace, newline does", "[tokenize]") {
-  for (const json& c : load("python.json")["paragraphs"]) {
+  const json cases = load("python.json");
+  for (const json& c : cases.at("paragraphs")) {
     const std::string text = c["text"];
     INFO(text);
     std::vector<std::string> pieces;
