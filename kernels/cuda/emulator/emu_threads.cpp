@@ -36,6 +36,16 @@
 #include "kernels/cuda/emulator/emu_device.h"
 #include "kernels/dtype.h"
 
+// Under AddressSanitizer every switch is announced (its fiber API), so that ASan knows which
+// stack is live: a fiber's stack is heap memory, and its frames' redzones must not be taken for
+// the heap's.
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define KEEL_EMU_ASAN 1
+#else
+#define KEEL_EMU_ASAN 0
+#endif
+
 #if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
 // keel_emu_switch(save, to): pushes the callee-saved registers, stores the stack pointer in
 // *save, loads `to` as the stack pointer and pops the registers saved there.
@@ -70,20 +80,33 @@ namespace keel_emu {
 
 namespace {
 
-// A saved execution context: a stack pointer (x86-64) or a ucontext.
+// A saved execution context: a stack pointer (x86-64) or a ucontext; for ASan, its stack.
 struct Context {
 #if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
   void* sp = nullptr;
 #else
   ucontext_t uc{};
 #endif
+  const void* stack = nullptr;  // lowest address (the scheduler's: learnt at a fiber's first entry)
+  size_t stack_bytes = 0;
+  void* asan_fake_stack = nullptr;
 };
 
-void switch_context(Context& save, Context& to) {
+// Leaves `save` for `to`; returns when something switches back. `ending`: `save` will never be
+// resumed (ASan then frees what it kept for that stack).
+void switch_context(Context& save, Context& to, bool ending = false) {
+#if KEEL_EMU_ASAN
+  __sanitizer_start_switch_fiber(ending ? nullptr : &save.asan_fake_stack, to.stack, to.stack_bytes);
+#else
+  (void)ending;
+#endif
 #if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
   keel_emu_switch(&save.sp, to.sp);
 #else
   swapcontext(&save.uc, &to.uc);
+#endif
+#if KEEL_EMU_ASAN
+  __sanitizer_finish_switch_fiber(save.asan_fake_stack, nullptr, nullptr);
 #endif
 }
 
@@ -198,15 +221,21 @@ void yield_to_scheduler(State st) {
 
 void fiber_entry() {
   Scheduler& s = sched();
+#if KEEL_EMU_ASAN
+  // The first entry completes the scheduler's switch here, and tells the scheduler's stack.
+  __sanitizer_finish_switch_fiber(nullptr, &s.main_ctx.stack, &s.main_ctx.stack_bytes);
+#endif
   (*s.body)();
   Fiber& f = s.fibers[static_cast<size_t>(s.current)];
   f.state = State::Done;
-  switch_context(f.ctx, s.main_ctx);
+  switch_context(f.ctx, s.main_ctx, true);
   std::abort();  // a finished fiber is never resumed
 }
 
 // Makes ctx start fiber_entry on the stack [stack, stack + bytes).
 void start_context(Context& ctx, char* stack, size_t bytes) {
+  ctx.stack = stack;
+  ctx.stack_bytes = bytes;
 #if defined(__x86_64__) && !defined(KEEL_EMU_UCONTEXT)
   // keel_emu_switch pops six registers, then returns into fiber_entry; at a function's entry
   // the stack pointer is 8 below a multiple of 16 (as if `call` had pushed a return address).
