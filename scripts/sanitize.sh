@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tests under sanitizers (not part of CI: an hour or more on 2 cores, build included):
+# The tests under sanitizers (not part of CI: about 45 minutes on 2 cores, build included):
 #
 #   scripts/sanitize.sh                     AddressSanitizer + UBSan, every test -> build-sanitize/
 #   scripts/sanitize.sh thread              ThreadSanitizer, the tests of keel's own threads
