@@ -305,7 +305,7 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
   // counts per-block headers and the layers' profile range names (5-10 KB, at most 0.4% here):
   // a 1% tolerance. Allocations stay on the heap (no mmap page rounding) under a high mmap
   // threshold.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#ifdef KEEL_SANITIZED
   WARN("skipped under sanitizers: their allocator does not feed glibc's mallinfo2");
   return;
 #endif
