@@ -107,6 +107,11 @@ class Backend {
   // ---- memory ----
   virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned
   virtual void release(void* p) = 0;
+  // Bytes held through allocate() (and a backend's own scratch) now, and the most held at once
+  // since the backend was made: on a GPU what keel takes of the device, on the CPU reference the
+  // same allocations, so that the planner's memory model is checked without a GPU. 0: not counted.
+  virtual size_t used_bytes() const { return 0; }
+  virtual size_t peak_bytes() const { return 0; }
   virtual void copy_to_host(void* dst, const Tensor& src) = 0;      // raw bytes, src.bytes()
   virtual void copy_from_host(const Tensor& dst, const void* src) = 0;
   virtual void synchronize() {}

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -79,6 +80,8 @@ class GuardedBackend final : public Backend {
     std::lock_guard<std::mutex> lock(g_mu);
     mine_[static_cast<char*>(p)] = n;
     (*g_live)[static_cast<char*>(p)] = n;
+    used_ += n;
+    peak_ = std::max(peak_, used_);
     return p;  // anonymous mappings are zero-filled and page aligned
   }
   void release(void* p) override {
@@ -88,8 +91,11 @@ class GuardedBackend final : public Backend {
     if (it == mine_.end()) throw std::invalid_argument("GuardedBackend::release: not an allocation of this backend");
     g_live->erase(it->first);
     munmap(it->first, it->second);
+    used_ -= it->second;
     mine_.erase(it);
   }
+  size_t used_bytes() const override { return used_; }  // whole pages, as mapped
+  size_t peak_bytes() const override { return peak_; }
 
   // Ops: the backend's memory is open while the inner backend runs.
 #define KEEL_GUARDED(call) \
@@ -229,6 +235,7 @@ class GuardedBackend final : public Backend {
 
   std::unique_ptr<Backend> inner_;
   std::map<char*, size_t> mine_;
+  size_t used_ = 0, peak_ = 0;  // bytes of mine_
   int open_ = 0;
 };
 

@@ -61,12 +61,24 @@ Tensor ParamState::flat_view(const Tensor& buffer, int64_t flat_begin, int64_t n
 
 void ParamState::load_fp32(const float* values) {
   const int64_t n = table_.local_numel();
-  // Working weights: every tensor, rounded from the fp32 values.
-  Tensor staging(nullptr, DType::F32, {n}, be_.device());
-  staging.data = be_.allocate(staging.bytes());
-  be_.copy_from_host(staging, values);
-  be_.convert(flat_view(working, 0, n), staging);
-  be_.release(staging.data);
+  // Working weights: every tensor, rounded from the fp32 values in chunks through an fp32
+  // staging buffer: the first moments (zeroed below) where this state has them, else one of at
+  // most 64 MiB. Never a whole-model buffer: it came on top of the activations, already
+  // allocated, and was a run's peak (the 1B Llama of bench/: 4.6 GiB over its training steps).
+  if (working.dtype == DType::F32) {
+    be_.copy_from_host(flat_view(working, 0, n), values);
+  } else if (n > 0) {
+    const bool own = m.empty();
+    Tensor staging = own ? Tensor(nullptr, DType::F32, {std::min<int64_t>(n, int64_t{16} << 20)}, be_.device()) : m;
+    if (own) staging.data = be_.allocate(staging.bytes());
+    const int64_t chunk = staging.numel();
+    for (int64_t at = 0; at < n; at += chunk) {
+      const Tensor part = staging.elements(0, std::min(chunk, n - at));
+      be_.copy_from_host(part, values + at);
+      be_.convert(flat_view(working, at, part.numel()), part);
+    }
+    if (own) be_.release(staging.data);
+  }
   // Masters: this rank's shard, exact.
   if (has_master() && !master_is_working_) {
     const int64_t end = std::min(optim_end_, n);

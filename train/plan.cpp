@@ -1150,7 +1150,10 @@ nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOp
   return j;
 }
 
-std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
+namespace {
+// The planner's options for the run itself: its layout's policies, keel's memory model; a CPU
+// run has no CUDA context and stages no attention dS.
+PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   PlanOptions opt;
   opt.memory = keel_memory_model(cfg.precision.mode);
   opt.recompute = cfg.train.recompute == "full" ? Recompute::Always : Recompute::Never;
@@ -1159,9 +1162,30 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
   opt.embedding_own_slot = cfg.parallel.embedding_slot;
   opt.virtual_stages = cfg.parallel.virtual_stages;
+  if (!gpu) {
+    opt.memory.cuda_context_bytes = 0;
+    opt.memory.attention_ds_budget = 0;
+  }
+  return opt;
+}
+Layout run_layout(const RunConfig& cfg) {
+  return Layout{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};
+}
+}  // namespace
+
+double planned_backend_bytes(const RunConfig& cfg, int stage, bool gpu) {
+  PlanOptions opt = run_options(cfg, gpu);
+  opt.memory.cuda_context_bytes = 0;  // not the backend's
+  const Layout l = run_layout(cfg);
+  if (!layout_problem(cfg, l, opt).empty()) return 0;
+  const LayoutPlan p = plan_layout(cfg, l, opt);
+  return p.stages.at(static_cast<size_t>(stage)).total(p.recompute);
+}
+
+std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
+  PlanOptions opt = run_options(cfg, gpu_mem_bytes > 0);
   if (gpu_mem_bytes > 0) opt.hw.gpu_mem_bytes = gpu_mem_bytes;
-  else opt.memory.cuda_context_bytes = 0;  // a CPU run has no CUDA context
-  const Layout l{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.micro_batch};
+  const Layout l = run_layout(cfg);
   if (std::string why = layout_problem(cfg, l, opt); !why.empty()) return "memory plan: " + why + "\n";
   LayoutPlan p = plan_layout(cfg, l, opt);
   if (gpu_mem_bytes <= 0) p.usable_bytes = 0;  // nothing to compare against: no verdict line

@@ -294,4 +294,9 @@ nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOp
 // the other policy are printed alongside.
 std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes = 0);
 
+// The most memory the plan expects this run's backend to hold at once on pipeline stage `stage`
+// (what Backend::peak_bytes counts): state, activations and, on a GPU, the attention backward's
+// dS; not the CUDA context, which the backend does not count. 0 where the layout has a problem.
+double planned_backend_bytes(const RunConfig& cfg, int stage, bool gpu);
+
 }  // namespace keel::plan

@@ -504,6 +504,32 @@ void print_save(const SaveResult& r) {
   std::fflush(stdout);
 }
 
+// After the run's first step: the most memory this rank's backend held, against keel plan's
+// figure for its pipeline stage (the start-up breakdown's, less the CUDA context). The plan chose
+// the layout and the activation policy; a run that needs more than it said would fail later, on
+// a longer sequence or a fuller GPU, so a miss of more than 5% (plus 64 MiB for the cuBLASLt
+// workspace and tables) is a warning on every rank it happens on. Rank 0 reports its own.
+void report_memory(const RunConfig& cfg, const Backend& be, const parallel::Grid& grid, bool lead, bool quiet,
+                   int64_t step, MetricsWriter* metrics) {
+  const double peak = static_cast<double>(be.peak_bytes());
+  if (peak <= 0) return;  // a backend that does not count
+  const bool gpu = be.device() == Device::CUDA;
+  const double planned = plan::planned_backend_bytes(cfg, grid.pp_rank(), gpu);
+  if (planned <= 0) return;
+  if (lead && !quiet)
+    std::printf("keel: memory after step %lld: the backend held at most %s (keel plan: %s on this stage%s)\n",
+                static_cast<long long>(step), plan::format_bytes(peak).c_str(), plan::format_bytes(planned).c_str(),
+                gpu ? ", both without the CUDA context" : "");
+  if (lead && metrics)
+    metrics->write({{"event", "memory"}, {"step", step}, {"peak_bytes", peak}, {"planned_bytes", planned}});
+  if (peak > 1.05 * planned + 64.0 * (1 << 20))
+    std::printf("keel: WARNING memory: rank %d (pipeline stage %d) held %s at its peak, %.0f%% more than keel plan's %s "
+                "for it: layouts planned with keel plan may not fit; please report this with the config\n",
+                grid.rank(), grid.pp_rank(), plan::format_bytes(peak).c_str(), 100 * (peak / planned - 1),
+                plan::format_bytes(planned).c_str());
+  std::fflush(stdout);
+}
+
 // Everything ranks must agree on (stop at this step boundary, a save succeeded, time the next
 // step, a background save still being written) goes through the world communicator: int flags
 // reduced with Max, so any rank's "yes" wins. The flags' device buffer is allocated once: the
@@ -909,6 +935,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       std::printf("%s\n", format_step_line(r).c_str());
       std::fflush(stdout);
     }
+    if (it == progress.iteration + 1) report_memory(cfg, *backend, grid, lead, quiet, it, metrics ? &*metrics : nullptr);
     if (tr.timers().timed()) {
       const std::vector<RankTimes> times = tr.gather_timers(secs * 1e3);
       last_timed = std::chrono::steady_clock::now();

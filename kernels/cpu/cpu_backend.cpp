@@ -97,10 +97,20 @@ void* CpuBackend::allocate(size_t bytes) {
   void* p = std::aligned_alloc(64, rounded);
   if (!p) throw std::bad_alloc();
   std::memset(p, 0, rounded);
+  sizes_[p] = rounded;
+  used_bytes_ += rounded;
+  peak_bytes_ = std::max(peak_bytes_, used_bytes_);
   return p;
 }
 
-void CpuBackend::release(void* p) { std::free(p); }
+void CpuBackend::release(void* p) {
+  if (!p) return;
+  if (auto it = sizes_.find(p); it != sizes_.end()) {  // not thrown: release runs in destructors
+    used_bytes_ -= it->second;
+    sizes_.erase(it);
+  }
+  std::free(p);
+}
 
 void CpuBackend::copy_to_host(void* dst, const Tensor& src) {
   require(src.device == Device::CPU, "copy_to_host", "src is not a CPU tensor", {{"src", src}});

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <map>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -20,6 +21,8 @@ class CpuBackend final : public Backend {
 
   void* allocate(size_t bytes) override;
   void release(void* p) override;
+  size_t used_bytes() const override { return used_bytes_; }
+  size_t peak_bytes() const override { return peak_bytes_; }
   void copy_to_host(void* dst, const Tensor& src) override;
   void copy_from_host(const Tensor& dst, const void* src) override;
 
@@ -84,6 +87,9 @@ class CpuBackend final : public Backend {
   // RoPE cos/sin tables of positions [0, T), built on first use (rope.cpp)
   const std::vector<float>& rope_table(int T, int head_dim, const Rope& rope);
   std::map<RopeTableKey, std::vector<float>> rope_tables_;
+  // allocate()'s blocks and their sizes (used_bytes, peak_bytes)
+  std::unordered_map<void*, size_t> sizes_;
+  size_t used_bytes_ = 0, peak_bytes_ = 0;
 };
 
 }  // namespace keel

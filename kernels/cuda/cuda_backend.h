@@ -166,8 +166,8 @@ class CudaBackend final : public Backend {
   int device_index() const { return device_; }
   CUstream_st* stream() const { return stream_; }
   // High-water mark of the memory keel took from the device pool (bytes), and what it holds now.
-  size_t peak_bytes() const;
-  size_t used_bytes() const;
+  size_t peak_bytes() const override;
+  size_t used_bytes() const override;
 
   // ---- for the op files (kernels/cuda/*.cu) ----
   // Stream-ordered scratch memory, not zeroed; give it back with release() (also stream-ordered,
