@@ -6,7 +6,9 @@
 // the weights' initialisation to the optimizer's update, is checked here without a GPU.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "common/batches.h"
 #include "common/run_config.h"
@@ -49,4 +51,27 @@ TEST_CASE("memory: a run's peak on the CPU backend is keel plan's figure, initia
           }
           CHECK(be.used_bytes() == 0);  // the Trainer gave everything back
         }
+}
+
+TEST_CASE("memory: the weights' initialisation rounds alike through the moments and through its own staging buffer",
+          "[memory]") {
+  // A training state stages the fp32 values through its first moments; a forward-only one (keel
+  // train --eval-only) has none and takes a buffer of its own: the same working weights, bit for
+  // bit, and nothing left held beyond the state.
+  for (const std::string mode : {"bf16", "fp16"}) {
+    INFO(mode);
+    const RunConfig cfg = test::make_config(test::tiny_run_json("llama"), {{"precision", {{"mode", mode}}}});
+    CpuBackend be_train, be_eval;
+    Trainer train(cfg, be_train), eval(cfg, be_eval, nullptr, nullptr, true);
+    const size_t held = be_eval.used_bytes();
+    train.init_weights();
+    eval.init_weights();
+    CHECK(be_eval.used_bytes() == held);
+    const int64_t n = train.table().local_numel();
+    std::vector<uint16_t> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
+    be_train.copy_to_host(a.data(), train.state().flat_view(train.state().working, 0, n));
+    be_eval.copy_to_host(b.data(), eval.state().flat_view(eval.state().working, 0, n));
+    CHECK(a == b);
+    CHECK(std::count(a.begin(), a.end(), uint16_t{0}) < n / 2);  // initialised, not left at zero
+  }
 }
