@@ -137,6 +137,25 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   for (int l = sh.first_layer; l < sh.end_layer; ++l)
     for (const char* what : {"forward", "backward", "recompute"})
       range_names_.push_back("layer " + std::to_string(l) + " " + what);
+
+  // The grads-ready groups' ranges: the table lays out each group's tensors back to back.
+  const size_t n_groups = static_cast<size_t>(sh.end_layer - sh.first_layer) + 2;
+  group_range_.assign(n_groups, {0, 0});
+  tp_summed_.assign(n_groups, false);
+  std::vector<int64_t> group_numel(n_groups, 0);
+  for (const ParamSpec& p : table_.params()) {
+    const bool head = p.tied_copy || p.name == "lm_head" || p.name.rfind("final_norm.", 0) == 0;
+    const size_t g = p.layer >= 0 ? static_cast<size_t>(p.layer - sh.first_layer) : head ? n_groups - 2 : n_groups - 1;
+    auto& [b, e] = group_range_[g];
+    if (group_numel[g] == 0) b = e = p.offset;
+    b = std::min(b, p.offset);
+    e = std::max(e, p.offset + p.numel);
+    group_numel[g] += p.numel;
+  }
+  for (size_t g = 0; g < n_groups; ++g)
+    if (group_range_[g].second - group_range_[g].first != group_numel[g])
+      throw std::logic_error("Transformer: the gradients of group " + std::to_string(g) +
+                             " are not contiguous in the flat buffer");
 }
 
 // Everything of a layer but its input.
@@ -313,18 +332,40 @@ const Tensor& Transformer::reduce_rows(const Tensor& partial) {
   return row_sums_;
 }
 
-void Transformer::sum_tp_partial_grads() {
+void Transformer::sum_tp_group(size_t group) {
   if (!tensor_parallel_) return;
   auto sum = [&](const Tensor& g) {
     if (!g.empty()) tp_->all_reduce(g);
   };
-  for (const LayerParams& g : g_.layers) {
+  if (group < g_.layers.size()) {
+    const LayerParams& g = g_.layers[group];
     if (sp_)
       for (const Tensor* t : {&g.attn_norm_w, &g.attn_norm_b, &g.mlp_norm_w, &g.mlp_norm_b}) sum(*t);
     for (const Tensor* t : {&g.q_norm_w, &g.k_norm_w}) sum(*t);  // empty without qk_norm
+  } else if (sp_ && group == head_group()) {
+    for (const Tensor* t : {&g_.final_norm_w, &g_.final_norm_b}) sum(*t);
+  } else if (sp_ && group == embedding_group()) {
+    for (const Tensor* t : {&g_.embed_norm_w, &g_.embed_norm_b}) sum(*t);
   }
-  if (sp_)
-    for (const Tensor* t : {&g_.embed_norm_w, &g_.embed_norm_b, &g_.final_norm_w, &g_.final_norm_b}) sum(*t);
+}
+
+void Transformer::sum_tp_partial_grads() {
+  // In the order of the groups (layers, then the embedding's and the head's norms) on every TP
+  // rank alike; the ones summed early were summed in backward's order, equally on every rank.
+  for (size_t g = 0; g < tp_summed_.size(); ++g) {
+    const size_t group = g < g_.layers.size() ? g : g == g_.layers.size() ? embedding_group() : head_group();
+    if (!tp_summed_[group]) sum_tp_group(group);
+  }
+  tp_summed_.assign(tp_summed_.size(), false);
+}
+
+void Transformer::group_done(size_t group) {
+  const auto [b, e] = group_range_[group];
+  if (!grads_ready_ || b == e) return;
+  if (writes_) writes_->prepare_to_add(grads_.elements(b, e));  // zero-fills what no op wrote
+  sum_tp_group(group);
+  tp_summed_[group] = true;
+  grads_ready_(b, e);
 }
 
 // din += d(norm)/d(in) applied to dout (din is the residual gradient, so it accumulates),
@@ -531,6 +572,7 @@ void Transformer::backward(int slot_index, float dloss) {
     norm_backward(dres_, dnormf, s.res_final, s.meanf, s.rstdf, w_.final_norm_w, g_.final_norm_w, g_.final_norm_b,
                   false);
     probe(true, -1, "d final_norm input", dres_);
+    group_done(head_group());
   }
   // else: the caller has put d(loss)/d(stage output) into dres_ (grad_output()).
 
@@ -593,6 +635,7 @@ void Transformer::backward(int slot_index, float dloss) {
     probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm1);
     norm_backward(dres_, dnorm1, a.res_in, a.mean1, a.rstd1, w.attn_norm_w, g.attn_norm_w, g.attn_norm_b);
     probe(true, layer, "layer input gradient (attn_norm backward)", dres_);
+    group_done(li);
   }
 
   if (sh.has_embedding) {
@@ -612,6 +655,7 @@ void Transformer::backward(int slot_index, float dloss) {
     }
     be_.embedding_backward(g_.tok_embed, g_.pos_embed, gather_rows(dembed), s.tokens, T_, vocab_start_,
                            s.attn.positions);
+    group_done(embedding_group());
   }
   // else: dres_ (grad_input()) now holds d(loss)/d(stage input) for the previous stage.
 }

@@ -160,7 +160,17 @@ class Transformer {
   // After all micro-batches' backward: all-reduce over TP the gradients of replicated tensors
   // that each rank summed over its part only: under sequence parallelism the norms' (its rows),
   // with qk_norm the q/k norms' (its heads). No-op without TP.
+  // Groups already summed by the grads-ready path below are skipped (and forgotten, for the next step).
   void sum_tp_partial_grads();
+
+  // DP overlap (train/parallel/grad_buckets.h): when set, backward calls fn(begin, end) with a
+  // group's range of the flat gradient buffer as soon as the group is complete: the head's
+  // (final norm, head matrix or tied copy) after its backward, each layer's after its
+  // backward, the embedding's last. Set it only for the step's last backward of this chunk:
+  // the gradients are then final. Before the call, what of the range no op wrote is
+  // zero-filled (GradWrites) and the group's TP partial sums are done.
+  using GradsReadyFn = std::function<void(int64_t begin, int64_t end)>;
+  void set_grads_ready(GradsReadyFn fn) { grads_ready_ = std::move(fn); }
   // Training FLOPs per token of the whole model (forward + backward) at this T: keel::flops_per_token.
   double flops_per_token() const;
 
@@ -276,6 +286,16 @@ class Transformer {
   Tensor weights_, grads_;
   Params w_, g_;  // views of weights_ and grads_
   GradWrites* writes_ = nullptr;
+  // Grads-ready groups: layers 0..L-1 of the stage, then the head (L) and the embedding (L+1).
+  // Their flat ranges (empty: the stage does not hold the group), and which had their TP
+  // partial sums done early this step.
+  GradsReadyFn grads_ready_;
+  std::vector<std::pair<int64_t, int64_t>> group_range_;
+  std::vector<bool> tp_summed_;
+  size_t head_group() const { return group_range_.size() - 2; }
+  size_t embedding_group() const { return group_range_.size() - 1; }
+  void sum_tp_group(size_t group);  // the group's replicated gradients, over TP
+  void group_done(size_t group);    // grads-ready: complete the group, then report it
   std::vector<void*> allocations_;
   std::vector<Slot> slots_;
   LayerActs scratch_;  // intermediates of the recomputed layers (res_in left empty)

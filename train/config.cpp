@@ -371,6 +371,8 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     p.embedding_slot = f.boolean("embedding_slot", false);
     p.sequence_parallel = f.boolean("sequence_parallel", false);
     p.virtual_stages = f.integer("virtual_stages", 1, 1, 1 << 10);
+    p.overlap_grad_reduce = f.boolean("overlap_grad_reduce", false);
+    p.grad_bucket_size = f.integer("grad_bucket_size", 0, 0, int64_t{1} << 40);
     f.finish();
     const ModelConfig& m = c.model;
     auto divides = [&](int64_t by, int64_t what, const std::string& by_name, const std::string& what_name) {
@@ -771,7 +773,9 @@ json to_json(const RunConfig& c) {
                    {"dp", c.parallel.dp},
                    {"embedding_slot", c.parallel.embedding_slot},
                    {"sequence_parallel", c.parallel.sequence_parallel},
-                   {"virtual_stages", c.parallel.virtual_stages}};
+                   {"virtual_stages", c.parallel.virtual_stages},
+                   {"overlap_grad_reduce", c.parallel.overlap_grad_reduce},
+                   {"grad_bucket_size", c.parallel.grad_bucket_size}};
   const HealthConfig& h = c.health;
   j["health"] = {{"replica_check_interval", h.replica_check_interval},
                  {"param_group_audit", h.param_group_audit},

@@ -225,6 +225,11 @@ struct ParallelConfig {
   // with pp * virtual_stages virtual stages, rank s holding stages s, s + pp, ... A bubble 1 /
   // virtual_stages as long, for virtual_stages times the point-to-point messages. 1: plain 1F1B.
   int64_t virtual_stages = 1;
+  // Reduce the DP gradients in buckets while the step's last backward runs (Megatron's
+  // --overlap-grad-reduce; train/parallel/grad_buckets.h), each bucket once it holds
+  // grad_bucket_size elements (0: Megatron's max(40M, 1M * dp)). Same shards, same sums.
+  bool overlap_grad_reduce = false;
+  int64_t grad_bucket_size = 0;
   int64_t world() const { return tp * pp * dp; }
 };
 

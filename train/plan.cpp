@@ -576,7 +576,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   // TP: two all-reduces of [tokens, d] per block forward and two backward (+2 when recomputing),
   //   one for the vocab-parallel embedding and one for the head's input gradient;
   // PP: one [tokens, d] send forward and one backward per stage boundary.
-  // Nothing overlaps with compute.
+  // Nothing overlaps with compute, but for the DP gradients' reduction with overlap_grad_reduce.
   const double M = static_cast<double>(l.mbs) * seq;
   const double rate = hw.achievable_tflops * 1e12;
   const double bw_intra = hw.intra_node_gbps * 1e9, bw_inter = hw.inter_node_gbps * 1e9;
@@ -660,12 +660,24 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     p.time.pp_comm_s += tied_s;
   }
   // DP (ZeRO-1): reduce-scatter the gradients, all-gather the updated working weights, after the
-  // last backward (not overlapped). The rank with the most parameters sets the pace.
-  double max_params = 0;
-  for (const auto& st : p.stages) max_params = std::max(max_params, static_cast<double>(st.params));
-  p.comm.dp = ring_half_sent(max_params * mem.state.dp_grad_comm, l.dp) +
-              ring_half_sent(max_params * mem.state.dp_weight_comm, l.dp);
-  p.time.dp_comm_s = p.comm.dp / bw_dp;
+  // last backward. The rank with the most parameters sets the pace. With overlap_grad_reduce the
+  // gradients' reduction runs alongside the slowest stage's last backward (one micro-batch's
+  // backward, recomputation included), except what outlasts it and the last group's share
+  // (the layer or embedding finished last cannot hide behind anything).
+  double max_params = 0, max_layers = 0;
+  for (const auto& st : p.stages) {
+    max_params = std::max(max_params, static_cast<double>(st.params));
+    max_layers = std::max(max_layers, static_cast<double>(st.span.layers()));
+  }
+  const double grad_sent = ring_half_sent(max_params * mem.state.dp_grad_comm, l.dp);
+  const double gather_sent = ring_half_sent(max_params * mem.state.dp_weight_comm, l.dp);
+  p.comm.dp = grad_sent + gather_sent;
+  double grad_s = grad_sent / bw_dp;
+  if (opt.overlap_grad_reduce && l.dp > 1) {
+    const double backward_share = (layer_bwd.seconds + (p.recompute ? layer_fwd.seconds : 0)) / layer_s;
+    grad_s = std::max(grad_s - times[slow].compute * backward_share, grad_s / (max_layers + 1));
+  }
+  p.time.dp_comm_s = grad_s + gather_sent / bw_dp;
   p.time.step_s = pipe + tied_s + p.time.dp_comm_s;
   const double tokens = static_cast<double>(cfg.train.global_batch) * seq;
   p.time.model_tflops = flops_per_token(m, seq) * tokens / (double(l.gpus()) * p.time.step_s) / 1e12;
@@ -1162,6 +1174,7 @@ PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
   opt.embedding_own_slot = cfg.parallel.embedding_slot;
   opt.virtual_stages = cfg.parallel.virtual_stages;
+  opt.overlap_grad_reduce = cfg.parallel.overlap_grad_reduce;
   if (!gpu) {
     opt.memory.cuda_context_bytes = 0;
     opt.memory.attention_ds_budget = 0;

@@ -126,6 +126,9 @@ struct PlanOptions {
   // 0 (plan_all only): each pipeline layout with the count, 1 to kMaxAutoVirtualStages, that
   // makes it fastest among those that fit.
   int64_t virtual_stages = 1;
+  // parallel.overlap_grad_reduce: the DP gradient reduction runs during the last micro-batch's
+  // backward, so only what outlasts it (and at least the last group's share) adds to the step.
+  bool overlap_grad_reduce = false;
   std::optional<int64_t> tp, pp, dp, mbs;  // pinned sizes
   int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this
 };

@@ -530,6 +530,23 @@ void report_memory(const RunConfig& cfg, const Backend& be, const parallel::Grid
   std::fflush(stdout);
 }
 
+// parallel.overlap_grad_reduce: how much of the first step's DP reduction started while the
+// backward still ran (rank 0's; every DP rank of a stage forms the same buckets).
+void report_grad_overlap(const Trainer& tr, bool lead, bool quiet, int64_t step, MetricsWriter* metrics) {
+  const parallel::GradBuckets* b = tr.grad_buckets();
+  if (!b || !lead) return;
+  const double share = b->elements() > 0 ? 100.0 * static_cast<double>(b->early_elements()) / b->elements() : 0;
+  if (!quiet)
+    std::printf("keel: DP gradient reduction at step %lld: %.1f%% of this rank's %lld gradient elements reduced during "
+                "the backward, in %lld reductions (buckets of %lld elements)\n",
+                static_cast<long long>(step), share, static_cast<long long>(b->elements()),
+                static_cast<long long>(b->reductions()), static_cast<long long>(b->bucket()));
+  if (metrics)
+    metrics->write({{"event", "grad_overlap"}, {"step", step}, {"early_elements", b->early_elements()},
+                    {"elements", b->elements()}, {"reductions", b->reductions()}, {"bucket", b->bucket()}});
+  std::fflush(stdout);
+}
+
 // Everything ranks must agree on (stop at this step boundary, a save succeeded, time the next
 // step, a background save still being written) goes through the world communicator: int flags
 // reduced with Max, so any rank's "yes" wins. The flags' device buffer is allocated once: the
@@ -935,7 +952,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       std::printf("%s\n", format_step_line(r).c_str());
       std::fflush(stdout);
     }
-    if (it == progress.iteration + 1) report_memory(cfg, *backend, grid, lead, quiet, it, metrics ? &*metrics : nullptr);
+    if (it == progress.iteration + 1) {
+      report_memory(cfg, *backend, grid, lead, quiet, it, metrics ? &*metrics : nullptr);
+      report_grad_overlap(tr, lead, quiet, it, metrics ? &*metrics : nullptr);
+    }
     if (tr.timers().timed()) {
       const std::vector<RankTimes> times = tr.gather_timers(secs * 1e3);
       last_timed = std::chrono::steady_clock::now();

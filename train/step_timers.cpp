@@ -79,8 +79,8 @@ std::vector<double> StepTimers::sample(double step_ms) const {
 namespace {
 // A profiler range name for each collective (TimedComm::Op order) on each group ("tp all_reduce").
 const char* comm_range_name(parallel::GroupKind g, int op) {
-  static const char* const ops[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
-                                    "send",       "recv",           "sendrecv",   "barrier"};
+  static const char* const ops[] = {"all_reduce", "reduce_scatter", "reduce",   "all_gather", "broadcast",
+                                    "send",       "recv",           "sendrecv", "barrier"};
   static const std::vector<std::string> names = [] {
     std::vector<std::string> n(StepTimers::kGroups * std::size(ops));
     for (parallel::GroupKind k : parallel::kAllGroups)
@@ -111,6 +111,17 @@ void TimedComm::all_reduce(const Tensor& t, parallel::ReduceOp op) {
 }
 void TimedComm::reduce_scatter(const Tensor& out, const Tensor& in) {
   timed(ReduceScatter, [&] { inner_.reduce_scatter(out, in); });
+}
+void TimedComm::reduce(const Tensor& t, int root) {
+  timed(Reduce, [&] { inner_.reduce(t, root); });
+}
+void TimedComm::reduce_async(const Tensor& t, int root) {
+  if (!timers_.timed()) {
+    const ProfileRange range(comm_range_name(group_, Reduce));
+    inner_.reduce_async(t, root);
+    return;
+  }
+  timed(Reduce, [&] { inner_.reduce_async(t, root); });  // wait_idle includes the side stream
 }
 void TimedComm::all_gather(const Tensor& out, const Tensor& in) {
   timed(AllGather, [&] { inner_.all_gather(out, in); });

@@ -87,6 +87,7 @@ class TimedComm final : public parallel::Comm {
 
   void all_reduce(const Tensor& t, parallel::ReduceOp op = parallel::ReduceOp::Sum) override;
   void reduce_scatter(const Tensor& out, const Tensor& in) override;
+  void reduce(const Tensor& t, int root) override;
   void all_gather(const Tensor& out, const Tensor& in) override;
   void broadcast(const Tensor& t, int root) override;
   void send(const Tensor& t, int peer) override;
@@ -94,9 +95,13 @@ class TimedComm final : public parallel::Comm {
   void sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) override;
   void barrier() override;
   void wait_idle() override { inner_.wait_idle(); }
+  // On a timed step the reduction is timed like a blocking one (it then overlaps nothing);
+  // otherwise it is handed on asynchronously.
+  void reduce_async(const Tensor& t, int root) override;
+  void join_async() override { inner_.join_async(); }
 
  private:
-  enum Op : int { AllReduce, ReduceScatter, AllGather, Broadcast, Send, Recv, SendRecv, Barrier, kOps };
+  enum Op : int { AllReduce, ReduceScatter, Reduce, AllGather, Broadcast, Send, Recv, SendRecv, Barrier, kOps };
   template <class F>
   void timed(Op op, F&& call);
   parallel::Comm& inner_;

@@ -41,6 +41,23 @@ std::vector<int> training_micro_batch_counts(const RunConfig& cfg) {
   return counts;
 }
 
+// Reports a chunk's final gradients during one backward (its last of the step): see
+// Transformer::set_grads_ready. A null fn reports nothing.
+class GradsReadyScope {
+ public:
+  GradsReadyScope(Transformer& m, const Transformer::GradsReadyFn& fn, bool last) : m_(last && fn ? &m : nullptr) {
+    if (m_) m_->set_grads_ready(fn);
+  }
+  ~GradsReadyScope() {
+    if (m_) m_->set_grads_ready(nullptr);
+  }
+  GradsReadyScope(const GradsReadyScope&) = delete;
+  GradsReadyScope& operator=(const GradsReadyScope&) = delete;
+
+ private:
+  Transformer* m_;
+};
+
 // One point-to-point move of the pipeline: send and/or receive (both at once when both).
 void transfer(parallel::Comm& pp, const std::optional<Tensor>& send, int to, const std::optional<Tensor>& recv,
               int from) {
@@ -122,6 +139,19 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
       else
         primary_ranges_.emplace_back(a, b);
     }
+  }
+  if (!forward_only && grid_.dp_size() > 1 && cfg.parallel.overlap_grad_reduce) {
+    // The tied embedding's copies are summed over the embedding group after the pipeline
+    // (sync_tied_embedding): their DP reduction waits for that.
+    std::vector<parallel::GradBuckets::Range> deferred;
+    if (cfg.model.tied_embeddings && grid_.pp_size() > 1 && grid_.holds_embedding())
+      for (const ParamSpec& p : table_.params())
+        if (p.name == "tok_embed") deferred.emplace_back(p.offset, p.offset + p.numel);
+    const int64_t bucket =
+        cfg.parallel.grad_bucket_size > 0 ? cfg.parallel.grad_bucket_size : parallel::default_grad_bucket(grid_.dp_size());
+    grad_buckets_ = std::make_unique<parallel::GradBuckets>(*comms_->dp, state_->grads,
+                                                            state_->optim_end() - state_->optim_begin(), bucket,
+                                                            std::move(deferred));
   }
   if (cfg.health.frozen_check_interval > 0) frozen_ = std::make_unique<FrozenDetector>(table_, *state_, cfg.health);
   const ParamTable full(cfg.model);
@@ -209,8 +239,14 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
     if (pool.empty()) throw std::logic_error("interleaved pipeline: chunk " + std::to_string(chunk) + " has no gradient buffer");
     return pool[static_cast<size_t>(mb) % pool.size()];
   };
+  // Each chunk's last backward of the step, as a tick index (its gradients are final after it).
+  const std::vector<PipeTick>& ticks = sc.ticks[static_cast<size_t>(s)];
+  std::vector<size_t> last_backward(chunks_.size(), ticks.size());
+  for (size_t i = 0; i < ticks.size(); ++i)
+    if (!ticks[i].op.none() && ticks[i].op.backward) last_backward[static_cast<size_t>(ticks[i].op.chunk)] = i;
   double loss_sum = 0;
-  for (const PipeTick& k : sc.ticks[static_cast<size_t>(s)]) {
+  for (size_t i = 0; i < ticks.size(); ++i) {
+    const PipeTick& k = ticks[i];
     std::optional<Tensor> send_fwd, recv_fwd, send_bwd, recv_bwd;
     if (!k.op.none()) {
       Transformer& m = *chunks_[static_cast<size_t>(k.op.chunk)];
@@ -226,6 +262,7 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
         if (k.send_forward) send_fwd = m.stage_output(slot(k.op.chunk, mb));
       } else {
         if (vs != V - 1) be_.convert(m.grad_output(), grad_buffer(k.op.chunk, mb));
+        const GradsReadyScope reporting(m, grads_ready_, last_backward[static_cast<size_t>(k.op.chunk)] == i);
         m.backward(slot(k.op.chunk, mb), dloss);
         if (k.send_backward) send_bwd = m.grad_input();
       }
@@ -265,6 +302,11 @@ double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool b
   auto send_forward = [&](int mb) {
     if (!last) pp.send(model->stage_output(mb % slots), s + 1);
   };
+  auto backward_next = [&] {  // micro-batches go backward in order: the last one's is the step's last
+    const GradsReadyScope reporting(*model, grads_ready_, next_bwd == M - 1);
+    model->backward(next_bwd % slots, dloss);
+    ++next_bwd;
+  };
 
   if (!backward) {  // evaluation: forward only, one micro-batch after another
     for (int mb = 0; mb < M; ++mb) {
@@ -291,8 +333,7 @@ double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool b
     forward(next_fwd);
     const int done_fwd = next_fwd++;
     if (!last) pp.sendrecv(model->stage_output(done_fwd % slots), s + 1, model->grad_output(), s + 1);
-    model->backward(next_bwd % slots, dloss);
-    ++next_bwd;
+    backward_next();
     if (i + 1 < steady) {
       if (!first) pp.sendrecv(model->grad_input(), s - 1, model->stage_input(next_fwd % slots), s - 1);
     } else if (!first) {
@@ -301,8 +342,7 @@ double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool b
   }
   for (int i = 0; i < warmup; ++i) {
     if (!last) pp.recv(model->grad_output(), s + 1);
-    model->backward(next_bwd % slots, dloss);
-    ++next_bwd;
+    backward_next();
     if (!first) pp.send(model->grad_input(), s - 1);
   }
   return loss_sum;
@@ -354,7 +394,19 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
     });
   }
   slow_rank_fault(static_cast<int>(micro_batches.size()));
-  double loss_sum = run_pipeline(micro_batches, dloss, true);
+  double loss_sum = 0;
+  if (grad_buckets_) {
+    // The chunks' last backward hands each finished group of gradients to the DP buckets.
+    grad_buckets_->begin_step();
+    grads_ready_ = [this](int64_t b, int64_t e) { grad_buckets_->ready(b, e); };
+    struct Clear {
+      Transformer::GradsReadyFn& fn;
+      ~Clear() { fn = nullptr; }
+    } clear{grads_ready_};
+    loss_sum = run_pipeline(micro_batches, dloss, true);
+  } else {
+    loss_sum = run_pipeline(micro_batches, dloss, true);
+  }
   grad_writes_->finish_step();
   if (collect_stats) {
     set_probe(nullptr);
@@ -372,7 +424,9 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
     const StepTimers::Scope timed = timers_.phase(StepTimers::GradReduce);
     for (auto& m : chunks_) m->sum_tp_partial_grads();
     sync_tied_embedding();
-    if (grid_.dp_size() > 1) {
+    if (grad_buckets_) {
+      grad_buckets_->finish();  // what the backward did not reduce already
+    } else if (grid_.dp_size() > 1) {
       // This rank's block of the summed gradient lands in place in its own shard.
       dp.reduce_scatter(state_->flat_view(state_->grads, state_->optim_begin(), state_->optim_end() - state_->optim_begin()),
                         state_->grads);

@@ -32,6 +32,7 @@
 #include "train/pipeline_schedule.h"
 #include "train/step_timers.h"
 #include "train/parallel/comm.h"
+#include "train/parallel/grad_buckets.h"
 #include "train/parallel/grid.h"
 
 namespace keel {
@@ -142,6 +143,9 @@ class Trainer {
   // Phase and communication timers (train/step_timers.h): the run loop starts each step timed
   // or not, and times its data loading as a phase of the step.
   StepTimers& timers() { return timers_; }
+  // The DP reduction's buckets (parallel.overlap_grad_reduce with dp > 1), else nullptr; its
+  // counts are the last step's.
+  const parallel::GradBuckets* grad_buckets() const { return grad_buckets_.get(); }
   // Collective over the world: every rank's sample of the timed step just finished (step_ms:
   // its wall time as the run loop measured it), with grid coordinates and host names.
   // Stops the timing, so the gather itself is not measured.
@@ -178,6 +182,10 @@ class Trainer {
   ParamTable table_;
   std::unique_ptr<ParamState> state_;
   std::unique_ptr<GradWrites> grad_writes_;  // over state_->grads (training only)
+  // parallel.overlap_grad_reduce with dp > 1: the DP reduction's buckets, and, during a training
+  // step's pipeline, what the chunks' last backward reports final gradients to.
+  std::unique_ptr<parallel::GradBuckets> grad_buckets_;
+  Transformer::GradsReadyFn grads_ready_;
   // This rank's model chunks (one without virtual_stages); chunks after the first share its
   // backward scratch.
   std::vector<std::unique_ptr<Transformer>> chunks_;

@@ -58,6 +58,7 @@ struct Run {
   std::string output;
   std::vector<nlohmann::json> records;
   nlohmann::json memory;  // rank 0's memory report after its first step
+  nlohmann::json overlap;  // rank 0's DP reduction report (parallel.overlap_grad_reduce)
 };
 
 Run train(const test::Workspace& ws, const std::string& out, const Layout& l, const std::string& extra = "") {
@@ -70,6 +71,7 @@ Run train(const test::Workspace& ws, const std::string& out, const Layout& l, co
     for (const auto& rec : test::read_metrics(out + "/metrics.jsonl")) {
       if (rec.contains("loss")) run.records.push_back(rec);
       else if (rec.value("event", "") == "memory") run.memory = rec;
+      else if (rec.value("event", "") == "grad_overlap") run.overlap = rec;
     }
   return run;
 }
@@ -193,6 +195,61 @@ TEST_CASE("activation recomputation under tp=2 pp=2 dp=2 trains bit-identically 
         CHECK(got.records[i]["grad_norm"].get<double>() == ref.records[i]["grad_norm"].get<double>());
       }
     }
+  }
+}
+
+TEST_CASE("DP gradient reduction overlapped with the backward trains bit-identically to one reduce_scatter after it",
+          "[mpi][layouts][overlap]") {
+  // The buckets reduce each element on its owning rank, in rank order, with reduce_scatter's
+  // arithmetic (train/parallel/grad_buckets.h), so losses and grad norms must be equal, not
+  // close. The cases cover what completes a group before it is reduced: TP partial sums of the
+  // norms under SP and of Qwen3's q/k norms, a chunked head (its gradient written in forward),
+  // the interleaved pipeline (a chunk's last backward mid-schedule), and the tied embedding's
+  // copies (deferred to after the pipeline); buckets of one group, of a few, and the default
+  // (40M: nothing fills, all of it at the end).
+  struct Case {
+    std::string family;
+    Layout l;
+    std::string extra;
+    int64_t bucket;
+  };
+  const std::vector<Case> cases = {
+      {"llama", {2, 2, 2}, "--set precision.mode=bf16 --set parallel.sequence_parallel=true", 1},
+      {"llama", {2, 1, 2}, "--set model.qk_norm=true --set model.head_dim=8 --set train.logits_chunk_rows=5", 20000},
+      {"llama", {1, 1, 4}, "--set train.recompute=full", 0},
+      {"gpt2", {1, 2, 2}, "--set parallel.virtual_stages=2", 5000},
+      {"gpt2", {2, 2, 2}, "--set precision.mode=bf16", 1}};
+  for (const Case& c : cases) {
+    INFO(c.family << " " << c.l.str() << " " << c.extra << ", bucket " << c.bucket);
+    test::Workspace ws(model_patch(c.family));
+    const Run ref = train(ws, ws.dir / "ref", c.l, c.extra);
+    INFO(ref.output);
+    REQUIRE(ref.code == 0);
+    REQUIRE(ref.records.size() == 6);
+    CHECK(ref.overlap.is_null());  // off by default
+    const Run got = train(ws, ws.dir / "overlap", c.l,
+                          c.extra + " --set parallel.overlap_grad_reduce=true --set parallel.grad_bucket_size=" +
+                              std::to_string(c.bucket));
+    INFO(got.output);
+    REQUIRE(got.code == 0);
+    REQUIRE(got.records.size() == ref.records.size());
+    for (size_t i = 0; i < ref.records.size(); ++i) {
+      INFO("step " << i + 1);
+      CHECK(got.records[i]["loss"].get<double>() == ref.records[i]["loss"].get<double>());
+      CHECK(got.records[i]["grad_norm"].get<double>() == ref.records[i]["grad_norm"].get<double>());
+    }
+    // Rank 0 (tp 0, stage 0, dp 0) did reduce during its backward, unless no bucket could fill.
+    REQUIRE(got.overlap.is_object());
+    const int64_t early = got.overlap["early_elements"], all = got.overlap["elements"];
+    CHECK(got.overlap["bucket"].get<int64_t>() == (c.bucket > 0 ? c.bucket : 40'000'000));
+    if (c.bucket == 0) {
+      CHECK(early == 0);
+    } else {
+      CHECK(early > 0);
+      CHECK(early <= all);
+      CHECK(got.overlap["reductions"].get<int64_t>() >= 2);
+    }
+    if (c.family == "gpt2" && c.l.pp > 1) CHECK(early < all);  // the tied tok_embed waits for its copy's gradient
   }
 }
 

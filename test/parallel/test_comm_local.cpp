@@ -31,9 +31,13 @@ TEST_CASE("local comm: collectives of one rank are copies or no-ops", "[parallel
   CHECK(b == a);
   c.all_gather(ta, ta);  // in place
   c.broadcast(ta, 0);
+  c.reduce(ta, 0);
+  c.reduce_async(ta, 0);
+  c.join_async();
   c.barrier();
   CHECK(a == std::vector<float>{1.5f, -2.f, 3.f});
   CHECK_THROWS_WITH(c.broadcast(ta, 1), Catch::Contains("root 1 is not a rank of the group"));
+  CHECK_THROWS_WITH(c.reduce(ta, 1), Catch::Contains("reduce on dp (size 1): root 1 is not a rank of the group"));
   CHECK_THROWS_WITH(c.send(ta, 0), Catch::Contains("to itself"));
   CHECK_THROWS_WITH(c.recv(ta, 1), Catch::Contains("peer 1"));
 }

@@ -43,6 +43,7 @@ class TwoRankComm final : public Comm {
     std::memcpy(theirs, peer_text.data(), std::min(peer_text.size(), bytes - 1));
   }
   void reduce_scatter(const Tensor&, const Tensor&) override { FAIL("not used"); }
+  void reduce(const Tensor&, int) override { FAIL("not used"); }
   void broadcast(const Tensor&, int) override { FAIL("not used"); }
   void send(const Tensor&, int) override { FAIL("not used"); }
   void recv(const Tensor&, int) override { FAIL("not used"); }

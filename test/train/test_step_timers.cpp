@@ -32,6 +32,7 @@ class SlowComm final : public parallel::Comm {
     ++calls;
   }
   void reduce_scatter(const Tensor&, const Tensor&) override { ++calls; }
+  void reduce(const Tensor&, int) override { ++calls; }
   void all_gather(const Tensor&, const Tensor&) override { ++calls; }
   void broadcast(const Tensor&, int) override { ++calls; }
   void send(const Tensor&, int) override { ++calls; }

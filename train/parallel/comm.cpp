@@ -74,6 +74,12 @@ void reduce_scatter(const Comm& c, const Tensor& out, const Tensor& in) {
   block_overlap(c, "reduce_scatter", in, "in", out, "out");
 }
 
+void reduce(const Comm& c, const Tensor& t, int root) {
+  reduction(c, "reduce", t);
+  if (root < 0 || root >= c.size())
+    throw std::invalid_argument(where(c, "reduce") + ": root " + std::to_string(root) + " is not a rank of the group");
+}
+
 void all_gather(const Comm& c, const Tensor& out, const Tensor& in) {
   on_device(c, "all_gather", in, "in");
   on_device(c, "all_gather", out, "out");
@@ -132,6 +138,7 @@ void LocalComm::all_gather(const Tensor& out, const Tensor& in) {
   copy("all_gather", out, in);
 }
 
+void LocalComm::reduce(const Tensor& t, int root) { check::reduce(*this, t, root); }
 void LocalComm::broadcast(const Tensor& t, int root) { check::broadcast(*this, t, root); }
 
 void LocalComm::send(const Tensor& t, int peer) { check::point_to_point(*this, "send", t, peer); }

@@ -9,6 +9,7 @@
 //   all_reduce(t, op)        t = op over ranks of t, in place (Sum or Max)
 //   reduce_scatter(out, in)  in holds size() blocks of out.numel(); rank r gets the sum of block r;
 //                            out may be in's own block r (in place)
+//   reduce(t, root)          root's t = sum over ranks of t (in place); the other ranks' t is unchanged
 //   all_gather(out, in)      out = the in of rank 0, then rank 1, ...; in may be out's own block
 //   broadcast(t, root)       t = root's t
 //   send(t, peer) / recv(t, peer)   point to point, matched in order per (sender, receiver)
@@ -62,6 +63,7 @@ class Comm {
 
   virtual void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::Sum) = 0;
   virtual void reduce_scatter(const Tensor& out, const Tensor& in) = 0;
+  virtual void reduce(const Tensor& t, int root) = 0;
   virtual void all_gather(const Tensor& out, const Tensor& in) = 0;
   virtual void broadcast(const Tensor& t, int root) = 0;
   virtual void send(const Tensor& t, int peer) = 0;
@@ -72,6 +74,13 @@ class Comm {
   // asynchronously on a stream; host communicators are done when their calls return). Lets a
   // timer measure a collective's real duration (train/step_timers.h).
   virtual void wait_idle() {}
+  // Reduction overlapped with compute (DP gradient buckets, train/parallel/grad_buckets.h):
+  // reduce_async is reduce(t, root), but a device communicator runs it on a side stream, after
+  // the work enqueued so far and alongside the work enqueued after it; join_async() makes later
+  // work wait for all of them. Until then nobody may touch t. Host communicators finish it
+  // before returning. wait_idle() includes them.
+  virtual void reduce_async(const Tensor& t, int root) { reduce(t, root); }
+  virtual void join_async() {}
 };
 
 // Argument checks every implementation runs first. They throw std::invalid_argument naming the
@@ -80,6 +89,7 @@ class Comm {
 namespace check {
 void reduction(const Comm& c, std::string_view op, const Tensor& t);
 void reduce_scatter(const Comm& c, const Tensor& out, const Tensor& in);
+void reduce(const Comm& c, const Tensor& t, int root);
 void all_gather(const Comm& c, const Tensor& out, const Tensor& in);
 void broadcast(const Comm& c, const Tensor& t, int root);
 void point_to_point(const Comm& c, std::string_view op, const Tensor& t, int peer);
@@ -100,6 +110,7 @@ class LocalComm final : public Comm {
 
   void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::Sum) override;
   void reduce_scatter(const Tensor& out, const Tensor& in) override;
+  void reduce(const Tensor& t, int root) override;
   void all_gather(const Tensor& out, const Tensor& in) override;
   void broadcast(const Tensor& t, int root) override;
   void send(const Tensor& t, int peer) override;

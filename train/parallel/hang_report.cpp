@@ -228,12 +228,13 @@ std::optional<CollectiveFault> parse_collective_fault(const std::string& text) {
     else throw std::invalid_argument(where + ": unknown key \"" + key + "\" (expected rank, op, group, seq or call)");
     at = comma + 1;
   }
-  static const std::set<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"};
+  static const std::set<std::string> ops = {"all_reduce", "reduce_scatter", "reduce", "all_gather", "broadcast",
+                                            "barrier"};
   static const std::set<std::string> groups = {"world", "tp", "pp", "dp", "embedding"};
   if (f.world_rank < 0 || f.op.empty() || f.group.empty() || (f.seq > 0) == (f.call > 0))
     throw std::invalid_argument(where + ": needs rank, op, group, and one of seq or call");
   if (!ops.count(f.op))
-    throw std::invalid_argument(where + ": op must be a collective (all_reduce, reduce_scatter, all_gather, broadcast, barrier)");
+    throw std::invalid_argument(where + ": op must be a collective (all_reduce, reduce_scatter, reduce, all_gather, broadcast, barrier)");
   if (!groups.count(f.group)) throw std::invalid_argument(where + ": group must be world, tp, pp, dp or embedding");
   return f;
 }

@@ -42,8 +42,8 @@ std::string_view op_state_name(OpState s);  // "posted", "completed", "failed"
 // allocates nothing.
 struct OpRecord {
   uint64_t id = 0;          // process-wide operation number (1, 2, ...); 0: empty slot
-  const char* op = "";      // "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier",
-                            // "send", "recv", "sendrecv" (static strings)
+  const char* op = "";      // "all_reduce", "reduce_scatter", "reduce", "all_gather", "broadcast",
+                            // "barrier", "send", "recv", "sendrecv" (static strings)
   const char* group = "";   // "tp", "pp", "dp", "embedding", "world" (static strings)
   int32_t group_index = 0;  // which group of that kind (Grid::group_index)
   int32_t group_rank = 0;   // this rank within it

@@ -978,6 +978,37 @@ void MpiComm::reduce_scatter(const Tensor& out, const Tensor& in) {
   }
 }
 
+// Per chunk, every rank's elements are gathered on the root, which reduces them in rank order
+// with reduce_scatter's arithmetic: an element reduced here has the same bits as the same
+// element of a reduce_scatter whose block the root owns.
+void MpiComm::reduce(const Tensor& t, int root) {
+  check::reduce(*this, t, root);
+  Impl& m = *impl_;
+  if (m.skip_for_fault("reduce")) return;
+  Impl::Op op;
+  m.begin(op, "reduce", t.numel(), t.dtype);
+  const int64_t n = t.numel();
+  if (n == 0 || m.size == 1) return;
+  const MPI_Datatype type = mpi_type(t.dtype);
+  const size_t esize = dtype_size(t.dtype);
+  const int p = m.size;
+  const bool is_root = m.rank == root;
+  auto* data = static_cast<unsigned char*>(t.data);
+  const int64_t chunk = std::max<int64_t>(1, m.chunk_elements / p);
+  for (int64_t off = 0; off < n; off += chunk) {
+    const int len = static_cast<int>(std::min(chunk, n - off));
+    unsigned char* blocks = is_root ? m.scratch_bytes(static_cast<size_t>(len) * p * esize) : nullptr;
+    MPI_Request req;
+    m.check(MPI_Igather(data + static_cast<size_t>(off) * esize, len, type, blocks, len, type, root, m.comm, &req),
+            "MPI_Igather", op);
+    m.wait(&req, 1, op);
+    if (!is_root) continue;
+    for (int i = 0; i < p; ++i) m.sources[static_cast<size_t>(i)] = blocks + static_cast<size_t>(i) * len * esize;
+    reduce_host(data + static_cast<size_t>(off) * esize, m.sources.data(), p, t.dtype, len, ReduceOp::Sum,
+                m.scratch_floats(len));
+  }
+}
+
 void MpiComm::all_gather(const Tensor& out, const Tensor& in) {
   check::all_gather(*this, out, in);
   Impl& m = *impl_;
@@ -1164,6 +1195,7 @@ int MpiComm::size() const { return 1; }
 std::string_view MpiComm::name() const { return "none"; }
 void MpiComm::all_reduce(const Tensor&, ReduceOp) { no_mpi(); }
 void MpiComm::reduce_scatter(const Tensor&, const Tensor&) { no_mpi(); }
+void MpiComm::reduce(const Tensor&, int) { no_mpi(); }
 void MpiComm::all_gather(const Tensor&, const Tensor&) { no_mpi(); }
 void MpiComm::broadcast(const Tensor&, int) { no_mpi(); }
 void MpiComm::send(const Tensor&, int) { no_mpi(); }

@@ -84,6 +84,7 @@ class MpiComm final : public Comm {
 
   void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::Sum) override;
   void reduce_scatter(const Tensor& out, const Tensor& in) override;
+  void reduce(const Tensor& t, int root) override;
   void all_gather(const Tensor& out, const Tensor& in) override;
   void broadcast(const Tensor& t, int root) override;
   void send(const Tensor& t, int peer) override;

@@ -102,11 +102,17 @@ struct NcclComm::Impl {
   // the connection setup of a first operation between two ranks): see BlockingCallWatch.
   BlockingCallWatch watch(const char* call) const { return BlockingCallWatch(call, last_op, watch_label, timeout); }
   std::string watch_label;  // "world rank R, NCCL group ...": who a blocked call's report names
-  // After enqueueing: the event that marks the operation finished.
-  void enqueued() {
-    if (pending_event) check(cudaEventRecord(pending_event.get(), stream), "cudaEventRecord");
+  // After enqueueing on `on` (stream, or side): the event that marks the operation finished.
+  void enqueued(cudaStream_t on) {
+    if (pending_event) check(cudaEventRecord(pending_event.get(), on), "cudaEventRecord");
     pending_event.reset();
   }
+  void enqueued() { enqueued(stream); }
+  // reduce_async's stream, and the events that order it after stream (fork) and stream after
+  // it (join). Made on first use; side_pending: work on side that stream does not wait for yet.
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork_event = nullptr, join_event = nullptr;
+  bool side_pending = false;
   std::shared_ptr<CUevent_st> pending_event;
   void check(ncclResult_t r, const char* call) const {
     if (r == ncclSuccess) return;
@@ -202,6 +208,9 @@ NcclComm::~NcclComm() {
   // still be pending: abort them, as destroying finalizes, which waits for them forever.
   if (m.comm && !m.aborted && (comm_timed_out() || std::uncaught_exceptions() > 0)) m.abort();
   if (m.comm && !m.aborted) ncclCommDestroy(m.comm);
+  if (m.fork_event) cudaEventDestroy(m.fork_event);
+  if (m.join_event) cudaEventDestroy(m.join_event);
+  if (m.side) cudaStreamDestroy(m.side);
   // Last: cudaFree waits for the device, which a pending NCCL kernel would hold up.
   if (m.barrier_word) cudaFree(m.barrier_word);
 }
@@ -238,6 +247,47 @@ void NcclComm::reduce_scatter(const Tensor& out, const Tensor& in) {
                             m.stream),
           "ncclReduceScatter");
   m.enqueued();
+}
+
+void NcclComm::reduce(const Tensor& t, int root) {
+  check::reduce(*this, t, root);
+  Impl& m = *impl_;
+  if (!m.note("reduce", t) || t.numel() == 0) return;
+  const BlockingCallWatch watch = m.watch("ncclReduce");
+  m.check(ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), ncclSum, root, m.comm,
+                     m.stream),
+          "ncclReduce");
+  m.enqueued();
+}
+
+void NcclComm::reduce_async(const Tensor& t, int root) {
+  check::reduce(*this, t, root);
+  Impl& m = *impl_;
+  if (!m.side) {
+    int least = 0, greatest = 0;  // greatest: the numerically lowest, the highest priority
+    m.check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    m.check(cudaStreamCreateWithPriority(&m.side, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority");
+    m.check(cudaEventCreateWithFlags(&m.fork_event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    m.check(cudaEventCreateWithFlags(&m.join_event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  }
+  if (!m.note("reduce", t) || t.numel() == 0) return;
+  // The side stream starts after everything enqueued so far (the gradients' last writes).
+  m.check(cudaEventRecord(m.fork_event, m.stream), "cudaEventRecord");
+  m.check(cudaStreamWaitEvent(m.side, m.fork_event, 0), "cudaStreamWaitEvent");
+  const BlockingCallWatch watch = m.watch("ncclReduce");
+  m.check(ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), ncclSum, root, m.comm,
+                     m.side),
+          "ncclReduce");
+  m.enqueued(m.side);
+  m.side_pending = true;
+}
+
+void NcclComm::join_async() {
+  Impl& m = *impl_;
+  if (!m.side_pending) return;
+  m.check(cudaEventRecord(m.join_event, m.side), "cudaEventRecord");
+  m.check(cudaStreamWaitEvent(m.stream, m.join_event, 0), "cudaStreamWaitEvent");
+  m.side_pending = false;
 }
 
 void NcclComm::all_gather(const Tensor& out, const Tensor& in) {
@@ -371,6 +421,9 @@ int NcclComm::size() const { return 1; }
 std::string_view NcclComm::name() const { return "none"; }
 void NcclComm::all_reduce(const Tensor&, ReduceOp) { no_nccl(); }
 void NcclComm::reduce_scatter(const Tensor&, const Tensor&) { no_nccl(); }
+void NcclComm::reduce(const Tensor&, int) { no_nccl(); }
+void NcclComm::reduce_async(const Tensor&, int) { no_nccl(); }
+void NcclComm::join_async() {}
 void NcclComm::all_gather(const Tensor&, const Tensor&) { no_nccl(); }
 void NcclComm::broadcast(const Tensor&, int) { no_nccl(); }
 void NcclComm::send(const Tensor&, int) { no_nccl(); }

@@ -52,13 +52,24 @@ class NcclComm final : public Comm {
 
   void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::Sum) override;
   void reduce_scatter(const Tensor& out, const Tensor& in) override;
+  void reduce(const Tensor& t, int root) override;
   void all_gather(const Tensor& out, const Tensor& in) override;
   void broadcast(const Tensor& t, int root) override;
   void send(const Tensor& t, int peer) override;
   void recv(const Tensor& t, int peer) override;
   void sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) override;
   void barrier() override;  // a 1-element all-reduce, then synchronize()
-  void wait_idle() override { synchronize(); }
+  void wait_idle() override {
+    join_async();
+    synchronize();
+  }
+  // On a side stream of high priority (made on first use): it waits for an event recorded on
+  // stream() at the call, and join_async() makes stream() wait for an event recorded on it.
+  // The caller must not issue other operations of this communicator between the two (NCCL
+  // runs one communicator's operations in the order they were issued; two streams in flight
+  // at once would leave that order to the device).
+  void reduce_async(const Tensor& t, int root) override;
+  void join_async() override;
 
   CUstream_st* stream() const;
   void set_stream(CUstream_st* stream);

@@ -192,6 +192,35 @@ void check_group(const std::string& layout, MpiComm& c, int world_rank) {
       if (cs.chunk) c.set_chunk_elements(int64_t{1} << 22);
     }
 
+    // reduce to each root in turn (also chunked, and through reduce_async, which a host
+    // communicator finishes before returning): the root holds the sum, bit for bit the plain
+    // computation (and so reduce_scatter's, which the DP gradient buckets rely on); every other
+    // rank's buffer is unchanged.
+    for (Case cs : {Case{1, 0}, Case{700, 0}, Case{50, 6}}) {
+      if (cs.chunk) c.set_chunk_elements(cs.chunk);
+      for (int root : {0, p - 1}) {
+        for (bool async : {false, true}) {
+          const int salt = 300 + static_cast<int>(cs.n) + root;
+          Buffer buf(dt, cs.n), want(dt, cs.n);
+          buf.fill(world_rank, salt);
+          want.fill(world_rank, salt);
+          if (r == root)
+            for (int64_t i = 0; i < cs.n; ++i) expected_reduce(want, i, members, i, salt, ReduceOp::Sum);
+          if (async) {
+            c.reduce_async(buf.tensor(), root);
+            c.join_async();
+          } else {
+            c.reduce(buf.tensor(), root);
+          }
+          expect(same_bytes(buf, want), ctx(layout, c, dt,
+                                            std::string(async ? "reduce_async" : "reduce") + " to " +
+                                                std::to_string(root) + (cs.chunk ? " chunked" : ""),
+                                            cs.n));
+        }
+      }
+      if (cs.chunk) c.set_chunk_elements(int64_t{1} << 22);
+    }
+
     // all_gather: rank j's block is j's contribution; separate buffers and in place.
     for (int64_t n : {1, 17, 3000}) {
       const int salt = 200 + static_cast<int>(n);
