@@ -93,7 +93,7 @@ TEST_CASE("gradient buckets: final ranges reduce to their owners once a bucket i
   CHECK(b.early_elements() == 0);
 }
 
-TEST_CASE("gradient buckets: runs merge in either direction; a range reported twice is a bug", "[parallel][overlap]") {
+TEST_CASE("gradient buckets: runs merge in either direction, and a range reported twice is a bug", "[parallel][overlap]") {
   std::vector<float> grads(12);
   RecordingComm dp(3, grads.data());
   GradBuckets b(dp, Tensor(grads.data(), DType::F32, {12}), 4, 6);
@@ -109,7 +109,7 @@ TEST_CASE("gradient buckets: runs merge in either direction; a range reported tw
   CHECK(dp.calls == std::vector<Call>{{2, 2, 0}, {4, 4, 1}, {0, 2, 0}, {8, 4, 2}});
 }
 
-TEST_CASE("gradient buckets: bucket 1 reduces every group on its own; bad layouts are refused", "[parallel][overlap]") {
+TEST_CASE("gradient buckets: bucket 1 reduces every group on its own, and bad layouts are refused", "[parallel][overlap]") {
   std::vector<float> grads(8);
   RecordingComm dp(2, grads.data());
   GradBuckets b(dp, Tensor(grads.data(), DType::F32, {8}), 4, 1);
