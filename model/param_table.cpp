@@ -47,6 +47,11 @@ std::string split_name(TpSplit s) {
   return "?";
 }
 
+bool embedding_tensor(const ParamSpec& p) {
+  return p.layer < 0 && !p.tied_copy &&
+         (p.name == "tok_embed" || p.name == "pos_embed" || p.name.starts_with("embed_norm."));
+}
+
 Tensor param_view(const Tensor& flat, const ParamSpec& p) {
   Tensor t = flat;
   t.data = static_cast<char*>(flat.data) + p.offset * dtype_size(flat.dtype);

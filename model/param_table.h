@@ -109,6 +109,10 @@ class ParamTable {
   int64_t local_numel_ = 0;
 };
 
+// Outside the layers, whether `p` belongs to the embedding (tok_embed, pos_embed, embed_norm.*);
+// the rest (final_norm.*, lm_head, a tied copy of tok_embed) belong to the head.
+bool embedding_tensor(const ParamSpec& p);
+
 // The shard of `p` inside a flat buffer laid out by its table (weights, grads, ...), shaped as
 // the local shard.
 Tensor param_view(const Tensor& flat, const ParamSpec& p);

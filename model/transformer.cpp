@@ -144,8 +144,9 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   tp_summed_.assign(n_groups, false);
   std::vector<int64_t> group_numel(n_groups, 0);
   for (const ParamSpec& p : table_.params()) {
-    const bool head = p.tied_copy || p.name == "lm_head" || p.name.rfind("final_norm.", 0) == 0;
-    const size_t g = p.layer >= 0 ? static_cast<size_t>(p.layer - sh.first_layer) : head ? n_groups - 2 : n_groups - 1;
+    const size_t g = p.layer >= 0           ? static_cast<size_t>(p.layer - sh.first_layer)
+                     : embedding_tensor(p) ? n_groups - 1
+                                           : n_groups - 2;
     auto& [b, e] = group_range_[g];
     if (group_numel[g] == 0) b = e = p.offset;
     b = std::min(b, p.offset);
@@ -350,12 +351,10 @@ void Transformer::sum_tp_group(size_t group) {
 }
 
 void Transformer::sum_tp_partial_grads() {
-  // In the order of the groups (layers, then the embedding's and the head's norms) on every TP
-  // rank alike; the ones summed early were summed in backward's order, equally on every rank.
-  for (size_t g = 0; g < tp_summed_.size(); ++g) {
-    const size_t group = g < g_.layers.size() ? g : g == g_.layers.size() ? embedding_group() : head_group();
-    if (!tp_summed_[group]) sum_tp_group(group);
-  }
+  // The same groups in the same order on every TP rank (each tensor is summed on its own, so
+  // the order does not change any bits).
+  for (size_t g = 0; g < tp_summed_.size(); ++g)
+    if (!tp_summed_[g]) sum_tp_group(g);
   tp_summed_.assign(tp_summed_.size(), false);
 }
 

@@ -193,13 +193,6 @@ double layer_params(double h) { return 12 * h * h + 13 * h; }
 double model_params(double l, double h, double s, double v) { return l * layer_params(h) + v * h + s * h + 2 * h; }
 }  // namespace seed_formula
 
-namespace {
-// The tensors counted with the embedding (the rest outside the layers are the head's).
-bool embedding_tensor(const std::string& name) {
-  return name == "tok_embed" || name == "pos_embed" || name.starts_with("embed_norm.");
-}
-}  // namespace
-
 ModelCount count_model(const RunConfig& cfg) {
   const ModelConfig& m = cfg.model;
   ParamTable table(m);
@@ -208,7 +201,7 @@ ModelCount count_model(const RunConfig& cfg) {
   c.padded_vocab = m.embed_rows();
   for (const ParamSpec& p : table.params()) {
     if (p.layer >= 0) c.layers += p.logical_numel();
-    else if (embedding_tensor(p.name)) c.embedding += p.logical_numel();
+    else if (embedding_tensor(p)) c.embedding += p.logical_numel();
     else c.head += p.logical_numel();
   }
   c.per_layer = m.n_layers > 0 ? c.layers / m.n_layers : 0;
@@ -374,7 +367,7 @@ StageParams stage_params(const ModelConfig& m, int64_t tp, const StageSpan& sp) 
   for (const ParamSpec& p : table.params()) {
     if (p.tied_copy) r.tied_copy += p.numel, r.head += p.numel;
     else if (p.layer >= 0) r.layers += p.numel;
-    else if (embedding_tensor(p.name)) r.embedding += p.numel;
+    else if (embedding_tensor(p)) r.embedding += p.numel;
     else r.head += p.numel;
   }
   r.total = table.local_numel();

@@ -116,11 +116,6 @@ void TimedComm::reduce(const Tensor& t, int root) {
   timed(Reduce, [&] { inner_.reduce(t, root); });
 }
 void TimedComm::reduce_async(const Tensor& t, int root) {
-  if (!timers_.timed()) {
-    const ProfileRange range(comm_range_name(group_, Reduce));
-    inner_.reduce_async(t, root);
-    return;
-  }
   timed(Reduce, [&] { inner_.reduce_async(t, root); });  // wait_idle includes the side stream
 }
 void TimedComm::all_gather(const Tensor& out, const Tensor& in) {

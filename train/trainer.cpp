@@ -395,16 +395,17 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   }
   slow_rank_fault(static_cast<int>(micro_batches.size()));
   double loss_sum = 0;
-  if (grad_buckets_) {
-    // The chunks' last backward hands each finished group of gradients to the DP buckets.
-    grad_buckets_->begin_step();
-    grads_ready_ = [this](int64_t b, int64_t e) { grad_buckets_->ready(b, e); };
+  {
+    // With DP overlap, the chunks' last backward hands each finished group of gradients to the
+    // buckets: in this pipeline only (the non-finite re-run below must not reduce).
+    if (grad_buckets_) {
+      grad_buckets_->begin_step();
+      grads_ready_ = [this](int64_t b, int64_t e) { grad_buckets_->ready(b, e); };
+    }
     struct Clear {
       Transformer::GradsReadyFn& fn;
       ~Clear() { fn = nullptr; }
     } clear{grads_ready_};
-    loss_sum = run_pipeline(micro_batches, dloss, true);
-  } else {
     loss_sum = run_pipeline(micro_batches, dloss, true);
   }
   grad_writes_->finish_step();

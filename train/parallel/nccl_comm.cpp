@@ -249,21 +249,13 @@ void NcclComm::reduce_scatter(const Tensor& out, const Tensor& in) {
   m.enqueued();
 }
 
-void NcclComm::reduce(const Tensor& t, int root) {
-  check::reduce(*this, t, root);
-  Impl& m = *impl_;
-  if (!m.note("reduce", t) || t.numel() == 0) return;
-  const BlockingCallWatch watch = m.watch("ncclReduce");
-  m.check(ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), ncclSum, root, m.comm,
-                     m.stream),
-          "ncclReduce");
-  m.enqueued();
-}
+void NcclComm::reduce(const Tensor& t, int root) { enqueue_reduce(t, root, false); }
+void NcclComm::reduce_async(const Tensor& t, int root) { enqueue_reduce(t, root, true); }
 
-void NcclComm::reduce_async(const Tensor& t, int root) {
+void NcclComm::enqueue_reduce(const Tensor& t, int root, bool on_side) {
   check::reduce(*this, t, root);
   Impl& m = *impl_;
-  if (!m.side) {
+  if (on_side && !m.side) {
     int least = 0, greatest = 0;  // greatest: the numerically lowest, the highest priority
     m.check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
     m.check(cudaStreamCreateWithPriority(&m.side, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority");
@@ -271,15 +263,17 @@ void NcclComm::reduce_async(const Tensor& t, int root) {
     m.check(cudaEventCreateWithFlags(&m.join_event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   }
   if (!m.note("reduce", t) || t.numel() == 0) return;
-  // The side stream starts after everything enqueued so far (the gradients' last writes).
-  m.check(cudaEventRecord(m.fork_event, m.stream), "cudaEventRecord");
-  m.check(cudaStreamWaitEvent(m.side, m.fork_event, 0), "cudaStreamWaitEvent");
+  const cudaStream_t s = on_side ? m.side : m.stream;
+  if (on_side) {
+    // The side stream starts after everything enqueued so far (the gradients' last writes).
+    m.check(cudaEventRecord(m.fork_event, m.stream), "cudaEventRecord");
+    m.check(cudaStreamWaitEvent(m.side, m.fork_event, 0), "cudaStreamWaitEvent");
+    m.side_pending = true;
+  }
   const BlockingCallWatch watch = m.watch("ncclReduce");
-  m.check(ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), ncclSum, root, m.comm,
-                     m.side),
+  m.check(ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), ncclSum, root, m.comm, s),
           "ncclReduce");
-  m.enqueued(m.side);
-  m.side_pending = true;
+  m.enqueued(s);
 }
 
 void NcclComm::join_async() {

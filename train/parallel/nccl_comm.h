@@ -82,6 +82,7 @@ class NcclComm final : public Comm {
   struct Impl;
 
  private:
+  void enqueue_reduce(const Tensor& t, int root, bool on_side);  // on stream() or the side stream
   std::unique_ptr<Impl> impl_;
 };
 
