@@ -1,5 +1,6 @@
 #include "model/transformer.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "kernels/alibi.h"
@@ -358,6 +359,14 @@ void Transformer::sum_tp_partial_grads() {
   tp_summed_.assign(tp_summed_.size(), false);
 }
 
+std::vector<int64_t> Transformer::group_ends() const {
+  std::vector<int64_t> ends;
+  for (const auto& [b, e] : group_range_)
+    if (b < e) ends.push_back(e);
+  std::sort(ends.begin(), ends.end());
+  return ends;
+}
+
 void Transformer::group_done(size_t group) {
   const auto [b, e] = group_range_[group];
   if (!grads_ready_ || b == e) return;
@@ -490,6 +499,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   if (sh.has_embedding) {
     const ProfileRange range("embedding forward");
     if (!tokens) throw std::invalid_argument("Transformer::forward: the embedding stage needs tokens");
+    need_params(embedding_group());
     be_.copy_from_host(s.tokens, tokens);
     // Vocab-parallel: each rank embeds the tokens of its slice (others give 0), the sum over TP
     // is the embedding. Positions are added once, by TP rank 0.
@@ -513,6 +523,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   for (size_t l = 0; l < s.layers.size(); ++l) {
     const ProfileRange range(range_name(l, 0));
     const Tensor& next = l + 1 < s.layers.size() ? s.layers[l + 1].res_in : s.res_final;
+    need_params(l);
     layer_forward(acts(s, l), w_.layers[l], s.attn, sh.first_layer + static_cast<int>(l), &next);
   }
 
@@ -520,6 +531,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   if (!sh.has_head) return r;
   const ProfileRange range(head_chunked() && dloss ? "head + loss forward and backward (chunked)" : "head + loss forward");
   if (!targets) throw std::invalid_argument("Transformer::forward: the head stage needs targets");
+  need_params(head_group());
   be_.copy_from_host(s.targets, targets);
   norm_forward(s.normf, s.meanf, s.rstdf, s.res_final, w_.final_norm_w, w_.final_norm_b);
   probe(false, -1, "final_norm", s.normf);

@@ -171,6 +171,14 @@ class Transformer {
   // zero-filled (GradWrites) and the group's TP partial sums are done.
   using GradsReadyFn = std::function<void(int64_t begin, int64_t end)>;
   void set_grads_ready(GradsReadyFn fn) { grads_ready_ = std::move(fn); }
+  // DP weight gather overlap (train/parallel/param_gather.h): when set, forward calls fn(end)
+  // before it reads a group's weights (the embedding's, then each layer's, then the head's),
+  // with the end of the group's range in the flat weight buffer; on return the buffer must
+  // hold the current weights up to there.
+  using ParamsNeededFn = std::function<void(int64_t end)>;
+  void set_params_needed(ParamsNeededFn fn) { params_needed_ = std::move(fn); }
+  // Where those groups end in the flat buffers, ascending.
+  std::vector<int64_t> group_ends() const;
   // Training FLOPs per token of the whole model (forward + backward) at this T: keel::flops_per_token.
   double flops_per_token() const;
 
@@ -290,12 +298,16 @@ class Transformer {
   // Their flat ranges (empty: the stage does not hold the group), and which had their TP
   // partial sums done early this step.
   GradsReadyFn grads_ready_;
+  ParamsNeededFn params_needed_;
   std::vector<std::pair<int64_t, int64_t>> group_range_;
   std::vector<bool> tp_summed_;
   size_t head_group() const { return group_range_.size() - 2; }
   size_t embedding_group() const { return group_range_.size() - 1; }
   void sum_tp_group(size_t group);  // the group's replicated gradients, over TP
   void group_done(size_t group);    // grads-ready: complete the group, then report it
+  void need_params(size_t group) const {
+    if (params_needed_ && group_range_[group].first < group_range_[group].second) params_needed_(group_range_[group].second);
+  }
   std::vector<void*> allocations_;
   std::vector<Slot> slots_;
   LayerActs scratch_;  // intermediates of the recomputed layers (res_in left empty)

@@ -20,7 +20,8 @@ struct PlanArgs {
   std::optional<int64_t> tp, pp, dp, mbs;
   int64_t max_mbs = 16;
   std::string virtual_stages;  // "", "auto" or a count
-  bool embedding_slot = false, sequence_parallel = false, overlap_grad_reduce = false, json = false, all = false;
+  bool embedding_slot = false, sequence_parallel = false, overlap_grad_reduce = false, overlap_param_gather = false,
+       json = false, all = false;
   int top = 20;
   double tflops = 150, intra_gbps = 150, inter_gbps = 12.5, hbm_gbps = 1500, headroom = -1, mb_overhead_ms = 0;
   int sm_count = 108;
@@ -47,6 +48,8 @@ int cmd_plan(const PlanArgs& a) {
   opt.embedding_own_slot = a.embedding_slot || cfg.parallel.embedding_slot;
   opt.virtual_stages = cfg.parallel.virtual_stages;
   opt.overlap_grad_reduce = a.overlap_grad_reduce || cfg.parallel.overlap_grad_reduce;
+  opt.overlap_param_gather = a.overlap_param_gather || cfg.parallel.overlap_param_gather;
+  opt.grad_bucket_size = cfg.parallel.grad_bucket_size;
   if (a.virtual_stages == "auto") {
     opt.virtual_stages = 0;
   } else if (!a.virtual_stages.empty()) {
@@ -127,6 +130,9 @@ Command add_plan_command(CLI::App& app) {
       ->type_name("V|auto");
   c->add_flag("--overlap-grad-reduce", pa.overlap_grad_reduce,
               "Plan with the DP gradient reduction overlapped with the last backward (parallel.overlap_grad_reduce)");
+  c->add_flag("--overlap-param-gather", pa.overlap_param_gather,
+              "Plan with the DP gather of the updated weights overlapped with the next forward "
+              "(parallel.overlap_param_gather)");
   c->add_flag("--sequence-parallel", pa.sequence_parallel,
               "Plan with sequence parallelism (parallel.sequence_parallel): TP-replicated activations split by rows");
   c->add_option("--recompute", pa.recompute, "Activation policy: auto (recompute only when needed), always, never")

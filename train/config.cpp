@@ -373,6 +373,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     p.virtual_stages = f.integer("virtual_stages", 1, 1, 1 << 10);
     p.overlap_grad_reduce = f.boolean("overlap_grad_reduce", false);
     p.grad_bucket_size = f.integer("grad_bucket_size", 0, 0, int64_t{1} << 40);
+    p.overlap_param_gather = f.boolean("overlap_param_gather", false);
     f.finish();
     const ModelConfig& m = c.model;
     auto divides = [&](int64_t by, int64_t what, const std::string& by_name, const std::string& what_name) {
@@ -775,7 +776,8 @@ json to_json(const RunConfig& c) {
                    {"sequence_parallel", c.parallel.sequence_parallel},
                    {"virtual_stages", c.parallel.virtual_stages},
                    {"overlap_grad_reduce", c.parallel.overlap_grad_reduce},
-                   {"grad_bucket_size", c.parallel.grad_bucket_size}};
+                   {"grad_bucket_size", c.parallel.grad_bucket_size},
+                   {"overlap_param_gather", c.parallel.overlap_param_gather}};
   const HealthConfig& h = c.health;
   j["health"] = {{"replica_check_interval", h.replica_check_interval},
                  {"param_group_audit", h.param_group_audit},

@@ -230,6 +230,10 @@ struct ParallelConfig {
   // grad_bucket_size elements (0: Megatron's max(40M, 1M * dp)). Same shards, same sums.
   bool overlap_grad_reduce = false;
   int64_t grad_bucket_size = 0;
+  // Gather the updated weights over DP in buckets of grad_bucket_size elements as the next
+  // step's forward reaches them, instead of in one all_gather after the optimizer (Megatron's
+  // --overlap-param-gather; train/parallel/param_gather.h). The same weights, bit for bit.
+  bool overlap_param_gather = false;
   int64_t world() const { return tp * pp * dp; }
 };
 

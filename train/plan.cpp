@@ -3,6 +3,7 @@
 #include "kernels/cuda/cuda_backend.h"  // kDefaultAttentionDsBudget, attention_ds_tiles_per_head (plain C++)
 #include "model/transformer.h"
 #include "train/format.h"
+#include "train/parallel/grad_buckets.h"
 #include "train/pipeline_schedule.h"
 
 #include <algorithm>
@@ -569,7 +570,8 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   // TP: two all-reduces of [tokens, d] per block forward and two backward (+2 when recomputing),
   //   one for the vocab-parallel embedding and one for the head's input gradient;
   // PP: one [tokens, d] send forward and one backward per stage boundary.
-  // Nothing overlaps with compute, but for the DP gradients' reduction with overlap_grad_reduce.
+  // Nothing overlaps with compute, but for the DP reduction and gather with overlap_grad_reduce and
+  // overlap_param_gather.
   const double M = static_cast<double>(l.mbs) * seq;
   const double rate = hw.achievable_tflops * 1e12;
   const double bw_intra = hw.intra_node_gbps * 1e9, bw_inter = hw.inter_node_gbps * 1e9;
@@ -653,7 +655,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     p.time.pp_comm_s += tied_s;
   }
   // DP (ZeRO-1): reduce-scatter the gradients, all-gather the updated working weights, after the
-  // last backward. The rank with the most parameters sets the pace. With overlap_grad_reduce the
+  // last backward (the gather, with overlap_param_gather, before the next forward needs them). The rank with the most parameters sets the pace. With overlap_grad_reduce the
   // gradients' reduction runs alongside the slowest stage's last backward (one micro-batch's
   // backward, recomputation included), except what outlasts it and the last group's share
   // (the layer or embedding finished last cannot hide behind anything).
@@ -665,12 +667,20 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   const double grad_sent = ring_half_sent(max_params * mem.state.dp_grad_comm, l.dp);
   const double gather_sent = ring_half_sent(max_params * mem.state.dp_weight_comm, l.dp);
   p.comm.dp = grad_sent + gather_sent;
-  double grad_s = grad_sent / bw_dp;
+  double grad_s = grad_sent / bw_dp, gather_s = gather_sent / bw_dp;
   if (opt.overlap_grad_reduce && l.dp > 1) {
     const double backward_share = (layer_bwd.seconds + (p.recompute ? layer_fwd.seconds : 0)) / layer_s;
     grad_s = std::max(grad_s - times[slow].compute * backward_share, grad_s / (max_layers + 1));
   }
-  p.time.dp_comm_s = grad_s + gather_sent / bw_dp;
+  // With overlap_param_gather each bucket moves while the forward computes the one before; the
+  // first is waited for at once.
+  if (opt.overlap_param_gather && l.dp > 1 && max_params > 0) {
+    const double bucket = static_cast<double>(opt.grad_bucket_size > 0 ? opt.grad_bucket_size
+                                                                       : parallel::default_grad_bucket(static_cast<int>(l.dp)));
+    const double forward_share = layer_fwd.seconds / layer_s;
+    gather_s = std::max(gather_s - times[slow].compute * forward_share, gather_s * std::min(1.0, bucket / max_params));
+  }
+  p.time.dp_comm_s = grad_s + gather_s;
   p.time.step_s = pipe + tied_s + p.time.dp_comm_s;
   const double tokens = static_cast<double>(cfg.train.global_batch) * seq;
   p.time.model_tflops = flops_per_token(m, seq) * tokens / (double(l.gpus()) * p.time.step_s) / 1e12;
@@ -1168,6 +1178,8 @@ PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   opt.embedding_own_slot = cfg.parallel.embedding_slot;
   opt.virtual_stages = cfg.parallel.virtual_stages;
   opt.overlap_grad_reduce = cfg.parallel.overlap_grad_reduce;
+  opt.overlap_param_gather = cfg.parallel.overlap_param_gather;
+  opt.grad_bucket_size = cfg.parallel.grad_bucket_size;
   if (!gpu) {
     opt.memory.cuda_context_bytes = 0;
     opt.memory.attention_ds_budget = 0;

@@ -129,6 +129,11 @@ struct PlanOptions {
   // parallel.overlap_grad_reduce: the DP gradient reduction runs during the last micro-batch's
   // backward, so only what outlasts it (and at least the last group's share) adds to the step.
   bool overlap_grad_reduce = false;
+  // parallel.overlap_param_gather: the DP gather of the updated weights runs, bucket by bucket,
+  // during the next step's forward; what outlasts one micro-batch's forward on the slowest
+  // stage adds to the step, and at least the first bucket (waited for at once).
+  bool overlap_param_gather = false;
+  int64_t grad_bucket_size = 0;  // parallel.grad_bucket_size (0: Megatron's max(40M, 1M * dp))
   std::optional<int64_t> tp, pp, dp, mbs;  // pinned sizes
   int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this
 };

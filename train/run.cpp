@@ -547,6 +547,27 @@ void report_grad_overlap(const Trainer& tr, bool lead, bool quiet, int64_t step,
   std::fflush(stdout);
 }
 
+// parallel.overlap_param_gather: how much of the DP weight gather that completed during this
+// step's forward (the last update's) moved ahead of its need, while the forward computed an
+// earlier group (rank 0's; every DP rank of a stage starts the same buckets).
+void report_param_gather(const Trainer& tr, bool lead, bool quiet, int64_t step, MetricsWriter* metrics) {
+  const parallel::ParamGather* g = tr.param_gather();
+  if (!g || !lead) return;
+  const int64_t n = g->elements(), ahead = g->overlapped_elements();
+  const auto buckets = static_cast<int64_t>(g->bucket_ends().size());
+  if (!quiet)
+    std::printf("keel: DP weight gather for step %lld: %.1f%% of this rank's %lld weight elements moved while the "
+                "forward computed, in %lld bucket%s (of %lld elements at least) and %lld broadcasts\n",
+                static_cast<long long>(step), n > 0 ? 100.0 * static_cast<double>(ahead) / n : 0.0,
+                static_cast<long long>(n), static_cast<long long>(buckets), buckets == 1 ? "" : "s",
+                static_cast<long long>(g->bucket()),
+                static_cast<long long>(g->broadcasts()));
+  if (metrics)
+    metrics->write({{"event", "param_gather"}, {"step", step}, {"overlapped_elements", ahead}, {"elements", n},
+                    {"buckets", buckets}, {"broadcasts", g->broadcasts()}, {"bucket", g->bucket()}});
+  std::fflush(stdout);
+}
+
 // Everything ranks must agree on (stop at this step boundary, a save succeeded, time the next
 // step, a background save still being written) goes through the world communicator: int flags
 // reduced with Max, so any rank's "yes" wins. The flags' device buffer is allocated once: the
@@ -851,6 +872,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   };
   // sample: the lead rank generates from its replica; the others go on to the next step.
   auto sample_text = [&](int64_t it) {
+    tr.settle_params();  // collective: the lead reads every weight below
     if (!lead) return;
     const ProfileRange range("sample");
     const auto t0 = std::chrono::steady_clock::now();
@@ -956,6 +978,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       report_memory(cfg, *backend, grid, lead, quiet, it, metrics ? &*metrics : nullptr);
       report_grad_overlap(tr, lead, quiet, it, metrics ? &*metrics : nullptr);
     }
+    // The first gather that ran alongside a forward: the first update's, in the second step.
+    if (it == progress.iteration + 2) report_param_gather(tr, lead, quiet, it, metrics ? &*metrics : nullptr);
     if (tr.timers().timed()) {
       const std::vector<RankTimes> times = tr.gather_timers(secs * 1e3);
       last_timed = std::chrono::steady_clock::now();

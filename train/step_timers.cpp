@@ -124,6 +124,9 @@ void TimedComm::all_gather(const Tensor& out, const Tensor& in) {
 void TimedComm::broadcast(const Tensor& t, int root) {
   timed(Broadcast, [&] { inner_.broadcast(t, root); });
 }
+void TimedComm::broadcast_async(const Tensor& t, int root) {
+  timed(Broadcast, [&] { inner_.broadcast_async(t, root); });
+}
 void TimedComm::send(const Tensor& t, int peer) {
   timed(Send, [&] { inner_.send(t, peer); });
 }

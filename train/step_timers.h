@@ -95,9 +95,10 @@ class TimedComm final : public parallel::Comm {
   void sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_t, int recv_peer) override;
   void barrier() override;
   void wait_idle() override { inner_.wait_idle(); }
-  // On a timed step the reduction is timed like a blocking one (it then overlaps nothing);
-  // otherwise it is handed on asynchronously.
+  // On a timed step they are timed like blocking ones (they then overlap nothing); otherwise
+  // they are handed on asynchronously.
   void reduce_async(const Tensor& t, int root) override;
+  void broadcast_async(const Tensor& t, int root) override;
   void join_async() override { inner_.join_async(); }
 
  private:

@@ -153,6 +153,18 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
                                                             state_->optim_end() - state_->optim_begin(), bucket,
                                                             std::move(deferred));
   }
+  if (!forward_only && grid_.dp_size() > 1 && cfg.parallel.overlap_param_gather) {
+    std::vector<int64_t> ends;
+    for (const auto& m : chunks_) {
+      const std::vector<int64_t> e = m->group_ends();
+      ends.insert(ends.end(), e.begin(), e.end());
+    }
+    const int64_t bucket =
+        cfg.parallel.grad_bucket_size > 0 ? cfg.parallel.grad_bucket_size : parallel::default_grad_bucket(grid_.dp_size());
+    param_gather_ = std::make_unique<parallel::ParamGather>(
+        *comms_->dp, state_->working, state_->optim_end() - state_->optim_begin(), bucket, std::move(ends));
+    for (auto& m : chunks_) m->set_params_needed([this](int64_t end) { param_gather_->need(end); });
+  }
   if (cfg.health.frozen_check_interval > 0) frozen_ = std::make_unique<FrozenDetector>(table_, *state_, cfg.health);
   const ParamTable full(cfg.model);
   for (const ParamSpec& p : full.params()) full_names_.push_back(p.name);
@@ -218,6 +230,7 @@ void Trainer::add_token_losses(const Transformer& m, int slot, double* out) {
 }
 
 std::vector<double> Trainer::token_losses(const std::vector<MicroBatch>& micro_batches) {
+  settle_params();
   std::vector<double> out(micro_batches.size() * static_cast<size_t>(cfg_.train.micro_batch * cfg_.train.seq_len), 0.0);
   run_pipeline(micro_batches, 0.0f, false, out.data());
   // Only the last stage holds them (the others add zeros): exact at double precision.
@@ -408,6 +421,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
     } clear{grads_ready_};
     loss_sum = run_pipeline(micro_batches, dloss, true);
   }
+  settle_params();  // the forward waited for every bucket it read; the rest before the update
   grad_writes_->finish_step();
   if (collect_stats) {
     set_probe(nullptr);
@@ -488,9 +502,13 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   }
   if (grid_.dp_size() > 1) {
     const StepTimers::Scope timed = timers_.phase(StepTimers::ParamGather);
-    // Every rank updated its shard of the working weights; gather the whole back.
-    dp.all_gather(state_->working, state_->flat_view(state_->working, state_->optim_begin(),
-                                                     state_->optim_end() - state_->optim_begin()));
+    // Every rank updated its shard of the working weights; gather the whole back (or start to,
+    // the rest following the next forward).
+    if (param_gather_)
+      param_gather_->begin();
+    else
+      dp.all_gather(state_->working, state_->flat_view(state_->working, state_->optim_begin(),
+                                                       state_->optim_end() - state_->optim_begin()));
   }
   if (frozen_ && ++applied_since_frozen_check_ >= cfg_.health.frozen_check_interval) {
     applied_since_frozen_check_ = 0;
@@ -561,7 +579,15 @@ void Trainer::set_probe(const std::function<void(int chunk, const Transformer::O
   }
 }
 
+ParamState& Trainer::state() {
+  if (param_gather_ && param_gather_->pending())
+    throw std::logic_error("Trainer::state() while the DP weight gather (parallel.overlap_param_gather) is pending: "
+                           "call settle_params() on every rank first");
+  return *state_;
+}
+
 int Trainer::check_replicas() {
+  settle_params();
   // Test hook: KEEL_FAULT_TIED_DRIFT=1 nudges the last stage's tied copy once, to prove the
   // check catches copies that drift apart.
   static bool drift = std::getenv("KEEL_FAULT_TIED_DRIFT") != nullptr;
@@ -610,6 +636,7 @@ int Trainer::check_replicas() {
 }
 
 double Trainer::evaluate(const std::vector<MicroBatch>& micro_batches) {
+  settle_params();
   int64_t valid = 0;
   for (const MicroBatch& mb : micro_batches)
     valid += std::count_if(mb.targets.begin(), mb.targets.end(), [](int32_t t) { return t >= 0; });

@@ -12,7 +12,8 @@
 //   2. the tied embedding's gradient summed over its two copies (first and last stage);
 //   3. gradients reduce-scattered over DP: each rank owns one shard of masters and moments;
 //   4. the global gradient norm over all ranks (each parameter counted once), non-finite check;
-//   5. clip and AdamW on the shard, then the updated working weights all-gathered over DP.
+//   5. clip and AdamW on the shard, then the updated working weights all-gathered over DP
+//      (with parallel.overlap_param_gather, bucket by bucket as the next forward needs them).
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,7 @@
 #include "train/parallel/comm.h"
 #include "train/parallel/grad_buckets.h"
 #include "train/parallel/grid.h"
+#include "train/parallel/param_gather.h"
 
 namespace keel {
 
@@ -91,7 +93,7 @@ class Trainer {
   Trainer& operator=(const Trainer&) = delete;
 
   // Fresh weights from the config's seed (the same values under every layout).
-  void init_weights() { state_->init(cfg_.train.seed); }
+  void init_weights() { state().init(cfg_.train.seed); }
 
   // One optimizer step over this DP rank's micro-batches (the same on every rank of its TP x
   // PP group). `iteration` is this step's 1-based number (drives the LR schedule).
@@ -137,7 +139,16 @@ class Trainer {
   // The pipeline schedule of a step of `micro_batches` (or an evaluation of them); the last
   // one of each kind is kept.
   const PipeSchedule& schedule(int micro_batches, bool training);
-  ParamState& state() { return *state_; }
+  // The parameters, gradients and optimizer state. Refused (std::logic_error) while the DP
+  // weight gather of parallel.overlap_param_gather is pending: call settle_params() first.
+  ParamState& state();
+  // parallel.overlap_param_gather: completes the DP gather of the last update's weights, which
+  // otherwise waits for the next step's forward. Collective over DP: every rank calls it at the
+  // same point. The collective methods here that read the weights (evaluate, token_losses,
+  // check_replicas, snapshot, check_master_consistency) call it themselves.
+  void settle_params() {
+    if (param_gather_) param_gather_->settle();
+  }
   LossScaler& scaler() { return scaler_; }
   Backend& backend() { return be_; }
   // Phase and communication timers (train/step_timers.h): the run loop starts each step timed
@@ -146,6 +157,9 @@ class Trainer {
   // The DP reduction's buckets (parallel.overlap_grad_reduce with dp > 1), else nullptr; its
   // counts are the last step's.
   const parallel::GradBuckets* grad_buckets() const { return grad_buckets_.get(); }
+  // The DP weight gather's buckets (parallel.overlap_param_gather with dp > 1), else nullptr;
+  // its counts are the last update's.
+  const parallel::ParamGather* param_gather() const { return param_gather_.get(); }
   // Collective over the world: every rank's sample of the timed step just finished (step_ms:
   // its wall time as the run loop measured it), with grid coordinates and host names.
   // Stops the timing, so the gather itself is not measured.
@@ -186,6 +200,9 @@ class Trainer {
   // step's pipeline, what the chunks' last backward reports final gradients to.
   std::unique_ptr<parallel::GradBuckets> grad_buckets_;
   Transformer::GradsReadyFn grads_ready_;
+  // parallel.overlap_param_gather with dp > 1: gathers the updated weights as the next forward
+  // reaches them (every chunk's forward asks it for each group's weights).
+  std::unique_ptr<parallel::ParamGather> param_gather_;
   // This rank's model chunks (one without virtual_stages); chunks after the first share its
   // backward scratch.
   std::vector<std::unique_ptr<Transformer>> chunks_;

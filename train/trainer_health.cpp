@@ -104,6 +104,7 @@ void Trainer::check_frozen(StepStats& st) {
 }
 
 HealthSnapshot Trainer::snapshot(const MicroBatch& probe) {
+  settle_params();
   HealthSnapshot s;
   s.probe_loss = evaluate({probe});
   uint32_t crc = data::crc32c(0, probe.inputs.data(), probe.inputs.size() * sizeof(int32_t));
@@ -174,6 +175,7 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
 }
 
 std::vector<std::string> Trainer::check_master_consistency(bool stochastic) {
+  settle_params();
   std::vector<double> bad(full_names_.size(), 0.0), total(full_names_.size(), 0.0);
   if (state_->has_master() && !state_->master_is_working()) {
     const int64_t ob = state_->optim_begin(), oe = std::min(state_->optim_end(), table_.local_numel());

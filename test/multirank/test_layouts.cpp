@@ -59,6 +59,8 @@ struct Run {
   std::vector<nlohmann::json> records;
   nlohmann::json memory;  // rank 0's memory report after its first step
   nlohmann::json overlap;  // rank 0's DP reduction report (parallel.overlap_grad_reduce)
+  nlohmann::json gather;   // rank 0's DP weight gather report (parallel.overlap_param_gather)
+  std::vector<double> val;  // validation losses, in order
 };
 
 Run train(const test::Workspace& ws, const std::string& out, const Layout& l, const std::string& extra = "") {
@@ -66,12 +68,14 @@ Run train(const test::Workspace& ws, const std::string& out, const Layout& l, co
                     " --set parallel.pp=" + std::to_string(l.pp) + " --set parallel.dp=" + std::to_string(l.dp) + " " +
                     extra;
   const test::ProcessResult r = l.world() == 1 ? test::run_keel(cmd) : test::run_keel_mpi(l.world(), cmd);
-  Run run{r.code, r.output, {}, {}};
+  Run run{r.code, r.output, {}, {}, {}, {}, {}};
   if (fs::exists(out + "/metrics.jsonl"))
     for (const auto& rec : test::read_metrics(out + "/metrics.jsonl")) {
       if (rec.contains("loss")) run.records.push_back(rec);
       else if (rec.value("event", "") == "memory") run.memory = rec;
       else if (rec.value("event", "") == "grad_overlap") run.overlap = rec;
+      else if (rec.value("event", "") == "param_gather") run.gather = rec;
+      if (rec.contains("val_loss")) run.val.push_back(rec["val_loss"]);
     }
   return run;
 }
@@ -103,6 +107,24 @@ void compare(const Run& ref, const Run& got, double loss_tol, double norm_tol_fi
   }
   WARN("worst relative difference: loss " << worst_loss << ", grad norm " << worst_norm);
 }
+
+// The same arithmetic in another schedule: losses and grad norms equal, not close.
+void check_same_bits(const Run& ref, const Run& got) {
+  REQUIRE(got.records.size() == ref.records.size());
+  for (size_t i = 0; i < ref.records.size(); ++i) {
+    INFO("step " << i + 1);
+    CHECK(got.records[i]["loss"].get<double>() == ref.records[i]["loss"].get<double>());
+    CHECK(got.records[i]["grad_norm"].get<double>() == ref.records[i]["grad_norm"].get<double>());
+  }
+}
+
+// A DP overlap case: family, layout, more settings, parallel.grad_bucket_size.
+struct OverlapCase {
+  std::string family;
+  Layout l;
+  std::string extra;
+  int64_t bucket;
+};
 
 const std::vector<Layout> kLayouts8 = {{8, 1, 1}, {1, 8, 1}, {1, 1, 8}, {4, 2, 1}, {4, 1, 2},
                                        {2, 4, 1}, {1, 4, 2}, {2, 1, 4}, {1, 2, 4}, {2, 2, 2}};
@@ -188,12 +210,7 @@ TEST_CASE("activation recomputation under tp=2 pp=2 dp=2 trains bit-identically 
       INFO(got.output);
       REQUIRE(got.code == 0);
       CHECK_THAT(got.output, Catch::Contains(p.shown));  // the start-up memory table names the policy
-      REQUIRE(got.records.size() == ref.records.size());
-      for (size_t i = 0; i < ref.records.size(); ++i) {
-        INFO("step " << i + 1);
-        CHECK(got.records[i]["loss"].get<double>() == ref.records[i]["loss"].get<double>());
-        CHECK(got.records[i]["grad_norm"].get<double>() == ref.records[i]["grad_norm"].get<double>());
-      }
+      check_same_bits(ref, got);
     }
   }
 }
@@ -207,19 +224,13 @@ TEST_CASE("DP gradient reduction overlapped with the backward trains bit-identic
   // the interleaved pipeline (a chunk's last backward mid-schedule), and the tied embedding's
   // copies (deferred to after the pipeline); buckets of one group, of a few, and the default
   // (40M: nothing fills, all of it at the end).
-  struct Case {
-    std::string family;
-    Layout l;
-    std::string extra;
-    int64_t bucket;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<OverlapCase> cases = {
       {"llama", {2, 2, 2}, "--set precision.mode=bf16 --set parallel.sequence_parallel=true", 1},
       {"llama", {2, 1, 2}, "--set model.qk_norm=true --set model.head_dim=8 --set train.logits_chunk_rows=5", 20000},
       {"llama", {1, 1, 4}, "--set train.recompute=full", 0},
       {"gpt2", {1, 2, 2}, "--set parallel.virtual_stages=2", 5000},
       {"gpt2", {2, 2, 2}, "--set precision.mode=bf16", 1}};
-  for (const Case& c : cases) {
+  for (const OverlapCase& c : cases) {
     INFO(c.family << " " << c.l.str() << " " << c.extra << ", bucket " << c.bucket);
     test::Workspace ws(model_patch(c.family));
     const Run ref = train(ws, ws.dir / "ref", c.l, c.extra);
@@ -232,12 +243,7 @@ TEST_CASE("DP gradient reduction overlapped with the backward trains bit-identic
                               std::to_string(c.bucket));
     INFO(got.output);
     REQUIRE(got.code == 0);
-    REQUIRE(got.records.size() == ref.records.size());
-    for (size_t i = 0; i < ref.records.size(); ++i) {
-      INFO("step " << i + 1);
-      CHECK(got.records[i]["loss"].get<double>() == ref.records[i]["loss"].get<double>());
-      CHECK(got.records[i]["grad_norm"].get<double>() == ref.records[i]["grad_norm"].get<double>());
-    }
+    check_same_bits(ref, got);
     // Rank 0 (tp 0, stage 0, dp 0) did reduce during its backward, unless no bucket could fill.
     REQUIRE(got.overlap.is_object());
     const int64_t early = got.overlap["early_elements"], all = got.overlap["elements"];
@@ -250,6 +256,61 @@ TEST_CASE("DP gradient reduction overlapped with the backward trains bit-identic
       CHECK(got.overlap["reductions"].get<int64_t>() >= 2);
     }
     if (c.family == "gpt2" && c.l.pp > 1) CHECK(early < all);  // the tied tok_embed waits for its copy's gradient
+  }
+}
+
+TEST_CASE("DP weight gather overlapped with the next forward trains bit-identically to one all_gather",
+          "[mpi][layouts][overlap]") {
+  // The buckets broadcast each part of the weights from the rank that updated it
+  // (train/parallel/param_gather.h): bytes moved, not computed, so losses, grad norms,
+  // validation losses and the final checkpoint (weights, masters, moments) must be equal. A read
+  // of a weight before its bucket arrived would use the last step's value and show. Between
+  // steps the run validates, checks the replicas and saves a checkpoint at some steps (each
+  // settles the gather first) and not at others (the gather waits for the next forward). The
+  // cases: every group its own bucket with both overlaps (3D, SP, bf16); the interleaved
+  // pipeline with the tied copy; a chunked head with Qwen3 q/k norms; the default bucket (one
+  // bucket: nothing moves ahead).
+  const std::string between = " --set train.eval_interval=2 --set train.eval_batches=1 --set checkpoint.interval=3"
+                              " --set health.replica_check_interval=4 --set checkpoint.save_at_end=true";
+  const std::vector<OverlapCase> cases = {
+      {"llama", {2, 2, 2},
+       "--set precision.mode=bf16 --set parallel.sequence_parallel=true --set parallel.overlap_grad_reduce=true", 1},
+      {"gpt2", {1, 2, 2}, "--set parallel.virtual_stages=2", 5000},
+      {"llama", {2, 1, 2}, "--set model.qk_norm=true --set model.head_dim=8 --set train.logits_chunk_rows=5", 20000},
+      {"llama", {1, 1, 4}, "--set train.recompute=full", 0}};
+  for (const OverlapCase& c : cases) {
+    INFO(c.family << " " << c.l.str() << " " << c.extra << ", bucket " << c.bucket);
+    test::Workspace ws(model_patch(c.family));
+    const std::string extra = c.extra + between + " --set parallel.grad_bucket_size=" + std::to_string(c.bucket);
+    const Run ref = train(ws, ws.dir / "ref", c.l, extra);
+    INFO(ref.output);
+    REQUIRE(ref.code == 0);
+    REQUIRE(ref.records.size() == 6);
+    CHECK(ref.gather.is_null());  // off by default
+    const Run got = train(ws, ws.dir / "gather", c.l, extra + " --set parallel.overlap_param_gather=true");
+    INFO(got.output);
+    REQUIRE(got.code == 0);
+    check_same_bits(ref, got);
+    REQUIRE(ref.val.size() == 3);  // steps 2, 4, 6
+    CHECK(got.val == ref.val);
+    const test::ProcessResult diff = test::run_keel("ckpt diff " + (ws.dir / "ref/checkpoints/step_00000006") +
+                                                    " " + (ws.dir / "gather/checkpoints/step_00000006"));
+    INFO(diff.output);
+    CHECK(diff.code == 0);
+    // Rank 0's report after step 2: buckets moved ahead of their need, unless there was one.
+    REQUIRE(got.gather.is_object());
+    CHECK(got.gather["step"].get<int64_t>() == 2);
+    CHECK(got.gather["bucket"].get<int64_t>() == (c.bucket > 0 ? c.bucket : 40'000'000));
+    const int64_t ahead = got.gather["overlapped_elements"], all = got.gather["elements"];
+    if (c.bucket == 0) {
+      CHECK(got.gather["buckets"].get<int64_t>() == 1);
+      CHECK(ahead == 0);
+    } else {
+      CHECK(got.gather["buckets"].get<int64_t>() >= 2);
+      CHECK(ahead > 0);
+      CHECK(ahead < all);  // the first bucket is waited for at once
+    }
+    CHECK(got.gather["broadcasts"].get<int64_t>() >= got.gather["buckets"].get<int64_t>());
   }
 }
 

@@ -193,6 +193,7 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"parallel", {{"pp", 2}, {"virtual_stages", 0}}}}, "parallel.virtual_stages: 0 is out of range");
   fails_with({{"parallel", {{"overlap_grad_reduce", "yes"}}}}, "parallel.overlap_grad_reduce: expected true or false");
   fails_with({{"parallel", {{"grad_bucket_size", -1}}}}, "parallel.grad_bucket_size: -1 is out of range");
+  fails_with({{"parallel", {{"overlap_param_gather", 1}}}}, "parallel.overlap_param_gather: expected true or false");
   fails_with({{"parallel", {{"tp", 4}, {"sequence_parallel", true}}}, {"train", {{"micro_batch", 1}, {"global_batch", 8}, {"seq_len", 30}}}},
              "parallel.sequence_parallel: the 30 token rows of a micro-batch (train.micro_batch * train.seq_len) do not "
              "divide over tp=4");

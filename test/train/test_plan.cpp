@@ -463,6 +463,37 @@ TEST_CASE("plan: an overlapped DP gradient reduction hides behind the last backw
   CHECK(plan_layout(cfg, Layout{1, 1, 1, 8}, opt).time.step_s == plain.time.step_s);
 }
 
+TEST_CASE("plan: an overlapped DP weight gather hides behind the next forward, down to its first bucket",
+          "[plan][overlap]") {
+  // The 1B Llama at dp=8 in one node: one micro-batch's forward (about a third of the step's
+  // compute) outlasts the gather of 2.5 GB, so what stays is the first bucket's share: 40M of
+  // the rank's 1.24B weights by default, 200M with grad_bucket_size 200M.
+  const RunConfig cfg = shipped("llama-1b.json");
+  const Layout layout{1, 1, 8, 1};
+  PlanOptions opt;
+  const LayoutPlan plain = plan_layout(cfg, layout, opt);
+  const double grad_s = plain.time.dp_comm_s * 4.0 / 6.0, gather_s = plain.time.dp_comm_s - grad_s;
+  const double params = static_cast<double>(plain.stages[0].params);
+  opt.overlap_param_gather = true;
+  for (int64_t bucket : {int64_t{0}, int64_t{200'000'000}}) {
+    INFO("bucket " << bucket);
+    opt.grad_bucket_size = bucket;
+    const LayoutPlan overlapped = plan_layout(cfg, layout, opt);
+    CHECK(overlapped.comm.dp == plain.comm.dp);  // the same bytes, at another time
+    CHECK(overlapped.time.compute_s == plain.time.compute_s);
+    const double first = static_cast<double>(bucket > 0 ? bucket : 40'000'000) / params;
+    CHECK(overlapped.time.dp_comm_s == Approx(grad_s + gather_s * first).epsilon(1e-9));
+    CHECK(overlapped.time.step_s == Approx(plain.time.step_s - (plain.time.dp_comm_s - overlapped.time.dp_comm_s)));
+  }
+  // A bucket of everything: nothing moves ahead of its need.
+  opt.grad_bucket_size = int64_t{1} << 40;
+  CHECK(plan_layout(cfg, layout, opt).time.dp_comm_s == Approx(plain.time.dp_comm_s).epsilon(1e-12));
+  // Without DP there is nothing to overlap.
+  opt.grad_bucket_size = 0;
+  const Layout single{1, 1, 1, 8};
+  CHECK(plan_layout(cfg, single, opt).time.step_s == plan_layout(cfg, single, PlanOptions{}).time.step_s);
+}
+
 TEST_CASE("plan: --virtual-stages auto gives each pipeline layout its fastest chunk count", "[plan]") {
   // bloom-104b (64 layers) on 128 GPUs with a global batch of only 64: few micro-batches per
   // step, where the 1F1B bubble is long and interleaving pays.

@@ -74,12 +74,15 @@ class Comm {
   // asynchronously on a stream; host communicators are done when their calls return). Lets a
   // timer measure a collective's real duration (train/step_timers.h).
   virtual void wait_idle() {}
-  // Reduction overlapped with compute (DP gradient buckets, train/parallel/grad_buckets.h):
-  // reduce_async is reduce(t, root), but a device communicator runs it on a side stream, after
-  // the work enqueued so far and alongside the work enqueued after it; join_async() makes later
-  // work wait for all of them. Until then nobody may touch t. Host communicators finish it
+  // Collectives overlapped with compute (DP gradient buckets, train/parallel/grad_buckets.h;
+  // the DP weight gather, train/parallel/param_gather.h): reduce_async is reduce(t, root) and
+  // broadcast_async is broadcast(t, root), but a device communicator runs them on a side
+  // stream, after the work enqueued so far and alongside the work enqueued after it;
+  // join_async() makes later work wait for all of them. Until then nobody may touch t. Any
+  // other operation of the communicator joins them first. Host communicators finish them
   // before returning. wait_idle() includes them.
   virtual void reduce_async(const Tensor& t, int root) { reduce(t, root); }
+  virtual void broadcast_async(const Tensor& t, int root) { broadcast(t, root); }
   virtual void join_async() {}
 };
 

@@ -9,6 +9,17 @@ namespace keel::parallel {
 
 int64_t default_grad_bucket(int dp) { return std::max<int64_t>(40'000'000, int64_t{1'000'000} * dp); }
 
+std::vector<OwnedPart> owned_parts(std::pair<int64_t, int64_t> r, int64_t shard, int ranks) {
+  std::vector<OwnedPart> parts;
+  if (shard == 0) return parts;
+  for (int owner = static_cast<int>(r.first / shard); owner < ranks; ++owner) {
+    const int64_t b = std::max(r.first, owner * shard), e = std::min(r.second, (owner + 1) * shard);
+    if (b >= e) break;
+    parts.push_back({b, e, owner});
+  }
+  return parts;
+}
+
 namespace {
 std::string text(GradBuckets::Range r) { return "[" + std::to_string(r.first) + ", " + std::to_string(r.second) + ")"; }
 
@@ -78,11 +89,8 @@ void GradBuckets::ready(int64_t begin, int64_t end) {
 
 void GradBuckets::reduce(Range r) {
   insert(reduced_, r);
-  if (shard_ == 0) return;
-  for (int owner = static_cast<int>(r.first / shard_); owner < dp_.size(); ++owner) {
-    const int64_t b = std::max(r.first, owner * shard_), e = std::min(r.second, (owner + 1) * shard_);
-    if (b >= e) break;
-    dp_.reduce_async(grads_.elements(b, e), owner);
+  for (const OwnedPart& p : owned_parts(r, shard_, dp_.size())) {
+    dp_.reduce_async(grads_.elements(p.begin, p.end), p.owner);
     ++reductions_;
   }
 }

@@ -67,4 +67,12 @@ class GradBuckets {
 // reductions take longer to start).
 int64_t default_grad_bucket(int dp);
 
+// The parts of flat range r in a ZeRO-1 layout of `ranks` shards of `shard` elements, each with
+// the rank that owns it, in ascending order.
+struct OwnedPart {
+  int64_t begin, end;
+  int owner;
+};
+std::vector<OwnedPart> owned_parts(std::pair<int64_t, int64_t> r, int64_t shard, int ranks);
+
 }  // namespace keel::parallel

@@ -108,11 +108,39 @@ struct NcclComm::Impl {
     pending_event.reset();
   }
   void enqueued() { enqueued(stream); }
-  // reduce_async's stream, and the events that order it after stream (fork) and stream after
-  // it (join). Made on first use; side_pending: work on side that stream does not wait for yet.
+  // The asynchronous operations' stream, and the events that order it after stream (fork) and
+  // stream after it (join). Made on first use; side_pending: work on side that stream does not
+  // wait for yet.
   cudaStream_t side = nullptr;
   cudaEvent_t fork_event = nullptr, join_event = nullptr;
   bool side_pending = false;
+  void join() {
+    if (!side_pending) return;
+    check(cudaEventRecord(join_event, side), "cudaEventRecord");
+    check(cudaStreamWaitEvent(stream, join_event, 0), "cudaStreamWaitEvent");
+    side_pending = false;
+  }
+  // Where an operation goes. On stream, after the side stream's work: NCCL must meet one
+  // communicator's operations in the same order on every rank, and two streams in flight at
+  // once would leave that order to each device. On side (of the highest priority), after
+  // everything enqueued on stream so far (the last writes of what it sends).
+  cudaStream_t main_stream() {
+    join();
+    return stream;
+  }
+  cudaStream_t side_stream() {
+    if (!side) {
+      int least = 0, greatest = 0;  // greatest: the numerically lowest, the highest priority
+      check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+      check(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority");
+      check(cudaEventCreateWithFlags(&fork_event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      check(cudaEventCreateWithFlags(&join_event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    }
+    check(cudaEventRecord(fork_event, stream), "cudaEventRecord");
+    check(cudaStreamWaitEvent(side, fork_event, 0), "cudaStreamWaitEvent");
+    side_pending = true;
+    return side;
+  }
   std::shared_ptr<CUevent_st> pending_event;
   void check(ncclResult_t r, const char* call) const {
     if (r == ncclSuccess) return;
@@ -233,7 +261,7 @@ void NcclComm::all_reduce(const Tensor& t, ReduceOp op) {
   if (!m.note("all_reduce", t) || t.numel() == 0) return;
   const BlockingCallWatch watch = m.watch("ncclAllReduce");
   m.check(ncclAllReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
-                        op == ReduceOp::Sum ? ncclSum : ncclMax, m.comm, m.stream),
+                        op == ReduceOp::Sum ? ncclSum : ncclMax, m.comm, m.main_stream()),
           "ncclAllReduce");
   m.enqueued();
 }
@@ -244,7 +272,7 @@ void NcclComm::reduce_scatter(const Tensor& out, const Tensor& in) {
   if (!m.note("reduce_scatter", in) || out.numel() == 0) return;
   const BlockingCallWatch watch = m.watch("ncclReduceScatter");
   m.check(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), nccl_type(in.dtype), ncclSum, m.comm,
-                            m.stream),
+                            m.main_stream()),
           "ncclReduceScatter");
   m.enqueued();
 }
@@ -255,34 +283,15 @@ void NcclComm::reduce_async(const Tensor& t, int root) { enqueue_reduce(t, root,
 void NcclComm::enqueue_reduce(const Tensor& t, int root, bool on_side) {
   check::reduce(*this, t, root);
   Impl& m = *impl_;
-  if (on_side && !m.side) {
-    int least = 0, greatest = 0;  // greatest: the numerically lowest, the highest priority
-    m.check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-    m.check(cudaStreamCreateWithPriority(&m.side, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority");
-    m.check(cudaEventCreateWithFlags(&m.fork_event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-    m.check(cudaEventCreateWithFlags(&m.join_event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  }
   if (!m.note("reduce", t) || t.numel() == 0) return;
-  const cudaStream_t s = on_side ? m.side : m.stream;
-  if (on_side) {
-    // The side stream starts after everything enqueued so far (the gradients' last writes).
-    m.check(cudaEventRecord(m.fork_event, m.stream), "cudaEventRecord");
-    m.check(cudaStreamWaitEvent(m.side, m.fork_event, 0), "cudaStreamWaitEvent");
-    m.side_pending = true;
-  }
+  const cudaStream_t s = on_side ? m.side_stream() : m.main_stream();
   const BlockingCallWatch watch = m.watch("ncclReduce");
   m.check(ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), ncclSum, root, m.comm, s),
           "ncclReduce");
   m.enqueued(s);
 }
 
-void NcclComm::join_async() {
-  Impl& m = *impl_;
-  if (!m.side_pending) return;
-  m.check(cudaEventRecord(m.join_event, m.side), "cudaEventRecord");
-  m.check(cudaStreamWaitEvent(m.stream, m.join_event, 0), "cudaStreamWaitEvent");
-  m.side_pending = false;
-}
+void NcclComm::join_async() { impl_->join(); }
 
 void NcclComm::all_gather(const Tensor& out, const Tensor& in) {
   check::all_gather(*this, out, in);
@@ -290,19 +299,23 @@ void NcclComm::all_gather(const Tensor& out, const Tensor& in) {
   if (!m.note("all_gather", out) || in.numel() == 0) return;
   const BlockingCallWatch watch = m.watch("ncclAllGather");
   // In place when in is this rank's block of out: NCCL detects that from the pointers.
-  m.check(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), m.comm, m.stream),
+  m.check(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), m.comm, m.main_stream()),
           "ncclAllGather");
   m.enqueued();
 }
 
-void NcclComm::broadcast(const Tensor& t, int root) {
+void NcclComm::broadcast(const Tensor& t, int root) { enqueue_broadcast(t, root, false); }
+void NcclComm::broadcast_async(const Tensor& t, int root) { enqueue_broadcast(t, root, true); }
+
+void NcclComm::enqueue_broadcast(const Tensor& t, int root, bool on_side) {
   check::broadcast(*this, t, root);
   Impl& m = *impl_;
   if (!m.note("broadcast", t) || t.numel() == 0) return;
+  const cudaStream_t s = on_side ? m.side_stream() : m.main_stream();
   const BlockingCallWatch watch = m.watch("ncclBroadcast");
-  m.check(ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), root, m.comm, m.stream),
+  m.check(ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), root, m.comm, s),
           "ncclBroadcast");
-  m.enqueued();
+  m.enqueued(s);
 }
 
 void NcclComm::send(const Tensor& t, int peer) {
@@ -310,7 +323,7 @@ void NcclComm::send(const Tensor& t, int peer) {
   Impl& m = *impl_;
   if (!m.note("send", t, peer)) return;
   const BlockingCallWatch watch = m.watch("ncclSend");
-  m.check(ncclSend(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.stream), "ncclSend");
+  m.check(ncclSend(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.main_stream()), "ncclSend");
   m.enqueued();
 }
 
@@ -319,7 +332,7 @@ void NcclComm::recv(const Tensor& t, int peer) {
   Impl& m = *impl_;
   if (!m.note("recv", t, -1, peer)) return;
   const BlockingCallWatch watch = m.watch("ncclRecv");
-  m.check(ncclRecv(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.stream), "ncclRecv");
+  m.check(ncclRecv(t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype), peer, m.comm, m.main_stream()), "ncclRecv");
   m.enqueued();
 }
 
@@ -330,11 +343,12 @@ void NcclComm::sendrecv(const Tensor& send_t, int send_peer, const Tensor& recv_
   if (!m.note("sendrecv", send_t, send_peer, recv_peer)) return;
   const BlockingCallWatch watch = m.watch("ncclSend/ncclRecv");
   // One group: NCCL posts both before either waits, so two stages exchanging cannot deadlock.
+  const cudaStream_t s = m.main_stream();
   m.check(ncclGroupStart(), "ncclGroupStart");
   ncclResult_t rs = ncclSend(send_t.data, static_cast<size_t>(send_t.numel()), nccl_type(send_t.dtype), send_peer,
-                             m.comm, m.stream);
+                             m.comm, s);
   ncclResult_t rr = ncclRecv(recv_t.data, static_cast<size_t>(recv_t.numel()), nccl_type(recv_t.dtype), recv_peer,
-                             m.comm, m.stream);
+                             m.comm, s);
   ncclResult_t re = ncclGroupEnd();
   m.check(rs, "ncclSend");
   m.check(rr, "ncclRecv");
@@ -347,7 +361,7 @@ void NcclComm::barrier() {
   Tensor word(m.barrier_word, DType::F32, {1}, Device::CUDA);
   if (!m.note("barrier", word)) return;
   const BlockingCallWatch watch = m.watch("ncclAllReduce");
-  m.check(ncclAllReduce(m.barrier_word, m.barrier_word, 1, ncclFloat32, ncclSum, m.comm, m.stream), "ncclAllReduce");
+  m.check(ncclAllReduce(m.barrier_word, m.barrier_word, 1, ncclFloat32, ncclSum, m.comm, m.main_stream()), "ncclAllReduce");
   m.enqueued();
   synchronize();
 }
@@ -417,6 +431,7 @@ void NcclComm::all_reduce(const Tensor&, ReduceOp) { no_nccl(); }
 void NcclComm::reduce_scatter(const Tensor&, const Tensor&) { no_nccl(); }
 void NcclComm::reduce(const Tensor&, int) { no_nccl(); }
 void NcclComm::reduce_async(const Tensor&, int) { no_nccl(); }
+void NcclComm::broadcast_async(const Tensor&, int) { no_nccl(); }
 void NcclComm::join_async() {}
 void NcclComm::all_gather(const Tensor&, const Tensor&) { no_nccl(); }
 void NcclComm::broadcast(const Tensor&, int) { no_nccl(); }

@@ -65,10 +65,10 @@ class NcclComm final : public Comm {
   }
   // On a side stream of high priority (made on first use): it waits for an event recorded on
   // stream() at the call, and join_async() makes stream() wait for an event recorded on it.
-  // The caller must not issue other operations of this communicator between the two (NCCL
-  // runs one communicator's operations in the order they were issued; two streams in flight
-  // at once would leave that order to the device).
+  // Every other operation joins first: NCCL runs one communicator's operations in the order
+  // they were issued, and two streams in flight at once would leave that order to the device.
   void reduce_async(const Tensor& t, int root) override;
+  void broadcast_async(const Tensor& t, int root) override;
   void join_async() override;
 
   CUstream_st* stream() const;
@@ -82,7 +82,9 @@ class NcclComm final : public Comm {
   struct Impl;
 
  private:
-  void enqueue_reduce(const Tensor& t, int root, bool on_side);  // on stream() or the side stream
+  // On stream() or the side stream.
+  void enqueue_reduce(const Tensor& t, int root, bool on_side);
+  void enqueue_broadcast(const Tensor& t, int root, bool on_side);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -241,15 +241,23 @@ void check_group(const std::string& layout, MpiComm& c, int world_rank) {
       expect(same_bytes(inplace, want), ctx(layout, c, dt, "all_gather in place", n));
     }
 
-    // broadcast from the first and the last rank of the group.
-    for (int root : {0, p - 1}) {
-      const int64_t n = 257;
-      Buffer buf(dt, n), want(dt, n);
-      buf.fill(world_rank, 300 + root);
-      want.fill(members[static_cast<size_t>(root)], 300 + root);
-      c.broadcast(buf.tensor(), root);
-      expect(same_bytes(buf, want), ctx(layout, c, dt, "broadcast from " + std::to_string(root), n));
-    }
+    // broadcast from the first and the last rank of the group (also through broadcast_async,
+    // which a host communicator finishes before returning).
+    for (int root : {0, p - 1})
+      for (bool async : {false, true}) {
+        const int64_t n = 257;
+        Buffer buf(dt, n), want(dt, n);
+        buf.fill(world_rank, 300 + root);
+        want.fill(members[static_cast<size_t>(root)], 300 + root);
+        if (async)
+          c.broadcast_async(buf.tensor(), root);
+        else
+          c.broadcast(buf.tensor(), root);
+        expect(same_bytes(buf, want), ctx(layout, c, dt,
+                                          std::string(async ? "broadcast_async" : "broadcast") + " from " +
+                                              std::to_string(root),
+                                          n));
+      }
   }
   c.barrier();
 }
@@ -655,6 +663,35 @@ int run_nccl(const MpiRuntime& rt) {
       for (int j = 0; j < p; ++j)
         for (int64_t i = 0; i < n; ++i) ok = ok && h[static_cast<size_t>(j * n + i)] == contribution(members[j], i);
       expect(ok, grid.layout() + " nccl all_gather on " + std::string(c.name()));
+      // The side stream: each rank's block broadcast from its owner (the DP weight gather) and
+      // the sums reduced to the last rank (the DP gradient buckets), asynchronously, then an
+      // all_reduce on the main stream, which must join them first (each rank adds 1).
+      for (int64_t i = 0; i < n * p; ++i) h[static_cast<size_t>(i)] = contribution(rt.world_rank(), i);
+      cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice);
+      for (int j = 0; j < p; ++j) c.broadcast_async(Tensor(d + j * n, DType::F32, {n}, Device::CUDA), j);
+      Tensor sums(d + (p - 1) * n, DType::F32, {n}, Device::CUDA);
+      c.reduce_async(sums, p - 1);
+      std::vector<float> one(static_cast<size_t>(n), 1.0f);
+      float* d1 = nullptr;
+      cudaMalloc(&d1, n * sizeof(float));
+      cudaMemcpy(d1, one.data(), n * sizeof(float), cudaMemcpyHostToDevice);
+      c.all_reduce(Tensor(d1, DType::F32, {n}, Device::CUDA));
+      c.join_async();
+      dynamic_cast<NcclComm&>(c).synchronize();
+      cudaMemcpy(h.data(), d, h.size() * sizeof(float), cudaMemcpyDeviceToHost);
+      cudaMemcpy(one.data(), d1, n * sizeof(float), cudaMemcpyDeviceToHost);
+      ok = true;
+      for (int j = 0; j < p; ++j)
+        for (int64_t i = 0; i < n; ++i) {
+          // The owner's block everywhere; the last block, broadcast before it was reduced, is
+          // p times that on the last rank.
+          const float owners = contribution(members[static_cast<size_t>(j)], j * n + i);
+          const float want_ji = j == p - 1 && r == p - 1 ? static_cast<float>(p) * owners : owners;
+          ok = ok && h[static_cast<size_t>(j * n + i)] == want_ji;
+        }
+      for (float x : one) ok = ok && x == static_cast<float>(p);
+      expect(ok, grid.layout() + " nccl broadcast_async + reduce_async, then all_reduce, on " + std::string(c.name()));
+      cudaFree(d1);
       cudaFree(d);
     }
   }
