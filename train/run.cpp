@@ -1089,6 +1089,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     else if (scheduled) save(it, cfg.checkpoint.async);
   }
   finish_pending_save();
+  tr.settle_params();  // a run without a final save ends with the last update's weights whole
   if (lead)
     std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
                 static_cast<long long>(consumed_tokens),
