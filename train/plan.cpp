@@ -844,6 +844,14 @@ std::string recompute_name(bool rc, int64_t layers = 0) {
                     : "full recompute";
 }
 
+// What the DP time of the step estimate assumes overlapped (empty when nothing is).
+std::string dp_overlap_note(const PlanOptions& opt, const Layout& l) {
+  if (l.dp <= 1 || (!opt.overlap_grad_reduce && !opt.overlap_param_gather)) return "";
+  std::string what = opt.overlap_grad_reduce ? "gradient reduction" : "";
+  if (opt.overlap_param_gather) what += what.empty() ? "weight gather" : " and weight gather";
+  return " with the " + what + " overlapped";
+}
+
 }  // namespace
 
 std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt, bool with_cost) {
@@ -929,7 +937,8 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
     << ", PP " << gb_dec(p.comm.pp) << ", DP " << gb_dec(p.comm.dp) << " sent\n";
   o << "  estimated step " << fmt("%.2f s", p.time.step_s) << " (compute " << fmt("%.2f", p.time.compute_s)
     << ", TP " << fmt("%.2f", p.time.tp_comm_s) << ", PP " << fmt("%.2f", p.time.pp_comm_s) << ", DP "
-    << fmt("%.2f", p.time.dp_comm_s) << "), block matmul efficiency " << fmt("%.0f%%", 100 * p.time.gemm_efficiency)
+    << fmt("%.2f", p.time.dp_comm_s) << dp_overlap_note(opt, l) << "), block matmul efficiency "
+    << fmt("%.0f%%", 100 * p.time.gemm_efficiency)
     << ", " << fmt("%.1f", p.time.model_tflops) << " model TFLOP/s per GPU\n";
   for (const auto& w : p.warnings) o << "  warning: " << w << "\n";
   return o.str();

@@ -484,7 +484,9 @@ TEST_CASE("plan: an overlapped DP weight gather hides behind the next forward, d
     const double first = static_cast<double>(bucket > 0 ? bucket : 40'000'000) / params;
     CHECK(overlapped.time.dp_comm_s == Approx(grad_s + gather_s * first).epsilon(1e-9));
     CHECK(overlapped.time.step_s == Approx(plain.time.step_s - (plain.time.dp_comm_s - overlapped.time.dp_comm_s)));
+    CHECK_THAT(layout_text(cfg, overlapped, opt, true), Catch::Contains(" with the weight gather overlapped), "));
   }
+  CHECK_THAT(layout_text(cfg, plain, PlanOptions{}, true), !Catch::Contains("overlapped"));
   // A bucket of everything: nothing moves ahead of its need.
   opt.grad_bucket_size = int64_t{1} << 40;
   CHECK(plan_layout(cfg, layout, opt).time.dp_comm_s == Approx(plain.time.dp_comm_s).epsilon(1e-12));

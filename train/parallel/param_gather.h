@@ -11,7 +11,8 @@
 //               to the one holding it, then starts the next, which moves while the group
 //               computes (on a GPU: NCCL on a side stream, Comm::broadcast_async).
 //   settle()    gathers and waits for the rest. Whatever reads the weights outside a forward
-//               (checkpoints, evaluation on another path, the replica check) calls it first.
+//               (checkpoints, sampling, the replica check) calls it first; so does the
+//               optimizer, which rewrites the blocks the broadcasts read.
 // Each bucket is broadcast part by part, each part from the rank that owns it. Broadcasts only
 // move bytes, so the weights are the same bits as the all_gather's (test_multirank
 // "[overlap]"), and a ring broadcast moves as many bytes per rank as the all-gather's share.
