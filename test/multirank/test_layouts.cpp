@@ -266,7 +266,8 @@ TEST_CASE("DP weight gather overlapped with the next forward trains bit-identica
   // validation losses and the final checkpoint (weights, masters, moments) must be equal. A read
   // of a weight before its bucket arrived would use the last step's value and show. Between
   // steps the run validates, checks the replicas and saves a checkpoint at some steps (each
-  // settles the gather first) and not at others (the gather waits for the next forward). The
+  // settles the gather first) and not at others (the gather waits for the next forward); a
+  // resume from the mid-run checkpoint continues bit for bit. The
   // cases: every group its own bucket with both overlaps (3D, SP, bf16); the interleaved
   // pipeline with the tied copy; a chunked head with Qwen3 q/k norms; the default bucket (one
   // bucket: nothing moves ahead).
@@ -297,6 +298,18 @@ TEST_CASE("DP weight gather overlapped with the next forward trains bit-identica
                                                     " " + (ws.dir / "gather/checkpoints/step_00000006"));
     INFO(diff.output);
     CHECK(diff.code == 0);
+    // Resumed from its step-3 checkpoint (saved with the gather settled), steps 4 to 6 again.
+    const Run resumed = train(ws, ws.dir / "resumed", c.l,
+                              extra + " --set parallel.overlap_param_gather=true --resume " +
+                                  (ws.dir / "gather/checkpoints/step_00000003"));
+    INFO(resumed.output);
+    REQUIRE(resumed.code == 0);
+    REQUIRE(resumed.records.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      INFO("resumed step " << i + 4);
+      CHECK(resumed.records[i]["loss"].get<double>() == ref.records[i + 3]["loss"].get<double>());
+      CHECK(resumed.records[i]["grad_norm"].get<double>() == ref.records[i + 3]["grad_norm"].get<double>());
+    }
     // Rank 0's report after step 2: buckets moved ahead of their need, unless there was one.
     REQUIRE(got.gather.is_object());
     CHECK(got.gather["step"].get<int64_t>() == 2);
