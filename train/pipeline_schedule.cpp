@@ -138,6 +138,11 @@ bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
 
   sc.activation_slots.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 0));
   sc.gradient_slots = sc.activation_slots;
+  sc.last_backward.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), -1));
+  for (size_t s = 0; s < sc.ticks.size(); ++s)
+    for (size_t t = 0; t < sc.ticks[s].size(); ++t)
+      if (const PipeOp& op = sc.ticks[s][t].op; !op.none() && op.backward)
+        sc.last_backward[s][static_cast<size_t>(op.chunk)] = static_cast<int>(t);
   for (int s = 0; s < P; ++s)
     for (int c = 0; c < v; ++c) {
       const size_t vu = static_cast<size_t>(sc.virtual_stage(s, c));

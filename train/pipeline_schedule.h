@@ -52,6 +52,9 @@ struct PipeSchedule {
   // wait for their backward. Slot of a micro-batch: micro_batch % count (both are filled and
   // emptied in micro-batch order, so that slot is always free).
   std::vector<std::vector<int>> activation_slots, gradient_slots;
+  // [rank][chunk]: the tick of the chunk's last backward, after which its gradients are final
+  // for the step (-1: none, when not training).
+  std::vector<std::vector<int>> last_backward;
 
   int virtual_stage(int rank, int chunk) const { return chunk * stages + rank; }
   int num_ticks() const { return ticks.empty() ? 0 : static_cast<int>(ticks[0].size()); }

@@ -654,11 +654,11 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     tied_s = bytes / bw_inter;
     p.time.pp_comm_s += tied_s;
   }
-  // DP (ZeRO-1): reduce-scatter the gradients, all-gather the updated working weights, after the
-  // last backward (the gather, with overlap_param_gather, before the next forward needs them). The rank with the most parameters sets the pace. With overlap_grad_reduce the
-  // gradients' reduction runs alongside the slowest stage's last backward (one micro-batch's
-  // backward, recomputation included), except what outlasts it and the last group's share
-  // (the layer or embedding finished last cannot hide behind anything).
+  // DP (ZeRO-1): reduce-scatter the gradients after the last backward, all-gather the updated
+  // working weights after the optimizer. The rank with the most parameters sets the pace. With
+  // overlap_grad_reduce the gradients' reduction runs alongside the slowest stage's last
+  // backward (one micro-batch's backward, recomputation included), except what outlasts it and
+  // the last group's share (the layer or embedding finished last cannot hide behind anything).
   double max_params = 0, max_layers = 0;
   for (const auto& st : p.stages) {
     max_params = std::max(max_params, static_cast<double>(st.params));
@@ -675,8 +675,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   // With overlap_param_gather each bucket moves while the forward computes the one before; the
   // first is waited for at once.
   if (opt.overlap_param_gather && l.dp > 1 && max_params > 0) {
-    const double bucket = static_cast<double>(opt.grad_bucket_size > 0 ? opt.grad_bucket_size
-                                                                       : parallel::default_grad_bucket(static_cast<int>(l.dp)));
+    const double bucket = static_cast<double>(parallel::grad_bucket_elements(opt.grad_bucket_size, l.dp));
     const double forward_share = layer_fwd.seconds / layer_s;
     gather_s = std::max(gather_s - times[slow].compute * forward_share, gather_s * std::min(1.0, bucket / max_params));
   }

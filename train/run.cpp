@@ -560,8 +560,7 @@ void report_param_gather(const Trainer& tr, bool lead, bool quiet, int64_t step,
                 "forward computed, in %lld bucket%s (of %lld elements at least) and %lld broadcasts\n",
                 static_cast<long long>(step), n > 0 ? 100.0 * static_cast<double>(ahead) / n : 0.0,
                 static_cast<long long>(n), static_cast<long long>(buckets), buckets == 1 ? "" : "s",
-                static_cast<long long>(g->bucket()),
-                static_cast<long long>(g->broadcasts()));
+                static_cast<long long>(g->bucket()), static_cast<long long>(g->broadcasts()));
   if (metrics)
     metrics->write({{"event", "param_gather"}, {"step", step}, {"overlapped_elements", ahead}, {"elements", n},
                     {"buckets", buckets}, {"broadcasts", g->broadcasts()}, {"bucket", g->bucket()}});

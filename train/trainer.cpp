@@ -140,18 +140,17 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
         primary_ranges_.emplace_back(a, b);
     }
   }
+  const int64_t shard = state_->optim_end() - state_->optim_begin();  // ZeRO-1: each DP rank's block
+  const int64_t bucket = parallel::grad_bucket_elements(cfg.parallel.grad_bucket_size, grid_.dp_size());
   if (!forward_only && grid_.dp_size() > 1 && cfg.parallel.overlap_grad_reduce) {
     // The tied embedding's copies are summed over the embedding group after the pipeline
     // (sync_tied_embedding): their DP reduction waits for that.
     std::vector<parallel::GradBuckets::Range> deferred;
-    if (cfg.model.tied_embeddings && grid_.pp_size() > 1 && grid_.holds_embedding())
-      for (const ParamSpec& p : table_.params())
-        if (p.name == "tok_embed") deferred.emplace_back(p.offset, p.offset + p.numel);
-    const int64_t bucket =
-        cfg.parallel.grad_bucket_size > 0 ? cfg.parallel.grad_bucket_size : parallel::default_grad_bucket(grid_.dp_size());
-    grad_buckets_ = std::make_unique<parallel::GradBuckets>(*comms_->dp, state_->grads,
-                                                            state_->optim_end() - state_->optim_begin(), bucket,
-                                                            std::move(deferred));
+    if (holds_tied_copy()) {
+      const ParamSpec& p = table_.at("tok_embed");
+      deferred.emplace_back(p.offset, p.offset + p.numel);
+    }
+    grad_buckets_ = std::make_unique<parallel::GradBuckets>(*comms_->dp, state_->grads, shard, bucket, std::move(deferred));
   }
   if (!forward_only && grid_.dp_size() > 1 && cfg.parallel.overlap_param_gather) {
     std::vector<int64_t> ends;
@@ -159,10 +158,7 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
       const std::vector<int64_t> e = m->group_ends();
       ends.insert(ends.end(), e.begin(), e.end());
     }
-    const int64_t bucket =
-        cfg.parallel.grad_bucket_size > 0 ? cfg.parallel.grad_bucket_size : parallel::default_grad_bucket(grid_.dp_size());
-    param_gather_ = std::make_unique<parallel::ParamGather>(
-        *comms_->dp, state_->working, state_->optim_end() - state_->optim_begin(), bucket, std::move(ends));
+    param_gather_ = std::make_unique<parallel::ParamGather>(*comms_->dp, state_->working, shard, bucket, std::move(ends));
     for (auto& m : chunks_) m->set_params_needed([this](int64_t end) { param_gather_->need(end); });
   }
   if (cfg.health.frozen_check_interval > 0) frozen_ = std::make_unique<FrozenDetector>(table_, *state_, cfg.health);
@@ -252,11 +248,8 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
     if (pool.empty()) throw std::logic_error("interleaved pipeline: chunk " + std::to_string(chunk) + " has no gradient buffer");
     return pool[static_cast<size_t>(mb) % pool.size()];
   };
-  // Each chunk's last backward of the step, as a tick index (its gradients are final after it).
   const std::vector<PipeTick>& ticks = sc.ticks[static_cast<size_t>(s)];
-  std::vector<size_t> last_backward(chunks_.size(), ticks.size());
-  for (size_t i = 0; i < ticks.size(); ++i)
-    if (!ticks[i].op.none() && ticks[i].op.backward) last_backward[static_cast<size_t>(ticks[i].op.chunk)] = i;
+  const std::vector<int>& last_backward = sc.last_backward[static_cast<size_t>(s)];
   double loss_sum = 0;
   for (size_t i = 0; i < ticks.size(); ++i) {
     const PipeTick& k = ticks[i];
@@ -275,7 +268,8 @@ double Trainer::run_interleaved(const MicroBatch* mbs, int M, float dloss, bool 
         if (k.send_forward) send_fwd = m.stage_output(slot(k.op.chunk, mb));
       } else {
         if (vs != V - 1) be_.convert(m.grad_output(), grad_buffer(k.op.chunk, mb));
-        const GradsReadyScope reporting(m, grads_ready_, last_backward[static_cast<size_t>(k.op.chunk)] == i);
+        const GradsReadyScope reporting(m, grads_ready_,
+                                        last_backward[static_cast<size_t>(k.op.chunk)] == static_cast<int>(i));
         m.backward(slot(k.op.chunk, mb), dloss);
         if (k.send_backward) send_bwd = m.grad_input();
       }
@@ -365,7 +359,7 @@ double Trainer::run_1f1b(const std::vector<MicroBatch>& mbs, float dloss, bool b
 // last (for the head). Their gradients are summed, so both copies take the identical update
 // and never drift apart (the BLOOM restart-spike bug was exactly this sum missing).
 void Trainer::sync_tied_embedding() {
-  if (!cfg_.model.tied_embeddings || grid_.pp_size() == 1 || !grid_.holds_embedding()) return;
+  if (!holds_tied_copy()) return;
   comms_->embedding->all_reduce(param_view(state_->grads, table_.at("tok_embed")));
 }
 
@@ -627,8 +621,7 @@ int Trainer::check_replicas() {
            "stopped before they drift further. Resume from the last checkpoint.";
     throw ReplicaMismatch(msg);
   };
-  if (cfg_.model.tied_embeddings && grid_.pp_size() > 1 && grid_.holds_embedding())
-    compare(*comms_->embedding, GroupKind::Embedding, table_.at("tok_embed"));
+  if (holds_tied_copy()) compare(*comms_->embedding, GroupKind::Embedding, table_.at("tok_embed"));
   if (grid_.tp_size() > 1)
     for (const ParamSpec& p : table_.params())
       if (p.split == TpSplit::None) compare(*comms_->tp, GroupKind::TP, p);

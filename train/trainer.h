@@ -178,6 +178,11 @@ class Trainer {
   // The same probe on every chunk (told which chunk called); nullptr clears it.
   void set_probe(const std::function<void(int chunk, const Transformer::OpProbe&)>& fn);
   void sync_tied_embedding();
+  // A tied embedding split over the pipeline, and this rank holds one of its two copies (the
+  // first stage's tok_embed, or the last stage's copy for the head).
+  bool holds_tied_copy() const {
+    return cfg_.model.tied_embeddings && grid_.pp_size() > 1 && grid_.holds_embedding();
+  }
   // Test hook for the straggler report: KEEL_FAULT_SLOW_RANK="rank=R,ms=N" makes world rank R
   // sleep N ms per micro-batch of a training step, as a slow GPU would compute.
   void slow_rank_fault(int micro_batches);

@@ -3,6 +3,7 @@
 // same tick, the slots it reports enough, and the bubble the interleaving promises.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 
@@ -53,6 +54,14 @@ std::map<std::tuple<bool, int, int>, int> check_schedule(const PipeSchedule& sc)
       if (!sc.training) continue;
       REQUIRE(ran.count({true, vs, mb}));
       CHECK(ran[{true, vs, mb}] > (vs == V - 1 ? ran[{false, vs, mb}] : ran[{true, vs + 1, mb}]));
+    }
+  // Each chunk's reported last backward is the last tick with a backward of it (the DP
+  // gradient buckets take its gradients as final after it).
+  for (int s = 0; s < P; ++s)
+    for (int c = 0; c < v; ++c) {
+      int last = -1;
+      for (int mb = 0; mb < M && sc.training; ++mb) last = std::max(last, ran[{true, sc.virtual_stage(s, c), mb}]);
+      CHECK(sc.last_backward[static_cast<size_t>(s)][static_cast<size_t>(c)] == last);
     }
   // The reported slots hold every micro-batch between its input's arrival and its backward:
   // replay each chunk's occupancy with slot = micro_batch % slots and never overwrite a live one.

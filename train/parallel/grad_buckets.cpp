@@ -7,7 +7,9 @@
 
 namespace keel::parallel {
 
-int64_t default_grad_bucket(int dp) { return std::max<int64_t>(40'000'000, int64_t{1'000'000} * dp); }
+int64_t grad_bucket_elements(int64_t configured, int64_t dp) {
+  return configured > 0 ? configured : std::max<int64_t>(40'000'000, int64_t{1'000'000} * dp);
+}
 
 std::vector<OwnedPart> owned_parts(std::pair<int64_t, int64_t> r, int64_t shard, int ranks) {
   std::vector<OwnedPart> parts;

@@ -63,9 +63,10 @@ class GradBuckets {
   int64_t reductions_ = 0, early_elements_ = 0;
 };
 
-// Megatron's default bucket: max(40M, 1M x dp) elements (larger buckets for more ranks, whose
-// reductions take longer to start).
-int64_t default_grad_bucket(int dp);
+// The bucket of parallel.grad_bucket_size `configured` elements (the gradient buckets' and the
+// weight gather's); 0 gives Megatron's default, max(40M, 1M x dp) (larger buckets for more
+// ranks, whose collectives take longer to start).
+int64_t grad_bucket_elements(int64_t configured, int64_t dp);
 
 // The parts of flat range r in a ZeRO-1 layout of `ranks` shards of `shard` elements, each with
 // the rank that owns it, in ascending order.

@@ -284,6 +284,12 @@ struct MpiComm::Impl {
     if (acc_scratch.size() < static_cast<size_t>(n)) acc_scratch.resize(static_cast<size_t>(n));
     return acc_scratch.data();
   }
+  // dst = the group's `size` blocks of n elements, back to back in `blocks` in rank order,
+  // reduced in that order (reduce_host): the same bits on whichever rank reduces them.
+  void reduce_blocks(void* dst, const unsigned char* blocks, int64_t n, DType dt, ReduceOp rop) {
+    for (int i = 0; i < size; ++i) sources[static_cast<size_t>(i)] = blocks + static_cast<size_t>(i * n) * dtype_size(dt);
+    reduce_host(dst, sources.data(), size, dt, n, rop, scratch_floats(n));
+  }
 };
 
 void MpiComm::Impl::retire_async() {
@@ -906,8 +912,7 @@ void MpiComm::all_reduce(const Tensor& t, ReduceOp rop) {
     m.check(MPI_Iallgather(data, static_cast<int>(n), type, all, static_cast<int>(n), type, m.comm, &req),
             "MPI_Iallgather", op);
     m.wait(&req, 1, op);
-    for (int i = 0; i < m.size; ++i) m.sources[static_cast<size_t>(i)] = all + static_cast<size_t>(i * n) * esize;
-    reduce_host(data, m.sources.data(), m.size, t.dtype, n, rop, m.scratch_floats(n));
+    m.reduce_blocks(data, all, n, t.dtype, rop);
     return;
   }
 
@@ -932,9 +937,7 @@ void MpiComm::all_reduce(const Tensor& t, ReduceOp rop) {
                            type, m.comm, &req),
             "MPI_Ialltoallv", op);
     m.wait(&req, 1, op);
-    for (int i = 0; i < p; ++i) m.sources[static_cast<size_t>(i)] = blocks + static_cast<size_t>(i) * mine * esize;
-    reduce_host(data + static_cast<size_t>(m.displs[static_cast<size_t>(m.rank)]) * esize, m.sources.data(), p, t.dtype,
-                mine, rop, m.scratch_floats(mine));
+    m.reduce_blocks(data + static_cast<size_t>(m.displs[static_cast<size_t>(m.rank)]) * esize, blocks, mine, t.dtype, rop);
     m.check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, m.counts.data(), m.displs.data(), type, m.comm,
                             &req),
             "MPI_Iallgatherv", op);
@@ -972,9 +975,8 @@ void MpiComm::reduce_scatter(const Tensor& out, const Tensor& in) {
                            m.rdispls.data(), type, m.comm, &req),
             "MPI_Ialltoallv", op);
     m.wait(&req, 1, op);
-    for (int i = 0; i < p; ++i) m.sources[static_cast<size_t>(i)] = blocks + static_cast<size_t>(i) * len * esize;
-    reduce_host(static_cast<unsigned char*>(out.data) + static_cast<size_t>(off) * esize, m.sources.data(), p,
-                in.dtype, len, ReduceOp::Sum, m.scratch_floats(len));
+    m.reduce_blocks(static_cast<unsigned char*>(out.data) + static_cast<size_t>(off) * esize, blocks, len, in.dtype,
+                    ReduceOp::Sum);
   }
 }
 
@@ -1003,9 +1005,7 @@ void MpiComm::reduce(const Tensor& t, int root) {
             "MPI_Igather", op);
     m.wait(&req, 1, op);
     if (!is_root) continue;
-    for (int i = 0; i < p; ++i) m.sources[static_cast<size_t>(i)] = blocks + static_cast<size_t>(i) * len * esize;
-    reduce_host(data + static_cast<size_t>(off) * esize, m.sources.data(), p, t.dtype, len, ReduceOp::Sum,
-                m.scratch_floats(len));
+    m.reduce_blocks(data + static_cast<size_t>(off) * esize, blocks, len, t.dtype, ReduceOp::Sum);
   }
 }
 
