@@ -208,6 +208,13 @@ class Backend {
   // SwiGLU on a packed [N, 2F] input (gate columns first, then up): out = silu(gate) * up.
   virtual void swiglu_forward(const Tensor& out, const Tensor& in) = 0;
   virtual void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) = 0;
+  // Both in one pass, for selective recomputation (model/transformer.h): the gradient reads the
+  // input anyway, so the activation is rebuilt beside it. out gets swiglu_forward's bits, din
+  // swiglu_backward's; din must not alias in or out.
+  virtual void swiglu_backward_rebuild(const Tensor& din, const Tensor& out, const Tensor& dout, const Tensor& in) {
+    swiglu_forward(out, in);
+    swiglu_backward(din, dout, in);
+  }
 
   // ---- attention ----
   // qkv is [B*T, (n_heads + 2 n_kv_heads) * head_dim]: per row all query heads, then key heads,

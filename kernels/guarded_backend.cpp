@@ -166,6 +166,9 @@ class GuardedBackend final : public Backend {
   void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override {
     KEEL_GUARDED(swiglu_backward(din, dout, in));
   }
+  void swiglu_backward_rebuild(const Tensor& din, const Tensor& out, const Tensor& dout, const Tensor& in) override {
+    KEEL_GUARDED(swiglu_backward_rebuild(din, out, dout, in));
+  }
   void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) override { KEEL_GUARDED(rope_forward(qkv, s, rope)); }
   void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) override {
     KEEL_GUARDED(rope_backward(dqkv, s, rope));

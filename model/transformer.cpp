@@ -12,7 +12,7 @@
 namespace keel {
 
 Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len,
-                         int slots, parallel::Comm* tp, int recompute_layers, bool sequence_parallel,
+                         int slots, parallel::Comm* tp, RecomputePolicy recompute, bool sequence_parallel,
                          int64_t logits_chunk_rows, bool document_masking, const Transformer* scratch_from)
     : table_(table),
       cfg_(table_.config()),
@@ -51,8 +51,9 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   const int64_t fc_cols = cfg_.is_llama() ? 2 * ffn_ : ffn_;
   const bool ln = cfg_.is_gpt2();
   const int stage_layers = sh.end_layer - sh.first_layer;
-  if (recompute_layers < 0) throw std::invalid_argument("Transformer: recompute_layers must be >= 0");
-  recompute_layers_ = std::min(recompute_layers, stage_layers);
+  if (recompute.full_layers < 0) throw std::invalid_argument("Transformer: recompute_layers must be >= 0");
+  recompute_layers_ = std::min(recompute.full_layers, stage_layers);
+  selective_ = recompute.selective && recompute_layers_ < stage_layers;
   if (logits_chunk_rows < 0) throw std::invalid_argument("Transformer: logits_chunk_rows must be >= 0 (0: automatic)");
   head_rows_ = logits_chunk_rows > 0
                    ? std::min(N_, logits_chunk_rows)
@@ -79,7 +80,7 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
     s.layers.resize(static_cast<size_t>(stage_layers));
     for (size_t l = 0; l < s.layers.size(); ++l) {
       s.layers[l].res_in = alloc(act_, {rows_, d});
-      if (!recomputed(l)) alloc_layer_acts(s.layers[l], ln, qkv_cols, fc_cols);
+      if (!recomputed(l)) alloc_layer_acts(s.layers[l], ln, qkv_cols, fc_cols, rebuilt(l));
     }
     s.res_final = alloc(act_, {rows_, d});
     if (sh.has_head) {
@@ -112,6 +113,19 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
       scratch_ = scratch_from->scratch_;
     else
       alloc_layer_acts(scratch_, ln, qkv_cols, fc_cols);
+  }
+  // The rebuilt tensors never live at the same time as a recomputed layer's, nor across layers.
+  if (selective_) {
+    const Transformer* with_full = recompute_layers_ > 0 ? this
+                                   : scratch_from && scratch_from->recompute_layers_ > 0 ? scratch_from
+                                                                                          : nullptr;
+    if (with_full) {
+      rebuilt_norm_ = with_full->scratch_.norm1;
+      rebuilt_act_ = with_full->scratch_.act;
+    } else {
+      scratch(rebuilt_norm_, &Transformer::rebuilt_norm_, act_, {rows_, d});
+      scratch(rebuilt_act_, &Transformer::rebuilt_act_, act_, {N_, ffn_});
+    }
   }
   if (sh.has_head && head_chunked()) scratch(head_logits_, &Transformer::head_logits_, act_, {head_rows_, vocab_local_});
   scratch(dres_, &Transformer::dres_, act_, {rows_, d});
@@ -160,10 +174,9 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
                              " are not contiguous in the flat buffer");
 }
 
-// Everything of a layer but its input.
-void Transformer::alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_cols, int64_t fc_cols) {
+void Transformer::alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_cols, int64_t fc_cols, bool rebuilt) {
   const int64_t d = cfg_.d_model;
-  a.norm1 = alloc(act_, {rows_, d});
+  if (!rebuilt) a.norm1 = alloc(act_, {rows_, d});
   if (layernorm) a.mean1 = alloc(DType::F32, {rows_});
   a.rstd1 = alloc(DType::F32, {rows_});
   a.qkv = alloc(act_, {N_, qkv_cols});
@@ -175,11 +188,11 @@ void Transformer::alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_col
   a.attn = alloc(act_, {N_, q_});
   a.lse = alloc(DType::F32, {B_, attn_shape_.n_heads, T_});
   a.res_mid = alloc(act_, {rows_, d});
-  a.norm2 = alloc(act_, {rows_, d});
+  if (!rebuilt) a.norm2 = alloc(act_, {rows_, d});
   if (layernorm) a.mean2 = alloc(DType::F32, {rows_});
   a.rstd2 = alloc(DType::F32, {rows_});
   a.fc = alloc(act_, {N_, fc_cols});
-  a.act = alloc(act_, {N_, ffn_});
+  if (!rebuilt) a.act = alloc(act_, {N_, ffn_});
 }
 
 int64_t Transformer::auto_logits_chunk_rows(int64_t rows, int64_t vocab_local, int64_t elem_bytes) {
@@ -200,6 +213,13 @@ Tensor Transformer::logits(int slot) const {
 }
 
 Transformer::LayerActs Transformer::acts(const Slot& s, size_t local_layer) const {
+  if (rebuilt(local_layer)) {
+    LayerActs a = s.layers[local_layer];
+    a.norm1 = a.norm2 = rebuilt_norm_;
+    a.act = rebuilt_act_;
+    a.rebuilt = true;
+    return a;
+  }
   if (!recomputed(local_layer)) return s.layers[local_layer];
   LayerActs a = scratch_;
   a.res_in = s.layers[local_layer].res_in;
@@ -464,18 +484,30 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
   norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, w.mlp_norm_w, w.mlp_norm_b);
   probe(false, layer, "mlp_norm", a.norm2);
   if (gpt2) {
-    be_.matmul_gelu(a.act, a.fc, gather_rows(a.norm2), w.w_in, false, true, &w.b_in);  // fc, then gelu(fc)
+    if (a.rebuilt) {  // the GELU as backward will rebuild it: from the stored fc
+      be_.matmul(a.fc, gather_rows(a.norm2), w.w_in, false, true, false, &w.b_in);
+      mlp_activation(a);
+    } else {
+      be_.matmul_gelu(a.act, a.fc, gather_rows(a.norm2), w.w_in, false, true, &w.b_in);  // fc, then gelu(fc)
+    }
     probe(false, layer, "mlp input projection", a.fc);
     probe(false, layer, "gelu", a.act);
   } else {
     be_.matmul(a.fc, gather_rows(a.norm2), w.w_in, false, true, false, nullptr);
     probe(false, layer, "mlp gate/up projection", a.fc);
-    be_.swiglu_forward(a.act, a.fc);
+    mlp_activation(a);
     probe(false, layer, "swiglu", a.act);
   }
   if (!out) return;  // recomputing: backward needs nothing further
   output_projection(*out, a.res_mid, a.act, w.w_out, gpt2 ? &w.b_out : nullptr, layer, "mlp output projection");
   probe(false, layer, "layer output (residual add)", *out);
+}
+
+void Transformer::mlp_activation(const LayerActs& a) {
+  if (cfg_.is_gpt2())
+    be_.gelu_forward(a.act, a.fc);
+  else
+    be_.swiglu_forward(a.act, a.fc);
 }
 
 Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens, const int32_t* targets,
@@ -606,18 +638,25 @@ void Transformer::backward(int slot_index, float dloss) {
 
     // MLP block (under SP, dres_all is the gathered rows until norm2 is gathered)
     const Tensor& dres_all = gather_rows(dres_);
-    weight_grad(g.w_out, dres_all, a.act, gpt2 ? &g.b_out : nullptr);
     if (gpt2) {
+      if (a.rebuilt) mlp_activation(a);
+      weight_grad(g.w_out, dres_all, a.act, &g.b_out);
       // d fc = gelu'(fc) * (dres W_out): the output projection's input gradient through the GELU
       be_.matmul_gelu_backward(dfc_, dres_all, w.w_out, false, false, a.fc);
       probe(true, layer, "d mlp input projection (output projection and gelu backward)", dfc_);
     } else {
       be_.matmul(dact_, dres_all, w.w_out, false, false);
       probe(true, layer, "d swiglu output (mlp output projection backward)", dact_);
-      be_.swiglu_backward(dfc_, dact_, a.fc);
+      if (a.rebuilt)  // the activation for the weight gradient below, from the same read of fc
+        be_.swiglu_backward_rebuild(dfc_, a.act, dact_, a.fc);
+      else
+        be_.swiglu_backward(dfc_, dact_, a.fc);
       probe(true, layer, "d gate/up projection (swiglu backward)", dfc_);
+      weight_grad(g.w_out, dres_all, a.act);
     }
     be_.matmul(dnorm_, dfc_, w.w_in, false, false);
+    // (norm_forward rewrites the kept statistics with the same bits)
+    if (a.rebuilt) norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, w.mlp_norm_w, w.mlp_norm_b);
     weight_grad(g.w_in, dfc_, gather_rows(a.norm2), gpt2 ? &g.b_in : nullptr);
     const Tensor& dnorm2 = reduce_rows(dnorm_);  // column-parallel input gradient: partial over TP
     probe(true, layer, "d mlp_norm output (mlp input projection backward)", dnorm2);
@@ -641,6 +680,7 @@ void Transformer::backward(int slot_index, float dloss) {
       probe(true, layer, "d qkv (q/k norms backward)", dqkv_);
     }
     be_.matmul(dnorm_, dqkv_, w.wqkv, false, false);
+    if (a.rebuilt) norm_forward(a.norm1, a.mean1, a.rstd1, a.res_in, w.attn_norm_w, w.attn_norm_b);
     weight_grad(g.wqkv, dqkv_, gather_rows(a.norm1), cfg_.has_qkv_bias() ? &g.bqkv : nullptr);
     const Tensor& dnorm1 = reduce_rows(dnorm_);
     probe(true, layer, "d attn_norm output (qkv projection backward)", dnorm1);

@@ -33,6 +33,19 @@
 // recomputation bit for bit; the cost is about one more forward pass of those layers (and,
 // under TP, one more all-reduce per layer).
 //
+// Selective recomputation (what PyTorch's compiler does to element-wise ops; Megatron's
+// --recompute-modules layernorm and the MLP activation): the other layers drop the two norm
+// outputs and the MLP activation, the cheapest tensors to rebuild per byte, and keep the norms'
+// statistics and the MLP input projection. Their forward writes the three into one shared
+// scratch pair, and backward rebuilds each from the kept tensors right before the weight
+// gradient that reads it: the same ops on the same bits, so again nothing changes but memory.
+// (GPT-2's GELU then runs as its own op after the input projection, not fused into it: a fused
+// GELU rounds after applying itself to the fp32 product, which no rebuild from the stored
+// projection could repeat.) On the 1B Llama this is 192 of a layer's 593 MiB per micro-batch of
+// 8192 tokens. The rebuild costs one more pass of the two norms, and a write of the SwiGLU
+// output, which its gradient's kernel computes from the input it reads anyway
+// (Backend::swiglu_backward_rebuild).
+//
 // Chunked head (for large vocabularies): the [N, V/tp] logits of a micro-batch can dwarf a
 // layer's activations (Llama 3's 128K vocab at 16K tokens: 4 GiB in bf16). When they exceed
 // the chunk (logits_chunk_rows), forward computes them a chunk of rows at a time into one
@@ -62,13 +75,19 @@ namespace parallel {
 class Comm;
 }
 
+// What a stage recomputes in backward instead of keeping (see the top).
+struct RecomputePolicy {
+  int full_layers = 0;     // the first layers keep only their input (0: none; more than the stage has: all)
+  bool selective = false;  // the other layers drop their norm outputs and MLP activation
+};
+
 class Transformer {
  public:
   // act_dtype: storage of activations and activation gradients (f32, bf16 or f16).
   // slots: micro-batches whose activations are kept at once. tp: the tensor-parallel group
-  // (nullptr: no tensor parallelism; the table must then be unsharded). recompute_layers: how
-  // many of the stage's layers, from its first, recompute their activations in backward
-  // (0: none; more than the stage has: all).
+  // (nullptr: no tensor parallelism; the table must then be unsharded). recompute: how many of
+  // the stage's layers, from its first, recompute all their activations in backward, and
+  // whether the others rebuild their norm outputs and MLP activation.
   // sequence_parallel: split the replicated rows over TP (needs tp and N divisible by its size).
   // logits_chunk_rows: token rows of logits computed at once (0: auto_logits_chunk_rows; N or
   // more: never chunk).
@@ -79,7 +98,7 @@ class Transformer {
   // recomputation scratch this one reuses; they must never run at the same time. It must
   // outlive this one.
   Transformer(const ParamTable& table, Backend& backend, DType act_dtype, int micro_batch, int seq_len, int slots = 1,
-              parallel::Comm* tp = nullptr, int recompute_layers = 0, bool sequence_parallel = false,
+              parallel::Comm* tp = nullptr, RecomputePolicy recompute = {}, bool sequence_parallel = false,
               int64_t logits_chunk_rows = 0, bool document_masking = false,
               const Transformer* scratch_from = nullptr);
   ~Transformer();
@@ -155,6 +174,7 @@ class Transformer {
   int slots() const { return static_cast<int>(slots_.size()); }
   DType act_dtype() const { return act_; }
   int recompute_layers() const { return recompute_layers_; }  // after clamping to the stage's layers
+  bool selective_recompute() const { return selective_; }      // some layer rebuilds its norms and activation
   bool sequence_parallel() const { return sp_; }
   bool document_masking() const { return document_masking_; }
   // After all micro-batches' backward: all-reduce over TP the gradients of replicated tensors
@@ -195,6 +215,9 @@ class Transformer {
     Tensor norm2, mean2, rstd2;
     Tensor fc;                  // MLP input projection: [N, ffn] (gpt2) or [N, 2 ffn] gate|up (llama)
     Tensor act;                 // [N, ffn]
+    // Selective recomputation: norm1, norm2 (one buffer) and act are shared scratch, rebuilt
+    // in backward.
+    bool rebuilt = false;
   };
   // The views of one flat buffer (weights or grads) the passes use, resolved once at bind()
   // so a step never looks a tensor up by name. wqkv / w_in are the fused operands
@@ -259,9 +282,14 @@ class Transformer {
   void head_backward(Slot& s, const Tensor& logits, const Tensor& x, int64_t r0, int64_t r1, float dloss,
                      const Tensor& dnorm, bool dlogits_ready = false);
   bool recomputed(size_t local_layer) const { return static_cast<int64_t>(local_layer) < recompute_layers_; }
-  // The activations of a slot's local layer: its own, or scratch_ around its kept input.
+  bool rebuilt(size_t local_layer) const { return selective_ && !recomputed(local_layer); }
+  // The activations of a slot's local layer: its own, scratch_ around its kept input, or its
+  // own with the rebuilt three in rebuilt_norm_ and rebuilt_act_.
   LayerActs acts(const Slot& s, size_t local_layer) const;
-  void alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_cols, int64_t fc_cols);
+  // Every tensor of a layer but its input; without the norm outputs and the MLP activation
+  // when `rebuilt`.
+  void alloc_layer_acts(LayerActs& a, bool layernorm, int64_t qkv_cols, int64_t fc_cols, bool rebuilt = false);
+  void mlp_activation(const LayerActs& a);  // a.act = GELU or SwiGLU of a.fc, as its own op
   // One layer's forward from a.res_in. `out`: where the layer output goes; nullptr when
   // recomputing for backward, which stops after the MLP activation and probes nothing.
   void layer_forward(const LayerActs& a, const LayerParams& w, const AttnShape& shape, int layer, const Tensor* out);
@@ -283,6 +311,7 @@ class Transformer {
   int64_t N_;
   int64_t rows_;  // rows of the residual stream held here: N_, or N_ / tp under SP
   int recompute_layers_;
+  bool selective_ = false;
   int64_t head_rows_;  // logits rows computed at once (N_: not chunked)
   bool sp_ = false;
   bool document_masking_ = false;
@@ -311,6 +340,9 @@ class Transformer {
   std::vector<void*> allocations_;
   std::vector<Slot> slots_;
   LayerActs scratch_;  // intermediates of the recomputed layers (res_in left empty)
+  // Selective recomputation's scratch: [rows, d] for either norm output, [N, ffn] for the
+  // activation (scratch_'s norm1 and act when this rank also recomputes whole layers).
+  Tensor rebuilt_norm_, rebuilt_act_;
   Tensor head_logits_;  // chunked head: [head_rows_, V_local], shared by every slot
   // backward scratch, shared by every slot and layer
   Tensor dres_, dnorm_, dqkv_, dattn_, dfc_, dact_, proj_out_;

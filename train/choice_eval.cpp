@@ -286,7 +286,7 @@ std::vector<ChoiceScore> choice_scores(const std::vector<ChoiceItem>& items, con
 std::vector<ChoiceScore> score_choices_packed(const ParamTable& table, Backend& be, const Tensor& weights,
                                               const std::vector<ChoiceItem>& items, int64_t rows, int64_t seq_len) {
   Transformer model(table, be, weights.dtype, static_cast<int>(rows), static_cast<int>(seq_len), /*slots=*/1,
-                    /*tp=*/nullptr, /*recompute_layers=*/0, /*sequence_parallel=*/false, /*logits_chunk_rows=*/0,
+                    /*tp=*/nullptr, /*recompute=*/{}, /*sequence_parallel=*/false, /*logits_chunk_rows=*/0,
                     /*document_masking=*/true);
   model.bind(weights, Tensor());  // forward only
   std::vector<float> host(static_cast<size_t>(rows * seq_len));

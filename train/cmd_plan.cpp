@@ -21,7 +21,7 @@ struct PlanArgs {
   int64_t max_mbs = 16;
   std::string virtual_stages;  // "", "auto" or a count
   bool embedding_slot = false, sequence_parallel = false, overlap_grad_reduce = false, overlap_param_gather = false,
-       json = false, all = false;
+       selective_recompute = false, json = false, all = false;
   int top = 20;
   double tflops = 150, intra_gbps = 150, inter_gbps = 12.5, hbm_gbps = 1500, headroom = -1, mb_overhead_ms = 0;
   int sm_count = 108;
@@ -45,6 +45,7 @@ int cmd_plan(const PlanArgs& a) {
   opt.recompute = a.recompute == "always" ? plan::Recompute::Always
                   : a.recompute == "never" ? plan::Recompute::Never
                                            : plan::Recompute::Auto;
+  opt.selective = a.selective_recompute || cfg.train.recompute == "selective";
   opt.embedding_own_slot = a.embedding_slot || cfg.parallel.embedding_slot;
   opt.virtual_stages = cfg.parallel.virtual_stages;
   opt.overlap_grad_reduce = a.overlap_grad_reduce || cfg.parallel.overlap_grad_reduce;
@@ -135,7 +136,11 @@ Command add_plan_command(CLI::App& app) {
               "(parallel.overlap_param_gather)");
   c->add_flag("--sequence-parallel", pa.sequence_parallel,
               "Plan with sequence parallelism (parallel.sequence_parallel): TP-replicated activations split by rows");
-  c->add_option("--recompute", pa.recompute, "Activation policy: auto (recompute only when needed), always, never")
+  c->add_flag("--selective-recompute", pa.selective_recompute,
+              "Plan with the layers not recomputed whole dropping their norm outputs and MLP activation, rebuilt "
+              "in backward (train.recompute \"selective\")");
+  c->add_option("--recompute", pa.recompute,
+                "Full recomputation: auto (only when needed), always, never")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "always", "never"}));
   c->add_option("--framework", pa.framework,

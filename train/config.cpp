@@ -348,7 +348,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     t.eval_interval = f.integer("eval_interval", 0, 0);
     t.eval_batches = f.integer("eval_batches", 8, 0);
     t.eval_at_start = f.boolean("eval_at_start", false);
-    t.recompute = f.choice("recompute", "none", {"none", "full"});
+    t.recompute = f.choice("recompute", "none", {"none", "selective", "full"});
     t.recompute_layers = f.integer("recompute_layers", 0, 0, 1 << 20);
     t.logits_chunk_rows = f.integer("logits_chunk_rows", 0, 0);
     f.finish();

@@ -84,9 +84,10 @@ struct TrainConfig {
   // Also validate (and run choice_eval) before the first step this run trains: the loaded
   // model's numbers, e.g. a finetune's starting loss next to the pretrained model's.
   bool eval_at_start = false;
-  // Activation recomputation (model/transformer.h): "none", or "full": a layer keeps only its
-  // input and runs its forward again in backward. recompute_layers: with "full", how many
-  // layers of each pipeline stage, from its first (Megatron's block method); 0: all of them.
+  // Activation recomputation (model/transformer.h): "none"; "selective": every layer drops its
+  // norm outputs and MLP activation and rebuilds them in backward; or "full": a layer keeps
+  // only its input and runs its forward again in backward. recompute_layers: with "full", how
+  // many layers of each pipeline stage, from its first (Megatron's block method); 0: all of them.
   std::string recompute = "none";
   int64_t recompute_layers = 0;
   // Token rows of the head's logits computed at once (model/transformer.h, chunked head):

@@ -269,6 +269,9 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   const double qk_heads = static_cast<double>(m.n_heads + m.n_kv_heads);
   if (m.qk_norm) r.per_layer_full += N * qk_heads / t * (a * m.head_dim() + 4);
   r.per_layer_input = rows * a * d;
+  r.per_layer_rebuilt = a * (2 * rows * d + N * F / t);
+  r.rebuild_scratch = a * (rows * d + N * F / t);
+  r.rebuild_moved = a * (4 * rows * d + N * F / t);
   r.attn_scores = mem.attn_score_bytes * mbs * (nh / t) * double(seq) * double(seq);
   // normf [rows, d], meanf/rstdf [rows], logits [N, V/tp] (+ fp32 copy), row_max/sumexp/target_logit/lse/row_loss [N]
   // (+ local_max under TP). A chunked head keeps the final-norm output gradient [N, d] instead
@@ -509,8 +512,10 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     }
     // Recomputed layers (model/transformer.h): the first Lr of the stage (over its chunks in
     // order) keep only their input; their intermediates are rebuilt one layer at a time in a
-    // scratch set shared by them all.
+    // scratch set shared by them all. With selective recomputation the other layers keep
+    // kept_other, and rebuild the rest in a scratch pair (that set, when there is one).
     const double kept_layer = act.per_layer_full + act.attn_scores;
+    const double kept_other = kept_layer - (opt.selective ? act.per_layer_rebuilt : 0);
     double recompute_left = opt.recompute_layers > 0 ? double(opt.recompute_layers) : sp.layers();
     double Lr = 0;
     double once = act.backward_scratch + (sp.has_head ? act.head_shared : 0);
@@ -531,8 +536,8 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
       // seed 001) counts them once, its pipe buffers being the keeps_stage_output term below.
       const double per_slot = mem.keeps_stage_output ? 0 : act.stage_output + ids + head + embed_norm;
       if (mem.keeps_stage_output) once += act.stage_output + ids + head + embed_norm;
-      st.act_full += n * (L * kept_layer + per_slot);
-      st.act_stored_recompute += n * (Lr_c * act.per_layer_input + (L - Lr_c) * kept_layer + per_slot);
+      st.act_full += n * (L * kept_other + per_slot);
+      st.act_stored_recompute += n * (Lr_c * act.per_layer_input + (L - Lr_c) * kept_other + per_slot);
       if (mem.keeps_stage_output && l.pp > 1) {
         st.act_full += n * act.per_layer_input;
         st.act_stored_recompute += n * act.per_layer_input;
@@ -540,8 +545,9 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
       // Interleaved: received output gradients wait in buffers of their own until their backward.
       if (sched) once += sched->gradient_slots[static_cast<size_t>(s)][c] * act.stage_output;
     }
-    st.act_full += once;
-    st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : 0) + once;
+    const double rebuild = opt.selective && sp.layers() > 0 ? act.rebuild_scratch : 0;
+    st.act_full += once + rebuild;
+    st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : rebuild) + once;
     st.act_recompute = st.act_stored_recompute + st.act_working_recompute;
     st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes + attention_ds_bytes(m, mem, l.tp, l.mbs, seq);
     p.stages.push_back(st);
@@ -598,6 +604,9 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   const double elementwise_fwd = 2 * (act.per_layer_full + act.attn_scores) / (hw.hbm_gbps * 1e9);
   layer_fwd.seconds += elementwise_fwd;
   layer_bwd.seconds += 2 * elementwise_fwd;
+  // Selective recomputation rebuilds its tensors in backward, at HBM bandwidth.
+  const double rebuild_s = opt.selective && !p.recompute ? act.rebuild_moved / (hw.hbm_gbps * 1e9) : 0;
+  layer_bwd.seconds += rebuild_s;
   const double layer_s = layer_fwd.seconds + layer_bwd.seconds + (p.recompute ? layer_fwd.seconds : 0);
   const double head_s = linear_cost(M, static_cast<double>(m.embed_rows()) / l.tp, m.d_model, hw, true, true).seconds;
   const double act_msg = M * m.d_model * mem.act_bytes;  // one [tokens, d] activation
@@ -837,10 +846,13 @@ std::string span_text(const StageSpan& sp) {
   return s;
 }
 
-std::string recompute_name(bool rc, int64_t layers = 0) {
-  if (!rc) return "no recompute";
-  return layers > 0 ? "recompute of " + std::to_string(layers) + (layers == 1 ? " layer" : " layers") + " per stage"
-                    : "full recompute";
+// The activation policy: without full recomputation (rc false) or with it, as opt configures.
+std::string recompute_name(bool rc, const PlanOptions& opt) {
+  if (!rc) return opt.selective ? "selective recompute" : "no recompute";
+  const int64_t layers = opt.recompute_layers;
+  if (layers <= 0) return "full recompute";
+  return "recompute of " + std::to_string(layers) + (layers == 1 ? " layer" : " layers") + " per stage" +
+         (opt.selective ? ", selective for the others" : "");
 }
 
 // What the DP time of the step estimate assumes overlapped (empty when nothing is).
@@ -899,15 +911,15 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
         for (int64_t n : s.chunk_in_flight) t += (t.empty() ? "" : " | ") + std::to_string(n);
         return t;
       });
-  add("activations, no recompute", [&](const StageMemory& s) { return gib(s.act_full); });
-  const std::string rc_name = recompute_name(true, opt.recompute_layers);
+  const std::string base_name = recompute_name(false, opt), rc_name = recompute_name(true, opt);
+  add("activations, " + base_name, [&](const StageMemory& s) { return gib(s.act_full); });
   add("activations, " + rc_name, [&](const StageMemory& s) { return gib(s.act_recompute); });
   add(opt.recompute_layers > 0 ? "  kept per micro-batch" : "  stored layer inputs, head",
       [&](const StageMemory& s) { return gib(s.act_stored_recompute); });
   add("  one layer rebuilt + scratch", [&](const StageMemory& s) { return gib(s.act_working_recompute); });
   if (p.stages[0].overhead > 0)
     add("CUDA context, comm buffers, attention dS", [&](const StageMemory& s) { return gib(s.overhead); });
-  add("total, no recompute", [&](const StageMemory& s) { return gib(s.total(false)); });
+  add("total, " + base_name, [&](const StageMemory& s) { return gib(s.total(false)); });
   add("total, " + rc_name, [&](const StageMemory& s) { return gib(s.total(true)); });
   o << t.str();
   o << "  state: " << state_formula(mem, l.dp) << "\n";
@@ -915,8 +927,11 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
       activation_bytes(model_for_tp(cfg.model, l.tp), mem, l.tp, l.mbs, cfg.train.seq_len, opt.sequence_parallel,
                        opt.logits_chunk_rows);
   o << "  activations per micro-batch (" << l.mbs << " x " << cfg.train.seq_len << " tokens): "
-    << format_bytes(a.per_layer_full + a.attn_scores) << " per layer kept for backward, "
-    << format_bytes(a.per_layer_input) << " per layer with full recomputation (its input)";
+    << format_bytes(a.per_layer_full + a.attn_scores) << " per layer kept for backward, ";
+  if (opt.selective)
+    o << format_bytes(a.per_layer_full + a.attn_scores - a.per_layer_rebuilt)
+      << " with selective recomputation (without the norm outputs and MLP activation), ";
+  o << format_bytes(a.per_layer_input) << " per layer with full recomputation (its input)";
   if (mem.attn_score_bytes > 0) o << ", of which attention scores " << format_bytes(a.attn_scores);
   o << "\n";
   if (cfg.model.is_gpt2()) {
@@ -927,7 +942,7 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
       << " without (" << gb_dec(sa.without_embedding * 18) << ")\n";
   }
   if (p.usable_bytes > 0) {
-    o << "  verdict: " << (p.fits ? "fits" : "DOES NOT FIT") << " with " << recompute_name(p.recompute, opt.recompute_layers) << ": peak "
+    o << "  verdict: " << (p.fits ? "fits" : "DOES NOT FIT") << " with " << recompute_name(p.recompute, opt) << ": peak "
       << format_bytes(p.peak_bytes) << " on stage " << p.peak_stage << " of " << format_bytes(opt.hw.gpu_mem_bytes)
       << " (" << format_bytes(p.usable_bytes) << " usable, " << fmt("%g", mem.headroom * 100) << "% headroom)\n";
   }
@@ -981,10 +996,10 @@ std::string plan_text(const RunConfig& cfg, const PlanResult& r, const PlanOptio
   o << "batch: global " << cfg.train.global_batch;
   if (cfg.schedule.rampup)
     o << ", ramp-up from " << cfg.schedule.rampup->start << " by " << cfg.schedule.rampup->increment;
-  o << "; activation policy: "
-    << (opt.recompute == Recompute::Auto ? "recompute only when needed"
+  o << "; activation policy: " << (opt.selective ? "selective recompute, " : "")
+    << (opt.recompute == Recompute::Auto ? "full recompute only when needed"
                                          : opt.recompute == Recompute::Always ? "always full recompute"
-                                                                              : "never recompute")
+                                                                              : "never full recompute")
     << "\n\n";
 
   if (!r.ranked.empty()) {
@@ -1181,6 +1196,7 @@ PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   opt.memory = keel_memory_model(cfg.precision.mode);
   opt.recompute = cfg.train.recompute == "full" ? Recompute::Always : Recompute::Never;
   opt.recompute_layers = cfg.train.recompute_layers;
+  opt.selective = cfg.train.recompute == "selective";
   opt.sequence_parallel = cfg.parallel.sequence_parallel;
   opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
   opt.embedding_own_slot = cfg.parallel.embedding_slot;
@@ -1216,7 +1232,7 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   LayoutPlan p = plan_layout(cfg, l, opt);
   if (gpu_mem_bytes <= 0) p.usable_bytes = 0;  // nothing to compare against: no verdict line
   std::string text = layout_text(cfg, p, opt, false);
-  text += "  this run: " + recompute_name(p.recompute, opt.recompute_layers) + " (train.recompute), activations " +
+  text += "  this run: " + recompute_name(p.recompute, opt) + " (train.recompute), activations " +
           format_bytes(p.recompute ? p.stages[p.peak_stage].act_recompute : p.stages[p.peak_stage].act_full) +
           " on the largest stage\n";
   const Activations a = activation_bytes(model_for_tp(cfg.model, l.tp), opt.memory, l.tp, l.mbs, cfg.train.seq_len,
@@ -1242,8 +1258,14 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
     o.sequence_parallel = true;
     hint("parallel.sequence_parallel true", o);
   }
+  if (p.usable_bytes > 0 && !p.fits && opt.recompute == Recompute::Never && !opt.selective) {
+    PlanOptions o = opt;
+    o.selective = true;
+    hint("train.recompute \"selective\"", o);
+  }
   if (p.usable_bytes > 0 && !p.fits && opt.recompute == Recompute::Never) {
     PlanOptions o = opt;
+    o.selective = false;
     o.recompute = Recompute::Always;
     o.recompute_layers = 0;
     hint("train.recompute \"full\"", o);

@@ -118,6 +118,10 @@ struct PlanOptions {
   MemoryModel memory;  // empty name: keel_memory_model(cfg.precision.mode)
   Recompute recompute = Recompute::Auto;
   int64_t recompute_layers = 0;     // when recomputing: layers per stage, from its first (0: all)
+  // train.recompute "selective": the layers not recomputed whole drop their norm outputs and MLP
+  // activation and rebuild them in backward (model/transformer.h). The policy without full
+  // recomputation (act_full, "no recompute" in the figures) is then selective recomputation.
+  bool selective = false;
   bool sequence_parallel = false;   // the residual stream and norms split by rows over TP
   int64_t logits_chunk_rows = 0;    // train.logits_chunk_rows (0: automatic), with chunked_logits
   bool embedding_own_slot = false;  // embedding and head each take a pipeline slot like a block
@@ -186,6 +190,12 @@ std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot);
 struct Activations {
   double per_layer_full = 0;      // every tensor a layer keeps for backward (LayerActs)
   double per_layer_input = 0;     // what full recomputation keeps: the layer's input
+  // Selective recomputation: what a layer drops (its two norm outputs and the MLP activation),
+  // the scratch that rebuilds them (one norm output and one activation), and the bytes the
+  // rebuild moves per layer (each norm reads its input and writes its output; the activation is
+  // written by its gradient's kernel, which reads the input anyway; GPT-2's GELU reads it once
+  // more, not counted).
+  double per_layer_rebuilt = 0, rebuild_scratch = 0, rebuild_moved = 0;
   double attn_scores = 0;         // of one layer, for non-fused attention
   double head = 0;                // final norm, logits, loss rows (last stage), per micro-batch
   double head_shared = 0;         // a chunked head's logits chunk, one for all micro-batches
@@ -211,8 +221,8 @@ struct StageMemory {
   int64_t embedding_params = 0, layer_params = 0, head_params = 0;
   double weights = 0, grads = 0, master = 0, moments = 0, grad_shard = 0;
   int64_t in_flight = 0;       // micro-batches whose activations stage s holds (1F1B: pp - s)
-  double act_recompute = 0;    // activations with recomputation (of recompute_layers, or all)
-  double act_full = 0;         // activations without recomputation
+  double act_recompute = 0;    // activations with full recomputation (of recompute_layers, or all)
+  double act_full = 0;         // activations without full recomputation (selective with opt.selective)
   // Parts of act_recompute: per micro-batch in flight, the recomputed layers' inputs and the
   // other layers' activations; once, one layer's intermediates rebuilt, the head, the scratch.
   double act_stored_recompute = 0, act_working_recompute = 0;

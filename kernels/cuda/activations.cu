@@ -43,8 +43,10 @@ __global__ void swiglu_forward_kernel(T* __restrict__ out, const T* __restrict__
   });
 }
 
+// With out (selective recomputation's rebuild; else nullptr), also out = swiglu(in) by the
+// forward's formula.
 template <class T, int V>
-__global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64_t N, int64_t F) {
+__global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64_t N, int64_t F, T* out) {
   // din may alias in: the thread of element (n, j) alone reads and then writes (n, j) and (n, F+j).
   for_each_pack<V>(N * F, [&](auto width, int64_t e) {
     constexpr int W = decltype(width)::value;
@@ -53,6 +55,12 @@ __global__ void swiglu_backward_kernel(T* din, const T* dout, const T* in, int64
     load_pack<W>(g, in + n * 2 * F + j);
     load_pack<W>(u, in + n * 2 * F + F + j);
     load_pack<W>(dy, dout + e);
+    if (out) {
+      float y[W];
+#pragma unroll
+      for (int k = 0; k < W; ++k) y[k] = g[k] / (1.0f + expf(-g[k])) * u[k];  // as swiglu_forward_kernel
+      store_pack<W>(out + e, y);
+    }
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const float s = 1.0f / (1.0f + expf(-g[k]));
@@ -147,11 +155,32 @@ void CudaBackend::swiglu_backward(const Tensor& din, const Tensor& dout, const T
     cuda::with_pack_width<T>(packed, [&](auto v) {
       cuda::swiglu_backward_kernel<T, decltype(v)::value>
           <<<cuda::grid_for(cuda::ceil_div(N * F, int64_t{v}), cuda::kThreads), cuda::kThreads, 0, stream_>>>(
-              u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), N, F);
+              u[0].as<T>(), u[1].as<const T>(), u[2].as<const T>(), N, F, nullptr);
     });
   });
   u.finish();
   cuda::check_launch(*this, op, {{"din", din}, {"dout", dout}, {"in", in}});
+}
+
+void CudaBackend::swiglu_backward_rebuild(const Tensor& din, const Tensor& out, const Tensor& dout, const Tensor& in) {
+  const char* op = "swiglu_backward_rebuild";
+  auto [N, F] = cuda::check_swiglu(op, {"in", in}, {"dout", dout});
+  cuda::check_swiglu(op, {"din", din}, {"dout", dout});
+  cuda::check_swiglu(op, {"in", in}, {"out", out});
+  if (din.data == in.data || din.data == out.data)
+    cuda::fail(op, "din must not alias in or out", {{"din", din}, {"out", out}, {"in", in}});
+  if (N * F == 0) return;
+  cuda::SameDType u(*this, op, {cuda::out(din), cuda::out(out), cuda::in(dout), cuda::in(in)});
+  KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
+    const bool packed = F % cuda::kPack<T> == 0 && cuda::aligned16({u[0].data, u[1].data, u[2].data, u[3].data});
+    cuda::with_pack_width<T>(packed, [&](auto v) {
+      cuda::swiglu_backward_kernel<T, decltype(v)::value>
+          <<<cuda::grid_for(cuda::ceil_div(N * F, int64_t{v}), cuda::kThreads), cuda::kThreads, 0, stream_>>>(
+              u[0].as<T>(), u[2].as<const T>(), u[3].as<const T>(), N, F, u[1].as<T>());
+    });
+  });
+  u.finish();
+  cuda::check_launch(*this, op, {{"din", din}, {"out", out}, {"dout", dout}, {"in", in}});
 }
 
 }  // namespace keel

@@ -132,6 +132,7 @@ class CudaBackend final : public Backend {
   void gelu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override;
   void swiglu_forward(const Tensor& out, const Tensor& in) override;
   void swiglu_backward(const Tensor& din, const Tensor& dout, const Tensor& in) override;
+  void swiglu_backward_rebuild(const Tensor& din, const Tensor& out, const Tensor& dout, const Tensor& in) override;
 
   void rope_forward(const Tensor& qkv, const AttnShape& s, const Rope& rope) override;  // rope.cu
   void rope_backward(const Tensor& dqkv, const AttnShape& s, const Rope& rope) override;

@@ -645,6 +645,13 @@ TEST_CASE("gpu: gelu and swiglu forward and backward match the CPU", "[gpu][acti
     be.swiglu_backward(dsdx.t, ddy.t, dp.t);
     KEEL_CHECK_ERR("swiglu_forward", dname(dt), rel_err(dsy.host(), sy), storage_tol(dt, 1e-6));
     KEEL_CHECK_ERR("swiglu_backward", dname(dt), rel_err(dsdx.host(), sdx), storage_tol(dt, 1e-6));
+    // The fused rebuild (selective recomputation) must give both ops' bits, which the two
+    // comparisons above tie to the CPU.
+    DeviceTensor ry = DeviceTensor::of(be, nan_tensor(dt, {N, F})), rdx = DeviceTensor::of(be, nan_tensor(dt, {N, 2 * F}));
+    be.swiglu_backward_rebuild(rdx.t, ry.t, ddy.t, dp.t);
+    KEEL_CHECK_BITS("swiglu_backward_rebuild out", dname(dt), ry.host(), dsy.host());
+    KEEL_CHECK_BITS("swiglu_backward_rebuild din", dname(dt), rdx.host(), dsdx.host());
+    CHECK_THROWS_WITH(be.swiglu_backward_rebuild(dp.t, ry.t, ddy.t, dp.t), Catch::Contains("must not alias"));
   }
 }
 
@@ -687,6 +694,15 @@ TEST_CASE("gpu: packed and one-element paths of the elementwise ops give the sam
       DeviceTensor dy = DeviceTensor::of(be, dout, shift), dx = DeviceTensor::of(be, nan_tensor(dt, {N, 2 * F}), shift);
       be.swiglu_forward(y.t, x.t);
       be.swiglu_backward(dx.t, dy.t, x.t);
+      HostTensor res(dt, {N * 3 * F});  // out | din
+      be.copy_to_host(res.t.data, y.t);
+      be.copy_to_host(static_cast<char*>(res.t.data) + y.t.bytes(), dx.t);
+      return res;
+    });
+    both("swiglu_backward_rebuild", [&](int64_t shift) {
+      DeviceTensor x = DeviceTensor::of(be, packed_in, shift), y = DeviceTensor::of(be, nan_tensor(dt, {N, F}), shift);
+      DeviceTensor dy = DeviceTensor::of(be, dout, shift), dx = DeviceTensor::of(be, nan_tensor(dt, {N, 2 * F}), shift);
+      be.swiglu_backward_rebuild(dx.t, y.t, dy.t, x.t);
       HostTensor res(dt, {N * 3 * F});  // out | din
       be.copy_to_host(res.t.data, y.t);
       be.copy_to_host(static_cast<char*>(res.t.data) + y.t.bytes(), dx.t);

@@ -60,7 +60,7 @@ void run_into(Result& r, const test::Fixture& fx, const ParamTable& table, Weigh
               int recompute_layers = 0) {
   auto be = make_cpu_backend();
   if (r.grads.empty()) r.grads.assign(static_cast<size_t>(table.local_numel()), 0.0f);
-  Transformer model(table, *be, act, B, T, 1, nullptr, recompute_layers, false, 0, positions != nullptr);
+  Transformer model(table, *be, act, B, T, 1, nullptr, {recompute_layers}, false, 0, positions != nullptr);
   model.bind(w.view(act), Tensor(r.grads.data(), DType::F32, {table.local_numel()}));
   r.loss_sum += model.forward(tokens, targets, dloss, positions).loss_sum;
   const Tensor logits = model.logits();
@@ -128,7 +128,7 @@ TEST_CASE("document positions are checked before they reach the kernels", "[mode
   for (int n = 0; n < 32; ++n) positions[n] = n % 16;
   positions[20] = 7;  // row 20 follows position 3
   {
-    Transformer model(table, *m.be, DType::F32, 2, 16, 1, nullptr, 0, false, 0, true);
+    Transformer model(table, *m.be, DType::F32, 2, 16, 1, nullptr, {}, false, 0, true);
     model.bind(m.w.view(DType::F32), m.grad_view());
     CHECK_THROWS_WITH(model.forward(tokens.data(), targets.data(), std::nullopt, positions.data()),
                       Catch::Contains("positions[20] = 7 is not a document position"));

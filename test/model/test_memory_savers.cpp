@@ -1,8 +1,8 @@
 // The Transformer's two memory savers (model/transformer.h) change memory, not the math.
 //
-// Activation recomputation: the backend is deterministic, so the recomputed intermediates are
-// the same bits and every loss, parameter gradient and input gradient must equal a run without
-// recomputation bit for bit.
+// Activation recomputation, full or selective: the backend is deterministic, so the recomputed
+// intermediates are the same bits and every loss, parameter gradient and input gradient must
+// equal a run without recomputation bit for bit.
 // Chunked head: every row's logits, loss, logits gradient and final-norm gradient are those of
 // the unchunked head bit for bit; only the head weight's gradient is summed in per-chunk fp32
 // terms (a re-association of the same products: within 1e-6 relative, see below).
@@ -10,7 +10,8 @@
 // Checked on the oracle fixtures' tiny GPT-2 (tied head, biases) and Llama (GQA, RoPE) with
 // fp32 and bf16 activations, two pipeline slots in flight (the 1F1B pattern: two forwards, then
 // two backwards, so the shared scratch and logits chunk are overwritten between a slot's
-// forward and its backward), recomputation of none, one (of two) and all layers, and chunks
+// forward and its backward), full recomputation of none, one (of two) and all layers, selective
+// recomputation alone and beside full recomputation of the first layer, and chunks
 // that divide the rows, leave a remainder, and hold a single row.
 #include <catch2/catch.hpp>
 
@@ -34,7 +35,9 @@ struct Pass {
   std::vector<std::string> probes;  // every probed op with its output's bytes, but the head's two:
   std::vector<uint8_t> logits, dlogits;  // the head's logits and their gradients, in probe order
   int recompute_layers = 0;
+  bool selective = false;
   int64_t chunk_rows = 0;
+  double allocated = 0;  // the model's activation bytes
 };
 
 const char* const kLogitsOp = "logits (head)";
@@ -45,7 +48,7 @@ std::vector<uint8_t> bytes_of(const Tensor& t) {
   return {p, p + t.bytes()};
 }
 
-Pass run(const test::Fixture& fx, DType act, int recompute_layers, int64_t logits_chunk_rows = 0) {
+Pass run(const test::Fixture& fx, DType act, RecomputePolicy recompute, int64_t logits_chunk_rows = 0) {
   const ParamTable table(fx.model);
   auto be = make_cpu_backend();
   const std::vector<float> w32 = fx.flat(table, "param");
@@ -55,11 +58,13 @@ Pass run(const test::Fixture& fx, DType act, int recompute_layers, int64_t logit
   const Tensor weights = act == DType::F32 ? Tensor(const_cast<float*>(w32.data()), DType::F32, {n})
                                            : Tensor(w16.data(), DType::BF16, {n});
   std::vector<float> grads(static_cast<size_t>(n), 0.0f);
-  Transformer model(table, *be, act, fx.B, fx.T, /*slots=*/2, nullptr, recompute_layers, false, logits_chunk_rows);
+  Transformer model(table, *be, act, fx.B, fx.T, /*slots=*/2, nullptr, recompute, false, logits_chunk_rows);
   model.bind(weights, Tensor(grads.data(), DType::F32, {n}));
 
   Pass p;
   p.recompute_layers = model.recompute_layers();
+  p.selective = model.selective_recompute();
+  p.allocated = static_cast<double>(be->used_bytes());
   p.chunk_rows = model.logits_chunk_rows();
   model.set_probe([&](const Transformer::OpProbe& op) {
     const std::vector<uint8_t> b = bytes_of(op.out);
@@ -91,7 +96,7 @@ Pass run(const test::Fixture& fx, DType act, int recompute_layers, int64_t logit
 }
 
 void check_same(const Pass& ref, const Pass& got) {
-  INFO("recompute_layers " << got.recompute_layers);
+  INFO("recompute_layers " << got.recompute_layers << (got.selective ? ", selective" : ""));
   CHECK(got.loss_sums == ref.loss_sums);
   CHECK(std::memcmp(got.grads.data(), ref.grads.data(), ref.grads.size() * sizeof(float)) == 0);
   CHECK(got.grad_input == ref.grad_input);
@@ -109,18 +114,29 @@ TEST_CASE("activation recomputation gives the same losses and gradients bit for 
     REQUIRE(fx.model.n_layers == 2);
     for (DType act : {DType::F32, DType::BF16}) {
       INFO(name << " activations " << dtype_name(act));
-      const Pass none = run(fx, act, 0);
+      const Pass none = run(fx, act, {});
       REQUIRE(none.recompute_layers == 0);
       REQUIRE(none.grads.size() > 0);
       // Not a vacuous comparison: the two micro-batches and the gradients are non-trivial.
       CHECK(none.loss_sums[0] != none.loss_sums[1]);
       CHECK(none.probes.size() > 20);
-      const Pass first = run(fx, act, 1);
+      const Pass first = run(fx, act, {1});
       CHECK(first.recompute_layers == 1);
       check_same(none, first);
-      const Pass all = run(fx, act, 99);  // more than the stage has: all of them
+      const Pass all = run(fx, act, {99});  // more than the stage has: all of them
       CHECK(all.recompute_layers == 2);
       check_same(none, all);
+      const Pass selective = run(fx, act, {0, true});
+      CHECK(selective.selective);
+      check_same(none, selective);
+      // Two slots of two layers each drop three tensors; one shared pair replaces them.
+      CHECK(selective.allocated < none.allocated);
+      const Pass both = run(fx, act, {1, true});  // layer 0 recomputed whole, layer 1 rebuilt
+      CHECK(both.recompute_layers == 1);
+      CHECK(both.selective);
+      check_same(none, both);
+      CHECK(both.allocated < first.allocated);  // the rebuilt tensors reuse the recompute scratch
+      CHECK(!run(fx, act, {99, true}).selective);  // every layer recomputed whole: nothing to rebuild
     }
   }
 }
@@ -129,7 +145,7 @@ TEST_CASE("a negative recompute_layers is refused", "[model][recompute]") {
   const test::Fixture fx("llama_tiny");
   const ParamTable table(fx.model);
   auto be = make_cpu_backend();
-  CHECK_THROWS_WITH(Transformer(table, *be, DType::F32, fx.B, fx.T, 1, nullptr, -1),
+  CHECK_THROWS_WITH(Transformer(table, *be, DType::F32, fx.B, fx.T, 1, nullptr, {-1}),
                     Catch::Contains("recompute_layers"));
 }
 
@@ -142,14 +158,14 @@ TEST_CASE("a chunked head gives the same rows bit for bit and the head gradient 
     const int64_t N = int64_t{fx.B} * fx.T;
     REQUIRE(N >= 8);
     for (DType act : {DType::F32, DType::BF16}) {
-      const Pass whole = run(fx, act, 0);
+      const Pass whole = run(fx, act, {});
       REQUIRE(whole.chunk_rows == N);  // automatic: the tiny logits are far below the chunk budget
       REQUIRE(whole.logits.size() == size_t(2 * N * table.config().embed_rows() * dtype_size(act)));
       // Chunks of a remainder (N = 3 q + r), exactly half, one row; and recomputation on top.
       for (auto [rows, recompute] : {std::pair{N / 3, 0}, std::pair{N / 2, 0}, std::pair{int64_t{1}, 0},
                                      std::pair{N / 3, 99}}) {
         INFO(name << " activations " << dtype_name(act) << ", chunks of " << rows << " rows, recompute " << recompute);
-        const Pass got = run(fx, act, recompute, rows);
+        const Pass got = run(fx, act, {recompute}, rows);
         REQUIRE(got.chunk_rows == rows);
         CHECK(got.loss_sums == whole.loss_sums);
         CHECK(got.grad_input == whole.grad_input);
@@ -187,7 +203,7 @@ TEST_CASE("a chunked head needs the loss gradient in forward, and has no whole l
   const std::vector<float> w = fx.flat(table, "param");
   const int64_t n = table.local_numel();
   std::vector<float> grads(static_cast<size_t>(n), 0.0f);
-  Transformer model(table, *be, DType::F32, fx.B, fx.T, 1, nullptr, 0, false, 3);
+  Transformer model(table, *be, DType::F32, fx.B, fx.T, 1, nullptr, {}, false, 3);
   model.bind(Tensor(const_cast<float*>(w.data()), DType::F32, {n}), Tensor(grads.data(), DType::F32, {n}));
   REQUIRE(model.head_chunked());
   const std::vector<int32_t> inputs = fx.inputs(), targets = fx.targets();
@@ -200,7 +216,7 @@ TEST_CASE("a chunked head needs the loss gradient in forward, and has no whole l
   model.forward(inputs.data(), targets.data(), 0.25f);
   CHECK_THROWS_WITH(model.backward(0.5f), Catch::Contains("same dloss"));
   CHECK_THROWS_WITH(model.logits(), Catch::Contains("chunks of 3 rows"));
-  CHECK_THROWS_WITH(Transformer(table, *be, DType::F32, fx.B, fx.T, 1, nullptr, 0, false, -1),
+  CHECK_THROWS_WITH(Transformer(table, *be, DType::F32, fx.B, fx.T, 1, nullptr, {}, false, -1),
                     Catch::Contains("logits_chunk_rows"));
 }
 

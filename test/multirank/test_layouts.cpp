@@ -185,7 +185,8 @@ TEST_CASE("activation recomputation under tp=2 pp=2 dp=2 trains bit-identically 
           "[mpi][layouts][recompute]") {
   // Recomputed layers rerun their forward (with its TP all-reduce) in backward from the kept
   // input; the CPU backend and MPI reductions are deterministic, so the losses and gradient
-  // norms must be equal, not close. bf16, both families; all layers, and 1 of each stage's 4.
+  // norms must be equal, not close. bf16, both families; all layers, 1 of each stage's 4, and
+  // selective recomputation (every layer rebuilds its norm outputs and MLP activation).
   for (const std::string family : {"llama", "gpt2"}) {
     INFO(family);
     nlohmann::json patch = model_patch(family);
@@ -202,7 +203,8 @@ TEST_CASE("activation recomputation under tp=2 pp=2 dp=2 trains bit-identically 
     const std::vector<Policy> policies = {
         {"--set train.recompute=full", "this run: full recompute", "rc_all"},
         {"--set train.recompute=full --set train.recompute_layers=1", "this run: recompute of 1 layer per stage",
-         "rc_first"}};
+         "rc_first"},
+        {"--set train.recompute=selective", "this run: selective recompute", "rc_selective"}};
     CHECK_THAT(ref.output, Catch::Contains("this run: no recompute"));
     for (const Policy& p : policies) {
       INFO(p.extra);
@@ -212,6 +214,15 @@ TEST_CASE("activation recomputation under tp=2 pp=2 dp=2 trains bit-identically 
       CHECK_THAT(got.output, Catch::Contains(p.shown));  // the start-up memory table names the policy
       check_same_bits(ref, got);
     }
+    // Under sequence parallelism a rebuilt norm output is this rank's rows, gathered again for
+    // its weight gradient.
+    const std::string sp = "--set parallel.sequence_parallel=true";
+    const Run ref_sp = train(ws, ws.dir / "sp", l, sp);
+    const Run got_sp = train(ws, ws.dir / "sp_selective", l, sp + " --set train.recompute=selective");
+    INFO(ref_sp.output << got_sp.output);
+    REQUIRE(ref_sp.code == 0);
+    REQUIRE(got_sp.code == 0);
+    check_same_bits(ref_sp, got_sp);
   }
 }
 

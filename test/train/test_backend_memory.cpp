@@ -25,7 +25,7 @@ TEST_CASE("memory: a run's peak on the CPU backend is keel plan's figure, initia
   // (4 B/param) on top of the activations, its run's peak, 4.6 GiB over the plan's 31.6.
   for (const std::string family : {"gpt2", "llama"})
     for (const std::string mode : {"fp32", "bf16", "fp16"})
-      for (const std::string recompute : {"none", "full"})
+      for (const std::string recompute : {"none", "selective", "full"})
         for (int64_t chunk : {int64_t{0}, int64_t{32}}) {
           INFO(family << ", precision " << mode << ", recompute " << recompute << ", logits_chunk_rows " << chunk);
           const RunConfig cfg = test::make_config(

@@ -229,8 +229,11 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"checkpoint", {{"async", "on"}}}}, "checkpoint.async: expected");
   fails_with({{"data", {{"eod_token", 64}}}}, "data.eod_token: 64 is out of range (allowed: in [-1, 63])");
   fails_with({{"device", "tpu"}}, "device: \"tpu\" is not allowed (allowed: auto, cpu, cuda)");
-  fails_with({{"train", {{"recompute", "selective"}}}}, "train.recompute: \"selective\" is not allowed (allowed: none, full)");
+  fails_with({{"train", {{"recompute", "attention"}}}},
+             "train.recompute: \"attention\" is not allowed (allowed: none, selective, full)");
   fails_with({{"train", {{"recompute_layers", 2}}}}, "train.recompute_layers: 2 needs train.recompute \"full\"");
+  fails_with({{"train", {{"recompute", "selective"}, {"recompute_layers", 2}}}},
+             "train.recompute_layers: 2 needs train.recompute \"full\" (it is \"selective\")");
   fails_with({{"health", {{"straggler_ratio", 0.9}}}},
              "health.straggler_ratio: 0.9 would call typical ranks slow (allowed: 0 to turn the check off, or a ratio "
              "above 1 such as 1.25)");
@@ -341,7 +344,8 @@ TEST_CASE("batch-size ramp-up follows Megatron's --rampup-batch-size start incr 
   CHECK(global_batch_size(c, 0) == 16);
 }
 
-TEST_CASE("train.recompute: none by default, full for every layer or the first recompute_layers", "[config]") {
+TEST_CASE("train.recompute: none by default, selective, or full for every layer or the first recompute_layers",
+          "[config]") {
   const auto base = test::tiny_run_json();
   const RunConfig none = test::make_config(base);
   CHECK(none.train.recompute == "none");
@@ -354,4 +358,7 @@ TEST_CASE("train.recompute: none by default, full for every layer or the first r
   CHECK(j["train"]["recompute"] == "full");
   CHECK(j["train"]["recompute_layers"] == 1);
   CHECK(parse_config(j, "resolved").train.recomputed_layers_per_stage() == 1);
+  const RunConfig selective = test::make_config(base, {{"train", {{"recompute", "selective"}}}});
+  CHECK(selective.train.recomputed_layers_per_stage() == 0);  // no layer recomputed whole
+  CHECK(parse_config(to_json(selective), "resolved").train.recompute == "selective");
 }

@@ -338,18 +338,22 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
           const ParamTable table(cfg.model, shard);
           const int stage_layers = 4 / pp;
           for (int recompute : {0, 1, stage_layers})
+            for (bool selective : {false, true})
             for (int64_t chunk : {int64_t{0}, int64_t{100}}) {
               if (chunk > 0 && pp > 1) continue;  // the chunked head: on the stage holding the head
               INFO(family << " tp=" << tp << (sp ? " sequence parallel" : "") << " pp=" << pp
-                          << " stage 0, recompute_layers " << recompute << ", logits_chunk_rows " << chunk);
+                          << " stage 0, recompute_layers " << recompute << (selective ? ", selective" : "")
+                          << ", logits_chunk_rows " << chunk);
               CpuBackend be;
               auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64, pp, tp > 1 ? &tp_comm : nullptr,
-                                                         recompute, sp, chunk);
+                                                         RecomputePolicy{recompute, selective}, sp, chunk);
               REQUIRE(model->sequence_parallel() == sp);
               REQUIRE(model->head_chunked() == (chunk > 0));
+              REQUIRE(model->selective_recompute() == (selective && recompute < stage_layers));
               const double allocated = double(be.used_bytes());
               PlanOptions opt;
               opt.recompute_layers = recompute == stage_layers ? 0 : recompute;  // 0: all
+              opt.selective = selective;
               opt.sequence_parallel = sp;
               opt.logits_chunk_rows = chunk;
               const LayoutPlan p = plan_layout(cfg, Layout{tp, pp, 1, 8}, opt);
@@ -358,8 +362,13 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
               CHECK(planned == Approx(allocated).epsilon(0.01));
               // The scratch set is one layer's intermediates: recomputation saves memory only when
               // it replaces more than one layer's (several layers, or several slots).
-              if (recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
-              if (recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
+              if (!selective && recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
+              if (!selective && recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
+              if (selective) {  // several layers' or slots' three tensors against one scratch pair
+                PlanOptions kept = opt;
+                kept.selective = false;
+                CHECK(p.stages[0].act_full < plan_layout(cfg, Layout{tp, pp, 1, 8}, kept).stages[0].act_full);
+              }
             }
         }
       }
@@ -987,12 +996,56 @@ TEST_CASE("plan: the trainer's memory breakdown for its own layout", "[plan]") {
   CHECK(tight.find("verdict: DOES NOT FIT with no recompute: peak 76.39 GiB on stage 0") != std::string::npos);
   CHECK(tight.find("hint: with train.recompute \"full\" the peak would be 37.31 GiB (fits)") != std::string::npos);
   CHECK(tight.find("hint: with parallel.sequence_parallel true the peak would be 44.69 GiB (fits)") != std::string::npos);
+  CHECK(tight.find("hint: with train.recompute \"selective\" the peak would be 54.58 GiB (fits)") != std::string::npos);
   const std::string rc =
       memory_breakdown_text(load_config(path, {"train.micro_batch=2", "train.recompute=full"}), 80 * kGiB);
   INFO(rc);
   CHECK(rc.find("verdict: fits with full recompute: peak 37.31 GiB") != std::string::npos);
   CHECK(rc.find("this run: full recompute (train.recompute), activations") != std::string::npos);
   CHECK(rc.find("hint") == std::string::npos);
+  const std::string sel =
+      memory_breakdown_text(load_config(path, {"train.micro_batch=2", "train.recompute=selective"}), 80 * kGiB);
+  INFO(sel);
+  CHECK(sel.find("verdict: fits with selective recompute: peak 54.58 GiB") != std::string::npos);
+  CHECK(sel.find("this run: selective recompute (train.recompute), activations") != std::string::npos);
+  CHECK(sel.find("activations, selective recompute") != std::string::npos);  // the table's row
+}
+
+TEST_CASE("plan: selective recomputation drops each layer's norm outputs and MLP activation and pays their rebuild",
+          "[plan]") {
+  // The 1B Llama at 4 x 2048 tokens: a layer's two norm outputs [8192, 2048] and its SwiGLU
+  // output [8192, 8192] in bf16 are 192 MiB; one of each is the scratch that rebuilds them.
+  const RunConfig cfg = load_config(std::string(KEEL_SOURCE_DIR) + "/configs/llama-1b.json",
+                                    {"train.micro_batch=4", "train.global_batch=4"});
+  const MemoryModel mem = keel_memory_model(cfg.precision.mode);
+  const Activations a = activation_bytes(cfg.model, mem, 1, 4, 2048);
+  const double MiB = 1024.0 * 1024.0;
+  CHECK(a.per_layer_rebuilt == 192 * MiB);
+  CHECK(a.rebuild_scratch == (32 + 128) * MiB);
+  CHECK(a.rebuild_moved == (4 * 32 + 128) * MiB);  // both norms read and write; the activation is written
+  PlanOptions kept, selective;
+  kept.recompute = selective.recompute = Recompute::Never;
+  selective.selective = true;
+  const Layout l{1, 1, 1, 4};
+  const LayoutPlan pk = plan_layout(cfg, l, kept), ps = plan_layout(cfg, l, selective);
+  CHECK(pk.stages[0].act_full - ps.stages[0].act_full == Approx(16 * a.per_layer_rebuilt - a.rebuild_scratch));
+  CHECK(ps.peak_bytes < pk.peak_bytes);
+  CHECK(ps.time.compute_s - pk.time.compute_s == Approx(16 * a.rebuild_moved / (kept.hw.hbm_gbps * 1e9)));
+  // Full recomputation rebuilds everything; the selective figures then do not apply.
+  PlanOptions full = selective;
+  full.recompute = Recompute::Always;
+  const LayoutPlan pf = plan_layout(cfg, l, full);
+  CHECK(pf.stages[0].act_recompute == Approx(plan_layout(cfg, l, [&] {
+                                               PlanOptions o = full;
+                                               o.selective = false;
+                                               return o;
+                                             }()).stages[0].act_recompute));
+  // auto with selective: selective where it fits, full recomputation where it does not.
+  PlanOptions autos = selective;
+  autos.recompute = Recompute::Auto;
+  CHECK(!plan_layout(cfg, l, autos).recompute);
+  autos.hw.gpu_mem_bytes = ps.peak_bytes;  // the headroom leaves less than the selective peak usable
+  CHECK(plan_layout(cfg, l, autos).recompute);
 }
 
 namespace {
