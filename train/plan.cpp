@@ -1175,6 +1175,8 @@ nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOp
                    {"intra_node_gbps", hw.intra_node_gbps},
                    {"inter_node_gbps", hw.inter_node_gbps},
                    {"microbatch_overhead_s", hw.microbatch_overhead_s}};
+  // With it, a stage's "no_recompute" figures are those of selective recomputation (without full).
+  j["selective_recompute"] = opt.selective;
   j["ranked"] = nlohmann::json::array();
   for (const auto& p : r.ranked) j["ranked"].push_back(layout_json(p));
   j["rejected"] = nlohmann::json::array();

@@ -1086,6 +1086,20 @@ TEST_CASE("plan: keel plan on the command line", "[plan]") {
       CHECK(p["stages"].size() == 10);
     }
     CHECK(j["memory_model"]["bytes_per_param"]["unsharded_total"] == 18);
+    CHECK(j["selective_recompute"] == false);
+    // Selective recomputation lowers every stage's figures without full recomputation.
+    const Ran sel = keel_cli("plan --config " + cfg + " --gpus 320 --tp 8 --pp 10 --mbs 1 --json --selective-recompute");
+    REQUIRE(sel.code == 0);
+    const auto js = nlohmann::json::parse(sel.out);
+    CHECK(js["selective_recompute"] == true);
+    REQUIRE(js["ranked"].size() == 1);
+    const auto mbs1 = std::find_if(j["ranked"].begin(), j["ranked"].end(),
+                                   [](const nlohmann::json& p) { return p["layout"]["mbs"] == 1; });
+    REQUIRE(mbs1 != j["ranked"].end());
+    const auto& first = (*mbs1)["stages"][0]["bytes"];
+    const auto& first_sel = js["ranked"][0]["stages"][0]["bytes"];
+    CHECK(first_sel["activations_no_recompute"].get<double>() < first["activations_no_recompute"].get<double>());
+    CHECK(first_sel["activations_recompute"].get<double>() == first["activations_recompute"].get<double>());
   }
   SECTION("384 GPUs: no divisor layout for 80 layers and GBS 2048; closest changes") {
     const Ran r = keel_cli("plan --config " + cfg + " --gpus 384");
