@@ -141,6 +141,32 @@ TEST_CASE("activation recomputation gives the same losses and gradients bit for 
   }
 }
 
+TEST_CASE("model chunks of a rank share selective recomputation's rebuild buffers", "[model][recompute]") {
+  // Chunks of an interleaved pipeline never run at once, so a chunk built with scratch_from
+  // takes the rebuild pair (a norm output [N, d] and an activation [N, ffn]) from it, as it does
+  // the backward scratch; and where the rank recomputes whole layers, the pair is that scratch's.
+  const test::Fixture fx("llama_tiny");
+  const ParamTable table(fx.model);
+  const int64_t N = int64_t{fx.B} * fx.T;
+  const double pair = double(N * (fx.model.d_model + fx.model.ffn_hidden)) * 2;  // bf16
+  // The bytes a second model adds, built beside a first (recompute policy `first`).
+  auto second_adds = [&](RecomputePolicy first, RecomputePolicy second, bool shared) {
+    auto be = make_cpu_backend();
+    const Transformer a(table, *be, DType::BF16, fx.B, fx.T, 1, nullptr, first);
+    const double before = double(be->used_bytes());
+    const Transformer b(table, *be, DType::BF16, fx.B, fx.T, 1, nullptr, second, false, 0, false, shared ? &a : nullptr);
+    return double(be->used_bytes()) - before;
+  };
+  const RecomputePolicy none{}, selective{0, true};
+  const double saved_plain = second_adds(none, none, false) - second_adds(none, none, true);
+  const double saved_selective = second_adds(selective, selective, false) - second_adds(selective, selective, true);
+  REQUIRE(saved_plain > 0);
+  CHECK(saved_selective - saved_plain == Approx(pair).margin(128));  // allocations round to 64 bytes
+  // The first chunk recomputes a layer whole: the second's pair is the first's scratch.
+  CHECK(second_adds({1, true}, selective, false) - second_adds({1, true}, selective, true) ==
+        Approx(saved_selective).margin(128));
+}
+
 TEST_CASE("a negative recompute_layers is refused", "[model][recompute]") {
   const test::Fixture fx("llama_tiny");
   const ParamTable table(fx.model);

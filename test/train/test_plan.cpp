@@ -339,37 +339,37 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
           const int stage_layers = 4 / pp;
           for (int recompute : {0, 1, stage_layers})
             for (bool selective : {false, true})
-            for (int64_t chunk : {int64_t{0}, int64_t{100}}) {
-              if (chunk > 0 && pp > 1) continue;  // the chunked head: on the stage holding the head
-              INFO(family << " tp=" << tp << (sp ? " sequence parallel" : "") << " pp=" << pp
-                          << " stage 0, recompute_layers " << recompute << (selective ? ", selective" : "")
-                          << ", logits_chunk_rows " << chunk);
-              CpuBackend be;
-              auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64, pp, tp > 1 ? &tp_comm : nullptr,
-                                                         RecomputePolicy{recompute, selective}, sp, chunk);
-              REQUIRE(model->sequence_parallel() == sp);
-              REQUIRE(model->head_chunked() == (chunk > 0));
-              REQUIRE(model->selective_recompute() == (selective && recompute < stage_layers));
-              const double allocated = double(be.used_bytes());
-              PlanOptions opt;
-              opt.recompute_layers = recompute == stage_layers ? 0 : recompute;  // 0: all
-              opt.selective = selective;
-              opt.sequence_parallel = sp;
-              opt.logits_chunk_rows = chunk;
-              const LayoutPlan p = plan_layout(cfg, Layout{tp, pp, 1, 8}, opt);
-              REQUIRE(p.stages[0].in_flight == pp);
-              const double planned = recompute == 0 ? p.stages[0].act_full : p.stages[0].act_recompute;
-              CHECK(planned == Approx(allocated).epsilon(0.01));
-              // The scratch set is one layer's intermediates: recomputation saves memory only when
-              // it replaces more than one layer's (several layers, or several slots).
-              if (!selective && recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
-              if (!selective && recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
-              if (selective) {  // several layers' or slots' three tensors against one scratch pair
-                PlanOptions kept = opt;
-                kept.selective = false;
-                CHECK(p.stages[0].act_full < plan_layout(cfg, Layout{tp, pp, 1, 8}, kept).stages[0].act_full);
+              for (int64_t chunk : {int64_t{0}, int64_t{100}}) {
+                if (chunk > 0 && pp > 1) continue;  // the chunked head: on the stage holding the head
+                INFO(family << " tp=" << tp << (sp ? " sequence parallel" : "") << " pp=" << pp
+                            << " stage 0, recompute_layers " << recompute << (selective ? ", selective" : "")
+                            << ", logits_chunk_rows " << chunk);
+                CpuBackend be;
+                auto model = std::make_unique<Transformer>(table, be, DType::BF16, 8, 64, pp, tp > 1 ? &tp_comm : nullptr,
+                                                           RecomputePolicy{recompute, selective}, sp, chunk);
+                REQUIRE(model->sequence_parallel() == sp);
+                REQUIRE(model->head_chunked() == (chunk > 0));
+                REQUIRE(model->selective_recompute() == (selective && recompute < stage_layers));
+                const double allocated = double(be.used_bytes());
+                PlanOptions opt;
+                opt.recompute_layers = recompute == stage_layers ? 0 : recompute;  // 0: all
+                opt.selective = selective;
+                opt.sequence_parallel = sp;
+                opt.logits_chunk_rows = chunk;
+                const LayoutPlan p = plan_layout(cfg, Layout{tp, pp, 1, 8}, opt);
+                REQUIRE(p.stages[0].in_flight == pp);
+                const double planned = recompute == 0 ? p.stages[0].act_full : p.stages[0].act_recompute;
+                CHECK(planned == Approx(allocated).epsilon(0.01));
+                // The scratch set is one layer's intermediates: recomputation saves memory only when
+                // it replaces more than one layer's (several layers, or several slots).
+                if (!selective && recompute * pp > 1) CHECK(p.stages[0].act_recompute < p.stages[0].act_full);
+                if (!selective && recompute * pp == 1) CHECK(p.stages[0].act_recompute == Approx(p.stages[0].act_full));
+                if (selective) {  // several layers' or slots' three tensors against one scratch pair
+                  PlanOptions kept = opt;
+                  kept.selective = false;
+                  CHECK(p.stages[0].act_full < plan_layout(cfg, Layout{tp, pp, 1, 8}, kept).stages[0].act_full);
+                }
               }
-            }
         }
       }
   }
