@@ -45,7 +45,7 @@ int cmd_plan(const PlanArgs& a) {
   opt.recompute = a.recompute == "always" ? plan::Recompute::Always
                   : a.recompute == "never" ? plan::Recompute::Never
                                            : plan::Recompute::Auto;
-  opt.selective = a.selective_recompute || cfg.train.recompute == "selective";
+  opt.selective = a.selective_recompute || cfg.train.selective_recompute();
   opt.embedding_own_slot = a.embedding_slot || cfg.parallel.embedding_slot;
   opt.virtual_stages = cfg.parallel.virtual_stages;
   opt.overlap_grad_reduce = a.overlap_grad_reduce || cfg.parallel.overlap_grad_reduce;

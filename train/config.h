@@ -94,6 +94,7 @@ struct TrainConfig {
   // 0 (auto): all of them while the [tokens, vocab/tp] logits fit in 1 GiB, else chunks
   // within 1 GiB; micro_batch * seq_len or more: never chunk.
   int64_t logits_chunk_rows = 0;
+  bool selective_recompute() const { return recompute == "selective"; }
   // Layers of a stage to recompute, for the Transformer: 0 for none, INT32_MAX for all.
   int recomputed_layers_per_stage() const {
     if (recompute != "full") return 0;

@@ -1198,7 +1198,7 @@ PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   opt.memory = keel_memory_model(cfg.precision.mode);
   opt.recompute = cfg.train.recompute == "full" ? Recompute::Always : Recompute::Never;
   opt.recompute_layers = cfg.train.recompute_layers;
-  opt.selective = cfg.train.recompute == "selective";
+  opt.selective = cfg.train.selective_recompute();
   opt.sequence_parallel = cfg.parallel.sequence_parallel;
   opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
   opt.embedding_own_slot = cfg.parallel.embedding_slot;

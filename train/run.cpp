@@ -667,7 +667,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (backend->device() == Device::CUDA && world_size > 1) arithmetic += " nccl " + parallel::nccl_version();
   // GPT-2 under selective recomputation runs its GELU after the matmul, not in cuBLASLt's
   // epilogue (model/transformer.h): other bits than a run that keeps the activation.
-  if (backend->device() == Device::CUDA && cfg.model.is_gpt2() && cfg.train.recompute == "selective")
+  if (backend->device() == Device::CUDA && cfg.model.is_gpt2() && cfg.train.selective_recompute())
     arithmetic += " (gelu unfused: selective recompute)";
 
   // ---- everything that can fail on user input is checked before the run directory is touched ----

@@ -111,13 +111,12 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
   }
   // Recomputation counts layers from the stage's first: over its chunks in order.
   int recompute_left = cfg.train.recomputed_layers_per_stage();
-  const bool selective = cfg.train.recompute == "selective";
   for (int c = 0; c < n_chunks; ++c) {
     const ModelShard& sh = table_.chunk_shard(c);
     chunks_.push_back(std::make_unique<Transformer>(
         table_.chunk(c), be_, activation_dtype(cfg.precision.mode), static_cast<int>(cfg.train.micro_batch),
         static_cast<int>(cfg.train.seq_len), slots[static_cast<size_t>(c)],
-        grid_.tp_size() > 1 ? comms_->tp.get() : nullptr, RecomputePolicy{recompute_left, selective},
+        grid_.tp_size() > 1 ? comms_->tp.get() : nullptr, RecomputePolicy{recompute_left, cfg.train.selective_recompute()},
         cfg.parallel.sequence_parallel, cfg.train.logits_chunk_rows, cfg.takes_document_positions(),
         c > 0 ? chunks_.front().get() : nullptr));
     recompute_left = std::max(0, recompute_left - (sh.end_layer - sh.first_layer));

@@ -145,7 +145,7 @@ class Trainer {
   // parallel.overlap_param_gather: completes the DP gather of the last update's weights, which
   // otherwise waits for the next step's forward. Collective over DP: every rank calls it at the
   // same point. The collective methods here that read the weights (evaluate, token_losses,
-  // check_replicas, snapshot, check_master_consistency) call it themselves.
+  // check_replicas, snapshot through evaluate, check_master_consistency) call it themselves.
   void settle_params() {
     if (param_gather_) param_gather_->settle();
   }

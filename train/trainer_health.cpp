@@ -104,7 +104,6 @@ void Trainer::check_frozen(StepStats& st) {
 }
 
 HealthSnapshot Trainer::snapshot(const MicroBatch& probe) {
-  settle_params();
   HealthSnapshot s;
   s.probe_loss = evaluate({probe});
   uint32_t crc = data::crc32c(0, probe.inputs.data(), probe.inputs.size() * sizeof(int32_t));
