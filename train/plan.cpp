@@ -545,6 +545,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
       // Interleaved: received output gradients wait in buffers of their own until their backward.
       if (sched) once += sched->gradient_slots[static_cast<size_t>(s)][c] * act.stage_output;
     }
+    st.recomputed_layers = Lr;
     const double rebuild = opt.selective && sp.layers() > 0 ? act.rebuild_scratch : 0;
     st.act_full += once + rebuild;
     st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : rebuild) + once;
@@ -604,23 +605,26 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   const double elementwise_fwd = 2 * (act.per_layer_full + act.attn_scores) / (hw.hbm_gbps * 1e9);
   layer_fwd.seconds += elementwise_fwd;
   layer_bwd.seconds += 2 * elementwise_fwd;
-  // Selective recomputation rebuilds its tensors in backward, at HBM bandwidth.
-  const double rebuild_s = opt.selective && !p.recompute ? act.rebuild_moved / (hw.hbm_gbps * 1e9) : 0;
-  layer_bwd.seconds += rebuild_s;
-  const double layer_s = layer_fwd.seconds + layer_bwd.seconds + (p.recompute ? layer_fwd.seconds : 0);
+  // A layer recomputed whole runs its forward twice; with selective recomputation each other
+  // layer rebuilds its dropped tensors in backward, at HBM bandwidth.
+  const double rebuild_s = opt.selective ? act.rebuild_moved / (hw.hbm_gbps * 1e9) : 0;
+  const double layer_s = layer_fwd.seconds + layer_bwd.seconds;
+  auto recomputed = [&](const StageMemory& st) { return p.recompute ? st.recomputed_layers : 0.0; };
   const double head_s = linear_cost(M, static_cast<double>(m.embed_rows()) / l.tp, m.d_model, hw, true, true).seconds;
   const double act_msg = M * m.d_model * mem.act_bytes;  // one [tokens, d] activation
   const double ar_sent = ring_allreduce_sent(act_msg, l.tp);
 
   struct StageTime {
     double compute = 0, tp = 0, pp = 0, total = 0, tp_bytes = 0, pp_bytes = 0;
+    double forward = 0;  // the layers' forward share of compute (the rest: backward, recomputation, head)
   };
   std::vector<StageTime> times;
   for (const auto& st : p.stages) {
     StageTime t;
-    const double L = st.span.layers();
-    t.compute = L * layer_s + (st.span.has_head ? head_s : 0);
-    const double n_ar = L * (4 + (p.recompute ? 2 : 0)) + (st.span.has_embedding ? 1 : 0) + (st.span.has_head ? 1 : 0);
+    const double L = st.span.layers(), Lr = recomputed(st);
+    t.compute = L * layer_s + Lr * layer_fwd.seconds + (L - Lr) * rebuild_s + (st.span.has_head ? head_s : 0);
+    t.forward = L * layer_fwd.seconds;
+    const double n_ar = L * 4 + Lr * 2 + (st.span.has_embedding ? 1 : 0) + (st.span.has_head ? 1 : 0);
     t.tp_bytes = n_ar * ar_sent;
     t.tp = t.tp_bytes / bw_intra;
     // Per micro-batch, each chunk sends its output forward and its input's gradient backward,
@@ -678,15 +682,13 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   p.comm.dp = grad_sent + gather_sent;
   double grad_s = grad_sent / bw_dp, gather_s = gather_sent / bw_dp;
   if (opt.overlap_grad_reduce && l.dp > 1) {
-    const double backward_share = (layer_bwd.seconds + (p.recompute ? layer_fwd.seconds : 0)) / layer_s;
-    grad_s = std::max(grad_s - times[slow].compute * backward_share, grad_s / (max_layers + 1));
+    grad_s = std::max(grad_s - (times[slow].compute - times[slow].forward), grad_s / (max_layers + 1));
   }
   // With overlap_param_gather each bucket moves while the forward computes the one before; the
   // first is waited for at once.
   if (opt.overlap_param_gather && l.dp > 1 && max_params > 0) {
     const double bucket = static_cast<double>(parallel::grad_bucket_elements(opt.grad_bucket_size, l.dp));
-    const double forward_share = layer_fwd.seconds / layer_s;
-    gather_s = std::max(gather_s - times[slow].compute * forward_share, gather_s * std::min(1.0, bucket / max_params));
+    gather_s = std::max(gather_s - times[slow].forward, gather_s * std::min(1.0, bucket / max_params));
   }
   p.time.dp_comm_s = grad_s + gather_s;
   p.time.step_s = pipe + tied_s + p.time.dp_comm_s;

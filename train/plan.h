@@ -221,6 +221,7 @@ struct StageMemory {
   int64_t embedding_params = 0, layer_params = 0, head_params = 0;
   double weights = 0, grads = 0, master = 0, moments = 0, grad_shard = 0;
   int64_t in_flight = 0;       // micro-batches whose activations stage s holds (1F1B: pp - s)
+  double recomputed_layers = 0;  // layers recomputed whole when full recomputation is on
   double act_recompute = 0;    // activations with full recomputation (of recompute_layers, or all)
   double act_full = 0;         // activations without full recomputation (selective with opt.selective)
   // Parts of act_recompute: per micro-batch in flight, the recomputed layers' inputs and the

@@ -1040,6 +1040,21 @@ TEST_CASE("plan: selective recomputation drops each layer's norm outputs and MLP
                                                o.selective = false;
                                                return o;
                                              }()).stages[0].act_recompute));
+  // The step time pays a second forward for each layer recomputed whole, and the rebuild for each
+  // other layer: recomputing 4 of the 16 layers costs a quarter of recomputing them all.
+  PlanOptions four = full;
+  four.recompute_layers = 4;
+  const LayoutPlan p4 = plan_layout(cfg, l, four);
+  CHECK(p4.stages[0].recomputed_layers == 4);
+  CHECK(pf.stages[0].recomputed_layers == 16);
+  PlanOptions four_kept = four, full_kept = full;
+  four_kept.selective = full_kept.selective = false;
+  const double second_forwards = plan_layout(cfg, l, full_kept).time.compute_s - pk.time.compute_s;
+  CHECK(second_forwards > 0);
+  CHECK(plan_layout(cfg, l, four_kept).time.compute_s - pk.time.compute_s == Approx(second_forwards / 4));
+  CHECK(p4.time.compute_s - pk.time.compute_s ==
+        Approx(second_forwards / 4 + 12 * a.rebuild_moved / (kept.hw.hbm_gbps * 1e9)));
+  CHECK(pf.time.compute_s - pk.time.compute_s == Approx(second_forwards));
   // auto with selective: selective where it fits, full recomputation where it does not.
   PlanOptions autos = selective;
   autos.recompute = Recompute::Auto;
