@@ -271,7 +271,7 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   r.per_layer_input = rows * a * d;
   r.per_layer_rebuilt = a * (2 * rows * d + N * F / t);
   r.rebuild_scratch = a * (rows * d + N * F / t);
-  r.rebuild_moved = a * (4 * rows * d + N * F / t);
+  r.rebuild_moved = a * (4 * rows * d + (m.is_gpt2() ? 3 : 1) * N * F / t);
   r.attn_scores = mem.attn_score_bytes * mbs * (nh / t) * double(seq) * double(seq);
   // normf [rows, d], meanf/rstdf [rows], logits [N, V/tp] (+ fp32 copy), row_max/sumexp/target_logit/lse/row_loss [N]
   // (+ local_max under TP). A chunked head keeps the final-norm output gradient [N, d] instead

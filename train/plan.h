@@ -192,9 +192,9 @@ struct Activations {
   double per_layer_input = 0;     // what full recomputation keeps: the layer's input
   // Selective recomputation: what a layer drops (its two norm outputs and the MLP activation),
   // the scratch that rebuilds them (one norm output and one activation), and the bytes the
-  // rebuild moves per layer (each norm reads its input and writes its output; the activation is
-  // written by its gradient's kernel, which reads the input anyway; GPT-2's GELU reads it once
-  // more, not counted).
+  // rebuild moves per layer (each norm reads its input and writes its output; SwiGLU's output is
+  // written by its gradient's kernel, which reads the input anyway; GPT-2's GELU, run apart from
+  // its matmul so that it can be repeated, reads its input once more in forward and in backward).
   double per_layer_rebuilt = 0, rebuild_scratch = 0, rebuild_moved = 0;
   double attn_scores = 0;         // of one layer, for non-fused attention
   double head = 0;                // final norm, logits, loss rows (last stage), per micro-batch

@@ -1023,6 +1023,11 @@ TEST_CASE("plan: selective recomputation drops each layer's norm outputs and MLP
   CHECK(a.per_layer_rebuilt == 192 * MiB);
   CHECK(a.rebuild_scratch == (32 + 128) * MiB);
   CHECK(a.rebuild_moved == (4 * 32 + 128) * MiB);  // both norms read and write; the activation is written
+  // GPT-2's GELU, apart from its matmul, also reads its input in forward and again to rebuild.
+  const RunConfig gpt2 = load_config(std::string(KEEL_SOURCE_DIR) + "/configs/gpt2-124m.json",
+                                     {"train.micro_batch=32", "train.global_batch=32"});
+  const Activations g = activation_bytes(gpt2.model, mem, 1, 32, 1024);
+  CHECK(g.rebuild_moved == (4 * 48 + 3 * 192) * MiB);  // [32768, 768] and [32768, 3072] in bf16
   PlanOptions kept, selective;
   kept.recompute = selective.recompute = Recompute::Never;
   selective.selective = true;
