@@ -1,8 +1,11 @@
 // keel: one binary, subcommands (train/cmd_*.cpp).
 #include <CLI/CLI.hpp>
 
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "data/token_file.h"
@@ -11,6 +14,10 @@
 #include "train/config.h"
 #include "train/parallel/mpi_comm.h"
 #include "train/run.h"
+
+namespace {
+constexpr double kLoneErrorGraceSeconds = 3;
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
@@ -41,13 +48,20 @@ int main(int argc, char** argv) {
   // a single process (no launcher) never touches MPI.
   std::unique_ptr<keel::parallel::MpiRuntime> mpi;
   int world_rank = 0, world_size = 1;
+  // Config, data and checkpoint errors are usually every rank's (the same config and files): rank
+  // 0 prints them once. Another rank prints its own only when rank 0 has not taken the job down
+  // within a grace period, i.e. when it is that rank's alone (a node's missing data, a config
+  // given to some ranks): otherwise the job would end with nothing to say which rank or why.
   auto fail = [&](int code, const char* kind, const char* what, bool every_rank) {
-    if (world_rank == 0 || every_rank) {
-      if (world_size > 1)
-        std::fprintf(stderr, "keel: [rank %d of %d] %s: %s\n", world_rank, world_size, kind, what);
-      else
-        std::fprintf(stderr, "keel: %s: %s\n", kind, what);
+    if (world_size > 1 && world_rank != 0 && !every_rank) {
+      std::signal(SIGTERM, SIG_DFL);  // the launcher's teardown after rank 0's abort ends us here
+      std::this_thread::sleep_for(std::chrono::duration<double>(kLoneErrorGraceSeconds));
     }
+    if (world_size > 1)
+      std::fprintf(stderr, "keel: [rank %d of %d on %s] %s: %s\n", world_rank, world_size,
+                   keel::parallel::this_host().c_str(), kind, what);
+    else
+      std::fprintf(stderr, "keel: %s: %s\n", kind, what);
     // With several ranks, take the whole job down rather than leave the others waiting.
     if (world_size > 1) keel::parallel::MpiRuntime::abort(code);
     return code;

@@ -15,6 +15,7 @@
 #include "common/process.h"
 #include "common/workspace.h"
 #include "train/parallel/hang_report.h"
+#include "train/run.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -79,4 +80,30 @@ TEST_CASE("mpirun keel train: a rank that skips a collective ends the job within
   CHECK(doc.output.find("world rank 2 skipped it: after all_reduce #") != std::string::npos);
   // Whichever ranks printed their live report before the abort: the dumps' report has the same words.
   for (const std::string& line : live) CHECK(doc.output.find(line + " (stuck ") != std::string::npos);
+}
+
+TEST_CASE("mpirun keel train: an error on one rank alone is printed by that rank, a shared one once by rank 0",
+          "[mpi][errors]") {
+  // A node whose data is missing: rank 1 alone is given a pattern that matches no file (mpirun's
+  // multi-program form). The job must not end with only MPI's abort banner.
+  test::Workspace ws({{"train", {{"steps", 2}, {"global_batch", 4}, {"micro_batch", 2}}}, {"parallel", {{"dp", 2}}}});
+  const std::string keel = std::string(KEEL_BINARY) + " train --config " + ws.config + " -q --out " +
+                           (ws.dir / "out");
+  const std::string missing = " --set 'data.train=[\"" + (ws.dir / "gone_*.bin") + "\"]'";
+  const std::string mpi = "env OMP_NUM_THREADS=1 " + std::string(KEEL_MPIEXEC);
+  const test::ProcessResult lone = run_shell(mpi + " -np 1 " + keel + " : -np 1 " + keel + missing);
+  INFO(lone.output);
+  CHECK(lone.code == int(kExitDataError));
+  const std::regex named("keel: \\[rank 1 of 2 on [^\\]]+\\] data error: data.train: pattern '[^']*gone_\\*\\.bin' "
+                         "matches no file");
+  CHECK(std::regex_search(lone.output, named));
+  CHECK(lone.output.find("[rank 0 of 2") == std::string::npos);
+  CHECK(!fs::exists(ws.dir / "out/checkpoints"));
+
+  // Every rank's error: rank 0 says it, and the others are taken down before their grace ends.
+  const test::ProcessResult shared = run_shell(mpi + " -np 2 " + keel + missing);
+  INFO(shared.output);
+  CHECK(shared.code == int(kExitDataError));
+  CHECK(shared.output.find("keel: [rank 0 of 2 on ") != std::string::npos);
+  CHECK(shared.output.find("[rank 1 of 2") == std::string::npos);
 }
