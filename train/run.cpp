@@ -727,7 +727,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     return ck;
   };
   nlohmann::json loaded_health, loaded_topology;
-  std::string loaded_from;
+  std::string loaded_from, loaded_precision;
   bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
     Checkpoint ck = open_verified(resume_path, "resume from");
@@ -735,6 +735,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
+    loaded_precision = ck.precision();
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
     const auto& topo = ck.meta()["topology"];
     notes.insert(notes.begin(), (opts.eval_only ? "loaded " : "resuming from ") + ck.path() + " at iteration " +
@@ -755,6 +756,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
+    loaded_precision = ck.precision();
   } else {
     tr.init_weights();
   }
@@ -777,8 +779,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       // Checkpoints from before the build was recorded: another build.
       const std::string saved_build = loaded_health.value("build", std::string("unrecorded"));
       const bool same_build = saved_build == build_id() && build_id() != kUnknownBuild;
-      const bool bitwise = same_topology && resumed && saved_arithmetic == arithmetic && same_build;
-      if (same_topology && resumed && saved_arithmetic != arithmetic)
+      const bool same_precision = loaded_precision.empty() || loaded_precision == precision_name(cfg.precision.mode);
+      const bool bitwise = same_topology && resumed && saved_arithmetic == arithmetic && same_build && same_precision;
+      if (!same_precision)
+        notes.push_back("the checkpoint was trained in " + loaded_precision + ", this run in " +
+                        precision_name(cfg.precision.mode) +
+                        ": its probe loss must agree within rounding, and the weights are compared in the copy "
+                        "this run continues from");
+      else if (same_topology && resumed && saved_arithmetic != arithmetic)
         notes.push_back("the checkpoint was computed by " + saved_arithmetic + ", this run by " + arithmetic +
                         ": its probe loss must agree within rounding, not bit for bit");
       else if (same_topology && resumed && !same_build)
@@ -786,7 +794,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                         "), whose kernels may round differently: its probe loss must agree within rounding, not bit "
                         "for bit");
       const HealthSnapshot now = tr.snapshot(probe);
-      auto diffs = tr.compare_snapshot(loaded_health, now, bitwise, resumed);
+      auto diffs = tr.compare_snapshot(loaded_health, now, bitwise, resumed, loaded_precision);
       problems.insert(problems.end(), diffs.begin(), diffs.end());
       probe_compared = now.same_probe(loaded_health);
       if (!probe_compared)

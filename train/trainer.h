@@ -119,9 +119,12 @@ class Trainer {
   HealthSnapshot snapshot(const MicroBatch& probe);
   nlohmann::json snapshot_json(const HealthSnapshot& s) const;
   // bitwise: the same layout and arithmetic (Backend::arithmetic) as the save, so the probe
-  // loss must have the same bits; else it must agree within rounding.
+  // loss must have the same bits; else it must agree within rounding. saved_precision: the
+  // checkpoint's precision.mode; when it is not this run's, the weights are compared in the
+  // copy this run continues from (its masters, else its working weights) against the saved
+  // copy that one was loaded from.
   std::vector<std::string> compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now, bool bitwise,
-                                            bool compare_masters) const;
+                                            bool compare_masters, const std::string& saved_precision) const;
   // Tensors whose fp32 masters do not round to the stored working weights (collective):
   // masters that did not come from these weights (a stale or random master copy). `stochastic`:
   // the weights were written by stochastic rounding, so either bf16 neighbour of the master

@@ -136,13 +136,17 @@ nlohmann::json Trainer::snapshot_json(const HealthSnapshot& s) const {
 }
 
 std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now,
-                                                   bool bitwise, bool compare_masters) const {
+                                                   bool bitwise, bool compare_masters,
+                                                   const std::string& saved_precision) const {
   std::vector<std::string> problems;
   const double was = saved.value("probe_loss", 0.0);
   const std::string was_bits = saved.value("probe_loss_bits", std::string());
+  const std::string this_precision = precision_name(cfg_.precision.mode);
+  const bool same_precision = saved_precision.empty() || saved_precision == this_precision;
   // Another layout, or another device or library, sums in another order: fp32 agrees to ~1e-6;
-  // bf16/fp16 activations to a few of their spacings (2^-8 relative).
-  const double tol = cfg_.precision.mode == PrecisionMode::FP32 ? 1e-5 : 1e-2;
+  // bf16/fp16 activations (on either side) to a few of their spacings (2^-8 relative).
+  const bool all_fp32 = cfg_.precision.mode == PrecisionMode::FP32 && (same_precision || saved_precision == "fp32");
+  const double tol = all_fp32 ? 1e-5 : 1e-2;
   char buf[512];
   if (now.same_probe(saved) &&
       (bitwise ? hex_of(now.probe_loss) != was_bits : std::abs(now.probe_loss - was) > tol * std::abs(was))) {
@@ -155,10 +159,37 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
     problems.push_back(buf);
   }
   const auto& tensors = saved.value("tensor_sumsq", nlohmann::json::object());
-  for (size_t i = 0; i < full_names_.size(); ++i) {
+  auto differs = [](double a, double b) { return std::abs(a - b) > 1e-6 * std::max(std::abs(a), std::abs(b)); };
+  // Under another precision the working weights are another rounding of the state: compare the
+  // copy this run continues from with the saved one it was loaded from (restore_for_resume: the
+  // masters from the saved masters, else the weights; working weights of the saved dtype from
+  // the saved weights, of another dtype from the saved masters).
+  const DType saved_working_dtype = saved_precision == "fp32"   ? DType::F32
+                                   : saved_precision == "fp16" ? DType::F16
+                                                               : DType::BF16;
+  const bool saved_working_same_dtype = saved_working_dtype == state_->working.dtype;
+  for (size_t i = 0; !same_precision && i < full_names_.size(); ++i) {
     if (!tensors.contains(full_names_[i])) continue;
     const auto& pair = tensors[full_names_[i]];
-    auto differs = [](double a, double b) { return std::abs(a - b) > 1e-6 * std::max(std::abs(a), std::abs(b)); };
+    const double saved_working = pair[0].get<double>(), saved_master = pair[1].get<double>();
+    const bool now_master = state_->has_master() && !state_->master_is_working();
+    const bool from_master = compare_masters && saved_master > 0 && (now_master || !saved_working_same_dtype);
+    const double was_sumsq = from_master ? saved_master : saved_working;
+    const double is_sumsq = now_master ? now.master_sumsq[i] : now.working_sumsq[i];
+    // A working copy rounded from a wider saved one (no masters here): each element moves by at
+    // most its unit roundoff u, so |w|^2 by at most 2u relative.
+    const bool rounded = !now_master && !saved_working_same_dtype && state_->working.dtype != DType::F32;
+    const double bound = !rounded ? 1e-6 : state_->working.dtype == DType::BF16 ? 0x1p-8 : 0x1p-10;
+    if (std::abs(is_sumsq - was_sumsq) > bound * std::max(std::abs(is_sumsq), std::abs(was_sumsq))) {
+      std::snprintf(buf, sizeof buf, "%s: |%s|^2 = %.9g after loading (%s), |%s|^2 = %.9g when saved (%s)",
+                    full_names_[i].c_str(), now_master ? "fp32 master" : "weights", is_sumsq, this_precision.c_str(),
+                    from_master ? "fp32 master" : "weights", was_sumsq, saved_precision.c_str());
+      problems.push_back(buf);
+    }
+  }
+  for (size_t i = 0; same_precision && i < full_names_.size(); ++i) {
+    if (!tensors.contains(full_names_[i])) continue;
+    const auto& pair = tensors[full_names_[i]];
     if (differs(now.working_sumsq[i], pair[0].get<double>())) {
       std::snprintf(buf, sizeof buf, "%s: |weights|^2 = %.9g after loading, %.9g when saved", full_names_[i].c_str(),
                     now.working_sumsq[i], pair[0].get<double>());

@@ -227,6 +227,41 @@ TEST_CASE("a resume on another arithmetic (device, libraries) or keel build veri
   CHECK_THAT(off.output, Catch::Contains("another layout or arithmetic: must agree within rounding"));
 }
 
+// "Switch to fp32 to debug" (and back): another precision rounds the working weights differently,
+// so the probe loss agrees within rounding, and the weights are compared in the copy the run
+// continues from (its masters, else its working weights) against the saved copy it came from.
+TEST_CASE("a resume under another precision.mode verifies within rounding, in the copy it continues from",
+          "[health][restart][cli]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 20}}}});
+  for (const std::string from : {"bf16", "fp32"}) {
+    const std::string out = ws.dir / ("from_" + from);
+    REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q --stop-at 10 --set precision.mode=" +
+                           from).code == 4);
+    for (const std::string to : {"bf16", "fp32", "fp16", "bf16-unsafe-no-master"}) {
+      if (to == from) continue;
+      const std::string ck = out + "/checkpoints/step_00000010";
+      auto r = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / (from + "_" + to)) +
+                              " --resume " + ck + " --stop-at 11 --set precision.mode=" + to);
+      INFO(from << " -> " << to << "\n" << r.output);
+      CHECK(r.code == 4);
+      CHECK_THAT(r.output, Catch::Contains("the checkpoint was trained in " + from + ", this run in " + to) &&
+                               Catch::Contains("restart verification passed"));
+    }
+  }
+  // A real difference in the copy the run continues from is still named: bf16 -> fp32 continues
+  // from the bf16 run's masters.
+  const std::string meta_path = ws.dir / "from_bf16/checkpoints/step_00000010/meta.json";
+  nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
+  meta["health"]["tensor_sumsq"]["layers.1.mlp_norm.weight"][1] = 1.0;
+  std::ofstream(meta_path) << meta.dump(2);
+  auto bad = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "bad") + " --resume " +
+                            (ws.dir / "from_bf16/checkpoints/step_00000010") + " --set precision.mode=fp32");
+  INFO(bad.output);
+  CHECK(bad.code == 5);
+  CHECK_THAT(bad.output, Catch::Contains("layers.1.mlp_norm.weight: |weights|^2 = ") &&
+                             Catch::Contains("after loading (fp32), |fp32 master|^2 = 1 when saved (bf16)"));
+}
+
 TEST_CASE("a healthy run raises no health warning", "[health][cli]") {
   test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}},
                                     {"train", {{"steps", 200}, {"eval_interval", 50}}},
