@@ -91,6 +91,7 @@ class Fields {
                               ? ">= " + std::to_string(lo)
                               : "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
       error(path(key), std::to_string(x) + " is out of range (allowed: " + range + ")");
+      return def.value_or(lo);  // a value in range, so that no later check divides by it
     }
     return x;
   }
@@ -363,6 +364,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   // ---- parallel ----
   {
     top.raw("parallel");
+    const size_t errors_before = errors.size();
     Fields f(child(doc, "parallel"), "parallel", errors);
     ParallelConfig& p = c.parallel;
     p.tp = f.integer("tp", 1, 1, 1 << 16);
@@ -375,44 +377,48 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     p.grad_bucket_size = f.integer("grad_bucket_size", 0, 0, int64_t{1} << 40);
     p.overlap_param_gather = f.boolean("overlap_param_gather", false);
     f.finish();
+    // The layout's checks against the model and batch quote these fields: only when they are valid.
+    const bool layout_valid = errors.size() == errors_before;
     const ModelConfig& m = c.model;
     auto divides = [&](int64_t by, int64_t what, const std::string& by_name, const std::string& what_name) {
       if (by > 0 && what > 0 && what % by != 0)
         errors.push_back(by_name + ": " + std::to_string(by) + " does not divide " + what_name + " (" +
                          std::to_string(what) + ")");
     };
-    divides(p.tp, m.n_heads, "parallel.tp", "model.n_heads");
-    divides(p.tp, m.n_kv_heads, "parallel.tp", "model.n_kv_heads");
-    // Embedding rows: vocab padded up to a multiple of pad_vocab_to_multiple_of * tp (Megatron's
-    // make-vocab-size-divisible-by); the padding rows are never a target.
-    if (m.pad_vocab_multiple > 1) {
-      const int64_t unit = m.pad_vocab_multiple * p.tp;
-      c.model.padded_vocab_size = (m.vocab_size + unit - 1) / unit * unit;
-    } else if (m.vocab_size % p.tp != 0) {
-      errors.push_back("parallel.tp: " + std::to_string(p.tp) + " does not divide model.vocab_size (" +
-                       std::to_string(m.vocab_size) + "); set model.pad_vocab_to_multiple_of (e.g. 128) to pad it");
+    if (layout_valid) {
+      divides(p.tp, m.n_heads, "parallel.tp", "model.n_heads");
+      divides(p.tp, m.n_kv_heads, "parallel.tp", "model.n_kv_heads");
+      // Embedding rows: vocab padded up to a multiple of pad_vocab_to_multiple_of * tp (Megatron's
+      // make-vocab-size-divisible-by); the padding rows are never a target.
+      if (m.pad_vocab_multiple > 1) {
+        const int64_t unit = m.pad_vocab_multiple * p.tp;
+        c.model.padded_vocab_size = (m.vocab_size + unit - 1) / unit * unit;
+      } else if (m.vocab_size % p.tp != 0) {
+        errors.push_back("parallel.tp: " + std::to_string(p.tp) + " does not divide model.vocab_size (" +
+                         std::to_string(m.vocab_size) + "); set model.pad_vocab_to_multiple_of (e.g. 128) to pad it");
+      }
+      divides(p.tp, m.ffn_hidden, "parallel.tp", "model.ffn_hidden");
+      if (m.n_layers > 0 && p.pp > m.n_layers + (p.embedding_slot ? 2 : 0))
+        errors.push_back("parallel.pp: " + std::to_string(p.pp) + " stages for " + std::to_string(m.n_layers) +
+                         " layers" + (p.embedding_slot ? " + embedding and head slots" : "") +
+                         " (each stage needs at least one)");
+      if (p.virtual_stages > 1 && p.pp == 1)
+        errors.push_back("parallel.virtual_stages: " + std::to_string(p.virtual_stages) +
+                         " model chunks per rank interleave a pipeline; with parallel.pp = 1 there is none (set it to 1)");
+      else if (p.virtual_stages > 1 && m.n_layers > 0 && p.pp * p.virtual_stages > m.n_layers + (p.embedding_slot ? 2 : 0))
+        errors.push_back("parallel.virtual_stages: pp * virtual_stages = " + std::to_string(p.pp * p.virtual_stages) +
+                         " virtual stages for " + std::to_string(m.n_layers) + " layers" +
+                         (p.embedding_slot ? " + embedding and head slots" : "") + " (each needs at least one)");
+      const TrainConfig& t = c.train;
+      if (p.sequence_parallel && p.tp > 1 && t.micro_batch > 0 && t.seq_len > 0 && (t.micro_batch * t.seq_len) % p.tp != 0)
+        errors.push_back("parallel.sequence_parallel: the " + std::to_string(t.micro_batch * t.seq_len) +
+                         " token rows of a micro-batch (train.micro_batch * train.seq_len) do not divide over tp=" +
+                         std::to_string(p.tp));
+      if (t.micro_batch > 0 && t.global_batch > 0 && t.global_batch % (t.micro_batch * p.dp) != 0)
+        errors.push_back("train.global_batch: " + std::to_string(t.global_batch) +
+                         " is not a multiple of train.micro_batch * parallel.dp (" + std::to_string(t.micro_batch) +
+                         " * " + std::to_string(p.dp) + ")");
     }
-    divides(p.tp, m.ffn_hidden, "parallel.tp", "model.ffn_hidden");
-    if (m.n_layers > 0 && p.pp > m.n_layers + (p.embedding_slot ? 2 : 0))
-      errors.push_back("parallel.pp: " + std::to_string(p.pp) + " stages for " + std::to_string(m.n_layers) +
-                       " layers" + (p.embedding_slot ? " + embedding and head slots" : "") +
-                       " (each stage needs at least one)");
-    if (p.virtual_stages > 1 && p.pp == 1)
-      errors.push_back("parallel.virtual_stages: " + std::to_string(p.virtual_stages) +
-                       " model chunks per rank interleave a pipeline; with parallel.pp = 1 there is none (set it to 1)");
-    else if (p.virtual_stages > 1 && m.n_layers > 0 && p.pp * p.virtual_stages > m.n_layers + (p.embedding_slot ? 2 : 0))
-      errors.push_back("parallel.virtual_stages: pp * virtual_stages = " + std::to_string(p.pp * p.virtual_stages) +
-                       " virtual stages for " + std::to_string(m.n_layers) + " layers" +
-                       (p.embedding_slot ? " + embedding and head slots" : "") + " (each needs at least one)");
-    const TrainConfig& t = c.train;
-    if (p.sequence_parallel && p.tp > 1 && t.micro_batch > 0 && t.seq_len > 0 && (t.micro_batch * t.seq_len) % p.tp != 0)
-      errors.push_back("parallel.sequence_parallel: the " + std::to_string(t.micro_batch * t.seq_len) +
-                       " token rows of a micro-batch (train.micro_batch * train.seq_len) do not divide over tp=" +
-                       std::to_string(p.tp));
-    if (t.micro_batch > 0 && t.global_batch > 0 && t.global_batch % (t.micro_batch * p.dp) != 0)
-      errors.push_back("train.global_batch: " + std::to_string(t.global_batch) +
-                       " is not a multiple of train.micro_batch * parallel.dp (" + std::to_string(t.micro_batch) +
-                       " * " + std::to_string(p.dp) + ")");
   }
 
   // ---- schedule ----

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <numbers>
 
 #include "common/run_config.h"
@@ -193,6 +194,11 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"parallel", {{"pp", 2}, {"virtual_stages", 0}}}}, "parallel.virtual_stages: 0 is out of range");
   fails_with({{"parallel", {{"overlap_grad_reduce", "yes"}}}}, "parallel.overlap_grad_reduce: expected true or false");
   fails_with({{"parallel", {{"grad_bucket_size", -1}}}}, "parallel.grad_bucket_size: -1 is out of range");
+  // An out-of-range size is refused by name, and never reaches the checks that divide by it.
+  for (const char* field : {"tp", "pp", "dp"})
+    for (const int64_t bad : {int64_t{0}, std::numeric_limits<int64_t>::min()})
+      fails_with({{"parallel", {{field, bad}}}}, "parallel." + std::string(field) + ": " + std::to_string(bad) +
+                                                     " is out of range");
   fails_with({{"parallel", {{"overlap_param_gather", 1}}}}, "parallel.overlap_param_gather: expected true or false");
   fails_with({{"parallel", {{"tp", 4}, {"sequence_parallel", true}}}, {"train", {{"micro_batch", 1}, {"global_batch", 8}, {"seq_len", 30}}}},
              "parallel.sequence_parallel: the 30 token rows of a micro-batch (train.micro_batch * train.seq_len) do not "
