@@ -50,6 +50,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Windows of a validation set that one evaluation reads: the first eval_batches micro-batches'
+// worth, or all of a smaller set (once each).
+int64_t validation_windows(const data::Sampler& val, const RunConfig& cfg) {
+  return std::min(val.num_windows(), cfg.train.eval_batches * cfg.train.micro_batch);
+}
+
 // device "cuda", or "auto" with a GPU visible: one process per GPU, the local rank's.
 std::unique_ptr<Backend> select_backend(const RunConfig& cfg, const parallel::LaunchInfo& launch) {
   const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && cuda_device_count() > 0);
@@ -316,7 +322,7 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     }
   }
   for (const ValidationSet& v : vals) {
-    const int64_t used = std::min(v.sampler.num_windows(), cfg.train.eval_batches * cfg.train.micro_batch);
+    const int64_t used = validation_windows(v.sampler, cfg);
     std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
                 v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
   }
@@ -465,12 +471,17 @@ void report_choice_eval(const RunConfig& cfg, const ChoiceEvalSet& set, const st
 }
 
 // Validation: the first eval_batches micro-batches of the (unshuffled) validation set, always
-// the same ones; DP rank r evaluates batches r, r + dp, ... and the losses are summed.
+// the same ones; DP rank r evaluates batches r, r + dp, ... and the losses are summed. A set of
+// fewer windows is read once: the rows of the last micro-batch past its end (which would wrap
+// around to its first windows) have no targets.
 double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, const parallel::Grid& grid) {
-  const int64_t mbs = cfg.train.micro_batch;
+  const int64_t mbs = cfg.train.micro_batch, seq = cfg.train.seq_len;
+  const int64_t windows = validation_windows(val, cfg);
   std::vector<MicroBatch> batches;
-  for (int64_t b = grid.dp_rank(); b < cfg.train.eval_batches; b += grid.dp_size()) {
+  for (int64_t b = grid.dp_rank(); b * mbs < windows; b += grid.dp_size()) {
     auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0, cfg.data);
+    for (int64_t row = windows - b * mbs; row < mbs; ++row)
+      std::fill_n(one[0].targets.begin() + row * seq, seq, -1);
     batches.push_back(std::move(one[0]));
   }
   return tr.evaluate(batches);
