@@ -1,6 +1,7 @@
 #include "model/transformer.h"
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 #include "kernels/alibi.h"
@@ -58,6 +59,16 @@ Transformer::Transformer(const ParamTable& table, Backend& backend, DType act_dt
   head_rows_ = logits_chunk_rows > 0
                    ? std::min(N_, logits_chunk_rows)
                    : auto_logits_chunk_rows(N_, vocab_local_, static_cast<int64_t>(dtype_size(act_)));
+
+  // Padded vocab rows (pad_vocab_to_multiple_of) are no token: their logits get a bias of -inf,
+  // so they take no share of the softmax (a model padded on import computes the loss it had
+  // unpadded) and, with zero gradients, their head rows never train. As llm.c's classifier
+  // leaves its padded columns out.
+  const int64_t padded_from = std::clamp(cfg_.vocab_size - vocab_start_, int64_t{0}, vocab_local_);
+  if (sh.has_head && padded_from < vocab_local_) {
+    head_bias_ = alloc(act_, {vocab_local_});  // zero-filled
+    be_.fill(head_bias_.elements(padded_from, vocab_local_), -std::numeric_limits<float>::infinity());
+  }
 
   if (cfg_.alibi) {
     // This rank's heads are heads [tp_rank * n_local, ...) of the model (TP splits q by heads).
@@ -570,7 +581,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
   const Tensor& x = gather_rows(s.normf);
   s.head_dloss.reset();
   if (!head_chunked()) {
-    be_.matmul(s.logits, x, w_.head, false, true);
+    be_.matmul(s.logits, x, w_.head, false, true, false, head_bias());
     probe(false, -1, "logits (head)", s.logits);
     loss_forward(s, s.logits, 0, N_);
   } else {
@@ -578,7 +589,7 @@ Transformer::LossSum Transformer::forward(int slot_index, const int32_t* tokens,
     for (int64_t r0 = 0; r0 < N_; r0 += head_rows_) {
       const int64_t r1 = std::min(N_, r0 + head_rows_);
       const Tensor logits = head_logits_.row_slice(0, r1 - r0);
-      be_.matmul(logits, x.row_slice(r0, r1), w_.head, false, true);
+      be_.matmul(logits, x.row_slice(r0, r1), w_.head, false, true, false, head_bias());
       probe(false, -1, "logits (head)", logits);
       const bool dlogits_ready = loss_forward(s, logits, r0, r1, dloss);
       if (dloss) head_backward(s, logits, x, r0, r1, *dloss, s.dnormf.row_slice(r0, r1), dlogits_ready);

@@ -319,6 +319,8 @@ class Transformer {
   bool tensor_parallel_;
   // This rank's sizes (TP-local).
   int64_t q_, kv_, ffn_, vocab_local_, vocab_start_ = 0;
+  Tensor head_bias_;  // -inf on this rank's padded vocab columns, 0 elsewhere; empty without any
+  const Tensor* head_bias() const { return head_bias_.empty() ? nullptr : &head_bias_; }
   AttnShape attn_shape_;  // without positions (each slot has its own copy); ALiBi's slopes of the local heads
   Tensor weights_, grads_;
   Params w_, g_;  // views of weights_ and grads_
