@@ -391,6 +391,18 @@ std::vector<std::string> Checkpoint::verify() const {
   return problems;
 }
 
+// The vocab rows of tok_embed or lm_head differ only by padding (model.pad_vocab_to_multiple_of,
+// which tp may require): say so, and what to do.
+std::string vocab_rows_hint(const ParamSpec& p, const std::vector<int64_t>& stored, const ModelConfig& m) {
+  if ((p.name != "tok_embed" && p.name != "lm_head") || stored.size() != 2 || p.shape.size() != 2 ||
+      stored[1] != p.shape[1] || stored[0] < m.vocab_size || p.shape[0] < m.vocab_size)
+    return "";
+  return " (model.vocab_size " + std::to_string(m.vocab_size) + ", padded to " + std::to_string(stored[0]) +
+         " rows in the checkpoint and to " + std::to_string(p.shape[0]) +
+         " here by model.pad_vocab_to_multiple_of x parallel.tp: a checkpoint's padding is not changed on load; "
+         "match it, or initialise from the Hugging Face model with --init-from hf:DIR, which pads)";
+}
+
 void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table) {
   ParamTable full(table.config());
   auto stored = ck.tensors(state);
@@ -403,7 +415,7 @@ void check_tensors_match(const Checkpoint& ck, const std::string& state, const P
       problems.push_back("tensor " + p.name + " " + shape_str(p.shape) + " is missing from the checkpoint");
     else if (it->second != p.shape)
       problems.push_back("tensor " + p.name + ": checkpoint has shape " + shape_str(it->second) +
-                         ", the model expects " + shape_str(p.shape));
+                         ", the model expects " + shape_str(p.shape) + vocab_rows_hint(p, it->second, table.config()));
   }
   for (const auto& [name, shape] : stored)
     if (!expected.count(name)) problems.push_back("tensor " + name + " " + shape_str(shape) + " is not part of this model");
