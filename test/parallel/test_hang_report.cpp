@@ -211,6 +211,215 @@ TEST_CASE("hang report: dumps are read from a run directory, older jobs and brok
   CHECK_THROWS_WITH(read_hang_dumps(dir / "nothing"), Catch::Contains("is not a directory"));
 }
 
+// ---- wait chains and late ranks: dumps shaped like those of real runs --------------------
+
+namespace {
+
+OpInfo ended(OpInfo o, double end) {  // a completed operation that took until `end`
+  o.state = "completed";
+  o.end = end;
+  return o;
+}
+
+// The watchdog's record of asking: which peers answered (the others were silent).
+json peers_said(std::initializer_list<std::pair<int, bool>> answered) {
+  json peers = json::array();
+  for (const auto& [rank, yes] : answered) peers.push_back({{"world_rank", rank}, {"answered", yes}});
+  return {{"findings", json::array()}, {"peers", peers}};
+}
+
+}  // namespace
+
+TEST_CASE("hang report: a stopped rank that wakes at the abort and answers late is named, not the network",
+          "[parallel][hang]") {
+  // dp 4 on the world group, KEEL_COMM_TIMEOUT=20. World rank 0 is stopped (kill -STOP) inside
+  // all_reduce #299. Ranks 1-3 wait in #300 from t=100, their watchdogs fire at 120 and they dump
+  // at 125. The abort sends SIGCONT: rank 0 finishes #299, passes #300 at once (the others are
+  // there), posts #301 and answers the dump request: its dump alone looks on time.
+  const std::vector<int> world = {0, 1, 2, 3};
+  std::vector<json> dumps;
+  json d0 = dump(0, 4,
+                 {ended(collective("all_reduce", "world", 0, 299, 100.0), 125.0),
+                  ended(collective("all_reduce", "world", 0, 300, 125.0), 125.0),
+                  posted(collective("all_reduce", "world", 0, 301, 125.0))},
+                 json::array({group("world", 0, 0, world, 301)}), "asked", 125.02);
+  d0["asked_by"] = 1;
+  d0["timeout_s"] = 20.0;
+  dumps.push_back(d0);
+  for (int r = 1; r < 4; ++r) {
+    json d = dump(r, 4, {ended(collective("all_reduce", "world", 0, 299, 99.99), 100.0),
+                         posted(collective("all_reduce", "world", 0, 300, 100.0))},
+                  json::array({group("world", 0, r, world, 300)}), "timeout", 125.0);
+    d["timeout_s"] = 20.0;
+    d["diagnosis"] = peers_said({{0, false}});
+    dumps.push_back(d);
+  }
+  const HangAnalysis a = analyze_hang(dumps);
+  REQUIRE(a.findings.size() == 2);
+  CHECK(format_finding(a.findings[0]) ==
+        "all_reduce #300 of world group 0 [world ranks 0-3]: world rank 0 arrived 25.0 s late (after the others' "
+        "timeout): it was stalled or slow in all_reduce #299 of world group 0, which took it 25.0 s (stuck 25.0 s, 3 "
+        "of 4 ranks waiting)");
+  // What it did after waking is a consequence: the others are still in #300, behind it.
+  CHECK(format_finding(a.findings[1], false) ==
+        "all_reduce #301 of world group 0 [world ranks 0-3]: world ranks 1-3 are behind: still waiting in all_reduce "
+        "#300 of world group 0, an earlier operation of this group");
+  CHECK(a.rank_lines[0].find("; it reached all_reduce #300 of world group 0 25.0 s late [dumped when world rank 1 "
+                             "asked]") != std::string::npos);
+
+  // A rank that arrives after a delay shorter than the timeout was not what the others waited
+  // for: the same dumps with rank 0 only 5 s late keep "every rank arrived".
+  for (json& d : dumps)
+    if (d["world_rank"] == 0) {
+      d["ops"][0]["end"] = 105.0;
+      d["ops"][1]["start"] = 105.0;
+      d["ops"][1]["end"] = 105.0;
+    }
+  CHECK(format_finding(analyze_hang(dumps).findings.at(0), false) ==
+        "all_reduce #300 of world group 0 [world ranks 0-3]: every rank arrived, yet the operation does not complete "
+        "(an MPI or network problem, or ranks that disagree on the message size)");
+}
+
+TEST_CASE("hang report: a rank stopped outside keel shows up late in the collective it walks into after the abort",
+          "[parallel][hang]") {
+  // tp 2, pp 2 (tp groups {0, 1} and {2, 3}, pp groups {0, 2} and {1, 3}); world rank 2 is
+  // stopped while computing. Stage 0 (ranks 0, 1) waits in its pipeline sendrecv with stage 1,
+  // rank 3 in tp all_reduce #5038. After SIGCONT rank 2 posts #5038, 25 s after rank 3, and dumps.
+  auto sendrecv = [](int index, int to_world) {
+    OpInfo o = send(index, 0, 1, to_world, 421, 100.0);
+    o.op = "sendrecv";
+    o.recv_peer = 1;
+    o.recv_world = to_world;
+    o.recv_seq = 419;
+    return o;
+  };
+  std::vector<json> dumps;
+  for (int r : {0, 1}) {
+    json d = dump(r, 4, {collective("all_reduce", "tp", 0, 3785, 99.9), posted(sendrecv(r, r + 2))},
+                  json::array({group("tp", 0, r, {0, 1}, 3785), group("pp", r, 0, {r, r + 2}, 0, {0, 421}, {0, 419})}),
+                  "timeout", 125.0);
+    d["timeout_s"] = 20.0;
+    dumps.push_back(d);
+  }
+  dumps[0]["diagnosis"] = peers_said({{2, false}});
+  json d2 = dump(2, 4, {collective("all_reduce", "tp", 1, 5037, 99.8), posted(collective("all_reduce", "tp", 1, 5038, 125.0))},
+                 json::array({group("tp", 1, 0, {2, 3}, 5038), group("pp", 0, 1, {0, 2}, 0, {418, 0}, {420, 0})}), "asked",
+                 125.03);
+  d2["timeout_s"] = 20.0;
+  json d3 = dump(3, 4, {collective("all_reduce", "tp", 1, 5037, 99.8), posted(collective("all_reduce", "tp", 1, 5038, 99.9))},
+                 json::array({group("tp", 1, 1, {2, 3}, 5038), group("pp", 1, 1, {1, 3}, 0, {418, 0}, {420, 0})}),
+                 "timeout", 125.0);
+  d3["timeout_s"] = 20.0;
+  d3["diagnosis"] = peers_said({{2, false}});
+  dumps.push_back(d2);
+  dumps.push_back(d3);
+  const HangAnalysis a = analyze_hang(dumps);
+  REQUIRE(a.findings.size() == 3);
+  CHECK(format_finding(a.findings[0]) ==
+        "all_reduce #5038 of tp group 1 [world ranks 2, 3]: world rank 2 arrived 25.1 s late (after the others' "
+        "timeout): it was stalled or slow outside keel's collectives (stuck 25.1 s, 1 of 2 ranks waiting)");
+  // The pipeline ends wait on the two ranks of that tp group: victims, listed after it.
+  CHECK(a.findings[1].op.group == "pp");
+  CHECK(a.findings[2].op.group == "pp");
+}
+
+TEST_CASE("hang report: the headline follows wait chains to the dead rank, whatever the order of the dumps",
+          "[parallel][hang]") {
+  // tp 2, pp 2; world rank 2 is killed (kill -9) and leaves no dump. Rank 0 waits in its pipeline
+  // send to rank 2, rank 1 in tp all_reduce #2818 for rank 0, rank 3 in tp all_reduce #3750 for
+  // rank 2. Each waits for one rank of two; rank 1 has waited longest (by 10 ms), which once put
+  // its all-reduce, and rank 0, in the headline.
+  json d0 = dump(0, 4, {collective("all_reduce", "tp", 0, 2817, 99.99), posted(send(0, 0, 1, 2, 313, 100.0))},
+                 json::array({group("tp", 0, 0, {0, 1}, 2817), group("pp", 0, 0, {0, 2}, 0, {0, 313}, {0, 312})}),
+                 "timeout", 125.0);
+  d0["diagnosis"] = peers_said({{2, false}});
+  json d1 = dump(1, 4, {collective("all_reduce", "tp", 0, 2817, 99.98), ended(send(1, 0, 1, 3, 313, 99.985), 99.99),
+                        posted(collective("all_reduce", "tp", 0, 2818, 99.99))},
+                 json::array({group("tp", 0, 1, {0, 1}, 2818), group("pp", 1, 0, {1, 3}, 0, {0, 313}, {0, 312})}),
+                 "timeout", 125.0);
+  json d3 = dump(3, 4, {collective("all_reduce", "tp", 1, 3749, 99.9), posted(collective("all_reduce", "tp", 1, 3750, 100.0))},
+                 json::array({group("tp", 1, 1, {2, 3}, 3750)}), "timeout", 125.0);
+  d3["diagnosis"] = peers_said({{2, false}});
+  const std::string dead_pp =
+      "pp send #313 stage 0 -> 1 (pp group 0) [world ranks 0, 2]: world rank 2 never arrived and gave no answer (busy "
+      "outside keel's communication: computing, hung in other code, or dead)";
+  const std::string dead_tp =
+      "all_reduce #3750 of tp group 1 [world ranks 2, 3]: world rank 2 never arrived and gave no answer (busy outside "
+      "keel's communication: computing, hung in other code, or dead)";
+  const std::string victim =
+      "all_reduce #2818 of tp group 0 [world ranks 0, 1]: world rank 0 never arrived; it last completed all_reduce "
+      "#2817 of tp group 0 and is now waiting in pp send #313 stage 0 -> 1 (pp group 0)";
+  // Two ranks wait on the pipeline send (rank 0 in it, rank 1 through rank 0), one on tp group 1.
+  for (const std::vector<json>& dumps : {std::vector<json>{d0, d1, d3}, std::vector<json>{d3, d1, d0},
+                                         std::vector<json>{d1, d3, d0}}) {
+    const HangAnalysis a = analyze_hang(dumps);
+    REQUIRE(a.findings.size() == 3);
+    CHECK(format_finding(a.findings[0], false) == dead_pp);
+    CHECK(format_finding(a.findings[1], false) == dead_tp);
+    CHECK(format_finding(a.findings[2], false) == victim);
+  }
+}
+
+TEST_CASE("hang report: with overlapped reductions, ranks held up in earlier ones are behind, the stopped one is named",
+          "[parallel][hang]") {
+  // dp 4 with overlap_grad_reduce: reduces to roots 1, 0, 2 in turn (#1147, #1148, #1149), each
+  // rank finishing a reduce it only sends to. World rank 3 is stopped inside #1146. Rank 1 (root
+  // of #1147) waits for it; rank 0 (root of #1148) waits for rank 1 and 3, rank 2 for all three.
+  // At the abort rank 3 wakes, finishes #1146 and posts #1147 20 s late.
+  const std::vector<int> dp = {0, 1, 2, 3};
+  auto reduce = [](int64_t seq, double start) { return collective("reduce", "dp", 0, seq, start); };
+  json d0 = dump(0, 4, {reduce(1146, 99.99), reduce(1147, 100.002), posted(reduce(1148, 100.004))},
+                 json::array({group("dp", 0, 0, dp, 1148)}), "timeout", 120.004);
+  json d1 = dump(1, 4, {reduce(1146, 99.99), posted(reduce(1147, 100.0))}, json::array({group("dp", 0, 1, dp, 1147)}),
+                 "timeout", 120.0);
+  d1["diagnosis"] = peers_said({{0, true}, {2, true}, {3, false}});
+  json d2 = dump(2, 4, {reduce(1147, 100.001), reduce(1148, 100.003), posted(reduce(1149, 100.005))},
+                 json::array({group("dp", 0, 2, dp, 1149)}), "timeout", 120.005);
+  json d3 = dump(3, 4, {ended(reduce(1146, 99.99), 120.006), posted(reduce(1147, 120.01))},
+                 json::array({group("dp", 0, 3, dp, 1147)}), "asked", 120.03);
+  d3["asked_by"] = 1;
+  std::vector<json> dumps = {d0, d1, d2, d3};
+  for (json& d : dumps) d["timeout_s"] = 15.0;
+  const HangAnalysis a = analyze_hang(dumps);
+  REQUIRE(a.findings.size() == 3);
+  CHECK(format_finding(a.findings[0]) ==
+        "reduce #1147 of dp group 0 [world ranks 0-3]: world rank 3 arrived 20.0 s late (after the others' timeout): "
+        "it was stalled or slow in reduce #1146 of dp group 0, which took it 20.0 s (stuck 20.0 s, 1 of 4 ranks "
+        "waiting)");
+  CHECK(format_finding(a.findings[1], false) ==
+        "reduce #1148 of dp group 0 [world ranks 0-3]: world ranks 1, 3 are behind: still waiting in reduce #1147 of "
+        "dp group 0, an earlier operation of this group");
+  CHECK(format_finding(a.findings[2], false) ==
+        "reduce #1149 of dp group 0 [world ranks 0-3]: world rank 0 is behind: still waiting in reduce #1148 of dp "
+        "group 0, an earlier operation of this group; world ranks 1, 3 are behind: still waiting in reduce #1147 of dp "
+        "group 0, an earlier operation of this group");
+
+  // The live report of the root of #1149 (rank 2), before anyone woke: the silent rank first,
+  // the ranks held up in earlier reductions after it, as such.
+  HangFinding live;
+  live.op = posted(reduce(1149, 100.005));
+  live.members = dp;
+  live.waiting = {2};
+  live.stuck_seconds = 15.0;
+  MissingRank r0, r1, r3;
+  r0.world_rank = 0;
+  r0.behind = true;
+  r0.waiting_in = posted(reduce(1148, 100.004));
+  r0.last_completed = reduce(1147, 100.002);
+  r1.world_rank = 1;
+  r1.behind = true;
+  r1.waiting_in = posted(reduce(1147, 100.0));
+  r1.last_completed = reduce(1146, 99.99);
+  r3.world_rank = 3;
+  r3.answered = false;
+  live.missing = {r0, r1, r3};
+  CHECK(format_finding(live) ==
+        "reduce #1149 of dp group 0 [world ranks 0-3]: world rank 3 never arrived and gave no answer (busy outside "
+        "keel's communication: computing, hung in other code, or dead); world rank 0 is behind: still waiting in reduce "
+        "#1148 of dp group 0, an earlier operation of this group; world rank 1 is behind: still waiting in reduce #1147 "
+        "of dp group 0, an earlier operation of this group (stuck 15.0 s, 1 of 4 ranks waiting)");
+}
+
 // ---- BlockingCallWatch: in a child process, since a firing watch ends the process ----------
 
 namespace {

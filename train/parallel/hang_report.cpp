@@ -287,20 +287,40 @@ std::string format_finding(const HangFinding& f, bool with_time) {
       const MissingRank* first;
     };
     std::vector<Clause> clauses;
-    for (const MissingRank& m : f.missing) {
-      const std::string key = std::to_string(m.answered) + std::to_string(m.mismatch) + "|" +
-                              (m.last_completed ? op_title(*m.last_completed) : "") + "|" +
-                              (m.waiting_in ? op_title(*m.waiting_in) : "");
-      auto it = std::find_if(clauses.begin(), clauses.end(), [&](const Clause& c) { return c.key == key; });
-      if (it == clauses.end()) clauses.push_back({key, {m.world_rank}, &m});
-      else it->ranks.push_back(m.world_rank);
-    }
+    // The ranks the operation waits for first; the ones only behind (held up by them) after.
+    for (const bool behind_pass : {false, true})
+      for (const MissingRank& m : f.missing) {
+        if (m.behind != behind_pass) continue;
+        const std::string key = std::to_string(m.answered) + std::to_string(m.mismatch) + std::to_string(m.behind) +
+                                "|" + (m.late_seconds > 0 ? seconds_text(m.late_seconds) : "") + "|" +
+                                (m.slow_in ? op_title(*m.slow_in) : "") + "|" +
+                                (m.last_completed ? op_title(*m.last_completed) : "") + "|" +
+                                (m.waiting_in ? op_title(*m.waiting_in) : "");
+        auto it = std::find_if(clauses.begin(), clauses.end(), [&](const Clause& c) { return c.key == key; });
+        if (it == clauses.end()) clauses.push_back({key, {m.world_rank}, &m});
+        else it->ranks.push_back(m.world_rank);
+      }
     for (size_t i = 0; i < clauses.size(); ++i) {
       const Clause& c = clauses[i];
       const MissingRank& m = *c.first;
       const bool one = c.ranks.size() == 1;
       if (i) s += "; ";
       s += world_ranks(c.ranks);
+      if (m.late_seconds > 0) {
+        s += " arrived " + seconds_text(m.late_seconds) + " late (after the others' timeout): " +
+             (one ? "it was" : "they were") + " stalled or slow ";
+        if (m.slow_in)
+          s += "in " + op_title(*m.slow_in) + ", which took " + (one ? "it " : "them ") +
+               seconds_text(m.slow_in->end - m.slow_in->start);
+        else
+          s += "outside keel's collectives";
+        continue;
+      }
+      if (m.behind) {
+        s += std::string(one ? " is" : " are") + " behind: still waiting in " +
+             (m.waiting_in ? op_title(*m.waiting_in) : std::string("?")) + ", an earlier operation of this group";
+        continue;
+      }
       if (!m.answered) {
         s += " never arrived and gave no answer (busy outside keel's communication: computing, hung in other code, "
              "or dead)";
@@ -330,7 +350,10 @@ void sort_findings(std::vector<HangFinding>& findings) {
     const double fa = a.members.empty() ? 0 : static_cast<double>(a.waiting.size()) / a.members.size();
     const double fb = b.members.empty() ? 0 : static_cast<double>(b.waiting.size()) / b.members.size();
     if (fa != fb) return fa > fb;
-    return a.stuck_seconds > b.stuck_seconds;
+    if (a.stuck_seconds != b.stuck_seconds) return a.stuck_seconds > b.stuck_seconds;
+    const std::string ta = op_title(a.op), tb = op_title(b.op);
+    if (ta != tb) return ta < tb;
+    return a.waiting < b.waiting;
   });
 }
 
@@ -421,6 +444,22 @@ std::string op_key(const OpInfo& o) {  // a kind-level position: same across gro
          std::to_string(o.recv_seq);
 }
 
+// Is `o`, recorded by world rank `member`, its side of `stuck`, which world rank `stuck_world`
+// waits in? A collective: the same number of the same group. Point to point: the receive that
+// matches the stuck send, or the send that matches the stuck receive.
+bool is_counterpart(const OpInfo& o, int member, const OpInfo& stuck, int stuck_world) {
+  if (o.group != stuck.group || o.group_index != stuck.group_index) return false;
+  if (!stuck.p2p()) return !o.p2p() && o.op == stuck.op && o.seq == stuck.seq;
+  return (stuck.send_world == member && o.recv_world == stuck_world && o.recv_seq == stuck.send_seq) ||
+         (stuck.recv_world == member && o.send_world == stuck_world && o.send_seq == stuck.recv_seq);
+}
+
+// Waiting in an earlier collective of the same group: held up there, on its way to this one.
+bool behind_in_group(const std::optional<OpInfo>& waiting, const OpInfo& stuck) {
+  return waiting && !stuck.p2p() && !waiting->p2p() && waiting->group == stuck.group &&
+         waiting->group_index == stuck.group_index && waiting->seq < stuck.seq;
+}
+
 }  // namespace
 
 HangAnalysis analyze_hang(const std::vector<json>& dumps) {
@@ -480,10 +519,65 @@ HangAnalysis analyze_hang(const std::vector<json>& dumps) {
     findings.push_back(std::move(f));
   }
 
+  // A rank may reach the operation long after the others: stopped (kill -STOP) or starved, it
+  // wakes when the job is aborted, walks into the operation and answers the dump request, so
+  // that its dump shows it there (or past it) as if it had been all along. Anyone who got there
+  // only after the first waiter's watchdog had fired is the one the others waited for.
+  std::map<int, std::pair<OpInfo, double>> late_at;  // world rank -> (operation, seconds late)
+  auto late_rank = [&](int r, const OpInfo& counterpart, double seconds, const RankDump* d) {
+    MissingRank miss;
+    miss.world_rank = r;
+    miss.late_seconds = seconds;
+    if (d) {
+      miss.last_completed = d->last_completed;
+      miss.waiting_in = d->waiting;
+      // Where the time went: in the operation just before, when that took most of it.
+      for (size_t i = 1; i < d->ops.size(); ++i) {
+        if (!d->ops[i].same_op(counterpart)) continue;
+        const OpInfo& prev = d->ops[i - 1];
+        if (prev.end > 0 && prev.end - prev.start >= seconds / 2) miss.slow_in = prev;
+        break;
+      }
+    }
+    late_at.emplace(r, std::make_pair(counterpart, seconds));
+    return miss;
+  };
+
   for (HangFinding& f : findings) {
+    double first_start = 0, fired = 0;
+    bool first = true;
+    for (int w : f.waiting) {
+      const RankDump& d = ranks[w];
+      const double timeout_s = d.j->value("timeout_s", 0.0);
+      const double fires = timeout_s > 0 ? d.waiting->start + timeout_s : d.dumped_at;
+      first_start = first ? d.waiting->start : std::min(first_start, d.waiting->start);
+      fired = first ? fires : std::min(fired, fires);
+      first = false;
+    }
+    std::set<int> late;
+    std::vector<int> on_time;
+    f.stuck_seconds = 0;
+    for (int w : f.waiting) {
+      const RankDump& d = ranks[w];
+      if (d.waiting->start >= fired) {
+        late.insert(w);
+        continue;
+      }
+      on_time.push_back(w);
+      f.stuck_seconds = std::max(f.stuck_seconds, d.dumped_at - d.waiting->start);
+    }
+    if (on_time.empty()) {  // cannot happen with a timeout; without one, take the waits as they are
+      on_time = f.waiting;
+      late.clear();
+    }
+    for (int w : late) {
+      const RankDump& d = ranks[w];
+      f.missing.push_back(late_rank(w, *d.waiting, d.waiting->start - first_start, &d));
+    }
+    f.waiting = on_time;
     const int stuck_rank = f.waiting.front();
     for (int m : f.members) {
-      if (std::find(f.waiting.begin(), f.waiting.end(), m) != f.waiting.end()) continue;
+      if (late.count(m) || std::find(f.waiting.begin(), f.waiting.end(), m) != f.waiting.end()) continue;
       MissingRank miss;
       miss.world_rank = m;
       bool arrived = false;
@@ -509,6 +603,16 @@ HangAnalysis analyze_hang(const std::vector<json>& dumps) {
           if (f.op.send_world == m && (me >= recvs.size() || recvs[me] < f.op.send_seq)) arrived = false;
           if (f.op.recv_world == m && (me >= sends.size() || sends[me] < f.op.recv_seq)) arrived = false;
         }
+        if (arrived) {
+          // Got there, and past it: but in time? (Its ring says when; an overwritten entry: assume so.)
+          for (const OpInfo& o : d.ops)
+            if (is_counterpart(o, m, f.op, stuck_rank) && o.start >= fired) {
+              f.missing.push_back(late_rank(m, o, o.start - first_start, &d));
+              break;
+            }
+          continue;
+        }
+        miss.behind = behind_in_group(d.waiting, f.op);
       } else {
         // No dump: what it told a rank stuck in this operation, if it answered.
         const PeerAnswer* best = nullptr;
@@ -531,22 +635,32 @@ HangAnalysis analyze_hang(const std::vector<json>& dumps) {
             if (f.op.send_world == m && best->recvs_from_asker < f.op.send_seq) arrived = false;
             if (f.op.recv_world == m && best->sends_to_asker < f.op.recv_seq) arrived = false;
           }
+          if (arrived) {
+            for (const auto& said : {best->waiting, best->last_completed})
+              if (said && is_counterpart(*said, m, f.op, stuck_rank) && said->start >= fired) {
+                f.missing.push_back(late_rank(m, *said, said->start - first_start, nullptr));
+                break;
+              }
+            continue;
+          }
+          miss.behind = behind_in_group(best->waiting, f.op);
         }
       }
       if (!arrived) f.missing.push_back(std::move(miss));
     }
+    std::sort(f.missing.begin(), f.missing.end(),
+              [](const MissingRank& x, const MissingRank& y) { return x.world_rank < y.world_rank; });
   }
 
   // Which missing rank skipped the operation? A rank whose last completed operation was
   // followed, on most other ranks that did it, by this finding's operation (the same position
   // of the group kind, in any group of that kind), while it went elsewhere, ran different code.
-  // Findings with such a rank come first: the others wait on it.
   sort_findings(findings);
   std::vector<std::vector<std::string>> why(findings.size());
   for (size_t fi = 0; fi < findings.size(); ++fi) {
     const HangFinding& f = findings[fi];
     for (const MissingRank& m : f.missing) {
-      if (!m.last_completed || !m.waiting_in || m.mismatch) continue;
+      if (!m.last_completed || !m.waiting_in || m.mismatch || m.late_seconds > 0) continue;
       const std::string prev = op_key(*m.last_completed), expected = op_key(f.op);
       if (op_key(*m.waiting_in) == expected) continue;
       std::map<std::string, std::vector<int>> next_by_rank;  // what the others did right after prev
@@ -569,9 +683,54 @@ HangAnalysis analyze_hang(const std::vector<json>& dumps) {
                         op_title(*m.waiting_in));
     }
   }
-  std::vector<size_t> order(findings.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return !why[x].empty() && why[y].empty(); });
+
+  // Wait chains. A missing rank that waits in another stuck operation (or is behind in this
+  // group) is a victim: follow it there. An operation with a missing rank that is silent, waits
+  // nowhere, came late, is elsewhere at this point or skipped it, or with every member there,
+  // is where a chain ends: the cause is there. Next come the ones whose chain cannot be followed
+  // (a missing rank waits in an operation whose members no dump lists), then the victims. Among
+  // equals, the one the most ranks wait on, directly or down a chain, heads the report.
+  const size_t n = findings.size();
+  std::vector<std::vector<size_t>> waits_on(n);
+  enum : int { kVictim = 0, kChainLost = 1, kCause = 2 };
+  std::vector<int> chain_end(n, kVictim);
+  for (size_t fi = 0; fi < n; ++fi) {
+    const HangFinding& f = findings[fi];
+    if ((f.missing.empty() && !f.members.empty()) || !why[fi].empty()) chain_end[fi] = kCause;
+    for (const MissingRank& m : f.missing) {
+      if (!m.answered || m.mismatch || m.late_seconds > 0 || !m.waiting_in) {
+        chain_end[fi] = kCause;
+        continue;
+      }
+      bool followed = false;
+      for (size_t gi = 0; gi < n; ++gi)
+        if (gi != fi && findings[gi].op.same_op(*m.waiting_in) && !findings[gi].members.empty()) {
+          waits_on[fi].push_back(gi);
+          followed = true;
+        }
+      if (!followed) chain_end[fi] = std::max(chain_end[fi], static_cast<int>(kChainLost));
+    }
+  }
+  std::vector<std::set<int>> blocked(n);  // ranks waiting in it or in an operation that leads to it
+  for (size_t fi = 0; fi < n; ++fi) {
+    std::vector<char> seen(n, 0);
+    std::vector<size_t> todo = {fi};
+    seen[fi] = 1;
+    while (!todo.empty()) {
+      const size_t gi = todo.back();
+      todo.pop_back();
+      blocked[gi].insert(findings[fi].waiting.begin(), findings[fi].waiting.end());
+      for (size_t next : waits_on[gi])
+        if (!seen[next]) seen[next] = 1, todo.push_back(next);
+    }
+  }
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+    if (why[x].empty() != why[y].empty()) return !why[x].empty();
+    if (chain_end[x] != chain_end[y]) return chain_end[x] > chain_end[y];
+    return blocked[x].size() > blocked[y].size();
+  });
   for (size_t i : order) {
     a.findings.push_back(findings[i]);
     for (const auto& reason : why[i]) a.notes.push_back(reason);
@@ -590,6 +749,8 @@ HangAnalysis analyze_hang(const std::vector<json>& dumps) {
       else
         line += "not waiting in any keel operation";
       line += "; last completed " + (d.last_completed ? op_title(*d.last_completed) : std::string("nothing"));
+      if (auto late = late_at.find(r); late != late_at.end())
+        line += "; it reached " + op_title(late->second.first) + " " + seconds_text(late->second.second) + " late";
       line += j.value("reason", std::string()) == "timeout"
                   ? " [its own watchdog fired]"
                   : " [dumped when world rank " + std::to_string(j.value("asked_by", -1)) + " asked]";

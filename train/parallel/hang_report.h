@@ -133,11 +133,20 @@ std::optional<CollectiveFault> parse_collective_fault(const std::string& text);
 
 // ---- findings: one stuck operation -------------------------------------------------------
 
-// A member that has not arrived at the operation (or called a different one at that point).
+// A member that has not arrived at the operation (or called a different one at that point, or
+// came only after the others had timed out).
 struct MissingRank {
   int world_rank = -1;
   bool answered = true;                 // false: no answer and no dump (busy outside keel, or dead)
   bool mismatch = false;                // it is in a different operation at this very point
+  // Waiting in an earlier collective of the same group: held up there (on its way), not the one
+  // that is missing. Overlapped reductions put several collectives of a group in flight.
+  bool behind = false;
+  // > 0: it did arrive, this many seconds after the first waiter and after that waiter's watchdog
+  // had fired. A rank that was stopped or starved (kill -STOP, swapping) wakes when the job is
+  // aborted, walks into the operation and answers the dump request, so its dump alone looks on time.
+  double late_seconds = 0;
+  std::optional<OpInfo> slow_in;         // late: the operation before, when most of the delay was spent in it
   std::optional<OpInfo> last_completed;  // its last completed operation, when known
   std::optional<OpInfo> waiting_in;      // the keel operation it waits in now, when it does
 };
@@ -153,11 +162,13 @@ struct HangFinding {
 // "reduce_scatter #7 of dp group 0 [world ranks 0, 1, 2, 3]: world rank 2 never arrived; it
 //  last completed all_reduce #6 of dp group 0 and is now waiting in all_reduce #3 of world
 //  group 0 (stuck 3.0 s, 3 of 4 ranks waiting)". with_time = false leaves out the parenthesis
-// (the part that differs between the live report and the dumps).
+// (the part that differs between the live report and the dumps). Ranks that are only behind
+// come last, after the ones the operation really waits for.
 std::string format_finding(const HangFinding& f, bool with_time = true);
 
 // Orders findings: the most-arrived operation first (its missing ranks are the likeliest
-// culprits), then the longest stuck.
+// culprits), then the longest stuck, then by operation and rank, so that ties always come out
+// the same way.
 void sort_findings(std::vector<HangFinding>& findings);
 
 // ---- host calls that block without returning control ----------------------------------------
@@ -191,8 +202,13 @@ struct HangDumps {
 // std::runtime_error when there is none.
 HangDumps read_hang_dumps(const std::string& dir);
 
+// analyze_hang follows wait chains: a missing rank that waits in another stuck operation (or is
+// behind in its own group) is a victim, and the operations it waits in are followed until a
+// missing rank that is silent, waits nowhere, is late, or is in a different operation. Those
+// operations come first, the one most ranks wait on (directly or through others) at the head;
+// sort_findings breaks the remaining ties.
 struct HangAnalysis {
-  std::vector<HangFinding> findings;  // sorted (sort_findings)
+  std::vector<HangFinding> findings;  // the headline first (see above)
   std::vector<std::string> rank_lines;  // one per world rank: what it was doing, from its dump or the others'
   std::vector<std::string> notes;
   int world_size = 0;

@@ -651,7 +651,7 @@ void MpiComm::Impl::on_timeout(const Op& op) {
 
   std::string msg = "keel comm watchdog: world rank " + std::to_string(world_rank) + " (host " + host + ") timed out after " +
                     fmt_seconds(waited) + " in " + describe(op) + "\n";
-  std::vector<int> missing;
+  std::vector<int> missing, held_up;
   for (size_t i = 0; i < asked.size(); ++i) {
     const int peer = asked[i];
     const int peer_world = members[static_cast<size_t>(peer)];
@@ -701,7 +701,16 @@ void MpiComm::Impl::on_timeout(const Op& op) {
       continue;
     }
     const bool same_point = r.busy && name == r.busy_group && r.busy_seq == op.seq;
-    if (r.collectives < op.seq) {
+    // With overlapped reductions several collectives of a group are in flight: a member still
+    // waiting in an earlier one is held up there (by whoever that one waits for), not missing.
+    const bool in_earlier = r.busy && name == r.busy_group && r.busy_seq > 0 && r.busy_seq < op.seq;
+    if (r.collectives < op.seq && in_earlier) {
+      msg += "BEHIND: has started " + std::to_string(r.collectives) + " collectives on " + name + " (this is #" +
+             std::to_string(op.seq) + ") and is held up in an earlier one; " + busy + "\n";
+      held_up.push_back(peer_world);
+      miss.behind = true;
+      finding.missing.push_back(miss);
+    } else if (r.collectives < op.seq) {
       msg += "NOT ARRIVED: has started " + std::to_string(r.collectives) + " collectives on " + name +
              " (this is #" + std::to_string(op.seq) + "); " + busy + "\n";
       missing.push_back(peer_world);
@@ -724,6 +733,12 @@ void MpiComm::Impl::on_timeout(const Op& op) {
     for (size_t i = 0; i < missing.size(); ++i) msg += (i ? ", " : " ") + std::to_string(missing[i]);
     msg += "\n";
   }
+  if (!held_up.empty()) {
+    msg += "  behind (held up in earlier collectives of " + name + ", not missing): world rank" +
+           std::string(held_up.size() > 1 ? "s" : "");
+    for (size_t i = 0; i < held_up.size(); ++i) msg += (i ? ", " : " ") + std::to_string(held_up[i]);
+    msg += "\n";
+  }
   std::sort(finding.waiting.begin(), finding.waiting.end());
   const std::string report = format_finding(finding);
   msg += "keel hang report: " + report + "\n";
@@ -736,7 +751,10 @@ void MpiComm::Impl::on_timeout(const Op& op) {
       if (static_cast<int>(r) != world_rank) written += acks[r] ? 1 : 0;
     msg += "keel hang dumps: " + std::to_string(written) + " of " + std::to_string(g_hang.world_size) +
            " ranks wrote theirs to " + hang_dump_directory() +
-           (written < g_hang.world_size ? " (the others did not answer: busy outside keel, or dead)" : "") +
+           (written < g_hang.world_size
+                ? " (the others did not answer in time: busy outside keel, or dead; one that resumes later may "
+                  "still add its own)"
+                : "") +
            "; for the whole picture run: keel doctor hang " + hang_dump_directory() + "\n";
   }
   msg += "  (timeout " + fmt_seconds(timeout) +

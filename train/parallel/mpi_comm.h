@@ -14,6 +14,8 @@
 // the group what they are doing over a side communicator, prints who is stuck where and who has
 // not arrived to stderr, and throws CommTimeout. Ranks answer those questions whenever they are
 // themselves waiting in any keel collective; a rank busy outside them is reported as silent.
+// A member still waiting in an earlier collective of the same group (overlapped reductions keep
+// several in flight) is reported as behind, after the ranks that are really missing.
 //
 // Hang diagnosis (hang_report.h): every operation on a group of more than one rank is recorded
 // in this process's OpRecorder ring. The watchdog's report ends with one line in the words

@@ -6,6 +6,8 @@
 //   test_parallel_mpi watchdog        rank 3 skips a dp all-reduce: rank 1 must report it
 //   test_parallel_mpi watchdog_p2p    rank 0 never sends: rank 1's recv must report it
 //   test_parallel_mpi watchdog_silent rank 1 computes (outside MPI): rank 0 reports no answer
+//   test_parallel_mpi watchdog_behind rank 3 computes while the others are at different dp
+//                                     collectives: rank 2 names 3 as missing, 0 and 1 as behind
 //   test_parallel_mpi hang_dump DIR   rank 3 skips a dp all-reduce by KEEL_FAULT_SKIP_COLLECTIVE:
 //                                     every rank dumps into DIR, the dumps' report names rank 3
 //   test_parallel_mpi hang_silent DIR rank 1 computes: only rank 0 dumps, the report still names 1
@@ -451,6 +453,55 @@ int run_watchdog_async(const MpiRuntime& rt) {
   return 0;
 }
 
+// Overlapped reductions (dp 4, simulated with asynchronous operations as in `watchdog_async`):
+// rank 3 computes and never posts dp collective #2. Rank 0 waits in #2 (it needs rank 3's part),
+// rank 1 got through #2 and waits in #3 (it needs rank 0's and 3's), rank 2 got through both and
+// waits in #4. Rank 2's report must name rank 3 alone as not arrived, and ranks 0 and 1 as behind,
+// held up in the earlier collectives of the group.
+int run_watchdog_behind(const MpiRuntime& rt) {
+  if (rt.world_size() != 4) throw std::runtime_error("watchdog_behind needs 4 ranks");
+  CommGroups comms = watchdog_comms(rt, 1, 1, 4, GroupKind::DP);
+  MpiComm& dp = mpi(*comms.dp);
+  if (rt.world_rank() != 2) dp.set_timeout(30.0);  // rank 2's watchdog fires first
+  auto wait_all = [] {
+    while (async_ops_pending()) {
+      poll_async_ops();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  };
+  dp.post_async("reduce", 1000, DType::F32, -1, -1, [] { return true; });  // #1: everyone
+  wait_all();
+  if (rt.world_rank() == 3) {
+    std::this_thread::sleep_for(std::chrono::seconds(30));  // "computing"; ended by rank 2's abort
+    return 0;
+  }
+  // Rank r finishes the first r of #2.. and is stuck in the next one.
+  for (int seq = 2; seq <= 4; ++seq) {
+    const bool finishes = seq - 2 < rt.world_rank();
+    dp.post_async("reduce", 1000, DType::F32, -1, -1, [finishes] { return finishes; });
+    if (!finishes) break;
+  }
+  std::string msg;
+  try {
+    wait_all();
+  } catch (const CommTimeout& e) {
+    msg = e.what();
+  }
+  if (rt.world_rank() != 2) return 0;  // ranks 0 and 1 are ended by rank 2's abort
+  return judge("watchdog_behind", msg,
+               {"reduce #4 on group dp [world ranks 0, 1, 2, 3]",
+                "dp rank 0 (world 0): BEHIND: has started 2 collectives on dp (this is #4) and is held up in an "
+                "earlier one; it is waiting in reduce #2 on dp",
+                "dp rank 1 (world 1): BEHIND: has started 3 collectives on dp (this is #4) and is held up in an "
+                "earlier one; it is waiting in reduce #3 on dp",
+                "dp rank 3 (world 3): NO ANSWER", "not arrived: world rank 3\n",
+                "behind (held up in earlier collectives of dp, not missing): world ranks 0, 1\n",
+                "keel hang report: reduce #4 of dp group 0 [world ranks 0-3]: world rank 3 never arrived and gave no "
+                "answer (busy outside keel's communication: computing, hung in other code, or dead); world rank 0 is "
+                "behind: still waiting in reduce #2 of dp group 0, an earlier operation of this group; world rank 1 is "
+                "behind: still waiting in reduce #3 of dp group 0, an earlier operation of this group"});
+}
+
 // pp 2: rank 1 waits for an activation rank 0 never sends (rank 0 went on to a world barrier).
 int run_watchdog_p2p(const MpiRuntime& rt) {
   if (rt.world_size() != 2) throw std::runtime_error("watchdog_p2p needs 2 ranks");
@@ -724,6 +775,7 @@ int main(int argc, char** argv) {
     if (mode == "watchdog_p2p") return run_watchdog_p2p(rt);
     if (mode == "watchdog_silent") return run_watchdog_silent(rt);
     if (mode == "watchdog_async") return run_watchdog_async(rt);
+    if (mode == "watchdog_behind") return run_watchdog_behind(rt);
     if (mode == "nccl") return run_nccl(rt);
     if (mode == "hang_dump" || mode == "hang_silent") {
       if (argc < 3) throw std::runtime_error(mode + " needs a dump directory argument");
