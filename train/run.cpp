@@ -56,6 +56,43 @@ int64_t validation_windows(const data::Sampler& val, const RunConfig& cfg) {
   return std::min(val.num_windows(), cfg.train.eval_batches * cfg.train.micro_batch);
 }
 
+// Every rank must run the same config: a node launched with another file or other --set values
+// would otherwise train its share with other settings, which nothing downstream notices (under
+// pure DP the weights are all-gathered, so even the replica check agrees). Compared first thing
+// (collective over the world), and the differences named by rank 0.
+void check_ranks_agree(const RunConfig& cfg, const RunOptions& opts) {
+  if (!opts.mpi || opts.mpi->world_size() <= 1) return;
+  nlohmann::json mine = to_json(cfg);
+  mine["command line"] = {{"--resume", opts.resume},       {"--init-from", opts.init_from},
+                          {"--stop-at", opts.stop_at},     {"--time-limit", opts.time_limit_s},
+                          {"--eval-only", opts.eval_only}};
+  std::string theirs;
+  const int r = opts.mpi->first_rank_differing(mine.dump(), &theirs);
+  if (r < 0) return;
+  if (opts.mpi->world_rank() != 0)
+    throw ConfigError("world rank " + std::to_string(r) + " runs another config than world rank 0 (rank 0 names it)");
+  const nlohmann::json a = mine.flatten(), b = nlohmann::json::parse(theirs).flatten();
+  std::vector<std::string> lines;
+  auto dotted = [](std::string key) {  // "/optimizer/lr" -> "optimizer.lr"
+    std::replace(key.begin(), key.end(), '/', '.');
+    return key.substr(1);
+  };
+  auto shown = [](const nlohmann::json& j, const std::string& key) { return j.contains(key) ? j[key].dump() : "(unset)"; };
+  std::set<std::string> keys;
+  for (const auto& [k, v] : a.items()) keys.insert(k);
+  for (const auto& [k, v] : b.items()) keys.insert(k);
+  for (const std::string& k : keys)
+    if (shown(a, k) != shown(b, k))
+      lines.push_back(dotted(k) + ": " + shown(a, k) + " on world rank 0, " + shown(b, k) + " on world rank " +
+                      std::to_string(r));
+  std::string msg = "world rank " + std::to_string(r) +
+                    " runs another config than world rank 0 (was it launched with another config file or other "
+                    "--set values?):";
+  for (size_t i = 0; i < lines.size() && i < 10; ++i) msg += "\n  " + lines[i];
+  if (lines.size() > 10) msg += "\n  ... and " + std::to_string(lines.size() - 10) + " more";
+  throw ConfigError(msg);
+}
+
 // device "cuda", or "auto" with a GPU visible: one process per GPU, the local rank's.
 std::unique_ptr<Backend> select_backend(const RunConfig& cfg, const parallel::LaunchInfo& launch) {
   const bool cuda = cfg.device == "cuda" || (cfg.device == "auto" && cuda_device_count() > 0);
@@ -626,15 +663,18 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
   const int world_size = opts.mpi ? opts.mpi->world_size() : 1;
   const int world_rank = opts.mpi ? opts.mpi->world_rank() : 0;
-  if (cfg.parallel.world() != world_size)
+  check_ranks_agree(cfg, opts);
+  if (cfg.parallel.world() != world_size) {
+    const int64_t tp_pp = cfg.parallel.tp * cfg.parallel.pp;
     throw ConfigError("parallel: tp*pp*dp = " + std::to_string(cfg.parallel.tp) + "*" + std::to_string(cfg.parallel.pp) +
                       "*" + std::to_string(cfg.parallel.dp) + " = " + std::to_string(cfg.parallel.world()) +
                       " ranks, but " + std::to_string(world_size) + (world_size == 1 ? " process was" : " processes were") +
                       " launched: start it with `mpirun -np " + std::to_string(cfg.parallel.world()) +
-                      " keel train ...` (or srun -n), or change parallel.dp to " +
-                      (world_size % (cfg.parallel.tp * cfg.parallel.pp) == 0
-                           ? std::to_string(world_size / (cfg.parallel.tp * cfg.parallel.pp))
-                           : std::string("a value with tp*pp*dp = ") + std::to_string(world_size)));
+                      " keel train ...` (or srun -n), or " +
+                      (world_size % tp_pp == 0
+                           ? "change parallel.dp to " + std::to_string(world_size / tp_pp)
+                           : "launch a multiple of tp*pp = " + std::to_string(tp_pp) + " processes"));
+  }
   const parallel::Grid grid(world_size, world_rank, static_cast<int>(cfg.parallel.tp), static_cast<int>(cfg.parallel.pp),
                             static_cast<int>(cfg.parallel.dp));
   // Where every rank's communication record goes if a collective hangs (keel doctor hang).

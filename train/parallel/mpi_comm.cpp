@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include "data/checksum.h"
 #include "train/parallel/hang_report.h"
 
 #ifdef KEEL_HAVE_MPI
@@ -72,6 +73,7 @@ constexpr int kQueryTag = 1;    // watchdog side channel: "what are you doing?"
 constexpr int kReplyTag = 2;    // ... and the answer
 constexpr int kDumpTag = 3;     // hang channel (world): "write your hang dump"
 constexpr int kDumpAckTag = 4;  // ... "written" (the asker waits for it before the job is aborted)
+constexpr int kTextTag = 5;     // world, at start-up: a rank's config for rank 0 (first_rank_differing)
 constexpr int64_t kSmallAllReduce = 8192;  // n * size at or below: one all-gather, reduce everywhere
 constexpr auto kServeInterval = std::chrono::milliseconds(20);
 
@@ -1175,6 +1177,28 @@ MpiRuntime::~MpiRuntime() {
   MPI_Finalize();
 }
 
+int MpiRuntime::first_rank_differing(const std::string& text, std::string* differing_text) const {
+  if (!active_ || launch_.world_size <= 1) return -1;
+  const uint32_t mine = data::crc32c(0, text.data(), text.size());
+  std::vector<uint32_t> all(static_cast<size_t>(launch_.world_size));
+  const int err = MPI_Allgather(&mine, 1, MPI_UINT32_T, all.data(), 1, MPI_UINT32_T, MPI_COMM_WORLD);
+  if (err != MPI_SUCCESS) throw std::runtime_error("MPI_Allgather (comparing the ranks' configs): " + mpi_error_text(err));
+  const auto differs = std::find_if(all.begin(), all.end(), [&](uint32_t h) { return h != all[0]; });
+  if (differs == all.end()) return -1;
+  const int r = static_cast<int>(differs - all.begin());
+  if (launch_.world_rank == r) {
+    const int64_t n = static_cast<int64_t>(text.size());
+    MPI_Send(&n, 1, MPI_INT64_T, 0, kTextTag, MPI_COMM_WORLD);
+    MPI_Send(text.data(), static_cast<int>(n), MPI_CHAR, 0, kTextTag, MPI_COMM_WORLD);
+  } else if (launch_.world_rank == 0 && differing_text) {
+    int64_t n = 0;
+    MPI_Recv(&n, 1, MPI_INT64_T, r, kTextTag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    differing_text->assign(static_cast<size_t>(n), '\0');
+    MPI_Recv(differing_text->data(), static_cast<int>(n), MPI_CHAR, r, kTextTag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+  }
+  return r;
+}
+
 void MpiRuntime::abort(int code) {
   std::fflush(stdout);
   std::fflush(stderr);
@@ -1199,6 +1223,7 @@ MpiRuntime::MpiRuntime(int*, char***) {
                              "(Debian: libopenmpi-dev) and rebuild with -DKEEL_MPI=ON");
 }
 MpiRuntime::~MpiRuntime() = default;
+int MpiRuntime::first_rank_differing(const std::string&, std::string*) const { return -1; }
 void MpiRuntime::abort(int code) {
   std::fflush(stdout);
   std::fflush(stderr);

@@ -64,6 +64,12 @@ class MpiRuntime {
   // Flushes stdout/stderr and ends the whole job (MPI_Abort), or the process without MPI.
   [[noreturn]] static void abort(int code);
 
+  // Collective over the world: every rank passes its text (say, its resolved config). Returns,
+  // on every rank, the lowest world rank whose text differs from rank 0's, or -1 when all agree
+  // (or without MPI). Rank 0 receives that rank's text in *differing_text. Compares CRC-32Cs,
+  // so only the one differing text travels.
+  int first_rank_differing(const std::string& text, std::string* differing_text) const;
+
  private:
   bool active_ = false;
   bool owns_mpi_ = false;  // we called MPI_Init, so we finalize

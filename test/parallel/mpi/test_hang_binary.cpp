@@ -107,3 +107,19 @@ TEST_CASE("mpirun keel train: an error on one rank alone is printed by that rank
   CHECK(shared.output.find("keel: [rank 0 of 2 on ") != std::string::npos);
   CHECK(shared.output.find("[rank 1 of 2") == std::string::npos);
 }
+
+TEST_CASE("mpirun keel train: ranks given different configs are refused before anything runs, the fields named",
+          "[mpi][errors]") {
+  test::Workspace ws({{"train", {{"steps", 2}, {"global_batch", 4}, {"micro_batch", 2}}}, {"parallel", {{"dp", 2}}}});
+  const std::string keel = std::string(KEEL_BINARY) + " train --config " + ws.config + " -q --out " + (ws.dir / "out");
+  const std::string mpi = "env OMP_NUM_THREADS=1 " + std::string(KEEL_MPIEXEC);
+  // Under pure DP nothing else would notice: the weights are all-gathered, so the replicas agree.
+  const test::ProcessResult r =
+      run_shell(mpi + " -np 1 " + keel + " : -np 1 " + keel + " --set optimizer.lr=0.5 --stop-at 1");
+  INFO(r.output);
+  CHECK(r.code == int(kExitConfigError));
+  CHECK_THAT(r.output, Catch::Contains("world rank 1 runs another config than world rank 0") &&
+                           Catch::Contains("optimizer.lr: 0.01 on world rank 0, 0.5 on world rank 1") &&
+                           Catch::Contains("command line.--stop-at: 0 on world rank 0, 1 on world rank 1"));
+  CHECK(!fs::exists(ws.dir / "out"));
+}
