@@ -17,6 +17,7 @@
 
 #include "data/checksum.h"
 #include "data/file_io.h"
+#include "train/schedule.h"
 
 namespace keel {
 
@@ -876,10 +877,42 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
     if (ck.precision() != precision_name(cfg.precision.mode))
       warnings->push_back("precision changes from " + ck.precision() + " to " + precision_name(cfg.precision.mode) +
                           ": the run continues from the same fp32 state but will not be bit-identical");
-    for (const char* section : {"optimizer", "schedule", "train", "data", "parallel"})
-      if (saved.contains(section) && saved[section] != now[section])
-        warnings->push_back(std::string(section) + " settings differ from the checkpoint's (" + saved[section].dump() +
-                            " -> " + now[section].dump() + ")");
+    // Each changed setting by name (a whole section's JSON hides the one change in it).
+    std::vector<std::string> changed;
+    for (const char* section : {"optimizer", "schedule", "train", "data", "parallel"}) {
+      if (!saved.contains(section) || saved[section] == now[section]) continue;
+      const json a = saved[section].flatten(), b = now[section].flatten();
+      std::set<std::string> keys;
+      for (const auto& item : a.items()) keys.insert(item.key());
+      for (const auto& item : b.items()) keys.insert(item.key());
+      auto shown = [](const json& j, const std::string& k) { return j.contains(k) ? j[k].dump() : std::string("-"); };
+      for (std::string k : keys)
+        if (shown(a, k) != shown(b, k)) {
+          const std::string before = shown(a, k), after = shown(b, k);
+          std::replace(k.begin(), k.end(), '/', '.');
+          changed.push_back(std::string(section) + k + ": " + before + " -> " + after);
+        }
+    }
+    if (!changed.empty()) {
+      std::string text = "settings changed since the checkpoint:";
+      for (const std::string& c : changed) text += "\n    " + c;
+      warnings->push_back(text);
+    }
+    // The schedule follows train.steps (the decay window) and the schedule section: say what the
+    // next step's learning rate becomes, which the changes above only imply.
+    const int64_t next = ck.progress().iteration + 1;
+    try {
+      const RunConfig was = parse_config(saved, ck.path() + "/meta.json");
+      const double lr_was = learning_rate(was, next), lr_now = learning_rate(cfg, next);
+      if (lr_was != lr_now) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "the learning rate of step %lld changes from %.6g (the checkpoint's settings) to %.6g",
+                      static_cast<long long>(next), lr_was, lr_now);
+        warnings->push_back(buf);
+      }
+    } catch (const std::exception&) {
+      // A config of an older keel that this one no longer parses: the changes above say enough.
+    }
   }
   return ck.progress();
 }
