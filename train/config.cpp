@@ -311,8 +311,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     ls.finish();
     f.finish();
     if (s.min > s.initial)
-      errors.push_back("precision.loss_scale.min: " + std::to_string(s.min) + " is above the initial scale " +
-                       std::to_string(s.initial));
+      errors.push_back("precision.loss_scale.min: " + show(s.min) + " is above the initial scale " + show(s.initial));
     if (s.backoff_factor >= 1) errors.push_back("precision.loss_scale.backoff_factor: must be < 1");
   }
 
@@ -331,8 +330,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     o.grad_clip = f.number("grad_clip", o.grad_clip, 0, 1e12);
     f.finish();
     if (o.min_lr > o.lr)
-      errors.push_back("optimizer.min_lr: " + std::to_string(o.min_lr) + " is above optimizer.lr (" +
-                       std::to_string(o.lr) + ")");
+      errors.push_back("optimizer.min_lr: " + show(o.min_lr) + " is above optimizer.lr (" + show(o.lr) + ")");
   }
 
   // ---- train ----

@@ -585,7 +585,9 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   s = "keel doctor metrics: " + path + "\n";
   r.steps = static_cast<int64_t>(by_step.size());
   if (by_step.empty()) {
-    s += "  no step records\n";
+    // An empty or wrong file is not a healthy run: a check built on this command must fail.
+    r.problems.push_back(path + " holds no step records (is it a run's metrics.jsonl?)");
+    s += "  no step records\nproblem: " + r.problems.back() + "\n";
     for (const auto& n : notes) s += "note: " + n + "\n";
     return r;
   }

@@ -229,6 +229,17 @@ TEST_CASE("doctor metrics: spikes, restart spikes, skipped and nan steps, loss-s
   CHECK(healthy.text.find("validation (code): 6 evaluation(s)") != std::string::npos);
   CHECK(healthy.text.find("rising") == std::string::npos);
 
+  // An empty file, or one that is not metrics at all, is no healthy run: a check built on it fails.
+  std::ofstream(dir / "empty.jsonl").close();
+  std::ofstream(dir / "other.jsonl") << "not json\n{\"event\": \"memory\"}\n";
+  for (const char* name : {"empty.jsonl", "other.jsonl"}) {
+    const doctor::MetricsReport none = doctor::summarize_metrics(dir / name);
+    INFO(none.text);
+    CHECK(none.steps == 0);
+    REQUIRE(none.problems.size() == 1);
+    CHECK_THAT(none.problems[0], Catch::Contains(std::string(name) + " holds no step records"));
+  }
+
   const doctor::MetricsReport sick = doctor::summarize_metrics(write_metrics(dir / "sick.jsonl", 300, true));
   INFO(sick.text);
   CHECK(sick.text.find("validation (code): 6 evaluation(s): 2.236 at step 50 -> 4 at step 300, best 1.771 at step 100 "
