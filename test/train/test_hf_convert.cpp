@@ -577,6 +577,17 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
   convert_hf_to_keel(d, tmp / "self_keel", std::nullopt, false);
   CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", d, over); }), Catch::Contains("would replace the input"));
   CHECK(fs::exists(d + "/model.safetensors"));
+  // Without --like, the folder the checkpoint was converted from (meta.json source.path) is an
+  // input all the same: "put it back where it came from" would replace the original weights.
+  const auto original = all_tensors(d);
+  over.like.clear();
+  over.dtype = DType::F32;  // an overwrite would show as F32 tensors
+  CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", d, over); }),
+             Catch::Contains("would replace the Hugging Face model") && Catch::Contains("comes from"));
+  const auto after = all_tensors(d);
+  REQUIRE(after.size() == original.size());
+  for (const auto& [name, t] : original) CHECK(after.at(name).bytes == t.bytes);
+  CHECK(after.begin()->second.dtype == "BF16");
 }
 
 // Seed 000: finetuning converted weights in bf16 must continue from the pretrained loss. The
