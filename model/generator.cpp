@@ -212,6 +212,8 @@ std::vector<int32_t> generate(Generator& g, const std::vector<int32_t>& prompt, 
   std::vector<int32_t> out;
   std::vector<float> logits = g.forward(prompt.data(), static_cast<int>(prompt.size()));
   for (int i = 0; i < opts.max_new_tokens; ++i) {
+    for (float x : logits)
+      if (!std::isfinite(x)) throw NonFiniteLogits(static_cast<int64_t>(prompt.size()) + i);
     const int32_t next = choose_token(logits, opts.sampling, rng);
     out.push_back(next);
     if (on_token) on_token(next);

@@ -82,6 +82,49 @@ void convert_elements(const char* src, DType s, char* dst, DType d, int64_t n) {
   }
 }
 
+// What --dtype fp16 could not hold, per tensor: values beyond its range (they would become
+// inf), inf/NaN already in the source, and nonzero values too small for it (they become 0).
+struct Fp16Range {
+  int64_t overflow = 0, nonfinite = 0, underflow = 0;
+  double largest = 0;  // the largest finite magnitude seen
+};
+
+// fp32 -> fp16 (round to nearest even), counting into r.
+void to_f16_counting(const float* v, int64_t n, char* out, Fp16Range& r) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t h = f32_to_f16(v[i]);
+    std::memcpy(out + 2 * i, &h, 2);
+    if (!std::isfinite(v[i])) {
+      ++r.nonfinite;
+      continue;
+    }
+    r.largest = std::max(r.largest, std::fabs(static_cast<double>(v[i])));
+    const float back = f16_to_f32(h);
+    if (!std::isfinite(back)) ++r.overflow;
+    else if (back == 0 && v[i] != 0) ++r.underflow;
+  }
+}
+
+std::string fp16_underflow_note(int64_t n) {
+  return "--dtype fp16: " + std::to_string(n) + " nonzero value(s) are below fp16's smallest (about 6e-8) and became 0";
+}
+
+// Refuses a tensor fp16 cannot hold, naming it; tiny values lost to zero only add to *underflow.
+void check_fp16_range(const Fp16Range& r, const std::string& tensor, const std::string& who, int64_t* underflow) {
+  char largest[32];
+  std::snprintf(largest, sizeof largest, "%.6g", r.largest);
+  if (r.nonfinite > 0)
+    throw CheckpointError(who + ": tensor " + tensor + " holds " + std::to_string(r.nonfinite) +
+                          " inf/NaN value(s) (largest finite magnitude " + largest +
+                          "); the weights are broken, nothing was written");
+  if (r.overflow > 0)
+    throw CheckpointError("--dtype fp16: tensor " + tensor + " of " + who + " has " + std::to_string(r.overflow) +
+                          " value(s) beyond fp16's range (largest magnitude " + largest +
+                          ", fp16 holds up to 65504) that would become inf; keep bf16 or fp32 (--dtype auto, bf16, "
+                          "fp32). Nothing was written");
+  *underflow += r.underflow;
+}
+
 json read_json_file(const fs::path& p, const std::string& what) {
   std::ifstream in(p);
   if (!in) throw CheckpointError(what + " " + p.string() + " cannot be read");
@@ -747,11 +790,21 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
 
   const fs::path tmp = temp_dir_for(out);
   ConvertStats st;
+  int64_t underflow = 0;
   try {
     const json source = {{"kind", "huggingface"}, {"path", fs::absolute(hf.dir()).string()},
                          {"hf_dtype", std::string(dtype_name(hf.common_dtype()))}, {"hf_config", hf.config_json()}};
+    std::vector<float> wide;  // --dtype fp16: one tensor in fp32, to count what fp16 cannot hold
     auto fill = [&](const ParamSpec& p, DType dt, void* dst) {
-      hf.read_full(p.name, p.shape, dt, dst);
+      if (dt == DType::F16) {
+        wide.resize(static_cast<size_t>(p.logical_numel()));
+        hf.read_full(p.name, p.shape, DType::F32, wide.data());
+        Fp16Range r;
+        to_f16_counting(wide.data(), p.logical_numel(), static_cast<char*>(dst), r);
+        check_fp16_range(r, hf.hf_name(p.name), "hf:" + hf.dir(), &underflow);
+      } else {
+        hf.read_full(p.name, p.shape, dt, dst);
+      }
       hf.release(p.name);
       st.parameters += p.logical_numel();
       ++st.tensors;
@@ -770,6 +823,7 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
   st.out = out_dir;
   st.dtype = wdt;
   st.notes = hf.notes();
+  if (underflow > 0) st.notes.push_back(fp16_underflow_note(underflow));
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
@@ -1030,10 +1084,13 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   check_new_output(out, opts.force);
   const fs::path tmp = temp_dir_for(out);
   ConvertStats st;
+  int64_t underflow = 0;
   try {
     json weight_map = json::object();
-    std::vector<char> staging, part;
-    const size_t es = dtype_size(opts.dtype);
+    std::vector<char> staging, part, narrow;
+    // fp16 is read as fp32 and narrowed here, counting what does not fit (check_fp16_range).
+    const DType read_dtype = opts.dtype == DType::F16 ? DType::F32 : opts.dtype;
+    const size_t es = dtype_size(read_dtype);
     for (size_t s = 0; s < shards.size(); ++s) {
       char fname[64];
       if (shards.size() == 1) std::snprintf(fname, sizeof fname, "model.safetensors");
@@ -1057,10 +1114,10 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
           r.offset.assign(r.shape.size(), 0);
           if (t.slices.size() == 1 && sl.one_to_one()) {  // straight into place (minus keel's vocab padding)
             r.shape[0] = t.shape[0];
-            ck.read(state, sl.keel, r, opts.dtype, staging.data());
+            ck.read(state, sl.keel, r, read_dtype, staging.data());
           } else {  // a block of a fused tensor, or a transpose: scatter element by element
             part.resize(static_cast<size_t>(r.numel()) * es);
-            ck.read(state, sl.keel, r, opts.dtype, part.data());
+            ck.read(state, sl.keel, r, read_dtype, part.data());
             const int64_t rows = r.shape[0], cols = r.shape.size() > 1 ? r.shape[1] : 1;
             const int64_t hf_cols = t.shape.size() > 1 ? t.shape[1] : 1;
             for (int64_t row = 0; row < rows; ++row)
@@ -1071,7 +1128,15 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
           }
           ck.release(state, sl.keel);
         }
-        w.write(staging.data(), staging.size());
+        if (opts.dtype == DType::F16) {
+          narrow.resize(static_cast<size_t>(n) * 2);
+          Fp16Range range;
+          to_f16_counting(reinterpret_cast<const float*>(staging.data()), n, narrow.data(), range);
+          check_fp16_range(range, t.name, "checkpoint " + ck.path(), &underflow);
+          w.write(narrow.data(), narrow.size());
+        } else {
+          w.write(staging.data(), staging.size());
+        }
         st.parameters += n;
         ++st.tensors;
       }
@@ -1096,6 +1161,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   }
   st.out = out_dir;
   st.dtype = opts.dtype;
+  if (underflow > 0) st.notes.push_back(fp16_underflow_note(underflow));
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

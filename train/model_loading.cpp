@@ -115,6 +115,15 @@ InferenceModel::~InferenceModel() {
   if (model.weights.data) backend->release(model.weights.data);
 }
 
+std::string non_finite_logits_message(const std::string& what, const LoadedModel& lm, const std::string& dtype) {
+  std::string msg = what + ": the weights of " + lm.source + " hold inf/NaN";
+  if (dtype == "fp16") msg += ", or the forward overflows fp16 (try --dtype fp32)";
+  if (hf_path(lm.source))
+    msg += " (keel convert " + lm.source + " DIR, then keel ckpt inspect DIR shows each tensor's norm, min and max)";
+  else msg += " (keel ckpt inspect " + lm.source + " shows each tensor's norm, min and max)";
+  return msg;
+}
+
 DType parse_inference_dtype(const std::string& name) {
   if (name == "fp32") return DType::F32;
   if (name == "bf16") return DType::BF16;

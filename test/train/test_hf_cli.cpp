@@ -5,6 +5,8 @@
 //   keel convert CKPT hf:EXPORT --like OUT  ->  an HF directory that opens as the same model
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -434,4 +436,40 @@ TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the 
                " --out " + tmp / "chat2");
   CHECK(r.code == 2);
   CHECK_THAT(r.output, Catch::Contains("BOS would come twice"));
+}
+
+// Weights holding a NaN give NaN logits: argmax would decode token 0 forever and the choice
+// picks would be noise, so sample and eval stop, naming the problem.
+TEST_CASE("keel sample and keel eval stop on non-finite logits instead of decoding them", "[hf][cli][eval]") {
+  test::TempDir tmp("hfnan");
+  const fs::path d = fs::path(tmp / "nan");
+  fs::copy(kHf + "llama_trained", d, fs::copy_options::recursive);
+  {
+    auto r = data::SafetensorsReader::open((d / "model.safetensors").string());
+    std::vector<std::vector<char>> keep;
+    std::vector<data::SafetensorsTensorToWrite> ts;
+    for (const auto& t : r.tensors()) {
+      auto b = r.bytes(t);
+      keep.emplace_back(reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data()) + b.size());
+      if (t.name == "model.layers.0.self_attn.q_proj.weight") {
+        const float nan = std::nanf("");
+        std::memcpy(keep.back().data(), &nan, sizeof nan);
+      }
+      ts.push_back({t.name, t.dtype, t.shape, keep.back().data()});
+    }
+    data::write_safetensors((d / "new.safetensors").string(), ts, {{"format", "pt"}});
+  }
+  fs::rename(d / "new.safetensors", d / "model.safetensors");
+
+  auto r = run_keel("sample --checkpoint hf:" + d.string() + " --prompt-ids 1,5,6 -t 0 -n 4 --ignore-eos --show-ids");
+  INFO(r.output);
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("non-finite logits at position 3") && Catch::Contains("hold inf/NaN") &&
+                           !Catch::Contains("generated ids"));
+  const json e = expected("choices_llama_trained");
+  r = run_keel("eval --checkpoint hf:" + d.string() + " --choices " + kHf + e["file"].get<std::string>() + " --limit 3");
+  INFO(r.output);
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("non-finite log-likelihood") && Catch::Contains("hold inf/NaN") &&
+                           !Catch::Contains("acc "));
 }

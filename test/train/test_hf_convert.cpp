@@ -16,6 +16,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -773,4 +774,66 @@ TEST_CASE("hf: GPT-2 and BLOOM features keel cannot represent are refused by nam
              Catch::Contains("ffn_hidden 100") && Catch::Contains("4 x d_model = 192"));
   CHECK_THAT(arch_error([](ModelConfig& m) { m.family = Family::Llama; }),
              Catch::Contains("holds a Llama with ALiBi"));
+}
+
+namespace {
+// A copy of an fp32 fixture with element 0 of one tensor set to `value`.
+std::string with_value(const test::TempDir& tmp, const std::string& name, const std::string& to,
+                       const std::string& tensor, float value) {
+  const std::string d = tmp / to;
+  fs::copy(kHf + name, d, fs::copy_options::recursive);
+  std::vector<std::vector<char>> keep;
+  {
+    auto r = data::SafetensorsReader::open(d + "/model.safetensors");
+    std::vector<data::SafetensorsTensorToWrite> ts;
+    for (const auto& t : r.tensors()) {
+      auto b = r.bytes(t);
+      keep.emplace_back(reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data()) + b.size());
+      if (t.name == tensor) {
+        REQUIRE(t.dtype == data::SafetensorsDtype::F32);
+        std::memcpy(keep.back().data(), &value, sizeof value);
+      }
+      ts.push_back({t.name, t.dtype, t.shape, keep.back().data()});
+    }
+    data::write_safetensors(d + "/model.safetensors.new", ts, {{"format", "pt"}});
+  }
+  fs::rename(d + "/model.safetensors.new", d + "/model.safetensors");
+  return d;
+}
+}  // namespace
+
+TEST_CASE("hf: --dtype fp16 refuses values beyond its range, naming the tensor, and notes values lost to zero", "[hf]") {
+  test::TempDir tmp("hffp16");
+  const std::string up = "model.layers.0.mlp.up_proj.weight";
+  const std::string big = with_value(tmp, "llama_trained", "big", up, 1e6f);
+  auto refused = [&](const std::string& msg) {
+    CHECK_THAT(msg, Catch::Contains("--dtype fp16: tensor " + up) && Catch::Contains("1 value(s) beyond fp16's range") &&
+                        Catch::Contains("largest magnitude 1e+06"));
+  };
+  // Import: refused, nothing written; the HF dtype (fp32) still converts.
+  refused(error_of([&] { convert_hf_to_keel(big, tmp / "big_fp16", DType::F16, false); }));
+  CHECK_FALSE(fs::exists(tmp / "big_fp16"));
+  convert_hf_to_keel(big, tmp / "big_keel", std::nullopt, false);
+  // Export: the same.
+  ExportOptions fp16;
+  fp16.dtype = DType::F16;
+  refused(error_of([&] { export_keel_to_hf(tmp / "big_keel", tmp / "big_hf", fp16); }));
+  CHECK_FALSE(fs::exists(tmp / "big_hf"));
+
+  // inf/NaN in the source: refused as broken weights, whichever direction.
+  const std::string nan = with_value(tmp, "llama_trained", "nan", up, std::nanf(""));
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(nan, tmp / "nan_fp16", DType::F16, false); }),
+             Catch::Contains("tensor " + up + " holds 1 inf/NaN value(s)"));
+
+  // A value below fp16's smallest subnormal becomes 0: converted, with a note counting them.
+  const std::string tiny = with_value(tmp, "llama_trained", "tiny", up, 1e-9f);
+  const ConvertStats st = convert_hf_to_keel(tiny, tmp / "tiny_fp16", DType::F16, false);
+  std::string notes;
+  for (const auto& n : st.notes) notes += n + "\n";
+  CHECK_THAT(notes, Catch::Contains("nonzero value(s) are below fp16's smallest") && Catch::Contains("became 0"));
+  convert_hf_to_keel(tiny, tmp / "tiny_keel", std::nullopt, false);
+  const ConvertStats ex = export_keel_to_hf(tmp / "tiny_keel", tmp / "tiny_hf", fp16);
+  notes.clear();
+  for (const auto& n : ex.notes) notes += n + "\n";
+  CHECK_THAT(notes, Catch::Contains("became 0"));
 }
