@@ -792,8 +792,7 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
   ConvertStats st;
   int64_t underflow = 0;
   try {
-    const json source = {{"kind", "huggingface"}, {"path", fs::absolute(hf.dir()).string()},
-                         {"hf_dtype", std::string(dtype_name(hf.common_dtype()))}, {"hf_config", hf.config_json()}};
+    const json source = hf_source_json(hf);
     std::vector<float> wide;  // --dtype fp16: one tensor in fp32, to count what fp16 cannot hold
     auto fill = [&](const ParamSpec& p, DType dt, void* dst) {
       if (dt == DType::F16) {
@@ -832,8 +831,14 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
 // --init-from hf:DIR
 // ======================================================================================
 
-std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state) {
+json hf_source_json(const HfCheckpoint& hf) {
+  return {{"kind", "huggingface"}, {"path", fs::absolute(hf.dir()).string()},
+          {"hf_dtype", std::string(dtype_name(hf.common_dtype()))}, {"hf_config", hf.config_json()}};
+}
+
+std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state, json* source) {
   const HfCheckpoint hf = HfCheckpoint::open(hf_dir);
+  if (source) *source = hf_source_json(hf);
   const ModelConfig& want = hf.model();
   const ModelConfig& have = table.config();
   std::vector<std::string> diffs;
@@ -1153,6 +1158,22 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
         fs::copy_file(fs::path(ck.path()) / f, tmp / f, fs::copy_options::overwrite_existing);
         if (std::find(st.copied.begin(), st.copied.end(), f) == st.copied.end()) st.copied.push_back(f);
       }
+    // Without a source to take them from, transformers gets a model it cannot tokenize for or
+    // stop: say what is missing and where it would come from.
+    std::vector<std::string> missing;
+    for (const char* f : {"tokenizer.json", "generation_config.json"})
+      if (!fs::exists(tmp / f)) missing.push_back(f);
+    if (!c.contains("eos_token_id")) missing.push_back("bos/eos token ids in config.json");
+    const bool incomplete = !fs::exists(tmp / "tokenizer.json") || !c.contains("eos_token_id");
+    if (incomplete) {  // a source without generation_config.json alone is common and harmless
+      std::string what;
+      for (size_t i = 0; i < missing.size(); ++i)
+        what += (i == 0 ? "" : i + 1 == missing.size() ? " and " : ", ") + missing[i];
+      st.notes.push_back("not written: " + what + " (" +
+                         (opts.like.empty() ? "the checkpoint records no Hugging Face source to take them from"
+                                            : "--like " + opts.like + " has none") +
+                         "); pass --like DIR, the HF model this was trained from or its keel convert output");
+    }
     publish(tmp, out, opts.force);
   } catch (...) {
     std::error_code ec;

@@ -135,6 +135,15 @@ TEST_CASE("keel train --init-from a converted model: bf16 finetune continues fro
   CHECK(c["num_key_value_heads"] == 2);
   r = run_keel("sample --checkpoint hf:" + tmp / "export" + " --prompt 'The' -t 0 -n 8");
   CHECK(r.code == 0);
+
+  // Without --like: the run's checkpoints record the HF model the converted weights came from,
+  // so the export still gets its tokenizer and token ids.
+  r = run_keel("convert " + tmp / "run/checkpoints hf:" + tmp / "export2");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("copied tokenizer.json") && !Catch::Contains("not written"));
+  std::ifstream in2(tmp / "export2/config.json");
+  CHECK(json::parse(in2)["eos_token_id"] == 2);
 }
 
 TEST_CASE("keel train --init-from hf:DIR finetunes the HF weights directly", "[hf][cli][seed000]") {
@@ -148,6 +157,13 @@ TEST_CASE("keel train --init-from hf:DIR finetunes the HF weights directly", "[h
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("initialised from hf:"));
   check_no_jump(tmp / "run", e["train_loss"]["loss"].get<double>());
+  // The checkpoints record the HF model, so export without --like finds its tokenizer and ids.
+  r = run_keel("convert " + tmp / "run/checkpoints hf:" + tmp / "export");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("copied tokenizer.json") && !Catch::Contains("not written"));
+  std::ifstream in(tmp / "export/config.json");
+  CHECK(json::parse(in)["eos_token_id"] == 2);
 }
 
 TEST_CASE("GPT-2 and BLOOM through the binary: convert, greedy-decode HF's tokens, finetune, export", "[hf][cli]") {

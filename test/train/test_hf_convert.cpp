@@ -837,3 +837,29 @@ TEST_CASE("hf: --dtype fp16 refuses values beyond its range, naming the tensor, 
   for (const auto& n : ex.notes) notes += n + "\n";
   CHECK_THAT(notes, Catch::Contains("became 0"));
 }
+
+TEST_CASE("hf: export without a source for the tokenizer and token ids says what it did not write", "[hf]") {
+  test::TempDir tmp("hfnosource");
+  convert_hf_to_keel(kHf + "llama_tied", tmp / "keel", std::nullopt, false);
+  ExportOptions opts;
+  auto notes_of = [](const ConvertStats& st) {
+    std::string all;
+    for (const auto& n : st.notes) all += n + "\n";
+    return all;
+  };
+  CHECK_THAT(notes_of(export_keel_to_hf(tmp / "keel", tmp / "hf", opts)), !Catch::Contains("not written"));
+  // As a from-scratch run's checkpoint: no HF config, tokenizer or recorded source.
+  const fs::path k = fs::path(tmp / "keel");
+  for (const char* f : {"hf_config.json", "tokenizer.json", "generation_config.json"}) fs::remove(k / f);
+  json meta;
+  {
+    std::ifstream in(k / "meta.json");
+    meta = json::parse(in);
+  }
+  meta.erase("source");
+  std::ofstream(k / "meta.json") << meta.dump(2);
+  const ConvertStats st = export_keel_to_hf(tmp / "keel", tmp / "bare", opts);
+  CHECK_FALSE(fs::exists(tmp / "bare/tokenizer.json"));
+  CHECK_THAT(notes_of(st), Catch::Contains("not written: tokenizer.json, generation_config.json and bos/eos token ids") &&
+                               Catch::Contains("pass --like DIR"));
+}
