@@ -539,7 +539,13 @@ HfCheckpoint HfCheckpoint::open(const std::string& dir_in) {
   // The files: one model.safetensors, or the shards an index names.
   std::map<std::string, std::string> index;  // HF tensor -> file, from the index
   std::vector<std::string> file_names;
-  if (fs::exists(dir / "model.safetensors.index.json")) {
+  // transformers' precedence: model.safetensors first, the index only without it.
+  if (fs::exists(dir / "model.safetensors")) {
+    file_names.push_back("model.safetensors");
+    if (fs::exists(dir / "model.safetensors.index.json"))
+      hf.notes_.push_back("read model.safetensors and ignored model.safetensors.index.json beside it, as transformers "
+                          "does (remove one of them if the shards are the model you mean)");
+  } else if (fs::exists(dir / "model.safetensors.index.json")) {
     const json idx = read_json_file(dir / "model.safetensors.index.json", "HF index");
     if (!idx.contains("weight_map") || !idx["weight_map"].is_object())
       throw CheckpointError(who + "/model.safetensors.index.json has no weight_map");
@@ -548,8 +554,6 @@ HfCheckpoint HfCheckpoint::open(const std::string& dir_in) {
       index[t] = f.get<std::string>();
       if (seen.insert(f.get<std::string>()).second) file_names.push_back(f.get<std::string>());
     }
-  } else if (fs::exists(dir / "model.safetensors")) {
-    file_names.push_back("model.safetensors");
   } else {
     throw CheckpointError(who + ": no model.safetensors or model.safetensors.index.json" +
                           (fs::exists(dir / "pytorch_model.bin") || fs::exists(dir / "pytorch_model.bin.index.json")
@@ -891,6 +895,7 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
                      " safetensors file(s)); fp32 masters = their exact values, working weights rounded to " +
                      std::string(dtype_name(state.working.dtype)) +
                      "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules";
+  for (const std::string& n : hf.notes()) line += "; NOTE " + n;
   if (want.rope().rotates() && have.max_seq_len > want.max_seq_len)
     line += "; NOTE model.max_seq_len " + std::to_string(have.max_seq_len) + " is beyond the HF model's " +
             std::to_string(want.max_seq_len) + " positions";

@@ -37,6 +37,7 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
   std::vector<char> staging;
   if (auto dir = hf_path(spec)) {
     const HfCheckpoint hf = HfCheckpoint::open(*dir);
+    for (const std::string& n : hf.notes()) std::fprintf(stderr, "keel: note: hf:%s: %s\n", hf.dir().c_str(), n.c_str());
     lm.table = std::make_unique<ParamTable>(hf.model());
     lm.weights = alloc(lm.table->local_numel());
     for (const ParamSpec& p : lm.table->params()) {

@@ -863,3 +863,42 @@ TEST_CASE("hf: export without a source for the tokenizer and token ids says what
   CHECK_THAT(notes_of(st), Catch::Contains("not written: tokenizer.json, generation_config.json and bos/eos token ids") &&
                                Catch::Contains("pass --like DIR"));
 }
+
+TEST_CASE("hf: a folder with both model.safetensors and an index reads the single file, as transformers does", "[hf]") {
+  test::TempDir tmp("hfboth");
+  const std::string d = tmp / "both";
+  fs::copy(kHf + "llama_sharded", d, fs::copy_options::recursive);
+  // model.safetensors: the shards' tensors in one file, the embedding's first element changed,
+  // so which file was read shows in the weights.
+  const HfCheckpoint sharded = HfCheckpoint::open(kHf + "llama_sharded");
+  {
+    std::vector<std::unique_ptr<data::SafetensorsReader>> readers;
+    std::vector<std::vector<char>> keep;
+    std::vector<data::SafetensorsTensorToWrite> ts;
+    for (const auto& f : fs::directory_iterator(kHf + "llama_sharded")) {
+      if (f.path().extension() != ".safetensors") continue;
+      readers.push_back(std::make_unique<data::SafetensorsReader>(data::SafetensorsReader::open(f.path().string())));
+      for (const auto& t : readers.back()->tensors()) {
+        auto b = readers.back()->bytes(t);
+        keep.emplace_back(reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data()) + b.size());
+        if (t.name == "model.embed_tokens.weight") {
+          REQUIRE(t.dtype == data::SafetensorsDtype::F16);
+          const uint16_t h = f32_to_f16(7.0f);
+          std::memcpy(keep.back().data(), &h, 2);
+        }
+        ts.push_back({t.name, t.dtype, t.shape, keep.back().data()});
+      }
+    }
+    data::write_safetensors(d + "/model.safetensors", ts, {{"format", "pt"}});
+  }
+  const HfCheckpoint both = HfCheckpoint::open(d);
+  CHECK(sharded.num_files() == 3);
+  CHECK(both.num_files() == 1);
+  std::string notes;
+  for (const auto& n : both.notes()) notes += n + "\n";
+  CHECK_THAT(notes, Catch::Contains("read model.safetensors and ignored model.safetensors.index.json"));
+  const ParamTable table(both.model());
+  const auto w = hf_weights(both, table), w_sharded = hf_weights(sharded, table);
+  CHECK(w[table.at("tok_embed").offset] == 7.0f);
+  CHECK(w_sharded[table.at("tok_embed").offset] != 7.0f);
+}
