@@ -67,6 +67,7 @@ class Generator {
 struct SamplingOptions {
   float temperature = 0.8f;  // <= 0: greedy (argmax, the first of equal maxima, as torch.argmax)
   float top_p = 0.95f;       // nucleus: the smallest set of most likely tokens with mass >= top_p
+                             // (1: all; 0: the most likely one only)
   int top_k = 0;             // > 0: only the k most likely tokens
 };
 

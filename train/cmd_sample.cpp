@@ -198,7 +198,10 @@ Command add_sample_command(CLI::App& app) {
   c->add_option("-n,--max-new-tokens", s.max_new_tokens, "Tokens to generate (default 64)")->check(CLI::PositiveNumber);
   c->add_option("-t,--temperature", s.temperature, "Sampling temperature; 0 = greedy (default 0.8)")
       ->check(CLI::NonNegativeNumber);
-  c->add_option("--top-p", s.top_p, "Nucleus sampling mass (default 0.95; 1 = off)")->check(CLI::Range(0.0, 1.0));
+  c->add_option("--top-p", s.top_p,
+                "Nucleus sampling: sample among the most likely tokens whose probabilities sum to P, at least one "
+                "(default 0.95; 1 = off, 0 = the most likely token only)")
+      ->check(CLI::Range(0.0, 1.0));
   c->add_option("--top-k", s.top_k, "Sample among the k most likely tokens (default 0 = off)")
       ->check(CLI::NonNegativeNumber);
   c->add_option("--seed", s.seed, "Random seed for sampling (default 0)");

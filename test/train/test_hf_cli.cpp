@@ -489,3 +489,15 @@ TEST_CASE("keel sample and keel eval stop on non-finite logits instead of decodi
   CHECK_THAT(r.output, Catch::Contains("non-finite log-likelihood") && Catch::Contains("hold inf/NaN") &&
                            !Catch::Contains("acc "));
 }
+
+TEST_CASE("keel sample --top-p 0 keeps only the most likely token, as greedy decoding", "[hf][cli]") {
+  const json e = expected("llama_trained");
+  const std::string prompt = e["text"]["prompt"].get<std::string>();
+  for (const char* seed : {"1", "7"}) {
+    const auto r = run_keel("sample --checkpoint hf:" + kHf + "llama_trained --prompt '" + prompt +
+                            "' -t 1 --top-p 0 -n 16 --show-ids --seed " + seed);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK(ids_after(r.output, "generated ids") == e["text"]["new_ids"].get<std::vector<int32_t>>());
+  }
+}
