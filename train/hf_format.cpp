@@ -403,6 +403,11 @@ HfArch hf_arch_of_config(const json& c, const std::string& source) {
                                ? c["architectures"][0].get<std::string>()
                                : "";
   const std::string type = c.value("model_type", "");
+  if (arch.empty() && type.empty())
+    throw CheckpointError(source + " has neither \"architectures\" nor \"model_type\", so the model is unknown; keel "
+                          "converts LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                          "GPT2LMHeadModel and BloomForCausalLM (add \"architectures\": [\"LlamaForCausalLM\"] or the "
+                          "right one)");
   auto is = [&](const char* a, const char* t) { return arch == a || (arch.empty() && type == t); };
   if (is("LlamaForCausalLM", "llama")) return HfArch::Llama;
   if (is("MistralForCausalLM", "mistral")) return HfArch::Mistral;
@@ -758,8 +763,8 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
       {"description", "Finetune " + name + " (converted from hf:" + hf.dir() +
-                          "). Point data.train / data.val at shards made with scripts/prepare_data.py --tokenizer " +
-                          (fs::path(out_dir) / "tokenizer.json").string() + ", then: keel train --config " +
+                          "). Point data.train / data.val at shards made with keel tokenize --tokenizer " + out_dir +
+                          " (--jsonl ... --out DIR), then: keel train --config " +
                           (fs::path(out_dir) / "config.json").string() + " --init-from " + out_dir},
       {"model", model},
       {"precision", {{"mode", "bf16"}}},
@@ -908,10 +913,21 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
 
 namespace {
 
+// A float as the shortest decimal that reads back as it (1e-05, not the double of the float,
+// 9.999999747378752e-06), as a double for config.json.
+double shortest_decimal(float value) {
+  char buf[32];
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, static_cast<double>(value));
+    if (std::strtof(buf, nullptr) == value) break;
+  }
+  return std::strtod(buf, nullptr);
+}
+
 // The template's value of a float field when it rounds to keel's (so it is kept as written).
 json same_or(const json& tmpl, const char* key, float value) {
   if (tmpl.contains(key) && tmpl[key].is_number() && static_cast<float>(tmpl[key].get<double>()) == value) return tmpl[key];
-  return static_cast<double>(value);
+  return shortest_decimal(value);
 }
 
 }  // namespace
@@ -934,7 +950,7 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
   c["tie_word_embeddings"] = m.tied_embeddings;
   c["torch_dtype"] = torch_dtype_name(dtype);
   if (c.contains("dtype")) c["dtype"] = torch_dtype_name(dtype);
-  if (!c.contains("initializer_range")) c["initializer_range"] = m.init_std;
+  if (!c.contains("initializer_range")) c["initializer_range"] = shortest_decimal(m.init_std);
   c["use_cache"] = true;
   if (llama_like(arch)) {
     c["model_type"] = arch == HfArch::Qwen2     ? "qwen2"

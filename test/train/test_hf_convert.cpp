@@ -902,3 +902,24 @@ TEST_CASE("hf: a folder with both model.safetensors and an index reads the singl
   CHECK(w[table.at("tok_embed").offset] == 7.0f);
   CHECK(w_sharded[table.at("tok_embed").offset] != 7.0f);
 }
+
+TEST_CASE("hf: export writes keel's float fields as their decimals, and unknown configs say what is missing", "[hf]") {
+  ModelConfig m = HfCheckpoint::open(kHf + "llama_tied").model();
+  m.norm_eps = 1e-5f;
+  m.init_std = 0.02f;
+  m.rope_theta = 10000.0f;
+  // No template: every float comes from keel's config.
+  const json c = hf_config_json(m, HfArch::Llama, json(), DType::BF16);
+  CHECK(c["rms_norm_eps"].dump() == "1e-05");
+  CHECK(c["initializer_range"].dump() == "0.02");
+  CHECK(c["rope_theta"].dump() == "10000.0");
+  m.norm_eps = 1.17549435e-38f;  // one that needs all nine digits still reads back as itself
+  CHECK(static_cast<float>(hf_config_json(m, HfArch::Llama, json(), DType::BF16)["rms_norm_eps"].get<double>()) ==
+        m.norm_eps);
+
+  CHECK_THAT(error_of([] { model_config_from_hf(json{{"vocab_size", 10}, {"hidden_size", 8}}, "x/config.json"); }),
+             Catch::Contains("x/config.json has neither \"architectures\" nor \"model_type\""));
+  const json run = finetune_config_json(HfCheckpoint::open(kHf + "llama_tied"), "ckpt/tied");
+  CHECK_THAT(run["description"].get<std::string>(),
+             Catch::Contains("keel tokenize --tokenizer ckpt/tied") && !Catch::Contains("prepare_data.py"));
+}
