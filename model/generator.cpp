@@ -185,11 +185,13 @@ int32_t choose_token(const std::vector<float>& logits, const SamplingOptions& op
   const double top = logits[order[0]];
   double total = 0;
   for (size_t i = 0; i < keep; ++i) total += prob[i] = std::exp((logits[order[i]] - top) / opts.temperature);
-  if (opts.top_p > 0 && opts.top_p < 1) {
-    double mass = 0;
-    size_t k = 0;
+  if (opts.top_p < 1) {
+    // The most likely tokens until their mass reaches top_p, and at least one (transformers'
+    // min_tokens_to_keep): top_p 0 keeps only the most likely token.
+    double mass = prob[0];
+    size_t k = 1;
     while (k < keep && mass < opts.top_p * total) mass += prob[k++];
-    keep = std::max<size_t>(k, 1);
+    keep = k;
     total = mass;
   }
   double u = rng.uniform() * total;
@@ -212,6 +214,8 @@ std::vector<int32_t> generate(Generator& g, const std::vector<int32_t>& prompt, 
   std::vector<int32_t> out;
   std::vector<float> logits = g.forward(prompt.data(), static_cast<int>(prompt.size()));
   for (int i = 0; i < opts.max_new_tokens; ++i) {
+    for (float x : logits)
+      if (!std::isfinite(x)) throw NonFiniteLogits(static_cast<int64_t>(prompt.size()) + i);
     const int32_t next = choose_token(logits, opts.sampling, rng);
     out.push_back(next);
     if (on_token) on_token(next);

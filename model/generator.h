@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,7 @@ class Generator {
 struct SamplingOptions {
   float temperature = 0.8f;  // <= 0: greedy (argmax, the first of equal maxima, as torch.argmax)
   float top_p = 0.95f;       // nucleus: the smallest set of most likely tokens with mass >= top_p
+                             // (1: all; 0: the most likely one only)
   int top_k = 0;             // > 0: only the k most likely tokens
 };
 
@@ -82,6 +84,15 @@ class TokenRng {
 
 int32_t choose_token(const std::vector<float>& logits, const SamplingOptions& opts, TokenRng& rng);
 
+// Logits with inf or NaN (weights holding them, or overflowing): no token can be chosen from
+// them, and argmax would pick token 0 forever.
+class NonFiniteLogits : public std::runtime_error {
+ public:
+  explicit NonFiniteLogits(int64_t position)
+      : std::runtime_error("non-finite logits at position " + std::to_string(position)), position(position) {}
+  int64_t position;  // of the token they would predict, counting the prompt from 0
+};
+
 struct GenerateOptions {
   int max_new_tokens = 64;
   SamplingOptions sampling;
@@ -90,7 +101,7 @@ struct GenerateOptions {
 };
 
 // Prompt in one forward, then one token per step. on_token sees each new token as it comes.
-// The prompt plus max_new_tokens must fit the generator's max_len.
+// The prompt plus max_new_tokens must fit the generator's max_len. Throws NonFiniteLogits.
 std::vector<int32_t> generate(Generator& g, const std::vector<int32_t>& prompt, const GenerateOptions& opts,
                               const std::function<void(int32_t)>& on_token = {});
 

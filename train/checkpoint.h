@@ -149,6 +149,9 @@ class CheckpointManager {
   CheckpointManager& operator=(const CheckpointManager&) = delete;
 
   const std::string& dir() const { return dir_; }
+  // meta.json's "source" in every save (the Hugging Face model the run started from, as
+  // write_weights_checkpoint records it), so export and sample find its config and tokenizer.
+  void set_source(nlohmann::json source) { source_ = std::move(source); }
   // Writes a checkpoint of `state` at `progress.iteration`. With several ranks every rank calls
   // it, and they agree three times (directory made, files written, published), so a failure on
   // any rank fails the save on all of them instead of leaving some waiting. Throws
@@ -186,6 +189,7 @@ class CheckpointManager {
   std::string dir_;
   CheckpointConfig cfg_;
   std::unique_ptr<PendingSave> pending_;
+  nlohmann::json source_;
 };
 
 // ---- restoring -------------------------------------------------------------------------

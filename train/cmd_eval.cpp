@@ -3,11 +3,13 @@
 // loads the whole model (on its local rank's GPU) and scores items rank, rank + n, ...; the lead
 // gathers the log-likelihoods, bit for bit, and reports.
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <algorithm>
 #include <string>
 
+#include "train/checkpoint.h"
 #include "train/choice_eval.h"
 #include "train/commands.h"
 #include "train/model_loading.h"
@@ -146,6 +148,14 @@ int cmd_eval(const EvalArgs& a) {
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!lead) return kExitOk;
+  // A NaN log-likelihood loses every comparison: the picks, and so the accuracy, would be noise.
+  for (size_t i = 0; i < items.size(); ++i)
+    for (size_t e = 0; e < all_scores[i].logprob.size(); ++e)
+      if (!std::isfinite(all_scores[i].logprob[e]))
+        throw CheckpointError(non_finite_logits_message(
+            "non-finite log-likelihood for " + a.choices + ":" + std::to_string(items[i].line) + " ending " +
+                std::to_string(e) + " (the logits hold inf/NaN)",
+            lm, a.model.dtype));
   ChoiceTotals t;
   for (size_t i = 0; i < items.size(); ++i) {
     t.add(items[i], all_scores[i]);

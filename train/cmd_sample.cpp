@@ -11,6 +11,7 @@
 #include "data/token_file.h"
 #include "data/tokenizer.h"
 #include "model/generator.h"
+#include "train/checkpoint.h"
 #include "train/commands.h"
 #include "train/model_loading.h"
 #include "train/run.h"
@@ -142,17 +143,23 @@ int cmd_sample(const SampleArgs& a) {
   std::vector<int32_t> all = chat ? std::vector<int32_t>() : prompt;
   size_t printed = prompt_text.size();
   const auto t0 = std::chrono::steady_clock::now();
-  auto out = generate(gen, prompt, g, [&](int32_t id) {
-    all.push_back(id);
-    if (!tok) return;
-    const std::string text = tok->decode(all, true);
-    const bool partial = text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0;
-    if (!partial && text.size() > printed) {
-      std::printf("%s", text.substr(printed).c_str());
-      std::fflush(stdout);
-      printed = text.size();
-    }
-  });
+  std::vector<int32_t> out;
+  try {
+    out = generate(gen, prompt, g, [&](int32_t id) {
+      all.push_back(id);
+      if (!tok) return;
+      const std::string text = tok->decode(all, true);
+      const bool partial = text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0;
+      if (!partial && text.size() > printed) {
+        std::printf("%s", text.substr(printed).c_str());
+        std::fflush(stdout);
+        printed = text.size();
+      }
+    });
+  } catch (const NonFiniteLogits& e) {
+    std::printf("\n");
+    throw CheckpointError(non_finite_logits_message(e.what(), lm, a.model.dtype));
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (tok) {
     const std::string text = tok->decode(all, true);
@@ -191,7 +198,10 @@ Command add_sample_command(CLI::App& app) {
   c->add_option("-n,--max-new-tokens", s.max_new_tokens, "Tokens to generate (default 64)")->check(CLI::PositiveNumber);
   c->add_option("-t,--temperature", s.temperature, "Sampling temperature; 0 = greedy (default 0.8)")
       ->check(CLI::NonNegativeNumber);
-  c->add_option("--top-p", s.top_p, "Nucleus sampling mass (default 0.95; 1 = off)")->check(CLI::Range(0.0, 1.0));
+  c->add_option("--top-p", s.top_p,
+                "Nucleus sampling: sample among the most likely tokens whose probabilities sum to P, at least one "
+                "(default 0.95; 1 = off, 0 = the most likely token only)")
+      ->check(CLI::Range(0.0, 1.0));
   c->add_option("--top-k", s.top_k, "Sample among the k most likely tokens (default 0 = off)")
       ->check(CLI::NonNegativeNumber);
   c->add_option("--seed", s.seed, "Random seed for sampling (default 0)");

@@ -82,6 +82,49 @@ void convert_elements(const char* src, DType s, char* dst, DType d, int64_t n) {
   }
 }
 
+// What --dtype fp16 could not hold, per tensor: values beyond its range (they would become
+// inf), inf/NaN already in the source, and nonzero values too small for it (they become 0).
+struct Fp16Range {
+  int64_t overflow = 0, nonfinite = 0, underflow = 0;
+  double largest = 0;  // the largest finite magnitude seen
+};
+
+// fp32 -> fp16 (round to nearest even), counting into r.
+void to_f16_counting(const float* v, int64_t n, char* out, Fp16Range& r) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t h = f32_to_f16(v[i]);
+    std::memcpy(out + 2 * i, &h, 2);
+    if (!std::isfinite(v[i])) {
+      ++r.nonfinite;
+      continue;
+    }
+    r.largest = std::max(r.largest, std::fabs(static_cast<double>(v[i])));
+    const float back = f16_to_f32(h);
+    if (!std::isfinite(back)) ++r.overflow;
+    else if (back == 0 && v[i] != 0) ++r.underflow;
+  }
+}
+
+std::string fp16_underflow_note(int64_t n) {
+  return "--dtype fp16: " + std::to_string(n) + " nonzero value(s) are below fp16's smallest (about 6e-8) and became 0";
+}
+
+// Refuses a tensor fp16 cannot hold, naming it; tiny values lost to zero only add to *underflow.
+void check_fp16_range(const Fp16Range& r, const std::string& tensor, const std::string& who, int64_t* underflow) {
+  char largest[32];
+  std::snprintf(largest, sizeof largest, "%.6g", r.largest);
+  if (r.nonfinite > 0)
+    throw CheckpointError(who + ": tensor " + tensor + " holds " + std::to_string(r.nonfinite) +
+                          " inf/NaN value(s) (largest finite magnitude " + largest +
+                          "); the weights are broken, nothing was written");
+  if (r.overflow > 0)
+    throw CheckpointError("--dtype fp16: tensor " + tensor + " of " + who + " has " + std::to_string(r.overflow) +
+                          " value(s) beyond fp16's range (largest magnitude " + largest +
+                          ", fp16 holds up to 65504) that would become inf; keep bf16 or fp32 (--dtype auto, bf16, "
+                          "fp32). Nothing was written");
+  *underflow += r.underflow;
+}
+
 json read_json_file(const fs::path& p, const std::string& what) {
   std::ifstream in(p);
   if (!in) throw CheckpointError(what + " " + p.string() + " cannot be read");
@@ -360,6 +403,11 @@ HfArch hf_arch_of_config(const json& c, const std::string& source) {
                                ? c["architectures"][0].get<std::string>()
                                : "";
   const std::string type = c.value("model_type", "");
+  if (arch.empty() && type.empty())
+    throw CheckpointError(source + " has neither \"architectures\" nor \"model_type\", so the model is unknown; keel "
+                          "converts LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                          "GPT2LMHeadModel and BloomForCausalLM (add \"architectures\": [\"LlamaForCausalLM\"] or the "
+                          "right one)");
   auto is = [&](const char* a, const char* t) { return arch == a || (arch.empty() && type == t); };
   if (is("LlamaForCausalLM", "llama")) return HfArch::Llama;
   if (is("MistralForCausalLM", "mistral")) return HfArch::Mistral;
@@ -496,7 +544,13 @@ HfCheckpoint HfCheckpoint::open(const std::string& dir_in) {
   // The files: one model.safetensors, or the shards an index names.
   std::map<std::string, std::string> index;  // HF tensor -> file, from the index
   std::vector<std::string> file_names;
-  if (fs::exists(dir / "model.safetensors.index.json")) {
+  // transformers' precedence: model.safetensors first, the index only without it.
+  if (fs::exists(dir / "model.safetensors")) {
+    file_names.push_back("model.safetensors");
+    if (fs::exists(dir / "model.safetensors.index.json"))
+      hf.notes_.push_back("read model.safetensors and ignored model.safetensors.index.json beside it, as transformers "
+                          "does (remove one of them if the shards are the model you mean)");
+  } else if (fs::exists(dir / "model.safetensors.index.json")) {
     const json idx = read_json_file(dir / "model.safetensors.index.json", "HF index");
     if (!idx.contains("weight_map") || !idx["weight_map"].is_object())
       throw CheckpointError(who + "/model.safetensors.index.json has no weight_map");
@@ -505,8 +559,6 @@ HfCheckpoint HfCheckpoint::open(const std::string& dir_in) {
       index[t] = f.get<std::string>();
       if (seen.insert(f.get<std::string>()).second) file_names.push_back(f.get<std::string>());
     }
-  } else if (fs::exists(dir / "model.safetensors")) {
-    file_names.push_back("model.safetensors");
   } else {
     throw CheckpointError(who + ": no model.safetensors or model.safetensors.index.json" +
                           (fs::exists(dir / "pytorch_model.bin") || fs::exists(dir / "pytorch_model.bin.index.json")
@@ -711,8 +763,8 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
       {"description", "Finetune " + name + " (converted from hf:" + hf.dir() +
-                          "). Point data.train / data.val at shards made with scripts/prepare_data.py --tokenizer " +
-                          (fs::path(out_dir) / "tokenizer.json").string() + ", then: keel train --config " +
+                          "). Point data.train / data.val at shards made with keel tokenize --tokenizer " + out_dir +
+                          " (--jsonl ... --out DIR), then: keel train --config " +
                           (fs::path(out_dir) / "config.json").string() + " --init-from " + out_dir},
       {"model", model},
       {"precision", {{"mode", "bf16"}}},
@@ -747,11 +799,20 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
 
   const fs::path tmp = temp_dir_for(out);
   ConvertStats st;
+  int64_t underflow = 0;
   try {
-    const json source = {{"kind", "huggingface"}, {"path", fs::absolute(hf.dir()).string()},
-                         {"hf_dtype", std::string(dtype_name(hf.common_dtype()))}, {"hf_config", hf.config_json()}};
+    const json source = hf_source_json(hf);
+    std::vector<float> wide;  // --dtype fp16: one tensor in fp32, to count what fp16 cannot hold
     auto fill = [&](const ParamSpec& p, DType dt, void* dst) {
-      hf.read_full(p.name, p.shape, dt, dst);
+      if (dt == DType::F16) {
+        wide.resize(static_cast<size_t>(p.logical_numel()));
+        hf.read_full(p.name, p.shape, DType::F32, wide.data());
+        Fp16Range r;
+        to_f16_counting(wide.data(), p.logical_numel(), static_cast<char*>(dst), r);
+        check_fp16_range(r, hf.hf_name(p.name), "hf:" + hf.dir(), &underflow);
+      } else {
+        hf.read_full(p.name, p.shape, dt, dst);
+      }
       hf.release(p.name);
       st.parameters += p.logical_numel();
       ++st.tensors;
@@ -770,6 +831,7 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
   st.out = out_dir;
   st.dtype = wdt;
   st.notes = hf.notes();
+  if (underflow > 0) st.notes.push_back(fp16_underflow_note(underflow));
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
@@ -778,8 +840,14 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
 // --init-from hf:DIR
 // ======================================================================================
 
-std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state) {
+json hf_source_json(const HfCheckpoint& hf) {
+  return {{"kind", "huggingface"}, {"path", fs::absolute(hf.dir()).string()},
+          {"hf_dtype", std::string(dtype_name(hf.common_dtype()))}, {"hf_config", hf.config_json()}};
+}
+
+std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state, json* source) {
   const HfCheckpoint hf = HfCheckpoint::open(hf_dir);
+  if (source) *source = hf_source_json(hf);
   const ModelConfig& want = hf.model();
   const ModelConfig& have = table.config();
   std::vector<std::string> diffs;
@@ -832,6 +900,7 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
                      " safetensors file(s)); fp32 masters = their exact values, working weights rounded to " +
                      std::string(dtype_name(state.working.dtype)) +
                      "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules";
+  for (const std::string& n : hf.notes()) line += "; NOTE " + n;
   if (want.rope().rotates() && have.max_seq_len > want.max_seq_len)
     line += "; NOTE model.max_seq_len " + std::to_string(have.max_seq_len) + " is beyond the HF model's " +
             std::to_string(want.max_seq_len) + " positions";
@@ -844,10 +913,21 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
 
 namespace {
 
+// A float as the shortest decimal that reads back as it (1e-05, not the double of the float,
+// 9.999999747378752e-06), as a double for config.json.
+double shortest_decimal(float value) {
+  char buf[32];
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, static_cast<double>(value));
+    if (std::strtof(buf, nullptr) == value) break;
+  }
+  return std::strtod(buf, nullptr);
+}
+
 // The template's value of a float field when it rounds to keel's (so it is kept as written).
 json same_or(const json& tmpl, const char* key, float value) {
   if (tmpl.contains(key) && tmpl[key].is_number() && static_cast<float>(tmpl[key].get<double>()) == value) return tmpl[key];
-  return static_cast<double>(value);
+  return shortest_decimal(value);
 }
 
 }  // namespace
@@ -870,7 +950,7 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
   c["tie_word_embeddings"] = m.tied_embeddings;
   c["torch_dtype"] = torch_dtype_name(dtype);
   if (c.contains("dtype")) c["dtype"] = torch_dtype_name(dtype);
-  if (!c.contains("initializer_range")) c["initializer_range"] = m.init_std;
+  if (!c.contains("initializer_range")) c["initializer_range"] = shortest_decimal(m.init_std);
   c["use_cache"] = true;
   if (llama_like(arch)) {
     c["model_type"] = arch == HfArch::Qwen2     ? "qwen2"
@@ -1013,13 +1093,30 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   }
 
   const fs::path out(out_dir);
-  check_new_output(out, opts.force, {ckpt_path, opts.like});
+  check_new_output(out, /*force=*/true, {ckpt_path, opts.like, like.string()});  // the inputs named or found
+  // The HF folder the checkpoint came from is an input too, though not named on the command
+  // line: --force would otherwise replace the original model with this export.
+  std::string recorded_source;
+  if (ck.meta().contains("source") && ck.meta()["source"].is_object())
+    recorded_source = ck.meta()["source"].value("path", "");
+  if (!recorded_source.empty()) {
+    try {
+      check_new_output(out, true, {recorded_source});
+    } catch (const ConfigError&) {
+      throw ConfigError("the output " + out.string() + " would replace the Hugging Face model " + recorded_source +
+                        " that " + ck.path() + " comes from (meta.json source.path): pick another folder");
+    }
+  }
+  check_new_output(out, opts.force);
   const fs::path tmp = temp_dir_for(out);
   ConvertStats st;
+  int64_t underflow = 0;
   try {
     json weight_map = json::object();
-    std::vector<char> staging, part;
-    const size_t es = dtype_size(opts.dtype);
+    std::vector<char> staging, part, narrow;
+    // fp16 is read as fp32 and narrowed here, counting what does not fit (check_fp16_range).
+    const DType read_dtype = opts.dtype == DType::F16 ? DType::F32 : opts.dtype;
+    const size_t es = dtype_size(read_dtype);
     for (size_t s = 0; s < shards.size(); ++s) {
       char fname[64];
       if (shards.size() == 1) std::snprintf(fname, sizeof fname, "model.safetensors");
@@ -1043,10 +1140,10 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
           r.offset.assign(r.shape.size(), 0);
           if (t.slices.size() == 1 && sl.one_to_one()) {  // straight into place (minus keel's vocab padding)
             r.shape[0] = t.shape[0];
-            ck.read(state, sl.keel, r, opts.dtype, staging.data());
+            ck.read(state, sl.keel, r, read_dtype, staging.data());
           } else {  // a block of a fused tensor, or a transpose: scatter element by element
             part.resize(static_cast<size_t>(r.numel()) * es);
-            ck.read(state, sl.keel, r, opts.dtype, part.data());
+            ck.read(state, sl.keel, r, read_dtype, part.data());
             const int64_t rows = r.shape[0], cols = r.shape.size() > 1 ? r.shape[1] : 1;
             const int64_t hf_cols = t.shape.size() > 1 ? t.shape[1] : 1;
             for (int64_t row = 0; row < rows; ++row)
@@ -1057,7 +1154,15 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
           }
           ck.release(state, sl.keel);
         }
-        w.write(staging.data(), staging.size());
+        if (opts.dtype == DType::F16) {
+          narrow.resize(static_cast<size_t>(n) * 2);
+          Fp16Range range;
+          to_f16_counting(reinterpret_cast<const float*>(staging.data()), n, narrow.data(), range);
+          check_fp16_range(range, t.name, "checkpoint " + ck.path(), &underflow);
+          w.write(narrow.data(), narrow.size());
+        } else {
+          w.write(staging.data(), staging.size());
+        }
         st.parameters += n;
         ++st.tensors;
       }
@@ -1074,6 +1179,22 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
         fs::copy_file(fs::path(ck.path()) / f, tmp / f, fs::copy_options::overwrite_existing);
         if (std::find(st.copied.begin(), st.copied.end(), f) == st.copied.end()) st.copied.push_back(f);
       }
+    // Without a source to take them from, transformers gets a model it cannot tokenize for or
+    // stop: say what is missing and where it would come from.
+    std::vector<std::string> missing;
+    for (const char* f : {"tokenizer.json", "generation_config.json"})
+      if (!fs::exists(tmp / f)) missing.push_back(f);
+    if (!c.contains("eos_token_id")) missing.push_back("bos/eos token ids in config.json");
+    const bool incomplete = !fs::exists(tmp / "tokenizer.json") || !c.contains("eos_token_id");
+    if (incomplete) {  // a source without generation_config.json alone is common and harmless
+      std::string what;
+      for (size_t i = 0; i < missing.size(); ++i)
+        what += (i == 0 ? "" : i + 1 == missing.size() ? " and " : ", ") + missing[i];
+      st.notes.push_back("not written: " + what + " (" +
+                         (opts.like.empty() ? "the checkpoint records no Hugging Face source to take them from"
+                                            : "--like " + opts.like + " has none") +
+                         "); pass --like DIR, the HF model this was trained from or its keel convert output");
+    }
     publish(tmp, out, opts.force);
   } catch (...) {
     std::error_code ec;
@@ -1082,6 +1203,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   }
   st.out = out_dir;
   st.dtype = opts.dtype;
+  if (underflow > 0) st.notes.push_back(fp16_underflow_note(underflow));
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

@@ -182,8 +182,14 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
 
 // --init-from hf:DIR: fp32 masters from the HF weights (exact), working weights rounded to
 // the working dtype, Adam moments zero, step 0 (ParamState::load_fp32). The run's model must be
-// the HF model: a differing field is an error naming it and both values. Returns the log line.
-std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state);
+// the HF model: a differing field is an error naming it and both values. Returns the log line;
+// `source` (when given) gets the record of the HF model a checkpoint's meta.json keeps.
+std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state,
+                                 nlohmann::json* source = nullptr);
+
+// meta.json's "source" for weights from an HF model: its path, dtype and config.json (export
+// and sample read them to find the config fields and tokenizer files).
+nlohmann::json hf_source_json(const HfCheckpoint& hf);
 
 // Files copied along with a model: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
 // tokenizer.model, generation_config.json, chat_template.jinja (the chat template, when it is

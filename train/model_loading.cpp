@@ -37,6 +37,7 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
   std::vector<char> staging;
   if (auto dir = hf_path(spec)) {
     const HfCheckpoint hf = HfCheckpoint::open(*dir);
+    for (const std::string& n : hf.notes()) std::fprintf(stderr, "keel: note: hf:%s: %s\n", hf.dir().c_str(), n.c_str());
     lm.table = std::make_unique<ParamTable>(hf.model());
     lm.weights = alloc(lm.table->local_numel());
     for (const ParamSpec& p : lm.table->params()) {
@@ -113,6 +114,15 @@ InferenceModel::InferenceModel(const InferenceModelArgs& a) {
 
 InferenceModel::~InferenceModel() {
   if (model.weights.data) backend->release(model.weights.data);
+}
+
+std::string non_finite_logits_message(const std::string& what, const LoadedModel& lm, const std::string& dtype) {
+  std::string msg = what + ": the weights of " + lm.source + " hold inf/NaN";
+  if (dtype == "fp16") msg += ", or the forward overflows fp16 (try --dtype fp32)";
+  if (hf_path(lm.source))
+    msg += " (keel convert " + lm.source + " DIR, then keel ckpt inspect DIR shows each tensor's norm, min and max)";
+  else msg += " (keel ckpt inspect " + lm.source + " shows each tensor's norm, min and max)";
+  return msg;
 }
 
 DType parse_inference_dtype(const std::string& name) {

@@ -33,6 +33,10 @@ struct LoadedModel {
 // spec: a keel checkpoint (step_* or a checkpoints directory) or hf:DIR. Weights in `dtype`.
 LoadedModel load_model(const std::string& spec, DType dtype, Backend& be);
 
+// The error for logits that hold inf/NaN (`what` says where): the weights hold them, or
+// --dtype fp16 overflowed, and how to find the tensor.
+std::string non_finite_logits_message(const std::string& what, const LoadedModel& lm, const std::string& dtype);
+
 // --dtype fp32|bf16|fp16 for the weights in memory; anything else is a ConfigError.
 DType parse_inference_dtype(const std::string& name);
 

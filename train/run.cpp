@@ -778,6 +778,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     return ck;
   };
   nlohmann::json loaded_health, loaded_topology;
+  nlohmann::json loaded_source;  // the HF model the weights came from, carried into every save
   std::string loaded_from, loaded_precision;
   bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
@@ -786,6 +787,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
+    loaded_source = ck.meta().value("source", nlohmann::json());
     loaded_precision = ck.precision();
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
     const auto& topo = ck.meta()["topology"];
@@ -799,7 +801,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       notes.push_back("--init-from " + opts.init_from + " is ignored: it only initialises a fresh run, and this run resumes");
   } else if (auto hf_dir = hf_path(opts.init_from)) {
     // A Hugging Face model directory (hf:DIR), converted on the fly.
-    notes.push_back(init_weights_from_hf(*hf_dir, tr.table(), tr.state()));
+    notes.push_back(init_weights_from_hf(*hf_dir, tr.table(), tr.state(), &loaded_source));
     loaded_from = opts.init_from;
   } else if (!opts.init_from.empty()) {
     Checkpoint ck = open_verified(opts.init_from, "initialise from");
@@ -807,6 +809,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
+    loaded_source = ck.meta().value("source", nlohmann::json());
     loaded_precision = ck.precision();
   } else {
     tr.init_weights();
@@ -873,6 +876,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // ---- run directory (rank 0 writes it; every rank writes its checkpoint files) ----
   std::optional<MetricsWriter> metrics;
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
+  checkpoints.set_source(loaded_source);
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, tr, train, vals, packed, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());

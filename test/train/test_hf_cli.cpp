@@ -5,6 +5,8 @@
 //   keel convert CKPT hf:EXPORT --like OUT  ->  an HF directory that opens as the same model
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -133,6 +135,15 @@ TEST_CASE("keel train --init-from a converted model: bf16 finetune continues fro
   CHECK(c["num_key_value_heads"] == 2);
   r = run_keel("sample --checkpoint hf:" + tmp / "export" + " --prompt 'The' -t 0 -n 8");
   CHECK(r.code == 0);
+
+  // Without --like: the run's checkpoints record the HF model the converted weights came from,
+  // so the export still gets its tokenizer and token ids.
+  r = run_keel("convert " + tmp / "run/checkpoints hf:" + tmp / "export2");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("copied tokenizer.json") && !Catch::Contains("not written"));
+  std::ifstream in2(tmp / "export2/config.json");
+  CHECK(json::parse(in2)["eos_token_id"] == 2);
 }
 
 TEST_CASE("keel train --init-from hf:DIR finetunes the HF weights directly", "[hf][cli][seed000]") {
@@ -146,6 +157,13 @@ TEST_CASE("keel train --init-from hf:DIR finetunes the HF weights directly", "[h
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("initialised from hf:"));
   check_no_jump(tmp / "run", e["train_loss"]["loss"].get<double>());
+  // The checkpoints record the HF model, so export without --like finds its tokenizer and ids.
+  r = run_keel("convert " + tmp / "run/checkpoints hf:" + tmp / "export");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("copied tokenizer.json") && !Catch::Contains("not written"));
+  std::ifstream in(tmp / "export/config.json");
+  CHECK(json::parse(in)["eos_token_id"] == 2);
 }
 
 TEST_CASE("GPT-2 and BLOOM through the binary: convert, greedy-decode HF's tokens, finetune, export", "[hf][cli]") {
@@ -434,4 +452,52 @@ TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the 
                " --out " + tmp / "chat2");
   CHECK(r.code == 2);
   CHECK_THAT(r.output, Catch::Contains("BOS would come twice"));
+}
+
+// Weights holding a NaN give NaN logits: argmax would decode token 0 forever and the choice
+// picks would be noise, so sample and eval stop, naming the problem.
+TEST_CASE("keel sample and keel eval stop on non-finite logits instead of decoding them", "[hf][cli][eval]") {
+  test::TempDir tmp("hfnan");
+  const fs::path d = fs::path(tmp / "nan");
+  fs::copy(kHf + "llama_trained", d, fs::copy_options::recursive);
+  {
+    auto r = data::SafetensorsReader::open((d / "model.safetensors").string());
+    std::vector<std::vector<char>> keep;
+    std::vector<data::SafetensorsTensorToWrite> ts;
+    for (const auto& t : r.tensors()) {
+      auto b = r.bytes(t);
+      keep.emplace_back(reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data()) + b.size());
+      if (t.name == "model.layers.0.self_attn.q_proj.weight") {
+        const float nan = std::nanf("");
+        std::memcpy(keep.back().data(), &nan, sizeof nan);
+      }
+      ts.push_back({t.name, t.dtype, t.shape, keep.back().data()});
+    }
+    data::write_safetensors((d / "new.safetensors").string(), ts, {{"format", "pt"}});
+  }
+  fs::rename(d / "new.safetensors", d / "model.safetensors");
+
+  auto r = run_keel("sample --checkpoint hf:" + d.string() + " --prompt-ids 1,5,6 -t 0 -n 4 --ignore-eos --show-ids");
+  INFO(r.output);
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("non-finite logits at position 3") && Catch::Contains("hold inf/NaN") &&
+                           !Catch::Contains("generated ids"));
+  const json e = expected("choices_llama_trained");
+  r = run_keel("eval --checkpoint hf:" + d.string() + " --choices " + kHf + e["file"].get<std::string>() + " --limit 3");
+  INFO(r.output);
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("non-finite log-likelihood") && Catch::Contains("hold inf/NaN") &&
+                           !Catch::Contains("acc "));
+}
+
+TEST_CASE("keel sample --top-p 0 keeps only the most likely token, as greedy decoding", "[hf][cli]") {
+  const json e = expected("llama_trained");
+  const std::string prompt = e["text"]["prompt"].get<std::string>();
+  for (const char* seed : {"1", "7"}) {
+    const auto r = run_keel("sample --checkpoint hf:" + kHf + "llama_trained --prompt '" + prompt +
+                            "' -t 1 --top-p 0 -n 16 --show-ids --seed " + seed);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK(ids_after(r.output, "generated ids") == e["text"]["new_ids"].get<std::vector<int32_t>>());
+  }
 }

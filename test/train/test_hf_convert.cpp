@@ -16,6 +16,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -577,6 +578,17 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
   convert_hf_to_keel(d, tmp / "self_keel", std::nullopt, false);
   CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", d, over); }), Catch::Contains("would replace the input"));
   CHECK(fs::exists(d + "/model.safetensors"));
+  // Without --like, the folder the checkpoint was converted from (meta.json source.path) is an
+  // input all the same: "put it back where it came from" would replace the original weights.
+  const auto original = all_tensors(d);
+  over.like.clear();
+  over.dtype = DType::F32;  // an overwrite would show as F32 tensors
+  CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", d, over); }),
+             Catch::Contains("would replace the Hugging Face model") && Catch::Contains("comes from"));
+  const auto after = all_tensors(d);
+  REQUIRE(after.size() == original.size());
+  for (const auto& [name, t] : original) CHECK(after.at(name).bytes == t.bytes);
+  CHECK(after.begin()->second.dtype == "BF16");
 }
 
 // Seed 000: finetuning converted weights in bf16 must continue from the pretrained loss. The
@@ -762,4 +774,152 @@ TEST_CASE("hf: GPT-2 and BLOOM features keel cannot represent are refused by nam
              Catch::Contains("ffn_hidden 100") && Catch::Contains("4 x d_model = 192"));
   CHECK_THAT(arch_error([](ModelConfig& m) { m.family = Family::Llama; }),
              Catch::Contains("holds a Llama with ALiBi"));
+}
+
+namespace {
+// A copy of an fp32 fixture with element 0 of one tensor set to `value`.
+std::string with_value(const test::TempDir& tmp, const std::string& name, const std::string& to,
+                       const std::string& tensor, float value) {
+  const std::string d = tmp / to;
+  fs::copy(kHf + name, d, fs::copy_options::recursive);
+  std::vector<std::vector<char>> keep;
+  {
+    auto r = data::SafetensorsReader::open(d + "/model.safetensors");
+    std::vector<data::SafetensorsTensorToWrite> ts;
+    for (const auto& t : r.tensors()) {
+      auto b = r.bytes(t);
+      keep.emplace_back(reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data()) + b.size());
+      if (t.name == tensor) {
+        REQUIRE(t.dtype == data::SafetensorsDtype::F32);
+        std::memcpy(keep.back().data(), &value, sizeof value);
+      }
+      ts.push_back({t.name, t.dtype, t.shape, keep.back().data()});
+    }
+    data::write_safetensors(d + "/model.safetensors.new", ts, {{"format", "pt"}});
+  }
+  fs::rename(d + "/model.safetensors.new", d + "/model.safetensors");
+  return d;
+}
+}  // namespace
+
+TEST_CASE("hf: --dtype fp16 refuses values beyond its range, naming the tensor, and notes values lost to zero", "[hf]") {
+  test::TempDir tmp("hffp16");
+  const std::string up = "model.layers.0.mlp.up_proj.weight";
+  const std::string big = with_value(tmp, "llama_trained", "big", up, 1e6f);
+  auto refused = [&](const std::string& msg) {
+    CHECK_THAT(msg, Catch::Contains("--dtype fp16: tensor " + up) && Catch::Contains("1 value(s) beyond fp16's range") &&
+                        Catch::Contains("largest magnitude 1e+06"));
+  };
+  // Import: refused, nothing written; the HF dtype (fp32) still converts.
+  refused(error_of([&] { convert_hf_to_keel(big, tmp / "big_fp16", DType::F16, false); }));
+  CHECK_FALSE(fs::exists(tmp / "big_fp16"));
+  convert_hf_to_keel(big, tmp / "big_keel", std::nullopt, false);
+  // Export: the same.
+  ExportOptions fp16;
+  fp16.dtype = DType::F16;
+  refused(error_of([&] { export_keel_to_hf(tmp / "big_keel", tmp / "big_hf", fp16); }));
+  CHECK_FALSE(fs::exists(tmp / "big_hf"));
+
+  // inf/NaN in the source: refused as broken weights, whichever direction.
+  const std::string nan = with_value(tmp, "llama_trained", "nan", up, std::nanf(""));
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(nan, tmp / "nan_fp16", DType::F16, false); }),
+             Catch::Contains("tensor " + up + " holds 1 inf/NaN value(s)"));
+
+  // A value below fp16's smallest subnormal becomes 0: converted, with a note counting them.
+  const std::string tiny = with_value(tmp, "llama_trained", "tiny", up, 1e-9f);
+  const ConvertStats st = convert_hf_to_keel(tiny, tmp / "tiny_fp16", DType::F16, false);
+  std::string notes;
+  for (const auto& n : st.notes) notes += n + "\n";
+  CHECK_THAT(notes, Catch::Contains("nonzero value(s) are below fp16's smallest") && Catch::Contains("became 0"));
+  convert_hf_to_keel(tiny, tmp / "tiny_keel", std::nullopt, false);
+  const ConvertStats ex = export_keel_to_hf(tmp / "tiny_keel", tmp / "tiny_hf", fp16);
+  notes.clear();
+  for (const auto& n : ex.notes) notes += n + "\n";
+  CHECK_THAT(notes, Catch::Contains("became 0"));
+}
+
+TEST_CASE("hf: export without a source for the tokenizer and token ids says what it did not write", "[hf]") {
+  test::TempDir tmp("hfnosource");
+  convert_hf_to_keel(kHf + "llama_tied", tmp / "keel", std::nullopt, false);
+  ExportOptions opts;
+  auto notes_of = [](const ConvertStats& st) {
+    std::string all;
+    for (const auto& n : st.notes) all += n + "\n";
+    return all;
+  };
+  CHECK_THAT(notes_of(export_keel_to_hf(tmp / "keel", tmp / "hf", opts)), !Catch::Contains("not written"));
+  // As a from-scratch run's checkpoint: no HF config, tokenizer or recorded source.
+  const fs::path k = fs::path(tmp / "keel");
+  for (const char* f : {"hf_config.json", "tokenizer.json", "generation_config.json"}) fs::remove(k / f);
+  json meta;
+  {
+    std::ifstream in(k / "meta.json");
+    meta = json::parse(in);
+  }
+  meta.erase("source");
+  std::ofstream(k / "meta.json") << meta.dump(2);
+  const ConvertStats st = export_keel_to_hf(tmp / "keel", tmp / "bare", opts);
+  CHECK_FALSE(fs::exists(tmp / "bare/tokenizer.json"));
+  CHECK_THAT(notes_of(st), Catch::Contains("not written: tokenizer.json, generation_config.json and bos/eos token ids") &&
+                               Catch::Contains("pass --like DIR"));
+}
+
+TEST_CASE("hf: a folder with both model.safetensors and an index reads the single file, as transformers does", "[hf]") {
+  test::TempDir tmp("hfboth");
+  const std::string d = tmp / "both";
+  fs::copy(kHf + "llama_sharded", d, fs::copy_options::recursive);
+  // model.safetensors: the shards' tensors in one file, the embedding's first element changed,
+  // so which file was read shows in the weights.
+  const HfCheckpoint sharded = HfCheckpoint::open(kHf + "llama_sharded");
+  {
+    std::vector<std::unique_ptr<data::SafetensorsReader>> readers;
+    std::vector<std::vector<char>> keep;
+    std::vector<data::SafetensorsTensorToWrite> ts;
+    for (const auto& f : fs::directory_iterator(kHf + "llama_sharded")) {
+      if (f.path().extension() != ".safetensors") continue;
+      readers.push_back(std::make_unique<data::SafetensorsReader>(data::SafetensorsReader::open(f.path().string())));
+      for (const auto& t : readers.back()->tensors()) {
+        auto b = readers.back()->bytes(t);
+        keep.emplace_back(reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data()) + b.size());
+        if (t.name == "model.embed_tokens.weight") {
+          REQUIRE(t.dtype == data::SafetensorsDtype::F16);
+          const uint16_t h = f32_to_f16(7.0f);
+          std::memcpy(keep.back().data(), &h, 2);
+        }
+        ts.push_back({t.name, t.dtype, t.shape, keep.back().data()});
+      }
+    }
+    data::write_safetensors(d + "/model.safetensors", ts, {{"format", "pt"}});
+  }
+  const HfCheckpoint both = HfCheckpoint::open(d);
+  CHECK(sharded.num_files() == 3);
+  CHECK(both.num_files() == 1);
+  std::string notes;
+  for (const auto& n : both.notes()) notes += n + "\n";
+  CHECK_THAT(notes, Catch::Contains("read model.safetensors and ignored model.safetensors.index.json"));
+  const ParamTable table(both.model());
+  const auto w = hf_weights(both, table), w_sharded = hf_weights(sharded, table);
+  CHECK(w[table.at("tok_embed").offset] == 7.0f);
+  CHECK(w_sharded[table.at("tok_embed").offset] != 7.0f);
+}
+
+TEST_CASE("hf: export writes keel's float fields as their decimals, and unknown configs say what is missing", "[hf]") {
+  ModelConfig m = HfCheckpoint::open(kHf + "llama_tied").model();
+  m.norm_eps = 1e-5f;
+  m.init_std = 0.02f;
+  m.rope_theta = 10000.0f;
+  // No template: every float comes from keel's config.
+  const json c = hf_config_json(m, HfArch::Llama, json(), DType::BF16);
+  CHECK(c["rms_norm_eps"].dump() == "1e-05");
+  CHECK(c["initializer_range"].dump() == "0.02");
+  CHECK(c["rope_theta"].dump() == "10000.0");
+  m.norm_eps = 1.17549435e-38f;  // one that needs all nine digits still reads back as itself
+  CHECK(static_cast<float>(hf_config_json(m, HfArch::Llama, json(), DType::BF16)["rms_norm_eps"].get<double>()) ==
+        m.norm_eps);
+
+  CHECK_THAT(error_of([] { model_config_from_hf(json{{"vocab_size", 10}, {"hidden_size", 8}}, "x/config.json"); }),
+             Catch::Contains("x/config.json has neither \"architectures\" nor \"model_type\""));
+  const json run = finetune_config_json(HfCheckpoint::open(kHf + "llama_tied"), "ckpt/tied");
+  CHECK_THAT(run["description"].get<std::string>(),
+             Catch::Contains("keel tokenize --tokenizer ckpt/tied") && !Catch::Contains("prepare_data.py"));
 }
