@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -163,26 +164,100 @@ std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, 
 // Reading
 // ======================================================================================
 
-std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoints_dir) {
+namespace {
+
+// The complete step_* checkpoints of a directory, oldest first.
+std::vector<std::string> complete_checkpoints(const fs::path& dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (step_of(name) >= 0 && is_complete_checkpoint(e.path())) found.emplace_back(step_of(name), name);
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
+// A pointer's content as it can be printed: quoted, control and non-ASCII bytes as \xNN, cut short.
+std::string printable(const std::string& s) {
+  std::string out = "\"";
+  for (size_t i = 0; i < s.size() && i < 100; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out + (s.size() > 100 ? "...\"" : "\"");
+}
+
+}  // namespace
+
+std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoints_dir, std::string* note) {
   const fs::path dir(checkpoints_dir);
   if (!fs::is_directory(dir)) return std::nullopt;
-  std::ifstream in(dir / "latest");
-  std::string name;
-  if (in && std::getline(in, name) && !name.empty() && is_complete_checkpoint(dir / name)) return (dir / name).string();
-  // No (valid) pointer: the newest complete step directory, if any.
-  int64_t best = -1;
-  std::string best_path;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const int64_t s = step_of(e.path().filename().string());
-    if (s > best && is_complete_checkpoint(e.path())) best = s, best_path = e.path().string();
+  const fs::path pointer = dir / "latest";
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(pointer, ec))) {
+    // The pointer is what the last save published. If it cannot be followed, the newest step_*
+    // is no safe stand-in (after a rewind it belongs to the abandoned run): ask the user.
+    std::string name, why;
+    std::ifstream in(pointer);
+    if (fs::is_directory(pointer) || !in) {
+      why = "cannot be read";
+    } else {
+      std::getline(in, name);
+      while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+      if (name.empty())
+        why = "is empty";
+      else if (name.find('/') != std::string::npos || name == "." || name == "..")
+        why = "names " + printable(name) + ", which is not in " + dir.string() + " (keel only follows a pointer to a "
+              "checkpoint beside it)";
+      else if (!fs::exists(dir / name))
+        why = "names " + printable(name) + ", which does not exist";
+      else if (!is_complete_checkpoint(dir / name))
+        why = "names " + printable(name) + ", which is not a complete checkpoint (no meta.json)";
+      else
+        return (dir / name).string();
+    }
+    const std::vector<std::string> complete = complete_checkpoints(dir);
+    std::string msg = (pointer.string() + " " + why) +
+                      ": keel does not guess which checkpoint to resume from (the highest step may belong to an "
+                      "abandoned run).";
+    if (complete.empty()) {
+      msg += "\nThere is no complete checkpoint in " + dir.string() + "; to start afresh, remove " + pointer.string() +
+             ".";
+    } else {
+      msg += "\nComplete checkpoints in " + dir.string() + ":";
+      for (const auto& c : complete) msg += " " + c;
+      msg += "\nPass the one to continue from with --resume " + (dir / complete.back()).string() +
+             " (or another of them), or repair " + pointer.string() + ". Nothing was changed.";
+    }
+    throw CheckpointError(msg);
   }
-  if (best < 0) return std::nullopt;
-  return best_path;
+  // No pointer at all (removed by hand, or copied without it): the newest complete step directory.
+  const std::vector<std::string> complete = complete_checkpoints(dir);
+  if (complete.empty()) return std::nullopt;
+  if (note)
+    *note = "no `latest` pointer in " + dir.string() + ": continuing from the newest complete checkpoint there, " +
+            complete.back();
+  return (dir / complete.back()).string();
 }
 
 Checkpoint Checkpoint::open(const std::string& path_in) {
   std::string path = path_in;
   if (!fs::exists(path)) throw CheckpointError("no checkpoint at " + path + ": no such file or directory");
+  // The pointer file itself (--resume run/checkpoints/latest): follow it.
+  if (fs::is_regular_file(path) && fs::path(path).filename() == "latest") {
+    const std::string dir = fs::path(path).parent_path().string();
+    auto latest = find_latest(dir.empty() ? "." : dir);
+    if (!latest) throw CheckpointError("no checkpoint at " + path + ": nothing to follow it to");
+    path = *latest;
+  }
   if (!fs::exists(fs::path(path) / "meta.json")) {
     if (fs::exists(fs::path(path) / "latest") || !fs::exists(fs::path(path) / "model-tp00-pp00.safetensors")) {
       auto latest = find_latest(path);

@@ -85,8 +85,12 @@ class Checkpoint {
  public:
   // `path` is a checkpoint directory (step_*), or a checkpoints directory holding `latest`.
   static Checkpoint open(const std::string& path);
-  // Resolves a checkpoints directory's `latest` (nullopt when there is none).
-  static std::optional<std::string> find_latest(const std::string& checkpoints_dir);
+  // `path` may also be the `latest` pointer file of a checkpoints directory (it is followed).
+  // Resolves a checkpoints directory's `latest`: nullopt when it holds no checkpoint. A `latest`
+  // that cannot be followed (empty, unreadable, naming a missing or incomplete checkpoint or one
+  // outside the directory) is a CheckpointError listing the complete checkpoints; without a
+  // `latest` file the newest complete step_* is taken and *note says so.
+  static std::optional<std::string> find_latest(const std::string& checkpoints_dir, std::string* note = nullptr);
 
   const std::string& path() const { return path_; }
   const nlohmann::json& meta() const { return meta_; }

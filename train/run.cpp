@@ -711,7 +711,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   std::vector<std::string> notes;
   std::string resume_path = opts.resume;
   if (resume_path.empty()) {
-    if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir)) resume_path = *latest;
+    std::string note;
+    if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir, &note)) resume_path = *latest;
+    if (!note.empty()) notes.push_back(note);
   }
   auto open_verified = [&](const std::string& path, const std::string& what) {
     Checkpoint ck = Checkpoint::open(path);

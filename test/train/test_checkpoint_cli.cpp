@@ -368,6 +368,60 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
   CHECK(r.code == 0);
 }
 
+// The `latest` pointer is the only record of which trajectory is current: after a rewind the
+// highest step_* belongs to the abandoned one. A pointer that cannot be followed is refused with
+// what it says and the checkpoints there, never replaced by a guess.
+TEST_CASE("a latest pointer that cannot be followed is refused by name, never replaced by the highest step",
+          "[ckpt][cli][latest]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 8")).code == 4);  // step 4 and step 8, latest = step 8
+  auto refused = [&](const std::string& says) {
+    auto r = run_keel(train_args(ws, out, "--stop-at 12"));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(dir + "/latest " + says) && Catch::Contains("step_00000004") &&
+                             Catch::Contains("--resume " + dir + "/step_0000000"));
+    CHECK_FALSE(fs::exists(dir + "/step_00000012"));
+    CHECK(fs::exists(dir + "/step_00000004"));
+  };
+  SECTION("garbage") {
+    std::ofstream(dir + "/latest") << "garb\x01" "age\n";
+    refused("names \"garb\\x01age\", which does not exist");
+  }
+  SECTION("empty") {
+    std::ofstream(dir + "/latest") << "";
+    refused("is empty");
+  }
+  SECTION("a missing checkpoint") {
+    fs::remove_all(dir + "/step_00000008");
+    refused("names \"step_00000008\", which does not exist");
+  }
+  SECTION("an incomplete checkpoint") {
+    fs::remove(dir + "/step_00000008/meta.json");
+    refused("names \"step_00000008\", which is not a complete checkpoint");
+    CHECK(fs::exists(dir + "/step_00000008/model-tp00-pp00.safetensors"));
+  }
+  SECTION("a checkpoint outside the directory") {
+    std::ofstream(dir + "/latest") << "../../elsewhere/checkpoints/step_00000004\n";
+    refused("names \"../../elsewhere/checkpoints/step_00000004\", which is not in " + dir);
+  }
+  SECTION("no pointer at all: the newest complete checkpoint, with a note") {
+    fs::remove(dir + "/latest");
+    auto r = run_keel(train_args(ws, out, "--stop-at 12"));
+    INFO(r.output);
+    CHECK(r.code == 4);
+    CHECK_THAT(r.output, Catch::Contains("no `latest` pointer in " + dir) &&
+                             Catch::Contains("resuming from " + dir + "/step_00000008"));
+  }
+  SECTION("--resume given the pointer file follows it") {
+    auto r = run_keel(train_args(ws, ws.dir / "other", "--stop-at 12 --resume " + dir + "/latest"));
+    INFO(r.output);
+    CHECK(r.code == 4);
+    CHECK_THAT(r.output, Catch::Contains("resuming from " + dir + "/step_00000008"));
+  }
+}
+
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
