@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "data/checksum.h"
 #include "data/file_io.h"
@@ -166,16 +168,34 @@ std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, 
 
 namespace {
 
-// The complete step_* checkpoints of a directory, oldest first.
+// When a checkpoint was saved, in ns since the epoch: meta.json's saved_at_ns, or for one saved
+// before that field existed, meta.json's modification time (written once, at publication).
+int64_t save_time_ns(const fs::path& ckpt) {
+  const fs::path meta = ckpt / "meta.json";
+  try {
+    std::ifstream in(meta);
+    const json m = json::parse(in);
+    if (m.contains("saved_at_ns") && m["saved_at_ns"].is_number_integer()) return m["saved_at_ns"].get<int64_t>();
+  } catch (const std::exception&) {
+    // unreadable: its file time still orders it
+  }
+  struct stat st {};
+  if (::stat(meta.c_str(), &st) != 0) return 0;
+  return int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+// The complete step_* checkpoints of a directory, in the order they were saved (oldest first;
+// the step number breaks ties).
 std::vector<std::string> complete_checkpoints(const fs::path& dir) {
-  std::vector<std::pair<int64_t, std::string>> found;
+  std::vector<std::tuple<int64_t, int64_t, std::string>> found;
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
-    if (step_of(name) >= 0 && is_complete_checkpoint(e.path())) found.emplace_back(step_of(name), name);
+    if (step_of(name) >= 0 && is_complete_checkpoint(e.path()))
+      found.emplace_back(save_time_ns(e.path()), step_of(name), name);
   }
   std::sort(found.begin(), found.end());
   std::vector<std::string> out;
-  for (auto& f : found) out.push_back(std::move(f.second));
+  for (auto& f : found) out.push_back(std::move(std::get<2>(f)));
   return out;
 }
 
@@ -232,7 +252,7 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
       msg += "\nThere is no complete checkpoint in " + dir.string() + "; to start afresh, remove " + pointer.string() +
              ".";
     } else {
-      msg += "\nComplete checkpoints in " + dir.string() + ":";
+      msg += "\nComplete checkpoints in " + dir.string() + ", oldest save first:";
       for (const auto& c : complete) msg += " " + c;
       msg += "\nPass the one to continue from with --resume " + (dir / complete.back()).string() +
              " (or another of them), or repair " + pointer.string() + ". Nothing was changed.";
@@ -744,6 +764,10 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
       }
       json meta = std::move(p->meta);
       meta["saved_at"] = utc_now();
+      // keep_last ranks saves by this, not by step: after a rewind the new run's saves are the recent ones.
+      meta["saved_at_ns"] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count();
       meta["files"] = files;
       maybe_crash("meta");
       write_text_file_synced((p->tmp / "meta.json").string(), meta.dump(2));
@@ -793,21 +817,18 @@ void CheckpointManager::fail_save(const PendingSave& p, const std::string& why) 
 
 void CheckpointManager::rotate() {
   const fs::path dir(dir_);
-  std::vector<std::pair<int64_t, fs::path>> saves;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const int64_t s = step_of(e.path().filename().string());
-    if (s >= 0 && is_complete_checkpoint(e.path())) saves.emplace_back(s, e.path());
-  }
-  std::sort(saves.begin(), saves.end());
+  // In save order, so that keep_last keeps this run's last saves even when an abandoned run
+  // (before a rewind to an earlier step) left higher step numbers behind.
+  const std::vector<std::string> saves = complete_checkpoints(dir);
   std::string latest;
   std::ifstream in(dir / "latest");
   std::getline(in, latest);
   for (size_t i = 0; i < saves.size(); ++i) {
     const bool recent = i + static_cast<size_t>(cfg_.keep_last) >= saves.size();
-    const bool milestone = cfg_.keep_every > 0 && saves[i].first % cfg_.keep_every == 0;
-    if (recent || milestone || saves[i].second.filename() == latest) continue;
+    const bool milestone = cfg_.keep_every > 0 && step_of(saves[i]) % cfg_.keep_every == 0;
+    if (recent || milestone || saves[i] == latest) continue;
     std::error_code ec;
-    fs::remove_all(saves[i].second, ec);
+    fs::remove_all(dir / saves[i], ec);
   }
 }
 

@@ -177,8 +177,9 @@ class CheckpointManager {
   bool save_pending() const { return pending_ != nullptr; }  // begun, not finished
   bool writing() const;  // this rank's files of the pending save are still being written
 
-  // Keeps the newest keep_last checkpoints, plus every step divisible by keep_every; never
-  // the one `latest` names.
+  // Keeps the keep_last most recently saved checkpoints (by meta.json's saved_at_ns, or its file
+  // time for older ones; not by step number, which a rewind makes go back), plus every step
+  // divisible by keep_every; never the one `latest` names.
   void rotate();
   // Removes .tmp-* directories left by saves that were killed.
   int clean_incomplete();

@@ -158,6 +158,7 @@ TEST_CASE("a background save holds the state as it was when it began, byte for b
   nlohmann::json mx = x.meta(), my = y.meta();
   for (auto* m : {&mx, &my}) {
     m->erase("saved_at");
+    m->erase("saved_at_ns");
     (*m)["config"]["checkpoint"].erase("dir");
   }
   CHECK(mx == my);
@@ -194,6 +195,30 @@ TEST_CASE("a background save that cannot be published fails at its finish and le
   CHECK_FALSE(fs::exists(dir / "ck/.tmp-step_00000002"));
   CHECK(Checkpoint::find_latest(dir / "ck") == dir / "ck/step_00000001");
   CHECK(Checkpoint::open(dir / "ck").verify().empty());
+}
+
+// Checkpoints saved before meta.json recorded saved_at_ns are ranked by meta.json's file time.
+TEST_CASE("rotation ranks checkpoints by when they were saved, by file time for ones without a save time",
+          "[ckpt][rotate]") {
+  test::TempDir dir("ckpt-rotate-order");
+  CheckpointConfig cfg;
+  cfg.keep_last = 2;
+  cfg.keep_every = 0;
+  const auto now = fs::file_time_type::clock::now();
+  // Steps 3 and 4 were saved first (an abandoned run), then 1 and 2 (after a rewind).
+  const std::map<std::string, int> minutes_ago = {{"step_00000003", 40}, {"step_00000004", 30},
+                                                  {"step_00000001", 20}, {"step_00000002", 10}};
+  for (const auto& [name, ago] : minutes_ago) {
+    fs::create_directories(dir / name);
+    std::ofstream(fs::path(dir / name) / "meta.json") << "{}";
+    fs::last_write_time(fs::path(dir / name) / "meta.json", now - std::chrono::minutes(ago));
+  }
+  std::ofstream(dir / "latest") << "step_00000002\n";
+  CheckpointManager(dir.path.string(), cfg).rotate();
+  CHECK(fs::exists(dir / "step_00000001"));
+  CHECK(fs::exists(dir / "step_00000002"));
+  CHECK_FALSE(fs::exists(dir / "step_00000003"));
+  CHECK_FALSE(fs::exists(dir / "step_00000004"));
 }
 
 TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back under any layout", "[ckpt][reshard]") {

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "common/process.h"
@@ -420,6 +421,25 @@ TEST_CASE("a latest pointer that cannot be followed is refused by name, never re
     CHECK(r.code == 4);
     CHECK_THAT(r.output, Catch::Contains("resuming from " + dir + "/step_00000008"));
   }
+}
+
+// Rewinding (--resume of an earlier step, e.g. after a loss spike) starts a new trajectory:
+// keep_last keeps its saves, not the abandoned run's higher step numbers.
+TEST_CASE("after a rewind keep_last keeps the new run's last saves, not the abandoned run's higher steps",
+          "[ckpt][cli][rotate]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  const std::string every = "--steps 10 --set checkpoint.interval=1 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=20")).code == 0);  // step 1..10
+  auto r = run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=2 --set checkpoint.keep_every=5 "
+                                        "--set optimizer.lr=1e-3 --resume " + dir + "/step_00000004 --stop-at 7"));
+  INFO(r.output);
+  REQUIRE(r.code == 4);
+  std::set<std::string> kept;
+  for (const auto& e : fs::directory_iterator(dir)) kept.insert(e.path().filename().string());
+  // The last two saves (6, 7) and the milestones (5 of this run, 10 of the old one).
+  CHECK(kept == std::set<std::string>{"latest", "step_00000005", "step_00000006", "step_00000007", "step_00000010"});
+  CHECK(test::read_file(dir + "/latest") == "step_00000007\n");
 }
 
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
