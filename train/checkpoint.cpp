@@ -124,7 +124,98 @@ int64_t step_of(const std::string& name) {
   }
 }
 
+const char* json_kind(const json& v) {
+  if (v.is_number_integer()) return "an integer";
+  if (v.is_number()) return "a number";
+  if (v.is_string()) return "a string";
+  if (v.is_boolean()) return "a boolean";
+  if (v.is_null()) return "null";
+  if (v.is_array()) return "an array";
+  return "an object";
+}
+
+// meta.json's fields are what a resume continues from; each one a later step reads is checked
+// here for its type (and its range, where a wrong value would train on silently), so that a
+// damaged or hand-edited meta.json is named with its field instead of failing deep inside.
+void validate_meta(const json& m, const std::string& meta_path) {
+  auto bad = [&](const std::string& field, const std::string& what) {
+    throw CheckpointError(meta_path + ": field " + field + ": " + what);
+  };
+  auto need = [&](const json& obj, const std::string& prefix, const char* key, bool required) -> const json* {
+    if (!obj.contains(key)) {
+      if (required) bad(prefix + key, "missing");
+      return nullptr;
+    }
+    return &obj[key];
+  };
+  auto object = [&](const json& obj, const std::string& prefix, const char* key, bool required) -> const json* {
+    const json* v = need(obj, prefix, key, required);
+    if (v && !v->is_object()) bad(prefix + key, std::string("expected an object, got ") + json_kind(*v));
+    return v;
+  };
+  auto integer = [&](const json& obj, const std::string& prefix, const char* key, bool required) -> int64_t {
+    const json* v = need(obj, prefix, key, required);
+    if (!v) return 0;
+    if (!v->is_number_integer())
+      bad(prefix + key, std::string("expected an integer, got ") + json_kind(*v) + " " + v->dump());
+    const int64_t x = v->get<int64_t>();
+    if (x < 0) bad(prefix + key, "is " + std::to_string(x) + ", which is negative");
+    return x;
+  };
+  auto number = [&](const json& obj, const std::string& prefix, const char* key) {
+    const json* v = need(obj, prefix, key, true);
+    if (!v->is_number()) bad(prefix + key, std::string("expected a number, got ") + json_kind(*v) + " " + v->dump());
+  };
+  auto string = [&](const json& obj, const std::string& prefix, const char* key, bool required) {
+    const json* v = need(obj, prefix, key, required);
+    if (v && !v->is_string()) bad(prefix + key, std::string("expected a string, got ") + json_kind(*v));
+  };
+
+  const json& progress = *object(m, "", "progress", true);
+  const int64_t iteration = integer(progress, "progress.", "iteration", true);
+  integer(progress, "progress.", "consumed_samples", true);
+  integer(progress, "progress.", "consumed_tokens", true);
+  integer(progress, "progress.", "skipped_total", false);
+  integer(progress, "progress.", "nan_total", false);
+  const int64_t adam_step = integer(m, "", "adam_step", false);
+  if (adam_step > iteration)
+    bad("adam_step", "is " + std::to_string(adam_step) + ", more than progress.iteration " +
+                         std::to_string(iteration) + " (Adam steps once per iteration at most)");
+  if (const json* ls = object(m, "", "loss_scaler", true)) {
+    number(*ls, "loss_scaler.", "scale");
+    integer(*ls, "loss_scaler.", "growth_tracker", true);
+    integer(*ls, "loss_scaler.", "hysteresis_tracker", true);
+  }
+  object(m, "", "config", true);
+  if (const json* t = object(m, "", "topology", false))
+    for (const char* k : {"tp", "pp", "dp"}) integer(*t, "topology.", k, false);
+  string(m, "", "precision", false);
+  string(m, "", "weight_dtype", false);
+  if (const json* st = need(m, "", "states", false)) {
+    if (!st->is_array()) bad("states", std::string("expected an array, got ") + json_kind(*st));
+    for (const json& e : *st)
+      if (!e.is_string()) bad("states", std::string("expected names (strings), found ") + json_kind(e));
+  }
+  object(m, "", "health", false);
+  for (const auto& [name, info] : m["files"].items()) {
+    const std::string prefix = "files." + name;
+    if (!info.is_object()) bad(prefix, std::string("expected an object, got ") + json_kind(info));
+    integer(info, prefix + ".", "bytes", true);
+    string(info, prefix + ".", "crc32c", true);
+    if (const json* t = object(info, prefix + ".", "tensors", false))
+      for (const auto& [tensor, crc] : t->items())
+        if (!crc.is_string()) bad(prefix + ".tensors." + tensor, std::string("expected a string, got ") + json_kind(crc));
+  }
+}
+
 }  // namespace
+
+std::string meta_checksum(const json& meta) {
+  json rest = meta;
+  rest.erase("meta_crc32c");
+  const std::string text = rest.dump();  // canonical: keys sorted, no spaces
+  return data::crc32c_hex(data::crc32c(0, text.data(), text.size()));
+}
 
 int64_t TensorRegion::numel() const {
   int64_t n = 1;
@@ -310,6 +401,17 @@ Checkpoint Checkpoint::open(const std::string& path_in) {
                           std::to_string(kCheckpointFormatVersion) + ")");
   if (!ck.meta_.contains("files") || !ck.meta_["files"].is_object() || ck.meta_["files"].empty())
     throw CheckpointError(meta_path + " lists no tensor files");
+  // meta.json's own checksum (absent in checkpoints saved before it existed: they still load).
+  if (ck.meta_.contains("meta_crc32c")) {
+    const json& stored = ck.meta_["meta_crc32c"];
+    const std::string got = meta_checksum(ck.meta_);
+    if (!stored.is_string() || stored.get<std::string>() != got)
+      throw CheckpointError(meta_path + " is damaged or was edited after the save: its content has checksum " + got +
+                            ", its field meta_crc32c says " + stored.dump() +
+                            ". It holds the iteration, the data position and every file's checksum, so the checkpoint "
+                            "cannot be trusted; resume from another one (--resume PATH)");
+  }
+  validate_meta(ck.meta_, meta_path);
 
   for (const auto& [name, info] : ck.meta_["files"].items()) {
     const std::string file = (fs::path(path) / name).string();
@@ -769,6 +871,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count();
       meta["files"] = files;
+      meta["meta_crc32c"] = meta_checksum(meta);
       maybe_crash("meta");
       write_text_file_synced((p->tmp / "meta.json").string(), meta.dump(2));
       data::detail::sync_directory(p->tmp.string());
@@ -1060,7 +1163,7 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
     json tensors = json::object();
     for (size_t i = 0; i < entries.size(); ++i) tensors[entries[i].name] = data::crc32c_hex(w.tensor_crc(i));
     const json files = {{file, {{"bytes", w.file_bytes()}, {"crc32c", data::crc32c_hex(w.file_crc())}, {"tensors", tensors}}}};
-    const json meta = {
+    json meta = {
         {"format", kFormat},
         {"format_version", kCheckpointFormatVersion},
         {"keel_version", "0.1"},
@@ -1078,6 +1181,7 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
         {"source", source},
         {"config", to_json(cfg)},
         {"files", files}};
+    meta["meta_crc32c"] = meta_checksum(meta);
     write_text_file_synced((fs::path(dir) / "meta.json").string(), meta.dump(2));
     data::detail::sync_directory(dir);
     SaveResult r;

@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "common/checkpoint_meta.h"
 #include "common/process.h"
 #include "common/workspace.h"
 #include "data/safetensors.h"
@@ -442,6 +443,64 @@ TEST_CASE("after a rewind keep_last keeps the new run's last saves, not the aban
   CHECK(test::read_file(dir + "/latest") == "step_00000007\n");
 }
 
+// meta.json holds where the run is (iteration, data position, Adam step) and every file's
+// checksum: a flipped bit in it is caught by its own checksum, and a field of the wrong type or
+// range (even with a valid checksum) is named, with exit code 5, by verify and by a resume.
+TEST_CASE("meta.json has a checksum of its own, and a malformed field is named with the file", "[ckpt][cli][meta]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", ck = out + "/checkpoints/step_00000004";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  const std::string meta_path = ck + "/meta.json";
+  auto refused = [&](const std::string& says) {
+    auto v = run_keel("ckpt verify " + ck);
+    INFO(v.output);
+    CHECK(v.code == 5);
+    CHECK_THAT(v.output, Catch::Contains(meta_path) && Catch::Contains(says));
+    auto r = run_keel(train_args(ws, ws.dir / "resumed", "--resume " + ck));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(meta_path) && Catch::Contains(says));
+    CHECK_FALSE(fs::exists(ws.dir / "resumed/metrics.jsonl"));
+  };
+  SECTION("one flipped bit in the iteration") {
+    std::string text = test::read_file(meta_path);
+    const size_t at = text.find("\"iteration\": 4");
+    REQUIRE(at != std::string::npos);
+    text[at + 13] ^= 1;  // 4 -> 5
+    std::ofstream(meta_path, std::ios::binary) << text;
+    refused("is damaged or was edited after the save");
+  }
+  SECTION("a negative iteration") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["progress"]["iteration"] = -3; });
+    refused("field progress.iteration: is -3, which is negative");
+  }
+  SECTION("more Adam steps than iterations") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["adam_step"] = 9; });
+    refused("field adam_step: is 9, more than progress.iteration 4");
+  }
+  SECTION("a field of the wrong type") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["adam_step"] = "six"; });
+    refused("field adam_step: expected an integer, got a string \"six\"");
+  }
+  SECTION("a missing section") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m.erase("progress"); });
+    refused("field progress: missing");
+  }
+  SECTION("a checkpoint saved before meta.json had a checksum still loads, and verify says so") {
+    nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
+    REQUIRE(meta.contains("meta_crc32c"));
+    meta.erase("meta_crc32c");
+    std::ofstream(meta_path) << meta.dump(2);
+    auto v = run_keel("ckpt verify " + ck);
+    INFO(v.output);
+    CHECK(v.code == 0);
+    CHECK_THAT(v.output, Catch::Contains("no checksum of its own"));
+    auto r = run_keel(train_args(ws, ws.dir / "resumed", "--resume " + ck + " --stop-at 6"));
+    INFO(r.output);
+    CHECK(r.code == 4);
+  }
+}
+
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
@@ -449,10 +508,10 @@ TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to u
   // Make it a weights-only checkpoint, as a converted model would be.
   const std::string ck = out + "/checkpoints/step_00000004";
   fs::remove(ck + "/optim-tp00-pp00-dp00.safetensors");
-  nlohmann::json meta = nlohmann::json::parse(std::ifstream(ck + "/meta.json"));
-  meta["files"].erase("optim-tp00-pp00-dp00.safetensors");
-  meta["states"] = {"weight"};
-  std::ofstream(ck + "/meta.json") << meta.dump(2);
+  test::edit_checkpoint_meta(ck, [](nlohmann::json& meta) {
+    meta["files"].erase("optim-tp00-pp00-dp00.safetensors");
+    meta["states"] = {"weight"};
+  });
 
   auto r = run_keel(train_args(ws, ws.dir / "resume", "--resume " + ck));
   CHECK(r.code == 5);
@@ -486,9 +545,10 @@ TEST_CASE("finetuning from a checkpoint on other data or another seq_len is veri
   CHECK_THAT(same.output, Catch::Contains("probe loss and per-tensor norms as saved"));
   // A weight changed behind the checkpoint's back (its checksums rewritten, so that only the
   // verification can see it) is refused on other data too: its norm is not what was saved.
-  nlohmann::json meta = nlohmann::json::parse(std::ifstream(ck + "/meta.json"));
-  meta["health"]["tensor_sumsq"]["final_norm.weight"][0] = 1.5 * meta["health"]["tensor_sumsq"]["final_norm.weight"][0].get<double>();
-  std::ofstream(ck + "/meta.json") << meta.dump(2);
+  test::edit_checkpoint_meta(ck, [](nlohmann::json& meta) {
+    auto& sumsq = meta["health"]["tensor_sumsq"]["final_norm.weight"][0];
+    sumsq = 1.5 * sumsq.get<double>();
+  });
   auto bad = run_keel(train_args(ws, ws.dir / "bad", other + "--init-from " + ck));
   CHECK(bad.code == 5);
   CHECK_THAT(bad.output, Catch::Contains("final_norm.weight: |weights|^2"));
