@@ -3,6 +3,10 @@
 // damaged checkpoints are refused by name, and I/O errors leave earlier checkpoints intact.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -499,6 +503,34 @@ TEST_CASE("meta.json has a checksum of its own, and a malformed field is named w
     INFO(r.output);
     CHECK(r.code == 4);
   }
+}
+
+// Two runs with one --out (a Slurm requeue while the old job is still tearing down) would
+// overwrite each other's checkpoints: the second is refused while the first holds the lock.
+TEST_CASE("a second run in a run directory whose lock is held is refused, naming the holder", "[ckpt][cli][lock]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  fs::create_directories(out);
+  // Another process holds the lock, as a running keel would (flock locks belong to the open file).
+  const int fd = ::open((out + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+  REQUIRE(fd >= 0);
+  REQUIRE(::flock(fd, LOCK_EX | LOCK_NB) == 0);
+  const std::string record = R"({"host": "node17", "pid": 4242, "started": "2025-01-01T00:00:00Z"})";
+  REQUIRE(::write(fd, record.data(), record.size()) == static_cast<ssize_t>(record.size()));
+  auto r = run_keel(train_args(ws, out, "--stop-at 4"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("another run is using the run directory " + out) &&
+                           Catch::Contains("keel pid 4242 on node17"));
+  CHECK_FALSE(fs::exists(out + "/metrics.jsonl"));
+  CHECK_FALSE(fs::exists(out + "/checkpoints"));
+  ::close(fd);  // the holder ends
+  auto ok = run_keel(train_args(ws, out, "--stop-at 4"));
+  INFO(ok.output);
+  CHECK(ok.code == 4);
+  const auto held = nlohmann::json::parse(test::read_file(out + "/.lock"));
+  CHECK(held["pid"].get<int64_t>() != 4242);
+  CHECK(held["host"] != "node17");
 }
 
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
