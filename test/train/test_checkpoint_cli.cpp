@@ -533,6 +533,26 @@ TEST_CASE("a second run in a run directory whose lock is held is refused, naming
   CHECK(held["host"] != "node17");
 }
 
+TEST_CASE("keel sample and keel eval refuse a checkpoint whose checksums fail, naming the tensor",
+          "[ckpt][cli][corrupt]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", ck = out + "/checkpoints/step_00000004";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  test::write_stream_choice_items(ws.dir / "choices.jsonl", 4);
+  const std::string sample = "sample --prompt-ids 1,2,3 -n 4 --checkpoint ";
+  const std::string eval = "eval --choices " + (ws.dir / "choices.jsonl") + " --checkpoint ";
+  REQUIRE(run_keel(sample + ck).code == 0);
+  REQUIRE(run_keel(eval + ck).code == 0);
+  flip_byte_in(ck + "/model-tp00-pp00.safetensors", "weight/lm_head");
+  for (const std::string& cmd : {sample, eval}) {
+    auto r = run_keel(cmd + ck);
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains("refusing to load a damaged checkpoint " + ck) &&
+                             Catch::Contains("tensor weight/lm_head is corrupt"));
+  }
+}
+
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
