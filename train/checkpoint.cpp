@@ -914,8 +914,14 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
 void CheckpointManager::fail_save(const PendingSave& p, const std::string& why) {
   std::error_code ec;
   if (p.coordinator) fs::remove_all(p.tmp, ec);
+  bool earlier = false;
+  try {
+    earlier = fs::is_directory(dir_) && !complete_checkpoints(dir_).empty();
+  } catch (const std::exception&) {
+    // an unreadable directory: say nothing about what it holds
+  }
   throw CheckpointError("saving checkpoint " + p.name + " in " + dir_ + " failed: " + why +
-                        "; the previous checkpoints are untouched");
+                        (earlier ? "; the previous checkpoints are untouched" : "; no checkpoint had been saved before it"));
 }
 
 void CheckpointManager::rotate() {

@@ -898,6 +898,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     fs::create_directories(cfg.out, ec);
     if (ec) throw std::runtime_error("cannot create run directory " + cfg.out + ": " + ec.message());
     if (std::string note = lock_run_directory(cfg.out, run_lock); !note.empty()) notes.push_back(note);
+    // An unwritable checkpoint.dir would otherwise surface at the first save, after the training it was to keep.
+    {
+      const fs::path probe = fs::path(cfg.checkpoint.dir) / (".tmp-write-probe-" + std::to_string(::getpid()));
+      fs::create_directories(cfg.checkpoint.dir, ec);
+      if (!ec) fs::create_directory(probe, ec);
+      if (ec)
+        throw CheckpointError("checkpoint.dir " + cfg.checkpoint.dir + " is not writable (creating a directory in it: " +
+                              ec.message() + "): no checkpoint could be saved. Fix it, or set checkpoint.dir; "
+                              "nothing was trained");
+      fs::remove(probe, ec);
+    }
     {
       std::ofstream c(fs::path(cfg.out) / "config.json");
       c << to_json(cfg).dump(2) << '\n';

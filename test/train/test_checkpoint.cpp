@@ -222,6 +222,28 @@ TEST_CASE("rotation ranks checkpoints by when they were saved, by file time for 
   CHECK_FALSE(fs::exists(dir / "step_00000004"));
 }
 
+TEST_CASE("a failed first save does not claim earlier checkpoints are untouched", "[ckpt][async]") {
+  test::TempDir dir("ckpt-first-fail");
+  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
+  auto be = make_cpu_backend();
+  Trainer a(cfg, *be);
+  a.init_weights();
+  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
+  const auto ok = [](bool v) { return v; };
+  mgr.begin_save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {}, ok, nullptr, true);
+  for (int i = 0; i < 2000 && mgr.writing(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE_FALSE(mgr.writing());
+  fs::remove_all(dir / "ck/.tmp-step_00000001");
+  try {
+    mgr.finish_save(ok);
+    FAIL("finish_save succeeded without its files");
+  } catch (const CheckpointError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("saving checkpoint step_00000001") &&
+                             Catch::Contains("no checkpoint had been saved before it"));
+    CHECK_THAT(e.what(), !Catch::Contains("untouched"));
+  }
+}
+
 TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back under any layout", "[ckpt][reshard]") {
   test::TempDir dir("ckpt-reshard");
   RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "bf16"}}}});

@@ -553,6 +553,19 @@ TEST_CASE("keel sample and keel eval refuse a checkpoint whose checksums fail, n
   }
 }
 
+TEST_CASE("an unwritable checkpoint.dir is refused before the first step", "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  std::ofstream(ws.dir / "a-file") << "not a directory";
+  const std::string dir = ws.dir / "a-file/checkpoints";
+  auto r = run_keel(train_args(ws, out, "--set checkpoint.dir=" + dir));
+  INFO(r.output);
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("checkpoint.dir " + dir + " is not writable") &&
+                           Catch::Contains("Not a directory") && Catch::Contains("nothing was trained"));
+  CHECK(test::losses_by_step(test::read_metrics(out + "/metrics.jsonl")).empty());
+}
+
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
