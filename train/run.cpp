@@ -884,6 +884,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     return kExitOk;
   }
 
+  // A --stop-at the run has already passed would train one step and stop again, every time.
+  if (opts.stop_at > 0 && opts.stop_at <= progress.iteration && !opts.eval_only)
+    throw ConfigError("--stop-at " + std::to_string(opts.stop_at) + " is not after the checkpoint's iteration " +
+                      std::to_string(progress.iteration) + " (" + loaded_from + "): there is nothing to train before "
+                      "it. Pass a --stop-at above " + std::to_string(progress.iteration) +
+                      ", or --resume an earlier checkpoint");
+
   // ---- run directory (rank 0 writes it; every rank writes its checkpoint files) ----
   std::optional<MetricsWriter> metrics;
   RunDirLock run_lock;  // held until the run ends
@@ -1169,8 +1176,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));
       save(it, false);
-      if (lead) std::printf("keel: stopped at iteration %lld of %lld; run the same command again to resume (exit code %d)\n",
-                            static_cast<long long>(it), static_cast<long long>(cfg.train.steps), kExitStopped);
+      // The same command with --resume would start from that checkpoint again, not from this one.
+      const std::string again =
+          opts.resume.empty() ? "run the same command again to resume"
+                              : "to continue, run the same command without --resume " + opts.resume +
+                                    " (it then resumes from the checkpoint just saved, the latest in " +
+                                    cfg.checkpoint.dir + ")";
+      if (lead) std::printf("keel: stopped at iteration %lld of %lld; %s (exit code %d)\n", static_cast<long long>(it),
+                            static_cast<long long>(cfg.train.steps), again.c_str(), kExitStopped);
       return kExitStopped;
     }
     // The last save is written before the run ends; interval saves may go to the background.

@@ -566,6 +566,29 @@ TEST_CASE("an unwritable checkpoint.dir is refused before the first step", "[ckp
   CHECK(test::losses_by_step(test::read_metrics(out + "/metrics.jsonl")).empty());
 }
 
+TEST_CASE("a --stop-at the resumed run has passed is refused, and a stop after --resume says to drop it",
+          "[ckpt][cli][stop]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 8")).code == 4);
+  for (const char* at : {"6", "8"}) {
+    auto r = run_keel(train_args(ws, out, std::string("--stop-at ") + at));
+    INFO(r.output);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains(std::string("--stop-at ") + at + " is not after the checkpoint's iteration 8"));
+    CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000009"));
+  }
+  const std::string ck = out + "/checkpoints/step_00000004";
+  auto rewound = run_keel(train_args(ws, out, "--resume " + ck + " --stop-at 6"));
+  INFO(rewound.output);
+  CHECK(rewound.code == 4);
+  CHECK_THAT(rewound.output, Catch::Contains("run the same command without --resume " + ck));
+  auto plain = run_keel(train_args(ws, out, "--stop-at 7"));
+  INFO(plain.output);
+  CHECK(plain.code == 4);
+  CHECK_THAT(plain.output, Catch::Contains("run the same command again to resume"));
+}
+
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
