@@ -1,10 +1,12 @@
 #include "train/checkpoint.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +16,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "data/checksum.h"
 #include "data/file_io.h"
@@ -122,7 +125,98 @@ int64_t step_of(const std::string& name) {
   }
 }
 
+const char* json_kind(const json& v) {
+  if (v.is_number_integer()) return "an integer";
+  if (v.is_number()) return "a number";
+  if (v.is_string()) return "a string";
+  if (v.is_boolean()) return "a boolean";
+  if (v.is_null()) return "null";
+  if (v.is_array()) return "an array";
+  return "an object";
+}
+
+// meta.json's fields are what a resume continues from; each one a later step reads is checked
+// here for its type (and its range, where a wrong value would train on silently), so that a
+// damaged or hand-edited meta.json is named with its field instead of failing deep inside.
+void validate_meta(const json& m, const std::string& meta_path) {
+  auto bad = [&](const std::string& field, const std::string& what) {
+    throw CheckpointError(meta_path + ": field " + field + ": " + what);
+  };
+  auto need = [&](const json& obj, const std::string& prefix, const char* key, bool required) -> const json* {
+    if (!obj.contains(key)) {
+      if (required) bad(prefix + key, "missing");
+      return nullptr;
+    }
+    return &obj[key];
+  };
+  auto object = [&](const json& obj, const std::string& prefix, const char* key, bool required) -> const json* {
+    const json* v = need(obj, prefix, key, required);
+    if (v && !v->is_object()) bad(prefix + key, std::string("expected an object, got ") + json_kind(*v));
+    return v;
+  };
+  auto integer = [&](const json& obj, const std::string& prefix, const char* key, bool required) -> int64_t {
+    const json* v = need(obj, prefix, key, required);
+    if (!v) return 0;
+    if (!v->is_number_integer())
+      bad(prefix + key, std::string("expected an integer, got ") + json_kind(*v) + " " + v->dump());
+    const int64_t x = v->get<int64_t>();
+    if (x < 0) bad(prefix + key, "is " + std::to_string(x) + ", which is negative");
+    return x;
+  };
+  auto number = [&](const json& obj, const std::string& prefix, const char* key) {
+    const json* v = need(obj, prefix, key, true);
+    if (!v->is_number()) bad(prefix + key, std::string("expected a number, got ") + json_kind(*v) + " " + v->dump());
+  };
+  auto string = [&](const json& obj, const std::string& prefix, const char* key, bool required) {
+    const json* v = need(obj, prefix, key, required);
+    if (v && !v->is_string()) bad(prefix + key, std::string("expected a string, got ") + json_kind(*v));
+  };
+
+  const json& progress = *object(m, "", "progress", true);
+  const int64_t iteration = integer(progress, "progress.", "iteration", true);
+  integer(progress, "progress.", "consumed_samples", true);
+  integer(progress, "progress.", "consumed_tokens", true);
+  integer(progress, "progress.", "skipped_total", false);
+  integer(progress, "progress.", "nan_total", false);
+  const int64_t adam_step = integer(m, "", "adam_step", false);
+  if (adam_step > iteration)
+    bad("adam_step", "is " + std::to_string(adam_step) + ", more than progress.iteration " +
+                         std::to_string(iteration) + " (Adam steps once per iteration at most)");
+  if (const json* ls = object(m, "", "loss_scaler", true)) {
+    number(*ls, "loss_scaler.", "scale");
+    integer(*ls, "loss_scaler.", "growth_tracker", true);
+    integer(*ls, "loss_scaler.", "hysteresis_tracker", true);
+  }
+  object(m, "", "config", true);
+  if (const json* t = object(m, "", "topology", false))
+    for (const char* k : {"tp", "pp", "dp"}) integer(*t, "topology.", k, false);
+  string(m, "", "precision", false);
+  string(m, "", "weight_dtype", false);
+  if (const json* st = need(m, "", "states", false)) {
+    if (!st->is_array()) bad("states", std::string("expected an array, got ") + json_kind(*st));
+    for (const json& e : *st)
+      if (!e.is_string()) bad("states", std::string("expected names (strings), found ") + json_kind(e));
+  }
+  object(m, "", "health", false);
+  for (const auto& [name, info] : m["files"].items()) {
+    const std::string prefix = "files." + name;
+    if (!info.is_object()) bad(prefix, std::string("expected an object, got ") + json_kind(info));
+    integer(info, prefix + ".", "bytes", true);
+    string(info, prefix + ".", "crc32c", true);
+    if (const json* t = object(info, prefix + ".", "tensors", false))
+      for (const auto& [tensor, crc] : t->items())
+        if (!crc.is_string()) bad(prefix + ".tensors." + tensor, std::string("expected a string, got ") + json_kind(crc));
+  }
+}
+
 }  // namespace
+
+std::string meta_checksum(const json& meta) {
+  json rest = meta;
+  rest.erase("meta_crc32c");
+  const std::string text = rest.dump();  // canonical: keys sorted, no spaces
+  return data::crc32c_hex(data::crc32c(0, text.data(), text.size()));
+}
 
 int64_t TensorRegion::numel() const {
   int64_t n = 1;
@@ -164,26 +258,118 @@ std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, 
 // Reading
 // ======================================================================================
 
-std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoints_dir) {
+namespace {
+
+// When a checkpoint was saved, in ns since the epoch: meta.json's saved_at_ns, or for one saved
+// before that field existed, meta.json's modification time (written once, at publication).
+int64_t save_time_ns(const fs::path& ckpt) {
+  const fs::path meta = ckpt / "meta.json";
+  try {
+    std::ifstream in(meta);
+    const json m = json::parse(in);
+    if (m.contains("saved_at_ns") && m["saved_at_ns"].is_number_integer()) return m["saved_at_ns"].get<int64_t>();
+  } catch (const std::exception&) {
+    // unreadable: its file time still orders it
+  }
+  struct stat st {};
+  if (::stat(meta.c_str(), &st) != 0) return 0;
+  return int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+// The complete step_* checkpoints of a directory, in the order they were saved (oldest first;
+// the step number breaks ties).
+std::vector<std::string> complete_checkpoints(const fs::path& dir) {
+  std::vector<std::tuple<int64_t, int64_t, std::string>> found;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (step_of(name) >= 0 && is_complete_checkpoint(e.path()))
+      found.emplace_back(save_time_ns(e.path()), step_of(name), name);
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(std::get<2>(f)));
+  return out;
+}
+
+// A pointer's content as it can be printed: quoted, control and non-ASCII bytes as \xNN, cut short.
+std::string printable(const std::string& s) {
+  std::string out = "\"";
+  for (size_t i = 0; i < s.size() && i < 100; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out + (s.size() > 100 ? "...\"" : "\"");
+}
+
+}  // namespace
+
+std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoints_dir, std::string* note) {
   const fs::path dir(checkpoints_dir);
   if (!fs::is_directory(dir)) return std::nullopt;
-  std::ifstream in(dir / "latest");
-  std::string name;
-  if (in && std::getline(in, name) && !name.empty() && is_complete_checkpoint(dir / name)) return (dir / name).string();
-  // No (valid) pointer: the newest complete step directory, if any.
-  int64_t best = -1;
-  std::string best_path;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const int64_t s = step_of(e.path().filename().string());
-    if (s > best && is_complete_checkpoint(e.path())) best = s, best_path = e.path().string();
+  const fs::path pointer = dir / "latest";
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(pointer, ec))) {
+    // The pointer is what the last save published. If it cannot be followed, the newest step_*
+    // is no safe stand-in (after a rewind it belongs to the abandoned run): ask the user.
+    std::string name, why;
+    std::ifstream in(pointer);
+    if (fs::is_directory(pointer) || !in) {
+      why = "cannot be read";
+    } else {
+      std::getline(in, name);
+      while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+      if (name.empty())
+        why = "is empty";
+      else if (name.find('/') != std::string::npos || name == "." || name == "..")
+        why = "names " + printable(name) + ", which is not in " + dir.string() + " (keel only follows a pointer to a "
+              "checkpoint beside it)";
+      else if (!fs::exists(dir / name))
+        why = "names " + printable(name) + ", which does not exist";
+      else if (!is_complete_checkpoint(dir / name))
+        why = "names " + printable(name) + ", which is not a complete checkpoint (no meta.json)";
+      else
+        return (dir / name).string();
+    }
+    const std::vector<std::string> complete = complete_checkpoints(dir);
+    std::string msg = (pointer.string() + " " + why) +
+                      ": keel does not guess which checkpoint to resume from (the highest step may belong to an "
+                      "abandoned run).";
+    if (complete.empty()) {
+      msg += "\nThere is no complete checkpoint in " + dir.string() + "; to start afresh, remove " + pointer.string() +
+             ".";
+    } else {
+      msg += "\nComplete checkpoints in " + dir.string() + ", oldest save first:";
+      for (const auto& c : complete) msg += " " + c;
+      msg += "\nPass the one to continue from with --resume " + (dir / complete.back()).string() +
+             " (or another of them), or repair " + pointer.string() + ". Nothing was changed.";
+    }
+    throw CheckpointError(msg);
   }
-  if (best < 0) return std::nullopt;
-  return best_path;
+  // No pointer at all (removed by hand, or copied without it): the newest complete step directory.
+  const std::vector<std::string> complete = complete_checkpoints(dir);
+  if (complete.empty()) return std::nullopt;
+  if (note)
+    *note = "no `latest` pointer in " + dir.string() + ": continuing from the newest complete checkpoint there, " +
+            complete.back();
+  return (dir / complete.back()).string();
 }
 
 Checkpoint Checkpoint::open(const std::string& path_in) {
   std::string path = path_in;
   if (!fs::exists(path)) throw CheckpointError("no checkpoint at " + path + ": no such file or directory");
+  // The pointer file itself (--resume run/checkpoints/latest): follow it.
+  if (fs::is_regular_file(path) && fs::path(path).filename() == "latest") {
+    const std::string dir = fs::path(path).parent_path().string();
+    auto latest = find_latest(dir.empty() ? "." : dir);
+    if (!latest) throw CheckpointError("no checkpoint at " + path + ": nothing to follow it to");
+    path = *latest;
+  }
   if (!fs::exists(fs::path(path) / "meta.json")) {
     if (fs::exists(fs::path(path) / "latest") || !fs::exists(fs::path(path) / "model-tp00-pp00.safetensors")) {
       auto latest = find_latest(path);
@@ -216,6 +402,17 @@ Checkpoint Checkpoint::open(const std::string& path_in) {
                           std::to_string(kCheckpointFormatVersion) + ")");
   if (!ck.meta_.contains("files") || !ck.meta_["files"].is_object() || ck.meta_["files"].empty())
     throw CheckpointError(meta_path + " lists no tensor files");
+  // meta.json's own checksum (absent in checkpoints saved before it existed: they still load).
+  if (ck.meta_.contains("meta_crc32c")) {
+    const json& stored = ck.meta_["meta_crc32c"];
+    const std::string got = meta_checksum(ck.meta_);
+    if (!stored.is_string() || stored.get<std::string>() != got)
+      throw CheckpointError(meta_path + " is damaged or was edited after the save: its content has checksum " + got +
+                            ", its field meta_crc32c says " + stored.dump() +
+                            ". It holds the iteration, the data position and every file's checksum, so the checkpoint "
+                            "cannot be trusted; resume from another one (--resume PATH)");
+  }
+  validate_meta(ck.meta_, meta_path);
 
   for (const auto& [name, info] : ck.meta_["files"].items()) {
     const std::string file = (fs::path(path) / name).string();
@@ -683,7 +880,12 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
       }
       json meta = std::move(p->meta);
       meta["saved_at"] = utc_now();
+      // keep_last ranks saves by this, not by step: after a rewind the new run's saves are the recent ones.
+      meta["saved_at_ns"] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count();
       meta["files"] = files;
+      meta["meta_crc32c"] = meta_checksum(meta);
       maybe_crash("meta");
       write_text_file_synced((p->tmp / "meta.json").string(), meta.dump(2));
       data::detail::sync_directory(p->tmp.string());
@@ -726,27 +928,30 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
 void CheckpointManager::fail_save(const PendingSave& p, const std::string& why) {
   std::error_code ec;
   if (p.coordinator) fs::remove_all(p.tmp, ec);
+  bool earlier = false;
+  try {
+    earlier = fs::is_directory(dir_) && !complete_checkpoints(dir_).empty();
+  } catch (const std::exception&) {
+    // an unreadable directory: say nothing about what it holds
+  }
   throw CheckpointError("saving checkpoint " + p.name + " in " + dir_ + " failed: " + why +
-                        "; the previous checkpoints are untouched");
+                        (earlier ? "; the previous checkpoints are untouched" : "; no checkpoint had been saved before it"));
 }
 
 void CheckpointManager::rotate() {
   const fs::path dir(dir_);
-  std::vector<std::pair<int64_t, fs::path>> saves;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const int64_t s = step_of(e.path().filename().string());
-    if (s >= 0 && is_complete_checkpoint(e.path())) saves.emplace_back(s, e.path());
-  }
-  std::sort(saves.begin(), saves.end());
+  // In save order, so that keep_last keeps this run's last saves even when an abandoned run
+  // (before a rewind to an earlier step) left higher step numbers behind.
+  const std::vector<std::string> saves = complete_checkpoints(dir);
   std::string latest;
   std::ifstream in(dir / "latest");
   std::getline(in, latest);
   for (size_t i = 0; i < saves.size(); ++i) {
     const bool recent = i + static_cast<size_t>(cfg_.keep_last) >= saves.size();
-    const bool milestone = cfg_.keep_every > 0 && saves[i].first % cfg_.keep_every == 0;
-    if (recent || milestone || saves[i].second.filename() == latest) continue;
+    const bool milestone = cfg_.keep_every > 0 && step_of(saves[i]) % cfg_.keep_every == 0;
+    if (recent || milestone || saves[i] == latest) continue;
     std::error_code ec;
-    fs::remove_all(saves[i].second, ec);
+    fs::remove_all(dir / saves[i], ec);
   }
 }
 
@@ -1010,7 +1215,7 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
     json tensors = json::object();
     for (size_t i = 0; i < entries.size(); ++i) tensors[entries[i].name] = data::crc32c_hex(w.tensor_crc(i));
     const json files = {{file, {{"bytes", w.file_bytes()}, {"crc32c", data::crc32c_hex(w.file_crc())}, {"tensors", tensors}}}};
-    const json meta = {
+    json meta = {
         {"format", kFormat},
         {"format_version", kCheckpointFormatVersion},
         {"keel_version", "0.1"},
@@ -1028,6 +1233,7 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
         {"source", source},
         {"config", to_json(cfg)},
         {"files", files}};
+    meta["meta_crc32c"] = meta_checksum(meta);
     write_text_file_synced((fs::path(dir) / "meta.json").string(), meta.dump(2));
     data::detail::sync_directory(dir);
     SaveResult r;

@@ -81,14 +81,27 @@ std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, 
 
 // ---- reading ---------------------------------------------------------------------------
 
+// The CRC-32C (hex) of a meta.json's content without its own "meta_crc32c" field, over the
+// compact dump (keys sorted): what a save stores in meta_crc32c and open() checks.
+std::string meta_checksum(const nlohmann::json& meta);
+
 class Checkpoint {
  public:
   // `path` is a checkpoint directory (step_*), or a checkpoints directory holding `latest`.
+  // meta.json must match its own checksum (when it has one) and hold every field a load reads,
+  // of the right type and range; else a CheckpointError names the file and the field.
   static Checkpoint open(const std::string& path);
-  // Resolves a checkpoints directory's `latest` (nullopt when there is none).
-  static std::optional<std::string> find_latest(const std::string& checkpoints_dir);
+  // `path` may also be the `latest` pointer file of a checkpoints directory (it is followed).
+  // Resolves a checkpoints directory's `latest`: nullopt when it holds no checkpoint. A `latest`
+  // that cannot be followed (empty, unreadable, naming a missing or incomplete checkpoint or one
+  // outside the directory) is a CheckpointError listing the complete checkpoints; without a
+  // `latest` file the newest complete step_* is taken and *note says so.
+  static std::optional<std::string> find_latest(const std::string& checkpoints_dir, std::string* note = nullptr);
 
   const std::string& path() const { return path_; }
+  // Whether meta.json carries its own checksum (meta_crc32c), checked by open(); checkpoints
+  // saved before keel wrote one load without it.
+  bool meta_checksummed() const { return meta_.contains("meta_crc32c"); }
   const nlohmann::json& meta() const { return meta_; }
   TrainProgress progress() const;
   int64_t adam_step() const { return meta_.value("adam_step", int64_t{0}); }
@@ -176,8 +189,9 @@ class CheckpointManager {
   bool save_pending() const { return pending_ != nullptr; }  // begun, not finished
   bool writing() const;  // this rank's files of the pending save are still being written
 
-  // Keeps the newest keep_last checkpoints, plus every step divisible by keep_every; never
-  // the one `latest` names.
+  // Keeps the keep_last most recently saved checkpoints (by meta.json's saved_at_ns, or its file
+  // time for older ones; not by step number, which a rewind makes go back), plus every step
+  // divisible by keep_every; never the one `latest` names.
   void rotate();
   // Removes .tmp-* directories left by saves that were killed.
   int clean_incomplete();

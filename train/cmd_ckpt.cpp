@@ -149,6 +149,9 @@ int cmd_verify(const std::string& path) {
   if (problems.empty()) {
     std::printf("ok: %s is complete and every checksum matches (%zu files)\n", ck.path().c_str(),
                 ck.meta().at("files").size());
+    if (!ck.meta_checksummed())
+      std::printf("note: its meta.json has no checksum of its own (saved by an older keel): the iteration, data "
+                  "position and Adam step in it could not be checked\n");
     return kExitOk;
   }
   std::printf("DAMAGED: %s\n", ck.path().c_str());

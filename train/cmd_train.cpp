@@ -77,7 +77,7 @@ Command add_train_command(CLI::App& app) {
   train->add_option("--init-from", ta.init_from,
                     "Start a new run from a checkpoint's weights only (finetuning): fp32 masters from the weights, "
                     "Adam moments zero, step 0. Ignored when the run resumes");
-  train->add_option("--stop-at", ta.stop_at, "Save a checkpoint after this iteration and stop (exit code 4)")
+  train->add_option("--stop-at", ta.stop_at, "Save a checkpoint after this iteration and stop (exit code 4); must be after the iteration the run resumes at")
       ->check(CLI::PositiveNumber);
   train->add_option("--time-limit", ta.time_limit_min,
                     "Minutes of wall time this job may use: save and stop (exit code 4) before they run out")

@@ -1,6 +1,9 @@
 #include "train/run.h"
 
+#include <fcntl.h>
 #include <omp.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -16,7 +19,10 @@
 #include <set>
 #include <utility>
 
+#include <cerrno>
 #include <csignal>
+#include <cstring>
+#include <ctime>
 
 #include "data/checksum.h"
 #include "data/loss_mask.h"
@@ -652,6 +658,63 @@ class AnyRank {
 
 namespace {
 const parallel::MpiRuntime* g_runtime = nullptr;
+
+// An exclusive lock on <out>/.lock, held by rank 0 until the process ends (the kernel drops it
+// then, even after kill -9): two runs in one directory would overwrite each other's checkpoints
+// and interleave their metrics. The file records the holder's host and pid for the refusal.
+struct RunDirLock {
+  int fd = -1;
+  RunDirLock() = default;
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+  ~RunDirLock() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Takes the lock or throws ConfigError naming the holder; returns a note when the filesystem
+// cannot lock (the run goes on unguarded).
+std::string lock_run_directory(const std::string& out, RunDirLock& lock) {
+  const std::string path = (fs::path(out) / ".lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw ConfigError("cannot create " + path + ": " + std::strerror(errno) + " (the run directory must be writable)");
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == EWOULDBLOCK) {
+      std::string text(512, '\0');
+      const ssize_t n = ::pread(fd, text.data(), text.size(), 0);
+      text.resize(n > 0 ? static_cast<size_t>(n) : 0);
+      ::close(fd);
+      std::string holder = "another process (" + path + " does not say which)";
+      try {
+        const nlohmann::json j = nlohmann::json::parse(text);
+        holder = "keel pid " + std::to_string(j.at("pid").get<int64_t>()) + " on " + j.at("host").get<std::string>() +
+                 (j.contains("started") ? " (started " + j["started"].get<std::string>() + ")" : "");
+      } catch (const std::exception&) {
+      }
+      throw ConfigError("another run is using the run directory " + out + ": " + holder + " holds " + path +
+                        ". Two runs in one directory would overwrite each other's checkpoints and metrics: wait for "
+                        "it to end (or stop it), or give this run another --out");
+    }
+    ::close(fd);
+    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS)
+      return "the filesystem of " + out + " does not support file locks (" + std::strerror(err) +
+             "): nothing stops a second run from using this run directory at the same time";
+    throw ConfigError("cannot lock " + path + ": " + std::strerror(err));
+  }
+  std::time_t t = std::time(nullptr);
+  char started[32];
+  std::strftime(started, sizeof started, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  const std::string record =
+      nlohmann::json{{"host", parallel::this_host()}, {"pid", static_cast<int64_t>(::getpid())}, {"started", started}}
+          .dump() + "\n";
+  // Best effort: the lock itself is what guards the directory.
+  if (::ftruncate(fd, 0) == 0) {
+    [[maybe_unused]] const ssize_t written = ::pwrite(fd, record.data(), record.size(), 0);
+  }
+  lock.fd = fd;
+  return {};
+}
 }  // namespace
 
 void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
@@ -762,7 +825,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   std::vector<std::string> notes;
   std::string resume_path = opts.resume;
   if (resume_path.empty()) {
-    if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir)) resume_path = *latest;
+    std::string note;
+    if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir, &note)) resume_path = *latest;
+    if (!note.empty()) notes.push_back(note);
   }
   auto open_verified = [&](const std::string& path, const std::string& what) {
     Checkpoint ck = Checkpoint::open(path);
@@ -873,8 +938,16 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     return kExitOk;
   }
 
+  // A --stop-at the run has already passed would train one step and stop again, every time.
+  if (opts.stop_at > 0 && opts.stop_at <= progress.iteration && !opts.eval_only)
+    throw ConfigError("--stop-at " + std::to_string(opts.stop_at) + " is not after the checkpoint's iteration " +
+                      std::to_string(progress.iteration) + " (" + loaded_from + "): there is nothing to train before "
+                      "it. Pass a --stop-at above " + std::to_string(progress.iteration) +
+                      ", or --resume an earlier checkpoint");
+
   // ---- run directory (rank 0 writes it; every rank writes its checkpoint files) ----
   std::optional<MetricsWriter> metrics;
+  RunDirLock run_lock;  // held until the run ends
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
@@ -886,6 +959,18 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::error_code ec;
     fs::create_directories(cfg.out, ec);
     if (ec) throw std::runtime_error("cannot create run directory " + cfg.out + ": " + ec.message());
+    if (std::string note = lock_run_directory(cfg.out, run_lock); !note.empty()) notes.push_back(note);
+    // An unwritable checkpoint.dir would otherwise surface at the first save, after the training it was to keep.
+    {
+      const fs::path probe = fs::path(cfg.checkpoint.dir) / (".tmp-write-probe-" + std::to_string(::getpid()));
+      fs::create_directories(cfg.checkpoint.dir, ec);
+      if (!ec) fs::create_directory(probe, ec);
+      if (ec)
+        throw CheckpointError("checkpoint.dir " + cfg.checkpoint.dir + " is not writable (creating a directory in it: " +
+                              ec.message() + "): no checkpoint could be saved. Fix it, or set checkpoint.dir; "
+                              "nothing was trained");
+      fs::remove(probe, ec);
+    }
     {
       std::ofstream c(fs::path(cfg.out) / "config.json");
       c << to_json(cfg).dump(2) << '\n';
@@ -1146,8 +1231,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));
       save(it, false);
-      if (lead) std::printf("keel: stopped at iteration %lld of %lld; run the same command again to resume (exit code %d)\n",
-                            static_cast<long long>(it), static_cast<long long>(cfg.train.steps), kExitStopped);
+      // The same command with --resume would start from that checkpoint again, not from this one.
+      const std::string again =
+          opts.resume.empty() ? "run the same command again to resume"
+                              : "to continue, run the same command without --resume " + opts.resume +
+                                    " (it then resumes from the checkpoint just saved, the latest in " +
+                                    cfg.checkpoint.dir + ")";
+      if (lead) std::printf("keel: stopped at iteration %lld of %lld; %s (exit code %d)\n", static_cast<long long>(it),
+                            static_cast<long long>(cfg.train.steps), again.c_str(), kExitStopped);
       return kExitStopped;
     }
     // The last save is written before the run ends; interval saves may go to the background.

@@ -158,6 +158,8 @@ TEST_CASE("a background save holds the state as it was when it began, byte for b
   nlohmann::json mx = x.meta(), my = y.meta();
   for (auto* m : {&mx, &my}) {
     m->erase("saved_at");
+    m->erase("saved_at_ns");
+    m->erase("meta_crc32c");
     (*m)["config"]["checkpoint"].erase("dir");
   }
   CHECK(mx == my);
@@ -194,6 +196,52 @@ TEST_CASE("a background save that cannot be published fails at its finish and le
   CHECK_FALSE(fs::exists(dir / "ck/.tmp-step_00000002"));
   CHECK(Checkpoint::find_latest(dir / "ck") == dir / "ck/step_00000001");
   CHECK(Checkpoint::open(dir / "ck").verify().empty());
+}
+
+// Checkpoints saved before meta.json recorded saved_at_ns are ranked by meta.json's file time.
+TEST_CASE("rotation ranks checkpoints by when they were saved, by file time for ones without a save time",
+          "[ckpt][rotate]") {
+  test::TempDir dir("ckpt-rotate-order");
+  CheckpointConfig cfg;
+  cfg.keep_last = 2;
+  cfg.keep_every = 0;
+  const auto now = fs::file_time_type::clock::now();
+  // Steps 3 and 4 were saved first (an abandoned run), then 1 and 2 (after a rewind).
+  const std::map<std::string, int> minutes_ago = {{"step_00000003", 40}, {"step_00000004", 30},
+                                                  {"step_00000001", 20}, {"step_00000002", 10}};
+  for (const auto& [name, ago] : minutes_ago) {
+    fs::create_directories(dir / name);
+    std::ofstream(fs::path(dir / name) / "meta.json") << "{}";
+    fs::last_write_time(fs::path(dir / name) / "meta.json", now - std::chrono::minutes(ago));
+  }
+  std::ofstream(dir / "latest") << "step_00000002\n";
+  CheckpointManager(dir.path.string(), cfg).rotate();
+  CHECK(fs::exists(dir / "step_00000001"));
+  CHECK(fs::exists(dir / "step_00000002"));
+  CHECK_FALSE(fs::exists(dir / "step_00000003"));
+  CHECK_FALSE(fs::exists(dir / "step_00000004"));
+}
+
+TEST_CASE("a failed first save does not claim earlier checkpoints are untouched", "[ckpt][async]") {
+  test::TempDir dir("ckpt-first-fail");
+  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
+  auto be = make_cpu_backend();
+  Trainer a(cfg, *be);
+  a.init_weights();
+  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
+  const auto ok = [](bool v) { return v; };
+  mgr.begin_save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {}, ok, nullptr, true);
+  for (int i = 0; i < 2000 && mgr.writing(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE_FALSE(mgr.writing());
+  fs::remove_all(dir / "ck/.tmp-step_00000001");
+  try {
+    mgr.finish_save(ok);
+    FAIL("finish_save succeeded without its files");
+  } catch (const CheckpointError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("saving checkpoint step_00000001") &&
+                             Catch::Contains("no checkpoint had been saved before it"));
+    CHECK_THAT(e.what(), !Catch::Contains("untouched"));
+  }
 }
 
 TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back under any layout", "[ckpt][reshard]") {

@@ -3,13 +3,19 @@
 // damaged checkpoints are refused by name, and I/O errors leave earlier checkpoints intact.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <thread>
 
+#include "common/checkpoint_meta.h"
 #include "common/process.h"
 #include "common/workspace.h"
 #include "data/safetensors.h"
@@ -368,6 +374,221 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
   CHECK(r.code == 0);
 }
 
+// The `latest` pointer is the only record of which trajectory is current: after a rewind the
+// highest step_* belongs to the abandoned one. A pointer that cannot be followed is refused with
+// what it says and the checkpoints there, never replaced by a guess.
+TEST_CASE("a latest pointer that cannot be followed is refused by name, never replaced by the highest step",
+          "[ckpt][cli][latest]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 8")).code == 4);  // step 4 and step 8, latest = step 8
+  auto refused = [&](const std::string& says) {
+    auto r = run_keel(train_args(ws, out, "--stop-at 12"));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(dir + "/latest " + says) && Catch::Contains("step_00000004") &&
+                             Catch::Contains("--resume " + dir + "/step_0000000"));
+    CHECK_FALSE(fs::exists(dir + "/step_00000012"));
+    CHECK(fs::exists(dir + "/step_00000004"));
+  };
+  SECTION("garbage") {
+    std::ofstream(dir + "/latest") << "garb\x01" "age\n";
+    refused("names \"garb\\x01age\", which does not exist");
+  }
+  SECTION("empty") {
+    std::ofstream(dir + "/latest") << "";
+    refused("is empty");
+  }
+  SECTION("a missing checkpoint") {
+    fs::remove_all(dir + "/step_00000008");
+    refused("names \"step_00000008\", which does not exist");
+  }
+  SECTION("an incomplete checkpoint") {
+    fs::remove(dir + "/step_00000008/meta.json");
+    refused("names \"step_00000008\", which is not a complete checkpoint");
+    CHECK(fs::exists(dir + "/step_00000008/model-tp00-pp00.safetensors"));
+  }
+  SECTION("a checkpoint outside the directory") {
+    std::ofstream(dir + "/latest") << "../../elsewhere/checkpoints/step_00000004\n";
+    refused("names \"../../elsewhere/checkpoints/step_00000004\", which is not in " + dir);
+  }
+  SECTION("no pointer at all: the newest complete checkpoint, with a note") {
+    fs::remove(dir + "/latest");
+    auto r = run_keel(train_args(ws, out, "--stop-at 12"));
+    INFO(r.output);
+    CHECK(r.code == 4);
+    CHECK_THAT(r.output, Catch::Contains("no `latest` pointer in " + dir) &&
+                             Catch::Contains("resuming from " + dir + "/step_00000008"));
+  }
+  SECTION("--resume given the pointer file follows it") {
+    auto r = run_keel(train_args(ws, ws.dir / "other", "--stop-at 12 --resume " + dir + "/latest"));
+    INFO(r.output);
+    CHECK(r.code == 4);
+    CHECK_THAT(r.output, Catch::Contains("resuming from " + dir + "/step_00000008"));
+  }
+}
+
+// Rewinding (--resume of an earlier step, e.g. after a loss spike) starts a new trajectory:
+// keep_last keeps its saves, not the abandoned run's higher step numbers.
+TEST_CASE("after a rewind keep_last keeps the new run's last saves, not the abandoned run's higher steps",
+          "[ckpt][cli][rotate]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  const std::string every = "--steps 10 --set checkpoint.interval=1 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=20")).code == 0);  // step 1..10
+  auto r = run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=2 --set checkpoint.keep_every=5 "
+                                        "--set optimizer.lr=1e-3 --resume " + dir + "/step_00000004 --stop-at 7"));
+  INFO(r.output);
+  REQUIRE(r.code == 4);
+  std::set<std::string> kept;
+  for (const auto& e : fs::directory_iterator(dir)) kept.insert(e.path().filename().string());
+  // The last two saves (6, 7) and the milestones (5 of this run, 10 of the old one).
+  CHECK(kept == std::set<std::string>{"latest", "step_00000005", "step_00000006", "step_00000007", "step_00000010"});
+  CHECK(test::read_file(dir + "/latest") == "step_00000007\n");
+}
+
+// meta.json holds where the run is (iteration, data position, Adam step) and every file's
+// checksum: a flipped bit in it is caught by its own checksum, and a field of the wrong type or
+// range (even with a valid checksum) is named, with exit code 5, by verify and by a resume.
+TEST_CASE("meta.json has a checksum of its own, and a malformed field is named with the file", "[ckpt][cli][meta]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", ck = out + "/checkpoints/step_00000004";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  const std::string meta_path = ck + "/meta.json";
+  auto refused = [&](const std::string& says) {
+    auto v = run_keel("ckpt verify " + ck);
+    INFO(v.output);
+    CHECK(v.code == 5);
+    CHECK_THAT(v.output, Catch::Contains(meta_path) && Catch::Contains(says));
+    auto r = run_keel(train_args(ws, ws.dir / "resumed", "--resume " + ck));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(meta_path) && Catch::Contains(says));
+    CHECK_FALSE(fs::exists(ws.dir / "resumed/metrics.jsonl"));
+  };
+  SECTION("one flipped bit in the iteration") {
+    std::string text = test::read_file(meta_path);
+    const size_t at = text.find("\"iteration\": 4");
+    REQUIRE(at != std::string::npos);
+    text[at + 13] ^= 1;  // 4 -> 5
+    std::ofstream(meta_path, std::ios::binary) << text;
+    refused("is damaged or was edited after the save");
+  }
+  SECTION("a negative iteration") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["progress"]["iteration"] = -3; });
+    refused("field progress.iteration: is -3, which is negative");
+  }
+  SECTION("more Adam steps than iterations") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["adam_step"] = 9; });
+    refused("field adam_step: is 9, more than progress.iteration 4");
+  }
+  SECTION("a field of the wrong type") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["adam_step"] = "six"; });
+    refused("field adam_step: expected an integer, got a string \"six\"");
+  }
+  SECTION("a missing section") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m.erase("progress"); });
+    refused("field progress: missing");
+  }
+  SECTION("a checkpoint saved before meta.json had a checksum still loads, and verify says so") {
+    nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
+    REQUIRE(meta.contains("meta_crc32c"));
+    meta.erase("meta_crc32c");
+    std::ofstream(meta_path) << meta.dump(2);
+    auto v = run_keel("ckpt verify " + ck);
+    INFO(v.output);
+    CHECK(v.code == 0);
+    CHECK_THAT(v.output, Catch::Contains("no checksum of its own"));
+    auto r = run_keel(train_args(ws, ws.dir / "resumed", "--resume " + ck + " --stop-at 6"));
+    INFO(r.output);
+    CHECK(r.code == 4);
+  }
+}
+
+// Two runs with one --out (a Slurm requeue while the old job is still tearing down) would
+// overwrite each other's checkpoints: the second is refused while the first holds the lock.
+TEST_CASE("a second run in a run directory whose lock is held is refused, naming the holder", "[ckpt][cli][lock]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  fs::create_directories(out);
+  // Another process holds the lock, as a running keel would (flock locks belong to the open file).
+  const int fd = ::open((out + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+  REQUIRE(fd >= 0);
+  REQUIRE(::flock(fd, LOCK_EX | LOCK_NB) == 0);
+  const std::string record = R"({"host": "node17", "pid": 4242, "started": "2025-01-01T00:00:00Z"})";
+  REQUIRE(::write(fd, record.data(), record.size()) == static_cast<ssize_t>(record.size()));
+  auto r = run_keel(train_args(ws, out, "--stop-at 4"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("another run is using the run directory " + out) &&
+                           Catch::Contains("keel pid 4242 on node17"));
+  CHECK_FALSE(fs::exists(out + "/metrics.jsonl"));
+  CHECK_FALSE(fs::exists(out + "/checkpoints"));
+  ::close(fd);  // the holder ends
+  auto ok = run_keel(train_args(ws, out, "--stop-at 4"));
+  INFO(ok.output);
+  CHECK(ok.code == 4);
+  const auto held = nlohmann::json::parse(test::read_file(out + "/.lock"));
+  CHECK(held["pid"].get<int64_t>() != 4242);
+  CHECK(held["host"] != "node17");
+}
+
+TEST_CASE("keel sample and keel eval refuse a checkpoint whose checksums fail, naming the tensor",
+          "[ckpt][cli][corrupt]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", ck = out + "/checkpoints/step_00000004";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  test::write_stream_choice_items(ws.dir / "choices.jsonl", 4);
+  const std::string sample = "sample --prompt-ids 1,2,3 -n 4 --checkpoint ";
+  const std::string eval = "eval --choices " + (ws.dir / "choices.jsonl") + " --checkpoint ";
+  REQUIRE(run_keel(sample + ck).code == 0);
+  REQUIRE(run_keel(eval + ck).code == 0);
+  flip_byte_in(ck + "/model-tp00-pp00.safetensors", "weight/lm_head");
+  for (const std::string& cmd : {sample, eval}) {
+    auto r = run_keel(cmd + ck);
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains("refusing to load a damaged checkpoint " + ck) &&
+                             Catch::Contains("tensor weight/lm_head is corrupt"));
+  }
+}
+
+TEST_CASE("an unwritable checkpoint.dir is refused before the first step", "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  std::ofstream(ws.dir / "a-file") << "not a directory";
+  const std::string dir = ws.dir / "a-file/checkpoints";
+  auto r = run_keel(train_args(ws, out, "--set checkpoint.dir=" + dir));
+  INFO(r.output);
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("checkpoint.dir " + dir + " is not writable") &&
+                           Catch::Contains("Not a directory") && Catch::Contains("nothing was trained"));
+  CHECK(test::losses_by_step(test::read_metrics(out + "/metrics.jsonl")).empty());
+}
+
+TEST_CASE("a --stop-at the resumed run has passed is refused, and a stop after --resume says to drop it",
+          "[ckpt][cli][stop]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 8")).code == 4);
+  for (const char* at : {"6", "8"}) {
+    auto r = run_keel(train_args(ws, out, std::string("--stop-at ") + at));
+    INFO(r.output);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains(std::string("--stop-at ") + at + " is not after the checkpoint's iteration 8"));
+    CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000009"));
+  }
+  const std::string ck = out + "/checkpoints/step_00000004";
+  auto rewound = run_keel(train_args(ws, out, "--resume " + ck + " --stop-at 6"));
+  INFO(rewound.output);
+  CHECK(rewound.code == 4);
+  CHECK_THAT(rewound.output, Catch::Contains("run the same command without --resume " + ck));
+  auto plain = run_keel(train_args(ws, out, "--stop-at 7"));
+  INFO(plain.output);
+  CHECK(plain.code == 4);
+  CHECK_THAT(plain.output, Catch::Contains("run the same command again to resume"));
+}
+
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
@@ -375,10 +596,10 @@ TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to u
   // Make it a weights-only checkpoint, as a converted model would be.
   const std::string ck = out + "/checkpoints/step_00000004";
   fs::remove(ck + "/optim-tp00-pp00-dp00.safetensors");
-  nlohmann::json meta = nlohmann::json::parse(std::ifstream(ck + "/meta.json"));
-  meta["files"].erase("optim-tp00-pp00-dp00.safetensors");
-  meta["states"] = {"weight"};
-  std::ofstream(ck + "/meta.json") << meta.dump(2);
+  test::edit_checkpoint_meta(ck, [](nlohmann::json& meta) {
+    meta["files"].erase("optim-tp00-pp00-dp00.safetensors");
+    meta["states"] = {"weight"};
+  });
 
   auto r = run_keel(train_args(ws, ws.dir / "resume", "--resume " + ck));
   CHECK(r.code == 5);
@@ -412,9 +633,10 @@ TEST_CASE("finetuning from a checkpoint on other data or another seq_len is veri
   CHECK_THAT(same.output, Catch::Contains("probe loss and per-tensor norms as saved"));
   // A weight changed behind the checkpoint's back (its checksums rewritten, so that only the
   // verification can see it) is refused on other data too: its norm is not what was saved.
-  nlohmann::json meta = nlohmann::json::parse(std::ifstream(ck + "/meta.json"));
-  meta["health"]["tensor_sumsq"]["final_norm.weight"][0] = 1.5 * meta["health"]["tensor_sumsq"]["final_norm.weight"][0].get<double>();
-  std::ofstream(ck + "/meta.json") << meta.dump(2);
+  test::edit_checkpoint_meta(ck, [](nlohmann::json& meta) {
+    auto& sumsq = meta["health"]["tensor_sumsq"]["final_norm.weight"][0];
+    sumsq = 1.5 * sumsq.get<double>();
+  });
   auto bad = run_keel(train_args(ws, ws.dir / "bad", other + "--init-from " + ck));
   CHECK(bad.code == 5);
   CHECK_THAT(bad.output, Catch::Contains("final_norm.weight: |weights|^2"));

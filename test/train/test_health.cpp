@@ -6,6 +6,7 @@
 #include <random>
 
 #include "common/batches.h"
+#include "common/checkpoint_meta.h"
 #include "common/process.h"
 #include "common/run_config.h"
 #include "common/temp_dir.h"
@@ -166,7 +167,7 @@ TEST_CASE("a resume verifies the probe loss bit for bit, a tampered tensor is na
   const std::string meta_path = out + "/checkpoints/step_00000012/meta.json";
   nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
   meta["health"]["tensor_sumsq"]["layers.1.mlp_norm.weight"][0] = 1.0;
-  std::ofstream(meta_path) << meta.dump(2);
+  test::write_checkpoint_meta(meta_path, meta);
   auto bad = test::run_keel("train --config " + ws.config + " --out " + out);
   INFO(bad.output);
   CHECK(bad.code == 5);
@@ -187,14 +188,14 @@ TEST_CASE("a resume on another arithmetic (device, libraries) or keel build veri
   // What another device might have saved: the same loss to 1e-4, other bits.
   meta["health"]["probe_loss"] = meta["health"]["probe_loss"].get<double>() * (1 + 1e-4);
   meta["health"]["probe_loss_bits"] = "0000000000000000";
-  std::ofstream(meta_path) << meta.dump(2);
+  test::write_checkpoint_meta(meta_path, meta);
   auto same = test::run_keel("train --config " + ws.config + " --out " + out + " --stop-at 12");
   INFO(same.output);
   CHECK(same.code == 5);  // recorded as this arithmetic: the bits must match
   CHECK_THAT(same.output, Catch::Contains("same layout and arithmetic: the bits must match"));
 
   meta["health"]["arithmetic"] = "cuda NVIDIA H100 80GB HBM3 sm_90 cublasLt 130000";
-  std::ofstream(meta_path) << meta.dump(2);
+  test::write_checkpoint_meta(meta_path, meta);
   auto other = test::run_keel("train --config " + ws.config + " --out " + out + " --stop-at 12");
   INFO(other.output);
   CHECK(other.code == 4);
@@ -208,7 +209,7 @@ TEST_CASE("a resume on another arithmetic (device, libraries) or keel build veri
   for (const nlohmann::json& build : {nlohmann::json("crc32c 00000000"), nlohmann::json()}) {
     if (build.is_null()) meta["health"].erase("build");
     else meta["health"]["build"] = build;
-    std::ofstream(meta_path) << meta.dump(2);
+    test::write_checkpoint_meta(meta_path, meta);
     auto rebuilt = test::run_keel("train --config " + ws.config + " --out " + out + " --resume " + out +
                                   "/checkpoints/step_00000010 --stop-at 12");
     INFO(rebuilt.output);
@@ -220,7 +221,7 @@ TEST_CASE("a resume on another arithmetic (device, libraries) or keel build veri
   }
   // ... but a real difference is still caught
   meta["health"]["probe_loss"] = meta["health"]["probe_loss"].get<double>() * 1.1;
-  std::ofstream(meta_path) << meta.dump(2);
+  test::write_checkpoint_meta(meta_path, meta);
   auto off = test::run_keel("train --config " + ws.config + " --out " + out + " --resume " + out + "/checkpoints/step_00000010");
   INFO(off.output);
   CHECK(off.code == 5);
@@ -253,7 +254,7 @@ TEST_CASE("a resume under another precision.mode verifies within rounding, in th
   const std::string meta_path = ws.dir / "from_bf16/checkpoints/step_00000010/meta.json";
   nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
   meta["health"]["tensor_sumsq"]["layers.1.mlp_norm.weight"][1] = 1.0;
-  std::ofstream(meta_path) << meta.dump(2);
+  test::write_checkpoint_meta(meta_path, meta);
   auto bad = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "bad") + " --resume " +
                             (ws.dir / "from_bf16/checkpoints/step_00000010") + " --set precision.mode=fp32");
   INFO(bad.output);
