@@ -742,8 +742,9 @@ TEST_CASE("under mpirun, stop-and-resume (with background saves) and kill -9-and
   }
 
   // kill -9 every rank once the run is under way, then resume from whatever was saved last.
-  // (A 400-step schedule, so the kill lands mid-run; the reference is its first 12 steps.)
-  REQUIRE(train(ws, ws.dir / "long", l, "--set train.steps=400 --stop-at 12").code == 4);
+  // (A 400-step schedule, so the kill lands mid-run; the reference is its first 16 steps, well
+  // past where the kill lands: a --stop-at the resumed checkpoint has passed is refused.)
+  REQUIRE(train(ws, ws.dir / "long", l, "--set train.steps=400 --stop-at 16").code == 4);
   const auto expected_long = by_step(ws.dir / "long/metrics.jsonl");
   const std::string out = ws.dir / "killed";
   const std::string cmd = std::string(KEEL_MPIEXEC) + " -np 8 -x OMP_NUM_THREADS=1 " + KEEL_BINARY + " train --config " +
@@ -757,11 +758,11 @@ TEST_CASE("under mpirun, stop-and-resume (with background saves) and kill -9-and
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   std::system(("pkill -9 -f -- '--out " + out + " ' ; sleep 0.5; pkill -9 -f -- '--out " + out + " '").c_str());
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  const Run again = train(ws, out, l, "--set train.steps=400 --stop-at 12");  // from the last complete save
+  const Run again = train(ws, out, l, "--set train.steps=400 --stop-at 16");  // from the last complete save
   INFO(again.output);
   REQUIRE(again.code == 4);
   CHECK_THAT(again.output, Catch::Contains("resuming from"));
   auto got = by_step(out + "/metrics.jsonl");
-  for (auto it = got.begin(); it != got.end();) it = it->first > 12 ? got.erase(it) : std::next(it);
+  for (auto it = got.begin(); it != got.end();) it = it->first > 16 ? got.erase(it) : std::next(it);
   CHECK(got == expected_long);
 }
