@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/checkpoint_meta.h"
 #include "common/error_of.h"
 #include "common/fixture.h"
 #include "common/hf_weights.h"
@@ -851,13 +852,7 @@ TEST_CASE("hf: export without a source for the tokenizer and token ids says what
   // As a from-scratch run's checkpoint: no HF config, tokenizer or recorded source.
   const fs::path k = fs::path(tmp / "keel");
   for (const char* f : {"hf_config.json", "tokenizer.json", "generation_config.json"}) fs::remove(k / f);
-  json meta;
-  {
-    std::ifstream in(k / "meta.json");
-    meta = json::parse(in);
-  }
-  meta.erase("source");
-  std::ofstream(k / "meta.json") << meta.dump(2);
+  test::edit_checkpoint_meta(k.string(), [](json& meta) { meta.erase("source"); });
   const ConvertStats st = export_keel_to_hf(tmp / "keel", tmp / "bare", opts);
   CHECK_FALSE(fs::exists(tmp / "bare/tokenizer.json"));
   CHECK_THAT(notes_of(st), Catch::Contains("not written: tokenizer.json, generation_config.json and bos/eos token ids") &&
