@@ -1005,15 +1005,9 @@ std::optional<std::string> master_source(const Checkpoint& ck, const ParamTable&
 
 std::vector<std::string> model_differences(const json& a, const json& b, const std::string& a_name,
                                            const std::string& b_name) {
-  std::vector<std::string> diffs;
-  auto side = [](const json& m, const std::string& k) { return m.contains(k) ? m[k].dump() : std::string("-"); };
-  for (const json* fields : {&a, &b})  // both ways: fields written only when set may be missing on either side
-    for (const auto& field : fields->items()) {
-      const std::string& k = field.key();
-      if (fields == &b && a.contains(k)) continue;  // compared in the first pass
-      if (!a.contains(k) || !b.contains(k) || a[k] != b[k])
-        diffs.push_back("model." + k + ": " + a_name + " " + side(a, k) + ", " + b_name + " " + side(b, k));
-    }
+  std::vector<std::string> diffs;  // fields written only when set may be missing on either side ("-")
+  for (const FieldChange& c : field_changes(a, b, "model"))
+    diffs.push_back(c.field + ": " + a_name + " " + c.a + ", " + b_name + " " + c.b);
   return diffs;
 }
 
@@ -1085,20 +1079,10 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
                           ": the run continues from the same fp32 state but will not be bit-identical");
     // Each changed setting by name (a whole section's JSON hides the one change in it).
     std::vector<std::string> changed;
-    for (const char* section : {"optimizer", "schedule", "train", "data", "parallel"}) {
-      if (!saved.contains(section) || saved[section] == now[section]) continue;
-      const json a = saved[section].flatten(), b = now[section].flatten();
-      std::set<std::string> keys;
-      for (const auto& item : a.items()) keys.insert(item.key());
-      for (const auto& item : b.items()) keys.insert(item.key());
-      auto shown = [](const json& j, const std::string& k) { return j.contains(k) ? j[k].dump() : std::string("-"); };
-      for (std::string k : keys)
-        if (shown(a, k) != shown(b, k)) {
-          const std::string before = shown(a, k), after = shown(b, k);
-          std::replace(k.begin(), k.end(), '/', '.');
-          changed.push_back(std::string(section) + k + ": " + before + " -> " + after);
-        }
-    }
+    for (const char* section : {"optimizer", "schedule", "train", "data", "parallel"})
+      if (saved.contains(section))
+        for (const FieldChange& c : field_changes(saved[section], now[section], section))
+          changed.push_back(c.field + ": " + c.a + " -> " + c.b);
     if (!changed.empty()) {
       std::string text = "settings changed since the checkpoint:";
       for (const std::string& c : changed) text += "\n    " + c;
@@ -1248,14 +1232,17 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
   }
 }
 
+bool would_replace(const fs::path& out, const std::string& in) {
+  if (in.empty()) return false;
+  std::error_code ec;
+  const fs::path rel = fs::relative(fs::weakly_canonical(in, ec), fs::weakly_canonical(out, ec), ec);
+  return !ec && !rel.empty() && *rel.begin() != "..";
+}
+
 void check_new_output(const fs::path& out, bool force, const std::vector<std::string>& inputs) {
-  for (const std::string& in : inputs) {
-    if (in.empty()) continue;
-    std::error_code ec;
-    const fs::path rel = fs::relative(fs::weakly_canonical(in, ec), fs::weakly_canonical(out, ec), ec);
-    if (!ec && !rel.empty() && *rel.begin() != "..")
+  for (const std::string& in : inputs)
+    if (would_replace(out, in))
       throw ConfigError("the output " + out.string() + " would replace the input " + in + ": pick another folder");
-  }
   if (fs::exists(out) && !force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
 }
 

@@ -262,6 +262,8 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
 // the input); the files go to temp_dir_for(out) (a fresh sibling folder), and publish renames it
 // into place (replacing `out` when forced).
 void check_new_output(const std::filesystem::path& out, bool force, const std::vector<std::string>& inputs = {});
+// Is `in` the folder `out` or inside it (so that writing `out` would replace it)?
+bool would_replace(const std::filesystem::path& out, const std::string& in);
 std::filesystem::path temp_dir_for(const std::filesystem::path& out);
 void publish(const std::filesystem::path& tmp, const std::filesystem::path& out, bool force);
 

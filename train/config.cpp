@@ -25,6 +25,12 @@ std::string precision_name(PrecisionMode m) {
   return "?";
 }
 
+std::optional<PrecisionMode> precision_from_name(const std::string& name) {
+  for (PrecisionMode m : {PrecisionMode::FP32, PrecisionMode::BF16, PrecisionMode::FP16, PrecisionMode::BF16UnsafeNoMaster})
+    if (precision_name(m) == name) return m;
+  return std::nullopt;
+}
+
 namespace {
 
 // Levenshtein distance, for "did you mean" hints on unknown fields.
@@ -290,10 +296,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     top.raw("precision");
     Fields f(child(doc, "precision"), "precision", errors);
     std::string mode = f.choice("mode", "bf16", {"bf16", "fp32", "fp16", "bf16-unsafe-no-master"});
-    c.precision.mode = mode == "fp32"   ? PrecisionMode::FP32
-                       : mode == "fp16" ? PrecisionMode::FP16
-                       : mode == "bf16" ? PrecisionMode::BF16
-                                        : PrecisionMode::BF16UnsafeNoMaster;
+    c.precision.mode = precision_from_name(mode).value_or(PrecisionMode::BF16);  // choice() named any other
     c.precision.stochastic_rounding = f.boolean("stochastic_rounding", false);
     if (c.precision.stochastic_rounding && c.precision.mode != PrecisionMode::BF16)
       errors.push_back("precision.stochastic_rounding: true needs precision.mode \"bf16\" (fp32 masters written to a "
@@ -683,6 +686,23 @@ void add_model_options(json& model, const ModelConfig& m) {
   if (m.qk_norm) model["qk_norm"] = true;
   if (m.explicit_head_dim > 0) model["head_dim"] = m.explicit_head_dim;
   if (m.sliding_window > 0) model["sliding_window"] = m.sliding_window;
+}
+
+std::vector<FieldChange> field_changes(const json& a, const json& b, const std::string& prefix) {
+  const json fa = a.flatten(), fb = b.flatten();  // keys as JSON pointers: "/optimizer/lr"
+  std::set<std::string> keys;
+  for (const auto& item : fa.items()) keys.insert(item.key());
+  for (const auto& item : fb.items()) keys.insert(item.key());
+  auto shown = [](const json& j, const std::string& k) { return j.contains(k) ? j[k].dump() : std::string("-"); };
+  std::vector<FieldChange> out;
+  for (std::string k : keys) {
+    FieldChange c{"", shown(fa, k), shown(fb, k)};
+    if (c.a == c.b) continue;
+    std::replace(k.begin(), k.end(), '/', '.');
+    c.field = prefix.empty() ? k.substr(1) : prefix + k;
+    out.push_back(std::move(c));
+  }
+  return out;
 }
 
 json to_json(const RunConfig& c) {

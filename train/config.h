@@ -27,6 +27,8 @@ class ConfigError : public std::runtime_error {
 // reproduced and detected; never use it to train.
 enum class PrecisionMode { FP32, BF16, FP16, BF16UnsafeNoMaster };
 std::string precision_name(PrecisionMode m);
+// The mode of a precision_name ("bf16", ...); nullopt for any other text.
+std::optional<PrecisionMode> precision_from_name(const std::string& name);
 
 struct LossScaleConfig {
   double initial = 65536.0;     // 2^16
@@ -280,6 +282,13 @@ RunConfig parse_config(const nlohmann::json& doc, const std::string& source);
 void apply_override(nlohmann::json& doc, const std::string& assignment);
 // The fully resolved config (defaults filled in) as JSON: what the run really used.
 nlohmann::json to_json(const RunConfig& cfg);
+// Every field (leaf) whose value differs between two config documents or sections, with its
+// dotted path under `prefix` ("optimizer" + "lr" -> "optimizer.lr") and both values as JSON text
+// ("-" where one side lacks it), in path order.
+struct FieldChange {
+  std::string field, a, b;
+};
+std::vector<FieldChange> field_changes(const nlohmann::json& a, const nlohmann::json& b, const std::string& prefix = "");
 // The model options beyond the family's defaults (position_embedding "alibi", embedding_norm,
 // qkv_bias, qk_norm, head_dim, sliding_window) added to a "model" object, each only when set,
 // so configs and checkpoints from before an option still compare equal.

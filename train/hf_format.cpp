@@ -1096,16 +1096,11 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   check_new_output(out, /*force=*/true, {ckpt_path, opts.like, like.string()});  // the inputs named or found
   // The HF folder the checkpoint came from is an input too, though not named on the command
   // line: --force would otherwise replace the original model with this export.
-  std::string recorded_source;
-  if (ck.meta().contains("source") && ck.meta()["source"].is_object())
-    recorded_source = ck.meta()["source"].value("path", "");
-  if (!recorded_source.empty()) {
-    try {
-      check_new_output(out, true, {recorded_source});
-    } catch (const ConfigError&) {
-      throw ConfigError("the output " + out.string() + " would replace the Hugging Face model " + recorded_source +
-                        " that " + ck.path() + " comes from (meta.json source.path): pick another folder");
-    }
+  if (ck.meta().contains("source") && ck.meta()["source"].is_object()) {
+    const std::string source = ck.meta()["source"].value("path", "");
+    if (would_replace(out, source))
+      throw ConfigError("the output " + out.string() + " would replace the Hugging Face model " + source + " that " +
+                        ck.path() + " comes from (meta.json source.path): pick another folder");
   }
   check_new_output(out, opts.force);
   const fs::path tmp = temp_dir_for(out);

@@ -51,13 +51,9 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
     lm.tokenizer_dirs.push_back(hf.dir());
     return lm;
   }
-  const Checkpoint ck = Checkpoint::open(spec);
   // The checks train, convert and average make: a damaged tensor must not generate or score in silence.
-  if (auto problems = ck.verify(); !problems.empty()) {
-    std::string msg = "refusing to load a damaged checkpoint " + ck.path() + ":";
-    for (const auto& p : problems) msg += "\n  " + p;
-    throw CheckpointError(msg);
-  }
+  require_undamaged(spec, "load");
+  const Checkpoint ck = Checkpoint::open(spec);
   const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
   lm.table = std::make_unique<ParamTable>(cfg.model);
   bool have_master = true;

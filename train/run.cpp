@@ -77,20 +77,9 @@ void check_ranks_agree(const RunConfig& cfg, const RunOptions& opts) {
   if (r < 0) return;
   if (opts.mpi->world_rank() != 0)
     throw ConfigError("world rank " + std::to_string(r) + " runs another config than world rank 0 (rank 0 names it)");
-  const nlohmann::json a = mine.flatten(), b = nlohmann::json::parse(theirs).flatten();
   std::vector<std::string> lines;
-  auto dotted = [](std::string key) {  // "/optimizer/lr" -> "optimizer.lr"
-    std::replace(key.begin(), key.end(), '/', '.');
-    return key.substr(1);
-  };
-  auto shown = [](const nlohmann::json& j, const std::string& key) { return j.contains(key) ? j[key].dump() : "(unset)"; };
-  std::set<std::string> keys;
-  for (const auto& [k, v] : a.items()) keys.insert(k);
-  for (const auto& [k, v] : b.items()) keys.insert(k);
-  for (const std::string& k : keys)
-    if (shown(a, k) != shown(b, k))
-      lines.push_back(dotted(k) + ": " + shown(a, k) + " on world rank 0, " + shown(b, k) + " on world rank " +
-                      std::to_string(r));
+  for (const FieldChange& c : field_changes(mine, nlohmann::json::parse(theirs)))
+    lines.push_back(c.field + ": " + c.a + " on world rank 0, " + c.b + " on world rank " + std::to_string(r));
   std::string msg = "world rank " + std::to_string(r) +
                     " runs another config than world rank 0 (was it launched with another config file or other "
                     "--set values?):";

@@ -164,10 +164,8 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
   // copy this run continues from with the saved one it was loaded from (restore_for_resume: the
   // masters from the saved masters, else the weights; working weights of the saved dtype from
   // the saved weights, of another dtype from the saved masters).
-  const DType saved_working_dtype = saved_precision == "fp32"   ? DType::F32
-                                   : saved_precision == "fp16" ? DType::F16
-                                                               : DType::BF16;
-  const bool saved_working_same_dtype = saved_working_dtype == state_->working.dtype;
+  const bool saved_working_same_dtype =
+      working_dtype(precision_from_name(saved_precision).value_or(cfg_.precision.mode)) == state_->working.dtype;
   for (size_t i = 0; !same_precision && i < full_names_.size(); ++i) {
     if (!tensors.contains(full_names_[i])) continue;
     const auto& pair = tensors[full_names_[i]];
