@@ -15,6 +15,8 @@
 #include <nlohmann/json.hpp>
 
 #include "data/safetensors.h"
+#include "kernels/dtype.h"
+#include "kernels/tensor.h"
 #include "model/param_table.h"
 
 namespace keel::test {
@@ -111,6 +113,19 @@ struct Fixture {
     return in;
   }
   std::vector<int32_t> targets() const { return read<int32_t>("targets"); }
+};
+
+// Flat fp32 weights and their bf16 rounding, viewed in the storage a model runs with.
+struct Weights {
+  std::vector<float> w32;
+  std::vector<uint16_t> w16;
+  explicit Weights(std::vector<float> fp32) : w32(std::move(fp32)) {
+    for (float x : w32) w16.push_back(f32_to_bf16(x));
+  }
+  Tensor view(DType act) {
+    const int64_t n = static_cast<int64_t>(w32.size());
+    return act == DType::F32 ? Tensor(w32.data(), DType::F32, {n}) : Tensor(w16.data(), DType::BF16, {n});
+  }
 };
 
 // ||a - b|| / ||b|| over a range, in double (||a - b|| when b is all zero).

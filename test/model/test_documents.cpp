@@ -22,26 +22,12 @@ using namespace keel;
 
 namespace {
 
-struct Weights {
-  std::vector<float> w32;
-  std::vector<uint16_t> w16;
-  Tensor view(DType act) {
-    const int64_t n = static_cast<int64_t>(w32.size());
-    return act == DType::F32 ? Tensor(w32.data(), DType::F32, {n}) : Tensor(w16.data(), DType::BF16, {n});
-  }
-};
-
-Weights weights_of(const test::Fixture& fx, const ParamTable& table) {
-  Weights w{fx.flat(table, "param"), {}};
-  for (float x : w.w32) w.w16.push_back(f32_to_bf16(x));
-  return w;
-}
 
 // The tiny Llama fixture's table, weights, a gradient buffer and its tokens and targets.
 struct TinyLlama {
   test::Fixture fx{"llama_tiny"};
   ParamTable table{fx.model};
-  Weights w = weights_of(fx, table);
+  test::Weights w{fx.flat(table, "param")};
   std::unique_ptr<Backend> be = make_cpu_backend();
   std::vector<float> grads = std::vector<float>(static_cast<size_t>(table.local_numel()), 0.0f);
   std::vector<int32_t> tokens = fx.inputs(), targets = fx.targets();
@@ -55,7 +41,7 @@ struct Result {
 };
 
 // One forward (and backward) of B sequences of T tokens starting at tokens[0] / targets[0].
-void run_into(Result& r, const test::Fixture& fx, const ParamTable& table, Weights& w, DType act, int B, int T,
+void run_into(Result& r, const test::Fixture& fx, const ParamTable& table, test::Weights& w, DType act, int B, int T,
               const int32_t* tokens, const int32_t* targets, const int32_t* positions, float dloss,
               int recompute_layers = 0) {
   auto be = make_cpu_backend();
@@ -80,7 +66,7 @@ TEST_CASE("packed documents with document masking compute what each document com
     REQUIRE(fx.B == 2);
     REQUIRE(fx.T == 16);
     const ParamTable table(fx.model);
-    Weights w = weights_of(fx, table);
+    test::Weights w{fx.flat(table, "param")};
     const std::vector<int32_t> tokens = fx.inputs(), targets = fx.targets();
     std::vector<int> lengths;
     for (const auto& seq : docs) lengths.insert(lengths.end(), seq.begin(), seq.end());

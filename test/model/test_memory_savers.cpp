@@ -51,12 +51,9 @@ std::vector<uint8_t> bytes_of(const Tensor& t) {
 Pass run(const test::Fixture& fx, DType act, RecomputePolicy recompute, int64_t logits_chunk_rows = 0) {
   const ParamTable table(fx.model);
   auto be = make_cpu_backend();
-  const std::vector<float> w32 = fx.flat(table, "param");
-  std::vector<uint16_t> w16;
-  for (float x : w32) w16.push_back(f32_to_bf16(x));
+  test::Weights w(fx.flat(table, "param"));
+  const Tensor weights = w.view(act);
   const int64_t n = table.local_numel();
-  const Tensor weights = act == DType::F32 ? Tensor(const_cast<float*>(w32.data()), DType::F32, {n})
-                                           : Tensor(w16.data(), DType::BF16, {n});
   std::vector<float> grads(static_cast<size_t>(n), 0.0f);
   Transformer model(table, *be, act, fx.B, fx.T, /*slots=*/2, nullptr, recompute, false, logits_chunk_rows);
   model.bind(weights, Tensor(grads.data(), DType::F32, {n}));

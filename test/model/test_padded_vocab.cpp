@@ -24,11 +24,9 @@ struct Result {
 
 Result run(const ParamTable& table, const std::vector<float>& w32, const test::Fixture& fx, DType act) {
   auto be = make_cpu_backend();
-  std::vector<uint16_t> w16;
-  for (float x : w32) w16.push_back(f32_to_bf16(x));
+  test::Weights w(w32);
+  const Tensor weights = w.view(act);
   const int64_t n = table.local_numel();
-  const Tensor weights = act == DType::F32 ? Tensor(const_cast<float*>(w32.data()), DType::F32, {n})
-                                           : Tensor(w16.data(), DType::BF16, {n});
   std::vector<float> grads(static_cast<size_t>(n), 0.0f);
   Transformer model(table, *be, act, fx.B, fx.T, 1);
   model.bind(weights, Tensor(grads.data(), DType::F32, {n}));

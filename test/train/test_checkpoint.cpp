@@ -168,6 +168,31 @@ TEST_CASE("a background save holds the state as it was when it began, byte for b
 }
 
 // (A write error inside the background writer: test_checkpoint_cli's file-size-limit case.)
+namespace {
+
+// Starts a background save of iteration `it`, lets its files be written, then removes them:
+// the error its publication raises (empty if it published).
+std::string failed_publication(CheckpointManager& mgr, const RunConfig& cfg, Trainer& a, Backend& be,
+                               const std::string& dir, int64_t it) {
+  const auto ok = [](bool v) { return v; };
+  mgr.begin_save(cfg, a.table(), a.state(), be, {it, 8 * it, 256 * it, 0, 0}, a.scaler(), {}, ok, nullptr, true);
+  for (int i = 0; i < 2000 && mgr.writing(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE_FALSE(mgr.writing());
+  CHECK(mgr.save_pending());
+  char name[32];
+  std::snprintf(name, sizeof name, "/.tmp-step_%08lld", static_cast<long long>(it));
+  fs::remove_all(dir + name);
+  try {
+    mgr.finish_save(ok);
+  } catch (const CheckpointError& e) {
+    CHECK_FALSE(mgr.save_pending());
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
 TEST_CASE("a background save that cannot be published fails at its finish and leaves the previous save as latest",
           "[ckpt][async]") {
   test::TempDir dir("ckpt-async-fail");
@@ -176,22 +201,15 @@ TEST_CASE("a background save that cannot be published fails at its finish and le
   Trainer a(cfg, *be);
   a.init_weights();
   CheckpointManager mgr(dir / "ck", cfg.checkpoint);
-  const auto ok = [](bool v) { return v; };
+  // The first save fails: there were no earlier checkpoints to call untouched.
+  const std::string first = failed_publication(mgr, cfg, a, *be, dir / "ck", 1);
+  CHECK_THAT(first, Catch::Contains("saving checkpoint step_00000001") &&
+                        Catch::Contains("no checkpoint had been saved before it") && !Catch::Contains("untouched"));
   mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
-  mgr.begin_save(cfg, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {}, ok, nullptr, true);
   // Once the files are written, the temporary directory vanishes: there is nothing to publish.
-  for (int i = 0; i < 2000 && mgr.writing(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  REQUIRE_FALSE(mgr.writing());
-  CHECK(mgr.save_pending());
-  fs::remove_all(dir / "ck/.tmp-step_00000002");
-  try {
-    mgr.finish_save(ok);
-    FAIL("finish_save succeeded without its files");
-  } catch (const CheckpointError& e) {
-    CHECK_THAT(e.what(), Catch::Contains("saving checkpoint step_00000002") &&
-                             Catch::Contains("the previous checkpoints are untouched"));
-  }
-  CHECK_FALSE(mgr.save_pending());
+  const std::string second = failed_publication(mgr, cfg, a, *be, dir / "ck", 2);
+  CHECK_THAT(second, Catch::Contains("saving checkpoint step_00000002") &&
+                         Catch::Contains("the previous checkpoints are untouched"));
   CHECK_FALSE(fs::exists(dir / "ck/step_00000002"));
   CHECK_FALSE(fs::exists(dir / "ck/.tmp-step_00000002"));
   CHECK(Checkpoint::find_latest(dir / "ck") == dir / "ck/step_00000001");
@@ -222,27 +240,6 @@ TEST_CASE("rotation ranks checkpoints by when they were saved, by file time for 
   CHECK_FALSE(fs::exists(dir / "step_00000004"));
 }
 
-TEST_CASE("a failed first save does not claim earlier checkpoints are untouched", "[ckpt][async]") {
-  test::TempDir dir("ckpt-first-fail");
-  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
-  auto be = make_cpu_backend();
-  Trainer a(cfg, *be);
-  a.init_weights();
-  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
-  const auto ok = [](bool v) { return v; };
-  mgr.begin_save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {}, ok, nullptr, true);
-  for (int i = 0; i < 2000 && mgr.writing(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  REQUIRE_FALSE(mgr.writing());
-  fs::remove_all(dir / "ck/.tmp-step_00000001");
-  try {
-    mgr.finish_save(ok);
-    FAIL("finish_save succeeded without its files");
-  } catch (const CheckpointError& e) {
-    CHECK_THAT(e.what(), Catch::Contains("saving checkpoint step_00000001") &&
-                             Catch::Contains("no checkpoint had been saved before it"));
-    CHECK_THAT(e.what(), !Catch::Contains("untouched"));
-  }
-}
 
 TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back under any layout", "[ckpt][reshard]") {
   test::TempDir dir("ckpt-reshard");
