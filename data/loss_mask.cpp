@@ -34,20 +34,31 @@ std::optional<LossMask> LossMask::open_for(const TokenFile& tokens) {
   if (header[1] != kVersion)
     throw DataError(who + " has version " + std::to_string(header[1]) + " (keel reads version " + std::to_string(kVersion) + ")");
   const int64_t count = static_cast<uint32_t>(header[2]);
-  if (count != tokens.num_tokens() || size != kHeaderBytes + count)
+  const int64_t body = size - kHeaderBytes;
+  if (body < count)
+    throw DataError(who + " is truncated: its header says " + std::to_string(count) + " tokens, but it holds " +
+                    std::to_string(body) + " mask bytes; rewrite it with keel tokenize or scripts/prepare_data.py");
+  if (body > count)
+    throw DataError(who + " has " + std::to_string(body - count) + " bytes after the " + std::to_string(count) +
+                    " mask bytes its header counts; rewrite it with keel tokenize or scripts/prepare_data.py");
+  if (count != tokens.num_tokens())
     throw DataError(who + " does not match its token file: the mask covers " + std::to_string(count) +
-                    " tokens (" + std::to_string(size - kHeaderBytes) + " mask bytes), the token file holds " +
-                    std::to_string(tokens.num_tokens()) + "; rewrite both with scripts/prepare_data.py");
+                    " tokens, the token file holds " + std::to_string(tokens.num_tokens()) +
+                    "; rewrite both with keel tokenize or scripts/prepare_data.py");
   m.mask_ = m.file_.data() + kHeaderBytes;
   m.size_ = count;
+  // One byte per token, 0 or 1; counted here once, since the start-up summary needs the count.
+  for (int64_t i = 0; i < count; ++i) {
+    const unsigned char b = m.mask_[i];
+    if (b > 1)
+      throw DataError(who + ": byte " + std::to_string(b) + " at token " + std::to_string(i) + " (file offset " +
+                      std::to_string(kHeaderBytes + i) + ") is neither 0 (out of the loss) nor 1 (in the loss)");
+    m.in_loss_ += b;
+  }
   return m;
 }
 
-int64_t LossMask::count_in_loss() const {
-  int64_t n = 0;
-  for (int64_t i = 0; i < size_; ++i) n += mask_[i] != 0;
-  return n;
-}
+int64_t LossMask::count_in_loss() const { return in_loss_; }
 
 int64_t mask_targets_after_eod(const int32_t* inputs, int32_t* targets, int64_t n, int32_t eod) {
   int64_t masked = 0;

@@ -6,7 +6,8 @@
 // then pick the masks up as token files. Format, in the style of the llm.c shard header:
 //   256 little-endian int32 header words: [0] magic 20240917, [1] version 1, [2] token count
 //   (the token file's), [3..255] zero; then one uint8 per token: 1 = token i, as a target (the
-//   prediction of token i from the tokens before it), counts in the loss; 0 = it does not.
+//   prediction of token i from the tokens before it), counts in the loss; 0 = it does not. Any
+//   other byte is an error.
 // A window whose target k is token start+1+k of the file gets target -1 (ignored by the
 // loss) where mask[start+1+k] == 0. No sidecar: every token counts.
 #pragma once
@@ -29,8 +30,8 @@ class LossMask {
 
   // The sidecar path for a token file path.
   static std::string sidecar_path(const std::string& token_path);
-  // Opens the sidecar of `tokens` when one exists; checks its header and that it has exactly
-  // one byte per token (else DataError naming both files).
+  // Opens the sidecar of `tokens` when one exists; checks its header, that it has exactly one
+  // byte per token and that every byte is 0 or 1 (else DataError naming both files).
   static std::optional<LossMask> open_for(const TokenFile& tokens);
 
   const std::string& path() const { return file_.path(); }
@@ -42,6 +43,7 @@ class LossMask {
   detail::MappedFile file_;
   const unsigned char* mask_ = nullptr;
   int64_t size_ = 0;
+  int64_t in_loss_ = 0;  // bytes that are 1
 };
 
 // Megatron's --eod-mask-loss: target -1 wherever the input is the end-of-document token `eod`,

@@ -25,12 +25,16 @@ constexpr int kFeistelRounds = 6;  // 4 already give a strong permutation; 2 mor
 
 // ---- TokenDataset ------------------------------------------------------------------------
 
-TokenDataset::TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t vocab_size)
-    : files_(std::move(files)), seq_len_(seq_len), vocab_size_(vocab_size) {
+TokenDataset::TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t vocab_size, DataUse use, std::string field)
+    : files_(std::move(files)), seq_len_(seq_len), vocab_size_(vocab_size), field_(std::move(field)) {
   if (seq_len < 1) throw DataError("sequence length must be at least 1, got " + std::to_string(seq_len));
   if (vocab_size < 1) throw DataError("vocab size must be at least 1");
-  if (files_.empty()) throw DataError("no token files given");
-  for (const TokenFile& f : files_) masks_.push_back(LossMask::open_for(f));
+  if (files_.empty()) throw DataError(prefix() + "no token files given");
+  try {
+    for (const TokenFile& f : files_) masks_.push_back(LossMask::open_for(f));
+  } catch (const DataError& e) {
+    throw DataError(prefix() + e.what());
+  }
   window_offsets_.reserve(files_.size() + 1);
   window_offsets_.push_back(0);
   const TokenFile* largest = &files_.front();
@@ -42,17 +46,26 @@ TokenDataset::TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t v
     if (f.num_tokens() > largest->num_tokens()) largest = &f;
   }
   if (num_windows() == 0) {
-    throw DataError("no training windows: a window needs seq_len + 1 = " + std::to_string(seq_len + 1) +
-                    " tokens, but the largest of the " + std::to_string(files_.size()) + " token file(s), '" +
-                    largest->path() + "', has only " + std::to_string(largest->num_tokens()));
+    throw DataError(prefix() + (use == DataUse::validation ? "no validation windows" : "no training windows") +
+                    ": a window needs seq_len + 1 = " + std::to_string(seq_len + 1) + " tokens, but the largest of the " +
+                    std::to_string(files_.size()) + " token file(s), '" + largest->path() + "', has only " +
+                    std::to_string(largest->num_tokens()));
   }
 }
 
-TokenDataset TokenDataset::open(const std::vector<std::string>& paths, int seq_len, uint32_t vocab_size) {
+TokenDataset TokenDataset::open(const std::vector<std::string>& paths, int seq_len, uint32_t vocab_size, DataUse use,
+                                const std::string& field) {
   std::vector<TokenFile> files;
   files.reserve(paths.size());
-  for (const std::string& p : paths) files.push_back(TokenFile::open(p));
-  return TokenDataset(std::move(files), seq_len, vocab_size);
+  for (const std::string& p : paths) {
+    try {
+      files.push_back(TokenFile::open(p));
+    } catch (const DataError& e) {
+      if (field.empty()) throw;
+      throw DataError(field + ": " + e.what());
+    }
+  }
+  return TokenDataset(std::move(files), seq_len, vocab_size, use, field);
 }
 
 TokenDataset::WindowLocation TokenDataset::locate(int64_t window) const {
@@ -76,12 +89,15 @@ bool TokenDataset::check_vocab(int64_t max_tokens) const {
   if (num_tokens_ > max_tokens) return false;
   for (const TokenFile& f : files_) {
     const int64_t at = f.find_token_at_least(vocab_size_, 0, f.num_tokens());
-    if (at >= 0)
-      throw DataError("'" + f.path() + "': token " + std::to_string(f.token(at)) + " at position " + std::to_string(at) +
-                      " is outside the vocabulary (vocab size " + std::to_string(vocab_size_) +
-                      "); was the data tokenized for another model?");
+    if (at >= 0) throw_out_of_vocab(f, f.token(at), at);
   }
   return true;
+}
+
+void TokenDataset::throw_out_of_vocab(const TokenFile& f, uint32_t token, int64_t position) const {
+  throw DataError(prefix() + "'" + f.path() + "': token " + std::to_string(token) + " at position " +
+                  std::to_string(position) + " is outside the vocabulary (vocab size " + std::to_string(vocab_size_) +
+                  "); was the data tokenized for another model?");
 }
 
 void TokenDataset::read_window(int64_t window, int32_t* inputs, int32_t* targets) const {
@@ -95,12 +111,8 @@ void TokenDataset::read_window(int64_t window, int32_t* inputs, int32_t* targets
   // Checked here, on every read, because an out-of-vocab id would index past the embedding
   // table; the loop is cheap next to the step that consumes these tokens.
   auto check = [&](int32_t value, int64_t position) {
-    uint32_t token = static_cast<uint32_t>(value);
-    if (token >= vocab_size_) {
-      throw DataError("'" + f.path() + "': token " + std::to_string(token) + " at position " +
-                      std::to_string(position) + " is outside the vocabulary (vocab size " +
-                      std::to_string(vocab_size_) + "); was the data tokenized for another model?");
-    }
+    const auto token = static_cast<uint32_t>(value);
+    if (token >= vocab_size_) throw_out_of_vocab(f, token, position);
   };
   for (size_t k = 0; k < n; ++k) check(inputs[k], loc.start + static_cast<int64_t>(k));
   check(targets[n - 1], loc.start + seq_len_);

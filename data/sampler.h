@@ -16,15 +16,22 @@
 
 namespace keel::data {
 
+// What a dataset is read for: its errors say "no training windows" or "no validation windows".
+enum class DataUse { training, validation };
+
 // The windows of a list of token files. File f contributes floor((n_f - 1) / seq_len)
 // non-overlapping windows starting at token 0, seq_len, 2*seq_len, ...; windows never cross
 // files. Every token read is checked against the vocab size. A token file with a loss-mask
 // sidecar (data/loss_mask.h, picked up automatically) turns the targets it masks into -1.
+// `field` names the data in every error (a config field such as "data.val_sets.web", which
+// then opens the message); empty: the errors name the files only.
 class TokenDataset {
  public:
-  TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t vocab_size);
+  TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t vocab_size, DataUse use = DataUse::training,
+               std::string field = "");
   // Opens each path with TokenFile::open.
-  static TokenDataset open(const std::vector<std::string>& paths, int seq_len, uint32_t vocab_size);
+  static TokenDataset open(const std::vector<std::string>& paths, int seq_len, uint32_t vocab_size,
+                           DataUse use = DataUse::training, const std::string& field = "");
 
   int seq_len() const { return seq_len_; }
   uint32_t vocab_size() const { return vocab_size_; }
@@ -50,7 +57,7 @@ class TokenDataset {
   // Writes the window's first seq_len tokens to inputs and the next-token shift to targets
   // (targets[k] = inputs[k + 1], the last one being token seq_len of the window), with -1 for
   // targets the file's loss mask leaves out. A token >= vocab_size throws DataError naming the
-  // file, the position and the value.
+  // field, the file, the position and the value.
   void read_window(int64_t window, int32_t* inputs, int32_t* targets) const;
 
  private:
@@ -60,6 +67,11 @@ class TokenDataset {
   int seq_len_;
   uint32_t vocab_size_;
   int64_t num_tokens_ = 0;
+  std::string field_;  // names the data in errors; "" names none
+
+  // "field: " or "".
+  std::string prefix() const { return field_.empty() ? std::string() : field_ + ": "; }
+  [[noreturn]] void throw_out_of_vocab(const TokenFile& f, uint32_t token, int64_t position) const;
 };
 
 // The order in which a blend of sources is read (Megatron's --data-path w1 p1 w2 p2 ...):

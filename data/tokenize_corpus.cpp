@@ -47,6 +47,10 @@ int32_t end_of_text_id(const Tokenizer& tok, const std::string& requested, std::
   throw std::invalid_argument("the tokenizer has none of the end-of-text tokens " + names + ": pass --eot-token");
 }
 
+// Shards below this many tokens get a warning when a split has several: windows never cross a
+// file, so each shard loses up to a window's worth of tokens.
+constexpr int64_t kSmallShard = 65536;
+
 // Masked outputs: prompt/response pairs, or conversations with the assistant mask.
 bool masked(const TokenizeOptions& o) { return o.prompt_loss_mask || (o.chat && o.assistant_loss_mask); }
 // Mask sidecars are written for masked outputs, and for packed ones (their padding is out of the loss).
@@ -112,11 +116,11 @@ class SplitWriter {
     }
     if (o_.pack > 0) {
       pack_pool();
-      if (windows_pending_ > 0) flush_windows();
-      else if (out_.files.empty()) flush(0);  // every document dropped: an empty shard
-      return;
+      if (windows_pending_ > 0) flush_windows();  // none when every document was dropped: no file
+    } else if (!tokens_.empty() || out_.files.empty()) {
+      flush(tokens_.size());
     }
-    if (!tokens_.empty() || out_.files.empty()) flush(tokens_.size());
+    widen_names();
   }
 
  private:
@@ -214,6 +218,10 @@ class SplitWriter {
   }
 
   void flush(size_t n) {
+    if (out_.files.size() == kMaxShards)
+      throw std::invalid_argument("--shard-tokens " + std::to_string(o_.shard_tokens) + ": the " + prefix_ +
+                                  " split needs more than " + std::to_string(kMaxShards) +
+                                  " shards; give each more tokens (the default is 100000000)");
     char name[64];
     std::snprintf(name, sizeof name, "%s_%03zu.bin", prefix_.c_str(), out_.files.size());
     const std::string path = (dir_ / name).string();
@@ -229,6 +237,25 @@ class SplitWriter {
     out_.files.push_back(name);
   }
 
+  // Shards are named train_000, train_001, ... as prepare_data.py names them. Past 1000 they
+  // are renamed to as many digits as the last one needs (train_0000 ... train_1234), as the
+  // script does too, so that the names sort in the order of the data.
+  void widen_names() {
+    const size_t n = out_.files.size();
+    if (n <= 1000) return;
+    const int width = static_cast<int>(std::to_string(n - 1).size());
+    for (size_t k = 0; k < n; ++k) {  // no new name is an old one: the old ones of that width have no leading 0
+      char name[64];
+      std::snprintf(name, sizeof name, "%s_%0*zu.bin", prefix_.c_str(), width, k);
+      const fs::path from = dir_ / out_.files[k], to = dir_ / name;
+      fs::rename(from, to);
+      if (writes_masks(o_)) fs::rename(LossMask::sidecar_path(from.string()), LossMask::sidecar_path(to.string()));
+      out_.files[k] = name;
+    }
+  }
+
+  static constexpr size_t kMaxShards = 100'000;
+
   fs::path dir_;
   std::string prefix_;
   const TokenizeOptions& o_;
@@ -242,6 +269,35 @@ class SplitWriter {
   int64_t pool_tokens_ = 0, windows_pending_ = 0;
   int pools_ = 0;
 };
+
+// The folders that creating `out` made, outermost first; an error removes them again, each only
+// if it is empty (after the staging folder inside went), so nothing but keel's own is touched.
+struct CreatedFolders {
+  std::vector<fs::path> made;
+  bool keep = false;
+  ~CreatedFolders() {
+    std::error_code ec;
+    if (!keep)
+      for (auto it = made.rbegin(); it != made.rend(); ++it) fs::remove(*it, ec);
+  }
+};
+
+// --out is a folder, or can become one: not a file, nor a path under one (exit 2, not the
+// file system's "Not a directory" from deep inside).
+void check_out_path(const std::string& out) {
+  for (fs::path p(out); !p.empty(); p = p.parent_path()) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(p, ec);
+    if (fs::exists(st)) {
+      if (!fs::is_directory(st))
+        throw std::invalid_argument("--out " + quoted(out) + ": " +
+                                    (p == fs::path(out) ? std::string("it") : quoted(p.string())) +
+                                    " is a file, not a folder");
+      return;
+    }
+    if (p == p.parent_path()) return;
+  }
+}
 
 // The folder the outputs are written to before they replace the earlier ones; removed when the
 // run ends either way (empty after a success, the partial outputs after an error).
@@ -299,6 +355,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     log(buf);
   };
   check_options(o);
+  check_out_path(o.out);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 
   // 1. The tokenizer and its end of text.
@@ -364,10 +421,18 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   }
 
   // 4. Encode in parallel, write in order, into a staging folder inside `out`.
-  fs::create_directories(out);
+  CreatedFolders created;  // before the staging folder: destroyed after it
+  std::error_code ec;
+  for (fs::path p = out; !p.empty() && !fs::exists(p, ec); p = p.parent_path())
+    created.made.insert(created.made.begin(), p);
   StagingFolder stage{out / (".keel-tokenize-" + std::to_string(::getpid()))};
-  fs::remove_all(stage.path);
-  fs::create_directory(stage.path);
+  try {
+    fs::create_directories(out);
+    fs::remove_all(stage.path);
+    fs::create_directory(stage.path);
+  } catch (const fs::filesystem_error& e) {
+    throw DataError("cannot write to --out " + quoted(o.out) + ": " + e.code().message());
+  }
   const bool pairs = corpus.pairs();
   const std::vector<std::string> conversation_keys = messages_keys(o);
   auto encode_conversation = [&](uint64_t doc) {
@@ -449,6 +514,15 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       }
     }
     writer.close();
+    // Packing can drop every document of a split (all longer than a window). No training data
+    // is an error; no validation data is what --val-fraction 0 gives, and the summary says why.
+    if (o.pack > 0 && split.documents == 0 && train)
+      throw DataError("all " + std::to_string(split.long_documents) +
+                      " training documents are longer than a window of --pack " + std::to_string(o.pack) +
+                      " tokens (the longest has " + std::to_string(split.longest) + ") and were dropped (--pack-overflow drop" +
+                      (o.pack_overflow ? "" : ", the default for prompt/response pairs and conversations") +
+                      "): nothing is left to train on. Pack into longer windows, or keep them with --pack-overflow "
+                      "truncate or split");
   }
   const double encode_s = seconds_since(t_encode);
 
@@ -557,6 +631,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   for (const auto& entry : fs::directory_iterator(out))
     if (entry.is_regular_file() && is_token_output_name(entry.path().filename().string())) stale.push_back(entry.path());
   for (const auto& entry : fs::directory_iterator(stage.path)) staged.push_back(entry.path());
+  created.keep = true;  // from here on `out` holds the run's results
   for (const fs::path& p : stale) fs::remove(p);
   for (const fs::path& p : staged) fs::rename(p, out / p.filename());
   detail::sync_directory(out.string());
@@ -586,6 +661,17 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
                                           : ("split into " + std::to_string(split.pieces) + " pieces").c_str(),
           how == PackOverflow::split ? "" : " (--pack-overflow split keeps every token; a longer train.seq_len keeps them whole)");
     }
+    if (o.pack > 0 && s == 1 && n_val > 0 && split.documents == 0)
+      say("  NOTE no val file was written, as with --val-fraction 0: all %lld val documents were dropped",
+          static_cast<long long>(split.long_documents));
+    if (o.format == TokenOutputFormat::llmc && o.pack == 0 && split.files.size() > 1 && o.shard_tokens < kSmallShard)
+      say("  WARNING %zu shards of at most --shard-tokens %lld tokens: keel train's windows (train.seq_len + 1 tokens) "
+          "never cross a file, so each shard loses its last partial window, and a shard shorter than a window gives "
+          "none. Shards of millions of tokens lose almost nothing (the default is 100000000)",
+          split.files.size(), static_cast<long long>(o.shard_tokens));
+    if (split.files.size() > 1000)
+      say("  NOTE %zu shards: their names have %zu digits (%s ... %s), so that they sort in order", split.files.size(),
+          std::to_string(split.files.size() - 1).size(), split.files.front().c_str(), split.files.back().c_str());
     if (split.unplaced_replies)
       say("  NOTE %lld assistant replies are out of the loss: the chat template renders them differently once later "
           "messages follow (e.g. it drops their reasoning), so they could not be located",

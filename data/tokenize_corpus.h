@@ -6,7 +6,8 @@
 // It does not train tokenizers or write multiple-choice items; the script does.
 //
 // Outputs in `out`:
-//   llmc format:     train_000.bin, train_001.bin, ... (at most shard_tokens each), val_000.bin
+//   llmc format:     train_000.bin, train_001.bin, ... (at most shard_tokens each), val_000.bin;
+//                    past 1000 shards, as many digits as the last needs (train_0000.bin ...)
 //                    (uint16 tokens when every id fits, else uint32: data/token_file.h)
 //   megatron format: train.bin + train.idx, val.bin + val.idx (one sequence per document)
 //   with the prompt loss mask: a sidecar per token file (train_000.mask, train.mask: data/loss_mask.h)
@@ -24,12 +25,14 @@
 // token, the last window's final target. Every token file then gets a mask sidecar: padding and
 // the first token of each window (the previous window's last target) are out of the loss.
 // Documents longer than a window are handled by pack_overflow. meta.json records the packing,
-// and keel train refuses the data under another train.seq_len.
+// and keel train refuses the data under another train.seq_len. When every training document is
+// longer than a window and dropped, the run fails; when every validation document is, no val
+// file is written (as with val_fraction 0) and the summary says so.
 //
 // Nothing in `out` changes until everything is written and checked: the files are written to a
 // staging folder inside it, then token files of an earlier run (train_NNN / val_NNN .bin and
 // .mask, train / val .bin, .idx and .mask) are removed and the new ones moved in. An error
-// leaves `out` as it was.
+// leaves `out` as it was, and removes it again when the run created it.
 #pragma once
 
 #include <cstdint>

@@ -35,7 +35,8 @@ tokens count in the loss: the response and the end of text, not the prompt. Side
 (Not train_000.mask.bin: a glob like train_*.bin would pick the masks up as token shards.)
 
 Documents are shuffled with --seed and --val-fraction of them held out. Outputs:
-  OUT/train_000.bin [train_001.bin ...]  (at most --shard-tokens tokens each)
+  OUT/train_000.bin [train_001.bin ...]  (at most --shard-tokens tokens each; past 1000
+                                          shards the names get more digits, train_0000.bin)
   OUT/val_000.bin
   OUT/train_000.mask ...                  (--loss-mask prompt: one sidecar per shard)
   OUT/meta.json                           vocab size, token counts, tokenizer, source
@@ -373,6 +374,16 @@ class ShardWriter:
     def close(self) -> list:
         if self.n_pending or not self.shards:
             self._flush(self.n_pending)
+        if len(self.shards) > 1000:
+            # Names that sort in the order of the data: train_0000 ... train_1234 (keel tokenize too).
+            width = len(str(len(self.shards) - 1))
+            for k, info in enumerate(self.shards):
+                path = os.path.join(self.out_dir, f"{self.prefix}_{k:0{width}d}.bin")
+                os.replace(os.path.join(self.out_dir, info["file"]), path)
+                info["file"] = os.path.basename(path)
+                if self.with_mask:
+                    os.replace(os.path.join(self.out_dir, info["mask"]["file"]), mask_path_of(path))
+                    info["mask"]["file"] = os.path.basename(mask_path_of(path))
         return self.shards
 
 

@@ -15,10 +15,15 @@ struct TokenizeArgs {
   data::TokenizeOptions o;
   std::string doc_split = "file", loss_mask, format = "llmc";  // loss_mask "": none, or assistant with --chat
   std::string pack_overflow;                                  // "": the default of data/tokenize_corpus.h
+  bool eot_given = false;                                     // --eot-token on the command line
 };
 
 int cmd_tokenize(TokenizeArgs a) {
   data::TokenizeOptions& o = a.o;
+  // An empty TokenizeOptions::eot_token means "the default"; an empty --eot-token is a mistake.
+  if (a.eot_given && o.eot_token.empty())
+    throw ConfigError("--eot-token: an empty token name; leave the option out for the default (<|endoftext|>, else "
+                      "</s>, <|end_of_text|>, <|eot_id|>)");
   o.doc_split = a.doc_split == "paragraph" ? data::DocSplit::paragraph
                 : a.doc_split == "line"    ? data::DocSplit::line
                                            : data::DocSplit::file;
@@ -75,17 +80,21 @@ Command add_tokenize_command(CLI::App& app) {
   c->add_option("--prompt-key", o.prompt_key, "JSON prompt field for --loss-mask prompt (default: prompt)");
   c->add_option("--response-key", o.response_key, "JSON response field for --loss-mask prompt (default: response)");
   c->add_option("--eot-token", o.eot_token,
-                "End-of-text token after every document (default <|endoftext|>, else </s>, <|end_of_text|>, <|eot_id|>)");
+                "End-of-text token after every document (default <|endoftext|>, else </s>, <|end_of_text|>, <|eot_id|>)")
+      ->each([&a](const std::string&) { a.eot_given = true; });
   c->add_flag("--add-special-tokens", o.add_special_tokens,
               "Encode each document (prompt) with the tokenizer's post-processor, e.g. Llama's BOS in front");
   c->add_option("--seed", o.seed, "Document shuffle seed (default 1337; the same split as prepare_data.py)");
   c->add_option("--val-fraction", o.val_fraction, "Fraction of documents held out for validation (default 0.05)");
-  c->add_option("--shard-tokens", o.shard_tokens, "llmc: tokens per shard (default 100000000)");
+  c->add_option("--shard-tokens", o.shard_tokens,
+                "llmc: tokens per shard (default 100000000); past 1000 shards the names get more digits "
+                "(train_0000.bin ...), so that they sort in order");
   c->add_option("--format", a.format, "llmc (llm.c shards, default) or megatron (.bin + .idx per split)")
       ->check(CLI::IsMember({"llmc", "megatron"}));
   c->add_option("--pack", o.pack,
                 "Pack whole documents into windows of this many tokens, the train.seq_len that will read them, with "
-                "padding out of the loss: no document is cut by a window boundary (instruction data); llmc only");
+                "padding out of the loss: no document is cut by a window boundary (instruction data); llmc only. "
+                "0 (the default): no packing");
   c->add_option("--pack-overflow", a.pack_overflow,
                 "--pack: documents longer than a window are dropped, truncated, or split into window-sized pieces "
                 "(default: split plain documents, drop prompt/response pairs and conversations)")

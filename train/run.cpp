@@ -139,18 +139,12 @@ static std::string loss_mask_note(const data::TokenDataset& d) {
 data::Sampler open_train_data(const RunConfig& cfg) {
   const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
   const int T = static_cast<int>(cfg.train.seq_len);
-  auto too_short = [&](const data::TokenDataset& d, const std::string& what) {
-    if (d.num_windows() == 0)
-      throw data::DataError(what + ": the files hold " + std::to_string(d.num_tokens()) +
-                            " tokens, not enough for one sample of seq_len + 1 = " + std::to_string(T + 1));
-  };
   const bool blend = !cfg.data.train_weights.empty();
   std::vector<data::TokenDataset> sources;
   for (size_t k = 0; k < (blend ? cfg.data.train.size() : 1); ++k) {
     const std::string what = blend ? "data.train[" + std::to_string(k) + "] (" + cfg.data.train[k] + ")" : "data.train";
     const auto patterns = blend ? std::vector<std::string>{cfg.data.train[k]} : cfg.data.train;
-    sources.push_back(data::TokenDataset::open(data::expand_paths(patterns, what), T, vocab));
-    too_short(sources.back(), what);
+    sources.push_back(data::TokenDataset::open(data::expand_paths(patterns, what), T, vocab, data::DataUse::training, what));
   }
   // One source with weight 1 reads what the plain sampler reads (data/sampler.h).
   return data::Sampler(std::move(sources), blend ? cfg.data.train_weights : std::vector<double>{1.0}, cfg.train.seed,
@@ -268,7 +262,8 @@ std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vo
   const int T = static_cast<int>(cfg.train.seq_len);
   std::vector<ValidationSet> sets;
   auto open = [&](const std::string& name, const std::vector<std::string>& patterns, const std::string& field) {
-    data::Sampler s(data::TokenDataset::open(data::expand_paths(patterns, field), T, vocab), cfg.train.seed, false);
+    data::Sampler s(data::TokenDataset::open(data::expand_paths(patterns, field), T, vocab, data::DataUse::validation, field),
+                    cfg.train.seed, false);
     s.dataset().check_vocab(vocab_scan_limit);
     sets.push_back({name, std::move(s)});
   };
@@ -382,11 +377,17 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     const int n = static_cast<int>(std::min<int64_t>(64, train.num_windows()));
     std::vector<int32_t> in(static_cast<size_t>(n) * train.seq_len()), tgt(in.size());
     train.fill(0, n, in.data(), tgt.data());
-    const auto ends = std::count(in.begin(), in.end(), static_cast<int32_t>(cfg.data.eod_token));
+    const auto eod = static_cast<int32_t>(cfg.data.eod_token);
+    const auto ends = std::count(in.begin(), in.end(), eod);
+    // Documents: the stretches of other tokens that start a sequence or follow an end. A run of
+    // ends (a document's and the padding of packed data after it) closes one document.
+    int64_t documents = 0;
+    for (size_t k = 0; k < in.size(); ++k)
+      documents += in[k] != eod && (k % static_cast<size_t>(train.seq_len()) == 0 || in[k - 1] == eod);
     if (cfg.data.document_masking)
       std::printf("keel: data: document masking: documents end at token %lld; attention stays within a document and "
                   "positions restart after each end (%.1f documents per sequence in the first %d)\n",
-                  static_cast<long long>(cfg.data.eod_token), 1.0 + static_cast<double>(ends) / n, n);
+                  static_cast<long long>(cfg.data.eod_token), static_cast<double>(documents) / n, n);
     if (cfg.data.eod_mask_loss)
       std::printf("keel: data: eod_mask_loss: the prediction after each end-of-document token %lld is left out of the "
                   "loss (%.2f%% of the targets in the first %d sequences)\n",

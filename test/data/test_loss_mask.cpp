@@ -72,6 +72,32 @@ TEST_CASE("loss mask: a sidecar of the wrong length or kind names both files", "
   test::write_bytes(dir / "t.mask", {1, 2, 3});
   msg = test::data_error_of([&] { TokenDataset::open({dir / "t.bin"}, 8, 64); });
   CHECK_THAT(msg, Catch::Contains("truncated"));
+
+  // A body cut short says so, with the header's count and the bytes there are, not a mismatch.
+  write_loss_mask(dir / "t.mask", std::vector<uint8_t>(64, 1));
+  std::vector<unsigned char> bytes = test::read_bytes(dir / "t.mask");
+  bytes.resize(1024 + 40);
+  test::write_bytes(dir / "t.mask", bytes);
+  msg = test::data_error_of([&] { TokenDataset::open({dir / "t.bin"}, 8, 64); });
+  CHECK_THAT(msg, Catch::Contains(dir / "t.mask") && Catch::Contains("is truncated: its header says 64 tokens") &&
+                      Catch::Contains("holds 40 mask bytes") && !Catch::Contains("does not match"));
+  bytes.resize(1024 + 70, 1);
+  test::write_bytes(dir / "t.mask", bytes);
+  msg = test::data_error_of([&] { TokenDataset::open({dir / "t.bin"}, 8, 64); });
+  CHECK_THAT(msg, Catch::Contains("6 bytes after the 64 mask bytes"));
+
+  // A byte that is neither 0 nor 1, named with its position; the data's field opens the message.
+  std::vector<uint8_t> mask(64, 1);
+  mask[0] = 0;
+  mask[37] = 7;
+  write_loss_mask(dir / "t.mask", mask);
+  msg = test::data_error_of([&] { TokenDataset::open({dir / "t.bin"}, 8, 64, DataUse::training, "data.train"); });
+  CHECK_THAT(msg, Catch::StartsWith("data.train: loss mask '" + (dir / "t.mask")) &&
+                      Catch::Contains("byte 7 at token 37") && Catch::Contains("file offset 1061") &&
+                      Catch::Contains("neither 0") && Catch::Contains(dir / "t.bin"));
+  mask[37] = 1;
+  write_loss_mask(dir / "t.mask", mask);
+  CHECK(TokenDataset::open({dir / "t.bin"}, 8, 64).loss_mask(0)->count_in_loss() == 63);
 }
 
 TEST_CASE("loss mask: Megatron datasets use prefix.mask", "[data][loss_mask]") {

@@ -13,6 +13,7 @@
 
 #include "data/loss_mask.h"
 #include "data/packing.h"
+#include "data/python_random.h"
 #include "data/sampler.h"
 #include "data/token_file.h"
 #include "data/tokenize_corpus.h"
@@ -268,6 +269,73 @@ TEST_CASE("keel tokenize --pack: whole documents per window, padding out of the 
       bytes_of_first.back().insert(bytes_of_first.back().end(), mask.begin(), mask.end());
     }
     CHECK(bytes_of_first[0] == bytes_of_first[1]);  // the thread count changes no byte
+  }
+}
+
+TEST_CASE("keel tokenize --pack: a split whose every document is longer than a window", "[pack]") {
+  // 40 prompt/response pairs (GPT-2's tokenizer: "q", "a" and the end of text are 3 tokens);
+  // the two that --seed 2 holds out for validation, or all of them, get a long response.
+  TempDir dir;
+  auto write_pairs = [&](bool all_long) {
+    std::vector<size_t> order(40);
+    std::iota(order.begin(), order.end(), size_t{0});
+    PythonRandom(2).shuffle(order);
+    std::vector<bool> long_one(40, all_long);
+    long_one[order[0]] = long_one[order[1]] = true;  // round(40 * 0.05) = 2 held out
+    std::ofstream f(dir / "pairs.jsonl");
+    for (size_t k = 0; k < 40; ++k)
+      f << json{{"prompt", "q"}, {"response", long_one[k] ? std::string(200, 'a') : "a"}}.dump() << "\n";
+  };
+  TokenizeOptions o;
+  o.jsonl = {dir / "pairs.jsonl"};
+  o.tokenizer = kTokenizers + "gpt2.json";
+  o.prompt_loss_mask = true;
+  o.seed = 2;
+  o.pack = 8;
+  std::vector<std::string> log;
+  auto said = [&](const std::string& what) {
+    return std::any_of(log.begin(), log.end(), [&](const std::string& l) { return l.find(what) != std::string::npos; });
+  };
+
+  SECTION("validation: no val file, as with --val-fraction 0, and a note that says why") {
+    write_pairs(false);
+    o.out = dir / "out";
+    const TokenizeResult r = tokenize_corpus(o, [&](const std::string& l) { log.push_back(l); });
+    CHECK(r.val.documents == 0);
+    CHECK(r.val.long_documents == 2);
+    CHECK(r.val.files.empty());
+    CHECK(r.train.documents == 38);
+    CHECK(fs::exists(dir / "out/train_000.bin"));
+    CHECK(!fs::exists(dir / "out/val_000.bin"));
+    CHECK(!fs::exists(dir / "out/val_000.mask"));
+    std::ifstream in(dir / "out/meta.json");
+    const json meta = json::parse(in);
+    CHECK(meta["val"]["files"].empty());
+    CHECK(meta["pack"]["val"]["long_documents"] == 2);
+    CHECK(said("NOTE no val file was written, as with --val-fraction 0: all 2 val documents were dropped"));
+  }
+  SECTION("training: an error naming the count, the window and --pack-overflow; nothing left behind") {
+    write_pairs(true);
+    const std::string says = "all 38 training documents are longer than a window of --pack 8 tokens";
+    o.out = dir / "new/out";  // made by the run, removed by its error
+    std::string msg = test::data_error_of([&] { tokenize_corpus(o, quiet); });
+    CHECK_THAT(msg, Catch::Contains(says) && Catch::Contains("--pack-overflow drop, the default") &&
+                        Catch::Contains("--pack-overflow truncate or split"));
+    CHECK(!fs::exists(dir / "new"));
+    // An existing folder keeps what it had, and no staging folder is left in it.
+    fs::create_directories(dir / "old");
+    std::ofstream(dir / "old/train_000.bin") << "old";
+    o.out = dir / "old";
+    msg = test::data_error_of([&] { tokenize_corpus(o, quiet); });
+    CHECK_THAT(msg, Catch::Contains(says));
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir / "old")) names.push_back(e.path().filename().string());
+    CHECK(names == std::vector<std::string>{"train_000.bin"});
+    // Kept whole-window pieces instead, the same corpus packs.
+    o.pack_overflow = PackOverflow::truncate;
+    const TokenizeResult r = tokenize_corpus(o, quiet);
+    CHECK(r.train.documents == 38);
+    CHECK(r.val.documents == 2);
   }
 }
 

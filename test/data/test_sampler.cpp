@@ -200,7 +200,24 @@ TEST_CASE("sampler errors name the file, the position and the vocab", "[data][sa
     const std::string path = dir / "tiny.bin";
     write_llmc_shard(path, {1, 2, 3}, false);
     CHECK_THAT(data_error_of([&] { TokenDataset::open({path}, 8, 10); }),
-               Contains("seq_len + 1 = 9") && Contains(path) && Contains("has only 3"));
+               Contains("no training windows") && Contains("seq_len + 1 = 9") && Contains(path) && Contains("has only 3"));
+    // Validation data says so, and the field that named the files opens the message.
+    CHECK_THAT(data_error_of([&] { TokenDataset::open({path}, 8, 10, DataUse::validation, "data.val_sets.web"); }),
+               Catch::StartsWith("data.val_sets.web: no validation windows: a window needs seq_len + 1 = 9"));
+  }
+  SECTION("the field names every error") {
+    const std::string path = dir / "late.bin";
+    std::vector<uint32_t> tokens(29, 1);
+    tokens[28] = 10;
+    write_llmc_shard(path, tokens, false);
+    const TokenDataset d = TokenDataset::open({path}, 4, 10, DataUse::validation, "data.val");
+    const std::string says = "data.val: '" + path + "': token 10 at position 28 is outside the vocabulary";
+    CHECK_THAT(data_error_of([&] { d.check_vocab(1000); }), Catch::StartsWith(says));
+    std::vector<int32_t> in(4), tgt(4);
+    CHECK_THAT(data_error_of([&] { d.read_window(6, in.data(), tgt.data()); }), Catch::StartsWith(says));  // its last target
+    write_bytes(dir / "broken.bin", {1, 2, 3});
+    CHECK_THAT(data_error_of([&] { TokenDataset::open({dir / "broken.bin"}, 4, 10, DataUse::validation, "data.val"); }),
+               Catch::StartsWith("data.val: ") && Contains(dir / "broken.bin"));
   }
 }
 

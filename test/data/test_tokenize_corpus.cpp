@@ -274,6 +274,74 @@ TEST_CASE("keel tokenize changes nothing in --out until it succeeds", "[tokenize
   }
 }
 
+TEST_CASE("keel tokenize: past 1000 shards the names get more digits and still sort in order", "[tokenize]") {
+  // The fixture case with masks, in shards of 5 tokens instead of 300: 1392 train shards.
+  const json c = load("cases.json")["pairs_llama2"];
+  TempDir dir;
+  TokenizeOptions o = options_of(c["args"], dir / "out", 2);
+  o.shard_tokens = 5;
+  std::vector<std::string> log;
+  const TokenizeResult r = tokenize_corpus(o, [&](const std::string& l) { log.push_back(l); });
+  const int64_t train_tokens = c["train"]["tokens"];
+  REQUIRE(r.train.files.size() == static_cast<size_t>((train_tokens + 4) / 5));
+  CHECK(r.train.files.front() == "train_0000.bin");
+  CHECK(r.train.files.back() == "train_1391.bin");
+  CHECK(std::is_sorted(r.train.files.begin(), r.train.files.end()));  // the order of the data is the order of the names
+  CHECK(r.val.files.front() == "val_000.bin");  // fewer than 1000: prepare_data.py's names
+  // The same tokens and mask bytes as the script's shards of 300, in the names' order.
+  std::vector<unsigned char> tokens, mask, want_tokens, want_mask;
+  auto body = [](const std::vector<unsigned char>& b) { return std::vector<unsigned char>(b.begin() + 1024, b.end()); };
+  for (const std::string& f : r.train.files) {
+    const auto t = body(read_bytes(dir / ("out/" + f))), m = body(read_bytes(dir / ("out/" + LossMask::sidecar_path(f))));
+    tokens.insert(tokens.end(), t.begin(), t.end());
+    mask.insert(mask.end(), m.begin(), m.end());
+  }
+  for (const std::string& f : c["files"].get<std::vector<std::string>>()) {
+    if (!f.starts_with("train_")) continue;
+    const auto b = body(read_bytes(kDir + "pairs_llama2/" + f));
+    std::vector<unsigned char>& want = f.ends_with(".bin") ? want_tokens : want_mask;
+    want.insert(want.end(), b.begin(), b.end());
+  }
+  CHECK(tokens == want_tokens);
+  CHECK(mask == want_mask);
+  std::ifstream in(dir / "out/meta.json");
+  const json meta = json::parse(in);
+  CHECK(meta["train"]["files"].back()["file"] == "train_1391.bin");
+  CHECK(meta["train"]["files"].back()["mask"]["file"] == "train_1391.mask");
+  auto said = [&](const std::string& what) {
+    return std::any_of(log.begin(), log.end(), [&](const std::string& l) { return l.find(what) != std::string::npos; });
+  };
+  CHECK(said("1392 shards: their names have 4 digits (train_0000.bin ... train_1391.bin)"));
+  CHECK(said("WARNING 1392 shards of at most --shard-tokens 5 tokens"));
+  // A second run over the first replaces every one of them.
+  o.shard_tokens = 300;
+  tokenize_corpus(o, quiet);
+  CHECK(token_outputs(dir / "out") == c["files"].get<std::vector<std::string>>());
+}
+
+TEST_CASE("keel tokenize: --out must be a folder; a folder the run made goes again on an error", "[tokenize]") {
+  TempDir dir;
+  const json c = load("cases.json")["jsonl_gpt2"];
+  std::ofstream(dir / "afile") << "x";
+  for (const std::string& out : {dir / "afile", dir / "afile/sub/out"}) {
+    INFO(out);
+    TokenizeOptions o = options_of(c["args"], out, 1);
+    try {
+      tokenize_corpus(o, quiet);
+      FAIL("no error");
+    } catch (const std::invalid_argument& e) {
+      CHECK_THAT(e.what(), Catch::Contains("--out '" + out + "'") && Catch::Contains("is a file, not a folder"));
+    }
+  }
+  CHECK(read_bytes(dir / "afile") == std::vector<unsigned char>{'x'});
+  // An error leaves no folder behind (test_packing.cpp has one that comes after the folders were made).
+  std::ofstream(dir / "bad.jsonl") << "{\"text\": \"fine\"}\n{\"text\": broken}\n";
+  TokenizeOptions o = options_of(c["args"], dir / "new/deeper/out", 1);
+  o.jsonl = {dir / "bad.jsonl"};
+  CHECK_THAT(test::data_error_of([&] { tokenize_corpus(o, quiet); }), Catch::Contains("invalid JSON"));
+  CHECK(!fs::exists(dir / "new"));
+}
+
 TEST_CASE("Options are checked by name", "[tokenize]") {
   TempDir dir;
   const json c = load("cases.json")["jsonl_gpt2"];

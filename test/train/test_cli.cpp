@@ -140,6 +140,22 @@ TEST_CASE("keel train with data.val_sets: each named set validated and reported 
   CHECK(missing.code == 3);
   CHECK_THAT(missing.output, Catch::Contains("data.val_sets.code"));
   CHECK(!fs::exists(ws.dir / "missing"));
+  // So is one too short for a window, or holding an id outside the vocabulary; and data.val too.
+  data::write_llmc_shard(ws.dir / "tiny.bin", std::vector<uint32_t>(20, 1), false);
+  std::vector<uint32_t> late_oov(400, 1);
+  late_oov.back() = 64;
+  data::write_llmc_shard(ws.dir / "oov.bin", late_oov, false);
+  const std::pair<std::string, std::string> bad[] = {
+      {"data.val_sets={\"tiny\": \"" + (ws.dir / "tiny.bin") + "\"}", "data.val_sets.tiny: no validation windows"},
+      {"data.val=" + (ws.dir / "tiny.bin"), "data.val: no validation windows"},
+      {"data.val_sets={\"late\": \"" + (ws.dir / "oov.bin") + "\"}", "data.val_sets.late: '" + (ws.dir / "oov.bin") + "': token 64"}};
+  for (const auto& [set, says] : bad) {
+    Result r2 = run_keel("train --config " + ws.config + " --out " + (ws.dir / "bad") + " --set '" + set + "'");
+    INFO(r2.output);
+    CHECK(r2.code == 3);
+    CHECK_THAT(r2.output, Catch::Contains(says) && !Catch::Contains("training windows"));
+    CHECK(!fs::exists(ws.dir / "bad"));
+  }
 }
 
 TEST_CASE("keel train: a validation set of fewer windows than eval_batches asks for is read once, not wrapped around",

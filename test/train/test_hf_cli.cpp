@@ -343,6 +343,10 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
   INFO(r.output);
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("train: 54 documents") && Catch::Contains("windows of 64 tokens"));
+  std::smatch windows_match;
+  REQUIRE(std::regex_search(r.output, windows_match, std::regex(R"(packed into (\d+) windows of 64 tokens)")));
+  const int train_windows = std::stoi(windows_match[1]);  // the first line is train's
+  REQUIRE(train_windows <= 64);  // then the start-up line below reads every window once
   const std::string packed_data = " --set 'data.train=" + tmp / "packed/train_*.bin' --set 'data.val=" + tmp / "packed/val_*.bin'" +
                                   " --set train.global_batch=4 --set train.micro_batch=2 --set schedule.warmup_steps=0";
   r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + kHfModel + " --out " + tmp / "run_packed" +
@@ -351,6 +355,12 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("packed (keel tokenize --pack 64)") && !Catch::Contains("WARNING the data is packed") &&
                            !Catch::Contains("began in an earlier window"));
+  // The 54 examples over the windows: the padding (end-of-text tokens after an example's own)
+  // does not count as documents.
+  char per_sequence[96];
+  std::snprintf(per_sequence, sizeof per_sequence, "(%.1f documents per sequence in the first %d)",
+                54.0 / train_windows, train_windows);
+  CHECK_THAT(r.output, Catch::Contains(per_sequence));
   r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + kHfModel + " --out " + tmp / "run_packed2" +
                " --steps 1 --set train.seq_len=64" + packed_data);
   CHECK(r.code == 0);
@@ -370,6 +380,13 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
   r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --tokenizer " + tmp / "nowhere.json" + " --out " + tmp / "sft");
   CHECK(r.code == 3);
   CHECK_THAT(r.output, Catch::Contains("nowhere.json"));
+  r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --tokenizer hf:" + kHfModel + " --out " + tmp / "sft" +
+               " --eot-token ''");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--eot-token: an empty token name"));
+  r = run_keel("tokenize --jsonl " + tmp / "sft.jsonl" + " --tokenizer hf:" + kHfModel + " --out " + tmp / "sft/meta.json/x");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("meta.json' is a file, not a folder"));
   CHECK(fs::exists(fs::path(tmp / "sft") / "train_000.mask"));
 }
 
