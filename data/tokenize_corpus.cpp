@@ -579,7 +579,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       {"source", !o.text.empty() ? json{{"kind", "text"}, {"files", o.text},
                                         {"doc_split", o.doc_split == DocSplit::file ? "file" : o.doc_split == DocSplit::paragraph ? "paragraph" : "line"}}
                  : chat ? json{{"kind", "jsonl conversations"}, {"files", o.jsonl}, {"messages_key", o.messages_key},
-                               {"chat_template", chat->origin()}}
+                               {"chat_template", fs::absolute(chat->origin()).string()}}
                  : o.prompt_loss_mask ? json{{"kind", "jsonl prompt/response pairs"}, {"files", o.jsonl},
                                              {"prompt_key", o.prompt_key}, {"response_key", o.response_key}}
                                       : json{{"kind", "jsonl"}, {"files", o.jsonl}, {"text_key", o.text_key}}},

@@ -162,8 +162,8 @@ class CheckpointManager {
   CheckpointManager& operator=(const CheckpointManager&) = delete;
 
   const std::string& dir() const { return dir_; }
-  // meta.json's "source" in every save (the Hugging Face model the run started from, as
-  // write_weights_checkpoint records it), so export and sample find its config and tokenizer.
+  // meta.json's "source" in every save (the Hugging Face model and the checkpoints the run
+  // started from: hf_format.h), so export and sample find its config, tokenizer and chat template.
   void set_source(nlohmann::json source) { source_ = std::move(source); }
   // Writes a checkpoint of `state` at `progress.iteration`. With several ranks every rank calls
   // it, and they agree three times (directory made, files written, published), so a failure on

@@ -56,26 +56,34 @@ std::string show_ids(const std::vector<int32_t>& ids) {
   return s + "]";
 }
 
-// The model's chat template: --chat-template, else the first of the model's tokenizer folders
-// (the tokenizer's own folder first) that has one.
+// The model's chat template: --chat-template, else the first one found along the model's trail
+// (lm.chat_templates: its own folders, the template its training data was rendered with, the
+// checkpoints and HF model it came from), after the --tokenizer folder.
 data::ChatTemplate find_chat_template(const LoadedModel& lm, const SampleArgs& a) {
   if (!a.chat_template.empty())
     return data::ChatTemplate::from_path(a.chat_template.starts_with("hf:") ? a.chat_template.substr(3) : a.chat_template);
-  std::vector<fs::path> dirs;
+  std::vector<fs::path> where;
   if (!a.model.tokenizer.empty())
-    dirs.push_back(fs::is_directory(a.model.tokenizer) ? fs::path(a.model.tokenizer) : fs::path(a.model.tokenizer).parent_path());
-  dirs.insert(dirs.end(), lm.tokenizer_dirs.begin(), lm.tokenizer_dirs.end());
+    where.push_back(fs::is_directory(a.model.tokenizer) ? fs::path(a.model.tokenizer) : fs::path(a.model.tokenizer).parent_path());
+  where.insert(where.end(), lm.chat_templates.begin(), lm.chat_templates.end());
   std::string looked;
-  for (const fs::path& d : dirs) {
-    if (d.empty() || !fs::is_directory(d)) continue;
+  for (size_t i = 0; i < where.size(); ++i) {
+    const fs::path& w = where[i];
+    if (w.empty() || std::find(where.begin(), where.begin() + i, w) != where.begin() + i) continue;
+    if (!fs::exists(w)) {  // a recorded source that has moved: say so, it may be why none is found
+      looked += "\n  " + w.string() + " (does not exist)";
+      continue;
+    }
     try {
-      return data::ChatTemplate::from_path(d.string());
+      return data::ChatTemplate::from_path(w.string());
     } catch (const data::DataError&) {
-      looked += "\n  " + d.string();
+      looked += "\n  " + w.string();
     }
   }
   throw ConfigError("--chat: no chat template found for " + lm.source + " (chat_template.jinja, or tokenizer_config.json's "
-                    "\"chat_template\"); looked in:" + looked + "\npass --chat-template FILE (a base model has none)");
+                    "\"chat_template\"); looked in:" + looked +
+                    "\npass --chat-template FILE (a .jinja file, a tokenizer_config.json or a model folder; a base model has "
+                    "none)");
 }
 
 int cmd_sample(const SampleArgs& a) {

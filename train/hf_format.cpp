@@ -845,6 +845,25 @@ json hf_source_json(const HfCheckpoint& hf) {
           {"hf_dtype", std::string(dtype_name(hf.common_dtype()))}, {"hf_config", hf.config_json()}};
 }
 
+json source_with_init_from(json source, const std::string& path) {
+  if (!source.is_object()) source = json::object();
+  json chain = json::array({fs::absolute(path).lexically_normal().string()});
+  if (source.contains("init_from") && source["init_from"].is_array())
+    for (const json& p : source["init_from"]) chain.push_back(p);
+  source["init_from"] = chain;
+  return source;
+}
+
+std::vector<fs::path> source_dirs(const json& source) {
+  std::vector<fs::path> dirs;
+  if (!source.is_object()) return dirs;
+  if (source.contains("init_from") && source["init_from"].is_array())
+    for (const json& p : source["init_from"])
+      if (p.is_string()) dirs.emplace_back(p.get<std::string>());
+  if (source.contains("path") && source["path"].is_string()) dirs.emplace_back(source["path"].get<std::string>());
+  return dirs;
+}
+
 std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& table, ParamState& state, json* source) {
   const HfCheckpoint hf = HfCheckpoint::open(hf_dir);
   if (source) *source = hf_source_json(hf);
@@ -1054,10 +1073,14 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
     if (tmpl.is_null()) throw CheckpointError("--like " + opts.like + ": no HF config.json or hf_config.json there");
   }
   try_like(ck.path());
-  if (tmpl.is_null() && ck.meta().contains("source") && ck.meta()["source"].contains("hf_config")) {
-    tmpl = ck.meta()["source"]["hf_config"];
-    const std::string src = ck.meta()["source"].value("path", "");
-    if (!src.empty() && fs::is_directory(src)) like = src;
+  // Else the recorded source: its HF config, and the tokenizer files of the first of the
+  // checkpoints and HF model it came from that still has any.
+  const json source = ck.meta().value("source", json());
+  if (tmpl.is_null() && source.is_object() && source.contains("hf_config")) {
+    tmpl = source["hf_config"];
+    for (const fs::path& d : source_dirs(source))
+      for (const std::string& f : hf_side_files())
+        if (like.empty() && fs::exists(d / f)) like = d;
   }
 
   // A Mistral without a window (v0.2 on) is a Llama to keel; it goes back as the Mistral it was.
@@ -1096,10 +1119,10 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   check_new_output(out, /*force=*/true, {ckpt_path, opts.like, like.string()});  // the inputs named or found
   // The HF folder the checkpoint came from is an input too, though not named on the command
   // line: --force would otherwise replace the original model with this export.
-  if (ck.meta().contains("source") && ck.meta()["source"].is_object()) {
-    const std::string source = ck.meta()["source"].value("path", "");
-    if (would_replace(out, source))
-      throw ConfigError("the output " + out.string() + " would replace the Hugging Face model " + source + " that " +
+  if (source.is_object()) {
+    const std::string hf_source = source.value("path", "");
+    if (would_replace(out, hf_source))
+      throw ConfigError("the output " + out.string() + " would replace the Hugging Face model " + hf_source + " that " +
                         ck.path() + " comes from (meta.json source.path): pick another folder");
   }
   check_new_output(out, opts.force);

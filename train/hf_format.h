@@ -170,7 +170,8 @@ struct ExportOptions {
   int64_t max_shard_bytes = int64_t{5} << 30;  // more bytes than this: model-0000X-of-0000N + index
   // Where to take config.json fields (bos/eos ids, ...) and tokenizer files from: an HF dir or a
   // keel convert output. Empty: the checkpoint directory itself, then the checkpoint's recorded
-  // source; without either, a config.json is made from the model alone.
+  // source (its HF config; the files of the first of source_dirs that has any); without either,
+  // a config.json is made from the model alone.
   std::string like;
   bool force = false;
 };
@@ -190,6 +191,16 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
 // meta.json's "source" for weights from an HF model: its path, dtype and config.json (export
 // and sample read them to find the config fields and tokenizer files).
 nlohmann::json hf_source_json(const HfCheckpoint& hf);
+
+// `source` (a checkpoint's meta.json "source", possibly null) with the keel checkpoint at `path`
+// added in front of its "init_from" list: what keel train --init-from CKPT records, so that
+// sample and export find the tokenizer, chat template and HF files in a converted checkpoint
+// even once the HF model it came from has moved. Earlier entries (a finetune of a finetune) stay.
+nlohmann::json source_with_init_from(nlohmann::json source, const std::string& path);
+
+// The folders a checkpoint's meta.json "source" points to, best first: the checkpoints it was
+// initialised from (newest first), then the HF model. They may no longer exist.
+std::vector<std::filesystem::path> source_dirs(const nlohmann::json& source);
 
 // Files copied along with a model: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
 // tokenizer.model, generation_config.json, chat_template.jinja (the chat template, when it is

@@ -49,6 +49,7 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
     lm.description = "hf:" + hf.dir() + " (" + std::string(dtype_name(hf.common_dtype())) + ")";
     lm.hf_config = hf.config_json();
     lm.tokenizer_dirs.push_back(hf.dir());
+    lm.chat_templates.push_back(hf.dir());
     return lm;
   }
   // The checks train, convert and average make: a damaged tensor must not generate or score in silence.
@@ -72,20 +73,28 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
   }
   lm.description = ck.path() + " (iteration " + std::to_string(ck.progress().iteration) + ", " +
                    (have_master ? "fp32 masters" : "weights") + ")";
-  // Tokenizer and HF config: the checkpoint's own copies, the HF model it came from, the run
-  // directory above it, and the folder of its training data (prepare_data.py puts one there).
+  // Tokenizer and HF config: the checkpoint's own copies, the run directory above it, the
+  // checkpoints and HF model it came from, and the folder of its training data (prepare_data.py
+  // and keel tokenize put one there).
   const fs::path p = ck.path();
-  lm.tokenizer_dirs = {p, p.parent_path(), p.parent_path().parent_path()};
   if (fs::exists(p / "hf_config.json")) {
     std::ifstream in(p / "hf_config.json");
     lm.hf_config = json::parse(in);
   }
-  if (ck.meta().contains("source")) {
-    const json& src = ck.meta()["source"];
-    if (src.contains("hf_config") && lm.hf_config.is_null()) lm.hf_config = src["hf_config"];
-    if (src.contains("path")) lm.tokenizer_dirs.push_back(src["path"].get<std::string>());
-  }
-  for (const fs::path& d : data_tokenizer_dirs(cfg)) lm.tokenizer_dirs.push_back(d);
+  const json source = ck.meta().value("source", json());
+  if (source.is_object() && source.contains("hf_config") && lm.hf_config.is_null()) lm.hf_config = source["hf_config"];
+  const std::vector<fs::path> own = {p, p.parent_path(), p.parent_path().parent_path()};
+  const std::vector<fs::path> sources = source_dirs(source), data_dirs = data_tokenizer_dirs(cfg);
+  auto append = [](std::vector<fs::path>& to, const std::vector<fs::path>& more) { to.insert(to.end(), more.begin(), more.end()); };
+  lm.tokenizer_dirs = own;
+  append(lm.tokenizer_dirs, sources);
+  append(lm.tokenizer_dirs, data_dirs);
+  // The chat template: the same trail, but the template the training data was rendered with
+  // comes before the source model's, as that is the one the run learnt.
+  lm.chat_templates = own;
+  append(lm.chat_templates, data_chat_templates(cfg));
+  append(lm.chat_templates, sources);
+  append(lm.chat_templates, data_dirs);
   return lm;
 }
 
@@ -93,6 +102,18 @@ std::vector<fs::path> data_tokenizer_dirs(const RunConfig& cfg) {
   std::vector<fs::path> dirs;
   for (const std::string& pattern : cfg.data.train) dirs.push_back(fs::path(pattern).parent_path());
   return dirs;
+}
+
+std::vector<fs::path> data_chat_templates(const RunConfig& cfg) {
+  std::vector<fs::path> templates;
+  for (const fs::path& d : data_tokenizer_dirs(cfg)) {
+    std::ifstream in((d.empty() ? fs::path(".") : d) / "meta.json");
+    const json meta = in ? json::parse(in, nullptr, false) : json();
+    if (!meta.is_object() || !meta.contains("source") || !meta["source"].is_object()) continue;
+    const json t = meta["source"].value("chat_template", json());
+    if (t.is_string() && !t.get<std::string>().empty()) templates.emplace_back(t.get<std::string>());
+  }
+  return templates;
 }
 
 void add_inference_model_options(CLI::App* c, InferenceModelArgs& a, const std::string& tokenizer_help,

@@ -26,6 +26,9 @@ struct LoadedModel {
   std::string source;  // the spec it was loaded from
   nlohmann::json hf_config;  // the HF config.json, when known (eos ids)
   std::vector<std::filesystem::path> tokenizer_dirs;  // where to look for tokenizer.json, best first
+  // Where to look for the chat template, best first: folders (chat_template.jinja,
+  // tokenizer_config.json) and the template files the training data was rendered with.
+  std::vector<std::filesystem::path> chat_templates;
   // "hf:/m (bf16): llama model, 1100048384 parameters"
   std::string summary() const;
 };
@@ -66,6 +69,10 @@ struct InferenceModel {
 
 // Where prepare_data.py puts tokenizer.json: the folders of the data.train files.
 std::vector<std::filesystem::path> data_tokenizer_dirs(const RunConfig& cfg);
+
+// The chat templates the data.train folders were rendered with (keel tokenize --chat records
+// each in its meta.json, source.chat_template).
+std::vector<std::filesystem::path> data_chat_templates(const RunConfig& cfg);
 
 // The ids of the tokenizer's well-known end-of-text tokens (</s>, <|end_of_text|>, <|eot_id|>,
 // <|endoftext|>) that it has: where generation stops when nothing else says.

@@ -833,7 +833,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     return ck;
   };
   nlohmann::json loaded_health, loaded_topology;
-  nlohmann::json loaded_source;  // the HF model the weights came from, carried into every save
+  nlohmann::json loaded_source;  // the HF model and checkpoints the weights came from, carried into every save
   std::string loaded_from, loaded_precision;
   bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
@@ -864,7 +864,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
-    loaded_source = ck.meta().value("source", nlohmann::json());
+    // The checkpoint itself joins the record: a converted one holds the tokenizer, chat template
+    // and HF config that sample and export look for, also once the HF model has moved.
+    loaded_source = source_with_init_from(ck.meta().value("source", nlohmann::json()), ck.path());
     loaded_precision = ck.precision();
   } else {
     tr.init_weights();

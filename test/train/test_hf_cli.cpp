@@ -56,6 +56,33 @@ void check_no_jump(const std::string& out, double hf_loss) {
   }
 }
 
+// An Instruct model: the fixture llama_trained with a chat template (Mistral's [INST] style) in
+// its tokenizer_config.json, as HF Instruct models have one.
+const char* const kChatTemplate =
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content | trim }} [/INST]"
+    "{% elif m.role == 'assistant' %} {{ m.content | trim }} {{ eos_token }}{% endif %}{% endfor %}";
+void make_chat_model(const fs::path& model) {
+  fs::create_directories(model);
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"})
+    fs::copy_file(fs::path(kHf) / "llama_trained" / f, model / f);
+  std::ofstream(model / "tokenizer_config.json")
+      << json{{"chat_template", kChatTemplate}, {"bos_token", "<s>"}, {"eos_token", "</s>"}}.dump();
+}
+
+// 40 two-turn conversations.
+void write_chats(const std::string& path) {
+  std::ofstream chats(path);
+  const char* subjects[] = {"the sea", "a cat", "old books", "the moon", "rain", "bread"};
+  for (int k = 0; k < 40; ++k)
+    chats << json{{"messages",
+                   {{{"role", "user"}, {"content", std::string("tell me about ") + subjects[k % 6]}},
+                    {{"role", "assistant"}, {"content", std::string("It is said that ") + subjects[(k * 5) % 6] + " keeps quiet."}},
+                    {{"role", "user"}, {"content", "and then? (" + std::to_string(k) + ")"}},
+                    {{"role", "assistant"}, {"content", "Then it rains."}}}}}
+                 .dump()
+          << "\n";
+}
+
 }  // namespace
 
 TEST_CASE("keel convert + keel sample: the converted model greedy-decodes HF's continuation", "[hf][cli]") {
@@ -397,26 +424,8 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
 TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the model's chat template", "[hf][cli][chat]") {
   test::TempDir tmp("hfchat");
   const fs::path model = fs::path(tmp / "model");
-  fs::create_directories(model);
-  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"})
-    fs::copy_file(fs::path(kHf) / "llama_trained" / f, model / f);
-  const std::string tpl =
-      "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content | trim }} [/INST]"
-      "{% elif m.role == 'assistant' %} {{ m.content | trim }} {{ eos_token }}{% endif %}{% endfor %}";
-  std::ofstream(model / "tokenizer_config.json")
-      << json{{"chat_template", tpl}, {"bos_token", "<s>"}, {"eos_token", "</s>"}}.dump();
-  {
-    std::ofstream chats(tmp / "chats.jsonl");
-    const char* subjects[] = {"the sea", "a cat", "old books", "the moon", "rain", "bread"};
-    for (int k = 0; k < 40; ++k)
-      chats << json{{"messages",
-                     {{{"role", "user"}, {"content", std::string("tell me about ") + subjects[k % 6]}},
-                      {{"role", "assistant"}, {"content", std::string("It is said that ") + subjects[(k * 5) % 6] + " keeps quiet."}},
-                      {{"role", "user"}, {"content", "and then? (" + std::to_string(k) + ")"}},
-                      {{"role", "assistant"}, {"content", "Then it rains."}}}}}
-                   .dump()
-            << "\n";
-  }
+  make_chat_model(model);
+  write_chats(tmp / "chats.jsonl");
   auto r = run_keel("tokenize --jsonl " + tmp / "chats.jsonl" + " --chat --tokenizer hf:" + model.string() + " --out " +
                     tmp / "chat" + " --val-fraction 0.1 -j 2");
   INFO(r.output);
@@ -469,6 +478,85 @@ TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the 
                " --out " + tmp / "chat2");
   CHECK(r.code == 2);
   CHECK_THAT(r.output, Catch::Contains("BOS would come twice"));
+}
+
+// README's "Finetuning a released model" with an Instruct model: convert, tokenize conversations
+// with the converted tokenizer, finetune, keel sample --chat the run, export. The HF download is
+// deleted after the conversion, so the run's checkpoints must lead back to the converted
+// checkpoint (meta.json source.init_from) or to the template the data was rendered with.
+TEST_CASE("keel sample --chat on a finetune finds the chat template it was trained with, HF download gone", "[hf][cli][chat]") {
+  test::TempDir tmp("hfchatft");
+  const std::string model = tmp / "model", ck = tmp / "ckpt";
+  make_chat_model(model);
+  write_chats(tmp / "chats.jsonl");
+  REQUIRE(run_keel("convert hf:" + model + " " + ck).code == 0);
+  fs::remove_all(model);
+  // Two steps from `init` on the token files in `data` (none: a plain-text shard).
+  auto train = [&](const std::string& init, const std::string& data, const std::string& out) {
+    const std::string sets = data.empty() ? " --set data.train=" + kHf + "data/fortunes_sp.bin --set 'data.val=[]'"
+                                          : " --set 'data.train=" + data + "/train_*.bin' --set 'data.val=" + data +
+                                                "/val_*.bin' --set data.document_masking=true";
+    const auto r = run_keel("train --config " + ck + "/config.json --init-from " + init + " --out " + out + " -q --steps 2" +
+                            sets + " --set train.seq_len=64 --set train.global_batch=2 --set schedule.warmup_steps=0");
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+  };
+  // keel sample --chat's output, which must succeed.
+  auto chat = [&](const std::string& checkpoint) {
+    const auto r = run_keel("sample --checkpoint " + checkpoint + " --chat \"tell me about rain\" -t 0 -n 4 --show-ids");
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    return r.output;
+  };
+  const std::vector<int32_t> prompt_ids = ids_after(chat(ck), "prompt ids");
+  REQUIRE(prompt_ids.size() > 5);
+  // A run's checkpoints chat through the converted checkpoint's template.
+  auto chats_as_converted = [&](const std::string& run) {
+    const std::string out = chat(run + "/checkpoints");
+    INFO(out);
+    CHECK_THAT(out, Catch::Contains("chat template of " + ck + "/tokenizer_config.json"));
+    CHECK(ids_after(out, "prompt ids") == prompt_ids);
+  };
+
+  // The README's steps: the data is rendered with the converted checkpoint's template.
+  auto r = run_keel("tokenize --jsonl " + tmp / "chats.jsonl" + " --chat --tokenizer " + ck + " --out " + tmp / "chat" +
+                    " --val-fraction 0.1");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  train(ck, tmp / "chat", tmp / "run");
+  chats_as_converted(tmp / "run");
+  // Export without --like takes the tokenizer files from the converted checkpoint.
+  r = run_keel("convert " + tmp / "run/checkpoints hf:" + tmp / "export");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("copied tokenizer.json, tokenizer_config.json") && !Catch::Contains("not written"));
+
+  // Data without a template (plain text): the template of the checkpoint the run started from.
+  train(ck, "", tmp / "run_text");
+  chats_as_converted(tmp / "run_text");
+
+  // A base model made a chat model with a template of one's own (tokenize --chat-template):
+  // the run learnt that template, so sample --chat uses it.
+  std::ofstream(tmp / "mine.jinja") << "{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}"
+                                       "{% if add_generation_prompt %}<assistant>{% endif %}";
+  r = run_keel("tokenize --jsonl " + tmp / "chats.jsonl" + " --chat --chat-template " + tmp / "mine.jinja" +
+               " --tokenizer hf:" + kHf + "llama_trained --out " + tmp / "mine" + " --val-fraction 0.1");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  train("hf:" + kHf + "llama_trained", tmp / "mine", tmp / "run_mine");
+  const std::string mine = chat(tmp / "run_mine/checkpoints");
+  CHECK_THAT(mine, Catch::Contains("chat template of " + tmp / "mine.jinja"));
+  const auto plain = run_keel("sample --checkpoint " + tmp / "run_mine/checkpoints" +
+                              " --prompt \"<user> tell me about rain\n<assistant>\" --no-special-tokens -t 0 -n 4 --show-ids");
+  REQUIRE(plain.code == 0);
+  CHECK(ids_after(mine, "prompt ids") == ids_after(plain.output, "prompt ids"));
+
+  // Nothing left to find: the error names the places that have gone and what to pass.
+  fs::rename(ck, tmp / "ckpt_moved");
+  r = run_keel("sample --checkpoint " + tmp / "run_text/checkpoints" + " --tokenizer " + kHf + "llama_trained --chat hi");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("no chat template") && Catch::Contains(ck + " (does not exist)") &&
+                           Catch::Contains("pass --chat-template"));
 }
 
 // Weights holding a NaN give NaN logits: argmax would decode token 0 forever and the choice
