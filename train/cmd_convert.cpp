@@ -62,7 +62,7 @@ int cmd_convert(const ConvertArgs& a) {
     return kExitOk;
   }
   ExportOptions opts;
-  opts.dtype = a.dtype == "auto" ? DType::BF16 : *parse_dtype(a.dtype, false);
+  opts.dtype = parse_dtype(a.dtype, true);
   opts.max_shard_bytes = plan::parse_memory_size(a.max_shard);
   opts.like = a.like;
   opts.force = a.force;
@@ -81,7 +81,8 @@ Command add_convert_command(CLI::App& app) {
   c->add_option("source", args->src, "hf:DIR (a Hugging Face model directory) or a keel checkpoint")->required();
   c->add_option("destination", args->dst, "keel checkpoint directory, or hf:DIR to export");
   c->add_option("--dtype", args->dtype,
-                "Weight dtype: auto (import: keep the HF dtype bit for bit; export: bf16), bf16, fp16, fp32");
+                "Weight dtype: auto (import: keep the HF dtype bit for bit; export: the dtype of the HF model the "
+                "checkpoint came from, else bf16), bf16, fp16, fp32");
   c->add_option("--max-shard-size", args->max_shard, "Export: largest safetensors file before sharding (default 5GiB)");
   c->add_option("--like", args->like,
                 "Export: take config.json fields and tokenizer files from this HF directory or keel convert "

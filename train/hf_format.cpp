@@ -110,7 +110,9 @@ std::string fp16_underflow_note(int64_t n) {
 }
 
 // Refuses a tensor fp16 cannot hold, naming it; tiny values lost to zero only add to *underflow.
-void check_fp16_range(const Fp16Range& r, const std::string& tensor, const std::string& who, int64_t* underflow) {
+// `option`: how fp16 was asked for (--dtype fp16, or auto from the source's dtype).
+void check_fp16_range(const Fp16Range& r, const std::string& tensor, const std::string& who, int64_t* underflow,
+                      const std::string& option = "--dtype fp16") {
   char largest[32];
   std::snprintf(largest, sizeof largest, "%.6g", r.largest);
   if (r.nonfinite > 0)
@@ -118,10 +120,10 @@ void check_fp16_range(const Fp16Range& r, const std::string& tensor, const std::
                           " inf/NaN value(s) (largest finite magnitude " + largest +
                           "); the weights are broken, nothing was written");
   if (r.overflow > 0)
-    throw CheckpointError("--dtype fp16: tensor " + tensor + " of " + who + " has " + std::to_string(r.overflow) +
+    throw CheckpointError(option + ": tensor " + tensor + " of " + who + " has " + std::to_string(r.overflow) +
                           " value(s) beyond fp16's range (largest magnitude " + largest +
-                          ", fp16 holds up to 65504) that would become inf; keep bf16 or fp32 (--dtype auto, bf16, "
-                          "fp32). Nothing was written");
+                          ", fp16 holds up to 65504) that would become inf; pass --dtype bf16 or fp32. Nothing was "
+                          "written");
   *underflow += r.underflow;
 }
 
@@ -1083,9 +1085,16 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
         if (like.empty() && fs::exists(d / f)) like = d;
   }
 
+  // --dtype auto: the HF model's own dtype (fp16 into bf16 would lose mantissa bits), else bf16.
+  std::optional<DType> source_dtype;
+  if (source.is_object() && source.contains("hf_dtype") && source["hf_dtype"].is_string())
+    for (DType d : {DType::F32, DType::BF16, DType::F16})
+      if (source["hf_dtype"].get<std::string>() == dtype_name(d)) source_dtype = d;
+  const DType dtype = opts.dtype.value_or(source_dtype.value_or(DType::BF16));
+
   // A Mistral without a window (v0.2 on) is a Llama to keel; it goes back as the Mistral it was.
   if (arch == HfArch::Llama && tmpl.is_object() && tmpl.value("model_type", "") == "mistral") arch = HfArch::Mistral;
-  const json c = hf_config_json(m, arch, tmpl, opts.dtype);
+  const json c = hf_config_json(m, arch, tmpl, dtype);
 
   // The HF tensors, each with the keel slices that make it, in the layout's order; the shards:
   // a new file whenever the next tensor would push the current one past max_shard_bytes.
@@ -1104,7 +1113,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   std::vector<std::vector<size_t>> shards(1);
   int64_t in_shard = 0, total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    int64_t bytes = static_cast<int64_t>(dtype_size(opts.dtype));
+    int64_t bytes = static_cast<int64_t>(dtype_size(dtype));
     for (int64_t d : tensors[i].shape) bytes *= d;
     if (in_shard > 0 && in_shard + bytes > opts.max_shard_bytes) {
       shards.emplace_back();
@@ -1133,7 +1142,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
     json weight_map = json::object();
     std::vector<char> staging, part, narrow;
     // fp16 is read as fp32 and narrowed here, counting what does not fit (check_fp16_range).
-    const DType read_dtype = opts.dtype == DType::F16 ? DType::F32 : opts.dtype;
+    const DType read_dtype = dtype == DType::F16 ? DType::F32 : dtype;
     const size_t es = dtype_size(read_dtype);
     for (size_t s = 0; s < shards.size(); ++s) {
       char fname[64];
@@ -1141,7 +1150,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
       else std::snprintf(fname, sizeof fname, "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
       std::vector<data::SafetensorsWriter::Entry> entries;
       for (size_t i : shards[s]) {
-        entries.push_back({tensors[i].name, st_dtype(opts.dtype), tensors[i].shape});
+        entries.push_back({tensors[i].name, st_dtype(dtype), tensors[i].shape});
         weight_map[tensors[i].name] = fname;
       }
       // transformers insists on format "pt" in the metadata
@@ -1172,11 +1181,12 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
           }
           ck.release(state, sl.keel);
         }
-        if (opts.dtype == DType::F16) {
+        if (dtype == DType::F16) {
           narrow.resize(static_cast<size_t>(n) * 2);
           Fp16Range range;
           to_f16_counting(reinterpret_cast<const float*>(staging.data()), n, narrow.data(), range);
-          check_fp16_range(range, t.name, "checkpoint " + ck.path(), &underflow);
+          check_fp16_range(range, t.name, "checkpoint " + ck.path(), &underflow,
+                           opts.dtype ? "--dtype fp16" : "--dtype auto (fp16, the dtype of the HF model it came from)");
           w.write(narrow.data(), narrow.size());
         } else {
           w.write(staging.data(), staging.size());
@@ -1220,7 +1230,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
     throw;
   }
   st.out = out_dir;
-  st.dtype = opts.dtype;
+  st.dtype = dtype;
   if (underflow > 0) st.notes.push_back(fp16_underflow_note(underflow));
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;

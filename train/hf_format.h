@@ -166,7 +166,9 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
                                 bool force);
 
 struct ExportOptions {
-  DType dtype = DType::BF16;
+  // nullopt (--dtype auto): the dtype of the HF model the checkpoint came from (meta.json
+  // source.hf_dtype), so that HF -> keel -> HF is lossless; bf16 for a checkpoint without one.
+  std::optional<DType> dtype;
   int64_t max_shard_bytes = int64_t{5} << 30;  // more bytes than this: model-0000X-of-0000N + index
   // Where to take config.json fields (bos/eos ids, ...) and tokenizer files from: an HF dir or a
   // keel convert output. Empty: the checkpoint directory itself, then the checkpoint's recorded

@@ -135,6 +135,23 @@ TEST_CASE("keel convert + keel sample: the converted model greedy-decodes HF's c
   CHECK_THAT(r.output, Catch::Contains("hf:"));
 }
 
+TEST_CASE("keel convert exports in the dtype of the HF model the checkpoint came from (fp16 stays fp16)", "[hf][cli]") {
+  test::TempDir tmp("hfdtype");
+  REQUIRE(run_keel("convert hf:" + kHf + "llama_sharded " + tmp / "keel").code == 0);  // fp16
+  auto torch_dtype = [&](const std::string& dir) {
+    std::ifstream in(fs::path(dir) / "config.json");
+    return json::parse(in)["torch_dtype"].get<std::string>();
+  };
+  auto r = run_keel("convert " + tmp / "keel" + " hf:" + tmp / "auto");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains(" parameters, f16,"));
+  CHECK(torch_dtype(tmp / "auto") == "float16");
+  r = run_keel("convert " + tmp / "keel" + " hf:" + tmp / "bf16 --dtype bf16");
+  REQUIRE(r.code == 0);
+  CHECK(torch_dtype(tmp / "bf16") == "bfloat16");
+}
+
 TEST_CASE("keel train --init-from a converted model: bf16 finetune continues from the pretrained loss, export back",
           "[hf][cli][seed000]") {
   test::TempDir tmp("hfft");

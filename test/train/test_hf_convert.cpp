@@ -450,10 +450,12 @@ TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]"
   }
 }
 
+// Export with the default dtype (--dtype auto) writes the HF model's own dtype back: fp32, bf16
+// and fp16 sources all come back bit for bit.
 TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
   struct Case {
     const char* name;
-    DType dtype;
+    DType dtype;  // the HF model's
     int64_t shard;
   };
   for (Case c : {Case{"llama_trained", DType::F32, int64_t{5} << 30}, Case{"llama_tied", DType::BF16, int64_t{5} << 30},
@@ -464,10 +466,10 @@ TEST_CASE("hf: HF -> keel -> HF is bit for bit, sharded or not", "[hf]") {
     SECTION(c.name) {
       test::TempDir tmp("hfrt");
       convert_hf_to_keel(kHf + c.name, tmp / "keel", std::nullopt, false);
-      ExportOptions opts;
-      opts.dtype = c.dtype;
+      ExportOptions opts;  // dtype auto
       opts.max_shard_bytes = c.shard;
       const ConvertStats st = export_keel_to_hf(tmp / "keel", tmp / "hf", opts);
+      CHECK(st.dtype == c.dtype);
       const auto before = all_tensors(kHf + c.name), after = all_tensors(tmp / "hf");
       REQUIRE(before.size() == after.size());
       for (const auto& [name, t] : before) {
@@ -820,6 +822,13 @@ TEST_CASE("hf: --dtype fp16 refuses values beyond its range, naming the tensor, 
   fp16.dtype = DType::F16;
   refused(error_of([&] { export_keel_to_hf(tmp / "big_keel", tmp / "big_hf", fp16); }));
   CHECK_FALSE(fs::exists(tmp / "big_hf"));
+  // --dtype auto picks fp16 for a checkpoint from an fp16 model (one whose finetune grew a value
+  // past fp16's range, say): refused too, saying where fp16 came from.
+  test::edit_checkpoint_meta(tmp / "big_keel", [](json& meta) { meta["source"]["hf_dtype"] = "f16"; });
+  CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "big_keel", tmp / "big_hf", ExportOptions{}); }),
+             Catch::Contains("--dtype auto (fp16, the dtype of the HF model it came from): tensor " + up) &&
+                 Catch::Contains("pass --dtype bf16 or fp32"));
+  CHECK_FALSE(fs::exists(tmp / "big_hf"));
 
   // inf/NaN in the source: refused as broken weights, whichever direction.
   const std::string nan = with_value(tmp, "llama_trained", "nan", up, std::nanf(""));
@@ -841,19 +850,22 @@ TEST_CASE("hf: --dtype fp16 refuses values beyond its range, naming the tensor, 
 
 TEST_CASE("hf: export without a source for the tokenizer and token ids says what it did not write", "[hf]") {
   test::TempDir tmp("hfnosource");
-  convert_hf_to_keel(kHf + "llama_tied", tmp / "keel", std::nullopt, false);
+  convert_hf_to_keel(kHf + "llama_sharded", tmp / "keel", std::nullopt, false);  // fp16
   ExportOptions opts;
   auto notes_of = [](const ConvertStats& st) {
     std::string all;
     for (const auto& n : st.notes) all += n + "\n";
     return all;
   };
-  CHECK_THAT(notes_of(export_keel_to_hf(tmp / "keel", tmp / "hf", opts)), !Catch::Contains("not written"));
+  const ConvertStats with_source = export_keel_to_hf(tmp / "keel", tmp / "hf", opts);
+  CHECK_THAT(notes_of(with_source), !Catch::Contains("not written"));
+  CHECK(with_source.dtype == DType::F16);  // --dtype auto: the HF model's dtype
   // As a from-scratch run's checkpoint: no HF config, tokenizer or recorded source.
   const fs::path k = fs::path(tmp / "keel");
   for (const char* f : {"hf_config.json", "tokenizer.json", "generation_config.json"}) fs::remove(k / f);
   test::edit_checkpoint_meta(k.string(), [](json& meta) { meta.erase("source"); });
   const ConvertStats st = export_keel_to_hf(tmp / "keel", tmp / "bare", opts);
+  CHECK(st.dtype == DType::BF16);  // --dtype auto without an HF model to follow: bf16
   CHECK_FALSE(fs::exists(tmp / "bare/tokenizer.json"));
   CHECK_THAT(notes_of(st), Catch::Contains("not written: tokenizer.json, generation_config.json and bos/eos token ids") &&
                                Catch::Contains("pass --like DIR"));
