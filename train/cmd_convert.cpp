@@ -57,8 +57,9 @@ int cmd_convert(const ConvertArgs& a) {
     std::fflush(stdout);
     const ConvertStats st = convert_hf_to_keel(*src_hf, a.dst, parse_dtype(a.dtype, true), a.force);
     print_stats(st, "wrote weights-only checkpoint " + st.out);
-    std::printf("keel: run config %s/config.json (set data.train, then: keel train --config %s/config.json --init-from %s)\n",
-                st.out.c_str(), st.out.c_str(), st.out.c_str());
+    std::printf("keel: run config %s/config.json (data.train reads data/finetune: keel tokenize --jsonl FILE --tokenizer %s "
+                "--out data/finetune, then: keel train --config %s/config.json --init-from %s)\n",
+                st.out.c_str(), st.out.c_str(), st.out.c_str(), st.out.c_str());
     return kExitOk;
   }
   ExportOptions opts;

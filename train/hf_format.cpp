@@ -765,8 +765,9 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
   const int64_t seq = std::min<int64_t>(m.max_seq_len, 2048);
   return {
       {"description", "Finetune " + name + " (converted from hf:" + hf.dir() +
-                          "). Point data.train / data.val at shards made with keel tokenize --tokenizer " + out_dir +
-                          " (--jsonl ... --out DIR), then: keel train --config " +
+                          "). data.train / data.val read data/finetune: keel tokenize --jsonl FILE --tokenizer " +
+                          out_dir + " --out data/finetune (--loss-mask prompt for prompt/response pairs, --chat for "
+                          "conversations), then: keel train --config " +
                           (fs::path(out_dir) / "config.json").string() + " --init-from " + out_dir},
       {"model", model},
       {"precision", {{"mode", "bf16"}}},

@@ -928,5 +928,7 @@ TEST_CASE("hf: export writes keel's float fields as their decimals, and unknown 
              Catch::Contains("x/config.json has neither \"architectures\" nor \"model_type\""));
   const json run = finetune_config_json(HfCheckpoint::open(kHf + "llama_tied"), "ckpt/tied");
   CHECK_THAT(run["description"].get<std::string>(),
-             Catch::Contains("keel tokenize --tokenizer ckpt/tied") && !Catch::Contains("prepare_data.py"));
+             Catch::Contains("keel tokenize --jsonl FILE --tokenizer ckpt/tied --out data/finetune") &&
+                 !Catch::Contains("prepare_data.py"));
+  CHECK(run["data"]["train"] == "data/finetune/train_*.bin");  // where the description says to tokenize
 }
