@@ -1239,11 +1239,60 @@ bool would_replace(const fs::path& out, const std::string& in) {
   return !ec && !rel.empty() && *rel.begin() != "..";
 }
 
-void check_new_output(const fs::path& out, bool force, const std::vector<std::string>& inputs) {
-  for (const std::string& in : inputs)
+namespace {
+
+// Is the existing `out` an earlier output of this kind, which --force may replace? An empty
+// folder holds nothing to lose either.
+bool replaceable_output(const fs::path& out, OutputKind kind) {
+  if (!fs::is_directory(out)) return false;
+  if (fs::is_empty(out)) return true;
+  if (kind == OutputKind::HfModel) {
+    if (!fs::is_regular_file(out / "config.json")) return false;
+    for (const auto& e : fs::directory_iterator(out))
+      if (e.path().extension() == ".safetensors") return true;
+    return false;
+  }
+  try {
+    std::ifstream in(out / "meta.json");
+    return json::parse(in).value("format", std::string()) == kFormat;
+  } catch (const std::exception&) {
+    return false;  // no meta.json, or not a keel one
+  }
+}
+
+// What is at `p`, for a refusal: "a file", or "a folder holding a/, b, c and 4 more".
+std::string describe_contents(const fs::path& p) {
+  if (!fs::is_directory(p)) return "a file";
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(p))
+    names.push_back(e.path().filename().string() + (e.is_directory() ? "/" : ""));
+  std::sort(names.begin(), names.end());
+  std::string text = "a folder holding ";
+  for (size_t i = 0; i < names.size() && i < 6; ++i) text += (i ? ", " : "") + names[i];
+  if (names.size() > 6) text += " and " + std::to_string(names.size() - 6) + " more";
+  return text;
+}
+
+}  // namespace
+
+void check_new_output(const fs::path& out, bool force, const std::vector<std::string>& inputs, OutputKind kind) {
+  for (const std::string& in : inputs) {
     if (would_replace(out, in))
       throw ConfigError("the output " + out.string() + " would replace the input " + in + ": pick another folder");
-  if (fs::exists(out) && !force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+    // Inside an input, the output goes when the input is replaced or rotated away.
+    if (!in.empty() && would_replace(in, out.string()))
+      throw ConfigError("the output " + out.string() + " is inside the input " + in +
+                        " (removing or replacing that input, as checkpoint rotation does, would delete it): pick a "
+                        "folder outside it");
+  }
+  if (!fs::exists(out)) return;
+  if (!force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+  if (!replaceable_output(out, kind))
+    throw ConfigError("the output " + out.string() + " exists and is " + describe_contents(out) +
+                      ": --force replaces only an earlier " +
+                      (kind == OutputKind::HfModel ? "Hugging Face model folder (config.json and *.safetensors)"
+                                                   : "keel checkpoint (a folder with a keel meta.json)") +
+                      ". Nothing was changed; pick another folder, or remove this one yourself if it is to go");
 }
 
 fs::path temp_dir_for(const fs::path& out) {

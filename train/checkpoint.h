@@ -257,11 +257,16 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
                                     const nlohmann::json& source = nlohmann::json::object());
 
 // The output folder of a conversion (keel convert, keel ckpt average), written whole or not at
-// all: check_new_output refuses an existing `out` unless forced (CheckpointError), and an `out`
-// that is or holds one of the `inputs` even when forced (ConfigError: replacing it would destroy
-// the input); the files go to temp_dir_for(out) (a fresh sibling folder), and publish renames it
-// into place (replacing `out` when forced).
-void check_new_output(const std::filesystem::path& out, bool force, const std::vector<std::string>& inputs = {});
+// all: check_new_output refuses an existing `out` unless forced (CheckpointError). Even when
+// forced it refuses (ConfigError) an `out` that is, holds or lies inside one of the `inputs`
+// (replacing it, or a later checkpoint rotation, would destroy the input or the output), and an
+// existing `out` that is not an earlier output of the same `kind` (a run directory, a typo for
+// a folder inside one: --force replaces an output, never a user's other files). The files go
+// to temp_dir_for(out) (a fresh sibling folder), and publish renames it into place (replacing
+// `out` when forced).
+enum class OutputKind { KeelCheckpoint, HfModel };
+void check_new_output(const std::filesystem::path& out, bool force, const std::vector<std::string>& inputs = {},
+                      OutputKind kind = OutputKind::KeelCheckpoint);
 // Is `in` the folder `out` or inside it (so that writing `out` would replace it)?
 bool would_replace(const std::filesystem::path& out, const std::string& in);
 std::filesystem::path temp_dir_for(const std::filesystem::path& out);

@@ -719,8 +719,19 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
   refused(list + " --out " + ws.dir / "avg_fp32", 5, "already exists (pass --force");
   refused(list + " --out " + in[1] + " --force", 2, "would replace the input");
   CHECK(run_keel("ckpt verify " + in[1]).code == 0);
+  // --force replaces an earlier checkpoint only: not a run directory (nor any other folder or
+  // file), and nothing inside an input, which rotation would delete with it.
+  refused(list + " --out " + in[1] + "/sub", 2, "is inside the input " + in[1]);
+  CHECK(!fs::exists(in[1] + "/sub"));
+  const auto again = run_keel("ckpt average " + list + " --out " + ws.dir / "avg_fp32" + " --force");
+  INFO(again.output);
+  CHECK(again.code == 0);
   test::Workspace other(nlohmann::json{{"model", {{"d_model", 48}}}, {"train", {{"steps", 2}}}});
   REQUIRE(run_keel(train_args(other, other.dir / "run")).code == 0);
+  refused(list + " --out " + other.dir / "run --force", 2,
+          "exists and is a folder holding .lock, checkpoints/, config.json, metrics.jsonl: --force replaces only an "
+          "earlier keel checkpoint");
+  CHECK(run_keel("ckpt verify " + other.dir / "run/checkpoints/step_00000002").code == 0);
   refused(in[0] + " " + other.dir / "run/checkpoints/step_00000002 --out " + ws.dir / "mixed", 5, "model.d_model: this one 48, the first 32");
   CHECK(!fs::exists(ws.dir / "mixed"));
   flip_byte_in(in[2] + "/model-tp00-pp00.safetensors", "weight/layers.1.attn.wq");
