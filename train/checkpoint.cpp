@@ -326,9 +326,9 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
       while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
       if (name.empty())
         why = "is empty";
-      else if (name.find('/') != std::string::npos || name == "." || name == "..")
-        why = "names " + printable(name) + ", which is not in " + dir.string() + " (keel only follows a pointer to a "
-              "checkpoint beside it)";
+      else if (step_of(name) < 0 || name.find('/') != std::string::npos)
+        why = "names " + printable(name) + ", which is not a step_* checkpoint in " + dir.string() +
+              " (keel only follows a pointer to one beside it: the file holds its name, e.g. step_00000004)";
       else if (!fs::exists(dir / name))
         why = "names " + printable(name) + ", which does not exist";
       else if (!is_complete_checkpoint(dir / name))

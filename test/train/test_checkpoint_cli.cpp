@@ -393,7 +393,7 @@ TEST_CASE("a latest pointer that cannot be followed is refused by name, never re
   };
   SECTION("garbage") {
     std::ofstream(dir + "/latest") << "garb\x01" "age\n";
-    refused("names \"garb\\x01age\", which does not exist");
+    refused("names \"garb\\x01age\", which is not a step_* checkpoint in " + dir);
   }
   SECTION("empty") {
     std::ofstream(dir + "/latest") << "";
@@ -408,9 +408,21 @@ TEST_CASE("a latest pointer that cannot be followed is refused by name, never re
     refused("names \"step_00000008\", which is not a complete checkpoint");
     CHECK(fs::exists(dir + "/step_00000008/model-tp00-pp00.safetensors"));
   }
+  // Only the name of a step_* directory beside the pointer is followed: not another run's
+  // checkpoint by a relative or absolute path, not another folder of the directory.
   SECTION("a checkpoint outside the directory") {
     std::ofstream(dir + "/latest") << "../../elsewhere/checkpoints/step_00000004\n";
-    refused("names \"../../elsewhere/checkpoints/step_00000004\", which is not in " + dir);
+    refused("names \"../../elsewhere/checkpoints/step_00000004\", which is not a step_* checkpoint in " + dir);
+  }
+  SECTION("an absolute path, even to a checkpoint of this directory") {
+    std::ofstream(dir + "/latest") << dir + "/step_00000004\n";
+    refused("names \"" + dir + "/step_00000004\", which is not a step_* checkpoint in " + dir +
+            " (keel only follows a pointer to one beside it: the file holds its name, e.g. step_00000004)");
+  }
+  SECTION("a complete checkpoint not named step_*") {
+    fs::copy(dir + "/step_00000004", dir + "/elsewhere", fs::copy_options::recursive);
+    std::ofstream(dir + "/latest") << "elsewhere\n";
+    refused("names \"elsewhere\", which is not a step_* checkpoint in " + dir);
   }
   SECTION("no pointer at all: the newest complete checkpoint, with a note") {
     fs::remove(dir + "/latest");
