@@ -867,6 +867,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
   // Phase 3: the coordinator merges the manifests into meta.json (the file that makes a save
   // complete), renames the directory into place and points `latest` at it.
   std::string error;
+  int64_t total_bytes = 0;  // every rank's files, from the manifests
   if (p->coordinator) try {
       const fs::path dir(dir_);
       json files = json::object();
@@ -885,6 +886,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count();
       meta["files"] = files;
+      for (const auto& [_, info] : files.items()) total_bytes += info.at("bytes").get<int64_t>();
       meta["meta_crc32c"] = meta_checksum(meta);
       maybe_crash("meta");
       write_text_file_synced((p->tmp / "meta.json").string(), meta.dump(2));
@@ -913,7 +915,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
 
   SaveResult r;
   r.path = p->final_path.string();
-  r.bytes = p->bytes;
+  r.bytes = p->coordinator ? total_bytes : p->bytes;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - p->start).count();
   r.background = p->background;
   r.write_seconds = p->background ? p->write_seconds : r.seconds;

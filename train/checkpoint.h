@@ -145,7 +145,7 @@ class Checkpoint {
 
 struct SaveResult {
   std::string path;
-  int64_t bytes = 0;     // this rank's files
+  int64_t bytes = 0;     // the whole checkpoint's files on the coordinating rank (0), this rank's elsewhere
   double seconds = 0;    // from the save's start to its publication
   bool background = false;
   double write_seconds = 0;  // until this rank's files were on disk
