@@ -377,8 +377,15 @@ Checkpoint Checkpoint::open(const std::string& path_in) {
         throw CheckpointError("no checkpoint at " + path +
                               ": not a checkpoint (no meta.json) and no complete step_* checkpoint inside");
       path = *latest;
+    } else if (fs::path(path).filename().string().rfind(".tmp-", 0) == 0) {
+      throw CheckpointError(path + " is not a complete checkpoint (no meta.json): a save that was interrupted "
+                                   "before it was published");
     } else {
-      throw CheckpointError(path + " is not a complete checkpoint (no meta.json): it was interrupted while saving");
+      // keel writes meta.json before it renames a save into place: a published one without it
+      // lost it afterwards.
+      throw CheckpointError(path + " is not a complete checkpoint: its meta.json is missing (deleted, or lost to disk "
+                                   "damage or an incomplete copy; a save writes it before publishing). Without it "
+                                   "nothing in the checkpoint can be checked: resume from another one (--resume PATH)");
     }
   }
   Checkpoint ck;

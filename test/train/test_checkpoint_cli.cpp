@@ -352,6 +352,14 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
     CHECK(r.code == 5);
     CHECK_THAT(r.output, Catch::Contains("refusing to resume") && Catch::Contains("adam_m/layers.0.attn.wq"));
   }
+  SECTION("a published checkpoint without meta.json lost it: it was not interrupted") {
+    fs::remove(bad + "/meta.json");
+    auto r = run_keel(train_args(ws, out, "--resume " + bad));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(bad + " is not a complete checkpoint: its meta.json is missing (deleted"));
+    CHECK_THAT(r.output, !Catch::Contains("interrupted"));
+  }
   SECTION("a truncated file names the file") {
     fs::resize_file(bad + "/model-tp00-pp00.safetensors", fs::file_size(bad + "/model-tp00-pp00.safetensors") - 64);
     auto v = run_keel("ckpt verify " + bad);
