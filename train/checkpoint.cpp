@@ -174,8 +174,23 @@ void validate_meta(const json& m, const std::string& meta_path) {
 
   const json& progress = *object(m, "", "progress", true);
   const int64_t iteration = integer(progress, "progress.", "iteration", true);
-  integer(progress, "progress.", "consumed_samples", true);
-  integer(progress, "progress.", "consumed_tokens", true);
+  const int64_t samples = integer(progress, "progress.", "consumed_samples", true);
+  const int64_t tokens = integer(progress, "progress.", "consumed_tokens", true);
+  // The data position against the progress. Global batch and seq_len may change on resume and
+  // a rewind skips samples, so the exact count follows from no schedule; but every iteration
+  // reads at least one sample of at least one token, and the data section repeats the count.
+  if (samples < iteration)
+    bad("progress.consumed_samples", "is " + std::to_string(samples) + ", fewer than progress.iteration " +
+                                         std::to_string(iteration) + " (every iteration consumes at least one sample)");
+  if (tokens < samples)
+    bad("progress.consumed_tokens", "is " + std::to_string(tokens) + ", fewer than progress.consumed_samples " +
+                                        std::to_string(samples) + " (every sample has at least one token)");
+  if (const json* d = object(m, "", "data", false); d && d->contains("consumed_samples")) {
+    const int64_t data_samples = integer(*d, "data.", "consumed_samples", true);
+    if (data_samples != samples)
+      bad("data.consumed_samples", "is " + std::to_string(data_samples) + ", progress.consumed_samples " +
+                                       std::to_string(samples) + " (both record the data position and must agree)");
+  }
   integer(progress, "progress.", "skipped_total", false);
   integer(progress, "progress.", "nan_total", false);
   const int64_t adam_step = integer(m, "", "adam_step", false);

@@ -510,6 +510,23 @@ TEST_CASE("meta.json has a checksum of its own, and a malformed field is named w
     test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m.erase("progress"); });
     refused("field progress: missing");
   }
+  // Global batch and seq_len may change on resume and a rewind skips samples, so no schedule
+  // fixes the count; but the data section repeats it, and no iteration reads less than a sample.
+  SECTION("a data position that disagrees with itself") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["data"]["consumed_samples"] = 40; });
+    refused("field data.consumed_samples: is 40, progress.consumed_samples 32 (both record the data position");
+  }
+  SECTION("fewer samples consumed than iterations") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) {
+      m["progress"]["consumed_samples"] = 3;
+      m["data"]["consumed_samples"] = 3;
+    });
+    refused("field progress.consumed_samples: is 3, fewer than progress.iteration 4");
+  }
+  SECTION("fewer tokens consumed than samples") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["progress"]["consumed_tokens"] = 31; });
+    refused("field progress.consumed_tokens: is 31, fewer than progress.consumed_samples 32");
+  }
   SECTION("a checkpoint saved before meta.json had a checksum still loads, and verify says so") {
     nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
     REQUIRE(meta.contains("meta_crc32c"));
