@@ -81,6 +81,18 @@ std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, 
 
 // ---- reading ---------------------------------------------------------------------------
 
+// What Checkpoint::verify finds. `damage`: the files are not what was saved (a checksum, a
+// size, a missing file or tensor). `nonfinite`: tensors whose files are intact but hold inf or
+// NaN, i.e. were saved so (by a run that went non-finite, or a fault before the save); no run or
+// model can continue from them. Each line names the file or the tensor.
+struct CheckpointProblems {
+  std::vector<std::string> damage, nonfinite;
+  bool empty() const { return damage.empty() && nonfinite.empty(); }
+  // "refusing to <what> a damaged checkpoint <path>:" (or "... checkpoint <path>, which holds
+  // non-finite values:") and every problem, one per line.
+  std::string refusal(const std::string& what, const std::string& path) const;
+};
+
 // The CRC-32C (hex) of a meta.json's content without its own "meta_crc32c" field, over the
 // compact dump (keys sorted): what a save stores in meta_crc32c and open() checks.
 std::string meta_checksum(const nlohmann::json& meta);
@@ -124,9 +136,8 @@ class Checkpoint {
   // page cache), so streaming a large checkpoint through read() keeps a small footprint.
   void release(const std::string& state, const std::string& tensor) const;
 
-  // Checksums and completeness: returns the problems found (empty = sound). Each names the
-  // file and, where it applies, the tensor.
-  std::vector<std::string> verify() const;
+  // Checksums, completeness and finite values: returns the problems found (empty = sound).
+  CheckpointProblems verify() const;
 
  private:
   struct Chunk {

@@ -818,16 +818,22 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir, &note)) resume_path = *latest;
     if (!note.empty()) notes.push_back(note);
   }
-  auto open_verified = [&](const std::string& path, const std::string& what) {
+  auto open_verified = [&](const std::string& path, const std::string& what, const std::string& flag) {
     Checkpoint ck = Checkpoint::open(path);
     // One rank reads every checksum; the others wait for its verdict.
-    std::vector<std::string> problems;
+    CheckpointProblems problems;
     if (lead) problems = ck.verify();
     if (!all_ok(problems.empty())) {
-      std::string msg = "refusing to " + what + " a damaged checkpoint " + ck.path() + ":";
-      for (const auto& p : problems) msg += "\n  " + p;
-      throw CheckpointError(msg + (problems.empty() ? "\n  (see rank 0's message)" : "") +
-                            "\n(other checkpoints in " + cfg.checkpoint.dir + " are untouched; pass one with --resume)");
+      std::string msg = problems.empty() ? "refusing to " + what + " checkpoint " + ck.path() +
+                                               ", which fails verification (see rank 0's message)"
+                                         : problems.refusal(what, ck.path());
+      // Where to turn instead: the run's other checkpoints, when this one is among them.
+      std::error_code ec;
+      if (fs::equivalent(fs::path(ck.path()).parent_path(), cfg.checkpoint.dir, ec))
+        msg += "\n(other checkpoints in " + cfg.checkpoint.dir + " are untouched; pass one with " + flag + ")";
+      else
+        msg += "\nNothing was changed; pass another checkpoint with " + flag + ".";
+      throw CheckpointError(msg);
     }
     return ck;
   };
@@ -836,7 +842,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   std::string loaded_from, loaded_precision;
   bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
-    Checkpoint ck = open_verified(resume_path, "resume from");
+    Checkpoint ck = open_verified(resume_path, "resume from", "--resume");
     progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
@@ -858,7 +864,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     notes.push_back(init_weights_from_hf(*hf_dir, tr.table(), tr.state(), &loaded_source));
     loaded_from = opts.init_from;
   } else if (!opts.init_from.empty()) {
-    Checkpoint ck = open_verified(opts.init_from, "initialise from");
+    Checkpoint ck = open_verified(opts.init_from, "initialise from", "--init-from");
     notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place));
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <set>
 #include <thread>
@@ -38,27 +40,13 @@ std::string train_args(const test::Workspace& ws, const std::string& out, const 
 
 // Flips one byte in the middle of a tensor's data inside a safetensors file.
 void flip_byte_in(const std::string& file, const std::string& tensor) {
-  int64_t at = 0;
-  {
-    auto r = data::SafetensorsReader::open(file);
-    const auto& info = r.tensor(tensor);
-    const auto bytes = r.bytes(info);
-    at = static_cast<int64_t>(reinterpret_cast<const char*>(bytes.data()) -
-                              reinterpret_cast<const char*>(r.bytes(r.tensors().front()).data())) +
-         static_cast<int64_t>(fs::file_size(file)) -
-         static_cast<int64_t>([&] {
-           int64_t total = 0;
-           for (const auto& t : r.tensors()) total += t.num_bytes();
-           return total;
-         }()) +
-         info.num_bytes() / 2;
-  }
+  const auto [offset, size] = test::entry_span_in_file(file, tensor);
   std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(at);
+  f.seekg(offset + size / 2);
   char c;
   f.read(&c, 1);
   c = static_cast<char>(c ^ 0x40);
-  f.seekp(at);
+  f.seekp(offset + size / 2);
   f.write(&c, 1);
 }
 
@@ -351,6 +339,49 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
     auto r = run_keel(train_args(ws, out));
     CHECK(r.code == 5);
     CHECK_THAT(r.output, Catch::Contains("refusing to resume") && Catch::Contains("adam_m/layers.0.attn.wq"));
+    // ckpt diff and inspect say so too, naming the side and the tensor (exit 5).
+    auto d = run_keel("ckpt diff " + good + " " + bad);
+    INFO(d.output);
+    CHECK(d.code == 5);
+    CHECK_THAT(d.output, Catch::Contains("DAMAGED: the second checkpoint, " + bad + ":\n") &&
+                             Catch::Contains("adam_m/layers.0.attn.wq is corrupt") &&
+                             Catch::Contains("(and verification fails: see above)"));
+    auto i = run_keel("ckpt inspect " + bad);
+    INFO(i.output);
+    CHECK(i.code == 5);
+    CHECK_THAT(i.output,
+               Catch::Contains("DAMAGED: " + bad + ":\n") && Catch::Contains("adam_m/layers.0.attn.wq is corrupt"));
+    CHECK_THAT(run_keel("ckpt inspect " + good).output,
+               Catch::Contains("every checksum matches and every value is finite"));
+  }
+  SECTION("a damaged checkpoint outside the run: nothing there to turn to") {
+    const std::string copy = ws.dir / "copy";
+    fs::copy(bad, copy, fs::copy_options::recursive);
+    flip_byte_in(copy + "/optim-tp00-pp00-dp00.safetensors", "adam_v/layers.0.attn.wq");
+    for (const std::string flag : {"--resume", "--init-from"}) {
+      auto r = run_keel(train_args(ws, ws.dir / "fresh", flag + " " + copy));
+      INFO(r.output);
+      CHECK(r.code == 5);
+      CHECK_THAT(r.output, Catch::Contains("adam_v/layers.0.attn.wq is corrupt") &&
+                               Catch::Contains("Nothing was changed; pass another checkpoint with " + flag + "."));
+      CHECK_THAT(r.output, !Catch::Contains("other checkpoints in"));
+      CHECK_FALSE(fs::exists(ws.dir / "fresh"));
+    }
+  }
+  SECTION("a flipped byte in a file's header: the file's checksum says it is damaged") {
+    const std::string file = bad + "/model-tp00-pp00.safetensors";
+    std::string bytes = test::read_file(file);
+    uint64_t header = 0;
+    std::memcpy(&header, bytes.data(), 8);
+    const size_t at = bytes.find("final_norm");
+    REQUIRE(at < 8 + header);  // a name in the header
+    bytes[at + 5] = '^';
+    std::ofstream(file, std::ios::binary) << bytes;
+    auto v = run_keel("ckpt verify " + bad);
+    INFO(v.output);
+    CHECK(v.code == 5);
+    CHECK_THAT(v.output, Catch::Contains("checkpoint file " + file + " is damaged: its checksum is ") &&
+                             Catch::Contains("(reading its header: the chunk table names"));
   }
   SECTION("a published checkpoint without meta.json lost it: it was not interrupted") {
     fs::remove(bad + "/meta.json");
@@ -359,6 +390,31 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
     CHECK(r.code == 5);
     CHECK_THAT(r.output, Catch::Contains(bad + " is not a complete checkpoint: its meta.json is missing (deleted"));
     CHECK_THAT(r.output, !Catch::Contains("interrupted"));
+  }
+  // Intact files holding inf or NaN were saved so: no checksum catches them, verify does (and
+  // so every load), naming each tensor with its counts.
+  SECTION("values saved as NaN or inf: verify, inspect and a resume refuse, naming the tensor and the count") {
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    test::set_saved_value(bad, "optim-tp00-pp00-dp00.safetensors", "adam_v/layers.1.mlp.w_up", 3, nan);
+    test::set_saved_value(bad, "optim-tp00-pp00-dp00.safetensors", "adam_v/layers.1.mlp.w_up", 5, inf);
+    test::set_saved_value(bad, "model-tp00-pp00.safetensors", "weight/final_norm.weight", 0, -inf);
+    for (const std::string cmd : {"verify", "inspect"}) {
+      auto v = run_keel("ckpt " + cmd + " " + bad);
+      INFO(v.output);
+      CHECK(v.code == 5);
+      CHECK_THAT(v.output, Catch::Contains("NON-FINITE: " + bad + ":\n") &&
+                               Catch::Contains("adam_v/layers.1.mlp.w_up holds 1 NaN and 1 inf among its 2048 "
+                                               "values") &&
+                               Catch::Contains("weight/final_norm.weight holds 0 NaN and 1 inf among its 32 values") &&
+                               Catch::Contains("the values were saved so"));
+      CHECK_THAT(v.output, !Catch::Contains("DAMAGED") && !Catch::Contains("corrupt"));
+    }
+    auto r = run_keel(train_args(ws, out, "--resume " + bad));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output,
+               Catch::Contains("refusing to resume from checkpoint " + bad + ", which holds non-finite values:") &&
+                   Catch::Contains("adam_v/layers.1.mlp.w_up holds 1 NaN"));
   }
   SECTION("a truncated file names the file") {
     fs::resize_file(bad + "/model-tp00-pp00.safetensors", fs::file_size(bad + "/model-tp00-pp00.safetensors") - 64);
@@ -526,6 +582,27 @@ TEST_CASE("meta.json has a checksum of its own, and a malformed field is named w
   SECTION("fewer tokens consumed than samples") {
     test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["progress"]["consumed_tokens"] = 31; });
     refused("field progress.consumed_tokens: is 31, fewer than progress.consumed_samples 32");
+  }
+  // A meta.json whose model was edited to another shape (to resume a changed model): each
+  // tensor is named once, with both shapes, not once per state and element count.
+  SECTION("a model edited to another shape") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["config"]["model"]["ffn_hidden"] = 96; });
+    auto v = run_keel("ckpt verify " + ck);
+    INFO(v.output);
+    CHECK(v.code == 5);
+    const std::string line = "does not match the model in its meta.json: tensor layers.0.mlp.w_gate: checkpoint has "
+                             "shape [64, 32], the model expects [96, 32]";
+    CHECK_THAT(v.output, Catch::Contains(line) && Catch::Contains("tensor layers.1.mlp.w_down: checkpoint has shape"));
+    CHECK_THAT(v.output, !Catch::Contains("elements"));
+    size_t lines = 0;
+    for (size_t at = v.output.find("layers.0.mlp.w_gate"); at != std::string::npos;
+         at = v.output.find("layers.0.mlp.w_gate", at + 1))
+      ++lines;
+    CHECK(lines == 1);
+    auto r = run_keel(train_args(ws, ws.dir / "resumed", "--set model.ffn_hidden=96 --resume " + ck));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(line));
   }
   SECTION("a checkpoint saved before meta.json had a checksum still loads, and verify says so") {
     nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
@@ -774,4 +851,22 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
   flip_byte_in(in[2] + "/model-tp00-pp00.safetensors", "weight/layers.1.attn.wq");
   refused(list + " --out " + ws.dir / "damaged", 5, "refusing to average a damaged checkpoint");
   CHECK(!fs::exists(ws.dir / "damaged"));
+}
+
+// ckpt diff compares the tensors the two checkpoints hold in one shape; those whose shapes
+// differ (a padded vocabulary: tok_embed and lm_head in every state) are listed and counted
+// apart, not as compared tensors that differ.
+TEST_CASE("keel ckpt diff lists tensors whose shapes differ apart from the ones it compared", "[ckpt][cli][diff]") {
+  test::Workspace ws(kRun);
+  REQUIRE(run_keel(train_args(ws, ws.dir / "a", "--steps 2")).code == 0);
+  REQUIRE(run_keel(train_args(ws, ws.dir / "b", "--steps 2 --set model.pad_vocab_to_multiple_of=128")).code == 0);
+  const auto d = run_keel("ckpt diff " + ws.dir / "a/checkpoints " + ws.dir / "b/checkpoints");
+  INFO(d.output);
+  CHECK(d.code == 1);
+  for (const char* state : {"weight", "master", "adam_m", "adam_v"})
+    for (const char* tensor : {"tok_embed", "lm_head"})
+      CHECK_THAT(d.output,
+                 Catch::Contains(std::string("shape differs: ") + state + "/" + tensor + ": [64, 32] vs [128, 32]"));
+  CHECK_THAT(d.output, Catch::Contains(" of 76 tensors compared differ") &&
+                           Catch::Contains("; 8 more have other shapes and were not compared"));
 }
