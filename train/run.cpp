@@ -927,9 +927,11 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                                                      : ", per-tensor norms as saved"));
   }
   if (progress.iteration >= cfg.train.steps && !opts.eval_only) {
-    if (lead)
+    if (lead) {
+      for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());  // what was loaded, what was ignored
       std::printf("keel: the checkpoint is at iteration %lld and train.steps is %lld: nothing to do\n",
                   static_cast<long long>(progress.iteration), static_cast<long long>(cfg.train.steps));
+    }
     return kExitOk;
   }
 
@@ -953,7 +955,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   } else if (lead) {
     std::error_code ec;
     fs::create_directories(cfg.out, ec);
-    if (ec) throw std::runtime_error("cannot create run directory " + cfg.out + ": " + ec.message());
+    if (ec)
+      throw ConfigError("cannot create the run directory " + cfg.out + " (--out): " + ec.message() +
+                        "; nothing was trained");
     if (std::string note = lock_run_directory(cfg.out, run_lock); !note.empty()) notes.push_back(note);
     // An unwritable checkpoint.dir would otherwise surface at the first save, after the training it was to keep.
     {
@@ -966,12 +970,18 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                               "nothing was trained");
       fs::remove(probe, ec);
     }
-    {
-      std::ofstream c(fs::path(cfg.out) / "config.json");
+    // The run directory's files: one that cannot be written is the --out's fault (exit 2), with the OS's reason.
+    try {
+      const fs::path config_path = fs::path(cfg.out) / "config.json";
+      std::ofstream c(config_path);
+      if (!c) throw std::runtime_error("cannot open " + config_path.string() + " for writing: " + std::strerror(errno));
       c << to_json(cfg).dump(2) << '\n';
+      metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
+                      cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
+    } catch (const std::runtime_error& e) {
+      throw ConfigError(std::string(e.what()) + " (the run directory --out " + cfg.out +
+                        " must be writable); nothing was trained");
     }
-    metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
-                    cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
     print_summary(cfg, tr, train, vals, packed, *backend);
     if (!choices.items.empty()) std::printf("keel: %s\n", choices.describe(cfg).c_str());
     if (sampler.on()) std::printf("keel: %s\n", sampler.describe().c_str());

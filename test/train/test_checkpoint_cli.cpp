@@ -870,3 +870,34 @@ TEST_CASE("keel ckpt diff lists tensors whose shapes differ apart from the ones 
   CHECK_THAT(d.output, Catch::Contains(" of 76 tensors compared differ") &&
                            Catch::Contains("; 8 more have other shapes and were not compared"));
 }
+
+// An --out that cannot be made or written is the argument's fault (exit 2), said with the OS's
+// reason, before anything is trained.
+TEST_CASE("a run directory that cannot be written is refused with the reason, exit 2", "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  std::ofstream(ws.dir / "a-file") << "not a directory";
+  auto r = run_keel(train_args(ws, ws.dir / "a-file/run", "--steps 2"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("cannot create the run directory " + ws.dir / "a-file/run" +
+                                       " (--out): Not a directory; nothing was trained"));
+  const std::string out = ws.dir / "run";
+  fs::create_directories(out + "/metrics.jsonl");  // a folder where the metrics file goes
+  r = run_keel(train_args(ws, out, "--steps 2"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("cannot open metrics file " + out + "/metrics.jsonl for writing: Is a directory "
+                                       "(the run directory --out " + out + " must be writable); nothing was trained"));
+  CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000002"));
+}
+
+TEST_CASE("--init-from into a run that is already complete says that it is ignored", "[ckpt][cli]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", ck = out + "/checkpoints/step_00000004";
+  REQUIRE(run_keel(train_args(ws, out, "--steps 4")).code == 0);
+  const auto r = run_keel(train_args(ws, out, "--steps 4 --init-from " + ck));
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("--init-from " + ck + " is ignored: it only initialises a fresh run") &&
+                           Catch::Contains("train.steps is 4: nothing to do"));
+}
