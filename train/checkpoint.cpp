@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <chrono>
@@ -36,6 +37,24 @@ std::string shape_str(const std::vector<int64_t>& s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
   return out + "]";
+}
+
+// The vocab rows of tok_embed or lm_head differ only by padding (model.pad_vocab_to_multiple_of,
+// which tp may require): say so, and what to do.
+std::string vocab_rows_hint(const ParamSpec& p, const std::vector<int64_t>& stored, const ModelConfig& m) {
+  if ((p.name != "tok_embed" && p.name != "lm_head") || stored.size() != 2 || p.shape.size() != 2 ||
+      stored[1] != p.shape[1] || stored[0] < m.vocab_size || p.shape[0] < m.vocab_size)
+    return "";
+  return " (model.vocab_size " + std::to_string(m.vocab_size) + ", padded to " + std::to_string(stored[0]) +
+         " rows in the checkpoint and to " + std::to_string(p.shape[0]) +
+         " here by model.pad_vocab_to_multiple_of x parallel.tp: a checkpoint's padding is not changed on load; "
+         "match it, or initialise from the Hugging Face model with --init-from hf:DIR, which pads)";
+}
+
+// A stored tensor whose shape is not the model's, as --init-from, a resume and verify say it.
+std::string shape_mismatch(const ParamSpec& p, const std::vector<int64_t>& stored, const ModelConfig& m) {
+  return "tensor " + p.name + ": checkpoint has shape " + shape_str(stored) + ", the model expects " +
+         shape_str(p.shape) + vocab_rows_hint(p, stored, m);
 }
 
 data::SafetensorsDtype to_st(DType t) {
@@ -174,8 +193,23 @@ void validate_meta(const json& m, const std::string& meta_path) {
 
   const json& progress = *object(m, "", "progress", true);
   const int64_t iteration = integer(progress, "progress.", "iteration", true);
-  integer(progress, "progress.", "consumed_samples", true);
-  integer(progress, "progress.", "consumed_tokens", true);
+  const int64_t samples = integer(progress, "progress.", "consumed_samples", true);
+  const int64_t tokens = integer(progress, "progress.", "consumed_tokens", true);
+  // The data position against the progress. Global batch and seq_len may change on resume and
+  // a rewind skips samples, so the exact count follows from no schedule; but every iteration
+  // reads at least one sample of at least one token, and the data section repeats the count.
+  if (samples < iteration)
+    bad("progress.consumed_samples", "is " + std::to_string(samples) + ", fewer than progress.iteration " +
+                                         std::to_string(iteration) + " (every iteration consumes at least one sample)");
+  if (tokens < samples)
+    bad("progress.consumed_tokens", "is " + std::to_string(tokens) + ", fewer than progress.consumed_samples " +
+                                        std::to_string(samples) + " (every sample has at least one token)");
+  if (const json* d = object(m, "", "data", false); d && d->contains("consumed_samples")) {
+    const int64_t data_samples = integer(*d, "data.", "consumed_samples", true);
+    if (data_samples != samples)
+      bad("data.consumed_samples", "is " + std::to_string(data_samples) + ", progress.consumed_samples " +
+                                       std::to_string(samples) + " (both record the data position and must agree)");
+  }
   integer(progress, "progress.", "skipped_total", false);
   integer(progress, "progress.", "nan_total", false);
   const int64_t adam_step = integer(m, "", "adam_step", false);
@@ -206,6 +240,31 @@ void validate_meta(const json& m, const std::string& meta_path) {
     if (const json* t = object(info, prefix + ".", "tensors", false))
       for (const auto& [tensor, crc] : t->items())
         if (!crc.is_string()) bad(prefix + ".tensors." + tensor, std::string("expected a string, got ") + json_kind(crc));
+  }
+}
+
+// The CRC-32C (hex) of a whole file, header included.
+std::string file_crc32c(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::vector<char> buf(1 << 20);
+  uint32_t crc = 0;
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    crc = data::crc32c(crc, buf.data(), static_cast<size_t>(in.gcount()));
+  }
+  return data::crc32c_hex(crc);
+}
+
+// Counts the NaN and inf among n stored floats whose bits are U (fp32, or bf16 and fp16, by
+// `exponent`, their exponent mask): the exponent all ones, with a mantissa (NaN) or without (inf).
+// On the bits, as verify() scans every value of a checkpoint.
+template <class U>
+void count_nonfinite(const std::byte* p, int64_t n, U exponent, int64_t& nan, int64_t& inf) {
+  const U mantissa = static_cast<U>((exponent & -exponent) - 1);  // the bits below the exponent's lowest
+  for (int64_t i = 0; i < n; ++i) {
+    U u;
+    std::memcpy(&u, p + i * static_cast<int64_t>(sizeof(U)), sizeof(U));
+    if ((u & exponent) == exponent) ++((u & mantissa) ? nan : inf);
   }
 }
 
@@ -326,9 +385,9 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
       while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
       if (name.empty())
         why = "is empty";
-      else if (name.find('/') != std::string::npos || name == "." || name == "..")
-        why = "names " + printable(name) + ", which is not in " + dir.string() + " (keel only follows a pointer to a "
-              "checkpoint beside it)";
+      else if (step_of(name) < 0 || name.find('/') != std::string::npos)
+        why = "names " + printable(name) + ", which is not a step_* checkpoint in " + dir.string() +
+              " (keel only follows a pointer to one beside it: the file holds its name, e.g. step_00000004)";
       else if (!fs::exists(dir / name))
         why = "names " + printable(name) + ", which does not exist";
       else if (!is_complete_checkpoint(dir / name))
@@ -377,8 +436,15 @@ Checkpoint Checkpoint::open(const std::string& path_in) {
         throw CheckpointError("no checkpoint at " + path +
                               ": not a checkpoint (no meta.json) and no complete step_* checkpoint inside");
       path = *latest;
+    } else if (fs::path(path).filename().string().rfind(".tmp-", 0) == 0) {
+      throw CheckpointError(path + " is not a complete checkpoint (no meta.json): a save that was interrupted "
+                                   "before it was published");
     } else {
-      throw CheckpointError(path + " is not a complete checkpoint (no meta.json): it was interrupted while saving");
+      // keel writes meta.json before it renames a save into place: a published one without it
+      // lost it afterwards.
+      throw CheckpointError(path + " is not a complete checkpoint: its meta.json is missing (deleted, or lost to disk "
+                                   "damage or an incomplete copy; a save writes it before publishing). Without it "
+                                   "nothing in the checkpoint can be checked: resume from another one (--resume PATH)");
     }
   }
   Checkpoint ck;
@@ -422,26 +488,40 @@ Checkpoint Checkpoint::open(const std::string& path_in) {
     if (expected != actual)
       throw CheckpointError("checkpoint file " + file + " has " + std::to_string(actual) + " bytes, meta.json says " +
                             std::to_string(expected) + (actual < expected ? " (truncated)" : ""));
+    // A header that does not hold together is most likely damage: the file's checksum says
+    // so (and is checked only then, as verify() reads every byte anyway).
+    const std::string want = info.value("crc32c", std::string());
+    auto bad_header = [&](const std::string& what) {
+      const std::string got = file_crc32c(file);
+      if (got != want)
+        return CheckpointError("checkpoint file " + file + " is damaged: its checksum is " + got + ", meta.json says " +
+                               want + " (reading its header: " + what + ")");
+      return CheckpointError("checkpoint file " + file + ": " + what);
+    };
     std::shared_ptr<data::SafetensorsReader> reader;
     try {
       reader = std::make_shared<data::SafetensorsReader>(data::SafetensorsReader::open(file));
     } catch (const data::DataError& e) {
-      throw CheckpointError(std::string("checkpoint file is corrupt: ") + e.what());
+      throw bad_header(std::string("not a readable safetensors file: ") + e.what());
     }
     json chunks;
     try {
       chunks = json::parse(reader->metadata().at("keel")).at("chunks");
     } catch (const std::exception&) {
-      throw CheckpointError("checkpoint file " + file + " has no keel chunk table in its safetensors metadata");
+      throw bad_header("no keel chunk table in its safetensors metadata");
     }
     const size_t fi = ck.files_.size();
     ck.file_names_.push_back(name);
     ck.files_.push_back(reader);
     for (const auto& [entry, c] : chunks.items()) {
       const data::SafetensorsTensorInfo* t = reader->find(entry);
-      if (!t) throw CheckpointError("checkpoint file " + file + ": chunk table names '" + entry + "', which is not in the file");
-      Chunk ch{fi, t, c.at("shape").get<std::vector<int64_t>>(), c.at("offset").get<std::vector<int64_t>>()};
-      ck.chunks_[c.at("state").get<std::string>() + "/" + c.at("tensor").get<std::string>()].push_back(std::move(ch));
+      if (!t) throw bad_header("the chunk table names '" + entry + "', which is not in the file");
+      try {
+        Chunk ch{fi, t, c.at("shape").get<std::vector<int64_t>>(), c.at("offset").get<std::vector<int64_t>>()};
+        ck.chunks_[c.at("state").get<std::string>() + "/" + c.at("tensor").get<std::string>()].push_back(std::move(ch));
+      } catch (const json::exception& e) {
+        throw bad_header("the chunk table's entry '" + entry + "' is malformed: " + e.what());
+      }
     }
   }
   return ck;
@@ -536,8 +616,19 @@ std::vector<float> Checkpoint::read_full(const std::string& state, const std::st
   return out;
 }
 
-std::vector<std::string> Checkpoint::verify() const {
-  std::vector<std::string> problems;
+std::string CheckpointProblems::refusal(const std::string& what, const std::string& path) const {
+  std::string msg = damage.empty() ? "refusing to " + what + " checkpoint " + path + ", which holds non-finite values:"
+                                   : "refusing to " + what + " a damaged checkpoint " + path + ":";
+  for (const auto& p : damage) msg += "\n  " + p;
+  for (const auto& p : nonfinite) msg += "\n  " + p;
+  return msg;
+}
+
+CheckpointProblems Checkpoint::verify() const {
+  CheckpointProblems problems;
+  std::vector<std::string>& damage = problems.damage;
+  // inf and NaN per "state/tensor", over all its chunks, for the tensors whose bytes are intact.
+  std::map<std::string, std::array<int64_t, 3>> nonfinite;  // nan, inf, values
   for (size_t f = 0; f < files_.size(); ++f) {
     const std::string& name = file_names_[f];
     const std::string file = (fs::path(path_) / name).string();
@@ -547,58 +638,66 @@ std::vector<std::string> Checkpoint::verify() const {
     for (const auto& t : r.tensors()) {
       auto b = r.bytes(t);
       const std::string got = data::crc32c_hex(data::crc32c(0, b.data(), b.size()));
-      if (!crcs.contains(t.name))
-        problems.push_back(file + ": tensor " + t.name + " has no checksum in meta.json");
-      else if (crcs[t.name].get<std::string>() != got)
-        problems.push_back(file + ": tensor " + t.name + " is corrupt (checksum " + got + ", meta.json says " +
-                           crcs[t.name].get<std::string>() + ")");
+      if (!crcs.contains(t.name)) {
+        damage.push_back(file + ": tensor " + t.name + " has no checksum in meta.json");
+      } else if (crcs[t.name].get<std::string>() != got) {
+        damage.push_back(file + ": tensor " + t.name + " is corrupt (checksum " + got + ", meta.json says " +
+                         crcs[t.name].get<std::string>() + ")");
+      } else if (const auto dt = from_st(t.dtype)) {
+        auto& [nan, inf, values] = nonfinite[t.name.substr(0, t.name.find('#'))];
+        if (*dt == DType::F32) count_nonfinite<uint32_t>(b.data(), t.num_elements(), 0x7f800000u, nan, inf);
+        else count_nonfinite<uint16_t>(b.data(), t.num_elements(), *dt == DType::BF16 ? 0x7f80 : 0x7c00, nan, inf);
+        values += t.num_elements();
+      }
     }
     // The whole file, header included (a damaged header that still parses is caught here).
-    std::ifstream in(file, std::ios::binary);
-    std::vector<char> buf(1 << 20);
-    uint32_t crc = 0;
-    while (in) {
-      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-      crc = data::crc32c(crc, buf.data(), static_cast<size_t>(in.gcount()));
-    }
-    const std::string got = data::crc32c_hex(crc);
+    const std::string got = file_crc32c(file);
     if (got != info.value("crc32c", std::string()))
-      problems.push_back(file + ": file checksum " + got + " does not match meta.json (" +
-                         info.value("crc32c", std::string()) + ")");
+      damage.push_back(file + ": file checksum " + got + " does not match meta.json (" +
+                       info.value("crc32c", std::string()) + ")");
   }
-  // Completeness: every tensor of the saved model, every state the checkpoint claims, fully covered.
+  for (const auto& [tensor, count] : nonfinite) {
+    const auto [nan, inf, values] = count;
+    if (nan + inf == 0) continue;
+    problems.nonfinite.push_back(tensor + " holds " + std::to_string(nan) + " NaN and " + std::to_string(inf) +
+                                 " inf among its " + std::to_string(values) + " values");
+  }
+  if (!problems.nonfinite.empty())
+    problems.nonfinite.push_back(
+        "(these files match their checksums: the values were saved so, by a run whose state had gone non-finite or "
+        "a fault before the save, not damaged on disk; a model or run from them computes NaN. Use an earlier "
+        "checkpoint)");
+  // Completeness: every tensor of the saved model, every state the checkpoint claims, fully
+  // covered. A shape other than the model's is said once per tensor (a meta.json whose model was
+  // edited), not once per state.
   try {
     RunConfig cfg = parse_config(meta_.at("config"), path_ + "/meta.json");
     ParamTable full(cfg.model);
+    std::set<std::string> reshaped;
     for (const std::string& state : meta_.value("states", std::vector<std::string>{})) {
       for (const ParamSpec& p : full.params()) {
         if (!has(state, p.name)) {
-          problems.push_back("checkpoint " + path_ + ": " + state + " of tensor " + p.name + " is missing");
+          damage.push_back("checkpoint " + path_ + ": " + state + " of tensor " + p.name + " is missing");
+          continue;
+        }
+        const std::vector<Chunk>& chunks = chunks_.at(state + "/" + p.name);
+        if (chunks.front().full_shape != p.shape) {
+          if (reshaped.insert(p.name).second)
+            damage.push_back("checkpoint " + path_ + " does not match the model in its meta.json: " +
+                             shape_mismatch(p, chunks.front().full_shape, cfg.model));
           continue;
         }
         int64_t covered = 0;
-        for (const Chunk& c : chunks_.at(state + "/" + p.name)) covered += c.info->num_elements();
+        for (const Chunk& c : chunks) covered += c.info->num_elements();
         if (covered != p.logical_numel())
-          problems.push_back("checkpoint " + path_ + ": " + state + " of tensor " + p.name + " holds " +
-                             std::to_string(covered) + " of its " + std::to_string(p.logical_numel()) + " elements");
+          damage.push_back("checkpoint " + path_ + ": " + state + " of tensor " + p.name + " holds " +
+                           std::to_string(covered) + " of its " + std::to_string(p.logical_numel()) + " elements");
       }
     }
   } catch (const std::exception& e) {
-    problems.push_back("checkpoint " + path_ + ": cannot check completeness: " + e.what());
+    damage.push_back("checkpoint " + path_ + ": cannot check completeness: " + e.what());
   }
   return problems;
-}
-
-// The vocab rows of tok_embed or lm_head differ only by padding (model.pad_vocab_to_multiple_of,
-// which tp may require): say so, and what to do.
-std::string vocab_rows_hint(const ParamSpec& p, const std::vector<int64_t>& stored, const ModelConfig& m) {
-  if ((p.name != "tok_embed" && p.name != "lm_head") || stored.size() != 2 || p.shape.size() != 2 ||
-      stored[1] != p.shape[1] || stored[0] < m.vocab_size || p.shape[0] < m.vocab_size)
-    return "";
-  return " (model.vocab_size " + std::to_string(m.vocab_size) + ", padded to " + std::to_string(stored[0]) +
-         " rows in the checkpoint and to " + std::to_string(p.shape[0]) +
-         " here by model.pad_vocab_to_multiple_of x parallel.tp: a checkpoint's padding is not changed on load; "
-         "match it, or initialise from the Hugging Face model with --init-from hf:DIR, which pads)";
 }
 
 void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table) {
@@ -612,8 +711,7 @@ void check_tensors_match(const Checkpoint& ck, const std::string& state, const P
     if (it == stored.end())
       problems.push_back("tensor " + p.name + " " + shape_str(p.shape) + " is missing from the checkpoint");
     else if (it->second != p.shape)
-      problems.push_back("tensor " + p.name + ": checkpoint has shape " + shape_str(it->second) +
-                         ", the model expects " + shape_str(p.shape) + vocab_rows_hint(p, it->second, table.config()));
+      problems.push_back(shape_mismatch(p, it->second, table.config()));
   }
   for (const auto& [name, shape] : stored)
     if (!expected.count(name)) problems.push_back("tensor " + name + " " + shape_str(shape) + " is not part of this model");
@@ -867,6 +965,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
   // Phase 3: the coordinator merges the manifests into meta.json (the file that makes a save
   // complete), renames the directory into place and points `latest` at it.
   std::string error;
+  int64_t total_bytes = 0;  // every rank's files, from the manifests
   if (p->coordinator) try {
       const fs::path dir(dir_);
       json files = json::object();
@@ -885,6 +984,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count();
       meta["files"] = files;
+      for (const auto& [_, info] : files.items()) total_bytes += info.at("bytes").get<int64_t>();
       meta["meta_crc32c"] = meta_checksum(meta);
       maybe_crash("meta");
       write_text_file_synced((p->tmp / "meta.json").string(), meta.dump(2));
@@ -913,7 +1013,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
 
   SaveResult r;
   r.path = p->final_path.string();
-  r.bytes = p->bytes;
+  r.bytes = p->coordinator ? total_bytes : p->bytes;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - p->start).count();
   r.background = p->background;
   r.write_seconds = p->background ? p->write_seconds : r.seconds;
@@ -1013,11 +1113,8 @@ std::vector<std::string> model_differences(const json& a, const json& b, const s
 
 void require_undamaged(const std::string& path, const std::string& what) {
   const Checkpoint ck = Checkpoint::open(path);
-  if (auto problems = ck.verify(); !problems.empty()) {
-    std::string msg = "refusing to " + what + " a damaged checkpoint " + ck.path() + ":";
-    for (const auto& p : problems) msg += "\n  " + p;
-    throw CheckpointError(msg);
-  }
+  if (const CheckpointProblems problems = ck.verify(); !problems.empty())
+    throw CheckpointError(problems.refusal(what, ck.path()));
 }
 
 TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, const ParamTable& table,
@@ -1239,11 +1336,60 @@ bool would_replace(const fs::path& out, const std::string& in) {
   return !ec && !rel.empty() && *rel.begin() != "..";
 }
 
-void check_new_output(const fs::path& out, bool force, const std::vector<std::string>& inputs) {
-  for (const std::string& in : inputs)
+namespace {
+
+// Is the existing `out` an earlier output of this kind, which --force may replace? An empty
+// folder holds nothing to lose either.
+bool replaceable_output(const fs::path& out, OutputKind kind) {
+  if (!fs::is_directory(out)) return false;
+  if (fs::is_empty(out)) return true;
+  if (kind == OutputKind::HfModel) {
+    if (!fs::is_regular_file(out / "config.json")) return false;
+    for (const auto& e : fs::directory_iterator(out))
+      if (e.path().extension() == ".safetensors") return true;
+    return false;
+  }
+  try {
+    std::ifstream in(out / "meta.json");
+    return json::parse(in).value("format", std::string()) == kFormat;
+  } catch (const std::exception&) {
+    return false;  // no meta.json, or not a keel one
+  }
+}
+
+// What is at `p`, for a refusal: "a file", or "a folder holding a/, b, c and 4 more".
+std::string describe_contents(const fs::path& p) {
+  if (!fs::is_directory(p)) return "a file";
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(p))
+    names.push_back(e.path().filename().string() + (e.is_directory() ? "/" : ""));
+  std::sort(names.begin(), names.end());
+  std::string text = "a folder holding ";
+  for (size_t i = 0; i < names.size() && i < 6; ++i) text += (i ? ", " : "") + names[i];
+  if (names.size() > 6) text += " and " + std::to_string(names.size() - 6) + " more";
+  return text;
+}
+
+}  // namespace
+
+void check_new_output(const fs::path& out, bool force, const std::vector<std::string>& inputs, OutputKind kind) {
+  for (const std::string& in : inputs) {
     if (would_replace(out, in))
       throw ConfigError("the output " + out.string() + " would replace the input " + in + ": pick another folder");
-  if (fs::exists(out) && !force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+    // Inside an input, the output goes when the input is replaced or rotated away.
+    if (!in.empty() && would_replace(in, out.string()))
+      throw ConfigError("the output " + out.string() + " is inside the input " + in +
+                        " (removing or replacing that input, as checkpoint rotation does, would delete it): pick a "
+                        "folder outside it");
+  }
+  if (!fs::exists(out)) return;
+  if (!force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+  if (!replaceable_output(out, kind))
+    throw ConfigError("the output " + out.string() + " exists and is " + describe_contents(out) +
+                      ": --force replaces only an earlier " +
+                      (kind == OutputKind::HfModel ? "Hugging Face model folder (config.json and *.safetensors)"
+                                                   : "keel checkpoint (a folder with a keel meta.json)") +
+                      ". Nothing was changed; pick another folder, or remove this one yourself if it is to go");
 }
 
 fs::path temp_dir_for(const fs::path& out) {

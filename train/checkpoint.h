@@ -81,6 +81,18 @@ std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, 
 
 // ---- reading ---------------------------------------------------------------------------
 
+// What Checkpoint::verify finds. `damage`: the files are not what was saved (a checksum, a
+// size, a missing file or tensor). `nonfinite`: tensors whose files are intact but hold inf or
+// NaN, i.e. were saved so (by a run that went non-finite, or a fault before the save); no run or
+// model can continue from them. Each line names the file or the tensor.
+struct CheckpointProblems {
+  std::vector<std::string> damage, nonfinite;
+  bool empty() const { return damage.empty() && nonfinite.empty(); }
+  // "refusing to <what> a damaged checkpoint <path>:" (or "... checkpoint <path>, which holds
+  // non-finite values:") and every problem, one per line.
+  std::string refusal(const std::string& what, const std::string& path) const;
+};
+
 // The CRC-32C (hex) of a meta.json's content without its own "meta_crc32c" field, over the
 // compact dump (keys sorted): what a save stores in meta_crc32c and open() checks.
 std::string meta_checksum(const nlohmann::json& meta);
@@ -124,9 +136,8 @@ class Checkpoint {
   // page cache), so streaming a large checkpoint through read() keeps a small footprint.
   void release(const std::string& state, const std::string& tensor) const;
 
-  // Checksums and completeness: returns the problems found (empty = sound). Each names the
-  // file and, where it applies, the tensor.
-  std::vector<std::string> verify() const;
+  // Checksums, completeness and finite values: returns the problems found (empty = sound).
+  CheckpointProblems verify() const;
 
  private:
   struct Chunk {
@@ -145,7 +156,7 @@ class Checkpoint {
 
 struct SaveResult {
   std::string path;
-  int64_t bytes = 0;     // this rank's files
+  int64_t bytes = 0;     // the whole checkpoint's files on the coordinating rank (0), this rank's elsewhere
   double seconds = 0;    // from the save's start to its publication
   bool background = false;
   double write_seconds = 0;  // until this rank's files were on disk
@@ -257,11 +268,16 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
                                     const nlohmann::json& source = nlohmann::json::object());
 
 // The output folder of a conversion (keel convert, keel ckpt average), written whole or not at
-// all: check_new_output refuses an existing `out` unless forced (CheckpointError), and an `out`
-// that is or holds one of the `inputs` even when forced (ConfigError: replacing it would destroy
-// the input); the files go to temp_dir_for(out) (a fresh sibling folder), and publish renames it
-// into place (replacing `out` when forced).
-void check_new_output(const std::filesystem::path& out, bool force, const std::vector<std::string>& inputs = {});
+// all: check_new_output refuses an existing `out` unless forced (CheckpointError). Even when
+// forced it refuses (ConfigError) an `out` that is, holds or lies inside one of the `inputs`
+// (replacing it, or a later checkpoint rotation, would destroy the input or the output), and an
+// existing `out` that is not an earlier output of the same `kind` (a run directory, a typo for
+// a folder inside one: --force replaces an output, never a user's other files). The files go
+// to temp_dir_for(out) (a fresh sibling folder), and publish renames it into place (replacing
+// `out` when forced).
+enum class OutputKind { KeelCheckpoint, HfModel };
+void check_new_output(const std::filesystem::path& out, bool force, const std::vector<std::string>& inputs = {},
+                      OutputKind kind = OutputKind::KeelCheckpoint);
 // Is `in` the folder `out` or inside it (so that writing `out` would replace it)?
 bool would_replace(const std::filesystem::path& out, const std::string& in);
 std::filesystem::path temp_dir_for(const std::filesystem::path& out);

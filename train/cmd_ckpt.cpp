@@ -24,6 +24,15 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
+// Prints what verify() found under a heading naming `which` checkpoint; returns whether it is sound.
+bool report_problems(const Checkpoint& ck, const CheckpointProblems& problems, const std::string& which) {
+  if (problems.empty()) return true;
+  std::printf("%s %s%s:\n", problems.damage.empty() ? "NON-FINITE:" : "DAMAGED:", which.c_str(), ck.path().c_str());
+  for (const auto& p : problems.damage) std::printf("  %s\n", p.c_str());
+  for (const auto& p : problems.nonfinite) std::printf("  %s\n", p.c_str());
+  return false;
+}
+
 int cmd_inspect(const std::string& path, const std::string& stats_state) {
   Checkpoint ck = Checkpoint::open(path);
   const auto& m = ck.meta();
@@ -50,12 +59,11 @@ int cmd_inspect(const std::string& path, const std::string& stats_state) {
                 info.value("tensors", nlohmann::json::object()).size());
 
   const auto tensors = ck.tensors(stats_state);
-  if (tensors.empty()) {
+  if (tensors.empty())
     std::printf("  (no %s state to summarise)\n", stats_state.c_str());
-    return kExitOk;
-  }
-  std::printf("\n  %-34s %-16s %-6s %-3s %-3s %-3s  %12s %12s %12s\n", "tensor", "shape", stats_state.c_str(), "mst",
-              "m", "v", "norm", "min", "max");
+  else
+    std::printf("\n  %-34s %-16s %-6s %-3s %-3s %-3s  %12s %12s %12s\n", "tensor", "shape", stats_state.c_str(), "mst",
+                "m", "v", "norm", "min", "max");
   int64_t total = 0;
   for (const auto& [name, shape] : tensors) {
     auto v = ck.read_full(stats_state, name);
@@ -68,15 +76,22 @@ int cmd_inspect(const std::string& path, const std::string& stats_state) {
                 std::string(dtype_name(ck.stored_dtype(stats_state, name))).c_str(), mark("master"), mark("adam_m"),
                 mark("adam_v"), std::sqrt(sq), lo, hi);
   }
-  std::printf("  %zu tensors, %lld parameters\n", tensors.size(), static_cast<long long>(total));
+  if (!tensors.empty()) std::printf("  %zu tensors, %lld parameters\n", tensors.size(), static_cast<long long>(total));
+  // The numbers above mean little if the files are not what was saved: say so.
+  if (!report_problems(ck, ck.verify(), "")) return kExitCheckpointError;
+  std::printf("  every checksum matches and every value is finite\n");
   return kExitOk;
 }
 
 int cmd_diff(const std::string& a_path, const std::string& b_path, int max_report) {
   Checkpoint a = Checkpoint::open(a_path), b = Checkpoint::open(b_path);
   std::printf("diff %s\n     %s\n", a.path().c_str(), b.path().c_str());
+  // A side whose files are not what was saved (or hold inf/NaN) is said first: its differences
+  // are damage, not training.
+  const bool sound = report_problems(a, a.verify(), "the first checkpoint, ") &
+                     report_problems(b, b.verify(), "the second checkpoint, ");
   int64_t compared = 0, differing = 0;
-  std::vector<std::string> notes;
+  std::vector<std::string> notes, reshaped;
   for (const std::string& state : a.states()) {
     const auto ta = a.tensors(state), tb = b.tensors(state);
     if (tb.empty()) {
@@ -89,9 +104,8 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
         notes.push_back(state + "/" + name + " is only in the first checkpoint");
         continue;
       }
-      if (it->second != shape) {
-        notes.push_back(state + "/" + name + ": shapes differ, " + shape_text(shape) + " vs " + shape_text(it->second));
-        ++differing;
+      if (it->second != shape) {  // not compared: listed apart
+        reshaped.push_back(state + "/" + name + ": " + shape_text(shape) + " vs " + shape_text(it->second));
         continue;
       }
       ++compared;
@@ -127,35 +141,38 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
   for (const std::string& state : b.states())
     if (a.tensors(state).empty()) notes.push_back("state " + state + " is only in the second checkpoint");
   for (const auto& n : notes) std::printf("  note: %s\n", n.c_str());
+  for (const auto& r : reshaped) std::printf("  shape differs: %s\n", r.c_str());
   const auto pa = a.progress(), pb = b.progress();
   if (pa.iteration != pb.iteration || pa.consumed_samples != pb.consumed_samples || a.adam_step() != b.adam_step())
     std::printf("  progress differs: iteration %lld vs %lld, consumed samples %lld vs %lld, Adam step %lld vs %lld\n",
                 static_cast<long long>(pa.iteration), static_cast<long long>(pb.iteration),
                 static_cast<long long>(pa.consumed_samples), static_cast<long long>(pb.consumed_samples),
                 static_cast<long long>(a.adam_step()), static_cast<long long>(b.adam_step()));
-  if (differing == 0 && notes.empty()) {
-    std::printf("bitwise equal: %lld tensors compared across %zu states\n", static_cast<long long>(compared),
-                a.states().size());
-    return kExitOk;
+  const char* damaged = sound ? "" : " (and verification fails: see above)";
+  if (differing == 0 && notes.empty() && reshaped.empty()) {
+    std::printf("bitwise equal: %lld tensors compared across %zu states%s\n", static_cast<long long>(compared),
+                a.states().size(), damaged);
+    return sound ? kExitOk : kExitCheckpointError;
   }
-  std::printf("%lld of %lld tensors differ%s\n", static_cast<long long>(differing), static_cast<long long>(compared),
-              differing > max_report ? " (first ones shown)" : "");
-  return kExitFailure;
+  std::printf("%lld of %lld tensors compared differ%s", static_cast<long long>(differing),
+              static_cast<long long>(compared), differing > max_report ? " (first ones shown)" : "");
+  if (!reshaped.empty()) std::printf("; %zu more have other shapes and were not compared", reshaped.size());
+  std::printf("%s\n", damaged);
+  return sound ? kExitFailure : kExitCheckpointError;
 }
 
 int cmd_verify(const std::string& path) {
   Checkpoint ck = Checkpoint::open(path);
-  auto problems = ck.verify();
+  const CheckpointProblems problems = ck.verify();
   if (problems.empty()) {
-    std::printf("ok: %s is complete and every checksum matches (%zu files)\n", ck.path().c_str(),
+    std::printf("ok: %s is complete, every checksum matches and every value is finite (%zu files)\n", ck.path().c_str(),
                 ck.meta().at("files").size());
     if (!ck.meta_checksummed())
       std::printf("note: its meta.json has no checksum of its own (saved by an older keel): the iteration, data "
                   "position and Adam step in it could not be checked\n");
     return kExitOk;
   }
-  std::printf("DAMAGED: %s\n", ck.path().c_str());
-  for (const auto& p : problems) std::printf("  %s\n", p.c_str());
+  report_problems(ck, problems, "");
   return kExitCheckpointError;
 }
 
@@ -256,14 +273,17 @@ Command add_ckpt_command(CLI::App& app) {
   auto args = std::make_shared<CkptArgs>();
   CLI::App* ckpt = app.add_subcommand("ckpt", "Inspect, compare and verify checkpoints");
   ckpt->require_subcommand(1);
-  CLI::App* inspect = ckpt->add_subcommand("inspect", "Step, topology, states and per-tensor norm/min/max");
+  CLI::App* inspect = ckpt->add_subcommand(
+      "inspect", "Step, topology, states and per-tensor norm/min/max, then verification (exit 5 if it fails)");
   inspect->add_option("path", args->path, "Checkpoint (step_* directory or a checkpoints directory)")->required();
   inspect->add_option("--state", args->state, "State to summarise: weight, master, adam_m or adam_v");
-  CLI::App* diff = ckpt->add_subcommand("diff", "Per-tensor differences between two checkpoints (exit 1 if any)");
+  CLI::App* diff = ckpt->add_subcommand(
+      "diff", "Per-tensor differences between two checkpoints (exit 1 if any, 5 if either fails verification)");
   diff->add_option("a", args->path, "First checkpoint")->required();
   diff->add_option("b", args->other, "Second checkpoint")->required();
   diff->add_option("--max", args->max_report, "Differing tensors to list");
-  CLI::App* verify = ckpt->add_subcommand("verify", "Checksums and completeness (exit 5 if damaged)");
+  CLI::App* verify = ckpt->add_subcommand(
+      "verify", "Checksums, completeness and finite values (exit 5 if damaged or holding inf/NaN)");
   verify->add_option("path", args->path, "Checkpoint")->required();
   CLI::App* average = ckpt->add_subcommand(
       "average", "Element-wise mean of checkpoints of one model (fp32 masters when saved) as a weights-only checkpoint");

@@ -1126,7 +1126,7 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
   }
 
   const fs::path out(out_dir);
-  check_new_output(out, /*force=*/true, {ckpt_path, opts.like, like.string()});  // the inputs named or found
+  check_new_output(out, opts.force, {ckpt_path, opts.like, like.string()}, OutputKind::HfModel);  // the inputs
   // The HF folder the checkpoint came from is an input too, though not named on the command
   // line: --force would otherwise replace the original model with this export.
   if (source.is_object()) {
@@ -1135,7 +1135,6 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
       throw ConfigError("the output " + out.string() + " would replace the Hugging Face model " + hf_source + " that " +
                         ck.path() + " comes from (meta.json source.path): pick another folder");
   }
-  check_new_output(out, opts.force);
   const fs::path tmp = temp_dir_for(out);
   ConvertStats st;
   int64_t underflow = 0;

@@ -1,7 +1,9 @@
 #include "train/metrics.h"
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 
 namespace keel {
@@ -53,7 +55,7 @@ nlohmann::json step_record(const StepReport& r) {
 
 MetricsWriter::MetricsWriter(const std::string& path, const std::string& tensorboard_dir)
     : path_(path), out_(path, std::ios::app) {
-  if (!out_) throw std::runtime_error("cannot open metrics file " + path + " for writing");
+  if (!out_) throw std::runtime_error("cannot open metrics file " + path + " for writing: " + std::strerror(errno));
   if (!tensorboard_dir.empty()) tensorboard_ = std::make_unique<TensorBoardWriter>(tensorboard_dir);
 }
 

@@ -819,16 +819,22 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir, &note)) resume_path = *latest;
     if (!note.empty()) notes.push_back(note);
   }
-  auto open_verified = [&](const std::string& path, const std::string& what) {
+  auto open_verified = [&](const std::string& path, const std::string& what, const std::string& flag) {
     Checkpoint ck = Checkpoint::open(path);
     // One rank reads every checksum; the others wait for its verdict.
-    std::vector<std::string> problems;
+    CheckpointProblems problems;
     if (lead) problems = ck.verify();
     if (!all_ok(problems.empty())) {
-      std::string msg = "refusing to " + what + " a damaged checkpoint " + ck.path() + ":";
-      for (const auto& p : problems) msg += "\n  " + p;
-      throw CheckpointError(msg + (problems.empty() ? "\n  (see rank 0's message)" : "") +
-                            "\n(other checkpoints in " + cfg.checkpoint.dir + " are untouched; pass one with --resume)");
+      std::string msg = problems.empty() ? "refusing to " + what + " checkpoint " + ck.path() +
+                                               ", which fails verification (see rank 0's message)"
+                                         : problems.refusal(what, ck.path());
+      // Where to turn instead: the run's other checkpoints, when this one is among them.
+      std::error_code ec;
+      if (fs::equivalent(fs::path(ck.path()).parent_path(), cfg.checkpoint.dir, ec))
+        msg += "\n(other checkpoints in " + cfg.checkpoint.dir + " are untouched; pass one with " + flag + ")";
+      else
+        msg += "\nNothing was changed; pass another checkpoint with " + flag + ".";
+      throw CheckpointError(msg);
     }
     return ck;
   };
@@ -837,7 +843,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   std::string loaded_from, loaded_precision;
   bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
-    Checkpoint ck = open_verified(resume_path, "resume from");
+    Checkpoint ck = open_verified(resume_path, "resume from", "--resume");
     progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
@@ -859,7 +865,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     notes.push_back(init_weights_from_hf(*hf_dir, tr.table(), tr.state(), &loaded_source));
     loaded_from = opts.init_from;
   } else if (!opts.init_from.empty()) {
-    Checkpoint ck = open_verified(opts.init_from, "initialise from");
+    Checkpoint ck = open_verified(opts.init_from, "initialise from", "--init-from");
     notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place));
     loaded_health = ck.meta().value("health", nlohmann::json());
     loaded_topology = ck.meta().value("topology", nlohmann::json());
@@ -924,9 +930,11 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                                                      : ", per-tensor norms as saved"));
   }
   if (progress.iteration >= cfg.train.steps && !opts.eval_only) {
-    if (lead)
+    if (lead) {
+      for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());  // what was loaded, what was ignored
       std::printf("keel: the checkpoint is at iteration %lld and train.steps is %lld: nothing to do\n",
                   static_cast<long long>(progress.iteration), static_cast<long long>(cfg.train.steps));
+    }
     return kExitOk;
   }
 
@@ -950,7 +958,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   } else if (lead) {
     std::error_code ec;
     fs::create_directories(cfg.out, ec);
-    if (ec) throw std::runtime_error("cannot create run directory " + cfg.out + ": " + ec.message());
+    if (ec)
+      throw ConfigError("cannot create the run directory " + cfg.out + " (--out): " + ec.message() +
+                        "; nothing was trained");
     if (std::string note = lock_run_directory(cfg.out, run_lock); !note.empty()) notes.push_back(note);
     // An unwritable checkpoint.dir would otherwise surface at the first save, after the training it was to keep.
     {
@@ -963,12 +973,18 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                               "nothing was trained");
       fs::remove(probe, ec);
     }
-    {
-      std::ofstream c(fs::path(cfg.out) / "config.json");
+    // The run directory's files: one that cannot be written is the --out's fault (exit 2), with the OS's reason.
+    try {
+      const fs::path config_path = fs::path(cfg.out) / "config.json";
+      std::ofstream c(config_path);
+      if (!c) throw std::runtime_error("cannot open " + config_path.string() + " for writing: " + std::strerror(errno));
       c << to_json(cfg).dump(2) << '\n';
+      metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
+                      cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
+    } catch (const std::runtime_error& e) {
+      throw ConfigError(std::string(e.what()) + " (the run directory --out " + cfg.out +
+                        " must be writable); nothing was trained");
     }
-    metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
-                    cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
     print_summary(cfg, tr, train, vals, packed, *backend);
     if (!choices.items.empty()) std::printf("keel: %s\n", choices.describe(cfg).c_str());
     if (sampler.on()) std::printf("keel: %s\n", sampler.describe().c_str());

@@ -674,6 +674,13 @@ TEST_CASE("a checkpoint saved under tp=2 pp=2 dp=2 resumes under tp=1 pp=1 dp=1 
     const Run first = train(ws, ws.dir / "half", {2, 2, 2}, "--stop-at 5");
     INFO(first.output);
     REQUIRE(first.code == 4);
+    // The save's line gives the whole checkpoint's size (every rank's files), not rank 0's part.
+    int64_t bytes = 0;
+    for (const auto& e : fs::directory_iterator(ws.dir / "half/checkpoints/step_00000005"))
+      if (e.path().extension() == ".safetensors") bytes += static_cast<int64_t>(fs::file_size(e.path()));
+    char size[32];
+    std::snprintf(size, sizeof size, " (%.1f MB in ", static_cast<double>(bytes) / 1e6);
+    CHECK_THAT(first.output, Catch::Contains("step_00000005" + std::string(size)));
     for (const Layout& l : std::vector<Layout>{{1, 1, 1}, {2, 1, 4}}) {
       INFO("resumed under " << l.str());
       const std::string out = ws.dir / l.dir("resumed");

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <set>
 #include <thread>
@@ -38,27 +40,13 @@ std::string train_args(const test::Workspace& ws, const std::string& out, const 
 
 // Flips one byte in the middle of a tensor's data inside a safetensors file.
 void flip_byte_in(const std::string& file, const std::string& tensor) {
-  int64_t at = 0;
-  {
-    auto r = data::SafetensorsReader::open(file);
-    const auto& info = r.tensor(tensor);
-    const auto bytes = r.bytes(info);
-    at = static_cast<int64_t>(reinterpret_cast<const char*>(bytes.data()) -
-                              reinterpret_cast<const char*>(r.bytes(r.tensors().front()).data())) +
-         static_cast<int64_t>(fs::file_size(file)) -
-         static_cast<int64_t>([&] {
-           int64_t total = 0;
-           for (const auto& t : r.tensors()) total += t.num_bytes();
-           return total;
-         }()) +
-         info.num_bytes() / 2;
-  }
+  const auto [offset, size] = test::entry_span_in_file(file, tensor);
   std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(at);
+  f.seekg(offset + size / 2);
   char c;
   f.read(&c, 1);
   c = static_cast<char>(c ^ 0x40);
-  f.seekp(at);
+  f.seekp(offset + size / 2);
   f.write(&c, 1);
 }
 
@@ -351,6 +339,82 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
     auto r = run_keel(train_args(ws, out));
     CHECK(r.code == 5);
     CHECK_THAT(r.output, Catch::Contains("refusing to resume") && Catch::Contains("adam_m/layers.0.attn.wq"));
+    // ckpt diff and inspect say so too, naming the side and the tensor (exit 5).
+    auto d = run_keel("ckpt diff " + good + " " + bad);
+    INFO(d.output);
+    CHECK(d.code == 5);
+    CHECK_THAT(d.output, Catch::Contains("DAMAGED: the second checkpoint, " + bad + ":\n") &&
+                             Catch::Contains("adam_m/layers.0.attn.wq is corrupt") &&
+                             Catch::Contains("(and verification fails: see above)"));
+    auto i = run_keel("ckpt inspect " + bad);
+    INFO(i.output);
+    CHECK(i.code == 5);
+    CHECK_THAT(i.output,
+               Catch::Contains("DAMAGED: " + bad + ":\n") && Catch::Contains("adam_m/layers.0.attn.wq is corrupt"));
+    CHECK_THAT(run_keel("ckpt inspect " + good).output,
+               Catch::Contains("every checksum matches and every value is finite"));
+  }
+  SECTION("a damaged checkpoint outside the run: nothing there to turn to") {
+    const std::string copy = ws.dir / "copy";
+    fs::copy(bad, copy, fs::copy_options::recursive);
+    flip_byte_in(copy + "/optim-tp00-pp00-dp00.safetensors", "adam_v/layers.0.attn.wq");
+    for (const std::string flag : {"--resume", "--init-from"}) {
+      auto r = run_keel(train_args(ws, ws.dir / "fresh", flag + " " + copy));
+      INFO(r.output);
+      CHECK(r.code == 5);
+      CHECK_THAT(r.output, Catch::Contains("adam_v/layers.0.attn.wq is corrupt") &&
+                               Catch::Contains("Nothing was changed; pass another checkpoint with " + flag + "."));
+      CHECK_THAT(r.output, !Catch::Contains("other checkpoints in"));
+      CHECK_FALSE(fs::exists(ws.dir / "fresh"));
+    }
+  }
+  SECTION("a flipped byte in a file's header: the file's checksum says it is damaged") {
+    const std::string file = bad + "/model-tp00-pp00.safetensors";
+    std::string bytes = test::read_file(file);
+    uint64_t header = 0;
+    std::memcpy(&header, bytes.data(), 8);
+    const size_t at = bytes.find("final_norm");
+    REQUIRE(at < 8 + header);  // a name in the header
+    bytes[at + 5] = '^';
+    std::ofstream(file, std::ios::binary) << bytes;
+    auto v = run_keel("ckpt verify " + bad);
+    INFO(v.output);
+    CHECK(v.code == 5);
+    CHECK_THAT(v.output, Catch::Contains("checkpoint file " + file + " is damaged: its checksum is ") &&
+                             Catch::Contains("(reading its header: the chunk table names"));
+  }
+  SECTION("a published checkpoint without meta.json lost it: it was not interrupted") {
+    fs::remove(bad + "/meta.json");
+    auto r = run_keel(train_args(ws, out, "--resume " + bad));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(bad + " is not a complete checkpoint: its meta.json is missing (deleted"));
+    CHECK_THAT(r.output, !Catch::Contains("interrupted"));
+  }
+  // Intact files holding inf or NaN were saved so: no checksum catches them, verify does (and
+  // so every load), naming each tensor with its counts.
+  SECTION("values saved as NaN or inf: verify, inspect and a resume refuse, naming the tensor and the count") {
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    test::set_saved_value(bad, "optim-tp00-pp00-dp00.safetensors", "adam_v/layers.1.mlp.w_up", 3, nan);
+    test::set_saved_value(bad, "optim-tp00-pp00-dp00.safetensors", "adam_v/layers.1.mlp.w_up", 5, inf);
+    test::set_saved_value(bad, "model-tp00-pp00.safetensors", "weight/final_norm.weight", 0, -inf);
+    for (const std::string cmd : {"verify", "inspect"}) {
+      auto v = run_keel("ckpt " + cmd + " " + bad);
+      INFO(v.output);
+      CHECK(v.code == 5);
+      CHECK_THAT(v.output, Catch::Contains("NON-FINITE: " + bad + ":\n") &&
+                               Catch::Contains("adam_v/layers.1.mlp.w_up holds 1 NaN and 1 inf among its 2048 "
+                                               "values") &&
+                               Catch::Contains("weight/final_norm.weight holds 0 NaN and 1 inf among its 32 values") &&
+                               Catch::Contains("the values were saved so"));
+      CHECK_THAT(v.output, !Catch::Contains("DAMAGED") && !Catch::Contains("corrupt"));
+    }
+    auto r = run_keel(train_args(ws, out, "--resume " + bad));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output,
+               Catch::Contains("refusing to resume from checkpoint " + bad + ", which holds non-finite values:") &&
+                   Catch::Contains("adam_v/layers.1.mlp.w_up holds 1 NaN"));
   }
   SECTION("a truncated file names the file") {
     fs::resize_file(bad + "/model-tp00-pp00.safetensors", fs::file_size(bad + "/model-tp00-pp00.safetensors") - 64);
@@ -393,7 +457,7 @@ TEST_CASE("a latest pointer that cannot be followed is refused by name, never re
   };
   SECTION("garbage") {
     std::ofstream(dir + "/latest") << "garb\x01" "age\n";
-    refused("names \"garb\\x01age\", which does not exist");
+    refused("names \"garb\\x01age\", which is not a step_* checkpoint in " + dir);
   }
   SECTION("empty") {
     std::ofstream(dir + "/latest") << "";
@@ -408,9 +472,21 @@ TEST_CASE("a latest pointer that cannot be followed is refused by name, never re
     refused("names \"step_00000008\", which is not a complete checkpoint");
     CHECK(fs::exists(dir + "/step_00000008/model-tp00-pp00.safetensors"));
   }
+  // Only the name of a step_* directory beside the pointer is followed: not another run's
+  // checkpoint by a relative or absolute path, not another folder of the directory.
   SECTION("a checkpoint outside the directory") {
     std::ofstream(dir + "/latest") << "../../elsewhere/checkpoints/step_00000004\n";
-    refused("names \"../../elsewhere/checkpoints/step_00000004\", which is not in " + dir);
+    refused("names \"../../elsewhere/checkpoints/step_00000004\", which is not a step_* checkpoint in " + dir);
+  }
+  SECTION("an absolute path, even to a checkpoint of this directory") {
+    std::ofstream(dir + "/latest") << dir + "/step_00000004\n";
+    refused("names \"" + dir + "/step_00000004\", which is not a step_* checkpoint in " + dir +
+            " (keel only follows a pointer to one beside it: the file holds its name, e.g. step_00000004)");
+  }
+  SECTION("a complete checkpoint not named step_*") {
+    fs::copy(dir + "/step_00000004", dir + "/elsewhere", fs::copy_options::recursive);
+    std::ofstream(dir + "/latest") << "elsewhere\n";
+    refused("names \"elsewhere\", which is not a step_* checkpoint in " + dir);
   }
   SECTION("no pointer at all: the newest complete checkpoint, with a note") {
     fs::remove(dir + "/latest");
@@ -489,6 +565,44 @@ TEST_CASE("meta.json has a checksum of its own, and a malformed field is named w
   SECTION("a missing section") {
     test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m.erase("progress"); });
     refused("field progress: missing");
+  }
+  // Global batch and seq_len may change on resume and a rewind skips samples, so no schedule
+  // fixes the count; but the data section repeats it, and no iteration reads less than a sample.
+  SECTION("a data position that disagrees with itself") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["data"]["consumed_samples"] = 40; });
+    refused("field data.consumed_samples: is 40, progress.consumed_samples 32 (both record the data position");
+  }
+  SECTION("fewer samples consumed than iterations") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) {
+      m["progress"]["consumed_samples"] = 3;
+      m["data"]["consumed_samples"] = 3;
+    });
+    refused("field progress.consumed_samples: is 3, fewer than progress.iteration 4");
+  }
+  SECTION("fewer tokens consumed than samples") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["progress"]["consumed_tokens"] = 31; });
+    refused("field progress.consumed_tokens: is 31, fewer than progress.consumed_samples 32");
+  }
+  // A meta.json whose model was edited to another shape (to resume a changed model): each
+  // tensor is named once, with both shapes, not once per state and element count.
+  SECTION("a model edited to another shape") {
+    test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["config"]["model"]["ffn_hidden"] = 96; });
+    auto v = run_keel("ckpt verify " + ck);
+    INFO(v.output);
+    CHECK(v.code == 5);
+    const std::string line = "does not match the model in its meta.json: tensor layers.0.mlp.w_gate: checkpoint has "
+                             "shape [64, 32], the model expects [96, 32]";
+    CHECK_THAT(v.output, Catch::Contains(line) && Catch::Contains("tensor layers.1.mlp.w_down: checkpoint has shape"));
+    CHECK_THAT(v.output, !Catch::Contains("elements"));
+    size_t lines = 0;
+    for (size_t at = v.output.find("layers.0.mlp.w_gate"); at != std::string::npos;
+         at = v.output.find("layers.0.mlp.w_gate", at + 1))
+      ++lines;
+    CHECK(lines == 1);
+    auto r = run_keel(train_args(ws, ws.dir / "resumed", "--set model.ffn_hidden=96 --resume " + ck));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(line));
   }
   SECTION("a checkpoint saved before meta.json had a checksum still loads, and verify says so") {
     nlohmann::json meta = nlohmann::json::parse(std::ifstream(meta_path));
@@ -719,11 +833,71 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
   refused(list + " --out " + ws.dir / "avg_fp32", 5, "already exists (pass --force");
   refused(list + " --out " + in[1] + " --force", 2, "would replace the input");
   CHECK(run_keel("ckpt verify " + in[1]).code == 0);
+  // --force replaces an earlier checkpoint only: not a run directory (nor any other folder or
+  // file), and nothing inside an input, which rotation would delete with it.
+  refused(list + " --out " + in[1] + "/sub", 2, "is inside the input " + in[1]);
+  CHECK(!fs::exists(in[1] + "/sub"));
+  const auto again = run_keel("ckpt average " + list + " --out " + ws.dir / "avg_fp32" + " --force");
+  INFO(again.output);
+  CHECK(again.code == 0);
   test::Workspace other(nlohmann::json{{"model", {{"d_model", 48}}}, {"train", {{"steps", 2}}}});
   REQUIRE(run_keel(train_args(other, other.dir / "run")).code == 0);
+  refused(list + " --out " + other.dir / "run --force", 2,
+          "exists and is a folder holding .lock, checkpoints/, config.json, metrics.jsonl: --force replaces only an "
+          "earlier keel checkpoint");
+  CHECK(run_keel("ckpt verify " + other.dir / "run/checkpoints/step_00000002").code == 0);
   refused(in[0] + " " + other.dir / "run/checkpoints/step_00000002 --out " + ws.dir / "mixed", 5, "model.d_model: this one 48, the first 32");
   CHECK(!fs::exists(ws.dir / "mixed"));
   flip_byte_in(in[2] + "/model-tp00-pp00.safetensors", "weight/layers.1.attn.wq");
   refused(list + " --out " + ws.dir / "damaged", 5, "refusing to average a damaged checkpoint");
   CHECK(!fs::exists(ws.dir / "damaged"));
+}
+
+// ckpt diff compares the tensors the two checkpoints hold in one shape; those whose shapes
+// differ (a padded vocabulary: tok_embed and lm_head in every state) are listed and counted
+// apart, not as compared tensors that differ.
+TEST_CASE("keel ckpt diff lists tensors whose shapes differ apart from the ones it compared", "[ckpt][cli][diff]") {
+  test::Workspace ws(kRun);
+  REQUIRE(run_keel(train_args(ws, ws.dir / "a", "--steps 2")).code == 0);
+  REQUIRE(run_keel(train_args(ws, ws.dir / "b", "--steps 2 --set model.pad_vocab_to_multiple_of=128")).code == 0);
+  const auto d = run_keel("ckpt diff " + ws.dir / "a/checkpoints " + ws.dir / "b/checkpoints");
+  INFO(d.output);
+  CHECK(d.code == 1);
+  for (const char* state : {"weight", "master", "adam_m", "adam_v"})
+    for (const char* tensor : {"tok_embed", "lm_head"})
+      CHECK_THAT(d.output,
+                 Catch::Contains(std::string("shape differs: ") + state + "/" + tensor + ": [64, 32] vs [128, 32]"));
+  CHECK_THAT(d.output, Catch::Contains(" of 76 tensors compared differ") &&
+                           Catch::Contains("; 8 more have other shapes and were not compared"));
+}
+
+// An --out that cannot be made or written is the argument's fault (exit 2), said with the OS's
+// reason, before anything is trained.
+TEST_CASE("a run directory that cannot be written is refused with the reason, exit 2", "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  std::ofstream(ws.dir / "a-file") << "not a directory";
+  auto r = run_keel(train_args(ws, ws.dir / "a-file/run", "--steps 2"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("cannot create the run directory " + ws.dir / "a-file/run" +
+                                       " (--out): Not a directory; nothing was trained"));
+  const std::string out = ws.dir / "run";
+  fs::create_directories(out + "/metrics.jsonl");  // a folder where the metrics file goes
+  r = run_keel(train_args(ws, out, "--steps 2"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("cannot open metrics file " + out + "/metrics.jsonl for writing: Is a directory "
+                                       "(the run directory --out " + out + " must be writable); nothing was trained"));
+  CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000002"));
+}
+
+TEST_CASE("--init-from into a run that is already complete says that it is ignored", "[ckpt][cli]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", ck = out + "/checkpoints/step_00000004";
+  REQUIRE(run_keel(train_args(ws, out, "--steps 4")).code == 0);
+  const auto r = run_keel(train_args(ws, out, "--steps 4 --init-from " + ck));
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("--init-from " + ck + " is ignored: it only initialises a fresh run") &&
+                           Catch::Contains("train.steps is 4: nothing to do"));
 }

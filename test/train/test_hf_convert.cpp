@@ -592,6 +592,27 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
   REQUIRE(after.size() == original.size());
   for (const auto& [name, t] : original) CHECK(after.at(name).bytes == t.bytes);
   CHECK(after.begin()->second.dtype == "BF16");
+
+  // --force replaces an earlier output of the same kind, never other files (a run directory, a
+  // typo for a folder in one), and never writes inside an input.
+  std::ofstream(tmp / "taken/notes.txt") << "mine";
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(kHf + "llama_tied", tmp / "taken", std::nullopt, true); }),
+             Catch::Contains("exists and is a folder holding notes.txt: --force replaces only an earlier keel "
+                             "checkpoint"));
+  CHECK(fs::exists(tmp / "taken/notes.txt"));
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(d, d + "/sub", std::nullopt, true); }),
+             Catch::Contains("is inside the input " + d));
+  over.like = d;
+  CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", tmp / "self_keel/sub", over); }),
+             Catch::Contains("is inside the input"));
+  CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", tmp / "taken", over); }),
+             Catch::Contains("--force replaces only an earlier Hugging Face model folder"));
+  CHECK(fs::exists(tmp / "taken/notes.txt"));
+  convert_hf_to_keel(d, tmp / "self_keel", std::nullopt, true);  // an earlier checkpoint: replaced
+  export_keel_to_hf(tmp / "self_keel", tmp / "exported", over);
+  export_keel_to_hf(tmp / "self_keel", tmp / "exported", over);  // an earlier export: replaced
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(kHf + "llama_tied", tmp / "exported", std::nullopt, true); }),
+             Catch::Contains("--force replaces only an earlier keel checkpoint"));
 }
 
 // Seed 000: finetuning converted weights in bf16 must continue from the pretrained loss. The
