@@ -235,9 +235,14 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
       }
       parameters += n;
     };
-    nlohmann::json source = {{"kind", "average"}, {"checkpoints", nlohmann::json::array()}};
+    // The first input's lineage (its HF model and dtype, the checkpoints it started from), with
+    // the inputs ahead in init_from: the average exports, samples and chats as a finetune does,
+    // finding the tokenizer and chat template where its inputs would.
+    nlohmann::json source = cks[0].meta().value("source", nlohmann::json::object());
+    for (size_t k = cks.size(); k-- > 0;) source = source_with_init_from(source, cks[k].path());
+    source["average"] = nlohmann::json::array();
     for (size_t k = 0; k < cks.size(); ++k)
-      source["checkpoints"].push_back(
+      source["average"].push_back(
           {{"path", cks[k].path()}, {"iteration", cks[k].progress().iteration}, {"state", states[k]}});
     const SaveResult saved = write_weights_checkpoint(tmp.string(), cfg, dtype, fill, source);
     // The tokenizer and HF side files of the first checkpoint come along (keel sample, convert).

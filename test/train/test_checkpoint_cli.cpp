@@ -797,7 +797,12 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
     CHECK_THAT(r.output, Catch::Contains("averaged 3 checkpoints") && Catch::Contains("(iteration 8, fp32 masters)"));
     CHECK(run_keel("ckpt verify " + avg).code == 0);
     const Checkpoint a = Checkpoint::open(avg);
-    CHECK(a.meta()["source"]["kind"] == "average");
+    const nlohmann::json& source = a.meta()["source"];
+    REQUIRE(source["average"].size() == 3);
+    for (size_t k = 0; k < 3; ++k) {
+      CHECK(source["average"][k]["path"] == Checkpoint::open(in[k]).path());
+      CHECK(source["init_from"][k] == fs::absolute(Checkpoint::open(in[k]).path()).lexically_normal().string());
+    }
     std::vector<Checkpoint> cks;
     for (const std::string& p : in) cks.push_back(Checkpoint::open(p));
     const ParamTable table(parse_config(a.meta().at("config"), "meta.json").model);

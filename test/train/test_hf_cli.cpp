@@ -527,9 +527,9 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
   };
   const std::vector<int32_t> prompt_ids = ids_after(chat(ck), "prompt ids");
   REQUIRE(prompt_ids.size() > 5);
-  // A run's checkpoints chat through the converted checkpoint's template.
-  auto chats_as_converted = [&](const std::string& run) {
-    const std::string out = chat(run + "/checkpoints");
+  // A finetune's checkpoints chat through the converted checkpoint's template.
+  auto chats_as_converted = [&](const std::string& checkpoint) {
+    const std::string out = chat(checkpoint);
     INFO(out);
     CHECK_THAT(out, Catch::Contains("chat template of " + ck + "/tokenizer_config.json"));
     CHECK(ids_after(out, "prompt ids") == prompt_ids);
@@ -541,7 +541,7 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
   INFO(r.output);
   REQUIRE(r.code == 0);
   train(ck, tmp / "chat", tmp / "run");
-  chats_as_converted(tmp / "run");
+  chats_as_converted(tmp / "run/checkpoints");
   // Export without --like takes the tokenizer files from the converted checkpoint.
   r = run_keel("convert " + tmp / "run/checkpoints hf:" + tmp / "export");
   INFO(r.output);
@@ -550,7 +550,18 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
 
   // Data without a template (plain text): the template of the checkpoint the run started from.
   train(ck, "", tmp / "run_text");
-  chats_as_converted(tmp / "run_text");
+  chats_as_converted(tmp / "run_text/checkpoints");
+
+  // A soup of the two finetunes carries their lineage: it chats, and exports complete in the
+  // source's dtype, as each of them does.
+  r = run_keel("ckpt average " + tmp / "run/checkpoints " + tmp / "run_text/checkpoints --out " + tmp / "soup");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  chats_as_converted(tmp / "soup");
+  r = run_keel("convert " + tmp / "soup hf:" + tmp / "soup_export");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("copied tokenizer.json, tokenizer_config.json") && !Catch::Contains("not written"));
 
   // A base model made a chat model with a template of one's own (tokenize --chat-template):
   // the run learnt that template, so sample --chat uses it.
