@@ -12,6 +12,7 @@
 #include <set>
 
 #include "data/checksum.h"
+#include "train/model_loading.h"
 
 namespace keel {
 
@@ -1085,6 +1086,15 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
       for (const std::string& f : hf_side_files())
         if (like.empty() && fs::exists(d / f)) like = d;
   }
+  // Else (a run from scratch) the tokenizer its training data was made with, beside the data,
+  // where keel sample finds it too.
+  bool like_is_data = false;
+  if (like.empty() && !fs::exists(fs::path(ck.path()) / "tokenizer.json"))
+    for (const fs::path& d : data_tokenizer_dirs(cfg))
+      if (like.empty() && fs::exists(d / "tokenizer.json")) {
+        like = d;
+        like_is_data = true;
+      }
 
   // --dtype auto: the HF model's own dtype (fp16 into bf16 would lose mantissa bits), else bf16.
   std::optional<DType> source_dtype;
@@ -1202,6 +1212,9 @@ ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& 
                       {{"metadata", {{"total_size", total}, {"total_parameters", st.parameters}}}, {"weight_map", weight_map}});
     write_json_file(tmp / "config.json", c);
     if (!like.empty()) st.copied = copy_side_files(like, tmp);
+    if (like_is_data)
+      st.notes.push_back("the tokenizer files come from " + like.string() +
+                         ", beside the run's training data (data.train): the checkpoint records no Hugging Face source");
     for (const std::string& f : hf_side_files())  // the checkpoint's own copies win
       if (fs::exists(fs::path(ck.path()) / f)) {
         fs::copy_file(fs::path(ck.path()) / f, tmp / f, fs::copy_options::overwrite_existing);

@@ -24,6 +24,7 @@
 #include "common/error_of.h"
 #include "common/fixture.h"
 #include "common/hf_weights.h"
+#include "common/workspace.h"
 #include "common/temp_dir.h"
 #include "data/sampler.h"
 #include "model/generator.h"
@@ -890,6 +891,18 @@ TEST_CASE("hf: export without a source for the tokenizer and token ids says what
   CHECK_FALSE(fs::exists(tmp / "bare/tokenizer.json"));
   CHECK_THAT(notes_of(st), Catch::Contains("not written: tokenizer.json, generation_config.json and bos/eos token ids") &&
                                Catch::Contains("pass --like DIR"));
+  // With a tokenizer beside its training data (as prepare_data.py and keel tokenize leave it),
+  // the export takes that one, as keel sample does, and says where it came from.
+  const fs::path data = fs::path(tmp / "data");
+  fs::create_directories(data);
+  fs::copy_file(kHf + "llama_sharded/tokenizer.json", data / "tokenizer.json");
+  test::edit_checkpoint_meta(k.string(), [&](json& meta) {
+    meta["config"]["data"]["train"] = json::array({(data / "train_*.bin").string()});
+  });
+  const ConvertStats from_data = export_keel_to_hf(tmp / "keel", tmp / "from_data", opts);
+  CHECK(test::read_file(tmp / "from_data/tokenizer.json") == test::read_file(kHf + "llama_sharded/tokenizer.json"));
+  CHECK_THAT(notes_of(from_data), Catch::Contains("the tokenizer files come from " + data.string()) &&
+                                      Catch::Contains("not written: generation_config.json and bos/eos token ids"));
 }
 
 TEST_CASE("hf: a folder with both model.safetensors and an index reads the single file, as transformers does", "[hf]") {
