@@ -66,24 +66,7 @@ data::ChatTemplate find_chat_template(const LoadedModel& lm, const SampleArgs& a
   if (!a.model.tokenizer.empty())
     where.push_back(fs::is_directory(a.model.tokenizer) ? fs::path(a.model.tokenizer) : fs::path(a.model.tokenizer).parent_path());
   where.insert(where.end(), lm.chat_templates.begin(), lm.chat_templates.end());
-  std::string looked;
-  for (size_t i = 0; i < where.size(); ++i) {
-    const fs::path& w = where[i];
-    if (w.empty() || std::find(where.begin(), where.begin() + i, w) != where.begin() + i) continue;
-    if (!fs::exists(w)) {  // a recorded source that has moved: say so, it may be why none is found
-      looked += "\n  " + w.string() + " (does not exist)";
-      continue;
-    }
-    try {
-      return data::ChatTemplate::from_path(w.string());
-    } catch (const data::DataError&) {
-      looked += "\n  " + w.string();
-    }
-  }
-  throw ConfigError("--chat: no chat template found for " + lm.source + " (chat_template.jinja, or tokenizer_config.json's "
-                    "\"chat_template\"); looked in:" + looked +
-                    "\npass --chat-template FILE (a .jinja file, a tokenizer_config.json or a model folder; a base model has "
-                    "none)");
+  return first_chat_template(where, lm.source);
 }
 
 int cmd_sample(const SampleArgs& a) {

@@ -1,10 +1,13 @@
 // `keel tokenize`: a JSON-lines or plain-text corpus to the token files keel trains on, with the
 // model's tokenizer.json, in parallel and without Python (data/tokenize_corpus.h).
 #include <cstdio>
+#include <filesystem>
 
 #include "data/tokenize_corpus.h"
+#include "train/checkpoint.h"
 #include "train/commands.h"
 #include "train/config.h"
+#include "train/model_loading.h"
 #include "train/run.h"
 
 namespace keel {
@@ -17,6 +20,32 @@ struct TokenizeArgs {
   std::string pack_overflow;                                  // "": the default of data/tokenize_corpus.h
   bool eot_given = false;                                     // --eot-token on the command line
 };
+
+// --tokenizer a keel checkpoint (a finetune's, tokenizing for its next stage), which holds no
+// tokenizer.json of its own: the tokenizer, and for --chat the template, that keel sample would
+// use for it (checkpoint_assets: its run, the checkpoints and HF model it came from, its data).
+void use_checkpoint_assets(data::TokenizeOptions& o) {
+  namespace fs = std::filesystem;
+  const fs::path dir(o.tokenizer);
+  if (!fs::is_directory(dir) || fs::exists(dir / "tokenizer.json") ||
+      !(fs::exists(dir / "meta.json") || fs::exists(dir / "latest") || fs::exists(dir / "checkpoints")))
+    return;
+  const Checkpoint ck = Checkpoint::open(fs::exists(dir / "checkpoints") ? (dir / "checkpoints").string() : o.tokenizer);
+  const AssetTrail trail = checkpoint_assets(ck);
+  const std::string found = locate_tokenizer(trail.tokenizer_dirs, "");
+  if (found.empty()) {
+    std::string looked;
+    for (const fs::path& d : trail.tokenizer_dirs) looked += "\n  " + (d / "tokenizer.json").string();
+    throw ConfigError("--tokenizer " + o.tokenizer + ": the keel checkpoint " + ck.path() +
+                      " has no tokenizer.json along its trail; looked at:" + looked + "\npass the tokenizer.json it was trained with");
+  }
+  std::printf("keel: --tokenizer %s is a keel checkpoint: its tokenizer is %s\n", o.tokenizer.c_str(), found.c_str());
+  o.tokenizer = found;
+  if (o.chat && o.chat_template.empty()) {
+    o.chat_template = first_chat_template(trail.chat_templates, ck.path()).origin();
+    std::printf("keel: its chat template: %s\n", o.chat_template.c_str());
+  }
+}
 
 int cmd_tokenize(TokenizeArgs a) {
   data::TokenizeOptions& o = a.o;
@@ -37,6 +66,7 @@ int cmd_tokenize(TokenizeArgs a) {
                       : a.pack_overflow == "truncate" ? data::PackOverflow::truncate
                                                       : data::PackOverflow::split;
   if (o.tokenizer.starts_with("hf:")) o.tokenizer = o.tokenizer.substr(3);
+  use_checkpoint_assets(o);
   if (!o.jsonl.empty() && a.doc_split != "file") throw ConfigError("--doc-split applies to --text only");
   try {
     data::tokenize_corpus(o, [](const std::string& line) {
@@ -60,7 +90,7 @@ Command add_tokenize_command(CLI::App& app) {
   auto* jsonl = c->add_option("--jsonl", o.jsonl, "JSON-lines files: one object per line, the document in --text-key");
   c->add_option("--text", o.text, "Plain text files (one document per file, paragraph or line: --doc-split)")
       ->excludes(jsonl);
-  c->add_option("--tokenizer", o.tokenizer, "tokenizer.json, or a folder holding one (a converted checkpoint, hf:DIR)")
+  c->add_option("--tokenizer", o.tokenizer, "tokenizer.json, or a folder holding one (a converted checkpoint, hf:DIR), or a keel checkpoint or run directory (its tokenizer, as keel sample finds it)")
       ->required();
   c->add_option("-o,--out", o.out, "Output folder (token files, meta.json, tokenizer.json)")->required();
   c->add_option("--text-key", o.text_key, "JSON field holding the document (default: text)");

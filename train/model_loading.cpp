@@ -83,19 +83,50 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
   }
   const json source = ck.meta().value("source", json());
   if (source.is_object() && source.contains("hf_config") && lm.hf_config.is_null()) lm.hf_config = source["hf_config"];
+  AssetTrail trail = checkpoint_assets(ck);
+  lm.tokenizer_dirs = std::move(trail.tokenizer_dirs);
+  lm.chat_templates = std::move(trail.chat_templates);
+  return lm;
+}
+
+AssetTrail checkpoint_assets(const Checkpoint& ck) {
+  const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
+  const fs::path p = ck.path();
   const std::vector<fs::path> own = {p, p.parent_path(), p.parent_path().parent_path()};
-  const std::vector<fs::path> sources = source_dirs(source), data_dirs = data_tokenizer_dirs(cfg);
+  const std::vector<fs::path> sources = source_dirs(ck.meta().value("source", json())), data_dirs = data_tokenizer_dirs(cfg);
   auto append = [](std::vector<fs::path>& to, const std::vector<fs::path>& more) { to.insert(to.end(), more.begin(), more.end()); };
-  lm.tokenizer_dirs = own;
-  append(lm.tokenizer_dirs, sources);
-  append(lm.tokenizer_dirs, data_dirs);
+  AssetTrail t;
+  t.tokenizer_dirs = own;
+  append(t.tokenizer_dirs, sources);
+  append(t.tokenizer_dirs, data_dirs);
   // The chat template: the same trail, but the template the training data was rendered with
   // comes before the source model's, as that is the one the run learnt.
-  lm.chat_templates = own;
-  append(lm.chat_templates, data_chat_templates(cfg));
-  append(lm.chat_templates, sources);
-  append(lm.chat_templates, data_dirs);
-  return lm;
+  t.chat_templates = own;
+  append(t.chat_templates, data_chat_templates(cfg));
+  append(t.chat_templates, sources);
+  append(t.chat_templates, data_dirs);
+  return t;
+}
+
+data::ChatTemplate first_chat_template(const std::vector<fs::path>& where, const std::string& model) {
+  std::string looked;
+  for (size_t i = 0; i < where.size(); ++i) {
+    const fs::path& w = where[i];
+    if (w.empty() || std::find(where.begin(), where.begin() + i, w) != where.begin() + i) continue;
+    if (!fs::exists(w)) {  // a recorded source that has moved: say so, it may be why none is found
+      looked += "\n  " + w.string() + " (does not exist)";
+      continue;
+    }
+    try {
+      return data::ChatTemplate::from_path(w.string());
+    } catch (const data::DataError&) {
+      looked += "\n  " + w.string();
+    }
+  }
+  throw ConfigError("--chat: no chat template found for " + model + " (chat_template.jinja, or tokenizer_config.json's "
+                    "\"chat_template\"); looked in:" + looked +
+                    "\npass --chat-template FILE (a .jinja file, a tokenizer_config.json or a model folder; a base model has "
+                    "none)");
 }
 
 std::vector<fs::path> data_tokenizer_dirs(const RunConfig& cfg) {

@@ -12,9 +12,11 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "data/chat_template.h"
 #include "data/tokenizer.h"
 #include "kernels/backend.h"
 #include "model/param_table.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 
 namespace keel {
@@ -66,6 +68,20 @@ struct InferenceModel {
   InferenceModel(const InferenceModel&) = delete;
   InferenceModel& operator=(const InferenceModel&) = delete;
 };
+
+// Where a keel checkpoint's tokenizer.json and chat template are found, best first: its own
+// folders (the step, checkpoints and run directories), the checkpoints and HF model it came
+// from (meta.json source), and its training data's folders and the template the data was
+// rendered with (which comes before the source model's for chat: it is the one the run learnt).
+struct AssetTrail {
+  std::vector<std::filesystem::path> tokenizer_dirs, chat_templates;
+};
+AssetTrail checkpoint_assets(const Checkpoint& ck);
+
+// The first chat template found along `where` (folders, tokenizer_config.json or .jinja files);
+// none: a ConfigError for `model` listing where it looked (and which recorded places are gone)
+// and suggesting --chat-template.
+data::ChatTemplate first_chat_template(const std::vector<std::filesystem::path>& where, const std::string& model);
 
 // Where prepare_data.py puts tokenizer.json: the folders of the data.train files.
 std::vector<std::filesystem::path> data_tokenizer_dirs(const RunConfig& cfg);

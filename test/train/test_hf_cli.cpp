@@ -542,6 +542,18 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
   REQUIRE(r.code == 0);
   train(ck, tmp / "chat", tmp / "run");
   chats_as_converted(tmp / "run/checkpoints");
+  // Data for a next stage, tokenized for the finetune (its run directory): the tokenizer and
+  // template it was trained with, so the same token files.
+  r = run_keel("tokenize --jsonl " + tmp / "chats.jsonl" + " --chat --tokenizer " + tmp / "run" + " --out " + tmp / "chat2" +
+               " --val-fraction 0.1");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("is a keel checkpoint: its tokenizer is " + ck + "/tokenizer.json"));
+  for (const char* f : {"train_000.bin", "train_000.mask", "val_000.bin"}) {
+    INFO(f);
+    REQUIRE(fs::exists(tmp / "chat/" + f));
+    CHECK(test::read_file(tmp / "chat2/" + f) == test::read_file(tmp / "chat/" + f));
+  }
   // Export without --like takes the tokenizer files from the converted checkpoint.
   r = run_keel("convert " + tmp / "run/checkpoints hf:" + tmp / "export");
   INFO(r.output);
