@@ -9,6 +9,7 @@
 
 #include "kernels/dtype.h"
 #include "train/checkpoint.h"
+#include "train/cli_checks.h"
 #include "train/commands.h"
 #include "train/hf_format.h"
 #include "train/model_loading.h"
@@ -286,7 +287,7 @@ Command add_ckpt_command(CLI::App& app) {
       "diff", "Per-tensor differences between two checkpoints (exit 1 if any, 5 if either fails verification)");
   diff->add_option("a", args->path, "First checkpoint")->required();
   diff->add_option("b", args->other, "Second checkpoint")->required();
-  diff->add_option("--max", args->max_report, "Differing tensors to list");
+  diff->add_option("--max", args->max_report, "Differing tensors to list")->check(cli::integer<int>(0));
   CLI::App* verify = ckpt->add_subcommand(
       "verify", "Checksums, completeness and finite values (exit 5 if damaged or holding inf/NaN)");
   verify->add_option("path", args->path, "Checkpoint")->required();

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "train/cli_checks.h"
 #include "train/commands.h"
 #include "train/hf_format.h"
 #include "train/plan.h"
@@ -84,7 +85,8 @@ Command add_convert_command(CLI::App& app) {
   c->add_option("--dtype", args->dtype,
                 "Weight dtype: auto (import: keep the HF dtype bit for bit; export: the dtype of the HF model the "
                 "checkpoint came from, else bf16), bf16, fp16, fp32");
-  c->add_option("--max-shard-size", args->max_shard, "Export: largest safetensors file before sharding (default 5GiB)");
+  c->add_option("--max-shard-size", args->max_shard, "Export: largest safetensors file before sharding (default 5GiB)")
+      ->check(cli::memory_size());
   c->add_option("--like", args->like,
                 "Export: take config.json fields and tokenizer files from this HF directory or keel convert "
                 "output (default: the checkpoint's own, or the one it was converted from)");

@@ -3,6 +3,7 @@
 // Exit codes: 0 healthy (hang: a report was built), 1 problems found, 5 unreadable checkpoint.
 #include <cstdio>
 
+#include "train/cli_checks.h"
 #include "train/commands.h"
 #include "train/doctor.h"
 #include "train/parallel/hang_report.h"
@@ -49,15 +50,17 @@ Command add_doctor_command(CLI::App& app) {
   frozen->add_option("b", args->b, "Later checkpoint")->required();
   frozen->add_option("--threshold", args->frozen.threshold,
                      "Fraction of unchanged elements that makes a tensor frozen (default 0.99)")
-      ->check(CLI::Range(0.0, 1.0));
-  frozen->add_option("--max", args->frozen.max_moving, "Moving tensors to list (least-moving first)");
+      ->check(cli::number(0, 1));
+  frozen->add_option("--max", args->frozen.max_moving, "Moving tensors to list (least-moving first)")
+      ->check(cli::integer<int>(0));
   CLI::App* ckpt = doc->add_subcommand("ckpt", "Audit optimizer state, masters vs weights, weight-decay groups");
   ckpt->add_option("path", args->path, "Checkpoint (step_* directory or a checkpoints directory)")->required();
   CLI::App* metrics = doc->add_subcommand("metrics", "Spikes, skipped/nan steps, loss-scale history, resumes, validation");
   metrics->add_option("files", args->files, "metrics.jsonl file(s)")->required();
-  metrics->add_option("--z", args->metrics.z, "Spike threshold in standard deviations (default 4)");
+  metrics->add_option("--z", args->metrics.z, "Spike threshold in standard deviations (default 4)")
+      ->check(cli::positive_number());
   metrics->add_option("--window", args->metrics.window, "Steps in the running statistics (default 50)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::integer<int>(1));
   CLI::App* hang = doc->add_subcommand("hang", "Which ranks a hung job waited for, from its hang-rank*.json dumps");
   hang->add_option("dir", args->path, "Dump directory, or the run directory holding hang/")->required();
   return {doc, [args, frozen, ckpt, metrics, hang]() -> int {

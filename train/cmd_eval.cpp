@@ -11,6 +11,7 @@
 
 #include "train/checkpoint.h"
 #include "train/choice_eval.h"
+#include "train/cli_checks.h"
 #include "train/commands.h"
 #include "train/model_loading.h"
 #include "train/parallel/mpi_comm.h"
@@ -186,14 +187,15 @@ Command add_eval_command(CLI::App& app) {
   c->add_option("--choices", s.choices,
                 "JSONL items: {\"context\", \"endings\": [...], \"label\"} or {\"context_ids\", \"ending_ids\", \"label\"}")
       ->required();
-  c->add_option("--limit", s.limit, "Score only the first N items")->check(CLI::PositiveNumber);
+  c->add_option("--limit", s.limit, "Score only the first N items")->check(cli::integer<int64_t>(1));
   c->add_option("--scores", s.scores, "Write each item's ending log-likelihoods and picks to this JSONL file");
-  c->add_option("--rows", s.rows,
+  CLI::Option* rows = c->add_option("--rows", s.rows,
                 "Pack the endings into rows of --seq-len tokens and score this many rows per forward, as keel "
                 "train's choice_eval does (default: one item at a time, the context once, with a KV cache)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::integer<int64_t>(1));
   c->add_option("--seq-len", s.seq_len, "Row length for --rows (default: the model's positions, at most 1024)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::integer<int64_t>(1))
+      ->needs(rows);  // the cached scoring has no rows: alone it would be ignored
   c->footer(
       "Examples:\n"
       "  keel eval --checkpoint out/gpt2-124m/checkpoints --choices data/hellaswag_val.jsonl\n"

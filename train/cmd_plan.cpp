@@ -3,6 +3,7 @@
 #include <iostream>
 #include <optional>
 
+#include "train/cli_checks.h"
 #include "train/commands.h"
 #include "train/config.h"
 #include "train/plan.h"
@@ -110,19 +111,23 @@ Command add_plan_command(CLI::App& app) {
   c->add_option("--set", pa.sets, "Override a config field, as for `keel train` (repeatable)")
       ->type_name("KEY=VALUE")
       ->take_all();
-  c->add_option("--gpus", pa.gpus, "GPUs to plan for (default: the config's tp*pp*dp)")->check(CLI::PositiveNumber);
+  c->add_option("--gpus", pa.gpus, "GPUs to plan for (default: the config's tp*pp*dp)")
+      ->check(cli::integer<int64_t>(1));
   c->add_option("--gpus-per-node", pa.gpus_per_node, "GPUs per node; TP stays inside a node")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cli::integer<int64_t>(1));
   c->add_option("--gpu-mem", pa.gpu_mem,
                 "Memory per GPU: 80GiB, 81920MiB, 40G (K/M/G/T and KiB/MiB/GiB/TiB are powers of 2), "
                 "80GB (KB/MB/GB/TB are powers of 10)")
-      ->capture_default_str();
-  c->add_option("--tp", pa.tp, "Pin the tensor-parallel size")->check(CLI::PositiveNumber);
-  c->add_option("--pp", pa.pp, "Pin the pipeline-parallel size")->check(CLI::PositiveNumber);
-  c->add_option("--dp", pa.dp, "Pin the data-parallel size")->check(CLI::PositiveNumber);
-  c->add_option("--mbs", pa.mbs, "Pin the micro-batch size")->check(CLI::PositiveNumber);
-  c->add_option("--max-mbs", pa.max_mbs, "Largest micro-batch size tried")->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(cli::memory_size());
+  c->add_option("--tp", pa.tp, "Pin the tensor-parallel size")->check(cli::integer<int64_t>(1));
+  c->add_option("--pp", pa.pp, "Pin the pipeline-parallel size")->check(cli::integer<int64_t>(1));
+  c->add_option("--dp", pa.dp, "Pin the data-parallel size")->check(cli::integer<int64_t>(1));
+  c->add_option("--mbs", pa.mbs, "Pin the micro-batch size")->check(cli::integer<int64_t>(1));
+  c->add_option("--max-mbs", pa.max_mbs, "Largest micro-batch size tried")
+      ->capture_default_str()
+      ->check(cli::integer<int64_t>(1));
   c->add_flag("--embedding-slot", pa.embedding_slot,
               "Give the embedding and the head their own pipeline slot each (layers+2 slots over pp)");
   c->add_option("--virtual-stages", pa.virtual_stages,
@@ -148,27 +153,29 @@ Command add_plan_command(CLI::App& app) {
                 "BLOOM 200B benchmarks, seed 001)")
       ->capture_default_str()
       ->check(CLI::IsMember({"keel", "mds-fp16", "mds-bf16"}));
-  c->add_option("--cuda-context", pa.cuda_context, "CUDA context + workspace per GPU (default 1.5GiB)");
-  c->add_option("--headroom", pa.headroom, "Fraction of GPU memory kept free (default 0.05)")->check(CLI::Range(0.0, 0.9));
+  c->add_option("--cuda-context", pa.cuda_context, "CUDA context + workspace per GPU (default 1.5GiB)")
+      ->check(cli::memory_size());
+  c->add_option("--headroom", pa.headroom, "Fraction of GPU memory kept free (default 0.05)")
+      ->check(cli::number(0, 0.9));
   c->add_option("--tflops", pa.tflops, "Achievable dense bf16 TFLOP/s per GPU on well-shaped matmuls")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cli::positive_number());
   c->add_option("--sm-count", pa.sm_count, "Streaming multiprocessors (wave quantization; A100: 108, H100: 132)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cli::integer<int>(1));
   c->add_option("--intra-gbps", pa.intra_gbps, "GB/s per GPU inside a node (NVLink)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cli::positive_number());
   c->add_option("--inter-gbps", pa.inter_gbps, "GB/s per GPU between nodes")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cli::positive_number());
   c->add_option("--hbm-gbps", pa.hbm_gbps, "Achievable GB/s of GPU memory (element-wise ops)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cli::positive_number());
   c->add_option("--mb-overhead-ms", pa.mb_overhead_ms, "Fixed cost per micro-batch per pipeline stage (ms)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  c->add_option("--top", pa.top, "Feasible layouts listed")->capture_default_str()->check(CLI::PositiveNumber);
+      ->check(cli::number(0));
+  c->add_option("--top", pa.top, "Feasible layouts listed")->capture_default_str()->check(cli::integer<int>(1));
   c->add_flag("--all", pa.all, "List every rejected layout");
   c->add_flag("--json", pa.json, "Machine-readable output");
   c->footer(

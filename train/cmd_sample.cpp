@@ -12,6 +12,7 @@
 #include "data/tokenizer.h"
 #include "model/generator.h"
 #include "train/checkpoint.h"
+#include "train/cli_checks.h"
 #include "train/commands.h"
 #include "train/model_loading.h"
 #include "train/run.h"
@@ -186,16 +187,17 @@ Command add_sample_command(CLI::App& app) {
   c->add_option("--system", s.system, "--chat: a system message before the user's");
   c->add_option("--chat-template", s.chat_template,
                 "--chat: a .jinja file, tokenizer_config.json or model folder (default: the model's)");
-  c->add_option("-n,--max-new-tokens", s.max_new_tokens, "Tokens to generate (default 64)")->check(CLI::PositiveNumber);
+  c->add_option("-n,--max-new-tokens", s.max_new_tokens, "Tokens to generate (default 64)")
+      ->check(cli::integer<int>(1));
   c->add_option("-t,--temperature", s.temperature, "Sampling temperature; 0 = greedy (default 0.8)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(cli::number(0, 100));
   c->add_option("--top-p", s.top_p,
                 "Nucleus sampling: sample among the most likely tokens whose probabilities sum to P, at least one "
                 "(default 0.95; 1 = off, 0 = the most likely token only)")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(cli::number(0, 1));
   c->add_option("--top-k", s.top_k, "Sample among the k most likely tokens (default 0 = off)")
-      ->check(CLI::NonNegativeNumber);
-  c->add_option("--seed", s.seed, "Random seed for sampling (default 0)");
+      ->check(cli::integer<int>(0));
+  c->add_option("--seed", s.seed, "Random seed for sampling (default 0)")->check(cli::integer<uint64_t>(0));
   c->add_flag("--no-special-tokens", s.no_special, "Encode the prompt without the tokenizer's special tokens (BOS)");
   c->add_flag("--ignore-eos", s.ignore_eos, "Do not stop at the end-of-sequence token");
   c->add_flag("--show-ids", s.show_ids, "Also print the prompt and generated token ids (always printed without a tokenizer)");

@@ -5,6 +5,7 @@
 
 #include "data/tokenize_corpus.h"
 #include "train/checkpoint.h"
+#include "train/cli_checks.h"
 #include "train/commands.h"
 #include "train/config.h"
 #include "train/model_loading.h"
@@ -114,22 +115,26 @@ Command add_tokenize_command(CLI::App& app) {
       ->each([&a](const std::string&) { a.eot_given = true; });
   c->add_flag("--add-special-tokens", o.add_special_tokens,
               "Encode each document (prompt) with the tokenizer's post-processor, e.g. Llama's BOS in front");
-  c->add_option("--seed", o.seed, "Document shuffle seed (default 1337; the same split as prepare_data.py)");
-  c->add_option("--val-fraction", o.val_fraction, "Fraction of documents held out for validation (default 0.05)");
+  c->add_option("--seed", o.seed, "Document shuffle seed (default 1337; the same split as prepare_data.py)")
+      ->check(cli::integer<uint64_t>(0));
+  c->add_option("--val-fraction", o.val_fraction, "Fraction of documents held out for validation (default 0.05)")
+      ->check(cli::number(0, 1, /*lo_open=*/false, /*hi_open=*/true));
   c->add_option("--shard-tokens", o.shard_tokens,
                 "llmc: tokens per shard (default 100000000); past 1000 shards the names get more digits "
-                "(train_0000.bin ...), so that they sort in order");
+                "(train_0000.bin ...), so that they sort in order")
+      ->check(cli::integer<int64_t>(1));
   c->add_option("--format", a.format, "llmc (llm.c shards, default) or megatron (.bin + .idx per split)")
       ->check(CLI::IsMember({"llmc", "megatron"}));
   c->add_option("--pack", o.pack,
                 "Pack whole documents into windows of this many tokens, the train.seq_len that will read them, with "
                 "padding out of the loss: no document is cut by a window boundary (instruction data); llmc only. "
-                "0 (the default): no packing");
+                "0 (the default): no packing")
+      ->check(cli::integer<int64_t>(0));
   c->add_option("--pack-overflow", a.pack_overflow,
                 "--pack: documents longer than a window are dropped, truncated, or split into window-sized pieces "
                 "(default: split plain documents, drop prompt/response pairs and conversations)")
       ->check(CLI::IsMember({"drop", "truncate", "split"}));
-  c->add_option("-j,--threads", o.threads, "Encoding threads (default: every core)")->check(CLI::NonNegativeNumber);
+  c->add_option("-j,--threads", o.threads, "Encoding threads (default: every core)")->check(cli::integer<int>(0));
   c->footer(
       "Examples:\n"
       "  keel tokenize --jsonl web.jsonl --tokenizer ckpt/llama2-7b --out data/web\n"

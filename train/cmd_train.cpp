@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "train/commands.h"
+#include "train/cli_checks.h"
 #include "train/config.h"
 #include "train/run.h"
 
@@ -65,12 +66,13 @@ Command add_train_command(CLI::App& app) {
                     "values are JSON, bare words are strings)")
       ->type_name("KEY=VALUE")
       ->take_all();
-  train->add_option("--steps", ta.steps, "Number of optimizer steps (train.steps)")->check(CLI::PositiveNumber);
+  train->add_option("--steps", ta.steps, "Number of optimizer steps (train.steps)")->check(cli::integer<int64_t>(1));
   train->add_option("--out", ta.out, "Run directory for logs, metrics and checkpoints (default out/<config name>)");
-  train->add_option("--seed", ta.seed, "Seed for initialisation and data order (train.seed)")->check(CLI::NonNegativeNumber);
+  train->add_option("--seed", ta.seed, "Seed for initialisation and data order (train.seed)")
+      ->check(cli::integer<int64_t>(0));
   train->add_option("--device", ta.device, "auto, cpu or cuda (device)");
   train->add_option("--threads", ta.threads, "CPU threads (default: OMP_NUM_THREADS or all cores)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::integer<int>(1));
   train->add_option("--resume", ta.resume,
                     "Resume from this checkpoint (a step_* directory or a checkpoints directory). Default: the "
                     "latest checkpoint in checkpoint.dir (<out>/checkpoints), if there is one");
@@ -78,10 +80,10 @@ Command add_train_command(CLI::App& app) {
                     "Start a new run from a checkpoint's weights only (finetuning): fp32 masters from the weights, "
                     "Adam moments zero, step 0. Ignored when the run resumes");
   train->add_option("--stop-at", ta.stop_at, "Save a checkpoint after this iteration and stop (exit code 4); must be after the iteration the run resumes at")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::integer<int64_t>(1));
   train->add_option("--time-limit", ta.time_limit_min,
                     "Minutes of wall time this job may use: save and stop (exit code 4) before they run out")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::positive_number());
   train->add_flag("--eval-only", ta.eval_only,
                   "Evaluate the model this run would start from (latest checkpoint, --resume, --init-from, or the "
                   "initialisation) on data.val, data.val_sets and choice_eval under the config's layout, print the "

@@ -9,6 +9,7 @@
 #include "kernels/device.h"
 #include "kernels/guarded_backend.h"
 #include "train/checkpoint.h"
+#include "train/cli_checks.h"
 #include "train/config.h"
 #include "train/hf_format.h"
 #include "train/parallel/mpi_comm.h"
@@ -153,7 +154,7 @@ void add_inference_model_options(CLI::App* c, InferenceModelArgs& a, const std::
   c->add_option("--tokenizer", a.tokenizer, tokenizer_help);
   c->add_option("--dtype", a.dtype, dtype_help);
   c->add_option("--device", a.device, "cpu (default) or cuda");
-  c->add_option("--threads", a.threads, "CPU threads")->check(CLI::PositiveNumber);
+  c->add_option("--threads", a.threads, "CPU threads")->check(cli::integer<int>(1));
 }
 
 InferenceModel::InferenceModel(const InferenceModelArgs& a) {

@@ -109,8 +109,11 @@ int64_t parse_memory_size(const std::string& text) {
   if (it == units.end())
     throw ConfigError("memory size '" + text + "': unknown unit '" + mt[2].str() +
                       "' (allowed: KiB MiB GiB TiB or K M G T = powers of 2; KB MB GB TB = powers of 10)");
-  const double bytes = std::stod(mt[1].str()) * it->second;
+  const double bytes = std::strtod(mt[1].str().c_str(), nullptr) * it->second;  // inf beyond a double
   if (!(bytes >= 1)) throw ConfigError("memory size '" + text + "' must be at least one byte");
+  // 2^63 bytes and more do not fit an int64_t (the conversion would be undefined).
+  if (bytes >= 0x1p63)
+    throw ConfigError("memory size '" + text + "' is too large (allowed: less than 8388608TiB, 2^63 bytes)");
   return static_cast<int64_t>(std::llround(bytes));
 }
 

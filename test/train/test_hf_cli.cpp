@@ -635,6 +635,14 @@ TEST_CASE("keel sample and keel eval stop on non-finite logits instead of decodi
                            !Catch::Contains("acc "));
 }
 
+TEST_CASE("keel eval --seq-len without --rows is refused: it would be ignored", "[hf][cli][eval]") {
+  const auto r =
+      run_keel("eval --checkpoint hf:" + kHf + "gpt2_tied --choices " + kHf + "choices/gpt2_ids.jsonl --seq-len 16");
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--seq-len requires --rows"));
+}
+
 TEST_CASE("keel sample --top-p 0 keeps only the most likely token, as greedy decoding", "[hf][cli]") {
   const json e = expected("llama_trained");
   const std::string prompt = e["text"]["prompt"].get<std::string>();

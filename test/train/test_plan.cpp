@@ -79,6 +79,10 @@ TEST_CASE("plan: memory sizes parse with binary and decimal units", "[plan]") {
   CHECK_THROWS_AS(parse_memory_size("GiB"), ConfigError);
   CHECK_THROWS_AS(parse_memory_size("-4G"), ConfigError);
   CHECK_THROWS_AS(parse_memory_size("0"), ConfigError);
+  // From 2^63 bytes on the size does not fit an int64_t: refused, not wrapped to a negative one.
+  CHECK(parse_memory_size("8388607TiB") == 8388607ll << 40);
+  for (const char* huge : {"8388608TiB", "9999999999TiB", "1e30", "99999999999999999999", "1e400"})
+    CHECK_THROWS_WITH(parse_memory_size(huge), Catch::Contains("memory size '" + std::string(huge) + "' is too large"));
 }
 
 TEST_CASE("plan: the seed's model-size formula", "[plan]") {
