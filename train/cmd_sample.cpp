@@ -97,6 +97,12 @@ int cmd_sample(const SampleArgs& a) {
     prompt = !a.prompt_ids.empty() ? parse_ids(a.prompt_ids) : tok->encode(a.prompt, !a.no_special);
   }
   if (prompt.empty()) throw ConfigError("the prompt has no tokens");
+  // Before anything is printed: the generator would stop at such an id with an internal error.
+  if (!a.prompt_ids.empty())
+    check_prompt_ids(prompt, m.vocab_size, "--prompt-ids", "");
+  else
+    check_prompt_ids(prompt, m.vocab_size, a.chat.empty() ? "--prompt" : "--chat",
+                     ", from the tokenizer: is it the model's own? (--tokenizer)");
 
   GenerateOptions g;
   g.max_new_tokens = a.max_new_tokens;

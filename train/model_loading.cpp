@@ -216,6 +216,14 @@ std::string locate_tokenizer(const std::vector<fs::path>& dirs, const std::strin
   return "";
 }
 
+void check_prompt_ids(const std::vector<int32_t>& ids, int64_t vocab_size, const std::string& what,
+                      const std::string& why) {
+  for (int32_t id : ids)
+    if (id < 0 || id >= vocab_size)
+      throw ConfigError(what + ": token " + std::to_string(id) + " is outside the model's vocabulary (" +
+                        std::to_string(vocab_size) + " ids, 0 .. " + std::to_string(vocab_size - 1) + ")" + why);
+}
+
 std::optional<data::Tokenizer> find_tokenizer(const LoadedModel& lm, const std::string& explicit_path, bool required,
                                               const std::string& hint) {
   const std::string path = locate_tokenizer(lm.tokenizer_dirs, explicit_path);

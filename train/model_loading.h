@@ -104,4 +104,10 @@ std::string locate_tokenizer(const std::vector<std::filesystem::path>& dirs, con
 std::optional<data::Tokenizer> find_tokenizer(const LoadedModel& lm, const std::string& explicit_path, bool required,
                                               const std::string& hint);
 
+// Refuses (ConfigError) a prompt with a token id the model has no embedding row for, before
+// anything is generated: "<what>: token 5000 is outside the model's vocabulary (2048 ids)<why>".
+// `why` says where such ids come from (another model's tokenizer).
+void check_prompt_ids(const std::vector<int32_t>& ids, int64_t vocab_size, const std::string& what,
+                      const std::string& why);
+
 }  // namespace keel

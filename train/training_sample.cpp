@@ -24,11 +24,8 @@ TrainingSampler::TrainingSampler(const RunConfig& cfg) : cfg_(cfg.sample) {
                         " has no BOS or end-of-text token to start from; give a prompt");
     prompt_ = {stop_ids_.front()};
   }
-  for (int32_t id : prompt_)
-    if (id < 0 || id >= cfg.model.vocab_size)
-      throw ConfigError("sample.prompt: token " + std::to_string(id) + " is outside the model's vocabulary (" +
-                        std::to_string(cfg.model.vocab_size) + " ids): " + tokenizer_path_ +
-                        " is not this model's tokenizer");
+  check_prompt_ids(prompt_, cfg.model.vocab_size, "sample.prompt",
+                   ": " + tokenizer_path_ + " is not this model's tokenizer");
   if (static_cast<int64_t>(prompt_.size()) + cfg_.tokens > cfg.model.max_seq_len)
     throw ConfigError("sample.tokens: the prompt's " + std::to_string(prompt_.size()) + " tokens and " +
                       std::to_string(cfg_.tokens) + " new ones exceed model.max_seq_len (" +

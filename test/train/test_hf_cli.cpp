@@ -635,6 +635,26 @@ TEST_CASE("keel sample and keel eval stop on non-finite logits instead of decodi
                            !Catch::Contains("acc "));
 }
 
+TEST_CASE("keel sample refuses prompt ids beyond the model's vocabulary before printing anything", "[hf][cli]") {
+  // llama_trained has 512 ids; gpt2.json's tokenizer 802, and encodes "zebra" past 511.
+  const std::string model = " --checkpoint hf:" + kHf + "llama_trained -n 3";
+  auto r = run_keel("sample" + model + " --prompt-ids 1,5000");
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--prompt-ids: token 5000 is outside the model's vocabulary (512 ids, 0 .. 511)") &&
+                           !Catch::Contains("Generator"));
+  r = run_keel("sample" + model + " --prompt-ids=-1");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--prompt-ids: token -1 is outside the model's vocabulary"));
+  r = run_keel("sample" + model + " --tokenizer " + std::string(KEEL_FIXTURE_DIR) +
+               "/tokenizers/gpt2.json --prompt 'the quick brown fox jumps over the lazy dog zebra'");
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--prompt: token 532 is outside the model's vocabulary (512 ids, 0 .. 511), from "
+                                       "the tokenizer: is it the model's own? (--tokenizer)") &&
+                           !Catch::Contains("the quick"));  // nothing printed before the refusal
+}
+
 TEST_CASE("keel eval --seq-len without --rows is refused: it would be ignored", "[hf][cli][eval]") {
   const auto r =
       run_keel("eval --checkpoint hf:" + kHf + "gpt2_tied --choices " + kHf + "choices/gpt2_ids.jsonl --seq-len 16");
