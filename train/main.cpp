@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdio>
 #include <memory>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -82,6 +83,11 @@ int main(int argc, char** argv) {
     return fail(keel::kExitCheckpointError, "checkpoint error", e.what(), false);
   } catch (const keel::data::DataError& e) {
     return fail(keel::kExitDataError, "data error", e.what(), false);
+  } catch (const std::bad_alloc&) {
+    return fail(keel::kExitFailure, "error",
+                "out of host memory: an allocation failed (std::bad_alloc). For keel train, the start-up memory "
+                "table and keel plan show what each rank needs",
+                true);
   } catch (const std::exception& e) {
     return fail(keel::kExitFailure, "error", e.what(), true);
   }

@@ -1211,6 +1211,8 @@ PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   opt.overlap_grad_reduce = cfg.parallel.overlap_grad_reduce;
   opt.overlap_param_gather = cfg.parallel.overlap_param_gather;
   opt.grad_bucket_size = cfg.parallel.grad_bucket_size;
+  // The run's own layout is given: the node-size rule for TP is the plan's advice, not the run's.
+  opt.hw.gpus_per_node = cfg.parallel.world();
   if (!gpu) {
     opt.memory.cuda_context_bytes = 0;
     opt.memory.attention_ds_budget = 0;

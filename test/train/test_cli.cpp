@@ -413,6 +413,20 @@ TEST_CASE("a bad config is one clear message, exit code 2, and nothing written",
   CHECK_FALSE(fs::exists(out));
 }
 
+TEST_CASE("keel train: a model the host cannot hold is refused up front with both sizes, exit code 2",
+          "[cli][errors]") {
+  Workspace ws;
+  // 2^31 ids x 32 wide, embedding and head: over 2 TB of weights, gradients and Adam state.
+  const std::string out = ws.dir / "huge";
+  Result r = run_keel("train --config " + ws.config + " --set model.vocab_size=2147483648 --steps 2 --out " + out);
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("the run needs about") && Catch::Contains("GiB of host memory") &&
+                           Catch::Contains("GiB available (MemAvailable in /proc/meminfo)") &&
+                           !Catch::Contains("bad_alloc"));
+  CHECK_FALSE(fs::exists(out));
+}
+
 TEST_CASE("missing or truncated data: one clear message naming the file, exit code 3, nothing written",
           "[cli][errors]") {
   Workspace ws;

@@ -979,6 +979,18 @@ TEST_CASE("plan: the layouts fastest in the seed rank near the top of the planne
 // ---------------------------------------------------------------------------------------------
 // the trainer's start-up breakdown and the CLI
 
+TEST_CASE("plan: a run's own layout has a memory figure even where keel plan's node rule would reject its tp",
+          "[plan]") {
+  // tp=3 does not divide a node of 8 GPUs, which keel plan holds against a layout it proposes;
+  // a run given tp=3 still needs its figure (the start-up table, the host-memory check).
+  const RunConfig cfg = test::make_config(
+      test::tiny_run_json(),
+      {{"model", {{"d_model", 48}, {"n_heads", 6}, {"n_kv_heads", 3}, {"ffn_hidden", 96}, {"vocab_size", 66}}},
+       {"parallel", {{"tp", 3}}}});
+  CHECK(planned_backend_bytes(cfg, 0, false) > 0);
+  CHECK_THAT(memory_breakdown_text(cfg), !Catch::Contains("does not divide") && Catch::Contains("weights"));
+}
+
 TEST_CASE("plan: the trainer's memory breakdown for its own layout", "[plan]") {
   const RunConfig tiny = test::make_config(test::tiny_run_json());
   const std::string t = memory_breakdown_text(tiny);
