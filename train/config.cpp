@@ -51,12 +51,27 @@ std::string show(const json& v) {
   return s.size() > 60 ? s.substr(0, 57) + "..." : s;
 }
 
+// Every problem found in a config, and the fields that had one. A field that failed stands in
+// with a default the user never gave, so the checks across fields skip it (ok()): they would
+// quote that stand-in ("n_kv_heads: 2 does not divide n_heads (1)") or divide by it.
+struct Problems {
+  std::vector<std::string> errors;
+  std::set<std::string> failed;
+  void add(const std::string& field, const std::string& msg) {
+    errors.push_back(field + ": " + msg);
+    failed.insert(field);
+  }
+  bool ok(std::initializer_list<std::string> fields) const {
+    return std::none_of(fields.begin(), fields.end(), [&](const std::string& f) { return failed.count(f) > 0; });
+  }
+};
+
 // Reads the fields of one JSON object, recording every problem with its full path; finish()
 // reports fields nobody asked for.
 class Fields {
  public:
-  Fields(const json* obj, std::string path, std::vector<std::string>& errors)
-      : obj_(obj), path_(std::move(path)), errors_(errors) {
+  Fields(const json* obj, std::string path, Problems& problems)
+      : obj_(obj), path_(std::move(path)), problems_(problems) {
     if (obj_ && !obj_->is_object()) {
       error(path_, "expected an object {...}, got " + show(*obj_));
       obj_ = nullptr;
@@ -64,7 +79,7 @@ class Fields {
   }
 
   std::string path(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
-  void error(const std::string& where, const std::string& msg) { errors_.push_back(where + ": " + msg); }
+  void error(const std::string& where, const std::string& msg) { problems_.add(where, msg); }
   bool has(const std::string& key) {
     known_.insert(key);
     return obj_ && obj_->contains(key) && !(*obj_)[key].is_null();
@@ -191,7 +206,7 @@ class Fields {
  private:
   const json* obj_;
   std::string path_;
-  std::vector<std::string>& errors_;
+  Problems& problems_;
   std::set<std::string> known_;
 };
 
@@ -202,19 +217,24 @@ const json* child(const json& doc, const char* key) {
 }  // namespace
 
 RunConfig parse_config(const json& doc, const std::string& source) {
-  std::vector<std::string> errors;
+  Problems problems;
+  std::vector<std::string>& errors = problems.errors;  // checks across fields add here
+  auto ok = [&](std::initializer_list<std::string> fields) { return problems.ok(fields); };
   RunConfig c;
   c.source = source;
   c.name = std::filesystem::path(source).stem().string();
-  Fields top(&doc, "", errors);
+  Fields top(&doc, "", problems);
 
   // ---- model ----
   {
     top.raw("model");
-    Fields f(child(doc, "model"), "model", errors);
+    Fields f(child(doc, "model"), "model", problems);
     if (!child(doc, "model")) errors.push_back("model: missing (required: the network's shape)");
     ModelConfig& m = c.model;
     m.family = f.choice("family", std::nullopt, {"gpt2", "llama"}) == "gpt2" ? Family::GPT2 : Family::Llama;
+    // With no valid family, the rules of the one standing in (gpt2) are not the user's.
+    const bool family_ok = ok({"model.family"});
+    const bool gpt2 = family_ok && m.is_gpt2(), llama = family_ok && m.is_llama();
     m.vocab_size = f.integer("vocab_size", std::nullopt, 1, 1ll << 31);
     m.pad_vocab_multiple = f.integer("pad_vocab_to_multiple_of", 1, 1, 1 << 20);
     m.d_model = static_cast<int>(f.integer("d_model", std::nullopt, 1, 1 << 20));
@@ -231,31 +251,31 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     const std::string positions =
         f.choice("position_embedding", m.is_gpt2() ? "learned" : "rope", {"learned", "rope", "alibi"});
     m.alibi = positions == "alibi";
-    if (m.is_gpt2() && positions == "rope")
+    if (gpt2 && positions == "rope")
       errors.push_back("model.position_embedding: gpt2 takes \"learned\" or \"alibi\", got \"rope\" (RoPE is "
                        "llama's)");
-    if (m.is_llama() && positions == "learned")
+    if (llama && positions == "learned")
       errors.push_back("model.position_embedding: llama takes \"rope\" or \"alibi\", got \"learned\" (a "
                        "position table is gpt2's)");
     m.embedding_norm = f.boolean("embedding_norm", false);
     // The option is llama's; gpt2 always has the biases (has_qkv_bias()), so may only say so.
     const bool qkv_bias = f.boolean("qkv_bias", m.is_gpt2());
-    if (m.is_gpt2() && !qkv_bias)
+    if (gpt2 && !qkv_bias)
       errors.push_back("model.qkv_bias: gpt2 always has q/k/v biases (must be true, or leave the field out)");
     m.qkv_bias = m.is_llama() && qkv_bias;
     m.qk_norm = f.boolean("qk_norm", false);
-    if (m.is_gpt2() && m.qk_norm) errors.push_back("model.qk_norm: true is a llama option (Qwen3's RMSNorms of q and k)");
+    if (gpt2 && m.qk_norm) errors.push_back("model.qk_norm: true is a llama option (Qwen3's RMSNorms of q and k)");
     if (f.has("head_dim")) m.explicit_head_dim = static_cast<int>(f.integer("head_dim", 0, 1, 1 << 16));
     // The derived size written out is no option: keep one spelling, so checkpoints compare equal.
     if (m.n_heads > 0 && m.d_model % m.n_heads == 0 && m.explicit_head_dim == m.d_model / m.n_heads)
       m.explicit_head_dim = 0;
-    if (m.is_gpt2() && m.explicit_head_dim > 0)
+    if (gpt2 && m.explicit_head_dim > 0)
       errors.push_back("model.head_dim: gpt2's heads are d_model / n_heads wide (head_dim is a llama option)");
     if (f.has("sliding_window")) m.sliding_window = static_cast<int>(f.integer("sliding_window", 0, 1, 1 << 30));
     m.init_std = static_cast<float>(f.number("init_std", 0.02, 0, 10, true));
     if (const json* rs_doc = f.raw("rope_scaling"); rs_doc && !rs_doc->is_null()) {
       // Llama 3.1's frequency scaling (kernels/rope_frequencies.h), as in HF's rope_scaling.
-      Fields rs(rs_doc, "model.rope_scaling", errors);
+      Fields rs(rs_doc, "model.rope_scaling", problems);
       RopeScaling& r = m.rope_scaling;
       const std::string type = rs.choice("type", "llama3", {"none", "llama3"});
       r.kind = type == "llama3" ? RopeScaling::Kind::Llama3 : RopeScaling::Kind::None;
@@ -264,28 +284,30 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       r.high_freq_factor = rs.number("high_freq_factor", r.high_freq_factor, 0, 1e6, true);
       r.original_max_position = rs.integer("original_max_position_embeddings", r.original_max_position, 1, 1 << 30);
       rs.finish();
-      if (r.kind == RopeScaling::Kind::Llama3 && r.high_freq_factor <= r.low_freq_factor)
+      if (r.kind == RopeScaling::Kind::Llama3 && r.high_freq_factor <= r.low_freq_factor &&
+          ok({"model.rope_scaling.high_freq_factor", "model.rope_scaling.low_freq_factor"}))
         errors.push_back("model.rope_scaling.high_freq_factor: " + show(r.high_freq_factor) +
                          " must exceed low_freq_factor (" + show(r.low_freq_factor) + ")");
-      if (r.kind != RopeScaling::Kind::None && m.is_gpt2())
+      if (r.kind != RopeScaling::Kind::None && gpt2)
         errors.push_back("model.rope_scaling: gpt2 has learned positions, no RoPE to scale (remove the field)");
       else if (r.kind != RopeScaling::Kind::None && m.alibi)
         errors.push_back("model.rope_scaling: position_embedding \"alibi\" has no RoPE to scale (remove the field)");
     }
     f.finish();
-    if (m.d_model > 0 && m.n_heads > 0 && m.d_model % m.n_heads != 0 && m.explicit_head_dim == 0)
+    const bool shape_ok = ok({"model.d_model", "model.n_heads", "model.head_dim"});
+    if (shape_ok && m.d_model > 0 && m.n_heads > 0 && m.d_model % m.n_heads != 0 && m.explicit_head_dim == 0)
       errors.push_back("model.n_heads: " + std::to_string(m.n_heads) + " does not divide model.d_model (" +
                        std::to_string(m.d_model) + "); set model.head_dim for heads of another size");
-    if (m.n_kv_heads > 0 && m.n_heads % m.n_kv_heads != 0)
+    if (ok({"model.n_heads", "model.n_kv_heads"}) && m.n_kv_heads > 0 && m.n_heads % m.n_kv_heads != 0)
       errors.push_back("model.n_kv_heads: " + std::to_string(m.n_kv_heads) + " does not divide model.n_heads (" +
                        std::to_string(m.n_heads) + ")");
-    if (m.is_gpt2() && m.n_kv_heads != m.n_heads)
+    if (gpt2 && ok({"model.n_heads", "model.n_kv_heads"}) && m.n_kv_heads != m.n_heads)
       errors.push_back("model.n_kv_heads: gpt2 has no grouped-query attention (must equal n_heads = " +
                        std::to_string(m.n_heads) + ")");
-    if (m.is_gpt2() && !m.tied_embeddings)
+    if (gpt2 && !m.tied_embeddings)
       errors.push_back("model.tied_embeddings: gpt2 ties its head to the token embedding (must be true)");
     // RoPE rotates column pairs; ALiBi and learned positions take any head_dim
-    if (m.rope().rotates() && m.n_heads > 0 && (m.d_model % m.n_heads == 0 || m.explicit_head_dim > 0) &&
+    if (shape_ok && m.rope().rotates() && m.n_heads > 0 && (m.d_model % m.n_heads == 0 || m.explicit_head_dim > 0) &&
         m.head_dim() % 2 != 0)
       errors.push_back(std::string(m.explicit_head_dim > 0 ? "model.head_dim" : "model.d_model / model.n_heads") +
                        ": RoPE needs an even head dimension, got " + std::to_string(m.head_dim()));
@@ -294,16 +316,16 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   // ---- precision ----
   {
     top.raw("precision");
-    Fields f(child(doc, "precision"), "precision", errors);
+    Fields f(child(doc, "precision"), "precision", problems);
     std::string mode = f.choice("mode", "bf16", {"bf16", "fp32", "fp16", "bf16-unsafe-no-master"});
     c.precision.mode = precision_from_name(mode).value_or(PrecisionMode::BF16);  // choice() named any other
     c.precision.stochastic_rounding = f.boolean("stochastic_rounding", false);
-    if (c.precision.stochastic_rounding && c.precision.mode != PrecisionMode::BF16)
+    if (c.precision.stochastic_rounding && c.precision.mode != PrecisionMode::BF16 && ok({"precision.mode"}))
       errors.push_back("precision.stochastic_rounding: true needs precision.mode \"bf16\" (fp32 masters written to a "
                        "bf16 working copy), got mode \"" + mode + "\"");
     f.raw("loss_scale");
     const json* ls_doc = child(doc, "precision") ? child(*child(doc, "precision"), "loss_scale") : nullptr;
-    Fields ls(ls_doc, "precision.loss_scale", errors);
+    Fields ls(ls_doc, "precision.loss_scale", problems);
     LossScaleConfig& s = c.precision.loss_scale;
     s.initial = ls.number("initial", s.initial, 0, 1e38, true);
     s.growth_interval = ls.integer("growth_interval", s.growth_interval, 1);
@@ -313,15 +335,16 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     s.backoff_factor = ls.number("backoff_factor", s.backoff_factor, 0, 1, true);
     ls.finish();
     f.finish();
-    if (s.min > s.initial)
+    if (s.min > s.initial && ok({"precision.loss_scale.min", "precision.loss_scale.initial"}))
       errors.push_back("precision.loss_scale.min: " + show(s.min) + " is above the initial scale " + show(s.initial));
-    if (s.backoff_factor >= 1) errors.push_back("precision.loss_scale.backoff_factor: must be < 1");
+    if (s.backoff_factor >= 1 && ok({"precision.loss_scale.backoff_factor"}))
+      errors.push_back("precision.loss_scale.backoff_factor: must be < 1");
   }
 
   // ---- optimizer ----
   {
     top.raw("optimizer");
-    Fields f(child(doc, "optimizer"), "optimizer", errors);
+    Fields f(child(doc, "optimizer"), "optimizer", problems);
     OptimizerConfig& o = c.optimizer;
     f.choice("type", "adamw", {"adamw"});
     o.lr = f.number("lr", o.lr, 0, 10, true);
@@ -332,14 +355,14 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     o.weight_decay = f.number("weight_decay", o.weight_decay, 0, 10);
     o.grad_clip = f.number("grad_clip", o.grad_clip, 0, 1e12);
     f.finish();
-    if (o.min_lr > o.lr)
+    if (o.min_lr > o.lr && ok({"optimizer.lr", "optimizer.min_lr"}))
       errors.push_back("optimizer.min_lr: " + show(o.min_lr) + " is above optimizer.lr (" + show(o.lr) + ")");
   }
 
   // ---- train ----
   {
     top.raw("train");
-    Fields f(child(doc, "train"), "train", errors);
+    Fields f(child(doc, "train"), "train", problems);
     if (!child(doc, "train")) errors.push_back("train: missing (required: steps, global_batch, micro_batch, seq_len)");
     TrainConfig& t = c.train;
     t.steps = f.integer("steps", std::nullopt, 1);
@@ -354,10 +377,10 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     t.recompute_layers = f.integer("recompute_layers", 0, 0, 1 << 20);
     t.logits_chunk_rows = f.integer("logits_chunk_rows", 0, 0);
     f.finish();
-    if (t.recompute_layers > 0 && t.recompute != "full")
+    if (t.recompute_layers > 0 && t.recompute != "full" && ok({"train.recompute"}))
       errors.push_back("train.recompute_layers: " + std::to_string(t.recompute_layers) +
                        " needs train.recompute \"full\" (it is \"" + t.recompute + "\")");
-    if (c.model.max_seq_len > 0 && t.seq_len > c.model.max_seq_len)
+    if (ok({"model.max_seq_len", "train.seq_len"}) && c.model.max_seq_len > 0 && t.seq_len > c.model.max_seq_len)
       errors.push_back("train.seq_len: " + std::to_string(t.seq_len) + " exceeds model.max_seq_len (" +
                        std::to_string(c.model.max_seq_len) + ")");
   }
@@ -366,7 +389,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   {
     top.raw("parallel");
     const size_t errors_before = errors.size();
-    Fields f(child(doc, "parallel"), "parallel", errors);
+    Fields f(child(doc, "parallel"), "parallel", problems);
     ParallelConfig& p = c.parallel;
     p.tp = f.integer("tp", 1, 1, 1 << 16);
     p.pp = f.integer("pp", 1, 1, 1 << 16);
@@ -382,7 +405,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     const bool layout_valid = errors.size() == errors_before;
     const ModelConfig& m = c.model;
     auto divides = [&](int64_t by, int64_t what, const std::string& by_name, const std::string& what_name) {
-      if (by > 0 && what > 0 && what % by != 0)
+      if (by > 0 && what > 0 && what % by != 0 && ok({what_name}))
         errors.push_back(by_name + ": " + std::to_string(by) + " does not divide " + what_name + " (" +
                          std::to_string(what) + ")");
     };
@@ -394,28 +417,31 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       if (m.pad_vocab_multiple > 1) {
         const int64_t unit = m.pad_vocab_multiple * p.tp;
         c.model.padded_vocab_size = (m.vocab_size + unit - 1) / unit * unit;
-      } else if (m.vocab_size % p.tp != 0) {
+      } else if (m.vocab_size % p.tp != 0 && ok({"model.vocab_size", "model.pad_vocab_to_multiple_of"})) {
         errors.push_back("parallel.tp: " + std::to_string(p.tp) + " does not divide model.vocab_size (" +
                          std::to_string(m.vocab_size) + "); set model.pad_vocab_to_multiple_of (e.g. 128) to pad it");
       }
       divides(p.tp, m.ffn_hidden, "parallel.tp", "model.ffn_hidden");
-      if (m.n_layers > 0 && p.pp > m.n_layers + (p.embedding_slot ? 2 : 0))
+      const bool layers_ok = ok({"model.n_layers"});
+      if (layers_ok && p.pp > m.n_layers + (p.embedding_slot ? 2 : 0))
         errors.push_back("parallel.pp: " + std::to_string(p.pp) + " stages for " + std::to_string(m.n_layers) +
                          " layers" + (p.embedding_slot ? " + embedding and head slots" : "") +
                          " (each stage needs at least one)");
       if (p.virtual_stages > 1 && p.pp == 1)
         errors.push_back("parallel.virtual_stages: " + std::to_string(p.virtual_stages) +
                          " model chunks per rank interleave a pipeline; with parallel.pp = 1 there is none (set it to 1)");
-      else if (p.virtual_stages > 1 && m.n_layers > 0 && p.pp * p.virtual_stages > m.n_layers + (p.embedding_slot ? 2 : 0))
+      else if (p.virtual_stages > 1 && layers_ok && p.pp * p.virtual_stages > m.n_layers + (p.embedding_slot ? 2 : 0))
         errors.push_back("parallel.virtual_stages: pp * virtual_stages = " + std::to_string(p.pp * p.virtual_stages) +
                          " virtual stages for " + std::to_string(m.n_layers) + " layers" +
                          (p.embedding_slot ? " + embedding and head slots" : "") + " (each needs at least one)");
       const TrainConfig& t = c.train;
-      if (p.sequence_parallel && p.tp > 1 && t.micro_batch > 0 && t.seq_len > 0 && (t.micro_batch * t.seq_len) % p.tp != 0)
+      const bool batch_ok = ok({"train.global_batch", "train.micro_batch"});
+      if (p.sequence_parallel && p.tp > 1 && ok({"train.micro_batch", "train.seq_len", "model.max_seq_len"}) &&
+          (t.micro_batch * t.seq_len) % p.tp != 0)
         errors.push_back("parallel.sequence_parallel: the " + std::to_string(t.micro_batch * t.seq_len) +
                          " token rows of a micro-batch (train.micro_batch * train.seq_len) do not divide over tp=" +
                          std::to_string(p.tp));
-      if (t.micro_batch > 0 && t.global_batch > 0 && t.global_batch % (t.micro_batch * p.dp) != 0)
+      if (batch_ok && t.global_batch % (t.micro_batch * p.dp) != 0)
         errors.push_back("train.global_batch: " + std::to_string(t.global_batch) +
                          " is not a multiple of train.micro_batch * parallel.dp (" + std::to_string(t.micro_batch) +
                          " * " + std::to_string(p.dp) + ")");
@@ -425,7 +451,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   // ---- schedule ----
   {
     top.raw("schedule");
-    Fields f(child(doc, "schedule"), "schedule", errors);
+    Fields f(child(doc, "schedule"), "schedule", problems);
     ScheduleConfig& s = c.schedule;
     s.warmup_steps = f.integer("warmup_steps", 0, 0);
     std::string decay = f.choice("decay", "cosine", {"cosine", "linear", "constant", "wsd"});
@@ -443,7 +469,8 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     if (wsd_fields && s.decay != DecayStyle::WSD)
       errors.push_back("schedule.wsd_decay_steps / wsd_decay_style: need schedule.decay \"wsd\" (it is \"" + decay +
                        "\")");
-    if (s.decay == DecayStyle::WSD && s.decay_steps > 0 && s.wsd_decay_steps > s.decay_steps)
+    if (s.decay == DecayStyle::WSD && s.decay_steps > 0 && s.wsd_decay_steps > s.decay_steps &&
+        ok({"schedule.decay_steps", "schedule.wsd_decay_steps"}))
       errors.push_back("schedule.wsd_decay_steps: " + std::to_string(s.wsd_decay_steps) +
                        " exceeds schedule.decay_steps (" + std::to_string(s.decay_steps) + ")");
     if (const json* r = f.raw("rampup_batch_size"); r && !r->is_null()) {
@@ -455,14 +482,15 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       } else {
         RampupConfig rc{(*r)[0].get<int64_t>(), (*r)[1].get<int64_t>(), (*r)[2].get<int64_t>()};
         const int64_t unit = c.train.micro_batch * c.parallel.dp;
-        if (rc.start >= c.train.global_batch)
+        const bool batch_ok = ok({"train.global_batch", "train.micro_batch", "parallel.dp"});
+        if (batch_ok && rc.start >= c.train.global_batch)
           errors.push_back("schedule.rampup_batch_size: start " + std::to_string(rc.start) +
                            " must be below train.global_batch (" + std::to_string(c.train.global_batch) + ")");
-        else if ((c.train.global_batch - rc.start) % rc.increment != 0)
+        else if (batch_ok && (c.train.global_batch - rc.start) % rc.increment != 0)
           errors.push_back("schedule.rampup_batch_size: train.global_batch - start (" +
                            std::to_string(c.train.global_batch - rc.start) + ") is not a multiple of the increment " +
                            std::to_string(rc.increment));
-        if (unit > 0 && (rc.start % unit != 0 || rc.increment % unit != 0))
+        if (batch_ok && (rc.start % unit != 0 || rc.increment % unit != 0))
           errors.push_back("schedule.rampup_batch_size: start (" + std::to_string(rc.start) + ") and increment (" +
                            std::to_string(rc.increment) + ") must be multiples of micro_batch * dp (" +
                            std::to_string(unit) + ")");
@@ -470,7 +498,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       }
     }
     f.finish();
-    if (c.train.steps > 0 && s.warmup_steps > c.train.steps)
+    if (ok({"train.steps", "schedule.warmup_steps"}) && s.warmup_steps > c.train.steps)
       errors.push_back("schedule.warmup_steps: " + std::to_string(s.warmup_steps) + " exceeds train.steps (" +
                        std::to_string(c.train.steps) + ")");
   }
@@ -478,7 +506,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   // ---- data ----
   {
     top.raw("data");
-    Fields f(child(doc, "data"), "data", errors);
+    Fields f(child(doc, "data"), "data", problems);
     c.data.train = f.strings("train");
     if (const json* w = f.raw("train_weights"); w && !w->is_null()) {
       const bool numbers = w->is_array() && std::all_of(w->begin(), w->end(), [](const json& e) { return e.is_number(); });
@@ -505,7 +533,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     }
     c.data.val = f.strings("val");
     if (const json* sets = f.raw("val_sets"); sets && !sets->is_null()) {
-      Fields set(sets, "data.val_sets", errors);  // an object of name: path or [paths]
+      Fields set(sets, "data.val_sets", problems);  // an object of name: path or [paths]
       if (sets->is_object())
         for (const auto& [name, paths] : sets->items()) {
           const bool good_name = !name.empty() && std::all_of(name.begin(), name.end(), [](char ch) {
@@ -523,18 +551,21 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     c.data.shuffle = f.boolean("shuffle", true);
     c.data.document_masking = f.boolean("document_masking", false);
     c.data.eod_mask_loss = f.boolean("eod_mask_loss", false);
-    c.data.eod_token = f.integer("eod_token", -1, -1, std::max<int64_t>(c.model.vocab_size - 1, -1));
+    const int64_t last_id = ok({"model.vocab_size"}) ? c.model.vocab_size - 1 : std::numeric_limits<int64_t>::max();
+    c.data.eod_token = f.integer("eod_token", -1, -1, last_id);
     f.finish();
     if (c.data.train.empty()) errors.push_back("data.train: missing (required: token files or glob patterns)");
   }
 
   {
     top.raw("sample");
-    Fields f(child(doc, "sample"), "sample", errors);
+    Fields f(child(doc, "sample"), "sample", problems);
     SampleConfig& g = c.sample;
     g.interval = f.integer("interval", 0, 0);
     g.prompt = f.string("prompt", "");
-    g.tokens = f.integer("tokens", g.tokens, 1, std::max<int64_t>(c.model.max_seq_len - 1, 1));
+    const int64_t most_tokens = ok({"model.max_seq_len"}) ? std::max<int64_t>(c.model.max_seq_len - 1, 1)
+                                                          : std::numeric_limits<int64_t>::max();
+    g.tokens = f.integer("tokens", g.tokens, 1, most_tokens);
     g.temperature = f.number("temperature", g.temperature, 0, 100);
     g.top_p = f.number("top_p", g.top_p, 0, 1, /*lo_open=*/true);
     g.top_k = f.integer("top_k", g.top_k, 0);
@@ -549,7 +580,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   }
   {
     top.raw("choice_eval");
-    Fields f(child(doc, "choice_eval"), "choice_eval", errors);
+    Fields f(child(doc, "choice_eval"), "choice_eval", problems);
     ChoiceEvalConfig& e = c.choice_eval;
     e.file = f.string("file", "");
     e.interval = f.integer("interval", 0, 0);
@@ -567,7 +598,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   // ---- log, checkpoint ----
   {
     top.raw("log");
-    Fields f(child(doc, "log"), "log", errors);
+    Fields f(child(doc, "log"), "log", problems);
     c.log.interval = f.integer("interval", 1, 1);
     c.log.timers = f.boolean("timers", c.log.timers);
     c.log.timers_interval_s = f.number("timers_interval_s", c.log.timers_interval_s, 0, 1e9);
@@ -576,7 +607,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
   }
   {
     top.raw("checkpoint");
-    Fields f(child(doc, "checkpoint"), "checkpoint", errors);
+    Fields f(child(doc, "checkpoint"), "checkpoint", problems);
     c.checkpoint.interval = f.integer("interval", 0, 0);
     c.checkpoint.keep_last = f.integer("keep_last", 3, 1);
     c.checkpoint.keep_every = f.integer("keep_every", 0, 0);
@@ -588,7 +619,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
 
   {
     top.raw("health");
-    Fields f(child(doc, "health"), "health", errors);
+    Fields f(child(doc, "health"), "health", problems);
     HealthConfig& h = c.health;
     h.replica_check_interval = f.integer("replica_check_interval", h.replica_check_interval, 0);
     h.param_group_audit = f.choice("param_group_audit", h.param_group_audit, {"error", "warn"});

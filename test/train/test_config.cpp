@@ -255,6 +255,45 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   }
 }
 
+// A wrong field is reported once: the checks that relate it to others skip it instead of
+// quoting the default that stands in for it (values the user never gave).
+TEST_CASE("config errors do not cascade into checks on a field that already failed", "[config]") {
+  auto base = test::tiny_run_json();
+  base["sample"] = {{"interval", 0}, {"tokens", 8}};
+  auto errors_of = [&](const nlohmann::json& patch) {
+    try {
+      test::make_config(base, patch);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  auto only = [&](const nlohmann::json& patch, const std::string& expected, const std::vector<std::string>& absent) {
+    const std::string msg = errors_of(patch);
+    INFO(patch.dump() << "\n" << msg);
+    CHECK_THAT(msg, Catch::Contains(expected));
+    for (const std::string& a : absent) CHECK_THAT(msg, !Catch::Contains(a));
+  };
+  only({{"model", {{"n_heads", "4"}}}}, "model.n_heads: expected an integer, got \"4\"", {"does not divide"});
+  only({{"train", {{"global_batch", 16.0000000001}}}}, "train.global_batch: expected an integer",
+       {"is not a multiple"});
+  only({{"model", {{"family", "mamba"}}}}, "model.family: \"mamba\" is not allowed",
+       {"gpt2 has no grouped-query attention", "gpt2 ties its head", "position_embedding"});
+  only({{"model", {{"max_seq_len", 0}}}}, "model.max_seq_len: 0 is out of range", {"sample.tokens", "train.seq_len"});
+  only({{"optimizer", {{"lr", 0}, {"min_lr", 3e-4}}}}, "optimizer.lr: 0", {"optimizer.min_lr"});
+  only({{"model", {{"vocab_size", 0}}}, {"data", {{"eod_token", 5}}}}, "model.vocab_size: 0 is out of range",
+       {"data.eod_token"});
+  only({{"train", {{"steps", -1}}}, {"schedule", {{"warmup_steps", 5}}}}, "train.steps: -1 is out of range",
+       {"schedule.warmup_steps"});
+  only({{"model", {{"n_layers", 0}}}, {"parallel", {{"pp", 2}}}}, "model.n_layers: 0 is out of range",
+       {"parallel.pp"});
+  only({{"precision", {{"loss_scale", {{"initial", -1}}}}}}, "precision.loss_scale.initial: -1",
+       {"precision.loss_scale.min"});
+  // The checks still run between fields that are valid.
+  only({{"model", {{"n_kv_heads", 3}}}, {"optimizer", {{"lr", 0}}}}, "model.n_kv_heads: 3 does not divide model.n_heads (4)",
+       {});
+}
+
 TEST_CASE("config overrides (--set) set any field, typed as JSON, bare words as strings", "[config]") {
   nlohmann::json doc = test::tiny_run_json();
   apply_override(doc, "optimizer.lr=3e-4");
