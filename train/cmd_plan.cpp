@@ -86,6 +86,7 @@ int cmd_plan(const PlanArgs& a) {
     j["alternatives"] = nlohmann::json::array();
     for (const auto& alt : alts)
       j["alternatives"].push_back({{"change", alt.change}, {"gpus", alt.gpus}, {"n_layers", alt.n_layers},
+                                   {"global_batch", alt.global_batch},
                                    {"best", plan::layout_json(alt.best)}});
     std::cout << j.dump(2) << '\n';
   } else {

@@ -228,23 +228,19 @@ SeedAccounting seed_accounting(const ModelConfig& m, const Layout& l) {
 // one layout
 
 std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot) {
-  std::vector<StageSpan> out;
-  if (pp < 1) return out;
+  if (pp < 1) return {};
   if (pp == 1) return {StageSpan{0, n_layers, true, true}};
-  const int64_t slots = own_slot ? n_layers + 2 : n_layers;
-  if (slots % pp != 0 || slots < pp) return out;
-  const int k = static_cast<int>(slots / pp);  // slots per stage
-  int next = 0;
-  for (int64_t s = 0; s < pp; ++s) {
-    StageSpan sp;
-    sp.has_embedding = s == 0;
-    sp.has_head = s == pp - 1;
-    int n = k;
-    if (own_slot) n -= (sp.has_embedding ? 1 : 0) + (sp.has_head ? 1 : 0);
-    sp.first_layer = next;
-    sp.end_layer = next + n;
-    next += n;
-    out.push_back(sp);
+  if (pp > n_layers + (own_slot ? 2 : 0)) return {};  // the config refuses it (parallel.pp)
+  ModelConfig m;  // the trainer's split (model/param_table.h) reads the layer count only
+  m.n_layers = n_layers;
+  std::vector<StageSpan> out;
+  for (int s = 0; s < pp; ++s) {
+    try {
+      const ModelShard sh = pipeline_stage(m, static_cast<int>(pp), s, own_slot);
+      out.push_back(StageSpan{sh.first_layer, sh.end_layer, sh.has_embedding, sh.has_head});
+    } catch (const std::invalid_argument&) {
+      return {};  // a stage would hold nothing
+    }
   }
   return out;
 }
@@ -324,24 +320,24 @@ std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOpti
                                 std::to_string(by);
   };
   if (l.tp < 1 || l.pp < 1 || l.dp < 1 || l.mbs < 1) return "sizes must be positive";
-  if (l.tp > opt.hw.gpus_per_node || opt.hw.gpus_per_node % l.tp != 0)
-    return "tp=" + std::to_string(l.tp) + " does not divide the " + std::to_string(opt.hw.gpus_per_node) +
-           " GPUs of a node (a TP group stays inside a node)";
+  // The model's own rules first: a TP size that also breaks one is named for both.
+  std::string model_rule;
   for (std::string p : {need(m.n_heads, l.tp, "heads", "tp"), need(m.n_kv_heads, l.tp, "kv heads", "tp"),
                         need(m.ffn_hidden, l.tp, "ffn", "tp")})
-    if (!p.empty()) return p;
-  if (m.pad_vocab_multiple <= 1 && m.vocab_size % l.tp != 0)
-    return need(m.vocab_size, l.tp, "vocab", "tp") + " (no vocab padding configured)";
-  if (opt.virtual_stages > 1 && l.pp > 1 &&
-      stage_spans(m.n_layers, l.pp * opt.virtual_stages, opt.embedding_own_slot).empty())
-    return "layers" + std::string(opt.embedding_own_slot ? "+2" : "") + " not divisible by pp*virtual_stages=" +
-           std::to_string(l.pp * opt.virtual_stages);
-  if (l.pp > 1 && stage_spans(m.n_layers, l.pp, opt.embedding_own_slot).empty()) {
-    if (opt.embedding_own_slot)
-      return "layers+2 (" + std::to_string(m.n_layers + 2) + " slots with embedding and head) not divisible by pp=" +
-             std::to_string(l.pp);
-    return need(m.n_layers, l.pp, "layers", "pp");
-  }
+    if (model_rule.empty()) model_rule = p;
+  if (model_rule.empty() && m.pad_vocab_multiple <= 1 && m.vocab_size % l.tp != 0)
+    model_rule = need(m.vocab_size, l.tp, "vocab", "tp") + " (no vocab padding configured)";
+  if (l.tp > opt.hw.gpus_per_node || opt.hw.gpus_per_node % l.tp != 0)
+    return "tp=" + std::to_string(l.tp) + " does not divide the " + std::to_string(opt.hw.gpus_per_node) +
+           " GPUs of a node (a TP group stays inside a node)" + (model_rule.empty() ? "" : "; and " + model_rule);
+  if (!model_rule.empty()) return model_rule;
+  // The trainer spreads layers unevenly when they do not divide (the first stages take one
+  // more); a stage with nothing to hold is the only pipeline that cannot be built.
+  const int64_t v = std::max<int64_t>(1, opt.virtual_stages);
+  if (l.pp > 1 && stage_spans(m.n_layers, l.pp * v, opt.embedding_own_slot).empty())
+    return (v > 1 ? "pp*virtual_stages=" + std::to_string(l.pp * v) : "pp=" + std::to_string(l.pp)) + " stages for " +
+           std::to_string(m.n_layers) + " layers" +
+           (opt.embedding_own_slot ? " + embedding and head slots" : "") + " (each needs at least one)";
   const int64_t unit = l.mbs * l.dp;
   if (cfg.train.global_batch % unit != 0)
     return "global batch " + std::to_string(cfg.train.global_batch) + " not divisible by mbs*dp=" +
@@ -456,7 +452,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   const bool own_slot = opt.embedding_own_slot && l.pp > 1;
   const int64_t v = l.pp > 1 ? std::max<int64_t>(1, opt.virtual_stages) : 1;
   const std::vector<StageSpan> spans = stage_spans(m.n_layers, l.pp * v, own_slot);
-  if (spans.empty()) throw ConfigError("plan_layout: " + l.str() + " cannot split the layers evenly");
+  if (spans.empty()) throw ConfigError("plan_layout: " + l.str() + " leaves a pipeline stage without layers");
 
   LayoutPlan p;
   p.layout = l;
@@ -743,8 +739,8 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
         for (int64_t b : divisors(cfg.train.global_batch / dp))
           if (b <= opt.max_mbs) sizes.push_back(b);
       }
-      // Chunks per pipeline rank to try: the given count, or (auto) every count that cuts the
-      // layers evenly; a layout is rejected for what stops its first candidate.
+      // Chunks per pipeline rank to try: the given count, or (auto) every count that leaves each
+      // chunk a layer; a layout is rejected for what stops its first candidate.
       std::vector<int64_t> chunk_counts = {std::max<int64_t>(1, opt.virtual_stages)};
       if (opt.virtual_stages == 0 && pp > 1)
         for (int64_t v = 2; v <= kMaxAutoVirtualStages; ++v)
@@ -795,6 +791,27 @@ std::vector<Alternative> alternatives(const RunConfig& cfg, const PlanOptions& o
     PlanResult r = plan_all(cfg, o);
     if (r.ranked.empty()) continue;
     out.push_back({std::to_string(g) + " GPUs (" + std::to_string(g / node) + " nodes)", g, cfg.model.n_layers,
+                   cfg.train.global_batch, r.ranked.front()});
+    ++found;
+  }
+  // A global batch that divides over more DP sizes: the nearest multiples of each dp the GPU
+  // count allows, closest to the configured batch first.
+  const int64_t gb = cfg.train.global_batch;
+  std::vector<int64_t> batches;
+  for (int64_t dp : divisors(G))
+    for (int64_t b : {gb / dp * dp, (gb + dp - 1) / dp * dp})
+      if (b > 0 && b != gb && std::find(batches.begin(), batches.end(), b) == batches.end()) batches.push_back(b);
+  std::stable_sort(batches.begin(), batches.end(),
+                   [&](int64_t a, int64_t b) { return std::llabs(a - gb) < std::llabs(b - gb); });
+  found = 0;
+  for (size_t k = 0; k < batches.size() && k < 8 && found < 2 && int(out.size()) < max_count; ++k) {
+    RunConfig c = cfg;
+    c.train.global_batch = batches[k];
+    PlanOptions o = opt;
+    o.gpus = G;
+    PlanResult r = plan_all(c, o);
+    if (r.ranked.empty()) continue;
+    out.push_back({"train.global_batch " + std::to_string(batches[k]), G, cfg.model.n_layers, batches[k],
                    r.ranked.front()});
     ++found;
   }
@@ -811,7 +828,7 @@ std::vector<Alternative> alternatives(const RunConfig& cfg, const PlanOptions& o
       if (r.ranked.empty()) continue;
       out.push_back({"n_layers " + std::to_string(layers) + " (" + human_count(double(ParamTable(c.model).logical_numel())) +
                          " parameters)",
-                     G, layers, r.ranked.front()});
+                     G, layers, cfg.train.global_batch, r.ranked.front()});
     }
   return out;
 }

@@ -181,9 +181,10 @@ struct StageSpan {
   bool has_embedding = false, has_head = false;
   int layers() const { return end_layer - first_layer; }
 };
-// Layers split evenly over pp (n_layers % pp == 0); with own_slot, layers + 2 slots over pp:
-// the first stage gives one slot to the embedding, the last one to the head.
-// Empty when the split is not even.
+// The trainer's split (model/param_table.h pipeline_stage): layers spread over pp, the first
+// n_layers % pp stages taking one more; with own_slot, layers + 2 slots over pp, the first
+// stage giving one slot to the embedding, the last one to the head.
+// Empty when a stage would hold nothing.
 std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot);
 
 // Activation bytes of one micro-batch on one stage (tokens = mbs * seq_len).
@@ -289,11 +290,13 @@ struct PlanResult {
 PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt);
 
 // When nothing fits: the best layout on fewer GPUs (whole nodes, down to half), and on the same
-// GPUs with a few layers more or less (the seed's move: 200B on 48 nodes became 72/78/84 layers).
+// GPUs with a global batch that divides over another dp, or with a few layers more or less (the
+// seed's move: 200B on 48 nodes became 72/78/84 layers).
 struct Alternative {
-  std::string change;  // "320 GPUs", "n_layers 72 (181.2B)"
+  std::string change;  // "320 GPUs", "train.global_batch 9", "n_layers 72 (181.2B)"
   int64_t gpus = 0;
   int n_layers = 0;
+  int64_t global_batch = 0;
   LayoutPlan best;
 };
 std::vector<Alternative> alternatives(const RunConfig& cfg, const PlanOptions& opt, int max_count = 5);
