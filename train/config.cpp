@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -524,10 +526,13 @@ RunConfig parse_config(const json& doc, const std::string& source) {
           if (!std::isfinite(x) || x <= 0)
             errors.push_back("data.train_weights[" + std::to_string(k) + "]: " + w->at(k).dump() +
                              " is out of range (allowed: > 0)");
-          else if (x / total * data::Blend::kPeriod < 1)
-            errors.push_back("data.train_weights[" + std::to_string(k) + "]: " + w->at(k).dump() + " is " +
-                             std::to_string(x / total) + " of the total, below the smallest share a blend gives (1/" +
+          else if (x / total * data::Blend::kPeriod < 1) {
+            char share[32];  // %g: a share of 1e-07 is not "0.000000"
+            std::snprintf(share, sizeof share, "%.3g", x / total);
+            errors.push_back("data.train_weights[" + std::to_string(k) + "]: " + w->at(k).dump() + " is " + share +
+                             " of the total, below the smallest share a blend gives (1/" +
                              std::to_string(data::Blend::kPeriod) + ")");
+          }
         }
       }
     }

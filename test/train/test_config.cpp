@@ -222,7 +222,9 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", "1,1"}}}},
              "data.train_weights: expected a list of numbers");
   fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", {1e6, 1}}}}},
-             "data.train_weights[1]: 1 is 0.000001 of the total, below the smallest share a blend gives (1/65536)");
+             "data.train_weights[1]: 1 is 1e-06 of the total, below the smallest share a blend gives (1/65536)");
+  fails_with({{"data", {{"train", {"a.bin", "b.bin"}}, {"train_weights", {1e8, 1}}}}},
+             "data.train_weights[1]: 1 is 1e-08 of the total");  // not "0.000000"
   fails_with({{"data", {{"val_sets", "val.bin"}}}}, "data.val_sets: expected an object {...}, got \"val.bin\"");
   fails_with({{"data", {{"val_sets", {{"web site", "w.bin"}}}}}},
              "data.val_sets.web site: the name is not allowed (allowed: letters, digits, '_', '-' and '.';");
