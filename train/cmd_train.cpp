@@ -2,9 +2,10 @@
 #include <omp.h>
 
 #include <iostream>
+#include <optional>
 
-#include "train/commands.h"
 #include "train/cli_checks.h"
+#include "train/commands.h"
 #include "train/config.h"
 #include "train/run.h"
 
@@ -16,7 +17,7 @@ struct TrainArgs {
   std::string config;
   std::vector<std::string> sets;
   int64_t steps = 0;
-  std::string out;
+  std::optional<std::string> out;  // given: even empty, which the config check refuses
   int64_t seed = -1;
   std::string device;
   int threads = 0;
@@ -33,7 +34,7 @@ int cmd_train(const TrainArgs& a) {
   std::vector<std::string> overrides = a.sets;
   // Flags are shorthands for --set and win over it.
   if (a.steps > 0) overrides.push_back("train.steps=" + std::to_string(a.steps));
-  if (!a.out.empty()) overrides.push_back("out=" + nlohmann::json(a.out).dump());
+  if (a.out) overrides.push_back("out=" + nlohmann::json(*a.out).dump());
   if (a.seed >= 0) overrides.push_back("train.seed=" + std::to_string(a.seed));
   if (!a.device.empty()) overrides.push_back("device=" + nlohmann::json(a.device).dump());
   RunConfig cfg = load_config(a.config, overrides);

@@ -212,6 +212,47 @@ class Fields {
   std::set<std::string> known_;
 };
 
+// JSON text with comments, refusing a key given twice in one object: nlohmann keeps the last
+// without a word, so "lr": 3e-3 and a later "lr": 1e-3 would silently become 1e-3.
+// `what` names the text in messages (the config file, or a --set).
+// `root`: the path of the text's top level ("sample" for --set sample={...}).
+json parse_json_once_per_key(const std::string& text, const std::string& what, const std::string& root = "") {
+  struct Frame {
+    std::string path;  // "optimizer", "data.val_sets"; "" for the top level
+    bool object = false;
+    std::string key;  // the key being read in an object
+    std::set<std::string> keys;
+  };
+  std::vector<Frame> frames;
+  std::vector<std::string> twice;
+  const auto callback = [&](int, json::parse_event_t event, json& parsed) {
+    using E = json::parse_event_t;
+    if (event == E::object_start || event == E::array_start) {
+      std::string path = root;
+      if (!frames.empty()) {
+        const Frame& up = frames.back();
+        path = up.object ? (up.path.empty() ? up.key : up.path + "." + up.key) : up.path + "[]";
+      }
+      frames.push_back({path, event == E::object_start, "", {}});
+    } else if (event == E::key) {
+      Frame& f = frames.back();
+      f.key = parsed.get<std::string>();
+      if (!f.keys.insert(f.key).second) twice.push_back(f.path.empty() ? f.key : f.path + "." + f.key);
+    } else if (event == E::object_end || event == E::array_end) {
+      frames.pop_back();
+    }
+    return true;
+  };
+  json doc = json::parse(text, callback, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  if (!twice.empty()) {
+    std::string list;
+    for (const std::string& k : twice) list += (list.empty() ? "" : ", ") + k;
+    throw ConfigError(what + ": " + list + (twice.size() > 1 ? " are" : " is") +
+                      " given twice in the same object; JSON keeps only the last, so one is a mistake: remove it");
+  }
+  return doc;
+}
+
 const json* child(const json& doc, const char* key) {
   return doc.is_object() && doc.contains(key) && !doc[key].is_null() ? &doc[key] : nullptr;
 }
@@ -648,6 +689,9 @@ RunConfig parse_config(const json& doc, const std::string& source) {
 
   c.device = top.choice("device", "auto", {"auto", "cpu", "cuda"});
   c.out = top.string("out", "out/" + c.name);
+  if (c.out.empty())
+    top.error("out", "an empty path is not allowed (--out or \"out\" names the run directory; leave it out for out/" +
+                         c.name + ")");
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = (std::filesystem::path(c.out) / "checkpoints").string();
   c.description = top.string("description", "");
   top.finish();
@@ -667,8 +711,16 @@ void apply_override(json& doc, const std::string& assignment) {
   std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
   json value;
   try {
-    value = json::parse(text);
-  } catch (const json::exception&) {
+    value = parse_json_once_per_key(text, "--set " + assignment, key);
+  } catch (const json::exception& e) {
+    // A list or object that is not JSON ([/a.bin]: unquoted strings) would become a string, and
+    // then a glob pattern: say what is wrong with it instead.
+    const size_t first = text.find_first_not_of(" \t");
+    if (first != std::string::npos && (text[first] == '[' || text[first] == '{'))
+      throw ConfigError("--set " + assignment + ": the value starts like a JSON list or object but is not valid JSON (" +
+                        e.what() + "). Strings need double quotes, inside a list (--set '" + key +
+                        "=[\"a.bin\", \"b.bin\"]') and for a string that starts with [ or { (--set '" + key +
+                        "=\"[INST] ...\"')");
     value = text;  // bare strings: --set precision.mode=fp32
   }
   json* node = &doc;
@@ -698,7 +750,7 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
   }
   json doc;
   try {
-    doc = json::parse(in, nullptr, true, /*ignore_comments=*/true);
+    doc = parse_json_once_per_key(std::string(std::istreambuf_iterator<char>(in), {}), "config file " + path);
   } catch (const json::parse_error& e) {
     throw ConfigError("config file " + path + " is not valid JSON: " + e.what());
   }

@@ -427,6 +427,13 @@ TEST_CASE("keel train: a model the host cannot hold is refused up front with bot
   CHECK_FALSE(fs::exists(out));
 }
 
+TEST_CASE("keel train --out '' is refused, not taken as the default run directory", "[cli][errors]") {
+  Workspace ws;
+  Result r = run_keel("train --config " + ws.config + " --steps 2 --out ''");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("out: an empty path is not allowed"));
+}
+
 TEST_CASE("missing or truncated data: one clear message naming the file, exit code 3, nothing written",
           "[cli][errors]") {
   Workspace ws;

@@ -4,10 +4,12 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <numbers>
 
 #include "common/run_config.h"
+#include "common/temp_dir.h"
 #include "model/param_table.h"
 #include "train/schedule.h"
 
@@ -296,6 +298,24 @@ TEST_CASE("config errors do not cascade into checks on a field that already fail
        {});
 }
 
+TEST_CASE("a config key given twice in one object is an error naming it and the file", "[config]") {
+  test::TempDir tmp("dupkeys");
+  const std::string path = tmp / "dup.json";
+  std::string text = test::tiny_run_json().dump(2);
+  // "lr" twice in optimizer, and "n_layers" twice in model.
+  text.replace(text.find("\"lr\""), 4, "\"lr\": 3e-3, \"lr\"");
+  text.replace(text.find("\"n_layers\""), 10, "\"n_layers\": 4, \"n_layers\"");
+  std::ofstream(path) << text;
+  CHECK_THROWS_WITH(load_config(path, {}), Catch::Contains("config file " + path) &&
+                                               Catch::Contains("model.n_layers, optimizer.lr are given twice") &&
+                                               Catch::Contains("JSON keeps only the last"));
+  // The same key in different objects is no duplicate.
+  std::ofstream(path) << test::tiny_run_json().dump(2);
+  CHECK_NOTHROW(load_config(path, {}));
+  nlohmann::json doc = test::tiny_run_json();
+  CHECK_THROWS_WITH(apply_override(doc, "sample={\"seed\": 1, \"seed\": 2}"), Catch::Contains("sample.seed is given twice"));
+}
+
 TEST_CASE("config overrides (--set) set any field, typed as JSON, bare words as strings", "[config]") {
   nlohmann::json doc = test::tiny_run_json();
   apply_override(doc, "optimizer.lr=3e-4");
@@ -308,6 +328,19 @@ TEST_CASE("config overrides (--set) set any field, typed as JSON, bare words as 
   REQUIRE(c.schedule.rampup);
   CHECK(c.schedule.rampup->increment == 4);
   CHECK_THROWS_WITH(apply_override(doc, "no-equals-sign"), Catch::Contains("key.path=value"));
+  // A list or object that is not JSON would become a string (then a glob pattern): refused.
+  CHECK_THROWS_WITH(apply_override(doc, "data.train=[/tmp/a.bin]"),
+                    Catch::Contains("--set data.train=[/tmp/a.bin]: the value starts like a JSON list or object but is "
+                                    "not valid JSON") &&
+                        Catch::Contains("--set 'data.train=[\"a.bin\", \"b.bin\"]'"));
+  CHECK_THROWS_WITH(apply_override(doc, "sample={interval: 5}"), Catch::Contains("not valid JSON"));
+  apply_override(doc, "sample.prompt=\"[INST] hi\"");  // quoted, a string may start with [
+  CHECK(doc["sample"]["prompt"] == "[INST] hi");
+  apply_override(doc, "description=a [b] c");  // a bare word containing brackets is still a string
+  CHECK(doc["description"] == "a [b] c");
+  // An empty run directory would fall back to a relative default without a word.
+  apply_override(doc, "out=\"\"");
+  CHECK_THROWS_WITH(parse_config(doc, "x.json"), Catch::Contains("out: an empty path is not allowed"));
 }
 
 TEST_CASE("vocab padding: Megatron's make-vocab-size-divisible-by times tp", "[config]") {
