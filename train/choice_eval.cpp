@@ -68,8 +68,11 @@ std::vector<ChoiceItem> read_choice_items(const std::string& path, const data::T
         item.ending_bytes.push_back(static_cast<int64_t>(ending.size()));
       }
     }
-    if (!j.contains("label") || !j["label"].is_number_integer())
+    if (!j.contains("label"))
       throw ConfigError(where + ": \"label\" (the index of the right ending) is missing");
+    if (!j["label"].is_number_integer())
+      throw ConfigError(where + ": \"label\" must be an integer, the index of the right ending (0 for the first); " +
+                        "got " + j["label"].dump());
     item.label = j["label"].get<int>();
     if (item.endings.size() < 2)
       throw ConfigError(where + ": " + std::to_string(item.endings.size()) + " ending(s); an item needs at least 2");

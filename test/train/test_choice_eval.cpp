@@ -85,7 +85,13 @@ TEST_CASE("keel eval: a bad choice file names the file, the line and the field",
              Catch::Contains("c.jsonl:2: label 2 is not an ending index (0 .. 1)"));
   CHECK_THAT(error_for(R"({"context": "a", "endings": [" c"], "label": 0})"),
              Catch::Contains("c.jsonl:1: 1 ending(s); an item needs at least 2"));
-  CHECK_THAT(error_for(R"({"context": "a", "endings": [" c", " d"]})"), Catch::Contains("c.jsonl:1: \"label\""));
+  CHECK_THAT(error_for(R"({"context": "a", "endings": [" c", " d"]})"),
+             Catch::Contains("c.jsonl:1: \"label\" (the index of the right ending) is missing"));
+  // Present but not an integer: said so, not "missing".
+  CHECK_THAT(error_for(R"({"context": "a", "endings": [" c", " d"], "label": "0"})"),
+             Catch::Contains("c.jsonl:1: \"label\" must be an integer, the index of the right ending (0 for the first); "
+                             "got \"0\"") &&
+                 !Catch::Contains("missing"));
   CHECK_THAT(error_for(R"({"prompt": "a"})"), Catch::Contains("needs \"context\" (a string) and \"endings\""));
   CHECK_THAT(error_for(R"({"context_ids": [1, 300], "ending_ids": [[2], [3]], "label": 0})"),
              Catch::Contains("c.jsonl:1 context_ids: 300 is not a token id of the model (0 .. 299)"));
