@@ -37,6 +37,7 @@ struct LossScaleConfig {
   double min = 1.0;
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
+  bool operator==(const LossScaleConfig&) const = default;
 };
 
 struct PrecisionConfig {
@@ -68,7 +69,9 @@ struct RampupConfig {  // Megatron's --rampup-batch-size <start> <increment> <sa
 struct ScheduleConfig {
   int64_t warmup_steps = 0;
   DecayStyle decay = DecayStyle::Cosine;
-  int64_t decay_steps = 0;  // steps after warmup over which lr goes to min_lr (0: until the end)
+  // Steps after the warmup over which lr goes to min_lr (0: until train.steps). Unlike
+  // Megatron's --lr-decay-iters, which counts from step 0, the warmup is not part of it.
+  int64_t decay_steps = 0;
   // WSD only: the cooldown's length (0: a fifth of the decay window) and shape.
   int64_t wsd_decay_steps = 0;
   CooldownShape wsd_decay_style = CooldownShape::Linear;

@@ -844,6 +844,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // directory); else --init-from weights; else a fresh init. All reads, no writes yet.
   TrainProgress progress;
   std::vector<std::string> notes;
+  if (cfg.precision.mode != PrecisionMode::FP16 && !(cfg.precision.loss_scale == LossScaleConfig{}))
+    notes.push_back("precision.loss_scale is set, but loss scaling is for precision.mode fp16 only: this " +
+                    precision_name(cfg.precision.mode) + " run ignores it");
   std::string resume_path = opts.resume;
   if (resume_path.empty()) {
     std::string note;

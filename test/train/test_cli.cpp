@@ -434,6 +434,19 @@ TEST_CASE("keel train --out '' is refused, not taken as the default run director
   CHECK_THAT(r.output, Catch::Contains("out: an empty path is not allowed"));
 }
 
+TEST_CASE("keel train notes fp16 loss-scale settings that a bf16 or fp32 run ignores", "[cli]") {
+  Workspace ws;
+  Result r = run_keel("train --config " + ws.config + " --set precision.loss_scale.initial=1024 --steps 2 -q --out " +
+                      (ws.dir / "a"));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("keel: precision.loss_scale is set, but loss scaling is for precision.mode fp16 "
+                                       "only: this fp32 run ignores it"));
+  r = run_keel("train --config " + ws.config + " --steps 2 -q --out " + (ws.dir / "b"));
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, !Catch::Contains("precision.loss_scale"));
+}
+
 TEST_CASE("missing or truncated data: one clear message naming the file, exit code 3, nothing written",
           "[cli][errors]") {
   Workspace ws;
