@@ -319,7 +319,7 @@ TEST_CASE("keel tokenize: past 1000 shards the names get more digits and still s
   CHECK(token_outputs(dir / "out") == c["files"].get<std::vector<std::string>>());
 }
 
-TEST_CASE("keel tokenize: --out must be a folder; a folder the run made goes again on an error", "[tokenize]") {
+TEST_CASE("keel tokenize: --out must be a folder, and a folder the run made goes again on an error", "[tokenize]") {
   TempDir dir;
   const json c = load("cases.json")["jsonl_gpt2"];
   std::ofstream(dir / "afile") << "x";

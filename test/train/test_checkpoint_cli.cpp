@@ -896,7 +896,7 @@ TEST_CASE("a run directory that cannot be written is refused with the reason, ex
   CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000002"));
 }
 
-TEST_CASE("--init-from into a run that is already complete says that it is ignored", "[ckpt][cli]") {
+TEST_CASE("keel train --init-from into a run that is already complete says that it is ignored", "[ckpt][cli]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run", ck = out + "/checkpoints/step_00000004";
   REQUIRE(run_keel(train_args(ws, out, "--steps 4")).code == 0);
