@@ -312,3 +312,56 @@ TEST_CASE("doctor metrics: a rank named slow at two or more timed steps is a str
   REQUIRE(r.problems.size() == 1);
   CHECK(r.problems[0].rfind("straggler: world rank 3 on host node0", 0) == 0);
 }
+
+TEST_CASE("doctor metrics: after a resume or a rewind, the abandoned trajectory's records do not count",
+          "[doctor][metrics][resume]") {
+  test::TempDir dir("doctor-replay");
+  auto step = [](int s, double loss, bool skipped = false) {
+    return nlohmann::json{{"step", s}, {"loss", loss}, {"grad_norm", 1.0}, {"skipped", skipped}}.dump() + "\n";
+  };
+  auto val = [](int s, double loss) { return nlohmann::json{{"step", s}, {"val_loss", loss}}.dump() + "\n"; };
+
+  // Ran to step 10 (validation at 4, 8 and 10), then resumed from step 4's checkpoint with
+  // --steps 6: eval_at_start validated step 4 again, and the run ended at step 6.
+  const std::string resumed = dir / "resumed.jsonl";
+  {
+    std::ofstream out(resumed);
+    for (int s = 1; s <= 10; ++s) {
+      out << step(s, 5.0 - 0.1 * s);
+      if (s == 4 || s == 8 || s == 10) out << val(s, 5.0 - 0.1 * s);
+    }
+    out << nlohmann::json{{"event", "resume"}, {"step", 4}, {"checkpoint", "ck/step_00000004"}}.dump() << "\n";
+    out << val(4, 4.6);
+    for (int s = 5; s <= 6; ++s) out << step(s, 4.7 - 0.05 * s);
+    out << val(6, 4.5);
+  }
+  const doctor::MetricsReport r = doctor::summarize_metrics(resumed);
+  INFO(r.text);
+  CHECK(r.steps == 6);
+  CHECK(r.resumes == std::vector<int64_t>{4});
+  CHECK(r.text.find("steps: 6 (1 - 6), 6 earlier record(s) superseded by a resume or rewind") != std::string::npos);
+  CHECK(r.text.find("loss: 4.9 at step 1 -> 4.4 at step 6, min 4.4 at step 6") != std::string::npos);
+  CHECK(r.text.find("validation: 2 evaluation(s): 4.6 at step 4 -> 4.5 at step 6, best 4.5 at step 6 (falling)") !=
+        std::string::npos);
+
+  // A loss spike at step 12 rewound the run to step 10's checkpoint; steps 11 and 12 were trained
+  // again on the data after the spike's.
+  const std::string rewound = dir / "rewound.jsonl";
+  {
+    std::ofstream out(rewound);
+    for (int s = 1; s <= 11; ++s) out << step(s, 3.0);
+    out << step(12, 9.0, true);
+    out << nlohmann::json{{"event", "rewind"}, {"step", 12}, {"to", 10}, {"checkpoint", "ck/step_00000010"}}.dump() << "\n";
+    for (int s = 11; s <= 14; ++s) out << step(s, 3.0);
+  }
+  const doctor::MetricsReport w = doctor::summarize_metrics(rewound);
+  INFO(w.text);
+  CHECK(w.steps == 14);
+  CHECK(w.rewinds == std::vector<std::pair<int64_t, int64_t>>{{12, 10}});
+  CHECK(w.resumes.empty());
+  CHECK(w.skipped_steps.empty());
+  CHECK(w.loss_spikes.empty());
+  CHECK(w.text.find("rewinds: 1\n    at step 12 (loss 9) back to step 10 from ck/step_00000010: a spike") !=
+        std::string::npos);
+  CHECK(w.text.find("2 earlier record(s) superseded") != std::string::npos);
+}
