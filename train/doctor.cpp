@@ -94,6 +94,12 @@ double config_lr(const Checkpoint& ck) {
 // ---- frozen tensors ------------------------------------------------------------------------
 
 FrozenReport compare_frozen(const Checkpoint& a, const Checkpoint& b, const FrozenOptions& opt) {
+  // Between a checkpoint and itself (or an earlier one) nothing moved: every tensor would look frozen.
+  const int64_t steps = b.progress().iteration - a.progress().iteration;
+  if (steps <= 0)
+    throw ConfigError("keel doctor frozen: B must be a later checkpoint than A, but B " + b.path() + " is at iteration " +
+                      std::to_string(b.progress().iteration) + " and A " + a.path() + " at iteration " +
+                      std::to_string(a.progress().iteration) + "; give the earlier checkpoint first");
   FrozenReport r;
   std::vector<std::string> notes;
   const auto ta = a.tensors("weight"), tb = b.tensors("weight");
@@ -163,14 +169,11 @@ FrozenReport compare_frozen(const Checkpoint& a, const Checkpoint& b, const Froz
     return x.unchanged > y.unchanged;
   });
 
-  const int64_t steps = b.progress().iteration - a.progress().iteration;
   std::string& s = r.text;
   s = "keel doctor frozen: A " + a.path() + "\n                    B " + b.path() + "\n";
   s += "  A: " + checkpoint_line(a) + "\n  B: " + checkpoint_line(b) + "\n";
   s += "  " + std::to_string(steps) + " optimizer step(s) apart; compared per tensor: the fp32 master where both have "
        "it, else the stored weights\n";
-  if (steps <= 0) notes.push_back("B is not after A (iteration " + std::to_string(b.progress().iteration) + " vs " +
-                                  std::to_string(a.progress().iteration) + "): nothing can have moved");
   int64_t frozen_params = 0, total_params = 0;
   for (const TensorMotion& t : r.tensors) {
     total_params += t.numel;

@@ -81,6 +81,16 @@ TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precisi
       CHECK(frozen.empty());
       CHECK(r.problems.empty());
       CHECK(r.text.find("no frozen tensors") != std::string::npos);
+      // A checkpoint against itself, or the later one first: nothing can have moved, so every
+      // tensor would look frozen. Refused, not reported as a problem.
+      for (const auto& [first, second] : {std::pair{a, a}, std::pair{b, a}})
+        CHECK_THROWS_WITH(doctor::compare_frozen(Checkpoint::open(first), Checkpoint::open(second)),
+                          Catch::Contains("B must be a later checkpoint than A") &&
+                              Catch::Contains("give the earlier checkpoint first"));
+      const auto cli = test::run_keel("doctor frozen " + a + " " + a);
+      INFO(cli.output);
+      CHECK(cli.code == 2);
+      CHECK(cli.output.find("FROZEN") == std::string::npos);
       continue;
     }
     // Every norm gain (init 1.0) and nothing else.
