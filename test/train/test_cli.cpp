@@ -214,6 +214,17 @@ TEST_CASE("keel train with sample: text at each interval, the stream's rule, and
   INFO(offline.output);
   REQUIRE(offline.code == 0);
   CHECK_THAT(offline.output, Catch::Contains(texts.back() + "\n"));
+  // The run directory (--out) stands for its latest checkpoint, also one whose config.json puts
+  // the checkpoints elsewhere (checkpoint.dir).
+  fs::create_directories(ws.dir / "elsewhere");
+  std::ofstream(ws.dir / "elsewhere/config.json") << nlohmann::json{{"checkpoint", {{"dir", ws.dir / "run/checkpoints"}}}};
+  for (const std::string run_dir : {ws.dir / "run", ws.dir / "elsewhere"}) {
+    Result from_run = run_keel("sample --checkpoint " + run_dir + " --prompt ABC -n 12 -t 0");
+    INFO(from_run.output);
+    CHECK(from_run.code == 0);
+    CHECK_THAT(from_run.output, Catch::Contains("loaded " + (ws.dir / "run/checkpoints/step_00000030")) &&
+                                    Catch::Contains(texts.back() + "\n"));
+  }
   // Layouts that split the model are refused by name.
   Result split = run_keel("train --config " + ws.config + " --out " + (ws.dir / "split") + sample +
                           " --set parallel.tp=2");
