@@ -164,9 +164,13 @@ FrozenReport compare_frozen(const Checkpoint& a, const Checkpoint& b, const Froz
   for (const auto& [name, shape] : tb)
     if (!ta.count(name)) notes.push_back(name + " is only in B");
 
-  std::stable_sort(r.tensors.begin(), r.tensors.end(), [](const TensorMotion& x, const TensorMotion& y) {
+  // Frozen first, then the least-moving: most elements unchanged, then the smallest mean change
+  // relative to the tensor's magnitude (training moves every element, so the first key often ties).
+  auto relative_change = [](const TensorMotion& t) { return t.typical > 0 ? t.mean_change / t.typical : t.mean_change; };
+  std::stable_sort(r.tensors.begin(), r.tensors.end(), [&](const TensorMotion& x, const TensorMotion& y) {
     if (x.frozen != y.frozen) return x.frozen;
-    return x.unchanged > y.unchanged;
+    if (x.unchanged != y.unchanged) return x.unchanged > y.unchanged;
+    return relative_change(x) < relative_change(y);
   });
 
   std::string& s = r.text;

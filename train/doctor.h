@@ -34,7 +34,8 @@ struct Report {
 
 struct FrozenOptions {
   double threshold = 0.99;  // a tensor with at least this fraction of unchanged elements is frozen
-  int max_moving = 20;      // moving tensors listed (the least-moving first)
+  int max_moving = 20;      // moving tensors listed (the least-moving first: most elements unchanged,
+                            // then the smallest mean change relative to mean |A|)
 };
 
 struct TensorMotion {
@@ -52,7 +53,7 @@ struct TensorMotion {
 };
 
 struct FrozenReport : Report {
-  std::vector<TensorMotion> tensors;  // frozen first (most unchanged first), then the others
+  std::vector<TensorMotion> tensors;  // frozen first, then the others, each least-moving first
   int frozen = 0;
 };
 

@@ -81,6 +81,13 @@ TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precisi
       CHECK(frozen.empty());
       CHECK(r.problems.empty());
       CHECK(r.text.find("no frozen tensors") != std::string::npos);
+      // Least-moving first: most elements unchanged, then the smallest change for the tensor's size.
+      for (size_t i = 1; i < r.tensors.size(); ++i) {
+        const doctor::TensorMotion &x = r.tensors[i - 1], &y = r.tensors[i];
+        INFO(x.name << " before " << y.name);
+        CHECK(x.unchanged >= y.unchanged);
+        if (x.unchanged == y.unchanged) CHECK(x.mean_change / x.typical <= y.mean_change / y.typical);
+      }
       // A checkpoint against itself, or the later one first: nothing can have moved, so every
       // tensor would look frozen. Refused, not reported as a problem.
       for (const auto& [first, second] : {std::pair{a, a}, std::pair{b, a}})
