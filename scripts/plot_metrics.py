@@ -47,7 +47,8 @@ VAL_SET_MARKERS = "sD^vP*X"
 def load_metrics(path: str) -> dict:
     """Each series as [(step, value)] sorted by step, one point per step: the last record of a step
     counts, and a resume at step S (or a rewind to S) drops the earlier records of the steps after
-    S, which belong to the trajectory the run abandoned (as TensorBoard does at its restart marker)."""
+    S, which belong to the trajectory the run abandoned (as TensorBoard does at its restart marker);
+    a new run's start in the same directory drops all earlier records."""
     by_step = {k: {} for k in ("train", "val", "grad_norm", "lr") + CHOICE_KEYS}
     val_sets = {}
     counts = {"bad_lines": 0, "nonfinite": 0}
@@ -73,7 +74,9 @@ def load_metrics(path: str) -> dict:
             step = _num(rec.get("step"))
             if step is None:
                 continue
-            if rec.get("event") == "resume":
+            if rec.get("event") == "start":  # a new run in the same directory
+                restart_at(-1)
+            elif rec.get("event") == "resume":
                 restart_at(step)
             elif rec.get("event") == "rewind" and _num(rec.get("to")) is not None:
                 restart_at(_num(rec["to"]))

@@ -533,10 +533,13 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   std::vector<Rewind> rewinds;
   // A resume at step S, or a rewind to S, continues from S's checkpoint: the records of later
   // steps belong to the abandoned trajectory (TensorBoard drops them at its restart marker too).
-  int64_t superseded = 0;
+  // A start event (step 0) begins a new run in the same directory: every earlier record is another run's.
+  int64_t superseded = 0, other_runs = 0;
   auto restart_at = [&](int64_t s) {
-    for (auto it = by_step.upper_bound(s); it != by_step.end(); it = by_step.erase(it)) ++superseded;
+    int64_t dropped = 0;
+    for (auto it = by_step.upper_bound(s); it != by_step.end(); it = by_step.erase(it)) ++dropped;
     for (auto& [name, series] : vals) series.erase(series.upper_bound(s), series.end());
+    return dropped;
   };
   struct StragglerSeen {
     std::string host;
@@ -561,13 +564,14 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     if (rec.contains("event")) {
       if (rec["event"] == "resume") {
         resumes.push_back({rec.value("step", int64_t{0}), rec.value("checkpoint", std::string())});
-        restart_at(resumes.back().step);
+        superseded += restart_at(resumes.back().step);
       }
+      if (rec["event"] == "start") other_runs += restart_at(-1);
       if (rec["event"] == "rewind" && rec.contains("to") && rec["to"].is_number_integer()) {
         Rewind rw{rec.value("step", int64_t{0}), rec["to"].get<int64_t>(), rec.value("checkpoint", std::string()), {}};
         if (by_step.count(rw.step)) rw.loss = by_step[rw.step].loss;
         rewinds.push_back(rw);
-        restart_at(rw.to);
+        superseded += restart_at(rw.to);
       }
       if (rec["event"] == "timers") {
         ++r.timed_steps;
@@ -625,6 +629,9 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
        (superseded ? ", " + std::to_string(superseded) +
                          " earlier record(s) superseded by a resume or rewind (the trajectory the run went on with counts)"
                    : std::string()) + "\n";
+  if (other_runs)
+    s += "  " + std::to_string(other_runs) + " step record(s) of earlier runs in this directory (before the last "
+         "{\"event\": \"start\"}) not counted\n";
 
   // Loss and grad norm: levels and spikes.
   const StepRec* min_rec = nullptr;

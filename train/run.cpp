@@ -1007,6 +1007,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                               "nothing was trained");
       fs::remove(probe, ec);
     }
+    // metrics.jsonl is appended to: a fresh start over an earlier run's records says so (below).
+    std::error_code size_ec;
+    const bool earlier_records = fs::file_size(fs::path(cfg.out) / "metrics.jsonl", size_ec) > 0 && !size_ec;
     // The run directory's files: one that cannot be written is the --out's fault (exit 2), with the OS's reason.
     try {
       const fs::path config_path = fs::path(cfg.out) / "config.json";
@@ -1035,8 +1038,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
     if (int n = checkpoints.clean_incomplete(); n > 0)
       std::printf("keel: removed %d incomplete save(s) left by an interrupted run\n", n);
-    if (progress.iteration > 0)
+    if (progress.iteration > 0) {
       metrics->write({{"event", "resume"}, {"step", progress.iteration}, {"checkpoint", resume_path}});
+    } else if (earlier_records) {
+      // A new run from step 0 in a directory whose metrics.jsonl holds another run's steps (its
+      // checkpoints removed, another checkpoint.dir, an --init-from): the records before this
+      // event are not this run's (keel doctor metrics, plot_metrics.py and TensorBoard drop them).
+      metrics->write({{"event", "start"}, {"step", 0}});
+      std::printf("keel: %s holds records of an earlier run; this run starts at step 0, and an {\"event\": \"start\"} "
+                  "record marks where its own begin\n",
+                  metrics->path().c_str());
+    }
     std::fflush(stdout);
   }
   world.barrier();

@@ -46,6 +46,13 @@ class LoadMetrics(unittest.TestCase):
         self.assertEqual(dict(s["train"])[11], 2.5)
         self.assertEqual(dict(s["train"])[12], 2.5)
 
+    def test_a_new_run_in_the_same_directory_drops_the_earlier_runs_records(self):
+        recs = [{"step": s, "loss": 9.0} for s in range(1, 11)] + [{"step": 10, "val_loss": 9.0}]
+        recs += [{"event": "start", "step": 0}] + [{"step": s, "loss": 3.0} for s in range(1, 4)]
+        s = plot_metrics.load_metrics(write(recs))
+        self.assertEqual(s["train"], [(1, 3.0), (2, 3.0), (3, 3.0)])
+        self.assertEqual(s["val"], [])
+
 
 if __name__ == "__main__":
     unittest.main()

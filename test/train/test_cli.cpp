@@ -232,6 +232,31 @@ TEST_CASE("keel train with sample: text at each interval, the stream's rule, and
   CHECK_THAT(split.output, Catch::Contains("sample.interval: generating during training needs the whole model"));
 }
 
+TEST_CASE("a new run in a run directory holding an earlier run's metrics marks where its own records begin",
+          "[cli][e2e][metrics]") {
+  Workspace ws(nlohmann::json{{"train", {{"steps", 4}, {"eval_interval", 2}}}});
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel("train --config " + ws.config + " --out " + out + " -q").code == 0);
+  // Nothing to resume (checkpoints removed): a new run from step 0, appended to metrics.jsonl.
+  fs::remove_all(out + "/checkpoints");
+  Result again = run_keel("train --config " + ws.config + " --out " + out + " --steps 2");
+  INFO(again.output);
+  REQUIRE(again.code == 0);
+  CHECK_THAT(again.output, Catch::Contains(out + "/metrics.jsonl holds records of an earlier run; this run starts at step 0"));
+  const std::vector<nlohmann::json> recs = read_metrics(out + "/metrics.jsonl");
+  int starts = 0;
+  for (size_t i = 0; i < recs.size(); ++i)
+    if (recs[i].value("event", "") == "start") {
+      ++starts;
+      CHECK(recs[i]["step"] == 0);
+      CHECK(recs[i + 1]["step"] == 1);  // the new run's first step follows it
+    }
+  CHECK(starts == 1);  // the first run, in an empty directory, wrote none
+  Result doctor = run_keel("doctor metrics " + out + "/metrics.jsonl");
+  INFO(doctor.output);
+  CHECK_THAT(doctor.output, Catch::Contains("steps: 2 (1 - 2)") && Catch::Contains("4 step record(s) of earlier runs"));
+}
+
 TEST_CASE("keel train with document masking: the end-of-document token from meta.json, a resume is bit-identical",
           "[cli][e2e][documents]") {
   Workspace ws(nlohmann::json{{"train", {{"steps", 8}, {"eval_interval", 4}}}, {"schedule", {{"warmup_steps", 1}}}});

@@ -381,4 +381,20 @@ TEST_CASE("doctor metrics: after a resume or a rewind, the abandoned trajectory'
   CHECK(w.text.find("rewinds: 1\n    at step 12 (loss 9) back to step 10 from ck/step_00000010: a spike") !=
         std::string::npos);
   CHECK(w.text.find("2 earlier record(s) superseded") != std::string::npos);
+
+  // A new run from step 0 in the same directory (its checkpoints removed): the earlier run's
+  // steps are not this run's.
+  const std::string restarted = dir / "restarted.jsonl";
+  {
+    std::ofstream out(restarted);
+    for (int s = 1; s <= 10; ++s) out << step(s, 9.0) << (s % 5 == 0 ? val(s, 9.0) : "");
+    out << nlohmann::json{{"event", "start"}, {"step", 0}}.dump() << "\n";
+    for (int s = 1; s <= 3; ++s) out << step(s, 3.0);
+  }
+  const doctor::MetricsReport n = doctor::summarize_metrics(restarted);
+  INFO(n.text);
+  CHECK(n.steps == 3);
+  CHECK(n.text.find("steps: 3 (1 - 3)\n  10 step record(s) of earlier runs in this directory") != std::string::npos);
+  CHECK(n.text.find("loss: 3 at step 1 -> 3 at step 3") != std::string::npos);
+  CHECK(n.text.find("validation: none") != std::string::npos);
 }
