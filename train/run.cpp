@@ -1117,8 +1117,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                   static_cast<long long>(cfg.parallel.dp));
     return kExitOk;
   }
-  // train.eval_at_start: the loaded (or initial) model's numbers before this run's first step.
-  if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) evaluate_all(progress.iteration);
+  // train.eval_at_start: the loaded (or initial) model's numbers before the run's first step.
+  // Not again at each resume: they would repeat what the earlier process measured (a checkpoint
+  // of an evaluation step is saved after it), at a HellaSwag pass per requeue.
+  if (cfg.train.eval_at_start && progress.iteration == 0) evaluate_all(0);
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
   auto finish_pending_save = [&] {
