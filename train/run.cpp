@@ -1177,7 +1177,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (st.spike) rec["spike"] = st.spike_text;
       metrics->write(rec);
     }
-    if (!quiet && (it % cfg.log.interval == 0 || it == 1 || it == cfg.train.steps)) {
+    // Also the first step of each process: after a resume, where a restart spike would show.
+    if (!quiet && (it % cfg.log.interval == 0 || it == progress.iteration + 1 || it == cfg.train.steps)) {
       std::printf("%s\n", format_step_line(r).c_str());
       std::fflush(stdout);
     }

@@ -257,6 +257,21 @@ TEST_CASE("a new run in a run directory holding an earlier run's metrics marks w
   CHECK_THAT(doctor.output, Catch::Contains("steps: 2 (1 - 2)") && Catch::Contains("4 step record(s) of earlier runs"));
 }
 
+TEST_CASE("the log shows the first step each process trains, whatever log.interval", "[cli][e2e][metrics]") {
+  Workspace ws(nlohmann::json{{"train", {{"steps", 8}}}, {"log", {{"interval", 100}}}});
+  const std::string run = "train --config " + ws.config + " --out " + (ws.dir / "run");
+  Result first = run_keel(run + " --stop-at 3");
+  INFO(first.output);
+  REQUIRE(first.code == 4);
+  CHECK_THAT(first.output, Catch::Contains(" iteration        1/       8 |") && !Catch::Contains(" iteration        2/"));
+  // The resumed process's first loss is where a restart spike would show.
+  Result second = run_keel(run);
+  INFO(second.output);
+  REQUIRE(second.code == 0);
+  CHECK_THAT(second.output, Catch::Contains(" iteration        4/       8 |") && Catch::Contains(" iteration        8/       8 |") &&
+                                !Catch::Contains(" iteration        5/"));
+}
+
 TEST_CASE("keel train with document masking: the end-of-document token from meta.json, a resume is bit-identical",
           "[cli][e2e][documents]") {
   Workspace ws(nlohmann::json{{"train", {{"steps", 8}, {"eval_interval", 4}}}, {"schedule", {{"warmup_steps", 1}}}});
