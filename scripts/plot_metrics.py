@@ -12,8 +12,9 @@ validation dashed with markers, one colour per file, each named validation set d
 a marker of its own), gradient norm (log y) and learning rate;
 a fourth with the multiple-choice accuracies when any file has them (acc solid, per token
 dashed, per byte dotted). Missing fields,
-blank or broken lines and non-finite values are skipped; each file is labelled by its parent
-directory's name (or --labels).
+blank or broken lines and non-finite values are skipped. After a resume or a rewind, only the
+trajectory the run went on with is drawn. Each file is labelled by its parent directory's name
+(or --labels).
 """
 
 from __future__ import annotations
@@ -23,11 +24,6 @@ import json
 import math
 import os
 import sys
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def _num(v):
@@ -49,9 +45,19 @@ VAL_SET_MARKERS = "sD^vP*X"
 
 
 def load_metrics(path: str) -> dict:
-    series = {"train": [], "val": [], "val_sets": {}, "grad_norm": [], "lr": [], "bad_lines": 0, "nonfinite": 0}
-    for k in CHOICE_KEYS:
-        series[k] = []
+    """Each series as [(step, value)] sorted by step, one point per step: the last record of a step
+    counts, and a resume at step S (or a rewind to S) drops the earlier records of the steps after
+    S, which belong to the trajectory the run abandoned (as TensorBoard does at its restart marker);
+    a new run's start in the same directory drops all earlier records."""
+    by_step = {k: {} for k in ("train", "val", "grad_norm", "lr") + CHOICE_KEYS}
+    val_sets = {}
+    counts = {"bad_lines": 0, "nonfinite": 0}
+
+    def restart_at(s):
+        for points in list(by_step.values()) + list(val_sets.values()):
+            for step in [x for x in points if x > s]:
+                del points[step]
+
     with open(path, "r", encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
@@ -60,43 +66,48 @@ def load_metrics(path: str) -> dict:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                series["bad_lines"] += 1  # e.g. a line cut short by a crash
+                counts["bad_lines"] += 1  # e.g. a line cut short by a crash
                 continue
             if not isinstance(rec, dict):
-                series["bad_lines"] += 1
+                counts["bad_lines"] += 1
                 continue
             step = _num(rec.get("step"))
             if step is None:
                 continue
+            if rec.get("event") == "start":  # a new run in the same directory
+                restart_at(-1)
+            elif rec.get("event") == "resume":
+                restart_at(step)
+            elif rec.get("event") == "rewind" and _num(rec.get("to")) is not None:
+                restart_at(_num(rec["to"]))
             if "loss" in rec:
                 loss = _num(rec["loss"])
                 if loss is None:
-                    series["nonfinite"] += 1
+                    counts["nonfinite"] += 1
                 else:
-                    series["train"].append((step, loss))
+                    by_step["train"][step] = loss
                 gn = _num(rec.get("grad_norm"))
                 if gn is not None and gn > 0:
-                    series["grad_norm"].append((step, gn))
+                    by_step["grad_norm"][step] = gn
                 lr = _num(rec.get("lr"))
                 if lr is not None:
-                    series["lr"].append((step, lr))
+                    by_step["lr"][step] = lr
             if "val_loss" in rec:
                 vl = _num(rec["val_loss"])
                 if vl is not None:
-                    series["val"].append((step, vl))
+                    by_step["val"][step] = vl
             if isinstance(rec.get("val_losses"), dict):
                 for name, v in rec["val_losses"].items():
                     vl = _num(v)
                     if vl is not None:
-                        series["val_sets"].setdefault(name, []).append((step, vl))
+                        val_sets.setdefault(name, {})[step] = vl
             for k in CHOICE_KEYS:
                 acc = _num(rec.get(k))
                 if acc is not None:
-                    series[k].append((step, acc))
-    for k in ("train", "val", "grad_norm", "lr") + CHOICE_KEYS:
-        series[k].sort(key=lambda p: p[0])
-    for points in series["val_sets"].values():
-        points.sort(key=lambda p: p[0])
+                    by_step[k][step] = acc
+    series = {k: sorted(points.items()) for k, points in by_step.items()}
+    series["val_sets"] = {name: sorted(points.items()) for name, points in val_sets.items() if points}
+    series.update(counts)
     return series
 
 
@@ -115,6 +126,11 @@ def unique_labels(labels: list) -> list:
 
 
 def plot(runs: list, out: str, title: str | None = None, smooth: int = 1) -> None:
+    import matplotlib  # here, so that load_metrics works without it (test/scripts)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     with_choice = any(s[k] for _, s in runs for k in CHOICE_KEYS)
     ratios = [2, 1, 1] + ([1] if with_choice else [])
     fig, axes = plt.subplots(len(ratios), 1, figsize=(10, 10 + 3 * with_choice), sharex=True,

@@ -419,6 +419,21 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
   return (dir / complete.back()).string();
 }
 
+namespace {
+// A run directory (keel train's --out): its checkpoints are in checkpoint.dir, which its
+// config.json records (by default <out>/checkpoints). Empty when `path` is no run directory.
+std::string run_checkpoint_dir(const fs::path& path) {
+  std::ifstream in(path / "config.json");
+  if (!in) return "";
+  const nlohmann::json cfg = nlohmann::json::parse(in, nullptr, false);
+  if (fs::is_directory(path / "checkpoints")) return (path / "checkpoints").string();
+  if (cfg.is_object() && cfg.contains("checkpoint") && cfg["checkpoint"].is_object() &&
+      cfg["checkpoint"].contains("dir") && cfg["checkpoint"]["dir"].is_string())
+    return cfg["checkpoint"]["dir"].get<std::string>();
+  return "";
+}
+}  // namespace
+
 Checkpoint Checkpoint::open(const std::string& path_in) {
   std::string path = path_in;
   if (!fs::exists(path)) throw CheckpointError("no checkpoint at " + path + ": no such file or directory");
@@ -432,9 +447,12 @@ Checkpoint Checkpoint::open(const std::string& path_in) {
   if (!fs::exists(fs::path(path) / "meta.json")) {
     if (fs::exists(fs::path(path) / "latest") || !fs::exists(fs::path(path) / "model-tp00-pp00.safetensors")) {
       auto latest = find_latest(path);
+      const std::string run_dir = latest ? "" : run_checkpoint_dir(path);
+      if (!run_dir.empty()) latest = find_latest(run_dir);  // a run directory: its latest checkpoint
       if (!latest)
         throw CheckpointError("no checkpoint at " + path +
-                              ": not a checkpoint (no meta.json) and no complete step_* checkpoint inside");
+                              ": not a checkpoint (no meta.json) and no complete step_* checkpoint inside" +
+                              (run_dir.empty() ? "" : " nor in its run's checkpoint.dir " + run_dir));
       path = *latest;
     } else if (fs::path(path).filename().string().rfind(".tmp-", 0) == 0) {
       throw CheckpointError(path + " is not a complete checkpoint (no meta.json): a save that was interrupted "

@@ -94,6 +94,12 @@ double config_lr(const Checkpoint& ck) {
 // ---- frozen tensors ------------------------------------------------------------------------
 
 FrozenReport compare_frozen(const Checkpoint& a, const Checkpoint& b, const FrozenOptions& opt) {
+  // Between a checkpoint and itself (or an earlier one) nothing moved: every tensor would look frozen.
+  const int64_t steps = b.progress().iteration - a.progress().iteration;
+  if (steps <= 0)
+    throw ConfigError("keel doctor frozen: B must be a later checkpoint than A, but B " + b.path() + " is at iteration " +
+                      std::to_string(b.progress().iteration) + " and A " + a.path() + " at iteration " +
+                      std::to_string(a.progress().iteration) + "; give the earlier checkpoint first");
   FrozenReport r;
   std::vector<std::string> notes;
   const auto ta = a.tensors("weight"), tb = b.tensors("weight");
@@ -158,19 +164,20 @@ FrozenReport compare_frozen(const Checkpoint& a, const Checkpoint& b, const Froz
   for (const auto& [name, shape] : tb)
     if (!ta.count(name)) notes.push_back(name + " is only in B");
 
-  std::stable_sort(r.tensors.begin(), r.tensors.end(), [](const TensorMotion& x, const TensorMotion& y) {
+  // Frozen first, then the least-moving: most elements unchanged, then the smallest mean change
+  // relative to the tensor's magnitude (training moves every element, so the first key often ties).
+  auto relative_change = [](const TensorMotion& t) { return t.typical > 0 ? t.mean_change / t.typical : t.mean_change; };
+  std::stable_sort(r.tensors.begin(), r.tensors.end(), [&](const TensorMotion& x, const TensorMotion& y) {
     if (x.frozen != y.frozen) return x.frozen;
-    return x.unchanged > y.unchanged;
+    if (x.unchanged != y.unchanged) return x.unchanged > y.unchanged;
+    return relative_change(x) < relative_change(y);
   });
 
-  const int64_t steps = b.progress().iteration - a.progress().iteration;
   std::string& s = r.text;
   s = "keel doctor frozen: A " + a.path() + "\n                    B " + b.path() + "\n";
   s += "  A: " + checkpoint_line(a) + "\n  B: " + checkpoint_line(b) + "\n";
   s += "  " + std::to_string(steps) + " optimizer step(s) apart; compared per tensor: the fp32 master where both have "
        "it, else the stored weights\n";
-  if (steps <= 0) notes.push_back("B is not after A (iteration " + std::to_string(b.progress().iteration) + " vs " +
-                                  std::to_string(a.progress().iteration) + "): nothing can have moved");
   int64_t frozen_params = 0, total_params = 0;
   for (const TensorMotion& t : r.tensors) {
     total_params += t.numel;
@@ -512,12 +519,28 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   std::ifstream in(path);
   if (!in) throw std::runtime_error("cannot read metrics file " + path);
   std::map<int64_t, StepRec> by_step;  // a replayed step keeps its last record
-  std::map<std::string, std::vector<std::pair<int64_t, double>>> vals;  // "": data.val, else data.val_sets' names
+  std::map<std::string, std::map<int64_t, double>> vals;  // by step; "": data.val, else data.val_sets' names
   struct Resume {
     int64_t step;
     std::string checkpoint;
   };
   std::vector<Resume> resumes;
+  struct Rewind {
+    int64_t step, to;
+    std::string checkpoint;
+    std::optional<double> loss;  // of the step that set it off
+  };
+  std::vector<Rewind> rewinds;
+  // A resume at step S, or a rewind to S, continues from S's checkpoint: the records of later
+  // steps belong to the abandoned trajectory (TensorBoard drops them at its restart marker too).
+  // A start event (step 0) begins a new run in the same directory: every earlier record is another run's.
+  int64_t superseded = 0, other_runs = 0;
+  auto restart_at = [&](int64_t s) {
+    int64_t dropped = 0;
+    for (auto it = by_step.upper_bound(s); it != by_step.end(); it = by_step.erase(it)) ++dropped;
+    for (auto& [name, series] : vals) series.erase(series.upper_bound(s), series.end());
+    return dropped;
+  };
   struct StragglerSeen {
     std::string host;
     double worst = 0;  // compute / the stage's typical compute
@@ -525,7 +548,7 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   };
   std::map<int, StragglerSeen> straggler_seen;
   std::vector<std::string> notes;
-  int64_t replayed = 0, bad_lines = 0, line_no = 0;
+  int64_t bad_lines = 0, line_no = 0;
   std::string line;
   while (std::getline(in, line)) {
     ++line_no;
@@ -539,8 +562,17 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     }
     if (!rec.is_object()) continue;
     if (rec.contains("event")) {
-      if (rec["event"] == "resume")
+      if (rec["event"] == "resume") {
         resumes.push_back({rec.value("step", int64_t{0}), rec.value("checkpoint", std::string())});
+        superseded += restart_at(resumes.back().step);
+      }
+      if (rec["event"] == "start") other_runs += restart_at(-1);
+      if (rec["event"] == "rewind" && rec.contains("to") && rec["to"].is_number_integer()) {
+        Rewind rw{rec.value("step", int64_t{0}), rec["to"].get<int64_t>(), rec.value("checkpoint", std::string()), {}};
+        if (by_step.count(rw.step)) rw.loss = by_step[rw.step].loss;
+        rewinds.push_back(rw);
+        superseded += restart_at(rw.to);
+      }
       if (rec["event"] == "timers") {
         ++r.timed_steps;
         if (rec.contains("stragglers") && rec["stragglers"].is_array())
@@ -561,10 +593,10 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     if (!rec.contains("step")) continue;
     const int64_t step = rec["step"].get<int64_t>();
     if (rec.contains("val_loss") || rec.contains("val_losses")) {
-      if (auto v = number_of(rec, "val_loss")) vals[""].push_back({step, *v});
+      if (auto v = number_of(rec, "val_loss")) vals[""][step] = *v;
       if (rec.contains("val_losses") && rec["val_losses"].is_object())
         for (const auto& [name, x] : rec["val_losses"].items())
-          if (auto v = number_of(rec["val_losses"], name.c_str())) vals[name].push_back({step, *v});
+          if (auto v = number_of(rec["val_losses"], name.c_str())) vals[name][step] = *v;
       continue;
     }
     auto loss = number_of(rec, "loss");
@@ -576,7 +608,7 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     s.scale = number_of(rec, "loss_scale");
     s.skipped = rec.value("skipped", false);
     s.nan_total = rec.value("nan_total", int64_t{-1});
-    if (by_step.count(step)) ++replayed;
+    if (by_step.count(step)) ++superseded;
     by_step[step] = s;
   }
   if (bad_lines > 3) notes.push_back(std::to_string(bad_lines) + " lines in all were not JSON");
@@ -594,8 +626,12 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   const StepRec& first = by_step.begin()->second;
   const StepRec& last = by_step.rbegin()->second;
   s += "  steps: " + std::to_string(r.steps) + " (" + std::to_string(first.step) + " - " + std::to_string(last.step) + ")" +
-       (replayed ? ", " + std::to_string(replayed) + " recorded twice (replayed after a resume: the last record counts)"
-                 : std::string()) + "\n";
+       (superseded ? ", " + std::to_string(superseded) +
+                         " earlier record(s) superseded by a resume or rewind (the trajectory the run went on with counts)"
+                   : std::string()) + "\n";
+  if (other_runs)
+    s += "  " + std::to_string(other_runs) + " step record(s) of earlier runs in this directory (before the last "
+         "{\"event\": \"start\"}) not counted\n";
 
   // Loss and grad norm: levels and spikes.
   const StepRec* min_rec = nullptr;
@@ -709,20 +745,31 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     s += l + "\n";
   }
 
-  // Validation trends: data.val, then each named set.
+  // Rewinds (health.spike_action rewind): the spike's step was left out and the run went back.
+  s += "  rewinds: " + (rewinds.empty() ? std::string("none") : std::to_string(rewinds.size())) + "\n";
+  for (const Rewind& rw : rewinds) {
+    r.rewinds.push_back({rw.step, rw.to});
+    s += "    at step " + std::to_string(rw.step) + (rw.loss ? " (loss " + num(*rw.loss) + ")" : "") + " back to step " +
+         std::to_string(rw.to) + (rw.checkpoint.empty() ? "" : " from " + rw.checkpoint) +
+         ": a spike; the steps after it were trained again on the data that followed\n";
+  }
+
+  // Validation trends: data.val, then each named set, one evaluation per step.
+  std::erase_if(vals, [](const auto& v) { return v.second.empty(); });
   if (vals.empty()) s += "  validation: none\n";
   for (const auto& [name, series] : vals) {
+    const auto& [first_step, first_loss] = *series.begin();
+    const auto& [last_step, last_loss] = *series.rbegin();
     auto best = std::min_element(series.begin(), series.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
     s += "  validation" + (name.empty() ? std::string() : " (" + name + ")") + ": " + std::to_string(series.size()) +
-         " evaluation(s): " + num(series.front().second) + " at step " + std::to_string(series.front().first) + " -> " +
-         num(series.back().second) + " at step " + std::to_string(series.back().first) + ", best " +
-         num(best->second) + " at step " + std::to_string(best->first);
+         " evaluation(s): " + num(first_loss) + " at step " + std::to_string(first_step) + " -> " + num(last_loss) +
+         " at step " + std::to_string(last_step) + ", best " + num(best->second) + " at step " + std::to_string(best->first);
     if (series.size() >= 2) {
-      const double rise = series.back().second - best->second;
+      const double rise = last_loss - best->second;
       if (rise > 0.02 * std::fabs(best->second))
         s += " (rising since step " + std::to_string(best->first) + ": +" + num(rise) + ", overfitting or diverging)";
       else
-        s += series.back().second < series.front().second ? " (falling)" : " (flat)";
+        s += last_loss < first_loss ? " (falling)" : " (flat)";
     }
     s += "\n";
   }

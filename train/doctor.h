@@ -5,7 +5,9 @@
 //   audit_checkpoint(C)     optimizer state, Adam step, masters vs working weights (seed 000: masters
 //                           left at a fresh init), weight-decay groups by role (seed 001: a misfiled norm)
 //   summarize_metrics(F)    a metrics.jsonl's health: loss / grad-norm spikes, skipped and nan
-//                           steps, fp16 loss-scale history, resumes, validation trend
+//                           steps, fp16 loss-scale history, resumes and rewinds, validation trend
+//                           (after a resume at S or a rewind to S, the earlier records of steps
+//                           past S are the abandoned trajectory's and do not count)
 //   (hang dumps: train/parallel/hang_report.h, keel doctor hang)
 //
 // Each returns the text `keel doctor` prints and the problems found, one line each naming the
@@ -15,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/param_table.h"
@@ -31,7 +34,8 @@ struct Report {
 
 struct FrozenOptions {
   double threshold = 0.99;  // a tensor with at least this fraction of unchanged elements is frozen
-  int max_moving = 20;      // moving tensors listed (the least-moving first)
+  int max_moving = 20;      // moving tensors listed (the least-moving first: most elements unchanged,
+                            // then the smallest mean change relative to mean |A|)
 };
 
 struct TensorMotion {
@@ -49,7 +53,7 @@ struct TensorMotion {
 };
 
 struct FrozenReport : Report {
-  std::vector<TensorMotion> tensors;  // frozen first (most unchanged first), then the others
+  std::vector<TensorMotion> tensors;  // frozen first, then the others, each least-moving first
   int frozen = 0;
 };
 
@@ -89,12 +93,13 @@ struct ScaleChange {
 };
 
 struct MetricsReport : Report {
-  int64_t steps = 0;                    // step records (the last of a replayed step counts)
+  int64_t steps = 0;                    // steps of the trajectory the run went on with
   std::vector<Spike> loss_spikes, grad_norm_spikes;
   std::vector<int64_t> skipped_steps, nan_steps;
   std::vector<ScaleChange> scale_changes;
   double min_scale = 0;                 // 0 when no record has a loss scale
   std::vector<int64_t> resumes;         // steps the run resumed at
+  std::vector<std::pair<int64_t, int64_t>> rewinds;  // (the spike's step, the step it went back to)
   int64_t timed_steps = 0;              // timers records (log.timers)
   std::map<int, int64_t> stragglers;    // world rank -> timed steps at which it was named slow
 };

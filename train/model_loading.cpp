@@ -150,7 +150,7 @@ std::vector<fs::path> data_chat_templates(const RunConfig& cfg) {
 
 void add_inference_model_options(CLI::App* c, InferenceModelArgs& a, const std::string& tokenizer_help,
                                  const std::string& dtype_help) {
-  c->add_option("-c,--checkpoint", a.checkpoint, "keel checkpoint (step_* or checkpoints directory) or hf:DIR")->required();
+  c->add_option("-c,--checkpoint", a.checkpoint, "keel checkpoint (step_* or checkpoints directory, or a run directory: its latest) or hf:DIR")->required();
   c->add_option("--tokenizer", a.tokenizer, tokenizer_help);
   c->add_option("--dtype", a.dtype, dtype_help);
   c->add_option("--device", a.device, "cpu (default) or cuda");

@@ -784,14 +784,37 @@ std::vector<Alternative> alternatives(const RunConfig& cfg, const PlanOptions& o
   std::vector<Alternative> out;
   const int64_t G = opt.gpus > 0 ? opt.gpus : cfg.parallel.world();
   const int64_t node = opt.hw.gpus_per_node;
+  auto gpus_text = [node](int64_t g) {
+    const int64_t nodes = (g + node - 1) / node;
+    return std::to_string(g) + " GPUs (" + std::to_string(nodes) + (nodes == 1 ? " node)" : " nodes)");
+  };
+  // A GPU count that fits: fewer whole nodes (a count whose divisors the layouts need), or, when
+  // none does and layouts ran out of memory, more GPUs: the smallest count of up to 8x, first the
+  // larger divisors of a node, then whole nodes.
   int found = 0;
   for (int64_t g = (G - 1) / node * node; g >= std::max<int64_t>(node, G / 2) && found < 2; g -= node) {
     PlanOptions o = opt;
     o.gpus = g;
     PlanResult r = plan_all(cfg, o);
     if (r.ranked.empty()) continue;
-    out.push_back({std::to_string(g) + " GPUs (" + std::to_string(g / node) + " nodes)", g, cfg.model.n_layers,
-                   cfg.train.global_batch, r.ranked.front()});
+    out.push_back({gpus_text(g), g, cfg.model.n_layers, cfg.train.global_batch, r.ranked.front()});
+    ++found;
+  }
+  PlanOptions here = opt;
+  here.gpus = G;
+  const std::vector<Rejection> rejected = plan_all(cfg, here).rejected;
+  const bool out_of_memory =
+      std::any_of(rejected.begin(), rejected.end(), [](const Rejection& x) { return x.peak_bytes > 0; });
+  std::vector<int64_t> more;
+  for (int64_t g = G + 1; g < node && out_of_memory; ++g)
+    if (node % g == 0) more.push_back(g);
+  for (int64_t g = std::max<int64_t>(1, G / node + 1) * node; g <= 8 * G && out_of_memory; g += node) more.push_back(g);
+  for (size_t k = 0; k < more.size() && found == 0; ++k) {
+    PlanOptions o = opt;
+    o.gpus = more[k];
+    PlanResult r = plan_all(cfg, o);
+    if (r.ranked.empty()) continue;
+    out.push_back({gpus_text(more[k]), more[k], cfg.model.n_layers, cfg.train.global_batch, r.ranked.front()});
     ++found;
   }
   // A global batch that divides over more DP sizes: the nearest multiples of each dp the GPU

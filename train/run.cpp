@@ -1007,6 +1007,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                               "nothing was trained");
       fs::remove(probe, ec);
     }
+    // metrics.jsonl is appended to: a fresh start over an earlier run's records says so (below).
+    std::error_code size_ec;
+    const bool earlier_records = fs::file_size(fs::path(cfg.out) / "metrics.jsonl", size_ec) > 0 && !size_ec;
     // The run directory's files: one that cannot be written is the --out's fault (exit 2), with the OS's reason.
     try {
       const fs::path config_path = fs::path(cfg.out) / "config.json";
@@ -1035,8 +1038,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
     if (int n = checkpoints.clean_incomplete(); n > 0)
       std::printf("keel: removed %d incomplete save(s) left by an interrupted run\n", n);
-    if (progress.iteration > 0)
+    if (progress.iteration > 0) {
       metrics->write({{"event", "resume"}, {"step", progress.iteration}, {"checkpoint", resume_path}});
+    } else if (earlier_records) {
+      // A new run from step 0 in a directory whose metrics.jsonl holds another run's steps (its
+      // checkpoints removed, another checkpoint.dir, an --init-from): the records before this
+      // event are not this run's (keel doctor metrics, plot_metrics.py and TensorBoard drop them).
+      metrics->write({{"event", "start"}, {"step", 0}});
+      std::printf("keel: %s holds records of an earlier run; this run starts at step 0, and an {\"event\": \"start\"} "
+                  "record marks where its own begin\n",
+                  metrics->path().c_str());
+    }
     std::fflush(stdout);
   }
   world.barrier();
@@ -1105,8 +1117,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                   static_cast<long long>(cfg.parallel.dp));
     return kExitOk;
   }
-  // train.eval_at_start: the loaded (or initial) model's numbers before this run's first step.
-  if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) evaluate_all(progress.iteration);
+  // train.eval_at_start: the loaded (or initial) model's numbers before the run's first step.
+  // Not again at each resume: they would repeat what the earlier process measured (a checkpoint
+  // of an evaluation step is saved after it), at a HellaSwag pass per requeue.
+  if (cfg.train.eval_at_start && progress.iteration == 0) evaluate_all(0);
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
   auto finish_pending_save = [&] {
@@ -1163,7 +1177,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (st.spike) rec["spike"] = st.spike_text;
       metrics->write(rec);
     }
-    if (!quiet && (it % cfg.log.interval == 0 || it == 1 || it == cfg.train.steps)) {
+    // Also the first step of each process: after a resume, where a restart spike would show.
+    if (!quiet && (it % cfg.log.interval == 0 || it == progress.iteration + 1 || it == cfg.train.steps)) {
       std::printf("%s\n", format_step_line(r).c_str());
       std::fflush(stdout);
     }

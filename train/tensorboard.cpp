@@ -178,6 +178,7 @@ void TensorBoardWriter::write(const nlohmann::json& record) {
   const int64_t step = record.contains("step") && record["step"].is_number_integer() ? record["step"].get<int64_t>() : 0;
   const std::string event = record.value("event", std::string());
   if (event == "resume") append(tensorboard_start_event(now_seconds(), step + 1));
+  if (event == "start") append(tensorboard_start_event(now_seconds(), 0));  // a new run: every earlier point goes
   if (event == "rewind" && record.contains("to")) append(tensorboard_start_event(now_seconds(), record["to"].get<int64_t>() + 1));
   const TensorBoardScalars values = tensorboard_scalars(record);
   if (!values.empty()) append(tensorboard_scalars_event(now_seconds(), step, values));

@@ -108,6 +108,25 @@ TEST_CASE("keel train with choice_eval and eval_at_start: the accuracy is logged
       test::run_keel("train --config " + ws.config + " --set data.val=null --eval-only --out " + out);
   CHECK(nothing.code == 2);
   CHECK_THAT(nothing.output, Catch::Contains("--eval-only: nothing to evaluate"));
+
+  // Extending the finished run: eval_at_start measured the run's start, not each resume's (step
+  // 30 was evaluated before its checkpoint was saved), so the evaluations go on at 40 only.
+  const test::ProcessResult more =
+      test::run_keel("train --config " + ws.config + " --out " + out + " --steps 40 --set choice_eval.file=" +
+                     (ws.dir / "choices.jsonl") + " --set train.eval_at_start=true");
+  INFO(more.output);
+  REQUIRE(more.code == 0);
+  std::vector<int64_t> val_after, choice_after;
+  bool resumed = false;
+  for (const json& rec : test::read_metrics(out + "/metrics.jsonl")) {
+    resumed = resumed || rec.value("event", "") == "resume";
+    if (resumed && rec.contains("val_loss")) val_after.push_back(rec["step"]);
+    if (resumed && rec.contains("choice_acc")) choice_after.push_back(rec["step"]);
+  }
+  CHECK(resumed);
+  CHECK(val_after == std::vector<int64_t>{40});
+  CHECK(choice_after == std::vector<int64_t>{40});
+  CHECK_THAT(more.output, !Catch::Contains("at iteration 30 |"));
 }
 
 TEST_CASE("keel train with choice_eval: bad items stop the run before anything is written", "[cli][errors][choice_train]") {

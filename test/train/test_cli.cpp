@@ -214,11 +214,62 @@ TEST_CASE("keel train with sample: text at each interval, the stream's rule, and
   INFO(offline.output);
   REQUIRE(offline.code == 0);
   CHECK_THAT(offline.output, Catch::Contains(texts.back() + "\n"));
+  // The run directory (--out) stands for its latest checkpoint, also one whose config.json puts
+  // the checkpoints elsewhere (checkpoint.dir).
+  fs::create_directories(ws.dir / "elsewhere");
+  std::ofstream(ws.dir / "elsewhere/config.json") << nlohmann::json{{"checkpoint", {{"dir", ws.dir / "run/checkpoints"}}}};
+  for (const std::string run_dir : {ws.dir / "run", ws.dir / "elsewhere"}) {
+    Result from_run = run_keel("sample --checkpoint " + run_dir + " --prompt ABC -n 12 -t 0");
+    INFO(from_run.output);
+    CHECK(from_run.code == 0);
+    CHECK_THAT(from_run.output, Catch::Contains("loaded " + (ws.dir / "run/checkpoints/step_00000030")) &&
+                                    Catch::Contains(texts.back() + "\n"));
+  }
   // Layouts that split the model are refused by name.
   Result split = run_keel("train --config " + ws.config + " --out " + (ws.dir / "split") + sample +
                           " --set parallel.tp=2");
   CHECK(split.code == 2);
   CHECK_THAT(split.output, Catch::Contains("sample.interval: generating during training needs the whole model"));
+}
+
+TEST_CASE("a new run in a run directory holding an earlier run's metrics marks where its own records begin",
+          "[cli][e2e][metrics]") {
+  Workspace ws(nlohmann::json{{"train", {{"steps", 4}, {"eval_interval", 2}}}});
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel("train --config " + ws.config + " --out " + out + " -q").code == 0);
+  // Nothing to resume (checkpoints removed): a new run from step 0, appended to metrics.jsonl.
+  fs::remove_all(out + "/checkpoints");
+  Result again = run_keel("train --config " + ws.config + " --out " + out + " --steps 2");
+  INFO(again.output);
+  REQUIRE(again.code == 0);
+  CHECK_THAT(again.output, Catch::Contains(out + "/metrics.jsonl holds records of an earlier run; this run starts at step 0"));
+  const std::vector<nlohmann::json> recs = read_metrics(out + "/metrics.jsonl");
+  int starts = 0;
+  for (size_t i = 0; i < recs.size(); ++i)
+    if (recs[i].value("event", "") == "start") {
+      ++starts;
+      CHECK(recs[i]["step"] == 0);
+      CHECK(recs[i + 1]["step"] == 1);  // the new run's first step follows it
+    }
+  CHECK(starts == 1);  // the first run, in an empty directory, wrote none
+  Result doctor = run_keel("doctor metrics " + out + "/metrics.jsonl");
+  INFO(doctor.output);
+  CHECK_THAT(doctor.output, Catch::Contains("steps: 2 (1 - 2)") && Catch::Contains("4 step record(s) of earlier runs"));
+}
+
+TEST_CASE("the log shows the first step each process trains, whatever log.interval", "[cli][e2e][metrics]") {
+  Workspace ws(nlohmann::json{{"train", {{"steps", 8}}}, {"log", {{"interval", 100}}}});
+  const std::string run = "train --config " + ws.config + " --out " + (ws.dir / "run");
+  Result first = run_keel(run + " --stop-at 3");
+  INFO(first.output);
+  REQUIRE(first.code == 4);
+  CHECK_THAT(first.output, Catch::Contains(" iteration        1/       8 |") && !Catch::Contains(" iteration        2/"));
+  // The resumed process's first loss is where a restart spike would show.
+  Result second = run_keel(run);
+  INFO(second.output);
+  REQUIRE(second.code == 0);
+  CHECK_THAT(second.output, Catch::Contains(" iteration        4/       8 |") && Catch::Contains(" iteration        8/       8 |") &&
+                                !Catch::Contains(" iteration        5/"));
 }
 
 TEST_CASE("keel train with document masking: the end-of-document token from meta.json, a resume is bit-identical",

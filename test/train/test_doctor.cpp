@@ -81,6 +81,23 @@ TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precisi
       CHECK(frozen.empty());
       CHECK(r.problems.empty());
       CHECK(r.text.find("no frozen tensors") != std::string::npos);
+      // Least-moving first: most elements unchanged, then the smallest change for the tensor's size.
+      for (size_t i = 1; i < r.tensors.size(); ++i) {
+        const doctor::TensorMotion &x = r.tensors[i - 1], &y = r.tensors[i];
+        INFO(x.name << " before " << y.name);
+        CHECK(x.unchanged >= y.unchanged);
+        if (x.unchanged == y.unchanged) CHECK(x.mean_change / x.typical <= y.mean_change / y.typical);
+      }
+      // A checkpoint against itself, or the later one first: nothing can have moved, so every
+      // tensor would look frozen. Refused, not reported as a problem.
+      for (const auto& [first, second] : {std::pair{a, a}, std::pair{b, a}})
+        CHECK_THROWS_WITH(doctor::compare_frozen(Checkpoint::open(first), Checkpoint::open(second)),
+                          Catch::Contains("B must be a later checkpoint than A") &&
+                              Catch::Contains("give the earlier checkpoint first"));
+      const auto cli = test::run_keel("doctor frozen " + a + " " + a);
+      INFO(cli.output);
+      CHECK(cli.code == 2);
+      CHECK(cli.output.find("FROZEN") == std::string::npos);
       continue;
     }
     // Every norm gain (init 1.0) and nothing else.
@@ -311,4 +328,73 @@ TEST_CASE("doctor metrics: a rank named slow at two or more timed steps is a str
                     "rank of its pipeline stage") != std::string::npos);
   REQUIRE(r.problems.size() == 1);
   CHECK(r.problems[0].rfind("straggler: world rank 3 on host node0", 0) == 0);
+}
+
+TEST_CASE("doctor metrics: after a resume or a rewind, the abandoned trajectory's records do not count",
+          "[doctor][metrics][resume]") {
+  test::TempDir dir("doctor-replay");
+  auto step = [](int s, double loss, bool skipped = false) {
+    return nlohmann::json{{"step", s}, {"loss", loss}, {"grad_norm", 1.0}, {"skipped", skipped}}.dump() + "\n";
+  };
+  auto val = [](int s, double loss) { return nlohmann::json{{"step", s}, {"val_loss", loss}}.dump() + "\n"; };
+
+  // Ran to step 10 (validation at 4, 8 and 10), then resumed from step 4's checkpoint with
+  // --steps 6: eval_at_start validated step 4 again, and the run ended at step 6.
+  const std::string resumed = dir / "resumed.jsonl";
+  {
+    std::ofstream out(resumed);
+    for (int s = 1; s <= 10; ++s) {
+      out << step(s, 5.0 - 0.1 * s);
+      if (s == 4 || s == 8 || s == 10) out << val(s, 5.0 - 0.1 * s);
+    }
+    out << nlohmann::json{{"event", "resume"}, {"step", 4}, {"checkpoint", "ck/step_00000004"}}.dump() << "\n";
+    out << val(4, 4.6);
+    for (int s = 5; s <= 6; ++s) out << step(s, 4.7 - 0.05 * s);
+    out << val(6, 4.5);
+  }
+  const doctor::MetricsReport r = doctor::summarize_metrics(resumed);
+  INFO(r.text);
+  CHECK(r.steps == 6);
+  CHECK(r.resumes == std::vector<int64_t>{4});
+  CHECK(r.text.find("steps: 6 (1 - 6), 6 earlier record(s) superseded by a resume or rewind") != std::string::npos);
+  CHECK(r.text.find("loss: 4.9 at step 1 -> 4.4 at step 6, min 4.4 at step 6") != std::string::npos);
+  CHECK(r.text.find("validation: 2 evaluation(s): 4.6 at step 4 -> 4.5 at step 6, best 4.5 at step 6 (falling)") !=
+        std::string::npos);
+
+  // A loss spike at step 12 rewound the run to step 10's checkpoint; steps 11 and 12 were trained
+  // again on the data after the spike's.
+  const std::string rewound = dir / "rewound.jsonl";
+  {
+    std::ofstream out(rewound);
+    for (int s = 1; s <= 11; ++s) out << step(s, 3.0);
+    out << step(12, 9.0, true);
+    out << nlohmann::json{{"event", "rewind"}, {"step", 12}, {"to", 10}, {"checkpoint", "ck/step_00000010"}}.dump() << "\n";
+    for (int s = 11; s <= 14; ++s) out << step(s, 3.0);
+  }
+  const doctor::MetricsReport w = doctor::summarize_metrics(rewound);
+  INFO(w.text);
+  CHECK(w.steps == 14);
+  CHECK(w.rewinds == std::vector<std::pair<int64_t, int64_t>>{{12, 10}});
+  CHECK(w.resumes.empty());
+  CHECK(w.skipped_steps.empty());
+  CHECK(w.loss_spikes.empty());
+  CHECK(w.text.find("rewinds: 1\n    at step 12 (loss 9) back to step 10 from ck/step_00000010: a spike") !=
+        std::string::npos);
+  CHECK(w.text.find("2 earlier record(s) superseded") != std::string::npos);
+
+  // A new run from step 0 in the same directory (its checkpoints removed): the earlier run's
+  // steps are not this run's.
+  const std::string restarted = dir / "restarted.jsonl";
+  {
+    std::ofstream out(restarted);
+    for (int s = 1; s <= 10; ++s) out << step(s, 9.0) << (s % 5 == 0 ? val(s, 9.0) : "");
+    out << nlohmann::json{{"event", "start"}, {"step", 0}}.dump() << "\n";
+    for (int s = 1; s <= 3; ++s) out << step(s, 3.0);
+  }
+  const doctor::MetricsReport n = doctor::summarize_metrics(restarted);
+  INFO(n.text);
+  CHECK(n.steps == 3);
+  CHECK(n.text.find("steps: 3 (1 - 3)\n  10 step record(s) of earlier runs in this directory") != std::string::npos);
+  CHECK(n.text.find("loss: 3 at step 1 -> 3 at step 3") != std::string::npos);
+  CHECK(n.text.find("validation: none") != std::string::npos);
 }

@@ -347,6 +347,24 @@ TEST_CASE("plan: an uneven pipeline is planned as the trainer runs it, the heavi
   CHECK(alts[1].change == "train.global_batch 18");
 }
 
+TEST_CASE("plan: a model too big for its GPUs' memory is told the fewest GPUs that hold it", "[plan]") {
+  // Llama 2 7B on 2 GPUs of 24 GiB: 18 B/param needs a split of at least 8 (tp=8, or pp=8 with
+  // recomputation). Fewer GPUs cannot help; the closest change is more of them.
+  const RunConfig cfg = shipped("llama2-7b.json");
+  PlanOptions opt;
+  opt.gpus = 2;
+  opt.hw.gpu_mem_bytes = 24 * kGiB;
+  REQUIRE(plan_all(cfg, opt).ranked.empty());
+  const std::vector<Alternative> alts = alternatives(cfg, opt);
+  REQUIRE_FALSE(alts.empty());
+  CHECK(alts[0].change == "8 GPUs (1 node)");
+  CHECK(alts[0].gpus == 8);
+  CHECK(alts[0].best.peak_bytes <= 24 * kGiB * 0.95);
+  opt.gpus = 4;  // 4 GPUs do not fit either: 4 is no answer
+  CHECK(plan_all(cfg, opt).ranked.empty());
+  CHECK_THAT(alternatives_text(alts), Catch::Contains("8 GPUs (1 node)"));
+}
+
 namespace {
 
 // A TP group of `n` that the Transformer only asks for its size while it allocates.

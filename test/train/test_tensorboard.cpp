@@ -211,6 +211,19 @@ TEST_CASE("TensorBoardWriter: a version event, one event per record, a session s
   CHECK((ev[4].step == 9 && ev[4].values == TensorBoardScalars{{"rewind/to", 6.0f}}));
 }
 
+TEST_CASE("TensorBoardWriter: a new run's start event drops every earlier point of the directory", "[tensorboard]") {
+  test::TempDir dir("tb-start");
+  std::string path;
+  {
+    TensorBoardWriter w(dir / "tb");
+    path = w.path();
+    w.write({{"event", "start"}, {"step", 0}});
+  }
+  const std::vector<ReadEvent> ev = read_events(test::read_file(path));
+  REQUIRE(ev.size() == 2);
+  CHECK((ev[1].step == 0 && ev[1].session_status == 1 && ev[1].values.empty()));
+}
+
 TEST_CASE("keel train with log.tensorboard: the events hold metrics.jsonl's numbers, a resume adds a file",
           "[tensorboard][cli][e2e]") {
   test::Workspace ws(nlohmann::json{{"log", {{"tensorboard", true}}}});
