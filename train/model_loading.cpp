@@ -216,6 +216,17 @@ std::string locate_tokenizer(const std::vector<fs::path>& dirs, const std::strin
   return "";
 }
 
+std::string tokenizer_places(const std::vector<fs::path>& dirs) {
+  std::string text = "looked at:";
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const fs::path& d = dirs[i];
+    // As locate_tokenizer: no empty folder, and each folder once.
+    if (d.empty() || std::find(dirs.begin(), dirs.begin() + i, d) != dirs.begin() + i) continue;
+    text += "\n  " + (d / "tokenizer.json").string() + (fs::is_directory(d) ? "" : " (its folder does not exist)");
+  }
+  return text;
+}
+
 void check_prompt_ids(const std::vector<int32_t>& ids, int64_t vocab_size, const std::string& what,
                       const std::string& why) {
   for (int32_t id : ids)
@@ -229,9 +240,8 @@ std::optional<data::Tokenizer> find_tokenizer(const LoadedModel& lm, const std::
   const std::string path = locate_tokenizer(lm.tokenizer_dirs, explicit_path);
   if (path.empty()) {
     if (!required) return std::nullopt;
-    std::string looked;
-    for (const fs::path& d : lm.tokenizer_dirs) looked += "\n  " + (d / "tokenizer.json").string();
-    throw ConfigError("no tokenizer.json found for " + lm.source + "; looked at:" + looked + "\n" + hint);
+    throw ConfigError("no tokenizer.json found for " + lm.source + "; " + tokenizer_places(lm.tokenizer_dirs) + "\n" +
+                      hint);
   }
   data::Tokenizer tok = data::Tokenizer::from_file(path);
   std::fprintf(stderr, "keel: tokenizer %s: %s\n", path.c_str(), tok.describe().c_str());

@@ -98,6 +98,10 @@ std::vector<int32_t> end_of_text_ids(const data::Tokenizer& tok);
 // in `dirs`; empty when there is none.
 std::string locate_tokenizer(const std::vector<std::filesystem::path>& dirs, const std::string& explicit_path);
 
+// Where locate_tokenizer looked in `dirs`, for a refusal that found nothing: "looked at:" and
+// each folder's tokenizer.json on a line of its own (once each, a folder that is gone marked so).
+std::string tokenizer_places(const std::vector<std::filesystem::path>& dirs);
+
 // `explicit_path` (a tokenizer.json or its directory) when given, else the first tokenizer.json
 // among the model's tokenizer_dirs; logs which. None found: nullopt, or when `required` a
 // ConfigError listing where it looked, followed by `hint`.
