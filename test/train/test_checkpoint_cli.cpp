@@ -857,6 +857,13 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
   // file), and nothing inside an input, which rotation would delete with it.
   refused(list + " --out " + in[1] + "/sub", 2, "is inside the input " + in[1]);
   CHECK(!fs::exists(in[1] + "/sub"));
+  // Nor a step_* folder among the run's checkpoints: keep_last could delete it, and a resume
+  // without `latest` continue from it.
+  const std::string named = out + "/checkpoints/step_00000999";
+  refused(list + " --out " + named, 2,
+          "the output " + named + " is named like a checkpoint (step_*) of the run whose checkpoints are in " +
+              fs::absolute(out + "/checkpoints").string() + ": that run would take it for one of its own saves");
+  CHECK(!fs::exists(named));
   const auto again = run_keel("ckpt average " + list + " --out " + ws.dir / "avg_fp32" + " --force");
   INFO(again.output);
   CHECK(again.code == 0);
