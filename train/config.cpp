@@ -680,6 +680,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     HealthConfig& h = c.health;
     h.replica_check_interval = f.integer("replica_check_interval", h.replica_check_interval, 0);
     h.param_group_audit = f.choice("param_group_audit", h.param_group_audit, {"error", "warn"});
+    h.host_memory_check = f.choice("host_memory_check", h.host_memory_check, {"error", "warn"});
     h.frozen_check_interval = f.integer("frozen_check_interval", h.frozen_check_interval, 0);
     h.frozen_window = f.integer("frozen_window", h.frozen_window, 1);
     h.frozen_fraction = f.number("frozen_fraction", h.frozen_fraction, 0, 1, true);
@@ -904,6 +905,7 @@ json to_json(const RunConfig& c) {
   const HealthConfig& h = c.health;
   j["health"] = {{"replica_check_interval", h.replica_check_interval},
                  {"param_group_audit", h.param_group_audit},
+                 {"host_memory_check", h.host_memory_check},
                  {"frozen_check_interval", h.frozen_check_interval},
                  {"frozen_window", h.frozen_window},
                  {"frozen_fraction", h.frozen_fraction},
