@@ -139,11 +139,36 @@ std::vector<fs::path> data_tokenizer_dirs(const RunConfig& cfg) {
 std::vector<fs::path> data_chat_templates(const RunConfig& cfg) {
   std::vector<fs::path> templates;
   for (const fs::path& d : data_tokenizer_dirs(cfg)) {
-    std::ifstream in((d.empty() ? fs::path(".") : d) / "meta.json");
+    const fs::path folder = d.empty() ? fs::path(".") : d, meta_path = folder / "meta.json";
+    std::ifstream in(meta_path);
     const json meta = in ? json::parse(in, nullptr, false) : json();
     if (!meta.is_object() || !meta.contains("source") || !meta["source"].is_object()) continue;
     const json t = meta["source"].value("chat_template", json());
-    if (t.is_string() && !t.get<std::string>().empty()) templates.emplace_back(t.get<std::string>());
+    if (!t.is_string() || t.get<std::string>().empty()) continue;
+    const fs::path recorded = t.get<std::string>();
+    if (recorded.is_absolute()) {
+      templates.push_back(recorded);
+      continue;
+    }
+    // keel tokenize records the template it copied beside the data, relative to the folder.
+    // Older versions recorded a path relative to the directory tokenize ran in: that one is
+    // taken only when the folder has none, and said, as it depends on where keel runs now.
+    const fs::path beside = folder / recorded;
+    if (!fs::exists(beside) && fs::exists(recorded)) {
+      std::fprintf(stderr,
+                   "keel: NOTE %s records source.chat_template \"%s\", which is not in %s; taking %s from the "
+                   "current directory, as older keel tokenize runs meant it (tokenize again to keep the template "
+                   "with the data)\n",
+                   meta_path.c_str(), recorded.c_str(), folder.c_str(), fs::absolute(recorded).c_str());
+      templates.push_back(recorded);
+    } else {
+      if (!fs::exists(beside))
+        std::fprintf(stderr,
+                     "keel: NOTE %s records source.chat_template \"%s\", the template the data was rendered with, "
+                     "but neither %s nor %s exists\n",
+                     meta_path.c_str(), recorded.c_str(), beside.c_str(), fs::absolute(recorded).c_str());
+      templates.push_back(beside);
+    }
   }
   return templates;
 }

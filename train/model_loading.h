@@ -87,7 +87,10 @@ data::ChatTemplate first_chat_template(const std::vector<std::filesystem::path>&
 std::vector<std::filesystem::path> data_tokenizer_dirs(const RunConfig& cfg);
 
 // The chat templates the data.train folders were rendered with (keel tokenize --chat records
-// each in its meta.json, source.chat_template).
+// each in its meta.json, source.chat_template, relative to the folder). A relative path that is
+// not in the folder but is in the current directory (what older keel tokenize runs recorded) is
+// taken from there with a note; one that is in neither is noted and returned as in the folder,
+// so that the search lists it as gone.
 std::vector<std::filesystem::path> data_chat_templates(const RunConfig& cfg);
 
 // The ids of the tokenizer's well-known end-of-text tokens (</s>, <|end_of_text|>, <|eot_id|>,
