@@ -564,7 +564,22 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     }
   }
 
-  // 6. meta.json and the tokenizer beside the data.
+  // 6. meta.json, the tokenizer and the chat template beside the data.
+  // The template goes there as the tokenizer does, recorded relative to the folder, so that the
+  // data keeps what it was rendered with wherever it moves: its file under the name a model
+  // folder gives it, and for a .jinja the tokenizer_config.json beside it (the special tokens it
+  // was rendered with). Where it came from: source.chat_template_origin.
+  std::vector<std::pair<fs::path, std::string>> chat_files;  // (from, name in the data folder)
+  if (chat) {
+    const fs::path origin = chat->origin();
+    if (origin.extension() == ".json") {
+      chat_files.emplace_back(origin, "tokenizer_config.json");
+    } else {
+      chat_files.emplace_back(origin, "chat_template.jinja");
+      if (fs::exists(origin.parent_path() / "tokenizer_config.json"))
+        chat_files.emplace_back(origin.parent_path() / "tokenizer_config.json", "tokenizer_config.json");
+    }
+  }
   json meta = {
       {"format", o.format == TokenOutputFormat::llmc
                      ? "llm.c token shards: 256 x int32 header (magic, version, n_tokens), then tokens"
@@ -579,7 +594,8 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       {"source", !o.text.empty() ? json{{"kind", "text"}, {"files", o.text},
                                         {"doc_split", o.doc_split == DocSplit::file ? "file" : o.doc_split == DocSplit::paragraph ? "paragraph" : "line"}}
                  : chat ? json{{"kind", "jsonl conversations"}, {"files", o.jsonl}, {"messages_key", o.messages_key},
-                               {"chat_template", fs::absolute(chat->origin()).string()}}
+                               {"chat_template", chat_files.front().second},
+                               {"chat_template_origin", fs::absolute(chat->origin()).string()}}
                  : o.prompt_loss_mask ? json{{"kind", "jsonl prompt/response pairs"}, {"files", o.jsonl},
                                              {"prompt_key", o.prompt_key}, {"response_key", o.response_key}}
                                       : json{{"kind", "jsonl"}, {"files", o.jsonl}, {"text_key", o.text_key}}},
@@ -625,6 +641,8 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   }
   const bool same_tokenizer = fs::exists(out / "tokenizer.json") && fs::equivalent(tok_path, out / "tokenizer.json");
   if (!same_tokenizer) fs::copy_file(tok_path, stage.path / "tokenizer.json");
+  for (const auto& [from, name] : chat_files)
+    if (!(fs::exists(out / name) && fs::equivalent(from, out / name))) fs::copy_file(from, stage.path / name);
 
   // 7. Replace the earlier outputs with the new ones.
   std::vector<fs::path> stale, staged;  // listed first: a folder is not changed while it is iterated

@@ -12,6 +12,8 @@
 //   megatron format: train.bin + train.idx, val.bin + val.idx (one sequence per document)
 //   with the prompt loss mask: a sidecar per token file (train_000.mask, train.mask: data/loss_mask.h)
 //   meta.json (vocab size, eot_id, counts, checksums, the source), tokenizer.json (a copy)
+//   with chat: the chat template (chat_template.jinja and the tokenizer_config.json beside it, or
+//   tokenizer_config.json alone), recorded in meta.json source.chat_template relative to `out`
 // Every document is followed by the end-of-text token. With the prompt loss mask the document
 // is prompt tokens + response tokens + end of text, and only the last two count in the loss.
 // Conversations (chat) are rendered by the model's chat template (data/chat_template.h) and

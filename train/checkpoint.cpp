@@ -1388,6 +1388,20 @@ std::string describe_contents(const fs::path& p) {
   return text;
 }
 
+// The checkpoints directory of a run that `out` would sit in under a checkpoint's name (a
+// step_* beside a `latest` pointer or another complete step_*), if any: the run would take it
+// for one of its own saves.
+std::optional<fs::path> runs_checkpoints_dir_of(const fs::path& out) {
+  fs::path p = fs::absolute(out).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();  // "step_5/"
+  if (step_of(p.filename().string()) < 0) return std::nullopt;
+  const fs::path dir = p.parent_path();
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return std::nullopt;
+  if (fs::exists(fs::symlink_status(dir / "latest", ec)) || !complete_checkpoints(dir).empty()) return dir;
+  return std::nullopt;
+}
+
 }  // namespace
 
 void check_new_output(const fs::path& out, bool force, const std::vector<std::string>& inputs, OutputKind kind) {
@@ -1400,6 +1414,12 @@ void check_new_output(const fs::path& out, bool force, const std::vector<std::st
                         " (removing or replacing that input, as checkpoint rotation does, would delete it): pick a "
                         "folder outside it");
   }
+  if (const auto dir = runs_checkpoints_dir_of(out))
+    throw ConfigError("the output " + out.string() + " is named like a checkpoint (step_*) of the run whose "
+                      "checkpoints are in " + dir->string() +
+                      ": that run would take it for one of its own saves, so checkpoint.keep_last could delete it "
+                      "and a resume without `latest` could continue from it. Nothing was written; write it outside " +
+                      dir->string() + ", or give it a name that does not start with step_");
   if (!fs::exists(out)) return;
   if (!force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
   if (!replaceable_output(out, kind))

@@ -34,12 +34,10 @@ void use_checkpoint_assets(data::TokenizeOptions& o) {
   const Checkpoint ck = Checkpoint::open(fs::exists(dir / "checkpoints") ? (dir / "checkpoints").string() : o.tokenizer);
   const AssetTrail trail = checkpoint_assets(ck);
   const std::string found = locate_tokenizer(trail.tokenizer_dirs, "");
-  if (found.empty()) {
-    std::string looked;
-    for (const fs::path& d : trail.tokenizer_dirs) looked += "\n  " + (d / "tokenizer.json").string();
+  if (found.empty())
     throw ConfigError("--tokenizer " + o.tokenizer + ": the keel checkpoint " + ck.path() +
-                      " has no tokenizer.json along its trail; looked at:" + looked + "\npass the tokenizer.json it was trained with");
-  }
+                      " has no tokenizer.json along its trail; " + tokenizer_places(trail.tokenizer_dirs) +
+                      "\npass the tokenizer.json it was trained with");
   std::printf("keel: --tokenizer %s is a keel checkpoint: its tokenizer is %s\n", o.tokenizer.c_str(), found.c_str());
   o.tokenizer = found;
   if (o.chat && o.chat_template.empty()) {

@@ -174,6 +174,13 @@ class Fields {
     return v.get<std::string>();
   }
 
+  // `key` left out takes a default computed from other fields (ffn_hidden from d_model). When one
+  // of them failed, that default came from a stand-in, so `key` counts as failed too (with no
+  // error of its own): the checks across fields skip it rather than quote a value nobody gave.
+  void derives(const std::string& key, std::initializer_list<std::string> from) {
+    if (!has(key) && !problems_.ok(from)) problems_.failed.insert(path(key));
+  }
+
   // A string or a list of strings.
   std::vector<std::string> strings(const std::string& key) {
     std::vector<std::string> out;
@@ -284,9 +291,11 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     m.n_layers = static_cast<int>(f.integer("n_layers", std::nullopt, 1, 10000));
     m.n_heads = static_cast<int>(f.integer("n_heads", std::nullopt, 1, 1 << 16));
     m.n_kv_heads = static_cast<int>(f.integer("n_kv_heads", m.n_heads, 1, 1 << 16));
+    f.derives("n_kv_heads", {"model.n_heads"});
     // Defaults: GPT-2 uses 4d; Llama uses 2/3 of 4d rounded up to a multiple of 256.
     int64_t ffn_default = m.is_gpt2() ? 4ll * m.d_model : ((8ll * m.d_model / 3 + 255) / 256) * 256;
     m.ffn_hidden = static_cast<int>(f.integer("ffn_hidden", ffn_default, 1, 1 << 24));
+    f.derives("ffn_hidden", {"model.d_model", "model.family"});
     m.norm_eps = static_cast<float>(f.number("norm_eps", 1e-5, 0, 1, true));
     m.rope_theta = static_cast<float>(f.number("rope_theta", 10000.0, 0, 1e12, true));
     m.max_seq_len = static_cast<int>(f.integer("max_seq_len", std::nullopt, 1, 1 << 22));
@@ -392,6 +401,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     f.choice("type", "adamw", {"adamw"});
     o.lr = f.number("lr", o.lr, 0, 10, true);
     o.min_lr = f.number("min_lr", o.lr / 10, 0, 10);
+    f.derives("min_lr", {"optimizer.lr"});
     o.beta1 = f.number("beta1", o.beta1, 0, 0.999999);
     o.beta2 = f.number("beta2", o.beta2, 0, 0.999999999);
     o.eps = f.number("eps", o.eps, 0, 1, true);
@@ -412,6 +422,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     t.global_batch = f.integer("global_batch", std::nullopt, 1);
     t.micro_batch = f.integer("micro_batch", std::nullopt, 1);
     t.seq_len = f.integer("seq_len", c.model.max_seq_len, 1);
+    f.derives("seq_len", {"model.max_seq_len"});
     t.seed = static_cast<uint64_t>(f.integer("seed", 1234, 0));
     t.eval_interval = f.integer("eval_interval", 0, 0);
     t.eval_batches = f.integer("eval_batches", 8, 0);
@@ -669,6 +680,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     HealthConfig& h = c.health;
     h.replica_check_interval = f.integer("replica_check_interval", h.replica_check_interval, 0);
     h.param_group_audit = f.choice("param_group_audit", h.param_group_audit, {"error", "warn"});
+    h.host_memory_check = f.choice("host_memory_check", h.host_memory_check, {"error", "warn"});
     h.frozen_check_interval = f.integer("frozen_check_interval", h.frozen_check_interval, 0);
     h.frozen_window = f.integer("frozen_window", h.frozen_window, 1);
     h.frozen_fraction = f.number("frozen_fraction", h.frozen_fraction, 0, 1, true);
@@ -893,6 +905,7 @@ json to_json(const RunConfig& c) {
   const HealthConfig& h = c.health;
   j["health"] = {{"replica_check_interval", h.replica_check_interval},
                  {"param_group_audit", h.param_group_audit},
+                 {"host_memory_check", h.host_memory_check},
                  {"frozen_check_interval", h.frozen_check_interval},
                  {"frozen_window", h.frozen_window},
                  {"frozen_fraction", h.frozen_fraction},

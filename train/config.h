@@ -190,6 +190,10 @@ struct HealthConfig {
   // Optimizer groups: a norm or bias with weight decay, or a matrix without, is an "error"
   // (the run does not start) or a "warn"ing.
   std::string param_group_audit = "error";
+  // CPU backend: a run that needs more host memory than this host (or its cgroup: a container,
+  // a Slurm job) has available is refused before anything is allocated ("error"), or only
+  // warned about ("warn": swap, or an estimate that is too high for it).
+  std::string host_memory_check = "error";
   // Frozen parameters: every frozen_check_interval steps, sampled elements of each tensor
   // (its fp32 master, or the stored weights without one) are compared with the previous check;
   // a tensor whose elements with non-zero gradients did not move (at least frozen_fraction of

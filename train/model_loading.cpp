@@ -139,11 +139,36 @@ std::vector<fs::path> data_tokenizer_dirs(const RunConfig& cfg) {
 std::vector<fs::path> data_chat_templates(const RunConfig& cfg) {
   std::vector<fs::path> templates;
   for (const fs::path& d : data_tokenizer_dirs(cfg)) {
-    std::ifstream in((d.empty() ? fs::path(".") : d) / "meta.json");
+    const fs::path folder = d.empty() ? fs::path(".") : d, meta_path = folder / "meta.json";
+    std::ifstream in(meta_path);
     const json meta = in ? json::parse(in, nullptr, false) : json();
     if (!meta.is_object() || !meta.contains("source") || !meta["source"].is_object()) continue;
     const json t = meta["source"].value("chat_template", json());
-    if (t.is_string() && !t.get<std::string>().empty()) templates.emplace_back(t.get<std::string>());
+    if (!t.is_string() || t.get<std::string>().empty()) continue;
+    const fs::path recorded = t.get<std::string>();
+    if (recorded.is_absolute()) {
+      templates.push_back(recorded);
+      continue;
+    }
+    // keel tokenize records the template it copied beside the data, relative to the folder.
+    // Older versions recorded a path relative to the directory tokenize ran in: that one is
+    // taken only when the folder has none, and said, as it depends on where keel runs now.
+    const fs::path beside = folder / recorded;
+    if (!fs::exists(beside) && fs::exists(recorded)) {
+      std::fprintf(stderr,
+                   "keel: NOTE %s records source.chat_template \"%s\", which is not in %s; taking %s from the "
+                   "current directory, as older keel tokenize runs meant it (tokenize again to keep the template "
+                   "with the data)\n",
+                   meta_path.c_str(), recorded.c_str(), folder.c_str(), fs::absolute(recorded).c_str());
+      templates.push_back(recorded);
+    } else {
+      if (!fs::exists(beside))
+        std::fprintf(stderr,
+                     "keel: NOTE %s records source.chat_template \"%s\", the template the data was rendered with, "
+                     "but neither %s nor %s exists\n",
+                     meta_path.c_str(), recorded.c_str(), beside.c_str(), fs::absolute(recorded).c_str());
+      templates.push_back(beside);
+    }
   }
   return templates;
 }
@@ -216,6 +241,17 @@ std::string locate_tokenizer(const std::vector<fs::path>& dirs, const std::strin
   return "";
 }
 
+std::string tokenizer_places(const std::vector<fs::path>& dirs) {
+  std::string text = "looked at:";
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const fs::path& d = dirs[i];
+    // As locate_tokenizer: no empty folder, and each folder once.
+    if (d.empty() || std::find(dirs.begin(), dirs.begin() + i, d) != dirs.begin() + i) continue;
+    text += "\n  " + (d / "tokenizer.json").string() + (fs::is_directory(d) ? "" : " (its folder does not exist)");
+  }
+  return text;
+}
+
 void check_prompt_ids(const std::vector<int32_t>& ids, int64_t vocab_size, const std::string& what,
                       const std::string& why) {
   for (int32_t id : ids)
@@ -229,9 +265,8 @@ std::optional<data::Tokenizer> find_tokenizer(const LoadedModel& lm, const std::
   const std::string path = locate_tokenizer(lm.tokenizer_dirs, explicit_path);
   if (path.empty()) {
     if (!required) return std::nullopt;
-    std::string looked;
-    for (const fs::path& d : lm.tokenizer_dirs) looked += "\n  " + (d / "tokenizer.json").string();
-    throw ConfigError("no tokenizer.json found for " + lm.source + "; looked at:" + looked + "\n" + hint);
+    throw ConfigError("no tokenizer.json found for " + lm.source + "; " + tokenizer_places(lm.tokenizer_dirs) + "\n" +
+                      hint);
   }
   data::Tokenizer tok = data::Tokenizer::from_file(path);
   std::fprintf(stderr, "keel: tokenizer %s: %s\n", path.c_str(), tok.describe().c_str());

@@ -87,7 +87,10 @@ data::ChatTemplate first_chat_template(const std::vector<std::filesystem::path>&
 std::vector<std::filesystem::path> data_tokenizer_dirs(const RunConfig& cfg);
 
 // The chat templates the data.train folders were rendered with (keel tokenize --chat records
-// each in its meta.json, source.chat_template).
+// each in its meta.json, source.chat_template, relative to the folder). A relative path that is
+// not in the folder but is in the current directory (what older keel tokenize runs recorded) is
+// taken from there with a note; one that is in neither is noted and returned as in the folder,
+// so that the search lists it as gone.
 std::vector<std::filesystem::path> data_chat_templates(const RunConfig& cfg);
 
 // The ids of the tokenizer's well-known end-of-text tokens (</s>, <|end_of_text|>, <|eot_id|>,
@@ -97,6 +100,10 @@ std::vector<int32_t> end_of_text_ids(const data::Tokenizer& tok);
 // `explicit_path` (a tokenizer.json or its directory) when given, else the first tokenizer.json
 // in `dirs`; empty when there is none.
 std::string locate_tokenizer(const std::vector<std::filesystem::path>& dirs, const std::string& explicit_path);
+
+// Where locate_tokenizer looked in `dirs`, for a refusal that found nothing: "looked at:" and
+// each folder's tokenizer.json on a line of its own (once each, a folder that is gone marked so).
+std::string tokenizer_places(const std::vector<std::filesystem::path>& dirs);
 
 // `explicit_path` (a tokenizer.json or its directory) when given, else the first tokenizer.json
 // among the model's tokenizer_dirs; logs which. None found: nullopt, or when `required` a

@@ -41,6 +41,7 @@
 #include "train/choice_eval.h"
 #include "train/format.h"
 #include "train/health.h"
+#include "train/host_memory.h"
 #include "train/hf_format.h"
 #include "train/metrics.h"
 #include "train/model_loading.h"
@@ -574,36 +575,6 @@ void report_memory(const RunConfig& cfg, const Backend& be, const parallel::Grid
   std::fflush(stdout);
 }
 
-// Bytes the kernel says this host can still give without swapping (MemAvailable); 0 when unknown.
-double host_available_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    long long kib = 0;
-    if (std::sscanf(line.c_str(), "MemAvailable: %lld kB", &kib) == 1) return static_cast<double>(kib) * 1024;
-  }
-  return 0;
-}
-
-// A CPU run keeps its state and activations in host memory. One that cannot fit would die in
-// std::bad_alloc or, worse, by the OOM killer minutes later: refuse it with the numbers first.
-// Every rank on the host is counted at the heaviest stage's figure, so all ranks decide alike.
-void check_host_memory(const RunConfig& cfg, const parallel::LaunchInfo& launch) {
-  const double available = host_available_bytes();
-  double per_rank = 0;
-  for (int s = 0; s < cfg.parallel.pp; ++s) per_rank = std::max(per_rank, plan::planned_backend_bytes(cfg, s, false));
-  const double needed = per_rank * launch.local_size;
-  if (available <= 0 || needed <= available) return;
-  const std::string ranks = launch.local_size > 1 ? " for its " + std::to_string(launch.local_size) +
-                                                        " ranks on this host (up to " + plan::format_bytes(per_rank) +
-                                                        " each)"
-                                                  : "";
-  throw ConfigError("the run needs about " + plan::format_bytes(needed) + " of host memory" + ranks +
-                    " (keel plan's figure: weights, gradients, optimizer state and activations), but the host has " +
-                    plan::format_bytes(available) + " available (MemAvailable in /proc/meminfo). Use a smaller "
-                    "model, train.micro_batch or train.seq_len, train.recompute, more hosts under mpirun, or a GPU");
-}
-
 // parallel.overlap_grad_reduce: how much of the first step's DP reduction started while the
 // backward still ran (rank 0's; every DP rank of a stage forms the same buckets).
 void report_grad_overlap(const Trainer& tr, bool lead, bool quiet, int64_t step, MetricsWriter* metrics) {
@@ -817,7 +788,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (opts.eval_only && (vals.empty() || cfg.train.eval_batches == 0) && choices.items.empty() && !sampler.on())
     throw ConfigError("--eval-only: nothing to evaluate: set data.val or data.val_sets (with train.eval_batches > 0), "
                       "choice_eval.file or sample.interval");
-  if (backend->device() == Device::CPU && !opts.eval_only) check_host_memory(cfg, launch);
+  if (backend->device() == Device::CPU && !opts.eval_only) {
+    const std::string warning = check_host_memory(cfg, launch.local_size, host_memory());
+    if (lead && !warning.empty()) {
+      std::printf("keel: WARNING host memory: %s\n", warning.c_str());
+      std::fflush(stdout);  // before the OOM killer can end the process without a word
+    }
+  }
   Trainer tr(cfg, *backend, &grid, &comms, /*forward_only=*/opts.eval_only);
   RankPlace place;
   place.tp_rank = grid.tp_rank();

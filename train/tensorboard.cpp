@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -169,8 +170,12 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   path_ = (std::filesystem::path(dir) / ("events.out.tfevents." + std::to_string(static_cast<int64_t>(t)) + "." +
                                          host + "." + std::to_string(getpid())))
               .string();
+  errno = 0;
   out_.open(path_, std::ios::binary | std::ios::app);
-  if (!out_) throw std::runtime_error("cannot open the TensorBoard event file " + path_ + " for writing");
+  // The stream keeps no reason; the open(2) under it left one in errno, as with the directory.
+  if (!out_)
+    throw std::runtime_error("cannot open the TensorBoard event file " + path_ + " for writing: " +
+                             (errno ? std::strerror(errno) : "reason unknown"));
   append(tensorboard_version_event(t));
 }
 
@@ -185,9 +190,11 @@ void TensorBoardWriter::write(const nlohmann::json& record) {
 }
 
 void TensorBoardWriter::append(const std::string& event) {
+  errno = 0;
   out_ << tensorboard_record(event);
   out_.flush();
-  if (!out_) throw std::runtime_error("writing " + path_ + " failed (disk full?)");
+  if (!out_)
+    throw std::runtime_error("writing " + path_ + " failed: " + (errno ? std::strerror(errno) : "reason unknown (disk full?)"));
 }
 
 }  // namespace keel

@@ -353,6 +353,17 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
                Catch::Contains("DAMAGED: " + bad + ":\n") && Catch::Contains("adam_m/layers.0.attn.wq is corrupt"));
     CHECK_THAT(run_keel("ckpt inspect " + good).output,
                Catch::Contains("every checksum matches and every value is finite"));
+    // --no-verify reads meta.json and the headers only: no data, so it neither finds the damage
+    // (in the weights too now) nor prints statistics, and it says so.
+    flip_byte_in(bad + "/model-tp00-pp00.safetensors", "weight/layers.0.attn.wq");
+    auto n = run_keel("ckpt inspect --no-verify " + bad);
+    INFO(n.output);
+    CHECK(n.code == 0);
+    CHECK_THAT(n.output, Catch::Contains("iteration 8,") && Catch::Contains("states present: adam_m, adam_v, master, weight"));
+    CHECK_THAT(n.output, Catch::Contains("\n  layers.0.attn.wq                   [32, 32]         bf16   yes yes yes\n"));
+    CHECK_THAT(n.output, Catch::Contains("\n  data not verified (--no-verify): only meta.json and the files' sizes and "
+                                         "headers were read; no checksum, value or statistic"));
+    CHECK_THAT(n.output, !Catch::Contains("norm          min") && !Catch::Contains("DAMAGED") && !Catch::Contains("every checksum"));
   }
   SECTION("a damaged checkpoint outside the run: nothing there to turn to") {
     const std::string copy = ws.dir / "copy";
@@ -382,6 +393,10 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
     CHECK(v.code == 5);
     CHECK_THAT(v.output, Catch::Contains("checkpoint file " + file + " is damaged: its checksum is ") &&
                              Catch::Contains("(reading its header: the chunk table names"));
+    // The headers are read without --no-verify's data, so a damaged one is refused all the same.
+    auto n = run_keel("ckpt inspect --no-verify " + bad);
+    CHECK(n.code == 5);
+    CHECK_THAT(n.output, Catch::Contains("checkpoint file " + file + " is damaged"));
   }
   SECTION("a published checkpoint without meta.json lost it: it was not interrupted") {
     fs::remove(bad + "/meta.json");
@@ -842,6 +857,13 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
   // file), and nothing inside an input, which rotation would delete with it.
   refused(list + " --out " + in[1] + "/sub", 2, "is inside the input " + in[1]);
   CHECK(!fs::exists(in[1] + "/sub"));
+  // Nor a step_* folder among the run's checkpoints: keep_last could delete it, and a resume
+  // without `latest` continue from it.
+  const std::string named = out + "/checkpoints/step_00000999";
+  refused(list + " --out " + named, 2,
+          "the output " + named + " is named like a checkpoint (step_*) of the run whose checkpoints are in " +
+              fs::absolute(out + "/checkpoints").string() + ": that run would take it for one of its own saves");
+  CHECK(!fs::exists(named));
   const auto again = run_keel("ckpt average " + list + " --out " + ws.dir / "avg_fp32" + " --force");
   INFO(again.output);
   CHECK(again.code == 0);

@@ -298,6 +298,41 @@ TEST_CASE("config errors do not cascade into checks on a field that already fail
        {});
 }
 
+// A field left out whose default derives from a field that failed (ffn_hidden from d_model,
+// n_kv_heads from n_heads) holds a stand-in too: the checks across fields skip it as well.
+TEST_CASE("config errors do not cascade through a default derived from a field that failed", "[config]") {
+  auto base = test::tiny_run_json();
+  // tp = 3 divides the heads, kv heads and vocab given here, and the default ffn_hidden of
+  // d_model 240 (768), but not the 256 of the stand-in for a bad d_model (1).
+  const nlohmann::json model = {
+      {"d_model", 240}, {"ffn_hidden", nullptr}, {"n_heads", 6}, {"n_kv_heads", 3}, {"vocab_size", 66}};
+  CHECK_NOTHROW(test::make_config(base, {{"model", model}, {"parallel", {{"tp", 3}}}}));
+  for (const nlohmann::json& bad : {nlohmann::json(0), nlohmann::json("big"), nlohmann::json(1 << 21)}) {
+    nlohmann::json patch = {{"model", model}, {"parallel", {{"tp", 3}}}};
+    patch["model"]["d_model"] = bad;
+    std::string msg;
+    try {
+      test::make_config(base, patch);
+    } catch (const ConfigError& e) {
+      msg = e.what();
+    }
+    INFO(patch.dump() << "\n" << msg);
+    size_t naming_d_model = 0;
+    for (size_t at = msg.find("d_model"); at != std::string::npos; at = msg.find("d_model", at + 1)) ++naming_d_model;
+    CHECK(naming_d_model == 1);
+    CHECK_THAT(msg, Catch::Contains("model.d_model: ") && !Catch::Contains("ffn_hidden"));
+  }
+  // n_kv_heads left out is n_heads: with n_heads out of range, tp = 2 has nothing real to divide.
+  std::string msg;
+  try {
+    test::make_config(base, {{"model", {{"n_heads", 0}, {"n_kv_heads", nullptr}}}, {"parallel", {{"tp", 2}}}});
+  } catch (const ConfigError& e) {
+    msg = e.what();
+  }
+  INFO(msg);
+  CHECK_THAT(msg, Catch::Contains("model.n_heads: 0 is out of range") && !Catch::Contains("n_kv_heads"));
+}
+
 TEST_CASE("a config key given twice in one object is an error naming it and the file", "[config]") {
   test::TempDir tmp("dupkeys");
   const std::string path = tmp / "dup.json";

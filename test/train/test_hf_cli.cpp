@@ -454,6 +454,10 @@ TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the 
   const int64_t in_loss = meta["loss_mask"]["train_in_loss"], tokens = meta["train_tokens"];
   CHECK(in_loss > tokens / 5);  // the replies: about a third of every conversation
   CHECK(in_loss < tokens / 2);
+  // The template it was rendered with stays with the data, recorded relative to the folder.
+  CHECK(meta["source"]["chat_template"] == "tokenizer_config.json");
+  CHECK(meta["source"]["chat_template_origin"] == (model / "tokenizer_config.json").string());
+  CHECK(test::read_file(tmp / "chat/tokenizer_config.json") == test::read_file(model / "tokenizer_config.json"));
 
   // Finetune on it: the masks and document boundaries are picked up.
   auto cfg = run_keel("convert --print-config hf:" + model.string());
@@ -527,11 +531,13 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
   };
   const std::vector<int32_t> prompt_ids = ids_after(chat(ck), "prompt ids");
   REQUIRE(prompt_ids.size() > 5);
-  // A finetune's checkpoints chat through the converted checkpoint's template.
-  auto chats_as_converted = [&](const std::string& checkpoint) {
+  // A finetune's checkpoints chat through the converted checkpoint's template: its own file, or
+  // the copy beside the chat data the run was trained on.
+  auto chats_as_converted = [&](const std::string& checkpoint, const std::string& template_file) {
     const std::string out = chat(checkpoint);
     INFO(out);
-    CHECK_THAT(out, Catch::Contains("chat template of " + ck + "/tokenizer_config.json"));
+    CHECK_THAT(out, Catch::Contains("chat template of " + template_file + ";"));
+    CHECK(test::read_file(template_file) == test::read_file(ck + "/tokenizer_config.json"));
     CHECK(ids_after(out, "prompt ids") == prompt_ids);
   };
 
@@ -541,7 +547,7 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
   INFO(r.output);
   REQUIRE(r.code == 0);
   train(ck, tmp / "chat", tmp / "run");
-  chats_as_converted(tmp / "run/checkpoints");
+  chats_as_converted(tmp / "run/checkpoints", tmp / "chat/tokenizer_config.json");
   // Data for a next stage, tokenized for the finetune (its run directory): the tokenizer and
   // template it was trained with, so the same token files.
   r = run_keel("tokenize --jsonl " + tmp / "chats.jsonl" + " --chat --tokenizer " + tmp / "run" + " --out " + tmp / "chat2" +
@@ -562,14 +568,14 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
 
   // Data without a template (plain text): the template of the checkpoint the run started from.
   train(ck, "", tmp / "run_text");
-  chats_as_converted(tmp / "run_text/checkpoints");
+  chats_as_converted(tmp / "run_text/checkpoints", ck + "/tokenizer_config.json");
 
   // A soup of the two finetunes carries their lineage: it chats, and exports complete in the
   // source's dtype, as each of them does.
   r = run_keel("ckpt average " + tmp / "run/checkpoints " + tmp / "run_text/checkpoints --out " + tmp / "soup");
   INFO(r.output);
   REQUIRE(r.code == 0);
-  chats_as_converted(tmp / "soup");
+  chats_as_converted(tmp / "soup", tmp / "chat/tokenizer_config.json");  // the first input's
   r = run_keel("convert " + tmp / "soup hf:" + tmp / "soup_export");
   INFO(r.output);
   REQUIRE(r.code == 0);
@@ -584,12 +590,42 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
   INFO(r.output);
   REQUIRE(r.code == 0);
   train("hf:" + kHf + "llama_trained", tmp / "mine", tmp / "run_mine");
+  // The data keeps a copy of the template, so the original may go.
+  std::ifstream mine_meta_in(tmp / "mine/meta.json");
+  json mine_meta = json::parse(mine_meta_in);
+  CHECK(mine_meta["source"]["chat_template"] == "chat_template.jinja");
+  CHECK(mine_meta["source"]["chat_template_origin"] == tmp / "mine.jinja");
+  CHECK(test::read_file(tmp / "mine/chat_template.jinja") == test::read_file(tmp / "mine.jinja"));
+  fs::remove(tmp / "mine.jinja");
   const std::string mine = chat(tmp / "run_mine/checkpoints");
-  CHECK_THAT(mine, Catch::Contains("chat template of " + tmp / "mine.jinja"));
+  CHECK_THAT(mine, Catch::Contains("chat template of " + tmp / "mine/chat_template.jinja"));
   const auto plain = run_keel("sample --checkpoint " + tmp / "run_mine/checkpoints" +
                               " --prompt \"<user> tell me about rain\n<assistant>\" --no-special-tokens -t 0 -n 4 --show-ids");
   REQUIRE(plain.code == 0);
   CHECK(ids_after(mine, "prompt ids") == ids_after(plain.output, "prompt ids"));
+  // Data from an older keel tokenize, run in tmp: no copy, and the template recorded relative to
+  // tmp. Run from there, keel finds it, with a note; from elsewhere, the note and the refusal
+  // name meta.json and the path.
+  fs::rename(tmp / "mine/chat_template.jinja", tmp / "mine.jinja");
+  mine_meta["source"]["chat_template"] = "mine.jinja";
+  std::ofstream(tmp / "mine/meta.json") << mine_meta.dump(2);
+  const std::string sample_mine = std::string(KEEL_BINARY) + " sample --checkpoint " + tmp / "run_mine/checkpoints" +
+                                  " --chat \"tell me about rain\" -t 0 -n 4 --show-ids";
+  const auto old_data = test::run_shell("cd " + tmp.path.string() + " && " + sample_mine);
+  INFO(old_data.output);
+  CHECK(old_data.code == 0);
+  CHECK_THAT(old_data.output, Catch::Contains("keel: NOTE " + tmp / "mine/meta.json" + " records source.chat_template "
+                                              "\"mine.jinja\", which is not in " + tmp / "mine" + "; taking " +
+                                              tmp / "mine.jinja" + " from the current directory"));
+  CHECK(ids_after(old_data.output, "prompt ids") == ids_after(mine, "prompt ids"));
+  const auto elsewhere = test::run_shell("cd " + tmp / "run_mine" + " && " + sample_mine);
+  INFO(elsewhere.output);
+  CHECK(elsewhere.code == 2);
+  CHECK_THAT(elsewhere.output, Catch::Contains("keel: NOTE " + tmp / "mine/meta.json" +
+                                               " records source.chat_template \"mine.jinja\", the template the data was "
+                                               "rendered with, but neither " + tmp / "mine/mine.jinja" + " nor " +
+                                               tmp / "run_mine/mine.jinja" + " exists"));
+  CHECK_THAT(elsewhere.output, Catch::Contains("no chat template") && Catch::Contains(tmp / "mine/mine.jinja (does not exist)"));
 
   // Nothing left to find: the error names the places that have gone and what to pass.
   fs::rename(ck, tmp / "ckpt_moved");

@@ -614,6 +614,22 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
   export_keel_to_hf(tmp / "self_keel", tmp / "exported", over);  // an earlier export: replaced
   CHECK_THAT(error_of([&] { convert_hf_to_keel(kHf + "llama_tied", tmp / "exported", std::nullopt, true); }),
              Catch::Contains("--force replaces only an earlier keel checkpoint"));
+
+  // A step_* folder among a run's checkpoints (a `latest` beside it) would pass for one of its
+  // saves (rotation, resume): refused, either way and forced or not.
+  fs::create_directories(tmp / "run/checkpoints");
+  std::ofstream(tmp / "run/checkpoints/latest") << "step_00000004\n";
+  const std::string named = tmp / "run/checkpoints/step_00000007";
+  for (const bool force : {false, true}) {
+    CHECK_THAT(error_of([&] { convert_hf_to_keel(kHf + "llama_tied", named, std::nullopt, force); }),
+               Catch::Contains("the output " + named + " is named like a checkpoint (step_*) of the run"));
+    over.force = force;
+    CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", named, over); }),
+               Catch::Contains("give it a name that does not start with step_"));
+  }
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(kHf + "llama_tied", named + "/", std::nullopt, false); }),
+             Catch::Contains("of the run whose checkpoints are in " + tmp / "run/checkpoints:"));
+  CHECK_FALSE(fs::exists(named));
 }
 
 // Seed 000: finetuning converted weights in bf16 must continue from the pretrained loss. The

@@ -3,7 +3,11 @@
 // to tags, and a real run's events read back and compared with its metrics.jsonl.
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
+#include <ctime>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -122,6 +126,18 @@ float value_of(const TensorBoardScalars& values, const std::string& tag) {
   return 0;
 }
 
+// The names the writer may give its event file in `dir` over the next minute (the name holds
+// the time in seconds, the host and the process).
+std::vector<fs::path> event_file_names(const fs::path& dir) {
+  char host[256] = "localhost";
+  gethostname(host, sizeof host - 1);
+  std::vector<fs::path> names;
+  const auto now = static_cast<int64_t>(std::time(nullptr));
+  for (int64_t t = now - 1; t < now + 60; ++t)
+    names.push_back(dir / ("events.out.tfevents." + std::to_string(t) + "." + host + "." + std::to_string(getpid())));
+  return names;
+}
+
 }  // namespace
 
 TEST_CASE("TensorBoard events are encoded byte for byte as the tensorboard package writes them", "[tensorboard]") {
@@ -222,6 +238,23 @@ TEST_CASE("TensorBoardWriter: a new run's start event drops every earlier point 
   const std::vector<ReadEvent> ev = read_events(test::read_file(path));
   REQUIRE(ev.size() == 2);
   CHECK((ev[1].step == 0 && ev[1].session_status == 1 && ev[1].values.empty()));
+}
+
+TEST_CASE("TensorBoardWriter: an event file that cannot be opened or written is named with the OS's reason",
+          "[tensorboard][errors]") {
+  test::TempDir dir("tb-errors");
+  // A folder where the file would go: open(2) says "Is a directory".
+  for (const fs::path& p : event_file_names(dir.path / "taken")) fs::create_directories(p);
+  CHECK_THROWS_WITH(TensorBoardWriter(dir / "taken"),
+                    Catch::Contains("cannot open the TensorBoard event file " + dir / "taken/events.out.tfevents.") &&
+                        Catch::EndsWith(": " + std::string(std::strerror(EISDIR))));
+  // A full disk, as /dev/full is: the first event's write says "No space left on device".
+  if (fs::exists("/dev/full")) {
+    fs::create_directories(dir.path / "full");
+    for (const fs::path& p : event_file_names(dir.path / "full")) fs::create_symlink("/dev/full", p);
+    CHECK_THROWS_WITH(TensorBoardWriter(dir / "full"), Catch::Contains("writing " + dir / "full/events.out.tfevents.") &&
+                                                          Catch::EndsWith(": " + std::string(std::strerror(ENOSPC))));
+  }
 }
 
 TEST_CASE("keel train with log.tensorboard: the events hold metrics.jsonl's numbers, a resume adds a file",
