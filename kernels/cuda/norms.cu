@@ -351,10 +351,11 @@ struct WholeRows {
 // at a time; after each chunk's partials, per_chunk(r0, rows) (the norms' dx kernel on those
 // rows, which may overwrite dy there: the partials have read them). The chunks start on row
 // blocks, so each row block's partial, and the result, are the same bits for any chunk size.
+// No rows: pass 2 alone, over no partials, stores zeros (or adds nothing), as the CPU does.
 template <class T, ColMode kMode, class PerChunk>
 void column_sums(CudaBackend& be, const char* op, const T* dy, const T* x, const float* mean, const float* rstd,
                  int64_t N, int64_t C, float* dw, float* db, bool accumulate, const PerChunk& per_chunk) {
-  if (N == 0 || C == 0) return;
+  if (C == 0) return;
   const int64_t blocks = ceil_div(N, kRowBlock);
   const int nbuf = kMode == ColMode::LayerNorm ? 2 : 1;
   auto* partial = static_cast<float*>(be.scratch(static_cast<size_t>(nbuf * blocks * C) * sizeof(float), op));
@@ -374,14 +375,14 @@ void column_sums(CudaBackend& be, const char* op, const T* dy, const T* x, const
 
 // A norm's backward (kLayerNorm: LayerNorm, with mean and db; else RMSNorm): dx into din, and
 // dweight (dbias) stored or added. Where a row block's sums fit in shared memory (C <=
-// kFusedMaxC, half that for LayerNorm) norm_backward_fused_kernel, else column_sums with the dx
-// kernel per chunk of rows; then pass 2. Either way dout is read before din (which may be dout)
-// is written over it.
+// kFusedMaxC, half that for LayerNorm) norm_backward_fused_kernel, else (and for no rows)
+// column_sums with the dx kernel per chunk of rows; then pass 2. Either way dout is read before
+// din (which may be dout) is written over it.
 template <class T, bool kLayerNorm>
 void norm_backward(CudaBackend& be, const char* op, T* din, const T* dout, const T* in, const T* weight,
                    const float* mean, const float* rstd, int64_t N, int64_t C, bool packed, float* dw, float* db,
                    bool accumulate_din, bool accumulate_dparams) {
-  if (C > (kLayerNorm ? kFusedMaxC / 2 : kFusedMaxC)) {
+  if (N == 0 || C > (kLayerNorm ? kFusedMaxC / 2 : kFusedMaxC)) {
     constexpr ColMode kMode = kLayerNorm ? ColMode::LayerNorm : ColMode::RmsNorm;
     column_sums<T, kMode>(be, op, dout, in, mean, rstd, N, C, dw, db, accumulate_dparams, [&](int64_t r0, int64_t n) {
       with_pack_width<T>(packed, [&](auto v) {
@@ -473,7 +474,6 @@ void CudaBackend::layernorm_backward(const Tensor& din, const Tensor& dweight, c
   if (weight.numel() != C || dweight.numel() != C)
     cuda::fail(op, "weight and dweight must have in.cols() elements",
                {{"weight", weight}, {"dweight", dweight}, {"in", in}});
-  if (N == 0) return;
   cuda::SameDType u(*this, op,
                     {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {
@@ -517,7 +517,6 @@ void CudaBackend::rmsnorm_backward(const Tensor& din, const Tensor& dweight, con
   if (weight.numel() != C || dweight.numel() != C)
     cuda::fail(op, "weight and dweight must have in.cols() elements",
                {{"weight", weight}, {"dweight", dweight}, {"in", in}});
-  if (N == 0) return;
   cuda::SameDType u(*this, op,
                     {accumulate_din ? cuda::inout(din) : cuda::out(din), cuda::in(dout), cuda::in(in), cuda::in(weight)});
   KEEL_DISPATCH_FLOAT(u.dtype(), op, T, {

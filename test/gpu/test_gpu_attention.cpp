@@ -311,6 +311,19 @@ TEST_CASE("gpu: attention backward matches the CPU (plain and fused kernels)", "
       }
 }
 
+// More sequences than a grid's y or z extent (65535): the fused kernels put the sequences there
+// (attention_flash.cu, grid_of), so such a call must take the plain kernels, whose grids are
+// one-dimensional, and match the CPU as any plain call. (A launch beyond the limits fails on
+// the CUDA emulator as on a GPU.)
+TEST_CASE("gpu: attention over more sequences than a grid's y or z extent matches the CPU", "[gpu][attention]") {
+  KEEL_GPU_OR_SKIP();
+  const AttnShape s{65536, 1, 1, 1, 8};
+  const DType dt = DType::BF16;
+  const int64_t N = static_cast<int64_t>(s.B) * s.T;
+  HostTensor qkv = rand_tensor(dt, {N, s.qkv_cols()}, 31, 1.5f), dy = rand_tensor(dt, {N, s.n_heads * s.head_dim}, 32);
+  check_attention_vs_cpu(gpu(), qkv, dy, s, s, false, "bf16 B=65536", false);
+}
+
 // The fused backward's two ways to dq (kernels/cuda/attention_flash.cu): staged (the dk-dv kernel
 // stores its rounded dS tiles to scratch, and a dq kernel multiplies them by K; launched in
 // chunks of kv heads x sequences that fit CudaBackend::attention_ds_budget) and recompute (the

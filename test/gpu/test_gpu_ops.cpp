@@ -296,6 +296,57 @@ TEST_CASE("gpu: bias_backward sums rows like the CPU", "[gpu][matmul]") {
       }
 }
 
+// A column sum over no rows is zero: stored (over NaN, so an unwritten gradient shows) when not
+// accumulating, left as it was when accumulating, as the CPU does. For bias_backward,
+// matmul_bias_grad (K = 0 rows: no cuBLASLt call) and both norms' parameter gradients.
+TEST_CASE("gpu: column sums over no rows store zero gradients, as the CPU", "[gpu][norms][matmul]") {
+  KEEL_GPU_OR_SKIP();
+  Backend& be = gpu();
+  const int64_t C = 40, out_cols = 24;
+  for (DType dt : kFloatTypes)
+    for (bool acc : {false, true}) {
+      INFO(dname(dt) << " accumulate " << acc);
+      const HostTensor none(dt, {0, C}), stats(DType::F32, {0}), w = rand_tensor(dt, {C}, 1);
+      const HostTensor g0 = acc ? rand_tensor(DType::F32, {C}, 2) : nan_tensor(DType::F32, {C});
+      DeviceTensor dnone(be, none.t), ddin(be, none.t), dstats(be, stats.t), dw = DeviceTensor::of(be, w);
+      // each op's gradients on the CPU and the GPU from the same start g0, compared bit for bit
+      const auto check = [&](const char* op, auto&& cpu_op, auto&& gpu_op) {
+        HostTensor ref_w = clone(g0), ref_b = clone(g0);
+        cpu_op(ref_w.t, ref_b.t);
+        DeviceTensor got_w = DeviceTensor::of(be, g0), got_b = DeviceTensor::of(be, g0);
+        gpu_op(got_w.t, got_b.t);
+        KEEL_CHECK_BITS(op, dname(dt), got_w.host(), ref_w);
+        KEEL_CHECK_BITS(op, dname(dt), got_b.host(), ref_b);
+      };
+      check("bias_backward", [&](const Tensor&, const Tensor& db) { cpu().bias_backward(db, none.t, acc); },
+            [&](const Tensor&, const Tensor& db) { be.bias_backward(db, dnone.t, acc); });
+      check("layernorm_backward",
+            [&](const Tensor& gw, const Tensor& gb) {
+              cpu().layernorm_backward(none.t, gw, gb, none.t, none.t, w.t, stats.t, stats.t, false, acc);
+            },
+            [&](const Tensor& gw, const Tensor& gb) {
+              be.layernorm_backward(ddin.t, gw, gb, dnone.t, dnone.t, dw.t, dstats.t, dstats.t, false, acc);
+            });
+      check("rmsnorm_backward",
+            [&](const Tensor& gw, const Tensor&) {
+              cpu().rmsnorm_backward(none.t, gw, none.t, none.t, w.t, stats.t, false, acc);
+            },
+            [&](const Tensor& gw, const Tensor&) {
+              be.rmsnorm_backward(ddin.t, gw, dnone.t, dnone.t, dw.t, dstats.t, false, acc);
+            });
+      // matmul_bias_grad: dweight [out_cols, C] = dout^T in over no rows, dbias [out_cols]
+      const HostTensor dout(dt, {0, out_cols}), gw0 = acc ? rand_tensor(DType::F32, {out_cols, C}, 3)
+                                                          : nan_tensor(DType::F32, {out_cols, C});
+      const HostTensor gb0 = acc ? rand_tensor(DType::F32, {out_cols}, 4) : nan_tensor(DType::F32, {out_cols});
+      HostTensor ref_w = clone(gw0), ref_b = clone(gb0);
+      cpu().matmul_bias_grad(ref_w.t, ref_b.t, dout.t, none.t, acc, acc);
+      DeviceTensor ddout(be, dout.t), got_w = DeviceTensor::of(be, gw0), got_b = DeviceTensor::of(be, gb0);
+      be.matmul_bias_grad(got_w.t, got_b.t, ddout.t, dnone.t, acc, acc);
+      KEEL_CHECK_BITS("matmul_bias_grad dweight", dname(dt), got_w.host(), ref_w);
+      KEEL_CHECK_BITS("matmul_bias_grad dbias", dname(dt), got_b.host(), ref_b);
+    }
+}
+
 // matmul_gelu / matmul_gelu_backward. Where cuBLASLt's GELU epilogues run (N % 8 == 0, pre
 // 16-byte aligned) the GELU is applied to the fp32 product, so the reference is that: the CPU's
 // product in fp32, then the CPU's GELU rounding once into the output dtype. The fallback (N % 8

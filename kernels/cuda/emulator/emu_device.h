@@ -87,6 +87,11 @@ T exchange(unsigned mask, T v, int src) {
 
 // Runs f() on every thread of every block of the grid; returns when all have finished.
 void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& f);
+// The launch limits of the GPUs keel runs on (sm_80 and later; emu_runtime.cpp): grid.x up to
+// 2^31 - 1, grid.y and grid.z up to 65535, a block of at most 1024 threads (x and y up to 1024,
+// z up to 64), none of them 0. False, with cudaErrorInvalidConfiguration recorded for
+// cudaGetLastError, for a launch outside them: it fails, as it would on a GPU, instead of running.
+bool launch_dims_allowed(dim3 grid, dim3 block);
 // The launch contract on dynamic shared memory (emu_runtime.cpp): above 48 KiB a kernel needs
 // cudaFuncSetAttribute(MaxDynamicSharedMemorySize) first. False (and the error recorded for
 // cudaGetLastError, as a failed launch) when it was not raised that far.
@@ -102,7 +107,8 @@ struct LaunchConfig {
     static_assert(sizeof...(P) == sizeof...(A), "kernel launched with the wrong number of arguments");
     // Arguments are converted to the parameter types at the launch, as the real one copies them.
     std::tuple<std::decay_t<P>...> params(static_cast<std::decay_t<P>>(std::forward<A>(args))...);
-    if (!dynamic_shared_allowed(reinterpret_cast<const void*>(kernel), smem)) return;
+    if (!launch_dims_allowed(grid, block) || !dynamic_shared_allowed(reinterpret_cast<const void*>(kernel), smem))
+      return;
     run_grid(grid, block, smem, [&] { std::apply(kernel, params); });
   }
 };

@@ -170,6 +170,7 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     default: return "cudaError (emulator)";
   }
 }
@@ -179,6 +180,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     default: return "emulated CUDA error";
   }
 }
@@ -274,6 +276,18 @@ cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attr, int
 }
 
 }  // extern "C"
+
+bool keel_emu::launch_dims_allowed(dim3 grid, dim3 block) {
+  const unsigned long long threads = static_cast<unsigned long long>(block.x) * block.y * block.z;
+  const bool grid_ok = grid.x >= 1 && grid.x <= 0x7fffffffu && grid.y >= 1 && grid.y <= 65535 && grid.z >= 1 &&
+                       grid.z <= 65535;
+  const bool block_ok = block.x >= 1 && block.x <= 1024 && block.y >= 1 && block.y <= 1024 && block.z >= 1 &&
+                        block.z <= 64 && threads <= 1024;
+  if (grid_ok && block_ok) return true;
+  std::lock_guard<std::mutex> lock(mem().mutex);
+  mem().last_error = cudaErrorInvalidConfiguration;
+  return false;
+}
 
 bool keel_emu::dynamic_shared_allowed(const void* kernel, size_t smem_bytes) {
   if (smem_bytes <= kDefaultDynamicShared) return true;
