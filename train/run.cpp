@@ -692,12 +692,14 @@ struct RunDirLock {
   }
 };
 
-// Takes the lock or throws ConfigError naming the holder; returns a note when the filesystem
-// cannot lock (the run goes on unguarded).
-std::string lock_run_directory(const std::string& out, RunDirLock& lock) {
-  const std::string path = (fs::path(out) / ".lock").string();
+// Takes the lock on <dir>/.lock or throws ConfigError naming the holder; returns a note when
+// the filesystem cannot lock (the run goes on unguarded). `what` names the directory in
+// messages ("the run directory X"), `option` the setting that picks another one ("--out").
+std::string lock_directory(const std::string& dir, const std::string& what, const std::string& option,
+                           RunDirLock& lock) {
+  const std::string path = (fs::path(dir) / ".lock").string();
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) throw ConfigError("cannot create " + path + ": " + std::strerror(errno) + " (the run directory must be writable)");
+  if (fd < 0) throw ConfigError("cannot create " + path + ": " + std::strerror(errno) + " (" + what + " must be writable)");
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     if (err == EWOULDBLOCK) {
@@ -712,14 +714,14 @@ std::string lock_run_directory(const std::string& out, RunDirLock& lock) {
                  (j.contains("started") ? " (started " + j["started"].get<std::string>() + ")" : "");
       } catch (const std::exception&) {
       }
-      throw ConfigError("another run is using the run directory " + out + ": " + holder + " holds " + path +
+      throw ConfigError("another run is using " + what + ": " + holder + " holds " + path +
                         ". Two runs in one directory would overwrite each other's checkpoints and metrics: wait for "
-                        "it to end (or stop it), or give this run another --out");
+                        "it to end (or stop it), or give this run another " + option);
     }
     ::close(fd);
     if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS)
-      return "the filesystem of " + out + " does not support file locks (" + std::strerror(err) +
-             "): nothing stops a second run from using this run directory at the same time";
+      return "the filesystem of " + dir + " does not support file locks (" + std::strerror(err) +
+             "): nothing stops a second run from using " + what + " at the same time";
     throw ConfigError("cannot lock " + path + ": " + std::strerror(err));
   }
   std::time_t t = std::time(nullptr);
@@ -981,7 +983,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
 
   // ---- run directory (rank 0 writes it; every rank writes its checkpoint files) ----
   std::optional<MetricsWriter> metrics;
-  RunDirLock run_lock;  // held until the run ends
+  RunDirLock run_lock, checkpoints_lock;  // held until the run ends
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
@@ -995,7 +997,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (ec)
       throw ConfigError("cannot create the run directory " + cfg.out + " (--out): " + ec.message() +
                         "; nothing was trained");
-    if (std::string note = lock_run_directory(cfg.out, run_lock); !note.empty()) notes.push_back(note);
+    if (std::string note = lock_directory(cfg.out, "the run directory " + cfg.out, "--out", run_lock); !note.empty())
+      notes.push_back(note);
     // An unwritable checkpoint.dir would otherwise surface at the first save, after the training it was to keep.
     {
       const fs::path probe = fs::path(cfg.checkpoint.dir) / (".tmp-write-probe-" + std::to_string(::getpid()));
@@ -1007,6 +1010,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                               "nothing was trained");
       fs::remove(probe, ec);
     }
+    // A checkpoint.dir outside --out is guarded by a lock of its own: two runs with their own --out
+    // and one checkpoint.dir would resume from, replace and prune each other's checkpoints.
+    if (!would_replace(cfg.out, cfg.checkpoint.dir))
+      if (std::string note = lock_directory(cfg.checkpoint.dir, "the checkpoint directory " + cfg.checkpoint.dir +
+                                                                    " (checkpoint.dir)",
+                                            "checkpoint.dir", checkpoints_lock);
+          !note.empty())
+        notes.push_back(note);
     // The run directory's files: one that cannot be written is the --out's fault (exit 2), with the OS's reason.
     try {
       const fs::path config_path = fs::path(cfg.out) / "config.json";

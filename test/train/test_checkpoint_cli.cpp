@@ -647,6 +647,35 @@ TEST_CASE("a second run in a run directory whose lock is held is refused, naming
   CHECK(held["host"] != "node17");
 }
 
+// Two runs with their own --out and one checkpoint.dir (shared storage, a copied config) would
+// resume from each other's checkpoints and replace them: the checkpoint.dir has a lock too.
+TEST_CASE("a second run whose checkpoint.dir outside --out is locked is refused before it writes a checkpoint",
+          "[ckpt][cli][lock]") {
+  test::Workspace ws(kRun);
+  const std::string ckdir = ws.dir / "shared_checkpoints";
+  REQUIRE(run_keel(train_args(ws, ws.dir / "first", "--stop-at 4 --set checkpoint.dir=" + ckdir)).code == 4);
+  const int fd = ::open((ckdir + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+  REQUIRE(fd >= 0);
+  REQUIRE(::flock(fd, LOCK_EX | LOCK_NB) == 0);
+  const std::string record = R"({"host": "node17", "pid": 4242, "started": "2025-01-01T00:00:00Z"})";
+  REQUIRE(::write(fd, record.data(), record.size()) == static_cast<ssize_t>(record.size()));
+  const std::string second = ws.dir / "second";
+  auto r = run_keel(train_args(ws, second, "--stop-at 8 --set checkpoint.dir=" + ckdir));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("another run is using the checkpoint directory " + ckdir + " (checkpoint.dir)") &&
+                           Catch::Contains("keel pid 4242 on node17") &&
+                           Catch::Contains("give this run another checkpoint.dir"));
+  CHECK_FALSE(fs::exists(second + "/metrics.jsonl"));
+  CHECK_FALSE(fs::exists(ckdir + "/step_00000008"));
+  CHECK(test::read_file(ckdir + "/latest") == "step_00000004\n");
+  ::close(fd);
+  auto ok = run_keel(train_args(ws, second, "--stop-at 8 --set checkpoint.dir=" + ckdir));
+  INFO(ok.output);
+  CHECK(ok.code == 4);
+  CHECK(fs::exists(ckdir + "/step_00000008"));
+}
+
 TEST_CASE("keel sample and keel eval refuse a checkpoint whose checksums fail, naming the tensor",
           "[ckpt][cli][corrupt]") {
   test::Workspace ws(kRun);
