@@ -25,6 +25,7 @@
 #include <ctime>
 
 #include "data/checksum.h"
+#include "data/file_io.h"
 #include "data/loss_mask.h"
 #include "data/sampler.h"
 #include "kernels/document_positions.h"
@@ -743,6 +744,8 @@ void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runt
 const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 
 int run_training(const RunConfig& config, const RunOptions& opts) {
+  // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
+  std::signal(SIGXFSZ, SIG_IGN);
   const RunConfig cfg = with_eod_token(config);
   const std::vector<std::string> packed = check_packed_data(cfg);
   // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
@@ -1020,10 +1023,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         notes.push_back(note);
     // The run directory's files: one that cannot be written is the --out's fault (exit 2), with the OS's reason.
     try {
-      const fs::path config_path = fs::path(cfg.out) / "config.json";
-      std::ofstream c(config_path);
-      if (!c) throw std::runtime_error("cannot open " + config_path.string() + " for writing: " + std::strerror(errno));
-      c << to_json(cfg).dump(2) << '\n';
+      // Written aside and renamed, so that a full disk leaves the earlier run's config.json whole.
+      const fs::path config_path = fs::path(cfg.out) / "config.json", config_tmp = fs::path(cfg.out) / ".config.json.tmp";
+      data::detail::write_text_file(config_tmp.string(), to_json(cfg).dump(2) + "\n");
+      fs::rename(config_tmp, config_path);
       metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
                       cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
     } catch (const std::runtime_error& e) {
@@ -1056,8 +1059,6 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::printf("keel: replica check: %d replicated tensor(s) identical across their ranks\n", n);
 
   g_stop_signal = 0;
-  // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
-  std::signal(SIGXFSZ, SIG_IGN);
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);

@@ -807,6 +807,40 @@ TEST_CASE("a save that hits a write error reports it, removes its partial files 
   CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000004\n");
 }
 
+// A full disk when the run directory's config.json is written: the reason and the file are
+// named (exit 2) and the config.json of the run before is whole (it is written aside, renamed).
+TEST_CASE("a config.json that cannot be written is named with the reason and the earlier one is kept",
+          "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  const std::string before = test::read_file(out + "/config.json");
+  REQUIRE(before.size() > 1024);
+  // A file-size limit of 1 KiB, below config.json: its write fails with EFBIG.
+  const auto limited = test::run_shell("bash -c 'ulimit -f 1; exec " + std::string(KEEL_BINARY) + " " +
+                                       train_args(ws, out, "--stop-at 8") + "'");
+  INFO(limited.output);
+  CHECK(limited.code == 2);
+  CHECK_THAT(limited.output, Catch::Contains("cannot write '" + out + "/.config.json.tmp': File too large") &&
+                                 Catch::Contains("nothing was trained"));
+  CHECK(test::read_file(out + "/config.json") == before);
+  CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000008"));
+}
+
+TEST_CASE("keel eval --scores on a full disk fails naming the file, not exit 0 with the scores lost",
+          "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  test::write_stream_choice_items(ws.dir / "choices.jsonl", 4);
+  // /dev/full accepts the open and fails every write with ENOSPC.
+  auto r = run_keel("eval --choices " + (ws.dir / "choices.jsonl") + " --checkpoint " + out +
+                    "/checkpoints --scores /dev/full");
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--scores /dev/full could not be written: No space left on device"));
+}
+
 // keel ckpt average: each element is the mean of the inputs' fp32 masters, summed in double and
 // rounded once (bit for bit, in fp32 and in bf16); the result is a weights-only checkpoint that
 // verifies and loads; bad inputs and outputs are refused before anything is written.
