@@ -1305,6 +1305,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
                 static_cast<long long>(consumed_tokens),
                 std::isnan(last_val) ? "" : (", final validation loss " + std::to_string(last_val)).c_str());
+  if (metrics && metrics->dropped() > 0)
+    std::printf("keel: WARNING %lld metrics record(s) could not be written to %s (see the warnings above)\n",
+                static_cast<long long>(metrics->dropped()), metrics->path().c_str());
   return kExitOk;
 }
 

@@ -186,7 +186,7 @@ void TensorBoardWriter::write(const nlohmann::json& record) {
 void TensorBoardWriter::append(const std::string& event) {
   out_ << tensorboard_record(event);
   out_.flush();
-  if (!out_) throw std::runtime_error("writing " + path_ + " failed (disk full?)");
+  if (!out_) throw std::runtime_error("cannot write " + path_ + ": " + std::strerror(errno));
 }
 
 }  // namespace keel

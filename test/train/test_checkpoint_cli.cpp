@@ -827,6 +827,37 @@ TEST_CASE("a config.json that cannot be written is named with the reason and the
   CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000008"));
 }
 
+// A full disk under the run directory: the metrics records that do not fit are dropped whole with
+// a warning and the run goes on (a save fails on its own); the file holds only whole lines. A partial last line (left by a kill mid-write) is ended before new records are appended.
+TEST_CASE("a metrics record that cannot be written is dropped whole and the run goes on", "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  fs::create_directories(out);
+  std::ofstream(out + "/metrics.jsonl") << R"({"step": 3, "loss": 7.2, "lr)";  // cut short, no newline
+  // A file-size limit of 4 KiB: config.json fits, metrics.jsonl fills up after a few steps (and a
+  // checkpoint would not fit either: none is saved).
+  const auto limited = test::run_shell("bash -c 'ulimit -f 4; exec " + std::string(KEEL_BINARY) + " " +
+                                       train_args(ws, out, "--steps 12 --set checkpoint.interval=0 "
+                                                           "--set checkpoint.save_at_end=false") + "'");
+  INFO(limited.output);
+  CHECK(limited.code == 0);
+  CHECK_THAT(limited.output, Catch::Contains("WARNING cannot write " + out + "/metrics.jsonl: File too large") &&
+                                 Catch::Contains("keel: done: 12 steps") &&
+                                 Catch::Contains("metrics record(s) could not be written to " + out + "/metrics.jsonl"));
+  std::ifstream in(out + "/metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  CHECK(line == R"({"step": 3, "loss": 7.2, "lr)");
+  int records = 0;
+  while (std::getline(in, line)) {
+    INFO(line);
+    CHECK(nlohmann::json::accept(line));
+    ++records;
+  }
+  CHECK(records > 0);
+  CHECK(fs::file_size(out + "/metrics.jsonl") <= 4096);
+}
+
 TEST_CASE("keel eval --scores on a full disk fails naming the file, not exit 0 with the scores lost",
           "[ckpt][cli][io]") {
   test::Workspace ws(kRun);
