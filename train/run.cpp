@@ -740,6 +740,14 @@ std::string lock_directory(const std::string& dir, const std::string& what, cons
 }
 }  // namespace
 
+// --time-limit counts from here (static initialisation, before main): start-up (data checks, a
+// checkpoint load and its verification) spends the job's time too.
+const auto g_process_start = std::chrono::steady_clock::now();
+
+bool time_limit_near(double elapsed_s, double step_s, double save_s, double limit_s) {
+  return elapsed_s + step_s + std::max(step_s, save_s) >= limit_s;
+}
+
 void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
 const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 
@@ -1063,7 +1071,6 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   std::signal(SIGUSR1, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
 
-  const auto run_start = std::chrono::steady_clock::now();
   const double flops_per_token = tr.model().flops_per_token();
   int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;
   int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
@@ -1121,9 +1128,12 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (cfg.train.eval_at_start && progress.iteration < cfg.train.steps) evaluate_all(progress.iteration);
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
+  double evals_secs = 0;    // the last evaluations' time (validation, choice eval, sample at one step)
+  double longest_save = 0;  // seconds of this run's slowest save: --time-limit keeps room for one
   auto finish_pending_save = [&] {
     if (!checkpoints.save_pending()) return;
     const SaveResult r = checkpoints.finish_save(all_ok);
+    longest_save = std::max(longest_save, r.write_seconds);
     if (lead) print_save(r);
   };
   auto save = [&](int64_t it, bool background) {
@@ -1256,22 +1266,35 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
 
     if (cfg.health.replica_check_interval > 0 && it % cfg.health.replica_check_interval == 0) tr.check_replicas();
 
-    const bool eval_now =
-        !vals.empty() && cfg.train.eval_batches > 0 && due_every(it, cfg.train.eval_interval, cfg.train.steps);
+    auto evals_due = [&](int64_t step) {
+      const bool validation_due =
+          !vals.empty() && cfg.train.eval_batches > 0 && due_every(step, cfg.train.eval_interval, cfg.train.steps);
+      return std::array<bool, 3>{validation_due, choices.due(step, cfg), sampler.due(step, cfg.train.steps)};
+    };
+    const auto [eval_now, choices_now, sample_now] = evals_due(it);
+    const auto evals_start = std::chrono::steady_clock::now();
     if (eval_now) validation(it);
-
-    if (choices.due(it, cfg)) choice_eval(it);
-    if (sampler.due(it, cfg.train.steps)) sample_text(it);
+    if (choices_now) choice_eval(it);
+    if (sample_now) sample_text(it);
+    if (eval_now || choices_now || sample_now)
+      evals_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - evals_start).count();
 
     const bool last = it == cfg.train.steps;
     const bool scheduled = cfg.checkpoint.interval > 0 && it % cfg.checkpoint.interval == 0;
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - g_process_start).count();
+    // The next step's time: this one's, and the evaluations due after it as long as they took last.
+    const auto next_evals = evals_due(it + 1);
+    const double next_step = secs + (next_evals[0] || next_evals[1] || next_evals[2] ? evals_secs : 0);
     std::string stop_reason;
     if (g_stop_signal) stop_reason = std::string(signal_name(g_stop_signal)) + " received";
     else if (!last && opts.stop_at > 0 && it >= opts.stop_at) stop_reason = "--stop-at " + std::to_string(opts.stop_at) + " reached";
-    // Leave room for one more step and a save before the limit (the last step's time, twice).
-    else if (!last && opts.time_limit_s > 0 && elapsed + 2 * secs >= opts.time_limit_s)
-      stop_reason = "time limit of " + std::to_string(static_cast<int64_t>(opts.time_limit_s)) + " s is near";
+    else if (!last && opts.time_limit_s > 0 && time_limit_near(elapsed, next_step, longest_save, opts.time_limit_s)) {
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "time limit of %.0f s is near (%.1f s since keel started; the next step would "
+                    "take about %.1f s and a save %.1f s)", opts.time_limit_s, elapsed, next_step,
+                    std::max(next_step, longest_save));
+      stop_reason = buf;
+    }
     // Every rank stops at the same step boundary: a signal may reach the ranks at different times.
     const bool timers_due =
         cfg.log.timers && (it == progress.iteration + 1 ||

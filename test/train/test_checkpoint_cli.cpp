@@ -23,6 +23,7 @@
 #include "data/safetensors.h"
 #include "kernels/dtype.h"
 #include "train/checkpoint.h"
+#include "train/run.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -225,6 +226,21 @@ TEST_CASE("stochastic rounding: reproducible, and a resume is exact and passes r
   INFO(third.output);
   CHECK(third.code == 0);
   CHECK_THAT(third.output, Catch::Contains("restart verification passed"));
+}
+
+// A job whose saves take longer than its steps (a large model, a slow filesystem) used to stop with
+// two steps' time to spare, and the scheduler killed it in the middle of its stop save.
+TEST_CASE("the time limit keeps room for one more step and the run's longest save", "[ckpt][signal]") {
+  // 1 s steps, 60 s saves, a 1000 s limit.
+  CHECK_FALSE(time_limit_near(900, 1, 60, 1000));
+  CHECK(time_limit_near(940, 1, 60, 1000));  // 940 + 1 + 60 > 1000: a save begun after the next step would not end
+  CHECK_FALSE(time_limit_near(938, 1, 60, 1000));
+  // Before the first save its time is not known: a step's time stands for it.
+  CHECK_FALSE(time_limit_near(997, 1, 0, 1000));
+  CHECK(time_limit_near(998, 1, 0, 1000));
+  // The next step with its evaluations (30 s) is longer than the save.
+  CHECK(time_limit_near(941, 30, 20, 1000));
+  CHECK_FALSE(time_limit_near(939, 30, 20, 1000));
 }
 
 TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4", "[ckpt][cli][signal]") {
