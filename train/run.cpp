@@ -754,6 +754,13 @@ const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 int run_training(const RunConfig& config, const RunOptions& opts) {
   // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
   std::signal(SIGXFSZ, SIG_IGN);
+  // From the start: a signal during start-up (a checkpoint load takes minutes on a large model)
+  // stops the run at its first step boundary with a save and exit 4, so a requeue script sees
+  // the usual stop instead of a process killed by SIGTERM or SIGUSR1.
+  g_stop_signal = 0;
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
   const RunConfig cfg = with_eod_token(config);
   const std::vector<std::string> packed = check_packed_data(cfg);
   // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
@@ -1066,10 +1073,6 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (int n = tr.check_replicas(); n > 0 && lead)
     std::printf("keel: replica check: %d replicated tensor(s) identical across their ranks\n", n);
 
-  g_stop_signal = 0;
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGUSR1, on_stop_signal);
-  std::signal(SIGINT, on_stop_signal);
 
   const double flops_per_token = tr.model().flops_per_token();
   int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;

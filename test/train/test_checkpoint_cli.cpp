@@ -264,6 +264,39 @@ TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4
   }
 }
 
+// Whether process `pid` catches signal `sig` (SigCgt in /proc/PID/status).
+static bool catches_signal(pid_t pid, int sig) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (sig - 1)) & 1;
+  return false;
+}
+
+// Under Slurm a SIGTERM (preemption) or SIGUSR1 (--signal) can come while a large model's checkpoint
+// is still loading; keel then died of the signal (exit 138), and the requeue script, which waits for
+// exit 4, gave up on the job. The handlers are now in place before the checkpoint is read.
+TEST_CASE("a signal during start-up stops the run at its first step boundary with a save and exit 4",
+          "[ckpt][cli][signal]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  const size_t metrics_before = test::read_file(out + "/metrics.jsonl").size();
+  pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q"}, out + ".log");
+  bool caught = false;
+  for (int i = 0; i < 2000 && !(caught = catches_signal(pid, SIGUSR1)); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  REQUIRE(caught);
+  // Start-up is not over: the resume has not been recorded yet.
+  CHECK(test::read_file(out + "/metrics.jsonl").size() == metrics_before);
+  kill(pid, SIGUSR1);
+  const int code = test::wait_for(pid);
+  const std::string text = test::read_file(out + ".log");
+  INFO(text);
+  CHECK(code == 4);
+  CHECK_THAT(text, Catch::Contains("SIGUSR1 received: saving a checkpoint at iteration 5"));
+  CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000005\n");
+}
+
 TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: every resume is exact",
           "[ckpt][cli][crash]") {
   test::Workspace ws(kRun);
