@@ -297,6 +297,38 @@ TEST_CASE("a signal during start-up stops the run at its first step boundary wit
   CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000005\n");
 }
 
+// scripts/keel.sbatch under stand-ins for srun (exits as keel would) and scontrol (records the
+// requeue): only a stop the job did not ask for is continued.
+TEST_CASE("keel.sbatch requeues after a signal stop, not after --stop-at, done or an error", "[ckpt][signal][scripts]") {
+  test::Workspace ws(kRun);
+  const std::string bin = ws.dir / "bin", log = ws.dir / "calls.log";
+  fs::create_directories(bin);
+  std::ofstream(bin + "/srun") << "#!/bin/bash\necho \"srun $*\" >> " << log << "\nexit $KEEL_TEST_RC\n";
+  std::ofstream(bin + "/scontrol") << "#!/bin/bash\necho \"scontrol $*\" >> " << log << "\n";
+  fs::permissions(bin + "/srun", fs::perms::owner_all);
+  fs::permissions(bin + "/scontrol", fs::perms::owner_all);
+  auto sbatch = [&](int keel_code, const std::string& args) {
+    fs::remove(log);
+    const auto r = test::run_shell("env PATH=" + bin + ":$PATH SLURM_JOB_ID=77 SLURM_SUBMIT_DIR=" + ws.dir.path.string() +
+                                   " KEEL_TEST_RC=" + std::to_string(keel_code) + " bash " + KEEL_SOURCE_DIR +
+                                   "/scripts/keel.sbatch " + args);
+    return std::make_pair(r.code, test::read_file(log));
+  };
+  auto [code, calls] = sbatch(4, "configs/c.json");
+  CHECK(code == 4);
+  CHECK_THAT(calls, Catch::Contains("train --config configs/c.json") && Catch::Contains("scontrol requeue 77"));
+  std::tie(code, calls) = sbatch(4, "configs/c.json --stop-at 500");
+  CHECK(code == 4);
+  CHECK_THAT(calls, Catch::Contains("--stop-at 500") && !Catch::Contains("requeue"));
+  std::tie(code, calls) = sbatch(4, "configs/c.json --stop-at=500");
+  CHECK_THAT(calls, !Catch::Contains("requeue"));
+  for (int done_or_error : {0, 2, 5}) {
+    std::tie(code, calls) = sbatch(done_or_error, "configs/c.json");
+    CHECK(code == done_or_error);
+    CHECK_THAT(calls, !Catch::Contains("requeue"));
+  }
+}
+
 TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: every resume is exact",
           "[ckpt][cli][crash]") {
   test::Workspace ws(kRun);
