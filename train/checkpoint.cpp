@@ -1060,8 +1060,14 @@ void CheckpointManager::rotate() {
     const bool recent = i + static_cast<size_t>(cfg_.keep_last) >= saves.size();
     const bool milestone = cfg_.keep_every > 0 && step_of(saves[i]) % cfg_.keep_every == 0;
     if (recent || milestone || saves[i] == latest) continue;
+    // Renamed out of the step_* names first: a kill during the removal then leaves a .old-
+    // directory that the next run's clean_incomplete removes, not a step_* missing some files.
+    const fs::path doomed = dir / (".old-" + saves[i] + "-" + std::to_string(::getpid()));
     std::error_code ec;
-    fs::remove_all(dir / saves[i], ec);
+    fs::rename(dir / saves[i], doomed, ec);
+    if (ec) continue;
+    maybe_crash("prune");
+    fs::remove_all(doomed, ec);
   }
 }
 

@@ -342,18 +342,23 @@ TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: e
     // In the background, "files" ends the process from the writer thread while training goes
     // on, and the other phases at the step boundary that publishes the save.
     for (const std::string mode : {"", " --set checkpoint.async=true"})
-    for (const char* phase : {"files", "meta", "rename", "latest"}) {
+    // "prune": keep_last removing the oldest save (at the third save), which must never leave a
+    // step_* directory missing some of its files.
+    for (const char* phase : {"files", "meta", "rename", "latest", "prune"}) {
       INFO("crash during save phase " << phase << mode);
       const std::string out = ws.dir / (std::string("phase-") + phase + (mode.empty() ? "" : "-async"));
       auto crashed = run_keel(train_args(ws, out, every_step + mode), std::string("KEEL_CRASH_DURING_SAVE=") + phase);
       CHECK(crashed.code == 137);
+      for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
+        if (e.path().filename().string().rfind("step_", 0) == 0) CHECK(fs::exists(e.path() / "meta.json"));
       auto resumed = run_keel(train_args(ws, out, every_step));
       INFO(resumed.output);
       REQUIRE(resumed.code == 0);
       CHECK(test::losses_by_step(test::read_metrics(out + "/metrics.jsonl")) == reference);
       CHECK(run_keel("ckpt diff " + (ws.dir / "ref/checkpoints") + " " + out + "/checkpoints").code == 0);
       for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
-        CHECK(e.path().filename().string().rfind(".tmp-", 0) != 0);  // leftovers cleaned up
+        CHECK((e.path().filename().string().rfind(".tmp-", 0) != 0 &&
+               e.path().filename().string().rfind(".old-", 0) != 0));  // leftovers cleaned up
     }
   }
 
