@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <omp.h>
 #include <sys/file.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -748,6 +749,16 @@ bool time_limit_near(double elapsed_s, double step_s, double save_s, double limi
   return elapsed_s + step_s + std::max(step_s, save_s) >= limit_s;
 }
 
+std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes) {
+  if (free_bytes >= save_bytes) return {};
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%.1f MB free, and the next save needs about %.1f MB", free_bytes / 1e6,
+                save_bytes / 1e6);
+  return "WARNING the next checkpoint save will not fit: " + dir + " has " + buf +
+         " (keep_last removes old checkpoints only once a new one is complete). Free some space there before it, "
+         "or the steps since the last save are trained for nothing";
+}
+
 void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
 const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 
@@ -1137,7 +1148,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (!checkpoints.save_pending()) return;
     const SaveResult r = checkpoints.finish_save(all_ok);
     longest_save = std::max(longest_save, r.write_seconds);
-    if (lead) print_save(r);
+    if (!lead) return;
+    print_save(r);
+    struct statvfs fs_stat {};
+    if (::statvfs(cfg.checkpoint.dir.c_str(), &fs_stat) == 0)
+      if (std::string w = low_space_warning(cfg.checkpoint.dir, r.bytes, int64_t(fs_stat.f_bavail) * int64_t(fs_stat.f_frsize));
+          !w.empty())
+        std::printf("keel: %s\n", w.c_str());
   };
   auto save = [&](int64_t it, bool background) {
     const ProfileRange range("checkpoint save");

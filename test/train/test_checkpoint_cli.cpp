@@ -243,6 +243,16 @@ TEST_CASE("the time limit keeps room for one more step and the run's longest sav
   CHECK_FALSE(time_limit_near(939, 30, 20, 1000));
 }
 
+// keel checks the free space of checkpoint.dir after each save (statvfs; a full tmpfs shows it:
+// FINDINGS of the operations hunt), and warns when the next save cannot fit.
+TEST_CASE("a save that leaves less free space than one more save warns with both numbers", "[ckpt][io]") {
+  CHECK(low_space_warning("/ck", 18'400'000, 18'400'000).empty());
+  CHECK(low_space_warning("/ck", 18'400'000, 50'000'000).empty());
+  const std::string w = low_space_warning("/ck", 18'400'000, 13'000'000);
+  CHECK_THAT(w, Catch::Contains("the next checkpoint save will not fit: /ck has 13.0 MB free, and the next save "
+                                "needs about 18.4 MB"));
+}
+
 TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4", "[ckpt][cli][signal]") {
   test::Workspace ws(nlohmann::json{{"train", {{"steps", 100000}, {"eval_interval", 0}, {"eval_batches", 0}}},
                                     {"checkpoint", {{"interval", 0}}}});
