@@ -763,8 +763,6 @@ void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runt
 const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 
 int run_training(const RunConfig& config, const RunOptions& opts) {
-  // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
-  std::signal(SIGXFSZ, SIG_IGN);
   // From the start: a signal during start-up (a checkpoint load takes minutes on a large model)
   // stops the run at its first step boundary with a save and exit 4, so a requeue script sees
   // the usual stop instead of a process killed by SIGTERM or SIGUSR1.
