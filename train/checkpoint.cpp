@@ -1341,7 +1341,7 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
   } catch (const CheckpointError&) {
     throw;
   } catch (const std::exception& e) {
-    throw CheckpointError("writing weights-only checkpoint " + path.string() + " failed: " + e.what());
+    throw CheckpointError("writing weights-only checkpoint " + dir + " failed: " + e.what());
   }
 }
 

@@ -242,6 +242,25 @@ TEST_CASE("a save whose latest pointer cannot be written is undone, leaving the 
   CHECK(Checkpoint::open(dir / "ck").verify().empty());
 }
 
+// The error named the tensor file whatever failed ("writing ... model-tp00-pp00.safetensors
+// failed: cannot write .../meta.json"); it names the checkpoint and, through the cause, the file.
+TEST_CASE("a weights-only checkpoint that cannot be written names the folder and the file that failed", "[ckpt][io]") {
+  test::TempDir dir("ckpt-weights-fail");
+  const RunConfig cfg = test::make_config(test::tiny_run_json(), nlohmann::json::object());
+  fs::create_directories(dir / "out/meta.json");  // meta.json cannot be created
+  std::string error;
+  try {
+    write_weights_checkpoint(dir / "out", cfg, DType::F32,
+                             [](const ParamSpec& p, DType, void* out) {
+                               std::memset(out, 0, static_cast<size_t>(p.logical_numel()) * sizeof(float));
+                             });
+  } catch (const CheckpointError& e) {
+    error = e.what();
+  }
+  CHECK_THAT(error, Catch::StartsWith("writing weights-only checkpoint " + (dir / "out") + " failed: ") &&
+                        Catch::Contains("cannot create '" + (dir / "out/meta.json") + "': Is a directory"));
+}
+
 // Checkpoints saved before meta.json recorded saved_at_ns are ranked by meta.json's file time.
 TEST_CASE("rotation ranks checkpoints by when they were saved, by file time for ones without a save time",
           "[ckpt][rotate]") {
