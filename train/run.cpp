@@ -1289,7 +1289,15 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
           !vals.empty() && cfg.train.eval_batches > 0 && due_every(step, cfg.train.eval_interval, cfg.train.steps);
       return std::array<bool, 3>{validation_due, choices.due(step, cfg), sampler.due(step, cfg.train.steps)};
     };
-    const auto [eval_now, choices_now, sample_now] = evals_due(it);
+    auto [eval_now, choices_now, sample_now] = evals_due(it);
+    // A signal is a deadline (Slurm's warning before the time limit, a preemption): the save must
+    // start at once, so the evaluations due now are skipped. The ranks agree, as they evaluate together.
+    if ((eval_now || choices_now || sample_now) && any_rank(g_stop_signal != 0)) {
+      if (lead)
+        std::printf("keel: a stop signal is pending: the evaluations due at iteration %lld are skipped, so that the "
+                    "save starts at once\n", static_cast<long long>(it));
+      eval_now = choices_now = sample_now = false;
+    }
     const auto evals_start = std::chrono::steady_clock::now();
     if (eval_now) validation(it);
     if (choices_now) choice_eval(it);

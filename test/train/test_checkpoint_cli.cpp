@@ -284,14 +284,18 @@ static bool catches_signal(pid_t pid, int sig) {
 
 // Under Slurm a SIGTERM (preemption) or SIGUSR1 (--signal) can come while a large model's checkpoint
 // is still loading; keel then died of the signal (exit 138), and the requeue script, which waits for
-// exit 4, gave up on the job. The handlers are now in place before the checkpoint is read.
+// exit 4, gave up on the job. The handlers are now in place before the checkpoint is read. The
+// evaluations due at the stop are skipped: the grace before the deadline is for the save.
 TEST_CASE("a signal during start-up stops the run at its first step boundary with a save and exit 4",
           "[ckpt][cli][signal]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run";
   REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
   const size_t metrics_before = test::read_file(out + "/metrics.jsonl").size();
-  pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q"}, out + ".log");
+  // Validation is due at every step: a signal skips it, so that the save starts at once.
+  pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q", "--set", "train.eval_interval=1",
+                                "--set", "train.eval_batches=2"},
+                               out + ".log");
   bool caught = false;
   for (int i = 0; i < 2000 && !(caught = catches_signal(pid, SIGUSR1)); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -303,8 +307,10 @@ TEST_CASE("a signal during start-up stops the run at its first step boundary wit
   const std::string text = test::read_file(out + ".log");
   INFO(text);
   CHECK(code == 4);
-  CHECK_THAT(text, Catch::Contains("SIGUSR1 received: saving a checkpoint at iteration 5"));
+  CHECK_THAT(text, Catch::Contains("SIGUSR1 received: saving a checkpoint at iteration 5") &&
+                       Catch::Contains("the evaluations due at iteration 5 are skipped"));
   CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000005\n");
+  for (const auto& rec : test::read_metrics(out + "/metrics.jsonl")) CHECK_FALSE(rec.contains("val_loss"));
 }
 
 // scripts/keel.sbatch under stand-ins for srun (exits as keel would) and scontrol (records the
