@@ -127,6 +127,12 @@ void FileWriter::sync() {
   if (::fsync(fd_) != 0) throw DataError("cannot flush '" + path_ + "' to disk: " + errno_text(errno));
 }
 
+void write_text_file(const std::string& path, const std::string& text) {
+  FileWriter w(path);
+  w.write(text.data(), text.size());
+  w.close();
+}
+
 void sync_directory(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) throw DataError("cannot open directory '" + path + "' to flush it: " + errno_text(errno));

@@ -64,6 +64,11 @@ class FileWriter {
   int64_t written_ = 0;
 };
 
+// A small text file (JSON, a pointer) written whole through FileWriter: a full disk or a file-size
+// limit throws DataError naming the path and the reason (an ofstream would only fail at its
+// destructor, silently, for a file smaller than its buffer). No fsync.
+void write_text_file(const std::string& path, const std::string& text);
+
 // fsync a directory, so a rename or a new entry in it survives a crash.
 void sync_directory(const std::string& path);
 

@@ -15,6 +15,7 @@
 
 #include "data/chat_template.h"
 #include "data/checksum.h"
+#include "data/file_io.h"
 #include "data/loss_mask.h"
 #include "data/python_random.h"
 #include "data/token_file.h"
@@ -634,15 +635,15 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
                                                 {"train_in_loss", r.train.in_loss},
                                                 {"val_in_loss", r.val.in_loss}}
                                          : json();
-  {
-    std::ofstream m(stage.path / "meta.json");
-    m << meta.dump(2) << "\n";
-    if (!m.flush()) throw DataError("cannot write " + quoted((stage.path / "meta.json").string()));
-  }
+  detail::write_text_file((stage.path / "meta.json").string(), meta.dump(2) + "\n");
+  // Copied through the checked writer: fs::copy_file's error on a full disk named no reason
+  // keel could rely on ("Input/output error" on tmpfs) and ended with exit 1.
   const bool same_tokenizer = fs::exists(out / "tokenizer.json") && fs::equivalent(tok_path, out / "tokenizer.json");
-  if (!same_tokenizer) fs::copy_file(tok_path, stage.path / "tokenizer.json");
+  if (!same_tokenizer)
+    detail::write_text_file((stage.path / "tokenizer.json").string(), detail::read_file(tok_path.string(), "tokenizer"));
   for (const auto& [from, name] : chat_files)
-    if (!(fs::exists(out / name) && fs::equivalent(from, out / name))) fs::copy_file(from, stage.path / name);
+    if (!(fs::exists(out / name) && fs::equivalent(from, out / name)))
+      detail::write_text_file((stage.path / name).string(), detail::read_file(from.string(), "chat template"));
 
   // 7. Replace the earlier outputs with the new ones.
   std::vector<fs::path> stale, staged;  // listed first: a folder is not changed while it is iterated

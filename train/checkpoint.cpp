@@ -984,6 +984,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
   // complete), renames the directory into place and points `latest` at it.
   std::string error;
   int64_t total_bytes = 0;  // every rank's files, from the manifests
+  bool in_place = false, pointed_to = false;  // renamed to step_*; named by `latest`
   if (p->coordinator) try {
       const fs::path dir(dir_);
       json files = json::object();
@@ -1017,15 +1018,24 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
       }
       maybe_crash("rename");
       fs::rename(p->tmp, p->final_path);
+      in_place = true;
       data::detail::sync_directory(dir.string());
       if (!old.empty()) fs::remove_all(old);
       maybe_crash("latest");
       write_text_file_synced((dir / ".latest.tmp").string(), p->name + "\n");
       fs::rename(dir / ".latest.tmp", dir / "latest");
+      pointed_to = true;
       data::detail::sync_directory(dir.string());
       rotate();
     } catch (const std::exception& e) {
       error = e.what();
+      // In place but not named by `latest` (a full disk at the pointer): undone, so that the
+      // directory holds what the error says, the previous checkpoints and nothing of this one.
+      if (in_place && !pointed_to) {
+        std::error_code ec;
+        fs::rename(p->final_path, p->tmp, ec);
+        fs::remove(fs::path(dir_) / ".latest.tmp", ec);
+      }
     }
   if (!agree(error.empty())) fail_save(*p, error.empty() ? "the coordinating rank could not publish it" : error);
 
@@ -1068,8 +1078,14 @@ void CheckpointManager::rotate() {
     const bool recent = i + static_cast<size_t>(cfg_.keep_last) >= saves.size();
     const bool milestone = cfg_.keep_every > 0 && step_of(saves[i]) % cfg_.keep_every == 0;
     if (recent || milestone || saves[i] == latest) continue;
+    // Renamed out of the step_* names first: a kill during the removal then leaves a .old-
+    // directory that the next run's clean_incomplete removes, not a step_* missing some files.
+    const fs::path doomed = dir / (".old-" + saves[i] + "-" + std::to_string(::getpid()));
     std::error_code ec;
-    fs::remove_all(dir / saves[i], ec);
+    fs::rename(dir / saves[i], doomed, ec);
+    if (ec) continue;
+    maybe_crash("prune");
+    fs::remove_all(doomed, ec);
   }
 }
 
@@ -1343,7 +1359,7 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
   } catch (const CheckpointError&) {
     throw;
   } catch (const std::exception& e) {
-    throw CheckpointError("writing weights-only checkpoint " + path.string() + " failed: " + e.what());
+    throw CheckpointError("writing weights-only checkpoint " + dir + " failed: " + e.what());
   }
 }
 

@@ -3,6 +3,7 @@
 // loads the whole model (on its local rank's GPU) and scores items rank, rank + n, ...; the lead
 // gathers the log-likelihoods, bit for bit, and reports.
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -162,6 +163,9 @@ int cmd_eval(const EvalArgs& a) {
     t.add(items[i], all_scores[i]);
     if (scores.is_open()) scores << choice_score_record(items[i], all_scores[i]).dump() << '\n';
   }
+  // A full disk shows only here: the stream keeps what it could not write in its buffer.
+  if (scores.is_open() && !scores.flush())
+    throw ConfigError("--scores " + a.scores + " could not be written: " + std::strerror(errno));
   auto line = [&](const char* name, int64_t right, int64_t of, const char* note) {
     std::printf("  %-14s %.4f  (%lld/%lld)%s\n", name, of ? static_cast<double>(right) / of : 0.0,
                 static_cast<long long>(right), static_cast<long long>(of), note);

@@ -83,7 +83,7 @@ Command add_train_command(CLI::App& app) {
   train->add_option("--stop-at", ta.stop_at, "Save a checkpoint after this iteration and stop (exit code 4); must be after the iteration the run resumes at")
       ->check(cli::integer<int64_t>(1));
   train->add_option("--time-limit", ta.time_limit_min,
-                    "Minutes of wall time this job may use: save and stop (exit code 4) before they run out")
+                    "Minutes of wall time this job may use, counted from keel's start: save and stop (exit code 4) before they run out, keeping room for one more step and the longest save so far")
       ->check(cli::positive_number());
   train->add_flag("--eval-only", ta.eval_only,
                   "Evaluate the model this run would start from (latest checkpoint, --resume, --init-from, or the "

@@ -12,6 +12,8 @@
 #include <set>
 
 #include "data/checksum.h"
+#include "data/file_io.h"
+#include "data/token_file.h"
 #include "train/model_loading.h"
 
 namespace keel {
@@ -144,9 +146,11 @@ double num(const json& c, const char* key, double def) {
 }
 
 void write_json_file(const fs::path& p, const json& j) {
-  std::ofstream out(p);
-  out << j.dump(2) << '\n';
-  if (!out) throw CheckpointError("cannot write " + p.string());
+  try {
+    data::detail::write_text_file(p.string(), j.dump(2) + "\n");
+  } catch (const data::DataError& e) {
+    throw CheckpointError(e.what());
+  }
 }
 
 }  // namespace

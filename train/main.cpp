@@ -21,6 +21,8 @@ constexpr double kLoneErrorGraceSeconds = 3;
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{
       "keel: a trainer for Llama- and GPT-style language models.\n"
       "Hand-written kernels, bf16 with fp32 master weights, JSON run configs.\n"

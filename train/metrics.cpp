@@ -1,10 +1,14 @@
 #include "train/metrics.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 namespace keel {
 
@@ -53,18 +57,55 @@ nlohmann::json step_record(const StepReport& r) {
           {"tflops", r.tflops}};
 }
 
-MetricsWriter::MetricsWriter(const std::string& path, const std::string& tensorboard_dir)
-    : path_(path), out_(path, std::ios::app) {
-  if (!out_) throw std::runtime_error("cannot open metrics file " + path + " for writing: " + std::strerror(errno));
+MetricsWriter::MetricsWriter(const std::string& path, const std::string& tensorboard_dir) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw std::runtime_error("cannot open metrics file " + path + " for writing: " + std::strerror(errno));
+  char last = '\n';
+  const off_t size = ::lseek(fd_, 0, SEEK_END);
+  partial_line_ = size > 0 && ::pread(fd_, &last, 1, size - 1) == 1 && last != '\n';
   if (!tensorboard_dir.empty()) tensorboard_ = std::make_unique<TensorBoardWriter>(tensorboard_dir);
 }
 
+MetricsWriter::~MetricsWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
 void MetricsWriter::write(const nlohmann::json& record) {
-  if (!out_.is_open()) return;
-  out_ << record.dump() << '\n';
-  out_.flush();
-  if (!out_) throw std::runtime_error("writing " + path_ + " failed (disk full?)");
-  if (tensorboard_) tensorboard_->write(record);
+  if (fd_ < 0) return;
+  const std::string line = (partial_line_ ? "\n" : "") + record.dump() + "\n";
+  const off_t before = ::lseek(fd_, 0, SEEK_END);
+  size_t done = 0;
+  int err = 0;
+  while (done < line.size() && err == 0) {  // a short write is retried: the retry says why it stopped
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n > 0) done += static_cast<size_t>(n);
+    else if (n == 0) err = EIO;
+    else if (errno != EINTR) err = errno;
+  }
+  if (err == 0) {
+    partial_line_ = false;
+    if (dropped_streak_ > 0)
+      std::printf("keel: %s is written again; %lld record(s) before this one were dropped\n", path_.c_str(),
+                  static_cast<long long>(std::exchange(dropped_streak_, 0)));
+  } else {
+    const std::string why = std::strerror(err);
+    if (before >= 0 && ::ftruncate(fd_, before) != 0) partial_line_ = true;  // the next record starts a new line
+    ++dropped_;
+    if (dropped_streak_++ == 0)
+      std::printf("keel: WARNING cannot write %s: %s. Metrics records are dropped until it can be written again; "
+                  "training goes on (a checkpoint save on a full disk fails on its own, keeping the earlier ones)\n",
+                  path_.c_str(), why.c_str());
+    std::fflush(stdout);
+  }
+  if (tensorboard_) {
+    try {
+      tensorboard_->write(record);
+    } catch (const std::exception& e) {
+      std::printf("keel: WARNING %s; no more TensorBoard events are written in this run\n", e.what());
+      std::fflush(stdout);
+      tensorboard_.reset();
+    }
+  }
 }
 
 }  // namespace keel

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <memory>
 #include <string>
 
@@ -29,19 +28,29 @@ struct StepReport {
 std::string format_step_line(const StepReport& r);
 nlohmann::json step_record(const StepReport& r);
 
-// Appends JSON lines, flushed every line so a crash loses nothing already reported. With a
-// TensorBoard directory (log.tensorboard), every record also goes there as scalars.
+// Appends JSON lines, each written whole with one write(2), so a crash loses nothing already
+// reported. With a TensorBoard directory (log.tensorboard), every record also goes there as scalars.
+// A record that cannot be written (a full disk, a file-size limit) is dropped whole (the file is
+// cut back to its last complete line) with a warning naming the file and the reason, and the run
+// goes on: its checkpoints, not its log, are what must not be lost. A file that ends in a partial
+// line (a kill mid-write by an older keel) gets a newline before the first new record.
 class MetricsWriter {
  public:
   MetricsWriter() = default;
   explicit MetricsWriter(const std::string& path, const std::string& tensorboard_dir = "");
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
   void write(const nlohmann::json& record);
   const std::string& path() const { return path_; }
   const TensorBoardWriter* tensorboard() const { return tensorboard_.get(); }
+  int64_t dropped() const { return dropped_; }  // records that could not be written
 
  private:
   std::string path_;
-  std::ofstream out_;
+  int fd_ = -1;
+  bool partial_line_ = false;  // the file ends without a newline
+  int64_t dropped_ = 0, dropped_streak_ = 0;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <omp.h>
 #include <sys/file.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include <ctime>
 
 #include "data/checksum.h"
+#include "data/file_io.h"
 #include "data/loss_mask.h"
 #include "data/sampler.h"
 #include "kernels/document_positions.h"
@@ -663,12 +665,14 @@ struct RunDirLock {
   }
 };
 
-// Takes the lock or throws ConfigError naming the holder; returns a note when the filesystem
-// cannot lock (the run goes on unguarded).
-std::string lock_run_directory(const std::string& out, RunDirLock& lock) {
-  const std::string path = (fs::path(out) / ".lock").string();
+// Takes the lock on <dir>/.lock or throws ConfigError naming the holder; returns a note when
+// the filesystem cannot lock (the run goes on unguarded). `what` names the directory in
+// messages ("the run directory X"), `option` the setting that picks another one ("--out").
+std::string lock_directory(const std::string& dir, const std::string& what, const std::string& option,
+                           RunDirLock& lock) {
+  const std::string path = (fs::path(dir) / ".lock").string();
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) throw ConfigError("cannot create " + path + ": " + std::strerror(errno) + " (the run directory must be writable)");
+  if (fd < 0) throw ConfigError("cannot create " + path + ": " + std::strerror(errno) + " (" + what + " must be writable)");
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     if (err == EWOULDBLOCK) {
@@ -683,14 +687,14 @@ std::string lock_run_directory(const std::string& out, RunDirLock& lock) {
                  (j.contains("started") ? " (started " + j["started"].get<std::string>() + ")" : "");
       } catch (const std::exception&) {
       }
-      throw ConfigError("another run is using the run directory " + out + ": " + holder + " holds " + path +
+      throw ConfigError("another run is using " + what + ": " + holder + " holds " + path +
                         ". Two runs in one directory would overwrite each other's checkpoints and metrics: wait for "
-                        "it to end (or stop it), or give this run another --out");
+                        "it to end (or stop it), or give this run another " + option);
     }
     ::close(fd);
     if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS)
-      return "the filesystem of " + out + " does not support file locks (" + std::strerror(err) +
-             "): nothing stops a second run from using this run directory at the same time";
+      return "the filesystem of " + dir + " does not support file locks (" + std::strerror(err) +
+             "): nothing stops a second run from using " + what + " at the same time";
     throw ConfigError("cannot lock " + path + ": " + std::strerror(err));
   }
   std::time_t t = std::time(nullptr);
@@ -708,10 +712,35 @@ std::string lock_run_directory(const std::string& out, RunDirLock& lock) {
 }
 }  // namespace
 
+// --time-limit counts from here (static initialisation, before main): start-up (data checks, a
+// checkpoint load and its verification) spends the job's time too.
+const auto g_process_start = std::chrono::steady_clock::now();
+
+bool time_limit_near(double elapsed_s, double step_s, double save_s, double limit_s) {
+  return elapsed_s + step_s + std::max(step_s, save_s) >= limit_s;
+}
+
+std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes) {
+  if (free_bytes >= save_bytes) return {};
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%.1f MB free, and the next save needs about %.1f MB", free_bytes / 1e6,
+                save_bytes / 1e6);
+  return "WARNING the next checkpoint save will not fit: " + dir + " has " + buf +
+         " (keep_last removes old checkpoints only once a new one is complete). Free some space there before it, "
+         "or the steps since the last save are trained for nothing";
+}
+
 void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
 const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 
 int run_training(const RunConfig& config, const RunOptions& opts) {
+  // From the start: a signal during start-up (a checkpoint load takes minutes on a large model)
+  // stops the run at its first step boundary with a save and exit 4, so a requeue script sees
+  // the usual stop instead of a process killed by SIGTERM or SIGUSR1.
+  g_stop_signal = 0;
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
   const RunConfig cfg = with_eod_token(config);
   const std::vector<std::string> packed = check_packed_data(cfg);
   // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
@@ -958,7 +987,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
 
   // ---- run directory (rank 0 writes it; every rank writes its checkpoint files) ----
   std::optional<MetricsWriter> metrics;
-  RunDirLock run_lock;  // held until the run ends
+  RunDirLock run_lock, checkpoints_lock;  // held until the run ends
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
@@ -972,7 +1001,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (ec)
       throw ConfigError("cannot create the run directory " + cfg.out + " (--out): " + ec.message() +
                         "; nothing was trained");
-    if (std::string note = lock_run_directory(cfg.out, run_lock); !note.empty()) notes.push_back(note);
+    if (std::string note = lock_directory(cfg.out, "the run directory " + cfg.out, "--out", run_lock); !note.empty())
+      notes.push_back(note);
     // An unwritable checkpoint.dir would otherwise surface at the first save, after the training it was to keep.
     {
       const fs::path probe = fs::path(cfg.checkpoint.dir) / (".tmp-write-probe-" + std::to_string(::getpid()));
@@ -987,12 +1017,20 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     // metrics.jsonl is appended to: a fresh start over an earlier run's records says so (below).
     std::error_code size_ec;
     const bool earlier_records = fs::file_size(fs::path(cfg.out) / "metrics.jsonl", size_ec) > 0 && !size_ec;
+    // A checkpoint.dir outside --out is guarded by a lock of its own: two runs with their own --out
+    // and one checkpoint.dir would resume from, replace and prune each other's checkpoints.
+    if (!would_replace(cfg.out, cfg.checkpoint.dir))
+      if (std::string note = lock_directory(cfg.checkpoint.dir, "the checkpoint directory " + cfg.checkpoint.dir +
+                                                                    " (checkpoint.dir)",
+                                            "checkpoint.dir", checkpoints_lock);
+          !note.empty())
+        notes.push_back(note);
     // The run directory's files: one that cannot be written is the --out's fault (exit 2), with the OS's reason.
     try {
-      const fs::path config_path = fs::path(cfg.out) / "config.json";
-      std::ofstream c(config_path);
-      if (!c) throw std::runtime_error("cannot open " + config_path.string() + " for writing: " + std::strerror(errno));
-      c << to_json(cfg).dump(2) << '\n';
+      // Written aside and renamed, so that a full disk leaves the earlier run's config.json whole.
+      const fs::path config_path = fs::path(cfg.out) / "config.json", config_tmp = fs::path(cfg.out) / ".config.json.tmp";
+      data::detail::write_text_file(config_tmp.string(), to_json(cfg).dump(2) + "\n");
+      fs::rename(config_tmp, config_path);
       metrics.emplace((fs::path(cfg.out) / "metrics.jsonl").string(),
                       cfg.log.tensorboard ? (fs::path(cfg.out) / "tensorboard").string() : "");
     } catch (const std::runtime_error& e) {
@@ -1033,14 +1071,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (int n = tr.check_replicas(); n > 0 && lead)
     std::printf("keel: replica check: %d replicated tensor(s) identical across their ranks\n", n);
 
-  g_stop_signal = 0;
-  // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
-  std::signal(SIGXFSZ, SIG_IGN);
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGUSR1, on_stop_signal);
-  std::signal(SIGINT, on_stop_signal);
 
-  const auto run_start = std::chrono::steady_clock::now();
   const double flops_per_token = tr.model().flops_per_token();
   int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;
   int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
@@ -1100,10 +1131,19 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (cfg.train.eval_at_start && progress.iteration == 0) evaluate_all(0);
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
+  double evals_secs = 0;    // the last evaluations' time (validation, choice eval, sample at one step)
+  double longest_save = 0;  // seconds of this run's slowest save: --time-limit keeps room for one
   auto finish_pending_save = [&] {
     if (!checkpoints.save_pending()) return;
     const SaveResult r = checkpoints.finish_save(all_ok);
-    if (lead) print_save(r);
+    longest_save = std::max(longest_save, r.write_seconds);
+    if (!lead) return;
+    print_save(r);
+    struct statvfs fs_stat {};
+    if (::statvfs(cfg.checkpoint.dir.c_str(), &fs_stat) == 0)
+      if (std::string w = low_space_warning(cfg.checkpoint.dir, r.bytes, int64_t(fs_stat.f_bavail) * int64_t(fs_stat.f_frsize));
+          !w.empty())
+        std::printf("keel: %s\n", w.c_str());
   };
   auto save = [&](int64_t it, bool background) {
     const ProfileRange range("checkpoint save");
@@ -1236,22 +1276,43 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
 
     if (cfg.health.replica_check_interval > 0 && it % cfg.health.replica_check_interval == 0) tr.check_replicas();
 
-    const bool eval_now =
-        !vals.empty() && cfg.train.eval_batches > 0 && due_every(it, cfg.train.eval_interval, cfg.train.steps);
+    auto evals_due = [&](int64_t step) {
+      const bool validation_due =
+          !vals.empty() && cfg.train.eval_batches > 0 && due_every(step, cfg.train.eval_interval, cfg.train.steps);
+      return std::array<bool, 3>{validation_due, choices.due(step, cfg), sampler.due(step, cfg.train.steps)};
+    };
+    auto [eval_now, choices_now, sample_now] = evals_due(it);
+    // A signal is a deadline (Slurm's warning before the time limit, a preemption): the save must
+    // start at once, so the evaluations due now are skipped. The ranks agree, as they evaluate together.
+    if ((eval_now || choices_now || sample_now) && any_rank(g_stop_signal != 0)) {
+      if (lead)
+        std::printf("keel: a stop signal is pending: the evaluations due at iteration %lld are skipped, so that the "
+                    "save starts at once\n", static_cast<long long>(it));
+      eval_now = choices_now = sample_now = false;
+    }
+    const auto evals_start = std::chrono::steady_clock::now();
     if (eval_now) validation(it);
-
-    if (choices.due(it, cfg)) choice_eval(it);
-    if (sampler.due(it, cfg.train.steps)) sample_text(it);
+    if (choices_now) choice_eval(it);
+    if (sample_now) sample_text(it);
+    if (eval_now || choices_now || sample_now)
+      evals_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - evals_start).count();
 
     const bool last = it == cfg.train.steps;
     const bool scheduled = cfg.checkpoint.interval > 0 && it % cfg.checkpoint.interval == 0;
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - g_process_start).count();
+    // The next step's time: this one's, and the evaluations due after it as long as they took last.
+    const auto next_evals = evals_due(it + 1);
+    const double next_step = secs + (next_evals[0] || next_evals[1] || next_evals[2] ? evals_secs : 0);
     std::string stop_reason;
     if (g_stop_signal) stop_reason = std::string(signal_name(g_stop_signal)) + " received";
     else if (!last && opts.stop_at > 0 && it >= opts.stop_at) stop_reason = "--stop-at " + std::to_string(opts.stop_at) + " reached";
-    // Leave room for one more step and a save before the limit (the last step's time, twice).
-    else if (!last && opts.time_limit_s > 0 && elapsed + 2 * secs >= opts.time_limit_s)
-      stop_reason = "time limit of " + std::to_string(static_cast<int64_t>(opts.time_limit_s)) + " s is near";
+    else if (!last && opts.time_limit_s > 0 && time_limit_near(elapsed, next_step, longest_save, opts.time_limit_s)) {
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "time limit of %.0f s is near (%.1f s since keel started; the next step would "
+                    "take about %.1f s and a save %.1f s)", opts.time_limit_s, elapsed, next_step,
+                    std::max(next_step, longest_save));
+      stop_reason = buf;
+    }
     // Every rank stops at the same step boundary: a signal may reach the ranks at different times.
     const bool timers_due =
         cfg.log.timers && (it == progress.iteration + 1 ||
@@ -1285,6 +1346,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
                 static_cast<long long>(consumed_tokens),
                 std::isnan(last_val) ? "" : (", final validation loss " + std::to_string(last_val)).c_str());
+  if (metrics && metrics->dropped() > 0)
+    std::printf("keel: WARNING %lld metrics record(s) could not be written to %s (see the warnings above)\n",
+                static_cast<long long>(metrics->dropped()), metrics->path().c_str());
   return kExitOk;
 }
 

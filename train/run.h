@@ -29,7 +29,7 @@ struct RunOptions {
   std::string resume;       // checkpoint to resume (default: the latest in checkpoint.dir, if any)
   std::string init_from;    // weights-only initialisation for a fresh run (finetuning)
   int64_t stop_at = 0;      // save and stop after this iteration (0: run to train.steps)
-  double time_limit_s = 0;  // save and stop once this much wall time has passed (0: none)
+  double time_limit_s = 0;  // save and stop before this much wall time since the process started has passed (0: none)
   // Evaluate the model the run would start from (validation sets, choice_eval, sample) under
   // the config's layout, print the numbers, and stop: nothing is trained or written (Megatron's
   // --skip-train). The model-parallel way to evaluate a model too large for keel eval.
@@ -37,6 +37,16 @@ struct RunOptions {
 };
 
 int run_training(const RunConfig& cfg, const RunOptions& opts = {});
+
+// --time-limit: whether a run `elapsed_s` into its process (start-up included) must stop now to
+// save before `limit_s`. The room kept is the next step (`step_s`, with the evaluations due at it)
+// and a save: the longest this run has made (`save_s`, 0 before its first), at least a step's time.
+bool time_limit_near(double elapsed_s, double step_s, double save_s, double limit_s);
+
+// After a save of `save_bytes` into `dir`, which has `free_bytes` left: a warning when the next
+// save, about as large, will not fit (rotation frees space only once a new save is complete);
+// empty when it fits.
+std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes);
 
 // The process's MPI runtime (created first thing in main), for the subcommands that need it.
 void set_process_runtime(const parallel::MpiRuntime* runtime);

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "data/file_io.h"
 #include "data/safetensors.h"
 #include "data_test_util.h"
 
@@ -221,6 +222,13 @@ TEST_CASE("corrupt safetensors files are rejected with the file and the problem"
     write_raw_safetensors(path, R"({"__metadata__": {"step": 12}})", 0);
     CHECK_THAT(error(), Contains("__metadata__") && Contains("'step'"));
   }
+}
+
+// keel convert's config.json and the run's config.json go through this: an ofstream checked
+// before its destructor flushes reported success for a small file on a full disk.
+TEST_CASE("write_text_file reports a full disk naming the path", "[data][io]") {
+  CHECK_THAT(data_error_of([] { keel::data::detail::write_text_file("/dev/full", "{\"a\": 1}\n"); }),
+             Contains("cannot write '/dev/full'") && Contains(std::strerror(ENOSPC)));
 }
 
 TEST_CASE("safetensors writer reports bad input and I/O errors naming the path", "[data][safetensors][errors]") {

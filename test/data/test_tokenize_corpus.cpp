@@ -5,6 +5,12 @@
 // str.isspace and re.split of paragraphs.
 #include <catch2/catch.hpp>
 
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -265,6 +271,20 @@ TEST_CASE("keel tokenize changes nothing in --out until it succeeds", "[tokenize
     o.jsonl = {out + "/val_001.mask"};
     CHECK_THROWS_WITH(tokenize_corpus(o, quiet), Catch::Contains("val_001.mask") && Catch::Contains("move it"));
     fs::remove(out + "/val_001.mask");
+    unchanged();
+  }
+  SECTION("a file that cannot be written (a file-size limit, as a full disk) is named with the reason") {
+    // 8 KiB: the token files (under 2 KiB each) and meta.json fit, the 15 KiB tokenizer.json not.
+    rlimit saved{};
+    REQUIRE(::getrlimit(RLIMIT_FSIZE, &saved) == 0);
+    rlimit small = saved;
+    small.rlim_cur = 8192;
+    const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+    const std::string msg = test::data_error_of([&] { tokenize_corpus(options_of(c["args"], out, 2), quiet); });
+    ::setrlimit(RLIMIT_FSIZE, &saved);
+    std::signal(SIGXFSZ, old_handler);
+    CHECK_THAT(msg, Catch::Contains("tokenizer.json': ") && Catch::Contains(std::strerror(EFBIG)));
     unchanged();
   }
   SECTION("success replaces the earlier token files and keeps everything else") {

@@ -216,6 +216,51 @@ TEST_CASE("a background save that cannot be published fails at its finish and le
   CHECK(Checkpoint::open(dir / "ck").verify().empty());
 }
 
+// A full disk can leave room for the files and meta.json but not for the new `latest`: the save
+// was in place under its step_* name, unnamed by `latest`, while the error said it failed.
+TEST_CASE("a save whose latest pointer cannot be written is undone, leaving the previous one as latest",
+          "[ckpt][io]") {
+  test::TempDir dir("ckpt-latest-fail");
+  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
+  auto be = make_cpu_backend();
+  Trainer a(cfg, *be);
+  a.init_weights();
+  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
+  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  fs::create_directories(dir / "ck/.latest.tmp");  // the pointer's temporary file cannot be created
+  std::string error;
+  try {
+    mgr.save(cfg, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {});
+  } catch (const CheckpointError& e) {
+    error = e.what();
+  }
+  CHECK_THAT(error, Catch::Contains("saving checkpoint step_00000002") && Catch::Contains(".latest.tmp") &&
+                        Catch::Contains("the previous checkpoints are untouched"));
+  CHECK_FALSE(fs::exists(dir / "ck/step_00000002"));
+  CHECK_FALSE(fs::exists(dir / "ck/.tmp-step_00000002"));
+  CHECK(test::read_file(dir / "ck/latest") == "step_00000001\n");
+  CHECK(Checkpoint::open(dir / "ck").verify().empty());
+}
+
+// The error named the tensor file whatever failed ("writing ... model-tp00-pp00.safetensors
+// failed: cannot write .../meta.json"); it names the checkpoint and, through the cause, the file.
+TEST_CASE("a weights-only checkpoint that cannot be written names the folder and the file that failed", "[ckpt][io]") {
+  test::TempDir dir("ckpt-weights-fail");
+  const RunConfig cfg = test::make_config(test::tiny_run_json(), nlohmann::json::object());
+  fs::create_directories(dir / "out/meta.json");  // meta.json cannot be created
+  std::string error;
+  try {
+    write_weights_checkpoint(dir / "out", cfg, DType::F32,
+                             [](const ParamSpec& p, DType, void* out) {
+                               std::memset(out, 0, static_cast<size_t>(p.logical_numel()) * sizeof(float));
+                             });
+  } catch (const CheckpointError& e) {
+    error = e.what();
+  }
+  CHECK_THAT(error, Catch::StartsWith("writing weights-only checkpoint " + (dir / "out") + " failed: ") &&
+                        Catch::Contains("cannot create '" + (dir / "out/meta.json") + "': Is a directory"));
+}
+
 // Checkpoints saved before meta.json recorded saved_at_ns are ranked by meta.json's file time.
 TEST_CASE("rotation ranks checkpoints by when they were saved, by file time for ones without a save time",
           "[ckpt][rotate]") {

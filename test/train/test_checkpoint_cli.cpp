@@ -23,6 +23,7 @@
 #include "data/safetensors.h"
 #include "kernels/dtype.h"
 #include "train/checkpoint.h"
+#include "train/run.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -227,6 +228,31 @@ TEST_CASE("stochastic rounding: reproducible, and a resume is exact and passes r
   CHECK_THAT(third.output, Catch::Contains("restart verification passed"));
 }
 
+// A job whose saves take longer than its steps (a large model, a slow filesystem) used to stop with
+// two steps' time to spare, and the scheduler killed it in the middle of its stop save.
+TEST_CASE("the time limit keeps room for one more step and the run's longest save", "[ckpt][signal]") {
+  // 1 s steps, 60 s saves, a 1000 s limit.
+  CHECK_FALSE(time_limit_near(900, 1, 60, 1000));
+  CHECK(time_limit_near(940, 1, 60, 1000));  // 940 + 1 + 60 > 1000: a save begun after the next step would not end
+  CHECK_FALSE(time_limit_near(938, 1, 60, 1000));
+  // Before the first save its time is not known: a step's time stands for it.
+  CHECK_FALSE(time_limit_near(997, 1, 0, 1000));
+  CHECK(time_limit_near(998, 1, 0, 1000));
+  // The next step with its evaluations (30 s) is longer than the save.
+  CHECK(time_limit_near(941, 30, 20, 1000));
+  CHECK_FALSE(time_limit_near(939, 30, 20, 1000));
+}
+
+// keel checks the free space of checkpoint.dir after each save (statvfs; a full tmpfs shows it:
+// FINDINGS of the operations hunt), and warns when the next save cannot fit.
+TEST_CASE("a save that leaves less free space than one more save warns with both numbers", "[ckpt][io]") {
+  CHECK(low_space_warning("/ck", 18'400'000, 18'400'000).empty());
+  CHECK(low_space_warning("/ck", 18'400'000, 50'000'000).empty());
+  const std::string w = low_space_warning("/ck", 18'400'000, 13'000'000);
+  CHECK_THAT(w, Catch::Contains("the next checkpoint save will not fit: /ck has 13.0 MB free, and the next save "
+                                "needs about 18.4 MB"));
+}
+
 TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4", "[ckpt][cli][signal]") {
   test::Workspace ws(nlohmann::json{{"train", {{"steps", 100000}, {"eval_interval", 0}, {"eval_batches", 0}}},
                                     {"checkpoint", {{"interval", 0}}}});
@@ -248,6 +274,77 @@ TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4
   }
 }
 
+// Whether process `pid` catches signal `sig` (SigCgt in /proc/PID/status).
+static bool catches_signal(pid_t pid, int sig) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (sig - 1)) & 1;
+  return false;
+}
+
+// Under Slurm a SIGTERM (preemption) or SIGUSR1 (--signal) can come while a large model's checkpoint
+// is still loading; keel then died of the signal (exit 138), and the requeue script, which waits for
+// exit 4, gave up on the job. The handlers are now in place before the checkpoint is read. The
+// evaluations due at the stop are skipped: the grace before the deadline is for the save.
+TEST_CASE("a signal during start-up stops the run at its first step boundary with a save and exit 4",
+          "[ckpt][cli][signal]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  const size_t metrics_before = test::read_file(out + "/metrics.jsonl").size();
+  // Validation is due at every step: a signal skips it, so that the save starts at once.
+  pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q", "--set", "train.eval_interval=1",
+                                "--set", "train.eval_batches=2"},
+                               out + ".log");
+  bool caught = false;
+  for (int i = 0; i < 2000 && !(caught = catches_signal(pid, SIGUSR1)); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  REQUIRE(caught);
+  // Start-up is not over: the resume has not been recorded yet.
+  CHECK(test::read_file(out + "/metrics.jsonl").size() == metrics_before);
+  kill(pid, SIGUSR1);
+  const int code = test::wait_for(pid);
+  const std::string text = test::read_file(out + ".log");
+  INFO(text);
+  CHECK(code == 4);
+  CHECK_THAT(text, Catch::Contains("SIGUSR1 received: saving a checkpoint at iteration 5") &&
+                       Catch::Contains("the evaluations due at iteration 5 are skipped"));
+  CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000005\n");
+  for (const auto& rec : test::read_metrics(out + "/metrics.jsonl")) CHECK_FALSE(rec.contains("val_loss"));
+}
+
+// scripts/keel.sbatch under stand-ins for srun (exits as keel would) and scontrol (records the
+// requeue): only a stop the job did not ask for is continued.
+TEST_CASE("keel.sbatch requeues after a signal stop, not after --stop-at, done or an error", "[ckpt][signal][scripts]") {
+  test::Workspace ws(kRun);
+  const std::string bin = ws.dir / "bin", log = ws.dir / "calls.log";
+  fs::create_directories(bin);
+  std::ofstream(bin + "/srun") << "#!/bin/bash\necho \"srun $*\" >> " << log << "\nexit $KEEL_TEST_RC\n";
+  std::ofstream(bin + "/scontrol") << "#!/bin/bash\necho \"scontrol $*\" >> " << log << "\n";
+  fs::permissions(bin + "/srun", fs::perms::owner_all);
+  fs::permissions(bin + "/scontrol", fs::perms::owner_all);
+  auto sbatch = [&](int keel_code, const std::string& args) {
+    fs::remove(log);
+    const auto r = test::run_shell("env PATH=" + bin + ":$PATH SLURM_JOB_ID=77 SLURM_SUBMIT_DIR=" + ws.dir.path.string() +
+                                   " KEEL_TEST_RC=" + std::to_string(keel_code) + " bash " + KEEL_SOURCE_DIR +
+                                   "/scripts/keel.sbatch " + args);
+    return std::make_pair(r.code, test::read_file(log));
+  };
+  auto [code, calls] = sbatch(4, "configs/c.json");
+  CHECK(code == 4);
+  CHECK_THAT(calls, Catch::Contains("train --config configs/c.json") && Catch::Contains("scontrol requeue 77"));
+  std::tie(code, calls) = sbatch(4, "configs/c.json --stop-at 500");
+  CHECK(code == 4);
+  CHECK_THAT(calls, Catch::Contains("--stop-at 500") && !Catch::Contains("requeue"));
+  std::tie(code, calls) = sbatch(4, "configs/c.json --stop-at=500");
+  CHECK_THAT(calls, !Catch::Contains("requeue"));
+  for (int done_or_error : {0, 2, 5}) {
+    std::tie(code, calls) = sbatch(done_or_error, "configs/c.json");
+    CHECK(code == done_or_error);
+    CHECK_THAT(calls, !Catch::Contains("requeue"));
+  }
+}
+
 TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: every resume is exact",
           "[ckpt][cli][crash]") {
   test::Workspace ws(kRun);
@@ -261,18 +358,23 @@ TEST_CASE("kill -9 at random moments, and crashes inside each phase of a save: e
     // In the background, "files" ends the process from the writer thread while training goes
     // on, and the other phases at the step boundary that publishes the save.
     for (const std::string mode : {"", " --set checkpoint.async=true"})
-    for (const char* phase : {"files", "meta", "rename", "latest"}) {
+    // "prune": keep_last removing the oldest save (at the third save), which must never leave a
+    // step_* directory missing some of its files.
+    for (const char* phase : {"files", "meta", "rename", "latest", "prune"}) {
       INFO("crash during save phase " << phase << mode);
       const std::string out = ws.dir / (std::string("phase-") + phase + (mode.empty() ? "" : "-async"));
       auto crashed = run_keel(train_args(ws, out, every_step + mode), std::string("KEEL_CRASH_DURING_SAVE=") + phase);
       CHECK(crashed.code == 137);
+      for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
+        if (e.path().filename().string().rfind("step_", 0) == 0) CHECK(fs::exists(e.path() / "meta.json"));
       auto resumed = run_keel(train_args(ws, out, every_step));
       INFO(resumed.output);
       REQUIRE(resumed.code == 0);
       CHECK(test::losses_by_step(test::read_metrics(out + "/metrics.jsonl")) == reference);
       CHECK(run_keel("ckpt diff " + (ws.dir / "ref/checkpoints") + " " + out + "/checkpoints").code == 0);
       for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
-        CHECK(e.path().filename().string().rfind(".tmp-", 0) != 0);  // leftovers cleaned up
+        CHECK((e.path().filename().string().rfind(".tmp-", 0) != 0 &&
+               e.path().filename().string().rfind(".old-", 0) != 0));  // leftovers cleaned up
     }
   }
 
@@ -662,6 +764,35 @@ TEST_CASE("a second run in a run directory whose lock is held is refused, naming
   CHECK(held["host"] != "node17");
 }
 
+// Two runs with their own --out and one checkpoint.dir (shared storage, a copied config) would
+// resume from each other's checkpoints and replace them: the checkpoint.dir has a lock too.
+TEST_CASE("a second run whose checkpoint.dir outside --out is locked is refused before it writes a checkpoint",
+          "[ckpt][cli][lock]") {
+  test::Workspace ws(kRun);
+  const std::string ckdir = ws.dir / "shared_checkpoints";
+  REQUIRE(run_keel(train_args(ws, ws.dir / "first", "--stop-at 4 --set checkpoint.dir=" + ckdir)).code == 4);
+  const int fd = ::open((ckdir + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+  REQUIRE(fd >= 0);
+  REQUIRE(::flock(fd, LOCK_EX | LOCK_NB) == 0);
+  const std::string record = R"({"host": "node17", "pid": 4242, "started": "2025-01-01T00:00:00Z"})";
+  REQUIRE(::write(fd, record.data(), record.size()) == static_cast<ssize_t>(record.size()));
+  const std::string second = ws.dir / "second";
+  auto r = run_keel(train_args(ws, second, "--stop-at 8 --set checkpoint.dir=" + ckdir));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("another run is using the checkpoint directory " + ckdir + " (checkpoint.dir)") &&
+                           Catch::Contains("keel pid 4242 on node17") &&
+                           Catch::Contains("give this run another checkpoint.dir"));
+  CHECK_FALSE(fs::exists(second + "/metrics.jsonl"));
+  CHECK_FALSE(fs::exists(ckdir + "/step_00000008"));
+  CHECK(test::read_file(ckdir + "/latest") == "step_00000004\n");
+  ::close(fd);
+  auto ok = run_keel(train_args(ws, second, "--stop-at 8 --set checkpoint.dir=" + ckdir));
+  INFO(ok.output);
+  CHECK(ok.code == 4);
+  CHECK(fs::exists(ckdir + "/step_00000008"));
+}
+
 TEST_CASE("keel sample and keel eval refuse a checkpoint whose checksums fail, naming the tensor",
           "[ckpt][cli][corrupt]") {
   test::Workspace ws(kRun);
@@ -791,6 +922,71 @@ TEST_CASE("a save that hits a write error reports it, removes its partial files 
   CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000008"));
   CHECK_FALSE(fs::exists(out + "/checkpoints/.tmp-step_00000008"));
   CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000004\n");
+}
+
+// A full disk when the run directory's config.json is written: the reason and the file are
+// named (exit 2) and the config.json of the run before is whole (it is written aside, renamed).
+TEST_CASE("a config.json that cannot be written is named with the reason and the earlier one is kept",
+          "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  const std::string before = test::read_file(out + "/config.json");
+  REQUIRE(before.size() > 1024);
+  // A file-size limit of 1 KiB, below config.json: its write fails with EFBIG.
+  const auto limited = test::run_shell("bash -c 'ulimit -f 1; exec " + std::string(KEEL_BINARY) + " " +
+                                       train_args(ws, out, "--stop-at 8") + "'");
+  INFO(limited.output);
+  CHECK(limited.code == 2);
+  CHECK_THAT(limited.output, Catch::Contains("cannot write '" + out + "/.config.json.tmp': File too large") &&
+                                 Catch::Contains("nothing was trained"));
+  CHECK(test::read_file(out + "/config.json") == before);
+  CHECK_FALSE(fs::exists(out + "/checkpoints/step_00000008"));
+}
+
+// A full disk under the run directory: the metrics records that do not fit are dropped whole with
+// a warning and the run goes on (a save fails on its own); the file holds only whole lines. A partial last line (left by a kill mid-write) is ended before new records are appended.
+TEST_CASE("a metrics record that cannot be written is dropped whole and the run goes on", "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  fs::create_directories(out);
+  std::ofstream(out + "/metrics.jsonl") << R"({"step": 3, "loss": 7.2, "lr)";  // cut short, no newline
+  // A file-size limit of 4 KiB: config.json fits, metrics.jsonl fills up after a few steps (and a
+  // checkpoint would not fit either: none is saved).
+  const auto limited = test::run_shell("bash -c 'ulimit -f 4; exec " + std::string(KEEL_BINARY) + " " +
+                                       train_args(ws, out, "--steps 12 --set checkpoint.interval=0 "
+                                                           "--set checkpoint.save_at_end=false") + "'");
+  INFO(limited.output);
+  CHECK(limited.code == 0);
+  CHECK_THAT(limited.output, Catch::Contains("WARNING cannot write " + out + "/metrics.jsonl: File too large") &&
+                                 Catch::Contains("keel: done: 12 steps") &&
+                                 Catch::Contains("metrics record(s) could not be written to " + out + "/metrics.jsonl"));
+  std::ifstream in(out + "/metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  CHECK(line == R"({"step": 3, "loss": 7.2, "lr)");
+  int records = 0;
+  while (std::getline(in, line)) {
+    INFO(line);
+    CHECK(nlohmann::json::accept(line));
+    ++records;
+  }
+  CHECK(records > 0);
+  CHECK(fs::file_size(out + "/metrics.jsonl") <= 4096);
+}
+
+TEST_CASE("keel eval --scores on a full disk fails naming the file, not exit 0 with the scores lost",
+          "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  test::write_stream_choice_items(ws.dir / "choices.jsonl", 4);
+  // /dev/full accepts the open and fails every write with ENOSPC.
+  auto r = run_keel("eval --choices " + (ws.dir / "choices.jsonl") + " --checkpoint " + out +
+                    "/checkpoints --scores /dev/full");
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--scores /dev/full could not be written: No space left on device"));
 }
 
 // keel ckpt average: each element is the mean of the inputs' fp32 masters, summed in double and
