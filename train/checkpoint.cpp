@@ -425,8 +425,8 @@ namespace {
 std::string run_checkpoint_dir(const fs::path& path) {
   std::ifstream in(path / "config.json");
   if (!in) return "";
-  const nlohmann::json cfg = nlohmann::json::parse(in, nullptr, false);
   if (fs::is_directory(path / "checkpoints")) return (path / "checkpoints").string();
+  const nlohmann::json cfg = nlohmann::json::parse(in, nullptr, false);
   if (cfg.is_object() && cfg.contains("checkpoint") && cfg["checkpoint"].is_object() &&
       cfg["checkpoint"].contains("dir") && cfg["checkpoint"]["dir"].is_string())
     return cfg["checkpoint"]["dir"].get<std::string>();

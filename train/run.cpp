@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <omp.h>
 #include <sys/file.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1139,10 +1138,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     longest_save = std::max(longest_save, r.write_seconds);
     if (!lead) return;
     print_save(r);
-    struct statvfs fs_stat {};
-    if (::statvfs(cfg.checkpoint.dir.c_str(), &fs_stat) == 0)
-      if (std::string w = low_space_warning(cfg.checkpoint.dir, r.bytes, int64_t(fs_stat.f_bavail) * int64_t(fs_stat.f_frsize));
-          !w.empty())
+    std::error_code space_ec;
+    const fs::space_info space = fs::space(cfg.checkpoint.dir, space_ec);
+    if (!space_ec)
+      if (std::string w = low_space_warning(cfg.checkpoint.dir, r.bytes, static_cast<int64_t>(space.available)); !w.empty())
         std::printf("keel: %s\n", w.c_str());
   };
   auto save = [&](int64_t it, bool background) {
