@@ -45,6 +45,27 @@ TEST_CASE("keel --help and keel train --help describe the tool", "[cli]") {
                                Catch::Contains("--out") && Catch::Contains("--seed"));
 }
 
+TEST_CASE("each subcommand's --help gives its own examples and exit codes, as README does", "[cli]") {
+  // keel's own footer (train examples) must not leak into subcommands that set none.
+  for (const char* sub : {"ckpt", "ckpt inspect", "ckpt diff", "ckpt verify", "ckpt average"}) {
+    Result r = run_keel(std::string(sub) + " --help");
+    INFO(sub << "\n" << r.output);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.output, Catch::Contains("keel ckpt average") && Catch::Contains("Exit codes:") &&
+                             !Catch::Contains("keel train --config"));
+  }
+  Result top = run_keel("--help");
+  CHECK_THAT(top.output, Catch::Contains("Inspect, compare, verify and average checkpoints") &&
+                             Catch::Contains("Mistral, Qwen2/Qwen3, GPT-2 and BLOOM"));
+  // README's exit-code table: 4 for every early stop, and 6.
+  Result train = run_keel("train --help");
+  CHECK_THAT(train.output, Catch::Contains("4 stopped after saving (a signal, --stop-at or --time-limit") &&
+                               Catch::Contains("6 the fp16 loss scale hit its minimum") &&
+                               Catch::Contains("a checkpoints or run directory, or a latest file"));
+  Result doctor = run_keel("doctor --help");
+  CHECK_THAT(doctor.output, Catch::Contains("2 bad arguments") && Catch::Contains("5 a checkpoint"));
+}
+
 TEST_CASE("keel train: the loss falls, and two runs with the same seed are bit-identical", "[cli][e2e]") {
   Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}});
   Result a = run_keel("train --config " + ws.config + " --out " + (ws.dir / "a"));
