@@ -287,7 +287,8 @@ TEST_CASE("doctor metrics: spikes, restart spikes, skipped and nan steps, loss-s
   CHECK(sick.problems.size() == 4);
 }
 
-TEST_CASE("keel doctor on the command line: exit 0 when healthy, 1 with problems", "[doctor][cli]") {
+TEST_CASE("keel doctor on the command line: exit 0 when healthy, 1 with problems, 2 for a path that is not there",
+          "[doctor][cli]") {
   test::TempDir dir("doctor-cli");
   auto ok = test::run_keel("doctor metrics " + write_metrics(dir / "healthy.jsonl", 100, false));
   INFO(ok.output);
@@ -297,9 +298,16 @@ TEST_CASE("keel doctor on the command line: exit 0 when healthy, 1 with problems
   INFO(bad.output);
   CHECK(bad.code == 1);
   CHECK(bad.output.find("loss spike at step 120") != std::string::npos);
+  // A mistyped path is a bad argument, not a problem found in the run: a script testing for 1
+  // must not take a typo for a sick run.
   auto missing = test::run_keel("doctor hang " + dir / "nothing-here");
-  CHECK(missing.code != 0);
-  CHECK(missing.output.find("is not a directory") != std::string::npos);
+  INFO(missing.output);
+  CHECK(missing.code == 2);
+  CHECK(missing.output.find(dir / "nothing-here") != std::string::npos);
+  auto no_metrics = test::run_keel("doctor metrics " + dir / "healthy.jsonl" + " " + dir / "no-such.jsonl");
+  INFO(no_metrics.output);
+  CHECK(no_metrics.code == 2);
+  CHECK(no_metrics.output.find(dir / "no-such.jsonl") != std::string::npos);
 }
 
 TEST_CASE("doctor metrics: a rank named slow at two or more timed steps is a straggler problem", "[doctor][metrics][timers]") {
