@@ -523,6 +523,32 @@ TEST_CASE("keel train notes fp16 loss-scale settings that a bf16 or fp32 run ign
   CHECK_THAT(r.output, !Catch::Contains("precision.loss_scale"));
 }
 
+TEST_CASE("keel train: the fp16 loss scale at its minimum stops the run with exit code 6 after saving the last good state",
+          "[cli][precision]") {
+  // lr 10 blows the weights up after one update: every later forward overflows fp16, and the
+  // scale (4, then 2 = its minimum) cannot help. README's exit-code table promises 6 and a save.
+  Workspace ws(nlohmann::json{
+      {"precision", {{"mode", "fp16"}, {"loss_scale", {{"initial", 4}, {"min", 2}, {"hysteresis", 1}}}}},
+      {"optimizer", {{"lr", 10.0}, {"grad_clip", 0}}},
+      {"schedule", {{"warmup_steps", 0}}},
+      {"train", {{"steps", 20}, {"eval_interval", 0}}}});
+  Result r = run_keel("train --config " + ws.config + " -q --out " + (ws.dir / "a"));
+  INFO(r.output);
+  REQUIRE(r.code == 6);
+  CHECK_THAT(r.output, Catch::Contains("fp16 loss scale is at its minimum"));
+  // The save holds the state before the overflowing steps: one applied update, the skips counted.
+  const std::string latest = test::read_file(ws.dir / "a/checkpoints/latest");
+  const fs::path saved = fs::path(ws.dir / "a/checkpoints") / latest.substr(0, latest.find('\n'));
+  REQUIRE(fs::exists(saved / "meta.json"));
+  const auto meta = nlohmann::json::parse(test::read_file((saved / "meta.json").string()));
+  const int64_t iteration = meta["progress"]["iteration"], skipped = meta["progress"]["skipped_total"];
+  CHECK(skipped >= 2);  // scale 4 -> 2, then the overflow at the minimum
+  CHECK(meta["adam_step"] == iteration - skipped);
+  Result verify = run_keel("ckpt verify " + saved.string());
+  INFO(verify.output);
+  CHECK(verify.code == 0);
+}
+
 TEST_CASE("missing or truncated data: one clear message naming the file, exit code 3, nothing written",
           "[cli][errors]") {
   Workspace ws;
