@@ -173,13 +173,14 @@ void validate_meta(const json& m, const std::string& meta_path) {
     if (v && !v->is_object()) bad(prefix + key, std::string("expected an object, got ") + json_kind(*v));
     return v;
   };
-  auto integer = [&](const json& obj, const std::string& prefix, const char* key, bool required) -> int64_t {
+  auto integer = [&](const json& obj, const std::string& prefix, const char* key, bool required,
+                     bool may_be_negative = false) -> int64_t {
     const json* v = need(obj, prefix, key, required);
     if (!v) return 0;
     if (!v->is_number_integer())
       bad(prefix + key, std::string("expected an integer, got ") + json_kind(*v) + " " + v->dump());
     const int64_t x = v->get<int64_t>();
-    if (x < 0) bad(prefix + key, "is " + std::to_string(x) + ", which is negative");
+    if (x < 0 && !may_be_negative) bad(prefix + key, "is " + std::to_string(x) + ", which is negative");
     return x;
   };
   auto number = [&](const json& obj, const std::string& prefix, const char* key) {
@@ -219,7 +220,9 @@ void validate_meta(const json& m, const std::string& meta_path) {
   if (const json* ls = object(m, "", "loss_scaler", true)) {
     number(*ls, "loss_scaler.", "scale");
     integer(*ls, "loss_scaler.", "growth_tracker", true);
-    integer(*ls, "loss_scaler.", "hysteresis_tracker", true);
+    // Earlier keels counted it below 0 after repeated overflows (-1 in the save at an exhausted
+    // fp16 scale): any value below 0 means what 0 does, and those checkpoints must still load.
+    integer(*ls, "loss_scaler.", "hysteresis_tracker", true, true);
   }
   object(m, "", "config", true);
   if (const json* t = object(m, "", "topology", false))

@@ -292,11 +292,20 @@ struct CkptArgs {
 
 Command add_ckpt_command(CLI::App& app) {
   auto args = std::make_shared<CkptArgs>();
-  CLI::App* ckpt = app.add_subcommand("ckpt", "Inspect, compare and verify checkpoints");
+  CLI::App* ckpt = app.add_subcommand("ckpt", "Inspect, compare, verify and average checkpoints");
   ckpt->require_subcommand(1);
+  // Set before the subcommands are added: they inherit it (else they show keel's own examples).
+  ckpt->footer(
+      "Examples:\n"
+      "  keel ckpt inspect out/run/checkpoints            # the checkpoint its latest names\n"
+      "  keel ckpt inspect --no-verify out/run/checkpoints/step_00001000\n"
+      "  keel ckpt verify out/run/checkpoints/step_00001000\n"
+      "  keel ckpt diff A B\n"
+      "  keel ckpt average A B C --out ckpt/avg --dtype bf16\n"
+      "Exit codes: 0 success, 1 diff found differences, 2 bad arguments, 5 a checkpoint is damaged or holds inf/NaN.");
   CLI::App* inspect = ckpt->add_subcommand(
       "inspect", "Step, topology, states and per-tensor norm/min/max, then verification (exit 5 if it fails)");
-  inspect->add_option("path", args->path, "Checkpoint (step_* directory or a checkpoints directory)")->required();
+  inspect->add_option("path", args->path, "Checkpoint (step_* directory, or a checkpoints or run directory: the one its latest names)")->required();
   inspect->add_option("--state", args->state, "State to summarise: weight, master, adam_m or adam_v");
   inspect->add_flag("--no-verify", args->no_verify,
                     "Read meta.json and the file headers only: no checksums, values or statistics (a large "

@@ -79,7 +79,7 @@ int cmd_convert(const ConvertArgs& a) {
 
 Command add_convert_command(CLI::App& app) {
   auto args = std::make_shared<ConvertArgs>();
-  CLI::App* c = app.add_subcommand("convert", "Convert Hugging Face Llama, GPT-2 and BLOOM checkpoints to keel and back");
+  CLI::App* c = app.add_subcommand("convert", "Convert Hugging Face Llama, Mistral, Qwen2/Qwen3, GPT-2 and BLOOM checkpoints to keel and back");
   c->add_option("source", args->src, "hf:DIR (a Hugging Face model directory) or a keel checkpoint")->required();
   c->add_option("destination", args->dst, "keel checkpoint directory, or hf:DIR to export");
   c->add_option("--dtype", args->dtype,

@@ -75,7 +75,7 @@ Command add_train_command(CLI::App& app) {
   train->add_option("--threads", ta.threads, "CPU threads (default: OMP_NUM_THREADS or all cores)")
       ->check(cli::integer<int>(1));
   train->add_option("--resume", ta.resume,
-                    "Resume from this checkpoint (a step_* directory or a checkpoints directory). Default: the "
+                    "Resume from this checkpoint (a step_* directory; a checkpoints or run directory, or a latest file: the one latest names). Default: the "
                     "latest checkpoint in checkpoint.dir (<out>/checkpoints), if there is one");
   train->add_option("--init-from", ta.init_from,
                     "Start a new run from a checkpoint's weights only (finetuning): fp32 masters from the weights, "
@@ -100,7 +100,8 @@ Command add_train_command(CLI::App& app) {
       "SIGUSR1 (SLURM's warning before the time limit) and Ctrl-C save one at the next step boundary\n"
       "and stop. Running the same command again resumes from the latest checkpoint.\n"
       "Exit codes: 0 done, 1 training failed, 2 bad config or arguments, 3 bad data,\n"
-      "4 stopped by a signal after saving (run again to resume), 5 checkpoint unreadable or unwritable.");
+      "4 stopped after saving (a signal, --stop-at or --time-limit; run again to resume),\n"
+      "5 checkpoint unreadable or unwritable, 6 the fp16 loss scale hit its minimum (last good state saved).");
   return {train, [args] { return cmd_train(*args); }};
 }
 

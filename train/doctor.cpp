@@ -468,10 +468,13 @@ struct StepRec {
 };
 
 // Running z-score over the last `window` accepted values: a value at least z standard
-// deviations above the mean is a spike and is kept out of the statistics.
+// deviations above the mean, and at least min_ratio times the mean, is a spike and is kept out
+// of the statistics. The ratio is the training health check's (health.spike_min_jump for the
+// loss, health.spike_norm_ratio for the grad norm): late in a run the grad norm varies so little
+// that its ordinary 1.2x wander is many deviations, and a healthy run must not read as sick.
 class SpikeScan {
  public:
-  explicit SpikeScan(const MetricsOptions& o) : opt_(o) {}
+  SpikeScan(const MetricsOptions& o, double min_ratio) : opt_(o), min_ratio_(min_ratio) {}
   // Returns the spike, if x is one.
   std::optional<Spike> observe(int64_t step, double x) {
     if (!std::isfinite(x)) return std::nullopt;
@@ -479,7 +482,7 @@ class SpikeScan {
     if (static_cast<int>(hist_.size()) >= opt_.min_history) {
       const Stats st = stats();
       const double z = (x - st.mean) / st.std;
-      if (z >= opt_.z) out = Spike{step, x, st.mean, z};
+      if (z >= opt_.z && x >= min_ratio_ * st.mean) out = Spike{step, x, st.mean, z};
     }
     if (!out) {
       hist_.push_back(x);
@@ -504,6 +507,7 @@ class SpikeScan {
 
  private:
   MetricsOptions opt_;
+  double min_ratio_;
   std::deque<double> hist_;
 };
 
@@ -635,7 +639,9 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
 
   // Loss and grad norm: levels and spikes.
   const StepRec* min_rec = nullptr;
-  SpikeScan loss_scan(opt), norm_scan(opt);
+  const HealthConfig health;  // the live check's ratios, at their defaults
+  const double loss_ratio = 1 + health.spike_min_jump, norm_ratio = health.spike_norm_ratio;
+  SpikeScan loss_scan(opt, loss_ratio), norm_scan(opt, norm_ratio);
   int64_t prev_nan = 0;
   std::optional<double> prev_scale;
   double max_norm = 0;
@@ -667,13 +673,17 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   if (min_rec) s += ", min " + num(min_rec->loss) + " at step " + std::to_string(min_rec->step);
   s += "\n";
   if (max_norm > 0) s += "  grad norm: max " + num(max_norm) + " at step " + std::to_string(max_norm_step) + "\n";
-  const std::string scan_rule = "z >= " + num(opt.z, "%.3g") + " over the last " + std::to_string(opt.window) + " steps";
-  s += "  loss spikes (" + scan_rule + "): " + (r.loss_spikes.empty() ? "none" : std::to_string(r.loss_spikes.size())) + "\n";
+  auto scan_rule = [&](double ratio) {
+    return "z >= " + num(opt.z, "%.3g") + " and " + num(ratio, "%.3g") + "x the mean over the last " +
+           std::to_string(opt.window) + " steps";
+  };
+  s += "  loss spikes (" + scan_rule(loss_ratio) + "): " +
+       (r.loss_spikes.empty() ? "none" : std::to_string(r.loss_spikes.size())) + "\n";
   for (const Spike& sp : r.loss_spikes) {
     s += "    " + spike_line(sp) + "\n";
     r.problems.push_back("loss spike at " + spike_line(sp));
   }
-  s += "  grad norm spikes (" + scan_rule + "): " +
+  s += "  grad norm spikes (" + scan_rule(norm_ratio) + "): " +
        (r.grad_norm_spikes.empty() ? "none" : std::to_string(r.grad_norm_spikes.size())) + "\n";
   for (const Spike& sp : r.grad_norm_spikes) {
     s += "    " + spike_line(sp) + "\n";

@@ -172,7 +172,9 @@ bool LossScaler::update(bool overflow) {
   if (!enabled_) return false;
   if (overflow) {
     growth_tracker_ = 0;
-    hysteresis_tracker_ -= 1;
+    // Overflows left before the next cut; 0 means every overflow cuts until the scale grows.
+    // It stays at 0 rather than counting below it: the checkpoint records it as a count.
+    hysteresis_tracker_ = std::max<int64_t>(hysteresis_tracker_ - 1, 0);
     if (hysteresis_tracker_ <= 0) {
       if (scale_ <= cfg_.min) return true;  // nothing left to back off to
       scale_ = std::max(scale_ * cfg_.backoff_factor, cfg_.min);
@@ -191,7 +193,7 @@ bool LossScaler::update(bool overflow) {
 void LossScaler::restore(double scale, int64_t growth_tracker, int64_t hysteresis_tracker) {
   scale_ = scale;
   growth_tracker_ = growth_tracker;
-  hysteresis_tracker_ = hysteresis_tracker;
+  hysteresis_tracker_ = std::max<int64_t>(hysteresis_tracker, 0);  // earlier keels saved -1, -2, ...
 }
 
 }  // namespace keel

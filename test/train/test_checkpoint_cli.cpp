@@ -640,6 +640,25 @@ TEST_CASE("after a rewind keep_last keeps the new run's last saves, not the aban
   CHECK(test::read_file(dir + "/latest") == "step_00000007\n");
 }
 
+// After more fp16 overflows than precision.loss_scale.hysteresis with no growth in between, keels
+// before this fix saved a negative hysteresis tracker, which their own loader then refused (exit
+// 5): the save at an exhausted scale (exit 6) could not be resumed. Such checkpoints must load.
+TEST_CASE("an fp16 checkpoint whose loss scaler's hysteresis tracker went below zero verifies and resumes",
+          "[ckpt][cli][meta][precision]") {
+  nlohmann::json run = kRun;
+  run["precision"]["mode"] = "fp16";
+  test::Workspace ws(run);
+  const std::string out = ws.dir / "run", ck = out + "/checkpoints/step_00000004";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["loss_scaler"]["hysteresis_tracker"] = -2; });
+  auto v = run_keel("ckpt verify " + ck);
+  INFO(v.output);
+  CHECK(v.code == 0);
+  auto r = run_keel(train_args(ws, out, "--resume " + ck + " --steps 6"));
+  INFO(r.output);
+  CHECK(r.code == 0);
+}
+
 // meta.json holds where the run is (iteration, data position, Adam step) and every file's
 // checksum: a flipped bit in it is caught by its own checksum, and a field of the wrong type or
 // range (even with a valid checksum) is named, with exit code 5, by verify and by a resume.

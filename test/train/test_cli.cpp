@@ -45,6 +45,27 @@ TEST_CASE("keel --help and keel train --help describe the tool", "[cli]") {
                                Catch::Contains("--out") && Catch::Contains("--seed"));
 }
 
+TEST_CASE("each subcommand's --help gives its own examples and exit codes, as README does", "[cli]") {
+  // keel's own footer (train examples) must not leak into subcommands that set none.
+  for (const char* sub : {"ckpt", "ckpt inspect", "ckpt diff", "ckpt verify", "ckpt average"}) {
+    Result r = run_keel(std::string(sub) + " --help");
+    INFO(sub << "\n" << r.output);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.output, Catch::Contains("keel ckpt average") && Catch::Contains("Exit codes:") &&
+                             !Catch::Contains("keel train --config"));
+  }
+  Result top = run_keel("--help");
+  CHECK_THAT(top.output, Catch::Contains("Inspect, compare, verify and average checkpoints") &&
+                             Catch::Contains("Mistral, Qwen2/Qwen3, GPT-2 and BLOOM"));
+  // README's exit-code table: 4 for every early stop, and 6.
+  Result train = run_keel("train --help");
+  CHECK_THAT(train.output, Catch::Contains("4 stopped after saving (a signal, --stop-at or --time-limit") &&
+                               Catch::Contains("6 the fp16 loss scale hit its minimum") &&
+                               Catch::Contains("a checkpoints or run directory, or a latest file"));
+  Result doctor = run_keel("doctor --help");
+  CHECK_THAT(doctor.output, Catch::Contains("2 bad arguments") && Catch::Contains("5 a checkpoint"));
+}
+
 TEST_CASE("keel train: the loss falls, and two runs with the same seed are bit-identical", "[cli][e2e]") {
   Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}});
   Result a = run_keel("train --config " + ws.config + " --out " + (ws.dir / "a"));
@@ -500,6 +521,32 @@ TEST_CASE("keel train notes fp16 loss-scale settings that a bf16 or fp32 run ign
   r = run_keel("train --config " + ws.config + " --steps 2 -q --out " + (ws.dir / "b"));
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, !Catch::Contains("precision.loss_scale"));
+}
+
+TEST_CASE("keel train: the fp16 loss scale at its minimum stops the run with exit code 6 after saving the last good state",
+          "[cli][precision]") {
+  // lr 10 blows the weights up after one update: every later forward overflows fp16, and the
+  // scale (4, then 2 = its minimum) cannot help. README's exit-code table promises 6 and a save.
+  Workspace ws(nlohmann::json{
+      {"precision", {{"mode", "fp16"}, {"loss_scale", {{"initial", 4}, {"min", 2}, {"hysteresis", 1}}}}},
+      {"optimizer", {{"lr", 10.0}, {"grad_clip", 0}}},
+      {"schedule", {{"warmup_steps", 0}}},
+      {"train", {{"steps", 20}, {"eval_interval", 0}}}});
+  Result r = run_keel("train --config " + ws.config + " -q --out " + (ws.dir / "a"));
+  INFO(r.output);
+  REQUIRE(r.code == 6);
+  CHECK_THAT(r.output, Catch::Contains("fp16 loss scale is at its minimum"));
+  // The save holds the state before the overflowing steps: one applied update, the skips counted.
+  const std::string latest = test::read_file(ws.dir / "a/checkpoints/latest");
+  const fs::path saved = fs::path(ws.dir / "a/checkpoints") / latest.substr(0, latest.find('\n'));
+  REQUIRE(fs::exists(saved / "meta.json"));
+  const auto meta = nlohmann::json::parse(test::read_file((saved / "meta.json").string()));
+  const int64_t iteration = meta["progress"]["iteration"], skipped = meta["progress"]["skipped_total"];
+  CHECK(skipped >= 2);  // scale 4 -> 2, then the overflow at the minimum
+  CHECK(meta["adam_step"] == iteration - skipped);
+  Result verify = run_keel("ckpt verify " + saved.string());
+  INFO(verify.output);
+  CHECK(verify.code == 0);
 }
 
 TEST_CASE("missing or truncated data: one clear message naming the file, exit code 3, nothing written",

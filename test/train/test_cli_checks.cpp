@@ -114,7 +114,7 @@ TEST_CASE("numeric options through the binary: exit code 2 and one clear line", 
       {"plan" + cfg + " --gpu-mem 8388608TiB", "--gpu-mem: memory size '8388608TiB' is too large"},
       {"plan" + cfg + " --cuda-context 1e30", "--cuda-context: memory size '1e30' is too large"},
       {"doctor frozen a b --threshold nan", "--threshold: 'nan' is not a finite number"},
-      {"doctor metrics m.jsonl --z nan", "--z: 'nan' is not a finite number"},
+      {"doctor metrics " + ws.config + " --z nan", "--z: 'nan' is not a finite number"},  // a file that exists
       {"tokenize --jsonl x --tokenizer t --out o --seed 18446744073709551616",
        "--seed: 18446744073709551616 is too large"},
       {"tokenize --jsonl x --tokenizer t --out o --val-fraction nan", "--val-fraction: 'nan' is not a finite number"},
