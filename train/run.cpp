@@ -1267,6 +1267,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
           if (metrics)
             metrics->write({{"event", "rewind"}, {"step", it}, {"to", back.iteration}, {"checkpoint", ck.path()}});
           it = back.iteration;  // the data position stays where it is: the offending batches are skipped
+          // The skips of the abandoned trajectory are not this one's: Adam's step (restored above)
+          // is back.iteration - back.skipped_total, and so the counts must be.
+          skipped_total = back.skipped_total;
+          nan_total = back.nan_total;
           continue;
         }
         if (lead) std::printf("keel: no checkpoint to rewind to yet: the update was skipped instead\n");
