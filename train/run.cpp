@@ -1225,6 +1225,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         std::fflush(stdout);
       }
     }
+    if (st.valid_tokens == 0 && lead)
+      std::printf("keel: WARNING step %lld: every target of the global batch is masked out of the loss (loss "
+                  "masks, data.eod_mask_loss): no loss to learn from, the update is skipped\n",
+                  static_cast<long long>(it));
     if (st.nonfinite && lead) {
       std::printf("keel: WARNING step %lld: %s (update skipped%s)\n", static_cast<long long>(it),
                   std::isfinite(st.loss) ? "non-finite gradient" : "non-finite loss",
