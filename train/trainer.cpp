@@ -368,6 +368,8 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   if (state_->grads.empty()) throw std::logic_error("Trainer::step: this trainer was built for evaluation only");
   StepStats st;
   st.iteration = iteration;
+  // The schedule's rate for this step, reported also when the update is skipped (as Megatron does).
+  st.lr = learning_rate(cfg_, iteration);
   parallel::Comm& dp = *comms_->dp;
   parallel::Comm& world = *comms_->world;
   st.global_batch = static_cast<int64_t>(micro_batches.size()) * cfg_.train.micro_batch * grid_.dp_size();
@@ -500,7 +502,6 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   // torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
   double clip = 1.0;
   if (cfg_.optimizer.grad_clip > 0) clip = std::min(1.0, cfg_.optimizer.grad_clip / (st.grad_norm + 1e-6));
-  st.lr = learning_rate(cfg_, iteration);
   {
     const StepTimers::Scope timed = timers_.phase(StepTimers::Optimizer);
     adamw_update(*state_, table_, be_, cfg_.optimizer, st.lr, static_cast<float>(clip / st.loss_scale),

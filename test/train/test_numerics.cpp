@@ -7,6 +7,7 @@
 
 #include "common/batches.h"
 #include "common/run_config.h"
+#include "train/schedule.h"
 #include "train/trainer.h"
 
 using namespace keel;
@@ -47,6 +48,7 @@ TEST_CASE("a global batch with every target masked is skipped, not a phantom upd
     CHECK(st.skipped);
     CHECK_FALSE(st.nonfinite);
     CHECK(std::isnan(st.loss));  // a mean over no tokens, not a loss of 0
+    CHECK(st.lr == learning_rate(cfg, 4));  // the schedule's rate is reported, not 0
     CHECK(with_empty.state().adam_step == 3);
     CHECK(masters(with_empty) == before);
     // The next real step is bit for bit the step of a run that never saw the masked batch.
