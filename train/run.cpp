@@ -1225,6 +1225,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         std::fflush(stdout);
       }
     }
+    if (st.valid_tokens == 0 && lead)
+      std::printf("keel: WARNING step %lld: every target of the global batch is masked out of the loss (loss "
+                  "masks, data.eod_mask_loss): no loss to learn from, the update is skipped\n",
+                  static_cast<long long>(it));
     if (st.nonfinite && lead) {
       std::printf("keel: WARNING step %lld: %s (update skipped%s)\n", static_cast<long long>(it),
                   std::isfinite(st.loss) ? "non-finite gradient" : "non-finite loss",
@@ -1267,6 +1271,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
           if (metrics)
             metrics->write({{"event", "rewind"}, {"step", it}, {"to", back.iteration}, {"checkpoint", ck.path()}});
           it = back.iteration;  // the data position stays where it is: the offending batches are skipped
+          // The skips of the abandoned trajectory are not this one's: Adam's step (restored above)
+          // is back.iteration - back.skipped_total, and so the counts must be.
+          skipped_total = back.skipped_total;
+          nan_total = back.nan_total;
           continue;
         }
         if (lead) std::printf("keel: no checkpoint to rewind to yet: the update was skipped instead\n");

@@ -35,9 +35,12 @@ int64_t global_batch_size(const RunConfig& cfg, int64_t consumed_samples) {
   const int64_t full = cfg.train.global_batch;
   if (!cfg.schedule.rampup) return full;
   const RampupConfig& r = *cfg.schedule.rampup;
+  // Megatron adds an increment every samples / increments consumed samples, a real number:
+  // floor(consumed / (samples / increments)) = floor(consumed * increments / samples), exact in
+  // integers. (Rounding samples / increments down first ramped early: 4 -> 16 by 4 over 100
+  // samples reached 8 at 33 samples instead of 34.)
   const int64_t increments = (full - r.start) / r.increment;
-  const int64_t samples_per_increment = std::max<int64_t>(1, r.samples / increments);
-  const int64_t done = consumed_samples / samples_per_increment;
+  const int64_t done = consumed_samples * increments / r.samples;
   return std::min(full, r.start + done * r.increment);
 }
 

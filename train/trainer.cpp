@@ -368,6 +368,8 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   if (state_->grads.empty()) throw std::logic_error("Trainer::step: this trainer was built for evaluation only");
   StepStats st;
   st.iteration = iteration;
+  // The schedule's rate for this step, reported also when the update is skipped (as Megatron does).
+  st.lr = learning_rate(cfg_, iteration);
   parallel::Comm& dp = *comms_->dp;
   parallel::Comm& world = *comms_->world;
   st.global_batch = static_cast<int64_t>(micro_batches.size()) * cfg_.train.micro_batch * grid_.dp_size();
@@ -379,13 +381,24 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
     valid += std::count_if(mb.targets.begin(), mb.targets.end(), [](int32_t t) { return t >= 0; });
   st.valid_tokens = all_reduce_sum(dp, valid);
   st.loss_scale = scaler_.scale();
+  if (st.valid_tokens == 0) {
+    // Every target of the global batch is masked (an SFT window holding only prompt): the mean
+    // loss over zero tokens is undefined and the gradient is zero. An update would still move
+    // the weights by Adam's momentum and the weight decay and advance Adam's step, a phantom
+    // step, so it is skipped (as Megatron's NaN loss would be). Every rank of the step sees
+    // the same count (all-reduced over DP; TP and PP ranks read the same batches).
+    st.skipped = true;
+    st.loss = std::nan("");
+    st.grad_norm = std::nan("");
+    return st;
+  }
 
   // The step's loss is the mean over every valid target token of the global batch, so each
   // token's loss enters the gradient with weight 1/valid_tokens (times the fp16 loss scale),
   // and the DP reduction of the gradients is a plain sum. Each gradient's first contribution
   // stores it; what none wrote is zero-filled after the pipeline (no fill of the whole buffer).
   grad_writes_->begin_step();
-  const float dloss = st.valid_tokens > 0 ? st.loss_scale / static_cast<float>(st.valid_tokens) : 0.0f;
+  const float dloss = st.loss_scale / static_cast<float>(st.valid_tokens);
   // Per-layer headroom: max |layer output| in forward, max |layer input gradient| in backward.
   std::vector<float> act_max, grad_max;
   if (collect_stats) {
@@ -425,7 +438,7 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   }
   loss_sum = all_reduce_sum(*comms_->pp, loss_sum);  // the last stage's loss, to every stage
   loss_sum = all_reduce_sum(dp, loss_sum);
-  st.loss = st.valid_tokens > 0 ? loss_sum / static_cast<double>(st.valid_tokens) : 0.0;
+  st.loss = loss_sum / static_cast<double>(st.valid_tokens);
   fb_timer.reset();
 
   const int64_t n = table_.local_numel();
@@ -489,7 +502,6 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   // torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
   double clip = 1.0;
   if (cfg_.optimizer.grad_clip > 0) clip = std::min(1.0, cfg_.optimizer.grad_clip / (st.grad_norm + 1e-6));
-  st.lr = learning_rate(cfg_, iteration);
   {
     const StepTimers::Scope timed = timers_.phase(StepTimers::Optimizer);
     adamw_update(*state_, table_, be_, cfg_.optimizer, st.lr, static_cast<float>(clip / st.loss_scale),

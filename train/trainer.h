@@ -49,14 +49,15 @@ struct MicroBatch {
 
 struct StepStats {
   int64_t iteration = 0;      // 1-based number of this step
-  double loss = 0;            // mean loss over the global batch's valid target tokens
+  double loss = 0;            // mean loss over the global batch's valid target tokens (NaN: none)
   double grad_norm = 0;       // global L2 norm of the (unscaled) gradient, before clipping
   double lr = 0;
   float loss_scale = 1;       // scale used for this step
   int64_t global_batch = 0;   // samples, over all DP ranks
   int64_t valid_tokens = 0;   // over all DP ranks
   int64_t num_zeros = 0;      // gradient elements exactly zero (each parameter once)
-  bool skipped = false;       // update not applied (overflow, non-finite, or a spike with action skip/rewind)
+  bool skipped = false;       // update not applied (overflow, non-finite, no loss tokens, or a spike with
+                              // action skip/rewind)
   bool nonfinite = false;     // loss or gradient was inf/nan
   bool scale_exhausted = false;   // fp16: overflow with the loss scale already at its minimum
   std::string nonfinite_report;   // the first op that went non-finite (health.localize_nonfinite)

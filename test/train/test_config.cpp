@@ -455,6 +455,14 @@ TEST_CASE("batch-size ramp-up follows Megatron's --rampup-batch-size start incr 
   CHECK(global_batch_size(c, 80) == 12);
   CHECK(global_batch_size(c, 120) == 16);
   CHECK(global_batch_size(c, 100000) == 16);
+  // 100 samples over 3 increments: one every 33.33 samples, not every 33.
+  c.schedule.rampup->samples = 100;
+  CHECK(global_batch_size(c, 33) == 4);
+  CHECK(global_batch_size(c, 34) == 8);
+  CHECK(global_batch_size(c, 66) == 8);
+  CHECK(global_batch_size(c, 67) == 12);
+  CHECK(global_batch_size(c, 99) == 12);
+  CHECK(global_batch_size(c, 100) == 16);
   c.schedule.rampup.reset();
   CHECK(global_batch_size(c, 0) == 16);
 }

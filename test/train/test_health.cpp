@@ -12,6 +12,7 @@
 #include "common/temp_dir.h"
 #include "common/workspace.h"
 #include "data/token_file.h"
+#include "train/checkpoint.h"
 #include "train/health.h"
 #include "train/trainer.h"
 
@@ -309,4 +310,13 @@ TEST_CASE("spike action rewind: back to the last checkpoint, the offending data 
     }
   CHECK(rewinds >= 1);
   CHECK(rewinds <= 3);
+  // The steps of the abandoned trajectory (the skipped spike among them) are not the final
+  // checkpoint's: its skipped count is the rewound-to checkpoint's plus what came after, so
+  // Adam's step equals iteration - skipped and keel doctor finds the checkpoint consistent.
+  const auto final_ck = Checkpoint::open(dir / "out/checkpoints/step_00000060");
+  CHECK(final_ck.adam_step() == final_ck.progress().iteration - final_ck.progress().skipped_total);
+  auto doc = test::run_keel("doctor ckpt " + (dir / "out/checkpoints/step_00000060"));
+  INFO(doc.output);
+  CHECK(doc.code == 0);
+  CHECK_THAT(doc.output, Catch::Contains("skipped: consistent"));
 }
