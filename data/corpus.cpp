@@ -234,7 +234,11 @@ Corpus Corpus::read_jsonl(const std::vector<std::string>& files, const std::stri
   }
   // Line ends are ASCII, so every invalid byte sits in some line: a file is bad if a line is.
   std::vector<uint8_t> file_bad(c.files_.size(), 0);
-  for (size_t k = 0; k < lines.size(); ++k) file_bad[lines[k].source] |= bad_utf8[k];
+  for (size_t k = 0; k < lines.size(); ++k) {
+    file_bad[lines[k].source] |= bad_utf8[k];
+    if (bad_utf8[k] && c.first_bad_utf8_.empty())
+      c.first_bad_utf8_ = files[lines[k].source] + ":" + std::to_string(lines[k].line);
+  }
   for (uint8_t b : file_bad) c.bad_utf8_files_ += b;
   return c;
 }
@@ -246,6 +250,7 @@ Corpus Corpus::text(const std::vector<std::string>& files, DocSplit split) {
     if (!uc::is_valid_utf8(text)) {
       text = uc::replace_invalid_utf8(text);
       ++c.bad_utf8_files_;
+      if (c.first_bad_utf8_.empty()) c.first_bad_utf8_ = path;
     }
     std::string unix_text;  // \r\n -> \n
     unix_text.reserve(text.size());

@@ -63,6 +63,8 @@ class Corpus {
   int64_t characters() const { return characters_; }
   int64_t skipped_records() const { return skipped_; }  // JSON records without the field(s)
   int64_t files_with_bad_utf8() const { return bad_utf8_files_; }
+  // Where the first invalid UTF-8 is ("file:line", or "file" for text); empty when there is none.
+  const std::string& first_bad_utf8() const { return first_bad_utf8_; }
 
  private:
   Corpus() = default;
@@ -82,6 +84,7 @@ class Corpus {
   std::vector<std::string> texts_, text_names_;
   std::vector<Span> docs_;
   int64_t characters_ = 0, skipped_ = 0, bad_utf8_files_ = 0;
+  std::string first_bad_utf8_;
 };
 
 // Python's str.strip() / lstrip() / rstrip() of whitespace (unicode::is_python_space) on

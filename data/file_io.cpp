@@ -6,8 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <fstream>
 #include <sstream>
 
@@ -16,6 +20,80 @@
 namespace keel::data::detail {
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+namespace {
+
+// A read of a mapping whose file shrank after it was mapped (truncated, or rewritten in place by a
+// tool that opens it with O_TRUNC, as llm.c's and many preprocessing scripts do) raises SIGBUS:
+// without a handler the process dies with "Bus error" and no word of which file. Each mapping is
+// registered here with the message to give, so the handler can name it and exit as a data error.
+// The table is fixed and lock-free, since the handler reads it; past kSlots mappings the rest
+// are not named (the handler then leaves SIGBUS to its default action).
+struct MappingSlot {
+  std::atomic<bool> claimed{false};
+  std::atomic<const unsigned char*> base{nullptr};  // published last: the slot is complete
+  int64_t size = 0;
+  char message[512];
+};
+constexpr size_t kSlots = 4096;
+MappingSlot g_mappings[kSlots];
+constexpr int kExitDataError = 3;  // keel's exit code for bad data (train/run.h)
+
+extern "C" void on_mapping_fault(int, siginfo_t* info, void*) {
+  const auto* addr = static_cast<const unsigned char*>(info->si_addr);
+  for (MappingSlot& slot : g_mappings) {
+    const unsigned char* base = slot.base.load(std::memory_order_acquire);
+    if (base != nullptr && addr >= base && addr < base + slot.size) {
+      const ssize_t ignored = ::write(STDERR_FILENO, slot.message, std::strlen(slot.message));
+      (void)ignored;
+      _exit(kExitDataError);
+    }
+  }
+  std::signal(SIGBUS, SIG_DFL);  // not one of ours: returning re-runs the access, which now ends the process
+}
+
+void install_fault_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction old {};
+    sigaction(SIGBUS, nullptr, &old);
+    const bool default_action = !(old.sa_flags & SA_SIGINFO) && old.sa_handler == SIG_DFL;
+    if (!default_action) return;  // someone else's handler (a sanitizer's): leave it
+    struct sigaction sa {};
+    sa.sa_sigaction = on_mapping_fault;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, nullptr);
+  });
+}
+
+void register_mapping(const void* base, int64_t size, const std::string& kind, const std::string& path) {
+  install_fault_handler();
+  for (MappingSlot& slot : g_mappings) {
+    bool expected = false;
+    if (!slot.claimed.compare_exchange_strong(expected, true)) continue;
+    slot.size = size;
+    std::snprintf(slot.message, sizeof slot.message,
+                  "keel: data error: %s '%s' is shorter than the %lld bytes it had when keel opened it: it was "
+                  "truncated or rewritten in place while keel read it. Restore it (or write new data to new files) "
+                  "and run again (keel train resumes from its last checkpoint)\n",
+                  kind.c_str(), path.c_str(), static_cast<long long>(size));
+    slot.message[sizeof slot.message - 2] = '\n';  // a path too long for the message still ends a line
+    slot.base.store(static_cast<const unsigned char*>(base), std::memory_order_release);
+    return;
+  }
+}
+
+void unregister_mapping(const void* base) {
+  for (MappingSlot& slot : g_mappings)
+    if (slot.base.load(std::memory_order_acquire) == base) {
+      slot.base.store(nullptr, std::memory_order_release);
+      slot.claimed.store(false, std::memory_order_release);
+      return;
+    }
+}
+
+}  // namespace
 
 std::string read_file(const std::string& path, const std::string& kind) {
   std::ifstream in(path, std::ios::binary);
@@ -62,6 +140,7 @@ MappedFile MappedFile::open(const std::string& path, const std::string& kind) {
     throw DataError("cannot memory-map " + kind + " '" + path + "' (" + std::to_string(st.st_size) +
                     " bytes): " + errno_text(err));
   }
+  register_mapping(base, st.st_size, kind, path);
   MappedFile file;
   file.path_ = path;
   file.base_ = base;
@@ -90,7 +169,10 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
 MappedFile::~MappedFile() { reset(); }
 
 void MappedFile::reset() noexcept {
-  if (base_ != nullptr) munmap(base_, static_cast<size_t>(size_));
+  if (base_ != nullptr) {
+    unregister_mapping(base_);
+    munmap(base_, static_cast<size_t>(size_));
+  }
   base_ = nullptr;
   size_ = 0;
 }

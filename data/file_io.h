@@ -20,6 +20,8 @@ std::string read_file(const std::string& path, const std::string& kind);
 
 // A read-only mapping of a whole regular file. Missing, unreadable, non-regular and empty
 // files throw DataError naming the path; `kind` says what the file should be ("token file").
+// A file that shrinks while it is mapped (truncated, rewritten in place) makes a read past its
+// new end raise SIGBUS: the process then prints "keel: data error:" naming the file, and exits 3.
 class MappedFile {
  public:
   static MappedFile open(const std::string& path, const std::string& kind);

@@ -407,6 +407,14 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   say("keel tokenize: %zu documents (%lld characters) in %.2f s%s", corpus.size(), static_cast<long long>(r.characters),
       seconds_since(t0),
       corpus.skipped_records() ? (", " + std::to_string(corpus.skipped_records()) + " records skipped").c_str() : "");
+  // Replacing invalid bytes is what the script does, but a corpus in another encoding (Latin-1,
+  // cp1252) would then train on U+FFFD wherever it has an accent: say so, naming where.
+  if (corpus.files_with_bad_utf8())
+    log("keel tokenize: WARNING " + std::to_string(corpus.files_with_bad_utf8()) + " of " +
+        std::to_string(o.text.empty() ? o.jsonl.size() : o.text.size()) +
+        " input files are not valid UTF-8 (the first invalid byte is in " + corpus.first_bad_utf8() +
+        "): each invalid byte became U+FFFD, as Python's errors=\"replace\" does. Was the corpus written in another "
+        "encoding (Latin-1, cp1252)? Convert it first, e.g. iconv -f cp1252 -t utf-8");
 
   // 3. Shuffle by document and hold out the first val_fraction, as prepare_data.py does.
   std::vector<uint64_t> order(corpus.size());

@@ -939,6 +939,7 @@ void CheckpointManager::begin_save(const RunConfig& cfg, const ParamTable& table
   // What a restart must reproduce: the probe batch's loss and per-tensor norms.
   if (!health.is_null()) p->meta["health"] = health;
   if (!source_.is_null()) p->meta["source"] = source_;
+  if (!data_files_.is_null()) p->meta["data"]["files"] = data_files_;
 
   // Phase 2: every rank writes its files and a manifest of their checksums; in the background
   // from a host copy of the state taken now, or here, streaming from the device.

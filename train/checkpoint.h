@@ -176,6 +176,9 @@ class CheckpointManager {
   // meta.json's "source" in every save (the Hugging Face model and the checkpoints the run
   // started from: hf_format.h), so export and sample find its config, tokenizer and chat template.
   void set_source(nlohmann::json source) { source_ = std::move(source); }
+  // meta.json's "data"."files" in every save: the files data.train resolved to, with their token
+  // counts (per blend source), which the sample order depends on; a resume compares them.
+  void set_data_files(nlohmann::json files) { data_files_ = std::move(files); }
   // Writes a checkpoint of `state` at `progress.iteration`. With several ranks every rank calls
   // it, and they agree three times (directory made, files written, published), so a failure on
   // any rank fails the save on all of them instead of leaving some waiting. Throws
@@ -215,6 +218,7 @@ class CheckpointManager {
   CheckpointConfig cfg_;
   std::unique_ptr<PendingSave> pending_;
   nlohmann::json source_;
+  nlohmann::json data_files_;
 };
 
 // ---- restoring -------------------------------------------------------------------------

@@ -153,6 +153,50 @@ data::Sampler open_train_data(const RunConfig& cfg) {
                        cfg.data.shuffle);
 }
 
+// The files each training source resolved to, with their token counts: with the seed and
+// seq_len, what the sample order is a function of. Saved in every checkpoint (data.files).
+nlohmann::json training_files(const data::Sampler& train) {
+  nlohmann::json sources = nlohmann::json::array();
+  for (size_t k = 0; k < train.num_sources(); ++k) {
+    nlohmann::json files = nlohmann::json::array();
+    for (size_t f = 0; f < train.source(k).num_files(); ++f) {
+      const data::TokenFile& file = train.source(k).file(f);
+      files.push_back({{"file", fs::absolute(file.path()).lexically_normal().string()}, {"tokens", file.num_tokens()}});
+    }
+    sources.push_back(std::move(files));
+  }
+  return sources;
+}
+
+// How the training files changed between a checkpoint's data.files and this run's: one line per
+// file added, removed or resized (empty: the same files; also for a checkpoint that has no list).
+// The same patterns can resolve to other files (a shard added to the folder, a dataset rewritten
+// in place), which the config comparison cannot see, yet the sampler's permutation follows the
+// window counts: the order from the resumed sample on is not the saved run's.
+std::vector<std::string> training_file_changes(const nlohmann::json& saved, const nlohmann::json& now) {
+  std::vector<std::string> changes;
+  if (!saved.is_array()) return changes;
+  if (saved.size() != now.size()) {
+    changes.push_back(std::to_string(saved.size()) + " source(s) at the checkpoint, " + std::to_string(now.size()) + " now");
+    return changes;
+  }
+  for (size_t k = 0; k < now.size(); ++k) {
+    const std::string where = now.size() > 1 ? "source " + std::to_string(k) + ": " : "";
+    std::map<std::string, int64_t> was, is;
+    for (const auto& f : saved[k]) was[f.value("file", "")] = f.value("tokens", int64_t{-1});
+    for (const auto& f : now[k]) is[f.at("file").get<std::string>()] = f.at("tokens").get<int64_t>();
+    for (const auto& [file, tokens] : is) {
+      const auto it = was.find(file);
+      if (it == was.end()) changes.push_back(where + file + " is new (" + std::to_string(tokens) + " tokens)");
+      else if (it->second != tokens)
+        changes.push_back(where + file + " had " + std::to_string(it->second) + " tokens, now " + std::to_string(tokens));
+    }
+    for (const auto& [file, tokens] : was)
+      if (!is.contains(file)) changes.push_back(where + file + " is gone (it had " + std::to_string(tokens) + " tokens)");
+  }
+  return changes;
+}
+
 // The "eot_id" a data folder's meta.json names, if it names one.
 std::optional<int64_t> meta_eot_id(const nlohmann::json& meta) {
   if (meta.is_object() && meta.contains("eot_id") && meta["eot_id"].is_number_integer()) return meta["eot_id"].get<int64_t>();
@@ -890,6 +934,18 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_source = ck.meta().value("source", nlohmann::json());
     loaded_precision = ck.precision();
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
+    if (const auto changes = training_file_changes(ck.meta().value("data", nlohmann::json::object()).value("files", nlohmann::json()),
+                                                   training_files(train));
+        !changes.empty() && !opts.eval_only) {
+      std::string text = "WARNING the training data changed since the checkpoint, under the same data.train:";
+      for (size_t k = 0; k < changes.size() && k < 10; ++k) text += "\n    " + changes[k];
+      if (changes.size() > 10) text += "\n    ... and " + std::to_string(changes.size() - 10) + " more";
+      text += "\n  The sample order follows the windows of these files: from sample " +
+              std::to_string(progress.consumed_samples) +
+              " on, this run reads another order than the saved run would have, so samples of the current epoch may "
+              "repeat or be skipped. Resume with the checkpoint's files to continue its order exactly.";
+      notes.push_back(text);
+    }
     const auto& topo = ck.meta()["topology"];
     notes.insert(notes.begin(), (opts.eval_only ? "loaded " : "resuming from ") + ck.path() + " at iteration " +
                                     std::to_string(progress.iteration) +
@@ -989,6 +1045,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   RunDirLock run_lock, checkpoints_lock;  // held until the run ends
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
+  checkpoints.set_data_files(training_files(train));
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, tr, train, vals, packed, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());

@@ -2,6 +2,7 @@
 // and the error message for every kind of broken input.
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "data/token_file.h"
@@ -159,6 +160,38 @@ TEST_CASE("reads are bounds-checked", "[data][token_file]") {
   CHECK_THAT(data_error_of([&] { f.read(-1, 1, out); }), Contains("outside"));
   CHECK_THAT(data_error_of([&] { f.token(4); }), Contains("4 tokens"));
   f.read(4, 0, out);  // an empty read at the end is fine
+}
+
+TEST_CASE("a token file truncated while it is mapped is named, with the data error's exit code", "[data][token_file][errors]") {
+  // What a tool rewriting shards in place (open(path, "wb")) does to a running job: the mapping's
+  // pages past the new end raise SIGBUS on the next read. A child process reads after the
+  // truncation; it must exit 3 with a message naming the file, not die of "Bus error".
+  TempDir dir;
+  const std::string path = dir / "shard.bin";
+  write_llmc_shard(path, std::vector<uint32_t>(100000, 7), false);
+  int pipe_fds[2];
+  REQUIRE(::pipe(pipe_fds) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::dup2(pipe_fds[1], STDERR_FILENO);
+    const TokenFile f = TokenFile::open(path);
+    if (::truncate(path.c_str(), 2048) != 0) _exit(10);
+    const uint32_t last = f.token(f.num_tokens() - 1);  // past the new end: SIGBUS
+    _exit(last == 7 ? 11 : 12);                           // not reached
+  }
+  ::close(pipe_fds[1]);
+  std::string stderr_text;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) stderr_text.append(buf, static_cast<size_t>(n));
+  ::close(pipe_fds[0]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  INFO(stderr_text);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 3);
+  CHECK_THAT(stderr_text, Contains("keel: data error: token file '" + path + "' is shorter than the 201024 bytes") &&
+                              Contains("rewritten in place"));
 }
 
 TEST_CASE("llm.c errors name the file and what is wrong", "[data][token_file][errors]") {

@@ -395,6 +395,49 @@ TEST_CASE("Corpus counts records, characters and files with invalid UTF-8 as the
   CHECK(text.files_with_bad_utf8() == cases["text_llama3"]["bad_utf8_files"].get<int64_t>());
 }
 
+TEST_CASE("keel tokenize warns about input that is not UTF-8, naming where", "[tokenize]") {
+  // A cp1252 corpus: every accent is one invalid byte, which becomes U+FFFD as the script has it.
+  // That must not pass in silence: the log names the file and line of the first one.
+  TempDir dir;
+  std::ofstream(dir / "clean.jsonl") << "{\"text\": \"plain ascii\"}\n{\"text\": \"more ascii\"}\n";
+  std::ofstream(dir / "cp1252.jsonl") << "{\"text\": \"fine\"}\n{\"text\": \"caf\xe9 au lait\"}\n";
+  std::ofstream(dir / "cp1252.txt") << "na\xefve\n\nsecond paragraph\n";
+  TokenizeOptions o;
+  o.tokenizer = kTokenizers + "gpt2.json";
+  o.threads = 1;
+  std::vector<std::string> log;
+  auto collect = [&](const std::string& line) { log.push_back(line); };
+  auto warnings = [&] {
+    std::vector<std::string> w;
+    for (const std::string& line : log)
+      if (line.find("not valid UTF-8") != std::string::npos) w.push_back(line);
+    return w;
+  };
+
+  o.jsonl = {dir / "clean.jsonl", dir / "cp1252.jsonl"};
+  o.out = dir / "jsonl";
+  tokenize_corpus(o, collect);
+  REQUIRE(warnings().size() == 1);
+  CHECK_THAT(warnings()[0], Catch::Contains("WARNING 1 of 2 input files") &&
+                                Catch::Contains(dir / "cp1252.jsonl:2") && Catch::Contains("U+FFFD"));
+
+  log.clear();
+  o.jsonl.clear();
+  o.text = {dir / "cp1252.txt"};
+  o.doc_split = DocSplit::paragraph;
+  o.out = dir / "text";
+  tokenize_corpus(o, collect);
+  REQUIRE(warnings().size() == 1);
+  CHECK_THAT(warnings()[0], Catch::Contains("WARNING 1 of 1 input files") && Catch::Contains(dir / "cp1252.txt"));
+
+  log.clear();
+  o.text = {};
+  o.jsonl = {dir / "clean.jsonl"};
+  o.out = dir / "clean";
+  tokenize_corpus(o, collect);
+  CHECK(warnings().empty());
+}
+
 TEST_CASE("One Tokenizer encodes from several threads at once", "[tokenize][tokenizer]") {
   // The regex matcher once kept the text it scanned in the shared Regex: two threads
   // encoding at once read each other's text (and crashed). Every thread must get the ids

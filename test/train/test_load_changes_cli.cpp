@@ -4,10 +4,13 @@
 // test/model/test_padded_vocab.cpp).
 #include <catch2/catch.hpp>
 
+#include <filesystem>
+
 #include "common/process.h"
 #include "common/workspace.h"
 
 using namespace keel;
+namespace fs = std::filesystem;
 
 TEST_CASE("a checkpoint padded otherwise than the model is refused, naming the padding", "[ckpt][cli][vocab]") {
   test::Workspace ws(nlohmann::json{{"train", {{"steps", 2}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
@@ -40,4 +43,31 @@ TEST_CASE("a resume names each changed setting and the next step's new learning 
   CHECK_THAT(r.output, Catch::Contains("settings changed since the checkpoint:\n    optimizer.lr: 0.01 -> 0.005\n"
                                        "    train.steps: 6 -> 8") &&
                            Catch::Contains("the learning rate of step 6 changes from "));
+}
+
+TEST_CASE("a resume names training files that changed under the same data.train", "[ckpt][cli][resume][data]") {
+  // data.train is a glob; a shard added to the folder (or one rewritten with another length)
+  // changes the windows, and with them the sampler's order, while the config stays the same.
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 6}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
+  fs::create_directories(ws.dir / "shards");
+  data::write_llmc_shard(ws.dir / "shards/a.bin", test::synthetic_tokens(5000, 1), false);
+  data::write_llmc_shard(ws.dir / "shards/b.bin", test::synthetic_tokens(5000, 2), false);
+  const std::string out = ws.dir / "run";
+  const std::string set = " --set 'data.train=[\"" + (ws.dir / "shards") + "/*.bin\"]'";
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + set + " -q --stop-at 2").code == 4);
+  const test::ProcessResult same = test::run_keel("train --config " + ws.config + " --out " + out + set + " --stop-at 3");
+  INFO(same.output);
+  CHECK(same.code == 4);
+  CHECK(same.output.find("training data changed") == std::string::npos);
+
+  data::write_llmc_shard(ws.dir / "shards/c.bin", test::synthetic_tokens(3000, 3), false);
+  data::write_llmc_shard(ws.dir / "shards/b.bin", test::synthetic_tokens(4000, 2), false);
+  const test::ProcessResult r = test::run_keel("train --config " + ws.config + " --out " + out + set + " --stop-at 4");
+  INFO(r.output);
+  CHECK(r.code == 4);
+  const std::string shards = fs::absolute(ws.dir / "shards").lexically_normal().string();
+  CHECK_THAT(r.output, Catch::Contains("WARNING the training data changed since the checkpoint, under the same data.train:\n"
+                                       "    " + shards + "/b.bin had 5000 tokens, now 4000\n"
+                                       "    " + shards + "/c.bin is new (3000 tokens)\n") &&
+                           Catch::Contains("from sample 24 on, this run reads another order"));
 }
