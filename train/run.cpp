@@ -989,6 +989,20 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   RunDirLock run_lock, checkpoints_lock;  // held until the run ends
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
+  if (!resume_path.empty() && !opts.eval_only) {
+    // A rewind: the higher steps belong to the run it abandoned. Kept, and said once.
+    if (const std::vector<std::string> above = checkpoints.set_resumed_from(progress.iteration); !above.empty()) {
+      std::string names, paths;
+      for (const auto& a : above) {
+        names += " " + a;
+        paths += " " + (fs::path(cfg.checkpoint.dir) / a).string();
+      }
+      notes.push_back("resuming at step " + std::to_string(progress.iteration) + " abandons the later checkpoints" +
+                      names + " in " + cfg.checkpoint.dir +
+                      ". keep_last does not remove them (only a save of the same step by this run replaces one); "
+                      "remove them by hand when they are no longer wanted: rm -r" + paths);
+    }
+  }
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, tr, train, vals, packed, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());

@@ -621,23 +621,40 @@ TEST_CASE("a latest pointer that cannot be followed is refused by name, never re
   }
 }
 
-// Rewinding (--resume of an earlier step, e.g. after a loss spike) starts a new trajectory:
-// keep_last keeps its saves, not the abandoned run's higher step numbers.
-TEST_CASE("after a rewind keep_last keeps the new run's last saves, not the abandoned run's higher steps",
+// Rewinding (--resume of an earlier step, e.g. after a loss spike) starts a new trajectory.
+// keep_last counts its saves only: the checkpoint rewound to stays until keep_last newer saves
+// exist, and the abandoned run's higher steps are never removed behind the user's back (said
+// at start-up), only replaced by this run's save of the same step.
+TEST_CASE("after a rewind keep_last keeps the point rewound to and never removes the abandoned run's steps",
           "[ckpt][cli][rotate]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run", dir = out + "/checkpoints";
-  const std::string every = "--steps 10 --set checkpoint.interval=1 ";
-  REQUIRE(run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=20")).code == 0);  // step 1..10
-  auto r = run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=2 --set checkpoint.keep_every=5 "
-                                        "--set optimizer.lr=1e-3 --resume " + dir + "/step_00000004 --stop-at 7"));
+  auto kept = [&] {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+    return names;
+  };
+  const std::string every = "--steps 10 --set checkpoint.interval=2 --set checkpoint.keep_last=2 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=3 --stop-at 6")).code == 4);
+  REQUIRE(kept() == std::set<std::string>{"latest", "step_00000002", "step_00000004", "step_00000006"});
+
+  // Rewound to step 2; the first new save (step 4) replaces the abandoned run's step 4.
+  auto r = run_keel(train_args(ws, out, every + "--set optimizer.lr=1e-3 --resume " + dir + "/step_00000002 --stop-at 4"));
   INFO(r.output);
   REQUIRE(r.code == 4);
-  std::set<std::string> kept;
-  for (const auto& e : fs::directory_iterator(dir)) kept.insert(e.path().filename().string());
-  // The last two saves (6, 7) and the milestones (5 of this run, 10 of the old one).
-  CHECK(kept == std::set<std::string>{"latest", "step_00000005", "step_00000006", "step_00000007", "step_00000010"});
-  CHECK(test::read_file(dir + "/latest") == "step_00000007\n");
+  CHECK_THAT(r.output, Catch::Contains("resuming at step 2 abandons the later checkpoints step_00000004 step_00000006 in " +
+                                       dir + ". keep_last does not remove them") &&
+                           Catch::Contains("rm -r " + dir + "/step_00000004 " + dir + "/step_00000006"));
+  CHECK(kept() == std::set<std::string>{"latest", "step_00000002", "step_00000004", "step_00000006"});
+  CHECK(test::read_file(dir + "/latest") == "step_00000004\n");
+
+  // Continued from there: step 6 is still the abandoned run's until this run saves its own;
+  // then keep_last=2 holds this trajectory's last two saves (6 and 8), and 2 and 4 go.
+  auto c = run_keel(train_args(ws, out, every + "--set optimizer.lr=1e-3 --stop-at 8"));
+  INFO(c.output);
+  REQUIRE(c.code == 4);
+  CHECK_THAT(c.output, Catch::Contains("resuming at step 4 abandons the later checkpoints step_00000006 in"));
+  CHECK(kept() == std::set<std::string>{"latest", "step_00000006", "step_00000008"});
 }
 
 // meta.json holds where the run is (iteration, data position, Adam step) and every file's
