@@ -43,6 +43,7 @@
 #include "train/format.h"
 #include "train/health.h"
 #include "train/host_memory.h"
+#include "train/parallel/host_values.h"
 #include "train/hf_format.h"
 #include "train/metrics.h"
 #include "train/model_loading.h"
@@ -817,9 +818,41 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     throw ConfigError("--eval-only: nothing to evaluate: set data.val or data.val_sets (with train.eval_batches > 0), "
                       "choice_eval.file or sample.interval");
   if (backend->device() == Device::CPU && !opts.eval_only) {
-    const std::string warning = check_host_memory(cfg, launch.local_size, host_memory());
-    if (lead && !warning.empty()) {
-      std::printf("keel: WARNING host memory: %s\n", warning.c_str());
+    const HostMemory mem = host_memory();
+    const std::string host = parallel::this_host();
+    // Ranks on one host under one limit (its MemAvailable, a job's cgroup) share it; a Slurm
+    // per-task cgroup is each rank's own. Which is which: the ranks' hosts and cgroup paths.
+    std::vector<int> sharing;
+    if (world_size > 1)
+      sharing = ranks_sharing(mem, host, parallel::gather_text(*comms.world, *backend, memory_limit_ids(mem, host)));
+    std::string verdict;  // this rank's refusal or warning
+    bool refused = false;
+    try {
+      verdict = check_host_memory(cfg, mem, sharing);
+    } catch (const ConfigError& e) {
+      verdict = e.what();
+      refused = true;
+    }
+    // The ranks agree: all refuse when one does, and rank 0 prints the first refusing (else
+    // warning) rank's message, once.
+    if (world_size > 1) {
+      const std::vector<std::string> kinds =
+          parallel::gather_text(*comms.world, *backend, refused ? "refused" : verdict.empty() ? "" : "warned");
+      auto first_of = [&](const char* kind) { return int(std::find(kinds.begin(), kinds.end(), kind) - kinds.begin()); };
+      const int first = first_of("refused") < world_size ? first_of("refused") : first_of("warned");
+      if (first < world_size) {
+        if (world_rank == first && first != 0) verdict = "world rank " + std::to_string(first) + " on " + host + ": " + verdict;
+        std::string theirs;  // rank 0 receives the first rank's text when it is not its own
+        opts.mpi->first_rank_differing(world_rank == first ? verdict : "", &theirs);
+        if (lead && first != 0) verdict = theirs;
+        refused = kinds[first] == "refused";
+        if (refused && !lead && world_rank != first)
+          verdict = "world rank " + std::to_string(first) + " refuses to start for lack of host memory (rank 0 says why)";
+      }
+    }
+    if (refused) throw ConfigError(verdict);
+    if (lead && !verdict.empty()) {
+      std::printf("keel: WARNING host memory: %s\n", verdict.c_str());
       std::fflush(stdout);  // before the OOM killer can end the process without a word
     }
   }
