@@ -657,6 +657,40 @@ TEST_CASE("after a rewind keep_last keeps the point rewound to and never removes
   CHECK(kept() == std::set<std::string>{"latest", "step_00000006", "step_00000008"});
 }
 
+// A run started with relative paths records them resolved against its directory: its
+// config.json and meta.json name the run directory and the data from anywhere, so the run
+// resumes from another directory with its own config.json.
+TEST_CASE("relative --out and data paths are recorded resolved, and the run resumes from another directory",
+          "[ckpt][cli][resume]") {
+  test::Workspace ws(kRun);
+  fs::create_directories(ws.dir / "a/data");
+  fs::create_directories(ws.dir / "b");
+  fs::copy_file(ws.dir / "train.bin", ws.dir / "a/data/train.bin");
+  nlohmann::json j = ws.json;
+  j["data"] = {{"train", "data/train.bin"}};
+  std::ofstream(ws.dir / "a/rel.json") << j.dump(2);
+  auto first = test::run_shell("cd " + (ws.dir / "a") + " && " + KEEL_BINARY +
+                               " train --config rel.json --out ./run -q --stop-at 8");
+  INFO(first.output);
+  REQUIRE(first.code == 4);
+  const std::string run = ws.dir / "a/run", data = ws.dir / "a/data/train.bin";
+  const nlohmann::json recorded = nlohmann::json::parse(std::ifstream(run + "/config.json"));
+  CHECK(recorded["out"] == run);
+  CHECK(recorded["checkpoint"]["dir"] == run + "/checkpoints");
+  CHECK(recorded["data"]["train"] == nlohmann::json::array({data}));
+  const nlohmann::json meta = nlohmann::json::parse(std::ifstream(run + "/checkpoints/step_00000008/meta.json"));
+  CHECK(meta["config"]["out"] == run);
+  CHECK(meta["config"]["data"]["train"] == nlohmann::json::array({data}));
+
+  auto second = test::run_shell("cd " + (ws.dir / "b") + " && " + KEEL_BINARY + " train --config " + run +
+                                "/config.json --steps 12");
+  INFO(second.output);
+  CHECK(second.code == 0);
+  CHECK_THAT(second.output, Catch::Contains("resuming from " + run + "/checkpoints/step_00000008"));
+  CHECK(fs::exists(run + "/checkpoints/step_00000012"));
+  CHECK(fs::is_empty(ws.dir / "b"));
+}
+
 // meta.json holds where the run is (iteration, data position, Adam step) and every file's
 // checksum: a flipped bit in it is caught by its own checksum, and a field of the wrong type or
 // range (even with a valid checksum) is named, with exit code 5, by verify and by a resume.
