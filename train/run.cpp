@@ -720,14 +720,16 @@ bool time_limit_near(double elapsed_s, double step_s, double save_s, double limi
   return elapsed_s + step_s + std::max(step_s, save_s) >= limit_s;
 }
 
-std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes) {
-  if (free_bytes >= save_bytes) return {};
+std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes, AfterSave after) {
+  if (free_bytes >= save_bytes || after == AfterSave::End) return {};
+  const bool resumed = after == AfterSave::Stop;
   char buf[160];
   std::snprintf(buf, sizeof buf, "%.1f MB free, and the next save needs about %.1f MB", free_bytes / 1e6,
                 save_bytes / 1e6);
-  return "WARNING the next checkpoint save will not fit: " + dir + " has " + buf +
-         " (keep_last removes old checkpoints only once a new one is complete). Free some space there before it, "
-         "or the steps since the last save are trained for nothing";
+  return std::string("WARNING ") + (resumed ? "a resumed run's first" : "the next") + " checkpoint save will not fit: " +
+         dir + " has " + buf + " (keep_last removes old checkpoints only once a new one is complete). Free some " +
+         "space there before " + (resumed ? "resuming" : "it") +
+         ", or the steps since the last save are trained for nothing";
 }
 
 void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
@@ -1179,6 +1181,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // rank is still writing (below), and at the latest before the next save or the run's end.
   double evals_secs = 0;    // the last evaluations' time (validation, choice eval, sample at one step)
   double longest_save = 0;  // seconds of this run's slowest save: --time-limit keeps room for one
+  AfterSave after_pending = AfterSave::Training;  // what follows the pending save, for the free-space warning
   auto finish_pending_save = [&] {
     if (!checkpoints.save_pending()) return;
     const SaveResult r = checkpoints.finish_save(all_ok);
@@ -1188,12 +1191,15 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::error_code space_ec;
     const fs::space_info space = fs::space(cfg.checkpoint.dir, space_ec);
     if (!space_ec)
-      if (std::string w = low_space_warning(cfg.checkpoint.dir, r.bytes, static_cast<int64_t>(space.available)); !w.empty())
+      if (std::string w = low_space_warning(cfg.checkpoint.dir, r.bytes, static_cast<int64_t>(space.available),
+                                            after_pending);
+          !w.empty())
         std::printf("keel: %s\n", w.c_str());
   };
-  auto save = [&](int64_t it, bool background) {
+  auto save = [&](int64_t it, bool background, AfterSave after = AfterSave::Training) {
     const ProfileRange range("checkpoint save");
     finish_pending_save();
+    after_pending = it >= cfg.train.steps ? AfterSave::End : after;
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
     nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
     health["arithmetic"] = arithmetic;
@@ -1296,7 +1302,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                     "or with a lower learning rate\n",
                     static_cast<double>(tr.scaler().scale()), static_cast<long long>(it),
                     st.nonfinite_report.empty() ? "(no localisation)" : st.nonfinite_report.c_str());
-      save(it, false);
+      save(it, false, AfterSave::Stop);
       return kExitDiverged;
     }
     if (st.spike) {
@@ -1371,7 +1377,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (stop_reason.empty()) stop_reason = "another rank is stopping";
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));
-      save(it, false);
+      save(it, false, AfterSave::Stop);
       // The same command with --resume would start from that checkpoint again, not from this one.
       const std::string again =
           opts.resume.empty() ? "run the same command again to resume"

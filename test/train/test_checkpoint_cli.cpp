@@ -251,6 +251,11 @@ TEST_CASE("a save that leaves less free space than one more save warns with both
   const std::string w = low_space_warning("/ck", 18'400'000, 13'000'000);
   CHECK_THAT(w, Catch::Contains("the next checkpoint save will not fit: /ck has 13.0 MB free, and the next save "
                                 "needs about 18.4 MB"));
+  // After the save at a stop, the next save is a resumed run's; after the run's last, there is none.
+  CHECK_THAT(low_space_warning("/ck", 18'400'000, 13'000'000, AfterSave::Stop),
+             Catch::StartsWith("WARNING a resumed run's first checkpoint save will not fit: /ck has 13.0 MB free") &&
+                 Catch::Contains("Free some space there before resuming,"));
+  CHECK(low_space_warning("/ck", 18'400'000, 13'000'000, AfterSave::End).empty());
 }
 
 TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4", "[ckpt][cli][signal]") {
