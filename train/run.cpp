@@ -1320,6 +1320,10 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
           if (metrics)
             metrics->write({{"event", "rewind"}, {"step", it}, {"to", back.iteration}, {"checkpoint", ck.path()}});
           it = back.iteration;  // the data position stays where it is: the offending batches are skipped
+          // The counters describe the trajectory kept: the abandoned steps' skips and non-finite
+          // steps (the spike's included) are gone with them, as Adam's step is.
+          skipped_total = back.skipped_total;
+          nan_total = back.nan_total;
           continue;
         }
         if (lead) std::printf("keel: no checkpoint to rewind to yet: the update was skipped instead\n");

@@ -309,4 +309,12 @@ TEST_CASE("spike action rewind: back to the last checkpoint, the offending data 
     }
   CHECK(rewinds >= 1);
   CHECK(rewinds <= 3);
+  // The counters describe the trajectory kept: every skipped update of it (the spikes were on the
+  // abandoned stretches) is one Adam step fewer, and keel doctor finds the two consistent.
+  std::ifstream in(dir / "out/checkpoints/step_00000060/meta.json");
+  const nlohmann::json meta = nlohmann::json::parse(in);
+  CHECK(meta["progress"]["iteration"] == 60);
+  CHECK(meta["progress"]["skipped_total"].get<int64_t>() == 60 - meta["adam_step"].get<int64_t>());
+  CHECK(meta["progress"]["skipped_total"] == 0);
+  CHECK(meta["progress"]["nan_total"] == 0);
 }
