@@ -338,9 +338,9 @@ int64_t save_time_ns(const fs::path& ckpt) {
   return int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
 }
 
-// The complete step_* checkpoints of a directory, in the order they were saved (oldest first;
-// the step number breaks ties).
-std::vector<std::string> complete_checkpoints(const fs::path& dir) {
+// The complete step_* checkpoints of a directory as (save time, step, name), in the order they
+// were saved (oldest first; the step number breaks ties).
+std::vector<std::tuple<int64_t, int64_t, std::string>> saved_checkpoints(const fs::path& dir) {
   std::vector<std::tuple<int64_t, int64_t, std::string>> found;
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
@@ -348,8 +348,13 @@ std::vector<std::string> complete_checkpoints(const fs::path& dir) {
       found.emplace_back(save_time_ns(e.path()), step_of(name), name);
   }
   std::sort(found.begin(), found.end());
+  return found;
+}
+
+// Their names alone, oldest save first.
+std::vector<std::string> complete_checkpoints(const fs::path& dir) {
   std::vector<std::string> out;
-  for (auto& f : found) out.push_back(std::move(std::get<2>(f)));
+  for (auto& f : saved_checkpoints(dir)) out.push_back(std::move(std::get<2>(f)));
   return out;
 }
 
@@ -1070,11 +1075,29 @@ void CheckpointManager::fail_save(const PendingSave& p, const std::string& why) 
                         (earlier ? "; the previous checkpoints are untouched" : "; no checkpoint had been saved before it"));
 }
 
+std::vector<std::string> CheckpointManager::set_resumed_from(int64_t step) {
+  resumed_step_ = step;
+  run_start_ns_ =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::vector<std::string> out;
+  if (!fs::is_directory(dir_)) return out;
+  for (const auto& [saved_ns, s, name] : saved_checkpoints(dir_))
+    if (abandoned(saved_ns, s)) out.push_back(name);
+  return out;
+}
+
+bool CheckpointManager::abandoned(int64_t saved_ns, int64_t step) const {
+  return resumed_step_ >= 0 && step > resumed_step_ && saved_ns < run_start_ns_;
+}
+
 void CheckpointManager::rotate() {
   const fs::path dir(dir_);
-  // In save order, so that keep_last keeps this run's last saves even when an abandoned run
-  // (before a rewind to an earlier step) left higher step numbers behind.
-  const std::vector<std::string> saves = complete_checkpoints(dir);
+  // The current trajectory in save order: the checkpoints up to the one this run resumed from,
+  // then this run's saves. A rewind's abandoned run (higher steps saved before this run) is
+  // left out and never removed: keel cannot know whether the user still wants it (set_resumed_from).
+  std::vector<std::string> saves;
+  for (auto& [saved_ns, step, name] : saved_checkpoints(dir))
+    if (!abandoned(saved_ns, step)) saves.push_back(std::move(name));
   std::string latest;
   std::ifstream in(dir / "latest");
   std::getline(in, latest);

@@ -203,9 +203,15 @@ class CheckpointManager {
   bool save_pending() const { return pending_ != nullptr; }  // begun, not finished
   bool writing() const;  // this rank's files of the pending save are still being written
 
-  // Keeps the keep_last most recently saved checkpoints (by meta.json's saved_at_ns, or its file
-  // time for older ones; not by step number, which a rewind makes go back), plus every step
-  // divisible by keep_every; never the one `latest` names.
+  // The run resumed from a checkpoint of `step`. Checkpoints of a higher step saved before now
+  // belong to a trajectory the resume abandoned (a rewind): rotation never removes them, as
+  // only the user knows whether they are still wanted. Returns their names, oldest save first.
+  std::vector<std::string> set_resumed_from(int64_t step);
+  // Keeps the keep_last most recently saved checkpoints of the current trajectory (by meta.json's
+  // saved_at_ns, or its file time for older ones; not by step number, which a rewind makes go
+  // back), plus every step divisible by keep_every; never the one `latest` names, nor any of an
+  // abandoned trajectory (above). So the checkpoint a run resumed from stays until keep_last
+  // newer saves exist.
   void rotate();
   // Removes .tmp-* directories left by saves that were killed.
   int clean_incomplete();
@@ -219,6 +225,8 @@ class CheckpointManager {
   std::unique_ptr<PendingSave> pending_;
   nlohmann::json source_;
   nlohmann::json data_files_;
+  bool abandoned(int64_t saved_ns, int64_t step) const;
+  int64_t resumed_step_ = -1, run_start_ns_ = 0;  // set_resumed_from; -1: a fresh run
 };
 
 // ---- restoring -------------------------------------------------------------------------

@@ -99,13 +99,15 @@ int cmd_inspect(const std::string& path, const std::string& stats_state, bool ve
   return kExitOk;
 }
 
-int cmd_diff(const std::string& a_path, const std::string& b_path, int max_report) {
+// verify = false (--no-verify): meta.json and the files' headers only, as for inspect: which
+// tensors each side holds, their shapes and stored dtypes, and the progress; no data is read.
+int cmd_diff(const std::string& a_path, const std::string& b_path, int max_report, bool verify) {
   Checkpoint a = Checkpoint::open(a_path), b = Checkpoint::open(b_path);
   std::printf("diff %s\n     %s\n", a.path().c_str(), b.path().c_str());
   // A side whose files are not what was saved (or hold inf/NaN) is said first: its differences
   // are damage, not training.
-  const bool sound = report_problems(a, a.verify(), "the first checkpoint, ") &
-                     report_problems(b, b.verify(), "the second checkpoint, ");
+  const bool sound = !verify || (report_problems(a, a.verify(), "the first checkpoint, ") &
+                                 report_problems(b, b.verify(), "the second checkpoint, "));
   int64_t compared = 0, differing = 0;
   std::vector<std::string> notes, reshaped;
   for (const std::string& state : a.states()) {
@@ -127,6 +129,12 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
       ++compared;
       // Bitwise comparison in the stored dtype when both agree on it, else through fp32.
       const DType da = a.stored_dtype(state, name), db = b.stored_dtype(state, name);
+      if (!verify) {  // the headers only: the stored dtypes
+        if (da != db && ++differing <= max_report)
+          std::printf("  %-8s %-34s stored as %s vs %s\n", state.c_str(), name.c_str(),
+                      std::string(dtype_name(da)).c_str(), std::string(dtype_name(db)).c_str());
+        continue;
+      }
       TensorRegion r;
       r.shape = shape;
       r.offset.assign(shape.size(), 0);
@@ -165,6 +173,13 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
                 static_cast<long long>(pa.consumed_samples), static_cast<long long>(pb.consumed_samples),
                 static_cast<long long>(a.adam_step()), static_cast<long long>(b.adam_step()));
   const char* damaged = sound ? "" : " (and verification fails: see above)";
+  if (!verify) {
+    std::printf("%s: %lld tensors across %zu states compared by name, shape and stored dtype; data not read or "
+                "verified (--no-verify): keel ckpt diff without it compares the values\n",
+                differing == 0 && notes.empty() && reshaped.empty() ? "headers agree" : "headers differ",
+                static_cast<long long>(compared), a.states().size());
+    return differing == 0 && notes.empty() && reshaped.empty() ? kExitOk : kExitFailure;
+  }
   if (differing == 0 && notes.empty() && reshaped.empty()) {
     std::printf("bitwise equal: %lld tensors compared across %zu states%s\n", static_cast<long long>(compared),
                 a.states().size(), damaged);
@@ -315,6 +330,9 @@ Command add_ckpt_command(CLI::App& app) {
   diff->add_option("a", args->path, "First checkpoint")->required();
   diff->add_option("b", args->other, "Second checkpoint")->required();
   diff->add_option("--max", args->max_report, "Differing tensors to list")->check(cli::integer<int>(0));
+  diff->add_flag("--no-verify", args->no_verify,
+                 "Compare meta.json and the file headers only (tensors, shapes, stored dtypes, progress): no data is "
+                 "read, compared or verified");
   CLI::App* verify = ckpt->add_subcommand(
       "verify", "Checksums, completeness and finite values (exit 5 if damaged or holding inf/NaN)");
   verify->add_option("path", args->path, "Checkpoint")->required();
@@ -326,7 +344,7 @@ Command add_ckpt_command(CLI::App& app) {
   average->add_flag("--force", args->force, "Replace --out if it exists");
   return {ckpt, [args, inspect, diff, verify, average]() -> int {
             if (inspect->parsed()) return cmd_inspect(args->path, args->state, !args->no_verify);
-            if (diff->parsed()) return cmd_diff(args->path, args->other, args->max_report);
+            if (diff->parsed()) return cmd_diff(args->path, args->other, args->max_report, !args->no_verify);
             if (verify->parsed()) return cmd_verify(args->path);
             if (average->parsed()) return cmd_average(args->paths, args->out, args->dtype, args->force);
             return kExitConfigError;

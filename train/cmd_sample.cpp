@@ -117,6 +117,9 @@ int cmd_sample(const SampleArgs& a) {
         for (const json& x : e) g.stop_ids.push_back(x.get<int32_t>());
     }
     if (g.stop_ids.empty() && tok) g.stop_ids = end_of_text_ids(*tok);
+    // The end of a document in the run's training data, where its samples during training stop too.
+    if (lm.eod_token >= 0 && std::find(g.stop_ids.begin(), g.stop_ids.end(), lm.eod_token) == g.stop_ids.end())
+      g.stop_ids.push_back(static_cast<int32_t>(lm.eod_token));
     if (chat) {  // a reply ends at the template's eos_token or an end-of-turn token
       std::vector<std::string> names(std::begin(data::kEndOfTurnTokens), std::end(data::kEndOfTurnTokens));
       names.push_back(chat->special_token("eos_token"));

@@ -42,6 +42,7 @@ int cmd_train(const TrainArgs& a) {
     std::cout << to_json(cfg).dump(2) << '\n';
     return kExitOk;
   }
+  resolve_paths(cfg);  // recorded as used: a resume from another directory finds them
   if (a.threads > 0) omp_set_num_threads(a.threads);
   RunOptions opts;
   opts.mpi = process_runtime();

@@ -805,6 +805,18 @@ std::vector<FieldChange> field_changes(const json& a, const json& b, const std::
   return out;
 }
 
+void resolve_paths(RunConfig& c) {
+  auto resolve = [](std::string& path) {
+    if (!path.empty()) path = std::filesystem::absolute(path).lexically_normal().string();
+  };
+  for (std::string* p : {&c.out, &c.checkpoint.dir, &c.sample.tokenizer, &c.choice_eval.file, &c.choice_eval.tokenizer})
+    resolve(*p);
+  for (std::string& p : c.data.train) resolve(p);
+  for (std::string& p : c.data.val) resolve(p);
+  for (auto& [name, files] : c.data.val_sets)
+    for (std::string& p : files) resolve(p);
+}
+
 json to_json(const RunConfig& c) {
   const ModelConfig& m = c.model;
   json j;

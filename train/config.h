@@ -285,6 +285,11 @@ struct RunConfig {
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 // Validate an already-parsed JSON document.
 RunConfig parse_config(const nlohmann::json& doc, const std::string& source);
+// The run's paths (out, checkpoint.dir, the data files and patterns, the tokenizers and the
+// choice file) with relative ones resolved against the current directory, so that what a run
+// records (config.json, meta.json) still finds them from another directory: a resume, keel
+// sample or keel eval looking for the tokenizer beside the data. Empty ones (off) stay empty.
+void resolve_paths(RunConfig& cfg);
 // Apply one "a.b.c=value" override to a JSON document.
 void apply_override(nlohmann::json& doc, const std::string& assignment);
 // The fully resolved config (defaults filled in) as JSON: what the run really used.

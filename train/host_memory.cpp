@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <optional>
+#include <sstream>
 #include <vector>
 
 #include "train/plan.h"
@@ -67,9 +69,10 @@ std::vector<CgroupLimit> limits_along(const fs::path& root, const std::string& p
 
 HostMemory host_memory(const fs::path& proc, const fs::path& cgroup) {
   HostMemory best;
-  auto consider = [&](double available, const std::string& source) {
+  auto consider = [&](double available, const std::string& source, const std::string& key) {
     available = std::max(0.0, available);
-    if (best.available < 0 || available < best.available) best = {available, source};
+    if (best.available < 0 || available < best.available) best.available = available, best.source = source;
+    best.limits.push_back({available, source, key});
   };
   {
     std::ifstream in(proc / "meminfo");
@@ -77,7 +80,7 @@ HostMemory host_memory(const fs::path& proc, const fs::path& cgroup) {
     long long kib = 0;
     while (std::getline(in, line))
       if (std::sscanf(line.c_str(), "MemAvailable: %lld kB", &kib) == 1)
-        consider(static_cast<double>(kib) * 1024, "MemAvailable in " + (proc / "meminfo").string());
+        consider(static_cast<double>(kib) * 1024, "MemAvailable in " + (proc / "meminfo").string(), "meminfo");
   }
   // /proc/self/cgroup: "0::PATH" for cgroup v2, "ID:CONTROLLERS:PATH" for each v1 hierarchy.
   std::ifstream in(proc / "self" / "cgroup");
@@ -100,23 +103,63 @@ HostMemory host_memory(const fs::path& proc, const fs::path& cgroup) {
     for (const CgroupLimit& c : limits)
       consider(c.limit - c.used, "the cgroup " + version + " limit of " + c.dir.string() + ": " +
                                      (version == "v2" ? "memory.max " : "memory.limit_in_bytes ") +
-                                     plan::format_bytes(c.limit) + " less " + plan::format_bytes(c.used) + " in use");
+                                     plan::format_bytes(c.limit) + " less " + plan::format_bytes(c.used) + " in use",
+               c.dir.string());
   }
   return best;
 }
 
-std::string check_host_memory(const RunConfig& cfg, int ranks_on_host, const HostMemory& host) {
+// Keys travel hashed: a cgroup path can be long, and equal keys are all that matters.
+std::string memory_limit_ids(const HostMemory& m, const std::string& host) {
+  std::string ids = host;
+  for (const MemoryLimit& l : m.limits) {
+    ids += ' ';
+    ids += std::to_string(std::hash<std::string>{}(l.key));
+  }
+  return ids;
+}
+
+std::vector<int> ranks_sharing(const HostMemory& mine, const std::string& host, const std::vector<std::string>& all) {
+  std::vector<int> sharing;
+  for (const MemoryLimit& l : mine.limits) {
+    const std::string id = std::to_string(std::hash<std::string>{}(l.key));
+    int n = 0;
+    for (const std::string& other : all) {
+      std::istringstream in(other);
+      std::string other_host, other_id;
+      in >> other_host;
+      if (other_host != host) continue;
+      while (in >> other_id)
+        if (other_id == id) {
+          ++n;
+          break;
+        }
+    }
+    sharing.push_back(std::max(n, 1));
+  }
+  return sharing;
+}
+
+std::string check_host_memory(const RunConfig& cfg, const HostMemory& host, const std::vector<int>& sharing) {
   double per_rank = 0;
   for (int s = 0; s < cfg.parallel.pp; ++s) per_rank = std::max(per_rank, plan::planned_backend_bytes(cfg, s, false));
-  const double needed = per_rank * ranks_on_host;
-  if (host.available < 0 || needed <= host.available) return "";
-  const std::string ranks = ranks_on_host > 1 ? " for its " + std::to_string(ranks_on_host) +
-                                                    " ranks on this host (up to " + plan::format_bytes(per_rank) +
-                                                    " each)"
-                                              : "";
-  const std::string what = "the run needs about " + plan::format_bytes(needed) + " of host memory" + ranks +
+  // The limit short by the most, with the ranks under it.
+  const MemoryLimit* worst = nullptr;
+  int ranks = 1;
+  double worst_short = 0;
+  for (size_t i = 0; i < host.limits.size(); ++i) {
+    const int n = i < sharing.size() ? sharing[i] : 1;
+    const double short_by = per_rank * n - host.limits[i].available;
+    if (short_by > worst_short) worst = &host.limits[i], ranks = n, worst_short = short_by;
+  }
+  if (!worst) return "";
+  const std::string under = ranks > 1 ? " for its " + std::to_string(ranks) +
+                                             " ranks under this limit on this host (up to " +
+                                             plan::format_bytes(per_rank) + " each)"
+                                       : "";
+  const std::string what = "the run needs about " + plan::format_bytes(per_rank * ranks) + " of host memory" + under +
                            " (keel plan's figure: weights, gradients, optimizer state and activations), but the host "
-                           "has " + plan::format_bytes(host.available) + " available (" + host.source + ")";
+                           "has " + plan::format_bytes(worst->available) + " available (" + worst->source + ")";
   if (cfg.health.host_memory_check == "warn")
     return what + "; starting anyway, as health.host_memory_check is \"warn\"";
   throw ConfigError(what + ". Use a smaller model, train.micro_batch or train.seq_len, train.recompute, more hosts "

@@ -6,14 +6,26 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "train/config.h"
 
 namespace keel {
 
-struct HostMemory {
-  double available = -1;  // bytes; < 0: nothing could be read
+// One limit on the memory a process may take, and what is left under it.
+struct MemoryLimit {
+  double available = 0;  // bytes
   std::string source;    // whose figure: "MemAvailable in /proc/meminfo", "the cgroup v2 limit of DIR: ..."
+  // Which limit it is: "meminfo" for the host's, else the cgroup's directory. Ranks on one host
+  // under limits with the same key share them (the host's memory, a job's cgroup); a Slurm
+  // per-task cgroup is each rank's own.
+  std::string key;
+};
+
+struct HostMemory {
+  double available = -1;  // bytes, the tightest of `limits`; < 0: nothing could be read
+  std::string source;    // that limit's source
+  std::vector<MemoryLimit> limits;
 };
 
 // The least of the host's MemAvailable (<proc>/meminfo) and, for the process's cgroup
@@ -28,10 +40,17 @@ struct HostMemory {
 HostMemory host_memory(const std::filesystem::path& proc = "/proc",
                        const std::filesystem::path& cgroup = "/sys/fs/cgroup");
 
-// The run `cfg` with `ranks_on_host` ranks on this host, each counted at the heaviest pipeline
-// stage's figure (keel plan's), against `host`. Too much: a ConfigError with both sizes and what
-// would help, or with health.host_memory_check "warn" the warning to print instead. "" when it
-// fits or nothing is known of the host.
-std::string check_host_memory(const RunConfig& cfg, int ranks_on_host, const HostMemory& host);
+// What identifies a rank's limits to the other ranks: its host and its limits' keys.
+std::string memory_limit_ids(const HostMemory& m, const std::string& host);
+// For each of `mine`'s limits, how many ranks are under it: the ranks (`all`: every rank's
+// memory_limit_ids, this one's among them) on the same host with a limit of the same key.
+std::vector<int> ranks_sharing(const HostMemory& mine, const std::string& host, const std::vector<std::string>& all);
+
+// The run `cfg` against this rank's limits, each shared by `sharing[i]` ranks (ranks_sharing;
+// missing entries: 1), every rank counted at the heaviest pipeline stage's figure (keel plan's).
+// Too much under any limit: a ConfigError with both sizes and what would help, or with
+// health.host_memory_check "warn" the warning to print instead. "" when it fits or nothing is
+// known of the host.
+std::string check_host_memory(const RunConfig& cfg, const HostMemory& host, const std::vector<int>& sharing = {});
 
 }  // namespace keel

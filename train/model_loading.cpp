@@ -58,6 +58,7 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
   const Checkpoint ck = Checkpoint::open(spec);
   const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
   lm.table = std::make_unique<ParamTable>(cfg.model);
+  lm.eod_token = cfg.data.eod_token;
   bool have_master = true;
   for (const ParamSpec& p : lm.table->params()) have_master &= ck.has("master", p.name);
   const std::string state = have_master ? "master" : "weight";

@@ -27,6 +27,7 @@ struct LoadedModel {
   std::string description;
   std::string source;  // the spec it was loaded from
   nlohmann::json hf_config;  // the HF config.json, when known (eos ids)
+  int64_t eod_token = -1;    // a keel run's data.eod_token (meta.json's config), where it set one
   std::vector<std::filesystem::path> tokenizer_dirs;  // where to look for tokenizer.json, best first
   // Where to look for the chat template, best first: folders (chat_template.jinja,
   // tokenizer_config.json) and the template files the training data was rendered with.

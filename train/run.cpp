@@ -43,6 +43,7 @@
 #include "train/format.h"
 #include "train/health.h"
 #include "train/host_memory.h"
+#include "train/parallel/host_values.h"
 #include "train/hf_format.h"
 #include "train/metrics.h"
 #include "train/model_loading.h"
@@ -763,14 +764,16 @@ bool time_limit_near(double elapsed_s, double step_s, double save_s, double limi
   return elapsed_s + step_s + std::max(step_s, save_s) >= limit_s;
 }
 
-std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes) {
-  if (free_bytes >= save_bytes) return {};
+std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes, AfterSave after) {
+  if (free_bytes >= save_bytes || after == AfterSave::End) return {};
+  const bool resumed = after == AfterSave::Stop;
   char buf[160];
   std::snprintf(buf, sizeof buf, "%.1f MB free, and the next save needs about %.1f MB", free_bytes / 1e6,
                 save_bytes / 1e6);
-  return "WARNING the next checkpoint save will not fit: " + dir + " has " + buf +
-         " (keep_last removes old checkpoints only once a new one is complete). Free some space there before it, "
-         "or the steps since the last save are trained for nothing";
+  return std::string("WARNING ") + (resumed ? "a resumed run's first" : "the next") + " checkpoint save will not fit: " +
+         dir + " has " + buf + " (keep_last removes old checkpoints only once a new one is complete). Free some " +
+         "space there before " + (resumed ? "resuming" : "it") +
+         ", or the steps since the last save are trained for nothing";
 }
 
 void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
@@ -861,9 +864,41 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     throw ConfigError("--eval-only: nothing to evaluate: set data.val or data.val_sets (with train.eval_batches > 0), "
                       "choice_eval.file or sample.interval");
   if (backend->device() == Device::CPU && !opts.eval_only) {
-    const std::string warning = check_host_memory(cfg, launch.local_size, host_memory());
-    if (lead && !warning.empty()) {
-      std::printf("keel: WARNING host memory: %s\n", warning.c_str());
+    const HostMemory mem = host_memory();
+    const std::string host = parallel::this_host();
+    // Ranks on one host under one limit (its MemAvailable, a job's cgroup) share it; a Slurm
+    // per-task cgroup is each rank's own. Which is which: the ranks' hosts and cgroup paths.
+    std::vector<int> sharing;
+    if (world_size > 1)
+      sharing = ranks_sharing(mem, host, parallel::gather_text(*comms.world, *backend, memory_limit_ids(mem, host)));
+    std::string verdict;  // this rank's refusal or warning
+    bool refused = false;
+    try {
+      verdict = check_host_memory(cfg, mem, sharing);
+    } catch (const ConfigError& e) {
+      verdict = e.what();
+      refused = true;
+    }
+    // The ranks agree: all refuse when one does, and rank 0 prints the first refusing (else
+    // warning) rank's message, once.
+    if (world_size > 1) {
+      const std::vector<std::string> kinds =
+          parallel::gather_text(*comms.world, *backend, refused ? "refused" : verdict.empty() ? "" : "warned");
+      auto first_of = [&](const char* kind) { return int(std::find(kinds.begin(), kinds.end(), kind) - kinds.begin()); };
+      const int first = first_of("refused") < world_size ? first_of("refused") : first_of("warned");
+      if (first < world_size) {
+        if (world_rank == first && first != 0) verdict = "world rank " + std::to_string(first) + " on " + host + ": " + verdict;
+        std::string theirs;  // rank 0 receives the first rank's text when it is not its own
+        opts.mpi->first_rank_differing(world_rank == first ? verdict : "", &theirs);
+        if (lead && first != 0) verdict = theirs;
+        refused = kinds[first] == "refused";
+        if (refused && !lead && world_rank != first)
+          verdict = "world rank " + std::to_string(first) + " refuses to start for lack of host memory (rank 0 says why)";
+      }
+    }
+    if (refused) throw ConfigError(verdict);
+    if (lead && !verdict.empty()) {
+      std::printf("keel: WARNING host memory: %s\n", verdict.c_str());
       std::fflush(stdout);  // before the OOM killer can end the process without a word
     }
   }
@@ -1046,6 +1081,20 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
   checkpoints.set_data_files(training_files(train));
+  if (!resume_path.empty() && !opts.eval_only) {
+    // A rewind: the higher steps belong to the run it abandoned. Kept, and said once.
+    if (const std::vector<std::string> above = checkpoints.set_resumed_from(progress.iteration); !above.empty()) {
+      std::string names, paths;
+      for (const auto& a : above) {
+        names += " " + a;
+        paths += " " + (fs::path(cfg.checkpoint.dir) / a).string();
+      }
+      notes.push_back("resuming at step " + std::to_string(progress.iteration) + " abandons the later checkpoints" +
+                      names + " in " + cfg.checkpoint.dir +
+                      ". keep_last does not remove them (only a save of the same step by this run replaces one); "
+                      "remove them by hand when they are no longer wanted: rm -r" + paths);
+    }
+  }
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, tr, train, vals, packed, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());
@@ -1189,6 +1238,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // rank is still writing (below), and at the latest before the next save or the run's end.
   double evals_secs = 0;    // the last evaluations' time (validation, choice eval, sample at one step)
   double longest_save = 0;  // seconds of this run's slowest save: --time-limit keeps room for one
+  AfterSave after_pending = AfterSave::Training;  // what follows the pending save, for the free-space warning
   auto finish_pending_save = [&] {
     if (!checkpoints.save_pending()) return;
     const SaveResult r = checkpoints.finish_save(all_ok);
@@ -1198,12 +1248,15 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::error_code space_ec;
     const fs::space_info space = fs::space(cfg.checkpoint.dir, space_ec);
     if (!space_ec)
-      if (std::string w = low_space_warning(cfg.checkpoint.dir, r.bytes, static_cast<int64_t>(space.available)); !w.empty())
+      if (std::string w = low_space_warning(cfg.checkpoint.dir, r.bytes, static_cast<int64_t>(space.available),
+                                            after_pending);
+          !w.empty())
         std::printf("keel: %s\n", w.c_str());
   };
-  auto save = [&](int64_t it, bool background) {
+  auto save = [&](int64_t it, bool background, AfterSave after = AfterSave::Training) {
     const ProfileRange range("checkpoint save");
     finish_pending_save();
+    after_pending = it >= cfg.train.steps ? AfterSave::End : after;
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
     nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
     health["arithmetic"] = arithmetic;
@@ -1310,7 +1363,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                     "or with a lower learning rate\n",
                     static_cast<double>(tr.scaler().scale()), static_cast<long long>(it),
                     st.nonfinite_report.empty() ? "(no localisation)" : st.nonfinite_report.c_str());
-      save(it, false);
+      save(it, false, AfterSave::Stop);
       return kExitDiverged;
     }
     if (st.spike) {
@@ -1389,7 +1442,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (stop_reason.empty()) stop_reason = "another rank is stopping";
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));
-      save(it, false);
+      save(it, false, AfterSave::Stop);
       // The same command with --resume would start from that checkpoint again, not from this one.
       const std::string again =
           opts.resume.empty() ? "run the same command again to resume"

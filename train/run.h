@@ -43,10 +43,18 @@ int run_training(const RunConfig& cfg, const RunOptions& opts = {});
 // and a save: the longest this run has made (`save_s`, 0 before its first), at least a step's time.
 bool time_limit_near(double elapsed_s, double step_s, double save_s, double limit_s);
 
+// What comes after a save, for the free-space warning.
+enum class AfterSave {
+  Training,  // the run goes on: its next save
+  Stop,      // the run stops (signal, --stop-at, --time-limit): a resumed run's next save
+  End,       // the run's last step: no next save
+};
+
 // After a save of `save_bytes` into `dir`, which has `free_bytes` left: a warning when the next
 // save, about as large, will not fit (rotation frees space only once a new save is complete);
-// empty when it fits.
-std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes);
+// empty when it fits, or when no save follows.
+std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes,
+                              AfterSave after = AfterSave::Training);
 
 // The process's MPI runtime (created first thing in main), for the subcommands that need it.
 void set_process_runtime(const parallel::MpiRuntime* runtime);

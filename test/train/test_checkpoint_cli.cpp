@@ -251,6 +251,11 @@ TEST_CASE("a save that leaves less free space than one more save warns with both
   const std::string w = low_space_warning("/ck", 18'400'000, 13'000'000);
   CHECK_THAT(w, Catch::Contains("the next checkpoint save will not fit: /ck has 13.0 MB free, and the next save "
                                 "needs about 18.4 MB"));
+  // After the save at a stop, the next save is a resumed run's; after the run's last, there is none.
+  CHECK_THAT(low_space_warning("/ck", 18'400'000, 13'000'000, AfterSave::Stop),
+             Catch::StartsWith("WARNING a resumed run's first checkpoint save will not fit: /ck has 13.0 MB free") &&
+                 Catch::Contains("Free some space there before resuming,"));
+  CHECK(low_space_warning("/ck", 18'400'000, 13'000'000, AfterSave::End).empty());
 }
 
 TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4", "[ckpt][cli][signal]") {
@@ -466,6 +471,16 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
     CHECK_THAT(n.output, Catch::Contains("\n  data not verified (--no-verify): only meta.json and the files' sizes and "
                                          "headers were read; no checksum, value or statistic"));
     CHECK_THAT(n.output, !Catch::Contains("norm          min") && !Catch::Contains("DAMAGED") && !Catch::Contains("every checksum"));
+    // So does diff --no-verify: the same tensors, shapes and dtypes (exit 0), progress apart,
+    // and not a word on the data, which it neither compared nor verified.
+    auto nd = run_keel("ckpt diff --no-verify " + good + " " + bad);
+    INFO(nd.output);
+    CHECK(nd.code == 0);
+    CHECK_THAT(nd.output, Catch::Contains("progress differs: iteration 4 vs 8") &&
+                              Catch::Contains("\nheaders agree: ") &&
+                              Catch::Contains(" compared by name, shape and stored dtype; data not read or verified "
+                                              "(--no-verify)"));
+    CHECK_THAT(nd.output, !Catch::Contains("DAMAGED") && !Catch::Contains("bitwise") && !Catch::Contains("differs in"));
   }
   SECTION("a damaged checkpoint outside the run: nothing there to turn to") {
     const std::string copy = ws.dir / "copy";
@@ -621,23 +636,74 @@ TEST_CASE("a latest pointer that cannot be followed is refused by name, never re
   }
 }
 
-// Rewinding (--resume of an earlier step, e.g. after a loss spike) starts a new trajectory:
-// keep_last keeps its saves, not the abandoned run's higher step numbers.
-TEST_CASE("after a rewind keep_last keeps the new run's last saves, not the abandoned run's higher steps",
+// Rewinding (--resume of an earlier step, e.g. after a loss spike) starts a new trajectory.
+// keep_last counts its saves only: the checkpoint rewound to stays until keep_last newer saves
+// exist, and the abandoned run's higher steps are never removed behind the user's back (said
+// at start-up), only replaced by this run's save of the same step.
+TEST_CASE("after a rewind keep_last keeps the point rewound to and never removes the abandoned run's steps",
           "[ckpt][cli][rotate]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run", dir = out + "/checkpoints";
-  const std::string every = "--steps 10 --set checkpoint.interval=1 ";
-  REQUIRE(run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=20")).code == 0);  // step 1..10
-  auto r = run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=2 --set checkpoint.keep_every=5 "
-                                        "--set optimizer.lr=1e-3 --resume " + dir + "/step_00000004 --stop-at 7"));
+  auto kept = [&] {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+    return names;
+  };
+  const std::string every = "--steps 10 --set checkpoint.interval=2 --set checkpoint.keep_last=2 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--set checkpoint.keep_last=3 --stop-at 6")).code == 4);
+  REQUIRE(kept() == std::set<std::string>{"latest", "step_00000002", "step_00000004", "step_00000006"});
+
+  // Rewound to step 2; the first new save (step 4) replaces the abandoned run's step 4.
+  auto r = run_keel(train_args(ws, out, every + "--set optimizer.lr=1e-3 --resume " + dir + "/step_00000002 --stop-at 4"));
   INFO(r.output);
   REQUIRE(r.code == 4);
-  std::set<std::string> kept;
-  for (const auto& e : fs::directory_iterator(dir)) kept.insert(e.path().filename().string());
-  // The last two saves (6, 7) and the milestones (5 of this run, 10 of the old one).
-  CHECK(kept == std::set<std::string>{"latest", "step_00000005", "step_00000006", "step_00000007", "step_00000010"});
-  CHECK(test::read_file(dir + "/latest") == "step_00000007\n");
+  CHECK_THAT(r.output, Catch::Contains("resuming at step 2 abandons the later checkpoints step_00000004 step_00000006 in " +
+                                       dir + ". keep_last does not remove them") &&
+                           Catch::Contains("rm -r " + dir + "/step_00000004 " + dir + "/step_00000006"));
+  CHECK(kept() == std::set<std::string>{"latest", "step_00000002", "step_00000004", "step_00000006"});
+  CHECK(test::read_file(dir + "/latest") == "step_00000004\n");
+
+  // Continued from there: step 6 is still the abandoned run's until this run saves its own;
+  // then keep_last=2 holds this trajectory's last two saves (6 and 8), and 2 and 4 go.
+  auto c = run_keel(train_args(ws, out, every + "--set optimizer.lr=1e-3 --stop-at 8"));
+  INFO(c.output);
+  REQUIRE(c.code == 4);
+  CHECK_THAT(c.output, Catch::Contains("resuming at step 4 abandons the later checkpoints step_00000006 in"));
+  CHECK(kept() == std::set<std::string>{"latest", "step_00000006", "step_00000008"});
+}
+
+// A run started with relative paths records them resolved against its directory: its
+// config.json and meta.json name the run directory and the data from anywhere, so the run
+// resumes from another directory with its own config.json.
+TEST_CASE("relative --out and data paths are recorded resolved, and the run resumes from another directory",
+          "[ckpt][cli][resume]") {
+  test::Workspace ws(kRun);
+  fs::create_directories(ws.dir / "a/data");
+  fs::create_directories(ws.dir / "b");
+  fs::copy_file(ws.dir / "train.bin", ws.dir / "a/data/train.bin");
+  nlohmann::json j = ws.json;
+  j["data"] = {{"train", "data/train.bin"}};
+  std::ofstream(ws.dir / "a/rel.json") << j.dump(2);
+  auto first = test::run_shell("cd " + (ws.dir / "a") + " && " + KEEL_BINARY +
+                               " train --config rel.json --out ./run -q --stop-at 8");
+  INFO(first.output);
+  REQUIRE(first.code == 4);
+  const std::string run = ws.dir / "a/run", data = ws.dir / "a/data/train.bin";
+  const nlohmann::json recorded = nlohmann::json::parse(std::ifstream(run + "/config.json"));
+  CHECK(recorded["out"] == run);
+  CHECK(recorded["checkpoint"]["dir"] == run + "/checkpoints");
+  CHECK(recorded["data"]["train"] == nlohmann::json::array({data}));
+  const nlohmann::json meta = nlohmann::json::parse(std::ifstream(run + "/checkpoints/step_00000008/meta.json"));
+  CHECK(meta["config"]["out"] == run);
+  CHECK(meta["config"]["data"]["train"] == nlohmann::json::array({data}));
+
+  auto second = test::run_shell("cd " + (ws.dir / "b") + " && " + KEEL_BINARY + " train --config " + run +
+                                "/config.json --steps 12");
+  INFO(second.output);
+  CHECK(second.code == 0);
+  CHECK_THAT(second.output, Catch::Contains("resuming from " + run + "/checkpoints/step_00000008"));
+  CHECK(fs::exists(run + "/checkpoints/step_00000012"));
+  CHECK(fs::is_empty(ws.dir / "b"));
 }
 
 // After more fp16 overflows than precision.loss_scale.hysteresis with no growth in between, keels

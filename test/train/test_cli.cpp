@@ -247,6 +247,22 @@ TEST_CASE("keel train with sample: text at each interval, the stream's rule, and
     CHECK_THAT(from_run.output, Catch::Contains("loaded " + (ws.dir / "run/checkpoints/step_00000030")) &&
                                     Catch::Contains(texts.back() + "\n"));
   }
+  // A run whose data ends documents with a token (data.eod_token: here the 2nd new token, 63)
+  // stops its samples there (the token kept), and keel sample, reading the token from the
+  // checkpoint's config, stops where training's sampler did.
+  REQUIRE(want[4] == 63);
+  Result eod = run_keel("train --config " + ws.config + " --out " + (ws.dir / "eod") + sample +
+                        " --set data.eod_token=63");
+  INFO(eod.output);
+  REQUIRE(eod.code == 0);
+  std::string eod_text;
+  for (const nlohmann::json& rec : read_metrics(ws.dir / "eod/metrics.jsonl"))
+    if (rec.value("event", "") == "sample") eod_text = rec["text"].get<std::string>();
+  CHECK(eod_text == tok.decode({want.begin(), want.begin() + 5}, true));
+  Result eod_offline = run_keel("sample --checkpoint " + (ws.dir / "eod/checkpoints") + " --prompt ABC -n 12 -t 0");
+  INFO(eod_offline.output);
+  REQUIRE(eod_offline.code == 0);
+  CHECK_THAT(eod_offline.output, Catch::Contains(eod_text + "\n") && Catch::Contains("stopped at end of sequence"));
   // Layouts that split the model are refused by name.
   Result split = run_keel("train --config " + ws.config + " --out " + (ws.dir / "split") + sample +
                           " --set parallel.tp=2");

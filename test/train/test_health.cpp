@@ -319,4 +319,7 @@ TEST_CASE("spike action rewind: back to the last checkpoint, the offending data 
   INFO(doc.output);
   CHECK(doc.code == 0);
   CHECK_THAT(doc.output, Catch::Contains("skipped: consistent"));
+  // The spikes were on the abandoned stretches, so the trajectory kept skipped nothing.
+  CHECK(final_ck.progress().skipped_total == 0);
+  CHECK(final_ck.progress().nan_total == 0);
 }

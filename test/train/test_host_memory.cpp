@@ -9,6 +9,7 @@
 
 #include "common/run_config.h"
 #include "common/temp_dir.h"
+#include "common/workspace.h"
 #include "train/host_memory.h"
 #include "train/plan.h"
 
@@ -125,20 +126,70 @@ TEST_CASE("check_host_memory: refused naming the limit and the override, or a wa
   RunConfig cfg = test::make_config(test::tiny_run_json());
   const double needs = plan::planned_backend_bytes(cfg, 0, false);
   REQUIRE(needs > 64 * 1024);
-  const HostMemory small{64 * 1024, "the cgroup v2 limit of /sys/fs/cgroup/job: memory.max 9 MiB less 8 MiB in use"};
-  CHECK_THROWS_AS(check_host_memory(cfg, 1, small), ConfigError);
-  CHECK_THROWS_WITH(check_host_memory(cfg, 2, small),
+  const MemoryLimit job{64 * 1024, "the cgroup v2 limit of /sys/fs/cgroup/job: memory.max 9 MiB less 8 MiB in use",
+                        "/sys/fs/cgroup/job"};
+  const MemoryLimit host{2 * needs, "MemAvailable in /proc/meminfo", "meminfo"};
+  const HostMemory small{job.available, job.source, {host, job}};
+  CHECK_THROWS_AS(check_host_memory(cfg, small), ConfigError);
+  CHECK_THROWS_WITH(check_host_memory(cfg, small, {2, 2}),
                     Catch::StartsWith("the run needs about " + plan::format_bytes(2 * needs) +
-                                      " of host memory for its 2 ranks on this host (up to " +
+                                      " of host memory for its 2 ranks under this limit on this host (up to " +
                                       plan::format_bytes(needs) + " each)") &&
-                        Catch::Contains("but the host has 64.0 KiB available (" + small.source + ")") &&
+                        Catch::Contains("but the host has 64.0 KiB available (" + job.source + ")") &&
                         Catch::EndsWith("--set health.host_memory_check=warn starts it with a warning"));
-  CHECK(check_host_memory(cfg, 1, {2 * needs, "MemAvailable in /proc/meminfo"}).empty());
-  CHECK(check_host_memory(cfg, 1, {}).empty());  // nothing known of the host
+  CHECK(check_host_memory(cfg, {host.available, host.source, {host}}).empty());
+  CHECK(check_host_memory(cfg, {host.available, host.source, {host}}, {2}).empty());  // exactly enough
+  CHECK_THROWS_WITH(check_host_memory(cfg, {host.available, host.source, {host}}, {3}),
+                    Catch::Contains("for its 3 ranks under this limit") && Catch::Contains("(MemAvailable in /proc/meminfo)"));
+  CHECK(check_host_memory(cfg, {}).empty());  // nothing known of the host
   cfg = test::make_config(test::tiny_run_json(), {{"health", {{"host_memory_check", "warn"}}}});
-  const std::string warning = check_host_memory(cfg, 1, small);
+  const std::string warning = check_host_memory(cfg, small);
   CHECK_THAT(warning, Catch::Contains("available (" + small.source + ")") &&
                           Catch::EndsWith("; starting anyway, as health.host_memory_check is \"warn\""));
   CHECK_THROWS_WITH(test::make_config(test::tiny_run_json(), {{"health", {{"host_memory_check", "off"}}}}),
                     Catch::Contains("health.host_memory_check: \"off\" is not allowed (allowed: error, warn)"));
+}
+
+// Ranks on one node: a limit they share (the node's MemAvailable, the job's cgroup) must hold
+// all of them; a Slurm per-task cgroup holds its own rank only. Told apart by host and cgroup path.
+TEST_CASE("host memory over ranks: a shared limit counts every rank under it, a per-task cgroup its own",
+          "[memory][cgroup]") {
+  const RunConfig cfg = test::make_config(test::tiny_run_json());
+  const double needs = plan::planned_backend_bytes(cfg, 0, false);
+  FakeHost h;
+  h.mem_available(16 * GiB);
+  h.write(h.cgroup / "cgroup.controllers", "cpu memory\n");
+  const fs::path job = h.cgroup / "slurm/job_7";
+  for (const char* task : {"task_0", "task_1"}) {
+    h.write(job / "step_0" / task / "memory.max", bytes(1.5 * needs) + "\n");  // room for one rank each
+    h.write(job / "step_0" / task / "memory.current", "0\n");
+  }
+  h.write(job / "memory.current", "0\n");
+  // The second rank on the node: another /proc/self/cgroup, the same cgroup tree.
+  const fs::path proc1 = h.dir.path / "proc1";
+  h.write(proc1 / "meminfo", test::read_file(h.proc / "meminfo"));
+  h.write(h.proc / "self/cgroup", "0::/slurm/job_7/step_0/task_0\n");
+  h.write(proc1 / "self/cgroup", "0::/slurm/job_7/step_0/task_1\n");
+
+  SECTION("the job's cgroup holds both ranks: refused only when it cannot") {
+    h.write(job / "memory.max", bytes(1.5 * needs) + "\n");
+    const HostMemory rank0 = h.read(), rank1 = host_memory(proc1, h.cgroup);
+    REQUIRE(rank0.limits.size() == 3);  // MemAvailable, task_0, the job
+    const std::vector<std::string> ids = {memory_limit_ids(rank0, "node1"), memory_limit_ids(rank1, "node1")};
+    CHECK(ranks_sharing(rank0, "node1", ids) == std::vector<int>{2, 1, 2});
+    CHECK_THROWS_WITH(check_host_memory(cfg, rank0, ranks_sharing(rank0, "node1", ids)),
+                      Catch::Contains("for its 2 ranks under this limit on this host") &&
+                          Catch::Contains("the cgroup v2 limit of " + job.string() + ": memory.max"));
+    // On two nodes, each rank is alone under its limits.
+    const std::vector<std::string> apart = {memory_limit_ids(rank0, "node1"), memory_limit_ids(rank1, "node2")};
+    CHECK(ranks_sharing(rank0, "node1", apart) == std::vector<int>{1, 1, 1});
+    CHECK(check_host_memory(cfg, rank0, ranks_sharing(rank0, "node1", apart)).empty());
+  }
+  SECTION("per-task cgroups under an unlimited job: each holds one rank, not the node's count") {
+    h.write(job / "memory.max", "max\n");
+    const HostMemory rank0 = h.read(), rank1 = host_memory(proc1, h.cgroup);
+    const std::vector<std::string> ids = {memory_limit_ids(rank0, "node1"), memory_limit_ids(rank1, "node1")};
+    CHECK(ranks_sharing(rank0, "node1", ids) == std::vector<int>{2, 1});
+    CHECK(check_host_memory(cfg, rank0, ranks_sharing(rank0, "node1", ids)).empty());
+  }
 }
