@@ -8,6 +8,8 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "data/loss_mask.h"
+
 namespace keel::data {
 
 // The formats are little-endian and we read them in place.
@@ -102,6 +104,10 @@ TokenFile TokenFile::open_llmc(const std::string& path) {
                     " bytes, too short for the 4-byte magic number" + megatron_hint);
   }
   const int32_t magic = load<int32_t>(bytes);
+  if (magic == LossMask::kMagic)  // a data.train pattern such as "dir/*" also matched the sidecars
+    throw DataError(quoted(path) + " is a loss-mask sidecar (magic " + std::to_string(magic) +
+                    "), not a token file: it is read beside its token file, so leave it out of the data patterns "
+                    "(e.g. \"dir/*.bin\" rather than \"dir/*\")");
   if (magic != kLlmcMagicU16 && magic != kLlmcMagicU32) {
     throw DataError(quoted(path) + " is not an llm.c token shard: bad magic number " + std::to_string(magic) +
                     " (bytes \"" + escape_bytes(bytes, 4) + "\"), expected " + std::to_string(kLlmcMagicU16) + " (uint16 tokens) or " +

@@ -196,8 +196,9 @@ int cmd_verify(const std::string& path) {
   Checkpoint ck = Checkpoint::open(path);
   const CheckpointProblems problems = ck.verify();
   if (problems.empty()) {
-    std::printf("ok: %s is complete, every checksum matches and every value is finite (%zu files)\n", ck.path().c_str(),
-                ck.meta().at("files").size());
+    const size_t files = ck.meta().at("files").size();
+    std::printf("ok: %s is complete, every checksum matches and every value is finite (%zu file%s)\n", ck.path().c_str(),
+                files, files == 1 ? "" : "s");
     if (!ck.meta_checksummed())
       std::printf("note: its meta.json has no checksum of its own (saved by an older keel): the iteration, data "
                   "position and Adam step in it could not be checked\n");

@@ -916,7 +916,7 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
   std::ostringstream o;
   const int64_t nodes = (l.gpus() + opt.hw.gpus_per_node - 1) / opt.hw.gpus_per_node;
   o << "layout " << l.str() << ": " << l.gpus() << (l.gpus() > 1 ? " GPUs (" : " GPU (") << nodes << " node" << (nodes > 1 ? "s" : "") << " of "
-    << opt.hw.gpus_per_node << "), " << p.micro_batches << " micro-batches of " << l.mbs << " per DP rank per step"
+    << opt.hw.gpus_per_node << "), " << p.micro_batches << (p.micro_batches == 1 ? " micro-batch of " : " micro-batches of ") << l.mbs << " per DP rank per step"
     << (p.embedding_own_slot ? ", embedding and head in their own pipeline slots" : "") << "\n";
   // first, a middle and the last stage
   std::vector<int> shown = {0};

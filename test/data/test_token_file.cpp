@@ -225,6 +225,12 @@ TEST_CASE("llm.c errors name the file and what is wrong", "[data][token_file][er
     CHECK_THAT(msg, Contains(path) && Contains("bad magic number 12345") && Contains("20240520") &&
                         Contains("20240801") && Contains("junk.idx"));
   }
+  SECTION("a loss-mask sidecar given as a token file is named as one") {
+    const std::string path = dir / "sft.mask";
+    write_bytes(path, llmc_header(20240917, 1, 0));
+    CHECK_THAT(data_error_of([&] { TokenFile::open(path); }),
+               Contains(path) && Contains("loss-mask sidecar") && Contains("*.bin"));
+  }
   SECTION("unsupported version") {
     const std::string path = dir / "v2.bin";
     write_bytes(path, llmc_header(20240520, 2, 0));
