@@ -1,7 +1,9 @@
 #include "data/tokenize_corpus.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -310,6 +312,49 @@ struct StagingFolder {
   }
 };
 
+// Staging folders are named by host and pid, so that one left by a killed run (kill -9 runs no
+// destructor) can be told from one in use.
+const std::string kStagingPrefix = ".keel-tokenize-";
+
+std::string this_host() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "unknown-host";
+  return name;
+}
+
+// Removes the staging folders in `out` that runs on this host left behind when they were killed
+// (their pid is gone), saying so: each would otherwise stay, as large as the outputs it was
+// writing. Those of other hosts (and of keels that did not record the host) are only named in a
+// note: on shared storage (NFS) their run may still be alive, and its pid means nothing here.
+void remove_dead_staging_folders(const fs::path& out, const std::string& host,
+                                 const std::function<void(const std::string&)>& log) {
+  std::error_code ec;
+  std::vector<std::string> elsewhere;
+  for (const auto& e : fs::directory_iterator(out, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with(kStagingPrefix) || !e.is_directory(ec)) continue;
+    const std::string rest = name.substr(kStagingPrefix.size());  // <host>-<pid>, or <pid> (older keels)
+    const size_t dash = rest.rfind('-');
+    const std::string pid_text = dash == std::string::npos ? rest : rest.substr(dash + 1);
+    if (pid_text.empty() || pid_text.size() > 9 || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+    const auto pid = static_cast<pid_t>(std::stol(pid_text));
+    if (dash == std::string::npos || rest.substr(0, dash) != host) {
+      elsewhere.push_back(name);
+    } else if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) {  // EPERM: alive, someone else's
+      std::error_code rm;
+      fs::remove_all(e.path(), rm);
+      log("keel tokenize: removed " + quoted(e.path().string()) + ", the staging folder of a run on this host (pid " +
+          pid_text + ") that is gone" + (rm ? " (not all of it: " + rm.message() + ")" : ""));
+    }
+  }
+  if (!elsewhere.empty()) {
+    std::string names;
+    for (const std::string& n : elsewhere) names += (names.empty() ? "" : ", ") + n;
+    log("keel tokenize: note: " + quoted(out.string()) + " holds staging folders of keel tokenize runs on other hosts, or of older keels that did not record the host (" +
+        names + "); left alone, as they may still be running. Remove those that are not (rm -r) to free the space");
+  }
+}
+
 std::string crc_of_file(const fs::path& p) {
   const auto m = detail::MappedFile::open(p.string(), "written file");
   return crc32c_hex(crc32c(0, m.data(), static_cast<size_t>(m.size())));
@@ -357,6 +402,8 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   };
   check_options(o);
   check_out_path(o.out);
+  const std::string host = this_host();
+  if (std::error_code ec; fs::is_directory(o.out, ec)) remove_dead_staging_folders(o.out, host, log);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 
   // 1. The tokenizer and its end of text.
@@ -434,7 +481,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   std::error_code ec;
   for (fs::path p = out; !p.empty() && !fs::exists(p, ec); p = p.parent_path())
     created.made.insert(created.made.begin(), p);
-  StagingFolder stage{out / (".keel-tokenize-" + std::to_string(::getpid()))};
+  StagingFolder stage{out / (kStagingPrefix + host + "-" + std::to_string(::getpid()))};
   try {
     fs::create_directories(out);
     fs::remove_all(stage.path);

@@ -34,7 +34,9 @@
 // Nothing in `out` changes until everything is written and checked: the files are written to a
 // staging folder inside it, then token files of an earlier run (train_NNN / val_NNN .bin and
 // .mask, train / val .bin, .idx and .mask) are removed and the new ones moved in. An error
-// leaves `out` as it was, and removes it again when the run created it.
+// leaves `out` as it was, and removes it again when the run created it. The staging folder is
+// .keel-tokenize-<host>-<pid>; a run first removes those of this host whose process is gone (a
+// killed run's), and names those of other hosts in a note without touching them.
 #pragma once
 
 #include <cstdint>

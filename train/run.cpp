@@ -137,6 +137,24 @@ static std::string loss_mask_note(const data::TokenDataset& d) {
   return buf;
 }
 
+// Windows never cross a file (data/sampler.h): a file shorter than seq_len + 1 tokens gives
+// none, and each file loses its last partial window. keel tokenize warns about its own small
+// shards; this catches data from other tools, once per source, when the windows leave more
+// than a tenth of its tokens unread. "" when they do not.
+static std::string short_files_warning(const data::TokenDataset& d, const std::string& what) {
+  const int64_t T = d.seq_len(), unused = d.num_tokens() - d.num_windows() * T;
+  if (unused * 10 <= d.num_tokens()) return "";
+  size_t shorter = 0;
+  for (size_t f = 0; f < d.num_files(); ++f) shorter += d.file(f).num_tokens() < T + 1;
+  char share[32];
+  std::snprintf(share, sizeof share, "%.1f%%", 100.0 * static_cast<double>(unused) / static_cast<double>(d.num_tokens()));
+  return "WARNING " + what + ": " + share + " of its " + std::to_string(d.num_tokens()) +
+         " tokens are in no training window. Windows of train.seq_len + 1 = " + std::to_string(T + 1) +
+         " tokens never cross a file: " + std::to_string(shorter) + " of its " + std::to_string(d.num_files()) +
+         " files are shorter than one window and give none, and each file loses its last partial window. "
+         "Write fewer, larger shards (keel tokenize --shard-tokens), or use a shorter train.seq_len.";
+}
+
 // The training data: all of data.train as one source, or with data.train_weights each entry (a
 // file or a glob) a source of its own, blended in those proportions.
 data::Sampler open_train_data(const RunConfig& cfg) {
@@ -400,6 +418,10 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
                 v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
   }
+  for (size_t k = 0; k < train.num_sources(); ++k)
+    if (const std::string w = short_files_warning(train.source(k), train.num_sources() > 1 ? cfg.data.train[k] : "data.train");
+        !w.empty())
+      std::printf("keel: %s\n", w.c_str());
   if (packed.empty()) {
     const int64_t eod = data_eot_id(cfg);
     for (size_t k = 0; k < train.num_sources(); ++k)

@@ -6,6 +6,8 @@
 #include <catch2/catch.hpp>
 
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <csignal>
@@ -176,7 +178,8 @@ TEST_CASE("keel tokenize writes prepare_data.py's token files byte for byte", "[
       std::ifstream in(dir / "out/meta.json");
       CHECK(json::parse(in)["eot_id"] == c["eot_id"]);
       CHECK(fs::exists(dir / "out/tokenizer.json"));
-      CHECK(!fs::exists(dir / ("out/.keel-tokenize-" + std::to_string(::getpid()))));
+      for (const auto& e : fs::directory_iterator(dir / "out"))  // no staging folder left behind
+        CHECK_FALSE(e.path().filename().string().starts_with(".keel-tokenize-"));
     }
   }
 }
@@ -292,6 +295,39 @@ TEST_CASE("keel tokenize changes nothing in --out until it succeeds", "[tokenize
     CHECK(token_outputs(out) == c["files"].get<std::vector<std::string>>());
     CHECK(read_bytes(out + "/notes.txt") == notes);
   }
+}
+
+// A kill -9 runs no destructor, so a killed run's staging folder stays; the next run on the same
+// host removes it, and leaves those of live runs and of other hosts (NFS) alone.
+TEST_CASE("keel tokenize removes the staging folders of killed runs on its own host only", "[tokenize]") {
+  TempDir dir;
+  const std::string out = dir / "out";
+  char host[256] = {};
+  REQUIRE(::gethostname(host, sizeof host - 1) == 0);
+  const pid_t dead = ::fork();  // a pid whose process is surely gone: a child that exited and was reaped
+  if (dead == 0) ::_exit(0);
+  REQUIRE(dead > 0);
+  REQUIRE(::waitpid(dead, nullptr, 0) == dead);
+  const std::string killed = ".keel-tokenize-" + std::string(host) + "-" + std::to_string(dead);
+  const std::string alive = ".keel-tokenize-" + std::string(host) + "-" + std::to_string(::getppid());
+  const std::string other = ".keel-tokenize-node-b.cluster-" + std::to_string(dead);
+  for (const std::string& name : {killed, alive, other}) {
+    fs::create_directories(out + "/" + name);
+    test::write_bytes(out + "/" + name + "/train_000.bin", {1, 2, 3});
+  }
+  std::vector<std::string> lines;
+  tokenize_corpus(options_of(load("cases.json")["jsonl_gpt2"]["args"], out, 2),
+                  [&](const std::string& line) { lines.push_back(line); });
+  CHECK_FALSE(fs::exists(out + "/" + killed));
+  CHECK(read_bytes(out + "/" + alive + "/train_000.bin") == std::vector<unsigned char>{1, 2, 3});
+  CHECK(read_bytes(out + "/" + other + "/train_000.bin") == std::vector<unsigned char>{1, 2, 3});
+  CHECK(fs::exists(out + "/train_000.bin"));
+  std::string log;
+  for (const std::string& l : lines) log += l + "\n";
+  INFO(log);
+  CHECK_THAT(log, Catch::Contains("removed '" + out + "/" + killed + "'") && Catch::Contains("pid " + std::to_string(dead)));
+  CHECK_THAT(log, Catch::Contains("note:") && Catch::Contains(other) && Catch::Contains("other hosts"));
+  CHECK_THAT(log, !Catch::Contains(alive));
 }
 
 TEST_CASE("keel tokenize: past 1000 shards the names get more digits and still sort in order", "[tokenize]") {

@@ -588,6 +588,28 @@ TEST_CASE("missing or truncated data: one clear message naming the file, exit co
   CHECK_FALSE(fs::exists(out));
 }
 
+// Windows never cross a file, so files shorter than a window give none. Here 40 files of 20
+// tokens (none reach train.seq_len + 1 = 33) and one of 1000 (31 windows, 992 tokens): 808 of
+// the 1800 tokens, 44.9%, are in no window. The workspace's one file of 20000 tokens loses 32.
+TEST_CASE("keel train warns when a source's files are too short for its windows", "[cli][data]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"eval_batches", 1}}}});
+  fs::create_directories(ws.dir / "tiny");
+  for (int k = 0; k < 40; ++k)
+    data::write_llmc_shard(ws.dir / ("tiny/part_" + std::to_string(100 + k) + ".bin"), test::synthetic_tokens(20, k), false);
+  data::write_llmc_shard(ws.dir / "tiny/part_big.bin", test::synthetic_tokens(1000, 99), false);
+  const std::string base = "train --config " + ws.config + " --eval-only";
+  auto r = test::run_keel(base + " --set data.train=" + (ws.dir / "tiny/*.bin"));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("WARNING data.train: 44.9% of its 1800 tokens are in no training window") &&
+                           Catch::Contains("40 of its 41 files are shorter than one window") &&
+                           Catch::Contains("train.seq_len + 1 = 33") && Catch::Contains("larger shards"));
+  r = test::run_keel(base);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, !Catch::Contains("in no training window"));
+}
+
 // Instruction data read in windows that cut examples apart is reported at start-up with the
 // share of in-loss targets whose example began in an earlier window. Examples of 48 tokens
 // (47 and an end of example, all in the loss) in windows of 32: of every three windows the first
