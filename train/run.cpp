@@ -875,6 +875,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // ---- everything that can fail on user input is checked before the run directory is touched ----
   const int T = static_cast<int>(cfg.train.seq_len);
   const data::Sampler train = open_train_data(cfg);
+  // What the sample order follows: compared with a resumed checkpoint's, recorded in every save.
+  const nlohmann::json train_files = training_files(train);
   // Token ids beyond the vocabulary (data tokenized for another model) fail here for datasets
   // up to 4G tokens (a scan at memory speed); bigger ones are checked batch by batch.
   constexpr int64_t kVocabScanLimit = int64_t{1} << 32;
@@ -992,7 +994,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_precision = ck.precision();
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
     if (const auto changes = training_file_changes(ck.meta().value("data", nlohmann::json::object()).value("files", nlohmann::json()),
-                                                   training_files(train));
+                                                   train_files);
         !changes.empty() && !opts.eval_only) {
       std::string text = "WARNING the training data changed since the checkpoint, under the same data.train:";
       for (size_t k = 0; k < changes.size() && k < 10; ++k) text += "\n    " + changes[k];
@@ -1102,7 +1104,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   RunDirLock run_lock, checkpoints_lock;  // held until the run ends
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
-  checkpoints.set_data_files(training_files(train));
+  checkpoints.set_data_files(train_files);
   if (!resume_path.empty() && !opts.eval_only) {
     // A rewind: the higher steps belong to the run it abandoned. Kept, and said once.
     if (const std::vector<std::string> above = checkpoints.set_resumed_from(progress.iteration); !above.empty()) {
