@@ -524,6 +524,7 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   if (!in) throw std::runtime_error("cannot read metrics file " + path);
   std::map<int64_t, StepRec> by_step;  // a replayed step keeps its last record
   std::map<std::string, std::map<int64_t, double>> vals;  // by step; "": data.val, else data.val_sets' names
+  std::map<std::string, int64_t> val_without_loss;        // evaluations reported as nan (no target in the loss)
   struct Resume {
     int64_t step;
     std::string checkpoint;
@@ -597,10 +598,14 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     if (!rec.contains("step")) continue;
     const int64_t step = rec["step"].get<int64_t>();
     if (rec.contains("val_loss") || rec.contains("val_losses")) {
-      if (auto v = number_of(rec, "val_loss")) vals[""][step] = *v;
+      // nan: a set whose evaluated targets were all masked, so it had no loss; kept out of the trend.
+      auto add = [&](const std::string& name, std::optional<double> v) {
+        if (v && std::isnan(*v)) ++val_without_loss[name];
+        else if (v) vals[name][step] = *v;
+      };
+      add("", number_of(rec, "val_loss"));
       if (rec.contains("val_losses") && rec["val_losses"].is_object())
-        for (const auto& [name, x] : rec["val_losses"].items())
-          if (auto v = number_of(rec["val_losses"], name.c_str())) vals[name][step] = *v;
+        for (const auto& [name, x] : rec["val_losses"].items()) add(name, number_of(rec["val_losses"], name.c_str()));
       continue;
     }
     auto loss = number_of(rec, "loss");
@@ -783,6 +788,9 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     }
     s += "\n";
   }
+  for (const auto& [name, n] : val_without_loss)
+    notes.push_back("validation" + (name.empty() ? std::string() : " (" + name + ")") + ": " + std::to_string(n) +
+                    " evaluation(s) had no target in the loss (all masked), reported as nan");
   // Stragglers (timers records): a rank named at two or more timed steps held the job up.
   if (r.timed_steps > 0) {
     s += "  timers: " + std::to_string(r.timed_steps) + " timed step(s), stragglers: " +

@@ -320,6 +320,7 @@ std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first
 struct ValidationSet {
   std::string name;
   data::Sampler sampler;
+  std::string field;  // data.val or data.val_sets.<name>
 };
 
 std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vocab_scan_limit) {
@@ -330,7 +331,7 @@ std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vo
     data::Sampler s(data::TokenDataset::open(data::expand_paths(patterns, field), T, vocab, data::DataUse::validation, field),
                     cfg.train.seed, false);
     s.dataset().check_vocab(vocab_scan_limit);
-    sets.push_back({name, std::move(s)});
+    sets.push_back({name, std::move(s), field});
   };
   if (!cfg.data.val.empty()) open("", cfg.data.val, "data.val");
   for (const auto& [name, patterns] : cfg.data.val_sets) open(name, patterns, "data.val_sets." + name);
@@ -575,8 +576,10 @@ void report_choice_eval(const RunConfig& cfg, const ChoiceEvalSet& set, const st
 // Validation: the first eval_batches micro-batches of the (unshuffled) validation set, always
 // the same ones; DP rank r evaluates batches r, r + dp, ... and the losses are summed. A set of
 // fewer windows is read once: the rows of the last micro-batch past its end (which would wrap
-// around to its first windows) have no targets.
-double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, const parallel::Grid& grid) {
+// around to its first windows) have no targets. `loss_tokens` counts the targets in the loss
+// (0 when masks leave out every one: there is no loss then, and the 0 returned means nothing).
+double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, const parallel::Grid& grid,
+                int64_t& loss_tokens) {
   const int64_t mbs = cfg.train.micro_batch, seq = cfg.train.seq_len;
   const int64_t windows = validation_windows(val, cfg);
   std::vector<MicroBatch> batches;
@@ -586,7 +589,7 @@ double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, con
       std::fill_n(one[0].targets.begin() + row * seq, seq, -1);
     batches.push_back(std::move(one[0]));
   }
-  return tr.evaluate(batches);
+  return tr.evaluate(batches, &loss_tokens);
 }
 
 // SLURM sends SIGUSR1 (with --signal) or SIGTERM before the time limit; Ctrl-C is SIGINT.
@@ -1225,13 +1228,28 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::fflush(stdout);
   };
   // One metrics record per evaluation: "val_loss" (data.val) and "val_losses" {name: loss}.
+  // A set whose evaluated targets are all masked (an SFT set whose masks keep only prompts) has
+  // no loss: it is reported as nan, as a skipped step's loss is, never as a perfect 0.
+  std::vector<bool> said_no_loss(vals.size(), false);
   auto validation = [&](int64_t it) {
     const ProfileRange range("validation");
     nlohmann::json rec = {{"step", it}, {"consumed_tokens", consumed_tokens}};
-    for (const ValidationSet& v : vals) {
-      const double loss = validate(tr, v.sampler, cfg, grid);
-      if (v.name.empty()) last_val = loss, rec["val_loss"] = loss;
-      else rec["val_losses"][v.name] = loss;
+    for (size_t i = 0; i < vals.size(); ++i) {
+      const ValidationSet& v = vals[i];
+      int64_t loss_tokens = 0;
+      double loss = validate(tr, v.sampler, cfg, grid, loss_tokens);
+      if (loss_tokens == 0) {
+        loss = std::nan("");
+        if (lead && !said_no_loss[i]) {
+          said_no_loss[i] = true;
+          std::printf("keel: WARNING %s: no target in the windows it evaluates counts in the loss (its loss masks, "
+                      "or data.eod_mask_loss, leave every one out): its validation loss is reported as nan. Check "
+                      "its .mask files, or evaluate more windows (train.eval_batches)\n",
+                      v.field.c_str());
+        }
+      }
+      if (v.name.empty()) last_val = loss, rec["val_loss"] = json_number(loss);
+      else rec["val_losses"][v.name] = json_number(loss);
       if (!quiet)
         std::printf(" validation%s%s%s at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
                     v.name.empty() ? "" : " (", v.name.c_str(), v.name.empty() ? "" : ")", static_cast<long long>(it),

@@ -641,12 +641,13 @@ int Trainer::check_replicas() {
   return checked;
 }
 
-double Trainer::evaluate(const std::vector<MicroBatch>& micro_batches) {
+double Trainer::evaluate(const std::vector<MicroBatch>& micro_batches, int64_t* loss_tokens) {
   settle_params();
   int64_t valid = 0;
   for (const MicroBatch& mb : micro_batches)
     valid += std::count_if(mb.targets.begin(), mb.targets.end(), [](int32_t t) { return t >= 0; });
   valid = all_reduce_sum(*comms_->dp, valid);
+  if (loss_tokens) *loss_tokens = valid;
   double loss_sum = run_pipeline(micro_batches, 0.0f, false);
   loss_sum = all_reduce_sum(*comms_->pp, loss_sum);
   loss_sum = all_reduce_sum(*comms_->dp, loss_sum);
