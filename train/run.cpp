@@ -155,6 +155,26 @@ static std::string short_files_warning(const data::TokenDataset& d, const std::s
          "Write fewer, larger shards (keel tokenize --shard-tokens), or use a shorter train.seq_len.";
 }
 
+// A file that several entries of data.train match (two globs, one path listed twice) is read
+// once, at its first place; a user who listed it again may have meant to up-weight it. With
+// data.train_weights each entry is a source of its own and is expanded alone: nothing is dropped.
+static std::string repeated_files_warning(const RunConfig& cfg) {
+  if (!cfg.data.train_weights.empty()) return "";
+  std::vector<data::RepeatedMatch> repeats;
+  data::expand_paths(cfg.data.train, "data.train", &repeats);
+  if (repeats.empty()) return "";
+  std::string w = "WARNING data.train: " + std::to_string(repeats.size()) + " file(s) matched by more than one entry:";
+  const size_t shown = std::min<size_t>(repeats.size(), 3);
+  for (size_t k = 0; k < shown; ++k) {
+    w += (k ? "; " : " ") + repeats[k].file + " (by";
+    for (size_t e = 0; e < repeats[k].entries.size(); ++e) w += (e ? ", " : " ") + std::string("'") + repeats[k].entries[e] + "'";
+    w += ")";
+  }
+  if (repeats.size() > shown) w += "; ... and " + std::to_string(repeats.size() - shown) + " more";
+  return w + ". Each file is read once, so listing it again does not up-weight it. To weight data, make each part an "
+             "entry of its own and give data.train_weights (a weighted blend)";
+}
+
 // The training data: all of data.train as one source, or with data.train_weights each entry (a
 // file or a glob) a source of its own, blended in those proportions.
 data::Sampler open_train_data(const RunConfig& cfg) {
@@ -419,6 +439,7 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
                 v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
   }
+  if (const std::string w = repeated_files_warning(cfg); !w.empty()) std::printf("keel: %s\n", w.c_str());
   for (size_t k = 0; k < train.num_sources(); ++k)
     if (const std::string w = short_files_warning(train.source(k), train.num_sources() > 1 ? cfg.data.train[k] : "data.train");
         !w.empty())

@@ -401,3 +401,23 @@ TEST_CASE("expand_paths globs, sorts, de-duplicates and folds Megatron pairs", "
   CHECK_THAT(data_error_of([&] { expand_paths({dir / "a.bin", missing}, "data.train"); }),
              Contains("data.train") && Contains(missing) && Contains("matches no file"));
 }
+
+TEST_CASE("expand_paths names each file that more than one entry matched, with those entries", "[data][token_file]") {
+  TempDir dir;
+  for (const char* name : {"a.bin", "b.bin"}) write_llmc_shard(dir / name, {1, 2, 3}, false);
+  write_megatron_dataset(dir / "m", {{1, 2}}, MegatronDtype::uint16);
+  std::vector<RepeatedMatch> repeats;
+  // A glob and a path inside it, and one path listed twice.
+  const std::vector<std::string> got =
+      expand_paths({dir / "*.bin", dir / "a.bin", dir / "m.bin", dir / "m.bin"}, "data.train", &repeats);
+  CHECK(got == std::vector<std::string>{dir / "a.bin", dir / "b.bin", dir / "m.bin"});
+  REQUIRE(repeats.size() == 2);
+  CHECK(repeats[0].file == dir / "a.bin");
+  CHECK(repeats[0].entries == std::vector<std::string>{dir / "*.bin", dir / "a.bin"});
+  CHECK(repeats[1].file == dir / "m.bin");
+  CHECK(repeats[1].entries == std::vector<std::string>{dir / "*.bin", dir / "m.bin", dir / "m.bin"});
+  // One glob matching a Megatron pair's .bin and .idx is one dataset matched once, not a repeat.
+  repeats.clear();
+  expand_paths({dir / "m.*", dir / "a.bin"}, "data.train", &repeats);
+  CHECK(repeats.empty());
+}

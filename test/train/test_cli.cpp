@@ -660,6 +660,30 @@ TEST_CASE("keel train warns when a source's files are too short for its windows"
   CHECK_THAT(r.output, !Catch::Contains("in no training window"));
 }
 
+// A file listed twice in data.train is read once; the user may have meant to up-weight it, so
+// keel says so, naming the file and the entries, and points at data.train_weights.
+TEST_CASE("keel train warns when entries of data.train match the same file", "[cli][data]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"eval_batches", 1}}}});
+  const std::string base = "train --config " + ws.config + " --eval-only";
+  const std::string glob = ws.dir / "*.bin", train = ws.dir / "train.bin";
+  auto r = test::run_keel(base + " --set 'data.train=[\"" + glob + "\", \"" + train + "\"]'");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("WARNING data.train: 1 file(s) matched by more than one entry: " + train +
+                                       " (by '" + glob + "', '" + train + "'). Each file is read once") &&
+                           Catch::Contains("data.train_weights"));
+  CHECK_THAT(r.output, Catch::Contains("training windows of 32+1 tokens from 2 file(s)"));  // train.bin and val.bin
+  // Each entry once: no warning; nor in a blend, where each entry is a source of its own.
+  r = test::run_keel(base + " --set 'data.train=[\"" + train + "\"]'");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, !Catch::Contains("matched by more than one entry"));
+  r = test::run_keel(base + " --set 'data.train=[\"" + glob + "\", \"" + train + "\"]' --set 'data.train_weights=[1, 1]'");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, !Catch::Contains("matched by more than one entry"));
+}
+
 // Instruction data read in windows that cut examples apart is reported at start-up with the
 // share of in-loss targets whose example began in an earlier window. Examples of 48 tokens
 // (47 and an end of example, all in the loss) in windows of 32: of every three windows the first
