@@ -192,15 +192,33 @@ data::Sampler open_train_data(const RunConfig& cfg) {
                        cfg.data.shuffle);
 }
 
-// The files each training source resolved to, with their token counts: with the seed and
-// seq_len, what the sample order is a function of. Saved in every checkpoint (data.files).
-nlohmann::json training_files(const data::Sampler& train) {
+// The files each training source resolved to, with their token counts and, with `fingerprints`,
+// content fingerprints (data/checksum.h): with the seed and seq_len, what the sample order is a
+// function of. Saved in every checkpoint (data.files). The fingerprints read a few blocks of each
+// file, on many threads: the wait is one file's latency per thread, not thousands in a row.
+nlohmann::json training_files(const data::Sampler& train, bool fingerprints) {
+  std::vector<const data::TokenFile*> all;
+  for (size_t k = 0; k < train.num_sources(); ++k)
+    for (size_t f = 0; f < train.source(k).num_files(); ++f) all.push_back(&train.source(k).file(f));
+  std::vector<std::string> prints(fingerprints ? all.size() : 0);
+  std::string error;
+#pragma omp parallel for schedule(dynamic) num_threads(16) if (prints.size() > 1)
+  for (size_t i = 0; i < prints.size(); ++i) {
+    try {
+      prints[i] = data::content_fingerprint(all[i]->path());
+    } catch (const std::exception& e) {
+#pragma omp critical
+      error = e.what();
+    }
+  }
+  if (!error.empty()) throw data::DataError(error);
   nlohmann::json sources = nlohmann::json::array();
-  for (size_t k = 0; k < train.num_sources(); ++k) {
+  for (size_t k = 0, i = 0; k < train.num_sources(); ++k) {
     nlohmann::json files = nlohmann::json::array();
-    for (size_t f = 0; f < train.source(k).num_files(); ++f) {
-      const data::TokenFile& file = train.source(k).file(f);
+    for (size_t f = 0; f < train.source(k).num_files(); ++f, ++i) {
+      const data::TokenFile& file = *all[i];
       files.push_back({{"file", fs::absolute(file.path()).lexically_normal().string()}, {"tokens", file.num_tokens()}});
+      if (fingerprints) files.back()["fingerprint"] = prints[i];
     }
     sources.push_back(std::move(files));
   }
@@ -208,7 +226,9 @@ nlohmann::json training_files(const data::Sampler& train) {
 }
 
 // How the training files changed between a checkpoint's data.files and this run's: one line per
-// file added, removed or resized (empty: the same files; also for a checkpoint that has no list).
+// file added, removed, resized or rewritten with the same length (another content fingerprint;
+// a checkpoint from before fingerprints has none, and no rewrite is called). Empty: the same
+// files; also for a checkpoint that has no list.
 // The same patterns can resolve to other files (a shard added to the folder, a dataset rewritten
 // in place), which the config comparison cannot see, yet the sampler's permutation follows the
 // window counts: the order from the resumed sample on is not the saved run's.
@@ -222,13 +242,24 @@ std::vector<std::string> training_file_changes(const nlohmann::json& saved, cons
   for (size_t k = 0; k < now.size(); ++k) {
     const std::string where = now.size() > 1 ? "source " + std::to_string(k) + ": " : "";
     std::map<std::string, int64_t> was, is;
-    for (const auto& f : saved[k]) was[f.value("file", "")] = f.value("tokens", int64_t{-1});
-    for (const auto& f : now[k]) is[f.at("file").get<std::string>()] = f.at("tokens").get<int64_t>();
+    std::map<std::string, std::string> was_print, is_print;
+    for (const auto& f : saved[k]) {
+      was[f.value("file", "")] = f.value("tokens", int64_t{-1});
+      was_print[f.value("file", "")] = f.value("fingerprint", "");
+    }
+    for (const auto& f : now[k]) {
+      is[f.at("file").get<std::string>()] = f.at("tokens").get<int64_t>();
+      is_print[f.at("file").get<std::string>()] = f.value("fingerprint", "");
+    }
     for (const auto& [file, tokens] : is) {
       const auto it = was.find(file);
+      const std::string &before = was_print[file], &after = is_print[file];
       if (it == was.end()) changes.push_back(where + file + " is new (" + std::to_string(tokens) + " tokens)");
       else if (it->second != tokens)
         changes.push_back(where + file + " had " + std::to_string(it->second) + " tokens, now " + std::to_string(tokens));
+      else if (!before.empty() && !after.empty() && before != after)
+        changes.push_back(where + file + " was rewritten: the same " + std::to_string(tokens) +
+                          " tokens, other content (fingerprint " + before + ", now " + after + ")");
     }
     for (const auto& [file, tokens] : was)
       if (!is.contains(file)) changes.push_back(where + file + " is gone (it had " + std::to_string(tokens) + " tokens)");
@@ -900,7 +931,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   const int T = static_cast<int>(cfg.train.seq_len);
   const data::Sampler train = open_train_data(cfg);
   // What the sample order follows: compared with a resumed checkpoint's, recorded in every save.
-  const nlohmann::json train_files = training_files(train);
+  // Only world rank 0 writes meta.json and compares, so only it reads the fingerprints.
+  const nlohmann::json train_files = training_files(train, lead);
   // Token ids beyond the vocabulary (data tokenized for another model) fail here for datasets
   // up to 4G tokens (a scan at memory speed); bigger ones are checked batch by batch.
   constexpr int64_t kVocabScanLimit = int64_t{1} << 32;
