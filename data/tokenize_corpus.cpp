@@ -395,10 +395,10 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   auto seconds_since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
-  auto say = [&](const char* fmt, auto... args) {
-    char buf[512];
-    std::snprintf(buf, sizeof buf, fmt, args...);
-    log(buf);
+  auto say = [&](const char* fmt, auto... args) {  // a line of any length, whole
+    std::string line(static_cast<size_t>(std::snprintf(nullptr, 0, fmt, args...)), '\0');
+    std::snprintf(line.data(), line.size() + 1, fmt, args...);
+    log(line);
   };
   check_options(o);
   check_out_path(o.out);
@@ -715,8 +715,11 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       threads, static_cast<long long>(r.vocab_size), r.eot_token.c_str(), r.eot_id, r.u32 ? "4-byte" : "2-byte");
   for (int s = 0; s < 2; ++s) {
     const TokenizedSplit& split = s == 0 ? r.train : r.val;
+    // The first few names: a split of thousands of shards is one line, not a page.
+    constexpr size_t kNamed = 4;
     std::string files;
-    for (const std::string& f : split.files) files += (files.empty() ? "" : ", ") + f;
+    for (size_t f = 0; f < split.files.size() && f < kNamed; ++f) files += (f ? ", " : "") + split.files[f];
+    if (split.files.size() > kNamed) files += ", ... and " + std::to_string(split.files.size() - kNamed) + " more";
     say("%s: %lld documents, %lld tokens%s  [%s]", s == 0 ? "train" : "val", static_cast<long long>(split.documents),
         static_cast<long long>(split.tokens),
         writes_masks(o) ? (", " + std::to_string(split.in_loss) + " in the loss").c_str() : "",
