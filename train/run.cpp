@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -265,6 +266,54 @@ std::vector<std::string> training_file_changes(const nlohmann::json& saved, cons
       if (!is.contains(file)) changes.push_back(where + file + " is gone (it had " + std::to_string(tokens) + " tokens)");
   }
   return changes;
+}
+
+// Globs that match exactly `wanted` among the step_* names in `dir`: each prefix whose names
+// are all wanted becomes one "prefix*", so a run of consecutive steps takes a few globs, not a
+// path each. Names are fixed-width, so a prefix that is a whole name matches only itself.
+static std::vector<std::string> covering_globs(const std::string& dir, const std::vector<std::string>& wanted) {
+  std::set<std::string> all, want(wanted.begin(), wanted.end());
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (const std::string n = e.path().filename().string(); n.starts_with("step_")) all.insert(n);
+  all.insert(want.begin(), want.end());
+  std::vector<std::string> globs;
+  std::function<void(const std::string&)> cover = [&](const std::string& prefix) {
+    auto first = all.lower_bound(prefix);
+    size_t n = 0, n_wanted = 0;
+    std::set<char> next;
+    for (auto it = first; it != all.end() && it->starts_with(prefix); ++it) {
+      ++n, n_wanted += want.contains(*it);
+      if (it->size() > prefix.size()) next.insert((*it)[prefix.size()]);
+    }
+    if (n_wanted == 0) return;
+    if (n_wanted == n) {
+      globs.push_back(n == 1 ? *first : prefix + "*");
+      return;
+    }
+    if (want.contains(prefix)) globs.push_back(prefix);
+    for (char c : next) cover(prefix + c);
+  };
+  cover("step_");
+  return globs;
+}
+
+// After a rewind, the later checkpoints belong to the abandoned run: kept, and named once with a
+// command that removes them. Thousands of them get the first few names and a few globs.
+static std::string abandoned_note(const std::string& dir, int64_t step, const std::vector<std::string>& above) {
+  constexpr size_t kNamed = 5;
+  std::string names;
+  for (size_t k = 0; k < above.size() && (above.size() <= kNamed || k < kNamed - 2); ++k) names += " " + above[k];
+  if (above.size() > kNamed)
+    names += " ... and " + std::to_string(above.size() - (kNamed - 2)) + " more up to " + above.back();
+  std::string paths;
+  for (const std::string& g : above.size() > kNamed ? covering_globs(dir, above) : above)
+    paths += " " + (fs::path(dir) / g).string();
+  return "resuming at step " + std::to_string(step) + " abandons the " +
+         (above.size() > kNamed ? std::to_string(above.size()) + " " : std::string()) + "later checkpoints" + names +
+         " in " + dir +
+         ". keep_last does not remove them (only a save of the same step by this run replaces one); "
+         "remove them by hand when they are no longer wanted: rm -r" + paths;
 }
 
 // The "eot_id" a data folder's meta.json names, if it names one.
@@ -1163,17 +1212,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   checkpoints.set_data_files(train_files);
   if (!resume_path.empty() && !opts.eval_only) {
     // A rewind: the higher steps belong to the run it abandoned. Kept, and said once.
-    if (const std::vector<std::string> above = checkpoints.set_resumed_from(progress.iteration); !above.empty()) {
-      std::string names, paths;
-      for (const auto& a : above) {
-        names += " " + a;
-        paths += " " + (fs::path(cfg.checkpoint.dir) / a).string();
-      }
-      notes.push_back("resuming at step " + std::to_string(progress.iteration) + " abandons the later checkpoints" +
-                      names + " in " + cfg.checkpoint.dir +
-                      ". keep_last does not remove them (only a save of the same step by this run replaces one); "
-                      "remove them by hand when they are no longer wanted: rm -r" + paths);
-    }
+    if (const std::vector<std::string> above = checkpoints.set_resumed_from(progress.iteration); !above.empty())
+      notes.push_back(abandoned_note(cfg.checkpoint.dir, progress.iteration, above));
   }
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, tr, train, vals, packed, *backend);
