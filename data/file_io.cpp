@@ -231,6 +231,12 @@ void FileWriter::close() {
   if (::close(fd) != 0) throw DataError("cannot finish writing '" + path_ + "': " + errno_text(errno));
 }
 
+std::string this_host() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "unknown-host";
+  return name;
+}
+
 bool file_exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;

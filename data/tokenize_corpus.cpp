@@ -316,12 +316,6 @@ struct StagingFolder {
 // destructor) can be told from one in use.
 const std::string kStagingPrefix = ".keel-tokenize-";
 
-std::string this_host() {
-  char name[256] = {};
-  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "unknown-host";
-  return name;
-}
-
 // Removes the staging folders in `out` that runs on this host left behind when they were killed
 // (their pid is gone), saying so: each would otherwise stay, as large as the outputs it was
 // writing. Those of other hosts (and of keels that did not record the host) are only named in a
@@ -402,7 +396,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   };
   check_options(o);
   check_out_path(o.out);
-  const std::string host = this_host();
+  const std::string host = detail::this_host();
   if (std::error_code ec; fs::is_directory(o.out, ec)) remove_dead_staging_folders(o.out, host, log);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 

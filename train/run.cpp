@@ -871,7 +871,7 @@ std::string lock_directory(const std::string& dir, const std::string& what, cons
   char started[32];
   std::strftime(started, sizeof started, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
   const std::string record =
-      nlohmann::json{{"host", parallel::this_host()}, {"pid", static_cast<int64_t>(::getpid())}, {"started", started}}
+      nlohmann::json{{"host", data::detail::this_host()}, {"pid", static_cast<int64_t>(::getpid())}, {"started", started}}
           .dump() + "\n";
   // Best effort: the lock itself is what guards the directory.
   if (::ftruncate(fd, 0) == 0) {
@@ -994,7 +994,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                       "choice_eval.file or sample.interval");
   if (backend->device() == Device::CPU && !opts.eval_only) {
     const HostMemory mem = host_memory();
-    const std::string host = parallel::this_host();
+    const std::string host = data::detail::this_host();
     // Ranks on one host under one limit (its MemAvailable, a job's cgroup) share it; a Slurm
     // per-task cgroup is each rank's own. Which is which: the ranks' hosts and cgroup paths.
     std::vector<int> sharing;

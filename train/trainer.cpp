@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "data/checksum.h"
+#include "data/file_io.h"
 #include "train/schedule.h"
 #include "train/pipeline_schedule.h"
 #include "train/parallel/host_values.h"
@@ -548,7 +549,7 @@ std::vector<RankTimes> Trainer::gather_timers(double step_ms) {
   const std::vector<double> mine = timers_.sample(step_ms);
   timers_.start_step(false);
   static const std::string host = [] {  // one word: the text is split at spaces below
-    std::string h = parallel::this_host();
+    std::string h = data::detail::this_host();
     std::replace(h.begin(), h.end(), ' ', '_');
     return h.empty() ? std::string("?") : h;
   }();
