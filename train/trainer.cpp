@@ -480,6 +480,8 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   norm_timer.reset();
 
   st.nonfinite = !std::isfinite(st.loss) || nonfinite > 0 || !std::isfinite(sum_sq);
+  // The scaler learns only whether the gradients fitted at this scale (as PyTorch's GradScaler and
+  // Megatron's DynamicGradScaler): a step the spike check skips below still counts toward growth.
   st.scale_exhausted = scaler_.update(st.nonfinite);
   if (st.nonfinite) {
     // Applying a non-finite gradient would poison masters and moments for good: skip, and find
