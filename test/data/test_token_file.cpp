@@ -14,6 +14,32 @@ using Catch::Contains;
 
 namespace {
 
+// Runs `body` in a forked child, which must end with _exit (or die of a signal): its wait
+// status and what it wrote to stderr. For faults that end the process (SIGBUS).
+struct ChildResult {
+  int status = 0;
+  std::string stderr_text;
+};
+template <class Body>
+ChildResult in_child(Body&& body) {
+  int pipe_fds[2];
+  REQUIRE(::pipe(pipe_fds) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::dup2(pipe_fds[1], STDERR_FILENO);
+    body();
+    _exit(13);  // body returned: not what a test of a fault expects
+  }
+  ::close(pipe_fds[1]);
+  ChildResult r;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) r.stderr_text.append(buf, static_cast<size_t>(n));
+  ::close(pipe_fds[0]);
+  REQUIRE(::waitpid(child, &r.status, 0) == child);
+  return r;
+}
+
 std::vector<int32_t> read_all(const TokenFile& f) {
   std::vector<int32_t> out(static_cast<size_t>(f.num_tokens()));
   f.read(0, f.num_tokens(), out.data());
@@ -169,24 +195,12 @@ TEST_CASE("a token file truncated while it is mapped is named, with the data err
   TempDir dir;
   const std::string path = dir / "shard.bin";
   write_llmc_shard(path, std::vector<uint32_t>(100000, 7), false);
-  int pipe_fds[2];
-  REQUIRE(::pipe(pipe_fds) == 0);
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    ::dup2(pipe_fds[1], STDERR_FILENO);
+  const auto [status, stderr_text] = in_child([&] {
     const TokenFile f = TokenFile::open(path);
     if (::truncate(path.c_str(), 2048) != 0) _exit(10);
     const uint32_t last = f.token(f.num_tokens() - 1);  // past the new end: SIGBUS
     _exit(last == 7 ? 11 : 12);                           // not reached
-  }
-  ::close(pipe_fds[1]);
-  std::string stderr_text;
-  char buf[512];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) stderr_text.append(buf, static_cast<size_t>(n));
-  ::close(pipe_fds[0]);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
+  });
   INFO(stderr_text);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 3);
@@ -206,25 +220,13 @@ TEST_CASE("a token file truncated while mapped is named also when thousands of f
   };
   for (int k = 0; k < kFiles; ++k) write_llmc_shard(shard(k), {1, 2, 3, 4, 5, 6, 7, 8}, false);
   const std::string last = shard(kFiles - 1);
-  int pipe_fds[2];
-  REQUIRE(::pipe(pipe_fds) == 0);
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    ::dup2(pipe_fds[1], STDERR_FILENO);
+  const auto [status, stderr_text] = in_child([&] {
     std::vector<TokenFile> files;
     for (int k = 0; k < kFiles; ++k) files.push_back(TokenFile::open(shard(k)));
     if (::truncate(last.c_str(), 0) != 0) _exit(10);
     const uint32_t t = files.back().token(7);  // the page is gone: SIGBUS
     _exit(t == 8 ? 11 : 12);                    // not reached
-  }
-  ::close(pipe_fds[1]);
-  std::string stderr_text;
-  char buf[512];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) stderr_text.append(buf, static_cast<size_t>(n));
-  ::close(pipe_fds[0]);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
+  });
   INFO(stderr_text);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 3);
