@@ -1,8 +1,17 @@
 #include "data/checksum.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <vector>
+
+#include "data/token_file.h"
 
 namespace keel::data {
 
@@ -75,6 +84,33 @@ std::string crc32c_hex(uint32_t crc) {
   char buf[9];
   std::snprintf(buf, sizeof buf, "%08x", crc);
   return buf;
+}
+
+std::string content_fingerprint(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    throw DataError("cannot read '" + path + "' to fingerprint it: " + std::strerror(err));
+  }
+  const int64_t size = st.st_size;
+  std::vector<unsigned char> block(static_cast<size_t>(kFingerprintBlock));
+  uint32_t crc = crc32c(0, &size, sizeof size);
+  for (const int64_t start : {int64_t{0}, std::max<int64_t>(0, size / 2 - kFingerprintBlock / 2),
+                              std::max<int64_t>(0, size - kFingerprintBlock)}) {
+    const int64_t want = std::min(kFingerprintBlock, size - start);
+    int64_t got = 0;
+    while (got < want) {
+      const ssize_t n = ::pread(fd, block.data() + got, static_cast<size_t>(want - got), start + got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;  // shorter than fstat said (shrinking under us): what was read counts
+      got += n;
+    }
+    crc = crc32c(crc, block.data(), static_cast<size_t>(got));
+  }
+  ::close(fd);
+  return crc32c_hex(crc);
 }
 
 }  // namespace keel::data

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <fstream>
 #include <sstream>
 
@@ -27,28 +28,35 @@ namespace {
 // tool that opens it with O_TRUNC, as llm.c's and many preprocessing scripts do) raises SIGBUS:
 // without a handler the process dies with "Bus error" and no word of which file. Each mapping is
 // registered here with the message to give, so the handler can name it and exit as a data error.
-// The table is fixed and lock-free, since the handler reads it; past kSlots mappings the rest
-// are not named (the handler then leaves SIGBUS to its default action).
+// The handler reads the table, so it is lock-free: chunks of slots in a list that only grows
+// (a data set of 10k shards is ordinary). A chunk is allocated outside the handler and published
+// with one atomic store; the handler only follows the pointers. Should an allocation fail, that
+// mapping is not named, and a fault in it is the plain bus error.
 struct MappingSlot {
   std::atomic<bool> claimed{false};
   std::atomic<const unsigned char*> base{nullptr};  // published last: the slot is complete
   int64_t size = 0;
   char message[512];
 };
-constexpr size_t kSlots = 4096;
-MappingSlot g_mappings[kSlots];
+constexpr size_t kSlotsPerChunk = 1024;
+struct SlotChunk {
+  MappingSlot slots[kSlotsPerChunk];
+  std::atomic<SlotChunk*> next{nullptr};
+};
+SlotChunk g_mappings;  // the first chunk; the others are never freed (the handler may be reading them)
 constexpr int kExitDataError = 3;  // keel's exit code for bad data (train/run.h)
 
 extern "C" void on_mapping_fault(int, siginfo_t* info, void*) {
   const auto* addr = static_cast<const unsigned char*>(info->si_addr);
-  for (MappingSlot& slot : g_mappings) {
-    const unsigned char* base = slot.base.load(std::memory_order_acquire);
-    if (base != nullptr && addr >= base && addr < base + slot.size) {
-      const ssize_t ignored = ::write(STDERR_FILENO, slot.message, std::strlen(slot.message));
-      (void)ignored;
-      _exit(kExitDataError);
+  for (SlotChunk* chunk = &g_mappings; chunk != nullptr; chunk = chunk->next.load(std::memory_order_acquire))
+    for (MappingSlot& slot : chunk->slots) {
+      const unsigned char* base = slot.base.load(std::memory_order_acquire);
+      if (base != nullptr && addr >= base && addr < base + slot.size) {
+        const ssize_t ignored = ::write(STDERR_FILENO, slot.message, std::strlen(slot.message));
+        (void)ignored;
+        _exit(kExitDataError);
+      }
     }
-  }
   std::signal(SIGBUS, SIG_DFL);  // not one of ours: returning re-runs the access, which now ends the process
 }
 
@@ -67,30 +75,48 @@ void install_fault_handler() {
   });
 }
 
-void register_mapping(const void* base, int64_t size, const std::string& kind, const std::string& path) {
-  install_fault_handler();
-  for (MappingSlot& slot : g_mappings) {
-    bool expected = false;
-    if (!slot.claimed.compare_exchange_strong(expected, true)) continue;
-    slot.size = size;
-    std::snprintf(slot.message, sizeof slot.message,
-                  "keel: data error: %s '%s' is shorter than the %lld bytes it had when keel opened it: it was "
-                  "truncated or rewritten in place while keel read it. Restore it (or write new data to new files) "
-                  "and run again (keel train resumes from its last checkpoint)\n",
-                  kind.c_str(), path.c_str(), static_cast<long long>(size));
-    slot.message[sizeof slot.message - 2] = '\n';  // a path too long for the message still ends a line
-    slot.base.store(static_cast<const unsigned char*>(base), std::memory_order_release);
-    return;
+// A free slot, claimed for the caller; a new chunk when every one is taken; nullptr when none
+// can be allocated.
+MappingSlot* claim_slot() {
+  for (SlotChunk* chunk = &g_mappings;;) {
+    for (MappingSlot& slot : chunk->slots) {
+      bool expected = false;
+      if (slot.claimed.compare_exchange_strong(expected, true)) return &slot;
+    }
+    SlotChunk* next = chunk->next.load(std::memory_order_acquire);
+    if (next == nullptr) {
+      auto* fresh = new (std::nothrow) SlotChunk;
+      if (fresh == nullptr) return nullptr;
+      // Another thread may have appended one meanwhile: then use that one.
+      if (chunk->next.compare_exchange_strong(next, fresh, std::memory_order_acq_rel)) next = fresh;
+      else delete fresh;
+    }
+    chunk = next;
   }
 }
 
+void register_mapping(const void* base, int64_t size, const std::string& kind, const std::string& path) {
+  install_fault_handler();
+  MappingSlot* slot = claim_slot();
+  if (slot == nullptr) return;
+  slot->size = size;
+  std::snprintf(slot->message, sizeof slot->message,
+                "keel: data error: %s '%s' is shorter than the %lld bytes it had when keel opened it: it was "
+                "truncated or rewritten in place while keel read it. Restore it (or write new data to new files) "
+                "and run again (keel train resumes from its last checkpoint)\n",
+                kind.c_str(), path.c_str(), static_cast<long long>(size));
+  slot->message[sizeof slot->message - 2] = '\n';  // a path too long for the message still ends a line
+  slot->base.store(static_cast<const unsigned char*>(base), std::memory_order_release);
+}
+
 void unregister_mapping(const void* base) {
-  for (MappingSlot& slot : g_mappings)
-    if (slot.base.load(std::memory_order_acquire) == base) {
-      slot.base.store(nullptr, std::memory_order_release);
-      slot.claimed.store(false, std::memory_order_release);
-      return;
-    }
+  for (SlotChunk* chunk = &g_mappings; chunk != nullptr; chunk = chunk->next.load(std::memory_order_acquire))
+    for (MappingSlot& slot : chunk->slots)
+      if (slot.base.load(std::memory_order_acquire) == base) {
+        slot.base.store(nullptr, std::memory_order_release);
+        slot.claimed.store(false, std::memory_order_release);
+        return;
+      }
 }
 
 }  // namespace
@@ -229,6 +255,12 @@ void FileWriter::close() {
   int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) throw DataError("cannot finish writing '" + path_ + "': " + errno_text(errno));
+}
+
+std::string this_host() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "unknown-host";
+  return name;
 }
 
 bool file_exists(const std::string& path) {

@@ -76,4 +76,7 @@ void sync_directory(const std::string& path);
 
 bool file_exists(const std::string& path);  // any kind of file, following links
 
+// This machine's host name, "unknown-host" when it cannot be read (it is part of file names).
+std::string this_host();
+
 }  // namespace keel::data::detail

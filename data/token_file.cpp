@@ -6,7 +6,7 @@
 #include <array>
 #include <bit>
 #include <cstring>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "data/loss_mask.h"
 
@@ -289,10 +289,13 @@ int64_t TokenFile::find_token_at_least(uint32_t limit, int64_t start, int64_t co
   return scan(reinterpret_cast<const uint32_t*>(tokens_) + start);
 }
 
-std::vector<std::string> expand_paths(const std::vector<std::string>& patterns, const std::string& what) {
+std::vector<std::string> expand_paths(const std::vector<std::string>& patterns, const std::string& what,
+                                      std::vector<RepeatedMatch>* repeats) {
   std::vector<std::string> out;
-  std::unordered_set<std::string> seen;
-  for (const std::string& pattern : patterns) {
+  std::unordered_map<std::string, size_t> seen;    // file -> its place in out
+  std::vector<std::vector<size_t>> matched_by;     // per file of out: the entries that matched it
+  for (size_t entry = 0; entry < patterns.size(); ++entry) {
+    const std::string& pattern = patterns[entry];
     glob_t g{};
     const int rc = glob(pattern.c_str(), 0, nullptr, &g);
     std::vector<std::string> matches;
@@ -317,9 +320,19 @@ std::vector<std::string> expand_paths(const std::vector<std::string>& patterns, 
         std::string bin = m.substr(0, m.size() - 4) + ".bin";
         if (detail::file_exists(bin)) m = bin;
       }
-      if (seen.insert(m).second) out.push_back(m);
+      const auto [at, fresh] = seen.try_emplace(m, out.size());
+      if (fresh) out.push_back(m), matched_by.emplace_back();
+      // x.bin and x.idx of one glob are one dataset, matched once by that entry.
+      if (std::vector<size_t>& by = matched_by[at->second]; by.empty() || by.back() != entry) by.push_back(entry);
     }
   }
+  if (repeats)
+    for (size_t f = 0; f < out.size(); ++f)
+      if (matched_by[f].size() > 1) {
+        RepeatedMatch r{out[f], {}};
+        for (size_t e : matched_by[f]) r.entries.push_back(patterns[e]);
+        repeats->push_back(std::move(r));
+      }
   return out;
 }
 

@@ -85,7 +85,14 @@ class TokenFile {
 // the order given, duplicates dropped. `x.idx` is folded into `x.bin` so a glob over a folder of
 // Megatron pairs names each dataset once; a Megatron prefix `x` (no file of that name) becomes
 // `x.bin`. A pattern that matches nothing throws DataError naming `what` (e.g. "data.train").
-std::vector<std::string> expand_paths(const std::vector<std::string>& patterns, const std::string& what);
+// With `repeats`, it also lists each file that more than one entry matched (two globs, or one
+// path given twice), with those entries in order: the caller can say that it is read once.
+struct RepeatedMatch {
+  std::string file;
+  std::vector<std::string> entries;
+};
+std::vector<std::string> expand_paths(const std::vector<std::string>& patterns, const std::string& what,
+                                      std::vector<RepeatedMatch>* repeats = nullptr);
 
 // Writers for tests and tools. Throw DataError naming the path on any failure.
 // llm.c shard: uint32 tokens (magic 20240801 / v7) when u32, else uint16 (20240520 / v1).

@@ -316,12 +316,6 @@ struct StagingFolder {
 // destructor) can be told from one in use.
 const std::string kStagingPrefix = ".keel-tokenize-";
 
-std::string this_host() {
-  char name[256] = {};
-  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "unknown-host";
-  return name;
-}
-
 // Removes the staging folders in `out` that runs on this host left behind when they were killed
 // (their pid is gone), saying so: each would otherwise stay, as large as the outputs it was
 // writing. Those of other hosts (and of keels that did not record the host) are only named in a
@@ -395,14 +389,14 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   auto seconds_since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
-  auto say = [&](const char* fmt, auto... args) {
-    char buf[512];
-    std::snprintf(buf, sizeof buf, fmt, args...);
-    log(buf);
+  auto say = [&](const char* fmt, auto... args) {  // a line of any length, whole
+    std::string line(static_cast<size_t>(std::snprintf(nullptr, 0, fmt, args...)), '\0');
+    std::snprintf(line.data(), line.size() + 1, fmt, args...);
+    log(line);
   };
   check_options(o);
   check_out_path(o.out);
-  const std::string host = this_host();
+  const std::string host = detail::this_host();
   if (std::error_code ec; fs::is_directory(o.out, ec)) remove_dead_staging_folders(o.out, host, log);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 
@@ -715,8 +709,11 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       threads, static_cast<long long>(r.vocab_size), r.eot_token.c_str(), r.eot_id, r.u32 ? "4-byte" : "2-byte");
   for (int s = 0; s < 2; ++s) {
     const TokenizedSplit& split = s == 0 ? r.train : r.val;
+    // The first few names: a split of thousands of shards is one line, not a page.
+    constexpr size_t kNamed = 4;
     std::string files;
-    for (const std::string& f : split.files) files += (files.empty() ? "" : ", ") + f;
+    for (size_t f = 0; f < split.files.size() && f < kNamed; ++f) files += (f ? ", " : "") + split.files[f];
+    if (split.files.size() > kNamed) files += ", ... and " + std::to_string(split.files.size() - kNamed) + " more";
     say("%s: %lld documents, %lld tokens%s  [%s]", s == 0 ? "train" : "val", static_cast<long long>(split.documents),
         static_cast<long long>(split.tokens),
         writes_masks(o) ? (", " + std::to_string(split.in_loss) + " in the loss").c_str() : "",

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -511,6 +512,26 @@ class SpikeScan {
   std::deque<double> hist_;
 };
 
+// The spike ratios of the run the metrics file belongs to: its config.json, which `keel train
+// --out` writes beside metrics.jsonl, else keel's defaults. `from` says which, for the output.
+struct RunHealth {
+  HealthConfig health;
+  std::string from;
+};
+RunHealth run_health(const std::string& metrics_path) {
+  const std::string config = (std::filesystem::path(metrics_path).parent_path() / "config.json").string();
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(config, ec)) return {{}, "keel's defaults (no config.json beside the file)"};
+  try {
+    std::ifstream in(config);
+    return {parse_config(json::parse(in), config).health, "the run's " + config};
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    why = why.substr(0, why.find('\n'));
+    return {{}, "keel's defaults (" + config + " could not be read: " + why + ")"};
+  }
+}
+
 std::string spike_line(const Spike& sp) {
   return "step " + std::to_string(sp.step) + ": " + num(sp.value) + " (running mean " + num(sp.mean) + ", z " +
          num(sp.z, "%.1f") + ")";
@@ -524,6 +545,7 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   if (!in) throw std::runtime_error("cannot read metrics file " + path);
   std::map<int64_t, StepRec> by_step;  // a replayed step keeps its last record
   std::map<std::string, std::map<int64_t, double>> vals;  // by step; "": data.val, else data.val_sets' names
+  std::map<std::string, int64_t> val_without_loss;        // evaluations reported as nan (no target in the loss)
   struct Resume {
     int64_t step;
     std::string checkpoint;
@@ -597,10 +619,14 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     if (!rec.contains("step")) continue;
     const int64_t step = rec["step"].get<int64_t>();
     if (rec.contains("val_loss") || rec.contains("val_losses")) {
-      if (auto v = number_of(rec, "val_loss")) vals[""][step] = *v;
+      // nan: a set whose evaluated targets were all masked, so it had no loss; kept out of the trend.
+      auto add = [&](const std::string& name, std::optional<double> v) {
+        if (v && std::isnan(*v)) ++val_without_loss[name];
+        else if (v) vals[name][step] = *v;
+      };
+      add("", number_of(rec, "val_loss"));
       if (rec.contains("val_losses") && rec["val_losses"].is_object())
-        for (const auto& [name, x] : rec["val_losses"].items())
-          if (auto v = number_of(rec["val_losses"], name.c_str())) vals[name][step] = *v;
+        for (const auto& [name, x] : rec["val_losses"].items()) add(name, number_of(rec["val_losses"], name.c_str()));
       continue;
     }
     auto loss = number_of(rec, "loss");
@@ -639,8 +665,10 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
 
   // Loss and grad norm: levels and spikes.
   const StepRec* min_rec = nullptr;
-  const HealthConfig health;  // the live check's ratios, at their defaults
-  const double loss_ratio = 1 + health.spike_min_jump, norm_ratio = health.spike_norm_ratio;
+  const RunHealth run = run_health(path);  // the live check's ratios, as the run had them
+  const double loss_ratio = 1 + run.health.spike_min_jump, norm_ratio = run.health.spike_norm_ratio;
+  s += "  spike ratios: health.spike_min_jump " + num(run.health.spike_min_jump) + ", health.spike_norm_ratio " +
+       num(norm_ratio) + ", from " + run.from + "\n";
   SpikeScan loss_scan(opt, loss_ratio), norm_scan(opt, norm_ratio);
   int64_t prev_nan = 0;
   std::optional<double> prev_scale;
@@ -783,6 +811,9 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     }
     s += "\n";
   }
+  for (const auto& [name, n] : val_without_loss)
+    notes.push_back("validation" + (name.empty() ? std::string() : " (" + name + ")") + ": " + std::to_string(n) +
+                    " evaluation(s) had no target in the loss (all masked), reported as nan");
   // Stragglers (timers records): a rank named at two or more timed steps held the job up.
   if (r.timed_steps > 0) {
     s += "  timers: " + std::to_string(r.timed_steps) + " timed step(s), stragglers: " +

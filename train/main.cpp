@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "data/file_io.h"
 #include "data/token_file.h"
 #include "train/checkpoint.h"
 #include "train/commands.h"
@@ -62,7 +63,7 @@ int main(int argc, char** argv) {
     }
     if (world_size > 1)
       std::fprintf(stderr, "keel: [rank %d of %d on %s] %s: %s\n", world_rank, world_size,
-                   keel::parallel::this_host().c_str(), kind, what);
+                   keel::data::detail::this_host().c_str(), kind, what);
     else
       std::fprintf(stderr, "keel: %s: %s\n", kind, what);
     // With several ranks, take the whole job down rather than leave the others waiting.

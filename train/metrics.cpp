@@ -29,20 +29,18 @@ std::string format_step_line(const StepReport& r) {
   return buf;
 }
 
-namespace {
 // JSON has no inf/nan: write them as strings so the record stays parseable.
-nlohmann::json number(double x) {
+nlohmann::json json_number(double x) {
   if (std::isfinite(x)) return x;
   return std::isnan(x) ? "nan" : (x > 0 ? "inf" : "-inf");
 }
-}  // namespace
 
 nlohmann::json step_record(const StepReport& r) {
   const StepStats& s = r.stats;
   return {{"step", s.iteration},
-          {"loss", number(s.loss)},
+          {"loss", json_number(s.loss)},
           {"lr", s.lr},
-          {"grad_norm", number(s.grad_norm)},
+          {"grad_norm", json_number(s.grad_norm)},
           {"loss_scale", s.loss_scale},
           {"global_batch", s.global_batch},
           {"consumed_samples", r.consumed_samples},

@@ -26,6 +26,8 @@ struct StepReport {
 };
 
 std::string format_step_line(const StepReport& r);
+// x as a JSON value: a number, or "nan", "inf", "-inf" (JSON has none of them).
+nlohmann::json json_number(double x);
 nlohmann::json step_record(const StepReport& r);
 
 // Appends JSON lines, each written whole with one write(2), so a crash loses nothing already

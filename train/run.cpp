@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -155,6 +156,26 @@ static std::string short_files_warning(const data::TokenDataset& d, const std::s
          "Write fewer, larger shards (keel tokenize --shard-tokens), or use a shorter train.seq_len.";
 }
 
+// A file that several entries of data.train match (two globs, one path listed twice) is read
+// once, at its first place; a user who listed it again may have meant to up-weight it. With
+// data.train_weights each entry is a source of its own and is expanded alone: nothing is dropped.
+static std::string repeated_files_warning(const RunConfig& cfg) {
+  if (!cfg.data.train_weights.empty()) return "";
+  std::vector<data::RepeatedMatch> repeats;
+  data::expand_paths(cfg.data.train, "data.train", &repeats);
+  if (repeats.empty()) return "";
+  std::string w = "WARNING data.train: " + std::to_string(repeats.size()) + " file(s) matched by more than one entry:";
+  const size_t shown = std::min<size_t>(repeats.size(), 3);
+  for (size_t k = 0; k < shown; ++k) {
+    w += (k ? "; " : " ") + repeats[k].file + " (by";
+    for (size_t e = 0; e < repeats[k].entries.size(); ++e) w += (e ? ", " : " ") + std::string("'") + repeats[k].entries[e] + "'";
+    w += ")";
+  }
+  if (repeats.size() > shown) w += "; ... and " + std::to_string(repeats.size() - shown) + " more";
+  return w + ". Each file is read once, so listing it again does not up-weight it. To weight data, make each part an "
+             "entry of its own and give data.train_weights (a weighted blend)";
+}
+
 // The training data: all of data.train as one source, or with data.train_weights each entry (a
 // file or a glob) a source of its own, blended in those proportions.
 data::Sampler open_train_data(const RunConfig& cfg) {
@@ -172,15 +193,33 @@ data::Sampler open_train_data(const RunConfig& cfg) {
                        cfg.data.shuffle);
 }
 
-// The files each training source resolved to, with their token counts: with the seed and
-// seq_len, what the sample order is a function of. Saved in every checkpoint (data.files).
-nlohmann::json training_files(const data::Sampler& train) {
+// The files each training source resolved to, with their token counts and, with `fingerprints`,
+// content fingerprints (data/checksum.h): with the seed and seq_len, what the sample order is a
+// function of. Saved in every checkpoint (data.files). The fingerprints read a few blocks of each
+// file, on many threads: the wait is one file's latency per thread, not thousands in a row.
+nlohmann::json training_files(const data::Sampler& train, bool fingerprints) {
+  std::vector<const data::TokenFile*> all;
+  for (size_t k = 0; k < train.num_sources(); ++k)
+    for (size_t f = 0; f < train.source(k).num_files(); ++f) all.push_back(&train.source(k).file(f));
+  std::vector<std::string> prints(fingerprints ? all.size() : 0);
+  std::string error;
+#pragma omp parallel for schedule(dynamic) num_threads(16) if (prints.size() > 1)
+  for (size_t i = 0; i < prints.size(); ++i) {
+    try {
+      prints[i] = data::content_fingerprint(all[i]->path());
+    } catch (const std::exception& e) {
+#pragma omp critical
+      error = e.what();
+    }
+  }
+  if (!error.empty()) throw data::DataError(error);
   nlohmann::json sources = nlohmann::json::array();
-  for (size_t k = 0; k < train.num_sources(); ++k) {
+  for (size_t k = 0, i = 0; k < train.num_sources(); ++k) {
     nlohmann::json files = nlohmann::json::array();
-    for (size_t f = 0; f < train.source(k).num_files(); ++f) {
-      const data::TokenFile& file = train.source(k).file(f);
+    for (size_t f = 0; f < train.source(k).num_files(); ++f, ++i) {
+      const data::TokenFile& file = *all[i];
       files.push_back({{"file", fs::absolute(file.path()).lexically_normal().string()}, {"tokens", file.num_tokens()}});
+      if (fingerprints) files.back()["fingerprint"] = prints[i];
     }
     sources.push_back(std::move(files));
   }
@@ -188,7 +227,9 @@ nlohmann::json training_files(const data::Sampler& train) {
 }
 
 // How the training files changed between a checkpoint's data.files and this run's: one line per
-// file added, removed or resized (empty: the same files; also for a checkpoint that has no list).
+// file added, removed, resized or rewritten with the same length (another content fingerprint;
+// a checkpoint from before fingerprints has none, and no rewrite is called). Empty: the same
+// files; also for a checkpoint that has no list.
 // The same patterns can resolve to other files (a shard added to the folder, a dataset rewritten
 // in place), which the config comparison cannot see, yet the sampler's permutation follows the
 // window counts: the order from the resumed sample on is not the saved run's.
@@ -202,18 +243,77 @@ std::vector<std::string> training_file_changes(const nlohmann::json& saved, cons
   for (size_t k = 0; k < now.size(); ++k) {
     const std::string where = now.size() > 1 ? "source " + std::to_string(k) + ": " : "";
     std::map<std::string, int64_t> was, is;
-    for (const auto& f : saved[k]) was[f.value("file", "")] = f.value("tokens", int64_t{-1});
-    for (const auto& f : now[k]) is[f.at("file").get<std::string>()] = f.at("tokens").get<int64_t>();
+    std::map<std::string, std::string> was_print, is_print;
+    for (const auto& f : saved[k]) {
+      was[f.value("file", "")] = f.value("tokens", int64_t{-1});
+      was_print[f.value("file", "")] = f.value("fingerprint", "");
+    }
+    for (const auto& f : now[k]) {
+      is[f.at("file").get<std::string>()] = f.at("tokens").get<int64_t>();
+      is_print[f.at("file").get<std::string>()] = f.value("fingerprint", "");
+    }
     for (const auto& [file, tokens] : is) {
       const auto it = was.find(file);
+      const std::string &before = was_print[file], &after = is_print[file];
       if (it == was.end()) changes.push_back(where + file + " is new (" + std::to_string(tokens) + " tokens)");
       else if (it->second != tokens)
         changes.push_back(where + file + " had " + std::to_string(it->second) + " tokens, now " + std::to_string(tokens));
+      else if (!before.empty() && !after.empty() && before != after)
+        changes.push_back(where + file + " was rewritten: the same " + std::to_string(tokens) +
+                          " tokens, other content (fingerprint " + before + ", now " + after + ")");
     }
     for (const auto& [file, tokens] : was)
       if (!is.contains(file)) changes.push_back(where + file + " is gone (it had " + std::to_string(tokens) + " tokens)");
   }
   return changes;
+}
+
+// Globs that match exactly `wanted` among the step_* names in `dir`: each prefix whose names
+// are all wanted becomes one "prefix*", so a run of consecutive steps takes a few globs, not a
+// path each. Names are fixed-width, so a prefix that is a whole name matches only itself.
+static std::vector<std::string> covering_globs(const std::string& dir, const std::vector<std::string>& wanted) {
+  std::set<std::string> all, want(wanted.begin(), wanted.end());
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (const std::string n = e.path().filename().string(); n.starts_with("step_")) all.insert(n);
+  all.insert(want.begin(), want.end());
+  std::vector<std::string> globs;
+  std::function<void(const std::string&)> cover = [&](const std::string& prefix) {
+    auto first = all.lower_bound(prefix);
+    size_t n = 0, n_wanted = 0;
+    std::set<char> next;
+    for (auto it = first; it != all.end() && it->starts_with(prefix); ++it) {
+      ++n, n_wanted += want.contains(*it);
+      if (it->size() > prefix.size()) next.insert((*it)[prefix.size()]);
+    }
+    if (n_wanted == 0) return;
+    if (n_wanted == n) {
+      globs.push_back(n == 1 ? *first : prefix + "*");
+      return;
+    }
+    if (want.contains(prefix)) globs.push_back(prefix);
+    for (char c : next) cover(prefix + c);
+  };
+  cover("step_");
+  return globs;
+}
+
+// After a rewind, the later checkpoints belong to the abandoned run: kept, and named once with a
+// command that removes them. Thousands of them get the first few names and a few globs.
+static std::string abandoned_note(const std::string& dir, int64_t step, const std::vector<std::string>& above) {
+  constexpr size_t kNamed = 5;
+  std::string names;
+  for (size_t k = 0; k < above.size() && (above.size() <= kNamed || k < kNamed - 2); ++k) names += " " + above[k];
+  if (above.size() > kNamed)
+    names += " ... and " + std::to_string(above.size() - (kNamed - 2)) + " more up to " + above.back();
+  std::string paths;
+  for (const std::string& g : above.size() > kNamed ? covering_globs(dir, above) : above)
+    paths += " " + (fs::path(dir) / g).string();
+  return "resuming at step " + std::to_string(step) + " abandons the " +
+         (above.size() > kNamed ? std::to_string(above.size()) + " " : std::string()) + "later checkpoints" + names +
+         " in " + dir +
+         ". keep_last does not remove them (only a save of the same step by this run replaces one); "
+         "remove them by hand when they are no longer wanted: rm -r" + paths;
 }
 
 // The "eot_id" a data folder's meta.json names, if it names one.
@@ -320,6 +420,7 @@ std::vector<MicroBatch> load_batches(const data::Sampler& sampler, int64_t first
 struct ValidationSet {
   std::string name;
   data::Sampler sampler;
+  std::string field;  // data.val or data.val_sets.<name>
 };
 
 std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vocab_scan_limit) {
@@ -330,7 +431,7 @@ std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vo
     data::Sampler s(data::TokenDataset::open(data::expand_paths(patterns, field), T, vocab, data::DataUse::validation, field),
                     cfg.train.seed, false);
     s.dataset().check_vocab(vocab_scan_limit);
-    sets.push_back({name, std::move(s)});
+    sets.push_back({name, std::move(s), field});
   };
   if (!cfg.data.val.empty()) open("", cfg.data.val, "data.val");
   for (const auto& [name, patterns] : cfg.data.val_sets) open(name, patterns, "data.val_sets." + name);
@@ -418,6 +519,7 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
                 v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
   }
+  if (const std::string w = repeated_files_warning(cfg); !w.empty()) std::printf("keel: %s\n", w.c_str());
   for (size_t k = 0; k < train.num_sources(); ++k)
     if (const std::string w = short_files_warning(train.source(k), train.num_sources() > 1 ? cfg.data.train[k] : "data.train");
         !w.empty())
@@ -575,8 +677,10 @@ void report_choice_eval(const RunConfig& cfg, const ChoiceEvalSet& set, const st
 // Validation: the first eval_batches micro-batches of the (unshuffled) validation set, always
 // the same ones; DP rank r evaluates batches r, r + dp, ... and the losses are summed. A set of
 // fewer windows is read once: the rows of the last micro-batch past its end (which would wrap
-// around to its first windows) have no targets.
-double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, const parallel::Grid& grid) {
+// around to its first windows) have no targets. `loss_tokens` counts the targets in the loss
+// (0 when masks leave out every one: there is no loss then, and the 0 returned means nothing).
+double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, const parallel::Grid& grid,
+                int64_t& loss_tokens) {
   const int64_t mbs = cfg.train.micro_batch, seq = cfg.train.seq_len;
   const int64_t windows = validation_windows(val, cfg);
   std::vector<MicroBatch> batches;
@@ -586,7 +690,7 @@ double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, con
       std::fill_n(one[0].targets.begin() + row * seq, seq, -1);
     batches.push_back(std::move(one[0]));
   }
-  return tr.evaluate(batches);
+  return tr.evaluate(batches, &loss_tokens);
 }
 
 // SLURM sends SIGUSR1 (with --signal) or SIGTERM before the time limit; Ctrl-C is SIGINT.
@@ -767,7 +871,7 @@ std::string lock_directory(const std::string& dir, const std::string& what, cons
   char started[32];
   std::strftime(started, sizeof started, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
   const std::string record =
-      nlohmann::json{{"host", parallel::this_host()}, {"pid", static_cast<int64_t>(::getpid())}, {"started", started}}
+      nlohmann::json{{"host", data::detail::this_host()}, {"pid", static_cast<int64_t>(::getpid())}, {"started", started}}
           .dump() + "\n";
   // Best effort: the lock itself is what guards the directory.
   if (::ftruncate(fd, 0) == 0) {
@@ -876,7 +980,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   const int T = static_cast<int>(cfg.train.seq_len);
   const data::Sampler train = open_train_data(cfg);
   // What the sample order follows: compared with a resumed checkpoint's, recorded in every save.
-  const nlohmann::json train_files = training_files(train);
+  // Only world rank 0 writes meta.json and compares, so only it reads the fingerprints.
+  const nlohmann::json train_files = training_files(train, lead);
   // Token ids beyond the vocabulary (data tokenized for another model) fail here for datasets
   // up to 4G tokens (a scan at memory speed); bigger ones are checked batch by batch.
   constexpr int64_t kVocabScanLimit = int64_t{1} << 32;
@@ -889,7 +994,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                       "choice_eval.file or sample.interval");
   if (backend->device() == Device::CPU && !opts.eval_only) {
     const HostMemory mem = host_memory();
-    const std::string host = parallel::this_host();
+    const std::string host = data::detail::this_host();
     // Ranks on one host under one limit (its MemAvailable, a job's cgroup) share it; a Slurm
     // per-task cgroup is each rank's own. Which is which: the ranks' hosts and cgroup paths.
     std::vector<int> sharing;
@@ -1107,17 +1212,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   checkpoints.set_data_files(train_files);
   if (!resume_path.empty() && !opts.eval_only) {
     // A rewind: the higher steps belong to the run it abandoned. Kept, and said once.
-    if (const std::vector<std::string> above = checkpoints.set_resumed_from(progress.iteration); !above.empty()) {
-      std::string names, paths;
-      for (const auto& a : above) {
-        names += " " + a;
-        paths += " " + (fs::path(cfg.checkpoint.dir) / a).string();
-      }
-      notes.push_back("resuming at step " + std::to_string(progress.iteration) + " abandons the later checkpoints" +
-                      names + " in " + cfg.checkpoint.dir +
-                      ". keep_last does not remove them (only a save of the same step by this run replaces one); "
-                      "remove them by hand when they are no longer wanted: rm -r" + paths);
-    }
+    if (const std::vector<std::string> above = checkpoints.set_resumed_from(progress.iteration); !above.empty())
+      notes.push_back(abandoned_note(cfg.checkpoint.dir, progress.iteration, above));
   }
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, tr, train, vals, packed, *backend);
@@ -1225,13 +1321,28 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::fflush(stdout);
   };
   // One metrics record per evaluation: "val_loss" (data.val) and "val_losses" {name: loss}.
+  // A set whose evaluated targets are all masked (an SFT set whose masks keep only prompts) has
+  // no loss: it is reported as nan, as a skipped step's loss is, never as a perfect 0.
+  std::vector<bool> said_no_loss(vals.size(), false);
   auto validation = [&](int64_t it) {
     const ProfileRange range("validation");
     nlohmann::json rec = {{"step", it}, {"consumed_tokens", consumed_tokens}};
-    for (const ValidationSet& v : vals) {
-      const double loss = validate(tr, v.sampler, cfg, grid);
-      if (v.name.empty()) last_val = loss, rec["val_loss"] = loss;
-      else rec["val_losses"][v.name] = loss;
+    for (size_t i = 0; i < vals.size(); ++i) {
+      const ValidationSet& v = vals[i];
+      int64_t loss_tokens = 0;
+      double loss = validate(tr, v.sampler, cfg, grid, loss_tokens);
+      if (loss_tokens == 0) {
+        loss = std::nan("");
+        if (lead && !said_no_loss[i]) {
+          said_no_loss[i] = true;
+          std::printf("keel: WARNING %s: no target in the windows it evaluates counts in the loss (its loss masks, "
+                      "or data.eod_mask_loss, leave every one out): its validation loss is reported as nan. Check "
+                      "its .mask files, or evaluate more windows (train.eval_batches)\n",
+                      v.field.c_str());
+        }
+      }
+      if (v.name.empty()) last_val = loss, rec["val_loss"] = json_number(loss);
+      else rec["val_losses"][v.name] = json_number(loss);
       if (!quiet)
         std::printf(" validation%s%s%s at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
                     v.name.empty() ? "" : " (", v.name.c_str(), v.name.empty() ? "" : ")", static_cast<long long>(it),

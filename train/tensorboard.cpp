@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "data/checksum.h"
+#include "data/file_io.h"
 
 namespace keel {
 namespace {
@@ -164,8 +165,7 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw std::runtime_error("cannot create the TensorBoard directory " + dir + ": " + ec.message());
-  char host[256] = "localhost";
-  gethostname(host, sizeof host - 1);
+  const std::string host = data::detail::this_host();
   const double t = now_seconds();
   path_ = (std::filesystem::path(dir) / ("events.out.tfevents." + std::to_string(static_cast<int64_t>(t)) + "." +
                                          host + "." + std::to_string(getpid())))

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "data/checksum.h"
+#include "data/file_io.h"
 #include "train/schedule.h"
 #include "train/pipeline_schedule.h"
 #include "train/parallel/host_values.h"
@@ -479,6 +480,8 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
   norm_timer.reset();
 
   st.nonfinite = !std::isfinite(st.loss) || nonfinite > 0 || !std::isfinite(sum_sq);
+  // The scaler learns only whether the gradients fitted at this scale (as PyTorch's GradScaler and
+  // Megatron's DynamicGradScaler): a step the spike check skips below still counts toward growth.
   st.scale_exhausted = scaler_.update(st.nonfinite);
   if (st.nonfinite) {
     // Applying a non-finite gradient would poison masters and moments for good: skip, and find
@@ -548,7 +551,7 @@ std::vector<RankTimes> Trainer::gather_timers(double step_ms) {
   const std::vector<double> mine = timers_.sample(step_ms);
   timers_.start_step(false);
   static const std::string host = [] {  // one word: the text is split at spaces below
-    std::string h = parallel::this_host();
+    std::string h = data::detail::this_host();
     std::replace(h.begin(), h.end(), ' ', '_');
     return h.empty() ? std::string("?") : h;
   }();
@@ -641,12 +644,13 @@ int Trainer::check_replicas() {
   return checked;
 }
 
-double Trainer::evaluate(const std::vector<MicroBatch>& micro_batches) {
+double Trainer::evaluate(const std::vector<MicroBatch>& micro_batches, int64_t* loss_tokens) {
   settle_params();
   int64_t valid = 0;
   for (const MicroBatch& mb : micro_batches)
     valid += std::count_if(mb.targets.begin(), mb.targets.end(), [](int32_t t) { return t >= 0; });
   valid = all_reduce_sum(*comms_->dp, valid);
+  if (loss_tokens) *loss_tokens = valid;
   double loss_sum = run_pipeline(micro_batches, 0.0f, false);
   loss_sum = all_reduce_sum(*comms_->pp, loss_sum);
   loss_sum = all_reduce_sum(*comms_->dp, loss_sum);

@@ -102,7 +102,9 @@ class Trainer {
   StepStats step(const std::vector<MicroBatch>& micro_batches, int64_t iteration, bool collect_stats = false);
 
   // Mean loss over the micro-batches of all DP ranks, without touching gradients or weights.
-  double evaluate(const std::vector<MicroBatch>& micro_batches);
+  // With every target masked there is no mean: it returns 0 (a number the restart probe can
+  // compare for equality) and `loss_tokens`, the count of targets in the loss, tells the case.
+  double evaluate(const std::vector<MicroBatch>& micro_batches, int64_t* loss_tokens = nullptr);
   // Per token of this DP rank's micro-batches (micro-batch, row, position order): its loss,
   // -log p(target), 0 where the target is < 0; every stage gets them (collective over PP).
   // Gradients and weights are untouched.

@@ -1,6 +1,9 @@
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <cstring>
+#include <fstream>
 #include <filesystem>
 #include <random>
 #include <vector>
@@ -25,6 +28,43 @@ TEST_CASE("crc32c: standard check value, incremental, hardware and software path
   // A flipped bit changes it.
   buf[500] ^= 1;
   CHECK(crc32c(0, buf.data(), buf.size()) != whole);
+}
+
+// The fingerprint reads blocks at the start, middle and end of a file, and its size: a change
+// in any of them shows, one between the blocks does not (the price of reading 192 KiB of a
+// shard of any size), and the same bytes give the same fingerprint.
+TEST_CASE("content_fingerprint: the size and blocks at the start, middle and end", "[checksum][fingerprint]") {
+  const std::string path = (std::filesystem::temp_directory_path() / ("keel-fingerprint-" + std::to_string(::getpid()))).string();
+  const int64_t size = 1 << 20;
+  std::vector<unsigned char> bytes(static_cast<size_t>(size));
+  std::mt19937 rng(2);
+  for (unsigned char& b : bytes) b = static_cast<unsigned char>(rng());
+  auto print_of = [&](const std::vector<unsigned char>& content) {
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(content.data()), static_cast<std::streamsize>(content.size()));
+    return content_fingerprint(path);
+  };
+  const std::string base = print_of(bytes);
+  CHECK(base.size() == 8);
+  CHECK(print_of(bytes) == base);
+  for (const int64_t at : {int64_t{0}, kFingerprintBlock - 1, size / 2, size / 2 - kFingerprintBlock / 2, size - 1}) {
+    std::vector<unsigned char> changed = bytes;
+    changed[static_cast<size_t>(at)] ^= 1;
+    INFO("byte " << at);
+    CHECK(print_of(changed) != base);
+  }
+  std::vector<unsigned char> between = bytes;
+  between[static_cast<size_t>(size / 4)] ^= 1;  // in no block
+  CHECK(print_of(between) == base);
+  std::vector<unsigned char> longer = bytes;
+  longer.push_back(0);
+  CHECK(print_of(longer) != base);
+  // A file smaller than a block: its blocks overlap, every byte counts.
+  const std::vector<unsigned char> small(bytes.begin(), bytes.begin() + 100);
+  std::vector<unsigned char> small_changed = small;
+  small_changed[50] ^= 1;
+  CHECK(print_of(small) != print_of(small_changed));
+  std::filesystem::remove(path);
+  CHECK_THROWS_WITH(content_fingerprint(path), Catch::Contains(path) && Catch::Contains("No such file"));
 }
 
 TEST_CASE("streaming safetensors writer: tensors written piecewise, CRCs per tensor and per file", "[safetensors]") {

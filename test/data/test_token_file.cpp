@@ -14,6 +14,32 @@ using Catch::Contains;
 
 namespace {
 
+// Runs `body` in a forked child, which must end with _exit (or die of a signal): its wait
+// status and what it wrote to stderr. For faults that end the process (SIGBUS).
+struct ChildResult {
+  int status = 0;
+  std::string stderr_text;
+};
+template <class Body>
+ChildResult in_child(Body&& body) {
+  int pipe_fds[2];
+  REQUIRE(::pipe(pipe_fds) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::dup2(pipe_fds[1], STDERR_FILENO);
+    body();
+    _exit(13);  // body returned: not what a test of a fault expects
+  }
+  ::close(pipe_fds[1]);
+  ChildResult r;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) r.stderr_text.append(buf, static_cast<size_t>(n));
+  ::close(pipe_fds[0]);
+  REQUIRE(::waitpid(child, &r.status, 0) == child);
+  return r;
+}
+
 std::vector<int32_t> read_all(const TokenFile& f) {
   std::vector<int32_t> out(static_cast<size_t>(f.num_tokens()));
   f.read(0, f.num_tokens(), out.data());
@@ -169,29 +195,42 @@ TEST_CASE("a token file truncated while it is mapped is named, with the data err
   TempDir dir;
   const std::string path = dir / "shard.bin";
   write_llmc_shard(path, std::vector<uint32_t>(100000, 7), false);
-  int pipe_fds[2];
-  REQUIRE(::pipe(pipe_fds) == 0);
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    ::dup2(pipe_fds[1], STDERR_FILENO);
+  const auto [status, stderr_text] = in_child([&] {
     const TokenFile f = TokenFile::open(path);
     if (::truncate(path.c_str(), 2048) != 0) _exit(10);
     const uint32_t last = f.token(f.num_tokens() - 1);  // past the new end: SIGBUS
     _exit(last == 7 ? 11 : 12);                           // not reached
-  }
-  ::close(pipe_fds[1]);
-  std::string stderr_text;
-  char buf[512];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) stderr_text.append(buf, static_cast<size_t>(n));
-  ::close(pipe_fds[0]);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
+  });
   INFO(stderr_text);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 3);
   CHECK_THAT(stderr_text, Contains("keel: data error: token file '" + path + "' is shorter than the 201024 bytes") &&
                               Contains("rewritten in place"));
+}
+
+// The SIGBUS handler's table of mappings had 4096 slots: the 4097th file of a data set was not
+// named. The table now grows in chunks; the file mapped last of 5000 is named as the first is.
+TEST_CASE("a token file truncated while mapped is named also when thousands of files are mapped", "[data][token_file][errors]") {
+  TempDir dir;
+  constexpr int kFiles = 5000;
+  auto shard = [&](int k) {  // (built in steps: GCC 12 takes "s" + to_string(k) for an overlapping memcpy)
+    std::string name = std::to_string(k);
+    name.insert(0, 1, 's');
+    return dir / (name + ".bin");
+  };
+  for (int k = 0; k < kFiles; ++k) write_llmc_shard(shard(k), {1, 2, 3, 4, 5, 6, 7, 8}, false);
+  const std::string last = shard(kFiles - 1);
+  const auto [status, stderr_text] = in_child([&] {
+    std::vector<TokenFile> files;
+    for (int k = 0; k < kFiles; ++k) files.push_back(TokenFile::open(shard(k)));
+    if (::truncate(last.c_str(), 0) != 0) _exit(10);
+    const uint32_t t = files.back().token(7);  // the page is gone: SIGBUS
+    _exit(t == 8 ? 11 : 12);                    // not reached
+  });
+  INFO(stderr_text);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 3);
+  CHECK_THAT(stderr_text, Contains("keel: data error: token file '" + last + "' is shorter than the 1040 bytes"));
 }
 
 TEST_CASE("llm.c errors name the file and what is wrong", "[data][token_file][errors]") {
@@ -400,4 +439,24 @@ TEST_CASE("expand_paths globs, sorts, de-duplicates and folds Megatron pairs", "
   const std::string missing = dir / "shard_*.bin";
   CHECK_THAT(data_error_of([&] { expand_paths({dir / "a.bin", missing}, "data.train"); }),
              Contains("data.train") && Contains(missing) && Contains("matches no file"));
+}
+
+TEST_CASE("expand_paths names each file that more than one entry matched, with those entries", "[data][token_file]") {
+  TempDir dir;
+  for (const char* name : {"a.bin", "b.bin"}) write_llmc_shard(dir / name, {1, 2, 3}, false);
+  write_megatron_dataset(dir / "m", {{1, 2}}, MegatronDtype::uint16);
+  std::vector<RepeatedMatch> repeats;
+  // A glob and a path inside it, and one path listed twice.
+  const std::vector<std::string> got =
+      expand_paths({dir / "*.bin", dir / "a.bin", dir / "m.bin", dir / "m.bin"}, "data.train", &repeats);
+  CHECK(got == std::vector<std::string>{dir / "a.bin", dir / "b.bin", dir / "m.bin"});
+  REQUIRE(repeats.size() == 2);
+  CHECK(repeats[0].file == dir / "a.bin");
+  CHECK(repeats[0].entries == std::vector<std::string>{dir / "*.bin", dir / "a.bin"});
+  CHECK(repeats[1].file == dir / "m.bin");
+  CHECK(repeats[1].entries == std::vector<std::string>{dir / "*.bin", dir / "m.bin", dir / "m.bin"});
+  // One glob matching a Megatron pair's .bin and .idx is one dataset matched once, not a repeat.
+  repeats.clear();
+  expand_paths({dir / "m.*", dir / "a.bin"}, "data.train", &repeats);
+  CHECK(repeats.empty());
 }

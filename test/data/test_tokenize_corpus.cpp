@@ -368,11 +368,24 @@ TEST_CASE("keel tokenize: past 1000 shards the names get more digits and still s
     return std::any_of(log.begin(), log.end(), [&](const std::string& l) { return l.find(what) != std::string::npos; });
   };
   CHECK(said("1392 shards: their names have 4 digits (train_0000.bin ... train_1391.bin)"));
+  // The summary names the first shards and counts the rest, on a line that ends whole.
+  CHECK(said(" in the loss  [train_0000.bin, train_0001.bin, train_0002.bin, train_0003.bin, ... and 1388 more]"));
   CHECK(said("WARNING 1392 shards of at most --shard-tokens 5 tokens"));
   // A second run over the first replaces every one of them.
   o.shard_tokens = 300;
   tokenize_corpus(o, quiet);
   CHECK(token_outputs(dir / "out") == c["files"].get<std::vector<std::string>>());
+}
+
+// The log's lines were cut at 512 bytes: a deep --out lost the end of "wrote ...".
+TEST_CASE("keel tokenize: a long line of the log is printed whole", "[tokenize]") {
+  TempDir dir;
+  std::string deep = dir / "out";
+  while (deep.size() < 700) deep += "/a-rather-long-folder-name";
+  std::vector<std::string> log;
+  tokenize_corpus(options_of(load("cases.json")["jsonl_gpt2"]["args"], deep, 1),
+                  [&](const std::string& l) { log.push_back(l); });
+  CHECK(std::any_of(log.begin(), log.end(), [&](const std::string& l) { return l.starts_with("wrote " + deep + "/ in "); }));
 }
 
 TEST_CASE("keel tokenize: --out must be a folder, and a folder the run made goes again on an error", "[tokenize]") {

@@ -672,6 +672,34 @@ TEST_CASE("after a rewind keep_last keeps the point rewound to and never removes
   CHECK(kept() == std::set<std::string>{"latest", "step_00000006", "step_00000008"});
 }
 
+// A rewind past many saves names the first few abandoned checkpoints, and a few globs that
+// remove exactly them, instead of a line with a path per checkpoint.
+TEST_CASE("after a rewind past many checkpoints the abandoned ones are summarised with globs that match exactly them",
+          "[ckpt][cli][rotate]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  REQUIRE(run_keel(train_args(ws, out, "--steps 40 --set checkpoint.interval=1 --set checkpoint.keep_last=100")).code == 0);
+  auto r = run_keel(train_args(ws, out, "--steps 40 --set checkpoint.interval=1 --set checkpoint.keep_last=100 --resume " +
+                                            dir + "/step_00000002 --stop-at 3"));
+  INFO(r.output);
+  REQUIRE(r.code == 4);
+  CHECK_THAT(r.output, Catch::Contains("resuming at step 2 abandons the 38 later checkpoints step_00000003 step_00000004 "
+                                       "step_00000005 ... and 35 more up to step_00000040 in " + dir + ". "));
+  const std::string said = "remove them by hand when they are no longer wanted: rm -r ";
+  const size_t at = r.output.find(said);
+  REQUIRE(at != std::string::npos);
+  const std::string command = r.output.substr(at + said.size() - 6, r.output.find('\n', at) - at - said.size() + 6);
+  CHECK(command == "rm -r " + dir + "/step_00000003 " + dir + "/step_00000004 " + dir + "/step_00000005 " + dir +
+                       "/step_00000006 " + dir + "/step_00000007 " + dir + "/step_00000008 " + dir + "/step_00000009 " +
+                       dir + "/step_0000001* " + dir + "/step_0000002* " + dir + "/step_0000003* " + dir + "/step_00000040");
+  // The command removes the abandoned run's checkpoints and nothing else (step 3 is this run's
+  // save by now, which replaced the abandoned step 3: the command was right when it was said).
+  REQUIRE(test::run_shell(command).code == 0);
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+  CHECK(names == std::set<std::string>{"latest", "step_00000001", "step_00000002"});
+}
+
 // A run started with relative paths records them resolved against its directory: its
 // config.json and meta.json name the run directory and the data from anywhere, so the run
 // resumes from another directory with its own config.json.

@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -15,6 +16,7 @@
 #include "data/token_file.h"
 #include "data/tokenizer.h"
 #include "train/host_memory.h"
+#include "train/tensorboard.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -178,6 +180,54 @@ TEST_CASE("keel train with data.val_sets: each named set validated and reported 
     CHECK_THAT(r2.output, Catch::Contains(says) && !Catch::Contains("training windows"));
     CHECK(!fs::exists(ws.dir / "bad"));
   }
+}
+
+// A validation set whose evaluated targets are all masked has no loss. It used to read as
+// "lm loss: 0.000000E+00", a perfect model; now it is named once and reported as nan everywhere.
+TEST_CASE("keel train: a validation set with every target masked is named and its loss reported as nan and not 0",
+          "[cli][e2e][mask]") {
+  Workspace ws;
+  const std::vector<uint32_t> stream = test::synthetic_tokens(4000, 2);
+  data::write_llmc_shard(ws.dir / "sft.bin", stream, false);
+  data::write_llmc_shard(ws.dir / "kept.bin", stream, false);
+  data::write_loss_mask(ws.dir / "val.mask", std::vector<uint8_t>(4000, 0));  // data.val's sidecar
+  data::write_loss_mask(ws.dir / "sft.mask", std::vector<uint8_t>(4000, 0));
+  const std::string out = ws.dir / "run";
+  Result r = run_keel("train --config " + ws.config + " --out " + out + " --steps 20 --set log.tensorboard=true" +
+                      " --set 'data.val_sets={\"sft\": \"" + (ws.dir / "sft.bin") + "\", \"kept\": \"" +
+                      (ws.dir / "kept.bin") + "\"}'");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  auto count = [&](const std::string& what) {
+    size_t n = 0;
+    for (size_t at = r.output.find(what); at != std::string::npos; at = r.output.find(what, at + 1)) ++n;
+    return n;
+  };
+  // Said once per set (two evaluations), naming the field; the set with targets is not named.
+  CHECK(count("keel: WARNING data.val: no target in the windows it evaluates counts in the loss") == 1);
+  CHECK(count("keel: WARNING data.val_sets.sft: no target in the windows it evaluates counts in the loss") == 1);
+  CHECK_THAT(r.output, !Catch::Contains("WARNING data.val_sets.kept") && !Catch::Contains("lm loss: 0.000000E+00") &&
+                           Catch::Contains(" validation (sft) at iteration 10 | lm loss: NAN | lm loss PPL: nan |") &&
+                           !Catch::Contains("final validation loss"));
+  int evaluations = 0;
+  for (const nlohmann::json& rec : read_metrics(out + "/metrics.jsonl")) {
+    if (!rec.contains("val_loss")) continue;
+    ++evaluations;
+    CHECK(rec["val_loss"] == "nan");
+    CHECK(rec["val_losses"]["sft"] == "nan");
+    CHECK(rec["val_losses"]["kept"].get<double>() > 0.1);
+    // TensorBoard gets the same nan (the writer turns each record into these scalars).
+    for (const auto& [tag, x] : tensorboard_scalars(rec))
+      if (tag == "val/loss" || tag == "val/losses/sft") CHECK(std::isnan(x));
+  }
+  CHECK(evaluations == 2);
+  // keel doctor keeps the nan out of the set's trend and says why.
+  Result doctor = run_keel("doctor metrics " + out + "/metrics.jsonl");
+  INFO(doctor.output);
+  CHECK_THAT(doctor.output, Catch::Contains("validation (sft): 2 evaluation(s) had no target in the loss") &&
+                                Catch::Contains("validation: 2 evaluation(s) had no target in the loss") &&
+                                Catch::Contains("validation (kept): 2 evaluation(s): ") &&
+                                !Catch::Contains("validation (sft): 2 evaluation(s): "));
 }
 
 TEST_CASE("keel train: a validation set of fewer windows than eval_batches asks for is read once, not wrapped around",
@@ -608,6 +658,30 @@ TEST_CASE("keel train warns when a source's files are too short for its windows"
   INFO(r.output);
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, !Catch::Contains("in no training window"));
+}
+
+// A file listed twice in data.train is read once; the user may have meant to up-weight it, so
+// keel says so, naming the file and the entries, and points at data.train_weights.
+TEST_CASE("keel train warns when entries of data.train match the same file", "[cli][data]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"eval_batches", 1}}}});
+  const std::string base = "train --config " + ws.config + " --eval-only";
+  const std::string glob = ws.dir / "*.bin", train = ws.dir / "train.bin";
+  auto r = test::run_keel(base + " --set 'data.train=[\"" + glob + "\", \"" + train + "\"]'");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("WARNING data.train: 1 file(s) matched by more than one entry: " + train +
+                                       " (by '" + glob + "', '" + train + "'). Each file is read once") &&
+                           Catch::Contains("data.train_weights"));
+  CHECK_THAT(r.output, Catch::Contains("training windows of 32+1 tokens from 2 file(s)"));  // train.bin and val.bin
+  // Each entry once: no warning; nor in a blend, where each entry is a source of its own.
+  r = test::run_keel(base + " --set 'data.train=[\"" + train + "\"]'");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, !Catch::Contains("matched by more than one entry"));
+  r = test::run_keel(base + " --set 'data.train=[\"" + glob + "\", \"" + train + "\"]' --set 'data.train_weights=[1, 1]'");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, !Catch::Contains("matched by more than one entry"));
 }
 
 // Instruction data read in windows that cut examples apart is reported at start-up with the

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -313,6 +314,54 @@ TEST_CASE("doctor metrics: the ordinary wander of a steady grad norm or loss is 
   INFO(jumps.text);
   CHECK(jumps.grad_norm_spikes.size() == 5);
   CHECK(jumps.loss_spikes.size() == 5);
+}
+
+// A run that set its own health ratios is judged by them: doctor reads the config.json that
+// keel train --out writes beside metrics.jsonl, and says whose ratios it used.
+TEST_CASE("doctor metrics takes the spike ratios from the run's config.json beside the file or else the defaults",
+          "[doctor][metrics]") {
+  test::TempDir dir("doctor-ratios");
+  // Grad-norm jumps of 3.5x and loss jumps of 20% every 40 steps: spikes under the defaults (3x, +10%).
+  auto write = [&](const std::string& sub) {
+    std::filesystem::create_directories(dir / sub);
+    std::ofstream out(dir / (sub + "/metrics.jsonl"));
+    std::mt19937 rng(5);
+    std::normal_distribution<double> noise(0.0, 0.003);
+    for (int s = 1; s <= 200; ++s) {
+      double loss = 4.2 + noise(rng), norm = 0.55 + noise(rng);
+      if (s % 40 == 0) norm *= 3.5, loss *= 1.2;
+      out << nlohmann::json{{"step", s}, {"loss", loss}, {"grad_norm", norm}, {"skipped", false}}.dump() << "\n";
+    }
+    return dir / (sub + "/metrics.jsonl");
+  };
+  const doctor::MetricsReport plain = doctor::summarize_metrics(write("plain"));
+  INFO(plain.text);
+  CHECK(plain.grad_norm_spikes.size() == 5);
+  CHECK(plain.loss_spikes.size() == 5);
+  CHECK_THAT(plain.text, Catch::Contains("  spike ratios: health.spike_min_jump 0.1, health.spike_norm_ratio 3, from "
+                                         "keel's defaults (no config.json beside the file)\n"));
+
+  // The same records in a run directory whose run allowed 4x and +25%: no spikes.
+  const std::string metrics = write("run");
+  std::ofstream(dir / "run/config.json")
+      << to_json(test::make_config(test::tiny_run_json(),
+                                   {{"health", {{"spike_norm_ratio", 4.0}, {"spike_min_jump", 0.25}}}}))
+             .dump(2);
+  const doctor::MetricsReport own = doctor::summarize_metrics(metrics);
+  INFO(own.text);
+  CHECK(own.grad_norm_spikes.empty());
+  CHECK(own.loss_spikes.empty());
+  CHECK(own.problems.empty());
+  CHECK_THAT(own.text, Catch::Contains("  spike ratios: health.spike_min_jump 0.25, health.spike_norm_ratio 4, from "
+                                       "the run's " + dir / "run/config.json" + "\n"));
+
+  // A config.json that is not a keel config: the defaults, and why.
+  std::ofstream(dir / "run/config.json") << "{\"health\": {\"spike_norm_ratio\": 0.5}}";
+  const doctor::MetricsReport broken = doctor::summarize_metrics(metrics);
+  INFO(broken.text);
+  CHECK(broken.grad_norm_spikes.size() == 5);
+  CHECK_THAT(broken.text, Catch::Contains("health.spike_norm_ratio 3, from keel's defaults (" + dir / "run/config.json" +
+                                          " could not be read: "));
 }
 
 TEST_CASE("keel doctor on the command line: exit 0 when healthy, 1 with problems, 2 for a path that is not there",

@@ -4,8 +4,10 @@
 // test/model/test_padded_vocab.cpp).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <filesystem>
 
+#include "common/checkpoint_meta.h"
 #include "common/process.h"
 #include "common/workspace.h"
 
@@ -70,4 +72,49 @@ TEST_CASE("a resume names training files that changed under the same data.train"
                                        "    " + shards + "/b.bin had 5000 tokens, now 4000\n"
                                        "    " + shards + "/c.bin is new (3000 tokens)\n") &&
                            Catch::Contains("from sample 24 on, this run reads another order"));
+}
+
+// A shard rewritten with the same length (re-tokenized, reshuffled) keeps its token count, so
+// only its content fingerprint (data/checksum.h: blocks at the start, middle and end) shows it.
+// A checkpoint from before fingerprints has none to compare: such a resume stays quiet.
+TEST_CASE("a resume names a training file rewritten with the same length and stays quiet for a checkpoint without fingerprints",
+          "[ckpt][cli][resume][data]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 6}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
+  fs::create_directories(ws.dir / "shards");
+  const std::vector<uint32_t> a = test::synthetic_tokens(5000, 1), b = test::synthetic_tokens(200000, 2);
+  data::write_llmc_shard(ws.dir / "shards/a.bin", a, false);
+  data::write_llmc_shard(ws.dir / "shards/b.bin", b, false);
+  const std::string out = ws.dir / "run";
+  const std::string set = " --set 'data.train=[\"" + (ws.dir / "shards") + "/*.bin\"]'";
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + set + " -q --stop-at 2").code == 4);
+  const nlohmann::json meta = nlohmann::json::parse(test::read_file(out + "/checkpoints/step_00000002/meta.json"));
+  const nlohmann::json& files = meta["data"]["files"][0];
+  REQUIRE(files.size() == 2);
+  for (const auto& f : files) CHECK(f["fingerprint"].get<std::string>().size() == 8);
+
+  // One token in the middle of b (the 1024-byte header, then 2 bytes a token) changes.
+  std::vector<uint32_t> b2 = b;
+  const size_t middle = (1024 + 2 * b.size()) / 2;
+  b2[(middle - 1024) / 2] = (b2[(middle - 1024) / 2] + 1) % 64;
+  data::write_llmc_shard(ws.dir / "shards/b.bin", b2, false);
+  const test::ProcessResult r = test::run_keel("train --config " + ws.config + " --out " + out + set + " --stop-at 3");
+  INFO(r.output);
+  CHECK(r.code == 4);
+  const std::string shards = fs::absolute(ws.dir / "shards").lexically_normal().string();
+  CHECK_THAT(r.output, Catch::Contains("WARNING the training data changed since the checkpoint, under the same data.train:\n"
+                                       "    " + shards + "/b.bin was rewritten: the same 200000 tokens, other content "
+                                       "(fingerprint " + files[1]["fingerprint"].get<std::string>() + ", now ") &&
+                           !Catch::Contains("a.bin"));
+
+  // The step-3 checkpoint as an older keel saved it: no fingerprints. a.bin rewritten in place.
+  test::edit_checkpoint_meta(out + "/checkpoints/step_00000003", [](nlohmann::json& m) {
+    for (auto& f : m["data"]["files"][0]) f.erase("fingerprint");
+  });
+  std::vector<uint32_t> a2 = a;
+  std::reverse(a2.begin(), a2.end());
+  data::write_llmc_shard(ws.dir / "shards/a.bin", a2, false);
+  const test::ProcessResult old = test::run_keel("train --config " + ws.config + " --out " + out + set + " --stop-at 4");
+  INFO(old.output);
+  CHECK(old.code == 4);
+  CHECK(old.output.find("training data changed") == std::string::npos);
 }

@@ -1,10 +1,10 @@
 #include "train/parallel/grid.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
+
+#include "data/file_io.h"
 
 namespace keel::parallel {
 
@@ -59,14 +59,8 @@ int slurm_tasks_on_node(const std::string& spec, int node) {
 
 }  // namespace
 
-std::string this_host() {
-  char name[256] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) return "?";
-  return name;
-}
-
 LaunchInfo LaunchInfo::from_environment() {
-  return from_lookup([](const char* name) { return std::getenv(name); }, this_host());
+  return from_lookup([](const char* name) { return std::getenv(name); }, data::detail::this_host());
 }
 
 LaunchInfo LaunchInfo::from_lookup(const EnvLookup& getenv_fn, std::string host) {

@@ -40,9 +40,6 @@ struct LaunchInfo {
   static LaunchInfo from_lookup(const EnvLookup& getenv_fn, std::string host = "");
 };
 
-// This machine's host name ("?" when it cannot be read).
-std::string this_host();
-
 struct GridCoord {
   int tp = 0, pp = 0, dp = 0;
   bool operator==(const GridCoord&) const = default;
