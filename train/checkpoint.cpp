@@ -1086,6 +1086,36 @@ std::vector<std::string> CheckpointManager::set_resumed_from(int64_t step) {
   return out;
 }
 
+std::string CheckpointManager::set_aside(const std::vector<std::string>& names, const std::string& resumed_path) {
+  const fs::path dir(dir_);
+  char when[32];
+  const std::time_t t = std::time(nullptr);
+  std::strftime(when, sizeof when, "%Y%m%dT%H%M%SZ", std::gmtime(&t));
+  fs::path folder = dir / ("abandoned-after-" + step_name(resumed_step_) + "-" + when);
+  if (fs::exists(folder)) folder += "-" + std::to_string(::getpid());
+  std::vector<std::string> moved;
+  try {
+    fs::create_directory(folder);
+    for (const std::string& name : names) {
+      fs::rename(dir / name, folder / name);
+      moved.push_back(name);
+    }
+    const fs::path resumed = fs::absolute(resumed_path).lexically_normal();
+    std::error_code ec;
+    if (fs::equivalent(resumed.parent_path(), dir, ec) && step_of(resumed.filename().string()) >= 0) {
+      write_text_file_synced((dir / ".latest.tmp").string(), resumed.filename().string() + "\n");
+      fs::rename(dir / ".latest.tmp", dir / "latest");
+    }
+    data::detail::sync_directory(dir.string());
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    for (const std::string& name : moved) fs::rename(folder / name, dir / name, ec);
+    fs::remove(folder, ec);  // only if empty: nothing of the user's goes
+    throw CheckpointError("could not move the abandoned checkpoints into " + folder.string() + ": " + e.what());
+  }
+  return folder.string();
+}
+
 bool CheckpointManager::abandoned(int64_t saved_ns, int64_t step) const {
   return resumed_step_ >= 0 && step > resumed_step_ && saved_ns < run_start_ns_;
 }

@@ -205,8 +205,17 @@ class CheckpointManager {
 
   // The run resumed from a checkpoint of `step`. Checkpoints of a higher step saved before now
   // belong to a trajectory the resume abandoned (a rewind): rotation never removes them, as
-  // only the user knows whether they are still wanted. Returns their names, oldest save first.
+  // only the user knows whether they are still wanted (set_aside moves them out of the way).
+  // Returns their names, oldest save first.
   std::vector<std::string> set_resumed_from(int64_t step);
+  // Moves those abandoned checkpoints (`names`) into one new folder of the directory,
+  // abandoned-after-<step_name(resumed step)>-<UTC time>: kept whole, yet out of this run's way
+  // (its saves of the same steps would otherwise replace them) and removable with one rm -r.
+  // `latest`, which names one of them, is pointed at `resumed_path` when that is a checkpoint
+  // of this directory, so a crash before this run's first save resumes where it did. For the
+  // coordinator, under the directory's lock. Returns the folder; if a move fails, those moved
+  // are put back and CheckpointError says why.
+  std::string set_aside(const std::vector<std::string>& names, const std::string& resumed_path);
   // Keeps the keep_last most recently saved checkpoints of the current trajectory (by meta.json's
   // saved_at_ns, or its file time for older ones; not by step number, which a rewind makes go
   // back), plus every step divisible by keep_every; never the one `latest` names, nor any of an

@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -268,52 +267,28 @@ std::vector<std::string> training_file_changes(const nlohmann::json& saved, cons
   return changes;
 }
 
-// Globs that match exactly `wanted` among the step_* names in `dir`: each prefix whose names
-// are all wanted becomes one "prefix*", so a run of consecutive steps takes a few globs, not a
-// path each. Names are fixed-width, so a prefix that is a whole name matches only itself.
-static std::vector<std::string> covering_globs(const std::string& dir, const std::vector<std::string>& wanted) {
-  std::set<std::string> all, want(wanted.begin(), wanted.end());
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec))
-    if (const std::string n = e.path().filename().string(); n.starts_with("step_")) all.insert(n);
-  all.insert(want.begin(), want.end());
-  std::vector<std::string> globs;
-  std::function<void(const std::string&)> cover = [&](const std::string& prefix) {
-    auto first = all.lower_bound(prefix);
-    size_t n = 0, n_wanted = 0;
-    std::set<char> next;
-    for (auto it = first; it != all.end() && it->starts_with(prefix); ++it) {
-      ++n, n_wanted += want.contains(*it);
-      if (it->size() > prefix.size()) next.insert((*it)[prefix.size()]);
-    }
-    if (n_wanted == 0) return;
-    if (n_wanted == n) {
-      globs.push_back(n == 1 ? *first : prefix + "*");
-      return;
-    }
-    if (want.contains(prefix)) globs.push_back(prefix);
-    for (char c : next) cover(prefix + c);
-  };
-  cover("step_");
-  return globs;
-}
-
-// After a rewind, the later checkpoints belong to the abandoned run: kept, and named once with a
-// command that removes them. Thousands of them get the first few names and a few globs.
-static std::string abandoned_note(const std::string& dir, int64_t step, const std::vector<std::string>& above) {
+// After a rewind (--resume of an earlier step), the later checkpoints belong to the abandoned
+// run. They are moved, whole, into one folder beside the others (CheckpointManager::set_aside):
+// this run's saves of the same steps would otherwise replace them, and rotation must not
+// remove them. Said once, with the first few names and the command that removes them.
+static std::string set_aside_abandoned(CheckpointManager& checkpoints, const std::string& dir, int64_t step,
+                                       const std::vector<std::string>& above, const std::string& resumed_path) {
   constexpr size_t kNamed = 5;
   std::string names;
   for (size_t k = 0; k < above.size() && (above.size() <= kNamed || k < kNamed - 2); ++k) names += " " + above[k];
   if (above.size() > kNamed)
     names += " ... and " + std::to_string(above.size() - (kNamed - 2)) + " more up to " + above.back();
-  std::string paths;
-  for (const std::string& g : above.size() > kNamed ? covering_globs(dir, above) : above)
-    paths += " " + (fs::path(dir) / g).string();
-  return "resuming at step " + std::to_string(step) + " abandons the " +
-         (above.size() > kNamed ? std::to_string(above.size()) + " " : std::string()) + "later checkpoints" + names +
-         " in " + dir +
-         ". keep_last does not remove them (only a save of the same step by this run replaces one); "
-         "remove them by hand when they are no longer wanted: rm -r" + paths;
+  const std::string what = "resuming at step " + std::to_string(step) + " abandons the " +
+                           (above.size() > 1 ? std::to_string(above.size()) + " later checkpoints" : "later checkpoint") +
+                           names + " in " + dir;
+  try {
+    const std::string folder = checkpoints.set_aside(above, resumed_path);
+    return what + ": moved, whole, to " + folder + " (this run's saves would replace them where they were). " +
+           "Remove it when they are no longer wanted: rm -r " + folder;
+  } catch (const std::exception& e) {
+    return "WARNING " + what + ". They stay where they are (" + e.what() + "): keep_last does not remove them, " +
+           "but this run's save of the same step replaces one";
+  }
 }
 
 // The "eot_id" a data folder's meta.json names, if it names one.
@@ -1210,11 +1185,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
   checkpoints.set_data_files(train_files);
-  if (!resume_path.empty() && !opts.eval_only) {
-    // A rewind: the higher steps belong to the run it abandoned. Kept, and said once.
-    if (const std::vector<std::string> above = checkpoints.set_resumed_from(progress.iteration); !above.empty())
-      notes.push_back(abandoned_note(cfg.checkpoint.dir, progress.iteration, above));
-  }
+  // A rewind: the higher steps belong to the run it abandoned (set aside below, under the lock).
+  std::vector<std::string> abandoned;
+  if (!resume_path.empty() && !opts.eval_only) abandoned = checkpoints.set_resumed_from(progress.iteration);
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, tr, train, vals, packed, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());
@@ -1278,6 +1251,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
     if (int n = checkpoints.clean_incomplete(); n > 0)
       std::printf("keel: removed %d incomplete save(s) left by an interrupted run\n", n);
+    if (!abandoned.empty())
+      std::printf("keel: %s\n", set_aside_abandoned(checkpoints, cfg.checkpoint.dir, progress.iteration, abandoned,
+                                                    loaded_from).c_str());
     if (progress.iteration > 0) {
       metrics->write({{"event", "resume"}, {"step", progress.iteration}, {"checkpoint", resume_path}});
     } else if (earlier_records) {
