@@ -61,10 +61,16 @@ copy_pkg include/nlohmann share/cmake/nlohmann_json include/CLI share/cmake/CLI1
 } > "$CARRY/STAMP"
 cat "$CARRY/STAMP"
 du -sh "$CARRY"
-# What a device call carries: the tracked files, shared/ and this folder (limit 64 MiB).
-tree_bytes=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 du -cb 2>/dev/null) | tail -1 | cut -f1)
-shared_bytes=$(du -sb "$ROOT/../shared" 2>/dev/null | cut -f1)
+# What a device call carries (limit 64 MiB): the checkout's tracked files and its untracked ones
+# that git does not ignore (a shared/ folder inside the checkout among them; the ../shared beside
+# it stays behind), and the carried paths: this folder.
+tree_bytes=$(git -C "$ROOT" ls-files -z --cached --others --exclude-standard |
+  (cd "$ROOT" && xargs -0 du -cb 2>/dev/null) | awk '$2 == "total" { n += $1 } END { print n + 0 }')
 carry_bytes=$(du -sb "$CARRY" | cut -f1)
-total=$((tree_bytes + ${shared_bytes:-0} + carry_bytes))
-echo "a device call carries about $((total / 1048576)) MiB (tracked files, shared/, build-gpu/carry; limit 64)"
+total=$((tree_bytes + carry_bytes))
+echo "a device call carries about $((total / 1048576)) MiB (the checkout's files and $CARRY; limit 64)"
 [ "$total" -lt $((60 * 1048576)) ] || echo "gpu_prebuild.sh: warning: that is close to or over the device's 64 MiB" >&2
+# A device call carries paths inside the checkout only (and only the checkout of the session
+# that makes it): gpu_session.sh looks for build-gpu/carry.
+[ "$CARRY" -ef "$ROOT/build-gpu/carry" ] ||
+  echo "gpu_prebuild.sh: note: $CARRY is not build-gpu/carry of this checkout: a device call will not carry it from there" >&2

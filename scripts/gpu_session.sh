@@ -5,6 +5,10 @@
 #   scripts/gpu_session.sh check        # <= 9 min: env, GPU tests + per-op error table, memcheck
 #   scripts/gpu_session.sh bench        # <= 9 min: keel vs PyTorch (both shapes), op profiles,
 #                                       #           racecheck of the attention kernels
+#   scripts/gpu_session.sh dry-run      # here, no GPU needed: that the binaries unpack and run, that
+#                                       # every test filter selects tests, every file and `keel
+#                                       # train` argument set the stages use is valid, and that
+#                                       # the binaries are of this commit. Run it before a device call.
 #   scripts/gpu_session.sh STAGE...     # any of: env build test memcheck racecheck throughput
 #                                       # (bench's timings alone, BENCH_STAGES) profile
 #                                       # recompute (Llama 1B with train.recompute "full": memory
@@ -28,7 +32,8 @@
 # ($OUT set) they come back packed as $OUT/keel-gpu.tgz (less the token shards): the tool
 # returns at most 8 files.
 #
-# Knobs: BUDGET (seconds, default 560), BENCH_STAGES (the bench stage's scripts/bench_gpu.sh
+# Knobs: BUDGET (seconds, default 560), UNPACK (where bin.tar.gz goes, default /tmp/keel-bin),
+# BENCH_STAGES (the bench stage's scripts/bench_gpu.sh
 # stages with their seconds, default "peak:60 keel:180 torch:300 report:30").
 set -uo pipefail
 
@@ -37,9 +42,7 @@ CARRY=${CARRY:-$ROOT/build-gpu/carry}
 BIN=${BIN:-$CARRY/bin}
 RES=${RES:-/tmp/keel-gpu}
 PY=${PYTHON:-python3}
-mkdir -p "$RES"
 SUMMARY=$RES/summary.txt
-: > "$SUMMARY"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 # A device call may run 10 minutes: every limit below is cut to what is left of BUDGET seconds
 # (default 560), so the summary is always printed.
@@ -50,6 +53,8 @@ limit() {  # limit <wanted seconds>: that, or what is left of the budget (at lea
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
 }
 
+# The stages (stage_<name> below) a command line may name, besides check, bench and throughput.
+STAGES=(env build test memcheck racecheck profile recompute unfused wgmma cudnn splitk ncu)
 if [ $# -eq 0 ]; then set -- check; fi
 stages=()
 for a in "$@"; do
@@ -57,31 +62,42 @@ for a in "$@"; do
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
     throughput) stages+=(bench) ;;
-    env | build | test | memcheck | racecheck | profile | recompute | unfused | wgmma | cudnn | splitk | ncu) stages+=("$a") ;;
-    *) echo "gpu_session.sh: unknown stage '$a' (check, bench, env, build, test, memcheck, racecheck, throughput, profile, recompute, unfused, wgmma, cudnn, splitk, ncu)" >&2; exit 2 ;;
+    dry-run) stages+=(dry_run) ;;
+    *)
+      if [[ " ${STAGES[*]} " == *" $a "* ]]; then stages+=("$a"); else
+        echo "gpu_session.sh: unknown stage '$a' (check, bench, throughput, dry-run, ${STAGES[*]})" >&2; exit 2
+      fi ;;
   esac
 done
+# test_gpu's filters: the test stage's runs, memcheck's and racecheck's.
+TEST_SPECS=('~[wgmma]~[cudnn]' '[wgmma]' '[cudnn]' '[attention]~[wgmma]~[cudnn]')
+MEMCHECK_FILTER='[gpu]~[train]~[oracle]~[determinism]~[ckpt]'
+RACECHECK_FILTER=${RACECHECK_FILTER:-[attention]~[decode]}
+mkdir -p "$RES"
+: > "$SUMMARY"
 
-# The CUDA libraries keel links (cuBLASLt, cudart): the toolkit's, else the ones PyTorch's
-# wheels bring.
+# The CUDA libraries keel links (cuBLASLt, cudart, NCCL): the toolkit's, else the ones PyTorch's
+# wheels bring, and libcudnn.so.9 for KEEL_ATTENTION=cudnn (opened at run time, not linked). The
+# CUDA 13 wheels put theirs in nvidia/cu13/lib, the older ones in nvidia/<library>/lib.
 setup_libs() {
   local d extra=""
   for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
     [ -d "$d" ] && extra="$extra:$d"
   done
-  d=$("$PY" -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
-  [ -n "$d" ] && [ -d "$d" ] && extra="$extra:$d"
-  d=$("$PY" -c 'import nvidia.cuda_runtime, os; print(os.path.join(list(nvidia.cuda_runtime.__path__)[0], "lib"))' 2>/dev/null || true)
-  [ -n "$d" ] && [ -d "$d" ] && extra="$extra:$d"
-  # libcudnn.so.9 for KEEL_ATTENTION=cudnn (opened at run time, not linked)
-  d=$("$PY" -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2>/dev/null || true)
-  [ -n "$d" ] && [ -d "$d" ] && extra="$extra:$d"
+  for d in $("$PY" -c '
+import os, nvidia
+for root in nvidia.__path__:
+    for sub in ("cu13", "cublas", "cuda_runtime", "nccl", "cudnn"):
+        print(os.path.join(root, sub, "lib"))' 2>/dev/null); do
+    [ -d "$d" ] && extra="$extra:$d"
+  done
   export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}$extra"
 }
 
 have_bins() { [ -x "$BIN/keel" ] && [ -x "$BIN/test_gpu" ]; }
 if ! have_bins && [ -f "$CARRY/bin.tar.gz" ]; then
-  mkdir -p /tmp/keel-bin && tar -C /tmp/keel-bin -xzf "$CARRY/bin.tar.gz" && BIN=/tmp/keel-bin/bin
+  UNPACK=${UNPACK:-/tmp/keel-bin}
+  mkdir -p "$UNPACK" && tar -C "$UNPACK" -xzf "$CARRY/bin.tar.gz" && BIN=$UNPACK/bin
 fi
 
 stage_env() {
@@ -158,7 +174,7 @@ stage_test() {
   # take the other results with it. Last, every other attention test with the wgmma kernels in
   # place of the mma.sync ones (their errors not logged: the table is the default kernels').
   local spec log errors wgmma
-  for spec in '~[wgmma]~[cudnn]' '[wgmma]' '[cudnn]' '[attention]~[wgmma]~[cudnn]'; do
+  for spec in "${TEST_SPECS[@]}"; do
     case $spec in
       '~[wgmma]~[cudnn]') log=$RES/test_gpu.log wgmma=0 errors=$RES/gpu_errors.tsv ;;
       '[wgmma]') log=$RES/test_gpu-wgmma.log wgmma=0 errors=$RES/gpu_errors.tsv ;;
@@ -200,28 +216,33 @@ sanitize() {
   say "$tool: exit $rc, $((SECONDS - t0)) s"
 }
 # The whole training path under memcheck once: keel train on a tiny Llama with 64-wide heads
-# (the fused attention kernels), 3 bf16 steps with a checkpoint at the end.
+# (the fused attention kernels), 3 bf16 steps with a checkpoint at the end. Its arguments, in
+# run_args, for the tokens in $1 and the run folder $2:
+memcheck_train_args() {
+  run_args=(--config "$ROOT/configs/llama-tiny.json" --device cuda --out "$2" --steps 3
+    --set "data.train=[\"$1\"]" --set 'data.val=[]' --set schedule.warmup_steps=1
+    --set model.n_heads=2 --set model.n_kv_heads=1 --set train.eval_interval=0 --set log.interval=1
+    --set choice_eval.file= --set sample.interval=0)
+}
 memcheck_train() {
   local dir=$RES/memcheck-train t0=$SECONDS rc
+  local -a run_args
   mkdir -p "$dir"
   "$PY" "$ROOT/scripts/random_shard.py" "$dir/train_000.bin" 100000 --config "$ROOT/configs/llama-tiny.json"
   say "== compute-sanitizer --tool memcheck keel train (tiny Llama, fused attention, bf16)"
+  memcheck_train_args "$dir/train_000.bin" "$dir/run"
   timeout "$(limit 120)" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 "$BIN/keel" train \
-    --config "$ROOT/configs/llama-tiny.json" --device cuda --out "$dir/run" --steps 3 \
-    --set "data.train=[\"$dir/train_000.bin\"]" --set 'data.val=[]' --set schedule.warmup_steps=1 \
-    --set model.n_heads=2 --set model.n_kv_heads=1 --set train.eval_interval=0 --set log.interval=1 \
-    --set choice_eval.file= --set sample.interval=0 \
-    > "$RES/memcheck-train.log" 2>&1
+    "${run_args[@]}" > "$RES/memcheck-train.log" 2>&1
   rc=$?
   grep -E 'ERROR SUMMARY|lm loss' "$RES/memcheck-train.log" | tail -2 | tee -a "$SUMMARY"
   [ $rc -eq 9 ] && grep -m 3 -A8 -E '^========= (Invalid|Uninit|Program hit)' "$RES/memcheck-train.log"
   say "memcheck keel train: exit $rc, $((SECONDS - t0)) s"
 }
 stage_memcheck() {
-  sanitize memcheck '[gpu]~[train]~[oracle]~[determinism]~[ckpt]' 150
+  sanitize memcheck "$MEMCHECK_FILTER" 150
   memcheck_train
 }
-stage_racecheck() { sanitize racecheck "${RACECHECK_FILTER:-[attention]~[decode]}" "${RACECHECK_S:-120}"; }
+stage_racecheck() { sanitize racecheck "$RACECHECK_FILTER" "${RACECHECK_S:-120}"; }
 
 stage_bench() {
   ensure_bins
@@ -353,10 +374,52 @@ stage_splitk() {
   stage_profile -splitk KEEL_SPLITK_ANY=0
 }
 
+# Here, before a device call (no GPU needed): what the other stages need, each checked and named.
+stage_dry_run() {
+  local failed=0 spec m s cfg T mbs here stamp
+  local -a run_args
+  say "== dry-run: the carry and the stages' inputs, without a GPU"
+  ok() {  # ok <what> <command...>: runs it, says ok or FAIL with its output's end
+    local what=$1
+    shift
+    if "$@" > "$RES/dry-run.log" 2>&1; then say "ok   $what"; else
+      say "FAIL $what"; tail -5 "$RES/dry-run.log" | sed 's/^/     /' | tee -a "$SUMMARY"; failed=1
+    fi
+  }
+  not() { ! "$@"; }
+  # (Catch2 v2's listings exit with the number of tests: the count is read from the names)
+  selects() { [ "$("$BIN/test_gpu" "$1" --list-test-names-only | grep -c .)" -gt 0 ]; }
+  ok "binaries: keel and test_gpu in $BIN" have_bins
+  ok "keel --version" "$BIN/keel" --version
+  ok "test_gpu lists its tests" selects '*'
+  # the test stage runs [cudnn] with KEEL_REQUIRE_CUDNN=1: a keel without it fails there
+  ok "keel built with cuDNN attention (scripts/fetch_cudnn_frontend.py before gpu_prebuild.sh)" \
+    not grep -q "built without the cuDNN frontend headers" "$BIN/keel"
+  for spec in "${TEST_SPECS[@]}" "$MEMCHECK_FILTER" "$RACECHECK_FILTER"; do
+    ok "test_gpu '$spec' selects tests" selects "$spec"
+  done
+  for s in "${STAGES[@]}" bench; do ok "stage $s is defined" declare -F "stage_$s"; done
+  for s in scripts/random_shard.py scripts/bench_gpu.sh scripts/bench_torch.py configs/llama-tiny.json test/fixtures; do
+    ok "$s exists" test -e "$ROOT/$s"
+  done
+  memcheck_train_args /tmp/tokens.bin "$RES/dry-run-run"
+  ok "memcheck's keel train arguments" "$BIN/keel" train "${run_args[@]}" --print-config
+  for m in gpt2 llama1b; do
+    shape_of $m
+    short_run_args /tmp/tokens.bin 6
+    ok "the profile's keel train arguments ($m)" "$BIN/keel" train "${run_args[@]}" --out "$RES/dry-run-run" --print-config
+  done
+  ok "the recompute stage's setting" "$BIN/keel" train "${run_args[@]}" --set train.recompute=full --print-config
+  here=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+  stamp=$(head -1 "$CARRY/STAMP" 2>/dev/null)
+  ok "binaries built from this commit ($here; STAMP: ${stamp:-none})" test "$stamp" = "commit $here"
+  [ $failed -eq 0 ] && say "dry-run: all ok" || { say "dry-run: failures above"; return 1; }
+}
+
 setup_libs
 for s in "${stages[@]}"; do
   if [ $((BUDGET - SECONDS)) -lt 30 ]; then say "$s: skipped, the ${BUDGET} s budget is spent"; continue; fi
-  "stage_$s"
+  "stage_$s" || status=1
 done
 if [ -n "${OUT:-}" ]; then
   tar czf "$OUT/keel-gpu.tgz" -C "$RES" --exclude='*.bin' --exclude='run' . || say "packing $RES into \$OUT failed"
@@ -364,3 +427,4 @@ fi
 echo
 echo "==== summary ($RES/summary.txt)"
 cat "$SUMMARY"
+exit "${status:-0}"

@@ -9,6 +9,12 @@ not a measurement of time. The default architecture, sm_90a, is the build's for 
 
   scripts/kernel_stats.py kernels/cuda/attention_flash.cu [--arch sm_80] [--filter dkdv] [--ops 12]
 
+With --log, the table of every kernel of a whole build instead (bench/PTXAS.md): registers,
+spill stores and loads, stack frame and static shared memory, from the ptxas output of a build
+configured with -DCMAKE_CUDA_FLAGS="-Xptxas -v" (its make output, saved to a file):
+
+  scripts/kernel_stats.py --log build.log [--filter flash]
+
 cuobjdump is not in every CUDA toolkit install; `pip install nvidia-cuda-cuobjdump` ships it
 (the script looks on PATH, then in that package). Without it only registers are printed.
 """
@@ -63,7 +69,47 @@ def registers(ptxas_log):
         m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m and current:
             out.setdefault(current, {})["spill"] = int(m.group(1)) + int(m.group(2))
+            out[current]["stores"], out[current]["loads"] = int(m.group(1)), int(m.group(2))
+            out[current]["stack"] = int(re.search(r"(\d+) bytes stack frame", line).group(1))
+        m = re.search(r"(\d+) bytes smem", line)
+        if m and current:
+            out.setdefault(current, {})["smem"] = int(m.group(1))
     return out
+
+
+def demangle_all(names):
+    """Readable kernel names with template arguments (c++filt, without keel's namespaces, the
+    return type and the parameter list); demangle_short's where c++filt is missing."""
+    tool = shutil.which("c++filt")
+    if not tool:
+        return [demangle_short(n) for n in names]
+    full = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    out = []
+    for n in full:
+        n = re.sub(r"\(anonymous namespace\)::|keel::cuda::|^void ", "", n)
+        depth = 0
+        for i in range(len(n) - 1, -1, -1):  # drop the parameter list: the last top-level (...)
+            depth += {")": 1, "(": -1}.get(n[i], 0)
+            if depth == 0 and n[i] == "(":
+                n = n[:i]
+                break
+        out.append(n.replace("__nv_bfloat16", "bf16").replace("__half", "f16"))
+    return out
+
+
+def log_table(path, name_filter):
+    """The markdown table of every kernel in a build's ptxas output (one row per kernel; a
+    kernel compiled for several architectures shows its last)."""
+    with open(path) as f:
+        stats = registers(f.read())
+    print("| kernel | registers | spill stores (B) | spill loads (B) | stack frame (B) | static smem (B) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    rows = sorted(zip(demangle_all(list(stats)), stats.values()), key=lambda row: row[0])
+    for short, r in rows:
+        if name_filter not in short:
+            continue
+        print(f"| {short} | {r.get('regs', '?')} | {r.get('stores', 0)} | {r.get('loads', 0)} | {r.get('stack', 0)} "
+              f"| {r.get('smem', 0)} |")
 
 
 def loops(sass):
@@ -92,11 +138,16 @@ def loops(sass):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("source")
+    ap.add_argument("source", nargs="?")
+    ap.add_argument("--log", help="a build's ptxas -v output: tabulate every kernel in it")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--filter", default="", help="only kernels whose name contains this")
     ap.add_argument("--ops", type=int, default=10, help="opcodes listed per loop")
     args = ap.parse_args()
+    if args.log:
+        return log_table(args.log, args.filter)
+    if not args.source:
+        ap.error("name a .cu file, or a build's ptxas output with --log")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
         obj = os.path.join(tmp, "k.o")

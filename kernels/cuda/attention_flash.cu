@@ -91,8 +91,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Blocks per SM the forward and dk-dv kernels are compiled for: at head_dim 64 four, so at most
-// 128 registers a thread (16 warps per SM; the staged dk-dv spills one value, read once a step:
-// scripts/kernel_stats.py), at 128 whatever their accumulators take (shared memory allows 2).
+// 128 registers a thread (16 warps per SM; of these only the wgmma staged dk-dv spills: four
+// values kept across its loop, and with ALiBi a few loads a step; bench/PTXAS.md), at 128
+// whatever their accumulators take (shared memory allows 2).
 constexpr int min_blocks_per_sm(int head_dim) { return head_dim == 64 ? 4 : 1; }
 
 // ---- fragments and tensor-core products ----

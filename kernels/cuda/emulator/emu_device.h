@@ -85,8 +85,9 @@ T exchange(unsigned mask, T v, int src) {
   return r;
 }
 
-// Runs f() on every thread of every block of the grid; returns when all have finished.
-void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& f);
+// Runs f() on every thread of every block of the grid (a launch of `kernel`); returns when all
+// have finished.
+void run_grid(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& f);
 // The launch limits of the GPUs keel runs on (sm_80 and later; emu_runtime.cpp): grid.x up to
 // 2^31 - 1, grid.y and grid.z up to 65535, a block of at most 1024 threads (x and y up to 1024,
 // z up to 64), none of them 0. False, with cudaErrorInvalidConfiguration recorded for
@@ -96,6 +97,25 @@ bool launch_dims_allowed(dim3 grid, dim3 block);
 // cudaFuncSetAttribute(MaxDynamicSharedMemorySize) first. False (and the error recorded for
 // cudaGetLastError, as a failed launch) when it was not raised that far.
 bool dynamic_shared_allowed(const void* kernel, size_t smem_bytes);
+// The limits a GPU takes from the compiled kernel, checked from inside it (translate_launches.py
+// puts the calls there; emu_threads.cpp):
+// - kernel_entry, first in every kernel: false, and the launch failed (nothing of it runs), when
+//   the block has more threads than max_threads, its __launch_bounds__ (0: none), or when the
+//   launch failed already; it also names the running kernel for the launch's messages.
+// - static_shared, after every __shared__ variable: adds its bytes to the launch's static shared
+//   memory, and fails the launch when that passes 48 KiB (ptxas refuses it) or the kernel's
+//   limit with its dynamic shared memory: without cudaFuncAttributeMaxDynamicSharedMemorySize
+//   both within 48 KiB, with it the attribute plus the static bytes within 227 KiB (which
+//   cudaFuncSetAttribute checks on a GPU). The block that finds it runs to its end; no later
+//   block runs.
+bool kernel_entry(const char* name, int max_threads);
+void static_shared(const void* var, size_t bytes);
+// The kernel's cudaFuncAttributeMaxDynamicSharedMemorySize, -1 when never set (emu_runtime.cpp).
+int max_dynamic_shared_attribute(const void* kernel);
+// A launch that failed: records `error` for cudaGetLastError and prints "keel CUDA emulator:
+// " + message on stderr; last_launch_failure() returns the latest such message (for the tests).
+void fail_launch(cudaError_t error, const char* message);
+const char* last_launch_failure();
 
 struct LaunchConfig {
   dim3 grid, block;
@@ -109,7 +129,7 @@ struct LaunchConfig {
     std::tuple<std::decay_t<P>...> params(static_cast<std::decay_t<P>>(std::forward<A>(args))...);
     if (!launch_dims_allowed(grid, block) || !dynamic_shared_allowed(reinterpret_cast<const void*>(kernel), smem))
       return;
-    run_grid(grid, block, smem, [&] { std::apply(kernel, params); });
+    run_grid(reinterpret_cast<const void*>(kernel), grid, block, smem, [&] { std::apply(kernel, params); });
   }
 };
 inline LaunchConfig config(dim3 grid, dim3 block, size_t smem = 0, cudaStream_t stream = nullptr) {

@@ -5,10 +5,12 @@
 // (a host pointer given as device memory, or the reverse) fails with cudaErrorInvalidValue as a
 // bad pointer would on a GPU, instead of silently working on shared host memory.
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "kernels/cuda/emulator/emu_device.h"
 
@@ -37,6 +39,7 @@ struct Memory {
   cudaError_t last_error = cudaSuccess;
   CUmemPoolHandle_st pool{0};
   std::map<const void*, int> max_dynamic_shared;  // kernel -> cudaFuncAttributeMaxDynamicSharedMemorySize
+  std::string last_failure;                        // fail_launch's latest message
 };
 
 Memory& mem() {
@@ -289,11 +292,28 @@ bool keel_emu::launch_dims_allowed(dim3 grid, dim3 block) {
   return false;
 }
 
-bool keel_emu::dynamic_shared_allowed(const void* kernel, size_t smem_bytes) {
-  if (smem_bytes <= kDefaultDynamicShared) return true;
+int keel_emu::max_dynamic_shared_attribute(const void* kernel) {
   std::lock_guard<std::mutex> lock(mem().mutex);
   auto it = mem().max_dynamic_shared.find(kernel);
-  if (it != mem().max_dynamic_shared.end() && smem_bytes <= static_cast<size_t>(it->second)) return true;
+  return it == mem().max_dynamic_shared.end() ? -1 : it->second;
+}
+
+bool keel_emu::dynamic_shared_allowed(const void* kernel, size_t smem_bytes) {
+  const int attr = max_dynamic_shared_attribute(kernel);
+  if (smem_bytes <= (attr < 0 ? kDefaultDynamicShared : static_cast<size_t>(attr))) return true;
+  std::lock_guard<std::mutex> lock(mem().mutex);
   mem().last_error = cudaErrorInvalidValue;
   return false;
+}
+
+void keel_emu::fail_launch(cudaError_t error, const char* message) {
+  std::fprintf(stderr, "keel CUDA emulator: %s\n", message);
+  std::lock_guard<std::mutex> lock(mem().mutex);
+  mem().last_error = error;
+  mem().last_failure = message;
+}
+
+const char* keel_emu::last_launch_failure() {
+  std::lock_guard<std::mutex> lock(mem().mutex);
+  return mem().last_failure.c_str();
 }

@@ -31,6 +31,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/emulator/emu_device.h"
@@ -146,6 +147,13 @@ struct Scheduler {
   int threads = 0;
   std::vector<int> block_order, warp_order, lane_order;  // this launch's and round's running orders
   uint64_t random_state = 0;
+  // The running launch, for the checks of kernel_entry and static_shared.
+  const void* kernel = nullptr;
+  const char* kernel_name = nullptr;  // its __PRETTY_FUNCTION__, from kernel_entry
+  size_t dynamic_bytes = 0;
+  std::vector<const void*> static_vars;  // the __shared__ variables it reached, and their bytes
+  size_t static_bytes = 0;
+  bool failed = false;
 };
 
 enum class Order { kForward, kReverse, kRandom };
@@ -397,9 +405,55 @@ unsigned char* warp_slot(int lane) {
 
 unsigned char* dynamic_shared() { return sched().dynamic_smem.data(); }
 
-void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& f) {
+bool kernel_entry(const char* name, int max_threads) {
+  Scheduler& s = sched();
+  if (!s.kernel_name) s.kernel_name = name;
+  if (s.failed) return false;
+  if (max_threads > 0 && s.threads > max_threads) {
+    s.failed = true;
+    const std::string msg = std::string(name) + ": a block of " + std::to_string(s.threads) +
+                            " threads is more than its __launch_bounds__ of " + std::to_string(max_threads) +
+                            ": the launch fails on a GPU (too many resources requested)";
+    fail_launch(cudaErrorLaunchOutOfResources, msg.c_str());
+    return false;
+  }
+  return true;
+}
+
+void static_shared(const void* var, size_t bytes) {
+  Scheduler& s = sched();
+  if (s.failed || std::find(s.static_vars.begin(), s.static_vars.end(), var) != s.static_vars.end()) return;
+  s.static_vars.push_back(var);
+  s.static_bytes += bytes;
+  constexpr size_t kStaticMax = size_t{48} << 10, kOptinMax = size_t{227} << 10;
+  const std::string kernel = s.kernel_name ? s.kernel_name : "a kernel";
+  const std::string statics = kernel + ": " + std::to_string(s.static_bytes) + " bytes of static __shared__ memory";
+  const int attr = max_dynamic_shared_attribute(s.kernel);
+  std::string msg;
+  if (s.static_bytes > kStaticMax)
+    msg = statics + ", more than the 49152 (48 KiB) a kernel may declare (ptxas refuses it); take the rest as "
+                    "dynamic shared memory";
+  else if (attr < 0 && s.static_bytes + s.dynamic_bytes > kStaticMax)
+    msg = statics + " and " + std::to_string(s.dynamic_bytes) +
+          " of dynamic, more than the 49152 (48 KiB) a kernel has together without cudaFuncSetAttribute"
+          "(MaxDynamicSharedMemorySize)";
+  else if (attr >= 0 && s.static_bytes + static_cast<size_t>(attr) > kOptinMax)
+    msg = statics + " and its MaxDynamicSharedMemorySize of " + std::to_string(attr) +
+          ", more than the 232448 (227 KiB) a block may have together (cudaFuncSetAttribute refuses it on a GPU)";
+  if (msg.empty()) return;
+  s.failed = true;
+  fail_launch(cudaErrorInvalidValue, msg.c_str());
+}
+
+void run_grid(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& f) {
   Scheduler& s = sched();
   std::lock_guard<std::mutex> lock(s.launch_mutex);
+  s.kernel = kernel;
+  s.kernel_name = nullptr;
+  s.dynamic_bytes = smem_bytes;
+  s.static_vars.clear();
+  s.static_bytes = 0;
+  s.failed = false;
   const long long threads = static_cast<long long>(block.x) * block.y * block.z;
   if (threads < 1 || threads > kMaxThreads || grid.x < 1 || grid.y < 1 || grid.z < 1) {
     std::fprintf(stderr, "keel CUDA emulator: invalid launch: grid (%u, %u, %u), block (%u, %u, %u)\n", grid.x, grid.y,
