@@ -1273,6 +1273,14 @@ double planned_backend_bytes(const RunConfig& cfg, int stage, bool gpu) {
   return p.stages.at(static_cast<size_t>(stage)).total(p.recompute);
 }
 
+double async_save_host_bytes(const RunConfig& cfg, int stage) {
+  if (!cfg.checkpoint.async) return 0;
+  const PlanOptions opt = run_options(cfg, false);
+  const Layout l = run_layout(cfg);
+  if (!layout_problem(cfg, l, opt).empty()) return 0;
+  return plan_layout(cfg, l, opt).stages.at(static_cast<size_t>(stage)).save_copy();
+}
+
 std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   PlanOptions opt = run_options(cfg, gpu_mem_bytes > 0);
   if (gpu_mem_bytes > 0) opt.hw.gpu_mem_bytes = gpu_mem_bytes;
@@ -1292,7 +1300,7 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
             format_bytes(a.head_shared) + " each\n";
   if (cfg.checkpoint.async) {  // the host copy a background save writes from
     double largest = 0;
-    for (const StageMemory& m : p.stages) largest = std::max(largest, m.weights + m.master + m.moments);
+    for (const StageMemory& m : p.stages) largest = std::max(largest, m.save_copy());
     text += "  this run: background saves (checkpoint.async) hold a host-memory copy of up to " +
             format_bytes(largest) + " per rank while they are written\n";
   }
