@@ -918,10 +918,15 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
   o << "layout " << l.str() << ": " << l.gpus() << (l.gpus() > 1 ? " GPUs (" : " GPU (") << nodes << " node" << (nodes > 1 ? "s" : "") << " of "
     << opt.hw.gpus_per_node << "), " << p.micro_batches << (p.micro_batches == 1 ? " micro-batch of " : " micro-batches of ") << l.mbs << " per DP rank per step"
     << (p.embedding_own_slot ? ", embedding and head in their own pipeline slots" : "") << "\n";
-  // first, a middle and the last stage
+  // first, a middle and the last stage, and the peak stage wherever it is (uneven splits, e.g.
+  // with embedding slots, can put it elsewhere): the verdict's figure must be in the table
   std::vector<int> shown = {0};
   if (l.pp > 2) shown.push_back(static_cast<int>(l.pp / 2));
   if (l.pp > 1) shown.push_back(static_cast<int>(l.pp - 1));
+  if (std::find(shown.begin(), shown.end(), p.peak_stage) == shown.end()) {
+    shown.push_back(p.peak_stage);
+    std::sort(shown.begin(), shown.end());
+  }
   Table t;
   std::vector<std::string> head = {"per rank"};
   for (int s : shown) head.push_back(s == 0 ? "first stage" : s == l.pp - 1 ? "last stage" : "stage " + std::to_string(s));
