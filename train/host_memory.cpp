@@ -141,8 +141,14 @@ std::vector<int> ranks_sharing(const HostMemory& mine, const std::string& host, 
 }
 
 std::string check_host_memory(const RunConfig& cfg, const HostMemory& host, const std::vector<int>& sharing) {
-  double per_rank = 0;
-  for (int s = 0; s < cfg.parallel.pp; ++s) per_rank = std::max(per_rank, plan::planned_backend_bytes(cfg, s, false));
+  // A background save (checkpoint.async) copies the rank's state to host memory on top of what
+  // the backend holds: on the CPU that is the same memory, so a run that fits until its first
+  // interval save would be killed there.
+  double per_rank = 0, save_copy = 0;
+  for (int s = 0; s < cfg.parallel.pp; ++s) {
+    const double copy = plan::async_save_host_bytes(cfg, s), total = plan::planned_backend_bytes(cfg, s, false) + copy;
+    if (total > per_rank) per_rank = total, save_copy = copy;
+  }
   // The limit short by the most, with the ranks under it.
   const MemoryLimit* worst = nullptr;
   int ranks = 1;
@@ -158,8 +164,12 @@ std::string check_host_memory(const RunConfig& cfg, const HostMemory& host, cons
                                              plan::format_bytes(per_rank) + " each)"
                                        : "";
   const std::string what = "the run needs about " + plan::format_bytes(per_rank * ranks) + " of host memory" + under +
-                           " (keel plan's figure: weights, gradients, optimizer state and activations), but the host "
-                           "has " + plan::format_bytes(worst->available) + " available (" + worst->source + ")";
+                           " (keel plan's figure: weights, gradients, optimizer state and activations" +
+                           (save_copy > 0 ? ", and the " + plan::format_bytes(save_copy) +
+                                                " host copy a background save (checkpoint.async) writes from"
+                                          : "") +
+                           "), but the host has " + plan::format_bytes(worst->available) + " available (" +
+                           worst->source + ")";
   if (cfg.health.host_memory_check == "warn")
     return what + "; starting anyway, as health.host_memory_check is \"warn\"";
   throw ConfigError(what + ". Use a smaller model, train.micro_batch or train.seq_len, train.recompute, more hosts "

@@ -918,10 +918,15 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
   o << "layout " << l.str() << ": " << l.gpus() << (l.gpus() > 1 ? " GPUs (" : " GPU (") << nodes << " node" << (nodes > 1 ? "s" : "") << " of "
     << opt.hw.gpus_per_node << "), " << p.micro_batches << (p.micro_batches == 1 ? " micro-batch of " : " micro-batches of ") << l.mbs << " per DP rank per step"
     << (p.embedding_own_slot ? ", embedding and head in their own pipeline slots" : "") << "\n";
-  // first, a middle and the last stage
+  // first, a middle and the last stage, and the peak stage wherever it is (uneven splits, e.g.
+  // with embedding slots, can put it elsewhere): the verdict's figure must be in the table
   std::vector<int> shown = {0};
   if (l.pp > 2) shown.push_back(static_cast<int>(l.pp / 2));
   if (l.pp > 1) shown.push_back(static_cast<int>(l.pp - 1));
+  if (std::find(shown.begin(), shown.end(), p.peak_stage) == shown.end()) {
+    shown.push_back(p.peak_stage);
+    std::sort(shown.begin(), shown.end());
+  }
   Table t;
   std::vector<std::string> head = {"per rank"};
   for (int s : shown) head.push_back(s == 0 ? "first stage" : s == l.pp - 1 ? "last stage" : "stage " + std::to_string(s));
@@ -1273,6 +1278,14 @@ double planned_backend_bytes(const RunConfig& cfg, int stage, bool gpu) {
   return p.stages.at(static_cast<size_t>(stage)).total(p.recompute);
 }
 
+double async_save_host_bytes(const RunConfig& cfg, int stage) {
+  if (!cfg.checkpoint.async) return 0;
+  const PlanOptions opt = run_options(cfg, false);
+  const Layout l = run_layout(cfg);
+  if (!layout_problem(cfg, l, opt).empty()) return 0;
+  return plan_layout(cfg, l, opt).stages.at(static_cast<size_t>(stage)).save_copy();
+}
+
 std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   PlanOptions opt = run_options(cfg, gpu_mem_bytes > 0);
   if (gpu_mem_bytes > 0) opt.hw.gpu_mem_bytes = gpu_mem_bytes;
@@ -1292,7 +1305,7 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
             format_bytes(a.head_shared) + " each\n";
   if (cfg.checkpoint.async) {  // the host copy a background save writes from
     double largest = 0;
-    for (const StageMemory& m : p.stages) largest = std::max(largest, m.weights + m.master + m.moments);
+    for (const StageMemory& m : p.stages) largest = std::max(largest, m.save_copy());
     text += "  this run: background saves (checkpoint.async) hold a host-memory copy of up to " +
             format_bytes(largest) + " per rank while they are written\n";
   }

@@ -230,6 +230,8 @@ struct StageMemory {
   double act_stored_recompute = 0, act_working_recompute = 0;
   double overhead = 0;         // CUDA context + communication buffers + attention backward's dS
   double state() const { return weights + grads + master + moments + grad_shard; }
+  // What a background save (checkpoint.async) copies to host memory to write from.
+  double save_copy() const { return weights + master + moments; }
   double total(bool recompute) const { return state() + (recompute ? act_recompute : act_full) + overhead; }
 };
 
@@ -320,5 +322,10 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes = 0
 // (what Backend::peak_bytes counts): state, activations and, on a GPU, the attention backward's
 // dS; not the CUDA context, which the backend does not count. 0 where the layout has a problem.
 double planned_backend_bytes(const RunConfig& cfg, int stage, bool gpu);
+
+// The host memory a background save (checkpoint.async) copies stage `stage`'s state into while
+// its files are written: weights, fp32 masters and Adam moments. 0 without checkpoint.async or
+// where the layout has a problem.
+double async_save_host_bytes(const RunConfig& cfg, int stage);
 
 }  // namespace keel::plan

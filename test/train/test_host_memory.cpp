@@ -11,6 +11,7 @@
 #include "common/temp_dir.h"
 #include "common/workspace.h"
 #include "train/host_memory.h"
+#include "model/param_table.h"
 #include "train/plan.h"
 
 using namespace keel;
@@ -148,6 +149,30 @@ TEST_CASE("check_host_memory: refused naming the limit and the override, or a wa
                           Catch::EndsWith("; starting anyway, as health.host_memory_check is \"warn\""));
   CHECK_THROWS_WITH(test::make_config(test::tiny_run_json(), {{"health", {{"host_memory_check", "off"}}}}),
                     Catch::Contains("health.host_memory_check: \"off\" is not allowed (allowed: error, warn)"));
+}
+
+// A background save copies the rank's weights, masters and moments to host memory while its files
+// are written (checkpoint.async, which both BLOOM configs set): on the CPU that is the same memory
+// the run trains in, so a run that fits only without the copy would be killed at its first save.
+TEST_CASE("check_host_memory counts the host copy of a background save (checkpoint.async)", "[memory][config]") {
+  const nlohmann::json bf16 = {{"precision", {{"mode", "bf16"}}}};
+  const RunConfig plain = test::make_config(test::tiny_run_json(), bf16);
+  const RunConfig async =
+      test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "bf16"}}}, {"checkpoint", {{"async", true}}}});
+  const double needs = plan::planned_backend_bytes(plain, 0, false);
+  const double copy = plan::async_save_host_bytes(async, 0);
+  CHECK(plan::async_save_host_bytes(plain, 0) == 0);
+  CHECK(plan::planned_backend_bytes(async, 0, false) == needs);
+  // weights (bf16) + fp32 masters + Adam m and v: 14 of the 18 bytes per parameter.
+  const ParamTable table(plain.model);
+  CHECK(copy == Approx(14.0 * static_cast<double>(table.local_numel())));
+  const MemoryLimit host{needs + copy / 2, "MemAvailable in /proc/meminfo", "meminfo"};
+  const HostMemory mem{host.available, host.source, {host}};
+  CHECK(check_host_memory(plain, mem).empty());
+  CHECK_THROWS_WITH(check_host_memory(async, mem),
+                    Catch::StartsWith("the run needs about " + plan::format_bytes(needs + copy) + " of host memory") &&
+                        Catch::Contains("and the " + plan::format_bytes(copy) +
+                                        " host copy a background save (checkpoint.async) writes from"));
 }
 
 // Ranks on one node: a limit they share (the node's MemAvailable, the job's cgroup) must hold

@@ -347,6 +347,29 @@ TEST_CASE("plan: an uneven pipeline is planned as the trainer runs it, the heavi
   CHECK(alts[1].change == "train.global_batch 18");
 }
 
+TEST_CASE("plan: the detail table shows the peak stage that the verdict names", "[plan]") {
+  // 104B at tp=4 pp=16 dp=2 with embedding slots: 66 slots over 16 stages put a fifth slot on
+  // stages 7 and 15, and stage 7 (9 micro-batches in flight, 5 layers) is the peak. The table's
+  // first, middle (8) and last stages alone would not show the verdict's figure.
+  const RunConfig cfg = shipped("bloom-104b.json");
+  PlanOptions opt;
+  opt.tp = 4, opt.pp = 16, opt.dp = 2, opt.mbs = 1;
+  opt.embedding_own_slot = true;
+  opt.hw.gpu_mem_bytes = 32 * kGiB;
+  const LayoutPlan p = plan_layout(cfg, Layout{4, 16, 2, 1}, opt);
+  REQUIRE(p.peak_stage == 7);
+  const std::string text = layout_text(cfg, p, opt);
+  INFO(text);
+  const size_t header = text.find("  per rank");
+  REQUIRE(header != std::string::npos);
+  CHECK_THAT(text.substr(header, text.find('\n', header) - header), Catch::Contains("stage 7") && Catch::Contains("stage 8"));
+  CHECK_THAT(text, Catch::Contains("peak " + format_bytes(p.peak_bytes) + " on stage 7"));
+  REQUIRE(p.recompute);
+  const size_t row = text.find("  total, full recompute");
+  REQUIRE(row != std::string::npos);
+  CHECK_THAT(text.substr(row, text.find('\n', row) - row), Catch::Contains(format_bytes(p.peak_bytes)));
+}
+
 TEST_CASE("plan: a model too big for its GPUs' memory is told the fewest GPUs that hold it", "[plan]") {
   // Llama 2 7B on 2 GPUs of 24 GiB: 18 B/param needs a split of at least 8 (tp=8, or pp=8 with
   // recomputation). Fewer GPUs cannot help; the closest change is more of them.
