@@ -3,15 +3,12 @@
 // multi-rank tests in test/parallel/mpi make real ones).
 #include <catch2/catch.hpp>
 
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <thread>
 
+#include "common/child.h"
 #include "common/temp_dir.h"
 #include "train/parallel/hang_report.h"
 
@@ -422,40 +419,8 @@ TEST_CASE("hang report: with overlapped reductions, ranks held up in earlier one
 
 // ---- BlockingCallWatch: in a child process, since a firing watch ends the process ----------
 
-namespace {
-
-struct ChildResult {
-  int exit_code = -1;
-  std::string stderr_text;
-  double seconds = 0;
-};
-
-// Runs body() in a forked child with stderr captured; the child exits 0 if body returns.
-ChildResult run_child(const std::function<void()>& body) {
-  int fds[2];
-  REQUIRE(pipe(fds) == 0);
-  const auto t0 = std::chrono::steady_clock::now();
-  const pid_t pid = fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    close(fds[0]);
-    dup2(fds[1], 2);
-    body();
-    _exit(0);
-  }
-  close(fds[1]);
-  ChildResult r;
-  char buf[4096];
-  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) r.stderr_text.append(buf, static_cast<size_t>(n));
-  close(fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
-  return r;
-}
-
-}  // namespace
+using keel::test::ChildResult;
+using keel::test::run_child;
 
 TEST_CASE("a host call stuck past its timeout is named, and the process ends instead of hanging",
           "[parallel][hang][watch]") {
