@@ -31,13 +31,21 @@ namespace {
 // The handler reads the table, so it is lock-free: chunks of slots in a list that only grows
 // (a data set of 10k shards is ordinary). A chunk is allocated outside the handler and published
 // with one atomic store; the handler only follows the pointers. Should an allocation fail, that
-// mapping is not named, and a fault in it is the plain bus error.
+// mapping is not named: a fault in it goes on to the previous handler.
+//
+// The handler goes in front of whatever handled SIGBUS before (Open MPI's MPI_Init installs a
+// stack-trace handler, the sanitizers theirs) and hands it every SIGBUS that is not a read of a
+// registered mapping. A slot is only reused after its mapping is unregistered, which is before
+// it is unmapped, so a fault the handler matches is in a live mapping unless the program reads
+// a MappedFile while another thread destroys it.
 struct MappingSlot {
   std::atomic<bool> claimed{false};
   std::atomic<const unsigned char*> base{nullptr};  // published last: the slot is complete
   int64_t size = 0;
   char message[512];
 };
+static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<const unsigned char*>::is_always_lock_free,
+              "the SIGBUS handler may only read lock-free atomics");
 constexpr size_t kSlotsPerChunk = 1024;
 struct SlotChunk {
   MappingSlot slots[kSlotsPerChunk];
@@ -46,33 +54,40 @@ struct SlotChunk {
 SlotChunk g_mappings;  // the first chunk; the others are never freed (the handler may be reading them)
 constexpr int kExitDataError = 3;  // keel's exit code for bad data (train/run.h)
 
+std::mutex g_install_mu;
+struct sigaction g_previous_action {};  // SIGBUS's handler before ours, written under g_install_mu
+
 extern "C" void on_mapping_fault(int, siginfo_t* info, void*) {
-  const auto* addr = static_cast<const unsigned char*>(info->si_addr);
+  // Only a fault of the kernel's (si_code > 0) has an address: a SIGBUS sent with kill has none.
+  const auto* addr = info->si_code > 0 ? static_cast<const unsigned char*>(info->si_addr) : nullptr;
   for (SlotChunk* chunk = &g_mappings; chunk != nullptr; chunk = chunk->next.load(std::memory_order_acquire))
     for (MappingSlot& slot : chunk->slots) {
       const unsigned char* base = slot.base.load(std::memory_order_acquire);
-      if (base != nullptr && addr >= base && addr < base + slot.size) {
+      if (addr != nullptr && base != nullptr && addr >= base && addr < base + slot.size) {
         const ssize_t ignored = ::write(STDERR_FILENO, slot.message, std::strlen(slot.message));
         (void)ignored;
         _exit(kExitDataError);
       }
     }
-  std::signal(SIGBUS, SIG_DFL);  // not one of ours: returning re-runs the access, which now ends the process
+  // Not one of ours: put the previous handler back. Returning from a fault re-runs the access,
+  // which then reaches it; a sent signal does not recur, so it is raised again.
+  sigaction(SIGBUS, &g_previous_action, nullptr);
+  if (info->si_code <= 0) raise(SIGBUS);
 }
 
+// Checked at every registration, not once: a handler installed after ours (MPI_Init after the
+// first file was mapped) would otherwise leave the files it maps unnamed.
 void install_fault_handler() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction old {};
-    sigaction(SIGBUS, nullptr, &old);
-    const bool default_action = !(old.sa_flags & SA_SIGINFO) && old.sa_handler == SIG_DFL;
-    if (!default_action) return;  // someone else's handler (a sanitizer's): leave it
-    struct sigaction sa {};
-    sa.sa_sigaction = on_mapping_fault;
-    sa.sa_flags = SA_SIGINFO;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGBUS, &sa, nullptr);
-  });
+  std::lock_guard<std::mutex> lock(g_install_mu);
+  struct sigaction current {};
+  sigaction(SIGBUS, nullptr, &current);
+  if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_mapping_fault) return;
+  g_previous_action = current;
+  struct sigaction sa {};
+  sa.sa_sigaction = on_mapping_fault;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGBUS, &sa, nullptr);
 }
 
 // A free slot, claimed for the caller; a new chunk when every one is taken; nullptr when none

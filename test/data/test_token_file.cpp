@@ -1,44 +1,22 @@
 // Token files: llm.c shards (both versions), Megatron .bin/.idx, >2 GiB files, path expansion
 // and the error message for every kind of broken input.
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/child.h"
 #include "data/token_file.h"
 #include "data_test_util.h"
 
 using namespace keel::data;
 using namespace keel::data::test;
 using Catch::Contains;
+using keel::test::ChildResult;
+using keel::test::run_child;
 
 namespace {
-
-// Runs `body` in a forked child, which must end with _exit (or die of a signal): its wait
-// status and what it wrote to stderr. For faults that end the process (SIGBUS).
-struct ChildResult {
-  int status = 0;
-  std::string stderr_text;
-};
-template <class Body>
-ChildResult in_child(Body&& body) {
-  int pipe_fds[2];
-  REQUIRE(::pipe(pipe_fds) == 0);
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    ::dup2(pipe_fds[1], STDERR_FILENO);
-    body();
-    _exit(13);  // body returned: not what a test of a fault expects
-  }
-  ::close(pipe_fds[1]);
-  ChildResult r;
-  char buf[512];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) r.stderr_text.append(buf, static_cast<size_t>(n));
-  ::close(pipe_fds[0]);
-  REQUIRE(::waitpid(child, &r.status, 0) == child);
-  return r;
-}
 
 std::vector<int32_t> read_all(const TokenFile& f) {
   std::vector<int32_t> out(static_cast<size_t>(f.num_tokens()));
@@ -188,24 +166,77 @@ TEST_CASE("reads are bounds-checked", "[data][token_file]") {
   f.read(4, 0, out);  // an empty read at the end is fine
 }
 
+namespace {
+// Stands for a SIGBUS handler installed before keel maps its files: Open MPI's MPI_Init installs a
+// stack-trace handler, the sanitizers install theirs.
+extern "C" void foreign_bus_handler(int, siginfo_t*, void*) {
+  const char text[] = "foreign handler\n";
+  (void)!::write(STDERR_FILENO, text, sizeof text - 1);
+  _exit(9);
+}
+
+void install_foreign_bus_handler() {
+  struct sigaction sa {};
+  sa.sa_sigaction = foreign_bus_handler;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  REQUIRE(sigaction(SIGBUS, &sa, nullptr) == 0);
+}
+}  // namespace
+
 TEST_CASE("a token file truncated while it is mapped is named, with the data error's exit code", "[data][token_file][errors]") {
   // What a tool rewriting shards in place (open(path, "wb")) does to a running job: the mapping's
   // pages past the new end raise SIGBUS on the next read. A child process reads after the
-  // truncation; it must exit 3 with a message naming the file, not die of "Bus error".
+  // truncation; it must exit 3 with a message naming the file, not die of "Bus error", also
+  // where another SIGBUS handler was there first (every rank under mpirun).
+  const bool other_handler = GENERATE(false, true);
   TempDir dir;
   const std::string path = dir / "shard.bin";
   write_llmc_shard(path, std::vector<uint32_t>(100000, 7), false);
-  const auto [status, stderr_text] = in_child([&] {
+  const ChildResult r = run_child([&] {
+    if (other_handler) install_foreign_bus_handler();
     const TokenFile f = TokenFile::open(path);
     if (::truncate(path.c_str(), 2048) != 0) _exit(10);
     const uint32_t last = f.token(f.num_tokens() - 1);  // past the new end: SIGBUS
     _exit(last == 7 ? 11 : 12);                           // not reached
   });
-  INFO(stderr_text);
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 3);
-  CHECK_THAT(stderr_text, Contains("keel: data error: token file '" + path + "' is shorter than the 201024 bytes") &&
-                              Contains("rewritten in place"));
+  INFO("another handler first: " << other_handler << "\n" << r.stderr_text);
+  CHECK(r.exit_code == 3);
+  CHECK_THAT(r.stderr_text, Contains("keel: data error: token file '" + path + "' is shorter than the 201024 bytes") &&
+                                Contains("rewritten in place"));
+  CHECK(r.stderr_text.find("foreign") == std::string::npos);
+}
+
+TEST_CASE("keel's SIGBUS handler hands the other handler every SIGBUS that is not a read of its files",
+          "[data][token_file][errors]") {
+  TempDir dir;
+  const std::string path = dir / "shard.bin";
+  write_llmc_shard(path, std::vector<uint32_t>(100000, 7), false);
+  SECTION("a fault in a mapping keel did not make") {
+    const ChildResult r = run_child([&] {
+      install_foreign_bus_handler();
+      const TokenFile f = TokenFile::open(path);  // keel's handler goes in front
+      const int fd = ::open(path.c_str(), O_RDONLY);
+      const void* other = ::mmap(nullptr, 201024, PROT_READ, MAP_SHARED, fd, 0);
+      if (fd < 0 || other == MAP_FAILED || ::truncate(path.c_str(), 2048) != 0) _exit(10);
+      const volatile unsigned char* bytes = static_cast<const unsigned char*>(other);
+      _exit(bytes[201000] + 20);  // past the new end: SIGBUS, in no mapping of keel's
+    });
+    INFO(r.stderr_text);
+    CHECK(r.exit_code == 9);
+    CHECK(r.stderr_text == "foreign handler\n");
+  }
+  SECTION("a SIGBUS sent to the process") {
+    const ChildResult r = run_child([&] {
+      install_foreign_bus_handler();
+      const TokenFile f = TokenFile::open(path);
+      ::raise(SIGBUS);
+      _exit(11);  // not reached
+    });
+    INFO(r.stderr_text);
+    CHECK(r.exit_code == 9);
+    CHECK(r.stderr_text == "foreign handler\n");
+  }
 }
 
 // The SIGBUS handler's table of mappings had 4096 slots: the 4097th file of a data set was not
@@ -220,17 +251,16 @@ TEST_CASE("a token file truncated while mapped is named also when thousands of f
   };
   for (int k = 0; k < kFiles; ++k) write_llmc_shard(shard(k), {1, 2, 3, 4, 5, 6, 7, 8}, false);
   const std::string last = shard(kFiles - 1);
-  const auto [status, stderr_text] = in_child([&] {
+  const ChildResult r = run_child([&] {
     std::vector<TokenFile> files;
     for (int k = 0; k < kFiles; ++k) files.push_back(TokenFile::open(shard(k)));
     if (::truncate(last.c_str(), 0) != 0) _exit(10);
     const uint32_t t = files.back().token(7);  // the page is gone: SIGBUS
     _exit(t == 8 ? 11 : 12);                    // not reached
   });
-  INFO(stderr_text);
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 3);
-  CHECK_THAT(stderr_text, Contains("keel: data error: token file '" + last + "' is shorter than the 1040 bytes"));
+  INFO(r.stderr_text);
+  CHECK(r.exit_code == 3);
+  CHECK_THAT(r.stderr_text, Contains("keel: data error: token file '" + last + "' is shorter than the 1040 bytes"));
 }
 
 TEST_CASE("llm.c errors name the file and what is wrong", "[data][token_file][errors]") {
