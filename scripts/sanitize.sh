@@ -3,7 +3,7 @@
 #
 #   scripts/sanitize.sh                     AddressSanitizer + UBSan, every test -> build-sanitize/
 #   scripts/sanitize.sh thread              ThreadSanitizer, the tests of keel's own threads
-#                                           (checkpoint writer, hang watchdog, tokenizer) -> build-tsan/
+#                                           (checkpoint writer, NCCL call watch, tokenizer) -> build-tsan/
 #   scripts/sanitize.sh address -R tokenize further arguments go to ctest
 #
 # address: the build has the CPU backend, MPI (the multi-rank tests run sanitized ranks under
@@ -55,8 +55,9 @@ else
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
   export OMP_NUM_THREADS=1
   # The tests that start threads: keel tokenize and the corpus readers, background checkpoint
-  # saves (their crash and kill tests too), and the hang watchdog.
-  filter=${TSAN_TESTS:-tokeni|corpus|async|background|hang|timeout|kill -9|crash}
+  # saves (their crash and kill tests too), and the helper thread that watches blocking NCCL
+  # calls (BlockingCallWatch: the watch that fires, and the one armed and disarmed in time).
+  filter=${TSAN_TESTS:-tokeni|corpus|async|background|hang|timeout|kill -9|crash|watch}
   ctest --test-dir "$BUILD" -j"$JOBS" --output-on-failure --timeout 3600 -R "$filter" "$@" || status=$?
 fi
 exit $status
