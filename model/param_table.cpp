@@ -111,8 +111,13 @@ void ParamTable::add_chunk(const ModelShard& shard) {
   // so the stream's variance does not grow with depth.
   const float resid_std = std / std::sqrt(2.0f * static_cast<float>(cfg.n_layers));
 
+  // The padding rows of a padded vocabulary (see ParamSpec::padded_from).
+  auto mark_padding = [&] {
+    if (V > cfg.vocab_size) params_.back().padded_from = cfg.vocab_size;
+  };
   if (shard.has_embedding) {
     add("tok_embed", {V, d}, Role::Embedding, TpSplit::Rows, -1, std);
+    mark_padding();
     if (cfg.learned_positions()) add("pos_embed", {cfg.max_seq_len, d}, Role::Embedding, TpSplit::None, -1, std);
     if (cfg.embedding_norm) {
       add("embed_norm.weight", {d}, Role::Norm, TpSplit::None, -1, 0, 1.0f);
@@ -157,9 +162,11 @@ void ParamTable::add_chunk(const ModelShard& shard) {
     // (pipeline parallelism). Untied heads have their own matrix.
     if (!cfg.tied_embeddings) {
       add("lm_head", {V, d}, Role::Matrix, TpSplit::Rows, -1, std);
+      mark_padding();
     } else if (!shard.has_embedding) {
       add("tok_embed", {V, d}, Role::Embedding, TpSplit::Rows, -1, std);
       params_.back().tied_copy = true;
+      mark_padding();
     }
   }
 }
@@ -287,6 +294,10 @@ void init_param(const ParamSpec& p, uint64_t seed, float* out) {
     int64_t lr = r, lc = c;
     if (p.split == TpSplit::Rows) (p.shape.size() == 2 ? lr : lc) += p.shard_begin;
     if (p.split == TpSplit::Cols) lc += p.shard_begin;
+    if (p.padded_from > 0 && lr >= p.padded_from) {  // a padding row: zero (as an HF import pads)
+      out[i] = 0.0f;
+      continue;
+    }
     const uint64_t idx = static_cast<uint64_t>(lr * full_cols + lc);
     // Box-Muller on two counter-derived uniforms.
     const double u1 = uniform01(mix64(key + 2 * idx));

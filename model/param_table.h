@@ -57,6 +57,10 @@ struct ParamSpec {
   bool tied_copy = false;
   float init_std = 0;           // > 0: N(0, init_std); else constant init_value
   float init_value = 0;
+  // tok_embed and lm_head of a padded vocabulary (model.pad_vocab_to_multiple_of): rows from
+  // this one on are padding, no token's; they start at zero and, never getting a gradient, stay
+  // there. 0: no padding rows.
+  int64_t padded_from = 0;
 
   // This rank's shard: local_shape is shape with the split dimension divided by tp_size,
   // starting at shard_begin along that dimension; it lives at [offset, offset + numel) of the

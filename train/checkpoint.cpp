@@ -39,16 +39,18 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// The vocab rows of tok_embed or lm_head differ only by padding (model.pad_vocab_to_multiple_of,
-// which tp may require): say so, and what to do.
+// The rows of tok_embed or lm_head differ only by vocabulary padding (model.vocab_size rounded
+// up by model.pad_vocab_to_multiple_of x parallel.tp): the same tensor, padded otherwise.
+bool padded_otherwise(const ParamSpec& p, const std::vector<int64_t>& stored, const ModelConfig& m) {
+  return (p.name == "tok_embed" || p.name == "lm_head") && stored.size() == 2 && p.shape.size() == 2 &&
+         stored[1] == p.shape[1] && stored[0] >= m.vocab_size && p.shape[0] >= m.vocab_size;
+}
+
 std::string vocab_rows_hint(const ParamSpec& p, const std::vector<int64_t>& stored, const ModelConfig& m) {
-  if ((p.name != "tok_embed" && p.name != "lm_head") || stored.size() != 2 || p.shape.size() != 2 ||
-      stored[1] != p.shape[1] || stored[0] < m.vocab_size || p.shape[0] < m.vocab_size)
-    return "";
+  if (!padded_otherwise(p, stored, m)) return "";
   return " (model.vocab_size " + std::to_string(m.vocab_size) + ", padded to " + std::to_string(stored[0]) +
          " rows in the checkpoint and to " + std::to_string(p.shape[0]) +
-         " here by model.pad_vocab_to_multiple_of x parallel.tp: a checkpoint's padding is not changed on load; "
-         "match it, or initialise from the Hugging Face model with --init-from hf:DIR, which pads)";
+         " here by model.pad_vocab_to_multiple_of x parallel.tp)";
 }
 
 // A stored tensor whose shape is not the model's, as --init-from, a resume and verify say it.
@@ -585,6 +587,12 @@ DType Checkpoint::stored_dtype(const std::string& state, const std::string& tens
   return *d;
 }
 
+const std::vector<int64_t>& Checkpoint::shape(const std::string& state, const std::string& tensor) const {
+  auto it = chunks_.find(state + "/" + tensor);
+  if (it == chunks_.end()) throw CheckpointError("checkpoint " + path_ + " has no " + state + " for tensor " + tensor);
+  return it->second.front().full_shape;
+}
+
 void Checkpoint::read(const std::string& state, const std::string& tensor, const TensorRegion& region, DType out_type,
                       void* out) const {
   auto it = chunks_.find(state + "/" + tensor);
@@ -726,7 +734,7 @@ CheckpointProblems Checkpoint::verify() const {
   return problems;
 }
 
-void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table) {
+void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table, bool repadding) {
   ParamTable full(table.config());
   auto stored = ck.tensors(state);
   std::vector<std::string> problems;
@@ -736,7 +744,7 @@ void check_tensors_match(const Checkpoint& ck, const std::string& state, const P
     auto it = stored.find(p.name);
     if (it == stored.end())
       problems.push_back("tensor " + p.name + " " + shape_str(p.shape) + " is missing from the checkpoint");
-    else if (it->second != p.shape)
+    else if (it->second != p.shape && !(repadding && padded_otherwise(p, it->second, table.config())))
       problems.push_back(shape_mismatch(p, it->second, table.config()));
   }
   for (const auto& [name, shape] : stored)
@@ -1168,17 +1176,68 @@ int CheckpointManager::clean_incomplete() {
 namespace {
 
 // Reads (state, tensor) over the flat range [begin, end) into a rank buffer.
-void read_into(const Checkpoint& ck, const std::string& state, const ParamSpec& p, const ParamState& ps,
-               const Tensor& buffer, int64_t begin, int64_t end, Backend& be) {
+void read_into(const Checkpoint& ck, const std::string& state, const ParamSpec& p, const ParamTable& table,
+               const ParamState& ps, const Tensor& buffer, int64_t begin, int64_t end, Backend& be) {
   std::vector<char> staging;
   for (const TensorRegion& r : flat_range_regions(p, begin, end)) {
     staging.resize(static_cast<size_t>(r.numel()) * dtype_size(buffer.dtype));
-    ck.read(state, p.name, r, buffer.dtype, staging.data());
+    read_param(ck, state, p, table.config().vocab_size, r, buffer.dtype, staging.data());
     be.copy_from_host(ps.flat_view(buffer, r.flat_begin, r.numel()), staging.data());
   }
 }
 
 }  // namespace
+
+void read_param(const Checkpoint& ck, const std::string& state, const ParamSpec& p, int64_t vocab_size,
+                const TensorRegion& region, DType out_type, void* out) {
+  const std::vector<int64_t>& stored = ck.shape(state, p.name);
+  if (stored == p.shape || region.shape.size() != 2) {
+    ck.read(state, p.name, region, out_type, out);
+    return;
+  }
+  // Rows [r0, r0 + R) of a vocabulary tensor padded otherwise (check_tensors_match allowed it):
+  // those below vocab_size from the checkpoint, the rest zero. The region's rows are whole
+  // stretches of its columns, one after another in `out`.
+  const int64_t r0 = region.offset[0], R = region.shape[0], W = region.shape[1];
+  const int64_t real = std::clamp(vocab_size - r0, int64_t{0}, R);
+  if (real > 0) {
+    TensorRegion part = region;
+    part.shape[0] = real;
+    ck.read(state, p.name, part, out_type, out);
+  }
+  std::memset(static_cast<char*>(out) + static_cast<size_t>(real * W) * dtype_size(out_type), 0,
+              static_cast<size_t>((R - real) * W) * dtype_size(out_type));
+}
+
+std::map<std::string, DroppedPadding> repadded_tensors(const Checkpoint& ck, const ParamTable& table) {
+  std::map<std::string, DroppedPadding> out;
+  const int64_t vocab = table.config().vocab_size;
+  const ParamTable full(table.config());  // every rank says the same of every tensor, held or not
+  const std::optional<std::string> masters = master_source(ck, full);
+  for (const ParamSpec& p : full.params()) {
+    if (!ck.has("weight", p.name)) continue;
+    const std::vector<int64_t>& stored = ck.shape("weight", p.name);
+    if (stored == p.shape || !padded_otherwise(p, stored, table.config())) continue;
+    DroppedPadding& d = out[p.name];
+    d.rows_saved = stored[0];
+    d.rows_now = p.shape[0];
+    if (stored[0] == vocab) continue;
+    // The saved padding rows, whole (they are few: at most the padding unit).
+    TensorRegion pad;
+    pad.offset = {vocab, 0};
+    pad.shape = {stored[0] - vocab, stored[1]};
+    std::vector<float> values(static_cast<size_t>(pad.numel()));
+    auto sumsq = [&](const std::string& state) {
+      ck.read(state, p.name, pad, DType::F32, values.data());
+      double s = 0;
+      for (float v : values) s += static_cast<double>(v) * v;
+      return s;
+    };
+    d.weight_sumsq = sumsq("weight");
+    if (masters) d.master_sumsq = sumsq(*masters);
+  }
+  return out;
+}
 
 std::optional<std::string> master_source(const Checkpoint& ck, const ParamTable& table) {
   auto covers = [&](const std::string& state) {
@@ -1214,13 +1273,16 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
   // The model must be the same network.
   const json saved = ck.meta().at("config");
   const json now = to_json(cfg);
-  const std::vector<std::string> diffs = model_differences(saved["model"], now["model"], "checkpoint", "config");
+  // Another vocabulary padding is the same network (the padding rows are no token's); the
+  // tensors are re-padded below, and the change is listed with the other settings.
+  std::vector<std::string> diffs = model_differences(saved["model"], now["model"], "checkpoint", "config");
+  std::erase_if(diffs, [](const std::string& d) { return d.starts_with("model.pad_vocab_to_multiple_of:"); });
   if (!diffs.empty()) {
     std::string msg = "checkpoint " + ck.path() + " was saved for another model, it cannot be resumed with this config:";
     for (const auto& d : diffs) msg += "\n  " + d;
     throw CheckpointError(msg);
   }
-  check_tensors_match(ck, "weight", table);
+  check_tensors_match(ck, "weight", table, /*repadding=*/true);
 
   // Optimizer state: all of it, for every tensor, or the resume is refused.
   const bool needs_master = state.has_master() && !state.master_is_working();
@@ -1243,14 +1305,14 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
   const int64_t ob = state.optim_begin(), oe = std::min(state.optim_end(), n);
   for (const ParamSpec& p : table.params()) {
     if (!state.m.empty()) {  // (a state for evaluation only has no moments)
-      read_into(ck, "adam_m", p, state, state.m, ob, oe, backend);
-      read_into(ck, "adam_v", p, state, state.v, ob, oe, backend);
+      read_into(ck, "adam_m", p, table, state, state.m, ob, oe, backend);
+      read_into(ck, "adam_v", p, table, state, state.v, ob, oe, backend);
     }
-    if (needs_master) read_into(ck, *master_from, p, state, state.master, ob, oe, backend);
+    if (needs_master) read_into(ck, *master_from, p, table, state, state.master, ob, oe, backend);
     // Working weights: the stored ones when their dtype matches (bit-exact), else the masters'.
     const std::string wsrc =
         ck.stored_dtype("weight", p.name) == state.working.dtype || !master_from ? "weight" : *master_from;
-    read_into(ck, wsrc, p, state, state.working, 0, n, backend);
+    read_into(ck, wsrc, p, table, state, state.working, 0, n, backend);
   }
   state.adam_step = ck.adam_step();
   const json& ls = ck.meta().at("loss_scaler");
@@ -1271,6 +1333,8 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
       if (saved.contains(section))
         for (const FieldChange& c : field_changes(saved[section], now[section], section))
           changed.push_back(c.field + ": " + c.a + " -> " + c.b);
+    for (const FieldChange& c : field_changes(saved["model"], now["model"], "model"))
+      if (c.field == "model.pad_vocab_to_multiple_of") changed.push_back(c.field + ": " + c.a + " -> " + c.b);
     if (!changed.empty()) {
       std::string text = "settings changed since the checkpoint:";
       for (const std::string& c : changed) text += "\n    " + c;
@@ -1320,11 +1384,12 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
                               const RankPlace& place) {
   auto from = master_source(ck, table);
   const std::string source = from ? *from : "weight";
-  check_tensors_match(ck, source, table);
+  check_tensors_match(ck, source, table, /*repadding=*/true);
   const int64_t n = table.local_numel();
   std::vector<float> values(static_cast<size_t>(n));
   for (const ParamSpec& p : table.params())
-    for (const TensorRegion& r : flat_range_regions(p, 0, n)) ck.read(source, p.name, r, DType::F32, values.data() + r.flat_begin);
+    for (const TensorRegion& r : flat_range_regions(p, 0, n))
+      read_param(ck, source, p, table.config().vocab_size, r, DType::F32, values.data() + r.flat_begin);
   state.load_fp32(values.data());  // masters exact, working = rounding, moments 0, Adam step 0
   // Test hook for the restart verification: KEEL_FAULT_MASTERS_FROM_INIT=1 reproduces the
   // seed-000 bug (fp32 masters left at a fresh random init under the loaded weights).

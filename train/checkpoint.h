@@ -124,6 +124,8 @@ class Checkpoint {
   // Logical tensors (by name) with their full shape and the dtype of the given state.
   std::map<std::string, std::vector<int64_t>> tensors(const std::string& state) const;
   DType stored_dtype(const std::string& state, const std::string& tensor) const;
+  // The full (logical) shape (state, tensor) was saved with.
+  const std::vector<int64_t>& shape(const std::string& state, const std::string& tensor) const;
 
   // Reads one region of (state, tensor) into out (region.numel() values of dtype out_type,
   // converted with round-to-nearest-even when narrowing). Throws CheckpointError naming the
@@ -255,8 +257,30 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
                               const RankPlace& place);
 
 // Names and shapes of the logical tensors a checkpoint must hold for a model; mismatches name
-// the tensor and both shapes.
-void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table);
+// the tensor and both shapes. With `repadding`, tok_embed and lm_head may differ in their rows
+// of vocabulary padding (read_param fills them): a resume or --init-from under another
+// parallel.tp or model.pad_vocab_to_multiple_of.
+void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table,
+                         bool repadding = false);
+
+// Reads `region` of the model's tensor p from (state, p.name). Where the checkpoint pads the
+// vocabulary otherwise than the model (tok_embed, lm_head: other rows past model.vocab_size),
+// the real rows come from the checkpoint and the model's padding rows are zero: the rows no
+// token selects and whose logits get -inf, so the loss and every gradient are unchanged (a
+// padding row never trains, so it is zero in a run that started from keel's init or an HF model).
+void read_param(const Checkpoint& ck, const std::string& state, const ParamSpec& p, int64_t vocab_size,
+                const TensorRegion& region, DType out_type, void* out);
+
+// The tensors whose vocabulary padding a load from `ck` into `table` changes (tok_embed,
+// lm_head): the squared sums of the checkpoint's padding rows that the load drops, of the
+// weights and of the fp32 masters (master_source), as the restart verification's per-tensor
+// norms (Trainer::snapshot) count them; zero for a run whose padding rows are zero, as they are
+// from keel's init or an HF import on.
+struct DroppedPadding {
+  int64_t rows_saved = 0, rows_now = 0;
+  double weight_sumsq = 0, master_sumsq = 0;
+};
+std::map<std::string, DroppedPadding> repadded_tensors(const Checkpoint& ck, const ParamTable& table);
 
 // Which saved state holds fp32 values of every tensor: "master", or "weight" when the weights
 // are fp32 (an fp32 run, an fp32 conversion); none otherwise.

@@ -29,10 +29,10 @@ CLI::Validator number(double lo, double hi, bool lo_open, bool hi_open) {
   return CLI::Validator(check, range.str(), kCheckName);
 }
 
-CLI::Validator memory_size() {
-  auto check = [](std::string& arg) -> std::string {
+CLI::Validator memory_size(bool allow_zero) {
+  auto check = [allow_zero](std::string& arg) -> std::string {
     try {
-      plan::parse_memory_size(arg);
+      plan::parse_memory_size(arg, allow_zero);
     } catch (const ConfigError& e) {
       return e.what();
     }

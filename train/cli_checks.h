@@ -57,7 +57,8 @@ CLI::Validator number(double lo, double hi = std::numeric_limits<double>::infini
 // Finite numbers > 0.
 inline CLI::Validator positive_number() { return number(0, std::numeric_limits<double>::infinity(), true); }
 
-// Memory sizes as plan::parse_memory_size reads them ("80GiB", "40G", "80GB").
-CLI::Validator memory_size();
+// Memory sizes as plan::parse_memory_size reads them ("80GiB", "40G", "80GB"); 0 too where
+// `allow_zero`.
+CLI::Validator memory_size(bool allow_zero = false);
 
 }  // namespace keel::cli

@@ -22,7 +22,7 @@ struct PlanArgs {
   int64_t max_mbs = 16;
   std::string virtual_stages;  // "", "auto" or a count
   bool embedding_slot = false, sequence_parallel = false, overlap_grad_reduce = false, overlap_param_gather = false,
-       selective_recompute = false, json = false, all = false;
+       selective_recompute = false, json = false, all = false, cpu = false;
   int top = 20;
   double tflops = 150, intra_gbps = 150, inter_gbps = 12.5, hbm_gbps = 1500, headroom = -1, mb_overhead_ms = 0;
   int sm_count = 108;
@@ -41,7 +41,12 @@ int cmd_plan(const PlanArgs& a) {
   opt.hw.microbatch_overhead_s = a.mb_overhead_ms / 1e3;
   if (a.framework == "keel") opt.memory = plan::keel_memory_model(cfg.precision.mode);
   else opt.memory = plan::megatron_deepspeed_memory_model(a.framework == "mds-bf16");
-  if (!a.cuda_context.empty()) opt.memory.cuda_context_bytes = static_cast<double>(plan::parse_memory_size(a.cuda_context));
+  if (a.cpu) {  // the CPU backend's memory, as keel train checks it against the host's (run_options)
+    opt.memory.cuda_context_bytes = 0;
+    opt.memory.attention_ds_budget = 0;
+  }
+  if (!a.cuda_context.empty())
+    opt.memory.cuda_context_bytes = static_cast<double>(plan::parse_memory_size(a.cuda_context, /*allow_zero=*/true));
   if (a.headroom >= 0) opt.memory.headroom = a.headroom;
   opt.recompute = a.recompute == "always" ? plan::Recompute::Always
                   : a.recompute == "never" ? plan::Recompute::Never
@@ -154,8 +159,11 @@ Command add_plan_command(CLI::App& app) {
                 "BLOOM 200B benchmarks, seed 001)")
       ->capture_default_str()
       ->check(CLI::IsMember({"keel", "mds-fp16", "mds-bf16"}));
-  c->add_option("--cuda-context", pa.cuda_context, "CUDA context + workspace per GPU (default 1.5GiB)")
-      ->check(cli::memory_size());
+  c->add_option("--cuda-context", pa.cuda_context, "CUDA context + workspace per GPU (default 1.5GiB; 0: none)")
+      ->check(cli::memory_size(/*allow_zero=*/true));
+  c->add_flag("--cpu", pa.cpu,
+              "Plan for the CPU backend: --gpus are ranks, --gpu-mem each rank's share of host memory, and no CUDA "
+              "context or GPU attention scratch is counted");
   c->add_option("--headroom", pa.headroom, "Fraction of GPU memory kept free (default 0.05)")
       ->check(cli::number(0, 0.9));
   c->add_option("--tflops", pa.tflops, "Achievable dense bf16 TFLOP/s per GPU on well-shaped matmuls")

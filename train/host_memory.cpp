@@ -172,9 +172,18 @@ std::string check_host_memory(const RunConfig& cfg, const HostMemory& host, cons
                            worst->source + ")";
   if (cfg.health.host_memory_check == "warn")
     return what + "; starting anyway, as health.host_memory_check is \"warn\"";
+  // What keel plan can then search over: each rank's share of the limit, less its save copy.
+  const double share = worst->available / ranks - save_copy;
+  const std::string plan_hint =
+      share >= 1 << 20 ? "; keel plan --config " + (cfg.source.empty() ? "CONFIG" : cfg.source) +
+                             " --cpu --gpus " + std::to_string(cfg.parallel.world()) + " --gpu-mem " +
+                             std::to_string(static_cast<int64_t>(share / (1 << 20))) +
+                             "MiB --headroom 0 (with this run's --set options) lists the layouts, micro-batches "
+                             "and recomputation that fit each rank's share"
+                       : "";
   throw ConfigError(what + ". Use a smaller model, train.micro_batch or train.seq_len, train.recompute, more hosts "
-                    "under mpirun, or a GPU. If the run fits all the same (swap, or an estimate too high for it), "
-                    "--set health.host_memory_check=warn starts it with a warning");
+                    "under mpirun, or a GPU" + plan_hint + ". If the run fits all the same (swap, or an estimate "
+                    "too high for it), --set health.host_memory_check=warn starts it with a warning");
 }
 
 }  // namespace keel

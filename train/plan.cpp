@@ -90,7 +90,7 @@ double ring_half_sent(double bytes, int64_t n) { return n > 1 ? double(n - 1) / 
 // ---------------------------------------------------------------------------------------------
 // sizes
 
-int64_t parse_memory_size(const std::string& text) {
+int64_t parse_memory_size(const std::string& text, bool allow_zero) {
   static const std::regex re(R"(^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$)");
   std::smatch mt;
   if (!std::regex_match(text, mt, re))
@@ -110,7 +110,9 @@ int64_t parse_memory_size(const std::string& text) {
     throw ConfigError("memory size '" + text + "': unknown unit '" + mt[2].str() +
                       "' (allowed: KiB MiB GiB TiB or K M G T = powers of 2; KB MB GB TB = powers of 10)");
   const double bytes = std::strtod(mt[1].str().c_str(), nullptr) * it->second;  // inf beyond a double
-  if (!(bytes >= 1)) throw ConfigError("memory size '" + text + "' must be at least one byte");
+  if (allow_zero && bytes == 0) return 0;
+  if (!(bytes >= 1))
+    throw ConfigError("memory size '" + text + "' must be at least one byte" + (allow_zero ? " (or 0)" : ""));
   // 2^63 bytes and more do not fit an int64_t (the conversion would be undefined).
   if (bytes >= 0x1p63)
     throw ConfigError("memory size '" + text + "' is too large (allowed: less than 8388608TiB, 2^63 bytes)");

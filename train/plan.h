@@ -30,7 +30,8 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // "80GiB", "80GB", "40G", "81920MiB", "1.5 GiB", "85899345920" -> bytes.
 // Powers of 2: KiB MiB GiB TiB and the bare K M G T (as nvidia-smi, Slurm and PyTorch use
 // them). Powers of 10: KB MB GB TB. A bare number is bytes. Case-insensitive; throws ConfigError.
-int64_t parse_memory_size(const std::string& text);
+// At least one byte, or zero where `allow_zero` (an overhead that may be none).
+int64_t parse_memory_size(const std::string& text, bool allow_zero = false);
 std::string format_bytes(double bytes);  // "17.16 GiB", "42.0 MiB", "3.5 KiB"
 
 // One parallel layout: tensor, pipeline and data parallel sizes, micro-batch size.

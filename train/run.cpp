@@ -398,6 +398,36 @@ struct ValidationSet {
   std::string field;  // data.val or data.val_sets.<name>
 };
 
+// Micro-batch b of an evaluation of `val`: its first eval_batches micro-batches, unshuffled. A
+// set of fewer windows is read once: the rows past its end (which would wrap around to its first
+// windows) have no targets.
+MicroBatch validation_batch(const data::Sampler& val, const RunConfig& cfg, int64_t b) {
+  const int64_t mbs = cfg.train.micro_batch, seq = cfg.train.seq_len;
+  const int64_t windows = validation_windows(val, cfg);
+  auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0, cfg.data);
+  for (int64_t row = windows - b * mbs; row < mbs; ++row) std::fill_n(one[0].targets.begin() + row * seq, seq, -1);
+  return std::move(one[0]);
+}
+
+// The targets in the loss over one evaluation of `val` (all DP ranks' micro-batches): 0 when its
+// loss masks (or data.eod_mask_loss) leave out every one, so that it has no loss.
+int64_t validation_loss_targets(const data::Sampler& val, const RunConfig& cfg) {
+  int64_t n = 0;
+  for (int64_t b = 0; b * cfg.train.micro_batch < validation_windows(val, cfg); ++b) {
+    const MicroBatch mb = validation_batch(val, cfg, b);
+    n += std::count_if(mb.targets.begin(), mb.targets.end(), [](int32_t t) { return t >= 0; });
+  }
+  return n;
+}
+
+// Said at start-up, and not again at the first evaluation (which may be hours later).
+void warn_no_validation_loss(const ValidationSet& v) {
+  std::printf("keel: WARNING %s: no target in the windows it evaluates counts in the loss (its loss masks, or "
+              "data.eod_mask_loss, leave every one out): its validation loss will be reported as nan. Check its .mask "
+              "files, or evaluate more windows (train.eval_batches)\n",
+              v.field.c_str());
+}
+
 std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vocab_scan_limit) {
   const auto vocab = static_cast<uint32_t>(cfg.model.vocab_size);
   const int T = static_cast<int>(cfg.train.seq_len);
@@ -443,6 +473,20 @@ int64_t data_eot_id(const RunConfig& cfg) {
   for (const auto& [meta, j] : data_folder_metas(cfg))
     if (const auto id = meta_eot_id(j)) return *id;
   return -1;
+}
+
+// schedule.rampup_batch_size (Megatron's --rampup-batch-size) on the batch line, whose global
+// batch is where it ends: where it starts, and the step from which the batch is whole.
+std::string rampup_note(const RunConfig& cfg) {
+  if (!cfg.schedule.rampup) return "";
+  const RampupConfig& r = *cfg.schedule.rampup;
+  int64_t consumed = 0, step = 0;
+  while (step < cfg.train.steps && global_batch_size(cfg, consumed) < cfg.train.global_batch)
+    consumed += global_batch_size(cfg, consumed), ++step;
+  std::string note = "; after a ramp-up (schedule.rampup_batch_size) from " + std::to_string(r.start) + " samples by " +
+                     std::to_string(r.increment) + " over " + std::to_string(r.samples) + " samples";
+  if (step < cfg.train.steps) return note + ": whole from step " + std::to_string(step + 1);
+  return note + ", which train.steps ends before the batch is whole";
 }
 
 // Start-up summary: the model, the precision policy and the optimizer's weight-decay groups,
@@ -493,6 +537,7 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     const int64_t used = validation_windows(v.sampler, cfg);
     std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
                 v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
+    if (validation_loss_targets(v.sampler, cfg) == 0) warn_no_validation_loss(v);
   }
   if (const std::string w = repeated_files_warning(cfg); !w.empty()) std::printf("keel: %s\n", w.c_str());
   for (size_t k = 0; k < train.num_sources(); ++k)
@@ -544,10 +589,11 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
                   static_cast<long long>(cfg.data.eod_token), n,
                   cfg.data.document_masking ? "document masking" : "eod_mask_loss");
   }
-  std::printf("keel: batch: global %lld samples = micro-batch %lld x %lld accumulation steps x dp %lld; seq_len %lld\n",
+  std::printf("keel: batch: global %lld samples = micro-batch %lld x %lld accumulation steps x dp %lld; seq_len %lld%s\n",
               static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
               static_cast<long long>(cfg.grad_accum_steps(cfg.train.global_batch)),
-              static_cast<long long>(cfg.parallel.dp), static_cast<long long>(cfg.train.seq_len));
+              static_cast<long long>(cfg.parallel.dp), static_cast<long long>(cfg.train.seq_len),
+              rampup_note(cfg).c_str());
   std::fflush(stdout);
 }
 
@@ -656,15 +702,9 @@ void report_choice_eval(const RunConfig& cfg, const ChoiceEvalSet& set, const st
 // (0 when masks leave out every one: there is no loss then, and the 0 returned means nothing).
 double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, const parallel::Grid& grid,
                 int64_t& loss_tokens) {
-  const int64_t mbs = cfg.train.micro_batch, seq = cfg.train.seq_len;
-  const int64_t windows = validation_windows(val, cfg);
   std::vector<MicroBatch> batches;
-  for (int64_t b = grid.dp_rank(); b * mbs < windows; b += grid.dp_size()) {
-    auto one = load_batches(val, b * mbs, mbs, mbs, 1, 0, cfg.data);
-    for (int64_t row = windows - b * mbs; row < mbs; ++row)
-      std::fill_n(one[0].targets.begin() + row * seq, seq, -1);
-    batches.push_back(std::move(one[0]));
-  }
+  for (int64_t b = grid.dp_rank(); b * cfg.train.micro_batch < validation_windows(val, cfg); b += grid.dp_size())
+    batches.push_back(validation_batch(val, cfg, b));
   return tr.evaluate(batches, &loss_tokens);
 }
 
@@ -1060,6 +1100,34 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     }
     return ck;
   };
+  // A load under another vocabulary padding (parallel.tp, model.pad_vocab_to_multiple_of): said,
+  // and the saved per-tensor norms the restart verification compares lose the padding rows the
+  // load dropped (zero since keel initialises padding rows to zero; not in older checkpoints).
+  auto note_repadding = [&](const Checkpoint& ck, nlohmann::json& health) {
+    const auto repadded = repadded_tensors(ck, tr.table());
+    if (repadded.empty()) return;
+    const DroppedPadding& any = repadded.begin()->second;
+    std::string names, dropped;
+    for (const auto& [name, d] : repadded) {
+      names += (names.empty() ? "" : " and ") + name;
+      if (d.weight_sumsq > 0 || d.master_sumsq > 0) dropped += (dropped.empty() ? "" : ", ") + name;
+      if (health.is_object() && health.contains("tensor_sumsq") && health["tensor_sumsq"].contains(name)) {
+        nlohmann::json& t = health["tensor_sumsq"][name];
+        t[0] = t[0].get<double>() - d.weight_sumsq;
+        t[1] = t[1].get<double>() - d.master_sumsq;
+      }
+    }
+    std::string text = "the checkpoint pads the vocabulary to " + std::to_string(any.rows_saved) + " rows, this run to " +
+                       std::to_string(any.rows_now) + " (model.vocab_size " + std::to_string(cfg.model.vocab_size) +
+                       ", model.pad_vocab_to_multiple_of " + std::to_string(cfg.model.pad_vocab_multiple) +
+                       " x parallel.tp " + std::to_string(cfg.parallel.tp) + "): " + names + (repadded.size() == 1 ? " loaded with its " : " loaded with their ") +
+                       std::to_string(cfg.model.vocab_size) + " real rows in every state, the padding rows zero";
+    if (!dropped.empty())
+      text += "; the checkpoint's padding rows of " + dropped +
+              " were not zero (saved by a keel from before padding rows started at zero): dropped, which "
+              "changes no loss or gradient";
+    notes.push_back(text);
+  };
   nlohmann::json loaded_health, loaded_topology;
   nlohmann::json loaded_source;  // the HF model and checkpoints the weights came from, carried into every save
   std::string loaded_from, loaded_precision;
@@ -1068,6 +1136,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     Checkpoint ck = open_verified(resume_path, "resume from", "--resume");
     progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
     loaded_health = ck.meta().value("health", nlohmann::json());
+    note_repadding(ck, loaded_health);
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
     loaded_source = ck.meta().value("source", nlohmann::json());
@@ -1102,6 +1171,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     Checkpoint ck = open_verified(opts.init_from, "initialise from", "--init-from");
     notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place));
     loaded_health = ck.meta().value("health", nlohmann::json());
+    note_repadding(ck, loaded_health);
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
     // The checkpoint itself joins the record: a converted one holds the tokenizer, chat template
@@ -1299,7 +1369,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // One metrics record per evaluation: "val_loss" (data.val) and "val_losses" {name: loss}.
   // A set whose evaluated targets are all masked (an SFT set whose masks keep only prompts) has
   // no loss: it is reported as nan, as a skipped step's loss is, never as a perfect 0.
-  std::vector<bool> said_no_loss(vals.size(), false);
+  std::vector<bool> said_no_loss(vals.size(), false);  // at start-up (print_summary), or at the first evaluation
+  for (size_t i = 0; i < vals.size(); ++i) said_no_loss[i] = validation_loss_targets(vals[i].sampler, cfg) == 0;
   auto validation = [&](int64_t it) {
     const ProfileRange range("validation");
     nlohmann::json rec = {{"step", it}, {"consumed_tokens", consumed_tokens}};
@@ -1311,10 +1382,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         loss = std::nan("");
         if (lead && !said_no_loss[i]) {
           said_no_loss[i] = true;
-          std::printf("keel: WARNING %s: no target in the windows it evaluates counts in the loss (its loss masks, "
-                      "or data.eod_mask_loss, leave every one out): its validation loss is reported as nan. Check "
-                      "its .mask files, or evaluate more windows (train.eval_batches)\n",
-                      v.field.c_str());
+          warn_no_validation_loss(v);
         }
       }
       if (v.name.empty()) last_val = loss, rec["val_loss"] = json_number(loss);

@@ -18,6 +18,7 @@
 #include <map>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "common/process.h"
 #include "common/workspace.h"
@@ -117,6 +118,19 @@ void check_same_bits(const Run& ref, const Run& got) {
     INFO("step " << i + 1);
     CHECK(got.records[i]["loss"].get<double>() == ref.records[i]["loss"].get<double>());
     CHECK(got.records[i]["grad_norm"].get<double>() == ref.records[i]["grad_norm"].get<double>());
+  }
+}
+
+// A run resumed under another layout (its metrics hold every step, from both parts) tracks the
+// straight run's loss at every step within fp32's 1e-5.
+void check_tracks(const Run& straight, const Run& resumed) {
+  std::map<int64_t, double> got;
+  for (const auto& rec : resumed.records) got[rec["step"].get<int64_t>()] = rec["loss"].get<double>();
+  REQUIRE(got.size() == straight.records.size());
+  for (const auto& rec : straight.records) {
+    const int64_t step = rec["step"];
+    INFO("step " << step);
+    CHECK(std::abs(got[step] - rec["loss"].get<double>()) <= 1e-5 * rec["loss"].get<double>());
   }
 }
 
@@ -729,13 +743,41 @@ TEST_CASE("a checkpoint saved under tp=2 pp=2 dp=2 resumes under tp=1 pp=1 dp=1 
       REQUIRE(r.code == 0);
       CHECK_THAT(r.output, Catch::Contains("saved under tp=2 pp=2 dp=2"));
       // Steps 1-5 ran under 2x2x2, 6-10 under the new layout: all track the straight run.
-      std::map<int64_t, double> got;
-      for (const auto& rec : r.records) got[rec["step"].get<int64_t>()] = rec["loss"].get<double>();
-      REQUIRE(got.size() == 10);
-      for (const auto& rec : straight.records) {
-        const int64_t step = rec["step"];
-        CHECK(std::abs(got[step] - rec["loss"].get<double>()) <= 1e-5 * rec["loss"].get<double>());
-      }
+      check_tracks(straight, r);
+    }
+  }
+}
+
+// A padded vocabulary pads to model.pad_vocab_to_multiple_of x parallel.tp: 64 tokens pad to 72
+// rows at tp=1 and to 96 at tp=2 (multiple 24). A checkpoint moves between them with its real
+// rows; the padding rows are no token's and stay zero, so the run tracks the straight one (fp32,
+// within 1e-5 as every layout).
+TEST_CASE("a padded vocabulary's checkpoint resumes under another tp, which pads it otherwise (both directions)",
+          "[mpi][reshard][vocab]") {
+  for (const std::string family : {"llama", "gpt2"}) {
+    INFO(family);
+    nlohmann::json patch = model_patch(family);
+    patch["model"]["pad_vocab_to_multiple_of"] = 24;
+    patch["train"]["steps"] = 8;
+    patch["checkpoint"] = {{"save_at_end", true}};
+    test::Workspace ws(patch);
+    const Run straight = train(ws, ws.dir / "straight", {1, 1, 1});
+    REQUIRE(straight.code == 0);
+    REQUIRE(straight.records.size() == 8);
+    // Into one process; into ZeRO shards that cut rows; into a last stage holding GPT-2's tied copy.
+    for (const auto& [before, after, rows] : {std::tuple{Layout{2, 2, 2}, Layout{1, 1, 1}, "96 rows, this run to 72"},
+                                             std::tuple{Layout{1, 1, 1}, Layout{2, 1, 4}, "72 rows, this run to 96"},
+                                             std::tuple{Layout{1, 2, 1}, Layout{2, 2, 2}, "72 rows, this run to 96"}}) {
+      INFO(before.str() << " -> " << after.str());
+      const std::string out = ws.dir / (before.dir("from") + after.dir("to"));
+      REQUIRE(train(ws, out, before, "--stop-at 4").code == 4);
+      const Run r = train(ws, out, after);
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      CHECK_THAT(r.output, Catch::Contains(std::string("the checkpoint pads the vocabulary to ") + rows) &&
+                               Catch::Contains("restart verification passed"));
+      CHECK(r.output.find("were not zero") == std::string::npos);
+      check_tracks(straight, r);
     }
   }
 }

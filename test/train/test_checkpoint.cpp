@@ -3,6 +3,7 @@
 // seed-000 finetuning scenario (weights-only loads).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <barrier>
 #include <chrono>
 #include <cstring>
@@ -457,6 +458,91 @@ TEST_CASE("seed 000 in miniature: --init-from continues the pretrained loss, mas
   CHECK(std::abs(good_after - good_before) < margin);
   CHECK(broken_after - broken_before > 20 * margin);  // the test can tell the two apart
   CHECK(std::abs(broken_after - random_init) < 0.5);  // it jumps back to the random-init loss
+}
+
+// Vocabulary padding: keel's init zeroes the padding rows, and a load under another padding
+// keeps the real rows and zeroes the padding in every state. A checkpoint whose padding rows
+// hold values (saved by an older keel, whose init drew them at random) loads the same way, and
+// repadded_tensors gives the squared sums dropped, which the restart verification discounts.
+TEST_CASE("a load under another vocabulary padding keeps the real rows and zeroes the padding in every state",
+          "[ckpt][vocab]") {
+  test::TempDir dir("ckpt-repad");
+  auto be = make_cpu_backend();
+  auto config = [](int pad) {
+    return test::make_config(test::tiny_run_json(),
+                             {{"precision", {{"mode", "bf16"}}}, {"model", {{"pad_vocab_to_multiple_of", pad}}}});
+  };
+  const RunConfig cfg96 = config(48);  // 64 tokens -> 96 rows
+  Trainer a(cfg96, *be);
+  a.init_weights();
+  const ParamSpec& emb = a.table().at("tok_embed");
+  REQUIRE(emb.shape == std::vector<int64_t>{96, 32});
+  REQUIRE(emb.padded_from == 64);
+  auto row_values = [](const Tensor& buffer, const ParamSpec& p, int64_t row0, int64_t row1) {
+    std::vector<float> out;
+    const int64_t cols = p.shape[1];
+    for (int64_t i = row0 * cols; i < row1 * cols; ++i) {
+      const char* e = static_cast<const char*>(buffer.data) + (p.offset + i) * dtype_size(buffer.dtype);
+      uint16_t h;
+      std::memcpy(&h, e, 2);
+      out.push_back(buffer.dtype == DType::BF16 ? bf16_to_f32(h) : *reinterpret_cast<const float*>(e));
+    }
+    return out;
+  };
+  for (const char* name : {"tok_embed", "lm_head"}) {
+    const std::vector<float> pad = row_values(a.state().working, a.table().at(name), 64, 96);
+    CHECK(std::all_of(pad.begin(), pad.end(), [](float x) { return x == 0.0f; }));
+  }
+  auto tokens = test::synthetic_tokens(4000, 1);
+  for (int s = 1; s <= 2; ++s) a.step(batches_from(tokens, 100 * s, 2, 4, 32), s);
+  // Two steps on: still zero (no gradient, and decay of zero is zero). Then as an older keel
+  // left them: values in the padding rows of the weights and masters.
+  double weight_sumsq = 0, master_sumsq = 0;
+  for (const char* name : {"tok_embed", "lm_head"}) {
+    const ParamSpec& p = a.table().at(name);
+    for (float x : row_values(a.state().working, p, 64, 96)) REQUIRE(x == 0.0f);
+    for (int64_t i = 64 * 32; i < 96 * 32; ++i) {
+      const float v = 0.01f * static_cast<float>(i % 7 + 1);
+      static_cast<float*>(a.state().master.data)[p.offset + i] = v;
+      static_cast<uint16_t*>(a.state().working.data)[p.offset + i] = f32_to_bf16(v);
+      weight_sumsq += static_cast<double>(bf16_to_f32(f32_to_bf16(v))) * bf16_to_f32(f32_to_bf16(v));
+      master_sumsq += static_cast<double>(v) * v;
+    }
+  }
+  CheckpointManager(dir / "ck", cfg96.checkpoint).save(cfg96, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {});
+  Checkpoint ck = Checkpoint::open(dir / "ck");
+
+  for (const int pad : {1, 128}) {  // 64 rows (padding dropped), 128 rows (more padding)
+    INFO("pad_vocab_to_multiple_of " << pad);
+    const RunConfig cfg = config(pad);
+    Trainer b(cfg, *be);
+    b.init_weights();
+    LossScaler sc(cfg.precision.loss_scale, false);
+    restore_for_resume(ck, cfg, b.table(), b.state(), *be, sc, {});
+    for (const char* name : {"tok_embed", "lm_head"}) {
+      INFO(name);
+      const ParamSpec& pa = a.table().at(name);
+      const ParamSpec& pb = b.table().at(name);
+      for (auto member : {&ParamState::working, &ParamState::master, &ParamState::m, &ParamState::v}) {
+        CHECK(row_values(b.state().*member, pb, 0, 64) == row_values(a.state().*member, pa, 0, 64));
+        const std::vector<float> pad_rows = row_values(b.state().*member, pb, 64, pb.shape[0]);
+        CHECK(std::all_of(pad_rows.begin(), pad_rows.end(), [](float x) { return x == 0.0f; }));
+      }
+    }
+    const auto dropped = repadded_tensors(ck, b.table());
+    REQUIRE(dropped.size() == 2);
+    double w = 0, m = 0;
+    for (const auto& [name, d] : dropped) {
+      CHECK(d.rows_saved == 96);
+      CHECK(d.rows_now == (pad == 1 ? 64 : 128));
+      w += d.weight_sumsq;
+      m += d.master_sumsq;
+    }
+    CHECK(w == Approx(weight_sumsq).epsilon(1e-12));
+    CHECK(m == Approx(master_sumsq).epsilon(1e-12));
+  }
+  // The same padding: nothing re-padded, the stored padding rows restored as they are.
+  CHECK(repadded_tensors(ck, a.table()).empty());
 }
 
 TEST_CASE("weights-only loads name the tensor and both shapes on a mismatch", "[ckpt][finetune]") {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <tuple>
 
@@ -203,9 +204,13 @@ TEST_CASE("keel train: a validation set with every target masked is named and it
     for (size_t at = r.output.find(what); at != std::string::npos; at = r.output.find(what, at + 1)) ++n;
     return n;
   };
-  // Said once per set (two evaluations), naming the field; the set with targets is not named.
-  CHECK(count("keel: WARNING data.val: no target in the windows it evaluates counts in the loss") == 1);
-  CHECK(count("keel: WARNING data.val_sets.sft: no target in the windows it evaluates counts in the loss") == 1);
+  // Said once per set (two evaluations), naming the field, at start-up (with the data lines,
+  // before the batch line), not at the first evaluation; the set with targets is not named.
+  const std::string no_loss = ": no target in the windows it evaluates counts in the loss";
+  CHECK(count("keel: WARNING data.val" + no_loss) == 1);
+  CHECK(count("keel: WARNING data.val_sets.sft" + no_loss) == 1);
+  CHECK(r.output.find("keel: WARNING data.val_sets.sft" + no_loss) < r.output.find("keel: batch: "));
+  CHECK(r.output.find("keel: WARNING data.val" + no_loss) < r.output.find("keel: batch: "));
   CHECK_THAT(r.output, !Catch::Contains("WARNING data.val_sets.kept") && !Catch::Contains("lm loss: 0.000000E+00") &&
                            Catch::Contains(" validation (sft) at iteration 10 | lm loss: NAN | lm loss PPL: nan |") &&
                            !Catch::Contains("final validation loss"));
@@ -290,7 +295,7 @@ TEST_CASE("keel train with sample: text at each interval, the stream's rule, and
   // the checkpoints elsewhere (checkpoint.dir).
   fs::create_directories(ws.dir / "elsewhere");
   std::ofstream(ws.dir / "elsewhere/config.json") << nlohmann::json{{"checkpoint", {{"dir", ws.dir / "run/checkpoints"}}}};
-  for (const std::string run_dir : {ws.dir / "run", ws.dir / "elsewhere"}) {
+  for (const std::string& run_dir : {ws.dir / "run", ws.dir / "elsewhere"}) {
     Result from_run = run_keel("sample --checkpoint " + run_dir + " --prompt ABC -n 12 -t 0");
     INFO(from_run.output);
     CHECK(from_run.code == 0);
@@ -521,6 +526,29 @@ TEST_CASE("keel train --set and flags override config fields", "[cli]") {
   CHECK(j["precision"]["mode"] == "fp16");
   CHECK(j["train"]["steps"] == 3);
   CHECK_FALSE(fs::exists(ws.dir / "x"));  // --print-config writes nothing
+}
+
+// The batch line gives the global batch the run ramps up to, and with a ramp-up where it starts
+// and from which step it is whole: 4 -> 8 samples over 16 samples is 4 steps of 4, then 8.
+TEST_CASE("keel train's batch line says where a batch-size ramp-up starts and the step it ends", "[cli][schedule]") {
+  Workspace ws;
+  const std::string ramp = " --set 'schedule.rampup_batch_size=[4,4,16]' --set train.eval_interval=0";
+  Result r = run_keel("train --config " + ws.config + ramp + " --steps 6 --out " + (ws.dir / "a"));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("keel: batch: global 8 samples = micro-batch 4 x 2 accumulation steps x dp 1; "
+                                       "seq_len 32; after a ramp-up (schedule.rampup_batch_size) from 4 samples by 4 "
+                                       "over 16 samples: whole from step 5\n"));
+  // The records agree: 4 samples a step until step 5.
+  std::map<int64_t, int64_t> batch;
+  for (const auto& rec : test::read_metrics(ws.dir / "a/metrics.jsonl"))
+    if (rec.contains("loss")) batch[rec["step"]] = rec["global_batch"];
+  CHECK(batch == std::map<int64_t, int64_t>{{1, 4}, {2, 4}, {3, 4}, {4, 4}, {5, 8}, {6, 8}});
+  r = run_keel("train --config " + ws.config + ramp + " --steps 3 --out " + (ws.dir / "b"));
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("over 16 samples, which train.steps ends before the batch is whole\n"));
+  r = run_keel("train --config " + ws.config + " --steps 3 --set train.eval_interval=0 --out " + (ws.dir / "c"));
+  CHECK_THAT(r.output, Catch::Contains("seq_len 32\n"));
 }
 
 TEST_CASE("a bad config is one clear message, exit code 2, and nothing written", "[cli][errors]") {

@@ -143,6 +143,17 @@ TEST_CASE("check_host_memory: refused naming the limit and the override, or a wa
   CHECK_THROWS_WITH(check_host_memory(cfg, {host.available, host.source, {host}}, {3}),
                     Catch::Contains("for its 3 ranks under this limit") && Catch::Contains("(MemAvailable in /proc/meminfo)"));
   CHECK(check_host_memory(cfg, {}).empty());  // nothing known of the host
+  // Where a rank's share is at least 1 MiB, keel plan is pointed at it: here half what a run with
+  // a larger vocabulary needs.
+  const RunConfig wide = test::make_config(test::tiny_run_json(), {{"model", {{"vocab_size", 8192}}}});
+  const double wide_needs = plan::planned_backend_bytes(wide, 0, false);
+  REQUIRE(wide_needs >= 2 << 20);
+  const MemoryLimit tight{wide_needs, "MemAvailable in /proc/meminfo", "meminfo"};
+  const std::string share = std::to_string(static_cast<int64_t>(wide_needs / 2 / (1 << 20))) + "MiB";
+  CHECK_THROWS_WITH(check_host_memory(wide, {tight.available, tight.source, {tight}}, {2}),
+                    Catch::Contains("; keel plan --config test.json --cpu --gpus 1 --gpu-mem " + share +
+                                    " --headroom 0 (with this run's --set options) lists the layouts"));
+  CHECK_THROWS_WITH(check_host_memory(cfg, small), !Catch::Contains("keel plan --config"));  // 64 KiB: no plan fits
   cfg = test::make_config(test::tiny_run_json(), {{"health", {{"host_memory_check", "warn"}}}});
   const std::string warning = check_host_memory(cfg, small);
   CHECK_THAT(warning, Catch::Contains("available (" + small.source + ")") &&

@@ -1,7 +1,7 @@
 // What a load says about the changes between the checkpoint and this run: each changed setting
-// by name, the next step's learning rate when it moves, and a refusal that names vocab padding
-// as the difference (model.pad_vocab_to_multiple_of x parallel.tp; the padded rows' math is
-// test/model/test_padded_vocab.cpp).
+// by name, the next step's learning rate when it moves, and another vocabulary padding
+// (model.pad_vocab_to_multiple_of x parallel.tp), which a load re-pads (the padded rows' math is
+// test/model/test_padded_vocab.cpp; under other TP degrees, test/multirank/test_layouts.cpp).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -14,18 +14,58 @@
 using namespace keel;
 namespace fs = std::filesystem;
 
-TEST_CASE("a checkpoint padded otherwise than the model is refused, naming the padding", "[ckpt][cli][vocab]") {
-  test::Workspace ws(nlohmann::json{{"train", {{"steps", 2}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
+// Vocabulary padding (model.vocab_size rounded up by model.pad_vocab_to_multiple_of x
+// parallel.tp) changes with the layout; a load under another one takes the real rows and zeroes
+// the padding. The padded rows are no token's (their logits get -inf), so the padded model
+// computes the unpadded one's losses and real gradients bit for bit (test_padded_vocab.cpp) and
+// its padding rows, zero, never move: the runs below train the same losses to the bit.
+TEST_CASE("finetuning (--init-from) from a checkpoint padded otherwise loads the real rows, zeroes the padding, and trains the same losses",
+          "[ckpt][cli][vocab]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 3}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
   const std::string out = ws.dir / "run";
-  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q").code == 0);
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q --steps 2").code == 0);
+  auto finetune = [&](const std::string& name, const std::string& from, const std::string& extra) {
+    const test::ProcessResult r = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / name) +
+                                                 " --init-from " + from + " " + extra);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK_THAT(r.output, Catch::Contains("restart verification passed"));
+    return std::make_pair(r.output, test::losses_by_step(test::read_metrics(ws.dir / (name + "/metrics.jsonl"))));
+  };
+  const auto plain = finetune("plain", out + "/checkpoints", "");
+  CHECK(plain.first.find("pads the vocabulary") == std::string::npos);
+  REQUIRE(plain.second.size() == 3);
+  // 64 rows -> 96 (a multiple of 48): rows 64..95 added, zero.
+  const auto padded = finetune("padded", out + "/checkpoints", "--set model.pad_vocab_to_multiple_of=48");
+  CHECK_THAT(padded.first, Catch::Contains("the checkpoint pads the vocabulary to 64 rows, this run to 96 "
+                                           "(model.vocab_size 64, model.pad_vocab_to_multiple_of 48 x parallel.tp 1): "
+                                           "lm_head and tok_embed loaded with their 64 real rows in every state, the "
+                                           "padding rows zero"));
+  CHECK(padded.second == plain.second);
+  // And back: 96 rows -> 64 (the padding rows dropped; keel's init and the load left them zero).
+  const auto back = finetune("back", ws.dir / "padded/checkpoints", "");
+  CHECK_THAT(back.first, Catch::Contains("pads the vocabulary to 96 rows, this run to 64"));
+  CHECK(back.first.find("were not zero") == std::string::npos);
+  const auto cont = finetune("cont", ws.dir / "padded/checkpoints", "--set model.pad_vocab_to_multiple_of=48");
+  CHECK(back.second == cont.second);
+}
+
+TEST_CASE("a resume under another model.pad_vocab_to_multiple_of continues bit for bit, naming the change",
+          "[ckpt][cli][vocab][resume]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 4}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "straight") + " -q").code == 0);
+  const auto straight = test::losses_by_step(test::read_metrics(ws.dir / "straight/metrics.jsonl"));
+  REQUIRE(straight.size() == 4);
+  const std::string out = ws.dir / "run";
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q --stop-at 2").code == 4);
   const test::ProcessResult r =
-      test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "padded") + " --init-from " + out +
-                     "/checkpoints --set model.pad_vocab_to_multiple_of=48");
+      test::run_keel("train --config " + ws.config + " --out " + out + " --set model.pad_vocab_to_multiple_of=40");
   INFO(r.output);
-  CHECK(r.code == 5);
-  CHECK_THAT(r.output, Catch::Contains("tensor tok_embed: checkpoint has shape [64, 32], the model expects [96, 32] "
-                                       "(model.vocab_size 64, padded to 64 rows in the checkpoint and to 96 here") &&
-                           Catch::Contains("--init-from hf:DIR, which pads"));
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("model.pad_vocab_to_multiple_of: 1 -> 40") &&
+                           Catch::Contains("pads the vocabulary to 64 rows, this run to 80") &&
+                           Catch::Contains("restart verification passed"));
+  CHECK(test::losses_by_step(test::read_metrics(out + "/metrics.jsonl")) == straight);
 }
 
 TEST_CASE("a resume names each changed setting and the next step's new learning rate", "[ckpt][cli][resume]") {

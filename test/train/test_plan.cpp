@@ -1280,6 +1280,31 @@ TEST_CASE("plan: keel plan on the command line", "[plan]") {
     CHECK_THAT(r.out, Catch::Contains("global batch 16 not divisible by dp=3") &&
                           Catch::Contains("train.global_batch 15") && Catch::Contains("train.global_batch 18"));
   }
+  SECTION("--cpu: the figure keel train checks against host memory, for the run's layout as for the others") {
+    // keel train's refusal points here (check_host_memory): the plan of the run's own layout is
+    // the figure it compared, and with a share of host memory below it, other micro-batches fit.
+    const std::string tiny = std::string(KEEL_SOURCE_DIR) + "/configs/llama-tiny.json";
+    const RunConfig run = load_config(tiny);
+    const double needs = planned_backend_bytes(run, 0, false);
+    const std::string pin = " --tp 1 --pp 1 --dp 1 --mbs " + std::to_string(run.train.micro_batch);
+    const Ran r = keel_cli("plan --config " + tiny + " --cpu --gpus 1 --headroom 0 --recompute never --json" + pin);
+    INFO(r.out);
+    REQUIRE(r.code == 0);
+    const auto j = nlohmann::json::parse(r.out);
+    REQUIRE(j["ranked"].size() == 1);
+    CHECK(j["ranked"][0]["peak_bytes"].get<double>() == needs);
+    CHECK(j["memory_model"]["cuda_context_bytes"] == 0);
+    const std::string share = std::to_string(static_cast<int64_t>(0.8 * needs)) + " --headroom 0";
+    const Ran fits = keel_cli("plan --config " + tiny + " --cpu --gpus 1 --gpu-mem " + share);
+    INFO(fits.out);
+    CHECK(fits.code == 0);
+    CHECK(fits.out.find("feasible layouts, fastest first") != std::string::npos);
+    // --cuda-context 0 is the same as --cpu's context; a negative size is still refused.
+    const Ran zero = keel_cli("plan --config " + tiny + " --cuda-context 0 --gpus 1 --json" + pin);
+    REQUIRE(zero.code == 0);
+    CHECK(nlohmann::json::parse(zero.out)["memory_model"]["cuda_context_bytes"] == 0);
+    CHECK(keel_cli("plan --config " + tiny + " --cuda-context -1G").code == 2);
+  }
   SECTION("bad arguments") {
     CHECK(keel_cli("plan --config " + cfg + " --gpu-mem 80XB").code == 2);
     CHECK(keel_cli("plan --config " + cfg + " --gpus 320 --tp 8 --pp 10 --dp 8").code == 2);
