@@ -1,5 +1,6 @@
 // `keel ckpt inspect|diff|verify|average`: what is in a checkpoint, where two differ, whether
 // one is sound, and the mean of several.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -110,6 +111,27 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
                                  report_problems(b, b.verify(), "the second checkpoint, "));
   int64_t compared = 0, differing = 0;
   std::vector<std::string> notes, reshaped;
+  // tok_embed and lm_head of two paddings of one vocabulary (another parallel.tp or
+  // model.pad_vocab_to_multiple_of): their real rows are compared, and the padding rows must
+  // be zero, as keel's init and a re-padding load leave them.
+  const int64_t vocab_a = a.meta().at("config").at("model").value("vocab_size", int64_t{-1});
+  const int64_t vocab_b = b.meta().at("config").at("model").value("vocab_size", int64_t{-1});
+  std::string repadded;  // "96 vs 72 rows", said once
+  auto padding_only = [&](const std::string& name, const std::vector<int64_t>& sa, const std::vector<int64_t>& sb) {
+    return (name == "tok_embed" || name == "lm_head") && vocab_a == vocab_b && vocab_a > 0 && sa.size() == 2 &&
+           sb.size() == 2 && sa[1] == sb[1] && sa[0] >= vocab_a && sb[0] >= vocab_a;
+  };
+  // Rows [vocab, rows) of (state, name) hold only zeros.
+  auto zero_padding = [](const Checkpoint& ck, const std::string& state, const std::string& name, int64_t vocab) {
+    const std::vector<int64_t>& s = ck.shape(state, name);
+    if (s[0] == vocab) return true;
+    TensorRegion pad;
+    pad.offset = {vocab, 0};
+    pad.shape = {s[0] - vocab, s[1]};
+    std::vector<float> v(static_cast<size_t>(pad.numel()));
+    ck.read(state, name, pad, DType::F32, v.data());
+    return std::all_of(v.begin(), v.end(), [](float x) { return x == 0.0f; });
+  };
   for (const std::string& state : a.states()) {
     const auto ta = a.tensors(state), tb = b.tensors(state);
     if (tb.empty()) {
@@ -122,11 +144,19 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
         notes.push_back(state + "/" + name + " is only in the first checkpoint");
         continue;
       }
-      if (it->second != shape) {  // not compared: listed apart
+      const bool repad = it->second != shape && padding_only(name, shape, it->second);
+      if (it->second != shape && !repad) {  // not compared: listed apart
         reshaped.push_back(state + "/" + name + ": " + shape_text(shape) + " vs " + shape_text(it->second));
         continue;
       }
       ++compared;
+      if (repad) {
+        repadded = std::to_string(shape[0]) + " vs " + std::to_string(it->second[0]) + " rows";
+        if (verify && !(zero_padding(a, state, name, vocab_a) && zero_padding(b, state, name, vocab_a)) &&
+            ++differing <= max_report)
+          std::printf("  %-8s %-34s padding rows (past model.vocab_size %lld) hold values other than zero\n",
+                      state.c_str(), name.c_str(), static_cast<long long>(vocab_a));
+      }
       // Bitwise comparison in the stored dtype when both agree on it, else through fp32.
       const DType da = a.stored_dtype(state, name), db = b.stored_dtype(state, name);
       if (!verify) {  // the headers only: the stored dtypes
@@ -135,8 +165,9 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
                       std::string(dtype_name(da)).c_str(), std::string(dtype_name(db)).c_str());
         continue;
       }
-      TensorRegion r;
+      TensorRegion r;  // the whole tensor, or its real rows when the paddings differ
       r.shape = shape;
+      if (repad) r.shape[0] = vocab_a;
       r.offset.assign(shape.size(), 0);
       bool equal = false;
       if (da == db) {
@@ -146,7 +177,9 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
         equal = std::memcmp(ba.data(), bb.data(), ba.size()) == 0;
       }
       if (equal) continue;
-      auto va = a.read_full(state, name), vb = b.read_full(state, name);
+      std::vector<float> va(static_cast<size_t>(r.numel())), vb(va.size());
+      a.read(state, name, r, DType::F32, va.data());
+      b.read(state, name, r, DType::F32, vb.data());
       double max_abs = 0, max_rel = 0;
       int64_t n_diff = 0;
       for (size_t i = 0; i < va.size(); ++i) {
@@ -166,6 +199,11 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
     if (a.tensors(state).empty()) notes.push_back("state " + state + " is only in the second checkpoint");
   for (const auto& n : notes) std::printf("  note: %s\n", n.c_str());
   for (const auto& r : reshaped) std::printf("  shape differs: %s\n", r.c_str());
+  // Not a difference of the model: said beside the verdict.
+  const std::string padding_note =
+      repadded.empty() ? ""
+                       : " (the vocabulary is padded to " + repadded + ": tok_embed and lm_head compared in their " +
+                             std::to_string(vocab_a) + " real rows" + (verify ? ", their padding rows zero" : "") + ")";
   const auto pa = a.progress(), pb = b.progress();
   if (pa.iteration != pb.iteration || pa.consumed_samples != pb.consumed_samples || a.adam_step() != b.adam_step())
     std::printf("  progress differs: iteration %lld vs %lld, consumed samples %lld vs %lld, Adam step %lld vs %lld\n",
@@ -174,21 +212,21 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
                 static_cast<long long>(a.adam_step()), static_cast<long long>(b.adam_step()));
   const char* damaged = sound ? "" : " (and verification fails: see above)";
   if (!verify) {
-    std::printf("%s: %lld tensors across %zu states compared by name, shape and stored dtype; data not read or "
+    std::printf("%s: %lld tensors across %zu states compared by name, shape and stored dtype%s; data not read or "
                 "verified (--no-verify): keel ckpt diff without it compares the values\n",
                 differing == 0 && notes.empty() && reshaped.empty() ? "headers agree" : "headers differ",
-                static_cast<long long>(compared), a.states().size());
+                static_cast<long long>(compared), a.states().size(), padding_note.c_str());
     return differing == 0 && notes.empty() && reshaped.empty() ? kExitOk : kExitFailure;
   }
   if (differing == 0 && notes.empty() && reshaped.empty()) {
-    std::printf("bitwise equal: %lld tensors compared across %zu states%s\n", static_cast<long long>(compared),
-                a.states().size(), damaged);
+    std::printf("bitwise equal: %lld tensors compared across %zu states%s%s\n", static_cast<long long>(compared),
+                a.states().size(), padding_note.c_str(), damaged);
     return sound ? kExitOk : kExitCheckpointError;
   }
   std::printf("%lld of %lld tensors compared differ%s", static_cast<long long>(differing),
               static_cast<long long>(compared), differing > max_report ? " (first ones shown)" : "");
   if (!reshaped.empty()) std::printf("; %zu more have other shapes and were not compared", reshaped.size());
-  std::printf("%s\n", damaged);
+  std::printf("%s%s\n", padding_note.c_str(), damaged);
   return sound ? kExitFailure : kExitCheckpointError;
 }
 

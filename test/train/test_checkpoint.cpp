@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "common/batches.h"
+#include "common/process.h"
 #include "common/run_config.h"
 #include "common/temp_dir.h"
 #include "common/workspace.h"
@@ -540,6 +541,17 @@ TEST_CASE("a load under another vocabulary padding keeps the real rows and zeroe
     }
     CHECK(w == Approx(weight_sumsq).epsilon(1e-12));
     CHECK(m == Approx(master_sumsq).epsilon(1e-12));
+    // keel ckpt diff of the two: the real rows equal, the old padding rows named (not zero).
+    const std::string saved = dir / ("pad" + std::to_string(pad));
+    CheckpointManager(saved, cfg.checkpoint).save(cfg, b.table(), b.state(), *be, {2, 16, 512, 0, 0}, b.scaler(), {});
+    const test::ProcessResult d = test::run_keel("ckpt diff " + (dir / "ck") + " " + saved);
+    INFO(d.output);
+    CHECK(d.code == 1);
+    for (const char* state : {"weight", "master"})
+      for (const char* name : {"tok_embed", "lm_head"})
+        CHECK_THAT(d.output, Catch::Contains(std::string(state) + "   " + name) &&
+                                 Catch::Contains("padding rows (past model.vocab_size 64) hold values other than zero"));
+    CHECK_THAT(d.output, Catch::Contains("4 of 84 tensors compared differ"));
   }
   // The same padding: nothing re-padded, the stored padding rows restored as they are.
   CHECK(repadded_tensors(ck, a.table()).empty());
