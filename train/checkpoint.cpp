@@ -39,11 +39,9 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// The rows of tok_embed or lm_head differ only by vocabulary padding (model.vocab_size rounded
-// up by model.pad_vocab_to_multiple_of x parallel.tp): the same tensor, padded otherwise.
+// The stored tensor is the model's, padded otherwise.
 bool padded_otherwise(const ParamSpec& p, const std::vector<int64_t>& stored, const ModelConfig& m) {
-  return (p.name == "tok_embed" || p.name == "lm_head") && stored.size() == 2 && p.shape.size() == 2 &&
-         stored[1] == p.shape[1] && stored[0] >= m.vocab_size && p.shape[0] >= m.vocab_size;
+  return vocab_padding_only(p.name, p.shape, stored, m.vocab_size);
 }
 
 std::string vocab_rows_hint(const ParamSpec& p, const std::vector<int64_t>& stored, const ModelConfig& m) {
@@ -585,6 +583,12 @@ DType Checkpoint::stored_dtype(const std::string& state, const std::string& tens
   auto d = from_st(it->second.front().info->dtype);
   if (!d) throw CheckpointError("checkpoint " + path_ + ": " + state + " of " + tensor + " has an unsupported dtype");
   return *d;
+}
+
+bool vocab_padding_only(const std::string& name, const std::vector<int64_t>& a, const std::vector<int64_t>& b,
+                        int64_t vocab_size) {
+  return (name == "tok_embed" || name == "lm_head") && a.size() == 2 && b.size() == 2 && a[1] == b[1] &&
+         a[0] >= vocab_size && b[0] >= vocab_size && vocab_size > 0;
 }
 
 const std::vector<int64_t>& Checkpoint::shape(const std::string& state, const std::string& tensor) const {

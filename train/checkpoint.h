@@ -263,6 +263,12 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
 void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table,
                          bool repadding = false);
 
+// Whether shapes `a` and `b` of tensor `name` differ only by vocabulary padding: tok_embed or
+// lm_head, the same width, both at least `vocab_size` rows (model.vocab_size rounded up by
+// model.pad_vocab_to_multiple_of x parallel.tp, which may differ between runs).
+bool vocab_padding_only(const std::string& name, const std::vector<int64_t>& a, const std::vector<int64_t>& b,
+                        int64_t vocab_size);
+
 // Reads `region` of the model's tensor p from (state, p.name). Where the checkpoint pads the
 // vocabulary otherwise than the model (tok_embed, lm_head: other rows past model.vocab_size),
 // the real rows come from the checkpoint and the model's padding rows are zero: the rows no

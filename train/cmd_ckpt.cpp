@@ -117,10 +117,6 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
   const int64_t vocab_a = a.meta().at("config").at("model").value("vocab_size", int64_t{-1});
   const int64_t vocab_b = b.meta().at("config").at("model").value("vocab_size", int64_t{-1});
   std::string repadded;  // "96 vs 72 rows", said once
-  auto padding_only = [&](const std::string& name, const std::vector<int64_t>& sa, const std::vector<int64_t>& sb) {
-    return (name == "tok_embed" || name == "lm_head") && vocab_a == vocab_b && vocab_a > 0 && sa.size() == 2 &&
-           sb.size() == 2 && sa[1] == sb[1] && sa[0] >= vocab_a && sb[0] >= vocab_a;
-  };
   // Rows [vocab, rows) of (state, name) hold only zeros.
   auto zero_padding = [](const Checkpoint& ck, const std::string& state, const std::string& name, int64_t vocab) {
     const std::vector<int64_t>& s = ck.shape(state, name);
@@ -144,7 +140,7 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
         notes.push_back(state + "/" + name + " is only in the first checkpoint");
         continue;
       }
-      const bool repad = it->second != shape && padding_only(name, shape, it->second);
+      const bool repad = it->second != shape && vocab_a == vocab_b && vocab_padding_only(name, shape, it->second, vocab_a);
       if (it->second != shape && !repad) {  // not compared: listed apart
         reshaped.push_back(state + "/" + name + ": " + shape_text(shape) + " vs " + shape_text(it->second));
         continue;
