@@ -1213,6 +1213,18 @@ void read_param(const Checkpoint& ck, const std::string& state, const ParamSpec&
               static_cast<size_t>((R - real) * W) * dtype_size(out_type));
 }
 
+std::vector<float> read_padding_rows(const Checkpoint& ck, const std::string& state, const std::string& tensor,
+                                     int64_t vocab_size) {
+  const std::vector<int64_t>& s = ck.shape(state, tensor);
+  if (s.size() != 2 || s[0] <= vocab_size) return {};
+  TensorRegion pad;
+  pad.offset = {vocab_size, 0};
+  pad.shape = {s[0] - vocab_size, s[1]};
+  std::vector<float> values(static_cast<size_t>(pad.numel()));
+  ck.read(state, tensor, pad, DType::F32, values.data());
+  return values;
+}
+
 std::map<std::string, DroppedPadding> repadded_tensors(const Checkpoint& ck, const ParamTable& table) {
   std::map<std::string, DroppedPadding> out;
   const int64_t vocab = table.config().vocab_size;
@@ -1225,16 +1237,9 @@ std::map<std::string, DroppedPadding> repadded_tensors(const Checkpoint& ck, con
     DroppedPadding& d = out[p.name];
     d.rows_saved = stored[0];
     d.rows_now = p.shape[0];
-    if (stored[0] == vocab) continue;
-    // The saved padding rows, whole (they are few: at most the padding unit).
-    TensorRegion pad;
-    pad.offset = {vocab, 0};
-    pad.shape = {stored[0] - vocab, stored[1]};
-    std::vector<float> values(static_cast<size_t>(pad.numel()));
     auto sumsq = [&](const std::string& state) {
-      ck.read(state, p.name, pad, DType::F32, values.data());
       double s = 0;
-      for (float v : values) s += static_cast<double>(v) * v;
+      for (float v : read_padding_rows(ck, state, p.name, vocab)) s += static_cast<double>(v) * v;
       return s;
     };
     d.weight_sumsq = sumsq("weight");

@@ -269,6 +269,11 @@ void check_tensors_match(const Checkpoint& ck, const std::string& state, const P
 bool vocab_padding_only(const std::string& name, const std::vector<int64_t>& a, const std::vector<int64_t>& b,
                         int64_t vocab_size);
 
+// The padding rows of a vocabulary tensor as saved: rows [vocab_size, rows) of (state, tensor),
+// as fp32 (few: at most one padding unit).
+std::vector<float> read_padding_rows(const Checkpoint& ck, const std::string& state, const std::string& tensor,
+                                     int64_t vocab_size);
+
 // Reads `region` of the model's tensor p from (state, p.name). Where the checkpoint pads the
 // vocabulary otherwise than the model (tok_embed, lm_head: other rows past model.vocab_size),
 // the real rows come from the checkpoint and the model's padding rows are zero: the rows no

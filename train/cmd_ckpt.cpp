@@ -119,13 +119,7 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
   std::string repadded;  // "96 vs 72 rows", said once
   // Rows [vocab, rows) of (state, name) hold only zeros.
   auto zero_padding = [](const Checkpoint& ck, const std::string& state, const std::string& name, int64_t vocab) {
-    const std::vector<int64_t>& s = ck.shape(state, name);
-    if (s[0] == vocab) return true;
-    TensorRegion pad;
-    pad.offset = {vocab, 0};
-    pad.shape = {s[0] - vocab, s[1]};
-    std::vector<float> v(static_cast<size_t>(pad.numel()));
-    ck.read(state, name, pad, DType::F32, v.data());
+    const std::vector<float> v = read_padding_rows(ck, state, name, vocab);
     return std::all_of(v.begin(), v.end(), [](float x) { return x == 0.0f; });
   };
   for (const std::string& state : a.states()) {

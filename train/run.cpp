@@ -396,6 +396,9 @@ struct ValidationSet {
   std::string name;
   data::Sampler sampler;
   std::string field;  // data.val or data.val_sets.<name>
+  // Targets in the loss over one evaluation: 0, it has no loss; -1, it reads no window
+  // (train.eval_batches 0).
+  int64_t loss_targets = -1;
 };
 
 // Micro-batch b of an evaluation of `val`: its first eval_batches micro-batches, unshuffled. A
@@ -437,6 +440,8 @@ std::vector<ValidationSet> open_validation_data(const RunConfig& cfg, int64_t vo
                     cfg.train.seed, false);
     s.dataset().check_vocab(vocab_scan_limit);
     sets.push_back({name, std::move(s), field});
+    if (validation_windows(sets.back().sampler, cfg) > 0)
+      sets.back().loss_targets = validation_loss_targets(sets.back().sampler, cfg);
   };
   if (!cfg.data.val.empty()) open("", cfg.data.val, "data.val");
   for (const auto& [name, patterns] : cfg.data.val_sets) open(name, patterns, "data.val_sets." + name);
@@ -537,7 +542,7 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
     const int64_t used = validation_windows(v.sampler, cfg);
     std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
                 v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
-    if (validation_loss_targets(v.sampler, cfg) == 0) warn_no_validation_loss(v);
+    if (v.loss_targets == 0) warn_no_validation_loss(v);
   }
   if (const std::string w = repeated_files_warning(cfg); !w.empty()) std::printf("keel: %s\n", w.c_str());
   for (size_t k = 0; k < train.num_sources(); ++k)
@@ -1370,7 +1375,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // A set whose evaluated targets are all masked (an SFT set whose masks keep only prompts) has
   // no loss: it is reported as nan, as a skipped step's loss is, never as a perfect 0.
   std::vector<bool> said_no_loss(vals.size(), false);  // at start-up (print_summary), or at the first evaluation
-  for (size_t i = 0; i < vals.size(); ++i) said_no_loss[i] = validation_loss_targets(vals[i].sampler, cfg) == 0;
+  for (size_t i = 0; i < vals.size(); ++i) said_no_loss[i] = vals[i].loss_targets == 0;
   auto validation = [&](int64_t it) {
     const ProfileRange range("validation");
     nlohmann::json rec = {{"step", it}, {"consumed_tokens", consumed_tokens}};

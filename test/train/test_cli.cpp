@@ -211,6 +211,12 @@ TEST_CASE("keel train: a validation set with every target masked is named and it
   CHECK(count("keel: WARNING data.val_sets.sft" + no_loss) == 1);
   CHECK(r.output.find("keel: WARNING data.val_sets.sft" + no_loss) < r.output.find("keel: batch: "));
   CHECK(r.output.find("keel: WARNING data.val" + no_loss) < r.output.find("keel: batch: "));
+  // No evaluation reads a window (train.eval_batches 0): nothing to warn about.
+  const Result none = run_keel("train --config " + ws.config + " --out " + (ws.dir / "none") +
+                               " --steps 3 --set train.eval_batches=0");
+  INFO(none.output);
+  CHECK(none.code == 0);
+  CHECK(none.output.find(no_loss) == std::string::npos);
   CHECK_THAT(r.output, !Catch::Contains("WARNING data.val_sets.kept") && !Catch::Contains("lm loss: 0.000000E+00") &&
                            Catch::Contains(" validation (sft) at iteration 10 | lm loss: NAN | lm loss PPL: nan |") &&
                            !Catch::Contains("final validation loss"));
