@@ -1,6 +1,5 @@
 #include "train/plan.h"
 
-#include "kernels/cuda/cuda_backend.h"  // kDefaultAttentionDsBudget, attention_ds_tiles_per_head (plain C++)
 #include "model/transformer.h"
 #include "train/format.h"
 #include "train/parallel/grad_buckets.h"
@@ -138,7 +137,7 @@ MemoryModel keel_memory_model(PrecisionMode mode) {
   m.chunked_logits = true;
   m.fused_gelu_backward = true;
   m.fused_residual_projection = true;
-  m.attention_ds_budget = static_cast<double>(kDefaultAttentionDsBudget);  // KEEL_ATTN_DS_MB unset
+  m.gpu_attention = AttentionSettings{};  // the CUDA backend's defaults
   StateBytes& s = m.state;
   switch (mode) {
     case PrecisionMode::FP32:
@@ -303,15 +302,13 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   return r;
 }
 
-// The fused attention backward's staged dS (kernels/cuda/attention_flash.cu), transient within a
-// layer's backward: the causal 64 x 64 tiles of every local query head of the micro-batch, 2
-// bytes each, at most the budget (it launches in chunks that fit), 0 without 16-bit activations.
-double attention_ds_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq) {
-  if (mem.attention_ds_budget <= 0 || mem.act_bytes != 2) return 0;
-  const double tiles = static_cast<double>(attention_ds_tiles_per_head(seq));
-  const double heads = static_cast<double>(m.n_heads / tp);
-  const double tile_bytes = static_cast<double>(kAttentionDsTileRows * kAttentionDsTileRows * 2);
-  return std::min(mem.attention_ds_budget, static_cast<double>(mbs) * heads * tiles * tile_bytes);
+// The attention backward's scratch on the GPU (staged dS tiles or cuDNN's workspace), transient
+// within a layer's backward, for the rank's heads of one micro-batch; 0 without 16-bit
+// activations (fp32 runs the plain kernels) and on the CPU.
+double attention_scratch_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq) {
+  if (!mem.gpu_attention || mem.act_bytes != 2) return 0;
+  return static_cast<double>(
+      attention_backward_scratch_bytes(*mem.gpu_attention, mbs, seq, m.n_heads / tp, m.n_kv_heads / tp, m.head_dim()));
 }
 
 std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOptions& opt) {
@@ -551,7 +548,7 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     st.act_full += once + rebuild;
     st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : rebuild) + once;
     st.act_recompute = st.act_stored_recompute + st.act_working_recompute;
-    st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes + attention_ds_bytes(m, mem, l.tp, l.mbs, seq);
+    st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes + attention_scratch_bytes(m, mem, l.tp, l.mbs, seq);
     p.stages.push_back(st);
   }
   p.usable_bytes = hw.gpu_mem_bytes * (1 - mem.headroom);
@@ -863,6 +860,30 @@ std::vector<Alternative> alternatives(const RunConfig& cfg, const PlanOptions& o
 
 namespace {
 
+// The attention settings the plan counts, in the memory-model line: which kernels, and the bound
+// of their backward scratch, with the variable that sets it.
+std::string attention_settings_text(const AttentionSettings& a) {
+  const auto mib = [](size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; };
+  const std::string ds = a.ds_budget > 0 ? "staged dS at most " + mib(a.ds_budget) + " (KEEL_ATTN_DS_MB)"
+                                         : "no staged dS (KEEL_ATTN_DS_MB=0)";
+  switch (a.kernels) {
+    case AttentionKernels::Simple: return "attention: the plain kernels (KEEL_ATTENTION=simple), no scratch";
+    case AttentionKernels::Cudnn:
+      return "attention: cuDNN (KEEL_ATTENTION=cudnn), workspace at most " + mib(a.cudnn_workspace_cap) +
+             " (KEEL_CUDNN_WORKSPACE_MB); keel's fused kernels for the calls it does not take, " + ds;
+    case AttentionKernels::Fused: break;
+  }
+  return "attention: keel's fused kernels, " + ds;
+}
+
+nlohmann::json attention_settings_json(const std::optional<AttentionSettings>& a) {
+  if (!a) return nullptr;
+  return {{"kernels", attention_kernels_name(a->kernels)},
+          {"ds_budget_bytes", a->ds_budget},
+          {"cudnn_workspace_cap_bytes", a->kernels == AttentionKernels::Cudnn ? nlohmann::json(a->cudnn_workspace_cap)
+                                                                              : nlohmann::json()}};
+}
+
 std::string state_formula(const MemoryModel& mem, int64_t dp) {
   const StateBytes& s = mem.state;
   std::string f = fmt("%g", s.weights) + " (weights) + " + fmt("%g", s.grads) + " (grads)";
@@ -970,7 +991,7 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
       [&](const StageMemory& s) { return gib(s.act_stored_recompute); });
   add("  one layer rebuilt + scratch", [&](const StageMemory& s) { return gib(s.act_working_recompute); });
   if (p.stages[0].overhead > 0)
-    add("CUDA context, comm buffers, attention dS", [&](const StageMemory& s) { return gib(s.overhead); });
+    add("CUDA context, comm buffers, attention scratch", [&](const StageMemory& s) { return gib(s.overhead); });
   add("total, " + base_name, [&](const StageMemory& s) { return gib(s.total(false)); });
   add("total, " + rc_name, [&](const StageMemory& s) { return gib(s.total(true)); });
   o << t.str();
@@ -1038,6 +1059,7 @@ std::string plan_text(const RunConfig& cfg, const PlanResult& r, const PlanOptio
   o << "memory model: " << r.memory.name << ": " << state_formula(r.memory, 1) << "; ZeRO-1 over DP"
     << (r.memory.state.zero1 ? "" : " off") << "; activations " << r.memory.act_bytes << " B; CUDA context "
     << format_bytes(r.memory.cuda_context_bytes);
+  if (r.memory.gpu_attention) o << "; " << attention_settings_text(*r.memory.gpu_attention);
   if (r.memory.comm_buffer_bytes > 0) o << ", comm buffers " << format_bytes(r.memory.comm_buffer_bytes);
   o << "; " << fmt("%g", r.memory.headroom * 100) << "% headroom\n";
   const Hardware& hw = opt.hw;
@@ -1215,6 +1237,7 @@ nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOp
                        {"activation_bytes", r.memory.act_bytes},
                        {"attention_score_bytes", r.memory.attn_score_bytes},
                        {"cuda_context_bytes", r.memory.cuda_context_bytes},
+                       {"attention", attention_settings_json(r.memory.gpu_attention)},
                        {"comm_buffer_bytes", r.memory.comm_buffer_bytes},
                        {"headroom", r.memory.headroom}};
   const Hardware& hw = opt.hw;
@@ -1243,8 +1266,9 @@ nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOp
 }
 
 namespace {
-// The planner's options for the run itself: its layout's policies, keel's memory model; a CPU
-// run has no CUDA context and stages no attention dS.
+// The planner's options for the run itself: its layout's policies, keel's memory model with the
+// attention settings of this process's environment; a CPU run has no CUDA context and no GPU
+// attention scratch.
 PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   PlanOptions opt;
   opt.memory = keel_memory_model(cfg.precision.mode);
@@ -1260,9 +1284,11 @@ PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   opt.grad_bucket_size = cfg.parallel.grad_bucket_size;
   // The run's own layout is given: the node-size rule for TP is the plan's advice, not the run's.
   opt.hw.gpus_per_node = cfg.parallel.world();
-  if (!gpu) {
+  if (gpu) {
+    opt.memory.gpu_attention = attention_settings_from_env();  // what the run's CudaBackend reads
+  } else {
     opt.memory.cuda_context_bytes = 0;
-    opt.memory.attention_ds_budget = 0;
+    opt.memory.gpu_attention.reset();
   }
   return opt;
 }
@@ -1299,6 +1325,10 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
   text += "  this run: " + recompute_name(p.recompute, opt) + " (train.recompute), activations " +
           format_bytes(p.recompute ? p.stages[p.peak_stage].act_recompute : p.stages[p.peak_stage].act_full) +
           " on the largest stage\n";
+  if (opt.memory.gpu_attention)
+    text += "  this run: " + attention_settings_text(*opt.memory.gpu_attention) + ": " +
+            format_bytes(attention_scratch_bytes(cfg.model, opt.memory, l.tp, l.mbs, cfg.train.seq_len)) +
+            " of scratch in a layer's backward\n";
   const Activations a = activation_bytes(model_for_tp(cfg.model, l.tp), opt.memory, l.tp, l.mbs, cfg.train.seq_len,
                                          opt.sequence_parallel, opt.logits_chunk_rows);
   if (a.head_shared > 0)

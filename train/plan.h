@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/attention_settings.h"
 #include "model/param_table.h"
 #include "train/config.h"
 
@@ -75,9 +76,11 @@ struct MemoryModel {
   bool keeps_stage_output = false;  // the pipeline keeps each in-flight micro-batch's stage output
                                     // until its backward (DeepSpeed's pipe_buffers['outputs'])
   double cuda_context_bytes = 1.5 * kGiB;  // context, cuBLAS workspace, kernels (seed: 1271-1573 MiB)
-  double attention_ds_budget = 0;  // most bytes of dS tiles the fused attention backward stages
-                                   // while a layer's backward runs (keel: CudaBackend's default
-                                   // budget, 1 GiB; it takes less when the layer's dS is smaller)
+  // The CUDA backend's attention settings, whose backward scratch (staged dS tiles or cuDNN's
+  // workspace, attention_backward_scratch_bytes) is transient within a layer's backward; none
+  // on the CPU backend and for the other frameworks. keel: the defaults, or the environment's
+  // (KEEL_ATTENTION, KEEL_ATTN_DS_MB, KEEL_CUDNN_WORKSPACE_MB) for keel plan and the run itself.
+  std::optional<AttentionSettings> gpu_attention;
   double comm_buffer_bytes = 0;   // persistent communication buckets
   double headroom = 0.05;         // fraction of the GPU kept free (fragmentation, transient peaks)
 };

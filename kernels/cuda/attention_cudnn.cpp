@@ -44,11 +44,6 @@ std::string cudnn_attention_refusal(const AttnShape& s, DType qkv, DType out) {
   return "";
 }
 
-int64_t cudnn_workspace_cap_from_env() {
-  return static_cast<int64_t>(mib_setting_from_env("KEEL_CUDNN_WORKSPACE_MB", size_t{4096} << 20,
-                                                   "the most workspace a cuDNN attention graph may take"));
-}
-
 #if !KEEL_WITH_CUDNN
 
 static const char* not_built() {

@@ -44,10 +44,6 @@ std::string cudnn_attention_refusal(const AttnShape& s, DType qkv, DType out);
 
 struct CudnnAttention;  // library handle, cuDNN handle, built graphs per shape (attention_cudnn.cpp)
 
-// KEEL_CUDNN_WORKSPACE_MB in bytes (default 4096 MiB); a value that is not a whole number of MiB
-// is refused naming the variable.
-int64_t cudnn_workspace_cap_from_env();
-
 // The cuDNN attention of `be`, taking shapes whose graphs need at most workspace_cap bytes of
 // workspace, or nullptr with *why_not set where cuDNN cannot be used at all: not built in (no
 // frontend headers, the CUDA emulator) or the library not loadable.

@@ -751,8 +751,8 @@ __global__ void __launch_bounds__(kThreads)
 __device__ __forceinline__ int64_t ds_tile_index(int64_t head_in_chunk, int64_t n_tri, int qt, int kt) {
   return head_in_chunk * n_tri + static_cast<int64_t>(qt) * (qt + 1) / 2 + kt;
 }
-// The causal tiles of one head: attention_ds_tiles_per_head (cuda_backend.h, which keel plan
-// shares).
+// The causal tiles of one head: attention_ds_tiles_per_head (kernels/attention_settings.h,
+// which keel plan shares).
 static_assert(kBlockQ == kAttentionDsTileRows && kBlockK == kAttentionDsTileRows, "a staged dS tile is 64 x 64");
 
 // kStoreDS: also store dS (rounded to T, as the dK product takes it) to `ds` for
@@ -1074,23 +1074,9 @@ void forward_impl(CudaBackend& be, const Tensor& out, const Tensor& lse, const T
       s.n_kv_heads, scale * kLog2e, tiles_fastest);
 }
 
-// How a staged backward splits into launches: kv heads and sequences per chunk (whole groups of
-// query heads), each chunk's dS within the budget. kv == 0: not even one kv head's tiles fit.
-struct DsChunks {
-  int kv = 0, seqs = 0;
-  size_t bytes = 0;  // scratch of one chunk
-};
-DsChunks ds_chunks(const AttnShape& s, size_t elem_bytes, size_t budget) {
-  const size_t per_head = static_cast<size_t>(attention_ds_tiles_per_head(s.T)) * kDsTile * elem_bytes;
-  const size_t per_kv = per_head * static_cast<size_t>(s.n_heads / s.n_kv_heads);
-  DsChunks c;
-  if (per_kv == 0 || budget < per_kv) return c;
-  c.kv = static_cast<int>(std::min<size_t>(s.n_kv_heads, budget / per_kv));
-  c.seqs = c.kv < s.n_kv_heads ? 1 : static_cast<int>(std::min<size_t>(s.B, budget / (per_kv * s.n_kv_heads)));
-  c.bytes = per_kv * c.kv * c.seqs;
-  return c;
-}
-
+// A staged backward's launches: kv heads and sequences per chunk (whole groups of query heads),
+// each chunk's dS within the budget (attention_ds_chunks, kernels/attention_settings.h, which
+// keel plan shares). kv == 0: not even one kv head's tiles fit.
 template <class T, int HD, bool kAlibi, bool kWgmma>
 void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                    const float* delta, const AttnShape& s, float scale) {
@@ -1103,7 +1089,8 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
   // the dq kernels by kv_outgrow_l2; the dk-dv kernel always heads fastest: its blocks are few
   // and long where GQA groups heads (2.6 waves on the 1B Llama), and the tail decides
   const bool tiles_fastest = kv_outgrow_l2(be, s, sizeof(T));
-  const DsChunks chunks = ds_chunks(s, sizeof(T), be.attention_ds_budget());
+  const AttentionDsChunks chunks = attention_ds_chunks(s.B, s.T, s.n_heads, s.n_kv_heads, sizeof(T),
+                                                       be.attention_ds_budget());
   T* ds = chunks.kv > 0 ? static_cast<T*>(be.scratch_if_free(chunks.bytes, op)) : nullptr;
   if (chunks.kv > 0 && !ds) {
     static std::once_flag said;

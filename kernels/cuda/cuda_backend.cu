@@ -2,7 +2,6 @@
 // dtype staging helper and the RoPE table cache. The other ops live in their own files.
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -203,31 +202,6 @@ void CudaBackend::profile_restart() {
 
 // ---- construction ----
 
-size_t cuda::mib_setting_from_env(const char* var, size_t fallback, const char* meaning) {
-  const char* mb = std::getenv(var);
-  if (!mb || !*mb) return fallback;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long v = std::strtoull(mb, &end, 10);
-  if (*end != '\0' || errno != 0 || !std::isdigit(static_cast<unsigned char>(mb[0])) || v > (1ull << 24))
-    throw std::invalid_argument(std::string(var) + " must be a whole number of MiB from 0 to 16777216 (" + meaning +
-                                "), got '" + mb + "'");
-  return static_cast<size_t>(v) << 20;
-}
-
-// KEEL_ATTENTION: unset, empty or "fused", "simple", "cudnn"; anything else is refused naming the
-// variable and its values.
-enum class AttentionKernels { Fused, Simple, Cudnn };
-static AttentionKernels attention_kernels_from_env() {
-  const char* v = std::getenv("KEEL_ATTENTION");
-  if (!v || !*v || std::strcmp(v, "fused") == 0) return AttentionKernels::Fused;
-  if (std::strcmp(v, "simple") == 0) return AttentionKernels::Simple;
-  if (std::strcmp(v, "cudnn") == 0) return AttentionKernels::Cudnn;
-  throw std::invalid_argument(std::string("KEEL_ATTENTION must be fused (keel's fused kernels, the default), simple "
-                                          "(the plain fp32 kernels) or cudnn (cuDNN's flash attention), got '") +
-                              v + "'");
-}
-
 int64_t CudaBackend::cudnn_attention_calls() const { return cuda::cudnn_attention_calls(cudnn_); }
 
 // KEEL_ATTN_WGMMA: unset, empty or 0 off, 1 on; anything else is refused naming the variable.
@@ -243,11 +217,10 @@ static bool attention_wgmma_from_env() {
 CudaBackend::CudaBackend(int device) : device_(device) {
   const char* op = "CudaBackend";
   // the environment first, before anything is taken: a bad value throws
-  attn_ds_budget_ = cuda::mib_setting_from_env("KEEL_ATTN_DS_MB", attn_ds_budget_,
-                                                "the fused attention backward's dS scratch; 0: recompute instead");
+  const AttentionSettings settings = attention_settings_from_env();  // the ones keel plan counts
+  attn_ds_budget_ = settings.ds_budget;
+  const AttentionKernels attn = settings.kernels;
   const bool wgmma = attention_wgmma_from_env();
-  const AttentionKernels attn = attention_kernels_from_env();
-  const int64_t cudnn_workspace = attn == AttentionKernels::Cudnn ? cuda::cudnn_workspace_cap_from_env() : 0;
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -298,7 +271,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   matmul_ = cuda::create_matmul_cache(*this);
   if (attn == AttentionKernels::Cudnn) {
     std::string why_not;
-    cudnn_ = cuda::create_cudnn_attention(*this, cudnn_workspace, &why_not);
+    cudnn_ = cuda::create_cudnn_attention(*this, static_cast<int64_t>(settings.cudnn_workspace_cap), &why_not);
     if (!cudnn_) std::fprintf(stderr, "keel: KEEL_ATTENTION=cudnn: no cuDNN (%s): keel's fused kernels run attention\n",
                               why_not.c_str());
   }

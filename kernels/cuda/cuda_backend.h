@@ -46,6 +46,7 @@
 #include <string>
 #include <tuple>
 
+#include "kernels/attention_settings.h"  // KEEL_ATTENTION, KEEL_ATTN_DS_MB, KEEL_CUDNN_WORKSPACE_MB
 #include "kernels/backend.h"
 
 struct CUstream_st;  // cudaStream_t
@@ -59,19 +60,6 @@ struct MatmulCache;  // cuBLASLt handle, descriptors and chosen algorithms per s
 MatmulCache* create_matmul_cache(CudaBackend& be);
 void destroy_matmul_cache(MatmulCache* cache) noexcept;
 struct CudnnAttention;  // attention_cudnn.h
-// An environment setting in whole MiB, as bytes (unset or empty: `fallback`); anything else is
-// refused naming the variable, its range and `meaning` (KEEL_ATTN_DS_MB, KEEL_CUDNN_WORKSPACE_MB).
-size_t mib_setting_from_env(const char* var, size_t fallback, const char* meaning);
-}
-
-// CudaBackend::attention_ds_budget's default (KEEL_ATTN_DS_MB unset); keel plan counts it too.
-inline constexpr size_t kDefaultAttentionDsBudget = size_t{1024} << 20;
-// The fused attention backward's staged dS of one query head (attention_flash.cu; keel plan
-// counts it): the causal tiles of 64 keys x 64 queries, n (n + 1) / 2 for n = ceil(T / 64).
-inline constexpr int64_t kAttentionDsTileRows = 64;
-inline constexpr int64_t attention_ds_tiles_per_head(int64_t T) {
-  const int64_t n = (T + kAttentionDsTileRows - 1) / kAttentionDsTileRows;
-  return n * (n + 1) / 2;
 }
 
 class CudaBackend final : public Backend {

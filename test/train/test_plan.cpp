@@ -16,6 +16,7 @@
 #include <memory>
 
 #include "common/run_config.h"
+#include "common/scoped_env.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "model/transformer.h"
 #include "train/parallel/comm.h"
@@ -1147,6 +1148,69 @@ TEST_CASE("plan: the trainer's memory breakdown for its own layout", "[plan]") {
   CHECK(sel.find("verdict: fits with selective recompute: peak 54.58 GiB") != std::string::npos);
   CHECK(sel.find("this run: selective recompute (train.recompute), activations") != std::string::npos);
   CHECK(sel.find("activations, selective recompute") != std::string::npos);  // the table's row
+}
+
+TEST_CASE("plan: the attention backward's scratch follows the environment the CUDA backend reads", "[plan][attention]") {
+  // The 1B Llama at micro-batch 8 x 2048: 32 heads in 8 kv groups. keel's staged dS is 528 causal
+  // 64x64 tiles per head, 16.5 MiB per kv group and sequence: the 1 GiB budget takes all 8 groups
+  // of 7 sequences at once (924 MiB). cuDNN's deterministic backward stages dP, 8 x 32 x 2048^2
+  // x 2 bytes (2 GiB). The GPU plan less the CPU's (no CUDA context in either) is that scratch.
+  const test::ScopedEnv kernels("KEEL_ATTENTION"), ds("KEEL_ATTN_DS_MB"), ws("KEEL_CUDNN_WORKSPACE_MB");
+  kernels.set(nullptr), ds.set(nullptr), ws.set(nullptr);
+  const RunConfig cfg = shipped("llama-1b.json");
+  const double MiB = 1 << 20;
+  const auto scratch = [&] { return planned_backend_bytes(cfg, 0, true) - planned_backend_bytes(cfg, 0, false); };
+  CHECK(scratch() == 56 * 16.5 * MiB);
+  ds.set("100");  // 6 kv groups of one sequence per launch
+  CHECK(scratch() == 6 * 16.5 * MiB);
+  ds.set("0");  // recomputed, nothing staged
+  CHECK(scratch() == 0);
+  kernels.set("simple");
+  CHECK(scratch() == 0);
+  kernels.set("cudnn");
+  ds.set(nullptr);
+  CHECK(scratch() == 2048 * MiB);
+  ws.set("2047");  // cuDNN does not take the shape: keel's kernels run it
+  CHECK(scratch() == 56 * 16.5 * MiB);
+  // a bad value is refused by the plan as by the backend, naming the variable
+  kernels.set("flash");
+  CHECK_THROWS_WITH(planned_backend_bytes(cfg, 0, true), Catch::Contains("KEEL_ATTENTION must be fused"));
+  CHECK(planned_backend_bytes(cfg, 0, false) > 0);  // the CPU backend does not read it
+
+  // the run's start-up breakdown says which it counted (a GPU run's: with the GPU's memory)
+  kernels.set(nullptr);
+  CHECK_THAT(memory_breakdown_text(cfg, 80 * kGiB),
+             Catch::Contains("this run: attention: keel's fused kernels, staged dS at most 1024 MiB (KEEL_ATTN_DS_MB): "
+                             "924.0 MiB of scratch in a layer's backward"));
+  CHECK_THAT(memory_breakdown_text(cfg), !Catch::Contains("attention:"));  // the CPU's
+
+  // keel plan counts what the job's environment sets, and says which
+  kernels.set("cudnn"), ws.set(nullptr);
+  const std::string path = std::string(KEEL_SOURCE_DIR) + "/configs/llama-1b.json";
+  const test::ProcessResult text = test::run_keel("plan --config " + path + " --gpus 1 --tp 1 --pp 1 --dp 1 --mbs 8");
+  INFO(text.output);
+  REQUIRE(text.code == 0);
+  CHECK_THAT(text.output, Catch::Contains("attention: cuDNN (KEEL_ATTENTION=cudnn), workspace at most 4096 MiB") &&
+                              Catch::Contains("CUDA context, comm buffers, attention scratch"));
+  const test::ProcessResult js =
+      test::run_keel("plan --config " + path + " --gpus 1 --tp 1 --pp 1 --dp 1 --mbs 8 --headroom 0 --json");
+  REQUIRE(js.code == 0);
+  const auto j = nlohmann::json::parse(js.output);
+  CHECK(j["memory_model"]["attention"]["kernels"] == "cudnn");
+  CHECK(j["memory_model"]["attention"]["cudnn_workspace_cap_bytes"] == 4096 * MiB);
+  kernels.set(nullptr);
+  const auto fused = nlohmann::json::parse(
+      test::run_keel("plan --config " + path + " --gpus 1 --tp 1 --pp 1 --dp 1 --mbs 8 --headroom 0 --json").output);
+  CHECK(fused["memory_model"]["attention"]["kernels"] == "fused");
+  CHECK(j["ranked"][0]["peak_bytes"].get<double>() - fused["ranked"][0]["peak_bytes"].get<double>() ==
+        2048 * MiB - 56 * 16.5 * MiB);
+  const auto cpu = nlohmann::json::parse(
+      test::run_keel("plan --config " + path + " --cpu --gpus 1 --tp 1 --pp 1 --dp 1 --mbs 8 --json").output);
+  CHECK(cpu["memory_model"]["attention"].is_null());
+  kernels.set("flash");
+  const test::ProcessResult bad = test::run_keel("plan --config " + path + " --gpus 1");
+  CHECK(bad.code != 0);
+  CHECK_THAT(bad.output, Catch::Contains("KEEL_ATTENTION must be fused"));
 }
 
 TEST_CASE("plan: selective recomputation drops each layer's norm outputs and MLP activation and pays their rebuild",
