@@ -39,15 +39,13 @@ int cmd_plan(const PlanArgs& a) {
   opt.hw.inter_node_gbps = a.inter_gbps;
   opt.hw.hbm_gbps = a.hbm_gbps;
   opt.hw.microbatch_overhead_s = a.mb_overhead_ms / 1e3;
-  if (a.framework == "keel") {
-    opt.memory = plan::keel_memory_model(cfg.precision.mode);
-    opt.memory.gpu_attention = attention_settings_from_env();  // as the job's environment will set them
-  } else {
-    opt.memory = plan::megatron_deepspeed_memory_model(a.framework == "mds-bf16");
-  }
+  if (a.framework == "keel") opt.memory = plan::keel_memory_model(cfg.precision.mode);
+  else opt.memory = plan::megatron_deepspeed_memory_model(a.framework == "mds-bf16");
   if (a.cpu) {  // the CPU backend's memory, as keel train checks it against the host's (run_options)
     opt.memory.cuda_context_bytes = 0;
     opt.memory.gpu_attention.reset();
+  } else if (a.framework == "keel") {
+    opt.memory.gpu_attention = attention_settings_from_env();  // as the job's environment will set them
   }
   if (!a.cuda_context.empty())
     opt.memory.cuda_context_bytes = static_cast<double>(plan::parse_memory_size(a.cuda_context, /*allow_zero=*/true));

@@ -1211,6 +1211,8 @@ TEST_CASE("plan: the attention backward's scratch follows the environment the CU
   const test::ProcessResult bad = test::run_keel("plan --config " + path + " --gpus 1");
   CHECK(bad.code != 0);
   CHECK_THAT(bad.output, Catch::Contains("KEEL_ATTENTION must be fused"));
+  // --cpu plans the CPU backend, which does not read them
+  CHECK(test::run_keel("plan --config " + path + " --cpu --gpus 1 --tp 1 --pp 1 --dp 1 --mbs 8").code == 0);
 }
 
 TEST_CASE("plan: selective recomputation drops each layer's norm outputs and MLP activation and pays their rebuild",
