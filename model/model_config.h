@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels/rope_frequencies.h"
 
@@ -82,5 +83,17 @@ std::string option_names(const ModelConfig& m);
 // lookups) + 12 x n_layers x attended_keys(seq) x (n_heads x head_dim) (QK^T and PV, without the
 // causal halving). Used by keel train's TFLOPs and keel plan alike.
 double flops_per_token(const ModelConfig& m, int64_t seq);
+
+// How the layers are cut into pipeline stages (parallel.embedding_slot, parallel.pipeline_layers).
+struct PipelineSplit {
+  // The embedding and the head count as one layer each (the BLOOM team's balancing of a large
+  // vocabulary): n_layers + 2 units are spread over the stages, so the first and last stage get
+  // fewer transformer layers.
+  bool embedding_slots = false;
+  // The layers of every (virtual) stage in model order, as the user chose them (Megatron's
+  // uneven first and last stages, in general); they sum to n_layers, and only the first stage
+  // (the embedding) and the last (the head) may hold none. Empty: spread evenly.
+  std::vector<int> layers;
+};
 
 }  // namespace keel

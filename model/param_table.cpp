@@ -171,12 +171,27 @@ void ParamTable::add_chunk(const ModelShard& shard) {
   }
 }
 
-ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, bool embedding_slots) {
+ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, const PipelineSplit& split) {
   ModelShard s;
   const int L = cfg.n_layers;
   s.has_embedding = stage == 0;
   s.has_head = stage == pp - 1;
-  if (!embedding_slots) {
+  if (!split.layers.empty()) {
+    if (split.layers.size() != static_cast<size_t>(pp))
+      throw std::invalid_argument("the pipeline split lists the layers of " + std::to_string(split.layers.size()) +
+                                  " stages, not " + std::to_string(pp));
+    int total = 0;
+    for (int n : split.layers) {
+      if (n < 0) throw std::invalid_argument("the pipeline split gives a stage " + std::to_string(n) + " layers");
+      total += n;
+    }
+    if (total != L)
+      throw std::invalid_argument("the pipeline split's " + std::to_string(total) +
+                                  " layers are not the model's " + std::to_string(L));
+    s.first_layer = 0;
+    for (int k = 0; k < stage; ++k) s.first_layer += split.layers[static_cast<size_t>(k)];
+    s.end_layer = s.first_layer + split.layers[static_cast<size_t>(stage)];
+  } else if (!split.embedding_slots) {
     const int base = L / pp, extra = L % pp;
     s.first_layer = stage * base + std::min(stage, extra);
     s.end_layer = s.first_layer + base + (stage < extra ? 1 : 0);
@@ -192,15 +207,19 @@ ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, bool embedd
   if (s.end_layer == s.first_layer && !s.has_embedding && !s.has_head)
     throw std::invalid_argument("pipeline stage " + std::to_string(stage) + " of " + std::to_string(pp) +
                                 " would hold no layer (" + std::to_string(L) + " layers" +
-                                (embedding_slots ? " + embedding and head slots" : "") + ")");
+                                (!split.layers.empty()       ? " as parallel.pipeline_layers cuts them"
+                                 : split.embedding_slots ? " + embedding and head slots"
+                                                             : "") +
+                                ")");
   return s;
 }
 
-std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chunks, int stage, bool embedding_slots) {
+std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chunks, int stage,
+                                        const PipelineSplit& split) {
   std::vector<ModelShard> out;
   for (int c = 0; c < chunks; ++c) {
     try {
-      out.push_back(pipeline_stage(cfg, pp * chunks, c * pp + stage, embedding_slots));
+      out.push_back(pipeline_stage(cfg, pp * chunks, c * pp + stage, split));
     } catch (const std::invalid_argument& e) {
       if (chunks == 1) throw;
       throw std::invalid_argument(std::string(e.what()) + ": with parallel.virtual_stages " + std::to_string(chunks) +

@@ -121,16 +121,16 @@ bool embedding_tensor(const ParamSpec& p);
 // the local shard.
 Tensor param_view(const Tensor& flat, const ParamSpec& p);
 
-// Layers [first, end) of pipeline stage `stage` of `pp`. Without embedding slots the layers are
-// spread evenly (the first n_layers % pp stages get one more). With embedding slots the
-// embedding and the head count as one layer each (the BLOOM team's balancing of a large
-// vocabulary): n_layers + 2 units are spread over the stages, so the first and last stage get
-// fewer transformer layers. Throws when a stage would get nothing at all.
-ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, bool embedding_slots);
+// Layers [first, end) of pipeline stage `stage` of `pp`, the embedding on the first and the head
+// on the last. By default the layers are spread evenly (the first n_layers % pp stages get one
+// more). Throws when a stage would get nothing at all, or when `split.layers` does not list pp
+// stages.
+ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, const PipelineSplit& split);
 // The model chunks of pipeline rank `stage` under the interleaved schedule: the layers are cut
 // into pp * chunks virtual stages as pipeline_stage cuts them into pp, and the rank holds
 // virtual stages stage, stage + pp, ... (chunks == 1: the one stage).
-std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chunks, int stage, bool embedding_slots);
+std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chunks, int stage,
+                                        const PipelineSplit& split);
 
 // Deterministic initialisation of a tensor's local shard into `out` (fp32, local numel):
 // element value = N(0, init_std) drawn from a counter-based generator keyed by (seed, tensor

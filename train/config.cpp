@@ -454,6 +454,16 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     p.overlap_grad_reduce = f.boolean("overlap_grad_reduce", false);
     p.grad_bucket_size = f.integer("grad_bucket_size", 0, 0, int64_t{1} << 40);
     p.overlap_param_gather = f.boolean("overlap_param_gather", false);
+    const json* split = f.raw("pipeline_layers");
+    if (split && !split->is_null()) {
+      const bool counts = split->is_array() && std::all_of(split->begin(), split->end(), [](const json& e) {
+        return e.is_number_integer() && e.get<int64_t>() >= 0 && e.get<int64_t>() <= (1 << 20);
+      });
+      if (!counts)
+        f.error("parallel.pipeline_layers", "expected a list of layer counts >= 0, one per pipeline stage, got " + show(*split));
+      else
+        for (const json& e : *split) p.pipeline_layers.push_back(e.get<int>());
+    }
     f.finish();
     // The layout's checks against the model and batch quote these fields: only when they are valid.
     const bool layout_valid = errors.size() == errors_before;
@@ -477,14 +487,40 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       }
       divides(p.tp, m.ffn_hidden, "parallel.tp", "model.ffn_hidden");
       const bool layers_ok = ok({"model.n_layers"});
-      if (layers_ok && p.pp > m.n_layers + (p.embedding_slot ? 2 : 0))
+      if (!p.pipeline_layers.empty()) {
+        // An explicit split replaces the checks of the even one below.
+        const int64_t stages = p.pp * p.virtual_stages;
+        int64_t total = 0;
+        for (int n : p.pipeline_layers) total += n;
+        std::string zeros;
+        for (size_t k = 1; k + 1 < p.pipeline_layers.size(); ++k)
+          if (p.pipeline_layers[k] == 0) zeros += (zeros.empty() ? "" : ", ") + std::to_string(k);
+        if (p.embedding_slot)
+          errors.push_back("parallel.pipeline_layers: set, and so is parallel.embedding_slot; both choose the split "
+                           "(keep one: pipeline_layers gives every stage's layers itself)");
+        else if (static_cast<int64_t>(p.pipeline_layers.size()) != stages)
+          errors.push_back("parallel.pipeline_layers: " + std::to_string(p.pipeline_layers.size()) +
+                           (p.pipeline_layers.size() == 1 ? " layer count" : " layer counts") + " for " +
+                           std::to_string(stages) + " pipeline stages (parallel.pp" +
+                           (p.virtual_stages > 1 ? " * parallel.virtual_stages" : "") +
+                           "; one count per stage, in model order)");
+        else if (layers_ok && total != m.n_layers)
+          errors.push_back("parallel.pipeline_layers: the counts add up to " + std::to_string(total) +
+                           " layers, but model.n_layers is " + std::to_string(m.n_layers));
+        else if (!zeros.empty())
+          errors.push_back("parallel.pipeline_layers: " + std::string(p.virtual_stages > 1 ? "virtual " : "") +
+                           (zeros.find(',') == std::string::npos ? "stage " : "stages ") + zeros +
+                           " would hold no layer (only the first stage, which holds the embedding, and the last, "
+                           "which holds the head, may hold none)");
+      } else if (layers_ok && p.pp > m.n_layers + (p.embedding_slot ? 2 : 0))
         errors.push_back("parallel.pp: " + std::to_string(p.pp) + " stages for " + std::to_string(m.n_layers) +
                          " layers" + (p.embedding_slot ? " + embedding and head slots" : "") +
                          " (each stage needs at least one)");
       if (p.virtual_stages > 1 && p.pp == 1)
         errors.push_back("parallel.virtual_stages: " + std::to_string(p.virtual_stages) +
                          " model chunks per rank interleave a pipeline; with parallel.pp = 1 there is none (set it to 1)");
-      else if (p.virtual_stages > 1 && layers_ok && p.pp * p.virtual_stages > m.n_layers + (p.embedding_slot ? 2 : 0))
+      else if (p.virtual_stages > 1 && layers_ok && p.pipeline_layers.empty() &&
+               p.pp * p.virtual_stages > m.n_layers + (p.embedding_slot ? 2 : 0))
         errors.push_back("parallel.virtual_stages: pp * virtual_stages = " + std::to_string(p.pp * p.virtual_stages) +
                          " virtual stages for " + std::to_string(m.n_layers) + " layers" +
                          (p.embedding_slot ? " + embedding and head slots" : "") + " (each needs at least one)");
@@ -909,6 +945,7 @@ json to_json(const RunConfig& c) {
                    {"pp", c.parallel.pp},
                    {"dp", c.parallel.dp},
                    {"embedding_slot", c.parallel.embedding_slot},
+                   {"pipeline_layers", c.parallel.pipeline_layers},
                    {"sequence_parallel", c.parallel.sequence_parallel},
                    {"virtual_stages", c.parallel.virtual_stages},
                    {"overlap_grad_reduce", c.parallel.overlap_grad_reduce},

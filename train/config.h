@@ -229,6 +229,11 @@ struct ParallelConfig {
   // Give the embedding and the head a pipeline slot each, like a transformer layer (balances
   // a large vocabulary: the first and last stage get fewer layers).
   bool embedding_slot = false;
+  // Layers per (virtual) stage in model order (pp * virtual_stages counts that sum to n_layers),
+  // for an uneven split such as Megatron's lighter first and last stages; only the first and last
+  // stage may hold none. Empty: the even split (or embedding_slot's).
+  std::vector<int> pipeline_layers;
+  PipelineSplit pipeline_split() const { return {embedding_slot, pipeline_layers}; }
   // Megatron's sequence parallelism with TP (model/transformer.h): the residual stream, norms
   // and stage outputs are split by token rows over the TP ranks.
   bool sequence_parallel = false;

@@ -228,19 +228,21 @@ SeedAccounting seed_accounting(const ModelConfig& m, const Layout& l) {
 // ---------------------------------------------------------------------------------------------
 // one layout
 
-std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot) {
-  if (pp < 1) return {};
-  if (pp == 1) return {StageSpan{0, n_layers, true, true}};
-  if (pp > n_layers + (own_slot ? 2 : 0)) return {};  // the config refuses it (parallel.pp)
+std::vector<StageSpan> stage_spans(int n_layers, int64_t stages, const PipelineSplit& split) {
+  if (stages < 1) return {};
+  if (!split.layers.empty() && static_cast<int64_t>(split.layers.size()) != stages) return {};
+  if (stages == 1) return {StageSpan{0, n_layers, true, true}};
+  if (split.layers.empty() && stages > n_layers + (split.embedding_slots ? 2 : 0))
+    return {};  // the config refuses it (parallel.pp)
   ModelConfig m;  // the trainer's split (model/param_table.h) reads the layer count only
   m.n_layers = n_layers;
   std::vector<StageSpan> out;
-  for (int s = 0; s < pp; ++s) {
+  for (int s = 0; s < stages; ++s) {
     try {
-      const ModelShard sh = pipeline_stage(m, static_cast<int>(pp), s, own_slot);
+      const ModelShard sh = pipeline_stage(m, static_cast<int>(stages), s, split);
       out.push_back(StageSpan{sh.first_layer, sh.end_layer, sh.has_embedding, sh.has_head});
     } catch (const std::invalid_argument&) {
-      return {};  // a stage would hold nothing
+      return {};  // a stage would hold nothing, or the counts do not add up
     }
   }
   return out;
@@ -296,9 +298,11 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   // with SP also the gathered rows [N, d] and the scattered sums [rows, d]
   const double dact = m.is_gpt2() && mem.fused_gelu_backward ? 0 : F;
   const double proj_out = tp == 1 && mem.fused_residual_projection ? 0 : N * d;
-  r.backward_scratch =
-      a * (rows * d + N * d + proj_out + N * (qkv + q + fc + dact) / t) + (rows < N ? a * (N + rows) * d : 0);
-  if (m.qk_norm) r.backward_scratch += 2 * N * qk_heads / t * a * m.head_dim();  // the two qk_norm scratch sets
+  r.backward_scratch = a * (rows * d + N * d) + (rows < N ? a * (N + rows) * d : 0);
+  r.layer_backward_scratch = a * (proj_out + N * (qkv + q + fc + dact) / t);
+  if (m.qk_norm) r.layer_backward_scratch += 2 * N * qk_heads / t * a * m.head_dim();  // the two qk_norm scratch sets
+  // The embedding's rows summed over TP before the scatter reuse proj_out where it exists.
+  r.embedding_sums = rows < N ? a * N * d : 0;
   return r;
 }
 
@@ -333,8 +337,16 @@ std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOpti
   // The trainer spreads layers unevenly when they do not divide (the first stages take one
   // more); a stage with nothing to hold is the only pipeline that cannot be built.
   const int64_t v = std::max<int64_t>(1, opt.virtual_stages);
-  if (l.pp > 1 && stage_spans(m.n_layers, l.pp * v, opt.embedding_own_slot).empty())
-    return (v > 1 ? "pp*virtual_stages=" + std::to_string(l.pp * v) : "pp=" + std::to_string(l.pp)) + " stages for " +
+  const std::string stages_text =
+      v > 1 ? "pp*virtual_stages=" + std::to_string(l.pp * v) : "pp=" + std::to_string(l.pp);
+  if (!opt.pipeline_layers.empty() && static_cast<int64_t>(opt.pipeline_layers.size()) != l.pp * v)
+    return "parallel.pipeline_layers gives " + std::to_string(opt.pipeline_layers.size()) + " stages their layers, not " +
+           stages_text;
+  if (!opt.pipeline_layers.empty() && stage_spans(m.n_layers, l.pp * v, opt.pipeline_split()).empty())
+    return "parallel.pipeline_layers does not cut the " + std::to_string(m.n_layers) +
+           " layers into stages that each hold something";
+  if (l.pp > 1 && stage_spans(m.n_layers, l.pp * v, opt.pipeline_split()).empty())
+    return stages_text + " stages for " +
            std::to_string(m.n_layers) + " layers" +
            (opt.embedding_own_slot ? " + embedding and head slots" : "") + " (each needs at least one)";
   const int64_t unit = l.mbs * l.dp;
@@ -450,12 +462,15 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   const int64_t seq = cfg.train.seq_len;
   const bool own_slot = opt.embedding_own_slot && l.pp > 1;
   const int64_t v = l.pp > 1 ? std::max<int64_t>(1, opt.virtual_stages) : 1;
-  const std::vector<StageSpan> spans = stage_spans(m.n_layers, l.pp * v, own_slot);
-  if (spans.empty()) throw ConfigError("plan_layout: " + l.str() + " leaves a pipeline stage without layers");
+  const std::vector<StageSpan> spans = stage_spans(m.n_layers, l.pp * v, {own_slot, opt.pipeline_layers});
+  if (spans.empty())
+    throw ConfigError("plan_layout: " + l.str() + " leaves a pipeline stage without layers" +
+                      (opt.pipeline_layers.empty() ? "" : " (or parallel.pipeline_layers does not list its stages)"));
 
   LayoutPlan p;
   p.layout = l;
   p.embedding_own_slot = own_slot;
+  p.pipeline_layers = opt.pipeline_layers;
   p.virtual_stages = v;
   p.micro_batches = cfg.train.global_batch / (l.mbs * l.dp);
   const int64_t mb = std::max<int64_t>(p.micro_batches, 1);
@@ -516,7 +531,11 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     const double kept_other = kept_layer - (opt.selective ? act.per_layer_rebuilt : 0);
     double recompute_left = opt.recompute_layers > 0 ? double(opt.recompute_layers) : sp.layers();
     double Lr = 0;
-    double once = act.backward_scratch + (sp.has_head ? act.head_shared : 0);
+    // A stage without layers (an embedding or head slot) holds no layer's backward buffers.
+    const bool has_layers = sp.layers() > 0;
+    double once = act.backward_scratch + (has_layers ? act.layer_backward_scratch : 0) +
+                  (sp.has_head ? act.head_shared : 0) +
+                  (!has_layers && sp.has_embedding ? act.embedding_sums : 0);
     for (size_t c = 0; c < st.chunks.size(); ++c) {
       const StageSpan& cs = st.chunks[c];
       const double L = cs.layers();
@@ -548,7 +567,8 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     st.act_full += once + rebuild;
     st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : rebuild) + once;
     st.act_recompute = st.act_stored_recompute + st.act_working_recompute;
-    st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes + attention_scratch_bytes(m, mem, l.tp, l.mbs, seq);
+    st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes +
+                  (has_layers ? attention_scratch_bytes(m, mem, l.tp, l.mbs, seq) : 0);
     p.stages.push_back(st);
   }
   p.usable_bytes = hw.gpu_mem_bytes * (1 - mem.headroom);
@@ -633,6 +653,14 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     t.total = t.compute + t.tp + t.pp + hw.microbatch_overhead_s;
     times.push_back(t);
   }
+  for (const auto& t : times) p.stage_seconds.push_back(t.total);
+  {
+    // One more layer: its forward and backward with their TP messages, and what recomputation adds
+    // (a second forward where every layer is recomputed, the rebuild under selective).
+    const bool all_recomputed = p.recompute && opt.recompute_layers == 0;
+    p.layer_seconds = layer_s + (all_recomputed ? layer_fwd.seconds : rebuild_s) +
+                      (4.0 + (all_recomputed ? 2.0 : 0.0)) * ar_sent / bw_intra;
+  }
   // 1F1B with m micro-batches: every stage runs each micro-batch once, and the pipeline as a
   // whole advances at the pace of its slowest stage: sum_s t_s + (m - 1) max_s t_s, which is
   // (m + pp - 1) t for equal stages, i.e. a bubble of (pp - 1) / (m + pp - 1).
@@ -700,6 +728,40 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   return p;
 }
 
+std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt) {
+  const int64_t pp = p.layout.pp;
+  if (pp < 2 || p.virtual_stages != 1 || static_cast<int64_t>(p.stage_seconds.size()) != pp || p.layer_seconds <= 0)
+    return std::nullopt;
+  const size_t n = static_cast<size_t>(pp);
+  std::vector<double> fixed(n);  // a stage's time without its layers: embedding, head, messages
+  std::vector<int> layers(n), now(n);
+  int left = cfg.model.n_layers;
+  for (size_t s = 0; s < n; ++s) {
+    now[s] = p.stages[s].span.layers();
+    fixed[s] = p.stage_seconds[s] - now[s] * p.layer_seconds;
+    layers[s] = s == 0 || s + 1 == n ? 0 : 1;
+    left -= layers[s];
+  }
+  if (left < 0) return std::nullopt;
+  // Equal steps of layer_seconds: giving each layer to the stage it slows least minimises the
+  // slowest stage. Ties go to the later stage, which keeps fewer micro-batches in flight.
+  for (; left > 0; --left) {
+    size_t best = n - 1;
+    for (size_t s = n; s-- > 0;)
+      if (fixed[s] + layers[s] * p.layer_seconds < fixed[best] + layers[best] * p.layer_seconds) best = s;
+    ++layers[best];
+  }
+  if (layers == now) return std::nullopt;
+  PlanOptions o = opt;
+  o.pipeline_layers = layers;
+  o.embedding_own_slot = false;
+  o.virtual_stages = 1;
+  if (!layout_problem(cfg, p.layout, o).empty()) return std::nullopt;
+  const LayoutPlan q = plan_layout(cfg, p.layout, o);
+  if (!q.fits || q.time.step_s > 0.99 * p.time.step_s) return std::nullopt;
+  return LayoutPlan::Balance{layers, q.time.step_s, q.peak_bytes};
+}
+
 // ---------------------------------------------------------------------------------------------
 // every layout
 
@@ -722,7 +784,11 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
       {
         Layout probe = base;
         probe.mbs = 1;
-        std::string why = layout_problem(cfg, probe, o);
+        PlanOptions po = o;
+        // The user's split fixes the stage count: auto chunks probe with the count that matches it.
+        const int64_t listed = static_cast<int64_t>(o.pipeline_layers.size());
+        if (o.virtual_stages == 0 && listed > pp && listed % pp == 0) po.virtual_stages = listed / pp;
+        std::string why = layout_problem(cfg, probe, po);
         if (!why.empty() && why.find("mbs*dp") == std::string::npos) {
           r.rejected.push_back({base, why, 0});
           continue;
@@ -743,7 +809,7 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
       std::vector<int64_t> chunk_counts = {std::max<int64_t>(1, opt.virtual_stages)};
       if (opt.virtual_stages == 0 && pp > 1)
         for (int64_t v = 2; v <= kMaxAutoVirtualStages; ++v)
-          if (!stage_spans(cfg.model.n_layers, pp * v, opt.embedding_own_slot).empty()) chunk_counts.push_back(v);
+          if (!stage_spans(cfg.model.n_layers, pp * v, opt.pipeline_split()).empty()) chunk_counts.push_back(v);
       for (int64_t mbs : sizes) {
         const Layout l{tp, pp, dp, mbs};
         std::optional<LayoutPlan> best;
@@ -767,8 +833,12 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
           }
           if (!best || lp.time.step_s < best->time.step_s) best = std::move(lp);
         }
-        if (best) r.ranked.push_back(std::move(*best));
-        else if (first_problem) r.rejected.push_back(*first_problem);
+        if (best) {
+          PlanOptions ob = o;
+          ob.virtual_stages = best->virtual_stages;
+          best->balance = balance_pipeline(cfg, *best, ob);
+          r.ranked.push_back(std::move(*best));
+        } else if (first_problem) r.rejected.push_back(*first_problem);
       }
     }
   }
@@ -940,7 +1010,10 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
   const int64_t nodes = (l.gpus() + opt.hw.gpus_per_node - 1) / opt.hw.gpus_per_node;
   o << "layout " << l.str() << ": " << l.gpus() << (l.gpus() > 1 ? " GPUs (" : " GPU (") << nodes << " node" << (nodes > 1 ? "s" : "") << " of "
     << opt.hw.gpus_per_node << "), " << p.micro_batches << (p.micro_batches == 1 ? " micro-batch of " : " micro-batches of ") << l.mbs << " per DP rank per step"
-    << (p.embedding_own_slot ? ", embedding and head in their own pipeline slots" : "") << "\n";
+    << (p.embedding_own_slot ? ", embedding and head in their own pipeline slots" : "")
+    << (p.pipeline_layers.empty() ? "" : ", layers per stage " + nlohmann::json(p.pipeline_layers).dump() +
+                                             " (parallel.pipeline_layers)")
+    << "\n";
   // first, a middle and the last stage, and the peak stage wherever it is (uneven splits, e.g.
   // with embedding slots, can put it elsewhere): the verdict's figure must be in the table
   std::vector<int> shown = {0};
@@ -1027,6 +1100,14 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
     << fmt("%.2f", p.time.dp_comm_s) << dp_overlap_note(opt, l) << "), block matmul efficiency "
     << fmt("%.0f%%", 100 * p.time.gemm_efficiency)
     << ", " << fmt("%.1f", p.time.model_tflops) << " model TFLOP/s per GPU\n";
+  if (p.balance) {
+    const auto [lo, hi] = std::minmax_element(p.stage_seconds.begin(), p.stage_seconds.end());
+    o << "  pipeline balance: a micro-batch takes " << fmt("%.3f", *lo) << "-" << fmt("%.3f s", *hi)
+      << " a stage, stage " << (hi - p.stage_seconds.begin()) << " the slowest; parallel.pipeline_layers "
+      << nlohmann::json(p.balance->layers).dump() << " evens them: estimated step " << fmt("%.2f s", p.balance->step_s)
+      << fmt(" (%.1f%% less)", 100 * (1 - p.balance->step_s / p.time.step_s)) << ", peak "
+      << format_bytes(p.balance->peak_bytes) << "\n";
+  }
   for (const auto& w : p.warnings) o << "  warning: " << w << "\n";
   return o.str();
 }
@@ -1159,6 +1240,7 @@ nlohmann::json layout_json(const LayoutPlan& p) {
   const Layout& l = p.layout;
   j["layout"] = {{"tp", l.tp}, {"pp", l.pp}, {"dp", l.dp}, {"mbs", l.mbs}, {"gpus", l.gpus()}};
   j["embedding_own_slot"] = p.embedding_own_slot;
+  j["pipeline_layers"] = p.pipeline_layers;
   j["virtual_stages"] = p.virtual_stages;
   j["micro_batches"] = p.micro_batches;
   j["recompute"] = p.recompute;
@@ -1206,6 +1288,11 @@ nlohmann::json layout_json(const LayoutPlan& p) {
                       {"in_flight", s.in_flight}});
   }
   j["stages"] = stages;
+  j["stage_seconds"] = p.stage_seconds;
+  j["pipeline_balance"] = p.balance ? nlohmann::json{{"pipeline_layers", p.balance->layers},
+                                                     {"step_s", p.balance->step_s},
+                                                     {"peak_bytes", p.balance->peak_bytes}}
+                                    : nlohmann::json();
   j["warnings"] = p.warnings;
   return j;
 }
@@ -1278,6 +1365,7 @@ PlanOptions run_options(const RunConfig& cfg, bool gpu) {
   opt.sequence_parallel = cfg.parallel.sequence_parallel;
   opt.logits_chunk_rows = cfg.train.logits_chunk_rows;
   opt.embedding_own_slot = cfg.parallel.embedding_slot;
+  opt.pipeline_layers = cfg.parallel.pipeline_layers;
   opt.virtual_stages = cfg.parallel.virtual_stages;
   opt.overlap_grad_reduce = cfg.parallel.overlap_grad_reduce;
   opt.overlap_param_gather = cfg.parallel.overlap_param_gather;

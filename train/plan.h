@@ -129,6 +129,10 @@ struct PlanOptions {
   bool sequence_parallel = false;   // the residual stream and norms split by rows over TP
   int64_t logits_chunk_rows = 0;    // train.logits_chunk_rows (0: automatic), with chunked_logits
   bool embedding_own_slot = false;  // embedding and head each take a pipeline slot like a block
+  // parallel.pipeline_layers: the layers of every (virtual) stage, in model order; a layout whose
+  // pp * virtual_stages differs from their count is rejected. Empty: the trainer's even split.
+  std::vector<int> pipeline_layers;
+  PipelineSplit pipeline_split() const { return {embedding_own_slot, pipeline_layers}; }
   // parallel.virtual_stages: model chunks per pipeline rank (interleaved 1F1B). The layers are
   // cut into pp * virtual_stages spans; activations follow train/pipeline_schedule.h.
   // 0 (plan_all only): each pipeline layout with the count, 1 to kMaxAutoVirtualStages, that
@@ -185,11 +189,11 @@ struct StageSpan {
   bool has_embedding = false, has_head = false;
   int layers() const { return end_layer - first_layer; }
 };
-// The trainer's split (model/param_table.h pipeline_stage): layers spread over pp, the first
-// n_layers % pp stages taking one more; with own_slot, layers + 2 slots over pp, the first
-// stage giving one slot to the embedding, the last one to the head.
-// Empty when a stage would hold nothing.
-std::vector<StageSpan> stage_spans(int n_layers, int64_t pp, bool own_slot);
+// The trainer's split (model/param_table.h pipeline_stage) into `stages`: layers spread evenly,
+// the first n_layers % stages taking one more; with embedding slots, layers + 2 slots, the first
+// stage giving one slot to the embedding, the last one to the head; or the split's own counts.
+// Empty when a stage would hold nothing, or the counts are not one per stage.
+std::vector<StageSpan> stage_spans(int n_layers, int64_t stages, const PipelineSplit& split);
 
 // Activation bytes of one micro-batch on one stage (tokens = mbs * seq_len).
 struct Activations {
@@ -208,7 +212,11 @@ struct Activations {
   double stage_output = 0;        // the stage's output buffer (the last stage: final-norm input)
   double token_ids = 0;           // one int32 array: token ids (first stage), targets (last stage)
   double embed_norm = 0;          // model.embedding_norm: the norm's input and stats (first stage)
-  double backward_scratch = 0;    // gradient buffers reused by every layer
+  // Gradient buffers reused by every layer: what every stage holds (the residual stream's and a
+  // norm's gradient; under SP the gathered and scattered rows), and what only a stage with layers
+  // holds (the projections' outputs under TP, the qkv, attention and MLP gradients).
+  double backward_scratch = 0, layer_backward_scratch = 0;
+  double embedding_sums = 0;      // under SP, the embedding's partial sums before their scatter
 };
 // sequence_parallel (with tp > 1): the [tokens, d] tensors TP would replicate are split over tp,
 // at the price of two [tokens, d] scratch buffers (gathered rows, and the scattered sums).
@@ -254,6 +262,7 @@ struct TimeEstimate {
 struct LayoutPlan {
   Layout layout;
   bool embedding_own_slot = false;
+  std::vector<int> pipeline_layers;  // the user's layers per (virtual) stage; empty: the even split
   int64_t virtual_stages = 1;  // model chunks per pipeline rank (interleaved 1F1B)
   int64_t micro_batches = 0;  // per DP rank per step (m)
   bool recompute = false;     // the policy the verdict and the time assume
@@ -265,6 +274,16 @@ struct LayoutPlan {
   double bubble = 0;          // (pp - 1) / (v m + pp - 1), v = virtual stages
   CommVolume comm;
   TimeEstimate time;
+  // A micro-batch's time on each stage (compute, TP and PP messages): the slowest sets the pace.
+  std::vector<double> stage_seconds;
+  double layer_seconds = 0;  // what one more layer adds to a stage (its TP messages, recomputation)
+  // A split of the layers (parallel.pipeline_layers) that evens the stages' times, where the cost
+  // model finds it faster and it fits (balance_pipeline; plan_all fills it for ranked layouts).
+  struct Balance {
+    std::vector<int> layers;
+    double step_s = 0, peak_bytes = 0;
+  };
+  std::optional<Balance> balance;
   std::vector<std::string> warnings;
 };
 
@@ -294,6 +313,12 @@ struct PlanResult {
   std::vector<Rejection> rejected;
 };
 PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt);
+
+// The split of 1F1B stages (no interleaving) that evens their times: each layer goes to the stage
+// it slows least, from a layer on every middle stage (the embedding's and the head's stages may
+// hold none). Empty unless it differs from p's, fits, and the cost model makes the step at least
+// 1% faster.
+std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt);
 
 // When nothing fits: the best layout on fewer GPUs (whole nodes, down to half), and on the same
 // GPUs with a global batch that divides over another dp, or with a few layers more or less (the

@@ -21,7 +21,7 @@ namespace keel {
 
 std::vector<ModelShard> chunks_for(const RunConfig& cfg, const parallel::Grid& grid) {
   std::vector<ModelShard> chunks = pipeline_chunks(cfg.model, grid.pp_size(), static_cast<int>(cfg.parallel.virtual_stages),
-                                                   grid.pp_rank(), cfg.parallel.embedding_slot);
+                                                   grid.pp_rank(), cfg.parallel.pipeline_split());
   for (ModelShard& sh : chunks) {
     sh.tp_rank = grid.tp_rank();
     sh.tp_size = grid.tp_size();

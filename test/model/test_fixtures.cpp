@@ -122,7 +122,7 @@ TEST_CASE("parameter table of a rank with model chunks (interleaved pipeline)", 
   c.tied_embeddings = true;
   // pp=2 x 2 chunks: 4 virtual stages of 2 layers; rank 0 holds layers 0-1 (+ embedding) and
   // 4-5, rank 1 layers 2-3 and 6-7 (+ head, with the tied embedding's copy).
-  const std::vector<ModelShard> r0 = pipeline_chunks(c, 2, 2, 0, false), r1 = pipeline_chunks(c, 2, 2, 1, false);
+  const std::vector<ModelShard> r0 = pipeline_chunks(c, 2, 2, 0, {}), r1 = pipeline_chunks(c, 2, 2, 1, {});
   REQUIRE(r0.size() == 2);
   CHECK((r0[0].first_layer == 0 && r0[0].end_layer == 2 && r0[0].has_embedding && !r0[0].has_head));
   CHECK((r0[1].first_layer == 4 && r0[1].end_layer == 6 && !r0[1].has_embedding && !r0[1].has_head));
@@ -151,7 +151,7 @@ TEST_CASE("parameter table of a rank with model chunks (interleaved pipeline)", 
   CHECK(t1.chunk(1).contains("final_norm.weight"));
   CHECK_FALSE(t1.chunk(0).contains("final_norm.weight"));
   // More virtual stages than layers: the error says which.
-  CHECK_THROWS_WITH(pipeline_chunks(c, 4, 4, 1, false), Catch::Contains("virtual_stages 4") &&
+  CHECK_THROWS_WITH(pipeline_chunks(c, 4, 4, 1, {}), Catch::Contains("virtual_stages 4") &&
                                                             Catch::Contains("16 virtual stages"));
 }
 

@@ -673,6 +673,62 @@ TEST_CASE("the interleaved pipeline (virtual stages) trains like plain 1F1B, and
   }
 }
 
+TEST_CASE("uneven pipeline splits (parallel.pipeline_layers, embedding_slot) train like one process and resume evenly",
+          "[mpi][layouts][pipeline]") {
+  // Stages that hold only the embedding or only the head (GPT-2's: the final norm and the tied
+  // copy beside no layer), embedding_slot's split, an SP embedding stage whose rows are summed
+  // over TP and scattered without a layer, and an interleaved split: the single process's math
+  // (fp32 1e-5 / 1e-4), with the memory keel plan gives rank 0. 8 layers.
+  struct Case {
+    Layout l;
+    std::string extra;
+  };
+  const std::vector<Case> cases = {
+      {{1, 4, 1}, "--set parallel.pipeline_layers=[0,3,4,1]"},
+      {{1, 4, 1}, "--set parallel.pipeline_layers=[2,3,3,0]"},
+      {{1, 4, 1}, "--set parallel.embedding_slot=true"},
+      {{2, 2, 1}, "--set parallel.sequence_parallel=true --set parallel.pipeline_layers=[0,8]"},
+      {{1, 2, 2}, "--set parallel.virtual_stages=2 --set parallel.pipeline_layers=[0,4,3,1]"}};
+  for (const std::string family : {"llama", "gpt2"}) {
+    nlohmann::json patch = model_patch(family);
+    patch["checkpoint"] = {{"interval", 3}, {"save_at_end", false}};
+    test::Workspace ws(patch);
+    const Run ref = train(ws, ws.dir / "single", {1, 1, 1});
+    INFO(ref.output);
+    REQUIRE(ref.code == 0);
+    for (size_t k = 0; k < cases.size(); ++k) {
+      INFO(family << " " << cases[k].l.str() << " " << cases[k].extra);
+      const Run got = train(ws, ws.dir / ("split" + std::to_string(k)), cases[k].l, cases[k].extra);
+      INFO(got.output);
+      REQUIRE(got.code == 0);
+      compare(ref, got, 1e-5, 1e-5, 1e-4);
+      check_memory(got);
+    }
+    // The embedding-only first stage's step-3 checkpoint resumes under the even split of pp=2.
+    const std::string resumed = ws.dir / "resumed_even";
+    fs::create_directories(resumed + "/checkpoints");
+    fs::copy(ws.dir / "split0/checkpoints/step_00000003", resumed + "/checkpoints/step_00000003",
+             fs::copy_options::recursive);
+    const Run r = train(ws, resumed, {1, 2, 1});
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK(r.records.front()["step"].get<int64_t>() == 4);
+    std::map<int64_t, double> got;
+    for (const auto& rec : r.records) got[rec["step"].get<int64_t>()] = rec["loss"].get<double>();
+    for (const auto& rec : ref.records)
+      if (rec["step"].get<int64_t>() > 3) {
+        INFO("step " << rec["step"]);
+        CHECK(std::abs(got[rec["step"]] - rec["loss"].get<double>()) <= 1e-5 * rec["loss"].get<double>());
+      }
+  }
+  // A split the run cannot build is refused before any rank starts, naming the field.
+  test::Workspace ws(model_patch("llama"));
+  const Run bad = train(ws, ws.dir / "bad", {1, 4, 1}, "--set parallel.pipeline_layers=[2,0,3,3]");
+  CHECK(bad.code != 0);
+  CHECK_THAT(bad.output, Catch::Contains("parallel.pipeline_layers: stage 1 would hold no layer"));
+  CHECK(!fs::exists(ws.dir / "bad/checkpoints"));
+}
+
 TEST_CASE("tied embedding copies stay bitwise identical over many steps, and a drift is caught by name",
           "[mpi][tied]") {
   nlohmann::json patch = model_patch("gpt2");

@@ -261,6 +261,62 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
 
 // A wrong field is reported once: the checks that relate it to others skip it instead of
 // quoting the default that stands in for it (values the user never gave).
+TEST_CASE("parallel.pipeline_layers: the user's split, stages of the embedding or head only, round trip, errors",
+          "[config][pipeline]") {
+  auto base = test::tiny_run_json();  // 2 layers
+  auto split_of = [&](const nlohmann::json& parallel) {
+    const RunConfig c = test::make_config(base, {{"parallel", parallel}});
+    CHECK(to_json(parse_config(to_json(c), "again")) == to_json(c));
+    std::vector<std::pair<int, int>> spans;  // [first, end) of every (virtual) stage in model order
+    const int stages = static_cast<int>(c.parallel.pp * c.parallel.virtual_stages);
+    for (int s = 0; s < stages; ++s) {
+      const ModelShard sh = pipeline_stage(c.model, stages, s, c.parallel.pipeline_split());
+      CHECK(sh.has_embedding == (s == 0));
+      CHECK(sh.has_head == (s == stages - 1));
+      spans.emplace_back(sh.first_layer, sh.end_layer);
+    }
+    return spans;
+  };
+  using Spans = std::vector<std::pair<int, int>>;
+  CHECK(split_of({{"pp", 1}, {"pipeline_layers", {2}}}) == Spans{{0, 2}});
+  CHECK(split_of({{"pp", 2}, {"pipeline_layers", {0, 2}}}) == Spans{{0, 0}, {0, 2}});
+  CHECK(split_of({{"pp", 2}, {"pipeline_layers", {2, 0}}}) == Spans{{0, 2}, {2, 2}});
+  // More stages than layers, when the extra ones hold the embedding and the head.
+  CHECK(split_of({{"pp", 4}, {"pipeline_layers", {0, 1, 1, 0}}}) == Spans{{0, 0}, {0, 1}, {1, 2}, {2, 2}});
+  CHECK(split_of({{"pp", 2}, {"virtual_stages", 2}, {"pipeline_layers", {0, 1, 1, 0}}}) ==
+        Spans{{0, 0}, {0, 1}, {1, 2}, {2, 2}});
+  CHECK(split_of({{"pp", 2}, {"pipeline_layers", nlohmann::json::array()}}) == Spans{{0, 1}, {1, 2}});  // even
+
+  auto fails_with = [&](const nlohmann::json& parallel, const std::string& needle) {
+    INFO(parallel.dump() << " should fail mentioning " << needle);
+    CHECK_THROWS_WITH(test::make_config(base, {{"parallel", parallel}}), Catch::Contains(needle));
+  };
+  for (const nlohmann::json& bad : {nlohmann::json(2), nlohmann::json{1, -1}, nlohmann::json{1.5, 0.5},
+                                   nlohmann::json{"1", "1"}})
+    fails_with({{"pp", 2}, {"pipeline_layers", bad}},
+               "parallel.pipeline_layers: expected a list of layer counts >= 0, one per pipeline stage, got " +
+                   bad.dump());
+  fails_with({{"pp", 2}, {"pipeline_layers", {2}}},
+             "parallel.pipeline_layers: 1 layer count for 2 pipeline stages (parallel.pp; one count per stage, in "
+             "model order)");
+  fails_with({{"pp", 2}, {"virtual_stages", 2}, {"pipeline_layers", {1, 1}}},
+             "parallel.pipeline_layers: 2 layer counts for 4 pipeline stages (parallel.pp * parallel.virtual_stages;");
+  fails_with({{"pp", 2}, {"pipeline_layers", {1, 2}}},
+             "parallel.pipeline_layers: the counts add up to 3 layers, but model.n_layers is 2");
+  fails_with({{"pp", 3}, {"pipeline_layers", {1, 0, 1}}},
+             "parallel.pipeline_layers: stage 1 would hold no layer (only the first stage, which holds the "
+             "embedding, and the last, which holds the head, may hold none)");
+  fails_with({{"pp", 2}, {"virtual_stages", 2}, {"pipeline_layers", {1, 0, 0, 1}}},
+             "parallel.pipeline_layers: virtual stages 1, 2 would hold no layer");
+  fails_with({{"pp", 2}, {"embedding_slot", true}, {"pipeline_layers", {1, 1}}},
+             "parallel.pipeline_layers: set, and so is parallel.embedding_slot");
+  // The trainer's split refuses what the config would (a direct caller gets the same checks).
+  ModelConfig m = test::make_config(base, nlohmann::json::object()).model;
+  CHECK_THROWS_WITH(pipeline_stage(m, 2, 0, PipelineSplit{false, {1, 1, 0}}), Catch::Contains("3 stages, not 2"));
+  CHECK_THROWS_WITH(pipeline_stage(m, 2, 0, PipelineSplit{false, {1, 2}}), Catch::Contains("3 layers are not the model's 2"));
+  CHECK_THROWS_WITH(pipeline_stage(m, 3, 1, PipelineSplit{false, {1, 0, 1}}), Catch::Contains("stage 1 of 3 would hold no layer"));
+}
+
 TEST_CASE("config errors do not cascade into checks on a field that already failed", "[config]") {
   auto base = test::tiny_run_json();
   base["sample"] = {{"interval", 0}, {"tokens", 8}};

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <numeric>
 
 #include "common/run_config.h"
 #include "common/scoped_env.h"
@@ -213,7 +214,7 @@ TEST_CASE("plan: per-rank parameters over all ranks add up to the model", "[plan
     Layout l = c.layout;
     l.mbs = 1;
     const ModelConfig m = model_for_tp(cfg.model, l.tp);
-    const auto spans = stage_spans(m.n_layers, l.pp, c.own_slot);
+    const auto spans = stage_spans(m.n_layers, l.pp, PipelineSplit{c.own_slot, {}});
     REQUIRE(spans.size() == size_t(l.pp));
     int64_t sum = 0, layers_seen = 0;
     for (const StageSpan& sp : spans) {
@@ -250,30 +251,30 @@ TEST_CASE("plan: per-rank parameters over all ranks add up to the model", "[plan
 }
 
 TEST_CASE("plan: stage spans, with and without embedding slots", "[plan]") {
-  auto spans = stage_spans(80, 10, false);
+  auto spans = stage_spans(80, 10, PipelineSplit{});
   REQUIRE(spans.size() == 10);
   CHECK(spans[0].first_layer == 0);
   CHECK(spans[0].end_layer == 8);
   CHECK(spans[0].has_embedding);
   CHECK(spans[9].has_head);
   // Uneven, as the trainer splits them: the first 80 % 12 = 8 stages take 7 layers, the rest 6.
-  spans = stage_spans(80, 12, false);
+  spans = stage_spans(80, 12, PipelineSplit{});
   REQUIRE(spans.size() == 12);
   CHECK(spans[7].layers() == 7);
   CHECK(spans[8].layers() == 6);
   CHECK(spans[11].end_layer == 80);
-  CHECK(stage_spans(4, 5, false).empty());  // a stage without a layer (parallel.pp above the layers)
+  CHECK(stage_spans(4, 5, PipelineSplit{}).empty());  // a stage without a layer (parallel.pp above the layers)
   // The seed's 'type:transformer|embedding': 94 layers + 2 slots over PP=24 -> 4 slots each,
   // the first and last stage hold 3 blocks next to the embedding / head.
-  spans = stage_spans(94, 24, true);
+  spans = stage_spans(94, 24, PipelineSplit{true, {}});
   REQUIRE(spans.size() == 24);
   CHECK(spans[0].layers() == 3);
   CHECK(spans[1].layers() == 4);
   CHECK(spans[23].layers() == 3);
   CHECK(spans[23].end_layer == 94);
-  CHECK(stage_spans(4, 7, true).empty());  // 6 slots for 7 stages
+  CHECK(stage_spans(4, 7, PipelineSplit{true, {}}).empty());  // 6 slots for 7 stages
   // TP=1, PP=96 from the seed ("emb | transf | ... | transf | emb") with 94 blocks.
-  spans = stage_spans(94, 96, true);
+  spans = stage_spans(94, 96, PipelineSplit{true, {}});
   REQUIRE(spans.size() == 96);
   CHECK(spans[0].layers() == 0);
   CHECK(spans[95].layers() == 0);
@@ -289,12 +290,12 @@ TEST_CASE("plan: stage spans, with and without embedding slots", "[plan]") {
         std::vector<ModelShard> want;
         for (int s = 0; s < pp && buildable; ++s) {
           try {
-            want.push_back(pipeline_stage(m, pp, s, slots));
+            want.push_back(pipeline_stage(m, pp, s, PipelineSplit{slots, {}}));
           } catch (const std::invalid_argument&) {
             buildable = false;
           }
         }
-        const auto got = stage_spans(layers, pp, own_slot);
+        const auto got = stage_spans(layers, pp, PipelineSplit{own_slot, {}});
         INFO(layers << " layers, pp=" << pp << (own_slot ? ", own slots" : ""));
         if (!buildable) {
           CHECK(got.empty());
@@ -346,6 +347,141 @@ TEST_CASE("plan: an uneven pipeline is planned as the trainer runs it, the heavi
   CHECK(alts[0].global_batch == 15);
   CHECK(alts[0].best.layout.dp == 3);
   CHECK(alts[1].change == "train.global_batch 18");
+}
+
+TEST_CASE("plan: parallel.pipeline_layers cuts the stages the user's way, and a stage without layers holds no layer's "
+          "buffers",
+          "[plan][pipeline]") {
+  auto spans = stage_spans(8, 4, PipelineSplit{false, {0, 3, 4, 1}});
+  REQUIRE(spans.size() == 4);
+  CHECK((spans[0].layers() == 0 && spans[0].has_embedding && !spans[0].has_head));
+  CHECK((spans[1].first_layer == 0 && spans[1].end_layer == 3));
+  CHECK((spans[2].first_layer == 3 && spans[2].end_layer == 7));
+  CHECK((spans[3].first_layer == 7 && spans[3].end_layer == 8 && spans[3].has_head));
+  CHECK(stage_spans(8, 2, PipelineSplit{false, {0, 3, 4, 1}}).empty());  // not one count per stage
+  CHECK(stage_spans(8, 4, PipelineSplit{false, {2, 0, 3, 3}}).empty());  // a middle stage with nothing
+
+  // The 1B Llama's 16 layers over pp=4, the head's stage lighter, on the GPU's default attention.
+  const RunConfig cfg = shipped("llama-1b.json");
+  PlanOptions opt;
+  opt.memory = keel_memory_model(cfg.precision.mode);
+  opt.memory.gpu_attention = AttentionSettings{};
+  opt.pipeline_layers = {5, 4, 4, 3};
+  const Layout l{1, 4, 1, 2};
+  REQUIRE(layout_problem(cfg, l, opt).empty());
+  const LayoutPlan p = plan_layout(cfg, l, opt);
+  REQUIRE(p.stages.size() == 4);
+  for (size_t s = 0; s < 4; ++s) CHECK(p.stages[s].span.layers() == opt.pipeline_layers[s]);
+  CHECK_THAT(layout_text(cfg, p, opt), Catch::Contains("layers per stage [5,4,4,3] (parallel.pipeline_layers)"));
+  CHECK(layout_json(p)["pipeline_layers"] == nlohmann::json{5, 4, 4, 3});
+  // Other stage counts are refused naming the field; the search plans only layouts of 4 stages.
+  CHECK(layout_problem(cfg, Layout{1, 2, 2, 2}, opt) == "parallel.pipeline_layers gives 4 stages their layers, not pp=2");
+  opt.gpus = 8;
+  opt.virtual_stages = 0;  // auto: pp=2 with 2 chunks also has 4 virtual stages
+  const PlanResult r = plan_all(cfg, opt);
+  REQUIRE(!r.ranked.empty());
+  bool two_by_two = false;
+  for (const LayoutPlan& lp : r.ranked) {
+    CHECK(lp.layout.pp * lp.virtual_stages == 4);
+    two_by_two = two_by_two || lp.layout.pp == 2;
+  }
+  CHECK(two_by_two);
+  bool refused_pp8 = false;
+  for (const Rejection& rej : r.rejected)
+    refused_pp8 = refused_pp8 || (rej.layout.pp == 8 && rej.reason.find("parallel.pipeline_layers gives 4 stages") == 0);
+  CHECK(refused_pp8);
+
+  // A first stage that holds only the embedding keeps a stage output and the token ids per
+  // micro-batch in flight and the residual stream's gradients, but no layer's gradient buffers
+  // and no attention scratch (the trainer allocates neither there: test/multirank checks rank 0's
+  // peak against this).
+  opt.virtual_stages = 1;
+  opt.pipeline_layers = {0, 6, 6, 4};
+  const LayoutPlan e = plan_layout(cfg, l, opt);
+  const Activations act = activation_bytes(cfg.model, opt.memory, 1, 2, cfg.train.seq_len, false,
+                                           cfg.train.logits_chunk_rows);
+  const StageMemory& s0 = e.stages[0];
+  CHECK(s0.act_full == static_cast<double>(s0.in_flight) * (act.stage_output + act.token_ids) + act.backward_scratch);
+  const double attention = static_cast<double>(attention_backward_scratch_bytes(
+      AttentionSettings{}, 2, cfg.train.seq_len, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.head_dim()));
+  REQUIRE(attention > 0);
+  CHECK(e.stages[1].overhead - s0.overhead == attention);
+  CHECK(e.stages[1].act_full - e.stages[1].in_flight * (act.stage_output + 6 * (act.per_layer_full + act.attn_scores)) ==
+        act.backward_scratch + act.layer_backward_scratch);
+
+  // keel plan --pipeline-layers replaces the config's split; bad lists are refused naming the flag.
+  const std::string tiny = std::string(KEEL_SOURCE_DIR) + "/configs/llama-tiny.json";
+  const test::ProcessResult text =
+      test::run_keel("plan --config " + tiny + " --cpu --gpus 4 --tp 1 --pp 4 --dp 1 --pipeline-layers 0,2,2,0");
+  INFO(text.output);
+  CHECK(text.code == 0);
+  CHECK_THAT(text.output, Catch::Contains("layers per stage [0,2,2,0] (parallel.pipeline_layers)") &&
+                              Catch::Contains("emb + none"));
+  for (const std::string bad : {"0,2,x,0", "0,2,-2,4", "0,,4,0"}) {
+    const test::ProcessResult r = test::run_keel("plan --config " + tiny + " --gpus 4 --pipeline-layers " + bad);
+    CHECK(r.code != 0);
+    CHECK_THAT(r.output, Catch::Contains("--pipeline-layers: \"" + bad + "\" is not allowed (allowed: layer counts"));
+  }
+  const test::ProcessResult both =
+      test::run_keel("plan --config " + tiny + " --gpus 4 --pipeline-layers 1,1,1,1 --embedding-slot");
+  CHECK(both.code != 0);
+  CHECK_THAT(both.output, Catch::Contains("--pipeline-layers and --embedding-slot both choose the pipeline split"));
+}
+
+TEST_CASE("plan: a pipeline whose head stage is slowest is told the split that evens it", "[plan][pipeline]") {
+  // The 1B Llama's 128K-vocabulary head costs its stage about as much as 3-4 layers: over pp=4
+  // the even split (4 layers each) waits on the last stage at every micro-batch.
+  const RunConfig cfg = shipped("llama-1b.json");
+  PlanOptions opt;
+  opt.gpus = 8, opt.tp = 1, opt.pp = 4, opt.mbs = 4;
+  const PlanResult r = plan_all(cfg, opt);
+  REQUIRE(r.ranked.size() == 1);
+  const LayoutPlan& p = r.ranked[0];
+  REQUIRE(p.stage_seconds.size() == 4);
+  CHECK(std::max_element(p.stage_seconds.begin(), p.stage_seconds.end()) - p.stage_seconds.begin() == 3);
+  REQUIRE(p.balance);
+  const std::vector<int>& split = p.balance->layers;
+  CHECK(std::accumulate(split.begin(), split.end(), 0) == 16);
+  CHECK(split.back() < 4);
+  // The suggestion is the plan of that split, which is faster and fits ...
+  PlanOptions with = opt;
+  with.pipeline_layers = split;
+  const LayoutPlan q = plan_layout(cfg, p.layout, with);
+  CHECK(q.time.step_s == p.balance->step_s);
+  CHECK(q.peak_bytes == p.balance->peak_bytes);
+  CHECK(q.fits);
+  CHECK(q.time.step_s < 0.99 * p.time.step_s);
+  const double slowest = *std::max_element(q.stage_seconds.begin(), q.stage_seconds.end());
+  CHECK(slowest < *std::max_element(p.stage_seconds.begin(), p.stage_seconds.end()));
+  // ... no single layer moved elsewhere paces it faster (each stage is linear in its layers) ...
+  for (size_t a = 0; a < 4; ++a)
+    for (size_t b = 0; b < 4; ++b) {
+      if (a == b || split[a] == 0 || (split[a] == 1 && a != 0 && a != 3)) continue;
+      std::vector<double> t = q.stage_seconds;
+      t[a] -= q.layer_seconds, t[b] += q.layer_seconds;
+      INFO("a layer from stage " << a << " to " << b);
+      CHECK(*std::max_element(t.begin(), t.end()) >= slowest * (1 - 1e-12));
+    }
+  // ... and that split is its own balance.
+  CHECK(!balance_pipeline(cfg, q, with));
+  CHECK_THAT(layout_text(cfg, p, opt), Catch::Contains("parallel.pipeline_layers " + nlohmann::json(split).dump() +
+                                                       " evens them: estimated step"));
+  const nlohmann::json j = layout_json(p);
+  CHECK(j["pipeline_balance"]["pipeline_layers"] == nlohmann::json(split));
+  CHECK(j["stage_seconds"].size() == 4);
+
+  // BLOOM 200B at tp=8 pp=10: 8 layers a stage, the head's extra under a layer: nothing to move.
+  PlanOptions bloom;
+  bloom.gpus = 320, bloom.tp = 8, bloom.pp = 10;
+  const PlanResult b = plan_all(shipped("bloom-200b.json"), bloom);
+  REQUIRE(!b.ranked.empty());
+  CHECK(!b.ranked[0].balance);
+  CHECK(layout_json(b.ranked[0])["pipeline_balance"].is_null());
+  // The interleaved schedule's chunks are not balanced (its stages pass every chunk in turn).
+  opt.virtual_stages = 2;
+  const PlanResult v = plan_all(cfg, opt);
+  REQUIRE(!v.ranked.empty());
+  CHECK(!v.ranked[0].balance);
 }
 
 TEST_CASE("plan: the detail table shows the peak stage that the verdict names", "[plan]") {
@@ -454,7 +590,7 @@ TEST_CASE("plan: the activation list is what the Transformer allocates", "[plan]
         if (tp == 1 && sp) continue;
         SizeOnlyComm tp_comm(tp);
         for (int pp : {1, 2}) {
-          ModelShard shard = pipeline_stage(cfg.model, pp, 0, false);
+          ModelShard shard = pipeline_stage(cfg.model, pp, 0, {});
           shard.tp_size = tp;
           const ParamTable table(cfg.model, shard);
           const int stage_layers = 4 / pp;
