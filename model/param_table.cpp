@@ -230,6 +230,23 @@ std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chun
   return out;
 }
 
+std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers) {
+  const size_t n = fixed_s.size();
+  if (n == 0) return {};
+  std::vector<int> layers(n, 0);
+  int left = n_layers;
+  for (size_t s = 1; s + 1 < n; ++s) layers[s] = 1, --left;
+  if (n == 1) layers[0] = n_layers, left = 0;
+  if (left < 0) return {};
+  for (; left > 0; --left) {
+    size_t best = n - 1;
+    for (size_t s = n; s-- > 0;)
+      if (fixed_s[s] + layers[s] * layer_s < fixed_s[best] + layers[best] * layer_s) best = s;
+    ++layers[best];
+  }
+  return layers;
+}
+
 void ParamTable::add(std::string name, std::vector<int64_t> shape, Role role, TpSplit split, int layer,
                      float init_std, float init_value) {
   ParamSpec p;

@@ -132,6 +132,13 @@ ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, const Pipel
 std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chunks, int stage,
                                         const PipelineSplit& split);
 
+// The layers per stage (parallel.pipeline_layers) that minimise the slowest stage's time, where
+// stage s takes fixed_s[s] (embedding, head, messages) plus layer_s per layer: every middle stage
+// keeps one layer, and each other layer goes to the stage it slows least (ties to the later
+// stage, which keeps fewer micro-batches in flight under 1F1B). With equal steps per layer this
+// greedy is optimal. Empty when the middle stages outnumber the layers.
+std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers);
+
 // Deterministic initialisation of a tensor's local shard into `out` (fp32, local numel):
 // element value = N(0, init_std) drawn from a counter-based generator keyed by (seed, tensor
 // name, logical element index), so every TP/PP layout initialises the same model.

@@ -734,24 +734,13 @@ std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const 
     return std::nullopt;
   const size_t n = static_cast<size_t>(pp);
   std::vector<double> fixed(n);  // a stage's time without its layers: embedding, head, messages
-  std::vector<int> layers(n), now(n);
-  int left = cfg.model.n_layers;
+  std::vector<int> now(n);
   for (size_t s = 0; s < n; ++s) {
     now[s] = p.stages[s].span.layers();
     fixed[s] = p.stage_seconds[s] - now[s] * p.layer_seconds;
-    layers[s] = s == 0 || s + 1 == n ? 0 : 1;
-    left -= layers[s];
   }
-  if (left < 0) return std::nullopt;
-  // Equal steps of layer_seconds: giving each layer to the stage it slows least minimises the
-  // slowest stage. Ties go to the later stage, which keeps fewer micro-batches in flight.
-  for (; left > 0; --left) {
-    size_t best = n - 1;
-    for (size_t s = n; s-- > 0;)
-      if (fixed[s] + layers[s] * p.layer_seconds < fixed[best] + layers[best] * p.layer_seconds) best = s;
-    ++layers[best];
-  }
-  if (layers == now) return std::nullopt;
+  const std::vector<int> layers = balanced_pipeline_layers(fixed, p.layer_seconds, cfg.model.n_layers);
+  if (layers.empty() || layers == now) return std::nullopt;
   PlanOptions o = opt;
   o.pipeline_layers = layers;
   o.embedding_own_slot = false;

@@ -314,10 +314,9 @@ struct PlanResult {
 };
 PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt);
 
-// The split of 1F1B stages (no interleaving) that evens their times: each layer goes to the stage
-// it slows least, from a layer on every middle stage (the embedding's and the head's stages may
-// hold none). Empty unless it differs from p's, fits, and the cost model makes the step at least
-// 1% faster.
+// The split of 1F1B stages (no interleaving) that evens their times by the cost model
+// (balanced_pipeline_layers, model/param_table.h). Empty unless it differs from p's, fits, and
+// makes the estimated step at least 1% faster.
 std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt);
 
 // When nothing fits: the best layout on fewer GPUs (whole nodes, down to half), and on the same

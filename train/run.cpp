@@ -1453,6 +1453,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   bool time_next = false;
   auto last_timed = std::chrono::steady_clock::now();
   std::map<int, int64_t> slow_streak;  // stragglers: timed steps in a row each has been slow
+  bool balance_told = false, balance_seen = false;  // pipeline balance advice: given once a run
   for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
     tr.timers().start_step(std::exchange(time_next, false));
     const auto t0 = std::chrono::steady_clock::now();
@@ -1516,6 +1517,28 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                         g.text.c_str(), static_cast<long long>(n));
         }
         slow_streak = std::move(streak);
+        // A pipeline whose stages' measured compute differs is told, once, the split that evens
+        // it: when two timed steps in a row find the imbalance (one step can be a hiccup).
+        if (!balance_told && cfg.parallel.pp >= 3 && cfg.parallel.virtual_stages == 1) {
+          std::vector<int> stage_layers;
+          for (int s = 0; s < cfg.parallel.pp; ++s) {
+            const ModelShard sh = pipeline_stage(cfg.model, static_cast<int>(cfg.parallel.pp), s,
+                                                 cfg.parallel.pipeline_split());
+            stage_layers.push_back(sh.end_layer - sh.first_layer);
+          }
+          const std::optional<PipelineBalance> b = pipeline_balance(times, stage_layers);
+          if (b && balance_seen) {
+            balance_told = true;
+            if (!quiet) std::printf("keel: pipeline balance at step %lld: %s\n", static_cast<long long>(it), b->text.c_str());
+            metrics->write({{"event", "pipeline_balance"},
+                            {"step", it},
+                            {"stage_compute_ms", b->stage_ms},
+                            {"pipeline_layers_now", stage_layers},
+                            {"pipeline_layers", b->layers},
+                            {"slowest_after_ms", b->slowest_after_ms}});
+          }
+          balance_seen = b.has_value();
+        }
         std::fflush(stdout);
       }
     }

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <map>
 
+#include "model/param_table.h"
+
 namespace keel {
 
 namespace {
@@ -217,6 +219,49 @@ TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step
     }
   }
   return s;
+}
+
+std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ranks,
+                                                const std::vector<int>& stage_layers) {
+  const size_t P = stage_layers.size();
+  if (P < 3) return std::nullopt;
+  const std::vector<std::string>& cols = StepTimers::columns();
+  const size_t compute = static_cast<size_t>(std::find(cols.begin(), cols.end(), "compute") - cols.begin());
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[(v.size() - 1) / 2];
+  };
+  std::vector<std::vector<double>> by_stage(P);
+  for (const RankTimes& r : ranks)
+    if (r.pp >= 0 && static_cast<size_t>(r.pp) < P && r.ms.size() == cols.size())
+      by_stage[static_cast<size_t>(r.pp)].push_back(r.ms[compute]);
+  PipelineBalance b;
+  std::vector<double> per_layer;
+  int n_layers = 0;
+  for (size_t s = 0; s < P; ++s) {
+    if (by_stage[s].empty()) return std::nullopt;
+    b.stage_ms.push_back(median(by_stage[s]));
+    n_layers += stage_layers[s];
+    if (s > 0 && s + 1 < P && stage_layers[s] > 0) per_layer.push_back(b.stage_ms[s] / stage_layers[s]);
+  }
+  if (per_layer.empty()) return std::nullopt;
+  const double layer_ms = median(per_layer);
+  if (!(layer_ms > 0)) return std::nullopt;
+  std::vector<double> rest(P);
+  for (size_t s = 0; s < P; ++s) rest[s] = std::max(0.0, b.stage_ms[s] - stage_layers[s] * layer_ms);
+  b.layers = balanced_pipeline_layers(rest, layer_ms, n_layers);
+  if (b.layers.empty() || b.layers == stage_layers) return std::nullopt;
+  for (size_t s = 0; s < P; ++s) b.slowest_after_ms = std::max(b.slowest_after_ms, rest[s] + b.layers[s] * layer_ms);
+  const auto slowest = std::max_element(b.stage_ms.begin(), b.stage_ms.end());
+  if (b.slowest_after_ms > 0.9 * *slowest) return std::nullopt;
+  const size_t at = static_cast<size_t>(slowest - b.stage_ms.begin());
+  b.text = "a step's compute takes " + fmt_ms(*std::min_element(b.stage_ms.begin(), b.stage_ms.end())) + "-" +
+           fmt_ms(*slowest) + " ms a pipeline stage, stage " + std::to_string(at) + " (" +
+           std::to_string(stage_layers[at]) + " layers" + (at == 0 ? " + embedding" : at + 1 == P ? " + head" : "") +
+           ") the slowest, a layer about " + fmt_ms(layer_ms) + " ms; parallel.pipeline_layers " +
+           nlohmann::json(b.layers).dump() + " would even them (slowest stage about " + fmt_ms(b.slowest_after_ms) +
+           " ms)";
+  return b;
 }
 
 }  // namespace keel

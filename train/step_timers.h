@@ -15,6 +15,7 @@
 #include <array>
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -141,5 +142,20 @@ struct TimersSummary {
 // times (and 1 ms above) the lower median of their pipeline stage (0: no straggler check).
 // Stages of one rank have no peers to compare with.
 TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step, double ratio);
+
+// The layers per stage (parallel.pipeline_layers) that would even the pipeline stages' measured
+// compute under plain 1F1B with at least 3 stages. A stage's compute is the median of its ranks';
+// a layer's is the median over the middle stages of compute / layers, and the rest of a stage's
+// compute (the embedding, the head) stays with it (balanced_pipeline_layers spreads the layers).
+// Given when that split differs from `stage_layers` and would cut the slowest stage's compute by
+// at least 10% (less is within a timed step's noise).
+struct PipelineBalance {
+  std::vector<int> layers;
+  std::vector<double> stage_ms;  // measured compute per stage
+  double slowest_after_ms = 0;   // the slowest stage's compute under `layers`, by the same fit
+  std::string text;              // for the log: the measurement and the split
+};
+std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ranks,
+                                                const std::vector<int>& stage_layers);
 
 }  // namespace keel

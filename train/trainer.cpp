@@ -528,23 +528,32 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
 }
 
 void Trainer::slow_rank_fault(int micro_batches) {
+  // rank R sleeps N ms per micro-batch (a throttled GPU); with per_layer_ms, every rank also
+  // sleeps M ms per micro-batch for each layer it holds (layers that cost the same everywhere).
   struct Fault {
     int rank = -1;
-    long long ms = 0;
+    long long ms = 0, per_layer_ms = 0;
   };
   static const Fault fault = [] {
     Fault f;
     const char* v = std::getenv("KEEL_FAULT_SLOW_RANK");
-    if (v && (std::sscanf(v, "rank=%d,ms=%lld", &f.rank, &f.ms) != 2 || f.ms < 0))
-      throw std::invalid_argument(std::string("KEEL_FAULT_SLOW_RANK=\"") + v + "\": expected rank=R,ms=N");
+    const int n = v ? std::sscanf(v, "rank=%d,ms=%lld,per_layer_ms=%lld", &f.rank, &f.ms, &f.per_layer_ms) : 0;
+    if (v && (n < 2 || f.ms < 0 || f.per_layer_ms < 0))
+      throw std::invalid_argument(std::string("KEEL_FAULT_SLOW_RANK=\"") + v +
+                                  "\": expected rank=R,ms=N or rank=R,ms=N,per_layer_ms=M");
     return f;
   }();
-  if (fault.rank != grid_.rank() || fault.ms == 0) return;
+  long long ms = fault.rank == grid_.rank() ? fault.ms : 0;
+  for (const auto& chunk : chunks_) {
+    const ModelShard& sh = chunk->table().shard();
+    ms += fault.per_layer_ms * (sh.end_layer - sh.first_layer);
+  }
+  if (ms == 0) return;
   static bool said = false;
   if (!std::exchange(said, true))
     std::fprintf(stderr, "keel: KEEL_FAULT_SLOW_RANK: world rank %d sleeps %lld ms per micro-batch (test fault)\n",
-                 fault.rank, fault.ms);
-  std::this_thread::sleep_for(std::chrono::milliseconds(fault.ms * micro_batches));
+                 grid_.rank(), ms);
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms * micro_batches));
 }
 
 std::vector<RankTimes> Trainer::gather_timers(double step_ms) {

@@ -11,6 +11,7 @@
 #include "common/run_config.h"
 #include "common/workspace.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "model/param_table.h"
 #include "train/step_timers.h"
 #include "train/trainer.h"
 
@@ -230,4 +231,61 @@ TEST_CASE("keel train prints a timers line on timed steps and records them in th
                                   " --set log.timers=false");
   REQUIRE(off.code == 0);
   CHECK_THAT(off.output, !Catch::Contains("timers at step"));
+}
+
+TEST_CASE("a pipeline whose stages' measured compute differs is told the split that evens it", "[timers][pipeline]") {
+  // pp = 4, two DP ranks a stage, 4 layers each at 10 ms a layer; the last stage's head adds
+  // 35 ms. Its peer straggles (90 ms): the stage's median is the typical rank's.
+  std::vector<RankTimes> ranks;
+  const double stage_ms[4] = {40, 40, 40, 75};
+  for (int s = 0; s < 4; ++s)
+    for (int d = 0; d < 2; ++d) ranks.push_back(rank_times(2 * s + d, s, s == 3 && d == 1 ? 90.0 : stage_ms[s]));
+  const std::optional<PipelineBalance> b = pipeline_balance(ranks, {4, 4, 4, 4});
+  REQUIRE(b);
+  CHECK(b->stage_ms == std::vector<double>{40, 40, 40, 75});
+  // 195 ms of work over 4 stages: 5 layers on each of the first three, 1 beside the head.
+  CHECK(b->layers == std::vector<int>{5, 5, 5, 1});
+  CHECK(b->slowest_after_ms == 50.0);
+  CHECK(b->text ==
+        "a step's compute takes 40.0-75.0 ms a pipeline stage, stage 3 (4 layers + head) the slowest, a layer about "
+        "10.0 ms; parallel.pipeline_layers [5,5,5,1] would even them (slowest stage about 50.0 ms)");
+
+  // The embedding's stage carries the load: layers move off the first stage instead.
+  const std::vector<RankTimes> first = {rank_times(0, 0, 60), rank_times(1, 1, 30), rank_times(2, 2, 30),
+                                        rank_times(3, 3, 30)};
+  const std::optional<PipelineBalance> f = pipeline_balance(first, {3, 3, 3, 3});
+  REQUIRE(f);
+  CHECK(f->layers == std::vector<int>{0, 4, 4, 4});
+  CHECK(f->text.find("stage 0 (3 layers + embedding) the slowest") != std::string::npos);
+
+  // Within 10% of even, fewer than 3 stages (no middle stage to time a layer by), a stage nobody
+  // reported, or the split already in place: nothing to tell.
+  CHECK(!pipeline_balance({rank_times(0, 0, 40), rank_times(1, 1, 40), rank_times(2, 2, 40), rank_times(3, 3, 43)},
+                          {4, 4, 4, 4}));
+  CHECK(!pipeline_balance({rank_times(0, 0, 40), rank_times(1, 1, 75)}, {4, 4}));
+  CHECK(!pipeline_balance({rank_times(0, 0, 40), rank_times(1, 1, 40), rank_times(3, 3, 75)}, {4, 4, 4, 4}));
+  CHECK(!pipeline_balance({rank_times(0, 0, 50), rank_times(1, 1, 50), rank_times(2, 2, 50), rank_times(3, 3, 45)},
+                          {5, 5, 5, 1}));
+}
+
+TEST_CASE("balanced_pipeline_layers: each layer where it slows the pipeline least, a layer on every middle stage",
+          "[pipeline]") {
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 8) == std::vector<int>{2, 2, 2, 2});
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 6) == std::vector<int>{1, 1, 2, 2});  // ties: later stages
+  CHECK(balanced_pipeline_layers({0, 0, 0, 10}, 1, 8) == std::vector<int>{2, 3, 3, 0});
+  CHECK(balanced_pipeline_layers({0, 0, 0, 100}, 1, 2) == std::vector<int>{0, 1, 1, 0});
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 1).empty());  // two middle stages, one layer
+  CHECK(balanced_pipeline_layers({5}, 1, 7) == std::vector<int>{7});
+  // The slowest stage is as fast as any split makes it: brute force over 3 stages and 9 layers.
+  const std::vector<double> fixed = {0.5, 0.2, 3.7};
+  const std::vector<int> got = balanced_pipeline_layers(fixed, 1.3, 9);
+  auto slowest = [&](const std::vector<int>& l) {
+    double m = 0;
+    for (size_t s = 0; s < 3; ++s) m = std::max(m, fixed[s] + l[s] * 1.3);
+    return m;
+  };
+  double best = 1e9;
+  for (int a = 0; a <= 9; ++a)
+    for (int b = 1; a + b <= 9; ++b) best = std::min(best, slowest({a, b, 9 - a - b}));
+  CHECK(slowest(got) == best);
 }
