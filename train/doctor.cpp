@@ -573,6 +573,12 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     int64_t first = -1, last = -1;
   };
   std::map<int, StragglerSeen> straggler_seen;
+  std::string balance_line;  // the run's measured pipeline balance advice, if it gave one
+  auto ms_list = [](const json& a) {
+    std::string t;
+    for (const json& x : a) t += (t.empty() ? "" : ", ") + (x.is_number() ? num(x.get<double>(), "%.1f") : "?");
+    return "[" + t + "]";
+  };
   std::vector<std::string> notes;
   int64_t bad_lines = 0, line_no = 0;
   std::string line;
@@ -598,6 +604,17 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
         if (by_step.count(rw.step)) rw.loss = by_step[rw.step].loss;
         rewinds.push_back(rw);
         superseded += restart_at(rw.to);
+      }
+      if (rec["event"] == "pipeline_balance" && rec.contains("pipeline_layers") && rec["pipeline_layers"].is_array()) {
+        r.pipeline_layers.clear();
+        for (const json& n : rec["pipeline_layers"])
+          if (n.is_number_integer()) r.pipeline_layers.push_back(n.get<int>());
+        balance_line = "  pipeline balance at step " + std::to_string(rec.value("step", int64_t{0})) +
+                       ": the stages computed " + ms_list(rec.value("stage_compute_ms", json::array())) +
+                       " ms a step with parallel.pipeline_layers " +
+                       (rec.contains("pipeline_layers_now") ? rec["pipeline_layers_now"].dump() : "?") +
+                       "; the run suggested " + json(r.pipeline_layers).dump() + " (slowest stage about " +
+                       num(rec.value("slowest_after_ms", 0.0), "%.1f") + " ms)\n";
       }
       if (rec["event"] == "timers") {
         ++r.timed_steps;
@@ -828,6 +845,7 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
       if (count >= 2)
         r.problems.push_back("straggler: " + what + "; every step waits for it (a throttled or shared GPU, a busy node)");
     }
+    s += balance_line;
   }
   for (const auto& n : notes) s += "note: " + n + "\n";
   s += r.problems.empty() ? "verdict: healthy\n" : "verdict: " + std::to_string(r.problems.size()) + " problem(s):\n";

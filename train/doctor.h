@@ -102,6 +102,7 @@ struct MetricsReport : Report {
   std::vector<std::pair<int64_t, int64_t>> rewinds;  // (the spike's step, the step it went back to)
   int64_t timed_steps = 0;              // timers records (log.timers)
   std::map<int, int64_t> stragglers;    // world rank -> timed steps at which it was named slow
+  std::vector<int> pipeline_layers;     // the split the run's measured pipeline balance suggested
 };
 
 // Reads one metrics.jsonl. Throws std::runtime_error when the file cannot be read.

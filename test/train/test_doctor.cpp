@@ -413,6 +413,24 @@ TEST_CASE("doctor metrics: a rank named slow at two or more timed steps is a str
                     "rank of its pipeline stage") != std::string::npos);
   REQUIRE(r.problems.size() == 1);
   CHECK(r.problems[0].rfind("straggler: world rank 3 on host node0", 0) == 0);
+  CHECK(r.pipeline_layers.empty());
+
+  // The run's measured pipeline balance advice is repeated, and is no problem.
+  std::ofstream(path, std::ios::app) << nlohmann::json{{"event", "pipeline_balance"},
+                                                       {"step", 6},
+                                                       {"stage_compute_ms", {80.25, 81.0, 79.5, 160.0}},
+                                                       {"pipeline_layers_now", {2, 2, 2, 2}},
+                                                       {"pipeline_layers", {2, 2, 3, 1}},
+                                                       {"slowest_after_ms", 120.5}}
+                                                .dump()
+                                         << "\n";
+  const doctor::MetricsReport b = doctor::summarize_metrics(path);
+  INFO(b.text);
+  CHECK(b.pipeline_layers == std::vector<int>{2, 2, 3, 1});
+  CHECK(b.text.find("  pipeline balance at step 6: the stages computed [80.2, 81.0, 79.5, 160.0] ms a step with "
+                    "parallel.pipeline_layers [2,2,2,2]; the run suggested [2,2,3,1] (slowest stage about 120.5 ms)") !=
+        std::string::npos);
+  CHECK(b.problems.size() == 1);
 }
 
 TEST_CASE("doctor metrics: after a resume or a rewind, the abandoned trajectory's records do not count",
