@@ -66,11 +66,19 @@ AttentionDsChunks attention_ds_chunks(int64_t B, int64_t T, int64_t n_heads, int
 }
 
 size_t attention_backward_scratch_bytes(const AttentionSettings& settings, int64_t B, int64_t T, int64_t n_heads,
-                                        int64_t n_kv_heads, int64_t head_dim) {
-  if (settings.kernels == AttentionKernels::Simple) return 0;
-  // the fused kernels: head_dim up to 160 (others run the plain kernels, which stage nothing)
-  const size_t fused =
-      head_dim >= 1 && head_dim <= 160 ? attention_ds_chunks(B, T, n_heads, n_kv_heads, 2, settings.ds_budget).bytes : 0;
+                                        int64_t n_kv_heads, int64_t head_dim, size_t act_bytes) {
+  const size_t rows = static_cast<size_t>(B) * static_cast<size_t>(T);
+  // delta = rowsum(dO * O), fp32 per query row and head, beside whatever the kernels stage
+  const size_t delta = rows * static_cast<size_t>(n_heads) * 4;
+  const size_t wide = head_dim < 1 ? 0 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 160 ? 160 : 0;
+  // the plain kernels (chosen, or fp32): delta alone
+  if (settings.kernels == AttentionKernels::Simple || act_bytes != 2) return delta;
+  // the fused kernels (head_dim up to 160, else the plain ones): their staged dS chunk, and for a
+  // head_dim they pad, padded copies of qkv, dqkv and dO
+  size_t fused = delta;
+  if (wide > 0) fused += attention_ds_chunks(B, T, n_heads, n_kv_heads, 2, settings.ds_budget).bytes;
+  if (wide > 0 && wide != static_cast<size_t>(head_dim))
+    fused += rows * wide * 2 * static_cast<size_t>(2 * (n_heads + 2 * n_kv_heads) + n_heads);
   if (settings.kernels == AttentionKernels::Fused) return fused;
   const size_t dp = static_cast<size_t>(B) * static_cast<size_t>(n_heads) * static_cast<size_t>(T) *
                     static_cast<size_t>(T) * 2;

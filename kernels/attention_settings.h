@@ -48,16 +48,18 @@ AttentionDsChunks attention_ds_chunks(int64_t B, int64_t T, int64_t n_heads, int
                                       size_t budget);
 
 // Device scratch one attention backward of B sequences of T tokens takes (n_heads, n_kv_heads the
-// rank's own) under `settings`, with 16-bit activations (fp32 runs the plain kernels: none):
-//   fused:  its staged dS chunk (attention_ds_chunks), none for head_dim above 160 (plain kernels);
+// rank's own) under `settings`, with activations of act_bytes (fp32 runs the plain kernels):
+//   every kernel but cuDNN's: delta, the fp32 rowsum(dO * O) of each query row and head;
+//   fused:  and its staged dS chunk (attention_ds_chunks), and where it pads the head_dim (to 64,
+//           128 or 160) the padded copies of qkv, dqkv and dO; above 160 the plain kernels run;
 //   cudnn:  the larger of the deterministic backward's dP workspace, B x n_heads x T x T x 2 bytes
 //           (Hopper's, the largest), where it fits KEEL_CUDNN_WORKSPACE_MB and the head_dim is
-//           one cuDNN takes, and the fused kernels' dS: they run what cuDNN does not take (a
+//           one cuDNN takes, and the fused kernels' scratch: they run what cuDNN does not take (a
 //           bigger shape, document masking, ALiBi);
-//   simple: none.
+//   simple: delta.
 // An upper bound: a chunk the device has no memory for is recomputed instead, and cuDNN's other
 // algorithms take less.
 size_t attention_backward_scratch_bytes(const AttentionSettings& settings, int64_t B, int64_t T, int64_t n_heads,
-                                        int64_t n_kv_heads, int64_t head_dim);
+                                        int64_t n_kv_heads, int64_t head_dim, size_t act_bytes = 2);
 
 }  // namespace keel

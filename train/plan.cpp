@@ -306,13 +306,14 @@ Activations activation_bytes(const ModelConfig& m, const MemoryModel& mem, int64
   return r;
 }
 
-// The attention backward's scratch on the GPU (staged dS tiles or cuDNN's workspace), transient
-// within a layer's backward, for the rank's heads of one micro-batch; 0 without 16-bit
-// activations (fp32 runs the plain kernels) and on the CPU.
+// The attention backward's scratch on the GPU (delta, staged dS tiles, padded copies or cuDNN's
+// workspace), transient within a layer's backward, for the rank's heads of one micro-batch; 0 on
+// the CPU.
 double attention_scratch_bytes(const ModelConfig& m, const MemoryModel& mem, int64_t tp, int64_t mbs, int64_t seq) {
-  if (!mem.gpu_attention || mem.act_bytes != 2) return 0;
-  return static_cast<double>(
-      attention_backward_scratch_bytes(*mem.gpu_attention, mbs, seq, m.n_heads / tp, m.n_kv_heads / tp, m.head_dim()));
+  if (!mem.gpu_attention) return 0;
+  return static_cast<double>(attention_backward_scratch_bytes(*mem.gpu_attention, mbs, seq, m.n_heads / tp,
+                                                              m.n_kv_heads / tp, m.head_dim(),
+                                                              static_cast<size_t>(mem.act_bytes)));
 }
 
 std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOptions& opt) {

@@ -98,26 +98,34 @@ TEST_CASE("attention settings: the backward scratch of each choice", "[attention
   const int64_t B = 4, T = 2048, nh = 32, nkv = 8, hd = 64;
   const size_t all_tiles = static_cast<size_t>(B * nh * attention_ds_tiles_per_head(T)) * kTile;  // 528 MiB
   const size_t dp = static_cast<size_t>(B * nh * T * T) * 2;                                      // 1 GiB
+  const size_t delta = static_cast<size_t>(B * T * nh) * 4;                                       // 1 MiB
+  // a head_dim the fused kernels pad to 64: bf16 copies of qkv, dqkv (48 heads each) and dO (32)
+  const size_t copies = static_cast<size_t>(B * T) * 64 * 2 * (48 + 48 + 32);                    // 128 MiB
   CHECK(all_tiles == 528 * kMiB);
+  CHECK(delta == kMiB);
+  CHECK(copies == 128 * kMiB);
   AttentionSettings s;  // fused, 1 GiB of dS
-  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == all_tiles);
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == all_tiles + delta);
   s.ds_budget = 200 * kMiB;  // whole kv heads of one sequence: 16.5 MiB each, 8 of them
-  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == all_tiles / (B * nkv) * nkv);
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == all_tiles / (B * nkv) * nkv + delta);
   s.ds_budget = 10 * kMiB;  // not one kv head: recomputed
-  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == 0);
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == delta);
   s.ds_budget = kDefaultAttentionDsBudget;
-  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, 160) == all_tiles);  // padded to 160
-  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, 256) == 0);          // plain kernels
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, 160) == all_tiles + delta);          // its own width
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, 32) == all_tiles + delta + copies);  // padded to 64
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, 256) == delta);                      // plain kernels
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd, 4) == delta);                    // fp32: plain
 
   s.kernels = AttentionKernels::Simple;
-  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == 0);
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == delta);
 
   s.kernels = AttentionKernels::Cudnn;  // its dP workspace where it takes the shape
   CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == dp);
   CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, 256) == dp);
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd, 4) == delta);  // fp32: the plain kernels
   s.cudnn_workspace_cap = dp - 1;  // too big for the cap: keel's fused kernels run it
-  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == all_tiles);
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, hd) == all_tiles + delta);
   s.cudnn_workspace_cap = kDefaultCudnnWorkspaceCap;
-  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, 36) == all_tiles);  // head_dim cuDNN refuses
-  CHECK(attention_backward_scratch_bytes(s, 1, 65, 4, 4, hd) == 4 * 3 * kTile);  // keel's dS is the larger
+  CHECK(attention_backward_scratch_bytes(s, B, T, nh, nkv, 36) == all_tiles + delta + copies);  // cuDNN refuses it
+  CHECK(attention_backward_scratch_bytes(s, 1, 65, 4, 4, hd) == 4 * 3 * kTile + 65 * 4 * 4);  // keel's the larger
 }
