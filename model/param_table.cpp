@@ -230,6 +230,15 @@ std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chun
   return out;
 }
 
+std::vector<int> pipeline_layer_counts(const ModelConfig& cfg, int stages, const PipelineSplit& split) {
+  std::vector<int> out;
+  for (int s = 0; s < stages; ++s) {
+    const ModelShard sh = pipeline_stage(cfg, stages, s, split);
+    out.push_back(sh.end_layer - sh.first_layer);
+  }
+  return out;
+}
+
 std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers) {
   const size_t n = fixed_s.size();
   if (n == 0) return {};

@@ -132,6 +132,9 @@ ModelShard pipeline_stage(const ModelConfig& cfg, int pp, int stage, const Pipel
 std::vector<ModelShard> pipeline_chunks(const ModelConfig& cfg, int pp, int chunks, int stage,
                                         const PipelineSplit& split);
 
+// The layers of each of `stages` (virtual) stages in model order, as pipeline_stage cuts them.
+std::vector<int> pipeline_layer_counts(const ModelConfig& cfg, int stages, const PipelineSplit& split);
+
 // The layers per stage (parallel.pipeline_layers) that minimise the slowest stage's time, where
 // stage s takes fixed_s[s] (embedding, head, messages) plus layer_s per layer: every middle stage
 // keeps one layer, and each other layer goes to the stage it slows least (ties to the later

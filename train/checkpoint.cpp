@@ -225,8 +225,12 @@ void validate_meta(const json& m, const std::string& meta_path) {
     integer(*ls, "loss_scaler.", "hysteresis_tracker", true, true);
   }
   object(m, "", "config", true);
-  if (const json* t = object(m, "", "topology", false))
+  if (const json* t = object(m, "", "topology", false)) {
     for (const char* k : {"tp", "pp", "dp"}) integer(*t, "topology.", k, false);
+    if (const json* l = need(*t, "topology.", "pipeline_layers", false);
+        l && !(l->is_array() && std::all_of(l->begin(), l->end(), [](const json& e) { return e.is_number_integer(); })))
+      bad("topology.pipeline_layers", "expected layer counts (integers), got " + l->dump());
+  }
   string(m, "", "precision", false);
   string(m, "", "weight_dtype", false);
   if (const json* st = need(m, "", "states", false)) {
@@ -272,6 +276,15 @@ void count_nonfinite(const std::byte* p, int64_t n, U exponent, int64_t& nan, in
 }
 
 }  // namespace
+
+std::string saved_layout_text(const json& meta) {
+  const json topo = meta.value("topology", json::object());
+  const int pp = topo.value("pp", 1);
+  std::string t = "tp=" + std::to_string(topo.value("tp", 1)) + " pp=" + std::to_string(pp) +
+                  " dp=" + std::to_string(topo.value("dp", 1));
+  if (pp > 1 && topo.contains("pipeline_layers")) t += ", layers per stage " + topo["pipeline_layers"].dump();
+  return t;
+}
 
 std::string meta_checksum(const json& meta) {
   json rest = meta;
@@ -947,7 +960,13 @@ void CheckpointManager::begin_save(const RunConfig& cfg, const ParamTable& table
         {"hysteresis_tracker", scaler.hysteresis_tracker()}}},
       // The sampler is a pure function of (seed, consumed samples): this is the data position.
       {"data", {{"consumed_samples", progress.consumed_samples}, {"seed", cfg.train.seed}, {"train", cfg.data.train}}},
-      {"topology", {{"tp", cfg.parallel.tp}, {"pp", cfg.parallel.pp}, {"dp", cfg.parallel.dp}}},
+      {"topology",
+       {{"tp", cfg.parallel.tp},
+        {"pp", cfg.parallel.pp},
+        {"dp", cfg.parallel.dp},
+        {"pipeline_layers",
+         pipeline_layer_counts(cfg.model, static_cast<int>(cfg.parallel.pp * cfg.parallel.virtual_stages),
+                               cfg.parallel.pipeline_split())}}},
       {"precision", precision_name(cfg.precision.mode)},
       {"weight_dtype", std::string(dtype_name(state.working.dtype))},
       {"states", states},

@@ -97,6 +97,10 @@ struct CheckpointProblems {
 // compact dump (keys sorted): what a save stores in meta_crc32c and open() checks.
 std::string meta_checksum(const nlohmann::json& meta);
 
+// The layout a checkpoint was saved under, from its meta: "tp=2 pp=4 dp=1", with the layers of
+// every (virtual) pipeline stage where pp > 1 and the checkpoint records them.
+std::string saved_layout_text(const nlohmann::json& meta);
+
 class Checkpoint {
  public:
   // `path` is a checkpoint directory (step_*), or a checkpoints directory holding `latest`.

@@ -50,10 +50,9 @@ int cmd_inspect(const std::string& path, const std::string& stats_state, bool ve
               static_cast<long long>(p.iteration), static_cast<long long>(p.consumed_samples),
               static_cast<long long>(p.consumed_tokens), static_cast<long long>(ck.adam_step()),
               static_cast<long long>(p.skipped_total), static_cast<long long>(p.nan_total));
-  const auto& topo = m.at("topology");
-  std::printf("  precision %s (working weights %s), loss scale %g, saved under tp=%d pp=%d dp=%d\n", ck.precision().c_str(),
+  std::printf("  precision %s (working weights %s), loss scale %g, saved under %s\n", ck.precision().c_str(),
               m.value("weight_dtype", std::string("?")).c_str(), m.at("loss_scaler").value("scale", 1.0),
-              topo.value("tp", 1), topo.value("pp", 1), topo.value("dp", 1));
+              saved_layout_text(m).c_str());
   std::string states;
   for (const auto& s : ck.states()) states += (states.empty() ? "" : ", ") + s;
   std::printf("  states present: %s%s\n", states.c_str(),

@@ -256,10 +256,8 @@ CkptReport audit_checkpoint(const Checkpoint& ck) {
   std::string& s = r.text;
   s = "keel doctor ckpt: " + ck.path() + "\n";
   s += "  " + checkpoint_line(ck) + "\n";
-  const json topo = m.value("topology", json::object());
   s += "  Adam step " + std::to_string(ck.adam_step()) + ", skipped iterations " + std::to_string(prog.skipped_total) +
-       ", saved under tp=" + std::to_string(topo.value("tp", 1)) + " pp=" + std::to_string(topo.value("pp", 1)) +
-       " dp=" + std::to_string(topo.value("dp", 1)) + (weights_only ? ", weights only" : "") + "\n";
+       ", saved under " + saved_layout_text(m) + (weights_only ? ", weights only" : "") + "\n";
 
   // Which states exist for which tensors.
   const auto weights = ck.tensors("weight");

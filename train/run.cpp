@@ -1159,13 +1159,11 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
               "repeat or be skipped. Resume with the checkpoint's files to continue its order exactly.";
       notes.push_back(text);
     }
-    const auto& topo = ck.meta()["topology"];
     notes.insert(notes.begin(), (opts.eval_only ? "loaded " : "resuming from ") + ck.path() + " at iteration " +
                                     std::to_string(progress.iteration) +
                                     ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
-                                    std::to_string(tr.state().adam_step) + " (saved under tp=" +
-                                    std::to_string(topo.value("tp", 1)) + " pp=" + std::to_string(topo.value("pp", 1)) +
-                                    " dp=" + std::to_string(topo.value("dp", 1)) + ")");
+                                    std::to_string(tr.state().adam_step) + " (saved under " +
+                                    saved_layout_text(ck.meta()) + ")");
     if (!opts.init_from.empty())
       notes.push_back("--init-from " + opts.init_from + " is ignored: it only initialises a fresh run, and this run resumes");
   } else if (auto hf_dir = hf_path(opts.init_from)) {
@@ -1520,12 +1518,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         // A pipeline whose stages' measured compute differs is told, once, the split that evens
         // it: when two timed steps in a row find the imbalance (one step can be a hiccup).
         if (!balance_told && cfg.parallel.pp >= 3 && cfg.parallel.virtual_stages == 1) {
-          std::vector<int> stage_layers;
-          for (int s = 0; s < cfg.parallel.pp; ++s) {
-            const ModelShard sh = pipeline_stage(cfg.model, static_cast<int>(cfg.parallel.pp), s,
-                                                 cfg.parallel.pipeline_split());
-            stage_layers.push_back(sh.end_layer - sh.first_layer);
-          }
+          const std::vector<int> stage_layers =
+              pipeline_layer_counts(cfg.model, static_cast<int>(cfg.parallel.pp), cfg.parallel.pipeline_split());
           const std::optional<PipelineBalance> b = pipeline_balance(times, stage_layers);
           if (b && balance_seen) {
             balance_told = true;

@@ -704,7 +704,25 @@ TEST_CASE("uneven pipeline splits (parallel.pipeline_layers, embedding_slot) tra
       compare(ref, got, 1e-5, 1e-5, 1e-4);
       check_memory(got);
     }
-    // The embedding-only first stage's step-3 checkpoint resumes under the even split of pp=2.
+    // The embedding-only first stage's step-3 checkpoint resumes under pp=4's even split: the same
+    // per-layer arithmetic, so its probe loss and norms are checked bit for bit, and pass.
+    const std::string same_pp = ws.dir / "resumed_pp4";
+    fs::create_directories(same_pp + "/checkpoints");
+    fs::copy(ws.dir / "split0/checkpoints/step_00000003", same_pp + "/checkpoints/step_00000003",
+             fs::copy_options::recursive);
+    std::string cmd = "train --config " + ws.config + " --out " + same_pp + " --set parallel.pp=4";
+    const test::ProcessResult r4 = test::run_keel_mpi(4, cmd);
+    INFO(r4.output);
+    REQUIRE(r4.code == 0);
+    CHECK_THAT(r4.output, Catch::Contains("(saved under tp=1 pp=4 dp=1, layers per stage [0,3,4,1])") &&
+                              Catch::Contains("restart verification passed: masters consistent with the weights, "
+                                              "probe loss and per-tensor norms as saved"));
+    for (const std::string& tool : {std::string("ckpt inspect "), std::string("doctor ckpt ")}) {
+      const test::ProcessResult shown = test::run_keel(tool + (ws.dir / "split0/checkpoints/step_00000003"));
+      INFO(shown.output);
+      CHECK_THAT(shown.output, Catch::Contains("saved under tp=1 pp=4 dp=1, layers per stage [0,3,4,1]"));
+    }
+    // ... and under the even split of pp=2.
     const std::string resumed = ws.dir / "resumed_even";
     fs::create_directories(resumed + "/checkpoints");
     fs::copy(ws.dir / "split0/checkpoints/step_00000003", resumed + "/checkpoints/step_00000003",
