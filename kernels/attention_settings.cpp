@@ -70,7 +70,7 @@ size_t attention_backward_scratch_bytes(const AttentionSettings& settings, int64
   const size_t rows = static_cast<size_t>(B) * static_cast<size_t>(T);
   // delta = rowsum(dO * O), fp32 per query row and head, beside whatever the kernels stage
   const size_t delta = rows * static_cast<size_t>(n_heads) * 4;
-  const size_t wide = head_dim < 1 ? 0 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 160 ? 160 : 0;
+  const size_t wide = static_cast<size_t>(attention_padded_head_dim(head_dim));
   // the plain kernels (chosen, or fp32): delta alone
   if (settings.kernels == AttentionKernels::Simple || act_bytes != 2) return delta;
   // the fused kernels (head_dim up to 160, else the plain ones): their staged dS chunk, and for a

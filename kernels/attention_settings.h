@@ -47,6 +47,12 @@ struct AttentionDsChunks {
 AttentionDsChunks attention_ds_chunks(int64_t B, int64_t T, int64_t n_heads, int64_t n_kv_heads, size_t elem_bytes,
                                       size_t budget);
 
+// The width the fused kernels run a head_dim at (64, 128 or 160: those below 64, or between the
+// widths, on operand copies zero-padded to it), or 0 above 160 (the plain kernels run it).
+inline constexpr int64_t attention_padded_head_dim(int64_t head_dim) {
+  return head_dim < 1 ? 0 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 160 ? 160 : 0;
+}
+
 // Device scratch one attention backward of B sequences of T tokens takes (n_heads, n_kv_heads the
 // rank's own) under `settings`, with activations of act_bytes (fp32 runs the plain kernels):
 //   every kernel but cuDNN's: delta, the fp32 rowsum(dO * O) of each query row and head;

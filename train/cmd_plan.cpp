@@ -2,7 +2,7 @@
 // why the others do not work, and a cost-model step time (train/plan.h).
 #include <iostream>
 #include <optional>
-#include <sstream>
+#include <vector>
 
 #include "train/cli_checks.h"
 #include "train/commands.h"
@@ -22,7 +22,7 @@ struct PlanArgs {
   std::optional<int64_t> tp, pp, dp, mbs;
   int64_t max_mbs = 16;
   std::string virtual_stages;  // "", "auto" or a count
-  std::string pipeline_layers;  // "", or layer counts per stage: "3,5,5,3"
+  std::vector<int> pipeline_layers;  // empty, or layer counts per stage: --pipeline-layers 3,5,5,3
   bool embedding_slot = false, sequence_parallel = false, overlap_grad_reduce = false, overlap_param_gather = false,
        selective_recompute = false, json = false, all = false, cpu = false;
   int top = 20;
@@ -58,26 +58,10 @@ int cmd_plan(const PlanArgs& a) {
   opt.selective = a.selective_recompute || cfg.train.selective_recompute();
   opt.embedding_own_slot = a.embedding_slot || cfg.parallel.embedding_slot;
   opt.pipeline_layers = cfg.parallel.pipeline_layers;
-  if (!a.pipeline_layers.empty()) {
-    // The flag's split replaces the config's: a count per stage of the pp (* virtual stages) to plan.
-    opt.pipeline_layers.clear();
-    std::stringstream in(a.pipeline_layers);
-    for (std::string item; std::getline(in, item, ',');) {
-      size_t used = 0;
-      long n = -1;
-      try {
-        n = std::stol(item, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != item.size() || n < 0 || n > (1 << 20))
-        throw ConfigError("--pipeline-layers: \"" + a.pipeline_layers +
-                          "\" is not allowed (allowed: layer counts >= 0 separated by commas, one per pipeline "
-                          "stage, such as 3,5,5,3)");
-      opt.pipeline_layers.push_back(static_cast<int>(n));
-    }
+  if (!a.pipeline_layers.empty()) {  // the flag's split replaces the config's
     if (a.embedding_slot)
       throw ConfigError("--pipeline-layers and --embedding-slot both choose the pipeline split (keep one)");
+    opt.pipeline_layers = a.pipeline_layers;
     opt.embedding_own_slot = false;
   }
   opt.virtual_stages = cfg.parallel.virtual_stages;
@@ -166,7 +150,9 @@ Command add_plan_command(CLI::App& app) {
   c->add_option("--pipeline-layers", pa.pipeline_layers,
                 "Layers of every pipeline stage, in model order (parallel.pipeline_layers; replaces the config's): "
                 "3,5,5,3 for 16 layers over pp=4; only layouts with that many (virtual) stages are planned")
-      ->type_name("N,N,...");
+      ->type_name("N,N,...")
+      ->delimiter(',')
+      ->check(cli::integer<int>(0, 1 << 20));
   c->add_option("--virtual-stages", pa.virtual_stages,
                 "Model chunks per pipeline rank (interleaved 1F1B, parallel.virtual_stages; default: the config's), "
                 "or auto: each pipeline layout with the count (up to 8) that makes it fastest")

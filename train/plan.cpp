@@ -231,7 +231,6 @@ SeedAccounting seed_accounting(const ModelConfig& m, const Layout& l) {
 std::vector<StageSpan> stage_spans(int n_layers, int64_t stages, const PipelineSplit& split) {
   if (stages < 1) return {};
   if (!split.layers.empty() && static_cast<int64_t>(split.layers.size()) != stages) return {};
-  if (stages == 1) return {StageSpan{0, n_layers, true, true}};
   if (split.layers.empty() && stages > n_layers + (split.embedding_slots ? 2 : 0))
     return {};  // the config refuses it (parallel.pp)
   ModelConfig m;  // the trainer's split (model/param_table.h) reads the layer count only
@@ -344,8 +343,9 @@ std::string layout_problem(const RunConfig& cfg, const Layout& l, const PlanOpti
     return "parallel.pipeline_layers gives " + std::to_string(opt.pipeline_layers.size()) + " stages their layers, not " +
            stages_text;
   if (!opt.pipeline_layers.empty() && stage_spans(m.n_layers, l.pp * v, opt.pipeline_split()).empty())
-    return "parallel.pipeline_layers does not cut the " + std::to_string(m.n_layers) +
-           " layers into stages that each hold something";
+    return "parallel.pipeline_layers " + nlohmann::json(opt.pipeline_layers).dump() + " does not split the " +
+           std::to_string(m.n_layers) +
+           " layers (the counts add up to them, with one or more on every stage but the first and last)";
   if (l.pp > 1 && stage_spans(m.n_layers, l.pp * v, opt.pipeline_split()).empty())
     return stages_text + " stages for " +
            std::to_string(m.n_layers) + " layers" +

@@ -1452,6 +1452,11 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   auto last_timed = std::chrono::steady_clock::now();
   std::map<int, int64_t> slow_streak;  // stragglers: timed steps in a row each has been slow
   bool balance_told = false, balance_seen = false;  // pipeline balance advice: given once a run
+  // The advice is for plain 1F1B: interleaved ranks hold several stages.
+  const std::vector<int> stage_layers =
+      cfg.parallel.virtual_stages == 1
+          ? pipeline_layer_counts(cfg.model, static_cast<int>(cfg.parallel.pp), cfg.parallel.pipeline_split())
+          : std::vector<int>();
   for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
     tr.timers().start_step(std::exchange(time_next, false));
     const auto t0 = std::chrono::steady_clock::now();
@@ -1517,9 +1522,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         slow_streak = std::move(streak);
         // A pipeline whose stages' measured compute differs is told, once, the split that evens
         // it: when two timed steps in a row find the imbalance (one step can be a hiccup).
-        if (!balance_told && cfg.parallel.pp >= 3 && cfg.parallel.virtual_stages == 1) {
-          const std::vector<int> stage_layers =
-              pipeline_layer_counts(cfg.model, static_cast<int>(cfg.parallel.pp), cfg.parallel.pipeline_split());
+        if (!balance_told && stage_layers.size() >= 3) {
           const std::optional<PipelineBalance> b = pipeline_balance(times, stage_layers);
           if (b && balance_seen) {
             balance_told = true;

@@ -1134,7 +1134,7 @@ void backward_impl(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, cons
 }
 
 // head_dim (and wgmma) dispatch of the launchers: s.head_dim is 64, 128 or 160 (the padded
-// width, padded_head_dim); scale = 1/sqrt(the real head_dim). There are no wgmma kernels at 160.
+// width, attention_padded_head_dim); scale = 1/sqrt(the real head_dim). There are no wgmma kernels at 160.
 template <class T, bool kAlibi>
 void forward_hd(CudaBackend& be, const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttnShape& s,
                 float scale) {
@@ -1174,16 +1174,8 @@ void backward_hd(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, const 
 // dk and dv (sums of zero rows) are dropped when copied back. The softmax scale stays
 // 1/sqrt(head_dim). The copies cost a few element-wise passes over qkv, next to products that
 // grow with T (at head_dim 32 the products double: still tensor-core work, where the plain
-// kernels are one warp of fp32 FMAs per query row).
-
-// The kernels' width for a head_dim they take (those below 64, or between the widths, padded),
-// or 0.
-int padded_head_dim(int hd) {
-  if (hd < 1) return 0;
-  if (hd <= 64) return 64;
-  if (hd <= 128) return 128;
-  return hd <= 160 ? 160 : 0;
-}
+// kernels are one warp of fp32 FMAs per query row). The width: attention_padded_head_dim
+// (kernels/attention_settings.h, which keel plan shares to count the copies).
 
 // dst [rows, heads * wide] from src [rows, heads * hd] (head h's row at h * hd), each head's
 // columns hd .. wide - 1 zero; or back (kToPadded false: src padded, dst [rows, heads * hd]).
@@ -1230,7 +1222,7 @@ void repad_heads(CudaBackend& be, const Tensor& dst, const Tensor& src, int hd, 
 bool flash_supported(const CudaBackend& be, const AttnShape& s, DType dtype,
                      std::initializer_list<const Tensor*> operands, bool backward) {
   if (dtype != DType::BF16 && dtype != DType::F16) return false;
-  const int wide = padded_head_dim(s.head_dim);
+  const int wide = static_cast<int>(attention_padded_head_dim(s.head_dim));
   if (wide == 0) return false;
   // Grids (grid_of) put tiles, heads and sequences on y or z, which are limited to 65535.
   if (s.B > 65535 || s.n_heads > 65535 || ceil_div(s.T, static_cast<int64_t>(std::min(kBlockQ, kBlockK))) > 65535)
@@ -1267,7 +1259,7 @@ void flash_forward(CudaBackend& be, const Tensor& out, const Tensor& lse, const 
       else forward_hd<__half, false>(be, o, lse, x, sx, scale);
     }
   };
-  const int wide = padded_head_dim(s.head_dim);
+  const int wide = static_cast<int>(attention_padded_head_dim(s.head_dim));
   if (wide == s.head_dim) return run(out, qkv, s);
   const char* op = "attention_forward";
   AttnShape sp = s;
@@ -1293,7 +1285,7 @@ void flash_backward(CudaBackend& be, const Tensor& dqkv, const Tensor& dout, con
       else backward_hd<__half, false>(be, dx, dy, x, lse, delta, sx, scale);
     }
   };
-  const int wide = padded_head_dim(s.head_dim);
+  const int wide = static_cast<int>(attention_padded_head_dim(s.head_dim));
   if (wide == s.head_dim) return run(dqkv, dout, qkv, s);
   // delta (dO . o per row) is the padded call's: the padded columns of both are zero
   const char* op = "attention_backward";

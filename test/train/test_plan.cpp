@@ -376,6 +376,13 @@ TEST_CASE("plan: parallel.pipeline_layers cuts the stages the user's way, and a 
   CHECK(layout_json(p)["pipeline_layers"] == nlohmann::json{5, 4, 4, 3});
   // Other stage counts are refused naming the field; the search plans only layouts of 4 stages.
   CHECK(layout_problem(cfg, Layout{1, 2, 2, 2}, opt) == "parallel.pipeline_layers gives 4 stages their layers, not pp=2");
+  PlanOptions short_by_one = opt;  // (keel plan --pipeline-layers is not checked by the config)
+  short_by_one.pipeline_layers = {5, 4, 4, 2};
+  CHECK(layout_problem(cfg, l, short_by_one) ==
+        "parallel.pipeline_layers [5,4,4,2] does not split the 16 layers (the counts add up to them, with one or more "
+        "on every stage but the first and last)");
+  short_by_one.pipeline_layers = {15};
+  CHECK(!layout_problem(cfg, Layout{1, 1, 4, 2}, short_by_one).empty());  // one stage too
   opt.gpus = 8;
   opt.virtual_stages = 0;  // auto: pp=2 with 2 chunks also has 4 virtual stages
   const PlanResult r = plan_all(cfg, opt);
@@ -417,10 +424,16 @@ TEST_CASE("plan: parallel.pipeline_layers cuts the stages the user's way, and a 
   CHECK(text.code == 0);
   CHECK_THAT(text.output, Catch::Contains("layers per stage [0,2,2,0] (parallel.pipeline_layers)") &&
                               Catch::Contains("emb + none"));
-  for (const std::string bad : {"0,2,x,0", "0,2,-2,4", "0,,4,0"}) {
-    const test::ProcessResult r = test::run_keel("plan --config " + tiny + " --gpus 4 --pipeline-layers " + bad);
+  // (CLI11 splits the list and keel's integer check takes each count, naming the flag)
+  for (const auto& [bad, why] : std::vector<std::pair<std::string, std::string>>{
+           {"0,2,x,0", "--pipeline-layers: 'x' is not an integer"},
+           {"0,2,-2,4", "--pipeline-layers: -2 must be an integer in [0, 1048576]"},
+           {"0,,4,0", "parallel.pipeline_layers gives 3 stages their layers, not pp=4"}}) {  // an empty item is no count
+    const test::ProcessResult r =
+        test::run_keel("plan --config " + tiny + " --gpus 4 --tp 1 --pp 4 --dp 1 --pipeline-layers " + bad);
+    INFO(r.output);
     CHECK(r.code != 0);
-    CHECK_THAT(r.output, Catch::Contains("--pipeline-layers: \"" + bad + "\" is not allowed (allowed: layer counts"));
+    CHECK_THAT(r.output, Catch::Contains(why));
   }
   const test::ProcessResult both =
       test::run_keel("plan --config " + tiny + " --gpus 4 --pipeline-layers 1,1,1,1 --embedding-slot");
