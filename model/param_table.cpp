@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <optional>
 #include <stdexcept>
 
 namespace keel {
@@ -239,19 +240,26 @@ std::vector<int> pipeline_layer_counts(const ModelConfig& cfg, int stages, const
   return out;
 }
 
-std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers) {
+std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers,
+                                          const std::vector<int>& max_layers) {
   const size_t n = fixed_s.size();
-  if (n == 0) return {};
+  if (n == 0 || (!max_layers.empty() && max_layers.size() != n)) return {};
+  auto room = [&](size_t s, int layers) { return max_layers.empty() || layers <= max_layers[s]; };
   std::vector<int> layers(n, 0);
   int left = n_layers;
   for (size_t s = 1; s + 1 < n; ++s) layers[s] = 1, --left;
   if (n == 1) layers[0] = n_layers, left = 0;
   if (left < 0) return {};
+  for (size_t s = 0; s < n; ++s)
+    if (!room(s, layers[s])) return {};
   for (; left > 0; --left) {
-    size_t best = n - 1;
+    std::optional<size_t> best;
     for (size_t s = n; s-- > 0;)
-      if (fixed_s[s] + layers[s] * layer_s < fixed_s[best] + layers[best] * layer_s) best = s;
-    ++layers[best];
+      if (room(s, layers[s] + 1) &&
+          (!best || fixed_s[s] + layers[s] * layer_s < fixed_s[*best] + layers[*best] * layer_s))
+        best = s;
+    if (!best) return {};
+    ++layers[*best];
   }
   return layers;
 }

@@ -139,8 +139,11 @@ std::vector<int> pipeline_layer_counts(const ModelConfig& cfg, int stages, const
 // stage s takes fixed_s[s] (embedding, head, messages) plus layer_s per layer: every middle stage
 // keeps one layer, and each other layer goes to the stage it slows least (ties to the later
 // stage, which keeps fewer micro-batches in flight under 1F1B). With equal steps per layer this
-// greedy is optimal. Empty when the middle stages outnumber the layers.
-std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers);
+// greedy is optimal. max_layers (empty: no bound) caps each stage's layers, e.g. at what its
+// memory holds: a layer then goes to the stage it slows least among those with room. Empty when
+// the middle stages outnumber the layers, or the caps cannot hold them all.
+std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers,
+                                          const std::vector<int>& max_layers = {});
 
 // Deterministic initialisation of a tensor's local shard into `out` (fp32, local numel):
 // element value = N(0, init_std) drawn from a counter-based generator keyed by (seed, tensor

@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -456,45 +457,37 @@ std::vector<std::string> quantization_warnings(const ModelConfig& m, const Layou
   return w;
 }
 
-LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions& opt) {
-  const MemoryModel mem = opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory;
-  const Hardware& hw = opt.hw;
-  const ModelConfig m = model_for_tp(cfg.model, l.tp);
-  const int64_t seq = cfg.train.seq_len;
-  const bool own_slot = opt.embedding_own_slot && l.pp > 1;
-  const int64_t v = l.pp > 1 ? std::max<int64_t>(1, opt.virtual_stages) : 1;
-  const std::vector<StageSpan> spans = stage_spans(m.n_layers, l.pp * v, {own_slot, opt.pipeline_layers});
-  if (spans.empty())
-    throw ConfigError("plan_layout: " + l.str() + " leaves a pipeline stage without layers" +
-                      (opt.pipeline_layers.empty() ? "" : " (or parallel.pipeline_layers does not list its stages)"));
+namespace {
 
-  LayoutPlan p;
-  p.layout = l;
-  p.embedding_own_slot = own_slot;
-  p.pipeline_layers = opt.pipeline_layers;
-  p.virtual_stages = v;
-  p.micro_batches = cfg.train.global_batch / (l.mbs * l.dp);
-  const int64_t mb = std::max<int64_t>(p.micro_batches, 1);
-  const Activations act = activation_bytes(m, mem, l.tp, l.mbs, seq, opt.sequence_parallel, opt.logits_chunk_rows);
-  const double shard = mem.state.zero1 ? static_cast<double>(l.dp) : 1.0;
+// A pipeline rank's memory from the chunks (spans) it holds: plan_layout's per-stage figures, and
+// those the split searches (layer_caps) ask of layer counts that no split has yet.
+class StageMemoryModel {
+ public:
+  // v: model chunks per pipeline rank; mb: micro-batches per DP rank per step.
+  StageMemoryModel(const RunConfig& cfg, const Layout& l, const PlanOptions& opt, int64_t v, int64_t mb)
+      : cfg_(cfg), l_(l), opt_(opt), m_(model_for_tp(cfg.model, l.tp)),
+        mem_(opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory),
+        act_(activation_bytes(m_, mem_, l.tp, l.mbs, cfg.train.seq_len, opt.sequence_parallel, opt.logits_chunk_rows)),
+        mb_(mb) {
+    // Interleaved: what each chunk holds comes from the schedule itself.
+    if (v > 1)
+      sched_ = pipeline_schedule(static_cast<int>(l.pp), static_cast<int>(v), static_cast<int>(mb), true);
+    // Every layer has the same tensors, so a span's parameters are its embedding and head's
+    // (a span of no layers with its flags) plus its layer count times one layer's.
+    one_layer_ = stage_params(m_, l.tp, StageSpan{0, 1, false, false});
+  }
 
-  // ---- memory of every stage ----
-  std::map<std::tuple<int, int, bool, bool>, StageParams> cache;
-  // Interleaved: what each chunk holds comes from the schedule itself.
-  const std::optional<PipeSchedule> sched =
-      v > 1 ? std::optional<PipeSchedule>(pipeline_schedule(static_cast<int>(l.pp), static_cast<int>(v),
-                                                            static_cast<int>(mb), true))
-            : std::nullopt;
-  for (int64_t s = 0; s < l.pp; ++s) {
+  // Stage s holding `chunks` (one per virtual stage it runs, in order).
+  StageMemory stage(int64_t s, const std::vector<StageSpan>& chunks) const {
+    const MemoryModel& mem = mem_;
+    const Activations& act = act_;
+    const double shard = mem.state.zero1 ? static_cast<double>(l_.dp) : 1.0;
     StageMemory st;
     st.stage = static_cast<int>(s);
+    st.chunks = chunks;
     StageParams sprm;
-    for (int64_t c = 0; c < v; ++c) {
-      const StageSpan& cs = spans[static_cast<size_t>(c * l.pp + s)];
-      st.chunks.push_back(cs);
-      auto key = std::make_tuple(cs.first_layer, cs.end_layer, cs.has_embedding, cs.has_head);
-      if (!cache.count(key)) cache[key] = stage_params(m, l.tp, cs);
-      const StageParams& cp = cache[key];
+    for (const StageSpan& cs : chunks) {
+      const StageParams cp = params(cs);
       sprm.total += cp.total, sprm.tied_copy += cp.tied_copy, sprm.embedding += cp.embedding;
       sprm.layers += cp.layers, sprm.head += cp.head;
     }
@@ -518,10 +511,10 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     st.grad_shard = P * mem.state.grad_shard / shard;
     // 1F1B: stage s runs pp - s forwards before its first backward, so it holds that many
     // micro-batches' activations (never more than the step has).
-    st.in_flight = std::min<int64_t>(l.pp - s, mb);
-    if (sched) {
-      for (int64_t c = 0; c < v; ++c)
-        st.chunk_in_flight.push_back(sched->activation_slots[static_cast<size_t>(s)][static_cast<size_t>(c)]);
+    st.in_flight = std::min<int64_t>(l_.pp - s, mb_);
+    if (sched_) {
+      for (size_t c = 0; c < chunks.size(); ++c)
+        st.chunk_in_flight.push_back(sched_->activation_slots[static_cast<size_t>(s)][c]);
       st.in_flight = *std::max_element(st.chunk_in_flight.begin(), st.chunk_in_flight.end());
     }
     // Recomputed layers (model/transformer.h): the first Lr of the stage (over its chunks in
@@ -529,8 +522,8 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     // scratch set shared by them all. With selective recomputation the other layers keep
     // kept_other, and rebuild the rest in a scratch pair (that set, when there is one).
     const double kept_layer = act.per_layer_full + act.attn_scores;
-    const double kept_other = kept_layer - (opt.selective ? act.per_layer_rebuilt : 0);
-    double recompute_left = opt.recompute_layers > 0 ? double(opt.recompute_layers) : sp.layers();
+    const double kept_other = kept_layer - (opt_.selective ? act.per_layer_rebuilt : 0);
+    double recompute_left = opt_.recompute_layers > 0 ? double(opt_.recompute_layers) : sp.layers();
     double Lr = 0;
     // A stage without layers (an embedding or head slot) holds no layer's backward buffers.
     const bool has_layers = sp.layers() > 0;
@@ -540,13 +533,13 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
     for (size_t c = 0; c < st.chunks.size(); ++c) {
       const StageSpan& cs = st.chunks[c];
       const double L = cs.layers();
-      const double n = static_cast<double>(sched ? st.chunk_in_flight[c] : st.in_flight);
+      const double n = static_cast<double>(sched_ ? st.chunk_in_flight[c] : st.in_flight);
       const double Lr_c = std::min(L, recompute_left);
       recompute_left -= Lr_c;
       Lr += Lr_c;
       // token ids (embedding), targets (head), document positions (every stage, with masking)
       const double ids = (cs.has_embedding ? act.token_ids : 0) + (cs.has_head ? act.token_ids : 0) +
-                         (cfg.takes_document_positions() ? act.token_ids : 0);
+                         (cfg_.takes_document_positions() ? act.token_ids : 0);
       const double head = cs.has_head ? act.head : 0;
       const double embed_norm = cs.has_embedding ? act.embed_norm : 0;
       // keel's Transformer keeps a stage output, the token ids / targets and the head's buffers
@@ -556,21 +549,76 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
       if (mem.keeps_stage_output) once += act.stage_output + ids + head + embed_norm;
       st.act_full += n * (L * kept_other + per_slot);
       st.act_stored_recompute += n * (Lr_c * act.per_layer_input + (L - Lr_c) * kept_other + per_slot);
-      if (mem.keeps_stage_output && l.pp > 1) {
+      if (mem.keeps_stage_output && l_.pp > 1) {
         st.act_full += n * act.per_layer_input;
         st.act_stored_recompute += n * act.per_layer_input;
       }
       // Interleaved: received output gradients wait in buffers of their own until their backward.
-      if (sched) once += sched->gradient_slots[static_cast<size_t>(s)][c] * act.stage_output;
+      if (sched_) once += sched_->gradient_slots[static_cast<size_t>(s)][c] * act.stage_output;
     }
     st.recomputed_layers = Lr;
-    const double rebuild = opt.selective && sp.layers() > 0 ? act.rebuild_scratch : 0;
+    const double rebuild = opt_.selective && sp.layers() > 0 ? act.rebuild_scratch : 0;
     st.act_full += once + rebuild;
     st.act_working_recompute = (Lr > 0 ? kept_layer - act.per_layer_input : rebuild) + once;
     st.act_recompute = st.act_stored_recompute + st.act_working_recompute;
     st.overhead = mem.cuda_context_bytes + mem.comm_buffer_bytes +
-                  (has_layers ? attention_scratch_bytes(m, mem, l.tp, l.mbs, seq) : 0);
-    p.stages.push_back(st);
+                  (has_layers ? attention_scratch_bytes(m_, mem, l_.tp, l_.mbs, cfg_.train.seq_len) : 0);
+    return st;
+  }
+
+ private:
+  StageParams params(const StageSpan& sp) const {
+    auto key = std::make_pair(sp.has_embedding, sp.has_head);
+    auto it = ends_.find(key);
+    if (it == ends_.end()) it = ends_.emplace(key, stage_params(m_, l_.tp, StageSpan{0, 0, key.first, key.second})).first;
+    StageParams r = it->second;
+    const int64_t L = sp.layers();
+    r.total += L * one_layer_.total;
+    r.layers += L * one_layer_.layers;
+    return r;
+  }
+
+  const RunConfig& cfg_;
+  const Layout l_;
+  const PlanOptions& opt_;
+  const ModelConfig m_;
+  const MemoryModel mem_;
+  const Activations act_;
+  const int64_t mb_;
+  std::optional<PipeSchedule> sched_;
+  StageParams one_layer_;
+  mutable std::map<std::pair<bool, bool>, StageParams> ends_;  // a span's embedding and head
+};
+
+}  // namespace
+
+LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions& opt) {
+  const MemoryModel mem = opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory;
+  const Hardware& hw = opt.hw;
+  const ModelConfig m = model_for_tp(cfg.model, l.tp);
+  const int64_t seq = cfg.train.seq_len;
+  const bool own_slot = opt.embedding_own_slot && l.pp > 1;
+  const int64_t v = l.pp > 1 ? std::max<int64_t>(1, opt.virtual_stages) : 1;
+  const std::vector<StageSpan> spans = stage_spans(m.n_layers, l.pp * v, {own_slot, opt.pipeline_layers});
+  if (spans.empty())
+    throw ConfigError("plan_layout: " + l.str() + " leaves a pipeline stage without layers" +
+                      (opt.pipeline_layers.empty() ? "" : " (or parallel.pipeline_layers does not list its stages)"));
+
+  LayoutPlan p;
+  p.layout = l;
+  p.embedding_own_slot = own_slot;
+  p.pipeline_layers = opt.pipeline_layers;
+  p.virtual_stages = v;
+  p.micro_batches = cfg.train.global_batch / (l.mbs * l.dp);
+  const int64_t mb = std::max<int64_t>(p.micro_batches, 1);
+  const Activations act = activation_bytes(m, mem, l.tp, l.mbs, seq, opt.sequence_parallel, opt.logits_chunk_rows);
+
+  // ---- memory of every stage ----
+  const StageMemoryModel stage_memory(cfg, l, opt, v, mb);
+  for (int64_t s = 0; s < l.pp; ++s) {
+    std::vector<StageSpan> chunks;
+    for (int64_t c = 0; c < v; ++c) chunks.push_back(spans[static_cast<size_t>(c * l.pp + s)]);
+    p.stages.push_back(stage_memory.stage(s, chunks));
   }
   p.usable_bytes = hw.gpu_mem_bytes * (1 - mem.headroom);
   auto peak = [&](bool rc, int* at) {
@@ -729,6 +777,29 @@ LayoutPlan plan_layout(const RunConfig& cfg, const Layout& l, const PlanOptions&
   return p;
 }
 
+std::vector<int> pipeline_layer_caps(const RunConfig& cfg, const Layout& l, const PlanOptions& opt, bool recompute) {
+  const int64_t mb = std::max<int64_t>(cfg.train.global_batch / (l.mbs * l.dp), 1);
+  const StageMemoryModel stage_memory(cfg, l, opt, 1, mb);
+  const MemoryModel mem = opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory;
+  const double usable = opt.hw.gpu_mem_bytes * (1 - mem.headroom);
+  const int n = cfg.model.n_layers;
+  std::vector<int> caps;
+  for (int64_t s = 0; s < l.pp; ++s) {
+    auto fits = [&](int layers) {
+      const StageSpan span{0, layers, s == 0, s == l.pp - 1};
+      return stage_memory.stage(s, {span}).total(recompute) <= usable;
+    };
+    // A stage's memory grows with its layers: the most that fit, by bisection over [-1, n].
+    int lo = -1, hi = n + 1;  // fits(lo) (or lo = -1), !fits(hi)
+    while (hi - lo > 1) {
+      const int mid = lo + (hi - lo) / 2;
+      (fits(mid) ? lo : hi) = mid;
+    }
+    caps.push_back(lo);
+  }
+  return caps;
+}
+
 std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt) {
   const int64_t pp = p.layout.pp;
   if (pp < 2 || p.virtual_stages != 1 || static_cast<int64_t>(p.stage_seconds.size()) != pp || p.layer_seconds <= 0)
@@ -740,16 +811,24 @@ std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const 
     now[s] = p.stages[s].span.layers();
     fixed[s] = p.stage_seconds[s] - now[s] * p.layer_seconds;
   }
-  const std::vector<int> layers = balanced_pipeline_layers(fixed, p.layer_seconds, cfg.model.n_layers);
-  if (layers.empty() || layers == now) return std::nullopt;
   PlanOptions o = opt;
-  o.pipeline_layers = layers;
   o.embedding_own_slot = false;
   o.virtual_stages = 1;
-  if (!layout_problem(cfg, p.layout, o).empty()) return std::nullopt;
-  const LayoutPlan q = plan_layout(cfg, p.layout, o);
-  if (!q.fits || q.time.step_s > 0.99 * p.time.step_s) return std::nullopt;
-  return LayoutPlan::Balance{layers, q.time.step_s, q.peak_bytes};
+  std::optional<LayoutPlan::Balance> best;
+  // Without full recomputation first: a split that spares it is worth more than an even one.
+  for (bool recompute : {false, true}) {
+    if ((recompute && opt.recompute == Recompute::Never) || (!recompute && opt.recompute == Recompute::Always))
+      continue;
+    const std::vector<int> layers = balanced_pipeline_layers(fixed, p.layer_seconds, cfg.model.n_layers,
+                                                             pipeline_layer_caps(cfg, p.layout, o, recompute));
+    if (layers.empty() || layers == now) continue;
+    o.pipeline_layers = layers;
+    if (!layout_problem(cfg, p.layout, o).empty()) continue;
+    const LayoutPlan q = plan_layout(cfg, p.layout, o);
+    if (!q.fits || (p.fits && q.time.step_s > 0.99 * p.time.step_s)) continue;
+    if (!best || q.time.step_s < best->step_s) best = LayoutPlan::Balance{layers, q.time.step_s, q.peak_bytes, q.recompute};
+  }
+  return best;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -780,7 +859,7 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
         if (o.virtual_stages == 0 && listed > pp && listed % pp == 0) po.virtual_stages = listed / pp;
         std::string why = layout_problem(cfg, probe, po);
         if (!why.empty() && why.find("mbs*dp") == std::string::npos) {
-          r.rejected.push_back({base, why, 0});
+          r.rejected.push_back({base, why, 0, std::nullopt});
           continue;
         }
       }
@@ -788,7 +867,7 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
       if (opt.mbs) sizes = {*opt.mbs};
       else if (cfg.train.global_batch % dp != 0) {
         r.rejected.push_back({base, "global batch " + std::to_string(cfg.train.global_batch) +
-                                        " not divisible by dp=" + std::to_string(dp), 0});
+                                        " not divisible by dp=" + std::to_string(dp), 0, std::nullopt});
         continue;
       } else {
         for (int64_t b : divisors(cfg.train.global_batch / dp))
@@ -808,17 +887,22 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
           PlanOptions ov = o;
           ov.virtual_stages = v;
           if (std::string why = layout_problem(cfg, l, ov); !why.empty()) {
-            if (!first_problem) first_problem = Rejection{l, why, 0};
+            if (!first_problem) first_problem = Rejection{l, why, 0, std::nullopt};
             continue;
           }
           LayoutPlan lp = plan_layout(cfg, l, ov);
           if (!lp.fits) {
-            if (!first_problem)
+            if (!first_problem) {
               first_problem = Rejection{l, "out of memory: " + format_bytes(lp.peak_bytes) + " on stage " +
                                                std::to_string(lp.peak_stage) +
                                                (lp.recompute ? " even with recomputation" : "") + " > " +
                                                format_bytes(lp.usable_bytes) + " usable",
-                                        lp.peak_bytes};
+                                        lp.peak_bytes, balance_pipeline(cfg, lp, ov)};
+              if (const auto& f = first_problem->fitting)
+                first_problem->reason += "; fits with parallel.pipeline_layers " + nlohmann::json(f->layers).dump() +
+                                         ": peak " + format_bytes(f->peak_bytes) + ", estimated step " +
+                                         fmt("%.2f s", f->step_s) + (f->recompute ? " with recomputation" : "");
+            }
             continue;
           }
           if (!best || lp.time.step_s < best->time.step_s) best = std::move(lp);
@@ -1096,7 +1180,8 @@ std::string layout_text(const RunConfig& cfg, const LayoutPlan& p, const PlanOpt
       << " a stage, stage " << (hi - p.stage_seconds.begin()) << " the slowest; parallel.pipeline_layers "
       << nlohmann::json(p.balance->layers).dump() << " evens them: estimated step " << fmt("%.2f s", p.balance->step_s)
       << fmt(" (%.1f%% less)", 100 * (1 - p.balance->step_s / p.time.step_s)) << ", peak "
-      << format_bytes(p.balance->peak_bytes) << "\n";
+      << format_bytes(p.balance->peak_bytes) << (p.recompute && !p.balance->recompute ? " without recomputation" : "")
+      << "\n";
   }
   for (const auto& w : p.warnings) o << "  warning: " << w << "\n";
   return o.str();
@@ -1193,6 +1278,25 @@ std::string plan_text(const RunConfig& cfg, const PlanResult& r, const PlanOptio
   } else {
     o << "no layout fits " << r.gpus << " GPUs.\n";
   }
+  // A layout out of memory under its split that a split of its own fits, faster than any above
+  // (with its own balance advice).
+  const Rejection* split_fit = nullptr;
+  for (const auto& x : r.rejected)
+    if (x.fitting && (!split_fit || x.fitting->step_s < split_fit->fitting->step_s)) split_fit = &x;
+  double fastest_ranked = std::numeric_limits<double>::infinity();
+  for (const auto& p : r.ranked) fastest_ranked = std::min(fastest_ranked, p.balance ? p.balance->step_s : p.time.step_s);
+  if (split_fit && split_fit->fitting->step_s < fastest_ranked) {
+    const Layout& l = split_fit->layout;
+    const LayoutPlan::Balance& f = *split_fit->fitting;
+    std::string layers;
+    for (int n : f.layers) layers += (layers.empty() ? "" : ",") + std::to_string(n);
+    o << "  " << (r.ranked.empty() ? "with a split of its own: " : "faster with a split of its own: ") << l.str()
+      << " runs out of memory split as configured, but fits with parallel.pipeline_layers "
+      << nlohmann::json(f.layers).dump() << ": estimated step " << fmt("%.2f s", f.step_s) << ", peak "
+      << format_bytes(f.peak_bytes) << (f.recompute ? " with recomputation" : "") << " (details: keel plan --tp "
+      << l.tp << " --pp " << l.pp << " --dp " << l.dp << " --mbs " << l.mbs << " --pipeline-layers " << layers
+      << ")\n";
+  }
   if (!r.rejected.empty()) {
     o << "\n" << r.rejected.size() << " rejected:\n";
     // Group by the reason's kind so the list stays readable; --all prints each.
@@ -1281,7 +1385,8 @@ nlohmann::json layout_json(const LayoutPlan& p) {
   j["stage_seconds"] = p.stage_seconds;
   j["pipeline_balance"] = p.balance ? nlohmann::json{{"pipeline_layers", p.balance->layers},
                                                      {"step_s", p.balance->step_s},
-                                                     {"peak_bytes", p.balance->peak_bytes}}
+                                                     {"peak_bytes", p.balance->peak_bytes},
+                                                     {"recompute", p.balance->recompute}}
                                     : nlohmann::json();
   j["warnings"] = p.warnings;
   return j;
@@ -1338,7 +1443,12 @@ nlohmann::json plan_json(const RunConfig& cfg, const PlanResult& r, const PlanOp
                              {"dp", x.layout.dp},
                              {"mbs", x.layout.mbs ? nlohmann::json(x.layout.mbs) : nlohmann::json("any")},
                              {"reason", x.reason},
-                             {"peak_bytes", x.peak_bytes > 0 ? nlohmann::json(x.peak_bytes) : nlohmann::json()}});
+                             {"peak_bytes", x.peak_bytes > 0 ? nlohmann::json(x.peak_bytes) : nlohmann::json()},
+                             {"fitting_split", x.fitting ? nlohmann::json{{"pipeline_layers", x.fitting->layers},
+                                                                         {"step_s", x.fitting->step_s},
+                                                                         {"peak_bytes", x.fitting->peak_bytes},
+                                                                         {"recompute", x.fitting->recompute}}
+                                                         : nlohmann::json()}});
   return j;
 }
 
@@ -1384,6 +1494,15 @@ double planned_backend_bytes(const RunConfig& cfg, int stage, bool gpu) {
   return p.stages.at(static_cast<size_t>(stage)).total(p.recompute);
 }
 
+std::vector<int> run_pipeline_layer_caps(const RunConfig& cfg, double gpu_mem_bytes) {
+  if (gpu_mem_bytes <= 0 || cfg.parallel.virtual_stages != 1) return {};
+  PlanOptions opt = run_options(cfg, true);
+  opt.hw.gpu_mem_bytes = gpu_mem_bytes;
+  const Layout l = run_layout(cfg);
+  if (!layout_problem(cfg, l, opt).empty()) return {};
+  return pipeline_layer_caps(cfg, l, opt, opt.recompute == Recompute::Always);
+}
+
 double async_save_host_bytes(const RunConfig& cfg, int stage) {
   if (!cfg.checkpoint.async) return 0;
   const PlanOptions opt = run_options(cfg, false);
@@ -1425,6 +1544,12 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
     text += "  hint: with " + setting + " the peak would be " + format_bytes(q.peak_bytes) +
             (q.fits ? " (fits)" : " (still too much: a smaller micro_batch, or more tp/pp)") + "\n";
   };
+  if (p.usable_bytes > 0 && !p.fits && l.pp > 1 && p.virtual_stages == 1) {
+    // The first stages keep the most micro-batches in flight: fewer layers there may fit.
+    if (const auto f = balance_pipeline(cfg, p, opt))
+      text += "  hint: with parallel.pipeline_layers " + nlohmann::json(f->layers).dump() + " the peak would be " +
+              format_bytes(f->peak_bytes) + " (fits)\n";
+  }
   if (p.usable_bytes > 0 && !p.fits && l.tp > 1 && !opt.sequence_parallel) {
     PlanOptions o = opt;
     o.sequence_parallel = true;

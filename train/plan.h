@@ -282,6 +282,7 @@ struct LayoutPlan {
   struct Balance {
     std::vector<int> layers;
     double step_s = 0, peak_bytes = 0;
+    bool recompute = false;  // whether the layout needs full recomputation under that split
   };
   std::optional<Balance> balance;
   std::vector<std::string> warnings;
@@ -303,6 +304,8 @@ struct Rejection {
   Layout layout;
   std::string reason;
   double peak_bytes = 0;  // > 0 for out-of-memory rejections
+  // Out of memory under its split, but a split of its own fits it (balance_pipeline).
+  std::optional<LayoutPlan::Balance> fitting;
 };
 
 struct PlanResult {
@@ -314,9 +317,17 @@ struct PlanResult {
 };
 PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt);
 
-// The split of 1F1B stages (no interleaving) that evens their times by the cost model
-// (balanced_pipeline_layers, model/param_table.h). Empty unless it differs from p's, fits, and
-// makes the estimated step at least 1% faster.
+// The most layers each 1F1B stage (no interleaving) of layout l holds within the usable memory,
+// with full recomputation or without: a stage's memory grows with each layer by its state and
+// its activations times the micro-batches the stage keeps in flight (pp - s under 1F1B, so the
+// first stages hold the fewest). -1 for a stage whose embedding or head alone does not fit.
+std::vector<int> pipeline_layer_caps(const RunConfig& cfg, const Layout& l, const PlanOptions& opt, bool recompute);
+
+// A split of 1F1B stages (no interleaving; parallel.pipeline_layers) that evens their times by
+// the cost model within what each stage's memory holds (balanced_pipeline_layers with the caps,
+// model/param_table.h), tried without full recomputation first where the policy allows it. For a
+// layout that fits: a split that makes the estimated step at least 1% faster. For one that does
+// not: a split that fits it. Empty when there is none, or it is p's own.
 std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt);
 
 // When nothing fits: the best layout on fewer GPUs (whole nodes, down to half), and on the same
@@ -350,6 +361,11 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes = 0
 // (what Backend::peak_bytes counts): state, activations and, on a GPU, the attention backward's
 // dS; not the CUDA context, which the backend does not count. 0 where the layout has a problem.
 double planned_backend_bytes(const RunConfig& cfg, int stage, bool gpu);
+
+// The most layers each pipeline stage of the run's own layout holds in gpu_mem_bytes, under its
+// policies (pipeline_layer_caps), for the measured balance advice. Empty without a GPU
+// (gpu_mem_bytes <= 0), for an interleaved run, or where the layout has a problem.
+std::vector<int> run_pipeline_layer_caps(const RunConfig& cfg, double gpu_mem_bytes);
 
 // The host memory a background save (checkpoint.async) copies stage `stage`'s state into while
 // its files are written: weights, fp32 masters and Adam moments. 0 without checkpoint.async or

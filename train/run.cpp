@@ -1261,6 +1261,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // A rewind: the higher steps belong to the run it abandoned (set aside below, under the lock).
   std::vector<std::string> abandoned;
   if (!resume_path.empty() && !opts.eval_only) abandoned = checkpoints.set_resumed_from(progress.iteration);
+  double gpu_memory = 0;  // the lead rank's device memory (0 on the CPU), for the memory plan
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, tr, train, vals, packed, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());
@@ -1315,7 +1316,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (grid.pp_size() > 1)  // the step's pipeline: ticks, idle ticks (the bubble)
       std::printf("keel: pipeline %s\n",
                   tr.schedule(static_cast<int>(cfg.grad_accum_steps(cfg.train.global_batch)), true).describe().c_str());
-    const double gpu_memory = backend->device() == Device::CUDA ? double(cuda_current_device_memory()) : 0.0;
+    gpu_memory = backend->device() == Device::CUDA ? double(cuda_current_device_memory()) : 0.0;
     std::printf("%s", plan::memory_breakdown_text(cfg, gpu_memory).c_str());
     std::printf("keel: run directory %s (metrics: %s, checkpoints: %s)\n", cfg.out.c_str(), metrics->path().c_str(),
                 cfg.checkpoint.dir.c_str());
@@ -1457,6 +1458,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       cfg.parallel.virtual_stages == 1
           ? pipeline_layer_counts(cfg.model, static_cast<int>(cfg.parallel.pp), cfg.parallel.pipeline_split())
           : std::vector<int>();
+  // On a GPU the advice keeps each stage's layers within what its memory holds.
+  const std::vector<int> stage_layer_caps =
+      stage_layers.size() >= 3 ? plan::run_pipeline_layer_caps(cfg, gpu_memory) : std::vector<int>();
   for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
     tr.timers().start_step(std::exchange(time_next, false));
     const auto t0 = std::chrono::steady_clock::now();
@@ -1523,7 +1527,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         // A pipeline whose stages' measured compute differs is told, once, the split that evens
         // it: when two timed steps in a row find the imbalance (one step can be a hiccup).
         if (!balance_told && stage_layers.size() >= 3) {
-          const std::optional<PipelineBalance> b = pipeline_balance(times, stage_layers);
+          const std::optional<PipelineBalance> b = pipeline_balance(times, stage_layers, stage_layer_caps);
           if (b && balance_seen) {
             balance_told = true;
             if (!quiet) std::printf("keel: pipeline balance at step %lld: %s\n", static_cast<long long>(it), b->text.c_str());

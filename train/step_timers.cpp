@@ -221,8 +221,8 @@ TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step
   return s;
 }
 
-std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ranks,
-                                                const std::vector<int>& stage_layers) {
+std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ranks, const std::vector<int>& stage_layers,
+                                                const std::vector<int>& max_layers) {
   const size_t P = stage_layers.size();
   if (P < 3) return std::nullopt;
   const std::vector<std::string>& cols = StepTimers::columns();
@@ -249,8 +249,9 @@ std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ra
   if (!(layer_ms > 0)) return std::nullopt;
   std::vector<double> rest(P);
   for (size_t s = 0; s < P; ++s) rest[s] = std::max(0.0, b.stage_ms[s] - stage_layers[s] * layer_ms);
-  b.layers = balanced_pipeline_layers(rest, layer_ms, n_layers);
+  b.layers = balanced_pipeline_layers(rest, layer_ms, n_layers, max_layers);
   if (b.layers.empty() || b.layers == stage_layers) return std::nullopt;
+  const bool memory_bound = !max_layers.empty() && balanced_pipeline_layers(rest, layer_ms, n_layers) != b.layers;
   for (size_t s = 0; s < P; ++s) b.slowest_after_ms = std::max(b.slowest_after_ms, rest[s] + b.layers[s] * layer_ms);
   const auto slowest = std::max_element(b.stage_ms.begin(), b.stage_ms.end());
   if (b.slowest_after_ms > 0.9 * *slowest) return std::nullopt;
@@ -259,8 +260,9 @@ std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ra
            fmt_ms(*slowest) + " ms a pipeline stage, stage " + std::to_string(at) + " (" +
            std::to_string(stage_layers[at]) + " layers" + (at == 0 ? " + embedding" : at + 1 == P ? " + head" : "") +
            ") the slowest, a layer about " + fmt_ms(layer_ms) + " ms; parallel.pipeline_layers " +
-           nlohmann::json(b.layers).dump() + " would even them (slowest stage about " + fmt_ms(b.slowest_after_ms) +
-           " ms)";
+           nlohmann::json(b.layers).dump() + " would even them" +
+           (memory_bound ? " as far as each stage's memory allows (keel plan)" : "") + " (slowest stage about " +
+           fmt_ms(b.slowest_after_ms) + " ms)";
   return b;
 }
 

@@ -148,14 +148,15 @@ TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step
 // a layer's is the median over the middle stages of compute / layers, and the rest of a stage's
 // compute (the embedding, the head) stays with it (balanced_pipeline_layers spreads the layers).
 // Given when that split differs from `stage_layers` and would cut the slowest stage's compute by
-// at least 10% (less is within a timed step's noise).
+// at least 10% (less is within a timed step's noise). max_layers (empty: no bound) caps each
+// stage's layers at what its memory holds (plan::pipeline_layer_caps on a GPU).
 struct PipelineBalance {
   std::vector<int> layers;
   std::vector<double> stage_ms;  // measured compute per stage
   double slowest_after_ms = 0;   // the slowest stage's compute under `layers`, by the same fit
   std::string text;              // for the log: the measurement and the split
 };
-std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ranks,
-                                                const std::vector<int>& stage_layers);
+std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ranks, const std::vector<int>& stage_layers,
+                                                const std::vector<int>& max_layers = {});
 
 }  // namespace keel

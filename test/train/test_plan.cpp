@@ -245,6 +245,10 @@ TEST_CASE("plan: per-rank parameters over all ranks add up to the model", "[plan
       }();
       planner_sum += (s.params - s.tied_copy - replicated) * l.tp + replicated;
       CHECK(s.embedding_params + s.layer_params + s.head_params == s.params);
+      // (the planner adds one layer's count per layer: exactly TP rank 0's table of the stage)
+      CHECK(s.params == ParamTable(m, ModelShard{0, int(l.tp), s.span.first_layer, s.span.end_layer,
+                                                 s.span.has_embedding, s.span.has_head})
+                            .local_numel());
     }
     CHECK(planner_sum == ParamTable(m).logical_numel());
   }
@@ -495,6 +499,107 @@ TEST_CASE("plan: a pipeline whose head stage is slowest is told the split that e
   const PlanResult v = plan_all(cfg, opt);
   REQUIRE(!v.ranked.empty());
   CHECK(!v.ranked[0].balance);
+}
+
+TEST_CASE("plan: the layers each stage's memory holds, and a split that fits a layout the even split does not",
+          "[plan][pipeline]") {
+  // The 1B Llama over pp=4 at micro-batch 4 in 16 GiB: under 1F1B stage 0 keeps 4 micro-batches
+  // in flight beside the embedding, and the even split (4 layers a stage) does not fit there.
+  const RunConfig cfg = shipped("llama-1b.json");
+  PlanOptions opt;
+  opt.gpus = 8, opt.tp = 1, opt.pp = 4, opt.dp = 2, opt.mbs = 4;
+  opt.hw.gpu_mem_bytes = 16 * kGiB;
+  opt.recompute = Recompute::Never;
+  const Layout l{1, 4, 2, 4};
+  const LayoutPlan even = plan_layout(cfg, l, opt);
+  REQUIRE(!even.fits);
+  CHECK(even.peak_stage == 0);
+
+  // Each cap is the most layers with which the stage's own memory fits: checked by planning
+  // splits that give the stage its cap and one more (the other stages take the rest).
+  const std::vector<int> caps = pipeline_layer_caps(cfg, l, opt, false);
+  REQUIRE(caps.size() == 4);
+  CHECK(caps[0] < 4);
+  CHECK(caps[1] < caps[2]);  // fewer micro-batches in flight, more layers
+  for (int s = 0; s < 4; ++s)
+    for (int layers : {caps[s], caps[s] + 1}) {
+      if (layers > 16 - 2 || layers < (s == 0 || s == 3 ? 0 : 1)) continue;
+      std::vector<int> split(4, 0);
+      split[1] = split[2] = 1;
+      split[static_cast<size_t>(s)] = layers;
+      split[s == 2 ? 1 : 2] += 16 - std::accumulate(split.begin(), split.end(), 0);
+      PlanOptions o = opt;
+      o.pipeline_layers = split;
+      const LayoutPlan q = plan_layout(cfg, l, o);
+      INFO("stage " << s << ", split " << nlohmann::json(split).dump());
+      CHECK((q.stages[static_cast<size_t>(s)].total(false) <= q.usable_bytes) == (layers == caps[s]));
+    }
+
+  // keel plan offers the split that fits, evening the stages' times within those caps.
+  const PlanResult r = plan_all(cfg, opt);
+  REQUIRE(r.ranked.empty());
+  REQUIRE(r.rejected.size() == 1);
+  const Rejection& x = r.rejected[0];
+  REQUIRE(x.fitting);
+  const std::vector<int>& split = x.fitting->layers;
+  CHECK(std::accumulate(split.begin(), split.end(), 0) == 16);
+  for (size_t s = 0; s < 4; ++s) CHECK(split[s] <= caps[s]);
+  CHECK(!x.fitting->recompute);
+  PlanOptions with = opt;
+  with.pipeline_layers = split;
+  const LayoutPlan q = plan_layout(cfg, l, with);
+  CHECK(q.fits);
+  CHECK(q.time.step_s == x.fitting->step_s);
+  CHECK(q.peak_bytes == x.fitting->peak_bytes);
+  CHECK_THAT(x.reason, Catch::StartsWith("out of memory: 17.58 GiB on stage 0 > 15.20 GiB usable; fits with "
+                                         "parallel.pipeline_layers " + nlohmann::json(split).dump()));
+  std::string listed;
+  for (int n : split) listed += (listed.empty() ? "" : ",") + std::to_string(n);
+  CHECK_THAT(plan_text(cfg, r, opt),
+             Catch::Contains("no layout fits 8 GPUs.\n  with a split of its own: tp=1 pp=4 dp=2 mbs=4 runs out of "
+                             "memory split as configured, but fits with parallel.pipeline_layers " +
+                             nlohmann::json(split).dump()) &&
+                 Catch::Contains("(details: keel plan --tp 1 --pp 4 --dp 2 --mbs 4 --pipeline-layers " + listed + ")"));
+  const nlohmann::json j = plan_json(cfg, r, opt);
+  CHECK(j["rejected"][0]["fitting_split"]["pipeline_layers"] == nlohmann::json(split));
+  CHECK(j["rejected"][0]["fitting_split"]["recompute"] == false);
+
+  // Where no split fits (4 GiB: not even the middle stages' single layers), none is offered.
+  PlanOptions small = opt;
+  small.hw.gpu_mem_bytes = 4 * kGiB;
+  const PlanResult none = plan_all(cfg, small);
+  REQUIRE(none.rejected.size() == 1);
+  CHECK(!none.rejected[0].fitting);
+  CHECK(none.rejected[0].reason.find("fits with") == std::string::npos);
+  CHECK(plan_text(cfg, none, small).find("split of its own") == std::string::npos);
+
+  // When recomputation is allowed, the even split fits only with it; a split that spares it is
+  // the advice, though the even split's stages take about the same time.
+  PlanOptions any = opt;
+  any.recompute = Recompute::Auto;
+  const PlanResult a = plan_all(cfg, any);
+  REQUIRE(a.ranked.size() == 1);
+  const LayoutPlan& p = a.ranked[0];
+  CHECK(p.recompute);
+  REQUIRE(p.balance);
+  CHECK(!p.balance->recompute);
+  CHECK(p.balance->step_s < 0.8 * p.time.step_s);
+  CHECK_THAT(layout_text(cfg, p, any), Catch::Contains("without recomputation\n"));
+  CHECK(layout_json(p)["pipeline_balance"]["recompute"] == false);
+
+  // A GPU run's measured balance advice takes its caps from the run's own layout and policies;
+  // none on the CPU or for an interleaved run.
+  const std::string path = std::string(KEEL_SOURCE_DIR) + "/configs/llama-1b.json";
+  const std::vector<std::string> sets = {"parallel.tp=1", "parallel.pp=4", "parallel.dp=2", "train.micro_batch=4"};
+  const RunConfig run = load_config(path, sets);
+  const std::vector<int> run_caps = run_pipeline_layer_caps(run, 16 * kGiB);
+  REQUIRE(run_caps.size() == 4);
+  CHECK(run_caps[0] < 4);
+  CHECK(run_caps[0] < run_caps[1]);
+  CHECK(run_pipeline_layer_caps(run, 0).empty());
+  std::vector<std::string> interleaved = sets;
+  interleaved.push_back("parallel.virtual_stages=2");
+  CHECK(run_pipeline_layer_caps(load_config(path, interleaved), 16 * kGiB).empty());
 }
 
 TEST_CASE("plan: the detail table shows the peak stage that the verdict names", "[plan]") {
@@ -1284,6 +1389,15 @@ TEST_CASE("plan: the trainer's memory breakdown for its own layout", "[plan]") {
   CHECK(tight.find("verdict: DOES NOT FIT with no recompute: peak 76.49 GiB on stage 0") != std::string::npos);
   CHECK(tight.find("hint: with train.recompute \"full\" the peak would be 37.42 GiB (fits)") != std::string::npos);
   CHECK(tight.find("hint: with parallel.sequence_parallel true the peak would be 44.79 GiB (fits)") != std::string::npos);
+  // Seed 001's layout over 10 stages: one layer fewer on stage 0, which keeps 10 micro-batches in
+  // flight, and it fits as it is.
+  const std::string moved = "[7,8,8,8,8,8,8,8,9,8]";
+  CHECK(tight.find("hint: with parallel.pipeline_layers " + moved + " the peak would be") != std::string::npos);
+  const std::string split = memory_breakdown_text(
+      load_config(path, {"train.micro_batch=2", "parallel.pipeline_layers=" + moved}), 80 * kGiB);
+  INFO(split);
+  CHECK(split.find("verdict: fits with no recompute") != std::string::npos);
+  CHECK(split.find("hint") == std::string::npos);
   CHECK(tight.find("hint: with train.recompute \"selective\" the peak would be 54.68 GiB (fits)") != std::string::npos);
   const std::string rc =
       memory_breakdown_text(load_config(path, {"train.micro_batch=2", "train.recompute=full"}), 80 * kGiB);

@@ -266,6 +266,22 @@ TEST_CASE("a pipeline whose stages' measured compute differs is told the split t
   CHECK(!pipeline_balance({rank_times(0, 0, 40), rank_times(1, 1, 40), rank_times(3, 3, 75)}, {4, 4, 4, 4}));
   CHECK(!pipeline_balance({rank_times(0, 0, 50), rank_times(1, 1, 50), rank_times(2, 2, 50), rank_times(3, 3, 45)},
                           {5, 5, 5, 1}));
+
+  // On a GPU each stage's layers stay within what its memory holds: with room for only 4 layers
+  // on stage 0 (it keeps the most micro-batches in flight) the others take the rest.
+  const std::optional<PipelineBalance> capped = pipeline_balance(ranks, {4, 4, 4, 4}, {4, 8, 8, 8});
+  REQUIRE(capped);
+  CHECK(capped->layers == std::vector<int>{4, 5, 5, 2});
+  CHECK(capped->slowest_after_ms == 55.0);
+  CHECK_THAT(capped->text, Catch::EndsWith("parallel.pipeline_layers [4,5,5,2] would even them as far as each "
+                                           "stage's memory allows (keel plan) (slowest stage about 55.0 ms)"));
+  // Caps that do not bind leave the advice and its text as they were; caps that hold no better
+  // split, or fewer layers than the model has, give none.
+  const std::optional<PipelineBalance> loose = pipeline_balance(ranks, {4, 4, 4, 4}, {16, 16, 16, 16});
+  REQUIRE(loose);
+  CHECK(loose->text == b->text);
+  CHECK(!pipeline_balance(ranks, {4, 4, 4, 4}, {4, 4, 4, 4}));
+  CHECK(!pipeline_balance(ranks, {4, 4, 4, 4}, {4, 4, 4, 3}));
 }
 
 TEST_CASE("balanced_pipeline_layers: each layer where it slows the pipeline least, a layer on every middle stage",
@@ -288,4 +304,41 @@ TEST_CASE("balanced_pipeline_layers: each layer where it slows the pipeline leas
   for (int a = 0; a <= 9; ++a)
     for (int b = 1; a + b <= 9; ++b) best = std::min(best, slowest({a, b, 9 - a - b}));
   CHECK(slowest(got) == best);
+}
+
+TEST_CASE("balanced_pipeline_layers within each stage's cap", "[pipeline]") {
+  // Uncapped {2,3,3,0}; stage 0 holds one layer at most: stages 1 and 2 take the rest.
+  CHECK(balanced_pipeline_layers({0, 0, 0, 10}, 1, 8, {1, 9, 9, 9}) == std::vector<int>{1, 3, 4, 0});
+  // Caps that do not bind change nothing.
+  CHECK(balanced_pipeline_layers({0, 0, 0, 10}, 1, 8, {8, 8, 8, 8}) == std::vector<int>{2, 3, 3, 0});
+  // No split: caps that hold fewer layers than the model has, a middle stage that holds none, a
+  // first stage whose embedding alone does not fit (-1), or a cap list of another length.
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 8, {2, 2, 2, 1}).empty());
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 8, {4, 0, 4, 4}).empty());
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 8, {-1, 8, 8, 8}).empty());
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 8, {8, 8, 8}).empty());
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 8, {2, 2, 2, 2}) == std::vector<int>{2, 2, 2, 2});
+  // The slowest stage is as fast as any split within the caps makes it: brute force over 4
+  // stages, 11 layers and every cap of up to 5 layers on the first two stages.
+  const std::vector<double> fixed = {0.4, 0.1, 0.3, 2.9};
+  auto slowest = [&](const std::vector<int>& l) {
+    double m = 0;
+    for (size_t s = 0; s < 4; ++s) m = std::max(m, fixed[s] + l[s] * 1.1);
+    return m;
+  };
+  for (int c0 = 0; c0 <= 5; ++c0)
+    for (int c1 = 1; c1 <= 5; ++c1) {
+      const std::vector<int> caps = {c0, c1, 11, 11};
+      const std::vector<int> got = balanced_pipeline_layers(fixed, 1.1, 11, caps);
+      double best = 1e9;
+      for (int a = 0; a <= c0; ++a)
+        for (int b = 1; b <= c1; ++b)
+          for (int c = 1; a + b + c <= 11; ++c) best = std::min(best, slowest({a, b, c, 11 - a - b - c}));
+      INFO("caps " << c0 << ", " << c1);
+      REQUIRE(got.size() == 4);
+      CHECK(got[0] <= c0);
+      CHECK(got[1] <= c1);
+      CHECK(got[0] + got[1] + got[2] + got[3] == 11);
+      CHECK(slowest(got) == best);
+    }
 }
