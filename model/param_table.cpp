@@ -241,17 +241,19 @@ std::vector<int> pipeline_layer_counts(const ModelConfig& cfg, int stages, const
 }
 
 std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers,
-                                          const std::vector<int>& max_layers) {
+                                          const std::vector<int>& max_layers, int chunks) {
   const size_t n = fixed_s.size();
-  if (n == 0 || (!max_layers.empty() && max_layers.size() != n)) return {};
+  if (n == 0 || chunks < 1 || (!max_layers.empty() && max_layers.size() != n)) return {};
   auto room = [&](size_t s, int layers) { return max_layers.empty() || layers <= max_layers[s]; };
+  auto model_end = [&](size_t s, int c) { return (s == 0 && c == 0) || (s + 1 == n && c + 1 == chunks); };
   std::vector<int> layers(n, 0);
   int left = n_layers;
-  for (size_t s = 1; s + 1 < n; ++s) layers[s] = 1, --left;
-  if (n == 1) layers[0] = n_layers, left = 0;
-  if (left < 0) return {};
-  for (size_t s = 0; s < n; ++s)
+  for (size_t s = 0; s < n; ++s) {
+    for (int c = 0; c < chunks; ++c) layers[s] += model_end(s, c) ? 0 : 1;
+    left -= layers[s];
     if (!room(s, layers[s])) return {};
+  }
+  if (left < 0) return {};
   for (; left > 0; --left) {
     std::optional<size_t> best;
     for (size_t s = n; s-- > 0;)
@@ -261,7 +263,21 @@ std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, do
     if (!best) return {};
     ++layers[*best];
   }
-  return layers;
+  if (chunks == 1) return layers;
+  std::vector<int> stages(n * static_cast<size_t>(chunks), 0);
+  for (size_t s = 0; s < n; ++s) {
+    auto at = [&](int c) -> int& { return stages[static_cast<size_t>(c) * n + s]; };
+    int rest = layers[s];
+    for (int c = 0; c < chunks; ++c)
+      if (!model_end(s, c)) at(c) = 1, --rest;
+    for (; rest > 0; --rest) {
+      int fewest = chunks - 1;
+      for (int c = chunks - 1; c-- > 0;)
+        if (at(c) < at(fewest)) fewest = c;
+      ++at(fewest);
+    }
+  }
+  return stages;
 }
 
 void ParamTable::add(std::string name, std::vector<int64_t> shape, Role role, TpSplit split, int layer,

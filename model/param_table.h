@@ -142,8 +142,12 @@ std::vector<int> pipeline_layer_counts(const ModelConfig& cfg, int stages, const
 // greedy is optimal. max_layers (empty: no bound) caps each stage's layers, e.g. at what its
 // memory holds: a layer then goes to the stage it slows least among those with room. Empty when
 // the middle stages outnumber the layers, or the caps cannot hold them all.
+// chunks > 1 (interleaved 1F1B): fixed_s, layer_s and max_layers are per pipeline rank, which
+// runs `chunks` virtual stages (c * ranks + s); each rank keeps a layer for every virtual stage
+// but the model's first and last, and its layers are spread evenly over its chunks (one more on
+// the later ones). The result lists the virtual stages' layers in model order.
 std::vector<int> balanced_pipeline_layers(const std::vector<double>& fixed_s, double layer_s, int n_layers,
-                                          const std::vector<int>& max_layers = {});
+                                          const std::vector<int>& max_layers = {}, int chunks = 1);
 
 // Deterministic initialisation of a tensor's local shard into `out` (fp32, local numel):
 // element value = N(0, init_std) drawn from a counter-based generator keyed by (seed, tensor

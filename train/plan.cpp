@@ -801,26 +801,28 @@ std::vector<int> pipeline_layer_caps(const RunConfig& cfg, const Layout& l, cons
 }
 
 std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt) {
-  const int64_t pp = p.layout.pp;
-  if (pp < 2 || p.virtual_stages != 1 || static_cast<int64_t>(p.stage_seconds.size()) != pp || p.layer_seconds <= 0)
-    return std::nullopt;
+  const int64_t pp = p.layout.pp, v = p.virtual_stages;
+  if (pp < 2 || static_cast<int64_t>(p.stage_seconds.size()) != pp || p.layer_seconds <= 0) return std::nullopt;
   const size_t n = static_cast<size_t>(pp);
-  std::vector<double> fixed(n);  // a stage's time without its layers: embedding, head, messages
-  std::vector<int> now(n);
+  std::vector<double> fixed(n);  // a rank's time without its layers: embedding, head, messages
+  std::vector<int> now(n * static_cast<size_t>(v));  // the layers of each virtual stage, in model order
   for (size_t s = 0; s < n; ++s) {
-    now[s] = p.stages[s].span.layers();
-    fixed[s] = p.stage_seconds[s] - now[s] * p.layer_seconds;
+    fixed[s] = p.stage_seconds[s] - p.stages[s].span.layers() * p.layer_seconds;
+    for (size_t c = 0; c < p.stages[s].chunks.size(); ++c) now[c * n + s] = p.stages[s].chunks[c].layers();
   }
   PlanOptions o = opt;
   o.embedding_own_slot = false;
-  o.virtual_stages = 1;
+  o.virtual_stages = v;
   std::optional<LayoutPlan::Balance> best;
   // Without full recomputation first: a split that spares it is worth more than an even one.
+  // (Interleaved ranks: no caps, which are per 1F1B stage; the plan of the split decides.)
   for (bool recompute : {false, true}) {
-    if ((recompute && opt.recompute == Recompute::Never) || (!recompute && opt.recompute == Recompute::Always))
+    if ((recompute && opt.recompute == Recompute::Never) || (!recompute && opt.recompute == Recompute::Always) ||
+        (recompute && v > 1 && opt.recompute == Recompute::Auto))
       continue;
-    const std::vector<int> layers = balanced_pipeline_layers(fixed, p.layer_seconds, cfg.model.n_layers,
-                                                             pipeline_layer_caps(cfg, p.layout, o, recompute));
+    const std::vector<int> caps = v == 1 ? pipeline_layer_caps(cfg, p.layout, o, recompute) : std::vector<int>();
+    const std::vector<int> layers =
+        balanced_pipeline_layers(fixed, p.layer_seconds, cfg.model.n_layers, caps, static_cast<int>(v));
     if (layers.empty() || layers == now) continue;
     o.pipeline_layers = layers;
     if (!layout_problem(cfg, p.layout, o).empty()) continue;
@@ -1544,7 +1546,7 @@ std::string memory_breakdown_text(const RunConfig& cfg, double gpu_mem_bytes) {
     text += "  hint: with " + setting + " the peak would be " + format_bytes(q.peak_bytes) +
             (q.fits ? " (fits)" : " (still too much: a smaller micro_batch, or more tp/pp)") + "\n";
   };
-  if (p.usable_bytes > 0 && !p.fits && l.pp > 1 && p.virtual_stages == 1) {
+  if (p.usable_bytes > 0 && !p.fits && l.pp > 1) {
     // The first stages keep the most micro-batches in flight: fewer layers there may fit.
     if (const auto f = balance_pipeline(cfg, p, opt))
       text += "  hint: with parallel.pipeline_layers " + nlohmann::json(f->layers).dump() + " the peak would be " +

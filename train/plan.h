@@ -323,11 +323,13 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt);
 // first stages hold the fewest). -1 for a stage whose embedding or head alone does not fit.
 std::vector<int> pipeline_layer_caps(const RunConfig& cfg, const Layout& l, const PlanOptions& opt, bool recompute);
 
-// A split of 1F1B stages (no interleaving; parallel.pipeline_layers) that evens their times by
-// the cost model within what each stage's memory holds (balanced_pipeline_layers with the caps,
-// model/param_table.h), tried without full recomputation first where the policy allows it. For a
-// layout that fits: a split that makes the estimated step at least 1% faster. For one that does
-// not: a split that fits it. Empty when there is none, or it is p's own.
+// A split of the layers (parallel.pipeline_layers) that evens the pipeline ranks' times by the
+// cost model (balanced_pipeline_layers, model/param_table.h): under plain 1F1B within what each
+// stage's memory holds (pipeline_layer_caps), tried without full recomputation first where the
+// policy allows it; interleaved, a rank's layers spread over its chunks, and the plan of the
+// split decides whether it fits. For a layout that fits: a split that makes the estimated step at
+// least 1% faster. For one that does not: a split that fits it. Empty when there is none, or it
+// is p's own.
 std::optional<LayoutPlan::Balance> balance_pipeline(const RunConfig& cfg, const LayoutPlan& p, const PlanOptions& opt);
 
 // When nothing fits: the best layout on fewer GPUs (whole nodes, down to half), and on the same

@@ -1453,14 +1453,15 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   auto last_timed = std::chrono::steady_clock::now();
   std::map<int, int64_t> slow_streak;  // stragglers: timed steps in a row each has been slow
   bool balance_told = false, balance_seen = false;  // pipeline balance advice: given once a run
-  // The advice is for plain 1F1B: interleaved ranks hold several stages.
+  // Every virtual stage's layers in model order (interleaved ranks hold several).
+  const int chunks = static_cast<int>(cfg.parallel.virtual_stages);
   const std::vector<int> stage_layers =
-      cfg.parallel.virtual_stages == 1
-          ? pipeline_layer_counts(cfg.model, static_cast<int>(cfg.parallel.pp), cfg.parallel.pipeline_split())
-          : std::vector<int>();
-  // On a GPU the advice keeps each stage's layers within what its memory holds.
+      cfg.parallel.pp >= 3 ? pipeline_layer_counts(cfg.model, static_cast<int>(cfg.parallel.pp) * chunks,
+                                                   cfg.parallel.pipeline_split())
+                           : std::vector<int>();
+  // On a GPU the advice keeps each 1F1B stage's layers within what its memory holds.
   const std::vector<int> stage_layer_caps =
-      stage_layers.size() >= 3 ? plan::run_pipeline_layer_caps(cfg, gpu_memory) : std::vector<int>();
+      stage_layers.empty() ? std::vector<int>() : plan::run_pipeline_layer_caps(cfg, gpu_memory);
   for (int64_t it = progress.iteration + 1; it <= cfg.train.steps; ++it) {
     tr.timers().start_step(std::exchange(time_next, false));
     const auto t0 = std::chrono::steady_clock::now();
@@ -1526,8 +1527,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         slow_streak = std::move(streak);
         // A pipeline whose stages' measured compute differs is told, once, the split that evens
         // it: when two timed steps in a row find the imbalance (one step can be a hiccup).
-        if (!balance_told && stage_layers.size() >= 3) {
-          const std::optional<PipelineBalance> b = pipeline_balance(times, stage_layers, stage_layer_caps);
+        if (!balance_told && !stage_layers.empty()) {
+          const std::optional<PipelineBalance> b = pipeline_balance(times, stage_layers, stage_layer_caps, chunks);
           if (b && balance_seen) {
             balance_told = true;
             if (!quiet) std::printf("keel: pipeline balance at step %lld: %s\n", static_cast<long long>(it), b->text.c_str());

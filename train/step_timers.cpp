@@ -222,9 +222,12 @@ TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step
 }
 
 std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ranks, const std::vector<int>& stage_layers,
-                                                const std::vector<int>& max_layers) {
-  const size_t P = stage_layers.size();
+                                                const std::vector<int>& max_layers, int chunks) {
+  if (chunks < 1 || stage_layers.size() % static_cast<size_t>(chunks) != 0) return std::nullopt;
+  const size_t P = stage_layers.size() / static_cast<size_t>(chunks);  // pipeline ranks
   if (P < 3) return std::nullopt;
+  std::vector<int> rank_layers(P, 0);  // over the rank's chunks (virtual stages c * P + s)
+  for (size_t i = 0; i < stage_layers.size(); ++i) rank_layers[i % P] += stage_layers[i];
   const std::vector<std::string>& cols = StepTimers::columns();
   const size_t compute = static_cast<size_t>(std::find(cols.begin(), cols.end(), "compute") - cols.begin());
   auto median = [](std::vector<double> v) {
@@ -241,26 +244,30 @@ std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ra
   for (size_t s = 0; s < P; ++s) {
     if (by_stage[s].empty()) return std::nullopt;
     b.stage_ms.push_back(median(by_stage[s]));
-    n_layers += stage_layers[s];
-    if (s > 0 && s + 1 < P && stage_layers[s] > 0) per_layer.push_back(b.stage_ms[s] / stage_layers[s]);
+    n_layers += rank_layers[s];
+    if (s > 0 && s + 1 < P && rank_layers[s] > 0) per_layer.push_back(b.stage_ms[s] / rank_layers[s]);
   }
   if (per_layer.empty()) return std::nullopt;
   const double layer_ms = median(per_layer);
   if (!(layer_ms > 0)) return std::nullopt;
   std::vector<double> rest(P);
-  for (size_t s = 0; s < P; ++s) rest[s] = std::max(0.0, b.stage_ms[s] - stage_layers[s] * layer_ms);
-  b.layers = balanced_pipeline_layers(rest, layer_ms, n_layers, max_layers);
+  for (size_t s = 0; s < P; ++s) rest[s] = std::max(0.0, b.stage_ms[s] - rank_layers[s] * layer_ms);
+  b.layers = balanced_pipeline_layers(rest, layer_ms, n_layers, max_layers, chunks);
   if (b.layers.empty() || b.layers == stage_layers) return std::nullopt;
-  const bool memory_bound = !max_layers.empty() && balanced_pipeline_layers(rest, layer_ms, n_layers) != b.layers;
-  for (size_t s = 0; s < P; ++s) b.slowest_after_ms = std::max(b.slowest_after_ms, rest[s] + b.layers[s] * layer_ms);
+  const bool memory_bound =
+      !max_layers.empty() && balanced_pipeline_layers(rest, layer_ms, n_layers, {}, chunks) != b.layers;
+  std::vector<int> after(P, 0);
+  for (size_t i = 0; i < b.layers.size(); ++i) after[i % P] += b.layers[i];
+  for (size_t s = 0; s < P; ++s) b.slowest_after_ms = std::max(b.slowest_after_ms, rest[s] + after[s] * layer_ms);
   const auto slowest = std::max_element(b.stage_ms.begin(), b.stage_ms.end());
   if (b.slowest_after_ms > 0.9 * *slowest) return std::nullopt;
   const size_t at = static_cast<size_t>(slowest - b.stage_ms.begin());
   b.text = "a step's compute takes " + fmt_ms(*std::min_element(b.stage_ms.begin(), b.stage_ms.end())) + "-" +
            fmt_ms(*slowest) + " ms a pipeline stage, stage " + std::to_string(at) + " (" +
-           std::to_string(stage_layers[at]) + " layers" + (at == 0 ? " + embedding" : at + 1 == P ? " + head" : "") +
-           ") the slowest, a layer about " + fmt_ms(layer_ms) + " ms; parallel.pipeline_layers " +
-           nlohmann::json(b.layers).dump() + " would even them" +
+           std::to_string(rank_layers[at]) + " layers" +
+           (chunks > 1 ? " in " + std::to_string(chunks) + " chunks" : std::string()) +
+           (at == 0 ? " + embedding" : at + 1 == P ? " + head" : "") + ") the slowest, a layer about " +
+           fmt_ms(layer_ms) + " ms; parallel.pipeline_layers " + nlohmann::json(b.layers).dump() + " would even them" +
            (memory_bound ? " as far as each stage's memory allows (keel plan)" : "") + " (slowest stage about " +
            fmt_ms(b.slowest_after_ms) + " ms)";
   return b;

@@ -144,7 +144,9 @@ struct TimersSummary {
 TimersSummary summarize_timers(const std::vector<RankTimes>& ranks, int64_t step, double ratio);
 
 // The layers per stage (parallel.pipeline_layers) that would even the pipeline stages' measured
-// compute under plain 1F1B with at least 3 stages. A stage's compute is the median of its ranks';
+// compute, with at least 3 stages. stage_layers lists every virtual stage's layers in model order:
+// with chunks > 1 (interleaved 1F1B) a stage is a pipeline rank holding `chunks` of them, and the
+// split spreads its layers over them. A stage's compute is the median of its ranks';
 // a layer's is the median over the middle stages of compute / layers, and the rest of a stage's
 // compute (the embedding, the head) stays with it (balanced_pipeline_layers spreads the layers).
 // Given when that split differs from `stage_layers` and would cut the slowest stage's compute by
@@ -157,6 +159,6 @@ struct PipelineBalance {
   std::string text;              // for the log: the measurement and the split
 };
 std::optional<PipelineBalance> pipeline_balance(const std::vector<RankTimes>& ranks, const std::vector<int>& stage_layers,
-                                                const std::vector<int>& max_layers = {});
+                                                const std::vector<int>& max_layers = {}, int chunks = 1);
 
 }  // namespace keel

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <numeric>
 
 #include "common/process.h"
 #include "common/workspace.h"
@@ -96,36 +97,47 @@ TEST_CASE("a pipeline stage that computes far longer than the others is told the
   // and the last stage 10 ms more (as a heavy head would compute: two layers' worth), so the
   // stages compute 80, 80, 80 and 160 ms a step of 8 micro-batches. From the second timed step
   // in a row the log gives a parallel.pipeline_layers that takes a layer off the last stage,
-  // once, and the metrics the measurement.
+  // once, and the metrics the measurement. Interleaved (2 chunks a rank, a layer each), a stage
+  // is a rank, and the split lists all 8 virtual stages in model order.
   nlohmann::json p = patch();
   p["model"]["n_layers"] = 8;
   p["train"]["steps"] = 5;
   test::Workspace ws(p);
   const std::string fault = "KEEL_FAULT_SLOW_RANK=rank=3,ms=10,per_layer_ms=5";
-  const auto r = test::run_keel_mpi(
-      4, "train --config " + ws.config + " --out " + (ws.dir / "pp4") + " --set parallel.pp=4", fault);
-  INFO(r.output);
-  REQUIRE(r.code == 0);
-  CHECK_THAT(r.output, Catch::Contains("keel: pipeline balance at step 3: a step's compute takes ") &&
-                           Catch::Contains("ms a pipeline stage, stage 3 (2 layers + head) the slowest, a layer about "));
-  std::vector<nlohmann::json> told;
-  for (const auto& rec : test::read_metrics(ws.dir / "pp4/metrics.jsonl"))
-    if (rec.value("event", "") == "pipeline_balance") told.push_back(rec);
-  REQUIRE(told.size() == 1);  // once a run
-  CHECK(told[0]["step"] == 3);
-  CHECK(told[0]["pipeline_layers_now"] == nlohmann::json{2, 2, 2, 2});
-  const std::vector<int> split = told[0]["pipeline_layers"];
-  REQUIRE(split.size() == 4);
-  CHECK(split[0] + split[1] + split[2] + split[3] == 8);
-  CHECK(split[3] < 2);
-  CHECK(told[0]["stage_compute_ms"][3].get<double>() >= 160);
-  CHECK(told[0]["slowest_after_ms"].get<double>() <= 0.9 * told[0]["stage_compute_ms"][3].get<double>());
-  // Under the split it gave, no split computes 10% faster: nothing to tell.
-  const auto even = test::run_keel_mpi(4, "train --config " + ws.config + " --out " + (ws.dir / "even") +
-                                              " --set parallel.pp=4 --set parallel.pipeline_layers=" +
-                                              nlohmann::json(split).dump(),
-                                       fault);
-  INFO(even.output);
-  REQUIRE(even.code == 0);
-  CHECK_THAT(even.output, Catch::Contains("keel: timers at step 5") && !Catch::Contains("pipeline balance"));
+  struct Case {
+    std::string name, sets, slowest;
+    std::vector<int> now;
+  };
+  for (const Case& c : {Case{"pp4", " --set parallel.pp=4", "stage 3 (2 layers + head)", {2, 2, 2, 2}},
+                        Case{"v2", " --set parallel.pp=4 --set parallel.virtual_stages=2",
+                             "stage 3 (2 layers in 2 chunks + head)", {1, 1, 1, 1, 1, 1, 1, 1}}}) {
+    INFO(c.name);
+    const auto r = test::run_keel_mpi(4, "train --config " + ws.config + " --out " + (ws.dir / c.name) + c.sets, fault);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK_THAT(r.output, Catch::Contains("keel: pipeline balance at step 3: a step's compute takes ") &&
+                             Catch::Contains("ms a pipeline stage, " + c.slowest + " the slowest, a layer about "));
+    std::vector<nlohmann::json> told;
+    for (const auto& rec : test::read_metrics(ws.dir / (c.name + "/metrics.jsonl")))
+      if (rec.value("event", "") == "pipeline_balance") told.push_back(rec);
+    REQUIRE(told.size() == 1);  // once a run
+    CHECK(told[0]["step"] == 3);
+    CHECK(told[0]["pipeline_layers_now"] == nlohmann::json(c.now));
+    const std::vector<int> split = told[0]["pipeline_layers"];
+    REQUIRE(split.size() == c.now.size());
+    CHECK(std::accumulate(split.begin(), split.end(), 0) == 8);
+    int last_rank = 0;  // its virtual stages: 3, 7, ...
+    for (size_t i = 3; i < split.size(); i += 4) last_rank += split[i];
+    CHECK(last_rank < 2);
+    for (size_t i = 1; i + 1 < split.size(); ++i) CHECK(split[i] >= 1);
+    CHECK(told[0]["stage_compute_ms"][3].get<double>() >= 160);
+    CHECK(told[0]["slowest_after_ms"].get<double>() <= 0.9 * told[0]["stage_compute_ms"][3].get<double>());
+    // Under the split it gave, no split computes 10% faster: nothing to tell.
+    const auto again = test::run_keel_mpi(4, "train --config " + ws.config + " --out " + (ws.dir / (c.name + "split")) +
+                                                 c.sets + " --set parallel.pipeline_layers=" + nlohmann::json(split).dump(),
+                                          fault);
+    INFO(again.output);
+    REQUIRE(again.code == 0);
+    CHECK_THAT(again.output, Catch::Contains("keel: timers at step 5") && !Catch::Contains("pipeline balance"));
+  }
 }

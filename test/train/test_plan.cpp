@@ -494,11 +494,23 @@ TEST_CASE("plan: a pipeline whose head stage is slowest is told the split that e
   REQUIRE(!b.ranked.empty());
   CHECK(!b.ranked[0].balance);
   CHECK(layout_json(b.ranked[0])["pipeline_balance"].is_null());
-  // The interleaved schedule's chunks are not balanced (its stages pass every chunk in turn).
+  // Interleaved (2 chunks a rank): the ranks are evened, each rank's layers spread over its
+  // chunks; the list names every virtual stage in model order, and the model's last one, beside
+  // the head, may hold none.
   opt.virtual_stages = 2;
   const PlanResult v = plan_all(cfg, opt);
-  REQUIRE(!v.ranked.empty());
-  CHECK(!v.ranked[0].balance);
+  REQUIRE(v.ranked.size() == 1);
+  const LayoutPlan& iv = v.ranked[0];
+  REQUIRE(iv.balance);
+  const std::vector<int>& chunks = iv.balance->layers;
+  CHECK(chunks == std::vector<int>{2, 2, 2, 1, 3, 3, 3, 0});  // ranks 5, 5, 5, 1: the 1F1B advice's
+  PlanOptions vwith = opt;
+  vwith.pipeline_layers = chunks;
+  const LayoutPlan vq = plan_layout(cfg, iv.layout, vwith);
+  CHECK(vq.fits);
+  CHECK(vq.time.step_s == iv.balance->step_s);
+  CHECK(vq.time.step_s < 0.99 * iv.time.step_s);
+  CHECK(!balance_pipeline(cfg, vq, vwith));
 }
 
 TEST_CASE("plan: the layers each stage's memory holds, and a split that fits a layout the even split does not",

@@ -282,6 +282,17 @@ TEST_CASE("a pipeline whose stages' measured compute differs is told the split t
   CHECK(loose->text == b->text);
   CHECK(!pipeline_balance(ranks, {4, 4, 4, 4}, {4, 4, 4, 4}));
   CHECK(!pipeline_balance(ranks, {4, 4, 4, 4}, {4, 4, 4, 3}));
+
+  // Interleaved, 2 chunks a rank (virtual stages c * 4 + s, 2 layers each): the same ranks'
+  // compute gives the same layers per rank, 5, 5, 5 and 1, spread over each rank's chunks.
+  const std::optional<PipelineBalance> v = pipeline_balance(ranks, {2, 2, 2, 2, 2, 2, 2, 2}, {}, 2);
+  REQUIRE(v);
+  CHECK(v->layers == std::vector<int>{2, 2, 2, 1, 3, 3, 3, 0});
+  CHECK(v->slowest_after_ms == 50.0);
+  CHECK_THAT(v->text, Catch::Contains("stage 3 (4 layers in 2 chunks + head) the slowest") &&
+                          Catch::Contains("parallel.pipeline_layers [2,2,2,1,3,3,3,0] would even them"));
+  // (a list that is not a whole number of chunks a rank gives nothing)
+  CHECK(!pipeline_balance(ranks, {2, 2, 2, 2, 2, 2, 2}, {}, 2));
 }
 
 TEST_CASE("balanced_pipeline_layers: each layer where it slows the pipeline least, a layer on every middle stage",
@@ -304,6 +315,33 @@ TEST_CASE("balanced_pipeline_layers: each layer where it slows the pipeline leas
   for (int a = 0; a <= 9; ++a)
     for (int b = 1; a + b <= 9; ++b) best = std::min(best, slowest({a, b, 9 - a - b}));
   CHECK(slowest(got) == best);
+}
+
+TEST_CASE("balanced_pipeline_layers over interleaved ranks: each rank's layers spread over its chunks", "[pipeline]") {
+  // 4 ranks of 2 chunks (virtual stages c * 4 + s). Rank 0's first chunk and rank 3's last are the
+  // model's ends and may hold none; every other virtual stage keeps a layer. The ranks' totals
+  // are those of the 1F1B greedy on the same times (5, 5, 5, 1 here).
+  CHECK(balanced_pipeline_layers({0, 0, 0, 10}, 1, 16, {}, 2) == std::vector<int>{2, 2, 2, 1, 3, 3, 3, 0});
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 16, {}, 2) == std::vector<int>{2, 2, 2, 2, 2, 2, 2, 2});
+  // The fewest layers: one on each of the 6 middle virtual stages.
+  CHECK(balanced_pipeline_layers({0, 0, 0, 100}, 1, 6, {}, 2) == std::vector<int>{0, 1, 1, 1, 1, 1, 1, 0});
+  CHECK(balanced_pipeline_layers({0, 0, 0, 0}, 1, 5, {}, 2).empty());
+  // Caps bound a rank's total: rank 0 holds 4, ranks 1 and 2 take 5 and 6.
+  CHECK(balanced_pipeline_layers({0, 0, 0, 10}, 1, 16, {4, 16, 16, 16}, 2) == std::vector<int>{2, 2, 3, 1, 2, 3, 3, 0});
+  // Against brute force over every split of 12 layers into 3 ranks of 3 chunks: the slowest rank
+  // is as fast as any, and each rank's chunks differ by at most one layer (the model's ends aside).
+  const std::vector<double> fixed = {0.7, 0.0, 2.2};
+  const std::vector<int> got = balanced_pipeline_layers(fixed, 1.0, 12, {}, 3);
+  REQUIRE(got.size() == 9);
+  std::vector<int> rank(3, 0);
+  for (size_t i = 0; i < 9; ++i) rank[i % 3] += got[i];
+  CHECK(rank[0] + rank[1] + rank[2] == 12);
+  double best = 1e9;
+  for (int a = 2; a <= 12; ++a)
+    for (int b = 3; a + b <= 10; ++b)
+      best = std::min(best, std::max({fixed[0] + a, fixed[1] + b, fixed[2] + (12 - a - b)}));
+  CHECK(std::max({fixed[0] + rank[0], fixed[1] + rank[1], fixed[2] + rank[2]}) == best);
+  for (size_t i = 1; i + 1 < 9; ++i) CHECK(got[i] >= 1);
 }
 
 TEST_CASE("balanced_pipeline_layers within each stage's cap", "[pipeline]") {
