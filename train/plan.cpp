@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <mutex>
+#include <tuple>
 #include <regex>
 #include <sstream>
 
@@ -459,6 +461,26 @@ std::vector<std::string> quantization_warnings(const ModelConfig& m, const Layou
 
 namespace {
 
+// What the plan needs of an interleaved schedule: each rank's and chunk's activation and gradient
+// slots (train/pipeline_schedule.h). Kept per (pp, chunks, micro-batches): the balance advice and
+// the split searches plan the same layout's schedule again (a large pipeline's schedule takes
+// milliseconds to play out and megabytes to hold; the plan needs only the slots).
+struct ScheduleSlots {
+  std::vector<std::vector<int>> activation, gradient;
+};
+const ScheduleSlots& schedule_slots(int pp, int chunks, int micro_batches) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int>, ScheduleSlots> cache;  // a few ints per entry
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(pp, chunks, micro_batches);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    const PipeSchedule sched = pipeline_schedule(pp, chunks, micro_batches, true);
+    it = cache.emplace(key, ScheduleSlots{sched.activation_slots, sched.gradient_slots}).first;
+  }
+  return it->second;  // std::map: stays where it is
+}
+
 // A pipeline rank's memory from the chunks (spans) it holds: plan_layout's per-stage figures, and
 // those the split searches (layer_caps) ask of layer counts that no split has yet.
 class StageMemoryModel {
@@ -471,7 +493,7 @@ class StageMemoryModel {
         mb_(mb) {
     // Interleaved: what each chunk holds comes from the schedule itself.
     if (v > 1)
-      sched_ = pipeline_schedule(static_cast<int>(l.pp), static_cast<int>(v), static_cast<int>(mb), true);
+      sched_ = &schedule_slots(static_cast<int>(l.pp), static_cast<int>(v), static_cast<int>(mb));
     // Every layer has the same tensors, so a span's parameters are its embedding and head's
     // (a span of no layers with its flags) plus its layer count times one layer's.
     one_layer_ = stage_params(m_, l.tp, StageSpan{0, 1, false, false});
@@ -514,7 +536,7 @@ class StageMemoryModel {
     st.in_flight = std::min<int64_t>(l_.pp - s, mb_);
     if (sched_) {
       for (size_t c = 0; c < chunks.size(); ++c)
-        st.chunk_in_flight.push_back(sched_->activation_slots[static_cast<size_t>(s)][c]);
+        st.chunk_in_flight.push_back(sched_->activation[static_cast<size_t>(s)][c]);
       st.in_flight = *std::max_element(st.chunk_in_flight.begin(), st.chunk_in_flight.end());
     }
     // Recomputed layers (model/transformer.h): the first Lr of the stage (over its chunks in
@@ -554,7 +576,7 @@ class StageMemoryModel {
         st.act_stored_recompute += n * act.per_layer_input;
       }
       // Interleaved: received output gradients wait in buffers of their own until their backward.
-      if (sched_) once += sched_->gradient_slots[static_cast<size_t>(s)][c] * act.stage_output;
+      if (sched_) once += sched_->gradient[static_cast<size_t>(s)][c] * act.stage_output;
     }
     st.recomputed_layers = Lr;
     const double rebuild = opt_.selective && sp.layers() > 0 ? act.rebuild_scratch : 0;
@@ -585,7 +607,7 @@ class StageMemoryModel {
   const MemoryModel mem_;
   const Activations act_;
   const int64_t mb_;
-  std::optional<PipeSchedule> sched_;
+  const ScheduleSlots* sched_ = nullptr;  // interleaved only
   StageParams one_layer_;
   mutable std::map<std::pair<bool, bool>, StageParams> ends_;  // a span's embedding and head
 };
