@@ -13,6 +13,15 @@
 //   (P - s - 1) * 2 + (v - 1) * P forwards (all of them when M == P), then one forward and one
 //   backward alternately, then the remaining backwards. (One chunk: classic 1F1B, a warm-up of
 //   P - s - 1.)
+// - M not a multiple of P (Megatron refuses it): the groups are made as even as possible and
+//   none smaller than P (micro_batch_groups), and the warm-up counts the first group's size G in
+//   place of P. A group smaller than P would leave each chunk's next forward waiting for its
+//   input to come round the ring: bubbles, and with 1F1B's strict alternation a stall that only
+//   a far longer warm-up (up to every forward first: all of the step's activations at once)
+//   resolves. With groups of P or more the step takes the 2 M v + 2 (P - 1) ticks of a multiple
+//   of P, and the activations in flight grow with G (< 2 P) instead of with M.
+// - every chunk runs its micro-batches' forwards, and their backwards, in micro-batch order
+//   whatever the grouping, so gradients accumulate in the same order: the same bits.
 // - that order is played out in lockstep ticks: in a tick every rank runs its next op if the op's
 //   input has arrived, then every rank exchanges what the tick produced with its two
 //   neighbours, in one batch of sends and receives (Comm::exchange). Every message is sent and
@@ -63,8 +72,11 @@ struct PipeSchedule {
 };
 
 // Throws std::invalid_argument for stages, chunks or micro_batches < 1. Any number of
-// micro-batches plays out: when a last, smaller group stalls Megatron's warm-up (it assumes M is
-// a multiple of P), every rank's warm-up is lengthened until the schedule plays out.
+// micro-batches plays out (see above for M not a multiple of P).
 PipeSchedule pipeline_schedule(int stages, int chunks, int micro_batches, bool training);
+
+// The sizes of the groups of micro-batches the interleaved order takes in turn: M / P groups of
+// P when P divides M, else of M / (M / P) and one more (the larger first); one group when M <= P.
+std::vector<int> micro_batch_groups(int stages, int micro_batches);
 
 }  // namespace keel

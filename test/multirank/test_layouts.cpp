@@ -623,10 +623,13 @@ TEST_CASE("the interleaved pipeline (virtual stages) trains like plain 1F1B, and
   // flat buffer in another tensor order (a rank holds layers 0, 2 instead of 0, 1), so it may
   // differ in its last bits, and through the clip coefficient so may later steps (the usual
   // 1e-5 / 1e-4 bounds). 8 layers: pp=2 x 4 chunks puts one layer in each virtual stage.
+  // Micro-batch counts that pp does not divide take groups of pp or more (micro_batch_groups: 5
+  // at pp=2 in groups of 3 and 2, 9 at pp=4 in groups of 5 and 4), with the same bits.
   struct Case {
     Layout l;
     int chunks;
     std::string extra;
+    int global_batch = 16;
   };
   for (const std::string family : {"llama", "gpt2"}) {
     nlohmann::json patch = model_patch(family);
@@ -635,21 +638,32 @@ TEST_CASE("the interleaved pipeline (virtual stages) trains like plain 1F1B, and
     for (const Case& c : std::vector<Case>{{{1, 2, 1}, 2, ""},
                                            {{1, 2, 1}, 4, ""},
                                            {{1, 4, 2}, 2, ""},
+                                           {{1, 2, 1}, 2, "", 10},
+                                           {{1, 4, 1}, 2, "", 18},
                                            {{2, 2, 2}, 2, "--set precision.mode=bf16 --set train.recompute=full "
                                                           "--set parallel.sequence_parallel=true"}}) {
-      INFO(family << " " << c.l.str() << " virtual_stages " << c.chunks << " " << c.extra);
-      const Run plain = train(ws, ws.dir / c.l.dir("plain" + std::to_string(c.chunks)), c.l, c.extra);
+      INFO(family << " " << c.l.str() << " virtual_stages " << c.chunks << " global batch " << c.global_batch << " "
+                  << c.extra);
+      // (the run of 16 keeps the plain name: the resume below starts from its checkpoint)
+      const std::string name = std::to_string(c.chunks) + (c.global_batch == 16 ? "" : "_" + std::to_string(c.global_batch));
+      const std::string extra = c.extra + " --set train.global_batch=" + std::to_string(c.global_batch);
+      const Run plain = train(ws, ws.dir / c.l.dir("plain" + name), c.l, extra);
       INFO(plain.output);
       REQUIRE(plain.code == 0);
-      const std::string dir = ws.dir / c.l.dir("vs" + std::to_string(c.chunks));
-      const Run got = train(ws, dir, c.l, c.extra + " --set parallel.virtual_stages=" + std::to_string(c.chunks));
+      const std::string dir = ws.dir / c.l.dir("vs" + name);
+      const Run got = train(ws, dir, c.l, extra + " --set parallel.virtual_stages=" + std::to_string(c.chunks));
       INFO(got.output);
       REQUIRE(got.code == 0);
-      CHECK_THAT(got.output, Catch::Contains("interleaved 1F1B: " + std::to_string(c.l.pp) + " stages x " +
-                                             std::to_string(c.chunks) + " chunks"));
+      // M micro-batches of 2 on each DP rank in 2 M v + 2 (pp - 1) ticks, whether pp divides M or not
+      const int M = c.global_batch / 2 / c.l.dp, P = c.l.pp;
+      CHECK_THAT(got.output, Catch::Contains("interleaved 1F1B: " + std::to_string(P) + " stages x " +
+                                             std::to_string(c.chunks) + " chunks, " + std::to_string(M) +
+                                             " micro-batches: " + std::to_string(2 * M * c.chunks + 2 * (P - 1)) +
+                                             " ticks of " + std::to_string(2 * M * c.chunks) + " ops"));
       REQUIRE(got.records.size() == plain.records.size());
       CHECK(got.records[0]["loss"].get<double>() == plain.records[0]["loss"].get<double>());
-      compare(plain, got, c.extra.empty() ? 1e-5 : 2e-2, 1e-5, c.extra.empty() ? 1e-4 : 2e-2);
+      const bool bf16 = c.extra.find("bf16") != std::string::npos;
+      compare(plain, got, bf16 ? 2e-2 : 1e-5, 1e-5, bf16 ? 2e-2 : 1e-4);
     }
     // Resume the interleaved run's step-3 checkpoint under plain 1F1B (pp=2): steps 4-6 track it.
     const std::string interleaved = ws.dir / Layout{1, 2, 1}.dir("vs2");

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <tuple>
 
 #include "train/pipeline_schedule.h"
@@ -134,6 +135,53 @@ TEST_CASE("interleaving shrinks the pipeline bubble by the number of chunks", "[
       }
   CHECK(pipeline_schedule(4, 2, 8, true).describe() ==
         "interleaved 1F1B: 4 stages x 2 chunks, 8 micro-batches: 38 ticks of 32 ops per rank (6 idle, bubble 16%)");
+}
+
+TEST_CASE("micro-batch counts that the stages do not divide keep the bubble and memory of a multiple",
+          "[pipeline_schedule]") {
+  // Groups of the stage count or more, as even as possible, the larger first.
+  CHECK(micro_batch_groups(4, 8) == std::vector<int>{4, 4});
+  CHECK(micro_batch_groups(4, 3) == std::vector<int>{3});
+  CHECK(micro_batch_groups(4, 9) == std::vector<int>{5, 4});
+  CHECK(micro_batch_groups(4, 11) == std::vector<int>{6, 5});
+  const std::vector<int> g = micro_batch_groups(12, 512);  // 42 groups: 8 of 13, then 34 of 12
+  CHECK(g.size() == 42);
+  CHECK((g.front() == 13 && g[7] == 13 && g[8] == 12 && g.back() == 12));
+  CHECK(std::accumulate(g.begin(), g.end(), 0) == 512);
+  auto slots = [](const PipeSchedule& sc, int s) {
+    int n = 0;
+    for (int x : sc.activation_slots[static_cast<size_t>(s)]) n += x;
+    return n;
+  };
+  // Megatron's groups of P with a smaller last one stalled here: the warm-up grew until nearly
+  // every forward ran first (P=12 v=6 M=512: all 3072 chunk activations in flight, 2 x the
+  // ticks' bubble). Now: the ticks of a multiple of P (2 M v + 2 (P - 1)), the warm-up of the
+  // first group's size, and on every rank fewer activation slots than twice those of the next
+  // multiple of P (the larger groups hold more micro-batches in flight; 1.65x at worst over
+  // P <= 16, v <= 8, M <= 100).
+  struct Size {
+    int P, v, M;
+  };
+  std::vector<Size> sizes = {{12, 6, 512}, {10, 2, 512}, {8, 4, 66}, {32, 2, 2040}};
+  for (int P : {2, 3, 4, 5, 8})
+    for (int v : {2, 3, 4})
+      for (int M = P + 1; M <= 3 * P + 1; ++M)
+        if (M % P != 0) sizes.push_back({P, v, M});
+  for (const auto& [P, v, M] : sizes) {
+    INFO("P " << P << " v " << v << " M " << M);
+    const PipeSchedule sc = pipeline_schedule(P, v, M, true);
+    check_schedule(sc);
+    CHECK(sc.num_ticks() == 2 * M * v + 2 * (P - 1));
+    const int G = micro_batch_groups(P, M).front();
+    int warm = 0;
+    for (const PipeTick& k : sc.ticks[0]) {
+      if (k.op.backward && !k.op.none()) break;
+      warm += k.op.none() ? 0 : 1;
+    }
+    CHECK(warm == std::min(M * v, (P - 1) * 2 + (v - 1) * G + 1));
+    const PipeSchedule multiple = pipeline_schedule(P, v, (M / P + 1) * P, true);
+    for (int s = 0; s < P; ++s) CHECK(slots(sc, s) < 2 * slots(multiple, s));
+  }
 }
 
 TEST_CASE("pipeline schedule arguments are checked", "[pipeline_schedule]") {
