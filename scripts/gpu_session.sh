@@ -2,6 +2,11 @@
 # Everything issue 5 asks of a lent GPU machine, in as few device calls as possible. Run
 # scripts/gpu_prebuild.sh here first, then on the device (carry: build-gpu/carry):
 #
+#   scripts/gpu_session.sh short        # the one call a 15-minute device budget allows (BUDGET=420
+#                                       #   leaves time to rerun): env, keel vs PyTorch (both
+#                                       #   shapes), the GPU tests with the error table, keel's rows
+#                                       #   with the optional attention paths (variants), the op
+#                                       #   profiles; in that order, each as the budget allows
 #   scripts/gpu_session.sh check        # <= 9 min: env, GPU tests + per-op error table, memcheck
 #   scripts/gpu_session.sh bench        # <= 9 min: keel vs PyTorch (both shapes), op profiles,
 #                                       #           racecheck of the attention kernels
@@ -10,7 +15,9 @@
 #                                       # train` argument set the stages use is valid, and that
 #                                       # the binaries are of this commit. Run it before a device call.
 #   scripts/gpu_session.sh STAGE...     # any of: env build test memcheck racecheck throughput
-#                                       # (bench's timings alone, BENCH_STAGES) profile
+#                                       # (bench's timings alone, BENCH_STAGES) variants
+#                                       # (keel's benchmark rows with KEEL_ATTN_WGMMA=1 and with
+#                                       # KEEL_ATTENTION=cudnn, against the bench stage's) profile
 #                                       # recompute (Llama 1B with train.recompute "full": memory
 #                                       # and ms/step against the bench stage's run) unfused (the
 #                                       # profiles with every optional fusion off) wgmma (the
@@ -54,18 +61,19 @@ limit() {  # limit <wanted seconds>: that, or what is left of the budget (at lea
 }
 
 # The stages (stage_<name> below) a command line may name, besides check, bench and throughput.
-STAGES=(env build test memcheck racecheck profile recompute unfused wgmma cudnn splitk ncu)
+STAGES=(env build test memcheck racecheck variants profile recompute unfused wgmma cudnn splitk ncu)
 if [ $# -eq 0 ]; then set -- check; fi
 stages=()
 for a in "$@"; do
   case "$a" in
+    short) stages+=(env bench test variants profile) ;;
     check) stages+=(env test memcheck) ;;
     bench) stages+=(env bench profile racecheck) ;;
     throughput) stages+=(bench) ;;
     dry-run) stages+=(dry_run) ;;
     *)
       if [[ " ${STAGES[*]} " == *" $a "* ]]; then stages+=("$a"); else
-        echo "gpu_session.sh: unknown stage '$a' (check, bench, throughput, dry-run, ${STAGES[*]})" >&2; exit 2
+        echo "gpu_session.sh: unknown stage '$a' (short, check, bench, throughput, dry-run, ${STAGES[*]})" >&2; exit 2
       fi ;;
   esac
 done
@@ -258,6 +266,28 @@ stage_bench() {
   grep '^RESULT' "$RES"/bench/*/result.txt 2>/dev/null | sed 's/.*RESULT //' | tee -a "$SUMMARY"
   [ -f "$RES/bench/results.md" ] && cat "$RES/bench/results.md"
   say "bench: $((SECONDS - t0)) s"
+}
+
+# keel's benchmark rows again with each optional attention path (off by default until measured):
+# the wgmma kernels (KEEL_ATTN_WGMMA=1) and cuDNN's SDPA (KEEL_ATTENTION=cudnn). The fastest that
+# passes its tests should become the default. Each in its own BENCH_OUT, with the bench stage's
+# peak when it ran in this call.
+stage_variants() {
+  ensure_bins
+  local t0=$SECONDS commit v dir
+  commit=$(head -1 "$CARRY/STAMP" 2>/dev/null | sed 's/^commit //')
+  for v in KEEL_ATTN_WGMMA=1 KEEL_ATTENTION=cudnn; do
+    dir=$RES/bench-${v%%=*}
+    mkdir -p "$dir"
+    [ -f "$RES/bench/peak.txt" ] && cp "$RES/bench/peak.txt" "$dir/"
+    say "== variants: $v (scripts/bench_gpu.sh keel)"
+    env "$v" BUILD="$BIN" BENCH_OUT="$dir" KEEL_COMMIT="${commit:-}" timeout "$(limit 150)" \
+      bash "$ROOT/scripts/bench_gpu.sh" keel > "$dir.log" 2>&1 || tail -20 "$dir.log"
+    grep -h '^RESULT' "$dir"/keel-*/result.txt 2>/dev/null | sed "s/.*RESULT /$v /" | tee -a "$SUMMARY"
+    # what keel said of the path (a shape cuDNN refuses runs keel's kernels, said once)
+    grep -h "${v%%=*}" "$dir"/keel-*/log.txt 2>/dev/null | sort -u | head -3 | tee -a "$SUMMARY"
+  done
+  say "variants: $((SECONDS - t0)) s (the bench stage's keel rows are the default kernels')"
 }
 
 # The Llama 1B benchmark again with every layer's activations recomputed: the memory it saves

@@ -70,7 +70,8 @@ MetricsWriter::~MetricsWriter() {
 
 void MetricsWriter::write(const nlohmann::json& record) {
   if (fd_ < 0) return;
-  const std::string line = (partial_line_ ? "\n" : "") + record.dump() + "\n";
+  std::string line = partial_line_ ? "\n" : "";  // (not "literal" + string&&: GCC 12's -Wrestrict misfires)
+  line += record.dump() + "\n";
   const off_t before = ::lseek(fd_, 0, SEEK_END);
   size_t done = 0;
   int err = 0;

@@ -566,7 +566,7 @@ TEST_CASE("plan: the layers each stage's memory holds, and a split that fits a l
   CHECK_THAT(x.reason, Catch::StartsWith("out of memory: 17.58 GiB on stage 0 > 15.20 GiB usable; fits with "
                                          "parallel.pipeline_layers " + nlohmann::json(split).dump()));
   std::string listed;
-  for (int n : split) listed += (listed.empty() ? "" : ",") + std::to_string(n);
+  for (int n : split) listed += std::string(listed.empty() ? "" : ",") + std::to_string(n);
   CHECK_THAT(plan_text(cfg, r, opt),
              Catch::Contains("no layout fits 8 GPUs.\n  with a split of its own: tp=1 pp=4 dp=2 mbs=4 runs out of "
                              "memory split as configured, but fits with parallel.pipeline_layers " +
