@@ -454,6 +454,31 @@ TEST_CASE("document masking trains alike under TP, SP, PP and DP (fp32, both fam
                          {{{2, 2, 2}, ""}, {{4, 2, 1}, kSequenceParallel}, {{1, 4, 2}, ""}});
 }
 
+// A batch-size ramp-up (the BLOOM configs' schedule.rampup_batch_size) changes the micro-batch
+// count from step to step: 1F1B and interleaved schedules of each count (2, 4, 6 and 8 at pp=4
+// with 2 chunks: fewer than the stages, as many, a count they do not divide, a multiple; 1 to 4
+// at pp=2 dp=2), the slots sized for the largest, and the loss averaged over each step's batch.
+// At the tiny models' lr of 1e-2, batches of 4 make the steps chaotic: TP's other fp32 summation
+// order (1e-7) grew tenfold a step, to 7e-4 in step 5's grad norm (measured); at 3e-3 it stays
+// within 2e-6, so the usual fp32 bounds still tell a wrong batch or scale from rounding.
+TEST_CASE("a batch-size ramp-up trains alike under TP, PP (also interleaved) and DP (fp32, both families)",
+          "[mpi][layouts][rampup]") {
+  const std::string ramp = "--set 'schedule.rampup_batch_size=[4,4,32]' --set optimizer.lr=3e-3 --set optimizer.min_lr=3e-4";
+  for (const std::string family : {"llama", "gpt2"}) {
+    check_option_layouts(family, ramp,
+                         {{{1, 2, 2}, ""},
+                          {{1, 4, 1}, "--set parallel.virtual_stages=2"},
+                          {{2, 2, 2}, "--set parallel.virtual_stages=2"}});
+  }
+  // The ramp-up ran: 4, 8 and 12 samples before the whole 16.
+  test::Workspace ws(model_patch("llama"));
+  const Run run = train(ws, ws.dir / "ramp", {1, 4, 1}, ramp + " --set parallel.virtual_stages=2");
+  REQUIRE(run.code == 0);
+  std::vector<int64_t> batches;
+  for (const auto& rec : run.records) batches.push_back(rec["global_batch"]);
+  CHECK(batches == std::vector<int64_t>{4, 4, 4, 8, 8, 12});
+}
+
 // Loss masks (SFT data): each DP rank's micro-batches hold another count of in-loss targets, and
 // the step's loss is the mean over the global batch's, so a rank that divided by its own count,
 // or a stage that saw other targets than the head's, would show here. The sidecar masks runs of
