@@ -83,6 +83,40 @@ TEST_CASE("stop at N/2, resume, N/2 more: the same losses bit for bit and bitwis
   CHECK_FALSE(fs::exists(ws.dir / "split/checkpoints/step_00000032"));
 }
 
+// Inside a batch-size ramp-up the batch of the next step follows from the samples consumed: a
+// run stopped there, and one stopped where the ramp-up has just ended, resume on the same
+// batches and losses bit for bit (4, 8, 12, then 16 samples a step over 48).
+TEST_CASE("a resume inside a batch-size ramp-up continues it bit for bit", "[ckpt][cli][resume][schedule]") {
+  test::Workspace ws({{"precision", {{"mode", "bf16"}}},
+                      {"train", {{"steps", 12}, {"global_batch", 16}, {"eval_interval", 0}, {"eval_batches", 0}}},
+                      {"schedule", {{"rampup_batch_size", {4, 4, 48}}}},
+                      {"checkpoint", {{"interval", 0}}}});
+  auto straight = run_keel(train_args(ws, ws.dir / "straight"));
+  INFO(straight.output);
+  REQUIRE(straight.code == 0);
+  const auto records = test::read_metrics(ws.dir / "straight/metrics.jsonl");
+  std::vector<int64_t> batches;
+  for (const auto& rec : records)
+    if (rec.contains("loss")) batches.push_back(rec["global_batch"]);
+  REQUIRE(batches == std::vector<int64_t>{4, 4, 4, 4, 8, 8, 12, 12, 16, 16, 16, 16});
+  for (int stop : {3, 6, 8}) {
+    INFO("stopped at step " << stop);
+    const std::string out = ws.dir / ("split" + std::to_string(stop));
+    auto first = run_keel(train_args(ws, out, "--stop-at " + std::to_string(stop)));
+    INFO(first.output);
+    REQUIRE(first.code == 4);
+    auto second = run_keel(train_args(ws, out));
+    INFO(second.output);
+    REQUIRE(second.code == 0);
+    const auto resumed = test::read_metrics(out + "/metrics.jsonl");
+    CHECK(test::losses_by_step(resumed) == test::losses_by_step(records));
+    std::vector<int64_t> got;
+    for (const auto& rec : resumed)
+      if (rec.contains("loss")) got.push_back(rec["global_batch"]);
+    CHECK(got == batches);
+  }
+}
+
 // A sliding window changes no tensor but the network: a run with one resumes exactly, a
 // checkpoint is not resumed without it (naming the field), and --init-from across it says so.
 TEST_CASE("a sliding window resumes exactly, and a checkpoint is not resumed across it", "[ckpt][cli][resume][window]") {
