@@ -790,6 +790,15 @@ void apply_override(json& doc, const std::string& assignment) {
   }
 }
 
+std::vector<int> RunConfig::step_micro_batch_counts(int64_t micro_batch, int64_t dp) const {
+  const int64_t unit = micro_batch * dp;
+  std::vector<int> counts = {static_cast<int>(train.global_batch / unit)};
+  if (const auto& r = schedule.rampup; r && r->increment > 0)
+    for (int64_t b = r->start; b < train.global_batch; b += r->increment)
+      if (b / unit > 0) counts.push_back(static_cast<int>(b / unit));
+  return counts;
+}
+
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
   std::ifstream in(path);
   if (!in) {

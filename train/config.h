@@ -283,6 +283,9 @@ struct RunConfig {
   int64_t grad_accum_steps(int64_t global_batch) const {
     return global_batch / (train.micro_batch * parallel.dp);
   }
+  // The micro-batches per DP rank a training step can have, with micro-batches of `micro_batch`
+  // over `dp` ranks: the whole global batch's, first, then each batch size of the ramp-up's.
+  std::vector<int> step_micro_batch_counts(int64_t micro_batch, int64_t dp) const;
 };
 
 // Read a config file, apply "key.path=value" overrides (value parsed as JSON when it parses,

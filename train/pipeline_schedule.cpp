@@ -163,6 +163,22 @@ bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
 
 }  // namespace
 
+PipeSlots pipeline_slots(int P, int v, const std::vector<int>& training_counts) {
+  PipeSlots slots;
+  slots.activation.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 1));
+  slots.gradient.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 0));
+  auto need = [&](const PipeSchedule& sc) {
+    for (size_t s = 0; s < static_cast<size_t>(P); ++s)
+      for (size_t c = 0; c < static_cast<size_t>(v); ++c) {
+        slots.activation[s][c] = std::max(slots.activation[s][c], sc.activation_slots[s][c]);
+        slots.gradient[s][c] = std::max(slots.gradient[s][c], sc.gradient_slots[s][c]);
+      }
+  };
+  for (int m : training_counts) need(pipeline_schedule(P, v, m, true));
+  for (int m = 1; m <= P; ++m) need(pipeline_schedule(P, v, m, false));
+  return slots;
+}
+
 std::vector<int> micro_batch_groups(int P, int M) {
   if (M <= P) return {M};
   // M / P groups, the first M % (M / P) of them one larger: no group is smaller than P.

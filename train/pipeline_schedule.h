@@ -75,6 +75,16 @@ struct PipeSchedule {
 // micro-batches plays out (see above for M not a multiple of P).
 PipeSchedule pipeline_schedule(int stages, int chunks, int micro_batches, bool training);
 
+// What a run's interleaved schedules need of each rank's chunks, [rank][chunk]: the most
+// activation and gradient slots over training steps of each of `training_counts` micro-batches
+// (a batch-size ramp-up has several; fewer micro-batches can need more slots, in fewer, larger
+// groups) and forward-only passes of 1 to `stages` (evaluation runs `stages` at a time, the last
+// pass fewer). The trainer allocates these; keel plan counts them.
+struct PipeSlots {
+  std::vector<std::vector<int>> activation, gradient;
+};
+PipeSlots pipeline_slots(int stages, int chunks, const std::vector<int>& training_counts);
+
 // The sizes of the groups of micro-batches the interleaved order takes in turn: M / P groups of
 // P when P divides M, else of M / (M / P) and one more (the larger first); one group when M <= P.
 std::vector<int> micro_batch_groups(int stages, int micro_batches);

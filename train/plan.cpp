@@ -461,23 +461,18 @@ std::vector<std::string> quantization_warnings(const ModelConfig& m, const Layou
 
 namespace {
 
-// What the plan needs of an interleaved schedule: each rank's and chunk's activation and gradient
-// slots (train/pipeline_schedule.h). Kept per (pp, chunks, micro-batches): the balance advice and
-// the split searches plan the same layout's schedule again (a large pipeline's schedule takes
-// milliseconds to play out and megabytes to hold; the plan needs only the slots).
-struct ScheduleSlots {
-  std::vector<std::vector<int>> activation, gradient;
-};
-const ScheduleSlots& schedule_slots(int pp, int chunks, int micro_batches) {
+// What the plan needs of a run's interleaved schedules: each rank's and chunk's activation and
+// gradient slots, as the trainer allocates them (pipeline_slots: every step size of a ramp-up,
+// and evaluation). Kept per (pp, chunks, micro-batch counts): the balance advice and the split
+// searches plan the same layout again (a large pipeline's schedule takes milliseconds to play
+// out and megabytes to hold; the plan needs only the slots).
+const PipeSlots& schedule_slots(int pp, int chunks, const std::vector<int>& micro_batch_counts) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, int, int>, ScheduleSlots> cache;  // a few ints per entry
+  static std::map<std::tuple<int, int, std::vector<int>>, PipeSlots> cache;  // a few ints per entry
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(pp, chunks, micro_batches);
+  const auto key = std::make_tuple(pp, chunks, micro_batch_counts);
   auto it = cache.find(key);
-  if (it == cache.end()) {
-    const PipeSchedule sched = pipeline_schedule(pp, chunks, micro_batches, true);
-    it = cache.emplace(key, ScheduleSlots{sched.activation_slots, sched.gradient_slots}).first;
-  }
+  if (it == cache.end()) it = cache.emplace(key, pipeline_slots(pp, chunks, micro_batch_counts)).first;
   return it->second;  // std::map: stays where it is
 }
 
@@ -491,9 +486,9 @@ class StageMemoryModel {
         mem_(opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory),
         act_(activation_bytes(m_, mem_, l.tp, l.mbs, cfg.train.seq_len, opt.sequence_parallel, opt.logits_chunk_rows)),
         mb_(mb) {
-    // Interleaved: what each chunk holds comes from the schedule itself.
+    // Interleaved: what each chunk holds comes from the schedules themselves (of each step size).
     if (v > 1)
-      sched_ = &schedule_slots(static_cast<int>(l.pp), static_cast<int>(v), static_cast<int>(mb));
+      sched_ = &schedule_slots(static_cast<int>(l.pp), static_cast<int>(v), cfg.step_micro_batch_counts(l.mbs, l.dp));
     // Every layer has the same tensors, so a span's parameters are its embedding and head's
     // (a span of no layers with its flags) plus its layer count times one layer's.
     one_layer_ = stage_params(m_, l.tp, StageSpan{0, 1, false, false});
@@ -607,7 +602,7 @@ class StageMemoryModel {
   const MemoryModel mem_;
   const Activations act_;
   const int64_t mb_;
-  const ScheduleSlots* sched_ = nullptr;  // interleaved only
+  const PipeSlots* sched_ = nullptr;  // interleaved only
   StageParams one_layer_;
   mutable std::map<std::pair<bool, bool>, StageParams> ends_;  // a span's embedding and head
 };

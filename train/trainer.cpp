@@ -32,16 +32,6 @@ std::vector<ModelShard> chunks_for(const RunConfig& cfg, const parallel::Grid& g
 namespace {
 parallel::Grid single_rank() { return parallel::Grid(1, 0, 1, 1, 1); }
 
-// The micro-batches per DP rank a training step can have: the ramp-up's batch sizes and the
-// full one.
-std::vector<int> training_micro_batch_counts(const RunConfig& cfg) {
-  std::vector<int> counts = {static_cast<int>(cfg.grad_accum_steps(cfg.train.global_batch))};
-  if (const auto& r = cfg.schedule.rampup; r && r->increment > 0)
-    for (int64_t b = r->start; b < cfg.train.global_batch; b += r->increment)
-      if (cfg.grad_accum_steps(b) > 0) counts.push_back(static_cast<int>(cfg.grad_accum_steps(b)));
-  return counts;
-}
-
 // Reports a chunk's final gradients during one backward (its last of the step): see
 // Transformer::set_grads_ready. A null fn reports nothing.
 class GradsReadyScope {
@@ -96,19 +86,12 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
                                                     cfg.grad_accum_steps(cfg.train.global_batch)));
   } else {
     // Interleaved: what the schedules of every step size need (training over the ramp-up, and
-    // evaluation, which runs pp micro-batches at a time).
-    auto need = [&](const PipeSchedule& sc) {
-      for (int c = 0; c < n_chunks; ++c) {
-        const size_t s = static_cast<size_t>(grid_.pp_rank()), cu = static_cast<size_t>(c);
-        slots[cu] = std::max(slots[cu], sc.activation_slots[s][cu]);
-        grad_slots[cu] = std::max(grad_slots[cu], sc.gradient_slots[s][cu]);
-      }
-    };
-    // Played out here only for their sizes (a large pipeline's schedule is megabytes; the run
-    // keeps the one it is using, see schedule()).
-    const int P = grid_.pp_size();
-    for (int m : training_micro_batch_counts(cfg)) need(pipeline_schedule(P, n_chunks, m, true));
-    for (int m = 1; m <= P; ++m) need(pipeline_schedule(P, n_chunks, m, false));
+    // evaluation). Played out here only for their sizes (a large pipeline's schedule is
+    // megabytes; the run keeps the one it is using, see schedule()).
+    const PipeSlots need = pipeline_slots(grid_.pp_size(), n_chunks,
+                                          cfg.step_micro_batch_counts(cfg.train.micro_batch, cfg.parallel.dp));
+    slots = need.activation[static_cast<size_t>(grid_.pp_rank())];
+    grad_slots = need.gradient[static_cast<size_t>(grid_.pp_rank())];
   }
   // Recomputation counts layers from the stage's first: over its chunks in order.
   int recompute_left = cfg.train.recomputed_layers_per_stage();

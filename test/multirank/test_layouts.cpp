@@ -470,10 +470,14 @@ TEST_CASE("a batch-size ramp-up trains alike under TP, PP (also interleaved) and
                           {{1, 4, 1}, "--set parallel.virtual_stages=2"},
                           {{2, 2, 2}, "--set parallel.virtual_stages=2"}});
   }
-  // The ramp-up ran: 4, 8 and 12 samples before the whole 16.
+  // The ramp-up ran: 4, 8 and 12 samples before the whole 16. Rank 0's second chunk keeps 6
+  // micro-batches in flight at 12 samples (6 micro-batches in one group) and 4 at 16 (two groups
+  // of 4): the run holds slots for the most, and keel plan counts the same.
   test::Workspace ws(model_patch("llama"));
   const Run run = train(ws, ws.dir / "ramp", {1, 4, 1}, ramp + " --set parallel.virtual_stages=2");
+  INFO(run.output);
   REQUIRE(run.code == 0);
+  check_memory(run);
   std::vector<int64_t> batches;
   for (const auto& rec : run.records) batches.push_back(rec["global_batch"]);
   CHECK(batches == std::vector<int64_t>{4, 4, 4, 8, 8, 12});
