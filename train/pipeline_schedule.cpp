@@ -192,9 +192,10 @@ PipeSchedule pipeline_schedule(int P, int v, int M, bool training) {
   if (P < 1 || v < 1 || M < 1)
     throw std::invalid_argument("pipeline schedule: stages (" + std::to_string(P) + "), chunks (" + std::to_string(v) +
                                 ") and micro-batches (" + std::to_string(M) + ") must be >= 1");
-  // Megatron's warm-up plays out with groups of P or more (tried for every P, v <= 16 and M <= 200:
-  // test_pipeline_schedule); a longer warm-up is the fallback (at worst every forward first,
-  // which always plays out).
+  // Megatron's warm-up plays out with groups of P or more, with no tick beyond 2 M v + 2 (P - 1)
+  // (played out once for every P <= 16, v <= 16 and M <= 200; test_pipeline_schedule keeps a
+  // smaller range and some large pipelines); a longer warm-up is the fallback (at worst every
+  // forward first, which always plays out).
   PipeSchedule sc;
   for (int extra = 0; extra <= M * v; ++extra)
     if (simulate(P, v, M, training, extra, sc)) return sc;
