@@ -674,7 +674,8 @@ TEST_CASE("the interleaved pipeline (virtual stages) trains like plain 1F1B, and
       INFO(family << " " << c.l.str() << " virtual_stages " << c.chunks << " global batch " << c.global_batch << " "
                   << c.extra);
       // (the run of 16 keeps the plain name: the resume below starts from its checkpoint)
-      const std::string name = std::to_string(c.chunks) + (c.global_batch == 16 ? "" : "_" + std::to_string(c.global_batch));
+      std::string name = std::to_string(c.chunks);
+      if (c.global_batch != 16) name.append("_").append(std::to_string(c.global_batch));
       const std::string extra = c.extra + " --set train.global_batch=" + std::to_string(c.global_batch);
       const Run plain = train(ws, ws.dir / c.l.dir("plain" + name), c.l, extra);
       INFO(plain.output);
