@@ -1,6 +1,7 @@
 #include "train/pipeline_schedule.h"
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 
 namespace keel {
@@ -44,9 +45,12 @@ std::string PipeSchedule::describe() const {
 
 namespace {
 
-// Plays the orders out with every rank's warm-up lengthened by `extra` forwards; false when
-// the orders stall (a rank's next op waits for one that waits for it).
-bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
+// Plays a step out. Without `cap`: each rank's static order, Megatron's, with every rank's
+// warm-up lengthened by `extra` forwards. With `cap` ([rank][chunk], training only): the greedy
+// order that keeps each chunk within cap micro-batches (pipeline_step_schedule). False when the
+// orders stall (a rank's next op waits for one that waits for it).
+bool simulate(int P, int v, int M, bool training, int extra, const std::vector<std::vector<int>>* cap,
+              PipeSchedule& sc) {
   sc = {};
   sc.stages = P;
   sc.chunks = v;
@@ -54,9 +58,14 @@ bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
   sc.training = training;
   const int V = P * v, K = M * v;
 
-  // Each rank's order of work: micro-batches in groups (micro_batch_groups), a group's forwards
-  // through chunk 0, 1, ..., its backwards through chunk v - 1, v - 2, ...
-  const std::vector<int> groups = micro_batch_groups(P, M);
+  // Each rank's forwards and backwards: micro-batches in groups (micro_batch_groups; under a cap
+  // groups of P, the last smaller), a group's forwards through chunk 0, 1, ..., its backwards
+  // through chunk v - 1, v - 2, ...
+  std::vector<int> groups = micro_batch_groups(P, M);
+  if (cap) {
+    groups.clear();
+    for (int left = M; left > 0; left -= P) groups.push_back(std::min(left, P));
+  }
   std::vector<PipeOp> forwards, backwards;
   for (int g = 0, first = 0; g < static_cast<int>(groups.size()); first += groups[static_cast<size_t>(g++)])
     for (int c = 0; c < v; ++c)
@@ -68,7 +77,7 @@ bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
   // (v - 1) G forwards after the group's first.
   const int G = M < P ? P : groups.front();
   std::vector<std::vector<PipeOp>> order(static_cast<size_t>(P));
-  for (int s = 0; s < P; ++s) {
+  for (int s = 0; s < P && !cap; ++s) {
     std::vector<PipeOp>& o = order[static_cast<size_t>(s)];
     if (!training) {
       o = forwards;
@@ -92,23 +101,55 @@ bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
   // Half-tick times of each (vs, mb): 2t = the compute of tick t, 2t + 1 = its exchange.
   std::vector<std::vector<int>> act_start = never, act_end = never, grad_start = never, grad_end = never;
   sc.ticks.assign(static_cast<size_t>(P), {});
-  std::vector<size_t> next(static_cast<size_t>(P), 0);
+  // Static: next[s] into order[s]. Capped: next_fwd[s] and next_bwd[s] into forwards and
+  // backwards, and each virtual stage's micro-batches held (from the exchange that delivers the
+  // input, or the forward on virtual stage 0, until the backward).
+  std::vector<size_t> next(static_cast<size_t>(P), 0), next_fwd = next, next_bwd = next;
+  std::vector<int> held(static_cast<size_t>(V), 0), taken(static_cast<size_t>(V), 0);
   auto all_done = [&] {
-    for (int s = 0; s < P; ++s)
-      if (next[static_cast<size_t>(s)] < order[static_cast<size_t>(s)].size()) return false;
+    for (size_t s = 0; s < static_cast<size_t>(P); ++s)
+      if (cap ? next_bwd[s] < backwards.size() : next[s] < order[s].size()) return false;
     return true;
+  };
+  auto ready = [&](const PipeOp& op, int s, int t) {
+    const size_t vu = static_cast<size_t>(sc.virtual_stage(s, op.chunk)), mu = static_cast<size_t>(op.micro_batch);
+    return (op.backward ? ready_bwd : ready_fwd)[vu][mu] <= t;
+  };
+  // Capped: a rank's next backward when its input is there (it frees a slot), else its next
+  // forward when its input is there and the slots it fills are free (the next virtual stage's,
+  // where it sends its output, and on virtual stage 0 its own), counting what each chunk held at
+  // the tick's start and what this tick already gave it.
+  auto room = [&](int u) {
+    const size_t uu = static_cast<size_t>(u);
+    return held[uu] + taken[uu] < (*cap)[static_cast<size_t>(u % P)][static_cast<size_t>(u / P)];
+  };
+  auto pick = [&](int s, int t) -> std::optional<PipeOp> {
+    const size_t su = static_cast<size_t>(s);
+    if (!cap) {
+      if (next[su] == order[su].size() || !ready(order[su][next[su]], s, t)) return std::nullopt;
+      return order[su][next[su]++];
+    }
+    if (next_bwd[su] < backwards.size() && ready(backwards[next_bwd[su]], s, t)) return backwards[next_bwd[su]++];
+    if (next_fwd[su] == forwards.size() || !ready(forwards[next_fwd[su]], s, t)) return std::nullopt;
+    const int vs = sc.virtual_stage(s, forwards[next_fwd[su]].chunk);
+    if ((vs == 0 && !room(0)) || (vs < V - 1 && !room(vs + 1))) return std::nullopt;
+    if (vs == 0) ++taken[0];
+    if (vs < V - 1) ++taken[static_cast<size_t>(vs + 1)];
+    return forwards[next_fwd[su]++];
   };
   for (int t = 0; !all_done(); ++t) {
     for (auto& r : sc.ticks) r.emplace_back();
     bool progressed = false;
+    std::fill(taken.begin(), taken.end(), 0);
+    std::vector<int> freed(static_cast<size_t>(V), 0);
     for (int s = 0; s < P; ++s) {
       const size_t su = static_cast<size_t>(s);
-      if (next[su] == order[su].size()) continue;
-      const PipeOp op = order[su][next[su]];
+      const std::optional<PipeOp> picked = pick(s, t);
+      if (!picked) continue;
+      const PipeOp op = *picked;
       const int vs = sc.virtual_stage(s, op.chunk);
       const size_t vu = static_cast<size_t>(vs), mu = static_cast<size_t>(op.micro_batch);
-      if ((op.backward ? ready_bwd : ready_fwd)[vu][mu] > t) continue;  // its input is not there yet
-      ++next[su];
+      if (op.backward) ++freed[vu];
       progressed = true;
       PipeTick& me = sc.ticks[su].back();
       me.op = op;
@@ -138,6 +179,7 @@ bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
       }
     }
     if (!progressed) return false;
+    for (size_t u = 0; u < static_cast<size_t>(V); ++u) held[u] += taken[u] - freed[u];
   }
 
   sc.activation_slots.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 0));
@@ -163,6 +205,20 @@ bool simulate(int P, int v, int M, bool training, int extra, PipeSchedule& sc) {
 
 }  // namespace
 
+PipeSchedule pipeline_step_schedule(int P, int v, int M, int largest) {
+  PipeSchedule sc = pipeline_schedule(P, v, M, true);
+  if (v == 1 || M >= largest) return sc;
+  const PipeSchedule whole = pipeline_schedule(P, v, largest, true);
+  bool fits = true;
+  for (size_t s = 0; s < static_cast<size_t>(P); ++s)
+    for (size_t c = 0; c < static_cast<size_t>(v); ++c)
+      fits = fits && sc.activation_slots[s][c] <= whole.activation_slots[s][c];
+  if (fits) return sc;
+  PipeSchedule capped;
+  if (simulate(P, v, M, true, 0, &whole.activation_slots, capped)) return capped;
+  return sc;  // (not seen for P, v <= 16 and step sizes below a largest <= 48: all play out capped)
+}
+
 PipeSlots pipeline_slots(int P, int v, const std::vector<int>& training_counts) {
   PipeSlots slots;
   slots.activation.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 1));
@@ -174,7 +230,8 @@ PipeSlots pipeline_slots(int P, int v, const std::vector<int>& training_counts) 
         slots.gradient[s][c] = std::max(slots.gradient[s][c], sc.gradient_slots[s][c]);
       }
   };
-  for (int m : training_counts) need(pipeline_schedule(P, v, m, true));
+  const int largest = training_counts.empty() ? 0 : *std::max_element(training_counts.begin(), training_counts.end());
+  for (int m : training_counts) need(pipeline_step_schedule(P, v, m, largest));
   for (int m = 1; m <= P; ++m) need(pipeline_schedule(P, v, m, false));
   return slots;
 }
@@ -198,7 +255,7 @@ PipeSchedule pipeline_schedule(int P, int v, int M, bool training) {
   // forward first, which always plays out).
   PipeSchedule sc;
   for (int extra = 0; extra <= M * v; ++extra)
-    if (simulate(P, v, M, training, extra, sc)) return sc;
+    if (simulate(P, v, M, training, extra, nullptr, sc)) return sc;
   throw std::logic_error("pipeline schedule: no warm-up plays out (" + std::to_string(P) + " stages, " +
                          std::to_string(v) + " chunks, " + std::to_string(M) + " micro-batches)");
 }

@@ -185,8 +185,11 @@ int64_t Trainer::all_reduce_sum(parallel::Comm& c, int64_t x) {
 
 const PipeSchedule& Trainer::schedule(int micro_batches, bool training) {
   std::optional<PipeSchedule>& cached = training ? training_schedule_ : eval_schedule_;
+  // Training: a ramp-up's smaller steps stay within the whole batch's slots (pipeline_slots).
+  const int largest = static_cast<int>(cfg_.grad_accum_steps(cfg_.train.global_batch));
   if (!cached || cached->micro_batches != micro_batches)
-    cached = pipeline_schedule(grid_.pp_size(), table_.num_chunks(), micro_batches, training);
+    cached = training ? pipeline_step_schedule(grid_.pp_size(), table_.num_chunks(), micro_batches, largest)
+                      : pipeline_schedule(grid_.pp_size(), table_.num_chunks(), micro_batches, false);
   return *cached;
 }
 

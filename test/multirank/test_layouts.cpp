@@ -470,9 +470,10 @@ TEST_CASE("a batch-size ramp-up trains alike under TP, PP (also interleaved) and
                           {{1, 4, 1}, "--set parallel.virtual_stages=2"},
                           {{2, 2, 2}, "--set parallel.virtual_stages=2"}});
   }
-  // The ramp-up ran: 4, 8 and 12 samples before the whole 16. Rank 0's second chunk keeps 6
-  // micro-batches in flight at 12 samples (6 micro-batches in one group) and 4 at 16 (two groups
-  // of 4): the run holds slots for the most, and keel plan counts the same.
+  // The ramp-up ran: 4, 8 and 12 samples before the whole 16. At 12 samples (6 micro-batches in
+  // one group) rank 0's second chunk would keep 6 in flight, against 4 at 16 (two groups of 4):
+  // the step runs the capped order (pipeline_step_schedule) within the whole batch's slots, and
+  // rank 0 holds what keel plan counts.
   test::Workspace ws(model_patch("llama"));
   const Run run = train(ws, ws.dir / "ramp", {1, 4, 1}, ramp + " --set parallel.virtual_stages=2");
   INFO(run.output);

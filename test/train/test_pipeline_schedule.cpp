@@ -184,6 +184,39 @@ TEST_CASE("micro-batch counts that the stages do not divide keep the bubble and 
   }
 }
 
+TEST_CASE("a batch-size ramp-up's smaller steps keep within the whole batch's slots", "[pipeline_schedule]") {
+  // 6 micro-batches at P=4 v=2 in one group: rank 0's second chunk holds all 6 at once; the
+  // whole batch of 8 (two groups of 4) holds 4 there. The step's capped order holds 4 too.
+  const PipeSchedule whole = pipeline_schedule(4, 2, 8, true);
+  REQUIRE(whole.activation_slots[0][1] == 4);
+  REQUIRE(pipeline_schedule(4, 2, 6, true).activation_slots[0][1] == 6);
+  CHECK(pipeline_step_schedule(4, 2, 6, 8).activation_slots[0][1] <= 4);
+  // Every step size below the largest: a valid schedule, on every rank's chunk within the
+  // largest step's slots, in at most twice pipeline_schedule's ticks (1.8x at worst over P,
+  // v <= 16 and largest <= 48); the largest itself, and steps whose schedule fits, unchanged.
+  for (int P : {2, 3, 4, 5, 8})
+    for (int v : {2, 3, 4})
+      for (int largest = P; largest <= 3 * P + 1; ++largest) {
+        const PipeSchedule big = pipeline_schedule(P, v, largest, true);
+        CHECK(pipeline_step_schedule(P, v, largest, largest).ticks.size() == big.ticks.size());
+        for (int M = 1; M < largest; ++M) {
+          INFO("P " << P << " v " << v << " M " << M << " largest " << largest);
+          const PipeSchedule plain = pipeline_schedule(P, v, M, true), step = pipeline_step_schedule(P, v, M, largest);
+          check_schedule(step);
+          bool plain_fits = true;
+          for (size_t r = 0; r < size_t(P); ++r)
+            for (size_t c = 0; c < size_t(v); ++c) {
+              CHECK(step.activation_slots[r][c] <= big.activation_slots[r][c]);
+              plain_fits = plain_fits && plain.activation_slots[r][c] <= big.activation_slots[r][c];
+            }
+          if (plain_fits) CHECK(step.num_ticks() == plain.num_ticks());
+          CHECK(step.num_ticks() <= 2 * plain.num_ticks());
+        }
+      }
+  // pipeline_slots, what the trainer allocates: the whole batch's, ramp-up or not.
+  CHECK(pipeline_slots(4, 2, {8, 2, 4, 6}).activation == pipeline_slots(4, 2, {8}).activation);
+}
+
 TEST_CASE("pipeline schedule arguments are checked", "[pipeline_schedule]") {
   CHECK_THROWS_WITH(pipeline_schedule(0, 1, 4, true), Catch::Contains("must be >= 1"));
   CHECK_THROWS_WITH(pipeline_schedule(2, 0, 4, true), Catch::Contains("must be >= 1"));
