@@ -1,25 +1,31 @@
 #include "train/pipeline_schedule.h"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <tuple>
 
 namespace keel {
 
 namespace {
 
-// The most intervals [start, end] (closed, in half-ticks) that overlap at one point.
-int max_overlap(std::vector<std::pair<int, int>> intervals) {
-  std::vector<std::pair<int, int>> events;  // (time, +1 start / -1 end), starts before ends at a tie
-  for (const auto& [a, b] : intervals) {
-    events.emplace_back(a, 0);
-    events.emplace_back(b, 1);
-  }
-  std::sort(events.begin(), events.end());
+// The most intervals [starts[i], ends[i]] (closed, in half-ticks) that overlap at one point:
+// the starts and the ends merged in time order, a start before an end at a tie. (A chunk fills
+// and empties its slots in micro-batch order, so both come sorted; sorted here if not.)
+int max_overlap(std::vector<int> starts, std::vector<int> ends) {
+  if (!std::is_sorted(starts.begin(), starts.end())) std::sort(starts.begin(), starts.end());
+  if (!std::is_sorted(ends.begin(), ends.end())) std::sort(ends.begin(), ends.end());
   int open = 0, most = 0;
-  for (const auto& [t, end] : events) {
-    open += end ? -1 : 1;
-    most = std::max(most, open);
+  for (size_t a = 0, b = 0; a < starts.size();) {
+    if (starts[a] <= ends[b]) {
+      most = std::max(most, ++open);
+      ++a;
+    } else {
+      --open;
+      ++b;
+    }
   }
   return most;
 }
@@ -101,11 +107,12 @@ bool simulate(int P, int v, int M, bool training, int extra, const std::vector<s
   // Half-tick times of each (vs, mb): 2t = the compute of tick t, 2t + 1 = its exchange.
   std::vector<std::vector<int>> act_start = never, act_end = never, grad_start = never, grad_end = never;
   sc.ticks.assign(static_cast<size_t>(P), {});
+  for (auto& r : sc.ticks) r.reserve(static_cast<size_t>(2 * K + 2 * P));  // a step's ticks, mostly
   // Static: next[s] into order[s]. Capped: next_fwd[s] and next_bwd[s] into forwards and
   // backwards, and each virtual stage's micro-batches held (from the exchange that delivers the
   // input, or the forward on virtual stage 0, until the backward).
   std::vector<size_t> next(static_cast<size_t>(P), 0), next_fwd = next, next_bwd = next;
-  std::vector<int> held(static_cast<size_t>(V), 0), taken(static_cast<size_t>(V), 0);
+  std::vector<int> held(cap ? static_cast<size_t>(V) : 0, 0), taken = held, freed = held;
   auto all_done = [&] {
     for (size_t s = 0; s < static_cast<size_t>(P); ++s)
       if (cap ? next_bwd[s] < backwards.size() : next[s] < order[s].size()) return false;
@@ -140,8 +147,6 @@ bool simulate(int P, int v, int M, bool training, int extra, const std::vector<s
   for (int t = 0; !all_done(); ++t) {
     for (auto& r : sc.ticks) r.emplace_back();
     bool progressed = false;
-    std::fill(taken.begin(), taken.end(), 0);
-    std::vector<int> freed(static_cast<size_t>(V), 0);
     for (int s = 0; s < P; ++s) {
       const size_t su = static_cast<size_t>(s);
       const std::optional<PipeOp> picked = pick(s, t);
@@ -149,7 +154,7 @@ bool simulate(int P, int v, int M, bool training, int extra, const std::vector<s
       const PipeOp op = *picked;
       const int vs = sc.virtual_stage(s, op.chunk);
       const size_t vu = static_cast<size_t>(vs), mu = static_cast<size_t>(op.micro_batch);
-      if (op.backward) ++freed[vu];
+      if (cap && op.backward) ++freed[vu];
       progressed = true;
       PipeTick& me = sc.ticks[su].back();
       me.op = op;
@@ -179,7 +184,7 @@ bool simulate(int P, int v, int M, bool training, int extra, const std::vector<s
       }
     }
     if (!progressed) return false;
-    for (size_t u = 0; u < static_cast<size_t>(V); ++u) held[u] += taken[u] - freed[u];
+    for (size_t u = 0; u < held.size(); ++u) held[u] += taken[u] - freed[u], taken[u] = freed[u] = 0;
   }
 
   sc.activation_slots.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 0));
@@ -192,34 +197,44 @@ bool simulate(int P, int v, int M, bool training, int extra, const std::vector<s
   for (int s = 0; s < P; ++s)
     for (int c = 0; c < v; ++c) {
       const size_t vu = static_cast<size_t>(sc.virtual_stage(s, c));
-      std::vector<std::pair<int, int>> acts, grads;
-      for (size_t mb = 0; mb < static_cast<size_t>(M); ++mb) {
-        acts.emplace_back(act_start[vu][mb], act_end[vu][mb]);
-        if (training && vu + 1 < static_cast<size_t>(V)) grads.emplace_back(grad_start[vu][mb], grad_end[vu][mb]);
-      }
-      sc.activation_slots[static_cast<size_t>(s)][static_cast<size_t>(c)] = max_overlap(acts);
-      sc.gradient_slots[static_cast<size_t>(s)][static_cast<size_t>(c)] = max_overlap(grads);
+      const bool grads = training && vu + 1 < static_cast<size_t>(V);
+      sc.activation_slots[static_cast<size_t>(s)][static_cast<size_t>(c)] = max_overlap(act_start[vu], act_end[vu]);
+      sc.gradient_slots[static_cast<size_t>(s)][static_cast<size_t>(c)] =
+          grads ? max_overlap(grad_start[vu], grad_end[vu]) : 0;
     }
   return true;
 }
 
 }  // namespace
 
-PipeSchedule pipeline_step_schedule(int P, int v, int M, int largest) {
+namespace {
+
+bool within(const std::vector<std::vector<int>>& slots, const std::vector<std::vector<int>>& cap) {
+  for (size_t s = 0; s < slots.size(); ++s)
+    for (size_t c = 0; c < slots[s].size(); ++c)
+      if (slots[s][c] > cap[s][c]) return false;
+  return true;
+}
+
+}  // namespace
+
+PipeSchedule pipeline_step_schedule(int P, int v, int M, const std::vector<std::vector<int>>& cap) {
   PipeSchedule sc = pipeline_schedule(P, v, M, true);
-  if (v == 1 || M >= largest) return sc;
-  const PipeSchedule whole = pipeline_schedule(P, v, largest, true);
-  bool fits = true;
-  for (size_t s = 0; s < static_cast<size_t>(P); ++s)
-    for (size_t c = 0; c < static_cast<size_t>(v); ++c)
-      fits = fits && sc.activation_slots[s][c] <= whole.activation_slots[s][c];
-  if (fits) return sc;
+  if (cap.empty() || within(sc.activation_slots, cap)) return sc;
   PipeSchedule capped;
-  if (simulate(P, v, M, true, 0, &whole.activation_slots, capped)) return capped;
+  if (simulate(P, v, M, true, 0, &cap, capped)) return capped;
   return sc;  // (not seen for P, v <= 16 and step sizes below a largest <= 48: all play out capped)
 }
 
 PipeSlots pipeline_slots(int P, int v, const std::vector<int>& training_counts) {
+  // Kept per (P, v, counts): keel plan asks again for each layout it re-plans (the split
+  // searches, the balance advice), and a ramp-up's step sizes take a large pipeline tens of
+  // milliseconds to play out. A few ints an entry.
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, std::vector<int>>, PipeSlots> kept;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(P, v, training_counts);
+  if (const auto it = kept.find(key); it != kept.end()) return it->second;
   PipeSlots slots;
   slots.activation.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 1));
   slots.gradient.assign(static_cast<size_t>(P), std::vector<int>(static_cast<size_t>(v), 0));
@@ -230,9 +245,15 @@ PipeSlots pipeline_slots(int P, int v, const std::vector<int>& training_counts) 
         slots.gradient[s][c] = std::max(slots.gradient[s][c], sc.gradient_slots[s][c]);
       }
   };
+  // Each training step as the trainer runs it: within the largest step's slots (the largest's
+  // own schedule is within them).
   const int largest = training_counts.empty() ? 0 : *std::max_element(training_counts.begin(), training_counts.end());
-  for (int m : training_counts) need(pipeline_step_schedule(P, v, m, largest));
+  if (largest > 0) {
+    const std::vector<std::vector<int>> cap = pipeline_schedule(P, v, largest, true).activation_slots;
+    for (int m : training_counts) need(pipeline_step_schedule(P, v, m, cap));
+  }
   for (int m = 1; m <= P; ++m) need(pipeline_schedule(P, v, m, false));
+  kept.emplace(key, slots);
   return slots;
 }
 

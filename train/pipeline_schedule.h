@@ -75,16 +75,17 @@ struct PipeSchedule {
 // micro-batches plays out (see above for M not a multiple of P).
 PipeSchedule pipeline_schedule(int stages, int chunks, int micro_batches, bool training);
 
-// A training step of M micro-batches in a run whose largest step has `largest` (a batch-size
-// ramp-up's smaller steps): pipeline_schedule's, unless that keeps more micro-batches in flight
-// on some rank's chunk than the largest step's schedule does (fewer, larger groups; or, below
-// P micro-batches, every forward first). Then a greedy order within those slots: groups of P
-// (the last smaller), and each tick a rank runs its next backward if its input is there, else
-// its next forward if its input is there and the slot it fills is free. Each chunk still runs
-// // its micro-batches in order (the same bits); the price is ticks (1.1x pipeline_schedule's at
-// the median, 1.8x at worst, over P, v <= 16 and step sizes below a largest <= 48), on the
-// ramp-up's steps only, instead of memory for the whole run.
-PipeSchedule pipeline_step_schedule(int stages, int chunks, int micro_batches, int largest);
+// A training step of M micro-batches within `cap` ([rank][chunk] activation slots: those of the
+// run's largest step, for a batch-size ramp-up's smaller steps; empty: no cap):
+// pipeline_schedule's, unless that keeps more micro-batches in flight on some rank's chunk
+// (fewer, larger groups; or, below P micro-batches, every forward first). Then a greedy order
+// within the cap: groups of P (the last smaller), and each tick a rank runs its next backward if
+// its input is there, else its next forward if its input is there and the slots it fills are
+// free. Each chunk still runs its micro-batches in order (the same bits); the price is ticks
+// (1.1x pipeline_schedule's at the median, 1.8x at worst, over P, v <= 16 and step sizes below
+// a largest <= 48), on the ramp-up's steps only, instead of memory for the whole run.
+PipeSchedule pipeline_step_schedule(int stages, int chunks, int micro_batches,
+                                    const std::vector<std::vector<int>>& cap);
 
 // What a run's interleaved schedules need of each rank's chunks, [rank][chunk]: the most
 // activation and gradient slots over training steps of each of `training_counts` micro-batches

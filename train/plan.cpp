@@ -11,8 +11,6 @@
 #include <cstdio>
 #include <limits>
 #include <map>
-#include <mutex>
-#include <tuple>
 #include <regex>
 #include <sstream>
 
@@ -461,21 +459,6 @@ std::vector<std::string> quantization_warnings(const ModelConfig& m, const Layou
 
 namespace {
 
-// What the plan needs of a run's interleaved schedules: each rank's and chunk's activation and
-// gradient slots, as the trainer allocates them (pipeline_slots: every step size of a ramp-up,
-// and evaluation). Kept per (pp, chunks, micro-batch counts): the balance advice and the split
-// searches plan the same layout again (a large pipeline's schedule takes milliseconds to play
-// out and megabytes to hold; the plan needs only the slots).
-const PipeSlots& schedule_slots(int pp, int chunks, const std::vector<int>& micro_batch_counts) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, std::vector<int>>, PipeSlots> cache;  // a few ints per entry
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(pp, chunks, micro_batch_counts);
-  auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, pipeline_slots(pp, chunks, micro_batch_counts)).first;
-  return it->second;  // std::map: stays where it is
-}
-
 // A pipeline rank's memory from the chunks (spans) it holds: plan_layout's per-stage figures, and
 // those the split searches (layer_caps) ask of layer counts that no split has yet.
 class StageMemoryModel {
@@ -486,9 +469,10 @@ class StageMemoryModel {
         mem_(opt.memory.name.empty() ? keel_memory_model(cfg.precision.mode) : opt.memory),
         act_(activation_bytes(m_, mem_, l.tp, l.mbs, cfg.train.seq_len, opt.sequence_parallel, opt.logits_chunk_rows)),
         mb_(mb) {
-    // Interleaved: what each chunk holds comes from the schedules themselves (of each step size).
+    // Interleaved: what each chunk holds comes from the schedules themselves (of each step size,
+    // as the trainer allocates it).
     if (v > 1)
-      sched_ = &schedule_slots(static_cast<int>(l.pp), static_cast<int>(v), cfg.step_micro_batch_counts(l.mbs, l.dp));
+      sched_ = pipeline_slots(static_cast<int>(l.pp), static_cast<int>(v), cfg.step_micro_batch_counts(l.mbs, l.dp));
     // Every layer has the same tensors, so a span's parameters are its embedding and head's
     // (a span of no layers with its flags) plus its layer count times one layer's.
     one_layer_ = stage_params(m_, l.tp, StageSpan{0, 1, false, false});
@@ -602,7 +586,7 @@ class StageMemoryModel {
   const MemoryModel mem_;
   const Activations act_;
   const int64_t mb_;
-  const PipeSlots* sched_ = nullptr;  // interleaved only
+  std::optional<PipeSlots> sched_;  // interleaved only
   StageParams one_layer_;
   mutable std::map<std::pair<bool, bool>, StageParams> ends_;  // a span's embedding and head
 };

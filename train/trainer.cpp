@@ -92,6 +92,10 @@ Trainer::Trainer(const RunConfig& cfg, Backend& backend, const parallel::Grid* g
                                           cfg.step_micro_batch_counts(cfg.train.micro_batch, cfg.parallel.dp));
     slots = need.activation[static_cast<size_t>(grid_.pp_rank())];
     grad_slots = need.gradient[static_cast<size_t>(grid_.pp_rank())];
+    // A ramp-up's smaller steps run within the whole batch's slots (schedule()).
+    step_cap_ = pipeline_schedule(grid_.pp_size(), n_chunks, static_cast<int>(cfg.grad_accum_steps(cfg.train.global_batch)),
+                                  true)
+                    .activation_slots;
   }
   // Recomputation counts layers from the stage's first: over its chunks in order.
   int recompute_left = cfg.train.recomputed_layers_per_stage();
@@ -185,12 +189,10 @@ int64_t Trainer::all_reduce_sum(parallel::Comm& c, int64_t x) {
 
 const PipeSchedule& Trainer::schedule(int micro_batches, bool training) {
   std::optional<PipeSchedule>& cached = training ? training_schedule_ : eval_schedule_;
-  // Training: a ramp-up's smaller steps stay within the whole batch's slots (pipeline_slots).
-  const int largest = static_cast<int>(cfg_.grad_accum_steps(cfg_.train.global_batch));
-  if (!cached || cached->micro_batches != micro_batches)
-    cached = training ? pipeline_step_schedule(grid_.pp_size(), table_.num_chunks(), micro_batches, largest)
-                      : pipeline_schedule(grid_.pp_size(), table_.num_chunks(), micro_batches, false);
-  return *cached;
+  if (cached && cached->micro_batches == micro_batches) return *cached;
+  const int P = grid_.pp_size(), v = table_.num_chunks();
+  if (!training) return *(cached = pipeline_schedule(P, v, micro_batches, false));
+  return *(cached = pipeline_step_schedule(P, v, micro_batches, step_cap_));
 }
 
 double Trainer::run_pipeline(const std::vector<MicroBatch>& mbs, float dloss, bool backward, double* token_losses) {

@@ -222,6 +222,8 @@ class Trainer {
   // The schedule of the last training step and of the last evaluation (micro-batch counts
   // change only with the batch ramp-up).
   std::optional<PipeSchedule> training_schedule_, eval_schedule_;
+  // Interleaved: the whole batch's activation slots, within which every step runs (schedule()).
+  std::vector<std::vector<int>> step_cap_;
   LossScaler scaler_;
   SpikeDetector spikes_;
   std::unique_ptr<FrozenDetector> frozen_;

@@ -190,7 +190,7 @@ TEST_CASE("a batch-size ramp-up's smaller steps keep within the whole batch's sl
   const PipeSchedule whole = pipeline_schedule(4, 2, 8, true);
   REQUIRE(whole.activation_slots[0][1] == 4);
   REQUIRE(pipeline_schedule(4, 2, 6, true).activation_slots[0][1] == 6);
-  CHECK(pipeline_step_schedule(4, 2, 6, 8).activation_slots[0][1] <= 4);
+  CHECK(pipeline_step_schedule(4, 2, 6, whole.activation_slots).activation_slots[0][1] <= 4);
   // Every step size below the largest: a valid schedule, on every rank's chunk within the
   // largest step's slots, in at most twice pipeline_schedule's ticks (1.8x at worst over P,
   // v <= 16 and largest <= 48); the largest itself, and steps whose schedule fits, unchanged.
@@ -198,10 +198,10 @@ TEST_CASE("a batch-size ramp-up's smaller steps keep within the whole batch's sl
     for (int v : {2, 3, 4})
       for (int largest = P; largest <= 3 * P + 1; ++largest) {
         const PipeSchedule big = pipeline_schedule(P, v, largest, true);
-        CHECK(pipeline_step_schedule(P, v, largest, largest).ticks.size() == big.ticks.size());
+        CHECK(pipeline_step_schedule(P, v, largest, big.activation_slots).ticks.size() == big.ticks.size());
         for (int M = 1; M < largest; ++M) {
           INFO("P " << P << " v " << v << " M " << M << " largest " << largest);
-          const PipeSchedule plain = pipeline_schedule(P, v, M, true), step = pipeline_step_schedule(P, v, M, largest);
+          const PipeSchedule plain = pipeline_schedule(P, v, M, true), step = pipeline_step_schedule(P, v, M, big.activation_slots);
           check_schedule(step);
           bool plain_fits = true;
           for (size_t r = 0; r < size_t(P); ++r)
