@@ -103,6 +103,8 @@ for root in nvidia.__path__:
 }
 
 have_bins() { [ -x "$BIN/keel" ] && [ -x "$BIN/test_gpu" ]; }
+# The commit the carried binaries were built from (gpu_prebuild.sh's STAMP), for the bench reports.
+stamp_commit() { head -1 "$CARRY/STAMP" 2>/dev/null | sed 's/^commit //'; }
 if ! have_bins && [ -f "$CARRY/bin.tar.gz" ]; then
   UNPACK=${UNPACK:-/tmp/keel-bin}
   mkdir -p "$UNPACK" && tar -C "$UNPACK" -xzf "$CARRY/bin.tar.gz" && BIN=$UNPACK/bin
@@ -257,7 +259,7 @@ stage_bench() {
   local t0=$SECONDS
   say "== bench (scripts/bench_gpu.sh)"
   local commit
-  commit=$(head -1 "$CARRY/STAMP" 2>/dev/null | sed 's/^commit //')
+  commit=$(stamp_commit)
   # stage:seconds wanted (torch.compile's warm-up dominates the PyTorch stage)
   for s in ${BENCH_STAGES:-peak:60 keel:180 torch:300 report:30}; do
     BUILD="$BIN" BENCH_OUT="$RES/bench" KEEL_COMMIT="${commit:-}" timeout "$(limit "${s#*:}")" \
@@ -275,7 +277,7 @@ stage_bench() {
 stage_variants() {
   ensure_bins
   local t0=$SECONDS commit v dir
-  commit=$(head -1 "$CARRY/STAMP" 2>/dev/null | sed 's/^commit //')
+  commit=$(stamp_commit)
   for v in KEEL_ATTN_WGMMA=1 KEEL_ATTENTION=cudnn; do
     dir=$RES/bench-${v%%=*}
     mkdir -p "$dir"
@@ -295,7 +297,7 @@ stage_variants() {
 stage_recompute() {
   ensure_bins
   local t0=$SECONDS commit
-  commit=$(head -1 "$CARRY/STAMP" 2>/dev/null | sed 's/^commit //')
+  commit=$(stamp_commit)
   say "== recompute (scripts/bench_gpu.sh keel llama1b, train.recompute full)"
   mkdir -p "$RES/bench-recompute"
   [ -f "$RES/bench/peak.txt" ] && cp "$RES/bench/peak.txt" "$RES/bench-recompute/"  # no second measurement
