@@ -335,39 +335,60 @@ std::vector<TensorRegion> flat_range_regions(const ParamSpec& p, int64_t begin, 
 
 namespace {
 
-// When a checkpoint was saved, in ns since the epoch: meta.json's saved_at_ns, or for one saved
-// before that field existed, meta.json's modification time (written once, at publication).
-int64_t save_time_ns(const fs::path& ckpt) {
+// Where a checkpoint stands in its directory's order of saves: meta.json's save_seq, a counter
+// the coordinator raises with every publication (clock-free, so ranks and nodes whose clocks
+// disagree still agree on it); then, for checkpoints saved before that field existed (seq -1,
+// so before every numbered save), meta.json's saved_at_ns or else its modification time
+// (written once, at publication); the step number breaks the remaining ties.
+struct SavedCheckpoint {
+  int64_t seq = -1, saved_ns = 0, step = 0;
+  std::string name;
+  auto key() const { return std::tie(seq, saved_ns, step); }
+};
+
+SavedCheckpoint saved_checkpoint(const fs::path& ckpt) {
+  SavedCheckpoint c;
+  c.name = ckpt.filename().string();
+  c.step = step_of(c.name);
   const fs::path meta = ckpt / "meta.json";
   try {
     std::ifstream in(meta);
     const json m = json::parse(in);
-    if (m.contains("saved_at_ns") && m["saved_at_ns"].is_number_integer()) return m["saved_at_ns"].get<int64_t>();
+    if (m.contains("save_seq") && m["save_seq"].is_number_integer()) c.seq = m["save_seq"].get<int64_t>();
+    if (m.contains("saved_at_ns") && m["saved_at_ns"].is_number_integer()) {
+      c.saved_ns = m["saved_at_ns"].get<int64_t>();
+      return c;
+    }
   } catch (const std::exception&) {
     // unreadable: its file time still orders it
   }
   struct stat st {};
-  if (::stat(meta.c_str(), &st) != 0) return 0;
-  return int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  if (::stat(meta.c_str(), &st) == 0) c.saved_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  return c;
 }
 
-// The complete step_* checkpoints of a directory as (save time, step, name), in the order they
-// were saved (oldest first; the step number breaks ties).
-std::vector<std::tuple<int64_t, int64_t, std::string>> saved_checkpoints(const fs::path& dir) {
-  std::vector<std::tuple<int64_t, int64_t, std::string>> found;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (step_of(name) >= 0 && is_complete_checkpoint(e.path()))
-      found.emplace_back(save_time_ns(e.path()), step_of(name), name);
-  }
-  std::sort(found.begin(), found.end());
+// The complete step_* checkpoints of a directory in the order they were saved, oldest first.
+std::vector<SavedCheckpoint> saved_checkpoints(const fs::path& dir) {
+  std::vector<SavedCheckpoint> found;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (step_of(e.path().filename().string()) >= 0 && is_complete_checkpoint(e.path()))
+      found.push_back(saved_checkpoint(e.path()));
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.key() < b.key(); });
   return found;
+}
+
+// The save_seq the next publication in `dir` takes: one past every numbered save there.
+int64_t next_save_seq(const fs::path& dir) {
+  int64_t next = 0;
+  if (fs::is_directory(dir))
+    for (const SavedCheckpoint& c : saved_checkpoints(dir)) next = std::max(next, c.seq + 1);
+  return next;
 }
 
 // Their names alone, oldest save first.
 std::vector<std::string> complete_checkpoints(const fs::path& dir) {
   std::vector<std::string> out;
-  for (auto& f : saved_checkpoints(dir)) out.push_back(std::move(std::get<2>(f)));
+  for (auto& c : saved_checkpoints(dir)) out.push_back(std::move(c.name));
   return out;
 }
 
@@ -1038,7 +1059,10 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
       }
       json meta = std::move(p->meta);
       meta["saved_at"] = utc_now();
-      // keep_last ranks saves by this, not by step: after a rewind the new run's saves are the recent ones.
+      // keep_last ranks saves by save_seq, not by step: after a rewind the new run's saves are the
+      // recent ones. (saved_at_ns is what keel ranked them by before save_seq, and still writes.)
+      meta["save_seq"] = next_seq_ = std::max(next_seq_, next_save_seq(dir));
+      ++next_seq_;
       meta["saved_at_ns"] = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count();
@@ -1108,12 +1132,13 @@ void CheckpointManager::fail_save(const PendingSave& p, const std::string& why) 
 
 std::vector<std::string> CheckpointManager::set_resumed_from(int64_t step) {
   resumed_step_ = step;
-  run_start_ns_ =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  // Every save already there came before this run; this run's take save_seq >= run_start_seq_
+  // even after set_aside has moved the highest-numbered ones away.
+  next_seq_ = run_start_seq_ = next_save_seq(dir_);
   std::vector<std::string> out;
   if (!fs::is_directory(dir_)) return out;
-  for (const auto& [saved_ns, s, name] : saved_checkpoints(dir_))
-    if (abandoned(saved_ns, s)) out.push_back(name);
+  for (const SavedCheckpoint& c : saved_checkpoints(dir_))
+    if (abandoned(c.seq, c.step)) out.push_back(c.name);
   return out;
 }
 
@@ -1147,8 +1172,8 @@ std::string CheckpointManager::set_aside(const std::vector<std::string>& names, 
   return folder.string();
 }
 
-bool CheckpointManager::abandoned(int64_t saved_ns, int64_t step) const {
-  return resumed_step_ >= 0 && step > resumed_step_ && saved_ns < run_start_ns_;
+bool CheckpointManager::abandoned(int64_t seq, int64_t step) const {
+  return resumed_step_ >= 0 && step > resumed_step_ && seq < run_start_seq_;
 }
 
 void CheckpointManager::rotate() {
@@ -1157,8 +1182,8 @@ void CheckpointManager::rotate() {
   // then this run's saves. A rewind's abandoned run (higher steps saved before this run) is
   // left out and never removed: keel cannot know whether the user still wants it (set_resumed_from).
   std::vector<std::string> saves;
-  for (auto& [saved_ns, step, name] : saved_checkpoints(dir))
-    if (!abandoned(saved_ns, step)) saves.push_back(std::move(name));
+  for (SavedCheckpoint& c : saved_checkpoints(dir))
+    if (!abandoned(c.seq, c.step)) saves.push_back(std::move(c.name));
   std::string latest;
   std::ifstream in(dir / "latest");
   std::getline(in, latest);

@@ -223,8 +223,9 @@ class CheckpointManager {
   // are put back and CheckpointError says why.
   std::string set_aside(const std::vector<std::string>& names, const std::string& resumed_path);
   // Keeps the keep_last most recently saved checkpoints of the current trajectory (by meta.json's
-  // saved_at_ns, or its file time for older ones; not by step number, which a rewind makes go
-  // back), plus every step divisible by keep_every; never the one `latest` names, nor any of an
+  // save_seq, a count of the directory's publications; checkpoints from before it by saved_at_ns
+  // or their file time; never by step number, which a rewind makes go back, nor by the clock
+  // alone, which can differ between the nodes of one run and the next), plus every step divisible by keep_every; never the one `latest` names, nor any of an
   // abandoned trajectory (above). So the checkpoint a run resumed from stays until keep_last
   // newer saves exist.
   void rotate();
@@ -240,8 +241,9 @@ class CheckpointManager {
   std::unique_ptr<PendingSave> pending_;
   nlohmann::json source_;
   nlohmann::json data_files_;
-  bool abandoned(int64_t saved_ns, int64_t step) const;
-  int64_t resumed_step_ = -1, run_start_ns_ = 0;  // set_resumed_from; -1: a fresh run
+  bool abandoned(int64_t seq, int64_t step) const;
+  int64_t resumed_step_ = -1, run_start_seq_ = 0;  // set_resumed_from; -1: a fresh run
+  int64_t next_seq_ = 0;  // the coordinator's next save_seq, at least (see finish_save)
 };
 
 // ---- restoring -------------------------------------------------------------------------

@@ -287,6 +287,45 @@ TEST_CASE("rotation ranks checkpoints by when they were saved, by file time for 
   CHECK_FALSE(fs::exists(dir / "step_00000004"));
 }
 
+// A job resumed on other nodes: the clock that stamps the new saves runs an hour behind the one
+// that stamped the old ones. By the clock, the rewind's abandoned steps 3 and 4 would look like
+// this run's (and be rotated) and this run's saves like the oldest (and be removed first).
+TEST_CASE("the order of saves and a rewind's abandoned steps follow save_seq, not clocks that disagree",
+          "[ckpt][rotate]") {
+  test::TempDir dir("ckpt-rotate-seq");
+  CheckpointConfig cfg;
+  cfg.keep_last = 2;
+  cfg.keep_every = 0;
+  const int64_t now_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const int64_t hour_ns = int64_t{3600} * 1000000000;
+  const auto fake_save = [&](int step, int64_t seq, int64_t saved_ns) {
+    const fs::path ck = fs::path(dir.path) / CheckpointManager::step_name(step);
+    fs::create_directories(ck);
+    std::ofstream(ck / "meta.json") << nlohmann::json{{"save_seq", seq}, {"saved_at_ns", saved_ns}}.dump();
+  };
+  for (int s = 1; s <= 4; ++s) fake_save(s, s - 1, now_ns + hour_ns + s);  // the first run, fast clock
+  std::ofstream(dir / "latest") << "step_00000004\n";
+
+  CheckpointManager mgr(dir.path.string(), cfg);
+  CHECK(mgr.set_resumed_from(2) == std::vector<std::string>{"step_00000003", "step_00000004"});
+  // This run's saves (numbered after every save there; stamped by the slow clock) at steps 5, 6.
+  fake_save(5, 4, now_ns + 5);
+  fake_save(6, 5, now_ns + 6);
+  std::ofstream(dir / "latest") << "step_00000006\n";
+  mgr.rotate();
+  // The trajectory in save order is 1, 2, 5, 6: keep_last keeps 5 and 6; 3 and 4 stay untouched.
+  CHECK_FALSE(fs::exists(dir / "step_00000001"));
+  CHECK_FALSE(fs::exists(dir / "step_00000002"));
+  for (const char* kept : {"step_00000003", "step_00000004", "step_00000005", "step_00000006"}) {
+    INFO(kept);
+    CHECK(fs::exists(dir / kept));
+  }
+  // With no `latest`, the newest save is the one of the highest save_seq, not the latest clock.
+  fs::remove(dir / "latest");
+  CHECK(Checkpoint::find_latest(dir.path.string()) == (fs::path(dir.path) / "step_00000006").string());
+}
+
 
 TEST_CASE("a save split over DP ranks (ZeRO shards) and TP ranks is read back under any layout", "[ckpt][reshard]") {
   test::TempDir dir("ckpt-reshard");

@@ -711,6 +711,15 @@ TEST_CASE("after a rewind the abandoned run's steps are set aside whole and keep
   CHECK_THAT(c.output, !Catch::Contains("abandons"));
   CHECK(names_in(dir) == std::set<std::string>{"latest", "step_00000006", "step_00000008", folder});
   CHECK(test::read_file(dir + "/" + folder + "/step_00000004/meta.json") == saved_step4);
+  // The saves in order, across the three runs and the set-aside: 2, 4, 6 (0 to 2), then 3, then
+  // 4, 6, 8 of the new trajectory (save_seq orders them, whatever the clocks of their nodes say).
+  auto save_seq = [](const std::string& ck) {
+    return nlohmann::json::parse(test::read_file(ck + "/meta.json")).at("save_seq").get<int64_t>();
+  };
+  CHECK(save_seq(dir + "/" + folder + "/step_00000004") == 1);
+  CHECK(save_seq(dir + "/" + folder + "/step_00000006") == 2);
+  CHECK(save_seq(dir + "/step_00000006") == 5);
+  CHECK(save_seq(dir + "/step_00000008") == 6);
   // The abandoned checkpoints are whole: one of them still verifies.
   CHECK(run_keel("ckpt verify " + dir + "/" + folder + "/step_00000006").code == 0);
 }
