@@ -45,6 +45,7 @@
 #include "train/host_memory.h"
 #include "train/parallel/host_values.h"
 #include "train/hf_format.h"
+#include "train/memory_watch.h"
 #include "train/metrics.h"
 #include "train/model_loading.h"
 #include "train/parallel/mpi_comm.h"
@@ -741,29 +742,32 @@ void print_save(const SaveResult& r) {
   std::fflush(stdout);
 }
 
-// After the run's first step: the most memory this rank's backend held, against keel plan's
-// figure for its pipeline stage (the start-up breakdown's, less the CUDA context). The plan chose
-// the layout and the activation policy; a run that needs more than it said would fail later, on
-// a longer sequence or a fuller GPU, so a miss of more than 5% (plus 64 MiB for the cuBLASLt
-// workspace and tables) is a warning on every rank it happens on. Rank 0 reports its own.
-void report_memory(const RunConfig& cfg, const Backend& be, const parallel::Grid& grid, bool lead, bool quiet,
-                   int64_t step, MetricsWriter* metrics) {
+// Reports the backend's peak against the plan after step 1 and as it grows (train/memory_watch.h).
+// `planned`: plan::planned_backend_bytes for this rank's stage.
+void report_memory(MemoryWatch& watch, double planned, const Backend& be, const parallel::Grid& grid, bool lead,
+                   bool quiet, int64_t step, MetricsWriter* metrics) {
   const double peak = static_cast<double>(be.peak_bytes());
-  if (peak <= 0) return;  // a backend that does not count
   const bool gpu = be.device() == Device::CUDA;
-  const double planned = plan::planned_backend_bytes(cfg, grid.pp_rank(), gpu);
-  if (planned <= 0) return;
-  if (lead && !quiet)
-    std::printf("keel: memory after step %lld: the backend held at most %s (keel plan: %s on this stage%s)\n",
-                static_cast<long long>(step), plan::format_bytes(peak).c_str(), plan::format_bytes(planned).c_str(),
-                gpu ? ", both without the CUDA context" : "");
+  const MemoryWatch::News news = watch.observe(peak, planned, step);
+  if (!news.report) return;
+  if (lead && !quiet) {
+    if (news.first)
+      std::printf("keel: memory after step %lld: the backend held at most %s (keel plan: %s on this stage%s)\n",
+                  static_cast<long long>(step), plan::format_bytes(peak).c_str(), plan::format_bytes(planned).c_str(),
+                  gpu ? ", both without the CUDA context" : "");
+    else
+      std::printf("keel: memory grew by step %lld: the backend held at most %s, %s after step %lld (keel plan: %s)\n",
+                  static_cast<long long>(step), plan::format_bytes(peak).c_str(),
+                  plan::format_bytes(news.previous_bytes).c_str(), static_cast<long long>(news.previous_step),
+                  plan::format_bytes(planned).c_str());
+  }
   if (lead && metrics)
     metrics->write({{"event", "memory"}, {"step", step}, {"peak_bytes", peak}, {"planned_bytes", planned}});
-  if (peak > 1.05 * planned + 64.0 * (1 << 20))
-    std::printf("keel: WARNING memory: rank %d (pipeline stage %d) held %s at its peak, %.0f%% more than keel plan's %s "
-                "for it: layouts planned with keel plan may not fit; please report this with the config\n",
-                grid.rank(), grid.pp_rank(), plan::format_bytes(peak).c_str(), 100 * (peak / planned - 1),
-                plan::format_bytes(planned).c_str());
+  if (news.warn)
+    std::printf("keel: WARNING memory: rank %d (pipeline stage %d) held %s at its peak (by step %lld), %.0f%% more than "
+                "keel plan's %s for it: layouts planned with keel plan may not fit; please report this with the config\n",
+                grid.rank(), grid.pp_rank(), plan::format_bytes(peak).c_str(), static_cast<long long>(step),
+                100 * (peak / planned - 1), plan::format_bytes(planned).c_str());
   std::fflush(stdout);
 }
 
@@ -1453,6 +1457,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   auto last_timed = std::chrono::steady_clock::now();
   std::map<int, int64_t> slow_streak;  // stragglers: timed steps in a row each has been slow
   bool balance_told = false, balance_seen = false;  // pipeline balance advice: given once a run
+  MemoryWatch memory(backend->device() == Device::CUDA);  // the backend's peak against the plan
+  const double planned_memory = plan::planned_backend_bytes(cfg, grid.pp_rank(), backend->device() == Device::CUDA);
   // Every virtual stage's layers in model order (interleaved ranks hold several).
   const int chunks = static_cast<int>(cfg.parallel.virtual_stages);
   const std::vector<int> stage_layers =
@@ -1501,10 +1507,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       std::printf("%s\n", format_step_line(r).c_str());
       std::fflush(stdout);
     }
-    if (it == progress.iteration + 1) {
-      report_memory(cfg, *backend, grid, lead, quiet, it, metrics ? &*metrics : nullptr);
-      report_grad_overlap(tr, lead, quiet, it, metrics ? &*metrics : nullptr);
-    }
+    report_memory(memory, planned_memory, *backend, grid, lead, quiet, it, metrics ? &*metrics : nullptr);
+    if (it == progress.iteration + 1) report_grad_overlap(tr, lead, quiet, it, metrics ? &*metrics : nullptr);
     // The first gather that ran alongside a forward: the first update's, in the second step.
     if (it == progress.iteration + 2) report_param_gather(tr, lead, quiet, it, metrics ? &*metrics : nullptr);
     if (tr.timers().timed()) {
@@ -1668,6 +1672,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   }
   finish_pending_save();
   tr.settle_params();  // a run without a final save ends with the last update's weights whole
+  report_memory(memory, planned_memory, *backend, grid, lead, quiet, cfg.train.steps, metrics ? &*metrics : nullptr);  // the last evaluations'
   if (lead)
     std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
                 static_cast<long long>(consumed_tokens),

@@ -13,6 +13,7 @@
 #include "common/batches.h"
 #include "common/run_config.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "train/memory_watch.h"
 #include "train/plan.h"
 #include "train/trainer.h"
 
@@ -74,4 +75,37 @@ TEST_CASE("memory: the weights' initialisation rounds alike through the moments 
     CHECK(a == b);
     CHECK(std::count(a.begin(), a.end(), uint16_t{0}) < n / 2);  // initialised, not left at zero
   }
+}
+
+// During a run (train/memory_watch.h): rank 0 reports its peak after step 1 and again only when it
+// has grown past the slack (5% and 1 MiB on the CPU, 64 MiB on a GPU); the warning against the
+// plan (5% + 64 MiB over) comes once, at the step that first passes it, whatever follows.
+TEST_CASE("the memory watch reports the first peak, then growth past its slack, and warns once over the plan",
+          "[memory]") {
+  constexpr double MiB = 1 << 20;
+  MemoryWatch cpu(false);
+  const double planned = 1000 * MiB;
+  MemoryWatch::News n = cpu.observe(0, planned, 1);
+  CHECK_FALSE(n.report);  // a backend that counts nothing
+  n = cpu.observe(900 * MiB, 0, 1);
+  CHECK_FALSE(n.report);  // no plan for this layout
+  n = cpu.observe(900 * MiB, planned, 1);
+  CHECK((n.report && n.first && !n.warn));
+  n = cpu.observe(1.05 * 900 * MiB + MiB, planned, 2);  // exactly at the slack: no news
+  CHECK_FALSE(n.report);
+  n = cpu.observe(1000 * MiB, planned, 3);  // grown 100 MiB: news, still within the plan
+  CHECK((n.report && !n.first && !n.warn));
+  CHECK(n.previous_bytes == 900 * MiB);
+  CHECK(n.previous_step == 1);
+  n = cpu.observe(1200 * MiB, planned, 7);  // over 1.05 x 1000 + 64 MiB = 1114 MiB: the warning
+  CHECK((n.report && n.warn));
+  CHECK(n.previous_step == 3);
+  n = cpu.observe(1400 * MiB, planned, 9);  // grown again: reported, not warned twice
+  CHECK((n.report && !n.warn));
+
+  // On a GPU growth under 64 MiB is the libraries' (cuBLASLt's workspace), not news.
+  MemoryWatch gpu(true);
+  CHECK(gpu.observe(100 * MiB, planned, 1).report);
+  CHECK_FALSE(gpu.observe(160 * MiB, planned, 2).report);
+  CHECK(gpu.observe(175 * MiB, planned, 3).report);
 }
