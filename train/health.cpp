@@ -185,9 +185,31 @@ SpikeDetector::Verdict SpikeDetector::observe(double loss, double grad_norm) {
     v.loss_spike = v.loss_z > cfg_.spike_zscore && loss > loss_.mean * (1 + cfg_.spike_min_jump);
     v.norm_spike = v.norm_z > cfg_.spike_zscore && grad_norm > norm_.mean * cfg_.spike_norm_ratio;
   }
-  loss_.add(loss);
-  norm_.add(grad_norm);
+  streak_ = v.any() ? streak_ + 1 : 0;
+  if (streak_ >= kLevelShiftSteps) {
+    v.level_shift = true;
+    loss_ = Running{};
+    norm_ = Running{};
+    streak_ = 0;
+  }
+  if (!v.any() || v.level_shift) {
+    loss_.add(loss);
+    norm_.add(grad_norm);
+  }
   return v;
+}
+
+nlohmann::json SpikeDetector::to_json() const {
+  return {{"loss", {loss_.mean, loss_.var, loss_.n}}, {"grad_norm", {norm_.mean, norm_.var, norm_.n}}, {"streak", streak_}};
+}
+
+void SpikeDetector::restore(const nlohmann::json& j, bool keep_streak) {
+  const auto running = [](const nlohmann::json& a) {
+    return Running{a.at(0).get<double>(), a.at(1).get<double>(), a.at(2).get<int64_t>()};
+  };
+  loss_ = running(j.at("loss"));
+  norm_ = running(j.at("grad_norm"));
+  if (!keep_streak) streak_ = j.at("streak").get<int64_t>();
 }
 
 std::string SpikeDetector::describe(const Verdict& v, double loss, double grad_norm) const {
@@ -195,7 +217,15 @@ std::string SpikeDetector::describe(const Verdict& v, double loss, double grad_n
   std::snprintf(buf, sizeof buf, "%s%s%s (loss %.4f, z %.1f; grad norm %.3g, z %.1f)", v.loss_spike ? "loss spike" : "",
                 v.loss_spike && v.norm_spike ? " and " : "", v.norm_spike ? "grad-norm spike" : "", loss, v.loss_z,
                 grad_norm, v.norm_z);
-  return buf;
+  std::string text = buf;
+  if (v.level_shift)
+    text.append("; ")
+        .append(std::to_string(kLevelShiftSteps))
+        .append(" steps in a row were flagged: taken as a new level, the spike check re-arms after "
+                "health.spike_warmup (")
+        .append(std::to_string(cfg_.spike_warmup))
+        .append(") steps");
+  return text;
 }
 
 }  // namespace keel

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "kernels/backend.h"
 #include "model/param_table.h"
 #include "train/config.h"
@@ -71,18 +73,33 @@ class FrozenDetector {
 std::string explain_frozen(const std::string& name, float typical_abs, double lr, DType stored, bool has_master);
 
 // ---- spikes ----
+// A step is judged against running statistics of the steps before it that were not spikes: a
+// flagged step stays out of them (as keel doctor's scan keeps it out), so a spike, and the steps
+// after a rewind, are judged against the level before it. A loss that stays flagged for
+// kLevelShiftSteps steps in a row is a new level rather than a spike (other data, a changed lr):
+// the statistics then start again from that step and re-arm after health.spike_warmup steps. The
+// state is saved with every checkpoint (to_json) and restored on resume, so the check is armed
+// from the first step after a restart (seed 001's restart spike) and a resume makes the same
+// skip decisions as the run that did not stop.
 class SpikeDetector {
  public:
+  static constexpr int64_t kLevelShiftSteps = 10;
   explicit SpikeDetector(const HealthConfig& cfg) : cfg_(cfg) {}
   struct Verdict {
     bool loss_spike = false, norm_spike = false;
     double loss_z = 0, norm_z = 0;
+    bool level_shift = false;  // the kLevelShiftSteps-th flagged step in a row: statistics restarted
     bool any() const { return loss_spike || norm_spike; }
   };
   // Judge a step's (finite) loss and grad norm against the running statistics, then fold them
-  // in (spikes are folded in too, so a lasting level shift stops counting as a spike).
+  // in unless they were flagged.
   Verdict observe(double loss, double grad_norm);
   std::string describe(const Verdict& v, double loss, double grad_norm) const;
+  // The statistics, exactly (doubles round-trip through JSON), and back. restore with
+  // keep_streak (a rewind) keeps the count of flagged steps in a row: it counts the data seen,
+  // which a rewind does not take back, so that data that stays bad cannot rewind forever.
+  nlohmann::json to_json() const;
+  void restore(const nlohmann::json& j, bool keep_streak);
 
  private:
   struct Running {
@@ -93,6 +110,7 @@ class SpikeDetector {
   };
   HealthConfig cfg_;
   Running loss_, norm_;
+  int64_t streak_ = 0;  // flagged steps in a row
 };
 
 }  // namespace keel

@@ -742,6 +742,16 @@ void print_save(const SaveResult& r) {
   std::fflush(stdout);
 }
 
+// The spike check's statistics from a checkpoint's health record (none in those saved before
+// keel kept them: the check then starts afresh and arms after health.spike_warmup steps).
+void restore_spike_detector(Trainer& tr, const nlohmann::json& health, bool keep_streak) {
+  if (health.is_object() && health.contains("spike_detector")) try {
+      tr.spikes().restore(health["spike_detector"], keep_streak);
+    } catch (const nlohmann::json::exception& e) {
+      throw CheckpointError(std::string("the checkpoint's health.spike_detector record is malformed (") + e.what() + ")");
+    }
+}
+
 // Reports the backend's peak against the plan after step 1 and as it grows (train/memory_watch.h).
 // `planned`: plan::planned_backend_bytes for this rank's stage.
 void report_memory(MemoryWatch& watch, double planned, const Backend& be, const parallel::Grid& grid, bool lead,
@@ -1146,6 +1156,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
     loaded_health = ck.meta().value("health", nlohmann::json());
     note_repadding(ck, loaded_health);
+    restore_spike_detector(tr, loaded_health, false);
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
     loaded_source = ck.meta().value("source", nlohmann::json());
@@ -1446,6 +1457,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     after_pending = it >= cfg.train.steps ? AfterSave::End : after;
     TrainProgress p{it, consumed_samples, consumed_tokens, skipped_total, nan_total};
     nlohmann::json health = tr.snapshot_json(tr.snapshot(probe));
+    health["spike_detector"] = tr.spikes().to_json();
     health["arithmetic"] = arithmetic;
     health["build"] = build_id();
     checkpoints.begin_save(cfg, tr.table(), tr.state(), *backend, p, tr.scaler(), place, all_ok, health, background);
@@ -1587,6 +1599,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir)) {
           Checkpoint ck = Checkpoint::open(*latest);
           TrainProgress back = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place);
+          // Judged against the level before the spike again, the flagged steps in a row still counted.
+          restore_spike_detector(tr, ck.meta().value("health", nlohmann::json()), true);
           if (lead)
             std::printf("keel: rewound to %s (iteration %lld); the samples consumed since (%lld to %lld) are skipped\n",
                         ck.path().c_str(), static_cast<long long>(back.iteration),

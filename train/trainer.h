@@ -121,6 +121,9 @@ class Trainer {
   // restored bit for bit => identical probe loss bits; otherwise within rounding.
   HealthSnapshot snapshot(const MicroBatch& probe);
   nlohmann::json snapshot_json(const HealthSnapshot& s) const;
+  // The spike check's running statistics, saved in a checkpoint's health record and restored on
+  // resume and rewind (SpikeDetector::restore: a rewind keeps the count of flagged steps).
+  SpikeDetector& spikes() { return spikes_; }
   // bitwise: the same layout and arithmetic (Backend::arithmetic) as the save, so the probe
   // loss must have the same bits; else it must agree within rounding. saved_precision: the
   // checkpoint's precision.mode; when it is not this run's, the weights are compared in the

@@ -138,6 +138,56 @@ TEST_CASE("spikes: a running z-score flags a jump, not a healthy falling curve, 
   CHECK(tr.state().adam_step == adam_before);
 }
 
+// A flagged step stays out of the statistics: the same jump again (data that stays bad, or the
+// steps after a rewind) is judged against the level before it, not one it raised. Ten flagged
+// steps in a row are a new level: the statistics restart there and re-arm after the warmup.
+TEST_CASE("spikes: flagged steps stay out of the statistics, ten in a row are a new level", "[health][spike]") {
+  HealthConfig h;
+  h.spike_warmup = 20;
+  SpikeDetector d(h);
+  for (int s = 0; s < 100; ++s) CHECK_FALSE(d.observe(2.0 + 0.01 * std::sin(s), 1.0).any());
+  const nlohmann::json before = d.to_json();
+  for (int k = 1; k < SpikeDetector::kLevelShiftSteps; ++k) {
+    INFO("flagged step " << k);
+    const SpikeDetector::Verdict v = d.observe(3.0, 1.0);
+    CHECK(v.loss_spike);
+    CHECK_FALSE(v.level_shift);
+    // the statistics are those of the healthy steps: only the count of flagged steps moved
+    nlohmann::json now = d.to_json();
+    CHECK(now["streak"] == k);
+    now["streak"] = 0;
+    CHECK(now == before);
+  }
+  const SpikeDetector::Verdict shift = d.observe(3.0, 1.0);
+  CHECK(shift.loss_spike);
+  CHECK(shift.level_shift);
+  CHECK_THAT(d.describe(shift, 3.0, 1.0), Catch::Contains("10 steps in a row were flagged: taken as a new level"));
+  // The new level: not flagged while the check re-arms, nor once it has (3.0 is its mean now).
+  for (int s = 0; s < 40; ++s) CHECK_FALSE(d.observe(3.0 + 0.01 * std::sin(s), 1.0).any());
+  CHECK(d.observe(4.5, 1.0).loss_spike);  // and a jump from it is a spike again
+
+  // The state round-trips exactly: a restored detector makes the same calls, bit for bit.
+  SpikeDetector a(h), b(h);
+  for (int s = 0; s < 60; ++s) a.observe(2.0 + std::exp(-s / 10.0), 1.0 + 0.1 * std::cos(s));
+  a.observe(9.0, 1.0);  // one flagged step in the streak
+  b.restore(nlohmann::json::parse(a.to_json().dump()), false);
+  CHECK(b.to_json() == a.to_json());
+  for (double loss : {2.01, 2.02, 5.0, 2.0}) {
+    const auto va = a.observe(loss, 1.0), vb = b.observe(loss, 1.0);
+    CHECK(va.any() == vb.any());
+    CHECK(va.loss_z == vb.loss_z);
+  }
+  // A rewind keeps the flagged steps' count of the detector it restores into.
+  SpikeDetector c(h);
+  c.observe(1.0, 1.0);
+  nlohmann::json saved = c.to_json();
+  saved["streak"] = 7;
+  c.restore(saved, true);
+  CHECK(c.to_json()["streak"] == 0);
+  c.restore(saved, false);
+  CHECK(c.to_json()["streak"] == 7);
+}
+
 TEST_CASE("seed 000: a weights-only load whose masters are not the loaded weights is refused before step 1",
           "[health][restart][cli]") {
   test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}, {"train", {{"steps", 20}}}});
@@ -322,4 +372,50 @@ TEST_CASE("spike action rewind: back to the last checkpoint, the offending data 
   // The spikes were on the abandoned stretches, so the trajectory kept skipped nothing.
   CHECK(final_ck.progress().skipped_total == 0);
   CHECK(final_ck.progress().nan_total == 0);
+}
+
+// The spike check's statistics are in every checkpoint: a run stopped just before a spike and
+// resumed flags it at the same step as the run that did not stop (before, the resumed check was
+// unarmed for health.spike_warmup steps: blind to a restart spike, and skipping other steps).
+TEST_CASE("a resume restores the spike check: the same spike is flagged and skipped at the same step",
+          "[health][spike][cli]") {
+  test::TempDir dir("spike-resume");
+  auto tokens = test::synthetic_tokens(20000, 3);
+  std::mt19937 rng(5);
+  const size_t per_step = 8 * 32;  // global batch 8 x seq 32 (non-overlapping windows)
+  for (size_t i = 60 * per_step; i < 61 * per_step; ++i) tokens[i] = rng() % 64;  // step 61 reads noise
+  data::write_llmc_shard(dir / "train.bin", tokens, false);
+  nlohmann::json j = test::tiny_run_json();
+  j["data"] = {{"train", dir / "train.bin"}, {"shuffle", false}};
+  j["train"]["steps"] = 65;
+  j["checkpoint"] = {{"interval", 0}, {"save_at_end", false}};
+  j["health"] = {{"spike_action", "skip"}, {"spike_warmup", 20}};
+  std::ofstream(dir / "run.json") << j.dump(2);
+  const std::string cmd = "train --config " + (dir / "run.json") + " -q --out ";
+  auto straight = test::run_keel(cmd + (dir / "straight"));
+  INFO(straight.output);
+  REQUIRE(straight.code == 0);
+  REQUIRE(test::run_keel(cmd + (dir / "resumed") + " --stop-at 60").code == 4);
+  const auto saved = Checkpoint::open(dir / "resumed/checkpoints/step_00000060").meta();
+  CHECK(saved["health"]["spike_detector"]["loss"][2] == 60);  // 60 steps in its statistics
+  auto resumed = test::run_keel(cmd + (dir / "resumed"));
+  INFO(resumed.output);
+  REQUIRE(resumed.code == 0);
+  auto steps = [](const std::string& metrics) {
+    std::map<int64_t, nlohmann::json> by_step;
+    for (const auto& rec : test::read_metrics(metrics))
+      if (rec.contains("loss")) by_step[rec["step"].get<int64_t>()] = rec;
+    return by_step;
+  };
+  const auto a = steps(dir / "straight/metrics.jsonl"), b = steps(dir / "resumed/metrics.jsonl");
+  REQUIRE(a.size() == 65);
+  REQUIRE(b.size() == 65);
+  CHECK(a.at(61).contains("spike"));
+  CHECK(a.at(61)["skipped_total"] == 1);
+  for (int64_t s = 61; s <= 65; ++s) {
+    INFO("step " << s);
+    CHECK(b.at(s).contains("spike") == a.at(s).contains("spike"));
+    CHECK(b.at(s)["loss"].get<double>() == a.at(s)["loss"].get<double>());
+    CHECK(b.at(s)["skipped_total"] == a.at(s)["skipped_total"]);
+  }
 }
