@@ -1304,14 +1304,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     // metrics.jsonl is appended to: a fresh start over an earlier run's records says so (below).
     std::error_code size_ec;
     const bool earlier_records = fs::file_size(fs::path(cfg.out) / "metrics.jsonl", size_ec) > 0 && !size_ec;
-    // A checkpoint.dir outside --out is guarded by a lock of its own: two runs with their own --out
-    // and one checkpoint.dir would resume from, replace and prune each other's checkpoints.
-    if (!would_replace(cfg.out, cfg.checkpoint.dir))
-      if (std::string note = lock_directory(cfg.checkpoint.dir, "the checkpoint directory " + cfg.checkpoint.dir +
-                                                                    " (checkpoint.dir)",
-                                            "checkpoint.dir", checkpoints_lock);
-          !note.empty())
-        notes.push_back(note);
+    // The checkpoint directory has a lock of its own, also the default one inside --out: two runs
+    // with their own --out and one checkpoint.dir (set in one of them, or in both) would resume
+    // from, replace and prune each other's checkpoints.
+    if (std::string note = lock_directory(cfg.checkpoint.dir, "the checkpoint directory " + cfg.checkpoint.dir +
+                                                                  " (checkpoint.dir)",
+                                          "checkpoint.dir", checkpoints_lock);
+        !note.empty() && !would_replace(cfg.out, cfg.checkpoint.dir))  // inside --out: the same note was given
+      notes.push_back(note);
     // The run directory's files: one that cannot be written is the --out's fault (exit 2), with the OS's reason.
     try {
       // Written aside and renamed, so that a full disk leaves the earlier run's config.json whole.

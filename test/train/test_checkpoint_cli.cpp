@@ -679,9 +679,10 @@ TEST_CASE("after a rewind the abandoned run's steps are set aside whole and keep
           "[ckpt][cli][rotate]") {
   test::Workspace ws(kRun);
   const std::string out = ws.dir / "run", dir = out + "/checkpoints";
-  auto names_in = [&](const std::string& d) {
+  auto names_in = [&](const std::string& d) {  // but the runs' lock file (.lock)
     std::set<std::string> names;
-    for (const auto& e : fs::directory_iterator(d)) names.insert(e.path().filename().string());
+    for (const auto& e : fs::directory_iterator(d))
+      if (e.path().filename() != ".lock") names.insert(e.path().filename().string());
     return names;
   };
   const std::string every = "--steps 10 --set checkpoint.interval=2 --set checkpoint.keep_last=2 ";
@@ -741,7 +742,7 @@ TEST_CASE("after a rewind past many checkpoints the abandoned ones are named in 
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string n = e.path().filename().string();
     if (n.starts_with("abandoned-")) folder = n;
-    else names.insert(n);
+    else if (n != ".lock") names.insert(n);  // the runs' lock file aside
   }
   CHECK(names == std::set<std::string>{"latest", "step_00000001", "step_00000002", "step_00000003"});
   REQUIRE_FALSE(folder.empty());
@@ -952,6 +953,40 @@ TEST_CASE("a second run whose checkpoint.dir outside --out is locked is refused 
   INFO(ok.output);
   CHECK(ok.code == 4);
   CHECK(fs::exists(ckdir + "/step_00000008"));
+}
+
+// The default checkpoint directory (<out>/checkpoints) has its lock too: a run whose
+// checkpoint.dir names another run's, or whose --out holds the checkpoint.dir of a run going on
+// elsewhere, is refused while that run holds it (both resumed from and pruned the other's saves).
+TEST_CASE("a run is refused the default checkpoint directory of a run that holds it, either way round",
+          "[ckpt][cli][lock]") {
+  test::Workspace ws(kRun);
+  const std::string first = ws.dir / "first", ckdir = first + "/checkpoints";
+  REQUIRE(run_keel(train_args(ws, first, "--stop-at 4")).code == 4);
+  REQUIRE(fs::exists(ckdir + "/.lock"));
+  // The first run goes on: it holds its checkpoint directory's lock (here, for it, this process).
+  const int fd = ::open((ckdir + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+  REQUIRE(fd >= 0);
+  REQUIRE(::flock(fd, LOCK_EX | LOCK_NB) == 0);
+  const std::string record = R"({"host": "node17", "pid": 4242, "started": "2025-01-01T00:00:00Z"})";
+  REQUIRE(::write(fd, record.data(), record.size()) == static_cast<ssize_t>(record.size()));
+  SECTION("checkpoint.dir set to the other run's default one") {
+    auto r = run_keel(train_args(ws, ws.dir / "second", "--stop-at 8 --set checkpoint.dir=" + ckdir));
+    INFO(r.output);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains("another run is using the checkpoint directory " + ckdir) &&
+                             Catch::Contains("keel pid 4242 on node17"));
+  }
+  SECTION("--out that holds the checkpoint.dir another run set") {
+    // (the first run's --out lock is free: as if it ran with --out elsewhere and this checkpoint.dir)
+    auto r = run_keel(train_args(ws, first, "--stop-at 8"));
+    INFO(r.output);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains("another run is using the checkpoint directory " + ckdir));
+  }
+  CHECK_FALSE(fs::exists(ckdir + "/step_00000008"));
+  CHECK(test::read_file(ckdir + "/latest") == "step_00000004\n");
+  ::close(fd);
 }
 
 TEST_CASE("keel sample and keel eval refuse a checkpoint whose checksums fail, naming the tensor",
