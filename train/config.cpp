@@ -948,8 +948,11 @@ json to_json(const RunConfig& c) {
                      {"keep_last", c.checkpoint.keep_last},
                      {"keep_every", c.checkpoint.keep_every},
                      {"save_at_end", c.checkpoint.save_at_end},
-                     {"async", c.checkpoint.async},
-                     {"dir", c.checkpoint.dir}};
+                     {"async", c.checkpoint.async}};
+  // The default, <out>/checkpoints, follows `out` and is left out: a printed or saved config run
+  // again with another --out must not save into (resume from, prune) the first run's checkpoints.
+  if (c.checkpoint.dir != (std::filesystem::path(c.out) / "checkpoints").string())
+    j["checkpoint"]["dir"] = c.checkpoint.dir;
   j["parallel"] = {{"tp", c.parallel.tp},
                    {"pp", c.parallel.pp},
                    {"dp", c.parallel.dp},

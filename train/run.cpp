@@ -1181,6 +1181,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                                     saved_layout_text(ck.meta()) + ")");
     if (!opts.init_from.empty())
       notes.push_back("--init-from " + opts.init_from + " is ignored: it only initialises a fresh run, and this run resumes");
+    // Found in checkpoint.dir, saved by a run with another --out: a shared checkpoint folder
+    // (one --out per job) is fine, a copied config whose checkpoint.dir names another run's is
+    // not; either way this run now saves and rotates there, so say whose checkpoints they were.
+    const std::string saved_out = ck.meta().at("config").value("out", std::string());
+    std::error_code same_ec;
+    if (opts.resume.empty() && !saved_out.empty() && !would_replace(cfg.out, cfg.checkpoint.dir) &&
+        !fs::equivalent(saved_out, cfg.out, same_ec))
+      notes.push_back("checkpoint.dir " + cfg.checkpoint.dir + " holds the checkpoints of the run with --out " +
+                      saved_out + " (this run's is " + cfg.out + "): this run continues them, and its saves and " +
+                      "rotation (checkpoint.keep_last " + std::to_string(cfg.checkpoint.keep_last) +
+                      ") go there too. To start a run of its own, give it another checkpoint.dir");
   } else if (auto hf_dir = hf_path(opts.init_from)) {
     // A Hugging Face model directory (hf:DIR), converted on the fly.
     notes.push_back(init_weights_from_hf(*hf_dir, tr.table(), tr.state(), &loaded_source));

@@ -768,7 +768,7 @@ TEST_CASE("relative --out and data paths are recorded resolved, and the run resu
   const std::string run = ws.dir / "a/run", data = ws.dir / "a/data/train.bin";
   const nlohmann::json recorded = nlohmann::json::parse(std::ifstream(run + "/config.json"));
   CHECK(recorded["out"] == run);
-  CHECK(recorded["checkpoint"]["dir"] == run + "/checkpoints");
+  CHECK_FALSE(recorded["checkpoint"].contains("dir"));  // the default, <out>/checkpoints, follows out
   CHECK(recorded["data"]["train"] == nlohmann::json::array({data}));
   const nlohmann::json meta = nlohmann::json::parse(std::ifstream(run + "/checkpoints/step_00000008/meta.json"));
   CHECK(meta["config"]["out"] == run);
@@ -781,6 +781,17 @@ TEST_CASE("relative --out and data paths are recorded resolved, and the run resu
   CHECK_THAT(second.output, Catch::Contains("resuming from " + run + "/checkpoints/step_00000008"));
   CHECK(fs::exists(run + "/checkpoints/step_00000012"));
   CHECK(fs::is_empty(ws.dir / "b"));
+
+  // The recorded config run with another --out is a new run: it neither resumes from nor saves
+  // into (nor prunes) the first run's checkpoints.
+  const std::string other = ws.dir / "c";
+  auto third = run_keel("train --config " + run + "/config.json --out " + other + " --steps 2");
+  INFO(third.output);
+  CHECK(third.code == 0);
+  CHECK_THAT(third.output, !Catch::Contains("resuming from"));
+  CHECK(fs::exists(other + "/checkpoints/step_00000002"));
+  CHECK_FALSE(fs::exists(run + "/checkpoints/step_00000002"));
+  CHECK(test::read_file(run + "/checkpoints/latest") == "step_00000012\n");
 }
 
 // After more fp16 overflows than precision.loss_scale.hysteresis with no growth in between, keels
@@ -953,6 +964,9 @@ TEST_CASE("a second run whose checkpoint.dir outside --out is locked is refused 
   INFO(ok.output);
   CHECK(ok.code == 4);
   CHECK(fs::exists(ckdir + "/step_00000008"));
+  // Once free, the folder is the second run's to continue: it says whose checkpoints they were.
+  CHECK_THAT(ok.output, Catch::Contains("checkpoint.dir " + ckdir + " holds the checkpoints of the run with --out " +
+                                        (ws.dir / "first") + " (this run's is " + second + ")"));
 }
 
 // The default checkpoint directory (<out>/checkpoints) has its lock too: a run whose
