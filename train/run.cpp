@@ -715,11 +715,22 @@ double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, con
 }
 
 // SLURM sends SIGUSR1 (with --signal) or SIGTERM before the time limit; Ctrl-C is SIGINT.
-// The handler only records the signal: the loop saves at the next step boundary and exits.
+// The handler records the signal and says so at once (write(2) is async-signal-safe): the loop
+// saves at the next step boundary and exits, which may be a long step away. A second Ctrl-C
+// ends the process at once, without the save; SIGTERM and SIGUSR1 again change nothing (SLURM
+// or a script may send them twice, and the save is what they ask for).
 volatile std::sig_atomic_t g_stop_signal = 0;
+volatile std::sig_atomic_t g_announce_signal = 1;  // world rank 0 only: mpirun signals every rank
 extern "C" void on_stop_signal(int sig) {
+  const bool first = g_stop_signal == 0;
   g_stop_signal = sig;
-  std::signal(sig, SIG_DFL);  // a second signal of the same kind ends the process at once
+  if (sig == SIGINT) std::signal(sig, SIG_DFL);
+  if (!first || !g_announce_signal) return;
+  const char* text = sig == SIGINT    ? "keel: SIGINT received: saving a checkpoint at the end of this step, then "
+                                        "stopping (Ctrl-C again stops at once, without saving)\n"
+                     : sig == SIGTERM ? "keel: SIGTERM received: saving a checkpoint at the end of this step, then stopping\n"
+                                      : "keel: SIGUSR1 received: saving a checkpoint at the end of this step, then stopping\n";
+  [[maybe_unused]] const ssize_t n = ::write(STDOUT_FILENO, text, std::strlen(text));
 }
 
 const char* signal_name(int sig) {
@@ -944,6 +955,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // stops the run at its first step boundary with a save and exit 4, so a requeue script sees
   // the usual stop instead of a process killed by SIGTERM or SIGUSR1.
   g_stop_signal = 0;
+  g_announce_signal = !opts.mpi || opts.mpi->world_rank() == 0;
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);

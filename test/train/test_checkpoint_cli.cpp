@@ -362,9 +362,10 @@ TEST_CASE("keel.sbatch requeues after a signal stop, not after --stop-at, done o
   std::ofstream(bin + "/scontrol") << "#!/bin/bash\necho \"scontrol $*\" >> " << log << "\n";
   fs::permissions(bin + "/srun", fs::perms::owner_all);
   fs::permissions(bin + "/scontrol", fs::perms::owner_all);
-  auto sbatch = [&](int keel_code, const std::string& args) {
+  auto sbatch = [&](int keel_code, const std::string& args, int restarts = 0) {
     fs::remove(log);
     const auto r = test::run_shell("env PATH=" + bin + ":$PATH SLURM_JOB_ID=77 SLURM_SUBMIT_DIR=" + ws.dir.path.string() +
+                                   " SLURM_RESTART_COUNT=" + std::to_string(restarts) +
                                    " KEEL_TEST_RC=" + std::to_string(keel_code) + " bash " + KEEL_SOURCE_DIR +
                                    "/scripts/keel.sbatch " + args);
     return std::make_pair(r.code, test::read_file(log));
@@ -381,6 +382,18 @@ TEST_CASE("keel.sbatch requeues after a signal stop, not after --stop-at, done o
     std::tie(code, calls) = sbatch(done_or_error, "configs/c.json");
     CHECK(code == done_or_error);
     CHECK_THAT(calls, !Catch::Contains("requeue"));
+  }
+  // The first job resumes where it was told; its requeues continue from latest, not from there
+  // again (each would rewind to it and redo the same stretch forever).
+  std::tie(code, calls) = sbatch(4, "configs/c.json --resume ck/step_00000016 -q");
+  CHECK_THAT(calls, Catch::Contains("train --config configs/c.json --resume ck/step_00000016 -q") &&
+                        Catch::Contains("scontrol requeue 77"));
+  for (const std::string resume : {"--resume ck/step_00000016", "--resume=ck/step_00000016"}) {
+    std::tie(code, calls) = sbatch(4, "configs/c.json " + resume + " -q", 1);
+    INFO(calls);
+    CHECK(code == 4);
+    CHECK_THAT(calls, Catch::Contains("train --config configs/c.json -q\n") && !Catch::Contains("step_00000016") &&
+                          Catch::Contains("scontrol requeue 77"));
   }
 }
 
