@@ -516,12 +516,19 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     if (chat) return encode_conversation(doc);
     const Document d = corpus.document(doc);
     Encoded e;
-    std::vector<int32_t> first = tok.encode(d.text, o.add_special_tokens);
-    std::vector<int32_t> second = pairs ? tok.encode(d.response, false) : std::vector<int32_t>();
-    e.prompt = pairs ? first.size() : 0;
-    e.ids.reserve(first.size() + second.size() + 1);
-    for (int32_t id : first) e.ids.push_back(static_cast<uint32_t>(id));
-    for (int32_t id : second) e.ids.push_back(static_cast<uint32_t>(id));
+    // A pair is the joined text's tokens, as one encode gives them (what the model will see
+    // when prompted): the response encoded on its own would get a second "▁" from a
+    // SentencePiece-style tokenizer. A token straddling the join is in the loss (encode_joined).
+    std::vector<int32_t> ids;
+    if (pairs) {
+      Tokenizer::Joined j = tok.encode_joined(d.text, d.response, o.add_special_tokens);
+      ids = std::move(j.ids);
+      e.prompt = j.split;
+    } else {
+      ids = tok.encode(d.text, o.add_special_tokens);
+    }
+    e.ids.reserve(ids.size() + 1);
+    for (int32_t id : ids) e.ids.push_back(static_cast<uint32_t>(id));
     e.ids.push_back(static_cast<uint32_t>(r.eot_id));
     return e;
   };

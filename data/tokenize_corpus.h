@@ -15,7 +15,9 @@
 //   with chat: the chat template (chat_template.jinja and the tokenizer_config.json beside it, or
 //   tokenizer_config.json alone), recorded in meta.json source.chat_template relative to `out`
 // Every document is followed by the end-of-text token. With the prompt loss mask the document
-// is prompt tokens + response tokens + end of text, and only the last two count in the loss.
+// is the tokens of prompt + response encoded as one text, then the end of text, and only the
+// response's tokens (from a token straddling the join on: Tokenizer::encode_joined) and the end
+// of text count in the loss.
 // Conversations (chat) are rendered by the model's chat template (data/chat_template.h) and
 // encoded as transformers' apply_chat_template(tokenize=True) encodes them (no special tokens
 // added: the template writes them); the end of text follows unless the rendering already ends

@@ -986,6 +986,19 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
   return impl_->encode(text, add_special_tokens);
 }
 
+Tokenizer::Joined Tokenizer::encode_joined(std::string_view first, std::string_view second,
+                                           bool add_special_tokens) const {
+  std::string text;
+  text.reserve(first.size() + second.size());
+  text.append(first).append(second);
+  Joined j;
+  j.ids = encode(text, add_special_tokens);
+  const std::vector<int32_t> alone = encode(first, add_special_tokens);
+  const size_t n = std::min(alone.size(), j.ids.size());
+  while (j.split < n && alone[j.split] == j.ids[j.split]) ++j.split;
+  return j;
+}
+
 std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
   return impl_->decode(ids, skip_special_tokens);
 }

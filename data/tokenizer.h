@@ -50,6 +50,20 @@ class Tokenizer {
   // Keeps no state between calls: one Tokenizer may encode from many threads at once
   // (keel tokenize does).
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
+  // first + second encoded as one text, and where second's tokens begin in it: what a prompt
+  // and its response (keel tokenize --loss-mask prompt) or a context and an ending (keel eval)
+  // become. Encoding second on its own would not give the same tokens: a SentencePiece-style
+  // tokenizer (Prepend or Metaspace "▁") marks the start of every text it encodes, so " 4" would
+  // get a second "▁", and BPE may merge across the join. The rule at the join: second's tokens
+  // start after the longest prefix that ids shares with encode(first, add_special_tokens), so a
+  // token that straddles the join (or one of first's tokens that the join re-tokenizes) counts
+  // as second's. Where first's tokens are a prefix of the whole, as usual, split is their count
+  // (as in lm-evaluation-harness, TRL and axolotl).
+  struct Joined {
+    std::vector<int32_t> ids;  // encode(first + second, add_special_tokens)
+    size_t split = 0;          // second's tokens are ids[split:]
+  };
+  Joined encode_joined(std::string_view first, std::string_view second, bool add_special_tokens = false) const;
   // Ids to text, as HF's tokenizer.decode(ids, skip_special_tokens=...). Ids outside the
   // vocabulary are skipped.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;

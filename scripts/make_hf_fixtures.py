@@ -36,7 +36,8 @@ and multiple-choice items for keel eval (test/fixtures/hf/choices/, scored in
 test/fixtures/hf/expected/choices_<model>.json):
   fortunes.jsonl  text items for llama_trained from fortunes it was not trained on (the last
                   tenth of the stream): the first part of a fortune as context, its own rest and
-                  the rests of three other fortunes as endings
+                  the rests of three other fortunes as endings (each with its leading space;
+                  scored as the tokens of context + ending past the context's)
   gpt2_ids.jsonl  token-id items for gpt2_tied, endings of 1 to 6 tokens
 each ending's log-likelihood from HF in float64 (context + ending in one forward, no cache).
 
@@ -387,9 +388,10 @@ def build_choices(out: str, sp, docs, stream) -> None:
     for k in rng.permutation(len(held))[:24]:
         words = held[k].split(" ")
         cut = max(3, len(words) // 2)
-        ctx, right = " ".join(words[:cut]), " ".join(words[cut:])
+        # Endings carry their leading space, as HellaSwag's " " + ending: context + ending is the text.
+        ctx, right = " ".join(words[:cut]), " " + " ".join(words[cut:])
         others = [o for o in rng.permutation(len(held)) if o != k][:3]
-        endings = [" ".join(held[o].split(" ")[max(3, len(held[o].split(" ")) // 2):]) for o in others]
+        endings = [" " + " ".join(held[o].split(" ")[max(3, len(held[o].split(" ")) // 2):]) for o in others]
         label = int(rng.integers(0, 4))
         endings.insert(label, right)
         text_items.append({"context": ctx, "endings": endings, "label": label})
@@ -409,8 +411,13 @@ def build_choices(out: str, sp, docs, stream) -> None:
         scored, correct, margin = [], 0, math.inf
         for it in items:
             if "context" in it:
+                # lm-evaluation-harness's rule: an ending's tokens are those of encode(context +
+                # ending) past encode(context) (encoded alone, a SentencePiece tokenizer would give
+                # " ending" a second "▁"). No token straddles the join in these items.
                 ctx = sp.encode(it["context"], add_special_tokens=True).ids
-                ends = [sp.encode(e, add_special_tokens=False).ids for e in it["endings"]]
+                wholes = [sp.encode(it["context"] + e, add_special_tokens=True).ids for e in it["endings"]]
+                assert all(w[:len(ctx)] == ctx for w in wholes), it
+                ends = [w[len(ctx):] for w in wholes]
             else:
                 ctx, ends = it["context_ids"], it["ending_ids"]
             lp = choice_logprobs(m64, ctx, ends)

@@ -26,9 +26,13 @@ e.g. Llama's <s> / <|begin_of_text|> in front. Without the `tokenizers` package 
 the tokens are raw UTF-8 bytes, id 256 = end of text.
 
 Instruction data (--loss-mask prompt): each JSONL record holds a prompt and a response; the
-document is prompt tokens + response tokens + end of text (prompt and response encoded
-separately, so the boundary is clean), and a loss-mask sidecar beside each shard says which
-tokens count in the loss: the response and the end of text, not the prompt. Sidecar format
+document is the tokens of prompt + response encoded as one text, then end of text, and a
+loss-mask sidecar beside each shard says which tokens count in the loss: the response and the
+end of text, not the prompt. (The response encoded on its own would differ from what the model
+sees: a SentencePiece-style tokenizer, Llama 2's, starts every text with "▁", so
+"A:" + " 4" would get two.) The response's tokens start after the longest prefix the joined
+tokens share with the prompt's own encoding, so a token straddling the join is in the loss.
+Sidecar format
 (data/loss_mask.h; keel's sampler picks it up and turns masked targets into -1):
   OUT/train_000.mask: 256 x int32 header ([0] magic 20240917, [1] version 1, [2] number of
   tokens, the shard's), then one uint8 per token: 1 = token i, as a target, is in the loss.
@@ -268,6 +272,13 @@ class HFTokenizer:
 
     def decode(self, ids):
         return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
+
+
+def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """The number of leading tokens a and b share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def train_bpe(docs: list, vocab_size: int, eot_token: str):
@@ -557,12 +568,15 @@ def main(argv=None) -> int:
         for i in range(0, len(split_docs), 8192):
             chunk = split_docs[i:i + 8192]
             if masked:
-                # prompt tokens are context (mask 0); response and end of text are learned (1)
+                # The joined text's tokens; prompt tokens are context (mask 0), response and end of
+                # text are learned (1), from the first token where the joined encoding departs
+                # from the prompt's own (see the top).
                 prompts = tok.encode_docs([p for p, _ in chunk], add_special_tokens=args.add_special_tokens)
-                responses = tok.encode_docs([r for _, r in chunk])
-                for p_ids, r_ids in zip(prompts, responses):
-                    ids = np.concatenate([p_ids, r_ids, eot])
-                    mask = np.concatenate([np.zeros(len(p_ids), np.uint8), np.ones(len(r_ids) + 1, np.uint8)])
+                wholes = tok.encode_docs([p + r for p, r in chunk], add_special_tokens=args.add_special_tokens)
+                for p_ids, w_ids in zip(prompts, wholes):
+                    n = shared_prefix(p_ids, w_ids)
+                    ids = np.concatenate([w_ids, eot])
+                    mask = np.concatenate([np.zeros(n, np.uint8), np.ones(len(ids) - n, np.uint8)])
                     writer.add(ids, mask)
                     total += len(ids)
             else:

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -59,13 +60,32 @@ std::vector<ChoiceItem> read_choice_items(const std::string& path, const data::T
         throw ConfigError(where + ": an item needs \"context\" (a string) and \"endings\" (a list of strings), or "
                           "\"context_ids\" and \"ending_ids\"");
       if (!tok) throw ConfigError(where + ": a text item needs the model's tokenizer (" + how_to_give_tokenizer + ")");
-      item.context = tok->encode(j["context"].get<std::string>(), /*add_special_tokens=*/true);
+      // Each ending is scored as the tokens of context + ending encoded as one text, past those
+      // of the context (lm-evaluation-harness's rule): encoded on its own, a SentencePiece-style
+      // tokenizer would give " ending" a second "▁". Where a token straddles the join in some
+      // ending (BPE merged across it), the item's context stops before the first such token,
+      // which then counts as every ending's, so context + ending stays each joined encoding.
+      const std::string context = j["context"].get<std::string>();
+      std::vector<std::vector<int32_t>> joined;
+      size_t shared = std::numeric_limits<size_t>::max();
       for (size_t e = 0; e < j["endings"].size(); ++e) {
         if (!j["endings"][e].is_string())
           throw ConfigError(where + " endings[" + std::to_string(e) + "] is not a string");
         const std::string ending = j["endings"][e].get<std::string>();
-        item.endings.push_back(tok->encode(ending, /*add_special_tokens=*/false));
-        item.ending_bytes.push_back(static_cast<int64_t>(ending.size()));
+        data::Tokenizer::Joined t = tok->encode_joined(context, ending, /*add_special_tokens=*/true);
+        shared = std::min(shared, t.split);
+        joined.push_back(std::move(t.ids));
+        item.ending_bytes.push_back(static_cast<int64_t>(ending.size()));  // the ending's own text
+      }
+      if (joined.empty()) {
+        item.context = tok->encode(context, /*add_special_tokens=*/true);
+      } else {
+        item.context.assign(joined[0].begin(), joined[0].begin() + static_cast<std::ptrdiff_t>(shared));
+        for (const auto& ids : joined) item.endings.emplace_back(ids.begin() + static_cast<std::ptrdiff_t>(shared), ids.end());
+        if (item.context.empty() && !tok->encode(context, true).empty())
+          throw ConfigError(where + ": the context's first token merges with the start of an ending (BPE across "
+                            "the join), which leaves the endings no context token to follow; end the context at a "
+                            "word boundary");
       }
     }
     if (!j.contains("label"))

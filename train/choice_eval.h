@@ -31,9 +31,9 @@ struct ChoiceItem {
 
 // A JSONL file, one item per line (blank lines skipped), either text
 //   {"context": "...", "endings": ["...", ...], "label": k}
-// (the context encoded with the tokenizer's special tokens, e.g. BOS; each ending encoded on
-// its own without them, so an ending that continues a word mid-sentence carries its leading
-// space, as HellaSwag's " " + ending does), or token ids
+// (the context encoded with the tokenizer's special tokens, e.g. BOS; each ending's tokens are
+// those of context + ending encoded as one text past the context's, so an ending that continues
+// a sentence carries its leading space, as HellaSwag's " " + ending does), or token ids
 //   {"context_ids": [...], "ending_ids": [[...], ...], "label": k}.
 // Errors (ConfigError) name the file, the line and the field. Text items need `tok`; without
 // one, the error ends with `how_to_give_tokenizer`.

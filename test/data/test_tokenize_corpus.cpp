@@ -13,6 +13,7 @@
 #include <csignal>
 #include <cstring>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -331,7 +332,7 @@ TEST_CASE("keel tokenize removes the staging folders of killed runs on its own h
 }
 
 TEST_CASE("keel tokenize: past 1000 shards the names get more digits and still sort in order", "[tokenize]") {
-  // The fixture case with masks, in shards of 5 tokens instead of 300: 1392 train shards.
+  // The fixture case with masks, in shards of 5 tokens instead of 300: 1372 train shards.
   const json c = load("cases.json")["pairs_llama2"];
   TempDir dir;
   TokenizeOptions o = options_of(c["args"], dir / "out", 2);
@@ -341,7 +342,7 @@ TEST_CASE("keel tokenize: past 1000 shards the names get more digits and still s
   const int64_t train_tokens = c["train"]["tokens"];
   REQUIRE(r.train.files.size() == static_cast<size_t>((train_tokens + 4) / 5));
   CHECK(r.train.files.front() == "train_0000.bin");
-  CHECK(r.train.files.back() == "train_1391.bin");
+  CHECK(r.train.files.back() == "train_1371.bin");
   CHECK(std::is_sorted(r.train.files.begin(), r.train.files.end()));  // the order of the data is the order of the names
   CHECK(r.val.files.front() == "val_000.bin");  // fewer than 1000: prepare_data.py's names
   // The same tokens and mask bytes as the script's shards of 300, in the names' order.
@@ -362,15 +363,15 @@ TEST_CASE("keel tokenize: past 1000 shards the names get more digits and still s
   CHECK(mask == want_mask);
   std::ifstream in(dir / "out/meta.json");
   const json meta = json::parse(in);
-  CHECK(meta["train"]["files"].back()["file"] == "train_1391.bin");
-  CHECK(meta["train"]["files"].back()["mask"]["file"] == "train_1391.mask");
+  CHECK(meta["train"]["files"].back()["file"] == "train_1371.bin");
+  CHECK(meta["train"]["files"].back()["mask"]["file"] == "train_1371.mask");
   auto said = [&](const std::string& what) {
     return std::any_of(log.begin(), log.end(), [&](const std::string& l) { return l.find(what) != std::string::npos; });
   };
-  CHECK(said("1392 shards: their names have 4 digits (train_0000.bin ... train_1391.bin)"));
+  CHECK(said("1372 shards: their names have 4 digits (train_0000.bin ... train_1371.bin)"));
   // The summary names the first shards and counts the rest, on a line that ends whole.
-  CHECK(said(" in the loss  [train_0000.bin, train_0001.bin, train_0002.bin, train_0003.bin, ... and 1388 more]"));
-  CHECK(said("WARNING 1392 shards of at most --shard-tokens 5 tokens"));
+  CHECK(said(" in the loss  [train_0000.bin, train_0001.bin, train_0002.bin, train_0003.bin, ... and 1368 more]"));
+  CHECK(said("WARNING 1372 shards of at most --shard-tokens 5 tokens"));
   // A second run over the first replaces every one of them.
   o.shard_tokens = 300;
   tokenize_corpus(o, quiet);
@@ -485,6 +486,72 @@ TEST_CASE("keel tokenize warns about input that is not UTF-8, naming where", "[t
   o.out = dir / "clean";
   tokenize_corpus(o, collect);
   CHECK(warnings().empty());
+}
+
+TEST_CASE("keel tokenize --loss-mask prompt: a pair is its joined text's tokens, the response's in the loss",
+          "[tokenize]") {
+  // Dogfooding found the response encoded on its own: Llama 2's tokenizer then gave
+  // "Q: 2+2?\nA:" + " 4" the tokens ... "A" ":" "▁" "▁" "4" (decoding to two spaces), and a
+  // finetuned model learned to emit the extra "▁". The pair must be what encoding the whole text
+  // gives, with the prompt's tokens out of the loss. A token straddling the join ("the" + "re"
+  // as "there") is in the loss; so is the response's part of it.
+  struct Pair {
+    std::string prompt, response;
+    std::vector<std::string> in_loss;  // the response's tokens, without the end of text
+  };
+  for (const auto& [name, pairs] : std::vector<std::pair<std::string, std::vector<Pair>>>{
+           {"llama2", {{"Q: 2+2?\nA:", " 4", {"▁", "4"}},
+                       {"Q: the", "re is", {"▁there", "▁is"}},
+                       {"A: ", "4", {"4"}}}},
+           {"gpt2", {{"Q: 2+2?\nA:", " 4", {"Ġ", "4"}},
+                     {"Q: the", "re is", {"Ġthere", "Ġis"}},
+                     {"A: ", "4", {"4"}}}}}) {
+    INFO(name);
+    TempDir dir;
+    {
+      std::ofstream f(dir / "pairs.jsonl");
+      for (const Pair& p : pairs) f << json{{"prompt", p.prompt}, {"response", p.response}}.dump() << "\n";
+    }
+    TokenizeOptions o;
+    o.jsonl = {dir / "pairs.jsonl"};
+    o.prompt_loss_mask = true;
+    o.add_special_tokens = true;
+    o.tokenizer = kTokenizers + name + ".json";
+    o.val_fraction = 0;
+    o.threads = 2;
+    o.out = dir / "out";
+    const TokenizeResult r = tokenize_corpus(o, quiet);
+    const Tokenizer tok = Tokenizer::from_file(o.tokenizer);
+    const TokenFile f = TokenFile::open(dir / "out/train_000.bin");
+    const auto mask = LossMask::open_for(f);
+    REQUIRE(mask);
+    // The documents (shuffled), each ending with the end of text, and their masks.
+    std::vector<std::pair<std::vector<int32_t>, std::vector<bool>>> docs(1);
+    for (int64_t i = 0; i < f.num_tokens(); ++i) {
+      docs.back().first.push_back(static_cast<int32_t>(f.token(i)));
+      docs.back().second.push_back(mask->in_loss(i));
+      if (f.token(i) == static_cast<uint32_t>(r.eot_id) && i + 1 < f.num_tokens()) docs.emplace_back();
+    }
+    REQUIRE(docs.size() == pairs.size());
+    for (const Pair& p : pairs) {
+      INFO(json(p.prompt).dump() << " + " << json(p.response).dump());
+      std::vector<int32_t> want = tok.encode(p.prompt + p.response, true);
+      want.push_back(r.eot_id);
+      const auto doc = std::find_if(docs.begin(), docs.end(), [&](const auto& d) { return d.first == want; });
+      REQUIRE(doc != docs.end());  // exactly the joined text's tokens
+      std::vector<std::string> in_loss;
+      size_t first_in_loss = doc->second.size();
+      for (size_t i = 0; i + 1 < doc->first.size(); ++i)
+        if (doc->second[i]) {
+          in_loss.push_back(tok.id_to_token(doc->first[i]));
+          first_in_loss = std::min(first_in_loss, i);
+        }
+      CHECK(in_loss == p.in_loss);
+      CHECK(doc->second.back());  // the end of text is learned
+      // The mask is one run: the prompt's tokens out, everything from the response's first token in.
+      for (size_t i = first_in_loss; i < doc->second.size(); ++i) CHECK(doc->second[i]);
+    }
+  }
 }
 
 TEST_CASE("One Tokenizer encodes from several threads at once", "[tokenize][tokenizer]") {

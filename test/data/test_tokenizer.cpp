@@ -332,3 +332,83 @@ TEST_CASE("unicode: combining classes, the ASCII fast path and invalid UTF-8", "
   CHECK_THROWS_WITH(normalize("ok \xC3", NormalForm::NFC),
                     Catch::Contains("not valid UTF-8") && Catch::Contains("byte 3"));
 }
+
+// encode_joined: a prompt and its response (or a context and an ending) as the tokens of the
+// joined text, and where the second part's tokens begin.
+TEST_CASE("tokenizer: encode_joined gives the joined text's tokens, a straddling token counted as the second part's",
+          "[tokenizer][tokenize]") {
+  auto tokens = [](const Tokenizer& tok, const std::vector<int32_t>& ids, size_t from) {
+    std::vector<std::string> t;
+    for (size_t i = from; i < ids.size(); ++i) t.push_back(tok.id_to_token(ids[i]));
+    return t;
+  };
+  const std::vector<std::pair<std::string, std::string>> pairs = {
+      {"Q: 2+2?\nA:", " 4"}, {"Translate: bonjour\nEnglish:", " hello"}, {"User: hi", " there, how are you?"}};
+
+  SECTION("SentencePiece-style: no second \"▁\" at the join (Prepend normalizer, Metaspace pre-tokenizer)") {
+    for (const std::string name : {"llama2", "metaspace"}) {
+      INFO(name);
+      const Tokenizer tok = Tokenizer::from_file(kDir + name + ".json");
+      const Tokenizer::Joined j = tok.encode_joined("Q: 2+2?\nA:", " 4", true);
+      CHECK(j.ids == tok.encode("Q: 2+2?\nA: 4", true));
+      CHECK(j.split == tok.encode("Q: 2+2?\nA:", true).size());
+      CHECK(tokens(tok, j.ids, j.split) == std::vector<std::string>{"▁", "4"});
+      // A response without its space: "4" joins ":" as one text would have it, no "▁" at all.
+      const Tokenizer::Joined k = tok.encode_joined("A:", "4", true);
+      CHECK(tokens(tok, k.ids, k.split) == std::vector<std::string>{"4"});
+      CHECK(tokens(tok, tok.encode("4", false), 0) == std::vector<std::string>{"▁", "4"});  // what it got before
+    }
+    // Llama 2's Prepend normalizer marks the start of every text it encodes: " 4" alone gets
+    // two "▁", the defect encode_joined avoids.
+    const Tokenizer llama2 = Tokenizer::from_file(kDir + "llama2.json");
+    CHECK(tokens(llama2, llama2.encode(" 4", false), 0) == std::vector<std::string>{"▁", "▁", "4"});
+  }
+
+  SECTION("byte-level BPE: a join at a word boundary gives the two parts' own tokens, as before") {
+    for (const std::string name : {"gpt2", "llama3", "qwen2"}) {
+      const Tokenizer tok = Tokenizer::from_file(kDir + name + ".json");
+      for (const auto& [first, second] : pairs) {
+        INFO(name << ": " << nlohmann::json(first + second).dump());
+        const Tokenizer::Joined j = tok.encode_joined(first, second, true);
+        std::vector<int32_t> parts = tok.encode(first, true);
+        const std::vector<int32_t> rest = tok.encode(second, false);
+        CHECK(j.split == parts.size());
+        parts.insert(parts.end(), rest.begin(), rest.end());
+        CHECK(show(j.ids) == show(parts));
+      }
+    }
+  }
+
+  SECTION("a token that straddles the join counts as the second part's") {
+    // "Q: the" + "re is": the joined text has "there", which begins in the prompt.
+    for (const auto& [name, there] : std::vector<std::pair<std::string, std::string>>{
+             {"llama2", "▁there"}, {"metaspace", "▁there"}, {"gpt2", "Ġthere"}, {"llama3", "Ġthere"}}) {
+      INFO(name);
+      const Tokenizer tok = Tokenizer::from_file(kDir + name + ".json");
+      const Tokenizer::Joined j = tok.encode_joined("Q: the", "re is", true);
+      const std::vector<int32_t> alone = tok.encode("Q: the", true);
+      CHECK(j.ids == tok.encode("Q: there is", true));
+      CHECK(j.split == alone.size() - 1);  // the prompt's last token, "the", is not in the joined text
+      REQUIRE(j.split < j.ids.size());
+      CHECK(tok.id_to_token(j.ids[j.split]) == there);
+      CHECK(tok.id_to_token(j.ids[j.split - 1]) == ":");
+    }
+  }
+
+  SECTION("every tokenizer, over the fixture strings: the joined encoding, split after the longest shared prefix") {
+    const auto& strings = cases()["strings"];
+    for (const auto& [name, c] : cases()["tokenizers"].items()) {
+      const Tokenizer tok = Tokenizer::from_file(kDir + c["file"].get<std::string>());
+      for (size_t i = 0; i + 1 < strings.size(); i += 7) {
+        const std::string a = strings[i], b = strings[i + 1];
+        INFO(name << " strings #" << i << " and #" << i + 1);
+        const Tokenizer::Joined j = tok.encode_joined(a, b, true);
+        const std::vector<int32_t> alone = tok.encode(a, true);
+        CHECK(j.ids == tok.encode(a + b, true));
+        REQUIRE(j.split <= std::min(alone.size(), j.ids.size()));
+        CHECK(std::equal(alone.begin(), alone.begin() + static_cast<std::ptrdiff_t>(j.split), j.ids.begin()));
+        if (j.split < alone.size() && j.split < j.ids.size()) CHECK(alone[j.split] != j.ids[j.split]);
+      }
+    }
+  }
+}

@@ -104,6 +104,54 @@ TEST_CASE("keel eval: a bad choice file names the file, the line and the field",
   CHECK_THAT(error_of([&] { read_choice_items(tmp / "t.jsonl", nullptr, 300); }), Catch::Contains("needs the model's tokenizer"));
 }
 
+TEST_CASE("keel eval: an ending's tokens are those of context + ending encoded as one text", "[eval]") {
+  test::TempDir tmp("choices");
+  auto items_of = [&](const data::Tokenizer& tok, const json& item) {
+    const std::string path = tmp / "c.jsonl";
+    std::ofstream(path) << item.dump() << "\n";
+    return read_choice_items(path, &tok, tok.vocab_size());
+  };
+  auto tokens = [](const data::Tokenizer& tok, const std::vector<int32_t>& ids) {
+    std::vector<std::string> t;
+    for (int32_t id : ids) t.push_back(tok.id_to_token(id));
+    return t;
+  };
+  auto joined = [](std::vector<int32_t> a, const std::vector<int32_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+
+  SECTION("SentencePiece-style tokenizer: no second \"▁\" before the ending") {
+    // Llama 2's Prepend("▁") normalizer marks the start of every text it encodes, so " 4" on its
+    // own is "▁" "▁" "4": scoring that would score a text with two spaces.
+    const data::Tokenizer tok = data::Tokenizer::from_file(kHf + "llama_trained/tokenizer.json");
+    const std::string context = "Q: 2+2?\nA:";
+    const auto items = items_of(tok, {{"context", context}, {"endings", {" 4", " 5"}}, {"label", 0}});
+    REQUIRE(items.size() == 1);
+    CHECK(items[0].context == tok.encode(context, true));
+    CHECK(tokens(tok, items[0].endings[0]) == std::vector<std::string>{"▁", "4"});
+    CHECK(tokens(tok, tok.encode(" 4", false)) == std::vector<std::string>{"▁", "▁", "4"});
+    for (size_t e = 0; e < 2; ++e)
+      CHECK(joined(items[0].context, items[0].endings[e]) == tok.encode(context + (e ? " 5" : " 4"), true));
+    CHECK(items[0].ending_bytes == std::vector<int64_t>{2, 2});
+  }
+
+  SECTION("a token straddling the join: the context stops before it, and it counts as every ending's") {
+    const data::Tokenizer tok = data::Tokenizer::from_file(test::fixture_dir() + "/tokenizers/gpt2.json");
+    const auto items = items_of(tok, {{"context", "Q: the"}, {"endings", {"re is", " is"}}, {"label", 0}});
+    REQUIRE(items.size() == 1);
+    CHECK(tokens(tok, items[0].context) == std::vector<std::string>{"Q", ":"});
+    CHECK(tokens(tok, items[0].endings[0]) == std::vector<std::string>{"Ġthere", "Ġis"});
+    CHECK(tokens(tok, items[0].endings[1]) == std::vector<std::string>{"Ġthe", "Ġis"});
+    CHECK(joined(items[0].context, items[0].endings[0]) == tok.encode("Q: there is", true));
+    CHECK(joined(items[0].context, items[0].endings[1]) == tok.encode("Q: the is", true));
+    CHECK(items[0].ending_bytes == std::vector<int64_t>{5, 3});  // the endings' own text
+    // A context whose only token merges into an ending leaves nothing for the ending to follow.
+    CHECK_THAT(error_of([&] { items_of(tok, {{"context", " the"}, {"endings", {"re", " x"}}, {"label", 0}}); }),
+               Catch::Contains("c.jsonl:1: the context's first token merges with the start of an ending"));
+  }
+}
+
 // ---- In-training scoring: the endings as rows of micro-batches through Trainer's forward ----
 
 namespace {

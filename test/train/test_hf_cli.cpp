@@ -9,12 +9,16 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 
 #include "common/fixture.h"
 #include "common/process.h"
 #include "common/temp_dir.h"
 #include "common/workspace.h"
+#include "data/loss_mask.h"
+#include "data/token_file.h"
+#include "data/tokenizer.h"
 
 using namespace keel;
 namespace fs = std::filesystem;
@@ -366,6 +370,41 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
                            Catch::Contains("in the loss") && Catch::Contains("eot </s> = 2"));
   for (const char* f : {"train_000.bin", "train_000.mask", "val_000.bin", "val_000.mask", "meta.json", "tokenizer.json"})
     CHECK(fs::exists(fs::path(tmp / "sft") / f));
+  {
+    // Each example is its joined text's tokens, prompt out of the loss and response in. This
+    // SentencePiece-style tokenizer (Prepend "▁") gave a response encoded apart a second "▁"
+    // after "A:", which a finetune then learned to emit.
+    const data::Tokenizer tok = data::Tokenizer::from_file(kHfModel + "/tokenizer.json");
+    std::map<std::vector<int32_t>, size_t> prompt_tokens;  // joined encoding -> the prompt's own tokens
+    std::ifstream in(tmp / "sft.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const json rec = json::parse(line);
+      const std::string prompt = rec["prompt"], response = rec["response"];
+      prompt_tokens[tok.encode(prompt + response, true)] = tok.encode(prompt, true).size();
+    }
+    size_t examples = 0;
+    for (const char* split : {"train_000.bin", "val_000.bin"}) {
+      const data::TokenFile f = data::TokenFile::open(fs::path(tmp / "sft") / split);
+      const auto mask = data::LossMask::open_for(f);
+      REQUIRE(mask);
+      std::vector<int32_t> doc;
+      std::vector<bool> in_loss;
+      for (int64_t i = 0; i < f.num_tokens(); ++i) {
+        if (f.token(i) != 2) {
+          doc.push_back(static_cast<int32_t>(f.token(i)));
+          in_loss.push_back(mask->in_loss(i));
+          continue;
+        }
+        ++examples;
+        const auto it = prompt_tokens.find(doc);
+        REQUIRE(it != prompt_tokens.end());
+        for (size_t k = 0; k < doc.size(); ++k) CHECK(in_loss[k] == (k >= it->second));
+        CHECK(mask->in_loss(i));  // the end of text
+        doc.clear(), in_loss.clear();
+      }
+    }
+    CHECK(examples == 60);
+  }
 
   // Finetune on it: document masking finds the end of text in meta.json, the masks are picked up.
   auto cfg = run_keel("convert --print-config hf:" + kHfModel);
