@@ -33,9 +33,6 @@ std::optional<PrecisionMode> precision_from_name(const std::string& name) {
   return std::nullopt;
 }
 
-namespace {
-
-// Levenshtein distance, for "did you mean" hints on unknown fields.
 size_t edit_distance(const std::string& a, const std::string& b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
@@ -47,6 +44,8 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   }
   return prev[b.size()];
 }
+
+namespace {
 
 std::string show(const json& v) {
   std::string s = v.dump();

@@ -291,6 +291,8 @@ struct RunConfig {
 // Read a config file, apply "key.path=value" overrides (value parsed as JSON when it parses,
 // else taken as a string), validate. Throws ConfigError listing every problem.
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// Levenshtein distance, for "did you mean" hints (unknown config fields, subcommands).
+size_t edit_distance(const std::string& a, const std::string& b);
 // Validate an already-parsed JSON document.
 RunConfig parse_config(const nlohmann::json& doc, const std::string& source);
 // The run's paths (out, checkpoint.dir, the data files and patterns, the tokenizers and the

@@ -22,6 +22,9 @@ constexpr double kLoneErrorGraceSeconds = 3;
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Each line reaches the log as it is printed, also when stdout is a file (a SLURM job's): a
+  // warning must not wait in a buffer for a kill -9 or the OOM killer to lose it.
+  std::setvbuf(stdout, nullptr, _IOLBF, 1 << 16);
   // A file-size limit (ulimit -f) must surface as a write error naming the file, not kill us.
   std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{
@@ -41,6 +44,24 @@ int main(int argc, char** argv) {
                                          keel::add_sample_command(app), keel::add_doctor_command(app),
                                          keel::add_eval_command(app), keel::add_tokenize_command(app)};
 
+  // A first word that is no subcommand (a typo: keel trian) would otherwise read "A subcommand
+  // is required".
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string word = argv[1];
+    std::string names, best;
+    size_t best_d = 3;  // only suggest close names
+    for (const auto& c : commands) {
+      const std::string name = c.app->get_name();
+      if (name == word) best_d = 0;
+      names += (names.empty() ? "" : ", ") + name;
+      if (const size_t d = keel::edit_distance(word, name); d < best_d) best_d = d, best = name;
+    }
+    if (best_d > 0) {
+      std::fprintf(stderr, "keel: unknown subcommand '%s'%s; the subcommands are %s (keel --help)\n", word.c_str(),
+                   best.empty() ? "" : (" (did you mean '" + best + "'?)").c_str(), names.c_str());
+      return keel::kExitConfigError;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

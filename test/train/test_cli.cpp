@@ -48,6 +48,17 @@ TEST_CASE("keel --help and keel train --help describe the tool", "[cli]") {
                                Catch::Contains("--out") && Catch::Contains("--seed"));
 }
 
+TEST_CASE("a mistyped subcommand is named, with the closest one and the list", "[cli]") {
+  Result typo = run_keel("trian --config x.json");
+  CHECK(typo.code == 2);
+  CHECK_THAT(typo.output, Catch::Contains("unknown subcommand 'trian' (did you mean 'train'?); the subcommands are "
+                                          "train, plan, ckpt, convert, sample, doctor, eval, tokenize"));
+  Result far = run_keel("bogus");
+  CHECK(far.code == 2);
+  CHECK_THAT(far.output, Catch::Contains("unknown subcommand 'bogus'; the subcommands are") &&
+                             !Catch::Contains("did you mean"));
+}
+
 TEST_CASE("each subcommand's --help gives its own examples and exit codes, as README does", "[cli]") {
   // keel's own footer (train examples) must not leak into subcommands that set none.
   for (const char* sub : {"ckpt", "ckpt inspect", "ckpt diff", "ckpt verify", "ckpt average"}) {
