@@ -410,6 +410,27 @@ std::string printable(const std::string& s) {
 
 }  // namespace
 
+namespace {
+// `latest` names `named`. A save publishes by renaming its directory into place, then pointing
+// `latest` at it: a kill between the two leaves one complete checkpoint numbered after the one
+// `latest` names (save_seq), and nothing else can (a rewind sets the later ones aside, and
+// rotation never removes the newest). That one is the run's last save: resumed from, said so.
+fs::path newer_than_pointer(const fs::path& dir, const std::string& named, std::string* note) {
+  const std::vector<SavedCheckpoint> saved = saved_checkpoints(dir);
+  const auto it = std::find_if(saved.begin(), saved.end(), [&](const auto& c) { return c.name == named; });
+  if (it == saved.end()) return dir / named;
+  std::vector<const SavedCheckpoint*> newer;
+  for (const SavedCheckpoint& c : saved)
+    if (c.seq >= 0 && c.seq > it->seq) newer.push_back(&c);
+  if (newer.size() != 1) return dir / named;  // none, or not what an interrupted save leaves
+  if (note)
+    *note = (dir / "latest").string() + " names " + named + ", but " + newer[0]->name +
+            " was saved after it and is complete: its save was interrupted between publishing it and updating " +
+            "latest. Continuing from " + newer[0]->name;
+  return dir / newer[0]->name;
+}
+}  // namespace
+
 std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoints_dir, std::string* note) {
   const fs::path dir(checkpoints_dir);
   if (!fs::is_directory(dir)) return std::nullopt;
@@ -435,7 +456,7 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
       else if (!is_complete_checkpoint(dir / name))
         why = "names " + printable(name) + ", which is not a complete checkpoint (no meta.json)";
       else
-        return (dir / name).string();
+        return newer_than_pointer(dir, name, note).string();
     }
     const std::vector<std::string> complete = complete_checkpoints(dir);
     std::string msg = (pointer.string() + " " + why) +

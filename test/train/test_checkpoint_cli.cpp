@@ -738,6 +738,30 @@ TEST_CASE("after a rewind the abandoned run's steps are set aside whole and keep
   CHECK(run_keel("ckpt verify " + dir + "/" + folder + "/step_00000006").code == 0);
 }
 
+// A kill between a save's rename into place and the update of `latest` leaves `latest` one save
+// behind. The newer checkpoint is complete and numbered after it (save_seq): the restart resumes
+// from it, and says why, rather than take it for an abandoned run and set it aside.
+TEST_CASE("a save published but not yet named by latest (a kill between the two) is resumed from, not abandoned",
+          "[ckpt][cli][rotate]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  const std::string every = "--steps 12 --set checkpoint.interval=4 --set checkpoint.keep_last=5 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--stop-at 8")).code == 4);
+  std::ofstream(dir + "/latest") << "step_00000004\n";  // as the kill left it
+  auto r = run_keel(train_args(ws, out, every));
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains(dir + "/latest names step_00000004, but step_00000008 was saved after it and is "
+                                             "complete") &&
+                           Catch::Contains("resuming from " + dir + "/step_00000008") && !Catch::Contains("abandons"));
+  CHECK(test::read_file(dir + "/latest") == "step_00000012\n");
+  // Two later saves are not what an interrupted save leaves: `latest` is followed as it is.
+  std::ofstream(dir + "/latest") << "step_00000004\n";
+  auto told = run_keel(train_args(ws, out, "--steps 14 --set checkpoint.interval=4 --set checkpoint.keep_last=5"));
+  INFO(told.output);
+  CHECK_THAT(told.output, Catch::Contains("resuming from " + dir + "/step_00000004") && Catch::Contains("abandons"));
+}
+
 // A rewind past many saves names the first few abandoned checkpoints and their count.
 TEST_CASE("after a rewind past many checkpoints the abandoned ones are named in short and set aside together",
           "[ckpt][cli][rotate]") {
