@@ -845,15 +845,20 @@ class AnyRank {
   bool operator()(bool mine) { return (*this)({mine, false, false})[0]; }
   // Several questions in one all-reduce: is each true on any rank?
   std::array<bool, kFlags> operator()(std::array<bool, kFlags> mine) {
-    if (world_.size() == 1) return mine;
-    int32_t v[kFlags];
+    std::array<int32_t, kFlags> v{};
     for (size_t i = 0; i < kFlags; ++i) v[i] = mine[i] ? 1 : 0;
-    be_.copy_from_host(flag_, v);
-    world_.all_reduce(flag_, parallel::ReduceOp::Max);
-    be_.copy_to_host(v, flag_);
+    v = max(v);
     std::array<bool, kFlags> any{};
     for (size_t i = 0; i < kFlags; ++i) any[i] = v[i] != 0;
     return any;
+  }
+  // The largest of each value over the ranks.
+  std::array<int32_t, kFlags> max(std::array<int32_t, kFlags> v) {
+    if (world_.size() == 1) return v;
+    be_.copy_from_host(flag_, v.data());
+    world_.all_reduce(flag_, parallel::ReduceOp::Max);
+    be_.copy_to_host(v.data(), flag_);
+    return v;
   }
 
  private:
@@ -1671,9 +1676,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const auto next_evals = evals_due(it + 1);
     const double next_step = secs + (next_evals[0] || next_evals[1] || next_evals[2] ? evals_secs : 0);
     std::string stop_reason;
-    if (g_stop_signal) stop_reason = std::string(signal_name(g_stop_signal)) + " received";
-    else if (!last && opts.stop_at > 0 && it >= opts.stop_at) stop_reason = "--stop-at " + std::to_string(opts.stop_at) + " reached";
-    else if (!last && opts.time_limit_s > 0 && time_limit_near(elapsed, next_step, longest_save, opts.time_limit_s)) {
+    // Why this rank stops, for the lead to say when it is another's: 1 --stop-at, 2 the time
+    // limit, 3 + the signal; the ranks agree on the largest (a signal first), and its lowest rank.
+    int32_t stop_kind = 0;
+    if (g_stop_signal) {
+      stop_reason = std::string(signal_name(g_stop_signal)) + " received";
+      stop_kind = 3 + g_stop_signal;
+    } else if (!last && opts.stop_at > 0 && it >= opts.stop_at) {
+      stop_reason = "--stop-at " + std::to_string(opts.stop_at) + " reached";
+      stop_kind = 1;
+    } else if (!last && opts.time_limit_s > 0 && time_limit_near(elapsed, next_step, longest_save, opts.time_limit_s)) {
+      stop_kind = 2;
       char buf[200];
       std::snprintf(buf, sizeof buf, "time limit of %.0f s is near (%.1f s since keel started; the next step would "
                     "take about %.1f s and a save %.1f s)", opts.time_limit_s, elapsed, next_step,
@@ -1685,11 +1698,22 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         cfg.log.timers && (it == progress.iteration + 1 ||
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - last_timed).count() >=
                                cfg.log.timers_interval_s);
-    const auto [stopping, timing, writing] = any_rank({!stop_reason.empty(), timers_due, checkpoints.writing()});
-    time_next = timing;
+    constexpr int32_t kRanks = 1 << 20;  // a stop's kind above the bits of its rank (kRanks - 1 - rank)
+    const auto agreed = any_rank.max({stop_kind == 0 ? 0 : stop_kind * kRanks + (kRanks - 1 - world_rank),
+                                      timers_due ? 1 : 0, checkpoints.writing() ? 1 : 0});
+    const bool stopping = agreed[0] != 0, writing = agreed[2] != 0;
+    time_next = agreed[1] != 0;
     if (checkpoints.save_pending() && !writing) finish_pending_save();
     if (stopping) {
-      if (stop_reason.empty()) stop_reason = "another rank is stopping";
+      if (stop_reason.empty()) {
+        const int32_t kind = agreed[0] / kRanks, rank = kRanks - 1 - agreed[0] % kRanks;
+        stop_reason = std::string("rank ") + std::to_string(rank) + " is stopping (" +
+                      (kind == 1   ? "--stop-at " + std::to_string(opts.stop_at) + " reached"
+                       : kind == 2 ? "the time limit of " + std::to_string(std::lround(opts.time_limit_s)) +
+                                             " s is near there"
+                                   : std::string(signal_name(kind - 3)) + " received there") +
+                      ")";
+      }
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));
       save(it, false, AfterSave::Stop);
