@@ -40,6 +40,7 @@ int cmd_train(const TrainArgs& a) {
   RunConfig cfg = load_config(a.config, overrides);
   if (a.print_config) {
     std::cout << to_json(cfg).dump(2) << '\n';
+    for (const std::string& n : config_notes(cfg)) std::cerr << "keel: note: " << n << '\n';  // stdout stays JSON
     return kExitOk;
   }
   resolve_paths(cfg);  // recorded as used: a resume from another directory finds them

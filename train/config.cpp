@@ -587,9 +587,8 @@ RunConfig parse_config(const json& doc, const std::string& source) {
       }
     }
     f.finish();
-    if (ok({"train.steps", "schedule.warmup_steps"}) && s.warmup_steps > c.train.steps)
-      errors.push_back("schedule.warmup_steps: " + std::to_string(s.warmup_steps) + " exceeds train.steps (" +
-                       std::to_string(c.train.steps) + ")");
+    // A warmup longer than the run is allowed (a short trial of a long run's config): keel train
+    // says where the run ends in it.
   }
 
   // ---- data ----

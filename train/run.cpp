@@ -869,6 +869,49 @@ class AnyRank {
 
 }  // namespace
 
+std::vector<std::string> config_notes(const RunConfig& cfg) {
+  std::vector<std::string> notes;
+  const auto& p = cfg.parallel;
+  if (cfg.precision.mode != PrecisionMode::FP16 && !(cfg.precision.loss_scale == LossScaleConfig{}))
+    notes.push_back("precision.loss_scale is set, but loss scaling is for precision.mode fp16 only: this " +
+                    precision_name(cfg.precision.mode) + " run ignores it");
+  if (p.sequence_parallel && p.tp == 1)
+    notes.push_back("parallel.sequence_parallel is set, but it splits activations over tensor-parallel ranks and "
+                    "parallel.tp is 1: it changes nothing here");
+  if (p.embedding_slot && p.pp == 1)
+    notes.push_back("parallel.embedding_slot is set, but it places the embedding and head among pipeline stages and "
+                    "parallel.pp is 1: it changes nothing here");
+  if (cfg.train.recompute == "full" && cfg.train.recompute_layers > 0) {
+    const int64_t per_stage = (cfg.model.n_layers + p.pp * p.virtual_stages - 1) / (p.pp * p.virtual_stages);
+    if (cfg.train.recompute_layers > per_stage)
+      notes.push_back("train.recompute_layers is " + std::to_string(cfg.train.recompute_layers) +
+                      ", more than the at most " + std::to_string(per_stage) +
+                      " layers a pipeline stage holds: every layer is recomputed (as train.recompute_layers 0)");
+  }
+  const ScheduleConfig& sc = cfg.schedule;
+  const int64_t steps = cfg.train.steps;
+  char lr[32], peak[32];
+  std::snprintf(lr, sizeof lr, "%.6g", learning_rate(cfg, steps));
+  std::snprintf(peak, sizeof peak, "%.6g", cfg.optimizer.lr);
+  if (sc.warmup_steps > steps)
+    notes.push_back("schedule.warmup_steps " + std::to_string(sc.warmup_steps) + " is more than train.steps " +
+                    std::to_string(steps) + ": the run ends inside the warmup, at learning rate " + lr +
+                    " of optimizer.lr's " + peak);
+  else if (sc.decay != DecayStyle::Constant && sc.decay_steps > 0 && sc.warmup_steps + sc.decay_steps > steps)
+    notes.push_back("schedule.decay_steps " + std::to_string(sc.decay_steps) + " reach past train.steps " +
+                    std::to_string(steps) + " (after the warmup of " + std::to_string(sc.warmup_steps) +
+                    "): the run ends before the decay does, at learning rate " + lr);
+  if (sc.decay == DecayStyle::WSD && sc.wsd_decay_steps > 0) {
+    const int64_t window = sc.decay_steps > 0 ? sc.decay_steps : std::max<int64_t>(1, steps - sc.warmup_steps);
+    if (sc.wsd_decay_steps > window)
+      notes.push_back("schedule.wsd_decay_steps " + std::to_string(sc.wsd_decay_steps) +
+                      " is longer than the decay window of " + std::to_string(window) +
+                      " steps: the cooldown takes the whole window (no stable phase)");
+  }
+  return notes;
+}
+
+
 namespace {
 const parallel::MpiRuntime* g_runtime = nullptr;
 
@@ -1108,9 +1151,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // directory); else --init-from weights; else a fresh init. All reads, no writes yet.
   TrainProgress progress;
   std::vector<std::string> notes;
-  if (cfg.precision.mode != PrecisionMode::FP16 && !(cfg.precision.loss_scale == LossScaleConfig{}))
-    notes.push_back("precision.loss_scale is set, but loss scaling is for precision.mode fp16 only: this " +
-                    precision_name(cfg.precision.mode) + " run ignores it");
+  for (std::string& n : config_notes(cfg)) notes.push_back(std::move(n));
   std::string resume_path = opts.resume;
   if (resume_path.empty()) {
     std::string note;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "train/config.h"
 
@@ -37,6 +38,11 @@ struct RunOptions {
 };
 
 int run_training(const RunConfig& cfg, const RunOptions& opts = {});
+
+// The config's settings that change nothing in this run (sequence_parallel at tp 1, ...) and the
+// schedules the run ends inside of (a warmup longer than train.steps, ...), each with what the
+// run does instead: printed at start-up and by --print-config.
+std::vector<std::string> config_notes(const RunConfig& cfg);
 
 // --time-limit: whether a run `elapsed_s` into its process (start-up included) must stop now to
 // save before `limit_s`. The room kept is the next step (`step_s`, with the evaluations due at it)

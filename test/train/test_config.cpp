@@ -11,6 +11,7 @@
 #include "common/run_config.h"
 #include "common/temp_dir.h"
 #include "model/param_table.h"
+#include "train/run.h"
 #include "train/schedule.h"
 
 using namespace keel;
@@ -540,4 +541,32 @@ TEST_CASE("train.recompute: none by default, selective, or full for every layer 
   const RunConfig selective = test::make_config(base, {{"train", {{"recompute", "selective"}}}});
   CHECK(selective.train.recomputed_layers_per_stage() == 0);  // no layer recomputed whole
   CHECK(parse_config(to_json(selective), "resolved").train.recompute == "selective");
+}
+
+// Settings that change nothing in a run are said, not silently ignored; a schedule the run ends
+// inside of is allowed (a short trial of a long run's config) and said with where it ends.
+TEST_CASE("config notes: settings that change nothing here, and schedules the run ends inside of", "[config]") {
+  auto notes_of = [](const nlohmann::json& patch) {
+    std::string all;
+    for (const std::string& n : config_notes(test::make_config(test::tiny_run_json(), patch))) all += n + "\n";
+    return all;
+  };
+  CHECK(notes_of(nlohmann::json::object()).empty());  // the tiny run: nothing to say
+  CHECK_THAT(notes_of({{"parallel", {{"sequence_parallel", true}}}}),
+             Catch::Contains("parallel.sequence_parallel is set") && Catch::Contains("parallel.tp is 1"));
+  CHECK_THAT(notes_of({{"parallel", {{"embedding_slot", true}}}}),
+             Catch::Contains("parallel.embedding_slot is set") && Catch::Contains("parallel.pp is 1"));
+  CHECK_THAT(notes_of({{"train", {{"recompute", "full"}, {"recompute_layers", 9}}}}),
+             Catch::Contains("train.recompute_layers is 9, more than the at most 2 layers"));
+  CHECK(notes_of({{"train", {{"recompute", "full"}, {"recompute_layers", 2}}}}).empty());
+  // tiny_run_json: 30 steps, lr 1e-2
+  CHECK_THAT(notes_of({{"schedule", {{"warmup_steps", 50}}}}),
+             Catch::Contains("schedule.warmup_steps 50 is more than train.steps 30: the run ends inside the warmup, "
+                             "at learning rate 0.006 of optimizer.lr's 0.01"));
+  CHECK_THAT(notes_of({{"schedule", {{"warmup_steps", 4}, {"decay_steps", 100}}}}),
+             Catch::Contains("schedule.decay_steps 100 reach past train.steps 30"));
+  CHECK_THAT(notes_of({{"schedule", {{"decay", "wsd"}, {"wsd_decay_steps", 1000}}}}),
+             Catch::Contains("schedule.wsd_decay_steps 1000 is longer than the decay window"));
+  CHECK_THAT(notes_of({{"precision", {{"loss_scale", {{"initial", 1024}}}}}}),
+             Catch::Contains("precision.loss_scale is set"));
 }
