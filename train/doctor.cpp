@@ -346,11 +346,16 @@ CkptReport audit_checkpoint(const Checkpoint& ck) {
   if (m.value("master_is_weight", false)) {
     s += "  fp32 run: the weights are the masters\n";
   } else if (!has_separate_master(ck)) {
+    const bool unsafe = ck.precision() == "bf16-unsafe-no-master";
     s += "  no fp32 masters: " +
-         std::string(ck.precision() == "bf16-unsafe-no-master"
-                         ? "bf16-unsafe-no-master keeps parameters only in bf16; updates below bf16's spacing round away "
-                           "(keel doctor frozen shows which tensors stopped moving)"
-                         : "weights only") + "\n";
+         std::string(unsafe ? "bf16-unsafe-no-master keeps parameters only in bf16; updates below bf16's spacing round "
+                              "away (keel doctor frozen shows which tensors stopped moving): PROBLEM"
+                            : "weights only") + "\n";
+    if (unsafe)
+      r.problems.push_back("trained without fp32 master weights (precision.mode bf16-unsafe-no-master): updates smaller "
+                           "than bf16's spacing round away, and norm gains near 1 stop training (seed 002). To go on with "
+                           "masters, start from its weights: keel train --init-from " + ck.path() +
+                           " --set precision.mode=bf16 (fp32 masters built from the weights, Adam moments from zero)");
   } else {
     int checked = 0;
     for (const auto& [name, shape] : weights) {
@@ -571,6 +576,7 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     int64_t first = -1, last = -1;
   };
   std::map<int, StragglerSeen> straggler_seen;
+  std::vector<std::pair<int64_t, std::string>> frozen;  // the live check's frozen-parameter warnings (step, text)
   std::string balance_line;  // the run's measured pipeline balance advice, if it gave one
   auto ms_list = [](const json& a) {
     std::string t;
@@ -613,6 +619,11 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
                        (rec.contains("pipeline_layers_now") ? rec["pipeline_layers_now"].dump() : "?") +
                        "; the run suggested " + json(r.pipeline_layers).dump() + " (slowest stage about " +
                        num(rec.value("slowest_after_ms", 0.0), "%.1f") + " ms)\n";
+      }
+      if (rec["event"] == "frozen" && rec.contains("warnings") && rec["warnings"].is_array()) {
+        const int64_t at = rec.value("step", int64_t{0});
+        for (const json& w : rec["warnings"])
+          if (w.is_string()) frozen.push_back({at, w.get<std::string>()});
       }
       if (rec["event"] == "timers") {
         ++r.timed_steps;
@@ -796,6 +807,15 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
       }
     }
     s += l + "\n";
+  }
+
+  // Parameters the live check found frozen (health.frozen_check_interval): named again here, as
+  // the run's warnings scroll by; each is a problem (seed 002's norms that never trained).
+  s += "  frozen parameters (live check): " + (frozen.empty() ? std::string("none") : std::to_string(frozen.size())) +
+       "\n";
+  for (const auto& [at, text] : frozen) {
+    s += "    at step " + std::to_string(at) + ": " + text + "\n";
+    r.problems.push_back("frozen parameter at step " + std::to_string(at) + ": " + text);
   }
 
   // Rewinds (health.spike_action rewind): the spike's step was left out and the run went back.

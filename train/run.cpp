@@ -1639,8 +1639,11 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                   tr.scaler().enabled() ? ", fp16 loss scale backs off" : "");
       if (!st.nonfinite_report.empty()) std::printf("keel:   %s\n", st.nonfinite_report.c_str());
     }
-    if (lead)
+    if (lead && !st.frozen.empty()) {
       for (const auto& f : st.frozen) std::printf("keel: WARNING frozen parameter: %s\n", f.c_str());
+      // keel doctor metrics reads them back: a run that froze is not healthy afterwards either.
+      if (metrics) metrics->write({{"event", "frozen"}, {"step", it}, {"warnings", st.frozen}});
+    }
     // fp16 headroom: a layer within 16x of the format's largest value is about to overflow.
     if (lead && collect_stats && cfg.precision.mode == PrecisionMode::FP16) {
       for (size_t l = 0; l < st.act_max.size(); ++l)

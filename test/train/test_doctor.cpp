@@ -123,6 +123,13 @@ TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precisi
     CHECK(r.text.find("spacing there is 2^-7 = 0.0078") != std::string::npos);
     CHECK(r.text.find("precision.mode = \"bf16\"") != std::string::npos);
     CHECK(r.problems.size() == norms.size());
+    // The checkpoint alone is no healthy one either: trained with no masters at all.
+    const doctor::CkptReport audit = doctor::audit_checkpoint(Checkpoint::open(b));
+    INFO(audit.text);
+    CHECK_THAT(audit.text, Catch::Contains("no fp32 masters: bf16-unsafe-no-master") && Catch::Contains("PROBLEM"));
+    REQUIRE(audit.problems.size() == 1);
+    CHECK_THAT(audit.problems[0], Catch::Contains("trained without fp32 master weights") &&
+                                      Catch::Contains("--init-from " + b + " --set precision.mode=bf16"));
   }
 }
 
@@ -500,4 +507,29 @@ TEST_CASE("doctor metrics: after a resume or a rewind, the abandoned trajectory'
   CHECK(n.text.find("steps: 3 (1 - 3)\n  10 step record(s) of earlier runs in this directory") != std::string::npos);
   CHECK(n.text.find("loss: 3 at step 1 -> 3 at step 3") != std::string::npos);
   CHECK(n.text.find("validation: none") != std::string::npos);
+}
+
+// Seed 002 end to end: the live check's frozen-parameter warnings go to metrics.jsonl too, so
+// keel doctor metrics names them afterwards (it called such a run healthy: the warnings had
+// scrolled by in the log and nothing of them was in the file).
+TEST_CASE("doctor metrics names the parameters the live check found frozen", "[doctor][metrics][frozen][cli]") {
+  test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16-unsafe-no-master"}}},
+                                    {"optimizer", {{"lr", 1e-4}, {"min_lr", 1e-5}}},
+                                    {"train", {{"steps", 12}}},
+                                    {"health", {{"frozen_check_interval", 2}, {"frozen_window", 3}}}});
+  const std::string out = ws.dir / "run";
+  auto r = test::run_keel("train --config " + ws.config + " --out " + out);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  REQUIRE_THAT(r.output, Catch::Contains("WARNING frozen parameter: layers.0.attn_norm.weight"));
+  int events = 0;
+  for (const auto& rec : test::read_metrics(out + "/metrics.jsonl"))
+    if (rec.value("event", "") == "frozen") ++events;
+  CHECK(events >= 1);
+  const doctor::MetricsReport m = doctor::summarize_metrics(out + "/metrics.jsonl");
+  INFO(m.text);
+  CHECK_THAT(m.text, Catch::Contains("frozen parameters (live check): ") && !Catch::Contains("verdict: healthy"));
+  CHECK(std::any_of(m.problems.begin(), m.problems.end(), [](const std::string& p) {
+    return p.find("frozen parameter at step ") != std::string::npos && p.find("layers.0.attn_norm.weight") != std::string::npos;
+  }));
 }
