@@ -1436,8 +1436,8 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
 namespace {
 // Llama weights trained with RoPE load into an ALiBi model and back, and weights load with
 // another sliding window or none (the same tensors; a change of embedding_norm, or gpt2's
-// position table, is a tensor mismatch), but they meet another network: say so, since restart
-// verification will then see another loss.
+// position table, is a tensor mismatch), but they meet another network: say so (restart
+// verification then compares the weights, not the probe loss: model_function_changes).
 std::string attention_change_note(const Checkpoint& ck, const ModelConfig& now) {
   const json saved = ck.meta().value("config", json::object()).value("model", json::object());
   std::string note;
@@ -1452,10 +1452,64 @@ std::string attention_change_note(const Checkpoint& ck, const ModelConfig& now) 
             ", this run uses " + window(now.sliding_window);
   return note;
 }
+
+// A config value as JSON text ("-": not set), a float field as the shortest decimal that reads
+// back as the float (1e-05, not the double of the float, 9.999999747378752e-06; as
+// keel convert's export writes them).
+std::string model_value_text(const std::string& dumped) {
+  if (dumped == "-") return dumped;
+  const json v = json::parse(dumped, nullptr, false);
+  if (!v.is_number_float()) return dumped;
+  char buf[32];
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, v.get<double>());
+    if (std::strtof(buf, nullptr) == static_cast<float>(v.get<double>())) break;
+  }
+  return json(std::strtod(buf, nullptr)).dump();
+}
+
+// The model fields of init_weights_from's warnings (model_function_changes), each with both
+// values and what to do if it is a slip: a --set or an edited config there finetunes a model other
+// than the checkpoint's without a word otherwise. Not a refusal: a new rope_theta can be a
+// deliberate context extension. Attention's changes have their NOTE (attention_change_note).
+std::vector<std::string> model_change_warnings(const std::vector<FieldChange>& changes) {
+  std::vector<std::string> warnings;
+  for (const FieldChange& c : changes) {
+    if (c.field == "model.position_embedding" || c.field == "model.sliding_window") continue;
+    const std::string a = model_value_text(c.a), b = model_value_text(c.b);
+    const bool rope = c.field == "model.rope_theta" || c.field.starts_with("model.rope_scaling");
+    const std::string top = c.field.substr(0, c.field.find('.', 6));  // model.rope_scaling of its sub-fields
+    warnings.push_back("WARNING " + c.field + ": the checkpoint was trained with " + (a == "-" ? "none" : a) +
+                       ", this run uses " + (b == "-" ? "none" : b) +
+                       ". The tensors keep their shapes, so the weights load, but this run computes another function "
+                       "of them than the one they were trained as: unless that is meant" +
+                       (rope ? " (a context extension)" : "") + ", " +
+                       (a == "-" ? "leave " + top + " out" : "--set " + c.field + "=" + a) +
+                       " as the checkpoint has it");
+  }
+  return warnings;
+}
 }  // namespace
 
+std::vector<FieldChange> model_function_changes(const Checkpoint& ck, const ModelConfig& now) {
+  const json saved = ck.meta().value("config", json::object()).value("model", json::object());
+  RunConfig cfg;  // the run's model as a checkpoint records it (to_json), to compare field by field
+  cfg.model = now;
+  std::vector<FieldChange> out;
+  for (FieldChange& c : field_changes(saved, to_json(cfg)["model"], "model")) {
+    // Not the function: the vocabulary's padding (no token's rows; the load re-pads), init_std
+    // (a fresh initialisation's, which the load replaces), max_seq_len (a limit; a shape where
+    // positions are learned, refused by the tensor check), RoPE's settings without RoPE.
+    if (c.field == "model.pad_vocab_to_multiple_of" || c.field == "model.init_std" || c.field == "model.max_seq_len")
+      continue;
+    if ((c.field == "model.rope_theta" || c.field.starts_with("model.rope_scaling")) && !now.rope().rotates()) continue;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, ParamState& state, Backend& backend,
-                              const RankPlace& place) {
+                              const RankPlace& place, std::vector<std::string>* warnings) {
   auto from = master_source(ck, table);
   const std::string source = from ? *from : "weight";
   check_tensors_match(ck, source, table, /*repadding=*/true);
@@ -1475,11 +1529,19 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
   }
   std::string dtype = std::string(dtype_name(ck.stored_dtype(source, table.params().front().name)));
   std::string what = source == "master" ? "the fp32 master weights" : dtype + " weights";
+  std::string note = attention_change_note(ck, table.config());
+  const int64_t saved_len = ck.meta().value("config", json::object()).value("model", json::object()).value("max_seq_len", int64_t{0});
+  if (saved_len > 0 && saved_len != table.config().max_seq_len)  // a limit, not the function
+    note += "; NOTE: the checkpoint was trained with model.max_seq_len " + std::to_string(saved_len) +
+            ", this run allows " + std::to_string(table.config().max_seq_len);
+  if (warnings)
+    for (std::string& w : model_change_warnings(model_function_changes(ck, table.config())))
+      warnings->push_back(std::move(w));
   return "initialised from " + ck.path() + ": " + std::to_string(table.params().size()) + " tensors, " + what +
          "; fp32 masters = their exact values, working weights rounded to " +
          std::string(dtype_name(state.working.dtype)) +
          "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules; the checkpoint's optimizer "
-         "state (if any) is not used" + attention_change_note(ck, table.config());
+         "state (if any) is not used" + note;
 }
 
 // ======================================================================================
@@ -1566,6 +1628,15 @@ bool would_replace(const fs::path& out, const std::string& in) {
   return !ec && !rel.empty() && *rel.begin() != "..";
 }
 
+bool is_keel_checkpoint(const fs::path& dir) {
+  try {
+    std::ifstream in(dir / "meta.json");
+    return json::parse(in).value("format", std::string()) == kFormat;
+  } catch (const std::exception&) {
+    return false;  // no meta.json, or not a keel one
+  }
+}
+
 namespace {
 
 // Is the existing `out` an earlier output of this kind, which --force may replace? An empty
@@ -1579,12 +1650,7 @@ bool replaceable_output(const fs::path& out, OutputKind kind) {
       if (e.path().extension() == ".safetensors") return true;
     return false;
   }
-  try {
-    std::ifstream in(out / "meta.json");
-    return json::parse(in).value("format", std::string()) == kFormat;
-  } catch (const std::exception&) {
-    return false;  // no meta.json, or not a keel one
-  }
+  return is_keel_checkpoint(out);
 }
 
 // What is at `p`, for a refusal: "a file", or "a folder holding a/, b, c and 4 more".

@@ -258,9 +258,17 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
 // Weights-only initialisation (finetuning): weights from the checkpoint (the fp32 masters when
 // it has them, else the stored working weights), masters = their exact fp32 values, working
 // weights = masters rounded to the working dtype, Adam moments zero, Adam step 0. Returns a
-// description of what was loaded for the log.
+// description of what was loaded for the log. The tensors must match; every other model field
+// that differs from the checkpoint's is said: attention's (position embedding, sliding window)
+// as a NOTE on that line, any other (rope_theta, norm_eps, ...) as a WARNING in `warnings`.
 std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, ParamState& state, Backend& backend,
-                              const RankPlace& place);
+                              const RankPlace& place, std::vector<std::string>* warnings = nullptr);
+
+// The model fields in which `now` differs from the checkpoint's model and which change the
+// function its weights compute but no tensor's shape (rope_theta, norm_eps, sliding_window,
+// position_embedding, n_heads at the same widths, ...): a weights-only load across them is
+// allowed and said, but its probe loss is not the one the checkpoint measured.
+std::vector<FieldChange> model_function_changes(const Checkpoint& ck, const ModelConfig& now);
 
 // Names and shapes of the logical tensors a checkpoint must hold for a model; mismatches name
 // the tensor and both shapes. With `repadding`, tok_embed and lm_head may differ in their rows
@@ -340,6 +348,9 @@ SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg
 enum class OutputKind { KeelCheckpoint, HfModel };
 void check_new_output(const std::filesystem::path& out, bool force, const std::vector<std::string>& inputs = {},
                       OutputKind kind = OutputKind::KeelCheckpoint);
+// Is `dir` a keel checkpoint (a folder with a keel meta.json)? An output keel convert --force and
+// ckpt average --force may replace, and never a run's --out or checkpoint.dir.
+bool is_keel_checkpoint(const std::filesystem::path& dir);
 // Is `in` the folder `out` or inside it (so that writing `out` would replace it)?
 bool would_replace(const std::filesystem::path& out, const std::string& in);
 std::filesystem::path temp_dir_for(const std::filesystem::path& out);

@@ -12,6 +12,8 @@
 
 namespace keel {
 
+namespace fs = std::filesystem;
+
 namespace {
 
 struct ConvertArgs {
@@ -45,7 +47,8 @@ int cmd_convert(const ConvertArgs& a) {
     if (!dir) throw ConfigError("--print-config needs an hf:DIR source, got " + a.src);
     const HfCheckpoint hf = HfCheckpoint::open(*dir);
     const std::string out = a.dst.empty() ? "out/" + std::filesystem::path(*dir).filename().string() : a.dst;
-    std::cout << finetune_config_json(hf, out).dump(2) << '\n';
+    std::cout << finetune_config_json(hf, out, "hf:" + fs::absolute(hf.dir()).lexically_normal().string()).dump(2)
+              << '\n';
     return kExitOk;
   }
   if (a.dst.empty()) throw ConfigError("keel convert needs a source and a destination (see --help)");
@@ -59,8 +62,9 @@ int cmd_convert(const ConvertArgs& a) {
     const ConvertStats st = convert_hf_to_keel(*src_hf, a.dst, parse_dtype(a.dtype, true), a.force);
     print_stats(st, "wrote weights-only checkpoint " + st.out);
     std::printf("keel: run config %s/config.json (data.train reads data/finetune: keel tokenize --jsonl FILE --tokenizer %s "
-                "--out data/finetune, then: keel train --config %s/config.json --init-from %s)\n",
-                st.out.c_str(), st.out.c_str(), st.out.c_str(), st.out.c_str());
+                "--out data/finetune, then: keel train --config %s/config.json, whose train.init_from names these "
+                "weights)\n",
+                st.out.c_str(), st.out.c_str(), st.out.c_str());
     return kExitOk;
   }
   ExportOptions opts;

@@ -426,6 +426,7 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     t.eval_interval = f.integer("eval_interval", 0, 0);
     t.eval_batches = f.integer("eval_batches", 8, 0);
     t.eval_at_start = f.boolean("eval_at_start", false);
+    t.init_from = f.string("init_from", "");
     t.recompute = f.choice("recompute", "none", {"none", "selective", "full"});
     t.recompute_layers = f.integer("recompute_layers", 0, 0, 1 << 20);
     t.logits_chunk_rows = f.integer("logits_chunk_rows", 0, 0);
@@ -809,6 +810,20 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
   } catch (const json::parse_error& e) {
     throw ConfigError("config file " + path + " is not valid JSON: " + e.what());
   }
+  // train.init_from names the weights the file was written for (keel convert puts "." beside
+  // them): read from the file's folder, so it holds wherever the folder moves. --set values, like
+  // every other path, stay relative to the current directory (resolve_paths).
+  if (doc.is_object() && doc.contains("train") && doc["train"].is_object() && doc["train"].contains("init_from") &&
+      doc["train"]["init_from"].is_string()) {
+    std::string& v = doc["train"]["init_from"].get_ref<std::string&>();
+    const bool hf = v.rfind("hf:", 0) == 0;
+    const std::filesystem::path p = hf ? v.substr(3) : v;
+    if (!p.empty() && p.is_relative()) {
+      std::filesystem::path abs = (std::filesystem::absolute(path).parent_path() / p).lexically_normal();
+      if (abs.filename().empty()) abs = abs.parent_path();  // "." -> the folder, without a trailing '/'
+      v = (hf ? "hf:" : "") + abs.string();
+    }
+  }
   for (const auto& o : overrides) apply_override(doc, o);
   return parse_config(doc, path);
 }
@@ -854,6 +869,13 @@ void resolve_paths(RunConfig& c) {
   };
   for (std::string* p : {&c.out, &c.checkpoint.dir, &c.sample.tokenizer, &c.choice_eval.file, &c.choice_eval.tokenizer})
     resolve(*p);
+  if (c.train.init_from.rfind("hf:", 0) == 0) {
+    std::string dir = c.train.init_from.substr(3);
+    resolve(dir);
+    c.train.init_from = "hf:" + dir;
+  } else {
+    resolve(c.train.init_from);
+  }
   for (std::string& p : c.data.train) resolve(p);
   for (std::string& p : c.data.val) resolve(p);
   for (auto& [name, files] : c.data.val_sets)
@@ -921,6 +943,7 @@ json to_json(const RunConfig& c) {
                 {"recompute", t.recompute},
                 {"recompute_layers", t.recompute_layers},
                 {"logits_chunk_rows", t.logits_chunk_rows}};
+  if (!t.init_from.empty()) j["train"]["init_from"] = t.init_from;  // only when set: older configs compare equal
   j["data"] = {{"train", c.data.train}, {"val", c.data.val}, {"shuffle", c.data.shuffle}};
   for (const auto& [name, files] : c.data.val_sets) j["data"]["val_sets"][name] = files;
   if (!c.data.train_weights.empty()) j["data"]["train_weights"] = c.data.train_weights;

@@ -89,6 +89,11 @@ struct TrainConfig {
   // Also validate (and run choice_eval) before the first step this run trains: the loaded
   // model's numbers, e.g. a finetune's starting loss next to the pretrained model's.
   bool eval_at_start = false;
+  // The weights a fresh run starts from (the config twin of --init-from, which overrides it): a
+  // keel checkpoint or hf:DIR. A resume ignores it. A relative path in a config file is read from
+  // that file's folder (keel convert writes "." beside the weights, so the folder may move); one
+  // given by --set, like the flag, from the current directory.
+  std::string init_from;
   // Activation recomputation (model/transformer.h): "none"; "selective": every layer drops its
   // norm outputs and MLP activation and rebuilds them in backward; or "full": a layer keeps
   // only its input and runs its forward again in backward. recompute_layers: with "full", how

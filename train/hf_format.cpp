@@ -744,7 +744,7 @@ void HfCheckpoint::release(const std::string& keel_name) const {
 // Finetuning config
 // ======================================================================================
 
-json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
+json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir, const std::string& init_from) {
   const ModelConfig& m = hf.model();
   const json& c = hf.config_json();
   json model = {{"family", family_name(m.family)},
@@ -773,7 +773,7 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
                           "). data.train / data.val read data/finetune: keel tokenize --jsonl FILE --tokenizer " +
                           out_dir + " --out data/finetune (--loss-mask prompt for prompt/response pairs, --chat for "
                           "conversations), then: keel train --config " +
-                          (fs::path(out_dir) / "config.json").string() + " --init-from " + out_dir},
+                          (fs::path(out_dir) / "config.json").string() + " (train.init_from names the weights)"},
       {"model", model},
       {"precision", {{"mode", "bf16"}}},
       {"optimizer",
@@ -782,7 +782,8 @@ json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir) {
       {"schedule", {{"warmup_steps", 10}, {"decay", "cosine"}}},
       {"train",
        {{"steps", 1000}, {"global_batch", 32}, {"micro_batch", 1}, {"seq_len", seq}, {"seed", 1234},
-        {"eval_interval", 100}, {"eval_batches", 8}, {"eval_at_start", true}}},  // the loaded model's loss first
+        {"eval_interval", 100}, {"eval_batches", 8}, {"eval_at_start", true},  // the loaded model's loss first
+        {"init_from", init_from}}},  // never a random init by a forgotten --init-from
       {"data", {{"train", "data/finetune/train_*.bin"}, {"val", "data/finetune/val_*.bin"}}},
       {"log", {{"interval", 1}}},
       {"checkpoint", {{"interval", 200}, {"keep_last", 2}}},
@@ -801,7 +802,7 @@ ConvertStats convert_hf_to_keel(const std::string& hf_dir, const std::string& ou
   const HfCheckpoint hf = HfCheckpoint::open(hf_dir);
   const fs::path out(out_dir);
   check_new_output(out, force, {hf.dir()});
-  const json run_json = finetune_config_json(hf, out_dir);
+  const json run_json = finetune_config_json(hf, out_dir, ".");  // the weights beside it
   const RunConfig cfg = parse_config(run_json, (out / "config.json").string());
   const DType wdt = dtype.value_or(hf.common_dtype());
 
@@ -928,6 +929,11 @@ std::string init_weights_from_hf(const std::string& hf_dir, const ParamTable& ta
                      std::string(dtype_name(state.working.dtype)) +
                      "; Adam moments zero, Adam step 0, iteration 0, fresh LR and batch schedules";
   for (const std::string& n : hf.notes()) line += "; NOTE " + n;
+  // The window changes no tensor: a deliberate change loads, as from a keel checkpoint, with a note.
+  auto window = [](int64_t w) { return w > 0 ? std::to_string(w) : std::string("none"); };
+  if (have.sliding_window != want.sliding_window)
+    line += "; NOTE: the HF model uses model.sliding_window " + window(want.sliding_window) + ", this run uses " +
+            window(have.sliding_window);
   if (want.rope().rotates() && have.max_seq_len > want.max_seq_len)
     line += "; NOTE model.max_seq_len " + std::to_string(have.max_seq_len) + " is beyond the HF model's " +
             std::to_string(want.max_seq_len) + " positions";

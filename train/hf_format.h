@@ -147,7 +147,9 @@ class HfCheckpoint {
 
 // The run config for finetuning an HF model (model section from its config.json, finetuning
 // defaults elsewhere), as `keel convert` writes it to OUT/config.json and --print-config shows it.
-nlohmann::json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir);
+// train.init_from is `init_from`: "." beside the converted weights (read from the config's folder,
+// so the pair can move together), hf:DIR for --print-config.
+nlohmann::json finetune_config_json(const HfCheckpoint& hf, const std::string& out_dir, const std::string& init_from);
 
 struct ConvertStats {
   std::string out;

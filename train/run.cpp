@@ -1071,6 +1071,21 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     arithmetic += " (gelu unfused: selective recompute)";
 
   // ---- everything that can fail on user input is checked before the run directory is touched ----
+  // A run directory or checkpoint.dir that is a checkpoint (keel convert's output, a step_*): the
+  // run would replace its config.json and save step_* beside its meta.json, after which that
+  // folder names the wrong weights. (--eval-only writes nothing.)
+  if (!opts.eval_only)
+    for (const auto& [field, dir] : {std::pair<std::string, std::string>{"out (--out)", cfg.out},
+                                     {"checkpoint.dir", cfg.checkpoint.dir}})
+      if (is_keel_checkpoint(dir)) {
+        const std::string name = fs::path(dir).filename().empty() ? fs::path(dir).parent_path().string() : dir;
+        throw ConfigError(field + ": " + name + " is a keel checkpoint (it holds a keel meta.json): a run there would "
+                          "replace its files and save its own checkpoints beside its weights, after which keel sample, "
+                          "eval and --init-from on that folder would load the wrong weights. Nothing was written; " +
+                          (field == "checkpoint.dir" ? "give checkpoint.dir a folder of its own, or leave it out (" +
+                                                           cfg.out + "/checkpoints)"
+                                                     : "give the run a folder of its own, e.g. --out " + name + "-run"));
+      }
   const int T = static_cast<int>(cfg.train.seq_len);
   const data::Sampler train = open_train_data(cfg);
   // What the sample order follows: compared with a resumed checkpoint's, recorded in every save.
@@ -1152,6 +1167,12 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   TrainProgress progress;
   std::vector<std::string> notes;
   for (std::string& n : config_notes(cfg)) notes.push_back(std::move(n));
+  // A Hugging Face model is weights only: say what to do instead of "no checkpoint at hf:...".
+  if (hf_path(opts.resume))
+    throw CheckpointError("--resume " + opts.resume + ": a Hugging Face model cannot be resumed: it holds weights only, "
+                          "no optimizer state.\nA resume needs the fp32 master weights and both Adam moments of every "
+                          "tensor. To start a new run from\nthis model's weights (fresh optimizer, step 0), use "
+                          "--init-from " + opts.resume);
   std::string resume_path = opts.resume;
   if (resume_path.empty()) {
     std::string note;
@@ -1205,9 +1226,19 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
               "changes no loss or gradient";
     notes.push_back(text);
   };
+  // The weights a fresh run starts from: --init-from, else the config's train.init_from. A path
+  // that is not there is the config's mistake (a relative one is read from the config's folder).
+  const std::string init_from = !opts.init_from.empty() ? opts.init_from : cfg.train.init_from;
+  const std::string init_flag = !opts.init_from.empty() ? "--init-from" : "train.init_from";
+  if (resume_path.empty() && init_flag == "train.init_from" && !init_from.empty() &&
+      !fs::exists(hf_path(init_from).value_or(init_from)))
+    throw ConfigError("train.init_from: " + init_from + " does not exist (a relative train.init_from is read from the "
+                      "folder of the config file that names it). Point it at the checkpoint or hf:DIR to start from, "
+                      "or remove the field to start from a random initialisation");
   nlohmann::json loaded_health, loaded_topology;
   nlohmann::json loaded_source;  // the HF model and checkpoints the weights came from, carried into every save
   std::string loaded_from, loaded_precision;
+  std::string function_changes;  // the model fields of a weights-only load that change what the weights compute
   bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
     Checkpoint ck = open_verified(resume_path, "resume from", "--resume");
@@ -1223,7 +1254,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (const auto changes = training_file_changes(ck.meta().value("data", nlohmann::json::object()).value("files", nlohmann::json()),
                                                    train_files);
         !changes.empty() && !opts.eval_only) {
-      std::string text = "WARNING the training data changed since the checkpoint, under the same data.train:";
+      // Under the same patterns the files changed beneath them; with new ones (listed with the
+      // settings changed above) the files are what the new data.train resolves to.
+      const nlohmann::json saved_train =
+          ck.meta().value("config", nlohmann::json::object()).value("data", nlohmann::json::object()).value("train", nlohmann::json());
+      std::string text = saved_train == nlohmann::json(cfg.data.train)
+                             ? "WARNING the training data changed since the checkpoint, under the same data.train:"
+                             : "WARNING the training data changed since the checkpoint: data.train is not the "
+                               "checkpoint's (above), and the files it resolves to differ:";
       for (size_t k = 0; k < changes.size() && k < 10; ++k) text += "\n    " + changes[k];
       if (changes.size() > 10) text += "\n    ... and " + std::to_string(changes.size() - 10) + " more";
       text += "\n  The sample order follows the windows of these files: from sample " +
@@ -1237,8 +1275,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                                     ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
                                     std::to_string(tr.state().adam_step) + " (saved under " +
                                     saved_layout_text(ck.meta()) + ")");
-    if (!opts.init_from.empty())
-      notes.push_back("--init-from " + opts.init_from + " is ignored: it only initialises a fresh run, and this run resumes");
+    if (!init_from.empty())
+      notes.push_back(init_flag + " " + init_from + " is ignored: it only initialises a fresh run, and this run resumes");
     // Found in checkpoint.dir, saved by a run with another --out: a shared checkpoint folder
     // (one --out per job) is fine, a copied config whose checkpoint.dir names another run's is
     // not; either way this run now saves and rotates there, so say whose checkpoints they were.
@@ -1250,13 +1288,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                       saved_out + " (this run's is " + cfg.out + "): this run continues them, and its saves and " +
                       "rotation (checkpoint.keep_last " + std::to_string(cfg.checkpoint.keep_last) +
                       ") go there too. To start a run of its own, give it another checkpoint.dir");
-  } else if (auto hf_dir = hf_path(opts.init_from)) {
+  } else if (auto hf_dir = hf_path(init_from)) {
     // A Hugging Face model directory (hf:DIR), converted on the fly.
     notes.push_back(init_weights_from_hf(*hf_dir, tr.table(), tr.state(), &loaded_source));
-    loaded_from = opts.init_from;
-  } else if (!opts.init_from.empty()) {
-    Checkpoint ck = open_verified(opts.init_from, "initialise from", "--init-from");
-    notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place));
+    loaded_from = init_from;
+  } else if (!init_from.empty()) {
+    Checkpoint ck = open_verified(init_from, "initialise from", init_flag);
+    std::vector<std::string> model_changes;  // after the line that says what was loaded
+    notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place, &model_changes));
+    notes.insert(notes.end(), model_changes.begin(), model_changes.end());
+    for (const FieldChange& c : model_function_changes(ck, cfg.model))
+      function_changes += (function_changes.empty() ? "" : ", ") + c.field;
     loaded_health = ck.meta().value("health", nlohmann::json());
     note_repadding(ck, loaded_health);
     loaded_topology = ck.meta().value("topology", nlohmann::json());
@@ -1302,12 +1344,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                         "), whose kernels may round differently: its probe loss must agree within rounding, not bit "
                         "for bit");
       const HealthSnapshot now = tr.snapshot(probe);
-      auto diffs = tr.compare_snapshot(loaded_health, now, bitwise, resumed, loaded_precision);
+      const bool same_probe = now.same_probe(loaded_health);
+      probe_compared = same_probe && function_changes.empty();
+      auto diffs = tr.compare_snapshot(loaded_health, now, bitwise, resumed, loaded_precision, probe_compared);
       problems.insert(problems.end(), diffs.begin(), diffs.end());
-      probe_compared = now.same_probe(loaded_health);
-      if (!probe_compared)
+      if (!same_probe)
         notes.push_back("the probe batch is not the one the checkpoint measured (other data, seq_len or micro_batch): "
                         "its loss is not compared, the per-tensor norms and the masters are");
+      else if (!probe_compared)
+        notes.push_back("this run's model computes another function of the weights than the checkpoint's (" +
+                        function_changes + "): the probe batch's loss is not compared, the per-tensor norms and the "
+                        "masters are");
     }
     if (!problems.empty()) {
       std::string msg = "restart verification failed for " + loaded_from + ":";

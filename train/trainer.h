@@ -128,9 +128,11 @@ class Trainer {
   // loss must have the same bits; else it must agree within rounding. saved_precision: the
   // checkpoint's precision.mode; when it is not this run's, the weights are compared in the
   // copy this run continues from (its masters, else its working weights) against the saved
-  // copy that one was loaded from.
+  // copy that one was loaded from. compare_probe false: only the weights (a weights-only load
+  // into a model that computes another function of them, whose probe loss is another).
   std::vector<std::string> compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now, bool bitwise,
-                                            bool compare_masters, const std::string& saved_precision) const;
+                                            bool compare_masters, const std::string& saved_precision,
+                                            bool compare_probe = true) const;
   // Tensors whose fp32 masters do not round to the stored working weights (collective):
   // masters that did not come from these weights (a stale or random master copy). `stochastic`:
   // the weights were written by stochastic rounding, so either bf16 neighbour of the master

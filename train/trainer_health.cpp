@@ -137,7 +137,7 @@ nlohmann::json Trainer::snapshot_json(const HealthSnapshot& s) const {
 
 std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, const HealthSnapshot& now,
                                                    bool bitwise, bool compare_masters,
-                                                   const std::string& saved_precision) const {
+                                                   const std::string& saved_precision, bool compare_probe) const {
   std::vector<std::string> problems;
   const double was = saved.value("probe_loss", 0.0);
   const std::string was_bits = saved.value("probe_loss_bits", std::string());
@@ -148,7 +148,7 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
   const bool all_fp32 = cfg_.precision.mode == PrecisionMode::FP32 && (same_precision || saved_precision == "fp32");
   const double tol = all_fp32 ? 1e-5 : 1e-2;
   char buf[512];
-  if (now.same_probe(saved) &&
+  if (compare_probe && now.same_probe(saved) &&
       (bitwise ? hex_of(now.probe_loss) != was_bits : std::abs(now.probe_loss - was) > tol * std::abs(was))) {
     std::snprintf(buf, sizeof buf,
                   "the probe batch's loss is %.9g after loading, %.9g when the checkpoint was saved (%s): the model "

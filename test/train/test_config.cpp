@@ -435,6 +435,47 @@ TEST_CASE("config overrides (--set) set any field, typed as JSON, bare words as 
   CHECK_THROWS_WITH(parse_config(doc, "x.json"), Catch::Contains("out: an empty path is not allowed"));
 }
 
+// keel convert writes train.init_from "." into the config beside the weights: read from the
+// file's folder, the pair may move together. A --set value is a path from the current directory
+// like the flag's, and resolve_paths records it absolute.
+TEST_CASE("train.init_from: relative in a config file to its folder, from --set to the current directory", "[config][finetune]") {
+  namespace fs = std::filesystem;
+  test::TempDir tmp("initfrom");
+  fs::create_directories(tmp / "ckpt");
+  nlohmann::json doc = test::tiny_run_json();
+  CHECK(parse_config(doc, "x.json").train.init_from.empty());
+  CHECK_FALSE(to_json(parse_config(doc, "x.json"))["train"].contains("init_from"));  // older configs compare equal
+  doc["train"]["init_from"] = ".";
+  std::ofstream(tmp / "ckpt/config.json") << doc.dump(2);
+  const std::string dir = fs::absolute(tmp / "ckpt").lexically_normal().string();
+  const RunConfig c = load_config(tmp / "ckpt/config.json");
+  CHECK(c.train.init_from == dir);
+  CHECK(to_json(c)["train"]["init_from"] == dir);
+  CHECK(parse_config(to_json(c), "again").train.init_from == dir);
+  // The folder moved: the config still names the weights beside it.
+  fs::rename(tmp / "ckpt", tmp / "moved");
+  CHECK(load_config(tmp / "moved/config.json").train.init_from ==
+        fs::absolute(tmp / "moved").lexically_normal().string());
+  // hf:DIR keeps its prefix, its folder read the same way; absolute paths stay as written.
+  doc["train"]["init_from"] = "hf:../models/llama";
+  std::ofstream(tmp / "moved/config.json") << doc.dump(2);
+  CHECK(load_config(tmp / "moved/config.json").train.init_from ==
+        "hf:" + fs::absolute(tmp / "models/llama").lexically_normal().string());
+  doc["train"]["init_from"] = "/abs/ckpt";
+  std::ofstream(tmp / "moved/config.json") << doc.dump(2);
+  CHECK(load_config(tmp / "moved/config.json").train.init_from == "/abs/ckpt");
+  // --set: relative to where keel starts, as every other path given there.
+  RunConfig s = load_config(tmp / "moved/config.json", {"train.init_from=rel/ckpt"});
+  CHECK(s.train.init_from == "rel/ckpt");
+  resolve_paths(s);
+  CHECK(s.train.init_from == fs::absolute("rel/ckpt").lexically_normal().string());
+  s = load_config(tmp / "moved/config.json", {"train.init_from=hf:rel/hf"});
+  resolve_paths(s);
+  CHECK(s.train.init_from == "hf:" + fs::absolute("rel/hf").lexically_normal().string());
+  doc["train"]["init_from"] = 3;
+  CHECK_THROWS_WITH(parse_config(doc, "x.json"), Catch::Contains("train.init_from: expected a string, got 3"));
+}
+
 TEST_CASE("vocab padding: Megatron's make-vocab-size-divisible-by times tp", "[config]") {
   auto c = test::make_config(test::tiny_run_json(), {{"model", {{"vocab_size", 50}, {"pad_vocab_to_multiple_of", 16}}},
                                                       {"parallel", {{"tp", 2}}}});

@@ -42,8 +42,10 @@ std::vector<int32_t> ids_after(const std::string& out, const std::string& label)
   return ids;
 }
 
+// init "": no --init-from (the config's train.init_from, if any).
 std::string train_args(const std::string& config, const std::string& init, const std::string& out, int steps) {
-  return "train --config " + config + " --init-from " + init + " --out " + out + " -q --steps " + std::to_string(steps) +
+  return "train --config " + config + (init.empty() ? "" : " --init-from " + init) + " --out " + out + " -q --steps " +
+         std::to_string(steps) +
          " --set data.train=" + kHf + "data/fortunes_sp.bin --set 'data.val=[]' --set train.seq_len=64"
          " --set train.global_batch=8 --set train.micro_batch=4 --set schedule.warmup_steps=0"
          " --set schedule.decay=constant --set optimizer.lr=3e-4 --set optimizer.min_lr=3e-4 --set train.seed=3";
@@ -192,6 +194,97 @@ TEST_CASE("keel train --init-from a converted model: bf16 finetune continues fro
   CHECK_THAT(r.output, Catch::Contains("copied tokenizer.json") && !Catch::Contains("not written"));
   std::ifstream in2(tmp / "export2/config.json");
   CHECK(json::parse(in2)["eos_token_id"] == 2);
+}
+
+// The config keel convert writes is for its checkpoint alone, so it names it (train.init_from
+// "."): a forgotten --init-from no longer trains the fixture from a random init (6.26 nats
+// after two steps, where the converted model starts at 3.14), also once the folder moved.
+TEST_CASE("the finetune config of keel convert starts from its weights without --init-from, wherever the folder moves",
+          "[hf][cli][finetune][seed000]") {
+  test::TempDir tmp("hfinit");
+  const double hf_loss = expected("llama_trained")["train_loss"]["loss"].get<double>();
+  const std::string conv = tmp / "llama";
+  REQUIRE(run_keel("convert hf:" + kHf + "llama_trained " + conv).code == 0);
+  std::ifstream in(conv + "/config.json");
+  const json written = json::parse(in);
+  CHECK(written["train"]["init_from"] == ".");
+  CHECK_THAT(written["description"].get<std::string>(), !Catch::Contains("--init-from"));
+
+  // Moved: "." is read from the config's folder.
+  const std::string moved = tmp / "moved";
+  fs::rename(conv, moved);
+  auto r = run_keel(train_args(moved + "/config.json", "", tmp / "run", 4));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("initialised from " + moved + ": ") &&
+                           Catch::Contains("fp32 masters = their exact values") &&
+                           Catch::Contains("restart verification passed"));
+  check_no_jump(tmp / "run", hf_loss);
+  // A resume ignores it, as it ignores --init-from, and says so.
+  r = run_keel(train_args(moved + "/config.json", "", tmp / "run", 6));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("resuming from ") &&
+                           Catch::Contains("train.init_from " + moved +
+                                           " is ignored: it only initialises a fresh run, and this run resumes"));
+  // --init-from overrides it.
+  r = run_keel(train_args(moved + "/config.json", "hf:" + kHf + "llama_trained", tmp / "flag", 2));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("initialised from hf:" + kHf + "llama_trained") &&
+                           !Catch::Contains("initialised from " + moved));
+  // A path that is not there is a config error naming the field, before anything is written.
+  r = run_keel(train_args(moved + "/config.json", "", tmp / "missing", 2) + " --set train.init_from=" + tmp / "nope");
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("train.init_from: " + tmp / "nope" + " does not exist"));
+  CHECK_FALSE(fs::exists(tmp / "missing"));
+
+  // --print-config names the HF model itself.
+  auto printed = run_keel("convert --print-config hf:" + kHf + "llama_trained");
+  REQUIRE(printed.code == 0);
+  CHECK_THAT(printed.output,
+             Catch::Contains("\"init_from\": \"hf:" + fs::absolute(kHf + "llama_trained").lexically_normal().string()));
+}
+
+// A run's --out or checkpoint.dir that is itself a checkpoint would replace its config.json and
+// put step_* beside its meta.json: keel sample --checkpoint on it would then load the run's
+// weights. Refused at start-up (exit 2), the folder left as it was.
+TEST_CASE("keel train refuses an --out or checkpoint.dir that is a keel checkpoint", "[hf][cli][finetune]") {
+  test::TempDir tmp("hfout");
+  const std::string conv = tmp / "llama";
+  REQUIRE(run_keel("convert hf:" + kHf + "llama_trained " + conv).code == 0);
+  const std::string config_before = test::read_file(conv + "/config.json");
+  auto r = run_keel(train_args(conv + "/config.json", "", conv, 2));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("out (--out): " + conv + " is a keel checkpoint") &&
+                           Catch::Contains("Nothing was written") && Catch::Contains("--out " + conv + "-run"));
+  r = run_keel(train_args(conv + "/config.json", "", tmp / "run", 2) + " --set checkpoint.dir=" + conv);
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("checkpoint.dir: " + conv + " is a keel checkpoint"));
+  CHECK(test::read_file(conv + "/config.json") == config_before);
+  CHECK_FALSE(fs::exists(conv + "/checkpoints"));
+  CHECK_FALSE(fs::exists(conv + "/metrics.jsonl"));
+  CHECK_FALSE(fs::exists(tmp / "run"));
+  CHECK(run_keel("ckpt verify " + conv).code == 0);
+  // A run's own step_* is a checkpoint too.
+  REQUIRE(run_keel(train_args(conv + "/config.json", "", tmp / "ok", 2)).code == 0);
+  r = run_keel(train_args(conv + "/config.json", "", tmp / "ok/checkpoints/step_00000002", 2));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("is a keel checkpoint"));
+
+  // --resume hf:DIR: the HF model has weights only; say so and point at --init-from, as for a
+  // keel weights-only checkpoint.
+  r = run_keel(train_args(conv + "/config.json", "", tmp / "resume", 2) + " --resume hf:" + kHf + "llama_trained");
+  INFO(r.output);
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("a Hugging Face model cannot be resumed: it holds weights only, no optimizer state") &&
+                           Catch::Contains("use --init-from hf:" + kHf + "llama_trained") &&
+                           !Catch::Contains("no such file"));
+  CHECK_FALSE(fs::exists(tmp / "resume"));
 }
 
 TEST_CASE("keel train --init-from hf:DIR finetunes the HF weights directly", "[hf][cli][seed000]") {

@@ -433,6 +433,7 @@ TEST_CASE("hf: converted models reproduce HF's logits and greedy tokens", "[hf]"
         CHECK(fs::exists(fs::path(out) / f));
       // The run config it wrote is valid and describes the model.
       RunConfig cfg = load_config(out + "/config.json");
+      CHECK(cfg.train.init_from == fs::absolute(out).lexically_normal().string());  // "." beside the weights
       CHECK(cfg.model.d_model == hf.model().d_model);
       CHECK(cfg.model.tied_embeddings == hf.model().tied_embeddings);
       CHECK(cfg.model.rope_theta == hf.model().rope_theta);
@@ -640,7 +641,7 @@ TEST_CASE("hf: finetuning converted weights continues from the pretrained loss (
   const Expected e = hf_expected("llama_trained");
   const double hf_loss = e.meta["train_loss"]["loss"].get<double>();
   const HfCheckpoint hf = HfCheckpoint::open(kHf + "llama_trained");
-  json j = finetune_config_json(hf, "unused");
+  json j = finetune_config_json(hf, "unused", ".");
   j["data"] = {{"train", kHf + "data/fortunes_sp.bin"}};
   j["train"] = {{"steps", 6}, {"global_batch", 8}, {"micro_batch", 4}, {"seq_len", 64}, {"seed", 3}};
   j["optimizer"]["lr"] = 3e-4;
@@ -708,7 +709,7 @@ TEST_CASE("hf: finetuning converted weights continues from the pretrained loss (
 TEST_CASE("hf: --init-from hf:DIR refuses a run config for another model, naming the field", "[hf]") {
   auto init_error = [](const std::string& name, const std::function<void(json&)>& edit) {
     const HfCheckpoint hf = HfCheckpoint::open(kHf + name);
-    json j = finetune_config_json(hf, "unused");
+    json j = finetune_config_json(hf, "unused", ".");
     j["data"] = {{"train", "unused.bin"}};
     j["train"]["seq_len"] = 16;
     edit(j["model"]);
@@ -729,6 +730,24 @@ TEST_CASE("hf: --init-from hf:DIR refuses a run config for another model, naming
              Catch::Contains("model.embedding_norm: the config has false") && Catch::Contains("(BloomForCausalLM) has true"));
   // A longer context than BLOOM's training length is fine: ALiBi has no position table.
   CHECK(init_error("bloom_bf16", [](json& m) { m["max_seq_len"] = 4096; }) == "no error");
+  // Another sliding window changes no tensor: it loads, with a note naming both, as from a keel checkpoint.
+  const HfCheckpoint mistral = HfCheckpoint::open(kHf + "mistral_bf16");
+  json j = finetune_config_json(mistral, "unused", ".");
+  j["data"] = {{"train", "unused.bin"}};
+  j["train"]["seq_len"] = 16;
+  auto note = [&](const std::function<void(json&)>& edit) {
+    json k = j;
+    edit(k["model"]);
+    const RunConfig cfg = parse_config(k, "t.json");
+    auto be = make_cpu_backend();
+    Trainer tr(cfg, *be);
+    return init_weights_from_hf(kHf + "mistral_bf16", tr.table(), tr.state());
+  };
+  CHECK_THAT(note([](json& m) { m["sliding_window"] = 3; }),
+             Catch::Contains("; NOTE: the HF model uses model.sliding_window 6, this run uses 3"));
+  CHECK_THAT(note([](json& m) { m.erase("sliding_window"); }),
+             Catch::Contains("; NOTE: the HF model uses model.sliding_window 6, this run uses none"));
+  CHECK_THAT(note([](json&) {}), !Catch::Contains("sliding_window"));
 }
 
 TEST_CASE("hf: GPT-2 and BLOOM files without the transformer. prefix, and GPT-2's stored causal masks, load", "[hf]") {
@@ -976,7 +995,7 @@ TEST_CASE("hf: export writes keel's float fields as their decimals, and unknown 
 
   CHECK_THAT(error_of([] { model_config_from_hf(json{{"vocab_size", 10}, {"hidden_size", 8}}, "x/config.json"); }),
              Catch::Contains("x/config.json has neither \"architectures\" nor \"model_type\""));
-  const json run = finetune_config_json(HfCheckpoint::open(kHf + "llama_tied"), "ckpt/tied");
+  const json run = finetune_config_json(HfCheckpoint::open(kHf + "llama_tied"), "ckpt/tied", ".");
   CHECK_THAT(run["description"].get<std::string>(),
              Catch::Contains("keel tokenize --jsonl FILE --tokenizer ckpt/tied --out data/finetune") &&
                  !Catch::Contains("prepare_data.py"));

@@ -158,3 +158,73 @@ TEST_CASE("a resume names a training file rewritten with the same length and sta
   CHECK(old.code == 4);
   CHECK(old.output.find("training data changed") == std::string::npos);
 }
+
+// --init-from checks the tensors' shapes; the model fields that change no shape (rope_theta,
+// norm_eps, n_heads at the same widths) make the same weights compute another function. Each is
+// named with both values (a warning: a new rope_theta can be a deliberate context extension);
+// max_seq_len, a limit and no part of the function, gets a note. --eval-only loads the same way.
+TEST_CASE("--init-from warns of each model field that changes the function but not the shapes", "[ckpt][cli][finetune]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 2}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
+  const std::string out = ws.dir / "run";
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q").code == 0);
+  auto finetune = [&](const std::string& name, const std::string& extra) {
+    const test::ProcessResult r = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / name) +
+                                                 " -q --init-from " + out + "/checkpoints " + extra);
+    INFO(r.output);
+    CHECK(r.code == 0);
+    return r.output;
+  };
+  const std::string same = finetune("same", "");
+  CHECK_THAT(same, Catch::Contains("initialised from ") && !Catch::Contains("WARNING model.") &&
+                       !Catch::Contains("NOTE: the checkpoint was trained with") &&
+                       Catch::Contains("probe loss and per-tensor norms as saved"));
+  CHECK_THAT(finetune("theta", "--set model.rope_theta=500000"),
+             Catch::Contains("WARNING model.rope_theta: the checkpoint was trained with 10000.0, this run uses "
+                             "500000.0. The tensors keep their shapes, so the weights load, but this run computes "
+                             "another function of them than the one they were trained as: unless that is meant (a "
+                             "context extension), --set model.rope_theta=10000.0 as the checkpoint has it"));
+  CHECK_THAT(finetune("eps", "--set model.norm_eps=1e-6"),
+             Catch::Contains("WARNING model.norm_eps: the checkpoint was trained with 1e-05, this run uses 1e-06.") &&
+                 Catch::Contains("unless that is meant, --set model.norm_eps=1e-05 as the checkpoint has it"));
+  // 8 heads of 4 instead of 4 of 8, 4 kv heads of 4 instead of 2 of 8: every matrix keeps its shape.
+  const std::string heads = finetune("heads", "--set model.n_heads=8 --set model.n_kv_heads=4");
+  CHECK_THAT(heads, Catch::Contains("WARNING model.n_heads: the checkpoint was trained with 4, this run uses 8.") &&
+                        Catch::Contains("WARNING model.n_kv_heads: the checkpoint was trained with 2, this run uses 4.") &&
+                        // Another function: the probe loss is another (restart verification checks the weights only).
+                        Catch::Contains("computes another function of the weights than the checkpoint's (model.n_heads, "
+                                        "model.n_kv_heads): the probe batch's loss is not compared") &&
+                        Catch::Contains("restart verification passed: masters consistent with the weights, per-tensor "
+                                        "norms as saved"));
+  const std::string longer = finetune("longer", "--set model.max_seq_len=64");
+  CHECK_THAT(longer, Catch::Contains("; NOTE: the checkpoint was trained with model.max_seq_len 32, this run allows 64") &&
+                         !Catch::Contains("WARNING model.") && Catch::Contains("probe loss and per-tensor norms as saved"));
+  // --eval-only from the same weights says the same (and writes nothing).
+  const test::ProcessResult eval = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "eval") +
+                                                  " --eval-only --init-from " + out + "/checkpoints --set model.rope_theta=500000");
+  INFO(eval.output);
+  CHECK(eval.code == 0);
+  CHECK_THAT(eval.output, Catch::Contains("WARNING model.rope_theta: the checkpoint was trained with 10000.0"));
+  // A shape that changes is still refused, naming the tensor.
+  const test::ProcessResult wider = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "wider") +
+                                                   " -q --init-from " + out + "/checkpoints --set model.ffn_hidden=96");
+  CHECK(wider.code == 5);
+}
+
+// A resume under another data.train lists the change with the other settings; the files it
+// resolves to differ then of course, and the warning about them must not claim the same data.train.
+TEST_CASE("a resume under another data.train says so in the training-data warning", "[ckpt][cli][resume][data]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 6}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
+  data::write_llmc_shard(ws.dir / "other.bin", test::synthetic_tokens(6000, 5), false);
+  const std::string out = ws.dir / "run";
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q --stop-at 2").code == 4);
+  const std::string a = fs::absolute(ws.dir / "train.bin").lexically_normal().string();
+  const std::string b = fs::absolute(ws.dir / "other.bin").lexically_normal().string();
+  const test::ProcessResult r =
+      test::run_keel("train --config " + ws.config + " --out " + out + " --stop-at 3 --set data.train=" + b);
+  INFO(r.output);
+  CHECK(r.code == 4);
+  CHECK_THAT(r.output, Catch::Contains("data.train.0: \"" + a + "\" -> \"" + b + "\"") &&
+                           Catch::Contains("WARNING the training data changed since the checkpoint: data.train is not "
+                                           "the checkpoint's (above), and the files it resolves to differ:\n") &&
+                           Catch::Contains(b + " is new (6000 tokens)") && !Catch::Contains("under the same data.train"));
+}
