@@ -163,7 +163,7 @@ TEST_CASE("a resume names a training file rewritten with the same length and sta
 // norm_eps, n_heads at the same widths) make the same weights compute another function. Each is
 // named with both values (a warning: a new rope_theta can be a deliberate context extension);
 // max_seq_len, a limit and no part of the function, gets a note. --eval-only loads the same way.
-TEST_CASE("--init-from warns of each model field that changes the function but not the shapes", "[ckpt][cli][finetune]") {
+TEST_CASE("an --init-from warns of each model field that changes the function but not the shapes", "[ckpt][cli][finetune]") {
   test::Workspace ws(nlohmann::json{{"train", {{"steps", 2}, {"eval_interval", 0}}}, {"schedule", {{"warmup_steps", 1}}}});
   const std::string out = ws.dir / "run";
   REQUIRE(test::run_keel("train --config " + ws.config + " --out " + out + " -q").code == 0);
