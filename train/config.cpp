@@ -119,7 +119,9 @@ class Fields {
   }
 
   // Number in [lo, hi] (lo excluded when lo_open).
-  double number(const std::string& key, std::optional<double> def, double lo, double hi, bool lo_open = false) {
+  // A number in [lo, hi], with either end open ("(0, 1)") as lo_open / hi_open say.
+  double number(const std::string& key, std::optional<double> def, double lo, double hi, bool lo_open = false,
+                bool hi_open = false) {
     if (!has(key)) {
       if (!def) error(path(key), "missing (required: a number)");
       return def.value_or(lo);
@@ -130,9 +132,9 @@ class Fields {
       return def.value_or(lo);
     }
     double x = v.get<double>();
-    if (!std::isfinite(x) || (lo_open ? x <= lo : x < lo) || x > hi) {
+    if (!std::isfinite(x) || (lo_open ? x <= lo : x < lo) || (hi_open ? x >= hi : x > hi)) {
       std::ostringstream r;
-      r << (lo_open ? "(" : "[") << lo << ", " << hi << "]";
+      r << (lo_open ? "(" : "[") << lo << ", " << hi << (hi_open ? ")" : "]");
       error(path(key), show(v) + " is out of range (allowed: " + r.str() + ")");
     }
     return x;
@@ -383,13 +385,11 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     s.hysteresis = ls.integer("hysteresis", s.hysteresis, 1);
     s.min = ls.number("min", s.min, 0, 1e38, true);
     s.growth_factor = ls.number("growth_factor", s.growth_factor, 1, 1e6, true);
-    s.backoff_factor = ls.number("backoff_factor", s.backoff_factor, 0, 1, true);
+    s.backoff_factor = ls.number("backoff_factor", s.backoff_factor, 0, 1, true, true);
     ls.finish();
     f.finish();
     if (s.min > s.initial && ok({"precision.loss_scale.min", "precision.loss_scale.initial"}))
       errors.push_back("precision.loss_scale.min: " + show(s.min) + " is above the initial scale " + show(s.initial));
-    if (s.backoff_factor >= 1 && ok({"precision.loss_scale.backoff_factor"}))
-      errors.push_back("precision.loss_scale.backoff_factor: must be < 1");
   }
 
   // ---- optimizer ----
@@ -401,8 +401,8 @@ RunConfig parse_config(const json& doc, const std::string& source) {
     o.lr = f.number("lr", o.lr, 0, 10, true);
     o.min_lr = f.number("min_lr", o.lr / 10, 0, 10);
     f.derives("min_lr", {"optimizer.lr"});
-    o.beta1 = f.number("beta1", o.beta1, 0, 0.999999);
-    o.beta2 = f.number("beta2", o.beta2, 0, 0.999999999);
+    o.beta1 = f.number("beta1", o.beta1, 0, 1, false, true);
+    o.beta2 = f.number("beta2", o.beta2, 0, 1, false, true);
     o.eps = f.number("eps", o.eps, 0, 1, true);
     o.weight_decay = f.number("weight_decay", o.weight_decay, 0, 10);
     o.grad_clip = f.number("grad_clip", o.grad_clip, 0, 1e12);

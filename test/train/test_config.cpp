@@ -183,6 +183,11 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
              "model.rope_scaling.high_freq_factor: 1.0 must exceed low_freq_factor (4.0)");
   fails_with({{"model", {{"rope_scaling", {{"type", "llama3"}, {"factr", 8}}}}}}, "did you mean 'factor'");
   fails_with({{"optimizer", {{"beta2", 1.5}}}}, "optimizer.beta2");
+  // An open end is shown open: 1.0 itself is what the range leaves out.
+  fails_with({{"optimizer", {{"beta2", 1.0}}}}, "optimizer.beta2: 1.0 is out of range (allowed: [0, 1))");
+  fails_with({{"precision", {{"mode", "fp16"}, {"loss_scale", {{"backoff_factor", 1}}}}}},
+             "precision.loss_scale.backoff_factor: 1 is out of range (allowed: (0, 1))");
+  CHECK(test::make_config(base, {{"optimizer", {{"beta2", 0.99999}}}}).optimizer.beta2 == 0.99999);
   fails_with({{"optimizer", {{"lr", -1}}}}, "optimizer.lr");
   fails_with({{"optimizer", {{"weight_decy", 0.1}}}}, "did you mean 'weight_decay'");
   fails_with({{"trian", {{"steps", 1}}}}, "trian: unknown field (did you mean 'train'?)");
