@@ -35,6 +35,10 @@ int cmd_plan(const PlanArgs& a) {
   plan::PlanOptions opt;
   opt.hw.gpus_per_node = a.gpus_per_node;
   opt.hw.gpu_mem_bytes = static_cast<double>(plan::parse_memory_size(a.gpu_mem));
+  // A bare number is bytes: "--gpu-mem 80" meant 80GiB, and every layout would be out of memory.
+  if (opt.hw.gpu_mem_bytes < 1024 && a.gpu_mem.find_first_not_of("0123456789. ") == std::string::npos)
+    throw ConfigError("--gpu-mem " + a.gpu_mem + ": a number without a unit is bytes, and " + a.gpu_mem +
+                      " bytes hold no model; did you mean " + a.gpu_mem + "GiB?");
   opt.hw.sm_count = a.sm_count;
   opt.hw.achievable_tflops = a.tflops;
   opt.hw.intra_node_gbps = a.intra_gbps;
@@ -93,6 +97,20 @@ int cmd_plan(const PlanArgs& a) {
   if (a.tp && a.pp && a.dp && *a.tp * *a.pp * *a.dp != opt.gpus)
     throw ConfigError("--tp * --pp * --dp = " + std::to_string(*a.tp * *a.pp * *a.dp) + " but --gpus is " +
                       std::to_string(opt.gpus));
+  // Pinned sizes that cannot divide the GPUs leave nothing to search: say which, not "no layout fits".
+  int64_t pinned = 1;
+  std::string pins;
+  for (const auto& [flag, v] : {std::pair{"--tp", a.tp}, std::pair{"--pp", a.pp}, std::pair{"--dp", a.dp}})
+    if (v) {
+      pinned *= *v;
+      pins += std::string(pins.empty() ? "" : " x ") + flag + " " + std::to_string(*v);
+    }
+  if (opt.gpus % pinned != 0)
+    throw ConfigError(pins + " = " + std::to_string(pinned) + " does not divide --gpus " + std::to_string(opt.gpus) +
+                      " (tp x pp x dp is the GPU count)");
+  if (opt.gpus > opt.hw.gpus_per_node && opt.gpus % opt.hw.gpus_per_node != 0)
+    throw ConfigError("--gpus " + std::to_string(opt.gpus) + " is not a whole number of nodes of --gpus-per-node " +
+                      std::to_string(opt.hw.gpus_per_node));
 
   plan::PlanResult r = plan::plan_all(cfg, opt);
   std::vector<plan::Alternative> alts;

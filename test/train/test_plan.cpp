@@ -1656,6 +1656,16 @@ TEST_CASE("plan: keel plan on the command line", "[plan]") {
   }
   SECTION("bad arguments") {
     CHECK(keel_cli("plan --config " + cfg + " --gpu-mem 80XB").code == 2);
+    const Ran tp3 = keel_cli("plan --config " + cfg + " --gpus 320 --tp 3");  // was "no layout fits", no reason
+    CHECK(tp3.code == 2);
+    CHECK_THAT(tp3.out, Catch::Contains("--tp 3 = 3 does not divide --gpus 320"));
+    const Ran nodes = keel_cli("plan --config " + cfg + " --gpus 320 --gpus-per-node 3");
+    CHECK(nodes.code == 2);
+    CHECK_THAT(nodes.out, Catch::Contains("--gpus 320 is not a whole number of nodes of --gpus-per-node 3"));
+    const Ran bare = keel_cli("plan --config " + cfg + " --gpu-mem 80");  // bytes, and surely meant GiB
+    CHECK(bare.code == 2);
+    CHECK_THAT(bare.out, Catch::Contains("--gpu-mem 80: a number without a unit is bytes") &&
+                             Catch::Contains("did you mean 80GiB?"));
     CHECK(keel_cli("plan --config " + cfg + " --gpus 320 --tp 8 --pp 10 --dp 8").code == 2);
     const Ran v = keel_cli("plan --config " + cfg + " --virtual-stages two");
     CHECK(v.code == 2);
