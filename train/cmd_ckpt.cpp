@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <optional>
 
 #include "kernels/dtype.h"
 #include "train/checkpoint.h"
@@ -220,7 +221,19 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
 }
 
 int cmd_verify(const std::string& path) {
-  Checkpoint ck = Checkpoint::open(path);
+  // A checkpoint whose files do not open (one missing, truncated, a header that does not parse)
+  // is damaged like one whose checksums fail: the same heading, for scripts that look for it. A
+  // path that holds no checkpoint at all is no damage: that error stays what it is.
+  std::optional<Checkpoint> opened;
+  try {
+    opened.emplace(Checkpoint::open(path));
+  } catch (const CheckpointError& e) {
+    std::error_code ec;
+    if (!std::filesystem::exists(std::filesystem::path(path) / "meta.json", ec)) throw;
+    std::printf("DAMAGED: %s:\n  %s\n", path.c_str(), e.what());
+    return kExitCheckpointError;
+  }
+  const Checkpoint& ck = *opened;
   const CheckpointProblems problems = ck.verify();
   if (problems.empty()) {
     const size_t files = ck.meta().at("files").size();

@@ -599,14 +599,16 @@ TEST_CASE("damaged checkpoints are refused by name, the run's other checkpoints 
     fs::resize_file(bad + "/model-tp00-pp00.safetensors", fs::file_size(bad + "/model-tp00-pp00.safetensors") - 64);
     auto v = run_keel("ckpt verify " + bad);
     CHECK(v.code == 5);
-    CHECK_THAT(v.output, Catch::Contains("model-tp00-pp00.safetensors") && Catch::Contains("truncated"));
+    CHECK_THAT(v.output, Catch::Contains("DAMAGED: " + bad + ":") && Catch::Contains("model-tp00-pp00.safetensors") &&
+                             Catch::Contains("truncated"));
     CHECK(run_keel(train_args(ws, out)).code == 5);
   }
   SECTION("a missing file names the file") {
     fs::remove(bad + "/optim-tp00-pp00-dp00.safetensors");
     auto v = run_keel("ckpt verify " + bad);
     CHECK(v.code == 5);
-    CHECK_THAT(v.output, Catch::Contains("optim-tp00-pp00-dp00.safetensors is missing"));
+    CHECK_THAT(v.output, Catch::Contains("DAMAGED: " + bad + ":") &&
+                             Catch::Contains("optim-tp00-pp00-dp00.safetensors is missing"));
     auto r = run_keel(train_args(ws, out, "--resume " + bad));
     CHECK(r.code == 5);
   }
@@ -1383,6 +1385,9 @@ TEST_CASE("keel train --init-from into a run that is already complete says that 
   const auto r = run_keel(train_args(ws, out, "--steps 4 --init-from " + ck));
   INFO(r.output);
   CHECK(r.code == 0);
-  CHECK_THAT(r.output, Catch::Contains("--init-from " + ck + " is ignored: it only initialises a fresh run") &&
+  // Loud: the flag given by hand over a run's checkpoints more likely meant a new finetune.
+  CHECK_THAT(r.output, Catch::Contains("WARNING --init-from " + ck + " is ignored: " + out +
+                                       "/checkpoints already holds a run's checkpoints, and this run resumes it. To "
+                                       "start a new run from " + ck + ", give it another --out") &&
                            Catch::Contains("train.steps is 4: nothing to do"));
 }
