@@ -489,7 +489,9 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
   be_.attention_forward(a.attn, a.lse, a.qkv, shape);
   probe(false, layer, "attention", a.attn);
   output_projection(a.res_mid, a.res_in, a.attn, w.wo, gpt2 ? &w.bo : nullptr, layer, "attention output projection");
-  probe(false, layer, "attention residual add", a.res_mid);
+  // Without TP the projection and the add are one op: a value that overflows there may be wo's.
+  probe(false, layer, tensor_parallel_ ? "attention residual add" : "attention output projection (wo) + residual add",
+        a.res_mid);
 
   // MLP block: res_out = res_mid + down(act(up(norm(res_mid))))
   norm_forward(a.norm2, a.mean2, a.rstd2, a.res_mid, w.mlp_norm_w, w.mlp_norm_b);
@@ -511,7 +513,7 @@ void Transformer::layer_forward(const LayerActs& a, const LayerParams& w, const 
   }
   if (!out) return;  // recomputing: backward needs nothing further
   output_projection(*out, a.res_mid, a.act, w.w_out, gpt2 ? &w.b_out : nullptr, layer, "mlp output projection");
-  probe(false, layer, "layer output (residual add)", *out);
+  probe(false, layer, tensor_parallel_ ? kLayerOutputOp : kLayerOutputFusedOp, *out);
 }
 
 void Transformer::mlp_activation(const LayerActs& a) {

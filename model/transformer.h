@@ -151,6 +151,10 @@ class Transformer {
     const char* op;
     const Tensor& out;
   };
+  // The op names of a layer's output (the per-layer activation statistics read them): the MLP's
+  // residual add, or without TP the output projection (w_out) fused with it.
+  static constexpr const char* kLayerOutputOp = "layer output (residual add)";
+  static constexpr const char* kLayerOutputFusedOp = "layer output (mlp output projection w_out + residual add)";
   using ProbeFn = std::function<void(const OpProbe&)>;
   void set_probe(ProbeFn fn) { probe_ = std::move(fn); }
 

@@ -395,7 +395,8 @@ StepStats Trainer::step(const std::vector<MicroBatch>& micro_batches, int64_t it
     grad_max.assign(act_max.size(), 0.0f);
     set_probe([&](int, const Transformer::OpProbe& p) {
       if (p.layer < 0) return;
-      const bool act = !p.backward && std::strcmp(p.op, "layer output (residual add)") == 0;
+      const bool act = !p.backward && (std::strcmp(p.op, Transformer::kLayerOutputOp) == 0 ||
+                                       std::strcmp(p.op, Transformer::kLayerOutputFusedOp) == 0);
       const bool grad = p.backward && std::strcmp(p.op, "layer input gradient (attn_norm backward)") == 0;
       if (!act && !grad) return;
       float& slot = (act ? act_max : grad_max)[static_cast<size_t>(p.layer)];

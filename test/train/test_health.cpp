@@ -90,6 +90,19 @@ TEST_CASE("seed 003: fp16 overflow in a known layer is localised to that layer a
   INFO(st.nonfinite_report);
   CHECK_THAT(st.nonfinite_report, Catch::Contains("forward, layer 1, mlp gate/up projection") &&
                                       Catch::Contains("inf") && Catch::Contains("65504"));
+
+  // The attention output projection made huge: without TP it is one op with the residual add,
+  // and the report names both (it named the residual add alone, hiding wo).
+  Trainer wo(cfg, *be);
+  wo.init_weights();
+  wo.state().master_to_host(w.data());
+  const ParamSpec& proj = wo.table().at("layers.1.attn.wo");
+  for (int64_t i = proj.offset; i < proj.offset + proj.numel; ++i) w[static_cast<size_t>(i)] *= 3e6f;
+  wo.state().load_fp32(w.data());
+  StepStats st_wo = wo.step(learnable_batches(2, 4, 32, 1), 1);
+  REQUIRE(st_wo.nonfinite);
+  INFO(st_wo.nonfinite_report);
+  CHECK_THAT(st_wo.nonfinite_report, Catch::Contains("forward, layer 1, attention output projection (wo) + residual add"));
 }
 
 TEST_CASE("per-layer activation and gradient magnitudes are collected on request", "[health][stats]") {
