@@ -131,6 +131,34 @@ data::ChatTemplate first_chat_template(const std::vector<fs::path>& where, const
                     "none)");
 }
 
+std::string tokenizer_mismatch_warning(const std::vector<fs::path>& model_dirs, const RunConfig& cfg) {
+  const std::string model_tok = locate_tokenizer(model_dirs, ""), data_tok = locate_tokenizer(data_tokenizer_dirs(cfg), "");
+  if (model_tok.empty() || data_tok.empty()) return {};
+  std::error_code ec;
+  if (fs::equivalent(model_tok, data_tok, ec)) return {};
+  // What decides the ids: the model's vocabulary and merges, and the added (special) tokens.
+  auto ids_part = [](const std::string& path) {
+    std::ifstream in(path);
+    const json j = json::parse(in, nullptr, false);
+    if (!j.is_object()) return json();
+    return json{{"model", j.value("model", json())}, {"added_tokens", j.value("added_tokens", json())}};
+  };
+  const json a = ids_part(model_tok), b = ids_part(data_tok);
+  if (a.is_null() || b.is_null() || a == b) return {};
+  auto vocab = [](const std::string& path) {
+    try {
+      return std::to_string(data::Tokenizer::from_file(path).vocab_size()) + " ids";
+    } catch (const std::exception&) {
+      return std::string("unreadable");
+    }
+  };
+  return "WARNING data.train was tokenized with another tokenizer than the model's: " + data_tok + " (" +
+         vocab(data_tok) + ") is not " + model_tok + " (" + vocab(model_tok) +
+         "). The run would learn the ids of another model's vocabulary (the loss starts far above the model's own). "
+         "Tokenize the data with the model's tokenizer: keel tokenize --tokenizer " +
+         fs::path(model_tok).parent_path().string();
+}
+
 std::vector<fs::path> data_tokenizer_dirs(const RunConfig& cfg) {
   std::vector<fs::path> dirs;
   for (const std::string& pattern : cfg.data.train) dirs.push_back(fs::path(pattern).parent_path());

@@ -112,6 +112,13 @@ std::string tokenizer_places(const std::vector<std::filesystem::path>& dirs);
 std::optional<data::Tokenizer> find_tokenizer(const LoadedModel& lm, const std::string& explicit_path, bool required,
                                               const std::string& hint);
 
+// A fresh run from a model's weights whose data.train was tokenized with another tokenizer:
+// the warning naming both tokenizer.json files and their vocabularies (a finetune would learn
+// another model's ids: the loss starts far above the model's own and nothing else fails when the
+// ids fit the vocabulary). Empty when they agree (the same vocabulary, merges and added tokens,
+// whatever the formatting) or when either has no tokenizer.json to compare.
+std::string tokenizer_mismatch_warning(const std::vector<std::filesystem::path>& model_dirs, const RunConfig& cfg);
+
 // Refuses (ConfigError) a prompt with a token id the model has no embedding row for, before
 // anything is generated: "<what>: token 5000 is outside the model's vocabulary (2048 ids)<why>".
 // `why` says where such ids come from (another model's tokenizer).

@@ -1275,7 +1275,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                                     ", " + std::to_string(progress.consumed_samples) + " samples consumed, Adam step " +
                                     std::to_string(tr.state().adam_step) + " (saved under " +
                                     saved_layout_text(ck.meta()) + ")");
-    if (!init_from.empty())
+    // The config's train.init_from is expected here (every requeue of a finetune resumes); the
+    // flag given by hand over an earlier run's checkpoints more likely meant a new finetune.
+    if (!init_from.empty() && init_flag == "--init-from" && opts.resume.empty())
+      notes.push_back("WARNING --init-from " + init_from + " is ignored: " + cfg.checkpoint.dir +
+                      " already holds a run's checkpoints, and this run resumes it. To start a new run from " +
+                      init_from + ", give it another --out");
+    else if (!init_from.empty())
       notes.push_back(init_flag + " " + init_from + " is ignored: it only initialises a fresh run, and this run resumes");
     // Found in checkpoint.dir, saved by a run with another --out: a shared checkpoint folder
     // (one --out per job) is fine, a copied config whose checkpoint.dir names another run's is
@@ -1291,6 +1297,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   } else if (auto hf_dir = hf_path(init_from)) {
     // A Hugging Face model directory (hf:DIR), converted on the fly.
     notes.push_back(init_weights_from_hf(*hf_dir, tr.table(), tr.state(), &loaded_source));
+    if (std::string w = tokenizer_mismatch_warning({fs::path(*hf_dir)}, cfg); !w.empty()) notes.push_back(w);
     loaded_from = init_from;
   } else if (!init_from.empty()) {
     Checkpoint ck = open_verified(init_from, "initialise from", init_flag);
@@ -1307,6 +1314,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     // and HF config that sample and export look for, also once the HF model has moved.
     loaded_source = source_with_init_from(ck.meta().value("source", nlohmann::json()), ck.path());
     loaded_precision = ck.precision();
+    if (std::string w = tokenizer_mismatch_warning(checkpoint_assets(ck).tokenizer_dirs, cfg); !w.empty())
+      notes.push_back(w);
   } else {
     tr.init_weights();
   }

@@ -570,6 +570,46 @@ TEST_CASE("keel tokenize + keel train: instruction data with the model's own tok
 // model's tokenizer_config.json has one); keel tokenize --chat renders the conversations with
 // it and masks everything but the replies; keel sample --chat prompts through the same template,
 // which must equal prompting with the rendered text and no added special tokens.
+// Data tokenized for another model trains without an error when its ids fit the vocabulary, the
+// loss only starting far above the model's own: the start-up compares the data's tokenizer.json
+// with the model's and warns, naming both.
+TEST_CASE("keel train from a model's weights warns when data.train was tokenized with another tokenizer",
+          "[hf][cli][tokenize]") {
+  test::TempDir tmp("hftok-other");
+  {
+    std::ofstream plain(tmp / "plain.jsonl");
+    for (int k = 0; k < 40; ++k)
+      plain << json{{"text", "The old lighthouse keeper counted " + std::to_string(k) + " ships before the storm."}}.dump()
+            << "\n";
+  }
+  const std::string model = kHf + "llama_trained", other = kHf + "gpt2_tied";
+  for (const auto& [name, tokenizer] : {std::pair{"own", model}, std::pair{"other", other}}) {
+    auto t = run_keel("tokenize --jsonl " + tmp / "plain.jsonl" + " --tokenizer hf:" + tokenizer + " --out " +
+                      tmp / name + " --val-fraction 0");
+    INFO(t.output);
+    REQUIRE(t.code == 0);
+  }
+  auto cfg = run_keel("convert --print-config hf:" + model);
+  REQUIRE(cfg.code == 0);
+  std::ofstream(tmp / "ft.json") << cfg.output;
+  for (const std::string name : {"own", "other"}) {
+    auto r = run_keel("train --config " + tmp / "ft.json" + " --out " + tmp / ("run_" + name) + " --steps 1 -q" +
+                      " --set 'data.train=" + tmp / name + "/train_*.bin' --set train.seq_len=32" +
+                      " --set train.global_batch=2 --set train.micro_batch=1 --set schedule.warmup_steps=0" +
+                      " --set train.eval_batches=0 --set 'data.val=[]'");
+    INFO(name << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    if (name == "own") {
+      CHECK_THAT(r.output, !Catch::Contains("tokenized with another tokenizer"));
+    } else {
+      CHECK_THAT(r.output, Catch::Contains("WARNING data.train was tokenized with another tokenizer than the model's: " +
+                                           tmp / "other/tokenizer.json") &&
+                               Catch::Contains("is not " + model + "/tokenizer.json") &&
+                               Catch::Contains("keel tokenize --tokenizer " + model));
+    }
+  }
+}
+
 TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the model's chat template", "[hf][cli][chat]") {
   test::TempDir tmp("hfchat");
   const fs::path model = fs::path(tmp / "model");
