@@ -31,6 +31,27 @@ using detail::quoted;
 
 namespace {
 
+// For "no documents found" in JSONL: the keys the first record has, and the option that reads
+// such records (a chat file without --chat, pairs without --loss-mask prompt).
+std::string first_record_hint(const TokenizeOptions& o) {
+  if (o.jsonl.empty()) return {};
+  std::ifstream in(o.jsonl.front());
+  std::string line;
+  while (std::getline(in, line) && line.find_first_not_of(" \t\r") == std::string::npos) {
+  }
+  const nlohmann::json rec = nlohmann::json::parse(line, nullptr, false);
+  if (!rec.is_object()) return {};
+  std::string keys;
+  for (const auto& [k, v] : rec.items()) keys += (keys.empty() ? "" : ", ") + quoted(k);
+  std::string hint = "; the first record of " + o.jsonl.front() + " has " + (keys.empty() ? "no keys" : keys);
+  if (!o.chat && (rec.contains("messages") || rec.contains("conversations")))
+    hint += ": conversations, which --chat renders with the model's chat template";
+  else if (!o.prompt_loss_mask && !o.chat && rec.contains(o.prompt_key) && rec.contains(o.response_key))
+    hint += ": prompt/response pairs, which --loss-mask prompt reads";
+  return hint;
+}
+
+
 // Token files of an earlier run in `out` (both formats), replaced by a successful run.
 bool is_token_output_name(const std::string& name) {
   static const std::regex re(R"((train|val)(_\d{3,})?\.(bin|idx|mask))");
@@ -443,7 +464,8 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
                                                          (messages_keys(o).size() > 1 ? " or 'conversations'" : "") + ")"
                                             : o.prompt_loss_mask ? " (records need string fields " + quoted(o.prompt_key) +
                                                                     " and " + quoted(o.response_key) + ")"
-                                                              : o.jsonl.empty() ? "" : " (records need a string field " + quoted(o.text_key) + ")"));
+                                                              : o.jsonl.empty() ? "" : " (records need a string field " + quoted(o.text_key) + ")") +
+                    first_record_hint(o));
   r.characters = corpus.characters();
   say("keel tokenize: %zu documents (%lld characters) in %.2f s%s", corpus.size(), static_cast<long long>(r.characters),
       seconds_since(t0),

@@ -2,11 +2,13 @@
 #include <omp.h>
 
 #include <iostream>
+#include <map>
 #include <optional>
 
 #include "train/cli_checks.h"
 #include "train/commands.h"
 #include "train/config.h"
+#include "train/parallel/mpi_comm.h"
 #include "train/run.h"
 
 namespace keel {
@@ -37,6 +39,20 @@ int cmd_train(const TrainArgs& a) {
   if (a.out) overrides.push_back("out=" + nlohmann::json(*a.out).dump());
   if (a.seed >= 0) overrides.push_back("train.seed=" + std::to_string(a.seed));
   if (!a.device.empty()) overrides.push_back("device=" + nlohmann::json(a.device).dump());
+  // A key set twice on the command line takes its last value (scripts append overrides on
+  // purpose), but say which: "--steps 50 --set train.steps=70" trained 50 steps without a word.
+  const bool lead = !process_runtime() || process_runtime()->world_rank() == 0;
+  std::map<std::string, std::string> given;  // key -> its last value, as given
+  for (size_t i = 0; i < overrides.size(); ++i) {
+    const size_t eq = overrides[i].find('=');
+    if (eq == std::string::npos) continue;  // load_config names the malformed one
+    const std::string key = overrides[i].substr(0, eq), value = overrides[i].substr(eq + 1);
+    const auto was = given.find(key);
+    if (was != given.end() && was->second != value && lead)
+      std::cerr << "keel: note: " << key << " is set twice on the command line (" << was->second << ", then "
+                << value << (i >= a.sets.size() ? ", by its flag" : "") << "): the last one, " << value << ", counts\n";
+    given[key] = value;
+  }
   RunConfig cfg = load_config(a.config, overrides);
   if (a.print_config) {
     std::cout << to_json(cfg).dump(2) << '\n';

@@ -265,7 +265,17 @@ TEST_CASE("keel tokenize changes nothing in --out until it succeeds", "[tokenize
     TokenizeOptions o = options_of(c["args"], out, 2);
     o.jsonl = {dir / "empty.jsonl"};
     CHECK_THAT(test::data_error_of([&] { tokenize_corpus(o, quiet); }),
-               Catch::Contains("no documents found") && Catch::Contains("'text'"));
+               Catch::Contains("no documents found") && Catch::Contains("'text'") &&
+                   Catch::Contains("the first record of " + (dir / "empty.jsonl") + " has 'txt'"));
+    unchanged();
+    // Conversations or pairs read without their option: the option is named.
+    std::ofstream(dir / "chats.jsonl") << R"({"messages": [{"role": "user", "content": "hi"}]})" << "\n";
+    std::ofstream(dir / "pairs.jsonl") << R"({"prompt": "Q: 1+1?", "response": " 2"})" << "\n";
+    for (const auto& [file, option] : {std::pair{"chats.jsonl", "--chat"}, std::pair{"pairs.jsonl", "--loss-mask prompt"}}) {
+      o.jsonl = {dir / file};
+      CHECK_THAT(test::data_error_of([&] { tokenize_corpus(o, quiet); }),
+                 Catch::Contains("no documents found") && Catch::Contains(std::string("which ") + option));
+    }
     unchanged();
   }
   SECTION("an input that the run would replace") {

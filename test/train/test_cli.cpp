@@ -59,6 +59,18 @@ TEST_CASE("a mistyped subcommand is named, with the closest one and the list", "
                              !Catch::Contains("did you mean"));
 }
 
+TEST_CASE("a setting given twice on the command line says which value counts", "[cli][config]") {
+  const std::string cfg = std::string(KEEL_SOURCE_DIR) + "/configs/llama-tiny.json";
+  Result r = run_keel("train --config " + cfg + " --set train.steps=70 --set train.steps=80 --steps 50 --print-config");
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("train.steps is set twice on the command line (70, then 80): the last one, 80, "
+                                       "counts") &&
+                           Catch::Contains("(80, then 50, by its flag): the last one, 50, counts") &&
+                           Catch::Contains("\"steps\": 50"));
+  Result same = run_keel("train --config " + cfg + " --set train.steps=50 --steps 50 --print-config");
+  CHECK_THAT(same.output, !Catch::Contains("set twice"));  // the same value twice changes nothing
+}
+
 TEST_CASE("each subcommand's --help gives its own examples and exit codes, as README does", "[cli]") {
   // keel's own footer (train examples) must not leak into subcommands that set none.
   for (const char* sub : {"ckpt", "ckpt inspect", "ckpt diff", "ckpt verify", "ckpt average"}) {
