@@ -268,6 +268,22 @@ std::vector<std::string> training_file_changes(const nlohmann::json& saved, cons
   return changes;
 }
 
+// Whether the files only moved: at other paths, the same files in the same order with the same
+// token counts and content fingerprints (data staged to another filesystem). The sample order is
+// then exactly the saved run's. A checkpoint without fingerprints cannot tell: false.
+bool training_files_moved(const nlohmann::json& saved, const nlohmann::json& now) {
+  if (!saved.is_array() || saved.size() != now.size()) return false;
+  for (size_t k = 0; k < now.size(); ++k) {
+    if (!saved[k].is_array() || saved[k].size() != now[k].size()) return false;
+    for (size_t i = 0; i < now[k].size(); ++i) {
+      const auto &a = saved[k][i], &b = now[k][i];
+      const std::string pa = a.value("fingerprint", ""), pb = b.value("fingerprint", "");
+      if (pa.empty() || pa != pb || a.value("tokens", int64_t{-1}) != b.value("tokens", int64_t{-2})) return false;
+    }
+  }
+  return true;
+}
+
 // After a rewind (--resume of an earlier step), the later checkpoints belong to the abandoned
 // run. They are moved, whole, into one folder beside the others (CheckpointManager::set_aside):
 // this run's saves of the same steps would otherwise replace them, and rotation must not
@@ -1251,9 +1267,16 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_source = ck.meta().value("source", nlohmann::json());
     loaded_precision = ck.precision();
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
-    if (const auto changes = training_file_changes(ck.meta().value("data", nlohmann::json::object()).value("files", nlohmann::json()),
-                                                   train_files);
-        !changes.empty() && !opts.eval_only) {
+    const nlohmann::json saved_files =
+        ck.meta().value("data", nlohmann::json::object()).value("files", nlohmann::json());
+    if (const auto changes = training_file_changes(saved_files, train_files);
+        !changes.empty() && !opts.eval_only && training_files_moved(saved_files, train_files)) {
+      size_t n = 0;
+      for (const auto& source : train_files) n += source.size();
+      notes.push_back("data.train's files moved since the checkpoint: the same " + std::to_string(n) +
+                      " file(s) at other paths, with the same tokens and content fingerprints in the same order, so "
+                      "the sample order continues exactly");
+    } else if (!changes.empty() && !opts.eval_only) {
       // Under the same patterns the files changed beneath them; with new ones (listed with the
       // settings changed above) the files are what the new data.train resolves to.
       const nlohmann::json saved_train =

@@ -227,4 +227,20 @@ TEST_CASE("a resume under another data.train says so in the training-data warnin
                            Catch::Contains("WARNING the training data changed since the checkpoint: data.train is not "
                                            "the checkpoint's (above), and the files it resolves to differ:\n") &&
                            Catch::Contains(b + " is new (6000 tokens)") && !Catch::Contains("under the same data.train"));
+
+  // The same file copied elsewhere (data staged to another filesystem): a note that the order
+  // continues, no warning, and the steps are those of the run that did not move it.
+  fs::create_directories(ws.dir / "staged");
+  fs::copy_file(ws.dir / "train.bin", ws.dir / "staged/train.bin");
+  const std::string staged = fs::absolute(ws.dir / "staged/train.bin").lexically_normal().string();
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "straight") + " -q").code == 0);
+  REQUIRE(test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "moved") + " -q --stop-at 2").code == 4);
+  const test::ProcessResult m =
+      test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "moved") + " --set data.train=" + staged);
+  INFO(m.output);
+  CHECK(m.code == 0);
+  CHECK_THAT(m.output, Catch::Contains("data.train's files moved since the checkpoint: the same 1 file(s) at other paths") &&
+                           !Catch::Contains("WARNING the training data changed"));
+  CHECK(test::losses_by_step(test::read_metrics(ws.dir / "moved/metrics.jsonl")) ==
+        test::losses_by_step(test::read_metrics(ws.dir / "straight/metrics.jsonl")));
 }
