@@ -135,6 +135,25 @@ std::string utc_now() {
 
 bool is_complete_checkpoint(const fs::path& p) { return fs::is_directory(p) && fs::exists(p / "meta.json"); }
 
+// What is wrong with a complete checkpoint's files at a glance, without reading them: a meta.json
+// that does not parse, a file it lists that is missing or of another size (a truncated copy, a
+// full disk). Empty when nothing is; the checksums are for the load (and keel ckpt verify).
+std::string files_damage(const fs::path& p) {
+  std::ifstream in(p / "meta.json");
+  const json m = json::parse(in, nullptr, false);
+  if (!m.is_object() || !m.contains("files") || !m["files"].is_object()) return "its meta.json does not parse";
+  for (const auto& [name, info] : m["files"].items()) {
+    std::error_code ec;
+    const auto size = fs::file_size(p / name, ec);
+    if (ec) return name + " is missing";
+    if (info.is_object() && info.contains("bytes") && info["bytes"].is_number_integer() &&
+        static_cast<int64_t>(size) != info["bytes"].get<int64_t>())
+      return name + " has " + std::to_string(size) + " bytes, not the " + std::to_string(info["bytes"].get<int64_t>()) +
+             " saved";
+  }
+  return {};
+}
+
 int64_t step_of(const std::string& name) {
   if (name.rfind("step_", 0) != 0) return -1;
   try {
@@ -466,20 +485,38 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
       msg += "\nThere is no complete checkpoint in " + dir.string() + "; to start afresh, remove " + pointer.string() +
              ".";
     } else {
+      // The newest whose files are all there at their saved sizes is the one to suggest.
+      std::string suggest;
       msg += "\nComplete checkpoints in " + dir.string() + ", oldest save first:";
-      for (const auto& c : complete) msg += " " + c;
-      msg += "\nPass the one to continue from with --resume " + (dir / complete.back()).string() +
-             " (or another of them), or repair " + pointer.string() + ". Nothing was changed.";
+      for (const auto& c : complete) {
+        const std::string damage = files_damage(dir / c);
+        msg += " " + c + (damage.empty() ? "" : " (damaged: " + damage + ")");
+        if (damage.empty()) suggest = c;
+      }
+      msg += suggest.empty() ? "\nEvery one of them is damaged; to start afresh, remove " + pointer.string() +
+                                   " (and the damaged checkpoints). Nothing was changed."
+                             : "\nPass the one to continue from with --resume " + (dir / suggest).string() +
+                                   " (or another of them), or repair " + pointer.string() + ". Nothing was changed.";
     }
     throw CheckpointError(msg);
   }
-  // No pointer at all (removed by hand, or copied without it): the newest complete step directory.
+  // No pointer at all (removed by hand, or copied without it): the newest complete step
+  // directory whose files are all there at their saved sizes; damaged newer ones are named.
   const std::vector<std::string> complete = complete_checkpoints(dir);
   if (complete.empty()) return std::nullopt;
-  if (note)
-    *note = "no `latest` pointer in " + dir.string() + ": continuing from the newest complete checkpoint there, " +
-            complete.back();
-  return (dir / complete.back()).string();
+  std::string skipped;
+  for (auto it = complete.rbegin(); it != complete.rend(); ++it) {
+    const std::string damage = files_damage(dir / *it);
+    if (!damage.empty()) {
+      skipped += (skipped.empty() ? "" : "; ") + *it + " (" + damage + ")";
+      continue;
+    }
+    if (note)
+      *note = "no `latest` pointer in " + dir.string() + ": continuing from the newest complete checkpoint there, " + *it +
+              (skipped.empty() ? "" : ", past the damaged newer " + skipped);
+    return (dir / *it).string();
+  }
+  return (dir / complete.back()).string();  // every one damaged: the load names what is wrong
 }
 
 namespace {

@@ -764,6 +764,35 @@ TEST_CASE("a save published but not yet named by latest (a kill between the two)
   CHECK_THAT(told.output, Catch::Contains("resuming from " + dir + "/step_00000004") && Catch::Contains("abandons"));
 }
 
+// A damaged checkpoint (a truncated copy, a full disk) is no checkpoint to suggest or fall back
+// on: with `latest` unreadable the list marks it and suggests the newest intact one; with no
+// `latest` at all the run continues from that one and names the damaged newer one.
+TEST_CASE("a damaged checkpoint is marked in the list and passed over when there is no latest to follow",
+          "[ckpt][cli][corrupt]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  const std::string every = "--steps 12 --set checkpoint.interval=4 --set checkpoint.keep_last=5 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--stop-at 8")).code == 4);
+  const std::string file = dir + "/step_00000008/model-tp00-pp00.safetensors";
+  const auto size = fs::file_size(file);
+  fs::resize_file(file, size - 1000);
+  const std::string damage = "(damaged: model-tp00-pp00.safetensors has " + std::to_string(size - 1000) +
+                             " bytes, not the " + std::to_string(size) + " saved)";
+  std::ofstream(dir + "/latest") << "";
+  auto r = run_keel(train_args(ws, out, every));
+  INFO(r.output);
+  CHECK(r.code == 5);
+  CHECK_THAT(r.output, Catch::Contains("step_00000004 step_00000008 " + damage) &&
+                           Catch::Contains("--resume " + dir + "/step_00000004 (or another of them)"));
+  fs::remove(dir + "/latest");
+  r = run_keel(train_args(ws, out, every));
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("continuing from the newest complete checkpoint there, step_00000004, past the "
+                                       "damaged newer step_00000008 (model-tp00-pp00.safetensors has") &&
+                           Catch::Contains("resuming from " + dir + "/step_00000004"));
+}
+
 // A rewind past many saves names the first few abandoned checkpoints and their count.
 TEST_CASE("after a rewind past many checkpoints the abandoned ones are named in short and set aside together",
           "[ckpt][cli][rotate]") {
