@@ -537,14 +537,17 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
               cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
               cfg.optimizer.grad_clip);
   std::printf("%s", param_group_table(t, cfg.optimizer.weight_decay).c_str());
+  // How often the run reads its data (the whole batch each step; a ramp-up reads somewhat less):
+  // a corpus smaller than the run repeats, and a blend's upweighted small source many times.
+  const double run_samples = static_cast<double>(cfg.train.steps) * static_cast<double>(cfg.train.global_batch);
   if (train.num_sources() == 1) {
-    std::printf("keel: data: %lld training windows of %d+1 tokens from %zu file(s), %s tokens%s\n",
+    std::printf("keel: data: %lld training windows of %d+1 tokens from %zu file(s), %s tokens; about %.2f epochs in "
+                "%lld steps%s\n",
                 static_cast<long long>(train.num_windows()), train.seq_len(), train.dataset().num_files(),
                 human_count(static_cast<double>(train.dataset().num_tokens())).c_str(),
-                loss_mask_note(train.dataset()).c_str());
+                run_samples / static_cast<double>(std::max<int64_t>(1, train.num_windows())),
+                static_cast<long long>(cfg.train.steps), loss_mask_note(train.dataset()).c_str());
   } else {
-    // How often the run reads each source: an upweighted small source repeats many times.
-    const double run_samples = static_cast<double>(cfg.train.steps) * static_cast<double>(cfg.train.global_batch);
     std::printf("keel: data: a blend of %zu sources, windows of %d+1 tokens:\n", train.num_sources(), train.seq_len());
     for (size_t k = 0; k < train.num_sources(); ++k) {
       const data::TokenDataset& d = train.source(k);
