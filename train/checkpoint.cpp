@@ -1440,15 +1440,23 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
                           ": the run continues from the same fp32 state but will not be bit-identical");
     // Each changed setting by name (a whole section's JSON hides the one change in it).
     std::vector<std::string> changed;
+    std::string order_fields;  // the settings the sample order is a function of
     for (const char* section : {"optimizer", "schedule", "train", "data", "parallel"})
       if (saved.contains(section))
-        for (const FieldChange& c : field_changes(saved[section], now[section], section))
+        for (const FieldChange& c : field_changes(saved[section], now[section], section)) {
           changed.push_back(c.field + ": " + c.a + " -> " + c.b);
+          if (c.field == "train.seed" || c.field == "train.seq_len" || c.field == "data.shuffle")
+            order_fields += (order_fields.empty() ? "" : ", ") + c.field;
+        }
     for (const FieldChange& c : field_changes(saved["model"], now["model"], "model"))
       if (c.field == "model.pad_vocab_to_multiple_of") changed.push_back(c.field + ": " + c.a + " -> " + c.b);
     if (!changed.empty()) {
       std::string text = "settings changed since the checkpoint:";
       for (const std::string& c : changed) text += "\n    " + c;
+      if (!order_fields.empty())
+        text += "\n  With another " + order_fields + " the samples come in another order (other windows) from sample " +
+                std::to_string(ck.progress().consumed_samples) +
+                " on: some of the current epoch may repeat or be skipped";
       warnings->push_back(text);
     }
     // The schedule follows train.steps (the decay window) and the schedule section: say what the

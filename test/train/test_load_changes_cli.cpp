@@ -84,7 +84,16 @@ TEST_CASE("a resume names each changed setting and the next step's new learning 
   CHECK(r.code == 4);
   CHECK_THAT(r.output, Catch::Contains("settings changed since the checkpoint:\n    optimizer.lr: 0.01 -> 0.005\n"
                                        "    train.steps: 6 -> 8") &&
-                           Catch::Contains("the learning rate of step 6 changes from "));
+                           Catch::Contains("the learning rate of step 6 changes from ") &&
+                           !Catch::Contains("another order"));
+  // Another seed: the order of the samples changes from the resumed one on, and that is said.
+  const test::ProcessResult seed = test::run_keel("train --config " + ws.config + " --out " + out +
+                                                  " --stop-at 7 --steps 8 --set optimizer.lr=5e-3 --seed 99");
+  INFO(seed.output);
+  CHECK(seed.code == 4);
+  CHECK_THAT(seed.output, Catch::Contains("train.seed: 1 -> 99") &&
+                              Catch::Contains("With another train.seed the samples come in another order (other "
+                                              "windows) from sample 48 on"));
 }
 
 TEST_CASE("a resume names training files that changed under the same data.train", "[ckpt][cli][resume][data]") {
