@@ -103,6 +103,15 @@ FrozenReport compare_frozen(const Checkpoint& a, const Checkpoint& b, const Froz
                       std::to_string(a.progress().iteration) + "; give the earlier checkpoint first");
   FrozenReport r;
   std::vector<std::string> notes;
+  // Two runs' checkpoints: what moved between them says nothing of either run's training.
+  const json ca = a.meta().value("config", json::object()), cb = b.meta().value("config", json::object());
+  const std::string out_a = ca.value("out", std::string()), out_b = cb.value("out", std::string());
+  if (!out_a.empty() && !out_b.empty() && out_a != out_b)
+    notes.push_back("A and B were saved by different runs (--out " + out_a + " and " + out_b +
+                    "): what moved between them is not what either run's training moved");
+  if (a.precision() != b.precision())
+    notes.push_back("A was trained in " + a.precision() + " and B in " + b.precision() +
+                    ": the precision hints are B's");
   const auto ta = a.tensors("weight"), tb = b.tensors("weight");
   const double lr = std::max(config_lr(a), config_lr(b));
   for (const auto& [name, shape] : ta) {

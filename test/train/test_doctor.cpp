@@ -99,6 +99,13 @@ TEST_CASE("doctor frozen: bf16-only norms at lr 1e-4 are frozen with the precisi
       INFO(cli.output);
       CHECK(cli.code == 2);
       CHECK(cli.output.find("FROZEN") == std::string::npos);
+      // Checkpoints of two runs: compared, with a note that it says nothing of either's training.
+      RunConfig other = cfg;
+      other.out = "/elsewhere/run";
+      const std::string c = save(tr, other, *be, dir / "other", 8);
+      const doctor::FrozenReport across = doctor::compare_frozen(Checkpoint::open(a), Checkpoint::open(c));
+      CHECK_THAT(across.text, Catch::Contains("note: A and B were saved by different runs") &&
+                                  Catch::Contains("/elsewhere/run"));
       continue;
     }
     // Every norm gain (init 1.0) and nothing else.
