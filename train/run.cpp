@@ -1034,14 +1034,23 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   check_ranks_agree(cfg, opts);
   if (cfg.parallel.world() != world_size) {
     const int64_t tp_pp = cfg.parallel.tp * cfg.parallel.pp;
+    // The dp these ranks would take, if the batch divides over it (global_batch a multiple of
+    // micro_batch x dp); else what it would need as well.
+    std::string other;
+    if (world_size % tp_pp != 0) {
+      other = "launch a multiple of tp*pp = " + std::to_string(tp_pp) + " processes";
+    } else {
+      const int64_t dp = world_size / tp_pp;
+      other = "change parallel.dp to " + std::to_string(dp);
+      if (cfg.train.global_batch % (cfg.train.micro_batch * dp) != 0)
+        other += " with a train.global_batch that is a multiple of train.micro_batch x dp = " +
+                 std::to_string(cfg.train.micro_batch * dp) + " (it is " + std::to_string(cfg.train.global_batch) + ")";
+    }
     throw ConfigError("parallel: tp*pp*dp = " + std::to_string(cfg.parallel.tp) + "*" + std::to_string(cfg.parallel.pp) +
                       "*" + std::to_string(cfg.parallel.dp) + " = " + std::to_string(cfg.parallel.world()) +
                       " ranks, but " + std::to_string(world_size) + (world_size == 1 ? " process was" : " processes were") +
                       " launched: start it with `mpirun -np " + std::to_string(cfg.parallel.world()) +
-                      " keel train ...` (or srun -n), or " +
-                      (world_size % tp_pp == 0
-                           ? "change parallel.dp to " + std::to_string(world_size / tp_pp)
-                           : "launch a multiple of tp*pp = " + std::to_string(tp_pp) + " processes"));
+                      " keel train ...` (or srun -n), or " + other);
   }
   const parallel::Grid grid(world_size, world_rank, static_cast<int>(cfg.parallel.tp), static_cast<int>(cfg.parallel.pp),
                             static_cast<int>(cfg.parallel.dp));

@@ -907,8 +907,15 @@ TEST_CASE("a world size that does not match tp*pp*dp is one clear error", "[mpi]
       3, "train --config " + ws.config + " --out " + (ws.dir / "x") + " --set parallel.tp=2 --set parallel.pp=2");
   INFO(r.output);
   CHECK(r.code == 2);
-  CHECK_THAT(r.output, Catch::Contains("tp*pp*dp = 2*2*1 = 4 ranks, but 3 processes were launched"));
+  CHECK_THAT(r.output, Catch::Contains("tp*pp*dp = 2*2*1 = 4 ranks, but 3 processes were launched") &&
+                           Catch::Contains("launch a multiple of tp*pp = 4 processes"));
   CHECK_FALSE(fs::exists(ws.dir / "x"));
+  // A dp the launch would fit but the batch does not divide over: the hint says what else to change.
+  const auto dp3 = test::run_keel_mpi(3, "train --config " + ws.config + " --out " + (ws.dir / "y"));
+  INFO(dp3.output);
+  CHECK(dp3.code == 2);
+  CHECK_THAT(dp3.output, Catch::Contains("or change parallel.dp to 3 with a train.global_batch that is a multiple of "
+                                         "train.micro_batch x dp = 6 (it is 16)"));
 }
 
 TEST_CASE("under mpirun, stop-and-resume (with background saves) and kill -9-and-resume continue bit-identically "
