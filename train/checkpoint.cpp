@@ -1260,19 +1260,20 @@ void CheckpointManager::rotate() {
   }
 }
 
-int CheckpointManager::clean_incomplete() {
+std::vector<std::string> CheckpointManager::clean_incomplete() {
   const fs::path dir(dir_);
-  if (!fs::is_directory(dir)) return 0;
-  int n = 0;
+  std::vector<std::string> removed;
+  if (!fs::is_directory(dir)) return removed;
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
     if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0 || name == ".latest.tmp") {
       std::error_code ec;
       fs::remove_all(e.path(), ec);
-      ++n;
+      removed.push_back(name);
     }
   }
-  return n;
+  std::sort(removed.begin(), removed.end());
+  return removed;
 }
 
 // ======================================================================================

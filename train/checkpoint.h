@@ -229,8 +229,9 @@ class CheckpointManager {
   // abandoned trajectory (above). So the checkpoint a run resumed from stays until keep_last
   // newer saves exist.
   void rotate();
-  // Removes .tmp-* directories left by saves that were killed.
-  int clean_incomplete();
+  // Removes what killed saves and prunes left (.tmp-* saves never published, .old-* replaced or
+  // rotated ones half removed, .latest.tmp); returns their names.
+  std::vector<std::string> clean_incomplete();
   static std::string step_name(int64_t step);  // "step_00000100"
 
  private:

@@ -1498,8 +1498,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (const TensorBoardWriter* tb = metrics->tensorboard())
       std::printf("keel: TensorBoard events: %s (tensorboard --logdir %s)\n", tb->path().c_str(), cfg.out.c_str());
     for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
-    if (int n = checkpoints.clean_incomplete(); n > 0)
-      std::printf("keel: removed %d incomplete save(s) left by an interrupted run\n", n);
+    if (const std::vector<std::string> left = checkpoints.clean_incomplete(); !left.empty()) {
+      std::string names;
+      for (size_t k = 0; k < left.size() && k < 5; ++k) names += (k ? ", " : "") + left[k];
+      if (left.size() > 5) names += ", ... and " + std::to_string(left.size() - 5) + " more";
+      std::printf("keel: removed what an interrupted run left in %s: %s (.tmp-: a save never published; .old-: a "
+                  "replaced or rotated checkpoint half removed)\n",
+                  cfg.checkpoint.dir.c_str(), names.c_str());
+    }
     if (!abandoned.empty())
       std::printf("keel: %s\n", set_aside_abandoned(checkpoints, cfg.checkpoint.dir, progress.iteration, abandoned,
                                                     loaded_from).c_str());
@@ -1823,7 +1829,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     } else if (!last && opts.time_limit_s > 0 && time_limit_near(elapsed, next_step, longest_save, opts.time_limit_s)) {
       stop_kind = 2;
       char buf[200];
-      std::snprintf(buf, sizeof buf, "time limit of %.0f s is near (%.1f s since keel started; the next step would "
+      std::snprintf(buf, sizeof buf, "time limit of %.4g s is near (%.1f s since keel started; the next step would "
                     "take about %.1f s and a save %.1f s)", opts.time_limit_s, elapsed, next_step,
                     std::max(next_step, longest_save));
       stop_reason = buf;
@@ -1844,8 +1850,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         const int32_t kind = agreed[0] / kRanks, rank = kRanks - 1 - agreed[0] % kRanks;
         stop_reason = std::string("rank ") + std::to_string(rank) + " is stopping (" +
                       (kind == 1   ? "--stop-at " + std::to_string(opts.stop_at) + " reached"
-                       : kind == 2 ? "the time limit of " + std::to_string(std::lround(opts.time_limit_s)) +
-                                             " s is near there"
+                       : kind == 2 ? "the time limit is near there"
                                    : std::string(signal_name(kind - 3)) + " received there") +
                       ")";
       }
