@@ -849,6 +849,15 @@ void check_tensors_match(const Checkpoint& ck, const std::string& state, const P
     std::string msg = "checkpoint " + ck.path() + " (" + state + ") does not match the model:";
     for (size_t i = 0; i < problems.size() && i < 20; ++i) msg += "\n  " + problems[i];
     if (problems.size() > 20) msg += "\n  ... and " + std::to_string(problems.size() - 20) + " more";
+    // The settings behind the shapes: the model fields the checkpoint's config and this one differ in.
+    RunConfig now;
+    now.model = table.config();
+    std::string fields;
+    for (const FieldChange& c : field_changes(ck.meta().value("config", json::object()).value("model", json::object()),
+                                              to_json(now)["model"], "model"))
+      if (c.field != "model.init_std" && c.field != "model.pad_vocab_to_multiple_of")
+        fields += (fields.empty() ? "" : ", ") + c.field + " " + c.a + " in the checkpoint, " + c.b + " here";
+    if (!fields.empty()) msg += "\n  (the model settings that differ: " + fields + ")";
     throw CheckpointError(msg);
   }
 }

@@ -607,7 +607,8 @@ TEST_CASE("weights-only loads name the tensor and both shapes on a mismatch", "[
   RunConfig wider = test::make_config(test::tiny_run_json(), {{"model", {{"ffn_hidden", 96}}}});
   Trainer b(wider, *be);
   CHECK_THROWS_WITH(init_weights_from(ck, b.table(), b.state(), *be, {}),
-                    Catch::Contains("layers.0.mlp.w_gate: checkpoint has shape [64, 32], the model expects [96, 32]"));
+                    Catch::Contains("layers.0.mlp.w_gate: checkpoint has shape [64, 32], the model expects [96, 32]") &&
+                        Catch::Contains("(the model settings that differ: model.ffn_hidden 64 in the checkpoint, 96 here)"));
   LossScaler sc(wider.precision.loss_scale, false);
   CHECK_THROWS_WITH(restore_for_resume(ck, wider, b.table(), b.state(), *be, sc, {}),
                     Catch::Contains("model.ffn_hidden: checkpoint 64, config 96"));
