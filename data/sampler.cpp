@@ -49,7 +49,10 @@ TokenDataset::TokenDataset(std::vector<TokenFile> files, int seq_len, uint32_t v
     throw DataError(prefix() + (use == DataUse::validation ? "no validation windows" : "no training windows") +
                     ": a window needs seq_len + 1 = " + std::to_string(seq_len + 1) + " tokens, but the largest of the " +
                     std::to_string(files_.size()) + " token file(s), '" + largest->path() + "', has only " +
-                    std::to_string(largest->num_tokens()));
+                    std::to_string(largest->num_tokens()) + ". Lower train.seq_len, or give the " +
+                    (use == DataUse::validation ? "validation split more data (keel tokenize --val-fraction)"
+                                                : "run more data") +
+                    (use == DataUse::validation && !field_.empty() ? ", or leave " + field_ + " out" : ""));
   }
 }
 

@@ -200,7 +200,8 @@ TEST_CASE("sampler errors name the file, the position and the vocab", "[data][sa
     const std::string path = dir / "tiny.bin";
     write_llmc_shard(path, {1, 2, 3}, false);
     CHECK_THAT(data_error_of([&] { TokenDataset::open({path}, 8, 10); }),
-               Contains("no training windows") && Contains("seq_len + 1 = 9") && Contains(path) && Contains("has only 3"));
+               Contains("no training windows") && Contains("seq_len + 1 = 9") && Contains(path) && Contains("has only 3") &&
+                   Contains("Lower train.seq_len"));
     // Validation data says so, and the field that named the files opens the message.
     CHECK_THAT(data_error_of([&] { TokenDataset::open({path}, 8, 10, DataUse::validation, "data.val_sets.web"); }),
                Catch::StartsWith("data.val_sets.web: no validation windows: a window needs seq_len + 1 = 9"));

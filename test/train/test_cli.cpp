@@ -196,6 +196,7 @@ TEST_CASE("keel train with data.val_sets: each named set validated and reported 
   const std::pair<std::string, std::string> bad[] = {
       {"data.val_sets={\"tiny\": \"" + (ws.dir / "tiny.bin") + "\"}", "data.val_sets.tiny: no validation windows"},
       {"data.val=" + (ws.dir / "tiny.bin"), "data.val: no validation windows"},
+      {"data.val=" + (ws.dir / "tiny.bin"), "(keel tokenize --val-fraction), or leave data.val out"},
       {"data.val_sets={\"late\": \"" + (ws.dir / "oov.bin") + "\"}", "data.val_sets.late: '" + (ws.dir / "oov.bin") + "': token 64"}};
   for (const auto& [set, says] : bad) {
     Result r2 = run_keel("train --config " + ws.config + " --out " + (ws.dir / "bad") + " --set '" + set + "'");
