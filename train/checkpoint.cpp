@@ -1754,7 +1754,7 @@ void check_new_output(const fs::path& out, bool force, const std::vector<std::st
                       "and a resume without `latest` could continue from it. Nothing was written; write it outside " +
                       dir->string() + ", or give it a name that does not start with step_");
   if (!fs::exists(out)) return;
-  if (!force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+  if (!force) throw ConfigError(out.string() + " already exists (pass --force to replace it)");  // an argument: exit 2
   if (!replaceable_output(out, kind))
     throw ConfigError("the output " + out.string() + " exists and is " + describe_contents(out) +
                       ": --force replaces only an earlier " +
@@ -1773,7 +1773,7 @@ fs::path temp_dir_for(const fs::path& out) {
 
 void publish(const fs::path& tmp, const fs::path& out, bool force) {
   if (fs::exists(out)) {
-    if (!force) throw CheckpointError(out.string() + " already exists (pass --force to replace it)");
+    if (!force) throw CheckpointError(out.string() + " appeared while it was written (pass --force to replace it)");
     fs::remove_all(out);
   }
   fs::rename(tmp, out);

@@ -1327,7 +1327,7 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
   };
   refused(in[0] + " --out " + ws.dir / "one", 2, "at least two checkpoints");
   CHECK(!fs::exists(ws.dir / "one"));
-  refused(list + " --out " + ws.dir / "avg_fp32", 5, "already exists (pass --force");
+  refused(list + " --out " + ws.dir / "avg_fp32", 2, "already exists (pass --force");
   refused(list + " --out " + in[1] + " --force", 2, "would replace the input");
   CHECK(run_keel("ckpt verify " + in[1]).code == 0);
   // --force replaces an earlier checkpoint only: not a run directory (nor any other folder or
