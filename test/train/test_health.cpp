@@ -77,32 +77,29 @@ TEST_CASE("seed 001: a norm misfiled into the weight-decay group is caught by th
 TEST_CASE("seed 003: fp16 overflow in a known layer is localised to that layer and op", "[health][fp16]") {
   auto be = make_cpu_backend();
   RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp16"}, {"loss_scale", {{"initial", 1.0}}}}}});
-  Trainer tr(cfg, *be);
-  tr.init_weights();
-  // Layer 1's MLP input projection is made huge: its output exceeds fp16's 65504 there first.
-  std::vector<float> w(static_cast<size_t>(tr.table().local_numel()));
-  tr.state().master_to_host(w.data());
-  const ParamSpec& gate = tr.table().at("layers.1.mlp.w_gate");
-  for (int64_t i = gate.offset; i < gate.offset + gate.numel; ++i) w[static_cast<size_t>(i)] *= 3e5f;
-  tr.state().load_fp32(w.data());
-  StepStats st = tr.step(learnable_batches(2, 4, 32, 1), 1);
-  REQUIRE(st.nonfinite);
-  INFO(st.nonfinite_report);
-  CHECK_THAT(st.nonfinite_report, Catch::Contains("forward, layer 1, mlp gate/up projection") &&
-                                      Catch::Contains("inf") && Catch::Contains("65504"));
-
-  // The attention output projection made huge: without TP it is one op with the residual add,
-  // and the report names both (it named the residual add alone, hiding wo).
-  Trainer wo(cfg, *be);
-  wo.init_weights();
-  wo.state().master_to_host(w.data());
-  const ParamSpec& proj = wo.table().at("layers.1.attn.wo");
-  for (int64_t i = proj.offset; i < proj.offset + proj.numel; ++i) w[static_cast<size_t>(i)] *= 3e6f;
-  wo.state().load_fp32(w.data());
-  StepStats st_wo = wo.step(learnable_batches(2, 4, 32, 1), 1);
-  REQUIRE(st_wo.nonfinite);
-  INFO(st_wo.nonfinite_report);
-  CHECK_THAT(st_wo.nonfinite_report, Catch::Contains("forward, layer 1, attention output projection (wo) + residual add"));
+  // One weight made huge: the report of the first step, whose forward overflows fp16 there.
+  auto report_with_huge = [&](const std::string& tensor, float scale) {
+    Trainer tr(cfg, *be);
+    tr.init_weights();
+    std::vector<float> w(static_cast<size_t>(tr.table().local_numel()));
+    tr.state().master_to_host(w.data());
+    const ParamSpec& p = tr.table().at(tensor);
+    for (int64_t i = p.offset; i < p.offset + p.numel; ++i) w[static_cast<size_t>(i)] *= scale;
+    tr.state().load_fp32(w.data());
+    const StepStats st = tr.step(learnable_batches(2, 4, 32, 1), 1);
+    CHECK(st.nonfinite);
+    return st.nonfinite_report;
+  };
+  // Layer 1's MLP input projection: its output exceeds fp16's 65504 there first.
+  const std::string gate = report_with_huge("layers.1.mlp.w_gate", 3e5f);
+  INFO(gate);
+  CHECK_THAT(gate, Catch::Contains("forward, layer 1, mlp gate/up projection") && Catch::Contains("inf") &&
+                       Catch::Contains("65504"));
+  // The attention output projection: without TP it is one op with the residual add, and the
+  // report names both (it named the residual add alone, hiding wo).
+  const std::string wo = report_with_huge("layers.1.attn.wo", 3e6f);
+  INFO(wo);
+  CHECK_THAT(wo, Catch::Contains("forward, layer 1, attention output projection (wo) + residual add"));
 }
 
 TEST_CASE("per-layer activation and gradient magnitudes are collected on request", "[health][stats]") {
