@@ -70,10 +70,11 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // NVIDIA's recommendation
 // `shapes` is a callable giving the shapes text, formed only when there is an error to report.
 using ShapesFn = std::function<std::string()>;
 
-void check_lt(cublasStatus_t st, const char* call, const ShapesFn& shapes) {
+// A failed cuBLASLt `call`, named with the op that made it (matmul, matmul_gelu, ...) and its shapes.
+void check_lt(cublasStatus_t st, const char* call, const char* op, const ShapesFn& shapes) {
   if (st == CUBLAS_STATUS_SUCCESS) return;
-  throw std::runtime_error(std::string("CudaBackend::matmul: ") + call + " failed: " + cublasLtGetStatusName(st) + " (" +
-                           cublasLtGetStatusString(st) + ") [" + (shapes ? shapes() : std::string()) + "]");
+  throw std::runtime_error(std::string("CudaBackend::") + op + ": " + call + " failed: " + cublasLtGetStatusName(st) +
+                           " (" + cublasLtGetStatusString(st) + ") [" + (shapes ? shapes() : std::string()) + "]");
 }
 
 cudaDataType_t cuda_type(DType t) {
@@ -146,7 +147,7 @@ struct MatmulCache {
   // GELU epilogues' auxiliary matrix (null for kNone); c the addend read with beta 1 when it is
   // not out itself (null: out).
   Plan& plan(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b, DType dt_ab, DType dt_out, const void* a,
-             const void* b, const void* out, const void* bias, bool beta_one, const ShapesFn& shapes,
+             const void* b, const void* out, const void* bias, bool beta_one, const char* op, const ShapesFn& shapes,
              Epilogue epilogue = Epilogue::kNone, const void* aux = nullptr, const void* c = nullptr) {
     const PlanKey key{M,
                       N,
@@ -167,7 +168,7 @@ struct MatmulCache {
     if (it != plans.end()) return it->second;
     Plan p;
     try {
-      build(p, key, bias, aux, shapes);
+      build(p, key, bias, aux, op, shapes);
     } catch (...) {
       destroy(p);  // a failed cuBLASLt call must not leak the descriptors made before it
       throw;
@@ -175,18 +176,18 @@ struct MatmulCache {
     return plans.emplace(key, p).first->second;
   }
 
-  void build(Plan& p, const PlanKey& key, const void* bias, const void* aux, const ShapesFn& shapes) {
+  void build(Plan& p, const PlanKey& key, const void* bias, const void* aux, const char* op, const ShapesFn& shapes) {
     const int64_t M = std::get<0>(key), N = std::get<1>(key), K = std::get<2>(key);
     const bool trans_a = std::get<3>(key), trans_b = std::get<4>(key);
     const DType dt_ab = static_cast<DType>(std::get<5>(key)), dt_out = static_cast<DType>(std::get<6>(key));
     const cudaDataType_t tab = cuda_type(dt_ab), tout = cuda_type(dt_out);
-    check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate", shapes);
+    check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate", op, shapes);
     const cublasOperation_t op_lt_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is keel's b
     const cublasOperation_t op_lt_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B is keel's a
     check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_lt_a, sizeof op_lt_a),
-             "cublasLtMatmulDescSetAttribute(TRANSA)", shapes);
+             "cublasLtMatmulDescSetAttribute(TRANSA)", op, shapes);
     check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_lt_b, sizeof op_lt_b),
-             "cublasLtMatmulDescSetAttribute(TRANSB)", shapes);
+             "cublasLtMatmulDescSetAttribute(TRANSB)", op, shapes);
     cublasLtEpilogue_t epi = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     switch (static_cast<Epilogue>(std::get<13>(key))) {
       case Epilogue::kNone: break;
@@ -196,30 +197,30 @@ struct MatmulCache {
     }
     if (epi != CUBLASLT_EPILOGUE_DEFAULT)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
-               "cublasLtMatmulDescSetAttribute(EPILOGUE)", shapes);
+               "cublasLtMatmulDescSetAttribute(EPILOGUE)", op, shapes);
     // The heuristic reads the pointers' alignment from here (it never dereferences them).
     if (bias)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
-               "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", shapes);
+               "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", op, shapes);
     if (aux) {
       const int64_t aux_ld = N;  // D's layout
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
-               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)", shapes);
+               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)", op, shapes);
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld),
-               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD)", shapes);
+               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD)", op, shapes);
     }
     // cuBLASLt A = b: stored col-major (trans_b ? K x N : N x K)
     const uint64_t a_rows = trans_b ? K : N, a_cols = trans_b ? N : K;
     // cuBLASLt B = a: stored col-major (trans_a ? M x K : K x M)
     const uint64_t b_rows = trans_a ? M : K, b_cols = trans_a ? K : M;
     check_lt(cublasLtMatrixLayoutCreate(&p.la, tab, a_rows, a_cols, static_cast<int64_t>(a_rows)),
-             "cublasLtMatrixLayoutCreate(A)", shapes);
+             "cublasLtMatrixLayoutCreate(A)", op, shapes);
     check_lt(cublasLtMatrixLayoutCreate(&p.lb, tab, b_rows, b_cols, static_cast<int64_t>(b_rows)),
-             "cublasLtMatrixLayoutCreate(B)", shapes);
-    check_lt(cublasLtMatrixLayoutCreate(&p.lc, tout, N, M, N), "cublasLtMatrixLayoutCreate(C/D)", shapes);
+             "cublasLtMatrixLayoutCreate(B)", op, shapes);
+    check_lt(cublasLtMatrixLayoutCreate(&p.lc, tout, N, M, N), "cublasLtMatrixLayoutCreate(C/D)", op, shapes);
 
     cublasLtMatmulPreference_t pref = nullptr;
-    check_lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", shapes);
+    check_lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", op, shapes);
     const uint64_t ws = kWorkspaceBytes;
     const uint32_t al_a = std::get<10>(key), al_b = std::get<9>(key), al_d = std::get<11>(key);  // lt A = b, lt B = a
     // Only split-K schemes that keep the partial sums in fp32 (the mask admits
@@ -243,7 +244,7 @@ struct MatmulCache {
       st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d);
     if (st != CUBLAS_STATUS_SUCCESS) {
       cublasLtMatmulPreferenceDestroy(pref);
-      check_lt(st, "cublasLtMatmulPreferenceSetAttribute", shapes);
+      check_lt(st, "cublasLtMatmulPreferenceSetAttribute", op, shapes);
     }
     constexpr int kCandidates = 8;
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
@@ -255,7 +256,7 @@ struct MatmulCache {
     // against it, the caller falls back to the unfused ops (the profile then shows those ops).
     const bool optional = static_cast<Epilogue>(std::get<13>(key)) != Epilogue::kNone;
     if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && !optional)
-      check_lt(st, "cublasLtMatmulAlgoGetHeuristic", shapes);
+      check_lt(st, "cublasLtMatmulAlgoGetHeuristic", op, shapes);
     // The best-ranked candidate whose split-K scheme (if it splits) the mask admits: for a bf16
     // or fp16 output not INPLACE or OUTPUT_TYPE, which add partials in the output dtype - less
     // accurate than the CPU's single rounding. (The mask above already asks for this; checked
@@ -267,10 +268,10 @@ struct MatmulCache {
       size_t written = 0;
       check_lt(cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
                                                     sizeof splits, &written),
-               "cublasLtMatmulAlgoConfigGetAttribute(SPLITK_NUM)", shapes);
+               "cublasLtMatmulAlgoConfigGetAttribute(SPLITK_NUM)", op, shapes);
       check_lt(cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
                                                     sizeof scheme, &written),
-               "cublasLtMatmulAlgoConfigGetAttribute(REDUCTION_SCHEME)", shapes);
+               "cublasLtMatmulAlgoConfigGetAttribute(REDUCTION_SCHEME)", op, shapes);
       if (splits > 1 && scheme != CUBLASLT_REDUCTION_SCHEME_NONE && (scheme & reduction_mask) != scheme) continue;
       p.algo = results[i].algo;
       p.found = true;
@@ -279,18 +280,18 @@ struct MatmulCache {
 
   // Runs a plan: out = op(a) @ op(b) (+ bias) (+ c when beta_one; c null: out), through its
   // epilogue.
-  void run(Plan& p, const void* a, const void* b, void* out, const void* bias, bool beta_one, const ShapesFn& shapes,
-           const void* aux = nullptr, const void* c = nullptr) {
+  void run(Plan& p, const void* a, const void* b, void* out, const void* bias, bool beta_one, const char* op,
+           const ShapesFn& shapes, const void* aux = nullptr, const void* c = nullptr) {
     if (bias)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
-               "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", shapes);
+               "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", op, shapes);
     if (aux)
       check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
-               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)", shapes);
+               "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)", op, shapes);
     const float alpha = 1.0f, beta = beta_one ? 1.0f : 0.0f;
     check_lt(cublasLtMatmul(lt, p.desc, &alpha, b, p.la, a, p.lb, &beta, c ? c : out, p.lc, out, p.lc, &p.algo, workspace,
                             kWorkspaceBytes, be.stream()),
-             "cublasLtMatmul", shapes);
+             "cublasLtMatmul", op, shapes);
   }
 };
 
@@ -299,7 +300,7 @@ MatmulCache* create_matmul_cache(CudaBackend& be) {
   cublasStatus_t st = cublasLtCreate(&c->lt);
   if (st != CUBLAS_STATUS_SUCCESS) {
     delete c;
-    check_lt(st, "cublasLtCreate", nullptr);
+    check_lt(st, "cublasLtCreate", "CudaBackend", nullptr);
   }
   c->workspace = be.scratch(kWorkspaceBytes, "matmul workspace");
   return c;
@@ -398,8 +399,8 @@ bool native_matmul(CudaBackend& be, MatmulCache& mc, const char* op, const Matmu
   const void* c_ptr = residual ? residual->data : nullptr;
   const bool beta_one = accumulate || residual;
   Plan& p = mc.plan(sh.M, sh.N, sh.K, trans_a, trans_b, a.dtype, out.dtype, a.data, b.data, out.data, epilogue_bias,
-                    beta_one, sh.shapes, epilogue, aux_ptr, c_ptr);
-  if (p.found) mc.run(p, a.data, b.data, out.data, epilogue_bias, beta_one, sh.shapes, aux_ptr, c_ptr);
+                    beta_one, op, sh.shapes, epilogue, aux_ptr, c_ptr);
+  if (p.found) mc.run(p, a.data, b.data, out.data, epilogue_bias, beta_one, op, sh.shapes, aux_ptr, c_ptr);
   if (bias_copy) be.release(bias_copy);
   return p.found;
 }
@@ -442,11 +443,12 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, bo
       pb = b32;
     }
     product = static_cast<float*>(scratch(static_cast<size_t>(M * N) * 4, op));
-    cuda::Plan& p = mc.plan(M, N, K, trans_a, trans_b, DType::F32, DType::F32, pa, pb, product, nullptr, false, sh.shapes);
+    cuda::Plan& p =
+        mc.plan(M, N, K, trans_a, trans_b, DType::F32, DType::F32, pa, pb, product, nullptr, false, op, sh.shapes);
     if (!p.found)
       throw std::runtime_error("CudaBackend::matmul: cuBLASLt has no algorithm for this fp32 product [" + sh.shapes() +
                                "]");
-    mc.run(p, pa, pb, product, nullptr, false, sh.shapes);
+    mc.run(p, pa, pb, product, nullptr, false, op, sh.shapes);
   }
   const int64_t total = M * N;
   const unsigned blocks = cuda::grid_for(total, 256, 4);

@@ -1,11 +1,17 @@
 // The CUDA emulator's launch checks (kernels/cuda/emulator): a launch that a GPU refuses fails on
 // the emulator too, with the error a GPU gives and a message naming the kernel, instead of
 // running. Built on the emulator only: translate_launches.py turns this file into C++ as it
-// does the backend's kernels.
+// does the backend's kernels. Also the emulator's injected library faults, as the ops report them.
 #include <catch2/catch.hpp>
 
+#include <functional>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 
 namespace {
 
@@ -105,4 +111,44 @@ TEST_CASE("emulator: static and dynamic shared memory together are held to the k
   CHECK(cudaGetLastError() == cudaErrorInvalidValue);
   CHECK(std::string(keel_emu::last_launch_failure()).find("32768 bytes of static __shared__ memory and its "
                                                           "MaxDynamicSharedMemorySize of 199684") != std::string::npos);
+}
+
+// A cuBLASLt call that fails (the emulator's cublasLtMatmul made to, as a real one may after a
+// device fault) is reported by the op that made it, with its shapes: each fused matmul op was
+// reported as CudaBackend::matmul, hiding which one failed.
+TEST_CASE("emulator: a failing cuBLASLt call is reported by the matmul op that made it, with its shapes",
+          "[emulator]") {
+  using keel::DType;
+  using keel::Tensor;
+  std::unique_ptr<keel::Backend> be = keel::make_cuda_backend(0);
+  std::vector<void*> held;
+  const auto tensor = [&](DType dt, std::initializer_list<int64_t> shape) {
+    const Tensor shaped(nullptr, dt, shape, keel::Device::CUDA);
+    held.push_back(be->allocate(shaped.bytes()));
+    return Tensor(held.back(), dt, shape, keel::Device::CUDA);
+  };
+  const Tensor a = tensor(DType::BF16, {8, 32}), b = tensor(DType::BF16, {32, 16});
+  const Tensor out = tensor(DType::BF16, {8, 16}), side = tensor(DType::BF16, {8, 16});
+  const Tensor dweight = tensor(DType::F32, {16, 32}), dbias = tensor(DType::F32, {16});
+  const auto fails_naming = [&](const char* op, const std::function<void()>& call) {
+    INFO(op);
+    keel_emu::set_cublaslt_matmul_failure(true);
+    try {
+      call();
+      FAIL("no error");
+    } catch (const std::runtime_error& e) {
+      const std::string msg = e.what();
+      CHECK(msg.find(std::string("CudaBackend::") + op + ": cublasLtMatmul failed: CUBLAS_STATUS_EXECUTION_FAILED") !=
+            std::string::npos);
+      CHECK(msg.find("[8, 16] bf16") != std::string::npos);
+    }
+    keel_emu::set_cublaslt_matmul_failure(false);
+    call();  // the op itself is sound
+    be->synchronize();
+  };
+  fails_naming("matmul", [&] { be->matmul(out, a, b, false, false); });
+  fails_naming("matmul_gelu", [&] { be->matmul_gelu(out, side, a, b, false, false); });
+  fails_naming("matmul_residual", [&] { be->matmul_residual(out, side, a, b, false, false); });
+  fails_naming("matmul_bias_grad", [&] { be->matmul_bias_grad(dweight, dbias, side, a, false, false); });
+  for (void* p : held) be->release(p);
 }

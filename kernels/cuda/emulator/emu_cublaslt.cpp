@@ -14,6 +14,7 @@
 // and an auxiliary pointer less aligned at the call than when the algorithm was chosen.
 #include <cublasLt.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -48,6 +49,8 @@ struct AlgoInfo {
 };
 constexpr uint32_t kMagic = 0x6b65656cu;
 
+std::atomic<bool> matmul_fails{false};  // keel_emu::set_cublaslt_matmul_failure
+
 Layout* layout(cublasLtMatrixLayout_t l) { return reinterpret_cast<Layout*>(l); }
 Desc* desc(cublasLtMatmulDesc_t d) { return reinterpret_cast<Desc*>(d); }
 Preference* pref(cublasLtMatmulPreference_t p) { return reinterpret_cast<Preference*>(p); }
@@ -81,6 +84,8 @@ bool known(cublasLtEpilogue_t e) {
 
 }  // namespace
 
+void keel_emu::set_cublaslt_matmul_failure(bool on) { matmul_fails = on; }
+
 extern "C" {
 
 const char* cublasLtGetStatusName(cublasStatus_t s) {
@@ -88,6 +93,7 @@ const char* cublasLtGetStatusName(cublasStatus_t s) {
     case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
     case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
     case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
     default: return "CUBLAS_STATUS (emulator)";
   }
 }
@@ -239,6 +245,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
                               cublasLtMatrixLayout_t a, const void* b_p, cublasLtMatrixLayout_t b, const void* beta_p,
                               const void* c_p, cublasLtMatrixLayout_t c, void* d_p, cublasLtMatrixLayout_t dl,
                               const cublasLtMatmulAlgo_t* algo, void*, size_t, cudaStream_t) {
+  if (matmul_fails) return CUBLAS_STATUS_EXECUTION_FAILED;
   const Layout &A = *layout(a), &B = *layout(b), &C = *layout(c), &D = *layout(dl);
   const Desc& ds = *desc(d);
   AlgoInfo info;

@@ -116,6 +116,10 @@ int max_dynamic_shared_attribute(const void* kernel);
 // " + message on stderr; last_launch_failure() returns the latest such message (for the tests).
 void fail_launch(cudaError_t error, const char* message);
 const char* last_launch_failure();
+// For the tests: while on, the emulated cublasLtMatmul fails with CUBLAS_STATUS_EXECUTION_FAILED
+// (as a real one may after a device fault), so that the ops' reports of it can be checked
+// (emu_cublaslt.cpp).
+void set_cublaslt_matmul_failure(bool on);
 
 struct LaunchConfig {
   dim3 grid, block;
