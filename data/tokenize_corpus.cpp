@@ -3,12 +3,14 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <stdexcept>
 #include <thread>
@@ -323,6 +325,63 @@ void check_out_path(const std::string& out) {
   }
 }
 
+// The chat template files keel tokenize copies beside the data (name in the data folder, from):
+// the template under the name a model folder gives it, and for a .jinja the tokenizer_config.json
+// beside it (the special tokens it was rendered with).
+std::vector<std::pair<fs::path, std::string>> chat_side_files(const std::optional<ChatTemplate>& chat) {
+  std::vector<std::pair<fs::path, std::string>> files;  // (from, name in the data folder)
+  if (!chat) return files;
+  const fs::path origin = chat->origin();
+  if (origin.extension() == ".json") {
+    files.emplace_back(origin, "tokenizer_config.json");
+  } else {
+    files.emplace_back(origin, "chat_template.jinja");
+    if (fs::exists(origin.parent_path() / "tokenizer_config.json"))
+      files.emplace_back(origin.parent_path() / "tokenizer_config.json", "tokenizer_config.json");
+  }
+  return files;
+}
+
+bool same_file_contents(const fs::path& a, const fs::path& b) {
+  std::error_code ec;
+  if (fs::equivalent(a, b, ec)) return true;
+  if (fs::file_size(a, ec) != fs::file_size(b, ec) || ec) return false;
+  return detail::read_file(a.string(), "file") == detail::read_file(b.string(), "file");
+}
+
+// The earlier run's meta.json in `out` (keel tokenize's or prepare_data.py's), else null.
+json token_data_meta(const fs::path& out) {
+  std::ifstream in(out / "meta.json");
+  const json meta = in ? json::parse(in, nullptr, false) : json();
+  return meta.is_object() && meta.contains("eot_id") && meta.contains("train_tokens") ? meta : json();
+}
+
+// Besides the token files, a run replaces meta.json, tokenizer.json and the chat template files
+// in `out`. Those must be an earlier run's: `out` may be a folder of the user's (a keel checkpoint,
+// whose meta.json is the checkpoint; a Hugging Face model folder, whose tokenizer files are the
+// model's), and nothing there may be lost. An earlier run always left its meta.json.
+void check_out_replaces_only_token_data(const std::string& out_name, const fs::path& tokenizer,
+                                        const std::optional<ChatTemplate>& chat) {
+  const fs::path out(out_name);
+  std::error_code ec;
+  if (!fs::is_directory(out, ec) || !token_data_meta(out).is_null()) return;
+  const std::string refuse = " keel tokenize writes its own there, so it does not write into this folder; pick another --out";
+  if (fs::exists(out / "meta.json", ec)) {
+    std::ifstream in(out / "meta.json");
+    const json meta = in ? json::parse(in, nullptr, false) : json();
+    const bool checkpoint = meta.is_object() && meta.value("format", json()) == "keel-checkpoint";
+    throw std::invalid_argument("--out " + quoted(out_name) + " holds a meta.json that is not keel token data's (" +
+                                (checkpoint ? std::string("it is a keel checkpoint") : std::string("from another program")) +
+                                "):" + refuse);
+  }
+  std::vector<std::pair<fs::path, std::string>> files = chat_side_files(chat);
+  files.emplace_back(tokenizer, "tokenizer.json");
+  for (const auto& [from, name] : files)
+    if (fs::exists(out / name, ec) && !same_file_contents(from, out / name))
+      throw std::invalid_argument("--out " + quoted(out_name) + " holds a " + name + " other than " + quoted(from.string()) +
+                                  " and no meta.json of an earlier keel tokenize run:" + refuse);
+}
+
 // The folder the outputs are written to before they replace the earlier ones; removed when the
 // run ends either way (empty after a success, the partial outputs after an error).
 struct StagingFolder {
@@ -454,6 +513,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     }
     say("keel tokenize: chat template of %s", chat->origin().c_str());
   }
+  check_out_replaces_only_token_data(o.out, tok_path, chat);
 
   const Corpus corpus = !o.text.empty()            ? Corpus::text(o.text, o.doc_split)
                         : o.chat             ? Corpus::jsonl_chat(o.jsonl, messages_keys(o), threads)
@@ -648,17 +708,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   // data keeps what it was rendered with wherever it moves: its file under the name a model
   // folder gives it, and for a .jinja the tokenizer_config.json beside it (the special tokens it
   // was rendered with). Where it came from: source.chat_template_origin.
-  std::vector<std::pair<fs::path, std::string>> chat_files;  // (from, name in the data folder)
-  if (chat) {
-    const fs::path origin = chat->origin();
-    if (origin.extension() == ".json") {
-      chat_files.emplace_back(origin, "tokenizer_config.json");
-    } else {
-      chat_files.emplace_back(origin, "chat_template.jinja");
-      if (fs::exists(origin.parent_path() / "tokenizer_config.json"))
-        chat_files.emplace_back(origin.parent_path() / "tokenizer_config.json", "tokenizer_config.json");
-    }
-  }
+  const std::vector<std::pair<fs::path, std::string>> chat_files = chat_side_files(chat);
   json meta = {
       {"format", o.format == TokenOutputFormat::llmc
                      ? "llm.c token shards: 256 x int32 header (magic, version, n_tokens), then tokens"

@@ -422,6 +422,38 @@ TEST_CASE("keel tokenize: --out must be a folder, and a folder the run made goes
   CHECK(!fs::exists(dir / "new"));
 }
 
+// Besides token files, a run writes meta.json, tokenizer.json and the chat template files: in a
+// folder no keel tokenize run wrote (a keel checkpoint, a Hugging Face model folder) those are the
+// user's, and the run refuses rather than replace them.
+TEST_CASE("keel tokenize: an --out of other files (a checkpoint, a model folder) is refused, not overwritten", "[tokenize]") {
+  TempDir dir;
+  const json c = load("cases.json")["jsonl_gpt2"];
+  const std::string out = dir / "ckpt";
+  fs::create_directories(out);
+  const std::string checkpoint_meta = "{\"format\": \"keel-checkpoint\", \"iteration\": 3}\n";
+  std::ofstream(out + "/meta.json") << checkpoint_meta;
+  TokenizeOptions o = options_of(c["args"], out, 1);
+  CHECK_THROWS_WITH(tokenize_corpus(o, quiet), Catch::Contains("--out '" + out + "' holds a meta.json") &&
+                                                   Catch::Contains("keel checkpoint") && Catch::Contains("another --out"));
+  CHECK(test::read_bytes(out + "/meta.json") == std::vector<unsigned char>(checkpoint_meta.begin(), checkpoint_meta.end()));
+  CHECK(token_outputs(out).empty());
+
+  // A model folder with another tokenizer.json: kept; with the same one (--tokenizer hf:DIR), written.
+  const std::string model = dir / "model";
+  fs::create_directories(model);
+  fs::copy_file(kTokenizers + "llama3.json", model + "/tokenizer.json");
+  o = options_of(c["args"], model, 1);
+  CHECK_THROWS_WITH(tokenize_corpus(o, quiet), Catch::Contains("holds a tokenizer.json other than"));
+  CHECK(test::read_bytes(model + "/tokenizer.json") == test::read_bytes(kTokenizers + "llama3.json"));
+  o.tokenizer = model;
+  tokenize_corpus(o, quiet);
+  CHECK(!token_outputs(model).empty());
+  // An earlier run's folder is replaced as before, with another tokenizer too.
+  o = options_of(c["args"], model, 1);
+  tokenize_corpus(o, quiet);
+  CHECK(test::read_bytes(model + "/tokenizer.json") == test::read_bytes(o.tokenizer));
+}
+
 TEST_CASE("Options are checked by name", "[tokenize]") {
   TempDir dir;
   const json c = load("cases.json")["jsonl_gpt2"];
