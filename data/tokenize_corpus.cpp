@@ -777,6 +777,19 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   std::vector<fs::path> stale, staged;  // listed first: a folder is not changed while it is iterated
   for (const auto& entry : fs::directory_iterator(out))
     if (entry.is_regular_file() && is_token_output_name(entry.path().filename().string())) stale.push_back(entry.path());
+  // The chat template files an earlier --chat run copied here and this run does not write: left,
+  // a chat_template.jinja would be taken for this data's template (it comes first in a model
+  // folder: keel tokenize --chat --tokenizer on this folder, keel convert's export, transformers).
+  if (const json earlier = token_data_meta(out); earlier.contains("source") && earlier["source"].is_object()) {
+    const json t = earlier["source"].value("chat_template", json());
+    std::vector<std::string> names;
+    if (t == "chat_template.jinja") names = {"chat_template.jinja", "tokenizer_config.json"};
+    if (t == "tokenizer_config.json") names = {"tokenizer_config.json"};
+    for (const std::string& name : names)
+      if (fs::is_regular_file(out / name) &&
+          std::none_of(chat_files.begin(), chat_files.end(), [&](const auto& f) { return f.second == name; }))
+        stale.push_back(out / name);
+  }
   for (const auto& entry : fs::directory_iterator(stage.path)) staged.push_back(entry.path());
   created.keep = true;  // from here on `out` holds the run's results
   for (const fs::path& p : stale) fs::remove(p);

@@ -454,6 +454,29 @@ TEST_CASE("keel tokenize: an --out of other files (a checkpoint, a model folder)
   CHECK(test::read_bytes(model + "/tokenizer.json") == test::read_bytes(o.tokenizer));
 }
 
+// A --chat run copies its template beside the data; a later run into the same folder that writes
+// another (or none) removes it, or a chat_template.jinja of the earlier model would be taken for
+// this data's template (it comes before tokenizer_config.json in a model folder).
+TEST_CASE("keel tokenize: an earlier run's chat template files do not outlive it", "[tokenize][chat]") {
+  TempDir dir;
+  const json c = load("cases.json")["jsonl_gpt2"];
+  const std::string out = dir / "out";
+  TokenizeOptions o = options_of(c["args"], out, 1);
+  tokenize_corpus(o, quiet);
+  // As an earlier --chat run with a .jinja template left them.
+  json meta = json::parse(std::ifstream(out + "/meta.json"));
+  meta["source"]["chat_template"] = "chat_template.jinja";
+  std::ofstream(out + "/meta.json") << meta.dump(2);
+  std::ofstream(out + "/chat_template.jinja") << "{{ messages }}";
+  std::ofstream(out + "/tokenizer_config.json") << "{}";
+  std::ofstream(out + "/notes.txt") << "mine";
+  tokenize_corpus(o, quiet);
+  CHECK(!fs::exists(out + "/chat_template.jinja"));
+  CHECK(!fs::exists(out + "/tokenizer_config.json"));
+  CHECK(fs::exists(out + "/notes.txt"));
+  CHECK(json::parse(std::ifstream(out + "/meta.json"))["source"].value("chat_template", json()).is_null());
+}
+
 TEST_CASE("Options are checked by name", "[tokenize]") {
   TempDir dir;
   const json c = load("cases.json")["jsonl_gpt2"];
