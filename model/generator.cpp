@@ -216,6 +216,8 @@ std::vector<int32_t> generate(Generator& g, const std::vector<int32_t>& prompt, 
   for (int i = 0; i < opts.max_new_tokens; ++i) {
     for (float x : logits)
       if (!std::isfinite(x)) throw NonFiniteLogits(static_cast<int64_t>(prompt.size()) + i);
+    if (opts.choosable_ids > 0 && opts.choosable_ids < static_cast<int64_t>(logits.size()))
+      logits.resize(static_cast<size_t>(opts.choosable_ids));
     const int32_t next = choose_token(logits, opts.sampling, rng);
     out.push_back(next);
     if (on_token) on_token(next);

@@ -98,6 +98,10 @@ struct GenerateOptions {
   SamplingOptions sampling;
   uint64_t seed = 0;
   std::vector<int32_t> stop_ids;  // generation ends after producing one of these (it is kept)
+  // > 0: only ids below it are chosen. The tokenizer's size, where the model's vocabulary is
+  // larger (rows no text maps to, as in Qwen2's 151936 for 151665 ids): such an id has no text,
+  // and an untrained row can win the draw (llm.c masks its padded ids the same way).
+  int64_t choosable_ids = 0;
 };
 
 // Prompt in one forward, then one token per step. on_token sees each new token as it comes.

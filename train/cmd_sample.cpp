@@ -108,6 +108,12 @@ int cmd_sample(const SampleArgs& a) {
   g.max_new_tokens = a.max_new_tokens;
   g.sampling = {a.temperature, a.top_p, a.top_k};
   g.seed = a.seed;
+  if (tok && tok->vocab_size() < m.vocab_size) {
+    g.choosable_ids = tok->vocab_size();
+    std::fprintf(stderr, "keel: the model has %lld ids, the tokenizer %lld: ids from %lld on have no text and are not sampled\n",
+                 static_cast<long long>(m.vocab_size), static_cast<long long>(tok->vocab_size()),
+                 static_cast<long long>(tok->vocab_size()));
+  }
   if (!a.ignore_eos) {
     // End of sequence: the HF config's eos_token_id (an id or a list), else well-known names.
     if (lm.hf_config.contains("eos_token_id")) {

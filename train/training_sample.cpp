@@ -46,6 +46,7 @@ std::string TrainingSampler::sample(const ParamTable& table, Backend& backend, c
   g.sampling = {static_cast<float>(cfg_.temperature), static_cast<float>(cfg_.top_p), static_cast<int>(cfg_.top_k)};
   g.seed = static_cast<uint64_t>(cfg_.seed);
   g.stop_ids = stop_ids_;
+  g.choosable_ids = tokenizer_->vocab_size();
   Generator gen(table, backend, weights, static_cast<int>(prompt_.size() + cfg_.tokens), DType::F32);
   std::vector<int32_t> all = prompt_;
   for (int32_t id : generate(gen, prompt_, g)) all.push_back(id);

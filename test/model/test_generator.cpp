@@ -89,6 +89,38 @@ TEST_CASE("generator: greedy and seeded sampling", "[generator]") {
   CHECK_THROWS_WITH(generate(gen, std::vector<int32_t>(30, 1), greedy), Catch::Contains("exceed the 40 positions"));
 }
 
+TEST_CASE("generator: choosable_ids bounds the ids drawn (a tokenizer smaller than the vocabulary)", "[generator]") {
+  test::Fixture fx("llama_tiny");
+  ParamTable table(fx.model);
+  auto be = make_cpu_backend();
+  std::vector<float> weights = fx.flat(table, "param");
+  Generator gen(table, *be, Tensor(weights.data(), DType::F32, {table.local_numel()}), 40);
+  const std::vector<int32_t> prompt = {3, 14, 15, 92, 65};
+  const int64_t bound = fx.model.vocab_size / 4;
+  GenerateOptions greedy;
+  greedy.max_new_tokens = 20;
+  greedy.sampling.temperature = 0;
+  greedy.choosable_ids = bound;
+  // Greedy is the argmax of the ids below the bound, of a fresh forward at every step.
+  std::vector<int32_t> seq = prompt;
+  for (int32_t tok : generate(gen, prompt, greedy)) {
+    gen.reset();
+    auto all = gen.forward(seq.data(), static_cast<int>(seq.size()));
+    CHECK(tok == std::max_element(all.begin(), all.begin() + bound) - all.begin());
+    seq.push_back(tok);
+  }
+  // Sampling hot and flat: without the bound three quarters of the draws would fall past it.
+  GenerateOptions hot;
+  hot.max_new_tokens = 30;
+  hot.sampling = {5.0f, 1.0f, 0};
+  hot.seed = 11;
+  hot.choosable_ids = bound;
+  for (int32_t tok : generate(gen, prompt, hot)) CHECK(tok < bound);
+  hot.choosable_ids = 0;
+  const auto free = generate(gen, prompt, hot);
+  CHECK(std::any_of(free.begin(), free.end(), [&](int32_t t) { return t >= bound; }));
+}
+
 TEST_CASE("generator: top-k 1 and a tiny top-p are greedy", "[generator]") {
   std::vector<float> logits = {0.1f, 2.0f, 1.9f, -3.0f};
   TokenRng rng(1);

@@ -863,6 +863,21 @@ TEST_CASE("keel sample refuses prompt ids beyond the model's vocabulary before p
                            !Catch::Contains("the quick"));  // nothing printed before the refusal
 }
 
+TEST_CASE("keel sample draws only ids the tokenizer has when the model vocabulary is larger", "[hf][cli]") {
+  // llama_trained has 512 ids, whitespace.json 300: at temperature 1.5 over all 512 most draws
+  // landed past 299 (ids with no text) before the tokenizer's size bounded them.
+  const auto r = run_keel("sample --checkpoint hf:" + kHf + "llama_trained --tokenizer " +
+                          std::string(KEEL_FIXTURE_DIR) +
+                          "/tokenizers/whitespace.json --prompt 'the cat' -t 1.5 --top-p 1 -n 30 --show-ids "
+                          "--seed 3 --ignore-eos");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("the model has 512 ids, the tokenizer 300: ids from 300 on have no text"));
+  const std::vector<int32_t> ids = ids_after(r.output, "generated ids");
+  REQUIRE(ids.size() == 30);
+  for (int32_t id : ids) CHECK(id < 300);
+}
+
 TEST_CASE("keel eval --seq-len without --rows is refused: it would be ignored", "[hf][cli][eval]") {
   const auto r =
       run_keel("eval --checkpoint hf:" + kHf + "gpt2_tied --choices " + kHf + "choices/gpt2_ids.jsonl --seq-len 16");
