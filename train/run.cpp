@@ -73,8 +73,13 @@ int64_t validation_windows(const data::Sampler& val, const RunConfig& cfg) {
 void check_ranks_agree(const RunConfig& cfg, const RunOptions& opts) {
   if (!opts.mpi || opts.mpi->world_size() <= 1) return;
   nlohmann::json mine = to_json(cfg);
-  mine["command line"] = {{"--resume", opts.resume},       {"--init-from", opts.init_from},
-                          {"--stop-at", opts.stop_at},     {"--time-limit", opts.time_limit_s},
+  // An option left out is named so ("not given"), not by its internal default (0, ""), which the
+  // message would otherwise show as if it had been passed.
+  const auto given = [](const auto& v, bool is_given) { return is_given ? nlohmann::json(v) : nlohmann::json("not given"); };
+  mine["command line"] = {{"--resume", given(opts.resume, !opts.resume.empty())},
+                          {"--init-from", given(opts.init_from, !opts.init_from.empty())},
+                          {"--stop-at", given(opts.stop_at, opts.stop_at > 0)},
+                          {"--time-limit", given(opts.time_limit_s, opts.time_limit_s > 0)},
                           {"--eval-only", opts.eval_only}};
   std::string theirs;
   const int r = opts.mpi->first_rank_differing(mine.dump(), &theirs);

@@ -120,6 +120,6 @@ TEST_CASE("mpirun keel train: ranks given different configs are refused before a
   CHECK(r.code == int(kExitConfigError));
   CHECK_THAT(r.output, Catch::Contains("world rank 1 runs another config than world rank 0") &&
                            Catch::Contains("optimizer.lr: 0.01 on world rank 0, 0.5 on world rank 1") &&
-                           Catch::Contains("command line.--stop-at: 0 on world rank 0, 1 on world rank 1"));
+                           Catch::Contains("command line.--stop-at: \"not given\" on world rank 0, 1 on world rank 1"));
   CHECK(!fs::exists(ws.dir / "out"));
 }
