@@ -1835,7 +1835,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       stop_kind = 2;
       char buf[200];
       std::snprintf(buf, sizeof buf, "time limit of %.4g s is near (%.1f s since keel started; the next step would "
-                    "take about %.1f s and a save %.1f s)", opts.time_limit_s, elapsed, next_step,
+                    "take about %.3g s and a save %.3g s)", opts.time_limit_s, elapsed, next_step,
                     std::max(next_step, longest_save));
       stop_reason = buf;
     }

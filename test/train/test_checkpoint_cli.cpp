@@ -14,6 +14,7 @@
 #include <fstream>
 #include <limits>
 #include <random>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -275,6 +276,23 @@ TEST_CASE("the time limit keeps room for one more step and the run's longest sav
   // The next step with its evaluations (30 s) is longer than the save.
   CHECK(time_limit_near(941, 30, 20, 1000));
   CHECK_FALSE(time_limit_near(939, 30, 20, 1000));
+}
+
+TEST_CASE("a run under --time-limit stops with a save and says how long the next step would take",
+          "[ckpt][cli][signal]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"steps", 100000}, {"eval_interval", 0}, {"eval_batches", 0}}},
+                                    {"checkpoint", {{"interval", 0}}}});
+  const auto r = run_keel("train --config " + ws.config + " --out " + (ws.dir / "out") + " -q --time-limit 0.01");  // minutes: 0.6 s
+  INFO(r.output);
+  CHECK(r.code == 4);
+  CHECK(fs::exists(ws.dir / "out/checkpoints/latest"));
+  // A tiny model's steps take milliseconds: the estimate keeps three digits (it read "0.0 s").
+  const std::regex near(R"(time limit of 0.6 s is near \(([0-9.]+) s since keel started; the next step would take )"
+                        R"(about ([0-9.e+-]+) s and a save ([0-9.e+-]+) s\))");
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, near));
+  CHECK(std::stod(m[2].str()) > 0);
+  CHECK(std::stod(m[3].str()) >= std::stod(m[2].str()));
 }
 
 // keel checks the free space of checkpoint.dir after each save (statvfs; a full tmpfs shows it:
