@@ -325,11 +325,11 @@ void check_out_path(const std::string& out) {
   }
 }
 
-// The chat template files keel tokenize copies beside the data (name in the data folder, from):
+// The chat template files keel tokenize copies beside the data (from, name in the data folder):
 // the template under the name a model folder gives it, and for a .jinja the tokenizer_config.json
 // beside it (the special tokens it was rendered with).
 std::vector<std::pair<fs::path, std::string>> chat_side_files(const std::optional<ChatTemplate>& chat) {
-  std::vector<std::pair<fs::path, std::string>> files;  // (from, name in the data folder)
+  std::vector<std::pair<fs::path, std::string>> files;
   if (!chat) return files;
   const fs::path origin = chat->origin();
   if (origin.extension() == ".json") {
@@ -349,11 +349,15 @@ bool same_file_contents(const fs::path& a, const fs::path& b) {
   return detail::read_file(a.string(), "file") == detail::read_file(b.string(), "file");
 }
 
-// The earlier run's meta.json in `out` (keel tokenize's or prepare_data.py's), else null.
-json token_data_meta(const fs::path& out) {
-  std::ifstream in(out / "meta.json");
-  const json meta = in ? json::parse(in, nullptr, false) : json();
-  return meta.is_object() && meta.contains("eot_id") && meta.contains("train_tokens") ? meta : json();
+// The meta.json in `dir`, parsed; null where there is none (a discarded value where it is not JSON).
+json folder_meta(const fs::path& dir) {
+  std::ifstream in(dir / "meta.json");
+  return in ? json::parse(in, nullptr, false) : json();
+}
+
+// An earlier run's meta.json (keel tokenize's or prepare_data.py's).
+bool is_token_data_meta(const json& meta) {
+  return meta.is_object() && meta.contains("eot_id") && meta.contains("train_tokens");
 }
 
 // Besides the token files, a run replaces meta.json, tokenizer.json and the chat template files
@@ -364,11 +368,11 @@ void check_out_replaces_only_token_data(const std::string& out_name, const fs::p
                                         const std::optional<ChatTemplate>& chat) {
   const fs::path out(out_name);
   std::error_code ec;
-  if (!fs::is_directory(out, ec) || !token_data_meta(out).is_null()) return;
+  if (!fs::is_directory(out, ec)) return;
+  const json meta = folder_meta(out);
+  if (is_token_data_meta(meta)) return;
   const std::string refuse = " keel tokenize writes its own there, so it does not write into this folder; pick another --out";
   if (fs::exists(out / "meta.json", ec)) {
-    std::ifstream in(out / "meta.json");
-    const json meta = in ? json::parse(in, nullptr, false) : json();
     const bool checkpoint = meta.is_object() && meta.value("format", json()) == "keel-checkpoint";
     throw std::invalid_argument("--out " + quoted(out_name) + " holds a meta.json that is not keel token data's (" +
                                 (checkpoint ? std::string("it is a keel checkpoint") : std::string("from another program")) +
@@ -780,7 +784,8 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   // The chat template files an earlier --chat run copied here and this run does not write: left,
   // a chat_template.jinja would be taken for this data's template (it comes first in a model
   // folder: keel tokenize --chat --tokenizer on this folder, keel convert's export, transformers).
-  if (const json earlier = token_data_meta(out); earlier.contains("source") && earlier["source"].is_object()) {
+  if (const json earlier = folder_meta(out);
+      is_token_data_meta(earlier) && earlier.contains("source") && earlier["source"].is_object()) {
     const json t = earlier["source"].value("chat_template", json());
     std::vector<std::string> names;
     if (t == "chat_template.jinja") names = {"chat_template.jinja", "tokenizer_config.json"};
