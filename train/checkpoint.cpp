@@ -1467,6 +1467,18 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
         text += "\n  With another " + order_fields + " the samples come in another order (other windows) from sample " +
                 std::to_string(ck.progress().consumed_samples) +
                 " on: some of the current epoch may repeat or be skipped";
+      // An evaluation reads eval_batches micro-batches' windows: another micro_batch (to fit
+      // another GPU's memory, say) evaluates other windows, and the validation curve steps.
+      const auto windows = [](const json& t) {
+        return t.value("eval_batches", int64_t{0}) * t.value("micro_batch", int64_t{0});
+      };
+      const bool validates = cfg.train.eval_batches > 0 && (!cfg.data.val.empty() || !cfg.data.val_sets.empty());
+      if (validates && saved.contains("train") && windows(saved["train"]) != windows(now["train"]))
+        text += "\n  Validation now reads the first " + std::to_string(windows(now["train"])) +
+                " windows of each set (train.eval_batches x train.micro_batch), not " +
+                std::to_string(windows(saved["train"])) +
+                ": validation losses before and after this resume are not comparable (a set of fewer windows is read "
+                "whole either way)";
       warnings->push_back(text);
     }
     // The schedule follows train.steps (the decay window) and the schedule section: say what the

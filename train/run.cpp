@@ -565,8 +565,14 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
   }
   for (const ValidationSet& v : vals) {
     const int64_t used = validation_windows(v.sampler, cfg);
-    std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation\n", v.name.empty() ? "" : " set ",
-                v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used));
+    // Micro-batches, not Megatron's global batches (eval_iters): say how the count comes about.
+    const std::string how = used < v.sampler.num_windows()
+                                ? " (train.eval_batches " + std::to_string(cfg.train.eval_batches) +
+                                      " x train.micro_batch " + std::to_string(cfg.train.micro_batch) + ")"
+                                : "";
+    std::printf("keel: data: validation%s%s: %lld windows, %lld of them per evaluation%s\n", v.name.empty() ? "" : " set ",
+                v.name.c_str(), static_cast<long long>(v.sampler.num_windows()), static_cast<long long>(used),
+                how.c_str());
     if (v.loss_targets == 0) warn_no_validation_loss(v);
   }
   if (const std::string w = repeated_files_warning(cfg); !w.empty()) std::printf("keel: %s\n", w.c_str());
@@ -745,6 +751,22 @@ double validate(Trainer& tr, const data::Sampler& val, const RunConfig& cfg, con
 // or a script may send them twice, and the save is what they ask for).
 volatile std::sig_atomic_t g_stop_signal = 0;
 volatile std::sig_atomic_t g_announce_signal = 1;  // world rank 0 only: mpirun signals every rank
+// The announcement's second line: where a resume would start if this process is killed before
+// its save. mpirun tears a job down the same way when one rank fails (SIGTERM to every rank, then
+// SIGKILL), and a rank cannot tell that SIGTERM from a scheduler's. Written by the main thread
+// between steps into the buffer the handler is not reading, then published by the index.
+char g_fallback_line[2][768];
+volatile std::sig_atomic_t g_fallback_index = 0;
+void set_fallback_checkpoint(const std::string& path) {
+  const int next = 1 - g_fallback_index;
+  const std::string line =
+      path.empty() ? "keel: if keel is killed before the save (as mpirun kills every rank when one fails), this run "
+                     "leaves no checkpoint to resume from\n"
+                   : "keel: if keel is killed before the save (as mpirun kills every rank when one fails), a resume "
+                     "starts from " + path + ", the newest checkpoint\n";
+  std::snprintf(g_fallback_line[next], sizeof g_fallback_line[next], "%s", line.c_str());
+  g_fallback_index = next;
+}
 extern "C" void on_stop_signal(int sig) {
   const bool first = g_stop_signal == 0;
   g_stop_signal = sig;
@@ -754,7 +776,9 @@ extern "C" void on_stop_signal(int sig) {
                                         "stopping (Ctrl-C again stops at once, without saving)\n"
                      : sig == SIGTERM ? "keel: SIGTERM received: saving a checkpoint at the end of this step, then stopping\n"
                                       : "keel: SIGUSR1 received: saving a checkpoint at the end of this step, then stopping\n";
-  [[maybe_unused]] const ssize_t n = ::write(STDOUT_FILENO, text, std::strlen(text));
+  [[maybe_unused]] ssize_t n = ::write(STDOUT_FILENO, text, std::strlen(text));
+  const char* fallback = g_fallback_line[g_fallback_index];
+  n = ::write(STDOUT_FILENO, fallback, std::strlen(fallback));
 }
 
 const char* signal_name(int sig) {
@@ -1028,6 +1052,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // the usual stop instead of a process killed by SIGTERM or SIGUSR1.
   g_stop_signal = 0;
   g_announce_signal = !opts.mpi || opts.mpi->world_rank() == 0;
+  g_fallback_line[g_fallback_index][0] = '\0';  // no second line until the run knows its checkpoint
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
@@ -1212,6 +1237,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir, &note)) resume_path = *latest;
     if (!note.empty()) notes.push_back(note);
   }
+  set_fallback_checkpoint(resume_path);
   auto open_verified = [&](const std::string& path, const std::string& what, const std::string& flag) {
     Checkpoint ck = Checkpoint::open(path);
     // One rank reads every checksum; the others wait for its verdict.
@@ -1613,6 +1639,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const SaveResult r = checkpoints.finish_save(all_ok);
     longest_save = std::max(longest_save, r.write_seconds);
     if (!lead) return;
+    set_fallback_checkpoint(r.path);
     print_save(r);
     std::error_code space_ec;
     const fs::space_info space = fs::space(cfg.checkpoint.dir, space_ec);

@@ -246,7 +246,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   check_cuda(cudaStreamCreate(&s), op, "cudaStreamCreate");
   stream_ = s;
   int pools = 0;
-  cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device);
+  check_cuda(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device), op, "cudaDeviceGetAttribute");
   use_pool_ = pools != 0;
   if (use_pool_) {
     cudaMemPool_t pool;

@@ -326,9 +326,27 @@ TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4
     INFO(text);
     CHECK(code == 4);
     CHECK_THAT(text, Catch::Contains(sig == SIGTERM ? "SIGTERM received" : "SIGUSR1 received"));
+    // A launcher may kill keel before the save (mpirun's teardown when a rank fails sends the
+    // same SIGTERM): the announcement says what a resume would then have.
+    CHECK_THAT(text, Catch::Contains("if keel is killed before the save (as mpirun kills every rank when one fails), "
+                                     "this run leaves no checkpoint to resume from"));
     auto verify = run_keel("ckpt verify " + out + "/checkpoints");
     CHECK(verify.code == 0);
   }
+  // Resumed, the run has a checkpoint until its next save: the one it resumed from.
+  const std::string out = ws.dir / ("sig" + std::to_string(SIGTERM));
+  std::string latest = test::read_file(out + "/checkpoints/latest");
+  latest.pop_back();  // the newline
+  pid_t pid = test::spawn_keel({"train", "--config", ws.config, "--out", out, "-q"}, out + ".resumed.log");
+  for (int i = 0; i < 400 && test::read_file(out + "/metrics.jsonl").find("\"resume\"") == std::string::npos; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  kill(pid, SIGUSR1);
+  CHECK(test::wait_for(pid) == 4);
+  const std::string text = test::read_file(out + ".resumed.log");
+  INFO(text);
+  CHECK_THAT(text, Catch::Contains("if keel is killed before the save (as mpirun kills every rank when one fails), "
+                                   "a resume starts from " + out + "/checkpoints/" + latest + ", the newest checkpoint"));
 }
 
 // Whether process `pid` catches signal `sig` (SigCgt in /proc/PID/status).

@@ -163,7 +163,8 @@ TEST_CASE("keel train with data.val_sets: each named set validated and reported 
                       (ws.dir / "noise.bin") + "\"]}'");
   INFO(r.output);
   REQUIRE(r.code == 0);
-  CHECK_THAT(r.output, Catch::Contains("keel: data: validation set noise: 124 windows, 8 of them per evaluation") &&
+  CHECK_THAT(r.output, Catch::Contains("keel: data: validation set noise: 124 windows, 8 of them per evaluation "
+                                       "(train.eval_batches 2 x train.micro_batch 4)") &&
                            Catch::Contains(" validation (same) at iteration 10 | lm loss: ") &&
                            Catch::Contains(" validation (noise) at iteration 30 | lm loss: "));
   int evaluations = 0;

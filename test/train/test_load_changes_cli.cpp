@@ -93,7 +93,21 @@ TEST_CASE("a resume names each changed setting and the next step's new learning 
   CHECK(seed.code == 4);
   CHECK_THAT(seed.output, Catch::Contains("train.seed: 1 -> 99") &&
                               Catch::Contains("With another train.seed the samples come in another order (other "
-                                              "windows) from sample 48 on"));
+                                              "windows) from sample 48 on") &&
+                              !Catch::Contains("Validation now reads"));
+  // Another micro_batch (for another GPU's memory): the same training, but an evaluation reads
+  // eval_batches (2) of the new micro-batches, other windows than before.
+  const test::ProcessResult mbs = test::run_keel("train --config " + ws.config + " --out " + out +
+                                                 " --stop-at 8 --steps 8 --set optimizer.lr=5e-3 --seed 99" +
+                                                 " --set train.micro_batch=2");
+  INFO(mbs.output);
+  CHECK(mbs.code == 0);
+  CHECK_THAT(mbs.output, Catch::Contains("train.micro_batch: 4 -> 2") &&
+                             Catch::Contains("Validation now reads the first 4 windows of each set (train.eval_batches "
+                                             "x train.micro_batch), not 8: validation losses before and after this "
+                                             "resume are not comparable") &&
+                             Catch::Contains("validation: 124 windows, 4 of them per evaluation (train.eval_batches 2 "
+                                             "x train.micro_batch 2)"));
 }
 
 TEST_CASE("a resume names training files that changed under the same data.train", "[ckpt][cli][resume][data]") {
