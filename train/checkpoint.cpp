@@ -404,6 +404,16 @@ int64_t next_save_seq(const fs::path& dir) {
   return next;
 }
 
+// Whether the checkpoint's meta.json parses and matches its own checksum (meta_crc32c; one saved
+// before that field existed only has to parse).
+bool meta_sound(const fs::path& ckpt) {
+  std::ifstream in(ckpt / "meta.json");
+  const json m = json::parse(in, nullptr, false);
+  if (!m.is_object()) return false;
+  if (!m.contains("meta_crc32c")) return true;
+  return m["meta_crc32c"].is_string() && m["meta_crc32c"].get<std::string>() == meta_checksum(m);
+}
+
 // Their names alone, oldest save first.
 std::vector<std::string> complete_checkpoints(const fs::path& dir) {
   std::vector<std::string> out;
@@ -434,14 +444,18 @@ namespace {
 // `latest` at it: a kill between the two leaves one complete checkpoint numbered after the one
 // `latest` names (save_seq), and nothing else can (a rewind sets the later ones aside, and
 // rotation never removes the newest). That one is the run's last save: resumed from, said so.
+// Only metas that match their own checksum are trusted with that order: a damaged meta.json
+// ranks its checkpoint before every numbered save (or anywhere, if its save_seq is what changed),
+// and the named one is then loaded, to be refused by name, not passed over for an older one.
 fs::path newer_than_pointer(const fs::path& dir, const std::string& named, std::string* note) {
   const std::vector<SavedCheckpoint> saved = saved_checkpoints(dir);
   const auto it = std::find_if(saved.begin(), saved.end(), [&](const auto& c) { return c.name == named; });
-  if (it == saved.end()) return dir / named;
+  if (it == saved.end() || !meta_sound(dir / named)) return dir / named;
   std::vector<const SavedCheckpoint*> newer;
   for (const SavedCheckpoint& c : saved)
     if (c.seq >= 0 && c.seq > it->seq) newer.push_back(&c);
-  if (newer.size() != 1) return dir / named;  // none, or not what an interrupted save leaves
+  // None, or not what an interrupted save leaves (two, or one whose meta.json is damaged).
+  if (newer.size() != 1 || !meta_sound(dir / newer[0]->name)) return dir / named;
   if (note)
     *note = (dir / "latest").string() + " names " + named + ", but " + newer[0]->name +
             " was saved after it and is complete: its save was interrupted between publishing it and updating " +

@@ -803,6 +803,38 @@ TEST_CASE("a save published but not yet named by latest (a kill between the two)
   CHECK_THAT(told.output, Catch::Contains("resuming from " + dir + "/step_00000004") && Catch::Contains("abandons"));
 }
 
+// A damaged meta.json says nothing reliable about when its checkpoint was saved: the checkpoint
+// `latest` names is refused by name when its meta.json is damaged, not passed over for an older
+// one "saved after it" (which trained the steps since again and set the newest aside), and a
+// damaged save_seq of an older one does not make it the one to continue from.
+TEST_CASE("the checkpoint latest names with a damaged meta.json is refused and not taken for an older save",
+          "[ckpt][cli][corrupt][latest]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  const std::string every = "--steps 12 --set checkpoint.interval=4 --set checkpoint.keep_last=5 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--stop-at 8")).code == 4);  // step 4 and step 8, latest = step 8
+  SECTION("the newest one's meta.json truncated") {
+    fs::resize_file(dir + "/step_00000008/meta.json", 4000);
+    auto r = run_keel(train_args(ws, out, every));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(dir + "/step_00000008/meta.json is corrupt (not valid JSON)") &&
+                             !Catch::Contains("saved after it") && !Catch::Contains("abandons"));
+    CHECK(fs::exists(dir + "/step_00000008/model-tp00-pp00.safetensors"));
+    CHECK_FALSE(fs::exists(dir + "/step_00000012"));
+    CHECK(test::read_file(dir + "/latest") == "step_00000008\n");
+  }
+  SECTION("an older one's save_seq changed without its checksum") {
+    nlohmann::json meta = nlohmann::json::parse(test::read_file(dir + "/step_00000004/meta.json"));
+    meta["save_seq"] = 7;
+    std::ofstream(dir + "/step_00000004/meta.json") << meta.dump(2);
+    auto r = run_keel(train_args(ws, out, every));
+    INFO(r.output);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.output, Catch::Contains("resuming from " + dir + "/step_00000008") && !Catch::Contains("saved after it"));
+  }
+}
+
 // A damaged checkpoint (a truncated copy, a full disk) is no checkpoint to suggest or fall back
 // on: with `latest` unreadable the list marks it and suggests the newest intact one; with no
 // `latest` at all the run continues from that one and names the damaged newer one.
