@@ -979,10 +979,15 @@ struct RunDirLock {
 // Takes the lock on <dir>/.lock or throws ConfigError naming the holder; returns a note when
 // the filesystem cannot lock (the run goes on unguarded). `what` names the directory in
 // messages ("the run directory X"), `option` the setting that picks another one ("--out").
+// With `existing_only` (before the checkpoint is read, when nothing may be written yet) it
+// creates nothing and only refuses a held lock: any other failure is left to the call that
+// creates the file. A lock already taken is kept.
 std::string lock_directory(const std::string& dir, const std::string& what, const std::string& option,
-                           RunDirLock& lock) {
+                           RunDirLock& lock, bool existing_only = false) {
+  if (lock.fd >= 0) return {};
   const std::string path = (fs::path(dir) / ".lock").string();
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | (existing_only ? 0 : O_CREAT), 0644);
+  if (fd < 0 && existing_only) return {};
   if (fd < 0) throw ConfigError("cannot create " + path + ": " + std::strerror(errno) + " (" + what + " must be writable)");
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
@@ -1003,6 +1008,7 @@ std::string lock_directory(const std::string& dir, const std::string& what, cons
                         "it to end (or stop it), or give this run another " + option);
     }
     ::close(fd);
+    if (existing_only) return {};
     if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS)
       return "the filesystem of " + dir + " does not support file locks (" + std::strerror(err) +
              "): nothing stops a second run from using " + what + " at the same time";
@@ -1219,6 +1225,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // The probe batch for restart verification: the first training samples, the same on every rank
   // (without document masking, so that its loss depends on the weights alone).
   const MicroBatch probe = load_batches(train, 0, cfg.train.micro_batch, cfg.train.micro_batch, 1, 0, DataConfig{})[0];
+
+  // A run going on in these directories holds their locks (taken below, once the run directory
+  // may be written): a second one is refused now, before it reads the checkpoints the first is
+  // publishing and rotating, which would fail it as damaged ("... is missing") or resume it from
+  // a save about to be removed.
+  RunDirLock run_lock, checkpoints_lock;  // held until the run ends
+  if (lead && !opts.eval_only) {
+    lock_directory(cfg.out, "the run directory " + cfg.out, "--out", run_lock, /*existing_only=*/true);
+    lock_directory(cfg.checkpoint.dir, "the checkpoint directory " + cfg.checkpoint.dir + " (checkpoint.dir)",
+                   "checkpoint.dir", checkpoints_lock, /*existing_only=*/true);
+  }
 
   // Resume if a checkpoint exists (explicit --resume, or the latest in the checkpoint
   // directory); else --init-from weights; else a fresh init. All reads, no writes yet.
@@ -1460,7 +1477,6 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
 
   // ---- run directory (rank 0 writes it; every rank writes its checkpoint files) ----
   std::optional<MetricsWriter> metrics;
-  RunDirLock run_lock, checkpoints_lock;  // held until the run ends
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
   checkpoints.set_data_files(train_files);

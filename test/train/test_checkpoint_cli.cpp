@@ -1076,6 +1076,36 @@ TEST_CASE("a second run in a run directory whose lock is held is refused, naming
   CHECK(held["host"] != "node17");
 }
 
+// A double-submitted job: the run going on publishes and rotates while the second one starts.
+// The second is refused by the lock before it reads a checkpoint, not by the state of one the
+// holder is removing ("incomplete: file ... is missing", as if the checkpoint were damaged).
+TEST_CASE("a second run is refused by the lock before it reads the checkpoints the holder is rotating",
+          "[ckpt][cli][lock]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  const std::string ckdir = GENERATE(as<std::string>{}, "", "shared_checkpoints");
+  const std::string dir = ckdir.empty() ? out + "/checkpoints" : ws.dir / ckdir;
+  const std::string set_dir = ckdir.empty() ? "" : "--set checkpoint.dir=" + dir + " ";
+  REQUIRE(run_keel(train_args(ws, out, set_dir + "--stop-at 8")).code == 4);  // step 4 and step 8, latest = step 8
+  // The holder's lock (of --out, or of the checkpoint.dir outside it), as a running keel holds it.
+  const std::string held = ckdir.empty() ? out : dir;
+  const int fd = ::open((held + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+  REQUIRE(fd >= 0);
+  REQUIRE(::flock(fd, LOCK_EX | LOCK_NB) == 0);
+  // The holder is removing step 8 (rotation after a save the pointer does not name yet).
+  fs::remove(dir + "/step_00000008/optim-tp00-pp00-dp00.safetensors");
+  const std::string second_out = ckdir.empty() ? out : std::string(ws.dir / "second");
+  auto r = run_keel(train_args(ws, second_out, set_dir + "--stop-at 12"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("another run is using the " +
+                                       std::string(ckdir.empty() ? "run directory " + out
+                                                                 : "checkpoint directory " + dir)) &&
+                           !Catch::Contains("is missing"));
+  CHECK_FALSE(fs::exists(dir + "/step_00000012"));
+  ::close(fd);
+}
+
 // Two runs with their own --out and one checkpoint.dir (shared storage, a copied config) would
 // resume from each other's checkpoints and replace them: the checkpoint.dir has a lock too.
 TEST_CASE("a second run whose checkpoint.dir outside --out is locked is refused before it writes a checkpoint",
