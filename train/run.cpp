@@ -1041,6 +1041,12 @@ std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_
   if (free_bytes >= save_bytes || after == AfterSave::End) return {};
   const bool resumed = after == AfterSave::Stop;
   char buf[160];
+  if (after == AfterSave::Resumed) {
+    std::snprintf(buf, sizeof buf, "%.1f MB free, and a save needs about %.1f MB", free_bytes / 1e6, save_bytes / 1e6);
+    return "WARNING this run's first checkpoint save will not fit: " + dir + " has " + buf +
+           " (the size of the checkpoint resumed from; keep_last removes old checkpoints only once a new one is "
+           "complete). Free some space there, or the steps up to the first save are trained for nothing";
+  }
   std::snprintf(buf, sizeof buf, "%.1f MB free, and the next save needs about %.1f MB", free_bytes / 1e6,
                 save_bytes / 1e6);
   return std::string("WARNING ") + (resumed ? "a resumed run's first" : "the next") + " checkpoint save will not fit: " +
@@ -1314,6 +1320,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   nlohmann::json loaded_health, loaded_topology;
   nlohmann::json loaded_source;  // the HF model and checkpoints the weights came from, carried into every save
   std::string loaded_from, loaded_precision;
+  int64_t resumed_bytes = 0;  // the resumed checkpoint's files: about what this run's saves take
   std::string function_changes;  // the model fields of a weights-only load that change what the weights compute
   bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
@@ -1324,6 +1331,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     restore_spike_detector(tr, loaded_health, false);
     loaded_topology = ck.meta().value("topology", nlohmann::json());
     loaded_from = ck.path();
+    for (const auto& [_, info] : ck.meta().at("files").items())
+      resumed_bytes += info.value("bytes", int64_t{0});
     loaded_source = ck.meta().value("source", nlohmann::json());
     loaded_precision = ck.precision();
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
@@ -1556,6 +1565,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (!abandoned.empty())
       std::printf("keel: %s\n", set_aside_abandoned(checkpoints, cfg.checkpoint.dir, progress.iteration, abandoned,
                                                     loaded_from).c_str());
+    // A requeued job may find the disk filled while it waited: said now, not after the steps up
+    // to its first save (which then fails) are trained.
+    if (resumed_bytes > 0 && progress.iteration < cfg.train.steps) {  // a stop saves even without interval saves
+      std::error_code space_ec;
+      const fs::space_info space = fs::space(cfg.checkpoint.dir, space_ec);
+      if (!space_ec)
+        if (std::string w = low_space_warning(cfg.checkpoint.dir, resumed_bytes,
+                                              static_cast<int64_t>(space.available), AfterSave::Resumed);
+            !w.empty())
+          std::printf("keel: %s\n", w.c_str());
+    }
     if (progress.iteration > 0) {
       metrics->write({{"event", "resume"}, {"step", progress.iteration}, {"checkpoint", resume_path}});
     } else if (earlier_records) {

@@ -54,11 +54,13 @@ enum class AfterSave {
   Training,  // the run goes on: its next save
   Stop,      // the run stops (signal, --stop-at, --time-limit): a resumed run's next save
   End,       // the run's last step: no next save
+  Resumed,   // no save yet: a resume's start-up, warned of its first save (the disk may have filled since)
 };
 
 // After a save of `save_bytes` into `dir`, which has `free_bytes` left: a warning when the next
 // save, about as large, will not fit (rotation frees space only once a new save is complete);
-// empty when it fits, or when no save follows.
+// empty when it fits, or when no save follows. With AfterSave::Resumed, `save_bytes` is the size
+// of the checkpoint resumed from.
 std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_t free_bytes,
                               AfterSave after = AfterSave::Training);
 

@@ -308,6 +308,12 @@ TEST_CASE("a save that leaves less free space than one more save warns with both
              Catch::StartsWith("WARNING a resumed run's first checkpoint save will not fit: /ck has 13.0 MB free") &&
                  Catch::Contains("Free some space there before resuming,"));
   CHECK(low_space_warning("/ck", 18'400'000, 13'000'000, AfterSave::End).empty());
+  // At a resume's start-up (the disk filled while the job waited in the queue): said before the
+  // steps up to the first save are trained, with the resumed checkpoint's size as the estimate.
+  CHECK_THAT(low_space_warning("/ck", 18'400'000, 13'000'000, AfterSave::Resumed),
+             Catch::StartsWith("WARNING this run's first checkpoint save will not fit: /ck has 13.0 MB free, and a "
+                               "save needs about 18.4 MB (the size of the checkpoint resumed from;") &&
+                 Catch::Contains("Free some space there, or the steps up to the first save are trained for nothing"));
 }
 
 TEST_CASE("SIGTERM / SIGUSR1 save at the next step boundary and exit with code 4", "[ckpt][cli][signal]") {
