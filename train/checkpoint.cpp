@@ -421,6 +421,21 @@ std::vector<std::string> complete_checkpoints(const fs::path& dir) {
   return out;
 }
 
+// The complete checkpoints of `dir` but `except`, oldest save first, as " step_A step_B (damaged: ...)":
+// each marked with what is wrong with its files at a glance. *suggest: the newest unmarked one
+// (empty if none), the one to continue from.
+std::string listed_checkpoints(const fs::path& dir, const std::string& except, std::string* suggest) {
+  std::string out;
+  suggest->clear();
+  for (const auto& c : complete_checkpoints(dir)) {
+    if (c == except) continue;
+    const std::string damage = files_damage(dir / c);
+    out += " " + c + (damage.empty() ? "" : " (damaged: " + damage + ")");
+    if (damage.empty()) *suggest = c;
+  }
+  return out;
+}
+
 // A pointer's content as it can be printed: quoted, control and non-ASCII bytes as \xNN, cut short.
 std::string printable(const std::string& s) {
   std::string out = "\"";
@@ -499,14 +514,8 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
       msg += "\nThere is no complete checkpoint in " + dir.string() + "; to start afresh, remove " + pointer.string() +
              ".";
     } else {
-      // The newest whose files are all there at their saved sizes is the one to suggest.
       std::string suggest;
-      msg += "\nComplete checkpoints in " + dir.string() + ", oldest save first:";
-      for (const auto& c : complete) {
-        const std::string damage = files_damage(dir / c);
-        msg += " " + c + (damage.empty() ? "" : " (damaged: " + damage + ")");
-        if (damage.empty()) suggest = c;
-      }
+      msg += "\nComplete checkpoints in " + dir.string() + ", oldest save first:" + listed_checkpoints(dir, "", &suggest);
       msg += suggest.empty() ? "\nEvery one of them is damaged; to start afresh, remove " + pointer.string() +
                                    " (and the damaged checkpoints). Nothing was changed."
                              : "\nPass the one to continue from with --resume " + (dir / suggest).string() +
@@ -531,6 +540,17 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
     return (dir / *it).string();
   }
   return (dir / complete.back()).string();  // every one damaged: the load names what is wrong
+}
+
+std::string other_checkpoints_hint(const std::string& checkpoints_dir, const std::string& except,
+                                   const std::string& flag) {
+  std::string suggest;
+  const std::string listed = fs::is_directory(checkpoints_dir) ? listed_checkpoints(checkpoints_dir, except, &suggest) : "";
+  if (listed.empty()) return "\nThere is no other checkpoint in " + checkpoints_dir + ". Nothing was changed.";
+  std::string msg = "\nThe other checkpoints in " + checkpoints_dir + ", oldest save first:" + listed + ".";
+  return msg + (suggest.empty() ? " Every one of them is damaged. Nothing was changed."
+                                : " Nothing was changed; to continue from the newest intact one: " + flag + " " +
+                                      (fs::path(checkpoints_dir) / suggest).string());
 }
 
 namespace {

@@ -101,6 +101,13 @@ std::string meta_checksum(const nlohmann::json& meta);
 // every (virtual) pipeline stage where pp > 1 and the checkpoint records them.
 std::string saved_layout_text(const nlohmann::json& meta);
 
+// For a refusal of checkpoint `except` of `checkpoints_dir`: the directory's other complete
+// checkpoints, oldest save first, those whose files are missing or not of their saved sizes marked
+// "(damaged: ...)", and "<flag> PATH" of the newest intact one to continue from instead (lines to
+// append to the message, starting with a newline).
+std::string other_checkpoints_hint(const std::string& checkpoints_dir, const std::string& except,
+                                   const std::string& flag);
+
 class Checkpoint {
  public:
   // `path` is a checkpoint directory (step_*), or a checkpoints directory holding `latest`.

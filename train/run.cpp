@@ -1261,8 +1261,20 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (!note.empty()) notes.push_back(note);
   }
   set_fallback_checkpoint(resume_path);
+  // Where to turn instead of a refused checkpoint: the run's other checkpoints, when it is among them.
+  auto in_run_dir = [&](const std::string& path) {
+    std::error_code ec;
+    return fs::equivalent(fs::path(path).parent_path(), cfg.checkpoint.dir, ec);
+  };
   auto open_verified = [&](const std::string& path, const std::string& what, const std::string& flag) {
-    Checkpoint ck = Checkpoint::open(path);
+    std::optional<Checkpoint> opened;
+    try {
+      opened = Checkpoint::open(path);
+    } catch (const CheckpointError& e) {  // a file missing or truncated, a damaged meta.json
+      if (!in_run_dir(path)) throw;
+      throw CheckpointError(e.what() + other_checkpoints_hint(cfg.checkpoint.dir, fs::path(path).filename(), flag));
+    }
+    Checkpoint& ck = *opened;
     // One rank reads every checksum; the others wait for its verdict.
     CheckpointProblems problems;
     if (lead) problems = ck.verify();
@@ -1270,15 +1282,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       std::string msg = problems.empty() ? "refusing to " + what + " checkpoint " + ck.path() +
                                                ", which fails verification (see rank 0's message)"
                                          : problems.refusal(what, ck.path());
-      // Where to turn instead: the run's other checkpoints, when this one is among them.
-      std::error_code ec;
-      if (fs::equivalent(fs::path(ck.path()).parent_path(), cfg.checkpoint.dir, ec))
-        msg += "\n(other checkpoints in " + cfg.checkpoint.dir + " are untouched; pass one with " + flag + ")";
+      if (in_run_dir(ck.path()))
+        msg += other_checkpoints_hint(cfg.checkpoint.dir, fs::path(ck.path()).filename(), flag);
       else
         msg += "\nNothing was changed; pass another checkpoint with " + flag + ".";
       throw CheckpointError(msg);
     }
-    return ck;
+    return std::move(*opened);
   };
   // A load under another vocabulary padding (parallel.tp, model.pad_vocab_to_multiple_of): said,
   // and the saved per-tensor norms the restart verification compares lose the padding rows the

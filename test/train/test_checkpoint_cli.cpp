@@ -809,6 +809,39 @@ TEST_CASE("a save published but not yet named by latest (a kill between the two)
   CHECK_THAT(told.output, Catch::Contains("resuming from " + dir + "/step_00000004") && Catch::Contains("abandons"));
 }
 
+// A resume refused for damage in the run's newest checkpoint (a flipped byte, a file truncated by
+// a full disk or a copy) says which of the run's other checkpoints to continue from: the newest
+// intact one, with the damaged ones marked, whichever check found the damage.
+TEST_CASE("a refused resume from a damaged checkpoint names the newest intact one to continue from",
+          "[ckpt][cli][corrupt]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  const std::string every = "--steps 16 --set checkpoint.interval=4 --set checkpoint.keep_last=5 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--stop-at 12")).code == 4);  // steps 4, 8 and 12, latest = 12
+  const std::string optim = "/optim-tp00-pp00-dp00.safetensors";
+  SECTION("a flipped byte") {
+    flip_byte_in(dir + "/step_00000012" + optim, "adam_m/layers.0.attn.wq");
+    auto r = run_keel(train_args(ws, out, every));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains("adam_m/layers.0.attn.wq is corrupt") &&
+                             Catch::Contains("--resume " + dir + "/step_00000008"));
+  }
+  SECTION("a truncated file, and a damaged older one passed over") {
+    fs::resize_file(dir + "/step_00000012" + optim, 1000);
+    fs::resize_file(dir + "/step_00000008" + optim, 1000);
+    auto r = run_keel(train_args(ws, out, every));
+    INFO(r.output);
+    CHECK(r.code == 5);
+    CHECK_THAT(r.output, Catch::Contains(dir + "/step_00000012" + optim + " has 1000 bytes") &&
+                             Catch::Contains("step_00000004 step_00000008 (damaged: " + optim.substr(1) +
+                                             " has 1000 bytes") &&
+                             Catch::Contains("--resume " + dir + "/step_00000004"));
+  }
+  CHECK_FALSE(fs::exists(dir + "/step_00000016"));
+  CHECK(test::read_file(dir + "/latest") == "step_00000012\n");
+}
+
 // A damaged meta.json says nothing reliable about when its checkpoint was saved: the checkpoint
 // `latest` names is refused by name when its meta.json is damaged, not passed over for an older
 // one "saved after it" (which trained the steps since again and set the newest aside), and a
