@@ -404,14 +404,28 @@ int64_t next_save_seq(const fs::path& dir) {
   return next;
 }
 
-// Whether the checkpoint's meta.json parses and matches its own checksum (meta_crc32c; one saved
+// The checkpoint's meta.json, if it parses and matches its own checksum (meta_crc32c; one saved
 // before that field existed only has to parse).
-bool meta_sound(const fs::path& ckpt) {
+std::optional<json> sound_meta(const fs::path& ckpt) {
   std::ifstream in(ckpt / "meta.json");
-  const json m = json::parse(in, nullptr, false);
-  if (!m.is_object()) return false;
-  if (!m.contains("meta_crc32c")) return true;
-  return m["meta_crc32c"].is_string() && m["meta_crc32c"].get<std::string>() == meta_checksum(m);
+  json m = json::parse(in, nullptr, false);
+  if (!m.is_object()) return std::nullopt;
+  if (m.contains("meta_crc32c") &&
+      !(m["meta_crc32c"].is_string() && m["meta_crc32c"].get<std::string>() == meta_checksum(m)))
+    return std::nullopt;
+  return m;
+}
+
+// The checkpoint.dir a checkpoint was saved into, from its resolved config (<out>/checkpoints
+// by default); empty if it does not say.
+std::string saved_into(const json& meta) {
+  const json cfg = meta.value("config", json::object());
+  if (!cfg.is_object()) return {};
+  const json ck = cfg.value("checkpoint", json::object());
+  if (ck.is_object() && ck.contains("dir") && ck["dir"].is_string() && !ck["dir"].get<std::string>().empty())
+    return ck["dir"].get<std::string>();
+  if (cfg.contains("out") && cfg["out"].is_string()) return (fs::path(cfg["out"].get<std::string>()) / "checkpoints").string();
+  return {};
 }
 
 // Their names alone, oldest save first.
@@ -462,15 +476,24 @@ namespace {
 // Only metas that match their own checksum are trusted with that order: a damaged meta.json
 // ranks its checkpoint before every numbered save (or anywhere, if its save_seq is what changed),
 // and the named one is then loaded, to be refused by name, not passed over for an older one.
+// A checkpoint copied in from another run may be numbered after it too (that run saved more
+// often): the interrupted save is of a later step, and was saved into this directory or into the
+// one the named checkpoint was (a run directory moved since).
 fs::path newer_than_pointer(const fs::path& dir, const std::string& named, std::string* note) {
   const std::vector<SavedCheckpoint> saved = saved_checkpoints(dir);
   const auto it = std::find_if(saved.begin(), saved.end(), [&](const auto& c) { return c.name == named; });
-  if (it == saved.end() || !meta_sound(dir / named)) return dir / named;
+  const std::optional<json> named_meta = sound_meta(dir / named);
+  if (it == saved.end() || !named_meta) return dir / named;
   std::vector<const SavedCheckpoint*> newer;
-  for (const SavedCheckpoint& c : saved)
-    if (c.seq >= 0 && c.seq > it->seq) newer.push_back(&c);
-  // None, or not what an interrupted save leaves (two, or one whose meta.json is damaged).
-  if (newer.size() != 1 || !meta_sound(dir / newer[0]->name)) return dir / named;
+  for (const SavedCheckpoint& c : saved) {
+    if (c.seq < 0 || c.seq <= it->seq) continue;
+    const std::optional<json> meta = sound_meta(dir / c.name);
+    if (!meta || c.step <= it->step) continue;  // damaged, or of an earlier step: not what an interrupted save leaves
+    std::error_code ec;
+    const std::string into = saved_into(*meta);
+    if (fs::equivalent(into, dir, ec) || into == saved_into(*named_meta)) newer.push_back(&c);
+  }
+  if (newer.size() != 1) return dir / named;  // none, or not what an interrupted save leaves
   if (note)
     *note = (dir / "latest").string() + " names " + named + ", but " + newer[0]->name +
             " was saved after it and is complete: its save was interrupted between publishing it and updating " +

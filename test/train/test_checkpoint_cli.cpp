@@ -874,6 +874,26 @@ TEST_CASE("the checkpoint latest names with a damaged meta.json is refused and n
   }
 }
 
+// A checkpoint copied in from another run can be numbered after the one `latest` names (that run
+// saved more often): it is not this run's interrupted save, which is always of a later step and
+// saved into this directory (or the one latest's was saved into, for a run directory moved since).
+TEST_CASE("a checkpoint copied in from another run is not taken for this run's save interrupted before latest",
+          "[ckpt][cli][latest]") {
+  test::Workspace ws(kRun);
+  const std::string other = ws.dir / "other", out = ws.dir / "run", dir = out + "/checkpoints";
+  REQUIRE(run_keel(train_args(ws, other, "--set checkpoint.interval=2 --set checkpoint.keep_last=10 --stop-at 12")).code ==
+          4);  // save_seq 0 to 5
+  const std::string every = "--steps 16 --set checkpoint.keep_last=5 ";
+  REQUIRE(run_keel(train_args(ws, out, every + "--stop-at 8")).code == 4);  // step 4 and step 8 (save_seq 1), latest
+  const std::string step = GENERATE(as<std::string>{}, "step_00000006", "step_00000012");
+  INFO("copied: " << step);
+  fs::copy(other + "/checkpoints/" + step, dir + "/" + step, fs::copy_options::recursive);
+  auto r = run_keel(train_args(ws, out, every + "--stop-at 12"));
+  INFO(r.output);
+  CHECK(r.code == 4);
+  CHECK_THAT(r.output, Catch::Contains("resuming from " + dir + "/step_00000008") && !Catch::Contains("saved after it"));
+}
+
 // A damaged checkpoint (a truncated copy, a full disk) is no checkpoint to suggest or fall back
 // on: with `latest` unreadable the list marks it and suggests the newest intact one; with no
 // `latest` at all the run continues from that one and names the damaged newer one.
