@@ -450,6 +450,19 @@ std::string listed_checkpoints(const fs::path& dir, const std::string& except, s
   return out;
 }
 
+// A complete checkpoint `name` moved aside as .old-<name>-<pid> by a save of the same step that
+// was killed before it renamed its own copy into place (finish_save); empty if none.
+fs::path moved_aside(const fs::path& dir, const std::string& name) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string f = e.path().filename().string(), prefix = ".old-" + name + "-";
+    if (f.rfind(prefix, 0) == 0 && f.size() > prefix.size() &&
+        f.find_first_not_of("0123456789", prefix.size()) == std::string::npos && is_complete_checkpoint(e.path()))
+      return e.path();
+  }
+  return {};
+}
+
 // A pointer's content as it can be printed: quoted, control and non-ASCII bytes as \xNN, cut short.
 std::string printable(const std::string& s) {
   std::string out = "\"";
@@ -522,6 +535,11 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
       else if (step_of(name) < 0 || name.find('/') != std::string::npos)
         why = "names " + printable(name) + ", which is not a step_* checkpoint in " + dir.string() +
               " (keel only follows a pointer to one beside it: the file holds its name, e.g. step_00000004)";
+      else if (const fs::path aside = fs::exists(dir / name) ? fs::path() : moved_aside(dir, name); !aside.empty())
+        throw CheckpointError(pointer.string() + " names " + name + ", which is at " + aside.string() +
+                              ": a save of the same step moved it aside and was killed before it put its own copy "
+                              "in place.\nTo resume from it, rename it back: mv " + aside.string() + " " +
+                              (dir / name).string() + "\nNothing was changed.");
       else if (!fs::exists(dir / name))
         why = "names " + printable(name) + ", which does not exist";
       else if (!is_complete_checkpoint(dir / name))
@@ -1170,6 +1188,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
   std::string error;
   int64_t total_bytes = 0;  // every rank's files, from the manifests
   bool in_place = false, pointed_to = false;  // renamed to step_*; named by `latest`
+  fs::path old;  // an earlier save of the same step, moved aside until `latest` names the new one
   if (p->coordinator) try {
       const fs::path dir(dir_);
       json files = json::object();
@@ -1198,8 +1217,8 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
       data::detail::sync_directory(p->tmp.string());
 
       // An existing save of the same step (from a replayed stretch of training) is moved
-      // aside first and removed once the new one is in place.
-      fs::path old;
+      // aside first and removed once `latest` names the new one: until then it is what a
+      // failure puts back.
       if (fs::exists(p->final_path)) {
         old = dir / (".old-" + p->name + "-" + std::to_string(::getpid()));
         fs::rename(p->final_path, old);
@@ -1208,22 +1227,24 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
       fs::rename(p->tmp, p->final_path);
       in_place = true;
       data::detail::sync_directory(dir.string());
-      if (!old.empty()) fs::remove_all(old);
       maybe_crash("latest");
       write_text_file_synced((dir / ".latest.tmp").string(), p->name + "\n");
       fs::rename(dir / ".latest.tmp", dir / "latest");
       pointed_to = true;
       data::detail::sync_directory(dir.string());
+      if (!old.empty()) fs::remove_all(old);
       rotate();
     } catch (const std::exception& e) {
       error = e.what();
       // In place but not named by `latest` (a full disk at the pointer): undone, so that the
       // directory holds what the error says, the previous checkpoints and nothing of this one.
+      std::error_code ec;
       if (in_place && !pointed_to) {
-        std::error_code ec;
         fs::rename(p->final_path, p->tmp, ec);
         fs::remove(fs::path(dir_) / ".latest.tmp", ec);
       }
+      // The save it replaced back under its name (`latest` may name it).
+      if (!pointed_to && !old.empty() && !fs::exists(p->final_path, ec)) fs::rename(old, p->final_path, ec);
     }
   if (!agree(error.empty())) fail_save(*p, error.empty() ? "the coordinating rank could not publish it" : error);
 
@@ -1330,9 +1351,15 @@ std::vector<std::string> CheckpointManager::clean_incomplete() {
   const fs::path dir(dir_);
   std::vector<std::string> removed;
   if (!fs::is_directory(dir)) return removed;
+  std::string latest;
+  std::ifstream in(dir / "latest");
+  std::getline(in, latest);
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
     if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0 || name == ".latest.tmp") {
+      // Kept: the checkpoint `latest` names, moved aside by an interrupted save of its step
+      // (find_latest says to rename it back). Rotation's leftovers are never the one `latest` names.
+      if (!latest.empty() && !fs::exists(dir / latest) && e.path() == moved_aside(dir, latest)) continue;
       std::error_code ec;
       fs::remove_all(e.path(), ec);
       removed.push_back(name);

@@ -244,6 +244,54 @@ TEST_CASE("a save whose latest pointer cannot be written is undone, leaving the 
   CHECK(Checkpoint::open(dir / "ck").verify().empty());
 }
 
+// A save of a step already saved (a replayed stretch) moves the earlier copy aside: it was
+// removed before `latest` was written, so a failure there left neither copy.
+TEST_CASE("a save replacing one of the same step that fails at its latest pointer keeps the earlier copy",
+          "[ckpt][io]") {
+  test::TempDir dir("ckpt-replace-fail");
+  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
+  auto be = make_cpu_backend();
+  Trainer a(cfg, *be);
+  a.init_weights();
+  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
+  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  const std::string saved_meta = test::read_file(dir / "ck/step_00000001/meta.json");
+  fs::create_directories(dir / "ck/.latest.tmp");  // the pointer's temporary file cannot be created
+  std::string error;
+  try {
+    mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  } catch (const CheckpointError& e) {
+    error = e.what();
+  }
+  CHECK_THAT(error, Catch::Contains("saving checkpoint step_00000001") && Catch::Contains(".latest.tmp"));
+  CHECK(test::read_file(dir / "ck/latest") == "step_00000001\n");
+  CHECK(test::read_file(dir / "ck/step_00000001/meta.json") == saved_meta);  // the earlier save, not the failed one
+  CHECK(Checkpoint::open(dir / "ck").verify().empty());
+  for (const auto& e : fs::directory_iterator(dir / "ck")) CHECK(e.path().filename().string().rfind(".old-", 0) != 0);
+  // Killed between its two renames, a replacement leaves the earlier copy aside, named by
+  // `latest`: a resume says where it is, and the start-up clean-up of leftovers keeps it.
+  const fs::path aside = dir / "ck/.old-step_00000001-4242";
+  fs::rename(dir / "ck/step_00000001", aside);
+  std::string refusal;
+  try {
+    Checkpoint::find_latest(dir / "ck");
+  } catch (const CheckpointError& e) {
+    refusal = e.what();
+  }
+  CHECK_THAT(refusal, Catch::Contains("names step_00000001, which is at " + aside.string()) &&
+                          Catch::Contains("mv " + aside.string() + " " + (dir / "ck/step_00000001")));
+  CheckpointManager(dir / "ck", cfg.checkpoint).clean_incomplete();
+  CHECK(fs::exists(aside / "meta.json"));
+  fs::rename(aside, dir / "ck/step_00000001");
+  CHECK(Checkpoint::find_latest(dir / "ck") == dir / "ck/step_00000001");
+  // With the pointer writable again, the replacement goes through and leaves no copy aside.
+  fs::remove(dir / "ck/.latest.tmp");
+  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  CHECK(test::read_file(dir / "ck/step_00000001/meta.json") != saved_meta);
+  CHECK(Checkpoint::open(dir / "ck").verify().empty());
+  for (const auto& e : fs::directory_iterator(dir / "ck")) CHECK(e.path().filename().string().rfind(".old-", 0) != 0);
+}
+
 // The error named the tensor file whatever failed ("writing ... model-tp00-pp00.safetensors
 // failed: cannot write .../meta.json"); it names the checkpoint and, through the cause, the file.
 TEST_CASE("a weights-only checkpoint that cannot be written names the folder and the file that failed", "[ckpt][io]") {
