@@ -1231,6 +1231,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
       write_text_file_synced((dir / ".latest.tmp").string(), p->name + "\n");
       fs::rename(dir / ".latest.tmp", dir / "latest");
       pointed_to = true;
+      ++published_;
       data::detail::sync_directory(dir.string());
       if (!old.empty()) fs::remove_all(old);
       rotate();
@@ -1271,8 +1272,13 @@ void CheckpointManager::fail_save(const PendingSave& p, const std::string& why) 
   } catch (const std::exception&) {
     // an unreadable directory: say nothing about what it holds
   }
-  throw CheckpointError("saving checkpoint " + p.name + " in " + dir_ + " failed: " + why +
-                        (earlier ? "; the previous checkpoints are untouched" : "; no checkpoint had been saved before it"));
+  // A folder emptied, removed or replaced while the run went on lost saves this run made.
+  const std::string before = earlier ? "; the previous checkpoints are untouched"
+                             : published_ > 0
+                                 ? "; " + dir_ + " holds no complete checkpoint now, though this run saved " +
+                                       std::to_string(published_) + " into it (removed, or the folder replaced, since)"
+                                 : "; no checkpoint had been saved before it";
+  throw CheckpointError("saving checkpoint " + p.name + " in " + dir_ + " failed: " + why + before);
 }
 
 std::vector<std::string> CheckpointManager::set_resumed_from(int64_t step) {

@@ -252,6 +252,7 @@ class CheckpointManager {
   bool abandoned(int64_t seq, int64_t step) const;
   int64_t resumed_step_ = -1, run_start_seq_ = 0;  // set_resumed_from; -1: a fresh run
   int64_t next_seq_ = 0;  // the coordinator's next save_seq, at least (see finish_save)
+  int64_t published_ = 0;  // saves this manager published: a failure's message tells "none before" from "gone since"
 };
 
 // ---- restoring -------------------------------------------------------------------------

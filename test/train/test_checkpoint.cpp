@@ -216,6 +216,18 @@ TEST_CASE("a background save that cannot be published fails at its finish and le
   CHECK_FALSE(fs::exists(dir / "ck/.tmp-step_00000002"));
   CHECK(Checkpoint::find_latest(dir / "ck") == dir / "ck/step_00000001");
   CHECK(Checkpoint::open(dir / "ck").verify().empty());
+  // The folder replaced by a file while the run went on: its saves are gone, not "never made".
+  fs::remove_all(dir / "ck");
+  std::ofstream(dir / "ck") << "not a folder\n";
+  std::string gone;
+  try {
+    mgr.save(cfg, a.table(), a.state(), *be, {3, 24, 768, 0, 0}, a.scaler(), {});
+  } catch (const CheckpointError& e) {
+    gone = e.what();
+  }
+  CHECK_THAT(gone, Catch::Contains("saving checkpoint step_00000003") &&
+                       Catch::Contains(dir / "ck" + " holds no complete checkpoint now, though this run saved 1 into it") &&
+                       !Catch::Contains("no checkpoint had been saved before it"));
 }
 
 // A full disk can leave room for the files and meta.json but not for the new `latest`: the save
