@@ -92,6 +92,7 @@ struct Encoded {
   size_t prompt = 0;          // pairs: leading tokens out of the loss
   std::vector<uint8_t> mask;  // conversations: per token, 1 = in the loss
   int64_t unplaced_replies = 0, weight0_replies = 0;
+  int32_t special_in_text = -1;  // a special token the document's text was encoded to (-1: none)
 };
 
 // Where conversations are read from: --messages-key, and by default also ShareGPT's field.
@@ -115,6 +116,10 @@ class SplitWriter {
   void add(const Encoded& e) {
     out_.unplaced_replies += e.unplaced_replies;
     out_.weight0_replies += e.weight0_replies;
+    if (e.special_in_text >= 0) {
+      ++out_.special_text_documents;
+      if (out_.special_text_tokens.size() < 6) out_.special_text_tokens.insert(e.special_in_text);  // 5 shown, and "..."
+    }
     if (o_.chat && o_.assistant_loss_mask) out_.without_replies += std::count(e.mask.begin(), e.mask.end(), uint8_t{1}) == 0;
     if (o_.pack > 0) return pack(e);
     ++out_.documents;
@@ -450,6 +455,10 @@ void check_options(const TokenizeOptions& o) {
   if (!o.chat && !o.chat_template.empty()) throw std::invalid_argument("--chat-template applies to --chat only");
   if (o.chat && o.prompt_loss_mask)
     throw std::invalid_argument("--loss-mask prompt is for prompt/response pairs; with --chat use assistant (the default) or none");
+  if (o.chat && o.split_special_tokens)
+    throw std::invalid_argument("--split-special-tokens does not apply to --chat: the chat template writes its special "
+                                "tokens (<|im_start|>, <|eot_id|>, ...) as text, which must stay special; it is for "
+                                "plain documents and prompt/response pairs");
   if (o.chat && o.add_special_tokens)
     throw std::invalid_argument("--add-special-tokens does not apply to --chat: the chat template writes the special tokens "
                                 "itself (transformers encodes its output without adding any), so a BOS would come twice");
@@ -486,7 +495,8 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
 
   // 1. The tokenizer and its end of text.
   const fs::path tok_path = fs::is_directory(o.tokenizer) ? fs::path(o.tokenizer) / "tokenizer.json" : fs::path(o.tokenizer);
-  const Tokenizer tok = Tokenizer::from_file(tok_path.string());
+  Tokenizer tok = Tokenizer::from_file(tok_path.string());
+  tok.set_split_special_tokens(o.split_special_tokens);
   TokenizeResult r;
   r.eot_id = end_of_text_id(tok, o.eot_token, r.eot_token);
   r.vocab_size = tok.vocab_size();
@@ -598,6 +608,21 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     }
     return e;
   };
+  // A special token in a document's ids, beyond those the post-processor adds (BOS) and the
+  // model's <unk>, came from its text: web text that mentions <|endoftext|>, say. Counted, and
+  // said, since with data.document_masking an end of text there cuts the document in two.
+  const std::vector<int32_t> added_ids = tok.encode("", o.add_special_tokens);
+  auto special_from_text = [&](const std::vector<int32_t>& ids) {
+    if (o.split_special_tokens) return -1;
+    int64_t beyond = -static_cast<int64_t>(std::count_if(added_ids.begin(), added_ids.end(), [&](int32_t id) { return tok.is_special(id); }));
+    int32_t example = -1;
+    for (int32_t id : ids)
+      if (tok.is_special(id) && id != tok.unk_id()) {
+        ++beyond;
+        if (example < 0 || std::find(added_ids.begin(), added_ids.end(), example) != added_ids.end()) example = id;
+      }
+    return beyond > 0 ? example : -1;
+  };
   auto encode = [&](uint64_t doc) {
     if (chat) return encode_conversation(doc);
     const Document d = corpus.document(doc);
@@ -613,6 +638,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     } else {
       ids = tok.encode(d.text, o.add_special_tokens);
     }
+    e.special_in_text = special_from_text(ids);
     e.ids.reserve(ids.size() + 1);
     for (int32_t id : ids) e.ids.push_back(static_cast<uint32_t>(id));
     e.ids.push_back(static_cast<uint32_t>(r.eot_id));
@@ -738,6 +764,7 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       {"train_tokens", r.train.tokens},
       {"val_tokens", r.val.tokens},
       {"add_special_tokens", o.add_special_tokens},
+      {"split_special_tokens", o.split_special_tokens},
       {"generated_by", "keel tokenize (" + std::to_string(threads) + " threads)"},
   };
   if (o.format == TokenOutputFormat::llmc) meta["shard_tokens"] = o.shard_tokens;
@@ -840,6 +867,17 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
     if (split.files.size() > 1000)
       say("  NOTE %zu shards: their names have %zu digits (%s ... %s), so that they sort in order", split.files.size(),
           std::to_string(split.files.size() - 1).size(), split.files.front().c_str(), split.files.back().c_str());
+    if (split.special_text_documents) {
+      std::string names;
+      int shown = 0;
+      for (int32_t id : split.special_text_tokens)
+        if (shown++ < 5) names += (names.empty() ? "" : ", ") + tok.id_to_token(id);
+      say("  NOTE %lld documents hold the text of a special token (%s%s), encoded as that token, as HF tokenizers "
+          "does. With data.document_masking an end of text there cuts the document in two. --split-special-tokens "
+          "encodes such text as ordinary text (llm.c's encode_ordinary)",
+          static_cast<long long>(split.special_text_documents), names.c_str(),
+          split.special_text_tokens.size() > 5 ? ", ..." : "");
+    }
     if (split.unplaced_replies)
       say("  NOTE %lld assistant replies are out of the loss: the chat template renders them differently once later "
           "messages follow (e.g. it drops their reasoning), so they could not be located",

@@ -288,6 +288,7 @@ struct Tokenizer::Impl {
   std::vector<int32_t> prefix_ids, suffix_ids;
   std::string post_processor_problem;  // non-empty: add_special_tokens=true is refused
   std::vector<std::string> component_names;
+  bool split_special = false;  // special added tokens' text is encoded as text (set_split_special_tokens)
 
   [[noreturn]] void fail(const std::string& what) const { throw DataError("tokenizer " + source + ": " + what); }
 
@@ -610,13 +611,14 @@ struct Tokenizer::Impl {
         continue;
       }
       const std::string& s = p.text;
-      size_t pos = 0;
+      size_t pos = 0;   // start of the text not yet split off
+      size_t from = 0;  // where the next match may start: past a special token left as text
       bool first = true;
-      while (pos <= s.size()) {
+      while (from <= s.size()) {
         size_t best_at = std::string::npos, best_len = 0;
         const AddedToken* best = nullptr;
         for (const AddedToken* t : tokens) {
-          size_t at = s.find(t->match, pos);
+          size_t at = s.find(t->match, from);
           while (at != std::string::npos && t->single_word) {
             // single_word: no word character directly before or after
             const std::u32string before = to_u32(s.substr(0, at)), after = to_u32(s.substr(at + t->match.size()));
@@ -632,6 +634,12 @@ struct Tokenizer::Impl {
           }
         }
         if (!best) break;
+        // split_special: the match stays text, as in HF tokenizers' encode_special_tokens (which
+        // skips it after matching among every added token, so no shorter token inside it matches).
+        if (split_special && best->special) {
+          from = best_at + best_len;
+          continue;
+        }
         size_t b = best_at, e = best_at + best_len;
         if (best->lstrip)
           while (b > pos && (s[b - 1] == ' ' || s[b - 1] == '\t' || s[b - 1] == '\n' || s[b - 1] == '\r')) --b;
@@ -640,7 +648,7 @@ struct Tokenizer::Impl {
         if (b > pos) out.push_back({s.substr(pos, b - pos), -1, first && p.at_start});
         out.push_back({s.substr(b, e - b), best->id, false});
         first = false;
-        pos = e;
+        pos = from = e;
       }
       if (pos < s.size()) out.push_back({s.substr(pos), -1, first && p.at_start});
     }
@@ -1015,6 +1023,10 @@ std::string Tokenizer::id_to_token(int32_t id) const {
   if (id < 0 || static_cast<size_t>(id) >= impl_->id_to_token.size()) return "";
   return impl_->id_to_token[static_cast<size_t>(id)];
 }
+
+void Tokenizer::set_split_special_tokens(bool on) { impl_->split_special = on; }
+int32_t Tokenizer::unk_id() const { return impl_->unk_id; }
+bool Tokenizer::split_special_tokens() const { return impl_->split_special; }
 
 bool Tokenizer::is_special(int32_t id) const {
   auto it = impl_->added_by_id.find(id);

@@ -50,6 +50,12 @@ class Tokenizer {
   // Keeps no state between calls: one Tokenizer may encode from many threads at once
   // (keel tokenize does).
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
+  // With `on`, the text of an added token marked special (a document that mentions
+  // "<|endoftext|>") is encoded as ordinary text, not as that token: HF tokenizers'
+  // encode_special_tokens = True (transformers' split_special_tokens), llm.c's encode_ordinary.
+  // Non-special added tokens still match, and the post-processor's BOS/EOS stay special.
+  void set_split_special_tokens(bool on);
+  bool split_special_tokens() const;
   // first + second encoded as one text, and where second's tokens begin in it: what a prompt
   // and its response (keel tokenize --loss-mask prompt) or a context and an ending (keel eval)
   // become. Encoding second on its own would not give the same tokens: a SentencePiece-style
@@ -73,6 +79,7 @@ class Tokenizer {
   std::optional<int32_t> token_to_id(std::string_view token) const;
   std::string id_to_token(int32_t id) const;  // "" for unknown ids
   bool is_special(int32_t id) const;          // an added token marked special
+  int32_t unk_id() const;                     // the model's unknown-text id (-1: none)
   // One line for logs: "byte-level BPE, 50257 ids (1 added), pre-tokenizer ByteLevel".
   std::string describe() const;
 

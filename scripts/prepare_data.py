@@ -22,7 +22,9 @@ byte-level BPE (--vocab-size, default 2048) is trained on the training documents
 OUT/tokenizer.json. An end-of-text token follows every document (--eot-token; by default
 <|endoftext|>, or the first of </s>, <|end_of_text|>, <|eot_id|> the tokenizer has). With
 --add-special-tokens each document (or prompt) is encoded with the tokenizer's post-processor,
-e.g. Llama's <s> / <|begin_of_text|> in front. Without the `tokenizers` package (or with --bytes)
+e.g. Llama's <s> / <|begin_of_text|> in front. With --split-special-tokens the text of a special
+token inside a document ("<|endoftext|>" on a web page) is encoded as ordinary text, not as the
+token (the tokenizers library's encode_special_tokens; llm.c's encode_ordinary). Without the `tokenizers` package (or with --bytes)
 the tokens are raw UTF-8 bytes, id 256 = end of text.
 
 Instruction data (--loss-mask prompt): each JSONL record holds a prompt and a response; the
@@ -453,6 +455,9 @@ def parse_args(argv=None):
     ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
     ap.add_argument("--add-special-tokens", action="store_true",
                     help="encode each document (prompt) with the tokenizer's post-processor (e.g. Llama's BOS)")
+    ap.add_argument("--split-special-tokens", action="store_true",
+                    help="encode special tokens' text inside documents as ordinary text (with data.document_masking "
+                         "a mentioned <|endoftext|> would cut its document in two)")
     ap.add_argument("--loss-mask", choices=["none", "prompt"], default="none",
                     help="'prompt': --jsonl records are prompt/response pairs; only the response (and the "
                          "end of text) count in the loss, recorded in a .mask sidecar per shard")
@@ -551,6 +556,11 @@ def main(argv=None) -> int:
         print(f"trained byte-level BPE: vocab {tok.vocab_size} in {time.time() - t1:.2f}s")
     tok_meta["vocab_size"] = tok.vocab_size
     tok_meta["eot_id"] = tok.eot_id
+    if args.split_special_tokens:
+        if isinstance(tok, ByteTokenizer):
+            print("NOTE: --split-special-tokens changes nothing for raw bytes (they have no special tokens)")
+        else:
+            tok.tok.encode_special_tokens = True
 
     # 4. encode + shard (remove stale shards of an earlier run first)
     for name in sorted(os.listdir(args.out)):
@@ -643,6 +653,7 @@ def main(argv=None) -> int:
             "val_in_loss": sum(s["mask"]["in_loss"] for s in splits["val"]["shards"]),
         },
         "add_special_tokens": args.add_special_tokens,
+        "split_special_tokens": args.split_special_tokens,
         "choices": {"file": "val_choices.jsonl", "items": len(items),
                     "kind": "which ending finishes this held-out document (context: its first half; "
                             "endings: its rest and three other documents' rests)"} if items else None,

@@ -113,6 +113,10 @@ Command add_tokenize_command(CLI::App& app) {
       ->each([&a](const std::string&) { a.eot_given = true; });
   c->add_flag("--add-special-tokens", o.add_special_tokens,
               "Encode each document (prompt) with the tokenizer's post-processor, e.g. Llama's BOS in front");
+  c->add_flag("--split-special-tokens", o.split_special_tokens,
+              "Encode the text of special tokens in documents (\"<|endoftext|>\" in a web page) as ordinary text, "
+              "as transformers' split_special_tokens and llm.c's encode_ordinary do, instead of as the token: with "
+              "data.document_masking a false end of text would cut the document in two. Not for --chat");
   c->add_option("--seed", o.seed, "Document shuffle seed (default 1337; the same split as prepare_data.py)")
       ->check(cli::integer<uint64_t>(0));
   c->add_option("--val-fraction", o.val_fraction, "Fraction of documents held out for validation (default 0.05)")

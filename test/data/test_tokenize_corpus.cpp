@@ -619,6 +619,78 @@ TEST_CASE("keel tokenize --loss-mask prompt: a pair is its joined text's tokens,
   }
 }
 
+// Web text that mentions a special token: by default it becomes the token (HF's default), and
+// with data.document_masking a mentioned <|endoftext|> cuts its document in two; the run says so.
+// --split-special-tokens keeps it text: one end of text per document, the one keel appends.
+TEST_CASE("keel tokenize --split-special-tokens encodes special-token text in documents as text",
+          "[tokenize][split_special]") {
+  TempDir dir;
+  const std::vector<std::string> texts = {"GPT-2 ends its texts with <|endoftext|> as a rule.",
+                                          "A chat turn starts with <|user|>, they say.", "Nothing special here.",
+                                          "<|endoftext|><|endoftext|> twice at the start"};
+  {
+    std::ofstream f(dir / "docs.jsonl");
+    for (const std::string& t : texts) f << json{{"text", t}}.dump() << "\n";
+  }
+  for (const bool split : {false, true}) {
+    INFO("--split-special-tokens " << split);
+    TokenizeOptions o;
+    o.jsonl = {dir / "docs.jsonl"};
+    o.tokenizer = kTokenizers + "gpt2.json";
+    o.val_fraction = 0;
+    o.threads = 2;
+    o.split_special_tokens = split;
+    o.out = dir / (split ? "split" : "special");
+    std::string log;
+    const TokenizeResult r = tokenize_corpus(o, [&](const std::string& line) { log += line + "\n"; });
+    Tokenizer tok = Tokenizer::from_file(o.tokenizer);
+    tok.set_split_special_tokens(split);
+    const TokenFile f = TokenFile::open(o.out + "/train_000.bin");
+    std::vector<int32_t> stream;
+    for (int64_t i = 0; i < f.num_tokens(); ++i) stream.push_back(static_cast<int32_t>(f.token(i)));
+    // Each document is its text's tokens under the setting, then the end of text keel appends.
+    int64_t want_tokens = 0;
+    for (const std::string& t : texts) {
+      std::vector<int32_t> want = tok.encode(t, false);
+      want.push_back(r.eot_id);
+      want_tokens += static_cast<int64_t>(want.size());
+      CHECK(std::search(stream.begin(), stream.end(), want.begin(), want.end()) != stream.end());
+    }
+    CHECK(static_cast<int64_t>(stream.size()) == want_tokens);
+    const auto eots = std::count(stream.begin(), stream.end(), r.eot_id);
+    const auto users = std::count(stream.begin(), stream.end(), *tok.token_to_id("<|user|>"));
+    CHECK(eots == (split ? 4 : 7));
+    CHECK(users == (split ? 0 : 1));
+    std::ifstream meta_in(o.out + "/meta.json");
+    CHECK(json::parse(meta_in)["split_special_tokens"] == split);
+    if (split) {
+      CHECK(log.find("hold the text of a special token") == std::string::npos);
+    } else {
+      CHECK_THAT(log, Catch::Contains("NOTE 3 documents hold the text of a special token (<|endoftext|>, <|user|>), "
+                                      "encoded as that token") &&
+                          Catch::Contains("--split-special-tokens encodes such text as ordinary text"));
+    }
+  }
+  // The post-processor's BOS is no text of the document: it is not counted.
+  TokenizeOptions bos;
+  bos.jsonl = {dir / "docs.jsonl"};
+  bos.tokenizer = kTokenizers + "llama2.json";
+  bos.add_special_tokens = true;
+  bos.val_fraction = 0;
+  bos.out = dir / "bos";
+  std::string log;
+  tokenize_corpus(bos, [&](const std::string& line) { log += line + "\n"; });
+  CHECK(log.find("hold the text of a special token") == std::string::npos);
+  // A chat template's own special tokens are text that must stay special.
+  TokenizeOptions chat = bos;
+  chat.add_special_tokens = false;
+  chat.chat = true;
+  chat.split_special_tokens = true;
+  chat.out = dir / "chat";
+  CHECK_THROWS_WITH(tokenize_corpus(chat, quiet), Catch::Contains("--split-special-tokens does not apply to --chat"));
+  CHECK(!fs::exists(dir / "chat"));
+}
+
 TEST_CASE("One Tokenizer encodes from several threads at once", "[tokenize][tokenizer]") {
   // The regex matcher once kept the text it scanned in the shared Regex: two threads
   // encoding at once read each other's text (and crashed). Every thread must get the ids

@@ -111,6 +111,36 @@ TEST_CASE("tokenizer: NFD, Replace and NFKC normalizers and normalized added tok
   check_tokenizer("nfkc");
 }
 
+// Documents that mention special tokens ("Use <|endoftext|> to end a document."), encoded as HF
+// tokenizers does by default (the token) and with encode_special_tokens (ordinary text), every
+// fixture tokenizer (scripts/make_split_special_fixture.py). Ids must be equal, exactly.
+TEST_CASE("tokenizer: special-token text in documents matches HF with and without encode_special_tokens",
+          "[tokenizer][split_special]") {
+  std::ifstream in(kDir + "split_special.json");
+  const nlohmann::json fixture = nlohmann::json::parse(in);
+  REQUIRE(fixture["tokenizers"].size() == 10);
+  for (const auto& [name, c] : fixture["tokenizers"].items()) {
+    Tokenizer tok = Tokenizer::from_file(kDir + name + ".json");
+    CHECK_FALSE(tok.split_special_tokens());
+    const auto& strings = c["strings"];
+    REQUIRE(strings.size() > 10);
+    int differ = 0;
+    for (const std::string key : {"special", "split", "split_bos"}) {
+      tok.set_split_special_tokens(key != "special");
+      for (size_t i = 0; i < strings.size(); ++i) {
+        const std::string s = strings[i].get<std::string>();
+        const auto want = c[key][i].get<std::vector<int32_t>>();
+        const auto got = tok.encode(s, key == "split_bos");
+        INFO(name << " " << key << " string #" << i << " " << nlohmann::json(s).dump() << "\n  HF:   " << show(want)
+                  << "\n  keel: " << show(got));
+        CHECK(got == want);
+        if (key == "split") differ += want != c["special"][i].get<std::vector<int32_t>>();
+      }
+    }
+    CHECK(differ > 0);  // the option changed something for every tokenizer (each has special tokens)
+  }
+}
+
 TEST_CASE("tokenizer: unsupported components and bad input give errors that name them", "[tokenizer]") {
   std::ifstream in(kDir + "gpt2.json");
   nlohmann::json doc = nlohmann::json::parse(in);
