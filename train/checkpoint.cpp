@@ -463,6 +463,17 @@ fs::path moved_aside(const fs::path& dir, const std::string& name) {
   return {};
 }
 
+// The abandoned-after-<S>-<time> folder holding checkpoint `name`: set aside there by a start-up
+// (CheckpointManager::set_aside) killed before it pointed `latest` at S, the one it resumed
+// from; empty if none.
+fs::path set_aside_into(const fs::path& dir, const std::string& name) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().filename().string().rfind("abandoned-after-", 0) == 0 && is_complete_checkpoint(e.path() / name))
+      return e.path();
+  return {};
+}
+
 // A pointer's content as it can be printed: quoted, control and non-ASCII bytes as \xNN, cut short.
 std::string printable(const std::string& s) {
   std::string out = "\"";
@@ -540,7 +551,19 @@ std::optional<std::string> Checkpoint::find_latest(const std::string& checkpoint
                               ": a save of the same step moved it aside and was killed before it put its own copy "
                               "in place.\nTo resume from it, rename it back: mv " + aside.string() + " " +
                               (dir / name).string() + "\nNothing was changed.");
-      else if (!fs::exists(dir / name))
+      else if (const fs::path folder = fs::exists(dir / name) ? fs::path() : set_aside_into(dir, name); !folder.empty()) {
+        // The folder's name gives the checkpoint that run resumed from: abandoned-after-step_N-<time>.
+        const std::string rest = folder.filename().string().substr(std::string("abandoned-after-").size());
+        const std::string resumed = rest.substr(0, rest.find('-'));
+        const bool there = step_of(resumed) >= 0 && is_complete_checkpoint(dir / resumed);
+        throw CheckpointError(
+            pointer.string() + " names " + name + ", which was set aside into " + folder.string() +
+            " with the rest of an abandoned run: a run that resumed from " + (there ? resumed : "an earlier step") +
+            " was killed before it pointed latest at it.\n" +
+            (there ? "To continue that run: --resume " + (dir / resumed).string() + ". " : "") +
+            "To go back to the abandoned run instead, move the checkpoints in " + folder.string() + " back into " +
+            dir.string() + ". Nothing was changed.");
+      } else if (!fs::exists(dir / name))
         why = "names " + printable(name) + ", which does not exist";
       else if (!is_complete_checkpoint(dir / name))
         why = "names " + printable(name) + ", which is not a complete checkpoint (no meta.json)";

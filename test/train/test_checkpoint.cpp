@@ -304,6 +304,36 @@ TEST_CASE("a save replacing one of the same step that fails at its latest pointe
   for (const auto& e : fs::directory_iterator(dir / "ck")) CHECK(e.path().filename().string().rfind(".old-", 0) != 0);
 }
 
+// A start-up that resumes from an earlier step moves the later checkpoints into
+// abandoned-after-<step>-<time>/ and then points latest at the one it resumed from: killed in
+// between, latest names a checkpoint that is in that folder. The refusal says where, and how to
+// continue either run.
+TEST_CASE("latest naming a checkpoint set aside with an abandoned run says where it is and what to resume",
+          "[ckpt][latest]") {
+  test::TempDir dir("ckpt-set-aside-kill");
+  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
+  auto be = make_cpu_backend();
+  Trainer a(cfg, *be);
+  a.init_weights();
+  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
+  mgr.save(cfg, a.table(), a.state(), *be, {4, 32, 1024, 0, 0}, a.scaler(), {});
+  mgr.save(cfg, a.table(), a.state(), *be, {8, 64, 2048, 0, 0}, a.scaler(), {});
+  const std::string folder = dir / "ck/abandoned-after-step_00000004-20261207T120000Z";
+  fs::create_directory(folder);
+  fs::rename(dir / "ck/step_00000008", folder + "/step_00000008");  // moved; latest not yet rewritten
+  std::string refusal;
+  try {
+    Checkpoint::find_latest(dir / "ck");
+  } catch (const CheckpointError& e) {
+    refusal = e.what();
+  }
+  CHECK_THAT(refusal, Catch::Contains("names step_00000008, which was set aside into " + folder) &&
+                          Catch::Contains("a run that resumed from step_00000004 was killed before it pointed latest") &&
+                          Catch::Contains("To continue that run: --resume " + (dir / "ck/step_00000004")) &&
+                          Catch::Contains("Nothing was changed"));
+  CHECK(test::read_file(dir / "ck/latest") == "step_00000008\n");
+}
+
 // The error named the tensor file whatever failed ("writing ... model-tp00-pp00.safetensors
 // failed: cannot write .../meta.json"); it names the checkpoint and, through the cause, the file.
 TEST_CASE("a weights-only checkpoint that cannot be written names the folder and the file that failed", "[ckpt][io]") {
