@@ -612,12 +612,16 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   // model's <unk>, came from its text: web text that mentions <|endoftext|>, say. Counted, and
   // said, since with data.document_masking an end of text there cuts the document in two.
   const std::vector<int32_t> added_ids = tok.encode("", o.add_special_tokens);
+  // Looked up per token: a table made once, not the tokenizer's map (the model's <unk> left out).
+  std::vector<char> counts_as_special(static_cast<size_t>(tok.vocab_size()), 0);
+  for (int32_t id = 0; id < tok.vocab_size(); ++id) counts_as_special[static_cast<size_t>(id)] = tok.is_special(id) && id != tok.unk_id();
+  const int64_t added_specials = std::count_if(added_ids.begin(), added_ids.end(), [&](int32_t id) { return tok.is_special(id); });
   auto special_from_text = [&](const std::vector<int32_t>& ids) {
     if (o.split_special_tokens) return -1;
-    int64_t beyond = -static_cast<int64_t>(std::count_if(added_ids.begin(), added_ids.end(), [&](int32_t id) { return tok.is_special(id); }));
+    int64_t beyond = -added_specials;
     int32_t example = -1;
     for (int32_t id : ids)
-      if (tok.is_special(id) && id != tok.unk_id()) {
+      if (counts_as_special[static_cast<size_t>(id)]) {
         ++beyond;
         if (example < 0 || std::find(added_ids.begin(), added_ids.end(), example) != added_ids.end()) example = id;
       }

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <set>
 #include <thread>
@@ -193,6 +194,16 @@ std::string failed_publication(CheckpointManager& mgr, const RunConfig& cfg, Tra
   return "";
 }
 
+// What a call throws as CheckpointError ("" if nothing).
+std::string checkpoint_error(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST_CASE("a background save that cannot be published fails at its finish and leaves the previous save as latest",
@@ -219,12 +230,8 @@ TEST_CASE("a background save that cannot be published fails at its finish and le
   // The folder replaced by a file while the run went on: its saves are gone, not "never made".
   fs::remove_all(dir / "ck");
   std::ofstream(dir / "ck") << "not a folder\n";
-  std::string gone;
-  try {
-    mgr.save(cfg, a.table(), a.state(), *be, {3, 24, 768, 0, 0}, a.scaler(), {});
-  } catch (const CheckpointError& e) {
-    gone = e.what();
-  }
+  const std::string gone =
+      checkpoint_error([&] { mgr.save(cfg, a.table(), a.state(), *be, {3, 24, 768, 0, 0}, a.scaler(), {}); });
   CHECK_THAT(gone, Catch::Contains("saving checkpoint step_00000003") &&
                        Catch::Contains(dir / "ck" + " holds no complete checkpoint now, though this run saved 1 into it") &&
                        !Catch::Contains("no checkpoint had been saved before it"));
@@ -242,12 +249,8 @@ TEST_CASE("a save whose latest pointer cannot be written is undone, leaving the 
   CheckpointManager mgr(dir / "ck", cfg.checkpoint);
   mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
   fs::create_directories(dir / "ck/.latest.tmp");  // the pointer's temporary file cannot be created
-  std::string error;
-  try {
-    mgr.save(cfg, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {});
-  } catch (const CheckpointError& e) {
-    error = e.what();
-  }
+  const std::string error =
+      checkpoint_error([&] { mgr.save(cfg, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {}); });
   CHECK_THAT(error, Catch::Contains("saving checkpoint step_00000002") && Catch::Contains(".latest.tmp") &&
                         Catch::Contains("the previous checkpoints are untouched"));
   CHECK_FALSE(fs::exists(dir / "ck/step_00000002"));
@@ -269,12 +272,8 @@ TEST_CASE("a save replacing one of the same step that fails at its latest pointe
   mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
   const std::string saved_meta = test::read_file(dir / "ck/step_00000001/meta.json");
   fs::create_directories(dir / "ck/.latest.tmp");  // the pointer's temporary file cannot be created
-  std::string error;
-  try {
-    mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
-  } catch (const CheckpointError& e) {
-    error = e.what();
-  }
+  const std::string error =
+      checkpoint_error([&] { mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {}); });
   CHECK_THAT(error, Catch::Contains("saving checkpoint step_00000001") && Catch::Contains(".latest.tmp"));
   CHECK(test::read_file(dir / "ck/latest") == "step_00000001\n");
   CHECK(test::read_file(dir / "ck/step_00000001/meta.json") == saved_meta);  // the earlier save, not the failed one
@@ -284,12 +283,7 @@ TEST_CASE("a save replacing one of the same step that fails at its latest pointe
   // `latest`: a resume says where it is, and the start-up clean-up of leftovers keeps it.
   const fs::path aside = dir / "ck/.old-step_00000001-4242";
   fs::rename(dir / "ck/step_00000001", aside);
-  std::string refusal;
-  try {
-    Checkpoint::find_latest(dir / "ck");
-  } catch (const CheckpointError& e) {
-    refusal = e.what();
-  }
+  const std::string refusal = checkpoint_error([&] { Checkpoint::find_latest(dir / "ck"); });
   CHECK_THAT(refusal, Catch::Contains("names step_00000001, which is at " + aside.string()) &&
                           Catch::Contains("mv " + aside.string() + " " + (dir / "ck/step_00000001")));
   CheckpointManager(dir / "ck", cfg.checkpoint).clean_incomplete();
@@ -321,12 +315,7 @@ TEST_CASE("latest naming a checkpoint set aside with an abandoned run says where
   const std::string folder = dir / "ck/abandoned-after-step_00000004-20261207T120000Z";
   fs::create_directory(folder);
   fs::rename(dir / "ck/step_00000008", folder + "/step_00000008");  // moved; latest not yet rewritten
-  std::string refusal;
-  try {
-    Checkpoint::find_latest(dir / "ck");
-  } catch (const CheckpointError& e) {
-    refusal = e.what();
-  }
+  const std::string refusal = checkpoint_error([&] { Checkpoint::find_latest(dir / "ck"); });
   CHECK_THAT(refusal, Catch::Contains("names step_00000008, which was set aside into " + folder) &&
                           Catch::Contains("a run that resumed from step_00000004 was killed before it pointed latest") &&
                           Catch::Contains("To continue that run: --resume " + (dir / "ck/step_00000004")) &&
