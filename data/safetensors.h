@@ -54,6 +54,11 @@ class SafetensorsReader {
   // only as aligned as the writer made it; copy (memcpy) rather than cast when unsure.
   std::span<const std::byte> bytes(const SafetensorsTensorInfo& info) const;
   std::span<const std::byte> bytes(std::string_view name) const { return bytes(tensor(name)); }
+  // The whole file as it was when opened (header included). The mapping holds the file's data,
+  // so it stays readable after the file is renamed or removed (a running job's rotation).
+  std::span<const std::byte> file_bytes() const {
+    return {reinterpret_cast<const std::byte*>(file_.data()), static_cast<size_t>(file_.size())};
+  }
 
  private:
   detail::MappedFile file_;

@@ -111,6 +111,21 @@ void maybe_crash(const char* phase) {
   if (want && std::strcmp(want, phase) == 0) _exit(137);
 }
 
+// Fault injection for the rewind test: KEEL_FAULT_DAMAGE_SAVE=<name> (step_00000040) flips a
+// byte in the middle of that save's first tensor file once it is published, as disk damage would.
+void maybe_damage(const fs::path& checkpoint) {
+  static const char* want = std::getenv("KEEL_FAULT_DAMAGE_SAVE");
+  if (!want || checkpoint.filename() != want) return;
+  const fs::path file = checkpoint / "model-tp00-pp00.safetensors";
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  const auto middle = static_cast<std::streamoff>(fs::file_size(file) / 2);
+  char c = 0;
+  f.seekg(middle);
+  f.get(c);
+  f.seekp(middle);
+  f.put(static_cast<char>(c ^ 0x10));
+}
+
 void write_text_file_synced(const std::string& path, const std::string& text) {
   data::detail::FileWriter w(path);
   w.write(text.data(), text.size());
@@ -279,6 +294,15 @@ std::string file_crc32c(const std::string& file) {
     crc = data::crc32c(crc, buf.data(), static_cast<size_t>(in.gcount()));
   }
   return data::crc32c_hex(crc);
+}
+
+// Drops a mapped file range's pages from this process's memory (they stay in the page cache).
+// Read-only file pages: dropping them only costs a re-read should a neighbour need them.
+void drop_pages(std::span<const std::byte> bytes) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 // Counts the NaN and inf among n stored floats whose bits are U (fp32, or bf16 and fp16, by
@@ -630,23 +654,38 @@ std::string run_checkpoint_dir(const fs::path& path) {
     return cfg["checkpoint"]["dir"].get<std::string>();
   return "";
 }
-}  // namespace
 
-Checkpoint Checkpoint::open(const std::string& path_in) {
+// The step_* directory `path_in` names: itself, or the checkpoint a pointer to one (a
+// checkpoints or run directory, a `latest` file) leads to.
+std::string checkpoint_named_by(const std::string& path_in) {
   std::string path = path_in;
-  if (!fs::exists(path)) throw CheckpointError("no checkpoint at " + path + ": no such file or directory");
+  if (!fs::exists(path)) {
+    // A checkpoint that a running job's rotation is removing has been renamed .old-NAME-PID first.
+    std::string removing;
+    const fs::path p(path), parent = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+    std::error_code ec;
+    for (fs::directory_iterator it(parent, ec), stop; !ec && it != stop; it.increment(ec))
+      if (it->path().filename().string().starts_with(".old-" + p.filename().string() + "-"))
+        removing = it->path().filename().string();
+    throw CheckpointError("no checkpoint at " + path + ": no such file or directory" +
+                          (removing.empty() ? ""
+                                            : " (it is being removed, as " + removing +
+                                                  ": the checkpoint rotation of the run saving there, "
+                                                  "checkpoint.keep_last, removes its older checkpoints; give " +
+                                                  parent.string() + " to load the newest)"));
+  }
   // The pointer file itself (--resume run/checkpoints/latest): follow it.
   if (fs::is_regular_file(path) && fs::path(path).filename() == "latest") {
     const std::string dir = fs::path(path).parent_path().string();
-    auto latest = find_latest(dir.empty() ? "." : dir);
+    auto latest = Checkpoint::find_latest(dir.empty() ? "." : dir);
     if (!latest) throw CheckpointError("no checkpoint at " + path + ": nothing to follow it to");
     path = *latest;
   }
   if (!fs::exists(fs::path(path) / "meta.json")) {
     if (fs::exists(fs::path(path) / "latest") || !fs::exists(fs::path(path) / "model-tp00-pp00.safetensors")) {
-      auto latest = find_latest(path);
+      auto latest = Checkpoint::find_latest(path);
       const std::string run_dir = latest ? "" : run_checkpoint_dir(path);
-      if (!run_dir.empty()) latest = find_latest(run_dir);  // a run directory: its latest checkpoint
+      if (!run_dir.empty()) latest = Checkpoint::find_latest(run_dir);  // a run directory: its latest checkpoint
       if (!latest)
         throw CheckpointError("no checkpoint at " + path +
                               ": not a checkpoint (no meta.json) and no complete step_* checkpoint inside" +
@@ -663,6 +702,36 @@ Checkpoint Checkpoint::open(const std::string& path_in) {
                                    "nothing in the checkpoint can be checked: resume from another one (--resume PATH)");
     }
   }
+  return path;
+}
+}  // namespace
+
+Checkpoint Checkpoint::open(const std::string& path_in) {
+  // A pointer names the newest save of a run that may still be training (keel sample or eval
+  // on a live run, --init-from its checkpoints). Its rotation can remove that save between
+  // the pointer's reading and the opening of the files (they stay readable once opened: they
+  // are mapped): the pointer then names the save that replaced it, so it is followed again.
+  const bool pointer = !fs::exists(fs::path(path_in) / "meta.json");
+  for (int attempt = 1;; ++attempt) {
+    std::string path;  // the checkpoint the pointer named, once followed
+    try {
+      path = checkpoint_named_by(path_in);
+      return open_directory(path);
+    } catch (const CheckpointError& e) {
+      // Named and there, yet unusable: damage, no race. Else a pointer is followed again (a
+      // refusal that was no race comes back the same).
+      if (!path.empty() && fs::exists(fs::path(path) / "meta.json")) throw;
+      if (pointer && attempt < 5) continue;
+      if (pointer || path.empty()) throw;
+      throw CheckpointError(std::string(e.what()) + " (" + path +
+                            " was removed while keel opened it: the checkpoint rotation of a run saving there, "
+                            "checkpoint.keep_last, removes its older checkpoints; give " +
+                            fs::path(path).parent_path().string() + " to load the newest)");
+    }
+  }
+}
+
+Checkpoint Checkpoint::open_directory(const std::string& path) {
   Checkpoint ck;
   ck.path_ = path;
   const std::string meta_path = (fs::path(path) / "meta.json").string();
@@ -698,9 +767,13 @@ Checkpoint Checkpoint::open(const std::string& path_in) {
 
   for (const auto& [name, info] : ck.meta_["files"].items()) {
     const std::string file = (fs::path(path) / name).string();
-    if (!fs::exists(file)) throw CheckpointError("checkpoint " + path + " is incomplete: file " + name + " is missing");
+    std::error_code size_ec;  // a file removed meanwhile is missing, not a filesystem_error
+    const auto size = fs::file_size(file, size_ec);
+    if (size_ec && !fs::exists(file))
+      throw CheckpointError("checkpoint " + path + " is incomplete: file " + name + " is missing");
+    if (size_ec) throw CheckpointError("checkpoint file " + file + " cannot be read: " + size_ec.message());
     const auto expected = info.value("bytes", int64_t{-1});
-    const auto actual = static_cast<int64_t>(fs::file_size(file));
+    const auto actual = static_cast<int64_t>(size);
     if (expected != actual)
       throw CheckpointError("checkpoint file " + file + " has " + std::to_string(actual) + " bytes, meta.json says " +
                             std::to_string(expected) + (actual < expected ? " (truncated)" : ""));
@@ -879,10 +952,14 @@ CheckpointProblems Checkpoint::verify() const {
       }
     }
     // The whole file, header included (a damaged header that still parses is caught here).
-    const std::string got = file_crc32c(file);
+    // From the mapping open() made, not by path: a running job's rotation may rename or remove
+    // the checkpoint while it is verified, and the mapping still holds the files as opened.
+    const auto whole = r.file_bytes();
+    const std::string got = data::crc32c_hex(data::crc32c(0, whole.data(), whole.size()));
     if (got != info.value("crc32c", std::string()))
       damage.push_back(file + ": file checksum " + got + " does not match meta.json (" +
                        info.value("crc32c", std::string()) + ")");
+    drop_pages(whole);  // a checkpoint larger than memory is verified file by file
   }
   for (const auto& [tensor, count] : nonfinite) {
     const auto [nan, inf, values] = count;
@@ -1258,6 +1335,7 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
       data::detail::sync_directory(dir.string());
       if (!old.empty()) fs::remove_all(old);
       rotate();
+      maybe_damage(p->final_path);
     } catch (const std::exception& e) {
       error = e.what();
       // In place but not named by `latest` (a full disk at the pointer): undone, so that the
@@ -1495,10 +1573,11 @@ std::vector<std::string> model_differences(const json& a, const json& b, const s
   return diffs;
 }
 
-void require_undamaged(const std::string& path, const std::string& what) {
-  const Checkpoint ck = Checkpoint::open(path);
+Checkpoint open_undamaged(const std::string& path, const std::string& what) {
+  Checkpoint ck = Checkpoint::open(path);
   if (const CheckpointProblems problems = ck.verify(); !problems.empty())
     throw CheckpointError(problems.refusal(what, ck.path()));
+  return ck;
 }
 
 TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, const ParamTable& table,
@@ -1731,14 +1810,7 @@ std::string init_weights_from(const Checkpoint& ck, const ParamTable& table, Par
 void Checkpoint::release(const std::string& state, const std::string& tensor) const {
   auto it = chunks_.find(state + "/" + tensor);
   if (it == chunks_.end()) return;
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  for (const Chunk& c : it->second) {
-    const auto bytes = files_[c.file]->bytes(*c.info);
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
-    const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
-    // Read-only file pages: dropping them only costs a re-read should a neighbour need them.
-    if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
-  }
+  for (const Chunk& c : it->second) drop_pages(files_[c.file]->bytes(*c.info));
 }
 
 SaveResult write_weights_checkpoint(const std::string& dir, const RunConfig& cfg, DType dtype, const TensorFill& fill,

@@ -153,6 +153,8 @@ class Checkpoint {
   CheckpointProblems verify() const;
 
  private:
+  // open() of a step_* directory: meta.json, its checks, every file's header.
+  static Checkpoint open_directory(const std::string& path);
   struct Chunk {
     size_t file;
     const data::SafetensorsTensorInfo* info;
@@ -326,10 +328,11 @@ std::optional<std::string> master_source(const Checkpoint& ck, const ParamTable&
 std::vector<std::string> model_differences(const nlohmann::json& a, const nlohmann::json& b, const std::string& a_name,
                                            const std::string& b_name);
 
-// Checks every checksum of the checkpoint at `path` with a reader of its own, dropped before
-// returning (verifying touches every page; the caller's own reader then streams the tensors).
+// Opens the checkpoint at `path` and checks every checksum (verify() leaves none of its pages
+// in this process's memory, so the caller then streams the tensors from the same reader: the
+// files verified are the files read, even when `path` is a pointer a running job moves on).
 // Throws CheckpointError "refusing to <what> a damaged checkpoint <path>:" and the problems.
-void require_undamaged(const std::string& path, const std::string& what);
+Checkpoint open_undamaged(const std::string& path, const std::string& what);
 
 // ---- weights-only checkpoints from another source (format conversion) ------------------
 

@@ -264,10 +264,7 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
     throw ConfigError("keel ckpt average needs at least two checkpoints, got " + std::to_string(paths.size()));
   const DType dtype = parse_inference_dtype(dtype_option);
   std::vector<Checkpoint> cks;
-  for (const std::string& p : paths) {
-    require_undamaged(p, "average");
-    cks.push_back(Checkpoint::open(p));
-  }
+  for (const std::string& p : paths) cks.push_back(open_undamaged(p, "average"));
   const RunConfig cfg = parse_config(cks[0].meta().at("config"), cks[0].path() + "/meta.json");
   const nlohmann::json model = to_json(cfg).at("model");
   const ParamTable table(cfg.model);

@@ -569,6 +569,7 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     std::optional<double> loss;  // of the step that set it off
   };
   std::vector<Rewind> rewinds;
+  std::vector<std::pair<int64_t, std::string>> refused_rewinds;  // (step, checkpoint) a rewind found damaged
   // A resume at step S, or a rewind to S, continues from S's checkpoint: the records of later
   // steps belong to the abandoned trajectory (TensorBoard drops them at its restart marker too).
   // A start event (step 0) begins a new run in the same directory: every earlier record is another run's.
@@ -618,6 +619,8 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
         rewinds.push_back(rw);
         superseded += restart_at(rw.to);
       }
+      if (rec["event"] == "rewind_refused")
+        refused_rewinds.push_back({rec.value("step", int64_t{0}), rec.value("checkpoint", std::string())});
       if (rec["event"] == "pipeline_balance" && rec.contains("pipeline_layers") && rec["pipeline_layers"].is_array()) {
         r.pipeline_layers.clear();
         for (const json& n : rec["pipeline_layers"])
@@ -834,6 +837,15 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     s += "    at step " + std::to_string(rw.step) + (rw.loss ? " (loss " + num(*rw.loss) + ")" : "") + " back to step " +
          std::to_string(rw.to) + (rw.checkpoint.empty() ? "" : " from " + rw.checkpoint) +
          ": a spike; the steps after it were trained again on the data that followed\n";
+  }
+  // A rewind refused: the checkpoint it would have loaded failed verification (a problem on disk).
+  for (const auto& [at, checkpoint] : refused_rewinds) {
+    const std::string text = "at step " + std::to_string(at) + " a spike's rewind refused " +
+                             (checkpoint.empty() ? std::string("the latest checkpoint") : checkpoint) +
+                             ", which failed verification (keel ckpt verify names what is damaged); the update was "
+                             "skipped instead";
+    s += "    " + text + "\n";
+    r.problems.push_back(text);
   }
 
   // Validation trends: data.val, then each named set, one evaluation per step.

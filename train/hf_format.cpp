@@ -1054,8 +1054,7 @@ json hf_config_json(const ModelConfig& m, HfArch arch, const json& tmpl, DType d
 
 ConvertStats export_keel_to_hf(const std::string& ckpt_path, const std::string& out_dir, const ExportOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();
-  require_undamaged(ckpt_path, "export");
-  const Checkpoint ck = Checkpoint::open(ckpt_path);
+  const Checkpoint ck = open_undamaged(ckpt_path, "export");
   const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
   const ModelConfig& m = cfg.model;
   HfArch arch = hf_arch_for(m, "checkpoint " + ck.path());

@@ -54,8 +54,7 @@ LoadedModel load_model(const std::string& spec, DType dtype, Backend& be) {
     return lm;
   }
   // The checks train, convert and average make: a damaged tensor must not generate or score in silence.
-  require_undamaged(spec, "load");
-  const Checkpoint ck = Checkpoint::open(spec);
+  const Checkpoint ck = open_undamaged(spec, "load");
   const RunConfig cfg = parse_config(ck.meta().at("config"), ck.path() + "/meta.json");
   lm.table = std::make_unique<ParamTable>(cfg.model);
   lm.eod_token = cfg.data.eod_token;

@@ -1266,13 +1266,40 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::error_code ec;
     return fs::equivalent(fs::path(path).parent_path(), cfg.checkpoint.dir, ec);
   };
+  // Every rank loads the save rank 0 opened: a pointer into a run that is still saving (its
+  // checkpoints given to --init-from or --resume) could lead a rank that follows it later to a
+  // newer save, and the ranks would assemble a model from two.
+  auto open_as_rank0 = [&](const std::string& path) {
+    if (world_size == 1) return Checkpoint::open(path);
+    std::optional<Checkpoint> ck;
+    std::string opened, error;
+    if (lead) {
+      try {
+        ck = Checkpoint::open(path);
+        opened = ck->path();
+      } catch (const CheckpointError& e) {
+        error = e.what();
+      }
+    }
+    opts.mpi->broadcast_text(&opened);
+    if (lead && !error.empty()) throw CheckpointError(error);
+    if (lead) return std::move(*ck);
+    if (opened.empty()) throw CheckpointError("no checkpoint could be opened at " + path + " (world rank 0 says why)");
+    return Checkpoint::open(opened);
+  };
   auto open_verified = [&](const std::string& path, const std::string& what, const std::string& flag) {
     std::optional<Checkpoint> opened;
+    std::string open_error;  // a file missing or truncated, a damaged meta.json
     try {
-      opened = Checkpoint::open(path);
-    } catch (const CheckpointError& e) {  // a file missing or truncated, a damaged meta.json
-      if (!in_run_dir(path)) throw;
-      throw CheckpointError(e.what() + other_checkpoints_hint(cfg.checkpoint.dir, fs::path(path).filename(), flag));
+      opened = open_as_rank0(path);
+    } catch (const CheckpointError& e) {
+      open_error = e.what();
+    }
+    // Agreed, so that every rank leaves here the same way (a rewind goes on after a refusal).
+    if (!all_ok(open_error.empty())) {
+      if (open_error.empty()) open_error = "checkpoint " + path + " could not be opened on another rank (it says why)";
+      if (!in_run_dir(path)) throw CheckpointError(open_error);
+      throw CheckpointError(open_error + other_checkpoints_hint(cfg.checkpoint.dir, fs::path(path).filename(), flag));
     }
     Checkpoint& ck = *opened;
     // One rank reads every checksum; the others wait for its verdict.
@@ -1680,6 +1707,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   double evals_secs = 0;    // the last evaluations' time (validation, choice eval, sample at one step)
   double longest_save = 0;  // seconds of this run's slowest save: --time-limit keeps room for one
   AfterSave after_pending = AfterSave::Training;  // what follows the pending save, for the free-space warning
+  std::string unusable_rewind;  // a checkpoint a spike's rewind found damaged
   auto finish_pending_save = [&] {
     if (!checkpoints.save_pending()) return;
     const SaveResult r = checkpoints.finish_save(all_ok);
@@ -1843,8 +1871,26 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                             cfg.health.spike_action == "warn" ? "" : "; the update was skipped");
       if (cfg.health.spike_action == "rewind") {
         finish_pending_save();  // the newest good state
-        if (auto latest = Checkpoint::find_latest(cfg.checkpoint.dir)) {
-          Checkpoint ck = Checkpoint::open(*latest);
+        // Verified as a resume's checkpoint is: a damaged one is not loaded, and it does not end
+        // the run either (the spike is skipped instead, as before the first save).
+        std::optional<std::string> latest;
+        std::optional<Checkpoint> rewind_to;
+        try {
+          latest = Checkpoint::find_latest(cfg.checkpoint.dir);
+          if (latest && *latest != unusable_rewind) rewind_to = open_verified(*latest, "rewind to", "--resume");
+          else if (latest && lead)
+            std::printf("keel: %s cannot be rewound to (said above): the update was skipped instead\n", latest->c_str());
+        } catch (const CheckpointError& e) {
+          unusable_rewind = latest.value_or("");  // not verified again at later spikes
+          if (lead)
+            std::printf("keel: WARNING step %lld: cannot rewind: %s\nkeel: the update was skipped instead and training "
+                        "goes on; the checkpoint is left as it is\n",
+                        static_cast<long long>(it), e.what());
+          if (metrics) metrics->write({{"event", "rewind_refused"}, {"step", it}, {"checkpoint", latest.value_or("")}});
+          latest = std::string();  // said: not "no checkpoint yet" below
+        }
+        if (rewind_to) {
+          Checkpoint& ck = *rewind_to;
           TrainProgress back = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place);
           // Judged against the level before the spike again, the flagged steps in a row still counted.
           restore_spike_detector(tr, ck.meta().value("health", nlohmann::json()), true);
@@ -1861,7 +1907,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
           nan_total = back.nan_total;
           continue;
         }
-        if (lead) std::printf("keel: no checkpoint to rewind to yet: the update was skipped instead\n");
+        if (!latest && lead) std::printf("keel: no checkpoint to rewind to yet: the update was skipped instead\n");
       }
     }
 

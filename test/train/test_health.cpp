@@ -384,6 +384,55 @@ TEST_CASE("spike action rewind: back to the last checkpoint, the offending data 
   CHECK(final_ck.progress().nan_total == 0);
 }
 
+// A rewind loads a checkpoint as a resume does: verified first. A damaged one (here flipped on
+// disk once saved) was loaded unverified, or ended the run with exit 5 when it failed to open;
+// now the spike is skipped instead and the run goes on.
+TEST_CASE("spike action rewind to a damaged checkpoint: refused by name, the update skipped, training goes on",
+          "[health][spike][cli]") {
+  test::TempDir dir("rewind-damaged");
+  auto tokens = test::synthetic_tokens(20000, 3);
+  std::mt19937 rng(5);
+  const size_t per_step = 8 * 32;  // global batch 8 x seq 32 (non-overlapping windows)
+  for (size_t i = 40 * per_step; i < 43 * per_step; ++i) tokens[i] = rng() % 64;  // steps 41-43 read noise
+  data::write_llmc_shard(dir / "train.bin", tokens, false);
+  nlohmann::json j = test::tiny_run_json();
+  j["data"] = {{"train", dir / "train.bin"}, {"shuffle", false}};
+  j["train"]["steps"] = 60;
+  j["checkpoint"] = {{"interval", 10}};
+  j["health"] = {{"spike_action", "rewind"}, {"spike_warmup", 20}};
+  std::ofstream(dir / "run.json") << j.dump(2);
+  auto r = test::run_keel("train --config " + (dir / "run.json") + " --out " + (dir / "out") + " -q",
+                          "KEEL_FAULT_DAMAGE_SAVE=step_00000040");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  const std::string damaged = dir / "out/checkpoints/step_00000040";
+  CHECK_THAT(r.output, Catch::Contains("spike (loss") && Catch::Contains("cannot rewind: refusing to rewind to") &&
+                           Catch::Contains(damaged) && Catch::Contains("is corrupt") &&
+                           Catch::Contains("the update was skipped instead and training goes on"));
+  CHECK(r.output.find("keel: rewound to") == std::string::npos);
+  int refused = 0, rewinds = 0, trained = 0;
+  for (const auto& rec : test::read_metrics(dir / "out/metrics.jsonl")) {
+    if (rec.value("event", "") == "rewind_refused") {
+      ++refused;
+      CHECK(rec["checkpoint"] == damaged);
+    }
+    if (rec.value("event", "") == "rewind") ++rewinds;
+    if (rec.contains("loss")) ++trained;
+  }
+  CHECK(refused == 1);  // verified once: later spikes say so in a line
+  CHECK(rewinds == 0);
+  CHECK(trained == 60);
+  const auto final_ck = Checkpoint::open(dir / "out/checkpoints/step_00000060");
+  CHECK(final_ck.verify().empty());
+  CHECK(final_ck.progress().skipped_total >= 1);  // the spikes' updates
+  CHECK(final_ck.adam_step() == 60 - final_ck.progress().skipped_total);
+  // keel doctor metrics counts the refusal among the run's problems.
+  auto doc = test::run_keel("doctor metrics " + (dir / "out/metrics.jsonl"));
+  INFO(doc.output);
+  CHECK(doc.code == 1);
+  CHECK_THAT(doc.output, Catch::Contains("at step 41 a spike's rewind refused " + damaged));
+}
+
 // The spike check's statistics are in every checkpoint: a run stopped just before a spike and
 // resumed flags it at the same step as the run that did not stop (before, the resumed check was
 // unarmed for health.spike_warmup steps: blind to a restart spike, and skipping other steps).

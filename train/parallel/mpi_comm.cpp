@@ -1199,6 +1199,17 @@ int MpiRuntime::first_rank_differing(const std::string& text, std::string* diffe
   return r;
 }
 
+void MpiRuntime::broadcast_text(std::string* text) const {
+  if (!active_ || launch_.world_size <= 1) return;
+  int64_t n = static_cast<int64_t>(text->size());
+  int err = MPI_Bcast(&n, 1, MPI_INT64_T, 0, MPI_COMM_WORLD);
+  if (err == MPI_SUCCESS) {
+    text->resize(static_cast<size_t>(n));
+    err = MPI_Bcast(text->data(), static_cast<int>(n), MPI_CHAR, 0, MPI_COMM_WORLD);
+  }
+  if (err != MPI_SUCCESS) throw std::runtime_error("MPI_Bcast (rank 0's text to every rank): " + mpi_error_text(err));
+}
+
 void MpiRuntime::abort(int code) {
   std::fflush(stdout);
   std::fflush(stderr);
@@ -1224,6 +1235,7 @@ MpiRuntime::MpiRuntime(int*, char***) {
 }
 MpiRuntime::~MpiRuntime() = default;
 int MpiRuntime::first_rank_differing(const std::string&, std::string*) const { return -1; }
+void MpiRuntime::broadcast_text(std::string*) const {}
 void MpiRuntime::abort(int code) {
   std::fflush(stdout);
   std::fflush(stderr);

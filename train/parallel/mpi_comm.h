@@ -69,6 +69,8 @@ class MpiRuntime {
   // (or without MPI). Rank 0 receives that rank's text in *differing_text. Compares CRC-32Cs,
   // so only the one differing text travels.
   int first_rank_differing(const std::string& text, std::string* differing_text) const;
+  // Collective over the world: *text becomes rank 0's on every rank (nothing without MPI).
+  void broadcast_text(std::string* text) const;
 
  private:
   bool active_ = false;
