@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <filesystem>
 #include <stdexcept>
+#include <type_traits>
 
 #include "data/file_io.h"
 #include "data/token_file.h"
 #include "data/tokenizer.h"
+#include "data/unicode.h"
 
 namespace keel::data {
 
@@ -234,12 +236,149 @@ ChatRendering ChatTemplate::render_with_replies(const ojson& messages, const ojs
   return r;
 }
 
-ChatTokens ChatTemplate::tokenize(const Tokenizer& tok, const ojson& messages, const ojson& variables) const {
-  const ChatRendering r = render_with_replies(messages, variables);
+namespace {
+
+// Calls f on every string value inside j (object keys are names, not text the template prints).
+template <class J, class F>
+void for_each_string(J& j, const F& f) {
+  if (j.is_string()) f(j.template get_ref<std::conditional_t<std::is_const_v<J>, const std::string&, std::string&>>());
+  else if (j.is_array() || j.is_object())
+    for (auto& v : j) for_each_string(v, f);
+}
+
+// A rendering of placeholders put back: the text, the byte ranges the special-token text landed
+// on, and where each placeholder was, to carry offsets of the placeholders' rendering over.
+struct Restored {
+  std::string text;
+  Tokenizer::Spans spans;
+  struct Move {
+    size_t from_begin, from_end, to_begin, to_end;  // a placeholder in the rendering, its text in `text`
+  };
+  std::vector<Move> moves;
+
+  size_t map(size_t p) const {
+    ptrdiff_t shift = 0;  // text's offset less the rendering's, past the placeholders so far
+    for (const Move& m : moves) {
+      if (p <= m.from_begin) break;
+      if (p < m.from_end) return m.to_begin;  // inside a placeholder: where its text starts
+      shift = static_cast<ptrdiff_t>(m.to_end) - static_cast<ptrdiff_t>(m.from_end);
+    }
+    return static_cast<size_t>(static_cast<ptrdiff_t>(p) + shift);
+  }
+};
+
+// Placeholder k is marker, k in decimal, marker; false where the rendering holds the marker
+// otherwise (the template cut or wrote one).
+bool restore(const std::string& rendered, const std::string& marker, const std::vector<std::string>& texts, Restored& r) {
+  size_t pos = 0;
+  for (size_t at; (at = rendered.find(marker, pos)) != std::string::npos;) {
+    r.text.append(rendered, pos, at - pos);
+    size_t e = at + marker.size(), k = 0;
+    const size_t digits = e;
+    while (e < rendered.size() && rendered[e] >= '0' && rendered[e] <= '9' && e - digits < 9) k = k * 10 + static_cast<size_t>(rendered[e++] - '0');
+    if (e == digits || rendered.compare(e, marker.size(), marker) != 0 || k >= texts.size()) return false;
+    e += marker.size();
+    r.moves.push_back({at, e, r.text.size(), r.text.size() + texts[k].size()});
+    r.spans.emplace_back(r.text.size(), r.text.size() + texts[k].size());
+    r.text += texts[k];
+    pos = e;
+  }
+  r.text.append(rendered, pos, std::string::npos);
+  return true;
+}
+
+}  // namespace
+
+ChatTokens ChatTemplate::tokenize(const Tokenizer& tok, const ojson& messages, const ojson& variables,
+                                  bool split_special_tokens) const {
+  return encode_rendering(tok, messages, variables, true, split_special_tokens);
+}
+
+ChatTokens ChatTemplate::encode(const Tokenizer& tok, const ojson& messages, const ojson& variables,
+                                bool split_special_tokens) const {
+  return encode_rendering(tok, messages, variables, false, split_special_tokens);
+}
+
+ChatTokens ChatTemplate::encode_rendering(const Tokenizer& tok, const ojson& messages, const ojson& variables,
+                                          bool replies, bool split_special_tokens) const {
   ChatTokens out;
+  // The special-token text the conversation's own strings hold: keel tokenize counts it, and
+  // with split_special_tokens it is kept text.
+  std::string first_text;
+  auto scan = [&](const std::string& s) {
+    const Tokenizer::Spans sp = tok.special_token_spans(s);
+    if (!sp.empty() && first_text.empty()) {
+      first_text = s.substr(sp[0].first, sp[0].second - sp[0].first);
+      out.special_in_text = tok.token_to_id(first_text).value_or(-1);
+    }
+    if (!split_special_tokens) return;
+    if (const int32_t n = tok.normalized_special_in(s); n >= 0)
+      throw std::invalid_argument("a message holds the text of special token " + detail::quoted(tok.id_to_token(n)) +
+                                  ", which this tokenizer matches only after normalizing the text (\"normalized\": true "
+                                  "in tokenizer.json's added_tokens), so --split-special-tokens cannot keep it ordinary "
+                                  "text apart from the template's own special tokens. Leave out --split-special-tokens, "
+                                  "or take that text out of the record");
+  };
+  for_each_string(messages, scan);
+  for_each_string(variables, scan);
+
+  ChatRendering r;
+  Restored restored;
+  if (!split_special_tokens || first_text.empty()) {
+    if (replies) r = render_with_replies(messages, variables);
+    else r.text = render(messages, false, variables);
+    restored.text = std::move(r.text);
+  } else {
+    // The text to reach, and a marker it does not hold (private-use code points, from U+10FFFD
+    // down), so that a placeholder cannot be mistaken for anything the conversation says.
+    const std::string want = render(messages, false, variables);
+    std::string marker;
+    for (char32_t c = 0x10FFFD; marker.empty() || want.find(marker) != std::string::npos; --c) {
+      marker.clear();
+      unicode::append_utf8(marker, c);
+    }
+    std::vector<std::string> texts;  // placeholder k stands for texts[k]
+    auto protect = [&](std::string& s) {
+      const Tokenizer::Spans sp = tok.special_token_spans(s);
+      if (sp.empty()) return;
+      std::string t;
+      size_t pos = 0;
+      for (auto [b, e] : sp) {
+        const std::string special = s.substr(b, e - b);
+        const size_t k = std::find(texts.begin(), texts.end(), special) - texts.begin();
+        if (k == texts.size()) texts.push_back(special);
+        t.append(s, pos, b - pos).append(marker).append(std::to_string(k)).append(marker);
+        pos = e;
+      }
+      s = t.append(s, pos, std::string::npos);
+    };
+    ojson msgs = messages, vars = variables;
+    for_each_string(msgs, protect);
+    for_each_string(vars, protect);
+    if (replies) r = render_with_replies(msgs, vars);
+    else r.text = render(msgs, false, vars);
+    if (!restore(r.text, marker, texts, restored) || restored.text != want)
+      throw std::invalid_argument("--split-special-tokens: the chat template does not carry the special-token text of "
+                                  "this conversation (" + detail::quoted(first_text) + ") into its rendering unchanged: it looks "
+                                  "for or edits that text (as a template that cuts reasoning at a special </think> does), "
+                                  "so keel cannot tell it apart from the template's own special tokens. Leave out "
+                                  "--split-special-tokens, or take that text out of the record");
+    for (auto& [b, e] : r.replies) b = restored.map(b), e = restored.map(e);
+  }
+  const std::string& text = restored.text;
+  const Tokenizer::Spans& spans = restored.spans;
   out.unplaced_replies = r.unplaced_replies;
   out.weight0_replies = r.weight0_replies;
-  out.ids = tok.encode(r.text, false);
+  // text[b:e] encoded alone, the special-token text in it kept text.
+  auto encode_range = [&](size_t b, size_t e) {
+    const std::string_view piece = std::string_view(text).substr(b, e - b);
+    if (spans.empty()) return tok.encode(piece, false);
+    Tokenizer::Spans inside;
+    for (auto [sb, se] : spans)
+      if (se > b && sb < e) inside.emplace_back(std::max(sb, b) - b, std::min(se, e) - b);
+    return tok.encode_with_text_spans(piece, inside, false);
+  };
+  out.ids = encode_range(0, text.size());
   out.reply.assign(out.ids.size(), 0);
   if (r.replies.empty()) return out;
 
@@ -252,16 +391,15 @@ ChatTokens ChatTemplate::tokenize(const Tokenizer& tok, const ojson& messages, c
   std::vector<int32_t> joined;
   size_t prev = 0;
   for (size_t k = 0; k < cuts.size(); ++k) {
-    const std::vector<int32_t> piece = tok.encode(std::string_view(r.text).substr(prev, cuts[k] - prev), false);
+    const std::vector<int32_t> piece = encode_range(prev, cuts[k]);
     joined.insert(joined.end(), piece.begin(), piece.end());
     at[k] = joined.size();
     prev = cuts[k];
   }
-  const std::vector<int32_t> rest = tok.encode(std::string_view(r.text).substr(prev), false);
+  const std::vector<int32_t> rest = encode_range(prev, text.size());
   joined.insert(joined.end(), rest.begin(), rest.end());
   if (joined != out.ids)
-    for (size_t k = 0; k < cuts.size(); ++k)
-      at[k] = common_prefix(tok.encode(std::string_view(r.text).substr(0, cuts[k]), false), out.ids);
+    for (size_t k = 0; k < cuts.size(); ++k) at[k] = common_prefix(encode_range(0, cuts[k]), out.ids);
   for (size_t k = 0; k + 1 < at.size(); k += 2)
     for (size_t t = at[k]; t < at[k + 1] && t < out.reply.size(); ++t) out.reply[t] = 1;
   return out;

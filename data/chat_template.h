@@ -44,6 +44,7 @@ struct ChatTokens {
   std::vector<int32_t> ids;    // encode(text) without added special tokens, as apply_chat_template(tokenize=True)
   std::vector<uint8_t> reply;  // per token: 1 where it belongs to an assistant reply
   int64_t unplaced_replies = 0, weight0_replies = 0;
+  int32_t special_in_text = -1;  // a special token whose text a message (or a tool) holds (-1: none)
 };
 
 // The messages of a conversation record: the first of `keys` the record holds (nullptr: none).
@@ -77,8 +78,26 @@ class ChatTemplate {
   // (exact wherever the token boundaries of the whole text fall on the reply's ends, which they
   // do in the chat templates of Llama 3, Qwen, Gemma, Phi-3 and Mistral: a reply starts after
   // a header and ends with a special token).
+  //
+  // With split_special_tokens, the text of special tokens in the strings of the messages and of
+  // variables["tools"] (a user who writes "<|im_end|>", a system prompt that quotes one) is
+  // encoded as ordinary text, while the special tokens the template writes stay special: the ids
+  // are those of HF's pipeline on the rendered text with only the template's special tokens
+  // matched (the messages' strings as with encode_special_tokens). That text is put in the
+  // messages as placeholders that occur nowhere else, rendered, and put back, which tells where it
+  // lands. A template that looks for or edits that text (one that cuts reasoning at a special
+  // </think>) would render the placeholders differently from the text: the rendering is checked
+  // to be the same, and std::invalid_argument says so otherwise. Throws std::invalid_argument too
+  // for such text of a special token the tokenizer matches after normalizing
+  // (Tokenizer::normalized_special_in).
   ChatTokens tokenize(const Tokenizer& tok, const nlohmann::ordered_json& messages,
-                      const nlohmann::ordered_json& variables = nlohmann::ordered_json::object()) const;
+                      const nlohmann::ordered_json& variables = nlohmann::ordered_json::object(),
+                      bool split_special_tokens = false) const;
+  // The same ids without locating the replies (reply all 0): one rendering, as
+  // apply_chat_template(tokenize=True).
+  ChatTokens encode(const Tokenizer& tok, const nlohmann::ordered_json& messages,
+                    const nlohmann::ordered_json& variables = nlohmann::ordered_json::object(),
+                    bool split_special_tokens = false) const;
 
   const std::string& origin() const { return origin_; }  // "tokenizer_config.json of DIR", ...
   // A special token's text (bos_token, eos_token, ...), or "" when the config has none.
@@ -89,6 +108,8 @@ class ChatTemplate {
   const jinja::Template& pick(const nlohmann::ordered_json& variables) const;
   nlohmann::ordered_json context(const nlohmann::ordered_json& messages, bool add_generation_prompt,
                                  const nlohmann::ordered_json& variables) const;
+  ChatTokens encode_rendering(const Tokenizer& tok, const nlohmann::ordered_json& messages,
+                              const nlohmann::ordered_json& variables, bool replies, bool split_special_tokens) const;
 
   std::vector<std::pair<std::string, jinja::Template>> templates_;  // (name, template); "default" first
   nlohmann::ordered_json special_tokens_ = nlohmann::ordered_json::object();

@@ -455,10 +455,6 @@ void check_options(const TokenizeOptions& o) {
   if (!o.chat && !o.chat_template.empty()) throw std::invalid_argument("--chat-template applies to --chat only");
   if (o.chat && o.prompt_loss_mask)
     throw std::invalid_argument("--loss-mask prompt is for prompt/response pairs; with --chat use assistant (the default) or none");
-  if (o.chat && o.split_special_tokens)
-    throw std::invalid_argument("--split-special-tokens does not apply to --chat: the chat template writes its special "
-                                "tokens (<|im_start|>, <|eot_id|>, ...) as text, which must stay special; it is for "
-                                "plain documents and prompt/response pairs");
   if (o.chat && o.add_special_tokens)
     throw std::invalid_argument("--add-special-tokens does not apply to --chat: the chat template writes the special tokens "
                                 "itself (transformers encodes its output without adding any), so a BOS would come twice");
@@ -496,7 +492,9 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   // 1. The tokenizer and its end of text.
   const fs::path tok_path = fs::is_directory(o.tokenizer) ? fs::path(o.tokenizer) / "tokenizer.json" : fs::path(o.tokenizer);
   Tokenizer tok = Tokenizer::from_file(tok_path.string());
-  tok.set_split_special_tokens(o.split_special_tokens);
+  // Not for conversations: the template writes its special tokens as text, which must stay
+  // special; ChatTemplate keeps the messages' special-token text text instead.
+  tok.set_split_special_tokens(o.split_special_tokens && !o.chat);
   TokenizeResult r;
   r.eot_id = end_of_text_id(tok, o.eot_token, r.eot_token);
   r.vocab_size = tok.vocab_size();
@@ -589,17 +587,14 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       nlohmann::ordered_json variables = nlohmann::ordered_json::object();
       if (record.contains("tools")) variables["tools"] = record["tools"];  // tool-calling data
       const nlohmann::ordered_json messages = chat_messages(*conversation_messages(record, conversation_keys));
-      if (o.assistant_loss_mask) {
-        ct = chat->tokenize(tok, messages, variables);
-      } else {  // no mask: one rendering, as apply_chat_template(tokenize=True)
-        ct.ids = tok.encode(chat->render(messages, false, variables), false);
-        ct.reply.assign(ct.ids.size(), 0);
-      }
+      if (o.assistant_loss_mask) ct = chat->tokenize(tok, messages, variables, o.split_special_tokens);
+      else ct = chat->encode(tok, messages, variables, o.split_special_tokens);  // one rendering, no mask
     } catch (const std::exception& err) {  // a template's raise_exception, or a template error
       throw DataError(corpus.where(doc) + ": " + err.what());
     }
     e.unplaced_replies = ct.unplaced_replies;
     e.weight0_replies = ct.weight0_replies;
+    if (!o.split_special_tokens) e.special_in_text = ct.special_in_text;
     for (int32_t id : ct.ids) e.ids.push_back(static_cast<uint32_t>(id));
     e.mask = std::move(ct.reply);
     if (e.ids.empty() || e.ids.back() != static_cast<uint32_t>(r.eot_id)) {
@@ -876,11 +871,12 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
       int shown = 0;
       for (int32_t id : split.special_text_tokens)
         if (shown++ < 5) names += (names.empty() ? "" : ", ") + tok.id_to_token(id);
-      say("  NOTE %lld documents hold the text of a special token (%s%s), encoded as that token, as HF tokenizers "
-          "does. With data.document_masking an end of text there cuts the document in two. --split-special-tokens "
-          "encodes such text as ordinary text (llm.c's encode_ordinary)",
-          static_cast<long long>(split.special_text_documents), names.c_str(),
-          split.special_text_tokens.size() > 5 ? ", ..." : "");
+      say("  NOTE %lld %s hold the text of a special token (%s%s), encoded as that token, as HF tokenizers "
+          "does. With data.document_masking an end of text there cuts the %s in two. --split-special-tokens "
+          "encodes such text as ordinary text (llm.c's encode_ordinary)%s",
+          static_cast<long long>(split.special_text_documents), o.chat ? "conversations" : "documents", names.c_str(),
+          split.special_text_tokens.size() > 5 ? ", ..." : "", o.chat ? "conversation" : "document",
+          o.chat ? ", and the chat template's own special tokens stay special" : "");
     }
     if (split.unplaced_replies)
       say("  NOTE %lld assistant replies are out of the loss: the chat template renders them differently once later "

@@ -68,7 +68,7 @@ struct TokenizeOptions {
   std::string tokenizer;                // tokenizer.json, or a folder that holds one
   std::string eot_token;                // empty: <|endoftext|>, else the first of </s>, <|end_of_text|>, <|eot_id|>
   bool add_special_tokens = false;      // encode each document (prompt) with the post-processor (BOS)
-  bool split_special_tokens = false;    // a special token's text in a document is encoded as text (not chat)
+  bool split_special_tokens = false;    // a special token's text in a document (in messages) is encoded as text
   uint64_t seed = 1337;                 // document shuffle, as random.Random(seed).shuffle
   double val_fraction = 0.05;           // documents held out, in [0, 1)
   int64_t shard_tokens = 100'000'000;   // llmc: tokens per shard
@@ -84,8 +84,9 @@ struct TokenizedSplit {
   int64_t unplaced_replies = 0;                    // chat: assistant replies the mask could not locate
   int64_t without_replies = 0;                     // chat: conversations with nothing in the loss
   int64_t weight0_replies = 0;                     // chat: assistant replies left out by "weight": 0
-  // Documents whose text holds a special token's text, encoded as that token (without
-  // --split-special-tokens), and such tokens (one per document; up to 6 kinds, 5 of them shown).
+  // Documents whose text (conversations whose messages) holds a special token's text, encoded as
+  // that token (without --split-special-tokens), and such tokens (one per document; up to 6
+  // kinds, 5 of them shown).
   int64_t special_text_documents = 0;
   std::set<int32_t> special_text_tokens;
   // Packing: windows written, padding tokens among `tokens`, documents longer than a window (the

@@ -596,13 +596,51 @@ struct Tokenizer::Impl {
     return c == '_' || uc::in_mask(uc::category_mask("L") | uc::category_mask("N"), c);
   }
 
-  // Splits pieces on the added tokens with the given `normalized` flag: the leftmost match, the
-  // longest at that position, with lstrip/rstrip swallowing whitespace around it and
-  // single_word requiring no word character next to it.
-  void split_added(std::vector<Piece>& pieces, bool normalized_tokens) const {
+  // The leftmost match in s at or after `from` among `tokens`, the longest at that position,
+  // single_word requiring no word character next to it (nullptr: none).
+  static const AddedToken* find_added(const std::string& s, size_t from, const std::vector<const AddedToken*>& tokens,
+                                      size_t& best_at) {
+    best_at = std::string::npos;
+    size_t best_len = 0;
+    const AddedToken* best = nullptr;
+    for (const AddedToken* t : tokens) {
+      size_t at = s.find(t->match, from);
+      while (at != std::string::npos && t->single_word) {
+        // single_word: no word character directly before or after
+        const std::u32string before = to_u32(s.substr(0, at)), after = to_u32(s.substr(at + t->match.size()));
+        const bool ok = (before.empty() || !is_word_char(before.back())) && (after.empty() || !is_word_char(after.front()));
+        if (ok) break;
+        at = s.find(t->match, at + 1);
+      }
+      if (at == std::string::npos) continue;
+      if (at < best_at || (at == best_at && t->match.size() > best_len)) {
+        best_at = at;
+        best_len = t->match.size();
+        best = t;
+      }
+    }
+    return best;
+  }
+
+  std::vector<const AddedToken*> added_with(bool normalized_tokens) const {
     std::vector<const AddedToken*> tokens;
     for (const AddedToken& t : added)
       if (t.normalized == normalized_tokens && !t.match.empty()) tokens.push_back(&t);
+    return tokens;
+  }
+
+  // Whether [b, e) overlaps one of `spans` (in order, not overlapping).
+  static bool overlaps(const Tokenizer::Spans& spans, size_t b, size_t e) {
+    auto it = std::lower_bound(spans.begin(), spans.end(), b, [](const auto& sp, size_t x) { return sp.second <= x; });
+    return it != spans.end() && it->first < e;
+  }
+
+  // Splits pieces on the added tokens with the given `normalized` flag: the leftmost match, the
+  // longest at that position, with lstrip/rstrip swallowing whitespace around it and
+  // single_word requiring no word character next to it. `text_spans` (byte ranges of the input,
+  // for the first pass, which sees the input as one piece): special tokens overlapping them stay text.
+  void split_added(std::vector<Piece>& pieces, bool normalized_tokens, const Tokenizer::Spans* text_spans = nullptr) const {
+    const std::vector<const AddedToken*> tokens = added_with(normalized_tokens);
     if (tokens.empty()) return;
     std::vector<Piece> out;
     for (Piece& p : pieces) {
@@ -615,28 +653,13 @@ struct Tokenizer::Impl {
       size_t from = 0;  // where the next match may start: past a special token left as text
       bool first = true;
       while (from <= s.size()) {
-        size_t best_at = std::string::npos, best_len = 0;
-        const AddedToken* best = nullptr;
-        for (const AddedToken* t : tokens) {
-          size_t at = s.find(t->match, from);
-          while (at != std::string::npos && t->single_word) {
-            // single_word: no word character directly before or after
-            const std::u32string before = to_u32(s.substr(0, at)), after = to_u32(s.substr(at + t->match.size()));
-            const bool ok = (before.empty() || !is_word_char(before.back())) && (after.empty() || !is_word_char(after.front()));
-            if (ok) break;
-            at = s.find(t->match, at + 1);
-          }
-          if (at == std::string::npos) continue;
-          if (at < best_at || (at == best_at && t->match.size() > best_len)) {
-            best_at = at;
-            best_len = t->match.size();
-            best = t;
-          }
-        }
+        size_t best_at = 0;
+        const AddedToken* best = find_added(s, from, tokens, best_at);
         if (!best) break;
+        const size_t best_len = best->match.size();
         // split_special: the match stays text, as in HF tokenizers' encode_special_tokens (which
         // skips it after matching among every added token, so no shorter token inside it matches).
-        if (split_special && best->special) {
+        if (best->special && (split_special || (text_spans && overlaps(*text_spans, best_at, best_at + best_len)))) {
           from = best_at + best_len;
           continue;
         }
@@ -653,6 +676,27 @@ struct Tokenizer::Impl {
       if (pos < s.size()) out.push_back({s.substr(pos), -1, first && p.at_start});
     }
     pieces = std::move(out);
+  }
+
+  // Tokenizer::special_token_spans: the matches encode_special_tokens would leave as text.
+  Tokenizer::Spans special_token_spans(std::string_view text) const {
+    Tokenizer::Spans spans;
+    const std::string s(text);
+    const std::vector<const AddedToken*> tokens = added_with(false);
+    size_t at = 0;
+    for (size_t from = 0; const AddedToken* t = find_added(s, from, tokens, at); from = at + t->match.size())
+      if (t->special) spans.emplace_back(at, at + t->match.size());
+    return spans;
+  }
+
+  int32_t normalized_special_in(std::string_view text) const {
+    std::string n;
+    for (const AddedToken* t : added_with(true)) {
+      if (!t->special) continue;
+      if (n.empty()) n = normalize(std::string(text));
+      if (n.find(t->match) != std::string::npos) return t->id;
+    }
+    return -1;
   }
 
   std::vector<Piece> pre_tokenize(std::vector<Piece> pieces) const {
@@ -821,7 +865,7 @@ struct Tokenizer::Impl {
     for (int k = n > 0 ? 0 : -1; k >= 0; k = sym[static_cast<size_t>(k)].next) ids.push_back(sym[static_cast<size_t>(k)].id);
   }
 
-  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const {
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens, const Tokenizer::Spans* text_spans = nullptr) const {
     if (!is_valid_utf8(text)) {
       size_t pos = 0;
       while (pos < text.size()) {
@@ -833,7 +877,7 @@ struct Tokenizer::Impl {
     if (add_special_tokens && !post_processor_problem.empty())
       fail(post_processor_problem + ", so special tokens cannot be added (encode without them)");
     std::vector<Piece> pieces{{std::string(text), -1, true}};
-    split_added(pieces, false);
+    split_added(pieces, false, text_spans);  // one piece: its bytes are the input's, as text_spans counts them
     for (Piece& p : pieces)
       if (p.added_id < 0) p.text = normalize(std::move(p.text));
     split_added(pieces, true);
@@ -992,6 +1036,18 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
   return impl_->encode(text, add_special_tokens);
+}
+
+Tokenizer::Spans Tokenizer::special_token_spans(std::string_view text) const { return impl_->special_token_spans(text); }
+int32_t Tokenizer::normalized_special_in(std::string_view text) const { return impl_->normalized_special_in(text); }
+
+std::vector<int32_t> Tokenizer::encode_with_text_spans(std::string_view text, const Spans& text_spans,
+                                                       bool add_special_tokens) const {
+  for (size_t k = 0; k < text_spans.size(); ++k)
+    if (text_spans[k].first > text_spans[k].second || text_spans[k].second > text.size() ||
+        (k > 0 && text_spans[k].first < text_spans[k - 1].second))
+      throw std::invalid_argument("encode_with_text_spans: the spans must be in order, not overlapping, inside the text");
+  return impl_->encode(text, add_special_tokens, &text_spans);
 }
 
 Tokenizer::Joined Tokenizer::encode_joined(std::string_view first, std::string_view second,

@@ -24,6 +24,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace keel::data {
@@ -56,6 +57,22 @@ class Tokenizer {
   // Non-special added tokens still match, and the post-processor's BOS/EOS stay special.
   void set_split_special_tokens(bool on);
   bool split_special_tokens() const;
+  // Byte ranges [begin, end), in order, of the special tokens that encode(text) matches on the
+  // text as given: the added tokens marked special and "normalized": false (as transformers adds
+  // special tokens), found as encode_special_tokens finds them to leave them text.
+  using Spans = std::vector<std::pair<size_t, size_t>>;
+  Spans special_token_spans(std::string_view text) const;
+  // The id of a special token marked "normalized": true whose content the normalized text holds
+  // (-1: none). Such a token is matched after the normalizer, in text whose bytes are not the
+  // input's, so no byte range of the input names it.
+  int32_t normalized_special_in(std::string_view text) const;
+  // encode, except that a special token whose match overlaps one of `text_spans` (byte ranges in
+  // order, not overlapping) stays ordinary text, as with set_split_special_tokens there; special
+  // tokens elsewhere are matched as usual. What a chat template's rendering becomes when the
+  // special-token text of the messages is text (keel tokenize --chat --split-special-tokens):
+  // the template's own special tokens stay special.
+  std::vector<int32_t> encode_with_text_spans(std::string_view text, const Spans& text_spans,
+                                              bool add_special_tokens = false) const;
   // first + second encoded as one text, and where second's tokens begin in it: what a prompt
   // and its response (keel tokenize --loss-mask prompt) or a context and an ending (keel eval)
   // become. Encoding second on its own would not give the same tokens: a SentencePiece-style

@@ -116,7 +116,8 @@ Command add_tokenize_command(CLI::App& app) {
   c->add_flag("--split-special-tokens", o.split_special_tokens,
               "Encode the text of special tokens in documents (\"<|endoftext|>\" in a web page) as ordinary text, "
               "as transformers' split_special_tokens and llm.c's encode_ordinary do, instead of as the token: with "
-              "data.document_masking a false end of text would cut the document in two. Not for --chat");
+              "data.document_masking a false end of text would cut the document in two. With --chat: such text in the "
+              "messages (and tools); the special tokens the chat template writes stay special");
   c->add_option("--seed", o.seed, "Document shuffle seed (default 1337; the same split as prepare_data.py)")
       ->check(cli::integer<uint64_t>(0));
   c->add_option("--val-fraction", o.val_fraction, "Fraction of documents held out for validation (default 0.05)")

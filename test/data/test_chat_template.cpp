@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -425,6 +426,184 @@ TEST_CASE("keel tokenize --chat: bad records and mismatched templates are named"
   o.chat = false;
   CHECK_THROWS_WITH(tokenize_corpus(o, [](const std::string&) {}), Catch::Contains("--chat-template applies to --chat only"));
   CHECK(!fs::exists(dir / "out/train_000.bin"));
+}
+
+// --split-special-tokens with conversations (scripts/make_chat_split_special_fixture.py): the
+// special-token text in messages, system prompts and tools is ordinary text, the special tokens
+// the template writes stay special, and the ids are HF's for that text, id for id, with the mask
+// of the replies. The fixture's tokenizer is the chat tokenizer with the fixture's non-special
+// added tokens appended, as the script appends them.
+std::string split_fixture_tokenizer_json(const ojson& fx) {
+  ojson doc = load("tokenizer.json");
+  int32_t id = static_cast<int32_t>(doc["model"]["vocab"].size());
+  for (ojson a : fx["added_tokens"]) {
+    a["id"] = id++;
+    doc["added_tokens"].push_back(a);
+  }
+  return doc.dump();
+}
+
+TEST_CASE("chat templates: --split-special-tokens keeps the messages' special-token text ordinary text",
+          "[chat][split_special]") {
+  const ojson fx = load("split_special_chat.json");
+  const ojson templates = load("templates.json")["templates"];
+  const Tokenizer tok = Tokenizer::from_json(split_fixture_tokenizer_json(fx), "chat tokenizer + added tokens");
+  const int32_t tool_response = *tok.token_to_id("<tool_response>");
+  REQUIRE_FALSE(tok.is_special(tool_response));
+  int cases = 0, with_special_text = 0, with_tools = 0;
+  std::set<std::string> template_names;
+  for (const ojson& c : fx["cases"]) {
+    const std::string name = c["template"];
+    INFO(name << " / " << c["name"].get<std::string>());
+    const ChatTemplate chat = ChatTemplate::from_source(templates[name]["template"], templates[name]["special_tokens"], name);
+    const ojson vars = variables_of(c);
+    const auto want = c["ids"].get<std::vector<int32_t>>();
+    const auto want_mask = c["mask"].get<std::vector<uint8_t>>();
+    const auto want_default = c["default_ids"].get<std::vector<int32_t>>();
+    const int32_t special_in_text = c["special_in_text"].is_null() ? -1 : *tok.token_to_id(c["special_in_text"].get<std::string>());
+
+    const ChatTokens split = chat.tokenize(tok, c["messages"], vars, true);
+    CHECK(split.ids == want);
+    CHECK(split.reply == want_mask);
+    CHECK(split.unplaced_replies == 0);
+    CHECK(split.special_in_text == special_in_text);
+    CHECK(tok.decode(split.ids) == c["text"].get<std::string>());  // the ids spell the rendering
+    // The template's special tokens stay special: <|im_start|> / <|start_header_id|> / [INST]
+    // open every turn, and none of the conversation's special-token text became a token.
+    const char* opener = name == "llama3" ? "<|start_header_id|>" : name == "llama2" ? "[INST]" : "<|im_start|>";
+    CHECK(std::count(split.ids.begin(), split.ids.end(), *tok.token_to_id(opener)) > 0);
+    std::vector<int32_t> specials, specials_default;
+    for (int32_t id : split.ids)
+      if (tok.is_special(id)) specials.push_back(id);
+    for (int32_t id : want_default)
+      if (tok.is_special(id)) specials_default.push_back(id);
+    if (special_in_text >= 0) {
+      CHECK(specials.size() < specials_default.size());
+      CHECK(split.ids != want_default);
+    }
+    // Without the mask: one rendering, the same ids.
+    const ChatTokens plain = chat.encode(tok, c["messages"], vars, true);
+    CHECK(plain.ids == want);
+    CHECK(std::count(plain.reply.begin(), plain.reply.end(), uint8_t{1}) == 0);
+    // Without the flag: every special token matched, as apply_chat_template(tokenize=True).
+    const ChatTokens special = chat.tokenize(tok, c["messages"], vars, false);
+    CHECK(special.ids == want_default);
+    CHECK(special.special_in_text == special_in_text);
+    if (std::find(want.begin(), want.end(), tool_response) != want.end()) {
+      CHECK(std::find(split.ids.begin(), split.ids.end(), tool_response) != split.ids.end());
+      ++cases;  // a non-special added token, matched in the messages and the template
+    }
+    ++cases;
+    with_special_text += special_in_text >= 0;
+    with_tools += vars.contains("tools");
+    template_names.insert(name);
+  }
+  CHECK(cases == static_cast<int>(fx["cases"].size()) + 1);  // one case holds <tool_response>
+  CHECK(with_special_text >= 6);
+  CHECK(with_tools == 1);
+  CHECK(template_names == std::set<std::string>{"chatml_qwen25", "llama3", "llama2"});
+}
+
+TEST_CASE("chat templates: --split-special-tokens refuses what it cannot keep apart", "[chat][split_special]") {
+  const ojson templates = load("templates.json")["templates"];
+  const Tokenizer& tok = fixture_tokenizer();
+  // Qwen 3's template cuts the reasoning at "</think>", a special token in this tokenizer: with
+  // the text behind a placeholder it would render otherwise, so the conversation is refused.
+  const ChatTemplate qwen3 = ChatTemplate::from_source(templates["qwen3_think"]["template"],
+                                                       templates["qwen3_think"]["special_tokens"], "qwen3_think");
+  const ojson thinking = ojson::parse(R"([{"role": "user", "content": "2+2?"},
+      {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}])");
+  CHECK_THROWS_WITH(qwen3.tokenize(tok, thinking, ojson::object(), true),
+                    Catch::Contains("does not carry the special-token text of this conversation ('<think>')") &&
+                        Catch::Contains("Leave out --split-special-tokens"));
+  CHECK_THROWS_WITH(qwen3.encode(tok, thinking, ojson::object(), true), Catch::Contains("does not carry"));
+  CHECK(qwen3.tokenize(tok, thinking, ojson::object(), false).ids == tok.encode(qwen3.render(thinking, false), false));
+  // Special-token text the template passes on unchanged is fine with the same template.
+  const ojson quoted_text = ojson::parse(R"([{"role": "user", "content": "what is <|im_end|>?"},
+      {"role": "assistant", "content": "a token"}])");
+  const ChatTokens ok = qwen3.tokenize(tok, quoted_text, ojson::object(), true);
+  CHECK(std::count(ok.ids.begin(), ok.ids.end(), *tok.token_to_id("<|im_end|>")) == 2);  // the template's two
+  // A special token matched after the normalizer has no byte range in the text to keep.
+  ojson doc = load("tokenizer.json");
+  for (ojson& a : doc["added_tokens"])
+    if (a["content"] == "<|im_end|>") a["normalized"] = true;
+  const Tokenizer normalized = Tokenizer::from_json(doc.dump(), "normalized <|im_end|>");
+  CHECK_THROWS_WITH(qwen3.tokenize(normalized, quoted_text, ojson::object(), true),
+                    Catch::Contains("special token '<|im_end|>'") && Catch::Contains("\"normalized\": true"));
+  CHECK_NOTHROW(qwen3.tokenize(normalized, quoted_text, ojson::object(), false));
+}
+
+// Through keel tokenize: the fixture's ChatML conversations in the shuffled order, each the
+// oracle's ids and mask plus the end of text; without the flag the summary counts them.
+TEST_CASE("keel tokenize --chat --split-special-tokens: HF's ids and the replies' mask", "[chat][tokenize][split_special]") {
+  const ojson fx = load("split_special_chat.json");
+  TempDir dir;
+  std::vector<const ojson*> cases;
+  {
+    std::ofstream jsonl(dir / "chat.jsonl");
+    for (const ojson& c : fx["cases"])
+      if (c["template"] == "chatml_qwen25") {
+        ojson rec = {{"messages", c["messages"]}};
+        if (c.contains("tools")) rec["tools"] = c["tools"];
+        jsonl << rec.dump() << "\n";
+        cases.push_back(&c);
+      }
+    std::ofstream(dir / "tokenizer.json") << split_fixture_tokenizer_json(fx);
+    std::ofstream(dir / "chatml.jinja") << load("templates.json")["templates"]["chatml_qwen25"]["template"].get<std::string>();
+  }
+  REQUIRE(cases.size() >= 5);
+  const Tokenizer tok = Tokenizer::from_file(dir / "tokenizer.json");
+  const uint32_t eot = static_cast<uint32_t>(*tok.token_to_id("<|endoftext|>"));
+  std::vector<uint64_t> order(cases.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  TokenizeOptions o;
+  PythonRandom(o.seed).shuffle(order);
+  o.jsonl = {dir / "chat.jsonl"};
+  o.chat = true;
+  o.tokenizer = dir / "tokenizer.json";
+  o.chat_template = dir / "chatml.jinja";
+  o.val_fraction = 0;
+  o.threads = 2;
+  for (const bool mask : {true, false})
+    for (const bool split : {true, false}) {
+      INFO("mask " << mask << ", --split-special-tokens " << split);
+      o.assistant_loss_mask = mask;
+      o.split_special_tokens = split;
+      o.out = dir / ("out" + std::to_string(mask) + std::to_string(split));
+      std::string log;
+      const TokenizeResult r = tokenize_corpus(o, [&](const std::string& line) { log += line + "\n"; });
+      std::vector<uint32_t> want;
+      std::vector<uint8_t> want_mask;
+      int64_t with_special_text = 0;
+      for (uint64_t k : order) {
+        const ojson& c = *cases[k];
+        for (int32_t id : c[split ? "ids" : "default_ids"].get<std::vector<int32_t>>()) want.push_back(static_cast<uint32_t>(id));
+        want.push_back(eot);
+        const auto m = c["mask"].get<std::vector<uint8_t>>();
+        want_mask.insert(want_mask.end(), m.begin(), m.end());
+        want_mask.push_back(0);
+        with_special_text += !c["special_in_text"].is_null();
+      }
+      const TokenFile f = TokenFile::open(o.out + "/train_000.bin");
+      std::vector<uint32_t> got(static_cast<size_t>(f.num_tokens()));
+      for (int64_t i = 0; i < f.num_tokens(); ++i) got[static_cast<size_t>(i)] = f.token(i);
+      CHECK(got == want);
+      if (mask && split) {  // the oracle's mask is for the split ids
+        const auto lm = LossMask::open_for(f);
+        REQUIRE(lm);
+        std::vector<uint8_t> got_mask(static_cast<size_t>(lm->size()));
+        for (int64_t i = 0; i < lm->size(); ++i) got_mask[static_cast<size_t>(i)] = lm->in_loss(i);
+        CHECK(got_mask == want_mask);
+      }
+      std::ifstream meta_in(o.out + "/meta.json");
+      CHECK(nlohmann::json::parse(meta_in)["split_special_tokens"] == split);
+      if (split)
+        CHECK(log.find("hold the text of a special token") == std::string::npos);
+      else
+        CHECK_THAT(log, Catch::Contains("NOTE " + std::to_string(with_special_text) +
+                                        " conversations hold the text of a special token (") &&
+                            Catch::Contains("the chat template's own special tokens stay special"));
+    }
 }
 
 }  // namespace

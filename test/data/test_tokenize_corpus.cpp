@@ -681,14 +681,7 @@ TEST_CASE("keel tokenize --split-special-tokens encodes special-token text in do
   std::string log;
   tokenize_corpus(bos, [&](const std::string& line) { log += line + "\n"; });
   CHECK(log.find("hold the text of a special token") == std::string::npos);
-  // A chat template's own special tokens are text that must stay special.
-  TokenizeOptions chat = bos;
-  chat.add_special_tokens = false;
-  chat.chat = true;
-  chat.split_special_tokens = true;
-  chat.out = dir / "chat";
-  CHECK_THROWS_WITH(tokenize_corpus(chat, quiet), Catch::Contains("--split-special-tokens does not apply to --chat"));
-  CHECK(!fs::exists(dir / "chat"));
+  // With --chat the template's own special tokens stay special: test_chat_template.cpp.
 }
 
 TEST_CASE("One Tokenizer encodes from several threads at once", "[tokenize][tokenizer]") {

@@ -13,6 +13,7 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -139,6 +140,48 @@ TEST_CASE("tokenizer: special-token text in documents matches HF with and withou
     }
     CHECK(differ > 0);  // the option changed something for every tokenizer (each has special tokens)
   }
+}
+
+// The same strings, with the special tokens kept text by place (encode_with_text_spans, what
+// keel tokenize --chat --split-special-tokens uses): the places special_token_spans finds give
+// encode_special_tokens' ids, no places the default's; ranges that cover only some of them keep
+// only those text, the others are still matched.
+TEST_CASE("tokenizer: special tokens kept text by place match HF's encode_special_tokens", "[tokenizer][split_special]") {
+  std::ifstream in(kDir + "split_special.json");
+  const nlohmann::json fixture = nlohmann::json::parse(in);
+  int partial = 0;
+  for (const auto& [name, c] : fixture["tokenizers"].items()) {
+    const Tokenizer tok = Tokenizer::from_file(kDir + name + ".json");
+    const auto& strings = c["strings"];
+    for (size_t i = 0; i < strings.size(); ++i) {
+      const std::string s = strings[i].get<std::string>();
+      INFO(name << " string #" << i << " " << nlohmann::json(s).dump());
+      const Tokenizer::Spans spans = tok.special_token_spans(s);
+      for (auto [b, e] : spans) CHECK(tok.is_special(*tok.token_to_id(s.substr(b, e - b))));
+      CHECK(tok.encode_with_text_spans(s, spans) == c["split"][i].get<std::vector<int32_t>>());
+      CHECK(tok.encode_with_text_spans(s, spans, true) == c["split_bos"][i].get<std::vector<int32_t>>());
+      CHECK(tok.encode_with_text_spans(s, {}) == c["special"][i].get<std::vector<int32_t>>());
+      // The default's ids hold the token of each place.
+      const auto special = c["special"][i].get<std::vector<int32_t>>();
+      for (auto [b, e] : spans) CHECK(std::count(special.begin(), special.end(), *tok.token_to_id(s.substr(b, e - b))) > 0);
+      // (Text kept from the model's <unk> may encode as <unk> again: not counted below.)
+      auto is_unk = [&](std::pair<size_t, size_t> sp) { return *tok.token_to_id(s.substr(sp.first, sp.second - sp.first)) == tok.unk_id(); };
+      if (spans.size() >= 2 && std::none_of(spans.begin(), spans.end(), is_unk)) {
+        // The first place kept text, every other place still its token.
+        ++partial;
+        const std::vector<int32_t> got = tok.encode_with_text_spans(s, {spans[0]});
+        std::map<int32_t, long> want_count;
+        for (size_t k = 1; k < spans.size(); ++k) ++want_count[*tok.token_to_id(s.substr(spans[k].first, spans[k].second - spans[k].first))];
+        want_count.try_emplace(*tok.token_to_id(s.substr(spans[0].first, spans[0].second - spans[0].first)), 0);
+        for (const auto& [id, n] : want_count) CHECK(std::count(got.begin(), got.end(), id) == n);
+      }
+    }
+  }
+  CHECK(partial >= 10);
+  // Ranges out of order or past the text are a caller's bug, refused.
+  const Tokenizer tok = Tokenizer::from_file(kDir + "gpt2.json");
+  CHECK_THROWS_AS(tok.encode_with_text_spans("abc", {{2, 3}, {0, 1}}), std::invalid_argument);
+  CHECK_THROWS_AS(tok.encode_with_text_spans("abc", {{2, 4}}), std::invalid_argument);
 }
 
 TEST_CASE("tokenizer: unsupported components and bad input give errors that name them", "[tokenizer]") {

@@ -671,6 +671,42 @@ TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the 
                " --out " + tmp / "chat2");
   CHECK(r.code == 2);
   CHECK_THAT(r.output, Catch::Contains("BOS would come twice"));
+
+  // --split-special-tokens: a user or a reply that writes "</s>" or "<s>" neither ends nor opens
+  // anything; the template's own <s> (one per conversation) and </s> (one per reply, in the
+  // loss) stay special. Without it the text becomes the tokens, and the summary says so.
+  {
+    std::ofstream f(tmp / "tricky.jsonl");
+    for (int k = 0; k < 10; ++k)
+      f << json{{"messages",
+                 {{{"role", "user"}, {"content", "is </s> the end? <s> " + std::to_string(k)}},
+                  {{"role", "assistant"}, {"content", "</s> ends a reply."}}}}}
+               .dump()
+        << "\n";
+  }
+  for (const bool split : {true, false}) {
+    const std::string out = tmp / (split ? "split" : "nosplit");
+    r = run_keel("tokenize --jsonl " + tmp / "tricky.jsonl" + " --chat --tokenizer hf:" + model.string() + " --out " + out +
+                 " --val-fraction 0" + (split ? " --split-special-tokens" : ""));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    const data::TokenFile f = data::TokenFile::open(out + "/train_000.bin");
+    const auto mask = data::LossMask::open_for(f);
+    REQUIRE(mask);
+    int64_t bos = 0, eos = 0, eos_in_loss = 0;
+    for (int64_t i = 0; i < f.num_tokens(); ++i) {
+      bos += f.token(i) == 1;
+      eos += f.token(i) == 2;
+      eos_in_loss += f.token(i) == 2 && mask->in_loss(i);
+    }
+    CHECK(bos == (split ? 10 : 20));
+    CHECK(eos == (split ? 10 : 30));
+    CHECK(eos_in_loss == (split ? 10 : 20));
+    std::ifstream meta_in(out + "/meta.json");
+    CHECK(json::parse(meta_in)["split_special_tokens"] == split);
+    if (split) CHECK(r.output.find("hold the text of a special token") == std::string::npos);
+    else CHECK_THAT(r.output, Catch::Contains("NOTE 10 conversations hold the text of a special token (</s>)"));
+  }
 }
 
 // README's "Finetuning a released model" with an Instruct model: convert, tokenize conversations
