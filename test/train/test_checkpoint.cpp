@@ -210,21 +210,40 @@ std::string checkpoint_error(const std::function<void()>& call) {
   return "";
 }
 
+// A tiny fp32 run saving into dir/ck: save(s) saves step s (8 samples of 32 tokens a step).
+struct SavingRun {
+  RunConfig cfg;
+  std::unique_ptr<Backend> be;
+  Trainer trainer;
+  CheckpointManager mgr;
+  explicit SavingRun(const test::TempDir& dir, int64_t keep_last = 3)
+      : cfg(with_keep_last(test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}}), keep_last)),
+        be(make_cpu_backend()),
+        trainer(cfg, *be),
+        mgr(dir / "ck", cfg.checkpoint) {
+    trainer.init_weights();
+  }
+  void save(int64_t step) {
+    mgr.save(cfg, trainer.table(), trainer.state(), *be, {step, 8 * step, 256 * step, 0, 0}, trainer.scaler(), {});
+  }
+  static RunConfig with_keep_last(RunConfig c, int64_t keep_last) {
+    c.checkpoint.keep_last = keep_last;
+    return c;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("a background save that cannot be published fails at its finish and leaves the previous save as latest",
           "[ckpt][async]") {
   test::TempDir dir("ckpt-async-fail");
-  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
-  auto be = make_cpu_backend();
-  Trainer a(cfg, *be);
-  a.init_weights();
-  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
+  SavingRun run(dir);
+  auto& [cfg, be, a, mgr] = run;
   // The first save fails: there were no earlier checkpoints to call untouched.
   const std::string first = failed_publication(mgr, cfg, a, *be, dir / "ck", 1);
   CHECK_THAT(first, Catch::Contains("saving checkpoint step_00000001") &&
                         Catch::Contains("no checkpoint had been saved before it") && !Catch::Contains("untouched"));
-  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  run.save(1);
   // Once the files are written, the temporary directory vanishes: there is nothing to publish.
   const std::string second = failed_publication(mgr, cfg, a, *be, dir / "ck", 2);
   CHECK_THAT(second, Catch::Contains("saving checkpoint step_00000002") &&
@@ -237,7 +256,7 @@ TEST_CASE("a background save that cannot be published fails at its finish and le
   fs::remove_all(dir / "ck");
   std::ofstream(dir / "ck") << "not a folder\n";
   const std::string gone =
-      checkpoint_error([&] { mgr.save(cfg, a.table(), a.state(), *be, {3, 24, 768, 0, 0}, a.scaler(), {}); });
+      checkpoint_error([&] { run.save(3); });
   CHECK_THAT(gone, Catch::Contains("saving checkpoint step_00000003") &&
                        Catch::Contains(dir / "ck" + " holds no complete checkpoint now, though this run saved 1 into it") &&
                        !Catch::Contains("no checkpoint had been saved before it"));
@@ -248,15 +267,11 @@ TEST_CASE("a background save that cannot be published fails at its finish and le
 TEST_CASE("a save whose latest pointer cannot be written is undone, leaving the previous one as latest",
           "[ckpt][io]") {
   test::TempDir dir("ckpt-latest-fail");
-  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
-  auto be = make_cpu_backend();
-  Trainer a(cfg, *be);
-  a.init_weights();
-  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
-  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  SavingRun run(dir);
+  run.save(1);
   fs::create_directories(dir / "ck/.latest.tmp");  // the pointer's temporary file cannot be created
   const std::string error =
-      checkpoint_error([&] { mgr.save(cfg, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {}); });
+      checkpoint_error([&] { run.save(2); });
   CHECK_THAT(error, Catch::Contains("saving checkpoint step_00000002") && Catch::Contains(".latest.tmp") &&
                         Catch::Contains("the previous checkpoints are untouched"));
   CHECK_FALSE(fs::exists(dir / "ck/step_00000002"));
@@ -270,16 +285,13 @@ TEST_CASE("a save whose latest pointer cannot be written is undone, leaving the 
 TEST_CASE("a save replacing one of the same step that fails at its latest pointer keeps the earlier copy",
           "[ckpt][io]") {
   test::TempDir dir("ckpt-replace-fail");
-  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
-  auto be = make_cpu_backend();
-  Trainer a(cfg, *be);
-  a.init_weights();
-  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
-  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  SavingRun run(dir);
+  auto& [cfg, be, a, mgr] = run;
+  run.save(1);
   const std::string saved_meta = test::read_file(dir / "ck/step_00000001/meta.json");
   fs::create_directories(dir / "ck/.latest.tmp");  // the pointer's temporary file cannot be created
   const std::string error =
-      checkpoint_error([&] { mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {}); });
+      checkpoint_error([&] { run.save(1); });
   CHECK_THAT(error, Catch::Contains("saving checkpoint step_00000001") && Catch::Contains(".latest.tmp"));
   CHECK(test::read_file(dir / "ck/latest") == "step_00000001\n");
   CHECK(test::read_file(dir / "ck/step_00000001/meta.json") == saved_meta);  // the earlier save, not the failed one
@@ -298,7 +310,7 @@ TEST_CASE("a save replacing one of the same step that fails at its latest pointe
   CHECK(Checkpoint::find_latest(dir / "ck") == dir / "ck/step_00000001");
   // With the pointer writable again, the replacement goes through and leaves no copy aside.
   fs::remove(dir / "ck/.latest.tmp");
-  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  run.save(1);
   CHECK(test::read_file(dir / "ck/step_00000001/meta.json") != saved_meta);
   CHECK(Checkpoint::open(dir / "ck").verify().empty());
   for (const auto& e : fs::directory_iterator(dir / "ck")) CHECK(e.path().filename().string().rfind(".old-", 0) != 0);
@@ -311,13 +323,9 @@ TEST_CASE("a save replacing one of the same step that fails at its latest pointe
 TEST_CASE("latest naming a checkpoint set aside with an abandoned run says where it is and what to resume",
           "[ckpt][latest]") {
   test::TempDir dir("ckpt-set-aside-kill");
-  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
-  auto be = make_cpu_backend();
-  Trainer a(cfg, *be);
-  a.init_weights();
-  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
-  mgr.save(cfg, a.table(), a.state(), *be, {4, 32, 1024, 0, 0}, a.scaler(), {});
-  mgr.save(cfg, a.table(), a.state(), *be, {8, 64, 2048, 0, 0}, a.scaler(), {});
+  SavingRun run(dir);
+  run.save(4);
+  run.save(8);
   const std::string folder = dir / "ck/abandoned-after-step_00000004-20261207T120000Z";
   fs::create_directory(folder);
   fs::rename(dir / "ck/step_00000008", folder + "/step_00000008");  // moved; latest not yet rewritten
@@ -336,19 +344,15 @@ TEST_CASE("latest naming a checkpoint set aside with an abandoned run says where
 TEST_CASE("a checkpoint that a live run's rotation removes after it was opened still verifies and reads",
           "[ckpt][live]") {
   test::TempDir dir("ckpt-live-rotation");
-  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
-  cfg.checkpoint.keep_last = 1;
-  auto be = make_cpu_backend();
-  Trainer a(cfg, *be);
-  a.init_weights();
-  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
-  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  SavingRun run(dir, /*keep_last=*/1);
+  auto& [cfg, be, a, mgr] = run;
+  run.save(1);
   const std::string tensor = a.table().params().front().name;
   const Checkpoint opened = Checkpoint::open(dir / "ck");
   REQUIRE(opened.path() == dir / "ck/step_00000001");
   const std::vector<float> saved = opened.read_full("weight", tensor);
   a.step(batches_from(test::synthetic_tokens(4000, 1), 0, 2, 4, 32), 1);
-  mgr.save(cfg, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {});
+  run.save(2);
   REQUIRE_FALSE(fs::exists(dir / "ck/step_00000001"));  // rotated away while open
   CHECK(opened.verify().empty());
   CHECK(opened.read_full("weight", tensor) == saved);
@@ -368,17 +372,13 @@ TEST_CASE("a checkpoint that a live run's rotation removes after it was opened s
 // keep_last 1. Each load must verify and read one whole checkpoint, whichever it ends on.
 TEST_CASE("loads of a live run's newest checkpoint succeed while the run saves and rotates", "[ckpt][live]") {
   test::TempDir dir("ckpt-live-race");
-  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
-  cfg.checkpoint.keep_last = 1;
-  auto be = make_cpu_backend();
-  Trainer a(cfg, *be);
-  a.init_weights();
-  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
-  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
+  SavingRun run(dir, /*keep_last=*/1);
+  auto& [cfg, be, a, mgr] = run;
+  run.save(1);
   const std::string tensor = a.table().params().front().name;
   std::atomic<bool> saving{true};
-  std::thread run([&] {
-    for (int64_t s = 2; s <= 80; ++s) mgr.save(cfg, a.table(), a.state(), *be, {s, 8 * s, 256 * s, 0, 0}, a.scaler(), {});
+  std::thread saver([&] {
+    for (int64_t s = 2; s <= 80; ++s) run.save(s);
     saving = false;
   });
   int loads = 0;
@@ -393,7 +393,7 @@ TEST_CASE("loads of a live run's newest checkpoint succeed while the run saves a
       failures.push_back(e.what());
     }
   }
-  run.join();
+  saver.join();
   INFO(loads << " loads; the first failure: " << (failures.empty() ? "none" : failures.front()));
   CHECK(failures.empty());
   CHECK(loads > 0);
@@ -405,20 +405,16 @@ TEST_CASE("loads of a live run's newest checkpoint succeed while the run saves a
 // that saved and rotated between two readings.
 TEST_CASE("a pointer whose checkpoint is removed before its files are open is followed again", "[ckpt][live]") {
   test::TempDir dir("ckpt-live-pointer");
-  RunConfig cfg = test::make_config(test::tiny_run_json(), {{"precision", {{"mode", "fp32"}}}});
-  auto be = make_cpu_backend();
-  Trainer a(cfg, *be);
-  a.init_weights();
-  CheckpointManager mgr(dir / "ck", cfg.checkpoint);
-  mgr.save(cfg, a.table(), a.state(), *be, {1, 8, 256, 0, 0}, a.scaler(), {});
-  mgr.save(cfg, a.table(), a.state(), *be, {2, 16, 512, 0, 0}, a.scaler(), {});
+  SavingRun run(dir);
+  run.save(1);
+  run.save(2);
   fs::remove_all(dir / "ck/step_00000001");
   const std::string pointer = dir / "ck/latest";
   fs::remove(pointer);
   REQUIRE(::mkfifo(pointer.c_str(), 0600) == 0);
   std::atomic<bool> stop{false};
   std::atomic<int> served{0};
-  std::thread run([&] {
+  std::thread pointer_writer([&] {
     sigset_t pipe_signal;  // a reader that closed before a write: EPIPE, not the signal
     sigemptyset(&pipe_signal);
     sigaddset(&pipe_signal, SIGPIPE);
@@ -443,7 +439,7 @@ TEST_CASE("a pointer whose checkpoint is removed before its files are open is fo
     error = e.what();
   }
   stop = true;
-  run.join();
+  pointer_writer.join();
   INFO(error);
   REQUIRE(ck);
   CHECK(ck->path() == dir / "ck/step_00000002");

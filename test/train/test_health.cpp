@@ -343,9 +343,10 @@ TEST_CASE("a healthy run raises no health warning", "[health][cli]") {
   CHECK(with_stats == 40);
 }
 
-TEST_CASE("spike action rewind: back to the last checkpoint, the offending data skipped", "[health][spike][cli]") {
-  // Sequential data (no shuffle): steps 41-43 read a stretch of pure noise.
-  test::TempDir dir("rewind");
+// dir/run.json: 60 steps of the tiny model with spike_action rewind and a save every 10 steps,
+// on sequential data (no shuffle) whose stretch for steps 41-43 is pure noise.
+namespace {
+void write_rewind_run(const test::TempDir& dir) {
   auto tokens = test::synthetic_tokens(20000, 3);
   std::mt19937 rng(5);
   const size_t per_step = 8 * 32;  // global batch 8 x seq 32 (non-overlapping windows)
@@ -357,6 +358,12 @@ TEST_CASE("spike action rewind: back to the last checkpoint, the offending data 
   j["checkpoint"] = {{"interval", 10}};
   j["health"] = {{"spike_action", "rewind"}, {"spike_warmup", 20}};
   std::ofstream(dir / "run.json") << j.dump(2);
+}
+}  // namespace
+
+TEST_CASE("spike action rewind: back to the last checkpoint, the offending data skipped", "[health][spike][cli]") {
+  test::TempDir dir("rewind");
+  write_rewind_run(dir);
   auto r = test::run_keel("train --config " + (dir / "run.json") + " --out " + (dir / "out") + " -q");
   INFO(r.output);
   CHECK(r.code == 0);
@@ -390,17 +397,7 @@ TEST_CASE("spike action rewind: back to the last checkpoint, the offending data 
 TEST_CASE("spike action rewind to a damaged checkpoint: refused by name, the update skipped, training goes on",
           "[health][spike][cli]") {
   test::TempDir dir("rewind-damaged");
-  auto tokens = test::synthetic_tokens(20000, 3);
-  std::mt19937 rng(5);
-  const size_t per_step = 8 * 32;  // global batch 8 x seq 32 (non-overlapping windows)
-  for (size_t i = 40 * per_step; i < 43 * per_step; ++i) tokens[i] = rng() % 64;  // steps 41-43 read noise
-  data::write_llmc_shard(dir / "train.bin", tokens, false);
-  nlohmann::json j = test::tiny_run_json();
-  j["data"] = {{"train", dir / "train.bin"}, {"shuffle", false}};
-  j["train"]["steps"] = 60;
-  j["checkpoint"] = {{"interval", 10}};
-  j["health"] = {{"spike_action", "rewind"}, {"spike_warmup", 20}};
-  std::ofstream(dir / "run.json") << j.dump(2);
+  write_rewind_run(dir);
   auto r = test::run_keel("train --config " + (dir / "run.json") + " --out " + (dir / "out") + " -q",
                           "KEEL_FAULT_DAMAGE_SAVE=step_00000040");
   INFO(r.output);
