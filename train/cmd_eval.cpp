@@ -6,9 +6,12 @@
 #include <cstring>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <algorithm>
 #include <string>
+
+#include <unistd.h>
 
 #include "train/checkpoint.h"
 #include "train/choice_eval.h"
@@ -131,10 +134,24 @@ int cmd_eval(const EvalArgs& a) {
   std::vector<ChoiceItem> mine;
   for (size_t i = rank; i < items.size(); i += world_size) mine.push_back(items[i]);
 
+  // The scores go to a file beside --scores, renamed over it once every item is scored: an eval
+  // that fails (an item too long, non-finite logits) leaves an earlier scores file as it was.
+  // Not a regular file (/dev/stdout, a pipe): written in place.
   std::ofstream scores;
+  std::error_code kind_ec;
+  const bool in_place = std::filesystem::exists(a.scores, kind_ec) && !std::filesystem::is_regular_file(a.scores, kind_ec);
+  const std::string scores_tmp = in_place ? a.scores : a.scores + ".tmp-" + std::to_string(::getpid());
+  struct RemoveUnlessKept {
+    std::string path;
+    ~RemoveUnlessKept() {
+      std::error_code ec;
+      if (!path.empty()) std::filesystem::remove(path, ec);
+    }
+  } unfinished;
   if (lead && !a.scores.empty()) {
-    scores.open(a.scores);
-    if (!scores) throw ConfigError("--scores " + a.scores + " cannot be written");
+    scores.open(scores_tmp);
+    if (!scores) throw ConfigError("--scores " + a.scores + " cannot be written" + (in_place ? "" : " (creating " + scores_tmp + ")"));
+    if (!in_place) unfinished.path = scores_tmp;
   }
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<ChoiceScore> my_scores =
@@ -166,6 +183,13 @@ int cmd_eval(const EvalArgs& a) {
   // A full disk shows only here: the stream keeps what it could not write in its buffer.
   if (scores.is_open() && !scores.flush())
     throw ConfigError("--scores " + a.scores + " could not be written: " + std::strerror(errno));
+  if (scores.is_open() && !in_place) {
+    scores.close();
+    std::error_code ec;
+    std::filesystem::rename(scores_tmp, a.scores, ec);
+    if (ec) throw ConfigError("--scores " + a.scores + " could not be written (renaming " + scores_tmp + "): " + ec.message());
+    unfinished.path.clear();
+  }
   auto line = [&](const char* name, int64_t right, int64_t of, const char* note) {
     std::printf("  %-14s %.4f  (%lld/%lld)%s\n", name, of ? static_cast<double>(right) / of : 0.0,
                 static_cast<long long>(right), static_cast<long long>(of), note);

@@ -1636,12 +1636,15 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;
   int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
   double last_val = std::nan("");
+  // -q leaves out the per-step lines; --eval-only's evaluations are its whole result (it writes
+  // nothing), so they print under -q too.
+  const bool quiet_evals = opts.eval_only ? !lead : quiet;
   auto choice_eval = [&](int64_t it) {
     const ProfileRange range("choice eval");
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<ChoiceScore> scores = score_choices(tr, choices.items);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (lead) report_choice_eval(cfg, choices, scores, it, secs, quiet, metrics ? &*metrics : nullptr);
+    if (lead) report_choice_eval(cfg, choices, scores, it, secs, quiet_evals, metrics ? &*metrics : nullptr);
   };
   // sample: the lead rank generates from its replica; the others go on to the next step.
   auto sample_text = [&](int64_t it) {
@@ -1652,7 +1655,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     const std::string text = sampler.sample(tr.table(), *backend, tr.state().working);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (metrics) metrics->write({{"event", "sample"}, {"step", it}, {"text", text}});
-    if (!quiet) std::printf(" sample at iteration %lld (%.2f s):\n%s\n", static_cast<long long>(it), secs, text.c_str());
+    if (!quiet_evals) std::printf(" sample at iteration %lld (%.2f s):\n%s\n", static_cast<long long>(it), secs, text.c_str());
     std::fflush(stdout);
   };
   // One metrics record per evaluation: "val_loss" (data.val) and "val_losses" {name: loss}.
@@ -1676,7 +1679,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       }
       if (v.name.empty()) last_val = loss, rec["val_loss"] = json_number(loss);
       else rec["val_losses"][v.name] = json_number(loss);
-      if (!quiet)
+      if (!quiet_evals)
         std::printf(" validation%s%s%s at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
                     v.name.empty() ? "" : " (", v.name.c_str(), v.name.empty() ? "" : ")", static_cast<long long>(it),
                     loss, std::exp(loss));

@@ -1427,6 +1427,31 @@ TEST_CASE("keel eval --scores on a full disk fails naming the file, not exit 0 w
   CHECK_THAT(r.output, Catch::Contains("--scores /dev/full could not be written: No space left on device"));
 }
 
+// The scores file was opened (truncated) before the items were scored: an item refused then
+// left an earlier scores file empty. It is now written beside and renamed over at the end.
+TEST_CASE("keel eval that fails on an item leaves an earlier --scores file as it was", "[ckpt][cli][io]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run";
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4")).code == 4);
+  test::write_stream_choice_items(ws.dir / "choices.jsonl", 4);
+  const std::string scores = ws.dir / "scores.jsonl";
+  const std::string eval = "eval --checkpoint " + out + "/checkpoints --scores " + scores + " --choices ";
+  REQUIRE(run_keel(eval + (ws.dir / "choices.jsonl")).code == 0);
+  const std::string earlier = test::read_file(scores);
+  REQUIRE(std::count(earlier.begin(), earlier.end(), '\n') == 4);
+  // A context longer than the model's positions is refused once the scoring reaches it.
+  std::ofstream(ws.dir / "long.jsonl") << nlohmann::json{{"context_ids", std::vector<uint32_t>(500, 3)},
+                                                         {"ending_ids", {{1}, {2}}},
+                                                         {"label", 0}}.dump()
+                                       << '\n';
+  auto r = run_keel(eval + (ws.dir / "long.jsonl"));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("beyond the model's"));
+  CHECK(test::read_file(scores) == earlier);
+  for (const auto& e : fs::directory_iterator(ws.dir.path)) CHECK(e.path().filename().string().find(".tmp-") == std::string::npos);
+}
+
 // keel ckpt average: each element is the mean of the inputs' fp32 masters, summed in double and
 // rounded once (bit for bit, in fp32 and in bf16); the result is a weights-only checkpoint that
 // verifies and loads; bad inputs and outputs are refused before anything is written.

@@ -719,6 +719,23 @@ TEST_CASE("keel train warns when a source's files are too short for its windows"
   CHECK_THAT(r.output, !Catch::Contains("in no training window"));
 }
 
+// --eval-only writes nothing, so its evaluations are its whole result: -q (which leaves out the
+// per-step lines) printed none of them.
+TEST_CASE("keel train --eval-only -q prints the evaluations", "[cli][eval]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"eval_batches", 1}}}});
+  const std::string base = "train --config " + ws.config + " --eval-only";
+  auto loud = test::run_keel(base), quiet = test::run_keel(base + " -q");
+  INFO(loud.output << "\n---\n" << quiet.output);
+  REQUIRE(loud.code == 0);
+  REQUIRE(quiet.code == 0);
+  auto validation_line = [](const std::string& out) {
+    const size_t at = out.find(" validation at iteration 0 | lm loss: ");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+  };
+  CHECK_FALSE(validation_line(loud.output).empty());
+  CHECK(validation_line(quiet.output) == validation_line(loud.output));
+}
+
 // A file listed twice in data.train is read once; the user may have meant to up-weight it, so
 // keel says so, naming the file and the entries, and points at data.train_weights.
 TEST_CASE("keel train warns when entries of data.train match the same file", "[cli][data]") {
