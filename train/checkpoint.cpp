@@ -1310,6 +1310,11 @@ SaveResult CheckpointManager::finish_save(const AgreeFn& agree) {
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count();
       meta["files"] = files;
+      // How long the save took (the slowest rank's files, as every rank has agreed they are
+      // written; a background save: this rank's writer): a resumed run's --time-limit keeps room
+      // for one before it has timed a save of its own.
+      meta["save_seconds"] = p->background ? p->write_seconds
+                                           : std::chrono::duration<double>(std::chrono::steady_clock::now() - p->start).count();
       for (const auto& [_, info] : files.items()) total_bytes += info.at("bytes").get<int64_t>();
       meta["meta_crc32c"] = meta_checksum(meta);
       maybe_crash("meta");

@@ -1068,7 +1068,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
-  const RunConfig cfg = with_eod_token(config);
+  RunConfig cfg = with_eod_token(config);  // changed once below: --init-from is recorded as train.init_from
   const std::vector<std::string> packed = check_packed_data(cfg);
   // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
   const int world_size = opts.mpi ? opts.mpi->world_size() : 1;
@@ -1354,15 +1354,35 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     throw ConfigError("train.init_from: " + init_from + " does not exist (a relative train.init_from is read from the "
                       "folder of the config file that names it). Point it at the checkpoint or hf:DIR to start from, "
                       "or remove the field to start from a random initialisation");
+  // A fresh run's --init-from is recorded as train.init_from (absolute) in config.json and every
+  // save's config: `keel train --config <out>/config.json` run again before the first save (a
+  // preemption) starts from the same weights, not from a random initialisation.
+  if (resume_path.empty() && !opts.init_from.empty()) {
+    const auto hf_dir = hf_path(opts.init_from);
+    const std::string path = fs::absolute(hf_dir.value_or(opts.init_from)).lexically_normal().string();
+    cfg.train.init_from = hf_dir ? "hf:" + path : path;
+  }
   nlohmann::json loaded_health, loaded_topology;
   nlohmann::json loaded_source;  // the HF model and checkpoints the weights came from, carried into every save
   std::string loaded_from, loaded_precision;
   int64_t resumed_bytes = 0;  // the resumed checkpoint's files: about what this run's saves take
+  // What a save takes before this process has timed one (--time-limit): the resumed checkpoint's
+  // own save, else how long loading it took; 0 (unknown) on a fresh run.
+  double resumed_save_seconds = 0;
+  std::string save_estimate = "none timed yet";
   std::string function_changes;  // the model fields of a weights-only load that change what the weights compute
   bool loaded_stochastic = false;  // were the loaded working weights written by stochastic rounding?
   if (!resume_path.empty()) {
+    const auto load_start = std::chrono::steady_clock::now();
     Checkpoint ck = open_verified(resume_path, "resume from", "--resume");
     progress = restore_for_resume(ck, cfg, tr.table(), tr.state(), *backend, tr.scaler(), place, &notes);
+    if (const auto saved = ck.meta().find("save_seconds"); saved != ck.meta().end() && saved->is_number()) {
+      resumed_save_seconds = saved->get<double>();
+      save_estimate = "the resumed checkpoint's save";
+    } else {
+      resumed_save_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+      save_estimate = "as long as loading the resumed checkpoint took";
+    }
     loaded_health = ck.meta().value("health", nlohmann::json());
     note_repadding(ck, loaded_health);
     restore_spike_detector(tr, loaded_health, false);
@@ -1708,12 +1728,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // A background save (checkpoint.async) is published at the first step boundary where no
   // rank is still writing (below), and at the latest before the next save or the run's end.
   double evals_secs = 0;    // the last evaluations' time (validation, choice eval, sample at one step)
-  double longest_save = 0;  // seconds of this run's slowest save: --time-limit keeps room for one
+  double longest_save = resumed_save_seconds;  // seconds of the slowest save: --time-limit keeps room for one
   AfterSave after_pending = AfterSave::Training;  // what follows the pending save, for the free-space warning
   std::string unusable_rewind;  // a checkpoint a spike's rewind found damaged
   auto finish_pending_save = [&] {
     if (!checkpoints.save_pending()) return;
     const SaveResult r = checkpoints.finish_save(all_ok);
+    if (r.write_seconds >= longest_save) save_estimate = "this run's longest";
     longest_save = std::max(longest_save, r.write_seconds);
     if (!lead) return;
     set_fallback_checkpoint(r.path);
@@ -1955,10 +1976,15 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       stop_kind = 1;
     } else if (!last && opts.time_limit_s > 0 && time_limit_near(elapsed, next_step, longest_save, opts.time_limit_s)) {
       stop_kind = 2;
-      char buf[200];
-      std::snprintf(buf, sizeof buf, "time limit of %.4g s is near (%.1f s since keel started; the next step would "
-                    "take about %.3g s and a save %.3g s)", opts.time_limit_s, elapsed, next_step,
-                    std::max(next_step, longest_save));
+      char buf[320];
+      if (longest_save > 0)
+        std::snprintf(buf, sizeof buf, "time limit of %.4g s is near (%.1f s since keel started; the next step would "
+                      "take about %.3g s and a save %.3g s, %s)", opts.time_limit_s, elapsed, next_step, longest_save,
+                      save_estimate.c_str());
+      else
+        std::snprintf(buf, sizeof buf, "time limit of %.4g s is near (%.1f s since keel started; the next step would "
+                      "take about %.3g s; no save timed yet, so room for a step is kept for it)", opts.time_limit_s,
+                      elapsed, next_step);
       stop_reason = buf;
     }
     // Every rank stops at the same step boundary: a signal may reach the ranks at different times.

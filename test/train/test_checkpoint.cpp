@@ -168,6 +168,7 @@ TEST_CASE("a background save holds the state as it was when it began, byte for b
   for (auto* m : {&mx, &my}) {
     m->erase("saved_at");
     m->erase("saved_at_ns");
+    m->erase("save_seconds");
     m->erase("meta_crc32c");
     (*m)["config"]["checkpoint"].erase("dir");
   }

@@ -287,12 +287,24 @@ TEST_CASE("a run under --time-limit stops with a save and says how long the next
   CHECK(r.code == 4);
   CHECK(fs::exists(ws.dir / "out/checkpoints/latest"));
   // A tiny model's steps take milliseconds: the estimate keeps three digits (it read "0.0 s").
+  // No save timed yet in a fresh run: said, not a step's time printed as the save's.
   const std::regex near(R"(time limit of 0.6 s is near \(([0-9.]+) s since keel started; the next step would take )"
-                        R"(about ([0-9.e+-]+) s and a save ([0-9.e+-]+) s\))");
+                        R"(about ([0-9.e+-]+) s; no save timed yet, so room for a step is kept for it\))");
   std::smatch m;
   REQUIRE(std::regex_search(r.output, m, near));
   CHECK(std::stod(m[2].str()) > 0);
-  CHECK(std::stod(m[3].str()) >= std::stod(m[2].str()));
+  // The save records how long it took; a resumed run keeps room for that before it times its own.
+  const nlohmann::json meta =
+      nlohmann::json::parse(test::read_file(Checkpoint::find_latest(ws.dir / "out/checkpoints").value() + "/meta.json"));
+  REQUIRE(meta.contains("save_seconds"));
+  CHECK(meta["save_seconds"].get<double>() > 0);
+  const auto resumed = run_keel("train --config " + ws.config + " --out " + (ws.dir / "out") + " -q --time-limit 0.01");
+  INFO(resumed.output);
+  CHECK(resumed.code == 4);
+  const std::regex resumed_near(R"(the next step would take about [0-9.e+-]+ s and a save ([0-9.e+-]+) s, the resumed )"
+                                R"(checkpoint's save\))");
+  REQUIRE(std::regex_search(resumed.output, m, resumed_near));
+  CHECK(std::stod(m[1].str()) > 0);
 }
 
 // keel checks the free space of checkpoint.dir after each save (statvfs; a full tmpfs shows it:
@@ -1306,6 +1318,34 @@ TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to u
   INFO(f.output);
   CHECK(f.code == 0);
   CHECK_THAT(f.output, Catch::Contains("initialised from") && Catch::Contains("Adam moments zero"));
+}
+
+// --init-from was not recorded in <out>/config.json: the config run again before the first save
+// (a job preempted early, resubmitted from its run directory) started from a random initialisation.
+TEST_CASE("a fresh run records --init-from in config.json: the run directory's config starts from the same weights",
+          "[ckpt][cli][finetune]") {
+  test::Workspace ws(kRun);
+  REQUIRE(run_keel(train_args(ws, ws.dir / "pretrain", "--stop-at 4")).code == 4);
+  const std::string ck = ws.dir / "pretrain/checkpoints/step_00000004";
+  const std::string out = ws.dir / "finetune";
+  const std::string no_saves = " --steps 2 --set checkpoint.interval=0 --set checkpoint.save_at_end=false";
+  auto first = run_keel(train_args(ws, out, "--init-from " + ck + no_saves));
+  INFO(first.output);
+  REQUIRE(first.code == 0);
+  const nlohmann::json recorded = nlohmann::json::parse(test::read_file(out + "/config.json"));
+  CHECK(recorded["train"]["init_from"] == ck);
+  // From another directory, with the recorded config only: the same weights, the same losses.
+  auto again = run_keel("train --config " + out + "/config.json -q" + no_saves);
+  INFO(again.output);
+  REQUIRE(again.code == 0);
+  CHECK_THAT(again.output, Catch::Contains("initialised from " + ck));
+  const auto a = test::read_metrics(out + "/metrics.jsonl");
+  std::vector<double> losses;
+  for (const auto& rec : a)
+    if (rec.contains("loss")) losses.push_back(rec["loss"].get<double>());
+  REQUIRE(losses.size() == 4);  // both runs' two steps, appended
+  CHECK(losses[0] == losses[2]);
+  CHECK(losses[1] == losses[3]);
 }
 
 // Finetuning from a pretraining checkpoint reads other data, often at another seq_len: the
