@@ -194,24 +194,30 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, int max_repor
       repadded.empty() ? ""
                        : " (the vocabulary is padded to " + repadded + ": tok_embed and lm_head compared in their " +
                              std::to_string(vocab_a) + " real rows" + (verify ? ", their padding rows zero" : "") + ")";
+  // The progress is state too: Adam's step sets the bias correction, the samples where the data
+  // resumes. Two checkpoints that differ only there do not continue alike.
   const auto pa = a.progress(), pb = b.progress();
-  if (pa.iteration != pb.iteration || pa.consumed_samples != pb.consumed_samples || a.adam_step() != b.adam_step())
+  const bool progress_differs =
+      pa.iteration != pb.iteration || pa.consumed_samples != pb.consumed_samples || a.adam_step() != b.adam_step();
+  if (progress_differs)
     std::printf("  progress differs: iteration %lld vs %lld, consumed samples %lld vs %lld, Adam step %lld vs %lld\n",
                 static_cast<long long>(pa.iteration), static_cast<long long>(pb.iteration),
                 static_cast<long long>(pa.consumed_samples), static_cast<long long>(pb.consumed_samples),
                 static_cast<long long>(a.adam_step()), static_cast<long long>(b.adam_step()));
   const char* damaged = sound ? "" : " (and verification fails: see above)";
+  const bool tensors_agree = differing == 0 && notes.empty() && reshaped.empty();
+  const char* but_progress = progress_differs ? ", but the progress differs (above)" : "";
   if (!verify) {
-    std::printf("%s: %lld tensors across %zu states compared by name, shape and stored dtype%s; data not read or "
+    std::printf("%s: %lld tensors across %zu states compared by name, shape and stored dtype%s%s; data not read or "
                 "verified (--no-verify): keel ckpt diff without it compares the values\n",
-                differing == 0 && notes.empty() && reshaped.empty() ? "headers agree" : "headers differ",
-                static_cast<long long>(compared), a.states().size(), padding_note.c_str());
-    return differing == 0 && notes.empty() && reshaped.empty() ? kExitOk : kExitFailure;
+                tensors_agree && !progress_differs ? "headers agree" : "headers differ",
+                static_cast<long long>(compared), a.states().size(), padding_note.c_str(), but_progress);
+    return tensors_agree && !progress_differs ? kExitOk : kExitFailure;
   }
-  if (differing == 0 && notes.empty() && reshaped.empty()) {
-    std::printf("bitwise equal: %lld tensors compared across %zu states%s%s\n", static_cast<long long>(compared),
-                a.states().size(), padding_note.c_str(), damaged);
-    return sound ? kExitOk : kExitCheckpointError;
+  if (tensors_agree) {
+    std::printf("bitwise equal: %lld tensors compared across %zu states%s%s%s\n", static_cast<long long>(compared),
+                a.states().size(), padding_note.c_str(), but_progress, damaged);
+    return !sound ? kExitCheckpointError : progress_differs ? kExitFailure : kExitOk;
   }
   std::printf("%lld of %lld tensors compared differ%s", static_cast<long long>(differing),
               static_cast<long long>(compared), differing > max_report ? " (first ones shown)" : "");

@@ -1861,9 +1861,25 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                   "masks, data.eod_mask_loss): no loss to learn from, the update is skipped\n",
                   static_cast<long long>(it));
     if (st.nonfinite && lead) {
+      // fp16: the scale backs off only once the hysteresis's overflows are used up.
+      std::string scale_note;
+      if (tr.scaler().enabled()) {
+        char buf[200];
+        const double now = tr.scaler().scale();
+        if (now < st.loss_scale)
+          std::snprintf(buf, sizeof buf, ", fp16 loss scale backs off from %.6g to %.6g", double(st.loss_scale), now);
+        else if (const int64_t left = tr.scaler().hysteresis_tracker(); left <= 1)
+          std::snprintf(buf, sizeof buf, ", fp16 loss scale stays at %.6g (precision.loss_scale.hysteresis %lld): the "
+                        "next overflow cuts it unless it grows first", now,
+                        static_cast<long long>(cfg.precision.loss_scale.hysteresis));
+        else
+          std::snprintf(buf, sizeof buf, ", fp16 loss scale stays at %.6g (precision.loss_scale.hysteresis %lld): the "
+                        "%lldth overflow from here cuts it unless it grows first", now,
+                        static_cast<long long>(cfg.precision.loss_scale.hysteresis), static_cast<long long>(left));
+        scale_note = buf;
+      }
       std::printf("keel: WARNING step %lld: %s (update skipped%s)\n", static_cast<long long>(it),
-                  std::isfinite(st.loss) ? "non-finite gradient" : "non-finite loss",
-                  tr.scaler().enabled() ? ", fp16 loss scale backs off" : "");
+                  std::isfinite(st.loss) ? "non-finite gradient" : "non-finite loss", scale_note.c_str());
       if (!st.nonfinite_report.empty()) std::printf("keel:   %s\n", st.nonfinite_report.c_str());
     }
     if (lead && !st.frozen.empty()) {
@@ -2010,12 +2026,20 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (lead) std::printf("keel: %s: saving a checkpoint at iteration %lld and stopping\n", stop_reason.c_str(),
                             static_cast<long long>(it));
       save(it, false, AfterSave::Stop);
-      // The same command with --resume would start from that checkpoint again, not from this one.
+      // The same command with --resume would start from that checkpoint again, not from this one;
+      // with the --stop-at just reached it is refused (not after the checkpoint's iteration).
+      const bool stop_at_reached = opts.stop_at > 0 && it >= opts.stop_at;
+      std::string without;
+      if (!opts.resume.empty()) without = "--resume " + opts.resume;
+      if (stop_at_reached)
+        without += (without.empty() ? "" : " and ") + std::string("--stop-at ") + std::to_string(opts.stop_at) +
+                   " (or with a later --stop-at)";
       const std::string again =
-          opts.resume.empty() ? "run the same command again to resume"
-                              : "to continue, run the same command without --resume " + opts.resume +
-                                    " (it then resumes from the checkpoint just saved, the latest in " +
-                                    cfg.checkpoint.dir + ")";
+          without.empty() ? "run the same command again to resume"
+                          : "to continue, run the same command without " + without +
+                                (opts.resume.empty() ? std::string()
+                                                     : "; it then resumes from the checkpoint just saved, the latest in " +
+                                                           cfg.checkpoint.dir);
       if (lead) std::printf("keel: stopped at iteration %lld of %lld; %s (exit code %d)\n", static_cast<long long>(it),
                             static_cast<long long>(cfg.train.steps), again.c_str(), kExitStopped);
       return kExitStopped;

@@ -1292,11 +1292,21 @@ TEST_CASE("a --stop-at the resumed run has passed is refused, and a stop after -
   auto rewound = run_keel(train_args(ws, out, "--resume " + ck + " --stop-at 6"));
   INFO(rewound.output);
   CHECK(rewound.code == 4);
-  CHECK_THAT(rewound.output, Catch::Contains("run the same command without --resume " + ck));
+  CHECK_THAT(rewound.output, Catch::Contains("run the same command without --resume " + ck +
+                                             " and --stop-at 6 (or with a later --stop-at); it then resumes from the "
+                                             "checkpoint just saved"));
+  // The same command with the --stop-at just reached is refused: the advice leaves it out.
   auto plain = run_keel(train_args(ws, out, "--stop-at 7"));
   INFO(plain.output);
   CHECK(plain.code == 4);
-  CHECK_THAT(plain.output, Catch::Contains("run the same command again to resume"));
+  CHECK_THAT(plain.output, Catch::Contains("to continue, run the same command without --stop-at 7 (or with a later "
+                                           "--stop-at) (exit code 4)"));
+  CHECK(run_keel(train_args(ws, out, "--stop-at 9")).code == 4);
+  // Stopped by a time limit (or a signal) before its --stop-at: the same command continues.
+  auto limited = run_keel(train_args(ws, out, "--stop-at 40 --time-limit 0.0001"));
+  INFO(limited.output);
+  CHECK(limited.code == 4);
+  CHECK_THAT(limited.output, Catch::Contains("run the same command again to resume"));
 }
 
 TEST_CASE("a checkpoint without optimizer state cannot be resumed, and says to use --init-from", "[ckpt][cli]") {
@@ -1610,6 +1620,25 @@ TEST_CASE("keel ckpt diff compares differently padded vocabularies in their real
   CHECK(d.code == 1);
   CHECK_THAT(d.output, Catch::Contains("shape differs: weight/tok_embed: [64, 32] vs [64, 48]") &&
                            Catch::Contains("more have other shapes and were not compared"));
+}
+
+// The progress is state: equal tensors with another Adam step (bias correction) or data position
+// continue otherwise. It was printed, then "bitwise equal" / "headers agree" with exit 0.
+TEST_CASE("keel ckpt diff counts a progress that differs as a difference", "[ckpt][cli][diff]") {
+  test::Workspace ws(kRun);
+  REQUIRE(run_keel(train_args(ws, ws.dir / "a", "--stop-at 4")).code == 4);
+  const std::string a = ws.dir / "a/checkpoints/step_00000004", b = ws.dir / "b";
+  fs::copy(a, b, fs::copy_options::recursive);
+  test::edit_checkpoint_meta(b, [](nlohmann::json& meta) { meta["adam_step"] = 3; });
+  for (const std::string flags : {"", "--no-verify "}) {
+    auto d = run_keel("ckpt diff " + flags + a + " " + b);
+    INFO(d.output);
+    CHECK(d.code == 1);
+    CHECK_THAT(d.output, Catch::Contains("progress differs: iteration 4 vs 4, consumed samples 32 vs 32, Adam step 4 vs 3") &&
+                             Catch::Contains(flags.empty() ? "bitwise equal: " : "headers differ: ") &&
+                             Catch::Contains(", but the progress differs (above)"));
+  }
+  CHECK(run_keel("ckpt diff " + a + " " + a).code == 0);
 }
 
 // An --out that cannot be made or written is the argument's fault (exit 2), said with the OS's

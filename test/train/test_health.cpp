@@ -324,6 +324,24 @@ TEST_CASE("a resume under another precision.mode verifies within rounding, in th
                              Catch::Contains("after loading (fp32), |fp32 master|^2 = 1 when saved (bf16)"));
 }
 
+// The skip warning said "fp16 loss scale backs off" at every overflow, also those the hysteresis
+// absorbs with the scale unchanged.
+TEST_CASE("an fp16 overflow says whether the loss scale backed off or the hysteresis kept it", "[health][cli][precision]") {
+  test::Workspace ws(nlohmann::json{
+      {"precision",
+       {{"mode", "fp16"}, {"loss_scale", {{"initial", 1099511627776.0}, {"hysteresis", 2}, {"growth_interval", 1000}}}}},
+      {"train", {{"steps", 3}}}});
+  auto r = test::run_keel("train --config " + ws.config + " --out " + (ws.dir / "run") + " -q");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  // 2^40 overflows at once: step 1 uses up the hysteresis, step 2 halves the scale.
+  CHECK_THAT(r.output, Catch::Contains("step 1: non-finite gradient (update skipped, fp16 loss scale stays at "
+                                       "1.09951e+12 (precision.loss_scale.hysteresis 2): the next overflow cuts it "
+                                       "unless it grows first)") &&
+                           Catch::Contains("step 2: non-finite gradient (update skipped, fp16 loss scale backs off "
+                                           "from 1.09951e+12 to 5.49756e+11)"));
+}
+
 TEST_CASE("a healthy run raises no health warning", "[health][cli]") {
   test::Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}},
                                     {"train", {{"steps", 200}, {"eval_interval", 50}}},
