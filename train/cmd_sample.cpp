@@ -29,6 +29,7 @@ struct SampleArgs {
   std::string prompt, prompt_ids;
   std::string chat, system, chat_template;  // --chat: a user message, rendered by the chat template
   int max_new_tokens = 64, top_k = 0;
+  const CLI::Option* max_new_tokens_option = nullptr;  // given (count) or the default
   float temperature = 0.8f, top_p = 0.95f;
   uint64_t seed = 0;
   bool no_special = false, ignore_eos = false, show_ids = false;
@@ -104,8 +105,17 @@ int cmd_sample(const SampleArgs& a) {
     check_prompt_ids(prompt, m.vocab_size, a.chat.empty() ? "--prompt" : "--chat",
                      ", from the tokenizer: is it the model's own? (--tokenizer)");
 
+  // The default length, not asked for, fits what the model's positions leave after the prompt
+  // (a model of 64 positions could not take a prompt and 64 more).
+  const int64_t room = m.max_seq_len - static_cast<int64_t>(prompt.size());
+  int max_new_tokens = a.max_new_tokens;
+  if (a.max_new_tokens_option && a.max_new_tokens_option->count() == 0 && room > 0 && room < max_new_tokens) {
+    max_new_tokens = static_cast<int>(room);
+    std::fprintf(stderr, "keel: generating up to %d tokens, what the model's %lld positions leave after the %zu-token "
+                 "prompt (-n to choose)\n", max_new_tokens, static_cast<long long>(m.max_seq_len), prompt.size());
+  }
   GenerateOptions g;
-  g.max_new_tokens = a.max_new_tokens;
+  g.max_new_tokens = max_new_tokens;
   g.sampling = {a.temperature, a.top_p, a.top_k};
   g.seed = a.seed;
   if (tok && tok->vocab_size() < m.vocab_size) {
@@ -134,11 +144,11 @@ int cmd_sample(const SampleArgs& a) {
           if (std::find(g.stop_ids.begin(), g.stop_ids.end(), *id) == g.stop_ids.end()) g.stop_ids.push_back(*id);
     }
   }
-  const int64_t max_len = static_cast<int64_t>(prompt.size()) + a.max_new_tokens;
+  const int64_t max_len = static_cast<int64_t>(prompt.size()) + max_new_tokens;
   if (max_len > m.max_seq_len)
     throw ConfigError("prompt (" + std::to_string(prompt.size()) + " tokens) + --max-new-tokens " +
-                      std::to_string(a.max_new_tokens) + " exceed the model's " + std::to_string(m.max_seq_len) +
-                      " positions");
+                      std::to_string(max_new_tokens) + " exceed the model's " + std::to_string(m.max_seq_len) +
+                      " positions" + (room > 0 ? ": at most -n " + std::to_string(room) + " after this prompt" : ""));
   Generator gen(*lm.table, *be, lm.weights, static_cast<int>(max_len), DType::F32);
 
   // Stream the continuation: decode prompt + new tokens and print what is new (decoding the
@@ -202,8 +212,10 @@ Command add_sample_command(CLI::App& app) {
   c->add_option("--system", s.system, "--chat: a system message before the user's");
   c->add_option("--chat-template", s.chat_template,
                 "--chat: a .jinja file, tokenizer_config.json or model folder (default: the model's)");
-  c->add_option("-n,--max-new-tokens", s.max_new_tokens, "Tokens to generate (default 64)")
-      ->check(cli::integer<int>(1));
+  s.max_new_tokens_option =
+      c->add_option("-n,--max-new-tokens", s.max_new_tokens,
+                    "Tokens to generate (default 64, or what the model's positions leave after the prompt)")
+          ->check(cli::integer<int>(1));
   c->add_option("-t,--temperature", s.temperature, "Sampling temperature; 0 = greedy (default 0.8)")
       ->check(cli::number(0, 100));
   c->add_option("--top-p", s.top_p,

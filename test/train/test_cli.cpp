@@ -322,6 +322,18 @@ TEST_CASE("keel train with sample: text at each interval, the stream's rule, and
   INFO(offline.output);
   REQUIRE(offline.code == 0);
   CHECK_THAT(offline.output, Catch::Contains(texts.back() + "\n"));
+  // Without -n, the default 64 tokens do not fit this model's 32 positions: it generates what
+  // they leave after the prompt, and says so; an -n asked for that does not fit is refused.
+  Result fitted = run_keel("sample --checkpoint " + (ws.dir / "run/checkpoints") + " --prompt ABC -t 0 --show-ids");
+  INFO(fitted.output);
+  REQUIRE(fitted.code == 0);
+  CHECK_THAT(fitted.output, Catch::Contains("generating up to 29 tokens, what the model's 32 positions leave after the "
+                                            "3-token prompt (-n to choose)") &&
+                                Catch::Contains(texts.back().substr(0, 15)));
+  Result too_long = run_keel("sample --checkpoint " + (ws.dir / "run/checkpoints") + " --prompt ABC -n 30 -t 0");
+  CHECK(too_long.code == 2);
+  CHECK_THAT(too_long.output, Catch::Contains("prompt (3 tokens) + --max-new-tokens 30 exceed the model's 32 positions: "
+                                              "at most -n 29 after this prompt"));
   // The run directory (--out) stands for its latest checkpoint, also one whose config.json puts
   // the checkpoints elsewhere (checkpoint.dir).
   fs::create_directories(ws.dir / "elsewhere");
