@@ -357,6 +357,32 @@ TEST_CASE("hang report: the headline follows wait chains to the dead rank, whate
   }
 }
 
+// dp 2 (world and dp group both ranks 0 and 1): one rank skipped world all_reduce #20 and went on
+// to dp all_reduce #17. Each rank waits in an operation the other never called, after the same
+// all_gather: nothing in the dumps says which went off the common path. Both were named as the
+// rank that skipped, world rank 0 (the innocent one here) in the headline's note.
+TEST_CASE("hang report: two ranks that each wait where the other never came are not told apart by a guess",
+          "[parallel][hang]") {
+  const json groups0 = json::array({group("dp", 0, 0, {0, 1}, 16), group("world", 0, 0, {0, 1}, 20)});
+  const json groups1 = json::array({group("dp", 0, 1, {0, 1}, 17), group("world", 0, 1, {0, 1}, 19)});
+  json d0 = dump(0, 2, {collective("all_reduce", "world", 0, 19, 99.0), collective("all_gather", "dp", 0, 16, 99.5),
+                        posted(collective("all_reduce", "world", 0, 20, 100.0))},
+                 groups0, "timeout", 103.0);
+  json d1 = dump(1, 2, {collective("all_reduce", "world", 0, 19, 99.0), collective("all_gather", "dp", 0, 16, 99.5),
+                        posted(collective("all_reduce", "dp", 0, 17, 100.0))},
+                 groups1, "timeout", 103.0);
+  const HangAnalysis a = analyze_hang({d0, d1});
+  std::string notes;
+  for (const auto& n : a.notes) notes += n + "\n";
+  INFO(notes);
+  CHECK(notes.find("skipped it") == std::string::npos);
+  CHECK(notes == "world rank 0 or world rank 1 skipped an operation, and the dumps cannot tell which: after all_gather "
+                 "#16 of dp group 0, world rank 1 called all_reduce #17 of dp group 0 and world rank 0 called all_reduce "
+                 "#20 of world group 0, and no third rank did either. The code paths that lead to the two calls (the "
+                 "ranks' stacks, the step's branches) decide it\n");
+  REQUIRE(a.findings.size() == 2);
+}
+
 TEST_CASE("hang report: with overlapped reductions, ranks held up in earlier ones are behind, the stopped one is named",
           "[parallel][hang]") {
   // dp 4 with overlap_grad_reduce: reduces to roots 1, 0, 2 in turn (#1147, #1148, #1149), each

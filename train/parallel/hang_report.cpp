@@ -657,6 +657,12 @@ HangAnalysis analyze_hang(const std::vector<json>& dumps) {
   // of the group kind, in any group of that kind), while it went elsewhere, ran different code.
   sort_findings(findings);
   std::vector<std::vector<std::string>> why(findings.size());
+  struct Skip {
+    int rank;             // the rank said to have skipped the finding's operation
+    std::string after;    // its last completed operation
+    size_t voters;        // the ranks whose next operation says so
+  };
+  std::vector<std::vector<Skip>> skips(findings.size());
   for (size_t fi = 0; fi < findings.size(); ++fi) {
     const HangFinding& f = findings[fi];
     for (const MissingRank& m : f.missing) {
@@ -677,12 +683,30 @@ HangAnalysis analyze_hang(const std::vector<json>& dumps) {
       auto hit = next_by_rank.find(expected);
       if (hit == next_by_rank.end() || hit->second.size() * 2 <= others) continue;
       const int64_t number = f.op.p2p() ? std::max(f.op.send_seq, f.op.recv_seq) : f.op.seq;
+      skips[fi].push_back({m.world_rank, op_title(*m.last_completed), hit->second.size()});
       why[fi].push_back(world_ranks({m.world_rank}) + " skipped it: after " + op_title(*m.last_completed) + ", " +
                         world_ranks(hit->second) + " called " + f.op.op + " #" + std::to_string(number) + " of " +
                         f.op.group + " next, world rank " + std::to_string(m.world_rank) + " called " +
                         op_title(*m.waiting_in));
     }
   }
+
+  // Two ranks alone, each waiting in an operation the other never called after the same one,
+  // each verdict resting on the other rank alone: the dumps are symmetric, either of them may have
+  // gone off the common path (two-rank groups, tp=2 or dp=2, meet this often). Neither is named.
+  for (size_t fi = 0; fi < findings.size(); ++fi)
+    for (size_t gi = fi + 1; gi < findings.size(); ++gi) {
+      if (skips[fi].size() != 1 || skips[gi].size() != 1 || why[fi].size() != 1 || why[gi].size() != 1) continue;
+      const Skip &x = skips[fi][0], &y = skips[gi][0];
+      const HangFinding &f = findings[fi], &g = findings[gi];
+      auto waits_in = [](const HangFinding& h, int r) { return std::count(h.waiting.begin(), h.waiting.end(), r) > 0; };
+      if (x.voters != 1 || y.voters != 1 || x.after != y.after || !waits_in(f, y.rank) || !waits_in(g, x.rank)) continue;
+      why[fi] = {world_ranks({x.rank}) + " or " + world_ranks({y.rank}) + " skipped an operation, and the dumps cannot "
+                 "tell which: after " + x.after + ", " + world_ranks({y.rank}) + " called " + op_title(f.op) + " and " +
+                 world_ranks({x.rank}) + " called " + op_title(g.op) + ", and no third rank did either. The code "
+                 "paths that lead to the two calls (the ranks' stacks, the step's branches) decide it"};
+      why[gi].clear();
+    }
 
   // Wait chains. A missing rank that waits in another stuck operation (or is behind in this
   // group) is a victim: follow it there. An operation with a missing rank that is silent, waits
