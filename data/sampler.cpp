@@ -168,6 +168,92 @@ Blend::Pick Blend::pick(int64_t sample) const {
   return {d, period * per_period_[d] + rank_[j]};
 }
 
+std::vector<int64_t> Blend::counts(int64_t n) const {
+  if (n < 0) throw DataError("sample count must be >= 0, got " + std::to_string(n));
+  std::vector<int64_t> c(per_period_.size());
+  const int64_t whole = n / kPeriod, rest = n % kPeriod;
+  for (size_t d = 0; d < c.size(); ++d) c[d] = whole * per_period_[d];
+  for (int64_t j = 0; j < rest; ++j) ++c[source_of_[static_cast<size_t>(j)]];
+  return c;
+}
+
+// ---- BlendSchedule -----------------------------------------------------------------------
+
+namespace {
+
+// The weights as Blend normalizes them: two weight lists with the same normalized values build
+// the same period tables, so a "change" between them changes nothing.
+std::vector<double> normalized(const std::vector<double>& w) {
+  double total = 0;
+  for (double x : w) total += x;
+  std::vector<double> n;
+  for (double x : w) n.push_back(x / total);
+  return n;
+}
+
+}  // namespace
+
+BlendSchedule::BlendSchedule(std::vector<BlendSegment> segments) : segments_(std::move(segments)) {
+  if (segments_.empty()) throw DataError("a blend's history needs at least one segment");
+  if (segments_.front().from_sample != 0)
+    throw DataError("a blend's history must start at sample 0, its first segment starts at sample " +
+                    std::to_string(segments_.front().from_sample));
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const BlendSegment& seg = segments_[s];
+    if (s > 0 && seg.from_sample <= segments_[s - 1].from_sample)
+      throw DataError("a blend's history must go forward: segment " + std::to_string(s) + " starts at sample " +
+                      std::to_string(seg.from_sample) + ", not after segment " + std::to_string(s - 1) + "'s " +
+                      std::to_string(segments_[s - 1].from_sample));
+    if (s > 0 && seg.weights.size() != segments_.front().weights.size())
+      throw DataError("a blend's history must keep its sources: segment " + std::to_string(s) + " has " +
+                      std::to_string(seg.weights.size()) + " weights, segment 0 has " +
+                      std::to_string(segments_.front().weights.size()));
+    try {
+      blends_.emplace_back(seg.weights);
+    } catch (const DataError& e) {
+      throw DataError("the blend from sample " + std::to_string(seg.from_sample) + ": " + e.what());
+    }
+  }
+  // Each segment starts every source where the one before left it.
+  offsets_.assign(1, std::vector<int64_t>(num_sources(), 0));
+  for (size_t s = 0; s + 1 < segments_.size(); ++s) {
+    const std::vector<int64_t> got = blends_[s].counts(segments_[s + 1].from_sample - segments_[s].from_sample);
+    std::vector<int64_t> next = offsets_[s];
+    for (size_t d = 0; d < next.size(); ++d) next[d] += got[d];
+    offsets_.push_back(std::move(next));
+  }
+}
+
+// The last segment that starts at or before `sample` (the segments are few: a linear scan).
+static size_t segment_of(const std::vector<BlendSegment>& segments, int64_t sample) {
+  size_t s = segments.size() - 1;
+  while (s > 0 && segments[s].from_sample > sample) --s;
+  return s;
+}
+
+Blend::Pick BlendSchedule::pick(int64_t sample) const {
+  const size_t s = segment_of(segments_, sample);
+  Blend::Pick p = blends_[s].pick(sample - segments_[s].from_sample);
+  p.local += offsets_[s][p.source];
+  return p;
+}
+
+std::vector<int64_t> BlendSchedule::counts(int64_t n) const {
+  if (n < 0) throw DataError("sample count must be >= 0, got " + std::to_string(n));
+  const size_t s = segment_of(segments_, n);
+  std::vector<int64_t> c = blends_[s].counts(n - segments_[s].from_sample);
+  for (size_t d = 0; d < c.size(); ++d) c[d] += offsets_[s][d];
+  return c;
+}
+
+std::vector<BlendSegment> BlendSchedule::continued(std::vector<BlendSegment> history, int64_t from,
+                                                   const std::vector<double>& weights) {
+  std::erase_if(history, [&](const BlendSegment& seg) { return seg.from_sample >= from; });
+  if (history.empty() || normalized(history.back().weights) != normalized(weights))
+    history.push_back({history.empty() ? 0 : from, weights});
+  return history;
+}
+
 // ---- Sampler -----------------------------------------------------------------------------
 
 Sampler::Sampler(TokenDataset dataset, uint64_t seed, bool shuffle) : shuffle_(shuffle) {
@@ -179,7 +265,7 @@ Sampler::Sampler(std::vector<TokenDataset> sources, const std::vector<double>& w
   if (sources.size() != weights.size())
     throw DataError("a blend of " + std::to_string(sources.size()) + " sources got " + std::to_string(weights.size()) +
                     " weights");
-  if (sources.size() > 1) blend_.emplace(weights);
+  if (sources.size() > 1) blend_.emplace(std::vector<BlendSegment>{{0, weights}});
   for (size_t k = 0; k < sources.size(); ++k) {
     if (sources[k].seq_len() != sources.front().seq_len())
       throw DataError("the sources of a blend must have one sequence length");
@@ -198,6 +284,26 @@ Sampler::Source Sampler::make_source(TokenDataset dataset, uint64_t seed) const 
 const TokenDataset& Sampler::dataset() const {
   if (sources_.size() != 1) throw std::logic_error("Sampler::dataset() on a blend of several sources");
   return sources_.front().dataset;
+}
+
+const std::vector<BlendSegment>& Sampler::blend_history() const {
+  static const std::vector<BlendSegment> none;
+  return blend_ ? blend_->segments() : none;
+}
+
+void Sampler::set_blend_history(std::vector<BlendSegment> history) {
+  if (!blend_) throw DataError("a blend's history given to a sampler of one source");
+  for (const BlendSegment& seg : history)
+    if (seg.weights.size() != sources_.size())
+      throw DataError("a blend's history of " + std::to_string(seg.weights.size()) + " sources given to a blend of " +
+                      std::to_string(sources_.size()));
+  BlendSchedule next(std::move(history));  // built first: a refused history leaves the sampler as it was
+  blend_.emplace(std::move(next));
+}
+
+std::vector<int64_t> Sampler::samples_per_source(int64_t n) const {
+  if (!blend_) return {n};
+  return blend_->counts(n);
 }
 
 int64_t Sampler::num_windows() const {

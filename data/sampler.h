@@ -94,8 +94,13 @@ class Blend {
     int64_t local;  // the source's own sample index
   };
   Pick pick(int64_t sample) const;
+  // How many of the first n samples (0 .. n-1) each source gets: for source d that is
+  // (n / kPeriod) * per_period(d) plus the positions j < n % kPeriod given to d. Exact, and what
+  // pick(n).local would be for a sample of d at n: the source's next local index.
+  std::vector<int64_t> counts(int64_t n) const;
   size_t num_sources() const { return weights_.size(); }
   double weight(size_t source) const { return weights_.at(source); }  // normalized
+  const std::vector<double>& weights() const { return weights_; }     // normalized
   int64_t per_period(size_t source) const { return per_period_.at(source); }
 
  private:
@@ -103,6 +108,50 @@ class Blend {
   std::vector<uint16_t> source_of_;  // per position of the period
   std::vector<uint32_t> rank_;       // earlier positions of the period given to the same source
   std::vector<int64_t> per_period_;  // positions of the period per source
+};
+
+// One stretch of a run's blend: from global sample `from_sample` on (until the next segment's),
+// the sources get these weights (as data.train_weights gives them, not normalized).
+struct BlendSegment {
+  int64_t from_sample = 0;
+  std::vector<double> weights;
+  bool operator==(const BlendSegment&) const = default;
+};
+
+// A blend whose weights changed during the run (a resume with other data.train_weights, e.g. to
+// up-weight a high-quality source for the end of training): segments s = 0, 1, ... with
+// from_0 = 0 < from_1 < ... . Inside segment s, sample i goes where segment s's own Blend sends
+// i - from_s, and each source continues from where the earlier segments left it:
+//   local = offset_s[d] + blend_s.pick(i - from_s).local,
+//   offset_s[d] = sum over r < s of blend_r.counts(from_{r+1} - from_r)[d].
+// So every source's local indices stay 0, 1, 2, ... across a change: nothing of a source is read
+// twice or skipped, exactly as in a run that never changed its weights. A history of one segment
+// is that Blend itself (offsets 0): such a run reads what it always read.
+class BlendSchedule {
+ public:
+  // Throws DataError unless the segments start at 0, grow strictly and have one weight per
+  // source each (and weights Blend accepts).
+  explicit BlendSchedule(std::vector<BlendSegment> segments);
+
+  Blend::Pick pick(int64_t sample) const;
+  // How many of the first n samples each source gets, over all segments.
+  std::vector<int64_t> counts(int64_t n) const;
+  size_t num_sources() const { return blends_.front().num_sources(); }
+  const std::vector<BlendSegment>& segments() const { return segments_; }
+  const Blend& current() const { return blends_.back(); }  // the last segment's
+
+  // `history` continued with `weights` from sample `from` on (a resume at `from`): unchanged
+  // when the last segment already has these weights (as normalized), else with a segment
+  // appended at `from`. A last segment that starts at `from` itself (saved before it read
+  // anything) is replaced; segments after `from` are dropped (they cannot be in a checkpoint
+  // taken at `from`, but a rewind must never keep them).
+  static std::vector<BlendSegment> continued(std::vector<BlendSegment> history, int64_t from,
+                                             const std::vector<double>& weights);
+
+ private:
+  std::vector<BlendSegment> segments_;
+  std::vector<Blend> blends_;                 // per segment
+  std::vector<std::vector<int64_t>> offsets_;  // per segment, per source: samples taken before it
 };
 
 // Maps sample indices to windows. Epoch e = sample / W, and the window is perm_{seed,e}(sample
@@ -120,7 +169,15 @@ class Sampler {
 
   size_t num_sources() const { return sources_.size(); }
   const TokenDataset& source(size_t k) const { return sources_.at(k).dataset; }
-  double weight(size_t k) const { return blend_ ? blend_->weight(k) : 1.0; }
+  // Source k's share of the samples from the last weight change on (normalized weight).
+  double weight(size_t k) const { return blend_ ? blend_->current().weight(k) : 1.0; }
+  // A blend's history (one segment, from sample 0, unless the weights changed during the run),
+  // and its replacement by one restored from a checkpoint (throws DataError for a history of
+  // another number of sources, or one BlendSchedule refuses). An unblended sampler has none.
+  const std::vector<BlendSegment>& blend_history() const;
+  void set_blend_history(std::vector<BlendSegment> history);
+  // How many of the first n samples each source gets ({n} for one source).
+  std::vector<int64_t> samples_per_source(int64_t n) const;
   // The one source of an unblended sampler (throws std::logic_error for a blend).
   const TokenDataset& dataset() const;
   int seq_len() const { return sources_.front().dataset.seq_len(); }
@@ -152,7 +209,7 @@ class Sampler {
   int64_t permute(const Source& s, int64_t local, int64_t* epoch) const;
 
   std::vector<Source> sources_;
-  std::optional<Blend> blend_;  // with more than one source
+  std::optional<BlendSchedule> blend_;  // with more than one source
   bool shuffle_;
 };
 

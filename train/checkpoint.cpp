@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -244,6 +245,37 @@ void validate_meta(const json& m, const std::string& meta_path) {
     if (data_samples != samples)
       bad("data.consumed_samples", "is " + std::to_string(data_samples) + ", progress.consumed_samples " +
                                        std::to_string(samples) + " (both record the data position and must agree)");
+  }
+  // The blend's history (data/sampler.h: BlendSchedule): segments from sample 0 on, forward,
+  // none after the data position, one positive finite weight per source in each.
+  if (const json* d = object(m, "", "data", false); d && d->contains("blend")) {
+    const json& b = (*d)["blend"];
+    if (!b.is_array() || b.empty())
+      bad("data.blend", std::string("expected a non-empty array of segments, got ") + json_kind(b));
+    int64_t previous = -1;
+    size_t sources = 0;
+    for (size_t s = 0; s < b.size(); ++s) {
+      const std::string at = "data.blend[" + std::to_string(s) + "]";
+      if (!b[s].is_object()) bad(at, std::string("expected an object, got ") + json_kind(b[s]));
+      const int64_t from = integer(b[s], at + ".", "from_sample", true);
+      if (s == 0 && from != 0) bad(at + ".from_sample", "is " + std::to_string(from) + ": the first segment starts at 0");
+      if (s > 0 && from <= previous)
+        bad(at + ".from_sample", "is " + std::to_string(from) + ", not after the previous segment's " +
+                                     std::to_string(previous));
+      if (from > samples)
+        bad(at + ".from_sample", "is " + std::to_string(from) + ", after progress.consumed_samples " +
+                                     std::to_string(samples));
+      previous = from;
+      const json* w = need(b[s], at + ".", "weights", true);
+      if (!w->is_array() || w->size() < 2 ||
+          !std::all_of(w->begin(), w->end(), [](const json& x) {
+            return x.is_number() && std::isfinite(x.get<double>()) && x.get<double>() > 0;
+          }))
+        bad(at + ".weights", "expected two or more positive numbers, got " + w->dump());
+      if (s > 0 && w->size() != sources)
+        bad(at + ".weights", "has " + std::to_string(w->size()) + " weights, the first segment " + std::to_string(sources));
+      sources = w->size();
+    }
   }
   integer(progress, "progress.", "skipped_total", false);
   integer(progress, "progress.", "nan_total", false);
@@ -1239,6 +1271,7 @@ void CheckpointManager::begin_save(const RunConfig& cfg, const ParamTable& table
   if (!health.is_null()) p->meta["health"] = health;
   if (!source_.is_null()) p->meta["source"] = source_;
   if (!data_files_.is_null()) p->meta["data"]["files"] = data_files_;
+  if (!blend_history_.is_null()) p->meta["data"]["blend"] = blend_history_;
 
   // Phase 2: every rank writes its files and a manifest of their checksums; in the background
   // from a host copy of the state taken now, or here, streaming from the device.
@@ -1651,6 +1684,11 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
     for (const char* section : {"optimizer", "schedule", "train", "data", "parallel"})
       if (saved.contains(section))
         for (const FieldChange& c : field_changes(saved[section], now[section], section)) {
+          // New weights for the same number of sources: the run's own note on the blend says
+          // what they do (each source continues where it left off, or the blend restarts).
+          if (c.field.starts_with("data.train_weights.") && saved[section].contains("train_weights") &&
+              saved[section]["train_weights"].size() == now[section].value("train_weights", json::array()).size())
+            continue;
           changed.push_back(c.field + ": " + c.a + " -> " + c.b);
           if (c.field == "train.seed" || c.field == "train.seq_len" || c.field == "data.shuffle")
             order_fields += (order_fields.empty() ? "" : ", ") + c.field;

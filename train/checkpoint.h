@@ -194,6 +194,9 @@ class CheckpointManager {
   // meta.json's "data"."files" in every save: the files data.train resolved to, with their token
   // counts (per blend source), which the sample order depends on; a resume compares them.
   void set_data_files(nlohmann::json files) { data_files_ = std::move(files); }
+  // meta.json's "data"."blend" in every save: a blend's history of weights (data::BlendSchedule's
+  // segments, [{"from_sample", "weights"}, ...]), which a resume continues.
+  void set_blend_history(nlohmann::json history) { blend_history_ = std::move(history); }
   // Writes a checkpoint of `state` at `progress.iteration`. With several ranks every rank calls
   // it, and they agree three times (directory made, files written, published), so a failure on
   // any rank fails the save on all of them instead of leaving some waiting. Throws
@@ -251,6 +254,7 @@ class CheckpointManager {
   std::unique_ptr<PendingSave> pending_;
   nlohmann::json source_;
   nlohmann::json data_files_;
+  nlohmann::json blend_history_;
   bool abandoned(int64_t seq, int64_t step) const;
   int64_t resumed_step_ = -1, run_start_seq_ = 0;  // set_resumed_from; -1: a fresh run
   int64_t next_seq_ = 0;  // the coordinator's next save_seq, at least (see finish_save)

@@ -58,6 +58,13 @@ int cmd_inspect(const std::string& path, const std::string& stats_state, bool ve
   for (const auto& s : ck.states()) states += (states.empty() ? "" : ", ") + s;
   std::printf("  states present: %s%s\n", states.c_str(),
               m.value("master_is_weight", false) ? " (fp32 run: the weights are the masters)" : "");
+  // The blend's history of weights (validated with the rest of meta.json when it was opened).
+  if (const nlohmann::json d = m.value("data", nlohmann::json::object()); d.contains("blend")) {
+    std::string segments;
+    for (const nlohmann::json& seg : d["blend"])
+      segments += (segments.empty() ? "" : ", ") + seg["weights"].dump() + " from sample " + seg["from_sample"].dump();
+    std::printf("  blend of %zu sources, data.train_weights %s\n", d["blend"].front()["weights"].size(), segments.c_str());
+  }
   for (const auto& [name, info] : m.at("files").items())
     std::printf("  file %-40s %12lld bytes  crc32c %s  %zu chunks\n", name.c_str(),
                 static_cast<long long>(info.value("bytes", int64_t{0})), info.value("crc32c", std::string()).c_str(),

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -289,6 +290,156 @@ bool training_files_moved(const nlohmann::json& saved, const nlohmann::json& now
   return true;
 }
 
+// ---- a blend's history across resumes ----------------------------------------------------
+
+// meta.json's data.blend: [{"from_sample": 0, "weights": [0.7, 0.3]}, {"from_sample": 160, ...}].
+nlohmann::json blend_history_json(const std::vector<data::BlendSegment>& history) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const data::BlendSegment& seg : history) j.push_back({{"from_sample", seg.from_sample}, {"weights", seg.weights}});
+  return j;
+}
+
+// Its inverse; the field's types were checked when the checkpoint was opened (validate_meta).
+std::vector<data::BlendSegment> blend_history_from(const nlohmann::json& j) {
+  std::vector<data::BlendSegment> history;
+  for (const nlohmann::json& seg : j)
+    history.push_back({seg.at("from_sample").get<int64_t>(), seg.at("weights").get<std::vector<double>>()});
+  return history;
+}
+
+// "70.0% / 30.0%": a blend's normalized shares.
+std::string shares_text(const std::vector<double>& weights) {
+  const data::Blend blend(weights);
+  std::string out;
+  char buf[32];
+  for (size_t d = 0; d < blend.num_sources(); ++d) {
+    std::snprintf(buf, sizeof buf, "%s%.1f%%", d ? " / " : "", 100 * blend.weight(d));
+    out += buf;
+  }
+  return out;
+}
+
+// "data.train[0] (a/*.bin) at its sample 112, data.train[1] (b/*.bin) at its sample 48": where
+// each source stands, its next local index (the first few sources of a large blend).
+std::string source_positions_text(const RunConfig& cfg, const std::vector<int64_t>& next) {
+  constexpr size_t kShown = 4;
+  std::string out;
+  for (size_t d = 0; d < next.size() && d < kShown; ++d)
+    out += std::string(d ? (d + 1 == next.size() ? " and " : ", ") : "") + "data.train[" + std::to_string(d) + "] (" +
+           cfg.data.train[d] + ") at its sample " + std::to_string(next[d]);
+  if (next.size() > kShown) out += ", ... (" + std::to_string(next.size() - kShown) + " more)";
+  return out;
+}
+
+// Why a checkpoint's blend history cannot go on over this run's sources; empty when it can. A
+// source is the same when it is the same data.train entry (its files may have changed: the
+// files' own warning says so), or when it resolves to the same files: by name and token count,
+// or by content fingerprint and token count (data staged to another folder, renamed). Only world
+// rank 0 has the fingerprints, so its answer is the one every rank follows (resume_blend).
+std::string blend_sources_change(const nlohmann::json& meta, size_t saved_sources, const RunConfig& cfg,
+                                 const nlohmann::json& train_files) {
+  const size_t now_sources = train_files.size();
+  if (saved_sources != now_sources) {
+    if (saved_sources == 1)
+      return "the checkpoint read data.train as one source, this run blends " + std::to_string(now_sources) +
+             " (data.train_weights)";
+    if (now_sources == 1)
+      return "the checkpoint blended " + std::to_string(saved_sources) +
+             " sources, this run reads data.train as one source (no data.train_weights)";
+    return "the checkpoint blended " + std::to_string(saved_sources) + " sources, data.train now has " +
+           std::to_string(now_sources) + " entries";
+  }
+  const nlohmann::json saved_train =
+      meta.value("config", nlohmann::json::object()).value("data", nlohmann::json::object()).value("train", nlohmann::json());
+  const nlohmann::json saved_files = meta.value("data", nlohmann::json::object()).value("files", nlohmann::json());
+  // A source's files as (file name, tokens), in order.
+  auto names = [](const nlohmann::json& files) {
+    std::vector<std::pair<std::string, int64_t>> out;
+    if (files.is_array())
+      for (const nlohmann::json& f : files)
+        out.emplace_back(fs::path(f.value("file", "")).filename().string(), f.value("tokens", int64_t{-1}));
+    return out;
+  };
+  // The same content, in the same order (a checkpoint from before fingerprints cannot tell).
+  auto same_content = [](const nlohmann::json& a, const nlohmann::json& b) {
+    if (!a.is_array() || !b.is_array() || a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const std::string pa = a[i].value("fingerprint", ""), pb = b[i].value("fingerprint", "");
+      if (pa.empty() || pa != pb || a[i].value("tokens", int64_t{-1}) != b[i].value("tokens", int64_t{-2})) return false;
+    }
+    return true;
+  };
+  for (size_t k = 0; k < now_sources; ++k) {
+    const std::string was = saved_train.is_array() && k < saved_train.size() && saved_train[k].is_string()
+                                ? saved_train[k].get<std::string>()
+                                : "";
+    if (was == cfg.data.train[k]) continue;
+    if (saved_files.is_array() && saved_files.size() == now_sources &&
+        (names(saved_files[k]) == names(train_files[k]) || same_content(saved_files[k], train_files[k])))
+      continue;
+    return "data.train[" + std::to_string(k) + "] was '" + was + "' at the checkpoint and is '" + cfg.data.train[k] +
+           "' now, with other files";
+  }
+  return "";
+}
+
+// On a resume: gives `train` the blend history it continues, from the checkpoint's meta.json
+// (data.blend; a checkpoint from before it read its config's weights from sample 0 on), and
+// returns what to say about it (empty: nothing changed). New weights append a segment at the
+// resumed sample, so each source goes on from where it stopped (data::BlendSchedule). When the
+// sources themselves changed the history has nothing to apply to: the blend then restarts its
+// schedule, as if the run had used this run's weights from sample 0 (`train` as it was opened).
+// `from_rank0` gives every rank world rank 0's text (a broadcast; nothing on one process).
+std::string resume_blend(data::Sampler& train, const nlohmann::json& meta, const RunConfig& cfg,
+                         const nlohmann::json& train_files, int64_t consumed, bool lead,
+                         const std::function<void(std::string*)>& from_rank0) {
+  const nlohmann::json saved_weights = meta.value("config", nlohmann::json::object())
+                                           .value("data", nlohmann::json::object())
+                                           .value("train_weights", nlohmann::json::array());
+  std::vector<data::BlendSegment> saved;
+  if (const nlohmann::json d = meta.value("data", nlohmann::json::object()); d.contains("blend"))
+    saved = blend_history_from(d["blend"]);
+  else if (saved_weights.is_array() && saved_weights.size() > 1)
+    saved = {{0, saved_weights.get<std::vector<double>>()}};
+  const size_t saved_sources = saved.empty() ? 1 : saved.front().weights.size();
+  if (saved_sources == 1 && train.num_sources() == 1) return "";
+
+  const std::string C = std::to_string(consumed);
+  // Every rank must map the samples alike: rank 0, which read the fingerprints, decides.
+  std::string why = lead ? blend_sources_change(meta, saved_sources, cfg, train_files) : "";
+  from_rank0(&why);
+  if (!why.empty()) {
+    std::string text = "WARNING the blend restarts its schedule: " + why +
+                       ". The checkpoint's record of how many samples each source has given (meta.json data.blend) "
+                       "does not apply to these sources, so from sample " + C + " on ";
+    if (train.num_sources() == 1)
+      text += "data.train is read from position " + C + " of its own order";
+    else
+      text += "each source is read from where these data.train_weights would have put it, had the run used them "
+              "from sample 0 (" + source_positions_text(cfg, train.samples_per_source(consumed)) + ")";
+    // (The settings list leaves out weights changed for as many sources: this says them.)
+    if (saved.size() && saved.front().weights.size() == train.num_sources() && saved.back().weights != cfg.data.train_weights)
+      text += ", with data.train_weights " + nlohmann::json(cfg.data.train_weights).dump() + " (at the checkpoint " +
+              nlohmann::json(saved.back().weights).dump() + ")";
+    return text + ", not from where the saved run stopped: some windows are read again and others skipped. Resume "
+                  "with the checkpoint's data.train to continue every source exactly";
+  }
+
+  const std::vector<double>& now = cfg.data.train_weights;
+  train.set_blend_history(data::BlendSchedule::continued(saved, consumed, now));
+  const std::vector<double>& was = saved.back().weights;
+  if (was == now) return "";
+  const std::string change = "data.train_weights changed since the checkpoint, " + nlohmann::json(was).dump() +
+                             " -> " + nlohmann::json(now).dump();
+  if (data::Blend(was).weights() == data::Blend(now).weights())
+    return change + ": the same shares (" + shares_text(now) + "), so the blend goes on unchanged";
+  return change + ": each source continues where it left off, " +
+         source_positions_text(cfg, train.samples_per_source(consumed)) +
+         ", so the change makes no source read a window twice or skip one. From sample " + C + " on the sources get " +
+         shares_text(now) + " of the samples (" + shares_text(was) +
+         " before); the checkpoints record the change (meta.json data.blend)";
+}
+
 // After a rewind (--resume of an earlier step), the later checkpoints belong to the abandoned
 // run. They are moved, whole, into one folder beside the others (CheckpointManager::set_aside):
 // this run's saves of the same steps would otherwise replace them, and rotation must not
@@ -554,13 +705,24 @@ void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler&
                 static_cast<long long>(cfg.train.steps), loss_mask_note(train.dataset()).c_str());
   } else {
     std::printf("keel: data: a blend of %zu sources, windows of %d+1 tokens:\n", train.num_sources(), train.seq_len());
+    // Each source's samples in the whole run, under the blend's history (earlier weights first).
+    const std::vector<int64_t> run_counts = train.samples_per_source(static_cast<int64_t>(run_samples));
     for (size_t k = 0; k < train.num_sources(); ++k) {
       const data::TokenDataset& d = train.source(k);
       std::printf("keel:   %5.1f%%  %s: %lld windows from %zu file(s), %s tokens; about %.2f epochs in %lld steps%s\n",
                   100 * train.weight(k), cfg.data.train[k].c_str(), static_cast<long long>(d.num_windows()),
                   d.num_files(), human_count(static_cast<double>(d.num_tokens())).c_str(),
-                  run_samples * train.weight(k) / static_cast<double>(d.num_windows()),
+                  static_cast<double>(run_counts[k]) / static_cast<double>(d.num_windows()),
                   static_cast<long long>(cfg.train.steps), loss_mask_note(d).c_str());
+    }
+    // The shares above hold from the last change of data.train_weights on; the earlier ones too.
+    if (const auto& history = train.blend_history(); history.size() > 1) {
+      std::string changes;
+      for (const data::BlendSegment& seg : history)
+        changes += (changes.empty() ? "" : ", ") + shares_text(seg.weights) + " from sample " +
+                   std::to_string(seg.from_sample);
+      std::printf("keel:   the shares changed during the run (each source continuing where it was): %s\n",
+                  changes.c_str());
     }
   }
   for (const ValidationSet& v : vals) {
@@ -1157,7 +1319,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                                                      : "give the run a folder of its own, e.g. --out " + name + "-run"));
       }
   const int T = static_cast<int>(cfg.train.seq_len);
-  const data::Sampler train = open_train_data(cfg);
+  data::Sampler train = open_train_data(cfg);  // a resume below may restore its blend's history
   // What the sample order follows: compared with a resumed checkpoint's, recorded in every save.
   // Only world rank 0 writes meta.json and compares, so only it reads the fingerprints.
   const nlohmann::json train_files = training_files(train, lead);
@@ -1228,10 +1390,6 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (cfg.health.param_group_audit == "error") throw ConfigError(msg);
     if (lead) std::printf("keel: WARNING %s\n", msg.c_str());
   }
-  // The probe batch for restart verification: the first training samples, the same on every rank
-  // (without document masking, so that its loss depends on the weights alone).
-  const MicroBatch probe = load_batches(train, 0, cfg.train.micro_batch, cfg.train.micro_batch, 1, 0, DataConfig{})[0];
-
   // A run going on in these directories holds their locks (taken below, once the run directory
   // may be written): a second one is refused now, before it reads the checkpoints the first is
   // publishing and rotating, which would fail it as damaged ("... is missing") or resume it from
@@ -1395,6 +1553,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     loaded_stochastic = ck.meta().at("config").at("precision").value("stochastic_rounding", false);
     const nlohmann::json saved_files =
         ck.meta().value("data", nlohmann::json::object()).value("files", nlohmann::json());
+    // Every rank restores the same history: from the checkpoint, the config and rank 0's word on
+    // whether the sources are the checkpoint's.
+    const auto from_rank0 = [&](std::string* text) {
+      if (world_size > 1) opts.mpi->broadcast_text(text);
+    };
+    if (std::string note = resume_blend(train, ck.meta(), cfg, train_files, progress.consumed_samples, lead, from_rank0);
+        !note.empty() && !opts.eval_only)
+      notes.push_back(note);
     if (const auto changes = training_file_changes(saved_files, train_files);
         !changes.empty() && !opts.eval_only && training_files_moved(saved_files, train_files)) {
       size_t n = 0;
@@ -1468,6 +1634,11 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   } else {
     tr.init_weights();
   }
+  // The probe batch for restart verification: the first training samples, the same on every rank
+  // (without document masking, so that its loss depends on the weights alone). Read once a
+  // resume has restored the blend's history, whose first segment sample 0 belongs to: new
+  // weights then measure the same probe.
+  const MicroBatch probe = load_batches(train, 0, cfg.train.micro_batch, cfg.train.micro_batch, 1, 0, DataConfig{})[0];
   // Restart verification (seeds 000 and 001): the masters must round to the loaded weights,
   // and the probe batch's loss and the per-tensor norms must be what was saved.
   bool probe_compared = false;
@@ -1546,6 +1717,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   CheckpointManager checkpoints(cfg.checkpoint.dir, cfg.checkpoint);
   checkpoints.set_source(loaded_source);
   checkpoints.set_data_files(train_files);
+  if (train.num_sources() > 1) checkpoints.set_blend_history(blend_history_json(train.blend_history()));
   // A rewind: the higher steps belong to the run it abandoned (set aside below, under the lock).
   std::vector<std::string> abandoned;
   if (!resume_path.empty() && !opts.eval_only) abandoned = checkpoints.set_resumed_from(progress.iteration);

@@ -331,3 +331,184 @@ TEST_CASE("blend weights that cannot be honoured are refused with the weight nam
   TempDir dir;
   CHECK_THROWS_WITH(Sampler(traced_sources(dir, {20, 20}, 4), {1.0}, 1, true), Contains("2 sources got 1 weights"));
 }
+
+// ---- a blend whose weights change during the run (BlendSchedule) ----------------------------
+
+namespace {
+
+// Walks samples [0, n) of `schedule` and checks what a change of weights must keep: each source's
+// local indices are 0, 1, 2, ... (no repeat, no gap), counts(i) agrees with the walk at every i
+// in `probes`, and inside segment s the sources come in the order segment s's own Blend gives.
+void check_walk(const BlendSchedule& schedule, int64_t n, const std::vector<int64_t>& probes) {
+  const auto& segs = schedule.segments();
+  std::vector<Blend> blends;
+  for (const BlendSegment& seg : segs) blends.emplace_back(seg.weights);
+  std::vector<int64_t> next(schedule.num_sources(), 0);
+  size_t s = 0, p = 0;
+  for (int64_t i = 0; i <= n; ++i) {
+    while (p < probes.size() && probes[p] == i) {
+      INFO("counts at " << i);
+      REQUIRE(schedule.counts(i) == next);
+      ++p;
+    }
+    if (i == n) break;
+    while (s + 1 < segs.size() && segs[s + 1].from_sample <= i) ++s;
+    const Blend::Pick got = schedule.pick(i);
+    INFO("sample " << i << " (segment " << s << ")");
+    REQUIRE(got.source == blends[s].pick(i - segs[s].from_sample).source);
+    REQUIRE(got.local == next[got.source]);
+    ++next[got.source];
+  }
+  REQUIRE(p == probes.size());  // every probe was reached
+}
+
+}  // namespace
+
+TEST_CASE("blend counts are exact at and across period boundaries", "[data][sampler][blend]") {
+  const Blend blend({7, 2, 1});
+  const int64_t P = Blend::kPeriod;
+  const std::vector<int64_t> probes = {0, 1, 2, 99, P - 1, P, P + 1, 2 * P - 3, 2 * P, 3 * P + 12345};
+  std::vector<int64_t> count(3, 0);
+  size_t p = 0;
+  for (int64_t i = 0; i <= probes.back(); ++i) {
+    if (i == probes[p]) {
+      INFO("n = " << i);
+      CHECK(blend.counts(i) == count);
+      ++p;
+    }
+    if (i < probes.back()) ++count[blend.pick(i).source];
+  }
+  // Whole periods are per_period times the count; counts(n)[d] is the next local index of d.
+  CHECK(blend.counts(5 * P) == std::vector<int64_t>{5 * blend.per_period(0), 5 * blend.per_period(1),
+                                                    5 * blend.per_period(2)});
+  CHECK_THROWS_WITH(blend.counts(-1), Contains("must be >= 0"));
+}
+
+TEST_CASE("a blend history of one segment reads exactly what the plain blend reads", "[data][sampler][blend]") {
+  const Blend plain({0.7, 0.3});
+  const BlendSchedule same({{0, {0.7, 0.3}}});
+  for (int64_t i = 0; i < 2 * Blend::kPeriod + 1000; ++i) {
+    const Blend::Pick a = plain.pick(i), b = same.pick(i);
+    REQUIRE(a.source == b.source);
+    REQUIRE(a.local == b.local);
+  }
+  CHECK(same.counts(Blend::kPeriod + 7) == plain.counts(Blend::kPeriod + 7));
+  // Resuming with the same weights, or weights of the same shares, keeps the history as it is.
+  const std::vector<BlendSegment> h = {{0, {0.7, 0.3}}};
+  CHECK(BlendSchedule::continued(h, 160, {0.7, 0.3}) == h);
+  CHECK(BlendSchedule::continued(h, 160, {7, 3}) == h);  // 7/10 and 0.7/1 are the same double
+}
+
+TEST_CASE("a change of blend weights continues every source where it left off", "[data][sampler][blend]") {
+  // The annealing move: 0.7 / 0.3 for 160 samples, then 0.5 / 0.5. At sample 160 source 0 has
+  // given 112 samples and source 1 48; they continue at 112 and 48 (the weights alone would put
+  // both at 80: 80-111 of source 0 read twice, 48-79 of source 1 never).
+  const std::vector<BlendSegment> history = BlendSchedule::continued({{0, {0.7, 0.3}}}, 160, {0.5, 0.5});
+  REQUIRE(history == std::vector<BlendSegment>{{0, {0.7, 0.3}}, {160, {0.5, 0.5}}});
+  const BlendSchedule schedule(history);
+  CHECK(schedule.counts(160) == std::vector<int64_t>{112, 48});
+  CHECK(Blend({0.5, 0.5}).counts(160) == std::vector<int64_t>{80, 80});  // what today's map would jump to
+  std::vector<int64_t> first(2, -1);
+  for (int64_t i = 160; first[0] < 0 || first[1] < 0; ++i) {
+    const Blend::Pick p = schedule.pick(i);
+    if (first[p.source] < 0) first[p.source] = p.local;
+  }
+  CHECK(first == std::vector<int64_t>{112, 48});
+  // From the change on, the new shares hold in every prefix: 100 samples later, 50 more each.
+  CHECK(schedule.counts(260) == std::vector<int64_t>{162, 98});
+  check_walk(schedule, 3000, {0, 159, 160, 161, 1000, 3000});
+}
+
+TEST_CASE("several changes in a row, across period boundaries, keep every source's walk whole", "[data][sampler][blend]") {
+  const int64_t P = Blend::kPeriod;
+  // Segment lengths that are not multiples of the period, changes before and after its end, and
+  // a segment longer than two periods (its offsets come from whole periods plus a remainder).
+  std::vector<BlendSegment> h = {{0, {7, 2, 1}}};
+  h = BlendSchedule::continued(h, 1000, {1, 1, 1});
+  h = BlendSchedule::continued(h, P + 17, {1, 5, 2});
+  h = BlendSchedule::continued(h, P + 400, {3, 1, 1});
+  h = BlendSchedule::continued(h, 3 * P + 5, {3, 1, 1});  // unchanged: no segment
+  h = BlendSchedule::continued(h, 3 * P + 9, {1, 1, 8});
+  REQUIRE(h.size() == 5);
+  CHECK(h.back().from_sample == 3 * P + 9);
+  const BlendSchedule schedule(h);
+  check_walk(schedule, 4 * P + 100,
+             {0, 999, 1000, 1001, P - 1, P, P + 16, P + 17, P + 18, P + 399, P + 400, 2 * P, 2 * P + 401, 3 * P + 9,
+              3 * P + 10, 4 * P, 4 * P + 100});
+  // Each segment's counts follow its own weights: over segment 3 (P + 400 .. 3P + 9) source 0
+  // got 3/5 of the samples (to within the greedy bound, one sample per period).
+  const auto a = schedule.counts(P + 400), b = schedule.counts(3 * P + 9);
+  CHECK(std::abs(double(b[0] - a[0]) - 0.6 * double(2 * P - 391)) <= 3.0);
+}
+
+TEST_CASE("continuing a blend history: rewinds, a change at the same sample, a return to earlier weights",
+          "[data][sampler][blend]") {
+  const std::vector<BlendSegment> h = {{0, {0.7, 0.3}}, {160, {0.5, 0.5}}, {320, {0.2, 0.8}}};
+  // A rewind to sample 200 with other weights: the segment from 320 belongs to the abandoned run.
+  CHECK(BlendSchedule::continued(h, 200, {0.1, 0.9}) ==
+        std::vector<BlendSegment>{{0, {0.7, 0.3}}, {160, {0.5, 0.5}}, {200, {0.1, 0.9}}});
+  // A segment that starts at the resumed sample read nothing: new weights replace it, and weights
+  // equal to the segment before it drop it (that segment simply goes on).
+  CHECK(BlendSchedule::continued(h, 320, {0.4, 0.6}) ==
+        std::vector<BlendSegment>{{0, {0.7, 0.3}}, {160, {0.5, 0.5}}, {320, {0.4, 0.6}}});
+  CHECK(BlendSchedule::continued(h, 320, {0.5, 0.5}) ==
+        std::vector<BlendSegment>{{0, {0.7, 0.3}}, {160, {0.5, 0.5}}});
+  CHECK(BlendSchedule::continued(h, 0, {1, 2}) == std::vector<BlendSegment>{{0, {1, 2}}});
+  // Back to earlier weights later on is a new segment: the period restarts there.
+  CHECK(BlendSchedule::continued(h, 400, {0.7, 0.3}).back() == BlendSegment{400, {0.7, 0.3}});
+}
+
+TEST_CASE("a blend history that cannot be followed is refused with the reason", "[data][sampler][blend][errors]") {
+  CHECK_THROWS_WITH(BlendSchedule(std::vector<BlendSegment>{}), Contains("at least one segment"));
+  CHECK_THROWS_WITH(BlendSchedule({{5, {1, 1}}}), Contains("must start at sample 0"));
+  CHECK_THROWS_WITH(BlendSchedule({{0, {1, 1}}, {10, {1, 2}}, {10, {2, 1}}}),
+                    Contains("segment 2 starts at sample 10, not after segment 1's 10"));
+  CHECK_THROWS_WITH(BlendSchedule({{0, {1, 1}}, {10, {1, 2, 3}}}), Contains("segment 1 has 3 weights, segment 0 has 2"));
+  CHECK_THROWS_WITH(BlendSchedule({{0, {1, 1}}, {10, {1, 0}}}),
+                    Contains("the blend from sample 10: blend weight 1 is 0.000000"));
+  TempDir dir;
+  Sampler two(traced_sources(dir, {40, 40}, 4), {1, 1}, 3, true);
+  CHECK_THROWS_WITH(two.set_blend_history({{0, {1, 1, 1}}}), Contains("history of 3 sources given to a blend of 2"));
+  CHECK_THROWS(two.set_blend_history({{0, {1, 1}}, {0, {1, 2}}}));
+  CHECK(two.blend_history() == std::vector<BlendSegment>{{0, {1, 1}}});  // a refused history changes nothing
+  Sampler one(TokenDataset::open({dir / "shard_0.bin"}, 4, kTracedVocab), 3, true);
+  CHECK_THROWS_WITH(one.set_blend_history({{0, {1, 1}}}), Contains("sampler of one source"));
+  CHECK(one.samples_per_source(17) == std::vector<int64_t>{17});
+}
+
+TEST_CASE("a blended sampler whose weights change reads each source's shuffled walk on, without repeats",
+          "[data][sampler][blend]") {
+  TempDir dir;
+  const int L = 4;
+  // Source 0: 50 windows, source 1: 60; shuffled. The reference never changes its weights and
+  // reads long enough that each of its sources' walks covers the changed sampler's.
+  Sampler reference(traced_sources(dir, {201, 241}, L), {0.7, 0.3}, 9, true);
+  Sampler changed(traced_sources(dir, {201, 241}, L), {0.5, 0.5}, 9, true);
+  changed.set_blend_history({{0, {0.7, 0.3}}, {160, {0.5, 0.5}}, {230, {0.1, 0.9}}});
+  CHECK(changed.weight(1) == Approx(0.9));  // the current shares
+  CHECK(changed.samples_per_source(230) == std::vector<int64_t>{147, 83});  // 112 + 35, 48 + 35
+  std::vector<std::vector<int64_t>> want(2), got(2);
+  for (int64_t i = 0; i < 1000; ++i) {
+    const Sampler::Location r = reference.locate(i);
+    want[r.source].push_back(r.window);
+  }
+  std::vector<int32_t> in(L), tgt(L);
+  for (int64_t i = 0; i < 330; ++i) {
+    const Sampler::Location c = changed.locate(i);
+    if (i < 160) {  // before the first change: what the run always read
+      const Sampler::Location r = reference.locate(i);
+      REQUIRE((c.source == r.source && c.local == r.local && c.window == r.window));
+    }
+    got[c.source].push_back(c.window);
+    changed.fill(i, 1, in.data(), tgt.data());  // and the tokens come from that window of that source
+    REQUIRE(in[0] == static_cast<int32_t>(traced_token(c.source, changed.source(c.source).locate(c.window).start)));
+  }
+  // Each source's windows are its uninterrupted walk's, in order: none read twice, none skipped
+  // (within each epoch of the walk, every window once).
+  for (size_t d = 0; d < 2; ++d) {
+    INFO("source " << d);
+    REQUIRE(got[d].size() <= want[d].size());
+    CHECK(got[d] == std::vector<int64_t>(want[d].begin(), want[d].begin() + static_cast<long>(got[d].size())));
+  }
+  CHECK(got[1].size() == 83 + 90);  // 9/10 of the last 100
+}

@@ -1072,6 +1072,21 @@ TEST_CASE("meta.json has a checksum of its own, and a malformed field is named w
     test::edit_checkpoint_meta(ck, [](nlohmann::json& m) { m["data"]["consumed_samples"] = 40; });
     refused("field data.consumed_samples: is 40, progress.consumed_samples 32 (both record the data position");
   }
+  // A blend's history (data.blend) maps every sample to its source: a segment after the data
+  // position, one that goes back, or a weight a blend cannot take would read other data.
+  SECTION("a blend history that does not hold together") {
+    const auto blend = [&](const char* history) {
+      test::edit_checkpoint_meta(ck, [&](nlohmann::json& m) { m["data"]["blend"] = nlohmann::json::parse(history); });
+    };
+    blend(R"([{"from_sample": 0, "weights": [1, 1]}, {"from_sample": 40, "weights": [1, 2]}])");
+    refused("field data.blend[1].from_sample: is 40, after progress.consumed_samples 32");
+    blend(R"([{"from_sample": 0, "weights": [1, 1]}, {"from_sample": 16, "weights": [1, 2]}, {"from_sample": 8, "weights": [1, 2]}])");
+    refused("field data.blend[2].from_sample: is 8, not after the previous segment's 16");
+    blend(R"([{"from_sample": 0, "weights": [1, -1]}])");
+    refused("field data.blend[0].weights: expected two or more positive numbers, got [1,-1]");
+    blend(R"([{"from_sample": 0, "weights": [1, 1]}, {"from_sample": 8, "weights": [1, 2, 3]}])");
+    refused("field data.blend[1].weights: has 3 weights, the first segment 2");
+  }
   SECTION("fewer samples consumed than iterations") {
     test::edit_checkpoint_meta(ck, [](nlohmann::json& m) {
       m["progress"]["consumed_samples"] = 3;

@@ -9,6 +9,7 @@
 #include <random>
 #include <tuple>
 
+#include "common/checkpoint_meta.h"
 #include "common/process.h"
 #include "common/run_config.h"
 #include "common/workspace.h"
@@ -148,6 +149,119 @@ TEST_CASE("keel train on a weighted blend of two sources: start-up shows the sha
   REQUIRE(second.code == 0);
   CHECK(test::losses_by_step(read_metrics(ws.dir / "resumed/metrics.jsonl")) ==
         test::losses_by_step(read_metrics(ws.dir / "straight/metrics.jsonl")));
+}
+
+// The annealing move: 8 steps of 0.7 / 0.3, then 0.5 / 0.5 from a resume. Each source must go
+// on from where it stopped. The reference is a run of one source, unshuffled, whose 160 files of
+// one window each are the samples that mapping reads, computed here from the schedule's
+// definition (the blend runs are unshuffled too, so source d's local sample l is its window
+// l % W_d): the same tokens in the same order must give the same loss at every step.
+TEST_CASE("keel train: a resume with other blend weights continues every source where it stopped",
+          "[cli][e2e][blend]") {
+  Workspace ws(nlohmann::json{{"train", {{"steps", 20}, {"eval_interval", 0}}},
+                              {"schedule", {{"warmup_steps", 1}}},
+                              {"data", {{"shuffle", false}}}});
+  const int T = 32, G = 8, stop = 8, steps = 20;
+  const std::vector<int64_t> windows = {50, 40};
+  std::vector<std::vector<uint32_t>> tokens;
+  std::string entries;
+  for (size_t d = 0; d < 2; ++d) {
+    tokens.push_back(test::synthetic_tokens(static_cast<size_t>(windows[d] * T + 1), 30 + static_cast<uint32_t>(d)));
+    const std::string path = ws.dir / ("source" + std::to_string(d) + ".bin");
+    data::write_llmc_shard(path, tokens[d], false);
+    entries += (d ? "\", \"" : "[\"") + path;
+  }
+  const std::string sources = " --set 'data.train=" + entries + "\"]'";
+  const std::string before = sources + " --set 'data.train_weights=[0.7, 0.3]'";
+  const std::string after = sources + " --set 'data.train_weights=[0.5, 0.5]'";
+  auto train = [&](const std::string& out, const std::string& args) {
+    return run_keel("train --config " + ws.config + " --out " + (ws.dir / out) + " " + args);
+  };
+  auto losses = [&](const std::string& out) { return test::losses_by_step(read_metrics(ws.dir / (out + "/metrics.jsonl"))); };
+
+  // The samples each source must give: positions 0 .. 63 by the 0.7 / 0.3 schedule, then by the
+  // 0.5 / 0.5 schedule restarted at sample 64, each source counting on from its own total.
+  const data::Blend first({0.7, 0.3}), second({0.5, 0.5});
+  std::vector<int64_t> next(2, 0);
+  nlohmann::json ref_train = nlohmann::json::array();
+  bool differs_from_weights_alone = false;
+  for (int64_t i = 0; i < int64_t{steps} * G; ++i) {
+    const bool later = i >= int64_t{stop} * G;
+    const data::Blend::Pick p = later ? second.pick(i - stop * G) : first.pick(i);
+    const int64_t local = next[p.source]++;
+    if (!later) REQUIRE(p.local == local);
+    differs_from_weights_alone |= later && (second.pick(i).source != p.source || second.pick(i).local != local);
+    const int64_t w = local % windows[p.source];
+    const std::vector<uint32_t> window(tokens[p.source].begin() + w * T, tokens[p.source].begin() + (w + 1) * T + 1);
+    char name[32];
+    std::snprintf(name, sizeof name, "ref_%03lld.bin", static_cast<long long>(i));
+    data::write_llmc_shard(ws.dir / name, window, false);
+    ref_train.push_back(ws.dir / name);
+  }
+  REQUIRE(differs_from_weights_alone);  // the map of the new weights alone reads other samples
+  nlohmann::json ref_json = ws.json;
+  ref_json["data"]["train"] = ref_train;
+  const std::string ref_config = ws.dir / "reference.json";
+  std::ofstream(ref_config) << ref_json.dump(2);
+  Result ref = run_keel("train --config " + ref_config + " --out " + (ws.dir / "reference") + " -q");
+  INFO(ref.output);
+  REQUIRE(ref.code == 0);
+  const auto want = losses("reference");
+  REQUIRE(want.size() == static_cast<size_t>(steps));
+
+  // Stop at step 8, resume with the new weights: the note says where each source goes on. The
+  // checkpoint is made one of a keel from before data.blend: its config's weights from sample 0
+  // are what it read, and the history it is taken to have.
+  REQUIRE(train("changed", "-q --stop-at 8" + before).code == 4);
+  test::edit_checkpoint_meta(ws.dir / "changed/checkpoints/step_00000008", [](nlohmann::json& m) {
+    REQUIRE(m["data"].contains("blend"));
+    m["data"].erase("blend");
+  });
+  Result resumed = train("changed", after);
+  INFO(resumed.output);
+  REQUIRE(resumed.code == 0);
+  const std::vector<int64_t> at = first.counts(stop * G);
+  CHECK_THAT(resumed.output,
+             Catch::Contains("data.train_weights changed since the checkpoint, [0.7,0.3] -> [0.5,0.5]: each source "
+                             "continues where it left off, data.train[0] (" + (ws.dir / "source0.bin") +
+                             ") at its sample " + std::to_string(at[0]) + " and data.train[1] (" +
+                             (ws.dir / "source1.bin") + ") at its sample " + std::to_string(at[1])) &&
+                 Catch::Contains("From sample 64 on the sources get 50.0% / 50.0% of the samples (70.0% / 30.0% "
+                                 "before)") &&
+                 Catch::Contains("the shares changed during the run (each source continuing where it was): "
+                                 "70.0% / 30.0% from sample 0, 50.0% / 50.0% from sample 64") &&
+                 !Catch::Contains("data.train_weights.0") && !Catch::Contains("restarts its schedule"));
+  CHECK(losses("changed") == want);  // every step: the reference's samples
+
+  // The history is in every later checkpoint: stopped again at 14 and resumed with the same
+  // weights, the run goes on exactly (a resume that lost it would restart the 0.5 / 0.5 map).
+  REQUIRE(train("twice", "-q --stop-at 8" + before).code == 4);
+  REQUIRE(train("twice", "-q --stop-at 14" + after).code == 4);
+  const nlohmann::json meta = nlohmann::json::parse(test::read_file(ws.dir / "twice/checkpoints/step_00000014/meta.json"));
+  CHECK(meta["data"]["blend"] == nlohmann::json::parse(R"([{"from_sample": 0, "weights": [0.7, 0.3]},
+                                                  {"from_sample": 64, "weights": [0.5, 0.5]}])"));
+  Result third = train("twice", after);
+  INFO(third.output);
+  REQUIRE(third.code == 0);
+  CHECK_THAT(third.output, !Catch::Contains("data.train_weights changed") && !Catch::Contains("restarts its schedule"));
+  CHECK(losses("twice") == want);
+
+  // A rewind to step 8 uses that checkpoint's history (0.7 / 0.3 only) and changes it again.
+  Result rewind = train("twice", "-q --resume " + (ws.dir / "twice/checkpoints/step_00000008") + after);
+  INFO(rewind.output);
+  REQUIRE(rewind.code == 0);
+  CHECK_THAT(rewind.output, Catch::Contains("each source continues where it left off"));
+  CHECK(losses("twice") == want);  // steps 9-20 replayed onto the same losses
+
+  // Other sources (a third entry): the history cannot apply, the blend restarts its schedule.
+  Result other = run_keel("train --config " + ws.config + " --out " + (ws.dir / "other") + " -q --stop-at 9 --resume " +
+                          (ws.dir / "changed/checkpoints/step_00000008") + " --set 'data.train=" + entries + "\", \"" +
+                          (ws.dir / "train.bin") + "\"]' --set 'data.train_weights=[1, 1, 1]'");
+  INFO(other.output);
+  REQUIRE(other.code == 4);
+  CHECK_THAT(other.output, Catch::Contains("WARNING the blend restarts its schedule: the checkpoint blended 2 sources, "
+                                           "data.train now has 3 entries") &&
+                               Catch::Contains("some windows are read again and others skipped"));
 }
 
 TEST_CASE("keel train with data.val_sets: each named set validated and reported beside data.val", "[cli][e2e]") {
