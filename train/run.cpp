@@ -574,6 +574,57 @@ struct ValidationSet {
   int64_t loss_targets = -1;
 };
 
+// Every rank must read the same files. A node with a stale, half-copied or extra shard (its own
+// copy of the data, a mount that lags) trains its share on other windows, which nothing else
+// notices: the losses stay plausible and the checkpoint records world rank 0's files. Compared
+// by path and token count (the content fingerprints are rank 0's alone) for data.train and every
+// validation set; collective over the world, the difference named by rank 0.
+void check_ranks_read_same_files(const data::Sampler& train, const std::vector<ValidationSet>& vals,
+                                 const RunOptions& opts) {
+  if (!opts.mpi || opts.mpi->world_size() <= 1) return;
+  auto files_of = [](const data::Sampler& s) {
+    nlohmann::json sources = nlohmann::json::array();
+    for (size_t k = 0; k < s.num_sources(); ++k) {
+      nlohmann::json files = nlohmann::json::object();
+      for (size_t f = 0; f < s.source(k).num_files(); ++f)
+        files[fs::absolute(s.source(k).file(f).path()).lexically_normal().string()] = s.source(k).file(f).num_tokens();
+      sources.push_back(std::move(files));
+    }
+    return sources;
+  };
+  nlohmann::json mine = {{"data.train", files_of(train)}};
+  for (const ValidationSet& v : vals) mine[v.field] = files_of(v.sampler);
+  std::string theirs;
+  const int r = opts.mpi->first_rank_differing(mine.dump(), &theirs);
+  if (r < 0) return;
+  if (opts.mpi->world_rank() != 0)
+    throw data::DataError("world rank " + std::to_string(r) + " reads other data files than world rank 0 (rank 0 names them)");
+  const nlohmann::json other = nlohmann::json::parse(theirs);
+  std::vector<std::string> lines;
+  const std::string at_r = " on world rank " + std::to_string(r);
+  for (const auto& [field, sources] : mine.items()) {
+    const nlohmann::json& o = other.value(field, nlohmann::json::array());
+    for (size_t k = 0; k < sources.size() || k < o.size(); ++k) {
+      const std::string where = sources.size() > 1 || o.size() > 1 ? field + "[" + std::to_string(k) + "]" : field;
+      const nlohmann::json a = k < sources.size() ? sources[k] : nlohmann::json::object();
+      const nlohmann::json b = k < o.size() ? o[k] : nlohmann::json::object();
+      for (const auto& [file, tokens] : a.items()) {
+        if (!b.contains(file)) lines.push_back(where + ": " + file + " (" + tokens.dump() + " tokens) is not there" + at_r);
+        else if (b[file] != tokens)
+          lines.push_back(where + ": " + file + " holds " + tokens.dump() + " tokens on world rank 0, " + b[file].dump() + at_r);
+      }
+      for (const auto& [file, tokens] : b.items())
+        if (!a.contains(file)) lines.push_back(where + ": " + file + " (" + tokens.dump() + " tokens) is there only" + at_r);
+    }
+  }
+  std::string msg = "world rank " + std::to_string(r) +
+                    " reads other data files than world rank 0 (a stale, partial or extra copy of the data on its "
+                    "node?); every rank must read the same files, or it trains on other windows unseen:";
+  for (size_t i = 0; i < lines.size() && i < 10; ++i) msg += "\n  " + lines[i];
+  if (lines.size() > 10) msg += "\n  ... and " + std::to_string(lines.size() - 10) + " more";
+  throw data::DataError(msg);
+}
+
 // Micro-batch b of an evaluation of `val`: its first eval_batches micro-batches, unshuffled. A
 // set of fewer windows is read once: the rows past its end (which would wrap around to its first
 // windows) have no targets.
@@ -1328,6 +1379,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   constexpr int64_t kVocabScanLimit = int64_t{1} << 32;
   for (size_t k = 0; k < train.num_sources(); ++k) train.source(k).check_vocab(kVocabScanLimit);
   const std::vector<ValidationSet> vals = open_validation_data(cfg, kVocabScanLimit);
+  check_ranks_read_same_files(train, vals, opts);
   const ChoiceEvalSet choices = open_choice_eval(cfg);
   const TrainingSampler sampler(cfg);
   if (opts.eval_only && (vals.empty() || cfg.train.eval_batches == 0) && choices.items.empty() && !sampler.on())

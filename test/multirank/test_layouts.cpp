@@ -918,6 +918,41 @@ TEST_CASE("a world size that does not match tp*pp*dp is one clear error", "[mpi]
                                          "train.micro_batch x dp = 6 (it is 16)"));
 }
 
+// A node with its own, stale copy of the data trained its share on other windows, unseen (the
+// checkpoint records rank 0's files). Here the data path goes through /proc/self/cwd, the same
+// text in both ranks' configs, and each rank starts in a folder of its own (mpirun -wdir): world
+// rank 1's train.bin is half world rank 0's, and its validation folder holds one file more.
+TEST_CASE("ranks that see other data files behind the same config are refused, the files named", "[mpi][errors][data]") {
+  test::Workspace ws(model_patch("llama"));
+  for (const char* node : {"node0", "node1"}) fs::create_directories(ws.dir / (std::string(node) + "/data"));
+  const std::vector<uint32_t> tokens = test::synthetic_tokens(20000, 1);
+  data::write_llmc_shard(ws.dir / "node0/data/train.bin", tokens, false);
+  data::write_llmc_shard(ws.dir / "node1/data/train.bin", std::vector<uint32_t>(tokens.begin(), tokens.begin() + 10000), false);
+  for (const char* node : {"node0", "node1"})
+    data::write_llmc_shard(ws.dir / (std::string(node) + "/data/val_0.bin"), test::synthetic_tokens(4000, 2), false);
+  data::write_llmc_shard(ws.dir / "node1/data/val_1.bin", test::synthetic_tokens(4000, 3), false);
+  const std::string args = " -x OMP_NUM_THREADS=1 " + std::string(KEEL_BINARY) + " train --config " + ws.config + " --out " +
+                           (ws.dir / "out") + " -q --set parallel.dp=2 --set data.train=/proc/self/cwd/data/train.bin" +
+                           " --set 'data.val=/proc/self/cwd/data/val_*.bin' --set train.eval_batches=1";
+  auto launch = [&](const std::string& second_node) {
+    return test::run_shell(std::string(KEEL_MPIEXEC) + " -np 1 -wdir " + (ws.dir / "node0") + args + " : -np 1 -wdir " +
+                           (ws.dir / second_node) + args);
+  };
+  const auto r = launch("node1");
+  INFO(r.output);
+  CHECK(r.code == 3);
+  CHECK_THAT(r.output, Catch::Contains("world rank 1 reads other data files than world rank 0") &&
+                           Catch::Contains("data.train: /proc/self/cwd/data/train.bin holds 20000 tokens on world rank 0, "
+                                           "10000 on world rank 1") &&
+                           Catch::Contains("data.val: /proc/self/cwd/data/val_1.bin (4000 tokens) is there only on world "
+                                           "rank 1"));
+  CHECK_FALSE(fs::exists(ws.dir / "out/config.json"));
+  // The same files in both folders: the run goes ahead.
+  const auto same = launch("node0");
+  INFO(same.output);
+  CHECK(same.code == 0);
+}
+
 TEST_CASE("under mpirun, stop-and-resume (with background saves) and kill -9-and-resume continue bit-identically "
           "(same layout)",
           "[mpi][resume]") {
