@@ -99,6 +99,14 @@ class Fields {
     }
     const json& v = (*obj_)[key];
     int64_t x = 0;
+    std::string range = hi == std::numeric_limits<int64_t>::max()
+                            ? ">= " + std::to_string(lo)
+                            : "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      // Read as int64 it would wrap to a negative value, which the message would then quote.
+      error(path(key), std::to_string(v.get<uint64_t>()) + " is out of range (allowed: " + range + ")");
+      return def.value_or(lo);
+    }
     if (v.is_number_integer()) {
       x = v.get<int64_t>();
     } else if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
@@ -109,9 +117,6 @@ class Fields {
       return def.value_or(lo);
     }
     if (x < lo || x > hi) {
-      std::string range = hi == std::numeric_limits<int64_t>::max()
-                              ? ">= " + std::to_string(lo)
-                              : "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
       error(path(key), std::to_string(x) + " is out of range (allowed: " + range + ")");
       return def.value_or(lo);  // a value in range, so that no later check divides by it
     }

@@ -176,6 +176,10 @@ TEST_CASE("config errors name the field, the bad value and the allowed values", 
   fails_with({{"model", {{"family", "bert"}}}}, "model.family: \"bert\" is not allowed (allowed: gpt2, llama)");
   fails_with({{"model", {{"d_model", "big"}}}}, "model.d_model: expected an integer, got \"big\"");
   fails_with({{"model", {{"n_layers", 0}}}}, "model.n_layers: 0 is out of range");
+  // Past int64: quoted as given (it was wrapped to a negative number first).
+  fails_with({{"train", {{"seed", 18446744073709551615ull}}}},
+             "train.seed: 18446744073709551615 is out of range (allowed: >= 0)");
+  fails_with({{"train", {{"steps", 9223372036854775808ull}}}}, "train.steps: 9223372036854775808 is out of range");
   fails_with({{"model", {{"n_kv_heads", 3}}}}, "model.n_kv_heads: 3 does not divide model.n_heads (4)");
   fails_with({{"model", {{"rope_scaling", {{"type", "yarn"}}}}}},
              "model.rope_scaling.type: \"yarn\" is not allowed (allowed: none, llama3)");
