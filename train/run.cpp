@@ -720,10 +720,14 @@ std::string rampup_note(const RunConfig& cfg) {
 
 // Start-up summary: the model, the precision policy and the optimizer's weight-decay groups,
 // so a norm or bias filed in the wrong group is visible on day one.
-void print_summary(const RunConfig& cfg, const Trainer& tr, const data::Sampler& train,
+void print_summary(const RunConfig& cfg, const data::Sampler& train,
                    const std::vector<ValidationSet>& vals, const std::vector<std::string>& packed, const Backend& be) {
   const ModelConfig& m = cfg.model;
-  const ParamTable& t = tr.table();
+  // The whole model, padded as tp pads it: a pipeline rank's own table holds only its stage (the
+  // count and the weight-decay groups below were stage 0's under pp > 1).
+  ModelShard whole;
+  whole.tp_size = static_cast<int>(cfg.parallel.tp);
+  const ParamTable t(m, whole);
   std::printf("keel: %s model, %s parameters (%d layers, d_model %d, %d heads / %d kv heads, ffn %d, vocab %lld%s%s)\n",
               family_name(m.family).c_str(), human_count(static_cast<double>(t.logical_numel())).c_str(), m.n_layers,
               m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, static_cast<long long>(m.vocab_size),
@@ -1775,7 +1779,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (!resume_path.empty() && !opts.eval_only) abandoned = checkpoints.set_resumed_from(progress.iteration);
   double gpu_memory = 0;  // the lead rank's device memory (0 on the CPU), for the memory plan
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
-    print_summary(cfg, tr, train, vals, packed, *backend);
+    print_summary(cfg, train, vals, packed, *backend);
     std::printf("keel: %s\n", grid.layout().c_str());
     for (const auto& n : notes) std::printf("keel: %s\n", n.c_str());
     std::fflush(stdout);
@@ -1821,7 +1825,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       throw ConfigError(std::string(e.what()) + " (the run directory --out " + cfg.out +
                         " must be writable); nothing was trained");
     }
-    print_summary(cfg, tr, train, vals, packed, *backend);
+    print_summary(cfg, train, vals, packed, *backend);
     if (!choices.items.empty()) std::printf("keel: %s\n", choices.describe(cfg).c_str());
     if (sampler.on()) std::printf("keel: %s\n", sampler.describe().c_str());
     std::printf("keel: %s\n", grid.layout().c_str());

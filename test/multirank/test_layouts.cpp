@@ -918,6 +918,31 @@ TEST_CASE("a world size that does not match tp*pp*dp is one clear error", "[mpi]
                                          "train.micro_batch x dp = 6 (it is 16)"));
 }
 
+// The start-up summary counted the parameters and weight-decay groups of world rank 0's table:
+// under pp > 1 that is the first stage only (norms looked absent from the no-decay group).
+TEST_CASE("the start-up summary counts the whole model under every layout", "[mpi][summary]") {
+  test::Workspace ws(model_patch("llama"));
+  auto summary = [](const std::string& out) {
+    const size_t a = out.find("keel: llama model, "), b = out.find("keel: data: ");
+    const size_t backend = out.find("keel: backend ", a), optimizer = out.find("optimizer groups", a);
+    if (a == std::string::npos || b == std::string::npos || backend == std::string::npos) return std::string();
+    return out.substr(a, out.find('\n', a) - a) + "\n" + out.substr(optimizer, b - optimizer);
+  };
+  const std::string args = "train --config " + ws.config + " -q --steps 1 --out ";
+  const auto one = test::run_keel(args + (ws.dir / "one"));
+  REQUIRE(one.code == 0);
+  const std::string want = summary(one.output);
+  REQUIRE_FALSE(want.empty());
+  for (const std::string layout : {"--set parallel.pp=2", "--set parallel.pp=2 --set parallel.tp=2",
+                                   "--set parallel.pp=4 --set 'parallel.pipeline_layers=[0,4,4,0]'"}) {
+    const int np = layout.find("tp=2") != std::string::npos || layout.find("pp=4") != std::string::npos ? 4 : 2;
+    const auto r = test::run_keel_mpi(np, args + (ws.dir / "pp") + " " + layout);
+    INFO(layout << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    CHECK(summary(r.output) == want);
+  }
+}
+
 // A node with its own, stale copy of the data trained its share on other windows, unseen (the
 // checkpoint records rank 0's files). Here the data path goes through /proc/self/cwd, the same
 // text in both ranks' configs, and each rank starts in a folder of its own (mpirun -wdir): world
