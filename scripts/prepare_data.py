@@ -186,18 +186,29 @@ def read_text(paths: list, split: str, stats: dict) -> list:
     return docs
 
 
+def parse_jsonl_line(line: str, path: str, lineno: int):
+    """One JSONL record; refused as keel tokenize refuses it (a \\ud800 escape without its pair
+    is no text: JSON allows it, UTF-8 cannot hold it)."""
+    try:
+        obj = json.loads(line)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{path}:{lineno}: invalid JSON ({e})")
+    except UnicodeEncodeError:
+        raise SystemExit(f"{path}:{lineno}: invalid JSON (a \\u escape of a UTF-16 surrogate without its pair, "
+                         "which is no character)")
+    return obj
+
+
 def read_jsonl(paths: list, key: str, stats: dict) -> list:
     docs = []
     for path in paths:
-        with open(path, "r", encoding="utf-8", errors="replace") as f:
+        with open(path, "r", encoding="utf-8-sig", errors="replace") as f:  # a BOM, as keel tokenize
             for lineno, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"{path}:{lineno}: invalid JSON ({e})")
+                obj = parse_jsonl_line(line, path, lineno)
                 val = obj.get(key) if isinstance(obj, dict) else None
                 if not isinstance(val, str):
                     stats["jsonl_skipped"] = stats.get("jsonl_skipped", 0) + 1
@@ -211,15 +222,12 @@ def read_jsonl_pairs(paths: list, prompt_key: str, response_key: str, stats: dic
     """(prompt, response) pairs for --loss-mask prompt; records without both strings are skipped."""
     pairs = []
     for path in paths:
-        with open(path, "r", encoding="utf-8", errors="replace") as f:
+        with open(path, "r", encoding="utf-8-sig", errors="replace") as f:  # a BOM, as keel tokenize
             for lineno, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"{path}:{lineno}: invalid JSON ({e})")
+                obj = parse_jsonl_line(line, path, lineno)
                 p = obj.get(prompt_key) if isinstance(obj, dict) else None
                 r = obj.get(response_key) if isinstance(obj, dict) else None
                 if not isinstance(p, str) or not isinstance(r, str) or not r.strip():
