@@ -793,6 +793,20 @@ void print_summary(const RunConfig& cfg, const data::Sampler& train,
     if (v.loss_targets == 0) warn_no_validation_loss(v);
   }
   if (const std::string w = repeated_files_warning(cfg); !w.empty()) std::printf("keel: %s\n", w.c_str());
+  // A batch that takes more samples of a source than it has windows reads some of them twice or
+  // more in one step: their gradient counts several times (a tiny or mis-globbed corpus).
+  for (size_t k = 0; k < train.num_sources(); ++k) {
+    const double per_step = static_cast<double>(cfg.train.global_batch) * train.weight(k);
+    const int64_t windows = train.source(k).num_windows();
+    if (windows > 0 && per_step > static_cast<double>(windows))
+      std::printf("keel: WARNING %s: each step takes %.0f samples of its %lld windows, so a batch holds some windows "
+                  "more than once (up to %lld times), and their gradients count that often. Give it more data or "
+                  "a smaller train.global_batch\n",
+                  train.num_sources() > 1 ? ("data.train[" + std::to_string(k) + "] (" + cfg.data.train[k] + ")").c_str()
+                                          : "data.train",
+                  per_step, static_cast<long long>(windows),
+                  static_cast<long long>(std::ceil(per_step / static_cast<double>(windows))));
+  }
   for (size_t k = 0; k < train.num_sources(); ++k)
     if (const std::string w = short_files_warning(train.source(k), train.num_sources() > 1 ? cfg.data.train[k] : "data.train");
         !w.empty())

@@ -862,6 +862,21 @@ TEST_CASE("keel train --eval-only -q prints the evaluations", "[cli][eval]") {
   CHECK(validation_line(quiet.output) == validation_line(loud.output));
 }
 
+// A corpus with fewer windows than the batch takes samples: each step reads some windows twice.
+TEST_CASE("keel train warns when a step takes more samples than the data has windows", "[cli][data]") {
+  test::Workspace ws(nlohmann::json{{"train", {{"eval_batches", 1}}}});
+  data::write_llmc_shard(ws.dir / "small.bin", test::synthetic_tokens(200, 5), false);  // 6 windows of 32+1
+  const std::string base = "train --config " + ws.config + " --eval-only";
+  auto r = test::run_keel(base + " --set data.train=" + (ws.dir / "small.bin"));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("WARNING data.train: each step takes 8 samples of its 6 windows, so a batch "
+                                       "holds some windows more than once (up to 2 times)"));
+  r = test::run_keel(base);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, !Catch::Contains("more than once"));
+}
+
 // A file listed twice in data.train is read once; the user may have meant to up-weight it, so
 // keel says so, naming the file and the entries, and points at data.train_weights.
 TEST_CASE("keel train warns when entries of data.train match the same file", "[cli][data]") {
