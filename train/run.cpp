@@ -582,18 +582,9 @@ struct ValidationSet {
 void check_ranks_read_same_files(const data::Sampler& train, const std::vector<ValidationSet>& vals,
                                  const RunOptions& opts) {
   if (!opts.mpi || opts.mpi->world_size() <= 1) return;
-  auto files_of = [](const data::Sampler& s) {
-    nlohmann::json sources = nlohmann::json::array();
-    for (size_t k = 0; k < s.num_sources(); ++k) {
-      nlohmann::json files = nlohmann::json::object();
-      for (size_t f = 0; f < s.source(k).num_files(); ++f)
-        files[fs::absolute(s.source(k).file(f).path()).lexically_normal().string()] = s.source(k).file(f).num_tokens();
-      sources.push_back(std::move(files));
-    }
-    return sources;
-  };
-  nlohmann::json mine = {{"data.train", files_of(train)}};
-  for (const ValidationSet& v : vals) mine[v.field] = files_of(v.sampler);
+  // training_files without fingerprints: [[{"file", "tokens"}, ...] per source]
+  nlohmann::json mine = {{"data.train", training_files(train, false)}};
+  for (const ValidationSet& v : vals) mine[v.field] = training_files(v.sampler, false);
   std::string theirs;
   const int r = opts.mpi->first_rank_differing(mine.dump(), &theirs);
   if (r < 0) return;
@@ -604,10 +595,15 @@ void check_ranks_read_same_files(const data::Sampler& train, const std::vector<V
   const std::string at_r = " on world rank " + std::to_string(r);
   for (const auto& [field, sources] : mine.items()) {
     const nlohmann::json& o = other.value(field, nlohmann::json::array());
+    auto by_file = [](const nlohmann::json& files) {  // {path: tokens}
+      nlohmann::json m = nlohmann::json::object();
+      for (const nlohmann::json& f : files) m[f.at("file").get<std::string>()] = f.at("tokens");
+      return m;
+    };
     for (size_t k = 0; k < sources.size() || k < o.size(); ++k) {
       const std::string where = sources.size() > 1 || o.size() > 1 ? field + "[" + std::to_string(k) + "]" : field;
-      const nlohmann::json a = k < sources.size() ? sources[k] : nlohmann::json::object();
-      const nlohmann::json b = k < o.size() ? o[k] : nlohmann::json::object();
+      const nlohmann::json a = k < sources.size() ? by_file(sources[k]) : nlohmann::json::object();
+      const nlohmann::json b = k < o.size() ? by_file(o[k]) : nlohmann::json::object();
       for (const auto& [file, tokens] : a.items()) {
         if (!b.contains(file)) lines.push_back(where + ": " + file + " (" + tokens.dump() + " tokens) is not there" + at_r);
         else if (b[file] != tokens)
