@@ -40,11 +40,14 @@ import json
 import os
 import sys
 
+
 import jinja2
 import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
+
+from fixture_file import write_or_check  # scripts/fixture_file.py
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIR = os.path.join(REPO_ROOT, "test", "fixtures", "chat")
@@ -255,15 +258,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="compare with the committed file instead of writing it")
     args = ap.parse_args()
     text = build()
-    if args.check:
-        with open(OUT, encoding="utf-8") as f:
-            same = f.read() == text
-        print(os.path.basename(OUT) + (" matches" if same else " DIFFERS"))
-        return 0 if same else 1
-    with open(OUT, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"wrote {OUT} ({len(text.encode('utf-8'))} bytes)")
-    return 0
+    return write_or_check(OUT, text, args.check)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ import json
 import os
 import sys
 
+
 from tokenizers import Tokenizer
+
+from fixture_file import write_or_check  # scripts/fixture_file.py
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIR = os.path.join(REPO_ROOT, "test", "fixtures", "tokenizers")
@@ -61,15 +64,7 @@ def main() -> int:
     args = ap.parse_args()
     text = build()
     out = os.path.join(DIR, "split_special.json")
-    if args.check:
-        with open(out, encoding="utf-8") as f:
-            same = f.read() == text
-        print("split_special.json " + ("matches" if same else "DIFFERS"))
-        return 0 if same else 1
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"wrote {out} ({len(text.encode('utf-8'))} bytes)")
-    return 0
+    return write_or_check(out, text, args.check)
 
 
 if __name__ == "__main__":
