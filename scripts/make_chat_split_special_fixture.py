@@ -40,7 +40,6 @@ import json
 import os
 import sys
 
-
 import jinja2
 import tokenizers
 from jinja2.ext import loopcontrols

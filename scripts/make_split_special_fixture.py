@@ -17,7 +17,6 @@ import json
 import os
 import sys
 
-
 from tokenizers import Tokenizer
 
 from fixture_file import write_or_check  # scripts/fixture_file.py
