@@ -2112,7 +2112,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                         static_cast<long long>(cfg.precision.loss_scale.hysteresis));
         else
           std::snprintf(buf, sizeof buf, ", fp16 loss scale stays at %.6g (precision.loss_scale.hysteresis %lld): the "
-                        "%lldth overflow from here cuts it unless it grows first", now,
+                        "scale is cut after %lld more overflows unless it grows first", now,
                         static_cast<long long>(cfg.precision.loss_scale.hysteresis), static_cast<long long>(left));
         scale_note = buf;
       }
