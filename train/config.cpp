@@ -192,7 +192,8 @@ class Fields {
     std::vector<std::string> out;
     if (!has(key)) return out;
     const json& v = (*obj_)[key];
-    if (v.is_string()) return {v.get<std::string>()};
+    // "" names no files, like choice_eval.file's: --set data.val= turns validation off
+    if (v.is_string()) return v.get<std::string>().empty() ? out : std::vector<std::string>{v.get<std::string>()};
     if (v.is_array() && std::all_of(v.begin(), v.end(), [](const json& e) { return e.is_string(); })) {
       for (const auto& e : v) out.push_back(e.get<std::string>());
       return out;

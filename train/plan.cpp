@@ -873,8 +873,9 @@ PlanResult plan_all(const RunConfig& cfg, const PlanOptions& opt) {
                                         " not divisible by dp=" + std::to_string(dp), 0, std::nullopt});
         continue;
       } else {
+        // The config's own micro-batch too, above --max-mbs: its layout gets a rank or a reason.
         for (int64_t b : divisors(cfg.train.global_batch / dp))
-          if (b <= opt.max_mbs) sizes.push_back(b);
+          if (b <= opt.max_mbs || b == cfg.train.micro_batch) sizes.push_back(b);
       }
       // Chunks per pipeline rank to try: the given count, or (auto) every count that leaves each
       // chunk a layer; a layout is rejected for what stops its first candidate.

@@ -147,7 +147,7 @@ struct PlanOptions {
   bool overlap_param_gather = false;
   int64_t grad_bucket_size = 0;  // parallel.grad_bucket_size (0: Megatron's max(40M, 1M * dp))
   std::optional<int64_t> tp, pp, dp, mbs;  // pinned sizes
-  int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this
+  int64_t max_mbs = 16;                    // micro-batch sizes tried: divisors of gbs/dp up to this, and train.micro_batch
 };
 
 // ---- the model ----

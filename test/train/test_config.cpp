@@ -444,6 +444,18 @@ TEST_CASE("config overrides (--set) set any field, typed as JSON, bare words as 
   CHECK_THROWS_WITH(parse_config(doc, "x.json"), Catch::Contains("out: an empty path is not allowed"));
 }
 
+// An empty file list turns validation off, as an empty choice_eval.file turns that off: not a
+// glob pattern '' that matches no file. Without training files there is nothing to run.
+TEST_CASE("config: an empty data.val (--set data.val=) turns validation off; an empty data.train is missing", "[config]") {
+  nlohmann::json doc = test::tiny_run_json();
+  doc["data"]["val"] = "val_*.bin";
+  REQUIRE(parse_config(doc, "x.json").data.val == std::vector<std::string>{"val_*.bin"});
+  apply_override(doc, "data.val=");
+  CHECK(parse_config(doc, "x.json").data.val.empty());
+  apply_override(doc, "data.train=");
+  CHECK_THROWS_WITH(parse_config(doc, "x.json"), Catch::Contains("data.train: missing"));
+}
+
 // keel convert writes train.init_from "." into the config beside the weights: read from the
 // file's folder, the pair may move together. A --set value is a path from the current directory
 // like the flag's, and resolve_paths records it absolute.

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <set>
 
 #include "common/run_config.h"
 #include "common/scoped_env.h"
@@ -1620,6 +1621,22 @@ TEST_CASE("plan: keel plan on the command line", "[plan]") {
     CHECK(r.code == 1);
     CHECK_THAT(r.out, Catch::Contains("no layout fits 56 GPUs") && Catch::Contains("closest changes that fit") &&
                           Catch::Contains("n_layers 77"));
+  }
+  SECTION("the config's own micro-batch is searched above --max-mbs: gpt2-124m's mbs 64 gets a rank") {
+    const std::string gpt2 = std::string(KEEL_SOURCE_DIR) + "/configs/gpt2-124m.json";
+    REQUIRE(load_config(gpt2).train.micro_batch > 16);  // above the default --max-mbs
+    const Ran r = keel_cli("plan --config " + gpt2);
+    INFO(r.out);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.out, Catch::Contains("the config's own layout tp=1 pp=1 dp=1 mbs=64: rank ") &&
+                          Catch::Contains("s per step"));
+    // Other sizes above --max-mbs still are not tried.
+    const Ran js = keel_cli("plan --config " + gpt2 + " --json");
+    REQUIRE(js.code == 0);
+    std::set<int64_t> tried;
+    const auto j = nlohmann::json::parse(js.out);
+    for (const auto& p : j["ranked"]) tried.insert(p["layout"]["mbs"].get<int64_t>());
+    CHECK(tried == std::set<int64_t>{1, 2, 4, 8, 16, 64});
   }
   SECTION("a global batch that does not divide over dp: closest changes that do") {
     const std::string tiny = std::string(KEEL_SOURCE_DIR) + "/configs/llama-tiny.json";
