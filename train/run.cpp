@@ -1554,8 +1554,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       if (d.weight_sumsq > 0 || d.master_sumsq > 0) dropped += (dropped.empty() ? "" : ", ") + name;
       if (health.is_object() && health.contains("tensor_sumsq") && health["tensor_sumsq"].contains(name)) {
         nlohmann::json& t = health["tensor_sumsq"][name];
-        t[0] = t[0].get<double>() - d.weight_sumsq;
-        t[1] = t[1].get<double>() - d.master_sumsq;
+        if (t[0].is_number()) t[0] = t[0].get<double>() - d.weight_sumsq;  // null: not finite when saved
+        if (t[1].is_number()) t[1] = t[1].get<double>() - d.master_sumsq;
       }
     }
     std::string text = "the checkpoint pads the vocabulary to " + std::to_string(any.rows_saved) + " rows, this run to " +
@@ -1743,6 +1743,12 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       probe_compared = same_probe && function_changes.empty();
       auto diffs = tr.compare_snapshot(loaded_health, now, bitwise, resumed, loaded_precision, probe_compared);
       problems.insert(problems.end(), diffs.begin(), diffs.end());
+      if (const double was = HealthSnapshot::saved_probe_loss(loaded_health); probe_compared && !std::isfinite(was)) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "%g when the checkpoint was saved, %.9g now", was, now.probe_loss);
+        notes.push_back(std::string("the probe batch's loss was not finite when saved (its forward overflowed: these "
+                                    "weights overflow in ") + loaded_precision + "): " + buf);
+      }
       if (!same_probe)
         notes.push_back("the probe batch is not the one the checkpoint measured (other data, seq_len or micro_batch): "
                         "its loss is not compared, the per-tensor norms and the masters are");

@@ -23,7 +23,21 @@ std::string hex_of(double x) {
   std::snprintf(buf, sizeof buf, "%016" PRIx64, bits);
   return buf;
 }
+
+// A saved double: nlohmann writes inf and nan as null, read back as nan.
+double saved_number(const nlohmann::json& v) { return v.is_number() ? v.get<double>() : std::nan(""); }
 }  // namespace
+
+double HealthSnapshot::saved_probe_loss(const nlohmann::json& saved) {
+  const std::string bits = saved.value("probe_loss_bits", std::string());
+  if (bits.size() == 16 && bits.find_first_not_of("0123456789abcdef") == std::string::npos) {
+    const uint64_t b = std::stoull(bits, nullptr, 16);
+    double x;
+    std::memcpy(&x, &b, 8);
+    return x;
+  }
+  return saved_number(saved.contains("probe_loss") ? saved["probe_loss"] : nlohmann::json(0.0));
+}
 
 // Re-runs the step's micro-batches with the same loss scale and a check after every op of
 // forward and backward; the first op (in dataflow order across the pipeline) whose output holds
@@ -139,7 +153,7 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
                                                    bool bitwise, bool compare_masters,
                                                    const std::string& saved_precision, bool compare_probe) const {
   std::vector<std::string> problems;
-  const double was = saved.value("probe_loss", 0.0);
+  const double was = HealthSnapshot::saved_probe_loss(saved);
   const std::string was_bits = saved.value("probe_loss_bits", std::string());
   const std::string this_precision = precision_name(cfg_.precision.mode);
   const bool same_precision = saved_precision.empty() || saved_precision == this_precision;
@@ -169,7 +183,7 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
   for (size_t i = 0; !same_precision && i < full_names_.size(); ++i) {
     if (!tensors.contains(full_names_[i])) continue;
     const auto& pair = tensors[full_names_[i]];
-    const double saved_working = pair[0].get<double>(), saved_master = pair[1].get<double>();
+    const double saved_working = saved_number(pair[0]), saved_master = saved_number(pair[1]);
     const bool now_master = state_->has_master() && !state_->master_is_working();
     const bool from_master = compare_masters && saved_master > 0 && (now_master || !saved_working_same_dtype);
     const double was_sumsq = from_master ? saved_master : saved_working;
@@ -188,14 +202,14 @@ std::vector<std::string> Trainer::compare_snapshot(const nlohmann::json& saved, 
   for (size_t i = 0; same_precision && i < full_names_.size(); ++i) {
     if (!tensors.contains(full_names_[i])) continue;
     const auto& pair = tensors[full_names_[i]];
-    if (differs(now.working_sumsq[i], pair[0].get<double>())) {
+    if (differs(now.working_sumsq[i], saved_number(pair[0]))) {
       std::snprintf(buf, sizeof buf, "%s: |weights|^2 = %.9g after loading, %.9g when saved", full_names_[i].c_str(),
-                    now.working_sumsq[i], pair[0].get<double>());
+                    now.working_sumsq[i], saved_number(pair[0]));
       problems.push_back(buf);
     }
-    if (compare_masters && pair[1].get<double>() > 0 && differs(now.master_sumsq[i], pair[1].get<double>())) {
+    if (compare_masters && saved_number(pair[1]) > 0 && differs(now.master_sumsq[i], saved_number(pair[1]))) {
       std::snprintf(buf, sizeof buf, "%s: |fp32 master|^2 = %.9g after loading, %.9g when saved",
-                    full_names_[i].c_str(), now.master_sumsq[i], pair[1].get<double>());
+                    full_names_[i].c_str(), now.master_sumsq[i], saved_number(pair[1]));
       problems.push_back(buf);
     }
   }

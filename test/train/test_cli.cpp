@@ -798,6 +798,17 @@ TEST_CASE("keel train: the fp16 loss scale at its minimum stops the run with exi
   Result verify = run_keel("ckpt verify " + saved.string());
   INFO(verify.output);
   CHECK(verify.code == 0);
+  // Its probe forward overflowed too: JSON writes that loss null. The advised way on (bf16, a
+  // lower lr) resumes it, and says the saved probe was not finite (was: a raw JSON type error).
+  REQUIRE(meta["health"]["probe_loss"].is_null());
+  for (const std::string& how : std::vector<std::string>{" --eval-only", " --steps " + std::to_string(iteration + 2)}) {
+    Result on = run_keel("train --config " + ws.config + " -q --out " + (ws.dir / "a") +
+                         " --set precision.mode=bf16 --set optimizer.lr=1e-4 --set optimizer.min_lr=1e-5" + how);
+    INFO(on.output);
+    CHECK(on.code == 0);
+    CHECK_THAT(on.output, Catch::Contains("the probe batch's loss was not finite when saved (its forward overflowed: "
+                                          "these weights overflow in fp16)"));
+  }
 }
 
 TEST_CASE("missing or truncated data: one clear message naming the file, exit code 3, nothing written",
