@@ -336,12 +336,22 @@ ModelConfig llama_config_from_hf(const json& c, const std::string& where, HfArch
     s.original_max_position = static_cast<int64_t>(num(r, "original_max_position_embeddings",
                                                        static_cast<double>(s.original_max_position)));
   };
-  if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
+  // Both may be there (a transformers 4 config edited, or saved again by 5): transformers
+  // applies a rope_scaling next to a "default" rope_parameters, so both are read, and two
+  // scalings that differ are refused rather than one picked.
+  const bool has_parameters = c.contains("rope_parameters") && c["rope_parameters"].is_object();
+  if (has_parameters) {
     const json& rp = c["rope_parameters"];
     theta = num(rp, "rope_theta", theta);
     read_scaling(rp, "rope_parameters");
-  } else if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
+  }
+  if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
+    const RopeScaling from_parameters = m.rope_scaling;
     read_scaling(c["rope_scaling"], "rope_scaling");
+    if (has_parameters && from_parameters.kind != RopeScaling::Kind::None && from_parameters != m.rope_scaling)
+      problems.push_back("rope_parameters and rope_scaling give two different RoPE scalings (" +
+                         c["rope_parameters"].dump() + " and " + c["rope_scaling"].dump() +
+                         "): keep the one the model was trained with");
   }
   m.rope_theta = static_cast<float>(theta);
 

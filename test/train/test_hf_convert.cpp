@@ -535,6 +535,26 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
   });
   std::string msg = error_of([&] { HfCheckpoint::open(d); });
   CHECK_THAT(msg, Catch::Contains("\"yarn\" (RoPE scaling) is not supported") && Catch::Contains("attention_bias"));
+  // A rope_scaling beside transformers 5's "default" rope_parameters is applied by transformers:
+  // read too (was: ignored, a model converted without its scaling).
+  d = copy("scaled_both");
+  edit_config(d, [](json& c) {
+    c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
+    c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  });
+  CHECK_THAT(error_of([&] { HfCheckpoint::open(d); }),
+             Catch::Contains("rope_scaling type \"linear\" (RoPE scaling) is not supported"));
+  edit_config(d, [](json& c) {
+    c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                         {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 16}};
+  });
+  CHECK(HfCheckpoint::open(d).model().rope_scaling.kind == RopeScaling::Kind::Llama3);
+  edit_config(d, [](json& c) {  // two scalings that disagree: neither is picked
+    c["rope_parameters"] = c["rope_scaling"];
+    c["rope_parameters"]["factor"] = 4.0;
+  });
+  CHECK_THAT(error_of([&] { HfCheckpoint::open(d); }),
+             Catch::Contains("rope_parameters and rope_scaling give two different RoPE scalings"));
   d = copy("llama3_partial");  // llama3 scaling without its parameters: named, not defaulted
   edit_config(d, [](json& c) { c["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0}}; });
   msg = error_of([&] { HfCheckpoint::open(d); });
