@@ -22,6 +22,7 @@
 
 #include "data/checksum.h"
 #include "data/file_io.h"
+#include "train/hf_format.h"
 #include "train/schedule.h"
 
 namespace keel {
@@ -1934,11 +1935,38 @@ bool is_keel_checkpoint(const fs::path& dir) {
 
 namespace {
 
+// Would an output of this kind write a file of this name? (What --force may remove with it.)
+bool written_by_keel(const std::string& name, OutputKind kind) {
+  const auto& side = hf_side_files();
+  if (name == "config.json" || std::find(side.begin(), side.end(), name) != side.end()) return true;
+  const bool safetensors = name.ends_with(".safetensors");
+  if (kind == OutputKind::HfModel)  // model.safetensors, or shards model-00001-of-00002.safetensors and their index
+    return name == "model.safetensors.index.json" || (safetensors && name.starts_with("model"));
+  return name == "meta.json" || name == "hf_config.json" ||
+         (safetensors && (name.starts_with("model-") || name.starts_with("optim-")));
+}
+
+// What in the existing folder `out` an output of this kind would not have written: "README.md,
+// eval/", the user's, kept from --force.
+std::string not_written_by_keel(const fs::path& out, OutputKind kind) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(out))
+    if (e.is_directory() || !written_by_keel(e.path().filename().string(), kind))
+      names.push_back(e.path().filename().string() + (e.is_directory() ? "/" : ""));
+  std::sort(names.begin(), names.end());
+  std::string text;
+  for (size_t i = 0; i < names.size() && i < 6; ++i) text += (i ? ", " : "") + names[i];
+  if (names.size() > 6) text += " and " + std::to_string(names.size() - 6) + " more";
+  return text;
+}
+
 // Is the existing `out` an earlier output of this kind, which --force may replace? An empty
-// folder holds nothing to lose either.
+// folder holds nothing to lose either; one with anything else in it (a downloaded model's
+// README.md, the user's notes) is not an output of keel's.
 bool replaceable_output(const fs::path& out, OutputKind kind) {
   if (!fs::is_directory(out)) return false;
   if (fs::is_empty(out)) return true;
+  if (!not_written_by_keel(out, kind).empty()) return false;
   if (kind == OutputKind::HfModel) {
     if (!fs::is_regular_file(out / "config.json")) return false;
     for (const auto& e : fs::directory_iterator(out))
@@ -1995,12 +2023,15 @@ void check_new_output(const fs::path& out, bool force, const std::vector<std::st
                       dir->string() + ", or give it a name that does not start with step_");
   if (!fs::exists(out)) return;
   if (!force) throw ConfigError(out.string() + " already exists (pass --force to replace it)");  // an argument: exit 2
-  if (!replaceable_output(out, kind))
+  if (!replaceable_output(out, kind)) {
+    const std::string others = fs::is_directory(out) ? not_written_by_keel(out, kind) : "";
     throw ConfigError("the output " + out.string() + " exists and is " + describe_contents(out) +
                       ": --force replaces only an earlier " +
                       (kind == OutputKind::HfModel ? "Hugging Face model folder (config.json and *.safetensors)"
                                                    : "keel checkpoint (a folder with a keel meta.json)") +
+                      (others.empty() ? "" : ", holding nothing keel does not write there (not " + others + ")") +
                       ". Nothing was changed; pick another folder, or remove this one yourself if it is to go");
+  }
 }
 
 fs::path temp_dir_for(const fs::path& out) {
@@ -2012,11 +2043,19 @@ fs::path temp_dir_for(const fs::path& out) {
 }
 
 void publish(const fs::path& tmp, const fs::path& out, bool force) {
-  if (fs::exists(out)) {
-    if (!force) throw CheckpointError(out.string() + " appeared while it was written (pass --force to replace it)");
-    fs::remove_all(out);
+  if (!fs::exists(out)) {
+    fs::rename(tmp, out);
+    return;
   }
+  if (!force) throw CheckpointError(out.string() + " appeared while it was written (pass --force to replace it)");
+  // Moved aside, not removed, until the new one is in place: a kill between the two renames
+  // leaves both folders, never neither.
+  fs::path old = out;
+  old += ".old-keel-" + std::to_string(::getpid());
+  fs::remove_all(old);
+  fs::rename(out, old);
   fs::rename(tmp, out);
+  fs::remove_all(old);
 }
 
 }  // namespace keel

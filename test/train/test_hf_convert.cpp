@@ -633,6 +633,24 @@ TEST_CASE("hf: unsupported configs, missing, unexpected and misshapen tensors gi
   convert_hf_to_keel(d, tmp / "self_keel", std::nullopt, true);  // an earlier checkpoint: replaced
   export_keel_to_hf(tmp / "self_keel", tmp / "exported", over);
   export_keel_to_hf(tmp / "self_keel", tmp / "exported", over);  // an earlier export: replaced
+  // An earlier output that the user added to (a model card, an adapter, results) is theirs now:
+  // refused, naming what keel would not have written (was: all of it removed with the output).
+  std::ofstream(tmp / "exported/README.md") << "card";
+  std::ofstream(tmp / "exported/adapter_model.safetensors") << "lora";
+  fs::create_directories(tmp / "exported/eval_results");
+  CHECK_THAT(error_of([&] { export_keel_to_hf(tmp / "self_keel", tmp / "exported", over); }),
+             Catch::Contains("--force replaces only an earlier Hugging Face model folder (config.json and "
+                             "*.safetensors), holding nothing keel does not write there (not README.md, "
+                             "adapter_model.safetensors, eval_results/)"));
+  CHECK(fs::exists(tmp / "exported/README.md"));
+  CHECK(fs::exists(tmp / "exported/adapter_model.safetensors"));
+  CHECK(fs::exists(tmp / "exported/model.safetensors"));
+  std::ofstream(tmp / "self_keel/NOTES.md") << "mine";
+  CHECK_THAT(error_of([&] { convert_hf_to_keel(d, tmp / "self_keel", std::nullopt, true); }),
+             Catch::Contains("holding nothing keel does not write there (not NOTES.md)"));
+  CHECK(fs::exists(tmp / "self_keel/NOTES.md"));
+  fs::remove(tmp / "self_keel/NOTES.md");
+  for (const char* f : {"README.md", "adapter_model.safetensors", "eval_results"}) fs::remove(fs::path(tmp / "exported") / f);
   CHECK_THAT(error_of([&] { convert_hf_to_keel(kHf + "llama_tied", tmp / "exported", std::nullopt, true); }),
              Catch::Contains("--force replaces only an earlier keel checkpoint"));
 
