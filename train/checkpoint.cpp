@@ -15,6 +15,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -1421,8 +1422,16 @@ void CheckpointManager::fail_save(const PendingSave& p, const std::string& why) 
   throw CheckpointError("saving checkpoint " + p.name + " in " + dir_ + " failed: " + why + before);
 }
 
-std::vector<std::string> CheckpointManager::set_resumed_from(int64_t step) {
+std::vector<std::string> CheckpointManager::set_resumed_from(int64_t step, const std::string& resumed) {
   resumed_step_ = step;
+  const fs::path from = fs::absolute(resumed).lexically_normal();
+  std::error_code ec;
+  const bool here = fs::equivalent(from.parent_path(), dir_, ec) && step_of(from.filename().string()) >= 0;
+  resumed_seq_ = -1;
+  if (here) {
+    const int64_t seq = saved_checkpoint(from).seq;
+    resumed_seq_ = seq >= 0 ? seq : std::numeric_limits<int64_t>::max();
+  }
   // Every save already there came before this run; this run's take save_seq >= run_start_seq_
   // even after set_aside has moved the highest-numbered ones away.
   next_seq_ = run_start_seq_ = next_save_seq(dir_);
@@ -1464,7 +1473,7 @@ std::string CheckpointManager::set_aside(const std::vector<std::string>& names, 
 }
 
 bool CheckpointManager::abandoned(int64_t seq, int64_t step) const {
-  return resumed_step_ >= 0 && step > resumed_step_ && seq < run_start_seq_;
+  return resumed_step_ >= 0 && seq < run_start_seq_ && (resumed_seq_ < 0 || step > resumed_step_ || seq > resumed_seq_);
 }
 
 void CheckpointManager::rotate() {

@@ -221,11 +221,13 @@ class CheckpointManager {
   bool save_pending() const { return pending_ != nullptr; }  // begun, not finished
   bool writing() const;  // this rank's files of the pending save are still being written
 
-  // The run resumed from a checkpoint of `step`. Checkpoints of a higher step saved before now
-  // belong to a trajectory the resume abandoned (a rewind): rotation never removes them, as
-  // only the user knows whether they are still wanted (set_aside moves them out of the way).
-  // Returns their names, oldest save first.
-  std::vector<std::string> set_resumed_from(int64_t step);
+  // The run resumed from checkpoint `resumed` of `step`. Checkpoints saved before now that are
+  // not its past belong to a trajectory the resume abandoned: those of a higher step or saved
+  // after it (a rewind), and, when it lies outside this directory (another run's, or one set
+  // aside by a rewind), all of them, as nothing says which are its past. Rotation never
+  // removes them, as only the user knows whether they are still wanted (set_aside moves them
+  // out of the way). Returns their names, oldest save first.
+  std::vector<std::string> set_resumed_from(int64_t step, const std::string& resumed);
   // Moves those abandoned checkpoints (`names`) into one new folder of the directory,
   // abandoned-after-<step_name(resumed step)>-<UTC time>: kept whole, yet out of this run's way
   // (its saves of the same steps would otherwise replace them) and removable with one rm -r.
@@ -257,6 +259,9 @@ class CheckpointManager {
   nlohmann::json blend_history_;
   bool abandoned(int64_t seq, int64_t step) const;
   int64_t resumed_step_ = -1, run_start_seq_ = 0;  // set_resumed_from; -1: a fresh run
+  // The resumed checkpoint's save_seq, when it is one of this directory's (else -1: none of the
+  // directory's saves is known to be its past); INT64_MAX when it is but predates save_seq.
+  int64_t resumed_seq_ = -1;
   int64_t next_seq_ = 0;  // the coordinator's next save_seq, at least (see finish_save)
   int64_t published_ = 0;  // saves this manager published: a failure's message tells "none before" from "gone since"
 };

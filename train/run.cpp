@@ -451,9 +451,19 @@ static std::string set_aside_abandoned(CheckpointManager& checkpoints, const std
   for (size_t k = 0; k < above.size() && (above.size() <= kNamed || k < kNamed - 2); ++k) names += " " + above[k];
   if (above.size() > kNamed)
     names += " ... and " + std::to_string(above.size() - (kNamed - 2)) + " more up to " + above.back();
-  const std::string what = "resuming at step " + std::to_string(step) + " abandons the " +
-                           (above.size() > 1 ? std::to_string(above.size()) + " later checkpoints" : "later checkpoint") +
-                           names + " in " + dir;
+  // From outside the directory (another run's checkpoint, or one a rewind set aside), none of
+  // the directory's checkpoints is known to be the resumed one's past.
+  const fs::path from = fs::absolute(resumed_path).lexically_normal();
+  std::error_code ec;
+  const bool outside = !fs::equivalent(from.parent_path(), dir, ec);
+  const std::string count = above.size() > 1 ? std::to_string(above.size()) + " " : "";
+  const std::string what =
+      "resuming at step " + std::to_string(step) +
+      (outside ? " from " + from.string() + ", which is not one of " + dir + "'s checkpoints, abandons " +
+                     (above.size() > 1 ? "the " + count + "checkpoints" : "the checkpoint") + names +
+                     " there (nothing says which of them are its past)"
+               : " abandons the " + count + (above.size() > 1 ? "later checkpoints" : "later checkpoint") + names +
+                     " in " + dir);
   try {
     const std::string folder = checkpoints.set_aside(above, resumed_path);
     return what + ": moved, whole, to " + folder + " (this run's saves would replace them where they were). " +
@@ -1792,7 +1802,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   if (train.num_sources() > 1) checkpoints.set_blend_history(blend_history_json(train.blend_history()));
   // A rewind: the higher steps belong to the run it abandoned (set aside below, under the lock).
   std::vector<std::string> abandoned;
-  if (!resume_path.empty() && !opts.eval_only) abandoned = checkpoints.set_resumed_from(progress.iteration);
+  if (!resume_path.empty() && !opts.eval_only) abandoned = checkpoints.set_resumed_from(progress.iteration, loaded_from);
   double gpu_memory = 0;  // the lead rank's device memory (0 on the CPU), for the memory plan
   if (lead && opts.eval_only) {  // the same start-up lines, without the run directory
     print_summary(cfg, train, vals, packed, *backend);

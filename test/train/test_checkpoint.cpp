@@ -511,7 +511,8 @@ TEST_CASE("the order of saves and a rewind's abandoned steps follow save_seq, no
   std::ofstream(dir / "latest") << "step_00000004\n";
 
   CheckpointManager mgr(dir.path.string(), cfg);
-  CHECK(mgr.set_resumed_from(2) == std::vector<std::string>{"step_00000003", "step_00000004"});
+  CHECK(mgr.set_resumed_from(2, dir / "step_00000002") ==
+        std::vector<std::string>{"step_00000003", "step_00000004"});
   // This run's saves (numbered after every save there; stamped by the slow clock) at steps 5, 6.
   fake_save(5, 4, now_ns + 5);
   fake_save(6, 5, now_ns + 6);
@@ -527,6 +528,14 @@ TEST_CASE("the order of saves and a rewind's abandoned steps follow save_seq, no
   // With no `latest`, the newest save is the one of the highest save_seq, not the latest clock.
   fs::remove(dir / "latest");
   CHECK(Checkpoint::find_latest(dir.path.string()) == (fs::path(dir.path) / "step_00000006").string());
+  // A save of a lower step made after the one resumed (save_seq) is not its past either; one
+  // resumed from outside the directory has no known past here at all.
+  fake_save(1, 6, now_ns + 7);
+  CheckpointManager later(dir.path.string(), cfg);
+  CHECK(later.set_resumed_from(5, dir / "step_00000005") ==
+        std::vector<std::string>{"step_00000006", "step_00000001"});
+  CheckpointManager elsewhere(dir.path.string(), cfg);
+  CHECK(elsewhere.set_resumed_from(5, "/another/run/checkpoints/step_00000005").size() == 5);  // 1, 3 to 6
 }
 
 

@@ -797,6 +797,41 @@ TEST_CASE("after a rewind the abandoned run's steps are set aside whole and keep
   CHECK(run_keel("ckpt verify " + dir + "/" + folder + "/step_00000006").code == 0);
 }
 
+// A resume from a checkpoint outside the run's directory (another run's; one a rewind set aside)
+// has no known past among the directory's checkpoints: keep_last would remove them, `latest` and
+// all, as if they were. They are set aside whole, as a rewind's later steps are.
+TEST_CASE("a resume from another run's checkpoint sets the directory's own checkpoints aside, never rotates them away",
+          "[ckpt][cli][rotate]") {
+  test::Workspace ws(kRun);
+  const std::string mine = ws.dir / "mine", theirs = ws.dir / "theirs", dir = mine + "/checkpoints";
+  const std::string every = "--set checkpoint.interval=2 --set checkpoint.keep_last=2 ";
+  REQUIRE(run_keel(train_args(ws, mine, every + "--steps 4")).code == 0);
+  REQUIRE(run_keel(train_args(ws, theirs, every + "--steps 6")).code == 0);
+  const std::string kept4 = test::read_file(dir + "/step_00000004/meta.json");
+  auto r = run_keel(train_args(ws, mine, every + "--steps 12 --resume " + theirs + "/checkpoints/step_00000006"));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const std::string said = "resuming at step 6 from " + theirs + "/checkpoints/step_00000006, which is not one of " +
+                           dir + "'s checkpoints, abandons the 2 checkpoints step_00000002 step_00000004 there "
+                           "(nothing says which of them are its past): moved, whole, to " + dir +
+                           "/abandoned-after-step_00000006-";
+  REQUIRE_THAT(r.output, Catch::Contains(said));
+  const size_t at = r.output.find(said) + said.size() - std::string("abandoned-after-step_00000006-").size();
+  const std::string folder = dir + "/" + r.output.substr(at, r.output.find(' ', at) - at);
+  CHECK(test::read_file(folder + "/step_00000004/meta.json") == kept4);
+  CHECK(fs::exists(folder + "/step_00000002/meta.json"));
+  CHECK(test::read_file(dir + "/latest") == "step_00000012\n");
+  CHECK(fs::exists(dir + "/step_00000010") + fs::exists(dir + "/step_00000012") == 2);
+  CHECK_FALSE(fs::exists(dir + "/step_00000008"));  // this run's own saves rotate as ever
+
+  // Resumed from the directory's own checkpoint, a save of a lower step made after it (none
+  // here: save order) is not its past either; its earlier saves are, and rotate.
+  auto again = run_keel(train_args(ws, mine, every + "--steps 14"));
+  INFO(again.output);
+  CHECK(again.code == 0);
+  CHECK_THAT(again.output, !Catch::Contains("abandons"));
+}
+
 // A kill between a save's rename into place and the update of `latest` leaves `latest` one save
 // behind. The newer checkpoint is complete and numbered after it (save_seq): the restart resumes
 // from it, and says why, rather than take it for an abandoned run and set it aside.
