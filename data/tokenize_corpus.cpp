@@ -121,6 +121,7 @@ class SplitWriter {
       if (out_.special_text_tokens.size() < 6) out_.special_text_tokens.insert(e.special_in_text);  // 5 shown, and "..."
     }
     if (o_.chat && o_.assistant_loss_mask) out_.without_replies += std::count(e.mask.begin(), e.mask.end(), uint8_t{1}) == 0;
+    if (o_.chat && e.ids.size() > 1) out_.eot_inside_conversations += std::find(e.ids.begin(), e.ids.end() - 1, eot_) != e.ids.end() - 1;
     if (o_.pack > 0) return pack(e);
     ++out_.documents;
     out_.tokens += static_cast<int64_t>(e.ids.size());
@@ -781,6 +782,10 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
                     {"train", split_of(r.train)},
                     {"val", split_of(r.val)}};
   }
+  // keel train refuses data.document_masking on such data (check_document_ends).
+  if (chat)
+    meta["eot_inside_conversations"] = {{"train", r.train.eot_inside_conversations},
+                                        {"val", r.val.eot_inside_conversations}};
   if (corpus.skipped_records()) meta["source"]["jsonl_skipped"] = corpus.skipped_records();
   if (corpus.files_with_bad_utf8()) meta["source"]["files_with_bad_utf8"] = corpus.files_with_bad_utf8();
   std::string mask_kind = chat ? "assistant: the assistant replies, as the chat template renders them, are in the loss; "
@@ -878,6 +883,11 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
           split.special_text_tokens.size() > 5 ? ", ..." : "", o.chat ? "conversation" : "document",
           o.chat ? ", and the chat template's own special tokens stay special" : "");
     }
+    if (split.eot_inside_conversations)
+      say("  NOTE %lld of the conversations hold the end of text %s (id %d) before their end (the chat template "
+          "writes it inside a conversation, e.g. after every turn): keel train refuses data.document_masking on this "
+          "data, which would cut them at every one and train each turn without the ones before it",
+          static_cast<long long>(split.eot_inside_conversations), r.eot_token.c_str(), r.eot_id);
     if (split.unplaced_replies)
       say("  NOTE %lld assistant replies are out of the loss: the chat template renders them differently once later "
           "messages follow (e.g. it drops their reasoning), so they could not be located",

@@ -89,6 +89,9 @@ struct TokenizedSplit {
   // kinds, 5 of them shown).
   int64_t special_text_documents = 0;
   std::set<int32_t> special_text_tokens;
+  // Chat: conversations holding the end-of-text token before their end (Llama 2's and Zephyr's
+  // templates write </s> after every turn), which data.document_masking would cut at each.
+  int64_t eot_inside_conversations = 0;
   // Packing: windows written, padding tokens among `tokens`, documents longer than a window (the
   // longest of them, in tokens with its end of text), the pieces that split made of them, and
   // the tokens that drop and truncate left out. `documents` counts what was written.

@@ -517,6 +517,35 @@ std::vector<std::string> check_packed_data(const RunConfig& cfg) {
   return packed;
 }
 
+// The meta.json of chat data whose conversations hold the end-of-document token before their end
+// (keel tokenize --chat with Llama 2's template: </s> after every turn), and how many; empty if none.
+std::pair<std::string, int64_t> conversations_with_eod_inside(const RunConfig& cfg, int64_t eod) {
+  for (const auto& [meta, j] : data_folder_metas(cfg)) {
+    if (!j.is_object() || !j.contains("eot_inside_conversations") || meta_eot_id(j) != eod) continue;
+    int64_t n = 0;
+    for (const char* split : {"train", "val"})
+      if (j["eot_inside_conversations"].value(split, nlohmann::json(0)).is_number_integer())
+        n += j["eot_inside_conversations"][split].get<int64_t>();
+    if (n > 0) return {meta, n};
+  }
+  return {};
+}
+
+// Document masking cuts at every end-of-document token: in such conversations, each turn would
+// be trained without the turns before it, and nothing would say so.
+void check_document_ends(const RunConfig& cfg) {
+  if (!cfg.data.document_masking) return;
+  const auto [meta, n] = conversations_with_eod_inside(cfg, cfg.data.eod_token);
+  if (meta.empty()) return;
+  throw ConfigError("data.document_masking: " + meta + " says " + std::to_string(n) +
+                    " of its conversations hold the end-of-text token (id " + std::to_string(cfg.data.eod_token) +
+                    ") before their end: the chat template writes it inside a conversation (Llama 2's and Zephyr's "
+                    "after every turn), and document masking would cut the conversation at each one, training every "
+                    "turn without the turns before it. Set data.document_masking=false (the conversations packed in a "
+                    "window then attend to the ones before them), or tokenize again with an --eot-token the template "
+                    "does not write");
+}
+
 // data.eod_token when document masking or eod_mask_loss is on and it is not set: the "eot_id"
 // prepare_data.py writes to meta.json beside the shards, which every data.train and data.val
 // folder must agree on.
@@ -830,7 +859,7 @@ void print_summary(const RunConfig& cfg, const data::Sampler& train,
     std::printf("keel: data: packed (keel tokenize --pack %lld): whole documents in each window, then padding out of "
                 "the loss (%s%s)\n",
                 static_cast<long long>(cfg.train.seq_len), packed.front().c_str(), packed.size() > 1 ? ", ..." : "");
-    if (!cfg.data.document_masking)
+    if (!cfg.data.document_masking && conversations_with_eod_inside(cfg, data_eot_id(cfg)).first.empty())
       std::printf("keel: WARNING the data is packed, several documents to a window, and data.document_masking is off: "
                   "each document attends to the documents before it in its window. Set data.document_masking=true to "
                   "train each one as if it were alone.\n");
@@ -1307,6 +1336,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   std::signal(SIGINT, on_stop_signal);
   RunConfig cfg = with_eod_token(config);  // changed once below: --init-from is recorded as train.init_from
   const std::vector<std::string> packed = check_packed_data(cfg);
+  check_document_ends(cfg);
   // ---- the grid: world size and rank from the launcher (mpirun/srun), or a world of one ----
   const int world_size = opts.mpi ? opts.mpi->world_size() : 1;
   const int world_rank = opts.mpi ? opts.mpi->world_rank() : 0;

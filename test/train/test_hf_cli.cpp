@@ -631,14 +631,29 @@ TEST_CASE("keel tokenize --chat + keel sample --chat: conversations through the 
   CHECK(meta["source"]["chat_template_origin"] == (model / "tokenizer_config.json").string());
   CHECK(test::read_file(tmp / "chat/tokenizer_config.json") == test::read_file(model / "tokenizer_config.json"));
 
-  // Finetune on it: the masks and document boundaries are picked up.
+  // This Llama 2 template writes </s>, the end of text, after every reply: inside every
+  // two-turn conversation, said, and recorded for keel train.
+  CHECK_THAT(r.output, Catch::Contains("NOTE 36 of the conversations hold the end of text </s> (id 2) before their end"));
+  CHECK(meta["eot_inside_conversations"] == json{{"train", 36}, {"val", 4}});
+
+  // Finetune on it: the masks are picked up. Document masking, which would cut every
+  // conversation at its first reply's </s> (and train the second turn without the first), is
+  // refused (was: trained so without a word).
   auto cfg = run_keel("convert --print-config hf:" + model.string());
   REQUIRE(cfg.code == 0);
   std::ofstream(tmp / "ft.json") << cfg.output;
-  r = run_keel("train --config " + tmp / "ft.json" + " --init-from hf:" + model.string() + " --out " + tmp / "run" +
-               " --steps 2 --set 'data.train=" + tmp / "chat/train_*.bin' --set 'data.val=" + tmp / "chat/val_*.bin'" +
-               " --set data.document_masking=true --set train.seq_len=64 --set train.global_batch=4"
-               " --set train.micro_batch=2 --set schedule.warmup_steps=0");
+  const std::string finetune = "train --config " + tmp / "ft.json" + " --init-from hf:" + model.string() + " --out " +
+                               tmp / "run" + " --steps 2 --set 'data.train=" + tmp / "chat/train_*.bin' --set 'data.val=" +
+                               tmp / "chat/val_*.bin' --set train.seq_len=64 --set train.global_batch=4"
+                               " --set train.micro_batch=2 --set schedule.warmup_steps=0";
+  r = run_keel(finetune + " --set data.document_masking=true");
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("data.document_masking: " + tmp / "chat/meta.json" +
+                                       " says 40 of its conversations hold the end-of-text token (id 2) before their end") &&
+                           Catch::Contains("Set data.document_masking=false"));
+  CHECK_FALSE(fs::exists(tmp / "run"));
+  r = run_keel(finetune + " --set data.document_masking=false");
   INFO(r.output);
   REQUIRE(r.code == 0);
   CHECK_THAT(r.output, Catch::Contains("loss masks on 1 of 1 files"));
