@@ -122,6 +122,7 @@ class HfCheckpoint {
   // Reads a rectangle of keel tensor `keel_name` (full-tensor coordinates; rows past the HF
   // vocabulary, i.e. keel's vocab padding, read as zeros) converted to out_type: bit for bit
   // when out_type is the stored dtype, else round to nearest even.
+  // A nan or inf among the values read is an error naming the HF tensor (CheckpointError).
   void read(const std::string& keel_name, const TensorRegion& region, DType out_type, void* out) const;
   void read_full(const std::string& keel_name, const std::vector<int64_t>& keel_shape, DType out_type, void* out) const;
   // Done with a tensor: its pages leave this process's memory (they stay in the page cache).
@@ -134,6 +135,7 @@ class HfCheckpoint {
     HfTensorSlice slice;
   };
   const Source& source(const std::string& keel_name) const;
+  void read_values(const std::string& keel_name, const TensorRegion& region, DType out_type, void* out) const;
   std::string dir_;
   nlohmann::json config_;
   ModelConfig model_;

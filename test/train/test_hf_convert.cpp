@@ -925,10 +925,15 @@ TEST_CASE("hf: --dtype fp16 refuses values beyond its range, naming the tensor, 
                  Catch::Contains("pass --dtype bf16 or fp32"));
   CHECK_FALSE(fs::exists(tmp / "big_hf"));
 
-  // inf/NaN in the source: refused as broken weights, whichever direction.
+  // inf/NaN in the source: refused as broken weights, in any dtype, by the HF tensor's name;
+  // --init-from hf: reads the same way (was: converted in the HF dtype, then every step's loss
+  // nan and a non-finite save).
   const std::string nan = with_value(tmp, "llama_trained", "nan", up, std::nanf(""));
-  CHECK_THAT(error_of([&] { convert_hf_to_keel(nan, tmp / "nan_fp16", DType::F16, false); }),
-             Catch::Contains("tensor " + up + " holds 1 inf/NaN value(s)"));
+  for (const std::optional<DType> dtype : {std::optional<DType>(DType::F16), std::optional<DType>()}) {
+    CHECK_THAT(error_of([&] { convert_hf_to_keel(nan, tmp / "nan_keel", dtype, false); }),
+               Catch::Contains("hf:" + nan + ": tensor " + up + " holds 1 value that is nan or inf"));
+    CHECK_FALSE(fs::exists(tmp / "nan_keel"));
+  }
 
   // A value below fp16's smallest subnormal becomes 0: converted, with a note counting them.
   const std::string tiny = with_value(tmp, "llama_trained", "tiny", up, 1e-9f);
