@@ -4,6 +4,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <new>
 #include <thread>
@@ -91,6 +92,11 @@ int main(int argc, char** argv) {
     if (world_size > 1) keel::parallel::MpiRuntime::abort(code);
     return code;
   };
+  if (app.got_subcommand("train")) {
+    keel::install_stop_handlers();
+    // Test hook: a signal at the earliest moment of start-up, before MPI (test_cli "[signal]").
+    if (std::getenv("KEEL_FAULT_SIGNAL_AT_STARTUP")) std::raise(SIGUSR1);
+  }
   try {
     mpi = std::make_unique<keel::parallel::MpiRuntime>(&argc, &argv);
     world_rank = mpi->world_rank();

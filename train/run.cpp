@@ -1324,16 +1324,34 @@ std::string low_space_warning(const std::string& dir, int64_t save_bytes, int64_
 void set_process_runtime(const parallel::MpiRuntime* runtime) { g_runtime = runtime; }
 const parallel::MpiRuntime* process_runtime() { return g_runtime; }
 
-int run_training(const RunConfig& config, const RunOptions& opts) {
-  // From the start: a signal during start-up (a checkpoint load takes minutes on a large model)
-  // stops the run at its first step boundary with a save and exit 4, so a requeue script sees
-  // the usual stop instead of a process killed by SIGTERM or SIGUSR1.
-  g_stop_signal = 0;
-  g_announce_signal = !opts.mpi || opts.mpi->world_rank() == 0;
+namespace {
+bool g_handlers_installed = false;
+}  // namespace
+
+void install_stop_handlers() {
+  // The launcher's rank before MPI says it: Open MPI, MPICH / Intel MPI (PMI), SLURM.
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"})
+    if (const char* r = std::getenv(var)) {
+      g_announce_signal = std::string(r) == "0";
+      break;
+    }
   g_fallback_line[g_fallback_index][0] = '\0';  // no second line until the run knows its checkpoint
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
+  g_handlers_installed = true;
+}
+
+int run_training(const RunConfig& config, const RunOptions& opts) {
+  // From the start: a signal during start-up (a checkpoint load takes minutes on a large model)
+  // stops the run at its first step boundary with a save and exit 4, so a requeue script sees
+  // the usual stop instead of a process killed by SIGTERM or SIGUSR1. keel's main installs the
+  // handlers before MPI starts (install_stop_handlers), and a signal since then is kept.
+  if (!g_handlers_installed) {
+    g_stop_signal = 0;
+    install_stop_handlers();
+  }
+  g_announce_signal = !opts.mpi || opts.mpi->world_rank() == 0;
   RunConfig cfg = with_eod_token(config);  // changed once below: --init-from is recorded as train.init_from
   const std::vector<std::string> packed = check_packed_data(cfg);
   check_document_ends(cfg);

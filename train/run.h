@@ -38,6 +38,11 @@ struct RunOptions {
 };
 
 int run_training(const RunConfig& cfg, const RunOptions& opts = {});
+// keel train's SIGTERM / SIGUSR1 / SIGINT handlers, from the process's start (before MPI and the
+// config checks across ranks): a signal then stops the run at its first step boundary with a
+// save and exit 4, as one during the rest of start-up does. run_training installs them itself
+// when this was not called. Only the launcher's rank 0 (by its environment) announces it.
+void install_stop_handlers();
 
 // The config's settings that change nothing in this run (sequence_parallel at tp 1, ...) and the
 // schedules the run ends inside of (a warmup longer than train.steps, ...), each with what the

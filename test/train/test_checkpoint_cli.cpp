@@ -20,6 +20,7 @@
 
 #include "common/checkpoint_meta.h"
 #include "common/process.h"
+#include "common/scoped_env.h"
 #include "common/workspace.h"
 #include "data/safetensors.h"
 #include "kernels/dtype.h"
@@ -404,6 +405,16 @@ TEST_CASE("a signal during start-up stops the run at its first step boundary wit
                        Catch::Contains("the evaluations due at iteration 5 are skipped"));
   CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000005\n");
   for (const auto& rec : test::read_metrics(out + "/metrics.jsonl")) CHECK_FALSE(rec.contains("val_loss"));
+
+  // At the earliest moment, before MPI starts and the ranks compare their configs (a second and
+  // more on a busy node): the same stop (was: killed by the signal, exit 138).
+  test::ScopedEnv early("KEEL_FAULT_SIGNAL_AT_STARTUP");
+  early.set("1");
+  const auto r = run_keel(train_args(ws, out, "--stop-at 8"));
+  INFO(r.output);
+  CHECK(r.code == 4);
+  CHECK_THAT(r.output, Catch::Contains("SIGUSR1 received"));
+  CHECK(test::read_file(out + "/checkpoints/latest") == "step_00000006\n");
 }
 
 // scripts/keel.sbatch under stand-ins for srun (exits as keel would) and scontrol (records the
