@@ -2170,6 +2170,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
         const double now = tr.scaler().scale();
         if (now < st.loss_scale)
           std::snprintf(buf, sizeof buf, ", fp16 loss scale backs off from %.6g to %.6g", double(st.loss_scale), now);
+        else if (st.scale_exhausted || now <= cfg.precision.loss_scale.min)  // the ERROR below, or the next one's
+          std::snprintf(buf, sizeof buf, ", fp16 loss scale at its minimum %.6g (precision.loss_scale.min)", now);
         else if (const int64_t left = tr.scaler().hysteresis_tracker(); left <= 1)
           std::snprintf(buf, sizeof buf, ", fp16 loss scale stays at %.6g (precision.loss_scale.hysteresis %lld): the "
                         "next overflow cuts it unless it grows first", now,
@@ -2183,6 +2185,11 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
       std::printf("keel: WARNING step %lld: %s (update skipped%s)\n", static_cast<long long>(it),
                   std::isfinite(st.loss) ? "non-finite gradient" : "non-finite loss", scale_note.c_str());
       if (!st.nonfinite_report.empty()) std::printf("keel:   %s\n", st.nonfinite_report.c_str());
+      // The loss scale multiplies the backward only: backing it off cannot fix a forward overflow.
+      if (tr.scaler().enabled() && st.nonfinite_report.starts_with("first non-finite value at forward"))
+        std::printf("keel:   the overflow is in the forward pass, which the loss scale does not touch: backing the "
+                    "scale off cannot fix it. The weights or activations have outgrown fp16 (a learning rate too "
+                    "high?): lower optimizer.lr and resume from an earlier checkpoint, or train in bf16\n");
     }
     if (lead && !st.frozen.empty()) {
       for (const auto& f : st.frozen) std::printf("keel: WARNING frozen parameter: %s\n", f.c_str());

@@ -787,6 +787,11 @@ TEST_CASE("keel train: the fp16 loss scale at its minimum stops the run with exi
   INFO(r.output);
   REQUIRE(r.code == 6);
   CHECK_THAT(r.output, Catch::Contains("fp16 loss scale is at its minimum"));
+  // The step that stops says the scale is at its minimum (was: "stays at 2 ... hysteresis",
+  // beside the ERROR that it cannot go lower), and that a forward overflow is not the scale's.
+  CHECK_THAT(r.output, Catch::Contains("update skipped, fp16 loss scale at its minimum 2 (precision.loss_scale.min)") &&
+                           !Catch::Contains("stays at 2"));
+  CHECK_THAT(r.output, Catch::Contains("the overflow is in the forward pass, which the loss scale does not touch"));
   // The save holds the state before the overflowing steps: one applied update, the skips counted.
   const std::string latest = test::read_file(ws.dir / "a/checkpoints/latest");
   const fs::path saved = fs::path(ws.dir / "a/checkpoints") / latest.substr(0, latest.find('\n'));
