@@ -122,7 +122,7 @@ ChatTemplate ChatTemplate::from_source(const std::string& source, const ojson& c
   return t;
 }
 
-ChatTemplate ChatTemplate::from_path(const std::string& path) {
+ChatTemplate ChatTemplate::from_path(const std::string& path, const std::string& tokenizer_dir) {
   const fs::path p(path);
   fs::path config_path, jinja_path;
   if (fs::is_directory(p)) {
@@ -134,7 +134,10 @@ ChatTemplate ChatTemplate::from_path(const std::string& path) {
     config_path = p;
   } else {
     jinja_path = p;
+    // The template's bos_token / eos_token: beside it, else with the tokenizer it renders for.
     if (fs::exists(p.parent_path() / "tokenizer_config.json")) config_path = p.parent_path() / "tokenizer_config.json";
+    else if (!tokenizer_dir.empty() && fs::exists(fs::path(tokenizer_dir) / "tokenizer_config.json"))
+      config_path = fs::path(tokenizer_dir) / "tokenizer_config.json";
   }
   const ojson config = config_path.empty() ? ojson() : read_json(config_path);
   if (!jinja_path.empty()) return from_source(detail::read_file(jinja_path.string(), "chat template"), config, jinja_path.string());

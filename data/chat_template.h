@@ -59,9 +59,10 @@ nlohmann::ordered_json chat_messages(const nlohmann::ordered_json& messages);
 class ChatTemplate {
  public:
   // `path`: a model folder, a tokenizer_config.json, or a .jinja file (special tokens then come
-  // from a tokenizer_config.json beside it, if there is one). Throws DataError naming the file
-  // when there is no template, and jinja::TemplateError when it does not parse.
-  static ChatTemplate from_path(const std::string& path);
+  // from a tokenizer_config.json beside it, else from the one in `tokenizer_dir`, the folder of
+  // the tokenizer it is used with). Throws DataError naming the file when there is no template,
+  // and jinja::TemplateError when it does not parse.
+  static ChatTemplate from_path(const std::string& path, const std::string& tokenizer_dir = "");
   // From the template text and tokenizer_config.json's contents (null: no special tokens).
   static ChatTemplate from_source(const std::string& source, const nlohmann::ordered_json& tokenizer_config,
                                   const std::string& origin);

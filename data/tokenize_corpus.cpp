@@ -517,7 +517,8 @@ TokenizeResult tokenize_corpus(const TokenizeOptions& o, const std::function<voi
   // (a template of another model family would otherwise be encoded as plain text, in silence).
   std::optional<ChatTemplate> chat;
   if (o.chat) {
-    chat = ChatTemplate::from_path(o.chat_template.empty() ? tok_path.parent_path().string() : o.chat_template);
+    chat = ChatTemplate::from_path(o.chat_template.empty() ? tok_path.parent_path().string() : o.chat_template,
+                                   tok_path.parent_path().string());
     for (const char* name : {"bos_token", "eos_token"}) {
       const std::string t = chat->special_token(name);
       if (!t.empty() && !tok.token_to_id(t))

@@ -62,12 +62,13 @@ std::string show_ids(const std::vector<int32_t>& ids) {
 // (lm.chat_templates: its own folders, the template its training data was rendered with, the
 // checkpoints and HF model it came from), after the --tokenizer folder.
 data::ChatTemplate find_chat_template(const LoadedModel& lm, const SampleArgs& a) {
-  if (!a.chat_template.empty())
-    return data::ChatTemplate::from_path(a.chat_template.starts_with("hf:") ? a.chat_template.substr(3) : a.chat_template);
   std::vector<fs::path> where;
   if (!a.model.tokenizer.empty())
     where.push_back(fs::is_directory(a.model.tokenizer) ? fs::path(a.model.tokenizer) : fs::path(a.model.tokenizer).parent_path());
   where.insert(where.end(), lm.chat_templates.begin(), lm.chat_templates.end());
+  if (!a.chat_template.empty())  // its special tokens, when none are beside it: the tokenizer's, the model's
+    return data::ChatTemplate::from_path(a.chat_template.starts_with("hf:") ? a.chat_template.substr(3) : a.chat_template,
+                                         where.empty() ? std::string() : where.front().string());
   return first_chat_template(where, lm.source);
 }
 

@@ -202,6 +202,13 @@ TEST_CASE("chat templates load from tokenizer_config.json and chat_template.jinj
   }
   const ChatTemplate jinja_file = ChatTemplate::from_path(dir.str());
   CHECK(jinja_file.render(ojson::parse(R"([{"role":"user","content":"x"}])"), false) == "<|begin_of_text|>[user]");
+  // A .jinja of one's own, elsewhere: its bos_token / eos_token are the tokenizer's, from the
+  // tokenizer folder it renders for (was: undefined, and the template's error).
+  TempDir mine;
+  std::ofstream(mine / "mine.jinja") << "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}";
+  const ojson hi = ojson::parse(R"([{"role":"user","content":"hi"}])");
+  CHECK(ChatTemplate::from_path(mine / "mine.jinja", dir.str()).render(hi, false) == "<|begin_of_text|>hi<|eot_id|>");
+  CHECK(ChatTemplate::from_path(mine / "mine.jinja").special_token("eos_token").empty());
   // No template: the error names the folder and what was looked for.
   TempDir empty;
   CHECK_THROWS_WITH(ChatTemplate::from_path(empty.str()), Catch::Contains("no chat template") && Catch::Contains("chat_template.jinja"));
