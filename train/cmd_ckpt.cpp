@@ -284,13 +284,18 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
   std::vector<std::string> states;
   for (const Checkpoint& ck : cks) {
     const nlohmann::json other = to_json(parse_config(ck.meta().at("config"), ck.path() + "/meta.json")).at("model");
-    if (const auto diffs = model_differences(other, model, "this one", "the first"); !diffs.empty()) {
+    // Vocabulary padding is no other model: averaged over the real rows (below).
+    auto diffs = model_differences(other, model, "this one", "the first");
+    std::erase_if(diffs, [](const std::string& d) { return d.starts_with("model.pad_vocab_to_multiple_of:"); });
+    if (!diffs.empty()) {
       std::string msg = ck.path() + " is another model than " + cks[0].path() + ":";
       for (const auto& d : diffs) msg += "\n  " + d;
       throw CheckpointError(msg);
     }
     states.push_back(master_source(ck, table).value_or("weight"));  // fp32 values when saved
-    check_tensors_match(ck, states.back(), table);
+    // A run resumed under another parallel.tp pads the vocabulary otherwise: its real rows are
+    // averaged, the padding rows (no token's, zero) take the first checkpoint's count.
+    check_tensors_match(ck, states.back(), table, /*repadding=*/true);
   }
   const fs::path out(out_path);
   std::vector<std::string> inputs;
@@ -304,8 +309,12 @@ int cmd_average(const std::vector<std::string>& paths, const std::string& out_pa
     const TensorFill fill = [&](const ParamSpec& p, DType dt, void* dst) {
       const int64_t n = p.logical_numel();
       sum.assign(static_cast<size_t>(n), 0.0);
+      std::vector<float> part(static_cast<size_t>(n));
+      TensorRegion whole;
+      whole.shape = p.shape;
+      whole.offset.assign(p.shape.size(), 0);
       for (size_t k = 0; k < cks.size(); ++k) {
-        const std::vector<float> part = cks[k].read_full(states[k], p.name);
+        read_param(cks[k], states[k], p, cfg.model.vocab_size, whole, DType::F32, part.data());
         cks[k].release(states[k], p.name);
         for (int64_t i = 0; i < n; ++i) sum[static_cast<size_t>(i)] += part[static_cast<size_t>(i)];
       }

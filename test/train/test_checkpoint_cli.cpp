@@ -1650,6 +1650,32 @@ TEST_CASE("keel ckpt average: the element-wise mean of the masters, as a checkpo
   CHECK(!fs::exists(ws.dir / "damaged"));
 }
 
+// A run resumed under another vocabulary padding (another parallel.tp, or pad_vocab_to_multiple_of)
+// saves tok_embed with another row count: its checkpoints average over the real rows, as a resume
+// or ckpt diff reads them (was: refused as a shape mismatch, with exit 5, "damaged").
+TEST_CASE("keel ckpt average: checkpoints of one run padded otherwise average their real rows", "[ckpt][cli][average][vocab]") {
+  test::Workspace ws(kRun);
+  const std::string out = ws.dir / "run", dir = out + "/checkpoints";
+  const int64_t vocab = test::tiny_run_json()["model"]["vocab_size"].get<int64_t>();
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 4 --set checkpoint.interval=4 --set model.pad_vocab_to_multiple_of=48")).code == 4);
+  REQUIRE(run_keel(train_args(ws, out, "--stop-at 8 --set checkpoint.interval=4 --set model.pad_vocab_to_multiple_of=1")).code == 4);
+  const Checkpoint a = Checkpoint::open(dir + "/step_00000004"), b = Checkpoint::open(dir + "/step_00000008");
+  REQUIRE(a.shape("master", "tok_embed")[0] != b.shape("master", "tok_embed")[0]);
+  const auto r = run_keel("ckpt average " + dir + "/step_00000004 " + dir + "/step_00000008 --dtype fp32 --out " + ws.dir / "avg");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const Checkpoint avg = Checkpoint::open(ws.dir / "avg");
+  const std::vector<float> got = avg.read_full("weight", "tok_embed"), x = a.read_full("master", "tok_embed"),
+                           y = b.read_full("master", "tok_embed");
+  const int64_t cols = avg.shape("weight", "tok_embed")[1];
+  REQUIRE(avg.shape("weight", "tok_embed")[0] == a.shape("master", "tok_embed")[0]);  // the first one's rows
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < vocab * cols; ++i)
+    wrong += got[static_cast<size_t>(i)] != static_cast<float>((double(x[static_cast<size_t>(i)]) + y[static_cast<size_t>(i)]) / 2);
+  for (size_t i = static_cast<size_t>(vocab * cols); i < got.size(); ++i) wrong += got[i] != 0.0f;  // padding rows
+  CHECK(wrong == 0);
+}
+
 // ckpt diff compares the tensors the two checkpoints hold in one shape; those whose shapes
 // differ are listed and counted apart, not as compared tensors that differ. A vocabulary padded
 // otherwise (tok_embed and lm_head in every state) is compared in its real rows, with the padding
