@@ -558,6 +558,8 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   std::map<int64_t, StepRec> by_step;  // a replayed step keeps its last record
   std::map<std::string, std::map<int64_t, double>> vals;  // by step; "": data.val, else data.val_sets' names
   std::map<std::string, int64_t> val_without_loss;        // evaluations reported as nan (no target in the loss)
+  std::map<std::string, int64_t> val_nonfinite;           // evaluations whose loss overflowed (targets, no number)
+  std::map<std::string, int64_t> val_unexplained;         // nan from a keel that did not record the targets
   struct Resume {
     int64_t step;
     std::string checkpoint;
@@ -658,13 +660,18 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
     const int64_t step = rec["step"].get<int64_t>();
     if (rec.contains("val_loss") || rec.contains("val_losses")) {
       // nan: a set whose evaluated targets were all masked, so it had no loss; kept out of the trend.
-      auto add = [&](const std::string& name, std::optional<double> v) {
-        if (v && std::isnan(*v)) ++val_without_loss[name];
-        else if (v) vals[name][step] = *v;
+      // Beside it, the targets in the loss (val_loss_tokens): a nan with targets is an overflow.
+      auto add = [&](const std::string& name, std::optional<double> v, std::optional<double> targets) {
+        if (v && std::isfinite(*v)) vals[name][step] = *v;
+        else if (v && !targets) ++val_unexplained[name];
+        else if (v) ++(*targets == 0 ? val_without_loss : val_nonfinite)[name];
       };
-      add("", number_of(rec, "val_loss"));
+      add("", number_of(rec, "val_loss"), number_of(rec, "val_loss_tokens"));
+      const json by_set = rec.value("val_loss_tokens_by_set", json::object());
       if (rec.contains("val_losses") && rec["val_losses"].is_object())
-        for (const auto& [name, x] : rec["val_losses"].items()) add(name, number_of(rec["val_losses"], name.c_str()));
+        for (const auto& [name, x] : rec["val_losses"].items())
+          add(name, number_of(rec["val_losses"], name.c_str()),
+              by_set.is_object() ? number_of(by_set, name.c_str()) : std::nullopt);
       continue;
     }
     auto loss = number_of(rec, "loss");
@@ -870,6 +877,17 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
   for (const auto& [name, n] : val_without_loss)
     notes.push_back("validation" + (name.empty() ? std::string() : " (" + name + ")") + ": " + std::to_string(n) +
                     " evaluation(s) had no target in the loss (all masked), reported as nan");
+  for (const auto& [name, n] : val_unexplained)
+    notes.push_back("validation" + (name.empty() ? std::string() : " (" + name + ")") + ": " + std::to_string(n) +
+                    " evaluation(s) reported as nan: no target in the loss (all masked), or a forward that "
+                    "overflowed (this keel's metrics do not say which)");
+  for (const auto& [name, n] : val_nonfinite) {
+    const std::string text = "validation" + (name.empty() ? std::string() : " (" + name + ")") + ": " +
+                             std::to_string(n) + " evaluation(s) gave a non-finite loss with targets in the loss: "
+                             "the forward overflowed (fp16's range, or weights that diverged)";
+    s += "    " + text + "\n";
+    r.problems.push_back(text);
+  }
   // Stragglers (timers records): a rank named at two or more timed steps held the job up.
   if (r.timed_steps > 0) {
     s += "  timers: " + std::to_string(r.timed_steps) + " timed step(s), stragglers: " +

@@ -1347,10 +1347,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   // stops the run at its first step boundary with a save and exit 4, so a requeue script sees
   // the usual stop instead of a process killed by SIGTERM or SIGUSR1. keel's main installs the
   // handlers before MPI starts (install_stop_handlers), and a signal since then is kept.
-  if (!g_handlers_installed) {
-    g_stop_signal = 0;
-    install_stop_handlers();
-  }
+  // Installed again all the same: MPI's start-up may have put handlers of its own in their place.
+  if (!g_handlers_installed) g_stop_signal = 0;
+  install_stop_handlers();
   g_announce_signal = !opts.mpi || opts.mpi->world_rank() == 0;
   RunConfig cfg = with_eod_token(config);  // changed once below: --init-from is recorded as train.init_from
   const std::vector<std::string> packed = check_packed_data(cfg);
@@ -1739,6 +1738,17 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     if (std::string w = tokenizer_mismatch_warning({fs::path(*hf_dir)}, cfg); !w.empty()) notes.push_back(w);
     loaded_from = init_from;
   } else if (!init_from.empty()) {
+    // A config's train.init_from that exists but holds no checkpoint: "." in a config copied
+    // away from the converted weights it sat beside (keel convert writes "."), read from its folder.
+    if (init_flag == "train.init_from" && fs::is_directory(init_from) && !fs::exists(fs::path(init_from) / "meta.json") &&
+        !fs::exists(fs::path(init_from) / "latest") && !fs::exists(fs::path(init_from) / "checkpoints") &&
+        std::none_of(fs::directory_iterator(init_from), fs::directory_iterator(),
+                     [](const fs::directory_entry& e) { return e.path().filename().string().starts_with("step_"); }))
+      throw ConfigError("train.init_from: " + init_from + " holds no keel checkpoint (a relative train.init_from is "
+                        "read from the folder of the config file that names it: keel convert writes \".\", the "
+                        "weights beside it, so a copy of that config.json elsewhere points at the copy's folder). "
+                        "Point it at the converted checkpoint or hf:DIR to start from (--set train.init_from=PATH, "
+                        "or --init-from PATH), or remove the field to start from a random initialisation");
     Checkpoint ck = open_verified(init_from, "initialise from", init_flag);
     std::vector<std::string> model_changes;  // after the line that says what was loaded
     notes.push_back(init_weights_from(ck, tr.table(), tr.state(), *backend, place, &model_changes));
@@ -1957,6 +1967,7 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   const double flops_per_token = tr.model().flops_per_token();
   int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;
   int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
+  const int64_t first_iteration = progress.iteration, skipped_before = progress.skipped_total;  // for "done"
   double last_val = std::nan("");
   // -q leaves out the per-step lines; --eval-only's evaluations are its whole result (it writes
   // nothing), so they print under -q too.
@@ -1999,8 +2010,9 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
           warn_no_validation_loss(v);
         }
       }
-      if (v.name.empty()) last_val = loss, rec["val_loss"] = json_number(loss);
-      else rec["val_losses"][v.name] = json_number(loss);
+      // The targets in the loss beside it: keel doctor tells a nan of no targets from an overflow.
+      if (v.name.empty()) last_val = loss, rec["val_loss"] = json_number(loss), rec["val_loss_tokens"] = loss_tokens;
+      else rec["val_losses"][v.name] = json_number(loss), rec["val_loss_tokens_by_set"][v.name] = loss_tokens;
       if (!quiet_evals)
         std::printf(" validation%s%s%s at iteration %lld | lm loss: %.6E | lm loss PPL: %.3f |\n",
                     v.name.empty() ? "" : " (", v.name.c_str(), v.name.empty() ? "" : ")", static_cast<long long>(it),
@@ -2364,6 +2376,13 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
     std::printf("keel: done: %lld steps, %lld tokens%s\n", static_cast<long long>(cfg.train.steps),
                 static_cast<long long>(consumed_tokens),
                 std::isnan(last_val) ? "" : (", final validation loss " + std::to_string(last_val)).c_str());
+  // Skipped updates were warned of one by one; a run made of them must not read as a success.
+  const int64_t ran = cfg.train.steps - first_iteration, skipped = std::max<int64_t>(0, skipped_total - skipped_before);
+  if (lead && ran > 0 && skipped > 0)
+    std::printf("keel: WARNING %lld of this run's %lld steps skipped their update (see the warnings above: a non-finite "
+                "loss or gradient, a spike, or nothing in the loss)%s\n",
+                static_cast<long long>(skipped), static_cast<long long>(ran),
+                skipped >= ran ? ": no update was applied, the weights are the ones the run started from" : "");
   if (metrics && metrics->dropped() > 0)
     std::printf("keel: WARNING %lld metrics record(s) could not be written to %s (see the warnings above)\n",
                 static_cast<long long>(metrics->dropped()), metrics->path().c_str());

@@ -79,8 +79,8 @@ struct HealthSnapshot {
   // Whether a saved snapshot measured the same probe batch (yes when it does not say).
   bool same_probe(const nlohmann::json& saved) const { return saved.value("probe_batch", probe_batch) == probe_batch; }
   std::vector<double> working_sumsq, master_sumsq;
-  // A saved snapshot's probe loss: from its bits, else its value. JSON has no inf or nan (an
-  // overflowing probe, as fp16's stop at the smallest loss scale saves, is written null): nan.
+  // A saved snapshot's probe loss. JSON has no inf or nan (an overflowing probe, as fp16's stop
+  // at the smallest loss scale saves, is written null): then from its bits, else nan.
   static double saved_probe_loss(const nlohmann::json& saved);
 };
 

@@ -29,6 +29,8 @@ double saved_number(const nlohmann::json& v) { return v.is_number() ? v.get<doub
 }  // namespace
 
 double HealthSnapshot::saved_probe_loss(const nlohmann::json& saved) {
+  if (saved.contains("probe_loss") && saved["probe_loss"].is_number()) return saved["probe_loss"].get<double>();
+  if (!saved.contains("probe_loss")) return 0;
   const std::string bits = saved.value("probe_loss_bits", std::string());
   if (bits.size() == 16 && bits.find_first_not_of("0123456789abcdef") == std::string::npos) {
     const uint64_t b = std::stoull(bits, nullptr, 16);
@@ -36,7 +38,7 @@ double HealthSnapshot::saved_probe_loss(const nlohmann::json& saved) {
     std::memcpy(&x, &b, 8);
     return x;
   }
-  return saved_number(saved.contains("probe_loss") ? saved["probe_loss"] : nlohmann::json(0.0));
+  return std::nan("");  // null: not finite when saved
 }
 
 // Re-runs the step's micro-batches with the same loss scale and a check after every op of

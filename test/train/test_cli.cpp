@@ -774,6 +774,22 @@ TEST_CASE("keel train notes fp16 loss-scale settings that a bf16 or fp32 run ign
   CHECK_THAT(r.output, !Catch::Contains("precision.loss_scale"));
 }
 
+// A loss scale that overflows every backward skips every update: each step warned, and the end
+// says so (was: "done" and nothing more, a run that changed no weight reading as a success).
+TEST_CASE("keel train: a run whose updates were all skipped says so at the end", "[cli][precision]") {
+  Workspace ws(nlohmann::json{{"precision", {{"mode", "fp16"}, {"loss_scale", {{"initial", 1e30}}}}},
+                              {"train", {{"steps", 4}, {"eval_interval", 0}}}});
+  const Result r = run_keel("train --config " + ws.config + " -q --out " + (ws.dir / "a"));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("keel: WARNING 4 of this run's 4 steps skipped their update") &&
+                           Catch::Contains("no update was applied, the weights are the ones the run started from"));
+  const Result fine = run_keel("train --config " + ws.config + " -q --out " + (ws.dir / "b") +
+                               " --set precision.loss_scale.initial=1024");
+  CHECK(fine.code == 0);
+  CHECK_THAT(fine.output, !Catch::Contains("skipped their update"));
+}
+
 TEST_CASE("keel train: the fp16 loss scale at its minimum stops the run with exit code 6 after saving the last good state",
           "[cli][precision]") {
   // lr 10 blows the weights up after one update: every later forward overflows fp16, and the

@@ -446,7 +446,7 @@ TEST_CASE("config overrides (--set) set any field, typed as JSON, bare words as 
 
 // An empty file list turns validation off, as an empty choice_eval.file turns that off: not a
 // glob pattern '' that matches no file. Without training files there is nothing to run.
-TEST_CASE("config: an empty data.val (--set data.val=) turns validation off; an empty data.train is missing", "[config]") {
+TEST_CASE("config: an empty data.val (--set data.val=) turns validation off, an empty data.train is missing", "[config]") {
   nlohmann::json doc = test::tiny_run_json();
   doc["data"]["val"] = "val_*.bin";
   REQUIRE(parse_config(doc, "x.json").data.val == std::vector<std::string>{"val_*.bin"});

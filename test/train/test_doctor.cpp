@@ -305,6 +305,29 @@ TEST_CASE("doctor metrics: spikes, restart spikes, skipped and nan steps, loss-s
 // The demo run (configs/llama-tiny.json, 600 steps) was called sick for 16 grad norms of 1.2-1.6x
 // their running mean: late in a run the norm varies so little that its wander is many deviations.
 // A spike must also clear the live check's ratios (3x for the grad norm, +10% for the loss).
+// A nan validation loss is no target in the loss (an SFT set of prompts only: a note) or an
+// overflow (a problem); val_loss_tokens beside it says which (was: every nan called "all masked").
+TEST_CASE("doctor metrics: a nan validation loss with targets in the loss is an overflow, without them a note",
+          "[doctor][metrics]") {
+  test::TempDir dir("doctor-val-nan");
+  const std::string path = dir / "metrics.jsonl";
+  {
+    std::ofstream f(path);
+    for (int step = 1; step <= 4; ++step) f << nlohmann::json{{"step", step}, {"loss", 5.0 - 0.1 * step}}.dump() << "\n";
+    f << nlohmann::json{{"step", 2}, {"val_loss", "nan"}, {"val_loss_tokens", 120},
+                        {"val_losses", {{"sft", "nan"}}}, {"val_loss_tokens_by_set", {{"sft", 0}}}}.dump() << "\n";
+    f << nlohmann::json{{"step", 4}, {"val_loss", "nan"}}.dump() << "\n";  // an older keel's record
+  }
+  const doctor::MetricsReport r = doctor::summarize_metrics(path);
+  INFO(r.text);
+  REQUIRE(r.problems.size() == 1);
+  CHECK_THAT(r.problems[0], Catch::Contains("validation: 1 evaluation(s) gave a non-finite loss with targets in the "
+                                            "loss: the forward overflowed"));
+  CHECK_THAT(r.text, Catch::Contains("validation (sft): 1 evaluation(s) had no target in the loss (all masked)") &&
+                         Catch::Contains("validation: 1 evaluation(s) reported as nan: no target in the loss (all "
+                                         "masked), or a forward that overflowed"));
+}
+
 TEST_CASE("doctor metrics: the ordinary wander of a steady grad norm or loss is no spike, a jump past the ratio is",
           "[doctor][metrics]") {
   test::TempDir dir("doctor-wander");

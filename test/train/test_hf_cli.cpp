@@ -239,6 +239,16 @@ TEST_CASE("the finetune config of keel convert starts from its weights without -
   CHECK(r.code == 2);
   CHECK_THAT(r.output, Catch::Contains("train.init_from: " + tmp / "nope" + " does not exist"));
   CHECK_FALSE(fs::exists(tmp / "missing"));
+  // The converted config.json copied elsewhere: its "." is the copy's folder, which exists and
+  // holds no checkpoint; named as the field's mistake (was: a bare "no checkpoint at").
+  fs::create_directories(tmp / "mine");
+  fs::copy_file(moved + "/config.json", tmp / "mine/my_ft.json");
+  r = run_keel(train_args(tmp / "mine/my_ft.json", "", tmp / "copied", 2));
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("train.init_from: " + fs::path(tmp / "mine").string()) &&
+                           Catch::Contains("holds no keel checkpoint") && Catch::Contains("keel convert writes \".\""));
+  CHECK_FALSE(fs::exists(tmp / "copied"));
 
   // --print-config names the HF model itself.
   auto printed = run_keel("convert --print-config hf:" + kHf + "llama_trained");
@@ -739,7 +749,7 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
   auto train = [&](const std::string& init, const std::string& data, const std::string& out) {
     const std::string sets = data.empty() ? " --set data.train=" + kHf + "data/fortunes_sp.bin --set 'data.val=[]'"
                                           : " --set 'data.train=" + data + "/train_*.bin' --set 'data.val=" + data +
-                                                "/val_*.bin' --set data.document_masking=true";
+                                                "/val_*.bin'";  // its </s> after each reply: no document masking
     const auto r = run_keel("train --config " + ck + "/config.json --init-from " + init + " --out " + out + " -q --steps 2" +
                             sets + " --set train.seq_len=64 --set train.global_batch=2 --set schedule.warmup_steps=0");
     INFO(r.output);
@@ -858,8 +868,9 @@ TEST_CASE("keel sample --chat on a finetune finds the chat template it was train
                            Catch::Contains("pass --chat-template"));
 }
 
-// Weights holding a NaN give NaN logits: argmax would decode token 0 forever and the choice
-// picks would be noise, so sample and eval stop, naming the problem.
+// Weights that overflow the forward (finite, but far too large: a model that diverged) give
+// non-finite logits: argmax would decode token 0 forever and the choice picks would be noise, so
+// sample and eval stop, naming the problem. (A nan in the weights is refused at load.)
 TEST_CASE("keel sample and keel eval stop on non-finite logits instead of decoding them", "[hf][cli][eval]") {
   test::TempDir tmp("hfnan");
   const fs::path d = fs::path(tmp / "nan");
@@ -872,8 +883,10 @@ TEST_CASE("keel sample and keel eval stop on non-finite logits instead of decodi
       auto b = r.bytes(t);
       keep.emplace_back(reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data()) + b.size());
       if (t.name == "model.layers.0.self_attn.q_proj.weight") {
-        const float nan = std::nanf("");
-        std::memcpy(keep.back().data(), &nan, sizeof nan);
+        REQUIRE(t.dtype == data::SafetensorsDtype::F32);
+        const float huge = 3e38f;  // finite; every q then overflows to inf (or inf - inf)
+        for (size_t at = 0; at + sizeof huge <= keep.back().size(); at += sizeof huge)
+          std::memcpy(keep.back().data() + at, &huge, sizeof huge);
       }
       ts.push_back({t.name, t.dtype, t.shape, keep.back().data()});
     }
