@@ -1636,8 +1636,22 @@ TrainProgress restore_for_resume(const Checkpoint& ck, const RunConfig& cfg, con
   const json now = to_json(cfg);
   // Another vocabulary padding is the same network (the padding rows are no token's); the
   // tensors are re-padded below, and the change is listed with the other settings.
+  // model.init_std only draws a fresh run's weights. model.max_seq_len is no tensor's shape under
+  // RoPE or ALiBi (a longer context, as Megatron's context extension continues a run); GPT-2's
+  // learned positions are, and check_tensors_match refuses those by their shapes.
   std::vector<std::string> diffs = model_differences(saved["model"], now["model"], "checkpoint", "config");
-  std::erase_if(diffs, [](const std::string& d) { return d.starts_with("model.pad_vocab_to_multiple_of:"); });
+  std::vector<std::string> harmless;
+  std::erase_if(diffs, [&](const std::string& d) {
+    if (d.starts_with("model.init_std:") || d.starts_with("model.max_seq_len:")) harmless.push_back(d);
+    return d.starts_with("model.pad_vocab_to_multiple_of:") || d.starts_with("model.init_std:") ||
+           d.starts_with("model.max_seq_len:");
+  });
+  if (warnings)
+    for (const std::string& d : harmless)
+      warnings->push_back(d + (d.starts_with("model.init_std:")
+                                   ? " (it only draws a fresh run's weights: no change to a resumed one)"
+                                   : " (no tensor's shape here: the same weights continue, over positions the "
+                                     "checkpoint may never have trained)"));
   if (!diffs.empty()) {
     std::string msg = "checkpoint " + ck.path() + " was saved for another model, it cannot be resumed with this config:";
     for (const auto& d : diffs) msg += "\n  " + d;

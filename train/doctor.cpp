@@ -621,6 +621,10 @@ MetricsReport summarize_metrics(const std::string& path, const MetricsOptions& o
         rewinds.push_back(rw);
         superseded += restart_at(rw.to);
       }
+      if (rec["event"] == "diverged")  // keel train's: a loss above twice a uniform guess's
+        r.problems.push_back("at step " + std::to_string(rec.value("step", int64_t{0})) + " the loss (" +
+                             (rec.contains("loss") ? rec["loss"].dump() : std::string("?")) +
+                             ") was more than twice a uniform guess's over the vocabulary: the run diverged");
       if (rec["event"] == "rewind_refused")
         refused_rewinds.push_back({rec.value("step", int64_t{0}), rec.value("checkpoint", std::string())});
       if (rec["event"] == "pipeline_balance" && rec.contains("pipeline_layers") && rec["pipeline_layers"].is_array()) {

@@ -153,6 +153,27 @@ TEST_CASE("a sliding window resumes exactly, and a checkpoint is not resumed acr
              Catch::Contains("NOTE: the checkpoint was trained with model.sliding_window 5, this run uses 3"));
 }
 
+// model.init_std draws only a fresh run's weights, and a Llama's max_seq_len is no tensor's shape
+// (RoPE: a longer context continues the run): a resume takes both, with a note (was: refused as
+// "another model", with no way on but --init-from and a fresh optimizer). GPT-2's learned
+// positions are a tensor: refused by its shapes.
+TEST_CASE("a resume takes another model.init_std, and another max_seq_len where no tensor depends on it",
+          "[ckpt][cli][resume]") {
+  test::Workspace ws(kRun);
+  REQUIRE(run_keel(train_args(ws, ws.dir / "run", "--stop-at 4")).code == 4);
+  const auto r = run_keel(train_args(ws, ws.dir / "run", "--stop-at 6 --set model.init_std=0.05 --set model.max_seq_len=64"));
+  INFO(r.output);
+  CHECK(r.code == 4);
+  CHECK_THAT(r.output, Catch::Contains("model.init_std: checkpoint") && Catch::Contains("no change to a resumed one") &&
+                           Catch::Contains("model.max_seq_len: checkpoint 32, config 64 (no tensor's shape here"));
+  test::Workspace gpt2(nlohmann::json{{"model", test::tiny_run_json("gpt2")["model"]}});
+  REQUIRE(run_keel(train_args(gpt2, gpt2.dir / "run", "--stop-at 2")).code == 4);
+  const auto g = run_keel(train_args(gpt2, gpt2.dir / "run", "--stop-at 4 --set model.max_seq_len=64"));
+  INFO(g.output);
+  CHECK(g.code == 5);
+  CHECK_THAT(g.output, Catch::Contains("pos_embed") && Catch::Contains("[32, 32]") && Catch::Contains("[64, 32]"));
+}
+
 // BLOOM's options change the network (ALiBi has no position table in gpt2 and no RoPE in llama:
 // the same tensors): resuming across them is refused by field, in both directions.
 TEST_CASE("ALiBi and the embedding norm resume exactly, and a checkpoint is not resumed across them",

@@ -774,6 +774,29 @@ TEST_CASE("keel train notes fp16 loss-scale settings that a bf16 or fp32 run ign
   CHECK_THAT(r.output, !Catch::Contains("precision.loss_scale"));
 }
 
+// lr 10 takes the loss far above a uniform guess's (ln 64) within a few steps, long before the
+// spike check arms (health.spike_warmup 50): said at once, and keel doctor counts it a problem
+// (was: no warning, exit 0, and doctor's validation "falling").
+TEST_CASE("keel train: a loss far above a uniform guess's is called divergence at once", "[cli][health]") {
+  Workspace ws(nlohmann::json{{"precision", {{"mode", "bf16"}}}, {"optimizer", {{"lr", 10.0}, {"min_lr", 1.0}}},
+                              {"schedule", {{"warmup_steps", 0}}}, {"train", {{"steps", 6}, {"eval_interval", 0}}}});
+  const std::string out = ws.dir / "a";
+  const Result r = run_keel("train --config " + ws.config + " -q --out " + out);
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("is more than twice a uniform guess's over the vocabulary (ln 64 = 4.159)") &&
+                           Catch::Contains("the run has diverged"));
+  const Result d = run_keel("doctor metrics " + out + "/metrics.jsonl");
+  INFO(d.output);
+  CHECK(d.code == 1);
+  CHECK_THAT(d.output, Catch::Contains("was more than twice a uniform guess's over the vocabulary: the run diverged"));
+  // A healthy run says nothing of the kind.
+  const Result fine = run_keel("train --config " + ws.config + " -q --out " + (ws.dir / "b") +
+                               " --set optimizer.lr=1e-3 --set optimizer.min_lr=1e-4");
+  CHECK(fine.code == 0);
+  CHECK_THAT(fine.output, !Catch::Contains("uniform guess"));
+}
+
 // A loss scale that overflows every backward skips every update: each step warned, and the end
 // says so (was: "done" and nothing more, a run that changed no weight reading as a success).
 TEST_CASE("keel train: a run whose updates were all skipped says so at the end", "[cli][precision]") {
