@@ -354,6 +354,11 @@ void count_nonfinite(const std::byte* p, int64_t n, U exponent, int64_t& nan, in
 
 }  // namespace
 
+void count_nonfinite_stored(const std::byte* p, int64_t n, DType dt, int64_t& nan, int64_t& inf) {
+  if (dt == DType::F32) count_nonfinite<uint32_t>(p, n, 0x7f800000u, nan, inf);
+  else count_nonfinite<uint16_t>(p, n, dt == DType::BF16 ? 0x7f80 : 0x7c00, nan, inf);
+}
+
 std::string saved_layout_text(const json& meta) {
   const json topo = meta.value("topology", json::object());
   const int pp = topo.value("pp", 1);
@@ -980,8 +985,7 @@ CheckpointProblems Checkpoint::verify() const {
                          crcs[t.name].get<std::string>() + ")");
       } else if (const auto dt = from_st(t.dtype)) {
         auto& [nan, inf, values] = nonfinite[t.name.substr(0, t.name.find('#'))];
-        if (*dt == DType::F32) count_nonfinite<uint32_t>(b.data(), t.num_elements(), 0x7f800000u, nan, inf);
-        else count_nonfinite<uint16_t>(b.data(), t.num_elements(), *dt == DType::BF16 ? 0x7f80 : 0x7c00, nan, inf);
+        count_nonfinite_stored(b.data(), t.num_elements(), *dt, nan, inf);
         values += t.num_elements();
       }
     }
@@ -1958,6 +1962,15 @@ bool is_keel_checkpoint(const fs::path& dir) {
 
 namespace {
 
+// "a/, b, c and 4 more": the first six of `names`, sorted.
+std::string listed_names(std::vector<std::string> names) {
+  std::sort(names.begin(), names.end());
+  std::string text;
+  for (size_t i = 0; i < names.size() && i < 6; ++i) text += (i ? ", " : "") + names[i];
+  if (names.size() > 6) text += " and " + std::to_string(names.size() - 6) + " more";
+  return text;
+}
+
 // Would an output of this kind write a file of this name? (What --force may remove with it.)
 bool written_by_keel(const std::string& name, OutputKind kind) {
   const auto& side = hf_side_files();
@@ -1976,11 +1989,7 @@ std::string not_written_by_keel(const fs::path& out, OutputKind kind) {
   for (const auto& e : fs::directory_iterator(out))
     if (e.is_directory() || !written_by_keel(e.path().filename().string(), kind))
       names.push_back(e.path().filename().string() + (e.is_directory() ? "/" : ""));
-  std::sort(names.begin(), names.end());
-  std::string text;
-  for (size_t i = 0; i < names.size() && i < 6; ++i) text += (i ? ", " : "") + names[i];
-  if (names.size() > 6) text += " and " + std::to_string(names.size() - 6) + " more";
-  return text;
+  return listed_names(std::move(names));
 }
 
 // Is the existing `out` an earlier output of this kind, which --force may replace? An empty
@@ -2005,11 +2014,7 @@ std::string describe_contents(const fs::path& p) {
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(p))
     names.push_back(e.path().filename().string() + (e.is_directory() ? "/" : ""));
-  std::sort(names.begin(), names.end());
-  std::string text = "a folder holding ";
-  for (size_t i = 0; i < names.size() && i < 6; ++i) text += (i ? ", " : "") + names[i];
-  if (names.size() > 6) text += " and " + std::to_string(names.size() - 6) + " more";
-  return text;
+  return "a folder holding " + listed_names(std::move(names));
 }
 
 // The checkpoints directory of a run that `out` would sit in under a checkpoint's name (a

@@ -294,6 +294,10 @@ std::vector<FieldChange> model_function_changes(const Checkpoint& ck, const Mode
 // the tensor and both shapes. With `repadding`, tok_embed and lm_head may differ in their rows
 // of vocabulary padding (read_param fills them): a resume or --init-from under another
 // parallel.tp or model.pad_vocab_to_multiple_of.
+// Adds the NaN and inf among n stored values of dtype dt (f32, bf16, f16) at p to the counts, on
+// their bits (as verify() scans a checkpoint).
+void count_nonfinite_stored(const std::byte* p, int64_t n, DType dt, int64_t& nan, int64_t& inf);
+
 void check_tensors_match(const Checkpoint& ck, const std::string& state, const ParamTable& table,
                          bool repadding = false);
 

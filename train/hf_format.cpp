@@ -683,29 +683,15 @@ const HfCheckpoint::Source& HfCheckpoint::source(const std::string& keel_name) c
 DType HfCheckpoint::stored_dtype(const std::string& keel_name) const { return *dtype_of(source(keel_name).info->dtype); }
 const std::string& HfCheckpoint::hf_name(const std::string& keel_name) const { return source(keel_name).slice.hf; }
 
-namespace {
-// How many of the n values of type t at p are nan or inf (their exponent bits all ones).
-int64_t count_nonfinite_values(const void* p, DType t, int64_t n) {
-  int64_t bad = 0;
-  if (t == DType::F32) {
-    const auto* f = static_cast<const float*>(p);
-    for (int64_t i = 0; i < n; ++i) bad += !std::isfinite(f[i]);
-    return bad;
-  }
-  const uint16_t exponent = t == DType::BF16 ? 0x7f80 : 0x7c00;
-  const auto* u = static_cast<const uint16_t*>(p);
-  for (int64_t i = 0; i < n; ++i) bad += (u[i] & exponent) == exponent;
-  return bad;
-}
-}  // namespace
-
 void HfCheckpoint::read(const std::string& keel_name, const TensorRegion& region, DType out_type, void* out) const {
   read_values(keel_name, region, out_type, out);
   // A nan or inf in released weights (a damaged download, a diverged upload) would train to
   // nan and save a non-finite checkpoint: refused here, by the HF tensor's name.
   int64_t n = 1;
   for (int64_t d : region.shape) n *= d;
-  if (const int64_t bad = count_nonfinite_values(out, out_type, n); bad > 0)
+  int64_t nan = 0, inf = 0;
+  count_nonfinite_stored(static_cast<const std::byte*>(out), n, out_type, nan, inf);
+  if (const int64_t bad = nan + inf; bad > 0)
     throw CheckpointError("hf:" + dir_ + ": tensor " + source(keel_name).slice.hf + " holds " + std::to_string(bad) +
                           (bad == 1 ? " value that is" : " values that are") +
                           " nan or inf: a damaged file or a model that had diverged. Nothing was loaded from it");

@@ -1968,7 +1968,8 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
   int64_t consumed_samples = progress.consumed_samples, consumed_tokens = progress.consumed_tokens;
   int64_t skipped_total = progress.skipped_total, nan_total = progress.nan_total;
   const int64_t first_iteration = progress.iteration, skipped_before = progress.skipped_total;  // for "done"
-  bool said_diverged = false;
+  bool said_diverged = false;  // a loss above twice a uniform guess's: ln V per token
+  const double uniform_loss = std::log(static_cast<double>(cfg.model.vocab_size));
   double last_val = std::nan("");
   // -q leaves out the per-step lines; --eval-only's evaluations are its whole result (it writes
   // nothing), so they print under -q too.
@@ -2177,15 +2178,14 @@ int run_training(const RunConfig& config, const RunOptions& opts) {
                   static_cast<long long>(it));
     // Worse than a uniform guess by far (its loss is ln V): diverged, whatever the spike check,
     // which arms only after health.spike_warmup steps, says. Once per run.
-    if (const double uniform = std::log(static_cast<double>(cfg.model.vocab_size));
-        !said_diverged && std::isfinite(st.loss) && st.loss > 2 * uniform) {
+    if (!said_diverged && std::isfinite(st.loss) && st.loss > 2 * uniform_loss) {
       said_diverged = true;
       if (lead)
         std::printf("keel: WARNING step %lld: loss %.4g is more than twice a uniform guess's over the vocabulary "
                     "(ln %lld = %.4g): the model predicts worse than knowing nothing, so the run has diverged "
                     "(optimizer.lr too high for this model and batch?). Resume an earlier checkpoint with a lower "
                     "learning rate\n",
-                    static_cast<long long>(it), st.loss, static_cast<long long>(cfg.model.vocab_size), uniform);
+                    static_cast<long long>(it), st.loss, static_cast<long long>(cfg.model.vocab_size), uniform_loss);
       if (metrics) metrics->write({{"event", "diverged"}, {"step", it}, {"loss", json_number(st.loss)}});
     }
     if (st.nonfinite && lead) {
